@@ -1,0 +1,270 @@
+"""Tokenizers behind one small interface.
+
+Three kinds, one shape (see docs/internals.md):
+
+* ``HFTokenizer``: a local Hugging Face tokenizer directory (``tokenizer.json``,
+  ``tokenizer_config.json``, chat template) loaded through ``transformers.AutoTokenizer`` with
+  ``local_files_only=True`` so nothing is ever downloaded.
+* ``SentencePieceTokenizer``: a SentencePiece ``.model`` file.
+* ``CharTokenizer``: an offline, deterministic character-level tokenizer for tests and the
+  built-in demo; saved and loaded as a small JSON file so a workdir can carry it.
+
+``load(path)`` detects the kind from what is on disk.
+
+Every tokenizer offers ``encode``, ``decode`` (special tokens skipped by default),
+``batch_encode`` (left padding for prompts), the special ids and ``vocab_size``, and
+``apply_chat_template`` when a chat template is known. ``batch_encode`` never truncates: a text
+longer than ``max_length`` is an error, because a silently cut prompt changes the task.
+"""
+from __future__ import annotations
+
+import json
+import os
+import string
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["Tokenizer", "HFTokenizer", "SentencePieceTokenizer", "CharTokenizer", "load",
+           "CHAR_TOKENIZER_FILE"]
+
+# File name a CharTokenizer is saved under when given a directory.
+CHAR_TOKENIZER_FILE = "char_tokenizer.json"
+
+
+class Tokenizer:
+    """Base class: subclasses provide ``encode``/``decode`` and the special ids.
+
+    ``bos_id`` may be ``None`` for tokenizers that have no BOS token (e.g. Qwen); ``add_bos``
+    is then a no-op. ``pad_id`` is always an int (tokenizers without a pad token pad with EOS;
+    the mask, not the id, tells padding apart).
+    """
+
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+    vocab_size: int
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        raise NotImplementedError
+
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        raise ValueError(f"{type(self).__name__} has no chat template; use a plain prompt template")
+
+    def batch_encode(self, texts: Sequence[str], max_length: int | None = None,
+                     left_pad: bool = True, add_bos: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Encodes and pads ``texts`` to ``[B, L]``.
+
+        Returns ``(tokens int32[B, L], mask bool[B, L])`` with True on real tokens. ``L`` is
+        ``max_length`` when given (a fixed bucket, so shapes stay static), else the longest text.
+        Left padding is the default because prompts are continued on the right by the sampler.
+        Raises ValueError if any text is longer than ``max_length`` (never truncates).
+        """
+        encoded = [self.encode(t, add_bos=add_bos) for t in texts]
+        longest = max((len(e) for e in encoded), default=0)
+        length = longest if max_length is None else int(max_length)
+        for i, e in enumerate(encoded):
+            if len(e) > length:
+                raise ValueError(f"text {i} has {len(e)} tokens, more than max_length={length}: "
+                                 f"{texts[i][:60]!r}...")
+        tokens = np.full((len(texts), length), self.pad_id, dtype=np.int32)
+        mask = np.zeros((len(texts), length), dtype=bool)
+        for i, e in enumerate(encoded):
+            if not e:
+                continue
+            sl = slice(length - len(e), length) if left_pad else slice(0, len(e))
+            tokens[i, sl] = e
+            mask[i, sl] = True
+        return tokens, mask
+
+    def batch_decode(self, ids: np.ndarray, mask: np.ndarray | None = None,
+                     skip_special: bool = True) -> list[str]:
+        """Decodes rows of ``ids``; positions where ``mask`` is False are dropped first."""
+        ids = np.asarray(ids)
+        rows = []
+        for i in range(ids.shape[0]):
+            row = ids[i] if mask is None else ids[i][np.asarray(mask[i], dtype=bool)]
+            rows.append(self.decode(row.tolist(), skip_special=skip_special))
+        return rows
+
+
+class HFTokenizer(Tokenizer):
+    """A local Hugging Face tokenizer directory, via ``transformers.AutoTokenizer``."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer  # heavy import, only when used
+
+        self.path = path
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = self._tok
+        self.bos_id = tok.bos_token_id
+        eos = tok.eos_token_id
+        if eos is None:
+            raise ValueError(f"tokenizer at {path!r} has no eos token; set eos_token in tokenizer_config.json")
+        self.eos_id = int(eos)
+        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(tok)  # includes added tokens, unlike tok.vocab_size
+
+    @property
+    def hf_tokenizer(self):
+        """The wrapped ``transformers`` tokenizer, for callers that need more."""
+        return self._tok
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        # add_special_tokens=False: templates already contain whatever specials the model wants.
+        ids = list(self._tok.encode(text, add_special_tokens=False))
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            super().apply_chat_template(messages, add_generation_prompt)
+        return self._tok.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model`` file. SentencePiece models carry no chat template."""
+
+    def __init__(self, path: str):
+        import sentencepiece as spm
+
+        self.path = path
+        self._sp = spm.SentencePieceProcessor(model_file=path)
+        sp = self._sp
+        self.bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
+        if sp.eos_id() < 0:
+            raise ValueError(f"SentencePiece model {path!r} has no eos piece")
+        self.eos_id = sp.eos_id()
+        # SentencePiece disables pad by default (id -1); pad with EOS then.
+        self.pad_id = sp.pad_id() if sp.pad_id() >= 0 else self.eos_id
+        self.vocab_size = sp.get_piece_size()
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = list(self._sp.encode(text))
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special:
+            special = {self.bos_id, self.eos_id, self.pad_id}
+            ids = [i for i in ids if i not in special and not self._sp.is_control(i)]
+        return self._sp.decode(ids)
+
+
+# Default CharTokenizer alphabet: enough for arithmetic, countdown and short English prompts.
+DEFAULT_ALPHABET = (string.digits + "+-*/=()<>^%.,:;!?'\"#$&_[]{}|\\~@`" + string.ascii_letters
+                    + " \n")
+CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+class CharTokenizer(Tokenizer):
+    """Character-level tokenizer: ids 0..3 are pad, bos, eos, unk; then one id per character.
+
+    Deterministic and offline. Characters outside the alphabet map to ``<unk>`` (and decode to
+    nothing), so an odd character in a prompt cannot crash training. ``apply_chat_template`` uses
+    a tiny fixed template ("User: ...\\nAssistant: ...") so chat configs also run in the demo.
+    """
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+        if len(set(alphabet)) != len(alphabet):
+            raise ValueError("CharTokenizer alphabet has repeated characters")
+        self.alphabet = alphabet
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = 0, 1, 2, 3
+        self._offset = len(CHAR_SPECIALS)
+        self._to_id = {c: i + self._offset for i, c in enumerate(alphabet)}
+        self.vocab_size = self._offset + len(alphabet)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = [self._to_id.get(c, self.unk_id) for c in text]
+        return [self.bos_id] + ids if add_bos else ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i >= self._offset and i < self.vocab_size:
+                out.append(self.alphabet[i - self._offset])
+            elif not skip_special and 0 <= i < self._offset:
+                out.append(CHAR_SPECIALS[i])
+        return "".join(out)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return True
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        names = {"system": "System", "user": "User", "assistant": "Assistant"}
+        text = "".join(f"{names.get(m['role'], m['role'])}: {m['content']}\n" for m in messages)
+        return text + ("Assistant: " if add_generation_prompt else "")
+
+    def save(self, path: str) -> str:
+        """Writes JSON to ``path`` (or ``path/char_tokenizer.json`` for a directory); returns the file."""
+        if os.path.isdir(path):
+            path = os.path.join(path, CHAR_TOKENIZER_FILE)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"kind": "char", "specials": list(CHAR_SPECIALS), "alphabet": self.alphabet}, f)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "CharTokenizer":
+        if os.path.isdir(path):
+            path = os.path.join(path, CHAR_TOKENIZER_FILE)
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        if spec.get("kind") != "char" or tuple(spec.get("specials", ())) != CHAR_SPECIALS:
+            raise ValueError(f"{path!r} is not a CharTokenizer file")
+        return cls(spec["alphabet"])
+
+
+def _is_char_json(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("kind") == "char"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load(path: str) -> Tokenizer:
+    """Loads a tokenizer, detecting its kind from the path.
+
+    * a directory with ``char_tokenizer.json`` or a JSON file with ``"kind": "char"`` -> CharTokenizer
+    * a directory with ``tokenizer.json`` / ``tokenizer_config.json`` -> HFTokenizer
+    * a ``.model`` file (or a directory holding ``tokenizer.model`` only) -> SentencePieceTokenizer
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path does not exist: {path!r}")
+    if os.path.isdir(path):
+        names = set(os.listdir(path))
+        if CHAR_TOKENIZER_FILE in names:
+            return CharTokenizer.load(path)
+        if names & {"tokenizer.json", "tokenizer_config.json"}:
+            return HFTokenizer(path)
+        if "tokenizer.model" in names:
+            return SentencePieceTokenizer(os.path.join(path, "tokenizer.model"))
+        raise ValueError(f"no tokenizer found in directory {path!r}: expected tokenizer.json, "
+                         f"tokenizer_config.json, tokenizer.model or {CHAR_TOKENIZER_FILE}")
+    if path.endswith(".json") and _is_char_json(path):
+        return CharTokenizer.load(path)
+    if path.endswith(".model"):
+        return SentencePieceTokenizer(path)
+    raise ValueError(f"unrecognised tokenizer file {path!r}: expected an HF tokenizer directory, "
+                     f"a SentencePiece .model file or a CharTokenizer JSON")
