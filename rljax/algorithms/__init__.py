@@ -1,0 +1,70 @@
+"""rljax.algorithms: RL post-training math as small pure jax functions, chosen by name.
+
+Registries:
+  get_advantage_estimator(name)  grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline
+  get_policy_loss(name)          ppo (vanilla), gspo, cispo
+  get_kl_estimator(name)         k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs
+  aggregate(loss_tokens, mask, mode)  token-mean, seq-mean-token-mean, seq-mean-token-sum,
+                                      seq-mean-token-sum-norm
+
+Losses return (weighted_sum, weight): sum both over micro-batches / shards, divide once.
+Depends on jax and numpy only.
+"""
+from rljax.algorithms.advantages import (
+    discounted_returns,
+    dr_grpo_advantages,
+    gae,
+    get_advantage_estimator,
+    grpo_advantages,
+    register_advantage_estimator,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from rljax.algorithms.aggregation import (
+    AGGREGATION_MODES,
+    aggregate,
+    finalize,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    safe_divide,
+)
+from rljax.algorithms.entropy import entropy_from_logits, entropy_from_logps
+from rljax.algorithms.kl import (
+    get_kl_estimator,
+    kl_abs,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_k3_st,
+    kl_penalized_rewards,
+)
+from rljax.algorithms.policy_losses import (
+    cispo_loss,
+    combine_token_losses,
+    finalize_metrics,
+    get_policy_loss,
+    gspo_loss,
+    log_importance_ratio,
+    ppo_loss,
+    register_policy_loss,
+    tis_weights,
+)
+from rljax.algorithms.preference import (
+    DPO_LOSS_TYPES,
+    dpo_loss,
+    preference_accuracy,
+    reward_model_loss,
+)
+from rljax.algorithms.shaping import (
+    is_truncated,
+    mask_truncated,
+    nonzero_variance_groups,
+    overlong_penalty,
+    pass_at_k,
+)
+from rljax.algorithms.value import value_loss, value_loss_tokens
+
+__all__ = [n for n in dir() if not n.startswith("_")]

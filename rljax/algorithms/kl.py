@@ -1,0 +1,94 @@
+"""KL-divergence estimators (Schulman 2020, "Approximating KL Divergence"), per token.
+
+Estimators of KL(pi || pi_ref) from tokens sampled from pi, written with
+log_ratio = log pi(y_t) - log pi_ref(y_t) and r = pi_ref / pi = exp(-log_ratio):
+
+  k1  = log_ratio                 unbiased, high variance, can be negative.
+  k2  = 0.5 * log_ratio ** 2      biased, low variance; its gradient is the KL gradient
+                                  on-policy (the "mse" penalty).
+  k3  = (r - 1) - log r           unbiased, low variance, always >= 0 ("low_var_kl";
+                                  the GRPO paper's KL term).
+  k3+ = k2 + sg(k3 - k2)          straight-through: the value of k3, the gradient of k2
+                                  (alias "k3_st"), so the loss term reports the unbiased k3
+                                  while its gradient is the unbiased KL gradient.
+  abs = |log_ratio|
+
+All take ``fn(logps, ref_logps, *, log_ratio_clamp=20.0, max_value=None)`` -> [B, T]
+(unmasked; aggregate with a mask). The log ratio is clamped to +-log_ratio_clamp before any
+exp (no overflow for extreme ratios); k3 / k3+ values are clamped to max_value=10 by default.
+Use them as a loss term (``combine_token_losses``) or as a per-token reward penalty
+(``kl_penalized_rewards``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jnp.ndarray
+sg = jax.lax.stop_gradient
+
+
+def _log_ratio(logps, ref_logps, clamp):
+    lr = jnp.asarray(logps, jnp.float32) - jnp.asarray(ref_logps, jnp.float32)
+    return jnp.clip(lr, -clamp, clamp) if clamp is not None else lr
+
+
+def _cap(x, max_value):
+    return x if max_value is None else jnp.clip(x, -max_value, max_value)
+
+
+def kl_k1(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+          max_value: Optional[float] = None) -> Array:
+    return _cap(_log_ratio(logps, ref_logps, log_ratio_clamp), max_value)
+
+
+def kl_k2(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+          max_value: Optional[float] = None) -> Array:
+    lr = _log_ratio(logps, ref_logps, log_ratio_clamp)
+    return _cap(0.5 * lr * lr, max_value)
+
+
+def kl_k3(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+          max_value: Optional[float] = 10.0) -> Array:
+    neg = -_log_ratio(logps, ref_logps, log_ratio_clamp)   # log r, r = pi_ref / pi
+    return _cap(jnp.expm1(neg) - neg, max_value)
+
+
+def kl_k3_st(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+             max_value: Optional[float] = 10.0) -> Array:
+    k2 = kl_k2(logps, ref_logps, log_ratio_clamp=log_ratio_clamp)
+    k3 = kl_k3(logps, ref_logps, log_ratio_clamp=log_ratio_clamp, max_value=max_value)
+    return k2 + sg(k3 - k2)
+
+
+def kl_abs(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+           max_value: Optional[float] = None) -> Array:
+    return _cap(jnp.abs(_log_ratio(logps, ref_logps, log_ratio_clamp)), max_value)
+
+
+_KL_ESTIMATORS: Dict[str, Callable[..., Array]] = {
+    "k1": kl_k1, "kl": kl_k1,
+    "k2": kl_k2, "mse": kl_k2,
+    "k3": kl_k3, "low_var_kl": kl_k3,
+    "k3+": kl_k3_st, "k3_st": kl_k3_st,
+    "abs": kl_abs,
+}
+
+
+def get_kl_estimator(name: str) -> Callable[..., Array]:
+    """KL estimator by name: k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs."""
+    try:
+        return _KL_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown kl_estimator {name!r}; expected one of {sorted(_KL_ESTIMATORS)}")
+
+
+def kl_penalized_rewards(token_rewards: Array, logps: Array, ref_logps: Array, mask: Array,
+                         kl_coef: float, estimator: str = "k1", **options) -> Array:
+    """Per-token reward with a KL penalty (PPO-RLHF, Ouyang et al. 2022; REINFORCE++):
+    r_t - kl_coef * sg(kl_t) on real tokens, 0 elsewhere. [B, T]."""
+    kl = sg(get_kl_estimator(estimator)(logps, ref_logps, **options))
+    m = jnp.asarray(mask).astype(bool)
+    return jnp.where(m, jnp.asarray(token_rewards, jnp.float32) - kl_coef * kl, 0.0)
