@@ -21,8 +21,10 @@ def _entropy_chunk(z: Array) -> Array:
     mx = jax.lax.stop_gradient(z.max(axis=-1, keepdims=True))
     e = jnp.exp(z - mx)
     s = e.sum(axis=-1)
+    # -inf logits (masked vocabulary) have e = 0; keep 0 * -inf out of value and gradient.
+    zc = jnp.where(e > 0, z - mx, 0.0)
     # logsumexp - E_p[z], with E_p[z] = sum e z / s; shifting by mx cancels.
-    return jnp.log(s) - (e * (z - mx)).sum(axis=-1) / s
+    return jnp.log(s) - (e * zc).sum(axis=-1) / s
 
 
 def entropy_from_logits(logits: Array, *, temperature: float = 1.0,
