@@ -1,0 +1,180 @@
+"""ModelConfig: the static description of a decoder-only transformer, and named presets.
+
+A ``ModelConfig`` is frozen and hashable so it can be passed to ``jax.jit`` as a static
+argument. Family differences (llama, qwen2, qwen3, gemma) are expressed as plain fields
+(``attention_bias``, ``qk_norm``, ``activation``, ...) so the forward pass has no per-family
+branches beyond reading those flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple, Union
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_name(dtype) -> str:
+    """Canonical string name ('float32', 'bfloat16', ...) of a dtype-like or string."""
+    name = jnp.dtype(dtype).name
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static hyper-parameters of a decoder-only transformer.
+
+    Shapes used throughout: B batch, T tokens, S cache slots, L layers, D ``hidden_size``,
+    H ``num_heads``, K ``num_kv_heads``, Dh ``head_dim``, F ``intermediate_size``, V ``vocab_size``.
+    ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of parameters; both are
+    kept as strings ('float32' / 'bfloat16') so the config stays hashable and JSON-able.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: Optional[int] = None  # None -> hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # RoPE scaling: None | "linear" | "llama3" (the Llama 3.1+ frequency-dependent scaling).
+    rope_scaling_type: Optional[str] = None
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
+    activation: str = "silu"  # gated MLP activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False  # multiply embeddings by sqrt(hidden_size) (gemma)
+    norm_plus_one: bool = False  # RMSNorm computes x * (1 + w) (gemma)
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False  # jax.checkpoint each layer (recompute activations in the backward pass)
+    init_std: float = 0.02
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Union[int, Tuple[int, ...]]] = None
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        # Normalise dtype-likes (jnp.bfloat16, np.dtype) to strings so equality/hash are stable.
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {self.activation!r}")
+        if self.rope_scaling_type not in (None, "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling {self.rope_scaling_type!r}")
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def params_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def num_params(self) -> int:
+        """Parameter count (policy model, no value head)."""
+        d, f, h, k, dh, v = (self.hidden_size, self.intermediate_size, self.num_heads,
+                             self.num_kv_heads, self.head_dim, self.vocab_size)
+        per_layer = d * (h + 2 * k) * dh + h * dh * d + 3 * d * f + 2 * d
+        per_layer += (h + 2 * k) * dh if self.attention_bias else 0
+        per_layer += 2 * dh if self.qk_norm else 0
+        return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+
+def _family(model_type: str) -> dict:
+    """Field defaults that distinguish one family from another."""
+    return {
+        "llama": dict(model_type="llama"),
+        "qwen2": dict(model_type="qwen2", attention_bias=True),
+        "qwen3": dict(model_type="qwen3", qk_norm=True),
+        "gemma": dict(model_type="gemma", activation="gelu_tanh", scale_embeddings=True,
+                      norm_plus_one=True, tie_word_embeddings=True),
+    }[model_type]
+
+
+_LLAMA3_ROPE = dict(rope_scaling_type="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+                    rope_high_freq_factor=4.0, rope_original_max_position=8192)
+
+PRESETS = {
+    # Tests: fast everywhere.
+    "tiny": dict(_family("llama"), vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=512),
+    # Demos / CPU experiments (~7M params with a 256-token vocab).
+    "small": dict(_family("llama"), vocab_size=256, hidden_size=256, intermediate_size=768,
+                  num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048),
+    # Shapes of real checkpoints (weights come from load_hf).
+    "qwen2.5-0.5b": dict(_family("qwen2"), vocab_size=151936, hidden_size=896,
+                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                         rope_theta=1000000.0, max_position_embeddings=32768,
+                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+    "qwen2.5-1.5b": dict(_family("qwen2"), vocab_size=151936, hidden_size=1536,
+                         intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+                         rope_theta=1000000.0, max_position_embeddings=32768,
+                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643),
+    "qwen2.5-7b": dict(_family("qwen2"), vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                       rope_theta=1000000.0, max_position_embeddings=131072,
+                       bos_token_id=151643, eos_token_id=151643),
+    "llama-3.2-1b": dict(_family("llama"), vocab_size=128256, hidden_size=2048,
+                         intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+                         **_LLAMA3_ROPE),
+    "llama-3.2-3b": dict(_family("llama"), vocab_size=128256, hidden_size=3072,
+                         intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+                         **_LLAMA3_ROPE),
+    "llama-3.1-8b": dict(_family("llama"), vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                         bos_token_id=128000, eos_token_id=128001,
+                         **dict(_LLAMA3_ROPE, rope_factor=8.0)),
+    "gemma-2b": dict(_family("gemma"), vocab_size=256000, hidden_size=2048,
+                     intermediate_size=16384, num_layers=18, num_heads=8, num_kv_heads=1,
+                     head_dim=256, max_position_embeddings=8192, bos_token_id=2,
+                     eos_token_id=1, pad_token_id=0),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """A named ``ModelConfig`` with optional field overrides.
+
+    ``get_preset("tiny", model_type="qwen3")`` switches family defaults too (qk_norm etc.), unless
+    those fields are overridden explicitly.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
+    fields = dict(PRESETS[name])
+    if "model_type" in overrides and overrides["model_type"] != fields["model_type"]:
+        # Reset the old family's flags before applying the new family's.
+        for key in ("attention_bias", "qk_norm", "activation", "scale_embeddings",
+                    "norm_plus_one", "tie_word_embeddings"):
+            fields.pop(key, None)
+        fields.update(_family(overrides["model_type"]))
+    fields.update(overrides)
+    return ModelConfig(**fields)

@@ -1,0 +1,359 @@
+"""Hugging Face checkpoints: config.json + safetensors <-> (ModelConfig, params). No PyTorch.
+
+Tensors are read with safetensors' numpy API (bfloat16 through ml_dtypes), converted one
+parameter at a time and, when shardings are given, placed straight into their sharding with
+``jax.make_array_from_callback`` so a large model is never gathered on one device.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rljax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, dtype_name
+from rljax.models.transformer import param_shapes
+
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
+# Per-family defaults of HF config fields that checkpoints may omit.
+_TIE_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "gemma": True}
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint that cannot be loaded (or a config that cannot be exported)."""
+
+
+# ----------------------------------------------------------------------------- name mapping
+
+# our layer param -> (HF name inside "model.layers.{i}.", number of leading "input" axes in our
+# layout). Linear weights are stored [out, in] by HF and [in..., out...] by us; n_in = 0 marks a
+# vector that only needs a reshape.
+_LAYER_NAMES = {
+    "attn_norm": ("input_layernorm.weight", 0),
+    "q": ("self_attn.q_proj.weight", 1),
+    "k": ("self_attn.k_proj.weight", 1),
+    "v": ("self_attn.v_proj.weight", 1),
+    "o": ("self_attn.o_proj.weight", 2),
+    "q_bias": ("self_attn.q_proj.bias", 0),
+    "k_bias": ("self_attn.k_proj.bias", 0),
+    "v_bias": ("self_attn.v_proj.bias", 0),
+    "q_norm": ("self_attn.q_norm.weight", 0),
+    "k_norm": ("self_attn.k_norm.weight", 0),
+    "mlp_norm": ("post_attention_layernorm.weight", 0),
+    "gate": ("mlp.gate_proj.weight", 1),
+    "up": ("mlp.up_proj.weight", 1),
+    "down": ("mlp.down_proj.weight", 1),
+}
+_TOP_NAMES = {
+    "embed": ("model.embed_tokens.weight", -1),  # -1: same layout as ours ([V, D])
+    "final_norm": ("model.norm.weight", 0),
+    "lm_head": ("lm_head.weight", 1),
+}
+
+
+def _hf_shape(shape: tuple, n_in: int) -> tuple:
+    if n_in == -1:
+        return tuple(shape)
+    if n_in == 0:
+        return (math.prod(shape),)
+    return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def _to_ours(w: np.ndarray, shape: tuple, n_in: int) -> np.ndarray:
+    return w.reshape(shape) if n_in <= 0 else w.T.reshape(shape)
+
+
+def _from_ours(w: np.ndarray, n_in: int) -> np.ndarray:
+    if n_in == -1:
+        return w
+    if n_in == 0:
+        return w.reshape(-1)
+    return np.ascontiguousarray(w.reshape(math.prod(w.shape[:n_in]), -1).T)
+
+
+def _entries(cfg: ModelConfig):
+    """Yields (path tuple in our tree, our full shape, HF name fn(layer|None), n_in, stacked)."""
+    for name, (shape, _) in param_shapes(cfg)["layers"].items():
+        hf_name, n_in = _LAYER_NAMES[name]
+        yield ("layers", name), shape, (lambda i, n=hf_name: f"model.layers.{i}.{n}"), n_in, True
+    for name in ("embed", "final_norm", "lm_head"):
+        if name in param_shapes(cfg):
+            hf_name, n_in = _TOP_NAMES[name]
+            yield (name,), param_shapes(cfg)[name][0], (lambda i, n=hf_name: n), n_in, False
+
+
+# ----------------------------------------------------------------------------- config
+
+def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
+    """ModelConfig from a parsed HF config.json dict."""
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise HFCheckpointError(
+            f"unsupported model_type {mt!r} in config.json; supported: {SUPPORTED_MODEL_TYPES}")
+    # Rope settings: transformers>=5 writes `rope_parameters`; older files `rope_theta` and
+    # `rope_scaling` (whose type key is `rope_type`, or `type` in very old files).
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise HFCheckpointError(f"unsupported rope scaling type {rope_type!r} "
+                                "(supported: default, linear, llama3)")
+    if hf.get("mlp_bias"):
+        raise HFCheckpointError("mlp_bias=True is not supported")
+    if hf.get("use_sliding_window"):
+        raise HFCheckpointError("use_sliding_window=True is not supported")
+    if mt == "gemma":
+        activation = "gelu_tanh"  # Gemma 1 uses the tanh-approximate GELU whatever the config says
+    else:
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise HFCheckpointError(f"unsupported hidden_act {act!r} for {mt} (expected 'silu')")
+        activation = "silu"
+    heads = hf["num_attention_heads"]
+    fields = dict(
+        model_type=mt,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", _TIE_DEFAULT[mt]),
+        attention_bias=True if mt == "qwen2" else bool(hf.get("attention_bias", False)),
+        qk_norm=mt == "qwen3",
+        activation=activation,
+        scale_embeddings=mt == "gemma",
+        norm_plus_one=mt == "gemma",
+        dtype=dtype_name(dtype),
+        param_dtype=dtype_name(dtype),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+    if rope_type != "default":
+        fields.update(rope_scaling_type=rope_type, rope_factor=float(rope.get("factor", 1.0)))
+    if rope_type == "llama3":
+        fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_position=int(rope["original_max_position_embeddings"]))
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """HF config.json dict for ``cfg`` (legacy rope keys, understood by transformers 4 and 5)."""
+    if cfg.model_type == "gemma" and not (cfg.scale_embeddings and cfg.norm_plus_one):
+        raise HFCheckpointError("gemma export needs scale_embeddings and norm_plus_one")
+    if cfg.model_type != "gemma" and (cfg.scale_embeddings or cfg.norm_plus_one
+                                      or cfg.activation != "silu"):
+        raise HFCheckpointError(f"{cfg.model_type} export cannot express gemma-style options")
+    if cfg.model_type == "qwen2" and not cfg.attention_bias:
+        raise HFCheckpointError("qwen2 checkpoints always have q/k/v biases")
+    if cfg.qk_norm != (cfg.model_type == "qwen3"):
+        raise HFCheckpointError("qk_norm is expressible only (and always) for qwen3")
+    rope_scaling = None
+    if cfg.rope_scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": cfg.rope_factor}
+    elif cfg.rope_scaling_type == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                        "low_freq_factor": cfg.rope_low_freq_factor,
+                        "high_freq_factor": cfg.rope_high_freq_factor,
+                        "original_max_position_embeddings": cfg.rope_original_max_position}
+    eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
+    hf = {
+        "architectures": [_ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "gelu_pytorch_tanh" if cfg.model_type == "gemma" else "silu",
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": cfg.param_dtype,
+        "initializer_range": cfg.init_std,
+    }
+    if cfg.model_type in ("llama", "qwen3"):
+        hf["attention_bias"] = cfg.attention_bias
+    if cfg.model_type == "gemma":
+        hf["hidden_activation"] = "gelu_pytorch_tanh"
+    if cfg.model_type in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = False
+    return hf
+
+
+# ----------------------------------------------------------------------------- load
+
+def _tensor_index(path: str) -> dict:
+    """HF tensor name -> safetensors file path (single file, sharded index, or any *.safetensors)."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_file):
+        with open(index_file) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise HFCheckpointError(f"no *.safetensors files in {path!r}")
+    index = {}
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="numpy") as f:
+            for name in f.keys():
+                index[name] = os.path.join(path, fname)
+    return index
+
+
+class _Reader:
+    """Reads named tensors lazily, keeping each safetensors file open once."""
+
+    def __init__(self, path: str):
+        self.index = _tensor_index(path)
+        self._files = {}
+
+    def get(self, name: str, expected_shape: tuple) -> np.ndarray:
+        if name not in self.index:
+            raise HFCheckpointError(f"missing tensor {name!r} in checkpoint")
+        fname = self.index[name]
+        if fname not in self._files:
+            self._files[fname] = safe_open(fname, framework="numpy")
+        w = self._files[fname].get_tensor(name)
+        if tuple(w.shape) != tuple(expected_shape):
+            raise HFCheckpointError(f"shape mismatch for tensor {name!r}: expected "
+                                    f"{tuple(expected_shape)}, got {tuple(w.shape)}")
+        return w
+
+
+def load_hf(path: str, dtype=jnp.float32, shardings=None, **overrides):
+    """Load a HF checkpoint directory (config.json + *.safetensors) -> ``(cfg, params)``.
+
+    ``dtype`` sets both the parameter storage dtype and the compute dtype (for float32 storage
+    with bfloat16 compute, load float32 and use ``cfg.replace(dtype="bfloat16")``).
+    ``shardings``: optional pytree of ``jax.sharding.Sharding`` matching the params tree; each
+    parameter is then built shard by shard on its devices. Other ``overrides`` (e.g.
+    ``remat=True``) are applied to the config.
+    """
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isdir(path) or not os.path.exists(config_file):
+        raise HFCheckpointError(f"{path!r} is not a HF checkpoint directory (no config.json)")
+    with open(config_file) as f:
+        cfg = config_from_hf(json.load(f), dtype=dtype, **overrides)
+    reader = _Reader(path)
+    np_dtype = _NP_DTYPES[cfg.param_dtype]
+    params: dict = {}
+    for tree_path, shape, hf_name, n_in, stacked in _entries(cfg):
+        if stacked:
+            layer_shape = shape[1:]
+
+            def load_layer(i, hf_name=hf_name, layer_shape=layer_shape, n_in=n_in):
+                w = reader.get(hf_name(i), _hf_shape(layer_shape, n_in))
+                return _to_ours(w, layer_shape, n_in).astype(np_dtype)
+        else:
+            def load_layer(i, hf_name=hf_name, shape=shape, n_in=n_in):
+                w = reader.get(hf_name(None), _hf_shape(shape, n_in))
+                return _to_ours(w, shape, n_in).astype(np_dtype)
+        sharding = None
+        if shardings is not None:
+            sharding = shardings[tree_path[0]] if len(tree_path) == 1 else \
+                shardings[tree_path[0]][tree_path[1]]
+        arr = _build_array(shape, stacked, load_layer, sharding, np_dtype)
+        node = params
+        for key in tree_path[:-1]:
+            node = node.setdefault(key, {})
+        node[tree_path[-1]] = arr
+    return cfg, params
+
+
+def _build_array(shape, stacked: bool, load_layer: Callable, sharding, np_dtype):
+    """One parameter as a jax.Array; per-layer tensors are converted once and reused by shards."""
+    converted: dict = {}  # host cache for this parameter only, dropped when it is built
+
+    def layer(i):
+        if i not in converted:
+            converted[i] = load_layer(i)
+        return converted[i]
+
+    if sharding is None:
+        if not stacked:
+            return jnp.asarray(layer(None))
+        out = np.empty(shape, np_dtype)
+        for i in range(shape[0]):
+            out[i] = layer(i)
+        return jnp.asarray(out)
+
+    def callback(index):
+        if not stacked:
+            return layer(None)[index]
+        layers = range(shape[0])[index[0]]
+        return np.stack([layer(i)[index[1:]] for i in layers])
+
+    return jax.make_array_from_callback(shape, sharding, callback)
+
+
+# ----------------------------------------------------------------------------- save
+
+def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int = 2 << 30):
+    """Write ``config.json`` + ``model.safetensors`` (or index + shards above ``max_shard_bytes``)
+    in the HF layout, in ``cfg.param_dtype``, loadable by ``AutoModelForCausalLM.from_pretrained``.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config = config_to_hf(cfg)
+    np_dtype = _NP_DTYPES[cfg.param_dtype]
+    tensors = {}
+    for tree_path, shape, hf_name, n_in, stacked in _entries(cfg):
+        node = params
+        for key in tree_path:
+            node = node[key]
+        w = np.asarray(jax.device_get(node)).astype(np_dtype)
+        if tuple(w.shape) != tuple(shape):
+            raise HFCheckpointError(f"shape mismatch for parameter {'/'.join(tree_path)}: "
+                                    f"expected {tuple(shape)}, got {tuple(w.shape)}")
+        if stacked:
+            for i in range(shape[0]):
+                tensors[hf_name(i)] = _from_ours(w[i], n_in)
+        else:
+            tensors[hf_name(None)] = np.ascontiguousarray(_from_ours(w, n_in))
+    # Greedy sharding in a stable order.
+    shards, current, size = [], {}, 0
+    for name, w in tensors.items():
+        if current and size + w.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = w
+        size += w.nbytes
+    shards.append(current)
+    meta = {"format": "pt"}  # transformers refuses safetensors files without this
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for n, shard in enumerate(shards):
+            fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+            weight_map.update({name: fname for name in shard})
+        total = sum(w.nbytes for w in tensors.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)

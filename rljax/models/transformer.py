@@ -1,0 +1,375 @@
+"""Decoder-only transformer as pure functions over a parameter pytree.
+
+Parameter tree (per-layer weights stacked on a leading ``layers`` axis, see
+``param_logical_axes`` for the logical axis names of every leaf)::
+
+    {"embed": [V, D],
+     "layers": {"attn_norm": [L, D], "q": [L, D, H, Dh], "k": [L, D, K, Dh], "v": [L, D, K, Dh],
+                "o": [L, H, Dh, D], "mlp_norm": [L, D], "gate": [L, D, F], "up": [L, D, F],
+                "down": [L, F, D],
+                # qwen2 (attention_bias): "q_bias": [L, H, Dh], "k_bias"/"v_bias": [L, K, Dh]
+                # qwen3 (qk_norm):        "q_norm": [L, Dh], "k_norm": [L, Dh]
+               },
+     "final_norm": [D],
+     "lm_head": [D, V]}            # absent when tie_word_embeddings
+
+Layers run under ``jax.lax.scan`` so the compiled program contains one layer body regardless of
+depth. Norms, softmax and RoPE tables are computed in float32; matmuls run in ``cfg.dtype``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.models.config import ModelConfig
+
+# Large finite negative instead of -inf: rows whose keys are all masked (left-padding queries)
+# then give a uniform softmax instead of NaN, which would poison gradients through `where`.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def _layer_shapes(cfg: ModelConfig) -> dict:
+    """Per-layer parameter shapes (without the leading layers axis) and logical axes."""
+    d, f, h, k, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                      cfg.num_kv_heads, cfg.head_dim)
+    shapes = {
+        "attn_norm": ((d,), ("norm",)),
+        "q": ((d, h, dh), ("embed", "heads", "head_dim")),
+        "k": ((d, k, dh), ("embed", "kv_heads", "head_dim")),
+        "v": ((d, k, dh), ("embed", "kv_heads", "head_dim")),
+        "o": ((h, dh, d), ("heads", "head_dim", "embed")),
+        "mlp_norm": ((d,), ("norm",)),
+        "gate": ((d, f), ("embed", "mlp")),
+        "up": ((d, f), ("embed", "mlp")),
+        "down": ((f, d), ("mlp", "embed")),
+    }
+    if cfg.attention_bias:
+        shapes["q_bias"] = ((h, dh), ("heads", "head_dim"))
+        shapes["k_bias"] = ((k, dh), ("kv_heads", "head_dim"))
+        shapes["v_bias"] = ((k, dh), ("kv_heads", "head_dim"))
+    if cfg.qk_norm:
+        shapes["q_norm"] = ((dh,), ("norm",))
+        shapes["k_norm"] = ((dh,), ("norm",))
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Same tree as ``init_params``; leaves are ``(shape, logical_axes)`` pairs."""
+    tree = {
+        "embed": ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
+        "layers": {name: ((cfg.num_layers,) + shape, ("layers",) + axes)
+                   for name, (shape, axes) in _layer_shapes(cfg).items()},
+        "final_norm": ((cfg.hidden_size,), ("norm",)),
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    return tree
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+    """Pytree matching ``init_params(cfg, ...)``; leaves are tuples of logical axis names."""
+    return jax.tree.map(lambda s: s[1], param_shapes(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
+    """Random parameters: normal(init_std) matrices, zero biases, identity norm scales."""
+    specs = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]]
+    keys = jax.random.split(rng, len(leaves))
+    dtype = cfg.params_dtype
+    out = []
+    for key, path, (shape, _) in zip(keys, paths, leaves):
+        if "norm" in path:
+            # Gemma stores w and applies (1 + w): identity is w = 0.
+            fill = 0.0 if cfg.norm_plus_one else 1.0
+            out.append(jnp.full(shape, fill, dtype))
+        elif "bias" in path:
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((cfg.init_std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and cast back to ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    w = scale.astype(jnp.float32)
+    return (x32 * (1.0 + w if plus_one else w)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """float32 [Dh/2] inverse frequencies, with the configured rope scaling applied."""
+    dh = cfg.head_dim
+    exponents = np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / np.float32(dh)
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    if cfg.rope_scaling_type == "linear":
+        inv_freq = inv_freq / np.float32(cfg.rope_factor)
+    elif cfg.rope_scaling_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low frequencies by `factor`, interpolate
+        # smoothly in between (wavelength measured against the original context length).
+        factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_position
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding (half-split layout, as in HF checkpoints).
+
+    x: [B, T, N, Dh]; positions: int [B, T]. Tables in float32, product in ``x.dtype``.
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] with H % K == 0; mask: bool [B, T, S] (True = attend).
+    Returns [B, T, H, Dh] in ``q.dtype``. Scores and softmax in float32.
+    """
+    b, t, h, dh = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (dh ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, dh)
+
+
+def _mlp(cfg: ModelConfig, p: dict, h: jax.Array) -> jax.Array:
+    gate = jnp.einsum("btd,df->btf", h, p["gate"])
+    up = jnp.einsum("btd,df->btf", h, p["up"])
+    if cfg.activation == "silu":
+        act = jax.nn.silu(gate)
+    else:  # GeGLU with the tanh approximation (gemma's gelu_pytorch_tanh)
+        act = jax.nn.gelu(gate, approximate=True)
+    return jnp.einsum("btf,fd->btd", act * up, p["down"])
+
+
+def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array):
+    q = jnp.einsum("btd,dhk->bthk", h, p["q"])
+    k = jnp.einsum("btd,dhk->bthk", h, p["k"])
+    v = jnp.einsum("btd,dhk->bthk", h, p["v"])
+    if cfg.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
+    """Matmul weights to the compute dtype; norm scales stay as stored (used in float32)."""
+    return {name: (w if "norm" in name else w.astype(cfg.compute_dtype)) for name, w in p.items()}
+
+
+def embed_tokens(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """int [B, T] -> [B, T, D] in the compute dtype (gemma scales by sqrt(D))."""
+    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+    if cfg.scale_embeddings:
+        # HF rounds the normaliser to the activation dtype first; do the same for parity.
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.compute_dtype)
+    return x
+
+
+def default_positions(attention_mask: jax.Array) -> jax.Array:
+    """Positions for a left-padded batch: cumsum(mask) - 1, clipped at 0. int32 [B, T]."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+# ----------------------------------------------------------------------------- trunk / forward
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> dict:
+    """Zeroed KV cache ``{"k", "v": [L, B, S, K, Dh]}`` (dtype defaults to ``cfg.dtype``)."""
+    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = cfg.compute_dtype if dtype is None else dtype
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
+          positions=None, cache: Optional[dict] = None, cache_index=None):
+    """Embeddings + all layers + final norm.
+
+    tokens: int [B, T]. Without a cache, ``attention_mask`` is bool [B, T] (True = real token,
+    left padding expected) and ``positions`` default to ``cumsum(mask) - 1``.
+    With a cache (from ``init_cache``), the new keys/values are written to slots
+    ``[cache_index, cache_index + T)``; ``attention_mask`` is bool [B, S] over the whole cache
+    (None = every slot below ``cache_index + T`` is valid) and ``positions`` int [B, T] must be
+    given. A query in slot s attends to valid slots <= s.
+
+    Returns ``(hidden [B, T, D] in cfg.dtype, cache or None)``.
+    """
+    b, t = tokens.shape
+    if cache is None:
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), bool)
+        attention_mask = attention_mask.astype(bool)
+        if positions is None:
+            positions = default_positions(attention_mask)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        mask = causal[None] & attention_mask[:, None, :]  # [B, T, T]
+    else:
+        if positions is None:
+            raise ValueError("trunk: `positions` must be given when decoding with a cache")
+        if cache_index is None:
+            raise ValueError("trunk: `cache_index` must be given with a cache")
+        s = cache["k"].shape[2]
+        cache_index = jnp.asarray(cache_index, jnp.int32)
+        slots = jnp.arange(s)
+        q_slots = cache_index + jnp.arange(t)
+        mask = slots[None, :] <= q_slots[:, None]  # [T, S]
+        if attention_mask is None:
+            mask = jnp.broadcast_to(mask[None], (b, t, s))
+        else:
+            mask = mask[None] & attention_mask.astype(bool)[:, None, :]
+    positions = positions.astype(jnp.int32)
+    x = embed_tokens(cfg, params, tokens)
+
+    def layer(x, p, kv_cache, i):
+        p = _cast_layer(cfg, p)
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        q, k, v = _qkv(cfg, p, h, positions)
+        if kv_cache is not None:
+            ck, cv = kv_cache
+            zero = jnp.zeros((), jnp.int32)
+            start = (i, zero, cache_index, zero, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], start)
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], start)
+            k = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(q.dtype)
+            v = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(q.dtype)
+            kv_cache = (ck, cv)
+        attn = attention(q, k, v, mask)
+        x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"])
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        x = x + _mlp(cfg, p, h)
+        return x, kv_cache
+
+    if cfg.remat:
+        layer = jax.checkpoint(layer, prevent_cse=False)
+
+    idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    if cache is None:
+        def body(x, xs):
+            return layer(x, xs[0], None, xs[1])[0], None
+
+        x, _ = jax.lax.scan(body, x, (params["layers"], idx))
+    else:
+        # The whole cache is carried (not scanned over) so each layer updates it in place.
+        def body(carry, xs):
+            x, ck, cv = carry
+            x, (ck, cv) = layer(x, xs[0], (ck, cv), xs[1])
+            return (x, ck, cv), None
+
+        (x, ck, cv), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]),
+                                      (params["layers"], idx))
+        cache = {"k": ck, "v": cv}
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    return x, cache
+
+
+def logits_from_hidden(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """[..., D] -> float32 [..., V] (tied models reuse the embedding matrix)."""
+    if cfg.tie_word_embeddings:
+        w = params["embed"].astype(hidden.dtype)
+        return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    w = params["lm_head"].astype(hidden.dtype)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
+            positions=None) -> jax.Array:
+    """tokens int [B, T] -> float32 logits [B, T, V]. See ``trunk`` for the mask semantics."""
+    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions)
+    return logits_from_hidden(cfg, params, hidden)
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+def _auto_chunk(batch: int, length: int, vocab: int) -> int:
+    # Keep one chunk's float32 logits around 2**26 elements (256 MiB) at most.
+    return int(max(1, min(length, (1 << 26) // max(1, batch * vocab))))
+
+
+def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
+                positions=None, temperature=1.0, chunk_size: Optional[int] = None,
+                with_entropy: bool = False):
+    """Per-token log-probabilities of ``tokens`` under the model (teacher forcing).
+
+    Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
+    ``logps[:, t] = log p(tokens[:, t] | tokens[:, :t])`` under ``softmax(logits / temperature)``
+    and ``entropy[:, t]`` the entropy of that same distribution; column 0 is 0, and so are
+    positions whose token is padding (``attention_mask`` False).
+
+    The LM head runs over chunks of ``chunk_size`` positions inside a rematerialised
+    ``lax.map``, so neither the forward nor the backward pass holds float32 [B, T, V] logits.
+    """
+    b, t = tokens.shape
+    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions)
+    n = t - 1
+    if n == 0:
+        zeros = jnp.zeros((b, t), jnp.float32)
+        return zeros, (zeros if with_entropy else None)
+    c = chunk_size or _auto_chunk(b, n, cfg.vocab_size)
+    c = min(c, n)
+    num_chunks = -(-n // c)
+    pad = num_chunks * c - n
+    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
+    # [num_chunks, B, C, ...] so lax.map walks over chunks.
+    h = h.reshape(b, num_chunks, c, -1).swapaxes(0, 1)
+    targets = targets.reshape(b, num_chunks, c).swapaxes(0, 1)
+    inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk(args):
+        h_c, tgt = args
+        logits = logits_from_hidden(cfg, params, h_c) * inv_temp  # f32 [B, C, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
+        logp = picked - lse
+        if not with_entropy:
+            return logp, jnp.zeros_like(logp)
+        probs = jnp.exp(logits - lse[..., None])
+        ent = lse - jnp.sum(probs * logits, axis=-1)
+        return logp, ent
+
+    logp, ent = jax.lax.map(chunk, (h, targets))
+    logp = logp.swapaxes(0, 1).reshape(b, -1)[:, :n]
+    ent = ent.swapaxes(0, 1).reshape(b, -1)[:, :n]
+    first = jnp.zeros((b, 1), jnp.float32)
+    logp = jnp.concatenate([first, logp], axis=1)
+    ent = jnp.concatenate([first, ent], axis=1)
+    if attention_mask is not None:
+        valid = attention_mask.astype(bool)
+        logp = jnp.where(valid, logp, 0.0)
+        ent = jnp.where(valid, ent, 0.0)
+    return logp, (ent if with_entropy else None)

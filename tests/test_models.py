@@ -1,0 +1,358 @@
+"""rljax.models: parity with transformers (PyTorch CPU) on tiny random checkpoints, export round
+trip, bf16, KV cache, log-probs, value head, sharded loading, compile time, error messages."""
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import models
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
+B, T = 3, 12
+PADS = (0, 3, 5)  # left padding per row
+
+
+def _hf_config(family):
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, attn_implementation="eager")
+    if family == "llama":
+        # Small original context so the llama3 frequency scaling changes every band in use.
+        return transformers.LlamaConfig(
+            **common, rope_theta=10000.0, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
+    if family == "qwen3":
+        # head_dim 32 != hidden/heads = 16
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    if family == "gemma":
+        common.update(num_key_value_heads=1)
+        return transformers.GemmaConfig(**common, head_dim=16)
+    raise ValueError(family)
+
+
+def _randomise(model, family):
+    """Weights large enough that logits are O(1) and every norm/bias actually matters."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(0.2 * noise + (0.0 if family == "gemma" else 1.0))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(0.12 * noise)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 256, size=(B, T)).astype(np.int32)
+    mask = np.ones((B, T), bool)
+    for i, pad in enumerate(PADS):
+        mask[i, :pad] = False
+        tokens[i, :pad] = 0
+    return tokens, mask
+
+
+def _hf_logits(model, tokens, mask):
+    pos = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                    attention_mask=torch.tensor(mask, dtype=torch.long),
+                    position_ids=torch.tensor(pos, dtype=torch.long))
+    return out.logits.float().numpy()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """family -> (checkpoint dir, HF reference logits on the left-padded batch)."""
+    root = tmp_path_factory.mktemp("hf")
+    tokens, mask = _batch()
+    out = {}
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_hf_config(family)).float().eval()
+        _randomise(model, family)
+        path = str(root / family)
+        model.save_pretrained(path)
+        out[family] = (path, _hf_logits(model, tokens, mask))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpts):
+    return {f: models.load_hf(ckpts[f][0], dtype=jnp.float32) for f in FAMILIES}
+
+
+_fwd = jax.jit(models.forward, static_argnums=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_with_transformers(family, ckpts, loaded):
+    tokens, mask = _batch()
+    cfg, params = loaded[family]
+    assert cfg.model_type == family
+    ours = np.asarray(_fwd(cfg, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    ref = ckpts[family][1]
+    diff = np.abs(ours - ref)[mask].max()
+    scale = np.abs(ref[mask]).max()
+    print(f"{family}: max|dlogit| = {diff:.2e} (max|logit| {scale:.2f}, rel {diff / scale:.1e})")
+    assert scale > 0.5  # the comparison is not between near-zero numbers
+    assert diff <= 1e-4
+
+
+def test_llama3_rope_scaling_is_applied(loaded):
+    cfg, _ = loaded["llama"]
+    assert cfg.rope_scaling_type == "llama3" and cfg.rope_factor == 4.0
+    plain = models.rope_inv_freq(cfg.replace(rope_scaling_type=None))
+    scaled = models.rope_inv_freq(cfg)
+    assert not np.allclose(plain, scaled)
+    np.testing.assert_allclose(scaled[-1], plain[-1] / 4.0, rtol=1e-6)  # lowest frequency / factor
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_hf_round_trip(family, ckpts, loaded, tmp_path):
+    cfg, params = loaded[family]
+    models.save_hf(cfg, params, str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), attn_implementation="eager").float().eval()
+    tokens, mask = _batch()
+    diff = np.abs(_hf_logits(model, tokens, mask) - ckpts[family][1])[mask].max()
+    assert diff <= 1e-5
+    cfg2, params2 = models.load_hf(str(tmp_path))
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+def test_save_hf_sharded_and_bf16(loaded, tmp_path):
+    cfg, params = loaded["qwen3"]
+    bf = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
+    params_bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    models.save_hf(bf, params_bf, str(tmp_path), max_shard_bytes=40_000)
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    cfg2, params2 = models.load_hf(str(tmp_path), dtype=jnp.bfloat16)
+    assert cfg2 == bf
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                            np.asarray(b, np.float32)),
+                 params2, params_bf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_bf16_close_to_float32(family, ckpts, loaded):
+    tokens, mask = _batch()
+    cfg32, p32 = loaded[family]
+    cfg16, p16 = models.load_hf(ckpts[family][0], dtype=jnp.bfloat16)
+    assert p16["layers"]["q"].dtype == jnp.bfloat16
+    l16 = _fwd(cfg16, p16, jnp.asarray(tokens), jnp.asarray(mask))
+    assert l16.dtype == jnp.float32
+    l32 = np.asarray(_fwd(cfg32, p32, jnp.asarray(tokens), jnp.asarray(mask)))
+    diff = np.abs(np.asarray(l16) - l32)[mask].max()
+    scale = np.abs(l32[mask]).max()
+    print(f"{family} bf16 vs f32: max|dlogit| = {diff:.3f} (max|logit| {scale:.2f})")
+    # bf16 has 8 mantissa bits (~0.4% per rounding); two layers of rounding stay within 5%.
+    assert diff <= 0.05 * scale
+    # f32 params with bf16 compute also runs.
+    lmix = _fwd(cfg32.replace(dtype="bfloat16"), p32, jnp.asarray(tokens), jnp.asarray(mask))
+    assert np.abs(np.asarray(lmix) - l32)[mask].max() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kv_cache_decoding_matches_full_forward(family, loaded):
+    cfg, params = loaded[family]
+    prompt, pmask = _batch()  # [B, 12], left-padded
+    n_new, s = 6, 20
+    rng = np.random.default_rng(1)
+    new = rng.integers(1, 256, size=(B, n_new)).astype(np.int32)
+    full = np.concatenate([prompt, new], axis=1)
+    fmask = np.concatenate([pmask, np.ones((B, n_new), bool)], axis=1)
+    ref = np.asarray(_fwd(cfg, params, jnp.asarray(full), jnp.asarray(fmask)))
+    pos = np.asarray(models.default_positions(jnp.asarray(fmask)))
+    cache_mask = jnp.asarray(np.concatenate([fmask, np.ones((B, s - full.shape[1]), bool)], 1))
+
+    step = jax.jit(models.trunk, static_argnums=0)
+    cache = models.init_cache(cfg, B, s)
+    assert cache["k"].shape == (cfg.num_layers, B, s, cfg.num_kv_heads, cfg.head_dim)
+    p = prompt.shape[1]
+    hidden, cache = step(cfg, params, jnp.asarray(prompt), cache_mask, jnp.asarray(pos[:, :p]),
+                         cache, 0)
+    got = [models.logits_from_hidden(cfg, params, hidden)]
+    # First two new tokens as one chunk (T=2 at a non-zero index), then one at a time.
+    chunks = [(p, p + 2)] + [(i, i + 1) for i in range(p + 2, p + n_new)]
+    for a, b in chunks:
+        hidden, cache = step(cfg, params, jnp.asarray(full[:, a:b]), cache_mask,
+                             jnp.asarray(pos[:, a:b]), cache, a)
+        got.append(models.logits_from_hidden(cfg, params, hidden))
+    got = np.asarray(jnp.concatenate(got, axis=1))
+    diff = np.abs(got - ref)[fmask].max()
+    print(f"{family} cached vs full: {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_token_logps_and_entropy(loaded):
+    cfg, params = loaded["qwen2"]
+    tokens, mask = _batch()
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    temp = 0.7
+    logits = models.forward(cfg, params, tokens, mask) / temp
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    ref = jnp.take_along_axis(logp_all[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+    ref = jnp.where(mask[:, 1:], ref, 0.0)
+    ref_ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)[:, :-1]
+    ref_ent = jnp.where(mask[:, 1:], ref_ent, 0.0)
+    for chunk in (5, 11, None):  # 5 does not divide T-1=11: exercises chunk padding
+        logps, ent = models.token_logps(cfg, params, tokens, mask, temperature=temp,
+                                        chunk_size=chunk, with_entropy=True)
+        assert logps.shape == (B, T) and logps.dtype == jnp.float32
+        np.testing.assert_array_equal(logps[:, 0], 0.0)
+        np.testing.assert_allclose(logps[:, 1:], ref, atol=1e-5)
+        np.testing.assert_allclose(ent[:, 1:], ref_ent, atol=1e-5)
+    assert float(ent[mask].max()) > 0.1
+    _, none = models.token_logps(cfg, params, tokens, mask)
+    assert none is None
+
+    # Gradients through the chunked, rematerialised path equal the direct ones.
+    def direct(p):
+        lp = jax.nn.log_softmax(models.forward(cfg, p, tokens, mask), axis=-1)
+        return jnp.sum(jnp.take_along_axis(lp[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+                       * mask[:, 1:])
+
+    g_ref = jax.grad(direct)(params)
+    g = jax.grad(lambda p: models.token_logps(cfg, p, tokens, mask, chunk_size=4)[0].sum())(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g, g_ref)
+
+
+def test_init_params_axes_and_remat():
+    for family in FAMILIES:
+        cfg = models.get_preset("tiny", model_type=family, remat=True)
+        params = models.init_params(cfg, jax.random.PRNGKey(0))
+        axes = models.param_logical_axes(cfg)
+        assert jax.tree.structure(params) == jax.tree.structure(
+            axes, is_leaf=lambda x: isinstance(x, tuple))
+        flat_p = jax.tree.leaves(params)
+        flat_a = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+        for p, a in zip(flat_p, flat_a):
+            assert p.ndim == len(a)
+        assert sum(p.size for p in flat_p) == cfg.num_params()
+    assert "q_bias" in models.init_params(models.get_preset("tiny", model_type="qwen2"),
+                                          jax.random.PRNGKey(0))["layers"]
+    # Remat changes memory, not numbers.
+    cfg = models.get_preset("tiny")
+    params = models.init_params(cfg, jax.random.PRNGKey(1))
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    loss = lambda c: (lambda p: models.forward(c, p, tokens).sum())
+    g1 = jax.grad(loss(cfg))(params)
+    g2 = jax.grad(loss(cfg.replace(remat=True)))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), g1, g2)
+    assert hash(cfg) == hash(models.get_preset("tiny"))
+    for name in models.PRESETS:
+        models.get_preset(name)  # every preset is a valid config
+
+
+def test_value_head(loaded):
+    cfg, params = loaded["llama"]
+    tokens, mask = _batch()
+    vp = models.init_value_params(cfg, jax.random.PRNGKey(0), from_params=params)
+    assert "lm_head" not in vp["trunk"]
+    np.testing.assert_array_equal(vp["trunk"]["layers"]["q"], params["layers"]["q"])
+    values = models.value_forward(cfg, vp, jnp.asarray(tokens), jnp.asarray(mask))
+    assert values.shape == (B, T) and values.dtype == jnp.float32
+    hidden, _ = models.trunk(cfg, params, jnp.asarray(tokens), jnp.asarray(mask))
+    np.testing.assert_allclose(values, hidden @ vp["head"]["kernel"] + vp["head"]["bias"],
+                               atol=1e-5)
+    fresh = models.init_value_params(cfg, jax.random.PRNGKey(0))
+    axes = models.value_param_logical_axes(cfg)
+    assert jax.tree.structure(fresh) == jax.tree.structure(
+        axes, is_leaf=lambda x: isinstance(x, tuple))
+    g = jax.grad(lambda v: models.value_forward(cfg, v, jnp.asarray(tokens)).sum())(fresh)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(g))
+
+
+def test_load_hf_into_shardings(ckpts, loaded):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    assert len(jax.devices()) >= 8
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rules = {"embed": "data", "mlp": "model", "heads": "model", "vocab": "model"}
+    cfg, ref_params = loaded["llama"]
+    shardings = jax.tree.map(
+        lambda axes: NamedSharding(mesh, PartitionSpec(*[rules.get(a) for a in axes])),
+        models.param_logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    _, params = models.load_hf(ckpts["llama"][0], shardings=shardings)
+    assert params["layers"]["gate"].sharding == shardings["layers"]["gate"]
+    assert len(params["layers"]["gate"].addressable_shards[0].data.shape) == 3
+    assert params["layers"]["gate"].addressable_shards[0].data.shape == (2, 32, 32)
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+
+
+def test_compile_time_independent_of_depth():
+    tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+    times = {}
+    for layers in (2, 24):
+        cfg = models.get_preset("tiny", num_layers=layers)
+        params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.PRNGKey(0)))
+        fn = jax.jit(lambda p, t, cfg=cfg: models.forward(cfg, p, t))
+        t0 = time.perf_counter()
+        fn.lower(params, tokens).compile()
+        times[layers] = time.perf_counter() - t0
+    ratio = times[24] / times[2]
+    print(f"forward lower+compile: 2 layers {times[2]:.3f}s, 24 layers {times[24]:.3f}s, "
+          f"ratio {ratio:.2f}")
+    assert ratio < 2.5
+
+
+# ----------------------------------------------------------------------------- errors
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_error_unsupported_model_type(ckpts, tmp_path):
+    path = _copy(ckpts["llama"][0], tmp_path / "x")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["model_type"] = "mamba"
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(models.HFCheckpointError, match="unsupported model_type 'mamba'"):
+        models.load_hf(path)
+
+
+def test_error_missing_tensor(ckpts, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path = _copy(ckpts["llama"][0], tmp_path / "x")
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        models.load_hf(path)
+
+
+def test_error_shape_mismatch(ckpts, tmp_path):
+    path = _copy(ckpts["llama"][0], tmp_path / "x")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["intermediate_size"] = 96
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(models.HFCheckpointError,
+                       match=r"shape mismatch for tensor 'model\.layers\.0\.mlp\.gate_proj\.weight'"
+                             r": expected \(96, 64\), got \(128, 64\)"):
+        models.load_hf(path)
+
+
+def test_error_no_config(tmp_path):
+    with pytest.raises(models.HFCheckpointError, match="no config.json"):
+        models.load_hf(str(tmp_path))
