@@ -1,0 +1,236 @@
+"""Rewards: verifiers, shaping, composition with error/timeout isolation, reward-model scoring."""
+import json
+import math
+import os
+import time
+
+import pytest
+
+from rljax import rewards
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_TEST = os.path.join(REPO, "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+def score(name, completions, **fields):
+    return rewards.get(name)([""] * len(completions), completions, **fields)
+
+
+# ---- gsm8k -----------------------------------------------------------------------------------
+
+PHRASINGS = ["#### {a}", "The answer is ${a}.", "A: {a}", "\\boxed{{{a}}}",
+             "Let me compute: 3 + 4 = 7, then 7 * 2 = 14.\nThe final answer is {a}"]
+
+
+def test_gsm8k_phrasings_and_reference_forms():
+    for phrasing in PHRASINGS:
+        c = phrasing.format(a=18)
+        assert score("gsm8k", [c], answer=["so 9 * 2 = 18\n#### 18"]) == [1.0], c
+        assert score("gsm8k", [c], answer=["18"]) == [1.0], c
+        assert score("gsm8k", [phrasing.format(a=19)], answer=["18"]) == [0.0], c
+
+
+@pytest.mark.parametrize("completion,reference,expected", [
+    ("The answer is \u221218.", "-18", 1.0),           # unicode minus
+    ("The answer is 18.", "-18", 0.0),
+    ("She makes $1,234,567 in total. #### 1,234,567", "1234567", 1.0),  # thousands separators
+    ("#### 1234567", "... #### 1,234,567", 1.0),
+    ("The answer is 17 or 18.", "18", 0.0),            # hedging: only the first number counts
+    ("18 19 20 17", "18", 0.0),                        # several numbers: the last one counts
+    ("16 - 3 - 4 = 9 eggs, 9 * 2 = 18", "18", 1.0),     # working then result
+    ("\\boxed{17}. Wait, actually the answer is 18.", "18", 1.0),  # restated: last marker wins
+    ("The answer is 18. So the answer is 18.", "18", 1.0),
+    ("#### 18.00", "18", 1.0),
+    ("", "18", 0.0),                                    # malformed
+    ("I don't know.", "18", 0.0),
+    ("\\boxed{18", "18", 1.0),                          # unbalanced box falls back to the number
+    ("The answer is \\$1{,}000.", "1000", 1.0),          # LaTeX escapes
+    ("１８", "18", 1.0),                                 # full-width digits
+])
+def test_gsm8k_adversarial(completion, reference, expected):
+    assert score("gsm8k", [completion], answer=[reference]) == [expected]
+
+
+def test_gsm8k_missing_field_is_a_clear_error():
+    with pytest.raises(KeyError, match="answer"):
+        score("gsm8k", ["#### 1"])
+
+
+def test_gsm8k_real_test_set():
+    if not os.path.exists(GSM8K_TEST):
+        pytest.skip(f"GSM8K test data not found at {GSM8K_TEST} (shipped beside the project)")
+    with open(GSM8K_TEST) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) > 1000
+    fn = rewards.get("gsm8k")
+    full = [r["answer"] for r in rows]
+    bare = [a.rsplit("####", 1)[1].strip() for a in full]
+    prompts = [r["question"] for r in rows]
+    for phrasing in ["#### {a}", "The answer is ${a}.", "A: {a}", "\\boxed{{{a}}}"]:
+        completions = [phrasing.format(a=a) for a in bare]
+        for refs in (full, bare):
+            scores = fn(prompts, completions, answer=refs)
+            bad = [(c, r) for c, r, s in zip(completions, refs, scores) if s != 1.0]
+            assert not bad, bad[:5]
+    # A perturbed final number scores 0.
+    from rljax.rewards.parsing import reference_number
+    perturbed = []
+    for a in bare:
+        v = reference_number(a)
+        perturbed.append(f"#### {v + 1 if v.denominator == 1 else v * 2}")
+    assert sum(fn(prompts, perturbed, answer=full)) == 0.0
+
+
+# ---- arithmetic / countdown ------------------------------------------------------------------
+
+def test_arithmetic_verifier():
+    got = score("arithmetic", ["19", "20", "", "12+7=19", "−5", "1 9"], answer=["19", 19, "19", "19", "-5", "19"])
+    assert got == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("(25-5)*4 = 80", 1.0),
+    ("<answer>(25 - 5) * 4</answer>", 1.0),
+    ("Try 25*4 = 100, no.\n(25-5)*4", 1.0),
+    ("\\boxed{(25-5) \\times 4}", 1.0),
+    ("25*4-20", 0.0),                  # 20 not available
+    ("(25-5)*4*1", 0.0),               # 1 not available
+    ("(5-5)*4+80", 0.0),               # 5 used twice, 80 not given
+    ("25-5*4", 0.0),                   # wrong value
+    ("__import__('os')", 0.0),         # not arithmetic
+    ("(25-5)**4", 0.0),                # power is not an allowed operation
+    ("-(5-25)*4", 0.0),                # unary minus is not allowed
+    ("(25-5)*4/0", 0.0),               # division by zero
+    ("", 0.0),
+    ("(" * 300 + "25" + ")" * 300, 0.0),  # too long/deep
+])
+def test_countdown_verifier(completion, expected):
+    assert score("countdown", [completion], numbers=[[25, 5, 4, 7]], target=[80]) == [expected]
+
+
+def test_countdown_use_all_and_fractions():
+    nums, tgt = [[6, 4, 3]], [8]
+    assert score("countdown", ["6/3*4"], numbers=nums, target=tgt, use_all=[True]) == [1.0]
+    assert score("countdown", ["4*2"], numbers=[[4, 2, 9]], target=tgt, use_all=[True]) == [0.0]
+    assert score("countdown", ["4*2"], numbers=[[4, 2, 9]], target=tgt, use_all=[False]) == [1.0]
+
+
+# ---- math ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reference,completion", [
+    ("\\frac{1}{2}", "The answer is $\\boxed{0.5}$"),
+    ("0.5", "$\\frac{1}{2}$"),
+    ("1/2", "\\boxed{\\frac{1}{2}}"),
+    ("\\frac{3}{4}", "So we get \\boxed{\\dfrac{3}{4}}."),
+    ("2\\sqrt{2}", "$\\boxed{\\sqrt{8}}$"),
+    ("x^2+2x", "\\boxed{x(x+2)}"),
+    ("18", "#### 18"),
+])
+def test_math_equivalent_forms(reference, completion):
+    assert score("math", [completion], answer=[reference]) == [1.0]
+
+
+def test_math_rejects_wrong():
+    assert score("math", ["\\boxed{\\frac{1}{3}}", "\\boxed{0.51}", "no idea"],
+                 answer=["0.5", "1/2", "1/2"]) == [0.0, 0.0, 0.0]
+
+
+# ---- shaping ---------------------------------------------------------------------------------
+
+def test_format_and_overlong():
+    fmt = rewards.get("format")
+    assert fmt(["", ""], ["<think>a</think><answer>1</answer>", "<answer>1</answer>"]) == [1.0, 0.0]
+    boxed = rewards.get("format", pattern=r"\\boxed\{.+\}", mode="search")
+    assert boxed(["", ""], ["so \\boxed{3}.", "3"]) == [1.0, 0.0]
+    over = rewards.get("overlong", max_length=10, buffer=4)
+    assert over([""] * 4, ["a" * 6, "a" * 8, "a" * 10, "a" * 30]) == [0.0, -0.5, -1.0, -1.0]
+    assert over(["", ""], ["x", "y"], completion_lengths=[8, 2]) == [-0.5, 0.0]
+    with pytest.raises(KeyError, match="unknown reward 'nope'"):
+        rewards.get("nope")
+
+
+# ---- composition -----------------------------------------------------------------------------
+
+def _raises(prompts, completions, **_):
+    raise RuntimeError("verifier crashed")
+
+
+def _hangs(prompts, completions, **_):
+    time.sleep(3600)
+
+
+def _nan(prompts, completions, **_):
+    return [math.nan] * len(completions)
+
+
+def test_combine_weights_and_per_function_scores():
+    comb = rewards.combine([("arithmetic", 1.0), ("format", 0.5, {"pattern": r"\d+"})])
+    res = comb(["1+1=", "1+1="], ["2", "x"], answer=["2", "2"])
+    assert res.per_function == {"arithmetic": [1.0, 0.0], "format": [1.0, 0.0]}
+    assert res.total == [1.5, 0.0] and res.num_errors == 0
+    m = res.metrics()
+    assert m["reward/mean"] == 0.75 and m["reward/format/mean"] == 0.5
+
+
+def test_combine_raising_function_is_isolated():
+    comb = rewards.combine([("arithmetic", 1.0), (_raises, 1.0), (_nan, 1.0)], default_score=-1.0)
+    res = comb(["q", "q"], ["2", "3"], answer=["2", "2"])
+    assert res.per_function["arithmetic"] == [1.0, 0.0]
+    assert res.per_function["_raises"] == [-1.0, -1.0] and res.per_function["_nan"] == [-1.0, -1.0]
+    assert res.errors == {"arithmetic": 0, "_raises": 2, "_nan": 2}
+    assert "verifier crashed" in res.messages["_raises"]
+    assert res.total == [-1.0, -2.0]
+
+
+def test_combine_timeout_thread():
+    comb = rewards.combine([("arithmetic", 1.0), (_hangs, 1.0)], default_score=0.25, timeout_s=0.3)
+    t0 = time.monotonic()
+    res = comb(["q"], ["2"], answer=["2"])
+    assert time.monotonic() - t0 < 2.0
+    assert res.per_function == {"arithmetic": [1.0], "_hangs": [0.25]} and res.errors["_hangs"] == 1
+    assert comb.leaked_threads == 1
+    res2 = comb(["q"], ["3"], answer=["2"])  # the next batch still works
+    assert res2.total == [0.25] and comb.total_errors["_hangs"] == 2
+
+
+def test_combine_timeout_process_kills_worker():
+    comb = rewards.combine([("gsm8k", 1.0), (_hangs, 1.0)], timeout_s=1.0, isolation="process")
+    try:
+        res = comb(["q"], ["#### 2"], answer=["2"])
+        assert res.per_function == {"gsm8k": [1.0], "_hangs": [0.0]}
+        assert res.errors == {"gsm8k": 0, "_hangs": 1}
+        assert comb._pool is None  # the hung worker was killed
+    finally:
+        comb.close()
+
+
+def test_from_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="timeout"):
+        rewards.from_config({"functions": [{"name": "gsm8k"}], "timeout": 3})
+
+
+# ---- reward model ----------------------------------------------------------------------------
+
+def test_reward_model_scorer_scores_last_token():
+    models = pytest.importorskip("rljax.models")
+    if not hasattr(models, "value_forward"):
+        pytest.skip("rljax.models does not export value_forward yet")
+    import jax
+    import numpy as np
+
+    from rljax import tokenizers
+
+    tok = tokenizers.CharTokenizer()
+    cfg = models.get_preset("tiny", vocab_size=tok.vocab_size, num_layers=1, hidden_size=32,
+                            intermediate_size=64)
+    params = models.init_value_params(cfg, jax.random.PRNGKey(0))
+    scorer = rewards.RewardModelScorer(cfg, params, tok, max_length=32, bucket=16)
+    prompts, completions = ["12+7=", "13*4="], ["19", "52"]  # both 8 tokens with BOS
+    got = scorer(prompts, completions)  # left-padded to the 16-token bucket
+    ids = np.asarray([tok.encode(p, add_bos=True) + tok.encode(c) for p, c in zip(prompts, completions)],
+                     np.int32)
+    expected = np.asarray(models.value_forward(cfg, params, ids))[:, -1]  # unpadded reference
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert got[0] != got[1]
+    with pytest.raises(ValueError, match="max_length"):
+        scorer(["1" * 40], ["2"])
