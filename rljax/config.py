@@ -1,0 +1,494 @@
+"""Experiment configuration: one ``ml_collections.ConfigDict`` schema, file loading, overrides.
+
+``default_config()`` is the schema: every known key with its default, and the default's type is
+the key's type. A config file is a ``.py`` whose ``get_config()`` returns a (possibly partial)
+ConfigDict; it is laid over the defaults, then ``--config.a.b=value`` overrides are applied, then
+``validate`` checks unknown keys, types and impossible combinations. All problems raise
+``ConfigError`` naming the dotted key, before anything compiles.
+
+Adding a knob means adding it to ``default_config()`` (with a comment); nothing else.
+Sections listed in ``OPEN_SECTIONS`` are free-form dicts passed through to one component.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import ml_collections
+from ml_collections import config_dict
+
+from rljax.errors import ConfigError
+
+# Free-form dicts: any keys allowed below these paths (their owner validates them).
+OPEN_SECTIONS = ("model.overrides", "data.kwargs", "reward.kwargs")
+
+# Allowed names for string knobs chosen from a registry. The owning module may pass a fresher
+# registry to ``validate(cfg, choices=...)``; these constants are the documented defaults.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "algo.name": ("grpo", "ppo", "dpo", "sft", "rm"),
+    "algo.adv_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                           "gae"),
+    "algo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "k3+", "k3_st", "abs"),
+    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"),
+    "algo.policy_loss": ("ppo", "vanilla", "gspo", "cispo"),
+    "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
+    "algo.scale_rewards": ("group", "batch", "none"),
+    "algo.importance_sampling_level": ("token", "sequence"),
+    "optimizer.name": ("adamw", "adam", "sgd"),
+    "optimizer.schedule": ("constant", "linear", "cosine"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "tokenizer.kind": ("auto", "hf", "sentencepiece", "char"),
+}
+
+# Advantage estimators that normalise within a prompt's group, so they need G >= 2.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Returns the full schema: every known key with its default value (and so its type)."""
+    # Optional floats: None = "off" or "derive from another key". One placeholder per field:
+    # a shared FieldReference would tie the fields together.
+    opt_float = lambda: config_dict.placeholder(float)  # noqa: E731
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.steps = 100                    # RL (or SFT/DPO/RM) optimizer steps
+    c.eval_every = 0                 # 0 = never (except the final eval)
+    c.checkpoint_every = 50          # 0 = only on stop/finish
+
+    c.model = dict(
+        preset="tiny",               # models.get_preset name; ignored when `path` is set
+        path="",                     # HF dir (config.json + *.safetensors) to load weights from
+        dtype="float32",             # parameter dtype
+        remat=False,                 # rematerialise layer activations in the update step
+        overrides={},                # free-form ModelConfig overrides for the preset
+    )
+    c.tokenizer = dict(
+        path="",                     # "" = model.path, or the built-in char tokenizer
+        kind="auto",
+        chat_template=False,         # wrap prompts with the tokenizer's chat template
+    )
+    c.data = dict(
+        source="arithmetic",         # task name, "jsonl", "parquet" or "tfds:<name>"
+        path="",                     # file for jsonl/parquet
+        eval_path="",                # "" = same source, `eval_split`
+        split="train",
+        eval_split="test",
+        template="plain",            # prompt template name
+        max_prompt_length=256,
+        shuffle=True,
+        kwargs={},                   # free-form options for the source
+    )
+    c.rollout = dict(
+        batch_size=16,               # completions per step = prompts * algo.num_generations
+        max_new_tokens=128,
+        temperature=1.0,
+        top_k=0,                     # 0 = off
+        top_p=1.0,
+        micro_batch_size=0,          # sampler chunk; 0 = whole batch at once
+    )
+    c.algo = dict(
+        name="grpo",
+        num_generations=4,           # G completions per prompt
+        beta=0.04,                   # KL coefficient (GRPO/PPO) or DPO temperature
+        epsilon=0.2,                 # lower clip: ratio >= 1 - epsilon
+        epsilon_high=opt_float(),    # upper clip (DAPO clip-higher); None = epsilon
+        clip_ratio_c=opt_float(),    # dual-clip bound (> 1) for negative advantages; None = off
+        tis_cap=opt_float(),           # truncated importance sampling vs sampler logps; None = off
+        policy_loss="ppo",
+        loss_agg_mode="token-mean",
+        adv_estimator="grpo",
+        kl_estimator="k3",
+        kl_in_reward=False,          # subtract beta*KL from the reward instead of the loss
+        scale_rewards="group",       # divide advantages by the std of: group, batch, none
+        num_iterations=1,            # update epochs per rollout batch (mu)
+        mini_batch_size=0,           # completions per optimizer step; 0 = whole batch
+        micro_batch_size=0,          # completions per forward/backward; 0 = mini batch
+        importance_sampling_level="token",
+        mask_truncated_completions=False,
+        entropy_coef=0.0,
+        gamma=1.0,                   # PPO/GAE discount
+        lam=0.95,                    # GAE lambda
+        vf_coef=0.5,                 # value loss weight (PPO)
+        cliprange_value=0.2,         # value clipping (PPO); 0 = off
+        loss_type="sigmoid",         # DPO loss variant
+        label_smoothing=0.0,         # DPO conservative label smoothing
+    )
+    c.optimizer = dict(
+        name="adamw",
+        learning_rate=1e-6,
+        critic_learning_rate=opt_float(),  # None = learning_rate
+        schedule="constant",
+        warmup_steps=0,
+        min_lr_ratio=0.0,            # end of linear/cosine decay, as a fraction of the peak
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+        momentum=0.0,                # sgd only
+        weight_decay=0.0,            # decoupled for adamw, L2 for adam/sgd; skips norms/biases
+        max_grad_norm=1.0,           # global-norm clipping; 0 = off
+        max_consecutive_nonfinite=5,  # stop after this many skipped (non-finite) steps in a row
+    )
+    c.reward = dict(
+        names=("arithmetic",),       # rewards.get names, summed with `weights`
+        weights=(),                  # () = all 1.0
+        model_path="",               # reward-model checkpoint for the "model" reward
+        kwargs={},                   # free-form options for reward functions
+    )
+    c.mesh = dict(data=-1, fsdp=1, tensor=1)  # -1 = the rest of the devices
+    c.logging = dict(
+        log_every=1,
+        console_every_s=10.0,        # console progress line at most this often
+        tensorboard=True,
+        num_completions_to_print=0,
+    )
+    c.sft = dict(
+        steps=0,                     # warm-up SFT steps before RL; 0 = none
+        learning_rate=1e-5,
+        batch_size=16,
+        max_length=512,
+        source="",                   # "" = data.source
+        path="",
+    )
+    c.checkpoint = dict(
+        max_to_keep=3,
+        async_save=True,
+        save_on_stop=True,           # save when stopped by SIGTERM/SIGINT
+    )
+    c.eval = dict(
+        num_examples=256,            # 0 = the whole split
+        batch_size=64,
+        num_samples=1,               # samples per prompt; pass@k for k <= num_samples
+        temperature=0.0,
+        max_new_tokens=config_dict.placeholder(int),  # None = rollout.max_new_tokens
+    )
+    return c
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_config(path: str | None, overrides: Sequence[str] = (),
+                choices: Mapping[str, Sequence[str]] | None = None) -> ml_collections.ConfigDict:
+    """Loads ``path`` (``file.py`` or ``file.py:arg``) over the defaults, applies overrides.
+
+    ``overrides`` are ``--config.a.b=value`` strings (the ``--config.`` prefix is optional).
+    ``path=None`` starts from the defaults. Returns a validated ConfigDict.
+    """
+    cfg = default_config()
+    if path:
+        merge_into(cfg, _load_file(path))
+    apply_overrides(cfg, overrides)
+    validate(cfg, choices=choices)
+    return cfg
+
+
+def load_config_json(path: str, overrides: Sequence[str] = (),
+                     choices: Mapping[str, Sequence[str]] | None = None):
+    """Loads a ``config.json`` written by :func:`to_json` (e.g. a workdir's) plus overrides."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    cfg = default_config()
+    merge_into(cfg, data)
+    apply_overrides(cfg, overrides)
+    validate(cfg, choices=choices)
+    return cfg
+
+
+def to_json(cfg: ml_collections.ConfigDict) -> str:
+    """Serialises a config (placeholders become ``null``); inverse of :func:`load_config_json`."""
+    return cfg.to_json(indent=2, sort_keys=True)
+
+
+def _load_file(spec: str) -> Any:
+    """Imports ``file.py`` and calls ``get_config()`` (``file.py:arg`` passes ``arg``)."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    if path.endswith(".json"):
+        with open(path) as f:
+            return json.load(f)
+    module_spec = importlib.util.spec_from_file_location("_rljax_user_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} has no get_config() function")
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def _as_dict(value: Any) -> Any:
+    if isinstance(value, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
+        return value.to_dict()
+    return value
+
+
+def merge_into(cfg: ml_collections.ConfigDict, update: Any, prefix: str = "") -> None:
+    """Lays ``update`` (dict or ConfigDict) over ``cfg``, checking keys and types as it goes."""
+    update = _as_dict(update)
+    if not isinstance(update, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a dict of keys, got {type(update).__name__}")
+    for key, value in update.items():
+        dotted = f"{prefix}{key}"
+        if _is_open(dotted) or _is_open(prefix.rstrip(".")):
+            cfg[key] = value
+        elif key not in cfg:
+            raise ConfigError(unknown_key_message(dotted, cfg.keys()))
+        elif isinstance(cfg[key], ml_collections.ConfigDict):
+            merge_into(cfg[key], value, dotted + ".")
+        else:
+            cfg[key] = coerce(dotted, value, _field_type(cfg, key))
+
+
+# ----------------------------------------------------------------------------- overrides
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
+    """Applies ``[--config.]a.b=value`` strings; the value is parsed by the key's type."""
+    for item in overrides:
+        text = item[len("--config."):] if item.startswith("--config.") else item
+        key, eq, raw = text.partition("=")
+        if not eq:
+            raise ConfigError(f"override {item!r} has no '=value'")
+        parent, name = _resolve_parent(cfg, key)
+        if _is_open(key.rpartition(".")[0]) or _is_open(key):
+            parent[name] = _literal(raw)
+            continue
+        if isinstance(parent[name], ml_collections.ConfigDict):
+            raise ConfigError(f"{key} is a section; override its keys, e.g. {key}.<name>=...")
+        parent[name] = coerce(key, parse_value(key, raw, _field_type(parent, name)),
+                              _field_type(parent, name))
+
+
+def _resolve_parent(cfg: ml_collections.ConfigDict, dotted: str):
+    """Walks to the ConfigDict holding ``dotted``'s last part; unknown parts raise ConfigError."""
+    parts = dotted.split(".")
+    node, path = cfg, []
+    for part in parts[:-1]:
+        path.append(part)
+        if _is_open(".".join(path)):
+            node = node[part]
+            continue
+        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+            raise ConfigError(unknown_key_message(".".join(path), node.keys()))
+        node = node[part]
+    if parts[-1] not in node and not _is_open(".".join(parts[:-1])):
+        raise ConfigError(unknown_key_message(dotted, node.keys()))
+    return node, parts[-1]
+
+
+def parse_value(key: str, raw: str, kind: type | None) -> Any:
+    """Parses an override string the way its default's type says (bools accept true/false/1/0)."""
+    if kind is bool:
+        low = raw.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{key}: expected true/false, got {raw!r}")
+    if kind is str:
+        return raw
+    if kind in (tuple, list):
+        value = _literal(raw)
+        if isinstance(value, (tuple, list)):
+            return tuple(value)
+        if isinstance(value, str) and "," in value:
+            return tuple(s.strip() for s in value.split(",") if s.strip())
+        return () if raw.strip() == "" else (value,)
+    if raw.strip().lower() in ("none", "null"):
+        return None
+    return _literal(raw)
+
+
+def _literal(raw: str) -> Any:
+    """Python literal if it parses (``3``, ``1e-6``, ``(1, 2)``), else the raw string."""
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+# ----------------------------------------------------------------------------- types
+
+def _field_type(node: ml_collections.ConfigDict, key: str) -> type | None:
+    return node.get_type(key)
+
+
+def coerce(key: str, value: Any, kind: type | None) -> Any:
+    """Checks ``value`` against the schema type; ints widen to float, lists become tuples."""
+    if value is None or kind is None or kind is type(None):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (tuple, list) and isinstance(value, (tuple, list)):
+        return tuple(value)
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {type(value).__name__} "
+                          f"({value!r})")
+    return value
+
+
+def _is_open(dotted: str) -> bool:
+    return any(dotted == s or dotted.startswith(s + ".") for s in OPEN_SECTIONS)
+
+
+def unknown_key_message(dotted: str, siblings) -> str:
+    """'unknown config key a.bx (did you mean a.b?)', looking at siblings, then anywhere."""
+    prefix, _, name = dotted.rpartition(".")
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.7)
+    if close:
+        hint = f"{prefix}.{close[0]}" if prefix else close[0]
+    else:
+        everywhere = _all_keys(default_config())
+        same_name = [k for k in everywhere if k.rpartition(".")[2] == name]
+        close = same_name or difflib.get_close_matches(dotted, everywhere, n=1, cutoff=0.6)
+        hint = close[0] if close else None
+    msg = f"unknown config key '{dotted}'"
+    return f"{msg} (did you mean '{hint}'?)" if hint else msg
+
+
+def _all_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    keys = []
+    for key in cfg.keys():
+        dotted = prefix + key
+        keys.append(dotted)
+        if isinstance(cfg[key], ml_collections.ConfigDict) and not _is_open(dotted):
+            keys.extend(_all_keys(cfg[key], dotted + "."))
+    return keys
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate(cfg: ml_collections.ConfigDict,
+             choices: Mapping[str, Sequence[str]] | None = None) -> ml_collections.ConfigDict:
+    """Raises ConfigError for unknown/missing keys, wrong types, bad names or impossible combos.
+
+    ``choices`` maps dotted keys to allowed names, overriding/extending :data:`CHOICES` (so a
+    module's live registry can be passed in). Returns ``cfg`` for chaining.
+    """
+    _check_schema(cfg, default_config(), "")
+    for key, names in {**CHOICES, **(choices or {})}.items():
+        value = _get(cfg, key)
+        if value not in tuple(names):
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, names))}")
+    _check_ranges(cfg)
+    _check_combinations(cfg)
+    return cfg
+
+
+def _get(cfg: ml_collections.ConfigDict, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _check_schema(cfg, schema, prefix: str) -> None:
+    """Every key of ``cfg`` exists in ``schema`` with a compatible type, and none is missing."""
+    for key in cfg.keys():
+        dotted = prefix + key
+        if _is_open(dotted):
+            continue
+        if key not in schema:
+            raise ConfigError(unknown_key_message(dotted, schema.keys()))
+        value = cfg[key]
+        if isinstance(schema[key], ml_collections.ConfigDict):
+            if not isinstance(value, ml_collections.ConfigDict):
+                raise ConfigError(f"{dotted}: expected a section (dict), got {value!r}")
+            _check_schema(value, schema[key], dotted + ".")
+        else:
+            coerce(dotted, value, schema.get_type(key))
+    missing = [k for k in schema.keys() if k not in cfg]
+    if missing:
+        raise ConfigError(f"config key '{prefix}{missing[0]}' is missing")
+
+
+# (key, lowest allowed, highest allowed); None = unbounded.
+_RANGES = (
+    ("steps", 1, None), ("eval_every", 0, None), ("checkpoint_every", 0, None),
+    ("data.max_prompt_length", 1, None),
+    ("rollout.batch_size", 1, None), ("rollout.max_new_tokens", 1, None),
+    ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
+    ("rollout.micro_batch_size", 0, None),
+    ("algo.num_generations", 1, None), ("algo.beta", 0.0, None), ("algo.epsilon", 0.0, None),
+    ("algo.num_iterations", 1, None),
+    ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
+    ("algo.entropy_coef", 0.0, None), ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0),
+    ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
+    ("algo.label_smoothing", 0.0, 0.5),
+    ("optimizer.learning_rate", 1e-30, None), ("optimizer.warmup_steps", 0, None),
+    ("optimizer.min_lr_ratio", 0.0, 1.0), ("optimizer.weight_decay", 0.0, None),
+    ("optimizer.max_grad_norm", 0.0, None), ("optimizer.max_consecutive_nonfinite", 1, None),
+    ("logging.log_every", 1, None), ("logging.console_every_s", 0.0, None),
+    ("logging.num_completions_to_print", 0, None),
+    ("sft.steps", 0, None), ("sft.learning_rate", 1e-30, None), ("sft.batch_size", 1, None),
+    ("sft.max_length", 1, None), ("checkpoint.max_to_keep", 1, None),
+    ("eval.num_examples", 0, None), ("eval.batch_size", 1, None), ("eval.num_samples", 1, None),
+    ("eval.temperature", 0.0, None),
+)
+
+
+def _check_ranges(cfg) -> None:
+    for key, low, high in _RANGES:
+        value = _get(cfg, key)
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(f"{key}={value!r} must be {bounds}")
+    for key, low in (("optimizer.critic_learning_rate", 0), ("eval.max_new_tokens", 0),
+                     ("algo.clip_ratio_c", 1), ("algo.tis_cap", 0)):
+        value = _get(cfg, key)
+        if value is not None and value <= low:
+            raise ConfigError(f"{key}={value!r} must be > {low} (or None for off/default)")
+
+
+def _check_combinations(cfg) -> None:
+    """Cross-key constraints: each message names the keys involved and how to fix them."""
+    algo, rollout = cfg.algo, cfg.rollout
+    g, batch = algo.num_generations, rollout.batch_size
+    if batch % g:
+        raise ConfigError(f"rollout.batch_size={batch} is not divisible by "
+                          f"algo.num_generations={g} (batch_size counts completions)")
+    if algo.name == "grpo" and algo.adv_estimator in GROUP_ESTIMATORS and g < 2:
+        raise ConfigError(f"algo.num_generations={g} must be >= 2 for "
+                          f"algo.adv_estimator='{algo.adv_estimator}' (it normalises per group)")
+    if algo.epsilon_high is not None and algo.epsilon_high < algo.epsilon:
+        raise ConfigError(f"algo.epsilon_high={algo.epsilon_high} must be >= "
+                          f"algo.epsilon={algo.epsilon}")
+    if algo.adv_estimator == "gae" and algo.name != "ppo":
+        raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
+    if algo.name == "ppo" and algo.adv_estimator != "gae":
+        raise ConfigError("algo.name='ppo' trains a critic for GAE: set algo.adv_estimator='gae'")
+    mini = algo.mini_batch_size or batch
+    if batch % mini:
+        raise ConfigError(f"rollout.batch_size={batch} is not divisible by "
+                          f"algo.mini_batch_size={mini}")
+    if algo.micro_batch_size and mini % algo.micro_batch_size:
+        raise ConfigError(f"algo.mini_batch_size={mini} is not divisible by "
+                          f"algo.micro_batch_size={algo.micro_batch_size}")
+    if rollout.micro_batch_size and batch % rollout.micro_batch_size:
+        raise ConfigError(f"rollout.batch_size={batch} is not divisible by "
+                          f"rollout.micro_batch_size={rollout.micro_batch_size}")
+    _check_mesh(cfg.mesh)
+    if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.names):
+        raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} entries but "
+                          f"reward.names has {len(cfg.reward.names)}")
+    if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
+        raise ConfigError(f"data.path is required when data.source='{cfg.data.source}'")
+    if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
+        raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
+                          "(greedy samples are all identical)")
+
+
+def _check_mesh(mesh) -> None:
+    sizes = dict(mesh.items())
+    if sum(1 for v in sizes.values() if v == -1) > 1:
+        raise ConfigError(f"mesh: at most one axis may be -1, got {sizes}")
+    for name, size in sizes.items():
+        if size != -1 and size < 1:
+            raise ConfigError(f"mesh.{name}={size} must be >= 1 (or -1 for the rest)")

@@ -1,0 +1,167 @@
+"""rljax.config: schema defaults, file loading, typed overrides, validation messages."""
+import json
+
+import pytest
+
+from rljax import config as config_lib
+from rljax.config import ConfigError, default_config, load_config, load_config_json, validate
+
+
+def write_config(tmp_path, body: str, name="exp.py"):
+    path = tmp_path / name
+    path.write_text("from rljax.config import default_config\n" + body)
+    return str(path)
+
+
+def test_defaults_are_valid_and_complete():
+    cfg = validate(default_config())
+    for key in ("seed", "steps", "eval_every", "checkpoint_every"):
+        assert key in cfg
+    for section in ("model", "tokenizer", "data", "rollout", "algo", "optimizer", "reward",
+                    "mesh", "logging", "sft", "checkpoint", "eval"):
+        assert section in cfg
+    for knob in ("num_generations", "beta", "epsilon", "epsilon_high", "loss_agg_mode",
+                 "adv_estimator", "kl_estimator", "scale_rewards", "num_iterations"):
+        assert knob in cfg.algo
+
+
+def test_partial_file_is_laid_over_defaults(tmp_path):
+    path = write_config(tmp_path, "def get_config():\n    return {'steps': 7, 'algo': {'beta': 0.0}}\n")
+    cfg = load_config(path)
+    assert cfg.steps == 7 and cfg.algo.beta == 0.0
+    assert cfg.algo.epsilon == default_config().algo.epsilon  # untouched keys keep defaults
+
+
+def test_file_arg_is_passed_to_get_config(tmp_path):
+    path = write_config(tmp_path, "def get_config(arg='1'):\n    c = default_config()\n"
+                        "    c.seed = int(arg)\n    return c\n")
+    assert load_config(f"{path}:42").seed == 42
+
+
+def test_overrides_nested_values_and_types():
+    cfg = load_config(None, [
+        "--config.algo.beta=0",              # int widens to float
+        "--config.algo.kl_in_reward=true",
+        "--config.optimizer.learning_rate=3e-5",
+        "--config.algo.epsilon_high=0.28",   # placeholder(float): None -> float
+        "--config.reward.names=gsm8k,format",
+        "--config.reward.weights=(1.0, 0.5)",
+        "--config.model.overrides.num_layers=2",  # open section: any key
+        "--config.data.path=/tmp/x.jsonl",
+    ])
+    assert cfg.algo.beta == 0.0 and isinstance(cfg.algo.beta, float)
+    assert cfg.algo.kl_in_reward is True
+    assert cfg.optimizer.learning_rate == pytest.approx(3e-5)
+    assert cfg.algo.epsilon_high == pytest.approx(0.28)
+    assert cfg.reward.names == ("gsm8k", "format")
+    assert cfg.reward.weights == (1.0, 0.5)
+    assert cfg.model.overrides.num_layers == 2
+    assert cfg.data.path == "/tmp/x.jsonl"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("algo.bta=1", "'algo.bta' (did you mean 'algo.beta'?)"),
+    ("beta=1", "'beta' (did you mean 'algo.beta'?)"),
+    ("optimizer.nested.deep=1", "'optimizer.nested'"),
+])
+def test_unknown_override_key_is_named(override, needle):
+    with pytest.raises(ConfigError, match="unknown config key") as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_unknown_nested_key_in_file_is_named(tmp_path):
+    path = write_config(tmp_path, "def get_config():\n    c = default_config()\n"
+                        "    c.rollout.max_new_token = 64\n    return c\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "'rollout.max_new_token'" in str(e.value)
+    assert "'rollout.max_new_tokens'" in str(e.value)
+
+
+def test_validate_catches_unknown_key_added_in_code():
+    cfg = default_config()
+    cfg.algo.epsilon_hgh = 0.3
+    with pytest.raises(ConfigError, match=r"'algo.epsilon_hgh' \(did you mean 'algo.epsilon_high'"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("algo.beta=abc", "algo.beta: expected float, got str"),
+    ("algo.num_generations=2.5", "algo.num_generations: expected int, got float"),
+    ("algo.kl_in_reward=maybe", "algo.kl_in_reward: expected true/false"),
+    ("algo=3", "algo is a section"),
+])
+def test_wrong_type_override(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = write_config(tmp_path, "def get_config():\n    return {'rollout': {'batch_size': '16'}}\n")
+    with pytest.raises(ConfigError, match="rollout.batch_size: expected int, got str"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.batch_size=10"], "rollout.batch_size=10 is not divisible by algo.num_generations=4"),
+    (["algo.epsilon_high=0.1"], "algo.epsilon_high=0.1 must be >= algo.epsilon=0.2"),
+    (["algo.name=reinforce"], "algo.name='reinforce' is not one of"),
+    (["algo.kl_estimator=k9"], "algo.kl_estimator='k9' is not one of"),
+    (["algo.loss_agg_mode=mean"], "algo.loss_agg_mode='mean' is not one of"),
+    (["algo.num_generations=1", "rollout.batch_size=4"], "algo.num_generations=1 must be >= 2"),
+    (["algo.adv_estimator=gae"], "needs a critic"),
+    (["algo.mini_batch_size=8", "algo.micro_batch_size=3"], "algo.mini_batch_size=8 is not divisible"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "at most one axis may be -1"),
+    (["reward.weights=1,2"], "reward.weights has 2 entries but reward.names has 1"),
+    (["optimizer.min_lr_ratio=2"], "optimizer.min_lr_ratio=2.0 must be in [0.0, 1.0]"),
+    (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5 must be > 1"),
+    (["data.source=jsonl"], "data.path is required"),
+])
+def test_impossible_combinations(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value)
+
+
+def test_choices_can_be_extended_by_a_registry():
+    with pytest.raises(ConfigError):
+        load_config(None, ["algo.adv_estimator=my_adv"])
+    cfg = load_config(None, ["algo.adv_estimator=my_adv"],
+                      choices={"algo.adv_estimator": ("grpo", "my_adv")})
+    assert cfg.algo.adv_estimator == "my_adv"
+
+
+def test_missing_file_and_missing_get_config(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "nope.py"))
+    path = tmp_path / "bad.py"
+    path.write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="no get_config"):
+        load_config(str(path))
+
+
+def test_json_round_trip(tmp_path):
+    cfg = load_config(None, ["algo.epsilon_high=0.3", "reward.names=a,b", "steps=9"])
+    path = tmp_path / "config.json"
+    path.write_text(config_lib.to_json(cfg))
+    assert json.loads(path.read_text())["algo"]["epsilon_high"] == 0.3
+    again = load_config_json(str(path), ["seed=5"])
+    assert again.steps == 9 and again.reward.names == ("a", "b") and again.seed == 5
+    assert again.eval.max_new_tokens is None  # placeholder survives as null
+    assert config_lib.to_json(again) == config_lib.to_json(load_config(
+        None, ["algo.epsilon_high=0.3", "reward.names=a,b", "steps=9", "seed=5"]))
+
+
+def test_choices_match_algorithm_registries():
+    algorithms = pytest.importorskip("rljax.algorithms")
+    for name in config_lib.CHOICES["algo.adv_estimator"]:
+        if name != "gae":  # GAE needs values: it is not an outcome estimator
+            algorithms.get_advantage_estimator(name)
+    for name in config_lib.CHOICES["algo.kl_estimator"]:
+        algorithms.get_kl_estimator(name)
+    for name in config_lib.CHOICES["algo.policy_loss"]:
+        algorithms.get_policy_loss(name)
+    assert set(config_lib.CHOICES["algo.loss_agg_mode"]) == set(algorithms.AGGREGATION_MODES)
+    assert set(config_lib.CHOICES["algo.loss_type"]) == set(algorithms.DPO_LOSS_TYPES)
