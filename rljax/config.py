@@ -98,7 +98,7 @@ def default_config() -> ml_collections.ConfigDict:
         epsilon=0.2,                 # lower clip: ratio >= 1 - epsilon
         epsilon_high=opt_float(),    # upper clip (DAPO clip-higher); None = epsilon
         clip_ratio_c=opt_float(),    # dual-clip bound (> 1) for negative advantages; None = off
-        tis_cap=opt_float(),           # truncated importance sampling vs sampler logps; None = off
+        tis_cap=opt_float(),         # truncated importance sampling vs sampler logps; None = off
         policy_loss="ppo",
         loss_agg_mode="token-mean",
         adv_estimator="grpo",

@@ -1,0 +1,137 @@
+"""TrainState: everything a step reads and writes, as one pytree (principle 1: state is data).
+
+``step`` counts optimizer updates (int32 scalar), ``rng`` is the run's base key (split per step
+by the trainer). ``critic_*`` exist for PPO and ``ref_params`` for a frozen reference policy;
+unused fields are ``None``, which jax treats as an empty subtree (nothing stored, nothing
+checkpointed).
+
+Shardings: params (and ref/critic params) use the caller's shardings; optimizer-state leaves
+mirror their parameter's sharding; scalars (step, counts, rng) are replicated.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+@struct.dataclass
+class TrainState:
+    """Train state pytree; all fields are jax data (no static fields, so it jits as-is)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    critic_params: Any = None
+    critic_opt_state: Any = None
+    ref_params: Any = None
+
+
+def create_train_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array, *,
+                       critic_params: Any = None,
+                       critic_optimizer: optax.GradientTransformation | None = None,
+                       ref_params: Any = None) -> TrainState:
+    """A fresh state at step 0 (works under ``jax.jit``/``jax.eval_shape``)."""
+    if (critic_params is None) != (critic_optimizer is None):
+        raise ValueError("critic_params and critic_optimizer go together")
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=rng,
+        critic_params=critic_params,
+        critic_opt_state=None if critic_optimizer is None else critic_optimizer.init(critic_params),
+        ref_params=ref_params,
+    )
+
+
+def eval_state_shape(params: Any, optimizer: optax.GradientTransformation, rng: Any, *,
+                     critic_params: Any = None,
+                     critic_optimizer: optax.GradientTransformation | None = None,
+                     ref_params: Any = None) -> TrainState:
+    """``create_train_state`` evaluated abstractly: a TrainState of ``ShapeDtypeStruct``.
+
+    Inputs may be arrays or ``ShapeDtypeStruct``s; nothing is allocated.
+    """
+    def build(p, r, c, ref):
+        return create_train_state(p, optimizer, r, critic_params=c,
+                                  critic_optimizer=critic_optimizer, ref_params=ref)
+
+    return jax.eval_shape(build, params, rng, critic_params, ref_params)
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(entry) for entry in path)
+
+
+def mirror_shardings(tree: Any, params_like: Any, param_shardings: Any,
+                     replicated: jax.sharding.Sharding) -> Any:
+    """Shardings for ``tree`` (e.g. an abstract optimizer state) that mirror the params'.
+
+    A leaf of ``tree`` takes the sharding of the parameter whose key path is a suffix of the
+    leaf's path (Adam's ``[0].mu['layers']['wq']`` ends with ``['layers']['wq']``) *and* whose
+    shape equals the leaf's; every other leaf (counts, scalars, factored statistics) is
+    replicated. Path matching is robust to masked/partial states that break tree structure.
+    """
+    by_path = {}
+    flat_params = jax.tree_util.tree_flatten_with_path(params_like)[0]
+    flat_shardings = jax.tree.leaves(param_shardings)
+    if len(flat_params) != len(flat_shardings):
+        raise ValueError("param_shardings must have the same structure as the params")
+    for (path, leaf), sharding in zip(flat_params, flat_shardings):
+        by_path[_path_key(path)] = (tuple(leaf.shape), sharding)
+
+    def pick(path, leaf):
+        key = _path_key(path)
+        for start in range(len(key) + 1):
+            hit = by_path.get(key[start:])
+            if hit is not None and hit[0] == tuple(leaf.shape):
+                return hit[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def _replicated_like(param_shardings: Any) -> jax.sharding.Sharding:
+    """A fully replicated sharding on the same devices as the given param shardings."""
+    first = jax.tree.leaves(param_shardings)[0]
+    if isinstance(first, NamedSharding):
+        return NamedSharding(first.mesh, PartitionSpec())
+    return first  # single-device (or other) sharding: nothing to replicate over
+
+
+def state_shardings(shape_state: TrainState, param_shardings: Any,
+                    critic_shardings: Any = None) -> TrainState:
+    """A TrainState of shardings for ``shape_state`` (from :func:`eval_state_shape`).
+
+    ``param_shardings`` is a pytree of shardings matching ``params`` (and ``ref_params``);
+    ``critic_shardings`` matches ``critic_params`` when there is a critic.
+    """
+    replicated = _replicated_like(param_shardings)
+    has_critic = shape_state.critic_params is not None
+    if has_critic and critic_shardings is None:
+        raise ValueError("the state has a critic: pass critic_shardings")
+    return TrainState(
+        step=replicated,
+        params=param_shardings,
+        opt_state=mirror_shardings(shape_state.opt_state, shape_state.params, param_shardings,
+                                   replicated),
+        rng=jax.tree.map(lambda _: replicated, shape_state.rng),
+        critic_params=critic_shardings if has_critic else None,
+        critic_opt_state=(mirror_shardings(shape_state.critic_opt_state,
+                                           shape_state.critic_params, critic_shardings,
+                                           replicated) if has_critic else None),
+        ref_params=param_shardings if shape_state.ref_params is not None else None,
+    )
+
+
+def abstract_train_state(shape_state: TrainState, shardings: TrainState) -> TrainState:
+    """Zips shapes and shardings into ``ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves:
+    the target that ``CheckpointManager.restore`` and ``jax.jit(out_shardings=...)`` want."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape_state, shardings)
