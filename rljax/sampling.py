@@ -1,0 +1,278 @@
+"""On-device sampler: prefill once per prompt, fan out to G samples, decode in ``lax.while_loop``.
+
+    out = sampling.generate(cfg, params, prompt_tokens, prompt_mask, rng=key, max_new_tokens=N,
+                            temperature=1.0, top_k=0, top_p=1.0, eos_id=tok.eos_id,
+                            pad_id=tok.pad_id, num_samples=G)
+    # out.tokens int32[B*G, N]  (row i*G + g is sample g of prompt i)
+    # out.logps float32[B*G, N], out.mask bool[B*G, N], out.lengths int32[B*G],
+    # out.truncated bool[B*G]
+
+The whole call is one jitted program (static: cfg, shapes, sampling knobs): a prefill of the
+``[B, P]`` prompts into a KV cache of ``P + N`` slots, a broadcast of that cache to ``B*G`` rows,
+and a ``while_loop`` that feeds one token per step and exits as soon as every row has emitted a
+stop token. The cache only ever lives inside the program, so XLA updates it in place (a loop
+carry is aliased to its own output): no per-token host round trip and no cache copies.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import models
+from rljax import sharding as shd
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    """Completions, prompt-major (row ``i * G + g``). N = max_new_tokens.
+
+    tokens: int32 [B*G, N]; after the stop token: ``pad_id``.
+    logps: float32 [B*G, N]; log-prob of each sampled token under softmax(logits / temperature)
+      (temperature 1 when greedy), before any top-k/top-p filtering; 0 where mask is False.
+    mask: bool [B*G, N]; True for real tokens (stop token included).
+    lengths: int32 [B*G]; ``mask.sum(-1)``.
+    truncated: bool [B*G]; True when N tokens were generated without a stop token.
+    """
+    tokens: jax.Array
+    logps: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+
+
+# ----------------------------------------------------------------------------- bucketing
+
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def bucket_length(n: int, buckets: Sequence[int] | None = None) -> int:
+    """Smallest bucket >= n (buckets default to powers of two from 16). Raises if none fits."""
+    buckets = sorted(DEFAULT_BUCKETS if buckets is None else buckets)
+    for b in buckets:
+        if b >= n:
+            return int(b)
+    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def pad_to_bucket(tokens: Any, mask: Any = None, *, pad_id: int,
+                  buckets: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads prompts to a bucketed length so the sampler compiles once per bucket.
+
+    Args:
+      tokens: either a list of token-id lists (ragged), or an int array [B, P] that is already
+        left-padded with ``mask`` bool [B, P].
+      mask: required with an array, ignored (must be None) with lists.
+      pad_id: id written into padding slots.
+      buckets: allowed lengths (default ``DEFAULT_BUCKETS``).
+
+    Returns:
+      ``(tokens int32 [B, bucket], mask bool [B, bucket])`` as numpy arrays, left-padded, where
+      bucket = bucket_length(longest prompt).
+    """
+    if mask is None:
+        rows = [list(map(int, r)) for r in tokens]
+    else:
+        tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+        rows = [list(t[m]) for t, m in zip(tokens, mask)]
+    p = bucket_length(max([len(r) for r in rows] + [1]), buckets)
+    out = np.full((len(rows), p), pad_id, np.int32)
+    out_mask = np.zeros((len(rows), p), bool)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, p - len(r):] = r
+            out_mask[i, p - len(r):] = True
+    return out, out_mask
+
+
+# ----------------------------------------------------------------------------- token sampling
+
+def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row.
+
+    Args:
+      rng: PRNG key.
+      logits: float32 [B, V] (already masked where tokens are forbidden).
+      temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+      top_k: keep the k largest logits (0 = off).
+      top_p: keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
+
+    Returns:
+      ``(tokens int32 [B], logps float32 [B])``; logps are log softmax(logits / temperature) at
+      the chosen token (temperature 1 when greedy), i.e. *without* top-k/top-p renormalisation,
+      the quantity a trainer recomputes from the model.
+    """
+    logits = logits.astype(jnp.float32)
+    if temperature == 0.0:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        logp_all = jax.nn.log_softmax(scaled, axis=-1)
+        filtered = scaled
+        neg = jnp.finfo(jnp.float32).min
+        if 0 < top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+            filtered = jnp.where(scaled < kth, neg, filtered)
+        if top_p < 1.0:
+            # Sort once, keep tokens whose preceding mass is < top_p (so the token that crosses
+            # top_p is kept), and turn that into a logit threshold: no scatter back needed.
+            desc = jnp.sort(filtered, axis=-1)[:, ::-1]
+            probs = jax.nn.softmax(desc, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs
+            keep = before < top_p
+            thresh = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+            filtered = jnp.where(filtered < thresh, neg, filtered)
+        tokens = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+    logps = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logps
+
+
+# ----------------------------------------------------------------------------- generate
+
+def _stop_ids(eos_id, stop_ids) -> tuple[int, ...]:
+    ids = []
+    for x in (eos_id, stop_ids):
+        if x is None:
+            continue
+        ids.extend([int(x)] if np.ndim(x) == 0 else [int(i) for i in x])
+    return tuple(sorted(set(ids)))
+
+
+def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
+             prompt_mask: jax.Array, *, rng: jax.Array, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
+             num_samples: int = 1, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
+             mesh: jax.sharding.Mesh | None = None,
+             rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
+             cache_dtype: Any = None) -> SampleOutput:
+    """Samples ``num_samples`` completions per prompt, entirely on device.
+
+    Args:
+      cfg: model config (static).
+      params: model parameters; used as given (e.g. the trainer's own sharded arrays).
+      prompt_tokens: int32 [B, P], left-padded (bucket P with ``pad_to_bucket``).
+      prompt_mask: bool [B, P], True for real prompt tokens.
+      rng: PRNG key; the same key gives the same output.
+      max_new_tokens: N, the completion length.
+      temperature: softmax temperature; 0 = greedy.
+      top_k, top_p: filtering for sampling (0 / 1.0 = off); ignored when greedy.
+      eos_id: stop token id, or several; None = no stop token (always N tokens).
+      pad_id: written after the stop token.
+      num_samples: G completions per prompt; the prompt is prefilled once and its KV cache
+        broadcast to its G rows. Output row ``i * G + g``.
+      stop_ids: extra stop ids (same role as eos_id).
+      min_new_tokens: stop ids are forbidden before this many tokens have been generated
+        (their logps are still reported under the unfiltered distribution).
+      mesh: when given, the batch is constrained over the data/fsdp axes and the KV cache's heads
+        over tensor (``rules``); params keep whatever sharding they already have.
+      rules: logical-axis rules for those constraints.
+      cache_dtype: KV cache dtype (default the model's compute dtype).
+
+    Returns:
+      ``SampleOutput`` with ``B * num_samples`` rows (see its docstring).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return _generate(
+        cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), rng,
+        max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
+        top_p=float(top_p), stop_ids=_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
+        num_samples=int(num_samples), min_new_tokens=int(min_new_tokens), mesh=mesh,
+        rules=tuple((k, v if isinstance(v, (str, type(None))) else tuple(v)) for k, v in rules),
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+
+
+_STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids", "pad_id",
+           "num_samples", "min_new_tokens", "mesh", "rules", "cache_dtype")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, temperature,
+              top_k, top_p, stop_ids, pad_id, num_samples, min_new_tokens, mesh, rules,
+              cache_dtype):
+    b, p = prompt_tokens.shape
+    n, g = max_new_tokens, num_samples
+    bg = b * g
+    s = p + n  # cache slots: the prompt bucket plus the completion, nothing more
+    batch = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)
+    cache_axes = ("layers", "batch", "length", "kv_heads", "head_dim")
+    constrain_cache = lambda c: {k: shd.constrain(v, cache_axes, mesh, rules) for k, v in c.items()}
+    stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
+
+    def is_stop(tok):
+        if stop is None:
+            return jnp.zeros(tok.shape, bool)
+        return jnp.any(tok[:, None] == stop[None, :], axis=-1)
+
+    def pick(key, logits, t):
+        # Stop ids are forbidden until min_new_tokens tokens exist; logps stay unfiltered.
+        if stop is None or min_new_tokens == 0:
+            return sample_logits(key, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        forbid = jnp.zeros(logits.shape[-1], bool).at[stop].set(True) & (t < min_new_tokens)
+        masked = jnp.where(forbid[None, :], jnp.finfo(jnp.float32).min, logits)
+        tok, _ = sample_logits(key, masked, temperature=temperature, top_k=top_k, top_p=top_p)
+        logp_all = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
+        return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+
+    # ---- prefill: B prompts, once.
+    prompt_tokens, prompt_mask = batch(prompt_tokens), batch(prompt_mask)
+    prompt_len = jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32)  # [B]
+    slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, n), bool)], axis=1)  # [B, S]
+    cache = constrain_cache(models.init_cache(cfg, b, s, dtype=cache_dtype))
+    hidden, cache = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
+                                 positions=models.default_positions(prompt_mask),
+                                 cache=cache, cache_index=0)
+    # Left padding: every prompt's last token sits in slot P-1.
+    logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
+
+    # ---- fan out to G rows per prompt (prompt-major), sharing the prefill.
+    fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis) if g > 1 else x
+    cache = constrain_cache({k: fan(v, axis=1) for k, v in cache.items()})
+    logits, prompt_mask, prompt_len = batch(fan(logits)), batch(fan(prompt_mask)), fan(prompt_len)
+
+    tok, logp = pick(jax.random.fold_in(rng, 0), logits, 0)
+    tokens = jnp.full((bg, n), pad_id, jnp.int32).at[:, 0].set(tok)
+    logps = jnp.zeros((bg, n), jnp.float32).at[:, 0].set(logp)
+    done = is_stop(tok)
+    lengths = jnp.ones((bg,), jnp.int32)
+    new_slots = jnp.arange(n)
+
+    def cond(state):
+        t, _, _, _, done, _, _ = state
+        return (t < n) & ~jnp.all(done)
+
+    def body(state):
+        # Feed token t-1 (slot P+t-1), sample token t.
+        t, cache, prev, lengths, done, tokens, logps = state
+        attn = jnp.concatenate([prompt_mask, jnp.broadcast_to(new_slots < t, (bg, n))], axis=1)
+        hidden, cache = models.trunk(cfg, params, prev[:, None], attention_mask=attn,
+                                     positions=(prompt_len + t - 1)[:, None], cache=cache,
+                                     cache_index=p + t - 1)
+        cache = constrain_cache(cache)
+        logits = models.logits_from_hidden(cfg, params, hidden[:, 0])
+        tok, logp = pick(jax.random.fold_in(rng, t), logits, t)
+        tok = jnp.where(done, pad_id, tok)
+        logp = jnp.where(done, 0.0, logp)
+        lengths = lengths + (~done).astype(jnp.int32)
+        tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, t, axis=1)
+        logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
+        done = done | is_stop(tok)
+        return t + 1, cache, tok, lengths, done, tokens, logps
+
+    state = (jnp.int32(1), cache, tok, lengths, done, batch(tokens), batch(logps))
+    _, _, _, lengths, done, tokens, logps = jax.lax.while_loop(cond, body, state)
+    mask = new_slots[None, :] < lengths[:, None]
+    return SampleOutput(tokens=tokens, logps=logps, mask=mask, lengths=lengths, truncated=~done)

@@ -1,0 +1,277 @@
+"""Tests for rljax.sampling: cache vs recompute, logps, sampling statistics, fan-out, EOS,
+bucketing/recompilation, and sharded decoding on 8 fake CPU devices."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import models, sampling, sharding
+
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8], [9, 10, 11, 12, 13, 14, 15], [200, 1, 2]]
+SMALL_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [6], [2, 7, 1, 1, 4]]  # for the vocab-8 model
+
+
+def _prompts(pad_id=0, rows=PROMPTS, bucket=8):
+    return sampling.pad_to_bucket(rows, pad_id=pad_id, buckets=(bucket,))
+
+
+def _cfg(**kw):
+    # A larger init_std than the default makes logits peaked enough that greedy argmax has no
+    # near-ties, so the cache/recompute comparison tests the cache and not float noise.
+    return models.get_preset("tiny", init_std=0.1, **kw)
+
+
+def _logps_by_forward(cfg, params, prompt, pmask, out, temperature):
+    """log softmax(forward / T) of each completion token, recomputed on prompt + completion."""
+    seq = jnp.concatenate([jnp.asarray(prompt), out.tokens], axis=1)
+    mask = jnp.concatenate([jnp.asarray(pmask), out.mask], axis=1)
+    logits = models.forward(cfg, params, seq, attention_mask=mask) / (temperature or 1.0)
+    p = prompt.shape[1]
+    lp = jax.nn.log_softmax(logits[:, p - 1:-1], axis=-1)
+    return jnp.take_along_axis(lp, out.tokens[..., None], axis=-1)[..., 0]
+
+
+def _expand(x, g):
+    return np.repeat(np.asarray(x), g, axis=0)
+
+
+# ----------------------------------------------------------------------------- bucketing
+
+def test_bucket_length_and_pad():
+    assert sampling.bucket_length(1) == 16
+    assert sampling.bucket_length(16) == 16
+    assert sampling.bucket_length(17, (8, 32, 64)) == 32
+    with pytest.raises(ValueError, match="exceeds the largest bucket 64"):
+        sampling.bucket_length(65, (8, 32, 64))
+    toks, mask = sampling.pad_to_bucket([[1, 2, 3], [4]], pad_id=9, buckets=(4, 8))
+    np.testing.assert_array_equal(toks, [[9, 1, 2, 3], [9, 9, 9, 4]])
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1]])
+    # An already left-padded array is re-bucketed from its real tokens.
+    toks2, mask2 = sampling.pad_to_bucket(np.array([[0, 1, 2, 3], [0, 0, 0, 4]]), mask, pad_id=9,
+                                          buckets=(2, 4, 16))
+    np.testing.assert_array_equal(toks2, toks)
+    np.testing.assert_array_equal(mask2, mask)
+
+
+# ----------------------------------------------------------------------------- greedy parity
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma"])
+def test_greedy_cache_matches_full_recompute(family):
+    cfg = _cfg(model_type=family)
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    n = 5
+    out = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(1), max_new_tokens=n,
+                            temperature=0.0, pad_id=0)
+    # Reference: no cache. A fixed [B, P+N] buffer (future slots masked out; causality makes
+    # them irrelevant) so the reference compiles once; re-run the full forward per token.
+    b, p = prompt.shape
+    seq = np.concatenate([prompt, np.zeros((b, n), np.int32)], axis=1)
+    mask = np.concatenate([pmask, np.zeros((b, n), bool)], axis=1)
+    fwd = jax.jit(lambda s, m: models.forward(cfg, params, s, attention_mask=m))
+    for t in range(n):
+        logits = fwd(seq, mask)[:, p + t - 1]
+        seq[:, p + t] = np.argmax(np.asarray(logits), axis=-1)
+        mask[:, p + t] = True
+    np.testing.assert_array_equal(np.asarray(out.tokens), seq[:, p:])
+    assert out.tokens.shape == (b, n) and out.tokens.dtype == jnp.int32
+    assert bool(jnp.all(out.mask)) and bool(jnp.all(out.truncated))
+    np.testing.assert_array_equal(out.lengths, [n] * b)
+
+
+# ----------------------------------------------------------------------------- logps
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A vocab-8 model with a sharpened head: EOS is sampled often and frequencies are
+    far from uniform."""
+    cfg = _cfg(vocab_size=8)
+    params = models.init_params(cfg, jax.random.key(3))
+    params = dict(params, lm_head=params["lm_head"] * 3.0)
+    return cfg, params
+
+
+def test_logps_match_forward_with_eos_and_filters():
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    temp = 0.7
+    out = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(2), max_new_tokens=6,
+                            temperature=temp, top_k=50, top_p=0.9, pad_id=0, num_samples=2)
+    ref = _logps_by_forward(cfg, params, _expand(prompt, 2), _expand(pmask, 2), out, temp)
+    np.testing.assert_allclose(np.where(out.mask, ref, 0.0), out.logps, atol=1e-4)
+    if hasattr(models, "token_logps"):
+        seq = jnp.concatenate([_expand(prompt, 2), out.tokens], axis=1)
+        m = jnp.concatenate([_expand(pmask, 2), out.mask], axis=1)
+        lp = models.token_logps(cfg, params, seq, attention_mask=m, temperature=temp)
+        lp = lp[0] if isinstance(lp, tuple) else lp
+        np.testing.assert_allclose(np.where(out.mask, lp[:, prompt.shape[1]:], 0.0), out.logps,
+                                   atol=1e-4)
+
+
+def test_eos_stop_ids_min_length_and_truncation(small_vocab):
+    cfg, params = small_vocab
+    prompt, pmask = _prompts(rows=SMALL_PROMPTS)
+    n, g, stops = 10, 6, (3, 5)
+    kw = dict(rng=jax.random.key(4), max_new_tokens=n, temperature=1.0, pad_id=0, num_samples=g)
+    out = sampling.generate(cfg, params, prompt, pmask, eos_id=stops[0], stop_ids=stops[1:],
+                            min_new_tokens=2, **kw)
+    toks, mask, lengths = map(np.asarray, (out.tokens, out.mask, out.lengths))
+    trunc = np.asarray(out.truncated)
+    assert toks.shape == (len(SMALL_PROMPTS) * g, n)
+    for row in range(toks.shape[0]):
+        hits = np.flatnonzero(np.isin(toks[row], stops) & mask[row])
+        assert hits.size == 0 or hits.min() >= 2, "min_new_tokens not respected"
+        if hits.size:
+            first = hits.min()
+            assert lengths[row] == first + 1 and not trunc[row]
+            assert np.all(toks[row, first + 1:] == 0)
+        else:
+            assert lengths[row] == n and trunc[row]
+        np.testing.assert_array_equal(mask[row], np.arange(n) < lengths[row])
+    # The seed gives both outcomes, and both stop ids occur.
+    assert trunc.any() and (~trunc).any()
+    last = toks[np.arange(len(toks)), lengths - 1]
+    assert set(last[~trunc]) == set(stops)
+    assert np.all(np.asarray(out.logps)[~mask] == 0.0)
+    # logps are under the unfiltered model distribution, even where min length forbade stops.
+    ref = _logps_by_forward(cfg, params, _expand(prompt, g), _expand(pmask, g), out, 1.0)
+    np.testing.assert_allclose(np.where(mask, ref, 0.0), out.logps, atol=1e-4)
+    # Without stop ids every row is truncated at N tokens.
+    free = sampling.generate(cfg, params, prompt, pmask, eos_id=None, **kw)
+    assert bool(jnp.all(free.truncated)) and bool(jnp.all(free.lengths == n))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def test_top_k_one_is_greedy_and_rng_determinism():
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    kw = dict(max_new_tokens=4, pad_id=0, eos_id=1)
+    greedy = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(0),
+                               temperature=0.0, **kw)
+    top1 = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(7), temperature=1.0,
+                             top_k=1, **kw)
+    np.testing.assert_array_equal(greedy.tokens, top1.tokens)
+    np.testing.assert_allclose(greedy.logps, top1.logps, atol=1e-6)  # both at temperature 1
+    a = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(5), temperature=1.0,
+                          **kw)
+    b = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(5), temperature=1.0,
+                          **kw)
+    c = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(6), temperature=1.0,
+                          **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logps, b.logps)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_sample_logits_frequencies():
+    """Frequencies of 40k draws vs the target distribution. With n = 40k the standard error of a
+    frequency is <= 0.0025, so a 0.012 tolerance is > 4.5 sigma (fixed seed anyway)."""
+    logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n, tol = 40_000, 0.012
+    rows = jnp.broadcast_to(logits, (n, 6))
+
+    def freqs(**kw):
+        tok, logp = sampling.sample_logits(jax.random.key(0), rows, **kw)
+        t = kw.get("temperature", 1.0) or 1.0
+        np.testing.assert_allclose(logp, jax.nn.log_softmax(logits / t)[tok], atol=1e-6)
+        return np.bincount(np.asarray(tok), minlength=6) / n
+
+    p = np.asarray(jax.nn.softmax(logits / 0.8))
+    np.testing.assert_allclose(freqs(temperature=0.8), p, atol=tol)
+    p_k = np.where(np.arange(6) < 3, p, 0) / p[:3].sum()
+    np.testing.assert_allclose(freqs(temperature=0.8, top_k=3), p_k, atol=tol)
+    # top_p = 0.7: p = [.58, .17, ...]; mass before token 1 is .58 < .7 so tokens {0, 1} kept.
+    assert p[0] < 0.7 < p[0] + p[1]
+    p_p = np.where(np.arange(6) < 2, p, 0) / p[:2].sum()
+    np.testing.assert_allclose(freqs(temperature=0.8, top_p=0.7), p_p, atol=tol)
+    np.testing.assert_array_equal(freqs(temperature=0.0), np.eye(6)[0])
+
+
+def test_generate_frequencies_match_model_softmax(small_vocab):
+    cfg, params = small_vocab
+    prompt, pmask = _prompts(rows=[[1, 2, 3]])
+    g, temp = 20_000, 1.5
+    out = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(8), max_new_tokens=1,
+                            temperature=temp, pad_id=0, num_samples=g)
+    logits = models.forward(cfg, params, jnp.asarray(prompt), attention_mask=jnp.asarray(pmask))
+    p = np.asarray(jax.nn.softmax(logits[0, -1] / temp))
+    assert p.max() > 0.3  # the sharpened head makes this a non-trivial distribution
+    # Standard error <= 0.0036; tolerance 0.016 is > 4 sigma.
+    np.testing.assert_allclose(np.bincount(np.asarray(out.tokens[:, 0]), minlength=8) / g, p,
+                               atol=0.016)
+
+
+# ----------------------------------------------------------------------------- fan-out
+
+def _walk_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _walk_eqns(inner)
+
+
+def test_fan_out_equals_repeated_prompts_and_prefills_once():
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    g = 3
+    kw = dict(rng=jax.random.key(9), max_new_tokens=5, temperature=1.0, pad_id=0, eos_id=1)
+    fan = sampling.generate(cfg, params, prompt, pmask, num_samples=g, **kw)
+    rep = sampling.generate(cfg, params, _expand(prompt, g), _expand(pmask, g), num_samples=1,
+                            **kw)
+    # Same key and the same [B*G, V] draws: not only the same distribution but the same samples.
+    np.testing.assert_array_equal(fan.tokens, rep.tokens)
+    np.testing.assert_allclose(fan.logps, rep.logps, atol=1e-5)
+    np.testing.assert_array_equal(fan.lengths, rep.lengths)
+    # The compiled program runs the prompt ([B, P] activations) through the layers once at batch
+    # B: no matmul ever sees [B*G, P, ...].
+    b, p = prompt.shape
+    jaxpr = jax.make_jaxpr(lambda pr: sampling.generate(cfg, pr, prompt, pmask, num_samples=g,
+                                                        **kw))(params)
+    lead = [tuple(v.aval.shape[:2]) for e in _walk_eqns(jaxpr.jaxpr)
+            if e.primitive.name == "dot_general" for v in e.outvars]
+    assert (b, p) in lead
+    assert (b * g, p) not in lead
+
+
+def test_same_bucket_does_not_recompile():
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    kw = dict(max_new_tokens=3, temperature=1.0, pad_id=0, eos_id=1, num_samples=2)
+    a, am = _prompts(rows=[[1, 2, 3], [4, 5]], bucket=16)
+    b, bm = _prompts(rows=[[6, 7, 8, 9, 10, 11], [12]], bucket=16)
+    sampling.generate(cfg, params, a, am, rng=jax.random.key(0), **kw)
+    before = sampling._generate._cache_size()
+    out = sampling.generate(cfg, params, b, bm, rng=jax.random.key(1), **kw)
+    assert sampling._generate._cache_size() == before
+    assert out.tokens.shape == (4, 3)
+    c, cm = _prompts(rows=[[1, 2, 3]], bucket=32)
+    sampling.generate(cfg, params, c, cm, rng=jax.random.key(0), **kw)
+    assert sampling._generate._cache_size() == before + 1  # a new bucket compiles once
+
+
+# ----------------------------------------------------------------------------- sharded
+
+def test_sharded_greedy_equals_unsharded():
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    kw = dict(rng=jax.random.key(0), max_new_tokens=5, temperature=0.0, pad_id=0, num_samples=2)
+    ref = sampling.generate(cfg, params, prompt, pmask, **kw)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    shardings = sharding.logical_to_sharding(models.param_logical_axes(cfg), mesh, shapes=params)
+    sparams = sharding.shard_params(params, shardings)
+    sprompt = sharding.shard_batch({"t": prompt, "m": pmask}, mesh)
+    out = sampling.generate(cfg, sparams, sprompt["t"], sprompt["m"], mesh=mesh, **kw)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logps, ref.logps, atol=1e-5)
+    # The completion batch stays split over the data-parallel axes.
+    assert out.tokens.sharding.spec[0] == ("data", "fsdp")
+    # The caller's params were used as given: still sharded, not copied/replaced.
+    assert sparams["layers"]["q"].sharding.spec == shardings["layers"]["q"].spec
