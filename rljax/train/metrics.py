@@ -1,0 +1,215 @@
+"""Metrics: ``metrics.jsonl``, TensorBoard event files and a throttled console progress line.
+
+``MetricsWriter(workdir).write(step, {"reward/mean": ..., "loss": ...})`` appends one JSON
+object per call (always with ``step``), writes TensorBoard scalars to the workdir, and prints
+a progress line at most every ``console_every_s`` seconds (plus the first and last step).
+Only process 0 writes anything; other processes get a no-op writer, so the loop can call it
+unconditionally on every host.
+
+Values may be Python/numpy/jax scalars; size-1 arrays become scalars; other arrays are stored
+as lists in the JSON only. Non-finite floats are written as ``null`` (standard JSON).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+# Shown first on the console line when present (then other keys, up to CONSOLE_KEYS in all).
+CONSOLE_PRIORITY = ("reward/mean", "eval/accuracy", "loss", "kl", "completion/length_mean")
+CONSOLE_KEYS = 5
+
+
+def to_python(value: Any) -> Any:
+    """JSON-able Python value: scalars to int/float/bool (non-finite floats to None),
+    recursing into lists and dicts."""
+    if hasattr(value, "__array__") or isinstance(value, np.generic):
+        arr = np.asarray(value)
+        if arr.size == 1:
+            value = arr.reshape(()).item()
+        else:
+            return [to_python(v) for v in arr.tolist()]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [to_python(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): to_python(v) for k, v in value.items()}
+    return value
+
+
+def _is_process_zero() -> bool:
+    import jax  # local: metrics.jsonl readers (plot) should not need a backend
+
+    return jax.process_index() == 0
+
+
+def format_duration(seconds: float) -> str:
+    """``3725`` -> ``1h02m``, ``75`` -> ``1m15s``, ``9.4`` -> ``9s``."""
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class MetricsWriter:
+    """Writes metrics for one run's workdir. Use as a context manager or call :meth:`close`.
+
+    Args:
+      workdir: run directory (created if needed).
+      total_steps: for the ETA; None hides it.
+      console_every_s: minimum seconds between console lines (0 = every call).
+      tensorboard: also write TensorBoard event files into ``workdir``.
+      resume_step: when resuming from a checkpoint at this step, drop lines logged after it by
+        the interrupted run, so ``metrics.jsonl`` has each step once.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, *, total_steps: int | None = None,
+                 console_every_s: float = 10.0, tensorboard: bool = True,
+                 resume_step: int | None = None, stream=None, enabled: bool | None = None):
+        self.workdir = os.fspath(workdir)
+        self.total_steps = total_steps
+        self.console_every_s = console_every_s
+        self.enabled = _is_process_zero() if enabled is None else enabled
+        self.stream = stream if stream is not None else sys.stdout
+        self._file = None
+        self._tb = None
+        self._start_time: float | None = None
+        self._start_step = 0
+        self._last_print = -math.inf
+        if not self.enabled:
+            return
+        os.makedirs(self.workdir, exist_ok=True)
+        self.path = os.path.join(self.workdir, METRICS_FILE)
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # local: slow import, optional output
+
+            self._tb = SummaryWriter(logdir=self.workdir)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        """Logs ``metrics`` at ``step``; returns the JSON record written."""
+        record = {"step": int(step)}
+        record.update({str(k): to_python(v) for k, v in metrics.items()})
+        if not self.enabled:
+            return record
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # a killed run still leaves every logged step on disk
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, global_step=int(step))
+        self._maybe_print(int(step), record)
+        return record
+
+    def _maybe_print(self, step: int, record: Mapping[str, Any]) -> None:
+        now = time.monotonic()
+        if self._start_time is None:
+            self._start_time, self._start_step = now, step
+        last = self.total_steps is not None and step >= self.total_steps
+        if now - self._last_print < self.console_every_s and not last and self._last_print > -math.inf:
+            return
+        self._last_print = now
+        print(self.progress_line(step, record, now), file=self.stream, flush=True)
+
+    def progress_line(self, step: int, record: Mapping[str, Any], now: float) -> str:
+        """``step 40/100 | 2.31 steps/s | ETA 26s | reward/mean 0.41 | loss 0.12``."""
+        parts = [f"step {step}" + (f"/{self.total_steps}" if self.total_steps else "")]
+        elapsed = now - (self._start_time or now)
+        done = step - self._start_step
+        if done > 0 and elapsed > 0:
+            rate = done / elapsed  # measured from the first logged step: excludes compile time
+            parts.append(f"{rate:.3g} steps/s")
+            if self.total_steps:
+                parts.append(f"ETA {format_duration((self.total_steps - step) / rate)}")
+        for key in _console_keys(record):
+            parts.append(f"{key} {_format_value(record[key])}")
+        return " | ".join(parts)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the files (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _console_keys(record: Mapping[str, Any]) -> list[str]:
+    scalars = [k for k, v in record.items()
+               if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    first = [k for k in CONSOLE_PRIORITY if k in scalars]
+    rest = [k for k in scalars if k not in first]
+    return (first + rest)[:CONSOLE_KEYS]
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Reads ``metrics.jsonl`` (a file, or a workdir containing one); skips a torn last line."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a run killed mid-write leaves a partial final line
+    return records
+
+
+def truncate_after(path: str, step: int) -> None:
+    """Drops records with ``step`` > ``step`` (rewrites the file atomically)."""
+    if not os.path.exists(path):
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+
+
+def numeric_series(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[list, list]]:
+    """``{key: (steps, values)}`` for every scalar numeric key (None/NaN points skipped)."""
+    series: dict[str, tuple[list, list]] = {}
+    for record in records:
+        step = record.get("step")
+        for key, value in record.items():
+            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            steps, values = series.setdefault(key, ([], []))
+            steps.append(step)
+            values.append(value)
+    return series
