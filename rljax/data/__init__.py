@@ -1,0 +1,130 @@
+"""Data: example sources, prompt templates and a deterministic, checkpointable iterator.
+
+From a config section (dict or ``ml_collections.ConfigDict``)::
+
+    data = {"source": "arithmetic", "digits": 2, "operands": 2, "ops": "+-",
+            "max_prompt_len": 16, "on_overlong": "drop"}
+    it = data.make_iterator(data_cfg, batch_size=32, seed=0, tokenizer=tok)     # train split
+    batch = next(it)            # [{"prompt": "12+7=", "question": "12+7=", "answer": "19"}, ...]
+    tokens, mask = data.encode_prompts(tok, batch, max_prompt_len=16)
+    ckpt["data"] = it.state(); ...; it.restore(ckpt["data"])
+
+Sources (key ``source``) and their keys, besides the common ones (``template``, ``chat``,
+``system_prompt``, ``max_prompt_len``, ``max_completion_len``, ``on_overlong``, ``shuffle``,
+``add_bos``, ``kind``):
+
+* ``arithmetic``: ``digits``, ``operands``, ``ops``, ``allow_negative``, ``num_examples``,
+  ``eval_examples``, ``task_seed``.
+* ``countdown``: ``num_numbers``, ``max_number``, ``max_target``, ``use_all``, ``num_examples``,
+  ``eval_examples``, ``task_seed``.
+* ``jsonl`` / ``parquet``: ``path``, and ``eval_path`` or ``eval_fraction`` (+ ``split_seed``);
+  ``fields`` maps example keys to columns. GSM8K files work as they are: ``{question, answer}``.
+* ``tfds``: ``name``, ``data_dir``, ``train_split`` ("train"), ``eval_split`` ("test"), ``fields``.
+
+``kind="preference"`` makes examples ``{prompt, chosen, rejected}`` (for DPO / reward models);
+use ``encode_preference`` to tokenise them.
+"""
+from __future__ import annotations
+
+from rljax.data.iterator import DataIterator, encode_preference, encode_prompts
+from rljax.data.sources import (PREFERENCE_FIELDS, RecordsSource, SubsetSource, TaskSource,
+                                TfdsSource, load_records, split_indices)
+from rljax.data.tasks import TASKS, ArithmeticTask, CountdownTask, solve_countdown
+from rljax.data.templates import DEFAULT_TEMPLATE, PromptTemplate
+
+__all__ = ["make_source", "make_template", "make_iterator", "get_task", "DataIterator",
+           "encode_prompts", "encode_preference", "PromptTemplate", "TaskSource", "RecordsSource",
+           "SubsetSource", "TfdsSource", "ArithmeticTask", "CountdownTask", "solve_countdown",
+           "load_records", "split_indices", "TASKS", "PREFERENCE_FIELDS"]
+
+_COMMON = {"source", "template", "chat", "system_prompt", "max_prompt_len", "max_completion_len",
+           "on_overlong", "shuffle", "add_bos", "kind"}
+_TASK_KEYS = {"arithmetic": {"digits", "operands", "ops", "allow_negative"},
+              "countdown": {"num_numbers", "max_number", "max_target", "use_all"}}
+_SOURCE_KEYS = {
+    **{name: keys | {"num_examples", "eval_examples", "task_seed"} for name, keys in _TASK_KEYS.items()},
+    "jsonl": {"path", "eval_path", "eval_fraction", "split_seed", "fields"},
+    "parquet": {"path", "eval_path", "eval_fraction", "split_seed", "fields"},
+    "tfds": {"name", "data_dir", "train_split", "eval_split", "fields"},
+}
+_SPLITS = ("train", "eval")
+
+
+def _as_dict(config) -> dict:
+    config = config.to_dict() if hasattr(config, "to_dict") else config
+    config = dict(config)
+    source = config.get("source")
+    if source not in _SOURCE_KEYS:
+        raise ValueError(f"data.source must be one of {sorted(_SOURCE_KEYS)}, got {source!r}")
+    unknown = set(config) - _COMMON - _SOURCE_KEYS[source]
+    if unknown:
+        raise ValueError(f"unknown data config key(s) {sorted(unknown)} for source {source!r}; "
+                         f"allowed: {sorted(_COMMON | _SOURCE_KEYS[source])}")
+    return config
+
+
+def get_task(config):
+    """The synthetic task object a config describes (for ``task.solution`` in SFT warm-up)."""
+    config = _as_dict(config)
+    name = config["source"]
+    if name not in TASKS:
+        raise ValueError(f"data.source {name!r} is not a synthetic task; tasks: {sorted(TASKS)}")
+    knobs = {k: config[k] for k in _TASK_KEYS[name] if k in config}
+    return TASKS[name](seed=config.get("task_seed", 0), **knobs)
+
+
+def make_source(config, split: str = "train"):
+    """A random-access source (``len``, ``[i] -> dict``) for ``split`` ("train" or "eval")."""
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+    config = _as_dict(config)
+    name, kind, fields = config["source"], config.get("kind", "prompt"), config.get("fields")
+    if name in TASKS:
+        size = config.get("num_examples", 100_000) if split == "train" else config.get("eval_examples", 500)
+        return TaskSource(get_task(config), size, split)
+    if name == "tfds":
+        if "name" not in config:
+            raise ValueError("data.source='tfds' needs data.name")
+        tfds_split = config.get("train_split", "train") if split == "train" else config.get("eval_split", "test")
+        return TfdsSource(config["name"], tfds_split, config.get("data_dir"), fields, kind)
+    return _file_source(config, split, kind, fields)
+
+
+def _file_source(config: dict, split: str, kind: str, fields):
+    if "path" not in config:
+        raise ValueError(f"data.source={config['source']!r} needs data.path")
+    if "eval_path" in config and "eval_fraction" in config:
+        raise ValueError("give data.eval_path or data.eval_fraction, not both")
+    if split == "eval" and "eval_path" in config:
+        return RecordsSource(load_records(config["eval_path"]), fields, kind, config["eval_path"])
+    rows = load_records(config["path"])
+    source = RecordsSource(rows, fields, kind, config["path"])
+    if "eval_fraction" in config:
+        train, held_out = split_indices(len(rows), config["eval_fraction"], config.get("split_seed", 0))
+        return SubsetSource(source, train if split == "train" else held_out)
+    if split == "eval":
+        raise ValueError("no eval split: set data.eval_path or data.eval_fraction")
+    return source
+
+
+def make_template(config, tokenizer=None) -> PromptTemplate:
+    """The prompt template a config describes (``template``, ``chat``, ``system_prompt``)."""
+    config = _as_dict(config)
+    default = "{prompt}" if config.get("kind") == "preference" else DEFAULT_TEMPLATE
+    return PromptTemplate(config.get("template", default), chat=config.get("chat", False),
+                          system_prompt=config.get("system_prompt"), tokenizer=tokenizer)
+
+
+def make_iterator(config, batch_size: int, seed: int = 0, split: str = "train", tokenizer=None,
+                  num_epochs: int | None = None) -> DataIterator:
+    """A ``DataIterator`` over ``make_source(config, split)`` with the config's template and
+    length check. Eval iterators default to one unshuffled pass (``num_epochs=1``)."""
+    cfg = _as_dict(config)
+    is_eval = split == "eval"
+    return DataIterator(
+        make_source(cfg, split), batch_size, seed=seed,
+        shuffle=cfg.get("shuffle", not is_eval), template=make_template(cfg, tokenizer),
+        tokenizer=tokenizer, max_prompt_len=cfg.get("max_prompt_len"),
+        on_overlong=cfg.get("on_overlong", "error"), add_bos=cfg.get("add_bos", False),
+        max_completion_len=cfg.get("max_completion_len"),
+        num_epochs=num_epochs if num_epochs is not None or not is_eval else 1)

@@ -1,0 +1,172 @@
+"""Built-in synthetic tasks with exact verifiers: ``arithmetic`` and ``countdown``.
+
+Examples are a pure function of ``(seed, split, index)``, so a task is a random-access dataset of
+any size: no download, no files, the same example on every host and after every restart.
+Each task also produces a verified solution text (``task.solution(example)``) for SFT warm-up.
+The matching reward functions are ``rewards.get("arithmetic")`` and ``rewards.get("countdown")``.
+"""
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["ArithmeticTask", "CountdownTask", "solve_countdown", "TASKS"]
+
+_SPLIT_STREAM = {"train": 0, "eval": 1, "test": 1}
+
+
+def _rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """Independent generator per example; train and eval draw from different streams."""
+    if split not in _SPLIT_STREAM:
+        raise ValueError(f"unknown split {split!r}; expected one of {sorted(_SPLIT_STREAM)}")
+    return np.random.default_rng([int(seed), _SPLIT_STREAM[split], int(index)])
+
+
+class ArithmeticTask:
+    """Short prompts like ``"12+7="``; the answer is the integer result ("19").
+
+    Difficulty: ``digits`` (operands have 1..digits digits), ``operands`` (how many numbers),
+    ``ops`` (a subset of "+-*"; usual precedence), ``allow_negative`` (else results are >= 0).
+    """
+
+    name = "arithmetic"
+
+    def __init__(self, digits: int = 2, operands: int = 2, ops: str = "+",
+                 allow_negative: bool = False, seed: int = 0):
+        if digits < 1 or operands < 2:
+            raise ValueError(f"arithmetic: need digits >= 1 and operands >= 2, got {digits}, {operands}")
+        if not ops or set(ops) - set("+-*"):
+            raise ValueError(f"arithmetic: ops must be a non-empty subset of '+-*', got {ops!r}")
+        self.digits, self.operands, self.ops = int(digits), int(operands), ops
+        self.allow_negative, self.seed = bool(allow_negative), int(seed)
+
+    def example(self, index: int, split: str = "train") -> dict:
+        rng = _rng(self.seed, split, index)
+        while True:  # rejection sampling keeps results non-negative when asked to
+            nums = [int(rng.integers(0, 10 ** int(rng.integers(1, self.digits + 1))))
+                    for _ in range(self.operands)]
+            ops = [self.ops[int(rng.integers(len(self.ops)))] for _ in range(self.operands - 1)]
+            expr = "".join(str(n) + op for n, op in zip(nums, ops)) + str(nums[-1])
+            value = _eval_int(expr)
+            if self.allow_negative or value >= 0:
+                return {"question": expr + "=", "answer": str(value)}
+
+    def solution(self, example: dict) -> str:
+        """The completion to train on: the result itself."""
+        return str(example["answer"])
+
+
+def _eval_int(expr: str) -> int:
+    """Evaluates a generated ``a+b*c-d`` string (digits and + - * only) with usual precedence."""
+    total, term, sign, num = 0, 1, 1, ""
+    pending = "*"  # how ``num`` joins ``term``
+    for ch in expr + "+":
+        if ch.isdigit():
+            num += ch
+            continue
+        term = term * int(num) if pending == "*" else int(num)
+        num = ""
+        if ch == "*":
+            pending = "*"
+        else:
+            total += sign * term
+            sign, term, pending = (1 if ch == "+" else -1), 1, "*"
+    return total
+
+
+class CountdownTask:
+    """Reach ``target`` from ``numbers`` with + - * / and parentheses, each number at most once
+    (exactly once when ``use_all``). Every generated instance is solvable by construction.
+
+    Difficulty: ``num_numbers``, ``max_number`` (numbers are 1..max_number), ``max_target``.
+    """
+
+    name = "countdown"
+
+    def __init__(self, num_numbers: int = 3, max_number: int = 10, max_target: int = 100,
+                 use_all: bool = False, seed: int = 0):
+        if not 2 <= num_numbers <= 6:
+            raise ValueError(f"countdown: num_numbers must be in [2, 6], got {num_numbers}")
+        if max_number < 1 or max_target < 1:
+            raise ValueError("countdown: max_number and max_target must be positive")
+        self.num_numbers, self.max_number, self.max_target = int(num_numbers), int(max_number), int(max_target)
+        self.use_all, self.seed = bool(use_all), int(seed)
+
+    def example(self, index: int, split: str = "train") -> dict:
+        rng = _rng(self.seed, split, index)
+        while True:
+            numbers = [int(x) for x in rng.integers(1, self.max_number + 1, size=self.num_numbers)]
+            target = self._random_target(numbers, rng)
+            if target is not None:
+                nums = " ".join(str(n) for n in numbers)
+                return {"question": f"Use {nums} to make {target}.", "numbers": numbers,
+                        "target": target, "use_all": self.use_all}
+
+    def _random_target(self, numbers: list[int], rng: np.random.Generator) -> int | None:
+        """Folds a random subset (all if use_all) with random operations; None if out of range."""
+        k = self.num_numbers if self.use_all else int(rng.integers(2, self.num_numbers + 1))
+        order = [numbers[i] for i in rng.permutation(self.num_numbers)[:k]]
+        value = Fraction(order[0])
+        for n in order[1:]:
+            op = "+-*/"[int(rng.integers(4))]
+            if op == "/" and value % n != 0:
+                op = "+"  # keep intermediate results whole numbers, like the classic game
+            value = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
+        if value.denominator != 1 or not 1 <= value <= self.max_target:
+            return None
+        return int(value)
+
+    def solution(self, example: dict) -> str:
+        """A verified expression reaching the target (found by search, fine up to ~5 numbers)."""
+        expr = solve_countdown(example["numbers"], example["target"], use_all=example.get("use_all", False))
+        if expr is None:
+            raise ValueError(f"countdown instance has no solution: {example}")
+        return expr
+
+
+def solve_countdown(numbers: Sequence[int], target: int, use_all: bool = False) -> str | None:
+    """Exhaustive search; returns an expression string equal to ``target`` or None."""
+    items = [(Fraction(n), str(n)) for n in numbers]
+    return _search(items, Fraction(target), use_all)
+
+
+def _search(items: list[tuple[Fraction, str]], target: Fraction, use_all: bool) -> str | None:
+    if not use_all or len(items) == 1:
+        for value, expr in items:
+            if value == target:
+                return expr
+    if len(items) == 1:
+        return None
+    for i, j in itertools.permutations(range(len(items)), 2):
+        (a, ea), (b, eb) = items[i], items[j]
+        rest = [items[k] for k in range(len(items)) if k not in (i, j)]
+        candidates = [(a + b, f"({ea}+{eb})"), (a - b, f"({ea}-{eb})"), (a * b, f"{_wrap(ea)}*{_wrap(eb)}")]
+        if b != 0:
+            candidates.append((a / b, f"{_wrap(ea)}/({eb})"))
+        for value, expr in candidates:
+            found = _search(rest + [(value, expr)], target, use_all)
+            if found is not None:
+                return _strip_outer(found)
+    return None
+
+
+def _wrap(expr: str) -> str:
+    return expr if expr.isdigit() or expr.startswith("(") else f"({expr})"
+
+
+def _strip_outer(expr: str) -> str:
+    """Drops one pair of parentheses around the whole expression, if they enclose all of it."""
+    if not (expr.startswith("(") and expr.endswith(")")):
+        return expr
+    depth = 0
+    for i, ch in enumerate(expr):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0 and i < len(expr) - 1:
+            return expr
+    return expr[1:-1]
+
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
