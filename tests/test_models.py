@@ -96,6 +96,7 @@ def loaded(ckpts):
 
 
 _fwd = jax.jit(models.forward, static_argnums=0)
+_logps = jax.jit(models.token_logps, static_argnums=0, static_argnames=("chunk_size", "with_entropy"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -207,21 +208,21 @@ def test_token_logps_and_entropy(loaded):
     tokens, mask = _batch()
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
     temp = 0.7
-    logits = models.forward(cfg, params, tokens, mask) / temp
+    logits = _fwd(cfg, params, tokens, mask) / temp
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     ref = jnp.take_along_axis(logp_all[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
     ref = jnp.where(mask[:, 1:], ref, 0.0)
     ref_ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)[:, :-1]
     ref_ent = jnp.where(mask[:, 1:], ref_ent, 0.0)
     for chunk in (5, 11, None):  # 5 does not divide T-1=11: exercises chunk padding
-        logps, ent = models.token_logps(cfg, params, tokens, mask, temperature=temp,
-                                        chunk_size=chunk, with_entropy=True)
+        logps, ent = _logps(cfg, params, tokens, mask, temperature=temp, chunk_size=chunk,
+                            with_entropy=True)
         assert logps.shape == (B, T) and logps.dtype == jnp.float32
         np.testing.assert_array_equal(logps[:, 0], 0.0)
         np.testing.assert_allclose(logps[:, 1:], ref, atol=1e-5)
         np.testing.assert_allclose(ent[:, 1:], ref_ent, atol=1e-5)
     assert float(ent[mask].max()) > 0.1
-    _, none = models.token_logps(cfg, params, tokens, mask)
+    _, none = _logps(cfg, params, tokens, mask)
     assert none is None
 
     # Gradients through the chunked, rematerialised path equal the direct ones.
@@ -230,8 +231,9 @@ def test_token_logps_and_entropy(loaded):
         return jnp.sum(jnp.take_along_axis(lp[:, :-1], tokens[:, 1:, None], -1)[..., 0]
                        * mask[:, 1:])
 
-    g_ref = jax.grad(direct)(params)
-    g = jax.grad(lambda p: models.token_logps(cfg, p, tokens, mask, chunk_size=4)[0].sum())(params)
+    g_ref = jax.jit(jax.grad(direct))(params)
+    g = jax.jit(jax.grad(
+        lambda p: models.token_logps(cfg, p, tokens, mask, chunk_size=4)[0].sum()))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g, g_ref)
 
 
@@ -254,8 +256,8 @@ def test_init_params_axes_and_remat():
     params = models.init_params(cfg, jax.random.PRNGKey(1))
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
     loss = lambda c: (lambda p: models.forward(c, p, tokens).sum())
-    g1 = jax.grad(loss(cfg))(params)
-    g2 = jax.grad(loss(cfg.replace(remat=True)))(params)
+    g1 = jax.jit(jax.grad(loss(cfg)))(params)
+    g2 = jax.jit(jax.grad(loss(cfg.replace(remat=True))))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), g1, g2)
     assert hash(cfg) == hash(models.get_preset("tiny"))
     for name in models.PRESETS:
@@ -268,16 +270,18 @@ def test_value_head(loaded):
     vp = models.init_value_params(cfg, jax.random.PRNGKey(0), from_params=params)
     assert "lm_head" not in vp["trunk"]
     np.testing.assert_array_equal(vp["trunk"]["layers"]["q"], params["layers"]["q"])
-    values = models.value_forward(cfg, vp, jnp.asarray(tokens), jnp.asarray(mask))
+    values = jax.jit(models.value_forward, static_argnums=0)(cfg, vp, jnp.asarray(tokens),
+                                                             jnp.asarray(mask))
     assert values.shape == (B, T) and values.dtype == jnp.float32
-    hidden, _ = models.trunk(cfg, params, jnp.asarray(tokens), jnp.asarray(mask))
+    hidden, _ = jax.jit(models.trunk, static_argnums=0)(cfg, params, jnp.asarray(tokens),
+                                                        jnp.asarray(mask))
     np.testing.assert_allclose(values, hidden @ vp["head"]["kernel"] + vp["head"]["bias"],
                                atol=1e-5)
     fresh = models.init_value_params(cfg, jax.random.PRNGKey(0))
     axes = models.value_param_logical_axes(cfg)
     assert jax.tree.structure(fresh) == jax.tree.structure(
         axes, is_leaf=lambda x: isinstance(x, tuple))
-    g = jax.grad(lambda v: models.value_forward(cfg, v, jnp.asarray(tokens)).sum())(fresh)
+    g = jax.jit(jax.grad(lambda v: models.value_forward(cfg, v, jnp.asarray(tokens)).sum()))(fresh)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(g))
 
 

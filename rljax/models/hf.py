@@ -110,6 +110,9 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
                                 "(supported: default, linear, llama3)")
     if hf.get("mlp_bias"):
         raise HFCheckpointError("mlp_bias=True is not supported")
+    if mt in ("llama", "qwen3") and hf.get("attention_bias"):
+        # These families then also carry an o_proj bias, which this model does not have.
+        raise HFCheckpointError(f"attention_bias=True is not supported for {mt}")
     if hf.get("use_sliding_window"):
         raise HFCheckpointError("use_sliding_window=True is not supported")
     if mt == "gemma":
@@ -133,7 +136,7 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
         rope_theta=float(theta),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", _TIE_DEFAULT[mt]),
-        attention_bias=True if mt == "qwen2" else bool(hf.get("attention_bias", False)),
+        attention_bias=mt == "qwen2",
         qk_norm=mt == "qwen3",
         activation=activation,
         scale_embeddings=mt == "gemma",
@@ -161,8 +164,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.model_type != "gemma" and (cfg.scale_embeddings or cfg.norm_plus_one
                                       or cfg.activation != "silu"):
         raise HFCheckpointError(f"{cfg.model_type} export cannot express gemma-style options")
-    if cfg.model_type == "qwen2" and not cfg.attention_bias:
-        raise HFCheckpointError("qwen2 checkpoints always have q/k/v biases")
+    if cfg.attention_bias != (cfg.model_type == "qwen2"):
+        raise HFCheckpointError("q/k/v biases are expressible only (and always) for qwen2")
     if cfg.qk_norm != (cfg.model_type == "qwen3"):
         raise HFCheckpointError("qk_norm is expressible only (and always) for qwen3")
     rope_scaling = None
@@ -197,7 +200,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "initializer_range": cfg.init_std,
     }
     if cfg.model_type in ("llama", "qwen3"):
-        hf["attention_bias"] = cfg.attention_bias
+        hf["attention_bias"] = False
     if cfg.model_type == "gemma":
         hf["hidden_activation"] = "gelu_pytorch_tanh"
     if cfg.model_type in ("qwen2", "qwen3"):
@@ -313,46 +316,70 @@ def _build_array(shape, stacked: bool, load_layer: Callable, sharding, np_dtype)
 
 # ----------------------------------------------------------------------------- save
 
+def _host(x) -> np.ndarray:
+    """Host numpy copy of a (possibly multi-host sharded) array."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int = 2 << 30):
-    """Write ``config.json`` + ``model.safetensors`` (or index + shards above ``max_shard_bytes``)
-    in the HF layout, in ``cfg.param_dtype``, loadable by ``AutoModelForCausalLM.from_pretrained``.
+    """Write ``config.json`` + ``model.safetensors`` (or an index + shards of at most about
+    ``max_shard_bytes``) in the HF layout and ``cfg.param_dtype``, loadable by
+    ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+    Shards are converted and written one at a time, so host memory holds about one shard plus
+    one parameter, not the whole model.
     """
     os.makedirs(out_dir, exist_ok=True)
     hf_config = config_to_hf(cfg)
     np_dtype = _NP_DTYPES[cfg.param_dtype]
-    tensors = {}
+    itemsize = np.dtype(np_dtype).itemsize
+    # Plan: (HF name, tree path, layer index or None, n_in, bytes), grouped into shards.
+    plan = []
     for tree_path, shape, hf_name, n_in, stacked in _entries(cfg):
         node = params
         for key in tree_path:
             node = node[key]
-        w = np.asarray(jax.device_get(node)).astype(np_dtype)
-        if tuple(w.shape) != tuple(shape):
+        if tuple(node.shape) != tuple(shape):
             raise HFCheckpointError(f"shape mismatch for parameter {'/'.join(tree_path)}: "
-                                    f"expected {tuple(shape)}, got {tuple(w.shape)}")
-        if stacked:
-            for i in range(shape[0]):
-                tensors[hf_name(i)] = _from_ours(w[i], n_in)
-        else:
-            tensors[hf_name(None)] = np.ascontiguousarray(_from_ours(w, n_in))
-    # Greedy sharding in a stable order.
-    shards, current, size = [], {}, 0
-    for name, w in tensors.items():
-        if current and size + w.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = w
-        size += w.nbytes
-    shards.append(current)
+                                    f"expected {tuple(shape)}, got {tuple(node.shape)}")
+        layer_shape = shape[1:] if stacked else shape
+        nbytes = math.prod(layer_shape) * itemsize
+        for i in (range(shape[0]) if stacked else [None]):
+            plan.append((hf_name(i), tree_path, i, n_in, nbytes))
+    shards, size = [[]], 0
+    for item in plan:
+        if shards[-1] and size + item[-1] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[-1]
+
+    cached = {"path": None, "value": None}  # host copy of the parameter being written
+
+    def fetch(tree_path):
+        if cached["path"] != tree_path:
+            node = params
+            for key in tree_path:
+                node = node[key]
+            cached.update(path=tree_path, value=_host(node).astype(np_dtype))
+        return cached["value"]
+
     meta = {"format": "pt"}  # transformers refuses safetensors files without this
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
-    else:
-        weight_map = {}
-        for n, shard in enumerate(shards):
-            fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, fname), metadata=meta)
-            weight_map.update({name: fname for name in shard})
-        total = sum(w.nbytes for w in tensors.values())
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        tensors = {}
+        for hf_name, tree_path, i, n_in, _ in shard:
+            w = fetch(tree_path)
+            tensors[hf_name] = np.ascontiguousarray(_from_ours(w if i is None else w[i], n_in))
+            weight_map[hf_name] = fname
+        save_file(tensors, os.path.join(out_dir, fname), metadata=meta)
+    if len(shards) > 1:
+        total = sum(item[-1] for item in plan)
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
