@@ -23,7 +23,7 @@ def _need(field, name: str, verifier: str, n: int) -> Sequence:
     """The dataset field ``name`` as a list of n items, or a clear error naming it."""
     if field is None:
         raise KeyError(f"reward {verifier!r} needs the dataset field {name!r}")
-    if isinstance(field, (str, int, float)):
+    if isinstance(field, str) or not hasattr(field, "__len__"):
         field = [field] * n  # one reference for the whole batch
     if len(field) != n:
         raise ValueError(f"reward {verifier!r}: field {name!r} has {len(field)} items for {n} completions")
@@ -119,9 +119,9 @@ def countdown(prompts, completions, numbers=None, target=None, use_all=None, **_
     """Countdown: an expression over the given numbers (each at most once; all of them when the
     example's ``use_all`` is true) with + - * / and parentheses that equals ``target``."""
     n = len(completions)
+    if numbers is not None and len(numbers) and not hasattr(numbers[0], "__len__"):
+        numbers = [numbers] * n  # one shared list of numbers for the whole batch
     numbers = _need(numbers, "numbers", "countdown", n)
-    if numbers and isinstance(numbers[0], int):  # one shared list of numbers
-        numbers = [numbers] * n
     targets = _need(target, "target", "countdown", n)
     flags = [False] * n if use_all is None else _need(use_all, "use_all", "countdown", n)
     return [1.0 if _countdown_ok(c, nums, t, bool(u)) else 0.0
