@@ -234,3 +234,12 @@ def test_reward_model_scorer_scores_last_token():
     assert got[0] != got[1]
     with pytest.raises(ValueError, match="max_length"):
         scorer(["1" * 40], ["2"])
+
+
+def test_numpy_and_shared_fields():
+    import numpy as np
+
+    cd = rewards.get("countdown")
+    assert cd(["", ""], ["3+4", "3*4"], numbers=np.array([[3, 4], [3, 4]]), target=np.array([7, 7])) == [1.0, 0.0]
+    assert cd(["", ""], ["3+4", "3*4"], numbers=[3, 4], target=7) == [1.0, 0.0]
+    assert score("gsm8k", ["18", "#### 17"], answer=np.int64(18)) == [1.0, 0.0]
