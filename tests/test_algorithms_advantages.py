@@ -253,3 +253,11 @@ def test_pass_at_k_unbiased_estimator():
     assert 0.0 < A.pass_at_k(2000, 1, 100) < 1.0
     with pytest.raises(ValueError):
         A.pass_at_k(3, 1, 5)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_estimators_jit_with_static_group_size(name):
+    fn = A.get_advantage_estimator(name)
+    r = jnp.asarray(np.random.default_rng(8).normal(size=12).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(jax.jit(fn, static_argnums=1)(r, 4)),
+                               np.asarray(fn(r, 4)), rtol=1e-6, atol=1e-7)

@@ -207,6 +207,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
         fd = (np_obj(lp64 + e) - np_obj(lp64 - e)) / (2 * h)
         np.testing.assert_allclose(g[b, t], fd, rtol=1e-3, atol=1e-6)
     assert np.all(g[~mask] == 0)
+    assert g[0, 0] == 0 and g[2, 0] != 0  # sequence 0 is clipped, sequence 2 is not
 
 
 def test_cispo_matches_formula():
