@@ -31,7 +31,8 @@ def _hf_config(family):
             rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
     if family == "qwen2":
-        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
+        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0})
     if family == "qwen3":
         # head_dim 32 != hidden/heads = 16
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
@@ -113,7 +114,9 @@ def test_parity_with_transformers(family, ckpts, loaded):
     assert diff <= 1e-4
 
 
-def test_llama3_rope_scaling_is_applied(loaded):
+def test_rope_scaling_is_applied(loaded):
+    cfg, _ = loaded["qwen2"]
+    assert cfg.rope_scaling_type == "linear" and cfg.rope_factor == 2.0
     cfg, _ = loaded["llama"]
     assert cfg.rope_scaling_type == "llama3" and cfg.rope_factor == 4.0
     plain = models.rope_inv_freq(cfg.replace(rope_scaling_type=None))
@@ -260,8 +263,14 @@ def test_init_params_axes_and_remat():
     g2 = jax.jit(jax.grad(loss(cfg.replace(remat=True))))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), g1, g2)
     assert hash(cfg) == hash(models.get_preset("tiny"))
-    for name in models.PRESETS:
-        models.get_preset(name)  # every preset is a valid config
+    # Presets have the shapes of the real checkpoints (published parameter counts).
+    expected = {"qwen2.5-0.5b": 494.0e6, "qwen2.5-1.5b": 1.544e9, "qwen2.5-7b": 7.616e9,
+                "llama-3.2-1b": 1.236e9, "llama-3.2-3b": 3.213e9, "llama-3.1-8b": 8.030e9,
+                "gemma-2b": 2.506e9}
+    for name, count in expected.items():
+        n = models.get_preset(name).num_params()
+        assert abs(n - count) / count < 0.01, (name, n)
+    assert models.get_preset("tiny", dtype=jnp.bfloat16).dtype == "bfloat16"
 
 
 def test_value_head(loaded):
