@@ -1,0 +1,198 @@
+"""``rljax`` command line: train | eval | sample | export | plot | plan.
+
+Config overrides use ml_collections' flag syntax, ``--config.algo.beta=0.02`` (or
+``--config.algo.beta 0.02``), and are typed by the schema in ``rljax.config``.
+
+Exit codes: 0 success (also a SIGTERM-preempted train run that saved its checkpoint),
+1 a run-time failure rljax can describe (e.g. diverged), 2 a user error (bad config, missing
+file, command not available), 130 interrupted by Ctrl-C. User errors print one line,
+``rljax: error: ...``, and no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+from rljax.errors import RljaxError, UserError
+
+EXIT_USER_ERROR = 2
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+RUN_MODULE = "rljax.train.run"
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Separates ``--config.K=V`` / ``--config.K V`` overrides from the other arguments."""
+    rest, overrides = [], []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--config."):
+            if "=" in arg:
+                overrides.append(arg)
+            elif i + 1 < len(args):
+                overrides.append(f"{arg}={args[i + 1]}")
+                i += 1
+            else:
+                raise UserError(f"{arg} needs a value ({arg}=VALUE)")
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as UserError (one line, exit 2) instead of printing."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (overrides are removed before it runs)."""
+    from rljax import __version__
+
+    parser = _Parser(prog="rljax", description="JAX-native RL post-training for LLMs.",
+                     epilog="Override any config key with --config.KEY=VALUE.")
+    parser.add_argument("--version", action="version", version=f"rljax {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("train", help="train (resumes if WORKDIR has a checkpoint)")
+    p.add_argument("--config", help="config file (.py with get_config()); default: "
+                   "WORKDIR/config.json when resuming")
+    p.add_argument("--workdir", required=True)
+
+    p = sub.add_parser("eval", help="evaluate the latest checkpoint (accuracy, pass@k)")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--checkpoint", help="checkpoint step or path (default: latest)")
+
+    p = sub.add_parser("sample", help="generate completions for a prompt")
+    p.add_argument("--workdir", help="run directory (latest checkpoint)")
+    p.add_argument("--checkpoint", help="checkpoint step/path or HF model dir")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="prompt text (repeat for several)")
+
+    p = sub.add_parser("export", help="write HF-format safetensors + config.json")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--checkpoint", help="checkpoint step (default: latest)")
+
+    p = sub.add_parser("plot", help="draw learning curves from metrics.jsonl")
+    p.add_argument("dir", help="run directory (or a metrics.jsonl file)")
+    p.add_argument("-o", "--out", help="PNG path (default: DIR/curves.png)")
+
+    p = sub.add_parser("plan", help="compile the steps and report memory/shapes, no training")
+    p.add_argument("--config", required=True)
+    return parser
+
+
+def _run_function(name: str, command: str) -> Callable:
+    """``rljax.train.run.<name>``, or UserError when that part is not built yet."""
+    try:
+        module = importlib.import_module(RUN_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name not in (RUN_MODULE, "rljax.train"):
+            raise  # a real missing dependency inside run.py: keep the traceback
+        module = None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise UserError(f"`rljax {command}` is not available yet "
+                        f"({RUN_MODULE}.{name} is not implemented in this version)")
+    return fn
+
+
+# ----------------------------------------------------------------------------- commands
+
+def cmd_train(args, overrides) -> int | None:
+    from rljax.train import workdir as wd
+
+    cfg, resuming, changes = wd.resolve_train_config(args.config, args.workdir, overrides)
+    fn = _run_function("train", "train")
+    if resuming:
+        print(f"rljax: resuming from {wd.checkpoint_dir(args.workdir)}", file=sys.stderr)
+        for change in changes:
+            print(f"rljax: config changed since the last run: {change}", file=sys.stderr)
+    wd.write_config(args.workdir, cfg)
+    return fn(cfg, args.workdir)
+
+
+def cmd_eval(args, overrides) -> int | None:
+    from rljax.train import workdir as wd
+
+    cfg = wd.load_workdir_config(args.workdir, overrides)
+    return _run_function("evaluate", "eval")(cfg, args.workdir, checkpoint=args.checkpoint)
+
+
+def cmd_sample(args, overrides) -> int | None:
+    from rljax import config as config_lib
+    from rljax.train import workdir as wd
+
+    if not args.workdir and not args.checkpoint:
+        raise UserError("sample needs --workdir or --checkpoint")
+    if args.workdir:
+        cfg = wd.load_workdir_config(args.workdir, overrides)
+    else:
+        cfg = config_lib.load_config(None, overrides)
+    fn = _run_function("sample", "sample")
+    return fn(cfg, args.workdir, prompts=args.prompt, checkpoint=args.checkpoint)
+
+
+def cmd_export(args, overrides) -> int | None:
+    from rljax.train import workdir as wd
+
+    cfg = wd.load_workdir_config(args.workdir, overrides)
+    return _run_function("export", "export")(cfg, args.workdir, args.out,
+                                             checkpoint=args.checkpoint)
+
+
+def cmd_plot(args, overrides) -> int | None:
+    if overrides:
+        raise UserError("plot takes no --config overrides")
+    from rljax.train.plot import plot_metrics
+
+    print(plot_metrics(args.dir, args.out))
+    return 0
+
+
+def cmd_plan(args, overrides) -> int | None:
+    from rljax import config as config_lib
+
+    cfg = config_lib.load_config(args.config, overrides)
+    return _run_function("plan", "plan")(cfg)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample,
+            "export": cmd_export, "plot": cmd_plot, "plan": cmd_plan}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rljax`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        rest, overrides = split_overrides(argv)
+        args = build_parser().parse_args(rest)
+        code = COMMANDS[args.command](args, overrides)
+        return 0 if code is None else int(code)
+    except UserError as e:
+        return _fail(e, EXIT_USER_ERROR)
+    except FileNotFoundError as e:  # e.g. a data or model path named in the config
+        return _fail(f"{e.strerror or 'not found'}: {e.filename}" if e.filename else e,
+                     EXIT_USER_ERROR)
+    except RljaxError as e:
+        return _fail(e, EXIT_FAILURE)
+    except KeyboardInterrupt:
+        print("rljax: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _fail(message, code: int) -> int:
+    text = " ".join(str(message).split())  # exactly one line, whatever the message held
+    print(f"rljax: error: {text}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
