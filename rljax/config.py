@@ -117,6 +117,11 @@ def default_config() -> ml_collections.ConfigDict:
         cliprange_value=0.2,         # value clipping (PPO); 0 = off
         loss_type="sigmoid",         # DPO loss variant
         label_smoothing=0.0,         # DPO conservative label smoothing
+        whiten_advantages=True,      # PPO: whiten GAE advantages over the rollout batch
+        online=False,                # DPO: pairs from the policy's own samples (best vs worst
+                                     # of num_generations, ranked by reward) instead of data
+        ref_update_every=0,          # DPO/PPO: copy the policy into the reference every N
+                                     # steps (online DPO: 1 = refresh each round); 0 = frozen
     )
     c.optimizer = dict(
         name="adamw",
@@ -421,7 +426,7 @@ _RANGES = (
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
     ("algo.entropy_coef", 0.0, None), ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0),
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
-    ("algo.label_smoothing", 0.0, 0.5),
+    ("algo.label_smoothing", 0.0, 0.5), ("algo.ref_update_every", 0, None),
     ("optimizer.learning_rate", 1e-30, None), ("optimizer.warmup_steps", 0, None),
     ("optimizer.min_lr_ratio", 0.0, 1.0), ("optimizer.weight_decay", 0.0, None),
     ("optimizer.max_grad_norm", 0.0, None), ("optimizer.max_consecutive_nonfinite", 1, None),
@@ -460,6 +465,9 @@ def _check_combinations(cfg) -> None:
     if algo.epsilon_high is not None and algo.epsilon_high < algo.epsilon:
         raise ConfigError(f"algo.epsilon_high={algo.epsilon_high} must be >= "
                           f"algo.epsilon={algo.epsilon}")
+    if algo.name == "dpo" and algo.online and g < 2:
+        raise ConfigError(f"algo.num_generations={g} must be >= 2 for online DPO "
+                          "(algo.online=True pairs the best and worst sample of each prompt)")
     if algo.adv_estimator == "gae" and algo.name != "ppo":
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
     if algo.name == "ppo" and algo.adv_estimator != "gae":
