@@ -249,7 +249,7 @@ def merge_into(cfg: ml_collections.ConfigDict, update: Any, prefix: str = "") ->
         elif isinstance(cfg[key], ml_collections.ConfigDict):
             merge_into(cfg[key], value, dotted + ".")
         else:
-            cfg[key] = coerce(dotted, value, _field_type(cfg, key))
+            cfg[key] = coerce(dotted, value, _field_type(cfg, key), _nullable(dotted))
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -267,8 +267,8 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) ->
             continue
         if isinstance(parent[name], ml_collections.ConfigDict):
             raise ConfigError(f"{key} is a section; override its keys, e.g. {key}.<name>=...")
-        parent[name] = coerce(key, parse_value(key, raw, _field_type(parent, name)),
-                              _field_type(parent, name))
+        kind = _field_type(parent, name)
+        parent[name] = coerce(key, parse_value(key, raw, kind), kind, _nullable(key))
 
 
 def _resolve_parent(cfg: ml_collections.ConfigDict, dotted: str):
@@ -325,9 +325,16 @@ def _field_type(node: ml_collections.ConfigDict, key: str) -> type | None:
     return node.get_type(key)
 
 
-def coerce(key: str, value: Any, kind: type | None) -> Any:
-    """Checks ``value`` against the schema type; ints widen to float, lists become tuples."""
-    if value is None or kind is None or kind is type(None):
+def coerce(key: str, value: Any, kind: type | None, nullable: bool = False) -> Any:
+    """Checks ``value`` against the schema type; ints widen to float, lists become tuples.
+
+    ``None`` is accepted only where the default is ``None`` (``nullable``: a placeholder).
+    """
+    if value is None:
+        if nullable or kind is None:
+            return None
+        raise ConfigError(f"{key}: expected {kind.__name__}, got None")
+    if kind is None or kind is type(None):
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -337,6 +344,14 @@ def coerce(key: str, value: Any, kind: type | None) -> Any:
         raise ConfigError(f"{key}: expected {kind.__name__}, got {type(value).__name__} "
                           f"({value!r})")
     return value
+
+
+def _nullable(dotted: str) -> bool:
+    """True if the schema's default for ``dotted`` is None (a typed placeholder)."""
+    try:
+        return _get(default_config(), dotted) is None
+    except (KeyError, AttributeError):
+        return False
 
 
 def _is_open(dotted: str) -> bool:
@@ -408,7 +423,7 @@ def _check_schema(cfg, schema, prefix: str) -> None:
                 raise ConfigError(f"{dotted}: expected a section (dict), got {value!r}")
             _check_schema(value, schema[key], dotted + ".")
         else:
-            coerce(dotted, value, schema.get_type(key))
+            coerce(dotted, value, schema.get_type(key), schema[key] is None)
     missing = [k for k in schema.keys() if k not in cfg]
     if missing:
         raise ConfigError(f"config key '{prefix}{missing[0]}' is missing")

@@ -91,11 +91,17 @@ def test_validate_catches_unknown_key_added_in_code():
     ("algo.num_generations=2.5", "algo.num_generations: expected int, got float"),
     ("algo.kl_in_reward=maybe", "algo.kl_in_reward: expected true/false"),
     ("algo=3", "algo is a section"),
+    ("steps=None", "steps: expected int, got None"),
 ])
 def test_wrong_type_override(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert needle in str(e.value)
+
+
+def test_none_only_where_the_default_is_none():
+    cfg = load_config(None, ["algo.epsilon_high=0.3", "algo.epsilon_high=None"])
+    assert cfg.algo.epsilon_high is None
 
 
 def test_wrong_type_in_file(tmp_path):

@@ -75,5 +75,6 @@ def test_plot_writes_png(tmp_path):
                 record["eval/accuracy"] = step / 100
             writer.write(step, record)
     out = plot_metrics(str(tmp_path), str(tmp_path / "plots" / "curves.png"))
-    data = open(out, "rb").read()
+    with open(out, "rb") as f:
+        data = f.read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
