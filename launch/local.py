@@ -87,7 +87,7 @@ def launch(command: list[str], *, num_processes: int, devices_per_process: int,
     code = 0
     kill_at = None  # after a failure: SIGTERM now, SIGKILL after a grace period
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed and not code:
                 code = failed[0]
