@@ -168,8 +168,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
       num_samples: G completions per prompt; the prompt is prefilled once and its KV cache
         broadcast to its G rows. Output row ``i * G + g``.
       stop_ids: extra stop ids (same role as eos_id).
-      min_new_tokens: stop ids are forbidden before this many tokens have been generated
-        (their logps are still reported under the unfiltered distribution).
+      min_new_tokens: stop ids cannot be among the first ``min_new_tokens`` tokens (as HF's
+        ``min_new_tokens``); logps are still reported under the unfiltered distribution.
       mesh: when given, the batch is constrained over the data/fsdp axes and the KV cache's heads
         over tensor (``rules``); params keep whatever sharding they already have.
       rules: logical-axis rules for those constraints.

@@ -129,7 +129,7 @@ def test_load_hf_places_each_param_on_its_rule(tmp_path):
     models, cfg, params = _tiny()
     models.save_hf(cfg, params, str(tmp_path))
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    abstract = jax.eval_shape(models.init_params, cfg, jax.random.key(0))
+    abstract = jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0))
     shardings = sharding.logical_to_sharding(models.param_logical_axes(cfg), mesh,
                                              shapes=abstract)
     cfg2, loaded = models.load_hf(str(tmp_path), dtype=jnp.float32, shardings=shardings)
