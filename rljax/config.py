@@ -110,6 +110,10 @@ def default_config() -> ml_collections.ConfigDict:
         micro_batch_size=0,          # completions per forward/backward; 0 = mini batch
         importance_sampling_level="token",
         mask_truncated_completions=False,
+        dynamic_sampling=False,      # DAPO: drop groups with all-equal rewards, sample more
+        max_sampling_rounds=3,       # extra sampling rounds per step for dynamic_sampling
+        overlong_buffer=0,           # DAPO soft overlong penalty over the last N tokens; 0 = off
+        overlong_penalty_factor=1.0,  # scale of that penalty (-factor at max_new_tokens)
         entropy_coef=0.0,
         gamma=1.0,                   # PPO/GAE discount
         lam=0.95,                    # GAE lambda
@@ -439,7 +443,8 @@ _RANGES = (
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None), ("algo.epsilon", 0.0, None),
     ("algo.num_iterations", 1, None),
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
-    ("algo.entropy_coef", 0.0, None), ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0),
+    ("algo.entropy_coef", 0.0, None), ("algo.max_sampling_rounds", 0, None),
+    ("algo.overlong_buffer", 0, None), ("algo.overlong_penalty_factor", 0.0, None), ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0),
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
     ("algo.label_smoothing", 0.0, 0.5), ("algo.ref_update_every", 0, None),
     ("optimizer.learning_rate", 1e-30, None), ("optimizer.warmup_steps", 0, None),
@@ -503,6 +508,9 @@ def _check_combinations(cfg) -> None:
                           f"reward.names has {len(cfg.reward.names)}")
     if cfg.data.source in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"data.path is required when data.source='{cfg.data.source}'")
+    if algo.overlong_buffer > rollout.max_new_tokens:
+        raise ConfigError(f"algo.overlong_buffer={algo.overlong_buffer} must be <= "
+                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")
