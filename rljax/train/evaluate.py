@@ -1,0 +1,93 @@
+"""Held-out evaluation: greedy (or sampled) accuracy and unbiased pass@k.
+
+``run_eval(ctx, params, rng)`` is what the trainer calls (after the warm-up, every
+``eval_every`` steps, at the end); ``evaluate(cfg, workdir, checkpoint=None)`` is ``rljax eval``.
+
+A completion is correct when the first reward function (``reward.names[0]``, the task's
+verifier) gives it a score >= 1. With ``eval.num_samples = n > 1`` (and temperature > 0),
+``eval/accuracy`` is the mean over all samples (pass@1) and ``eval/pass@k`` uses the unbiased
+estimator for every power of two k <= n.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from rljax import algorithms
+from rljax import data as data_lib
+from rljax import rewards
+from rljax.errors import UserError
+from rljax.train.rollout import encode_prompts, expand_fields, generate
+
+EVAL_STREAM = 3  # rng stream of evaluation sampling (never advances the training rng)
+
+
+def eval_examples(ctx) -> list[dict]:
+    """The first ``eval.num_examples`` examples of the held-out split (0 = all), in order."""
+    config = dict(ctx.data_config(), shuffle=False)
+    try:
+        it = data_lib.make_iterator(config, batch_size=ctx.cfg.eval.batch_size, split="eval",
+                                    tokenizer=ctx.tokenizer, num_epochs=1)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"eval data: {e}") from None
+    limit = ctx.cfg.eval.num_examples or None
+    out: list[dict] = []
+    for batch in it:
+        out.extend(batch)
+        if limit and len(out) >= limit:
+            return out[:limit]
+    return out
+
+
+def run_eval(ctx, params, rng, examples: list[dict] | None = None) -> dict:
+    """Evaluates ``params``; returns ``eval/*`` metrics (accuracy, pass@k, lengths)."""
+    cfg = ctx.cfg
+    e = cfg.eval
+    examples = eval_examples(ctx) if examples is None else examples
+    n, bs = e.num_samples, e.batch_size
+    verifier = rewards.get(cfg.reward.names[0], **dict(cfg.reward.kwargs).get(
+        cfg.reward.names[0], {}))
+    max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
+    correct, lengths, truncated = [], [], []
+    t0 = time.perf_counter()
+    for i, start in enumerate(range(0, len(examples), bs)):
+        chunk = examples[start:start + bs]
+        padded = chunk + [chunk[-1]] * (bs - len(chunk))  # static shapes: one compile
+        p_tok, p_mask = encode_prompts(ctx.tokenizer, [ex["prompt"] for ex in padded],
+                                       cfg.data.max_prompt_length)
+        out = generate(ctx, params, p_tok, p_mask, jax.random.fold_in(rng, i), num_samples=n,
+                       max_new_tokens=max_new, temperature=e.temperature,
+                       top_k=cfg.rollout.top_k if e.temperature else 0,
+                       top_p=cfg.rollout.top_p if e.temperature else 1.0)
+        keep = len(chunk) * n
+        texts = ctx.tokenizer.batch_decode(out["tokens"][:keep], out["mask"][:keep])
+        prompts = [ex["prompt"] for ex in chunk for _ in range(n)]
+        scores = verifier(prompts, texts, **expand_fields(chunk, n))
+        correct.append(np.asarray(scores, np.float64) >= 1.0)
+        lengths.append(out["lengths"][:keep])
+        truncated.append(out["truncated"][:keep])
+    ok = np.concatenate(correct).reshape(-1, n)
+    m = {"eval/accuracy": float(ok.mean()), "eval/num_examples": int(ok.shape[0]),
+         "eval/length_mean": float(np.concatenate(lengths).mean()),
+         "eval/truncated_frac": float(np.concatenate(truncated).mean()),
+         "time/eval": time.perf_counter() - t0}
+    k = 2
+    while k <= n:
+        m[f"eval/pass@{k}"] = float(np.mean(algorithms.pass_at_k(n, ok.sum(axis=1), k)))
+        k *= 2
+    return m
+
+
+def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> int:
+    """``rljax eval --workdir DIR``: evaluates a checkpoint (default: latest), prints JSON."""
+    from rljax.train import run  # late import: run imports this module
+
+    ctx, state, step = run.load_for_inference(cfg, workdir, checkpoint, devices=devices)
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, EVAL_STREAM), step)
+    metrics = run_eval(ctx, state.params, rng)
+    print(json.dumps({"step": step, **metrics}), file=sys.stdout, flush=True)
+    return 0

@@ -1,0 +1,80 @@
+"""GRPO phase (and its variants: Dr. GRPO, DAPO, GSPO, CISPO, ... all by config).
+
+One iteration: rollout (sample G per prompt, rewards, advantages, old/ref log-probs) ->
+``algo.num_iterations`` epochs over the batch in mini-batches of ``algo.mini_batch_size``
+completions, each one exact update (micro-batches of ``algo.micro_batch_size``).
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.train.rollout import Rollout
+from rljax.train.setup import Context, data_iterator
+from rljax.train.steps import build_grpo_step, to_host
+
+
+class GRPOPhase:
+    """``steps`` GRPO iterations at ``optimizer.learning_rate``."""
+
+    name = "grpo"
+
+    def __init__(self, ctx: Context, steps: int):
+        cfg = ctx.cfg
+        self.ctx, self.steps = ctx, int(steps)
+        a = cfg.algo
+        self.batch_size = cfg.rollout.batch_size
+        self.mini = a.mini_batch_size or self.batch_size
+        self.num_micro = self.mini // a.micro_batch_size if a.micro_batch_size else 1
+        self.updates_per_step = a.num_iterations * (self.batch_size // self.mini)
+        self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
+        self.rollout = Rollout(ctx, self.iterator)
+        self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate,
+                                       self.steps * self.updates_per_step)
+        self._step_fn = None
+
+    def init_state(self, state):
+        """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0)."""
+        ref = jax.tree.map(jnp.copy, state.params) if self.ctx.cfg.algo.beta > 0 else None
+        return state.replace(opt_state=self.optimizer.init(state.params), ref_params=ref)
+
+    def _compiled(self, state):
+        if self._step_fn is None:
+            cfg = self.ctx.cfg
+            self._step_fn = build_grpo_step(
+                self.ctx.model_cfg, cfg.algo, self.optimizer,
+                temperature=cfg.rollout.temperature, num_micro=self.num_micro,
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+        return self._step_fn
+
+    def iteration(self, state, step: int):
+        t0 = time.perf_counter()
+        batch, metrics = self.rollout(state, step)
+        t1 = time.perf_counter()
+        step_fn = self._compiled(state)
+        updates = []
+        for _ in range(self.ctx.cfg.algo.num_iterations):
+            for start in range(0, self.batch_size, self.mini):
+                mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
+                state, m = step_fn(state, mb)
+                updates.append(m)
+        updates = [to_host(m) for m in updates]
+        t2 = time.perf_counter()
+        for key in updates[0]:
+            values = [u[key] for u in updates]
+            metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))
+        metrics.update({
+            "time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0,
+            "tokens_per_s": (metrics["rollout/tokens"] + metrics["rollout/train_tokens"]
+                             * self.ctx.cfg.algo.num_iterations) / max(t2 - t0, 1e-9),
+        })
+        return state, metrics
+
+    def state_dict(self) -> dict:
+        return {"data": self.iterator.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iterator.restore(state["data"])

@@ -1,0 +1,225 @@
+"""One RL rollout: prompts -> G samples each (on device) -> rewards (host) -> advantages -> batch.
+
+    rollout = Rollout(ctx, iterator)
+    batch, metrics = rollout(state, step)
+
+``batch`` (numpy / jax arrays, R = rollout.batch_size completions, prompt-major groups of G):
+
+    tokens         int32 [R, P+N]  prompt (left-padded to bucket P) ++ completion (N slots)
+    mask           bool  [R, P+N]  real tokens
+    loss_mask      bool  [R, N]    completion tokens that train (see below)
+    sampler_logps  f32   [R, N]    log-probs the sampler reported
+    old_logps      f32   [R, N]    the trainer's log-probs before any update (recomputed)
+    ref_logps      f32   [R, N]    reference policy (only with a KL-to-reference loss)
+    advantages     f32   [R]       one per completion (outcome reward, per-group estimator)
+
+DAPO options (``algo.dynamic_sampling``, ``algo.overlong_buffer``): groups whose rewards are
+all equal are dropped and more prompts sampled (at most ``algo.max_sampling_rounds`` extra
+rounds); if the batch is still short, it is filled with dropped groups whose ``loss_mask`` is
+all False, so shapes stay static and they count for nothing. ``mask_truncated_completions``
+drops completions without a stop token from the loss (DAPO overlong filtering).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from rljax import algorithms, sampling
+from rljax.train.steps import build_logps_fn
+
+RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
+
+
+def prompt_buckets(max_prompt_length: int) -> tuple[int, ...]:
+    """Allowed prompt lengths: powers of two from 16 below the maximum, and the maximum."""
+    return tuple(b for b in sampling.DEFAULT_BUCKETS if b < max_prompt_length) + \
+        (int(max_prompt_length),)
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int):
+    """Left-padded, bucketed prompts: (int32 [B, P], bool [B, P]) numpy arrays."""
+    ids = [tokenizer.encode(p) for p in prompts]
+    return sampling.pad_to_bucket(ids, pad_id=tokenizer.pad_id,
+                                  buckets=prompt_buckets(max_prompt_length))
+
+
+def build_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask):
+    """Prompt ++ completion: (tokens int32 [B, P+N], mask bool [B, P+N])."""
+    tokens = np.concatenate([np.asarray(prompt_tokens), np.asarray(completion_tokens)], axis=1)
+    mask = np.concatenate([np.asarray(prompt_mask, bool), np.asarray(completion_mask, bool)], 1)
+    return tokens.astype(np.int32), mask
+
+
+def expand_fields(examples: list[dict], g: int) -> dict[str, list]:
+    """Dataset fields (all keys but ``prompt``) repeated G times, for the reward functions."""
+    keys = [k for k in examples[0] if k != "prompt"]
+    return {k: [ex.get(k) for ex in examples for _ in range(g)] for k in keys}
+
+
+def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
+             max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
+             micro_prompts: int = 0):
+    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs."""
+    b = prompt_tokens.shape[0]
+    chunk = micro_prompts or b
+    outs = []
+    for i, start in enumerate(range(0, b, chunk)):
+        out = sampling.generate(
+            ctx.model_cfg, params, prompt_tokens[start:start + chunk],
+            prompt_mask[start:start + chunk], rng=jax.random.fold_in(rng, i),
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, num_samples=num_samples,
+            mesh=ctx.mesh)
+        outs.append(jax.device_get(out))
+    return {k: np.concatenate([getattr(o, k) for o in outs]) for k in
+            ("tokens", "logps", "mask", "lengths", "truncated")}
+
+
+class Rollout:
+    """Collects one training batch per call; host state is the data iterator's."""
+
+    def __init__(self, ctx, iterator):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
+        self.g = int(cfg.algo.num_generations)
+        self.num_prompts = cfg.rollout.batch_size // self.g
+        self.reward_fn = ctx.reward_fn()
+        micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
+        self.logps_fn = build_logps_fn(
+            ctx.model_cfg, temperature=cfg.rollout.temperature,
+            num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
+            param_shardings=ctx.param_shardings)
+        a = cfg.algo
+        self.needs_ref = a.beta > 0
+
+    # -- one round: sample a prompt batch and score it ---------------------------------------
+
+    def _round(self, params, rng) -> dict:
+        cfg, g = self.cfg, self.g
+        examples = next(self.iterator)
+        prompt_tokens, prompt_mask = encode_prompts(self.ctx.tokenizer,
+                                                    [ex["prompt"] for ex in examples],
+                                                    cfg.data.max_prompt_length)
+        t0 = time.perf_counter()
+        micro = cfg.rollout.micro_batch_size // g if cfg.rollout.micro_batch_size else 0
+        out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=g,
+                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                       top_p=cfg.rollout.top_p, micro_prompts=micro)
+        t1 = time.perf_counter()
+        texts = self.ctx.tokenizer.batch_decode(out["tokens"], out["mask"])
+        prompts = [ex["prompt"] for ex in examples for _ in range(g)]
+        fields = expand_fields(examples, g)
+        result = self.reward_fn(prompts, texts, completion_lengths=list(out["lengths"]), **fields)
+        scores = {name: np.asarray(v, np.float32) for name, v in result.per_function.items()}
+        total = np.asarray(result.total, np.float32)
+        buffer = int(cfg.algo.overlong_buffer)
+        if buffer:  # DAPO soft overlong punishment on token lengths
+            scores["overlong"] = np.asarray(algorithms.overlong_penalty(
+                out["lengths"], cfg.rollout.max_new_tokens, buffer,
+                cfg.algo.overlong_penalty_factor), np.float32)
+            total = total + scores["overlong"]
+        return dict(out, prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
+                    rewards=total, scores=scores, errors=result.num_errors,
+                    time_sample=t1 - t0, time_reward=time.perf_counter() - t1)
+
+    # -- the full batch ------------------------------------------------------------------------
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        cfg, g, want = self.cfg, self.g, self.num_prompts
+        rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
+        rounds, kept, dropped = [], [], []   # kept/dropped: (round, group) pairs
+        max_rounds = 1 + (cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 0)
+        for r in range(max_rounds):
+            rnd = self._round(state.params, jax.random.fold_in(rng, r))
+            rounds.append(rnd)
+            informative = algorithms.nonzero_variance_groups(rnd["rewards"], g)
+            for i, ok in enumerate(informative):
+                (kept if ok or not cfg.algo.dynamic_sampling else dropped).append((r, i))
+            if len(kept) >= want:
+                break
+        filler = max(0, want - len(kept))
+        groups = kept[:want] + dropped[:filler]
+        batch, rows = self._assemble(rounds, groups)
+        train = np.ones(len(groups), bool)
+        train[len(groups) - filler:] = False
+        loss_mask = rows["mask"] & np.repeat(train, g)[:, None]
+        if cfg.algo.mask_truncated_completions:
+            loss_mask &= ~rows["truncated"][:, None]
+        batch["loss_mask"] = loss_mask
+
+        t0 = time.perf_counter()
+        batch["old_logps"] = self.logps_fn(state.params, batch)
+        rewards = rows["rewards"]
+        metrics: dict[str, Any] = {}
+        if self.needs_ref:
+            batch["ref_logps"] = self.logps_fn(state.ref_params, batch)
+            if cfg.algo.kl_in_reward:  # sequence KL penalty folded into the outcome reward
+                kl = algorithms.get_kl_estimator(cfg.algo.kl_estimator)(
+                    batch["old_logps"], batch["ref_logps"])
+                kl_seq = np.asarray(jax.device_get((kl * rows["mask"]).sum(-1)))
+                rewards = rewards - cfg.algo.beta * kl_seq
+                metrics["kl_ref_seq"] = float(kl_seq.mean())
+                del batch["ref_logps"]
+        adv = self.advantages(rewards)
+        batch["advantages"] = adv
+        old = np.asarray(jax.device_get(batch["old_logps"]))
+        diff = np.abs(old - rows["logps"])[rows["mask"]]
+        metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
+        metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
+        metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
+        metrics["time/logps"] = time.perf_counter() - t0
+        return batch, metrics
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        """Per-completion advantages from rewards [R] with the configured estimator."""
+        a = self.cfg.algo
+        opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
+        fn = algorithms.get_advantage_estimator(a.adv_estimator)
+        return np.asarray(fn(np.asarray(rewards, np.float32), self.g, **opts), np.float32)
+
+    def _assemble(self, rounds, groups):
+        """Stacks the selected groups' rows into the batch layout (re-bucketing prompts)."""
+        g = self.g
+        pick = lambda key: np.concatenate(  # noqa: E731
+            [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
+        rows = {k: pick(k) for k in ("tokens", "logps", "mask", "lengths", "truncated",
+                                     "rewards")}
+        prompt_ids = [rounds[r]["prompt_ids"][i] for r, i in groups for _ in range(g)]
+        p_tok, p_mask = sampling.pad_to_bucket(
+            prompt_ids, pad_id=self.ctx.tokenizer.pad_id,
+            buckets=prompt_buckets(self.cfg.data.max_prompt_length))
+        tokens, mask = build_sequences(p_tok, p_mask, rows["tokens"], rows["mask"])
+        batch = {"tokens": tokens, "mask": mask, "sampler_logps": rows["logps"]}
+        return batch, rows
+
+    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
+        """Reward (every sampled completion of this step), advantage, length metrics."""
+        total = np.concatenate([r["rewards"] for r in rounds])
+        m = {"reward/mean": float(total.mean()), "reward/std": float(total.std())}
+        for name in rounds[0]["scores"]:
+            s = np.concatenate([r["scores"][name] for r in rounds])
+            m[f"reward/{name}/mean"], m[f"reward/{name}/std"] = float(s.mean()), float(s.std())
+        m["reward/errors"] = float(sum(r["errors"] for r in rounds))
+        lengths = np.concatenate([r["lengths"] for r in rounds])
+        truncated = np.concatenate([r["truncated"] for r in rounds])
+        m.update({
+            "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
+            "adv/abs_mean": float(np.abs(adv).mean()),
+            "completion/length_mean": float(lengths.mean()),
+            "completion/length_max": int(lengths.max()),
+            "completion/truncated_frac": float(truncated.mean()),
+            "rollout/rounds": len(rounds),
+            "rollout/informative_groups_frac": float(np.mean(
+                np.concatenate([algorithms.nonzero_variance_groups(r["rewards"], self.g)
+                                for r in rounds]))),
+            "rollout/filler_groups": filler,
+            "rollout/train_tokens": int(loss_mask.sum()),
+            "rollout/tokens": int(lengths.sum()),
+            "time/sample": sum(r["time_sample"] for r in rounds),
+            "time/reward": sum(r["time_reward"] for r in rounds),
+        })
+        return m

@@ -1,0 +1,94 @@
+"""Supervised fine-tuning phase: the SFT warm-up before RL (``sft.steps``) or ``algo.name='sft'``.
+
+Examples come from ``sft.source`` (default ``data.source``). Synthetic tasks provide verified
+solutions (``task.solution``); file sources use a ``completion`` (or ``solution`` /
+``answer``) field. Each example becomes prompt ++ solution ++ EOS in the shared sequence layout
+(see ``steps``), with the loss on the solution and EOS only.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rljax import data as data_lib
+from rljax.errors import UserError
+from rljax.train import rollout as rollout_lib
+from rljax.train.setup import Context, data_iterator
+from rljax.train.steps import build_sft_step, to_host
+
+SFT_SEED_OFFSET = 1  # the SFT iterator's order differs from the RL prompts' order
+
+
+class SFTPhase:
+    """``steps`` SFT updates with learning rate ``learning_rate``."""
+
+    def __init__(self, ctx: Context, steps: int, learning_rate: float, name: str = "sft"):
+        cfg = ctx.cfg
+        self.ctx, self.name, self.steps = ctx, name, int(steps)
+        source = cfg.sft.source or cfg.data.source
+        self.iterator = data_iterator(ctx, cfg.sft.batch_size, seed_offset=SFT_SEED_OFFSET,
+                                      source=source, path=cfg.sft.path or None)
+        self.task = None
+        if source in data_lib.TASKS:
+            self.task = data_lib.get_task(ctx.data_config(source))
+        self.completion_len = cfg.sft.max_length - cfg.data.max_prompt_length
+        self.optimizer = ctx.optimizer(learning_rate, self.steps)
+        self._step_fn = None
+        self.num_too_long = 0
+
+    def init_state(self, state):
+        return state.replace(opt_state=self.optimizer.init(state.params), ref_params=None)
+
+    def solution(self, example: dict) -> str:
+        if self.task is not None:
+            return self.task.solution(example)
+        for key in ("completion", "solution", "answer"):
+            if key in example:
+                return str(example[key])
+        raise UserError(f"SFT data has no completion/solution/answer field: {sorted(example)}")
+
+    def make_batch(self, examples: list[dict]) -> dict:
+        """Prompt ++ solution ++ EOS; solutions longer than the slot are cut (and counted)."""
+        tok, n = self.ctx.tokenizer, self.completion_len
+        p_tok, p_mask = rollout_lib.encode_prompts(tok, [ex["prompt"] for ex in examples],
+                                                   self.ctx.cfg.data.max_prompt_length)
+        c_tok = np.full((len(examples), n), tok.pad_id, np.int32)
+        c_mask = np.zeros((len(examples), n), bool)
+        for i, ex in enumerate(examples):
+            ids = tok.encode(self.solution(ex)) + [tok.eos_id]
+            if len(ids) > n:
+                self.num_too_long += 1
+                ids = ids[:n]
+            c_tok[i, :len(ids)], c_mask[i, :len(ids)] = ids, True
+        tokens, mask = rollout_lib.build_sequences(p_tok, p_mask, c_tok, c_mask)
+        return {"tokens": tokens, "mask": mask, "loss_mask": c_mask}
+
+    def _compiled(self, state):
+        if self._step_fn is None:
+            cfg = self.ctx.cfg
+            micro = cfg.algo.micro_batch_size
+            num_micro = cfg.sft.batch_size // micro if micro and cfg.sft.batch_size % micro == 0 else 1
+            self._step_fn = build_sft_step(
+                self.ctx.model_cfg, self.optimizer, num_micro=num_micro,
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+        return self._step_fn
+
+    def iteration(self, state, step: int):
+        t0 = time.perf_counter()
+        batch = self.make_batch(next(self.iterator))
+        state, m = self._compiled(state)(state, batch)
+        m = to_host(m)
+        dt = time.perf_counter() - t0
+        ntok = int(batch["loss_mask"].sum())
+        m = {f"sft/{k}" if k not in ("skipped", "grad_norm") else k: v for k, v in m.items()}
+        m.update({"sft/tokens": ntok, "time/update": dt, "tokens_per_s": ntok / max(dt, 1e-9),
+                  "sft/too_long": self.num_too_long})
+        return state, m
+
+    def state_dict(self) -> dict:
+        return {"data": self.iterator.state(), "too_long": self.num_too_long}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iterator.restore(state["data"])
+        self.num_too_long = int(state.get("too_long", 0))

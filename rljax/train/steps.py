@@ -1,0 +1,242 @@
+"""Jitted update steps: exact micro-batch accumulation, non-finite skipping, SFT and GRPO losses.
+
+Every step is ``new_state, metrics = step(state, batch)``, a pure function over the TrainState
+pytree, compiled once with explicit shardings and the state donated.
+
+Exactness (DESIGN principle 6): a loss function returns ``(weighted_sum, weight)`` and metric
+``(sum, count)`` pairs. ``accumulate`` sums numerators, weights and the *gradients of the
+numerators* over micro-batches, and divides once by the total weight, so the update does not
+depend on how the batch was split (up to float rounding).
+
+Batches are dicts of arrays with the batch on the leading axis. The sequence layout shared by
+SFT and RL (built by ``rollout.build_sequences``)::
+
+    tokens         int32 [B, P+N]   left-padded prompt bucket P, then the completion slot N
+    mask           bool  [B, P+N]   True on real tokens (attention mask)
+    loss_mask      bool  [B, N]     completion tokens that count in the loss
+
+Only the last N positions carry a loss, so per-token arrays of the completion are ``[B, N]``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rljax import algorithms, models
+from rljax.sharding import BATCH_AXES
+from rljax.train.optim import apply_if_finite
+from rljax.train.state import TrainState
+
+# loss_fn(params, state, micro_batch) -> ((weighted_sum, weight), {name: (sum, count)})
+LossFn = Callable[[Any, TrainState, Mapping[str, jax.Array]], tuple]
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+def split_micro_batches(batch: Mapping[str, jax.Array], num_micro: int) -> dict:
+    """[B, ...] leaves -> [M, B/M, ...], micro-batch m holding rows m, M+m, 2M+m, ...
+
+    Strided rather than contiguous so that when the batch axis is sharded over devices, every
+    micro-batch takes an equal slice from every device (no resharding inside the step).
+    """
+    def split(x):
+        b = x.shape[0]
+        if b % num_micro:
+            raise ValueError(f"batch of {b} is not divisible into {num_micro} micro-batches")
+        return jnp.swapaxes(x.reshape((b // num_micro, num_micro) + x.shape[1:]), 0, 1)
+    return {k: split(v) for k, v in batch.items()}
+
+
+def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array],
+               num_micro: int = 1):
+    """Gradients of the summed numerators, summed weights and summed metric pairs.
+
+    Returns ``(grads_sum, weighted_sum, weight, metric_sums)``; the loss is
+    ``weighted_sum / weight`` and its gradient ``grads_sum / weight``.
+    """
+    def one(mb):
+        def numerator(p):
+            (num, den), metrics = loss_fn(p, state, mb)
+            return num, (den, metrics)
+        (num, (den, metrics)), grads = jax.value_and_grad(numerator, has_aux=True)(state.params)
+        return grads, num, den, metrics
+
+    if num_micro == 1:
+        return one(batch)
+    micro = split_micro_batches(batch, num_micro)
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(one, first))
+
+    def body(carry, mb):
+        return jax.tree.map(jnp.add, carry, one(mb)), None
+
+    total, _ = jax.lax.scan(body, zeros, micro)
+    return total
+
+
+def finalize_metrics(metric_sums: Mapping[str, tuple]) -> dict:
+    """{name: (sum, count)} -> {name: sum / count}."""
+    return {k: algorithms.safe_divide(s, c) for k, (s, c) in metric_sums.items()}
+
+
+def update(optimizer, loss_fn: LossFn, state: TrainState, batch, num_micro: int = 1):
+    """One exact optimizer update (pure). Non-finite loss/grads leave params and optimizer
+    state untouched and report ``skipped=1``. Returns ``(new_state, metrics)``."""
+    grads, num, den, metric_sums = accumulate(loss_fn, state, batch, num_micro)
+    grads = jax.tree.map(lambda g: algorithms.safe_divide(g, den), grads)
+    loss = algorithms.safe_divide(num, den)
+    res = apply_if_finite(optimizer, state.params, state.opt_state, grads, loss)
+    new_state = state.replace(step=state.step + 1, params=res.params, opt_state=res.opt_state)
+    metrics = {"loss": loss, "grad_norm": res.grad_norm,
+               "skipped": res.skipped.astype(jnp.int32), **finalize_metrics(metric_sums)}
+    return new_state, metrics
+
+
+def batch_sharding(mesh) -> NamedSharding | None:
+    """Sharding prefix for a batch dict: leading axis over the data-parallel mesh axes."""
+    if mesh is None:
+        return None
+    return NamedSharding(mesh, PartitionSpec(tuple(a for a in BATCH_AXES if a in mesh.shape)))
+
+
+def jit_step(fn: Callable, state_shardings=None, mesh=None) -> Callable:
+    """``jax.jit`` of ``fn(state, batch) -> (state, metrics)`` with the state donated and,
+    when ``mesh`` is given, explicit in/out shardings (metrics replicated)."""
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(fn, donate_argnums=0, in_shardings=(state_shardings, batch_sharding(mesh)),
+                   out_shardings=(state_shardings, replicated))
+
+
+# ----------------------------------------------------------------------------- losses
+
+def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
+                     with_entropy: bool = False):
+    """Log-probs (and entropies) of the completion tokens: float32 [B, N] each (N from
+    ``batch["loss_mask"]``); the [B, P+N, V] logits are never materialised at once."""
+    n = batch["loss_mask"].shape[1]
+    logps, ent = models.token_logps(model_cfg, params, batch["tokens"],
+                                    attention_mask=batch["mask"], temperature=temperature,
+                                    with_entropy=with_entropy)
+    return logps[:, -n:], (None if ent is None else ent[:, -n:])
+
+
+def _pair(x, m):
+    m = m.astype(jnp.float32)
+    return jnp.where(m > 0, x, 0.0).sum(), m.sum()
+
+
+def sft_loss(model_cfg, params, state, batch):
+    """Masked next-token cross-entropy over completion tokens: (sum of -log p, #tokens)."""
+    del state
+    logps, _ = completion_logps(model_cfg, params, batch)
+    m = batch["loss_mask"]
+    num, den = _pair(-logps, m)
+    return (num, den), {"nll": (num, den)}
+
+
+def policy_loss_options(algo_cfg) -> dict:
+    """Keyword options of the configured policy loss (``algo.policy_loss``)."""
+    name = algo_cfg.policy_loss
+    opts: dict = {}
+    if name in ("ppo", "vanilla", "gspo"):
+        opts["epsilon"] = float(algo_cfg.epsilon)
+        opts["epsilon_high"] = algo_cfg.epsilon_high
+    elif algo_cfg.epsilon_high is not None:  # cispo: one-sided by default (no lower bound)
+        opts["epsilon_high"] = float(algo_cfg.epsilon_high)
+    if name in ("ppo", "vanilla"):
+        opts["clip_ratio_c"] = algo_cfg.clip_ratio_c
+        opts["ratio_level"] = algo_cfg.importance_sampling_level
+    if algo_cfg.tis_cap is not None:
+        opts["tis_cap"] = float(algo_cfg.tis_cap)
+    return opts
+
+
+def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
+    """GRPO-family loss on one micro-batch.
+
+    batch (besides the sequence layout): ``advantages`` f32 [B], ``old_logps`` f32 [B, N]
+    (trainer's own log-probs before the first update), ``sampler_logps`` f32 [B, N], and
+    ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on. Returns
+    ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
+    """
+    m = batch["loss_mask"]
+    logps, ent = completion_logps(model_cfg, params, batch, temperature=temperature,
+                                  with_entropy=True)
+    opts = policy_loss_options(algo_cfg)
+    if "tis_cap" in opts:
+        opts["sampler_logps"] = batch["sampler_logps"]
+    pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
+        logps, batch["old_logps"], batch["advantages"], m, **opts)
+    kl = None
+    if algo_cfg.beta > 0 and not algo_cfg.kl_in_reward:
+        kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(logps, batch["ref_logps"])
+        metrics["kl_ref"] = _pair(kl, m)
+    total = algorithms.combine_token_losses(pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta),
+                                            entropy_tokens=ent,
+                                            entropy_coef=float(algo_cfg.entropy_coef))
+    n = m.shape[1]
+    metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
+    metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
+    return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
+
+
+# ----------------------------------------------------------------------------- step builders
+
+def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
+                   mesh=None) -> Callable:
+    """Jitted ``sft_step(state, batch) -> (state, metrics)`` (metrics: loss, nll, grad_norm,
+    skipped)."""
+    loss_fn = functools.partial(sft_loss, model_cfg)
+
+    def sft_step(state, batch):
+        return update(optimizer, loss_fn, state, batch, num_micro)
+    return jit_step(sft_step, state_shardings, mesh)
+
+
+def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
+                    num_micro: int = 1, state_shardings=None, mesh=None) -> Callable:
+    """Jitted ``grpo_step(state, batch) -> (state, metrics)``; see ``grpo_loss`` for the
+    batch. Metrics: loss, pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0),
+    entropy, tis_weight (tis_cap), grad_norm, skipped."""
+    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
+    loss_fn = functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
+
+    def grpo_step(state, batch):
+        return update(optimizer, loss_fn, state, batch, num_micro)
+    return jit_step(grpo_step, state_shardings, mesh)
+
+
+def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,
+                   param_shardings=None) -> Callable:
+    """Jitted ``fn(params, batch) -> logps f32 [B, N]`` over the completion (old / reference
+    log-probs), computed ``num_micro`` rows-chunks at a time to bound memory."""
+    temperature = float(temperature) or 1.0
+
+    def logps_fn(params, batch):
+        batch = {k: batch[k] for k in ("tokens", "mask", "loss_mask")}
+        if num_micro == 1:
+            return completion_logps(model_cfg, params, batch, temperature=temperature)[0]
+        micro = split_micro_batches(batch, num_micro)
+        out = jax.lax.map(lambda mb: completion_logps(model_cfg, params, mb,
+                                                      temperature=temperature)[0], micro)
+        b = batch["tokens"].shape[0]
+        return jnp.swapaxes(out, 0, 1).reshape(b, -1)  # undo the strided split
+
+    if mesh is None:
+        return jax.jit(logps_fn)
+    return jax.jit(logps_fn, in_shardings=(param_shardings, batch_sharding(mesh)),
+                   out_shardings=batch_sharding(mesh))
+
+
+def to_host(metrics: Mapping[str, Any]) -> dict:
+    """Fetches a metrics dict to Python floats/ints (one device->host transfer)."""
+    fetched = jax.device_get(dict(metrics))
+    return {k: (np.asarray(v).item() if np.ndim(v) == 0 else np.asarray(v))
+            for k, v in fetched.items()}
