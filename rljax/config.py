@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.schedule": ("constant", "linear", "cosine"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "tokenizer.kind": ("auto", "hf", "sentencepiece", "char"),
+    "memory.check": ("auto", "full", "off"),
 }
 
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
@@ -162,6 +163,12 @@ def default_config() -> ml_collections.ConfigDict:
         max_length=512,
         source="",                   # "" = data.source
         path="",
+    )
+    c.memory = dict(
+        check="auto",                # pre-flight memory check in `train` (rljax.plan): "full"
+                                     # compiles every phase; "auto" = full on GPU/TPU or when
+                                     # device_memory_gb is set, else resident state only; "off"
+        device_memory_gb=0.0,        # per-device memory to plan against; 0 = ask the device
     )
     c.checkpoint = dict(
         max_to_keep=3,
@@ -447,6 +454,7 @@ _RANGES = (
     ("algo.overlong_buffer", 0, None), ("algo.overlong_penalty_factor", 0.0, None), ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0),
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
     ("algo.label_smoothing", 0.0, 0.5), ("algo.ref_update_every", 0, None),
+    ("memory.device_memory_gb", 0.0, None),
     ("optimizer.learning_rate", 1e-30, None), ("optimizer.warmup_steps", 0, None),
     ("optimizer.min_lr_ratio", 0.0, 1.0), ("optimizer.weight_decay", 0.0, None),
     ("optimizer.max_grad_norm", 0.0, None), ("optimizer.max_consecutive_nonfinite", 1, None),
