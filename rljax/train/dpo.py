@@ -1,0 +1,402 @@
+"""DPO training: offline from preference data, or online iterative from the policy's own samples.
+
+Preference batches are the arrays of ``data.encode_preference``::
+
+    prompt_tokens  int32 [B, P]  left-padded      prompt_mask   bool [B, P]
+    chosen_tokens  int32 [B, C]  right-padded     chosen_mask   bool [B, C]
+    rejected_tokens int32 [B, C]                  rejected_mask bool [B, C]
+    pair_mask      bool  [B]     optional: False marks padding pairs (count for nothing)
+
+The policy scores ``prompt ++ completion``; a completion's log-probability is the sum of
+``models.token_logps`` over its real tokens. Chosen and rejected rows share one forward pass
+([2B, P+C]). Reference log-probs come from the frozen ``state.ref_params`` (computed once per
+batch, without gradient); ``simpo`` is reference-free and needs no reference params.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import algorithms, models
+from rljax import data as data_lib
+from rljax import distributed as dist
+from rljax.errors import UserError
+from rljax.train import evaluate as eval_lib
+from rljax.train import steps
+from rljax.train.ppo import RewardRollout
+from rljax.train.setup import data_iterator
+from rljax.train.steps import to_host
+
+Array = jax.Array
+sg = jax.lax.stop_gradient
+
+# Loss types defined on length-normalised log-probs (see algorithms.dpo_loss).
+LENGTH_NORMALISED = ("ipo", "simpo")
+
+
+def pair_sequences(batch: dict) -> dict:
+    """Chosen and rejected rows stacked as one batch of full sequences.
+
+    Returns ``tokens int32 [2B, P+C]`` (rows ``[:B]`` chosen, ``[B:]`` rejected),
+    ``attention_mask bool [2B, P+C]`` (prompt and completion tokens) and
+    ``completion_mask bool [2B, P+C]`` (completion tokens only: the ones scored).
+    """
+    prompt, pmask = batch["prompt_tokens"], batch["prompt_mask"].astype(bool)
+    comp = jnp.concatenate([batch["chosen_tokens"], batch["rejected_tokens"]], axis=0)
+    cmask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]], axis=0).astype(bool)
+    prompt2 = jnp.concatenate([prompt, prompt], axis=0)
+    pmask2 = jnp.concatenate([pmask, pmask], axis=0)
+    return {
+        "tokens": jnp.concatenate([prompt2, comp], axis=1).astype(jnp.int32),
+        "attention_mask": jnp.concatenate([pmask2, cmask], axis=1),
+        "completion_mask": jnp.concatenate([jnp.zeros_like(pmask2), cmask], axis=1),
+    }
+
+
+def sequence_logps(model_cfg: models.ModelConfig, params: Any, seq: dict) -> tuple[Array, Array]:
+    """(summed completion log-probs [2B], completion lengths [2B]) of ``pair_sequences`` rows."""
+    logps, _ = models.token_logps(model_cfg, params, seq["tokens"],
+                                  attention_mask=seq["attention_mask"])
+    m = seq["completion_mask"]
+    return jnp.where(m, logps, 0.0).sum(axis=1), m.sum(axis=1).astype(jnp.float32)
+
+
+def reference_logps(model_cfg: models.ModelConfig, ref_params: Any, batch: dict) -> dict:
+    """Reference log-probs of a preference batch: ``{"ref_chosen_logps", "ref_rejected_logps"}``
+    [B] each. Computed once per batch (no gradient) and stored in it, so that repeated epochs
+    over the same pairs do not recompute them."""
+    ref, _ = sequence_logps(model_cfg, ref_params, pair_sequences(batch))
+    ref = sg(ref)
+    b = batch["chosen_tokens"].shape[0]
+    return {"ref_chosen_logps": ref[:b], "ref_rejected_logps": ref[b:]}
+
+
+def dpo_loss(model_cfg: models.ModelConfig, algo_cfg, params: Any, state, batch: dict):
+    """Micro-batch DPO loss in the ``steps.accumulate`` convention.
+
+    ``algo.loss_type`` / ``algo.beta`` / ``algo.label_smoothing`` choose the variant
+    (``algorithms.dpo_loss``); ``ipo`` and ``simpo`` use length-normalised log-probs.
+    Reference log-probs are ``batch["ref_chosen_logps"/"ref_rejected_logps"]`` when present,
+    else computed here from the frozen ``state.ref_params`` (each pair is seen once per batch,
+    so that is once per batch); ``simpo`` needs none.
+
+    Returns ``((loss sum over real pairs, number of real pairs), metric pairs)``: accuracy
+    (implicit reward of chosen > rejected), rewards/chosen, rewards/rejected, rewards/margin,
+    logps/chosen, logps/rejected (summed completion log-probs).
+    """
+    loss_type = algo_cfg.loss_type
+    b = batch["chosen_tokens"].shape[0]
+    logps, lengths = sequence_logps(model_cfg, params, pair_sequences(batch))
+    pc, pr = logps[:b], logps[b:]
+    if loss_type == "simpo":
+        rc = rr = None
+    elif "ref_chosen_logps" in batch:
+        rc, rr = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+    else:
+        ref = reference_logps(model_cfg, state.ref_params, batch)
+        rc, rr = ref["ref_chosen_logps"], ref["ref_rejected_logps"]
+    lengths_kw = {}
+    if loss_type in LENGTH_NORMALISED:
+        lengths_kw = dict(chosen_lengths=lengths[:b], rejected_lengths=lengths[b:])
+    losses, chosen_r, rejected_r = algorithms.dpo_loss(
+        pc, pr, rc, rr, beta=float(algo_cfg.beta), loss_type=loss_type,
+        label_smoothing=float(algo_cfg.label_smoothing), **lengths_kw)
+    m = pair_mask(batch)
+    weight = m.astype(jnp.float32).sum()
+    msum = lambda x: jnp.where(m, x, 0.0).sum()  # noqa: E731
+    correct, _ = algorithms.preference_accuracy(chosen_r, rejected_r, m)
+    metrics = {
+        "accuracy": (correct, weight),
+        "rewards/chosen": (msum(chosen_r), weight),
+        "rewards/rejected": (msum(rejected_r), weight),
+        "rewards/margin": (msum(chosen_r - rejected_r), weight),
+        "logps/chosen": (sg(msum(pc)), weight),
+        "logps/rejected": (sg(msum(pr)), weight),
+    }
+    return (msum(losses), weight), metrics
+
+
+def pair_mask(batch: dict) -> Array:
+    """bool [B]: the real pairs (``batch["pair_mask"]``, default all)."""
+    b = batch["chosen_tokens"].shape[0]
+    return batch["pair_mask"].astype(bool) if "pair_mask" in batch else jnp.ones((b,), bool)
+
+
+def build_dpo_step(model_cfg, algo_cfg, optimizer, *, num_micro: int = 1,
+                   state_shardings=None, mesh=None) -> Callable:
+    """Jitted ``dpo_step(state, batch) -> (state, metrics)`` on a preference batch.
+    Metrics: loss, accuracy, rewards/{chosen,rejected,margin}, logps/{chosen,rejected},
+    grad_norm, skipped."""
+    loss_fn = functools.partial(dpo_loss, model_cfg, algo_cfg)
+
+    def dpo_step(state, batch):
+        return steps.update(optimizer, loss_fn, state, batch, num_micro)
+    return steps.jit_step(dpo_step, state_shardings, mesh)
+
+
+# ----------------------------------------------------------------------------- pairs (host)
+
+def synthetic_pairs(examples: list[dict], rng: np.random.Generator,
+                    solution=lambda ex: str(ex["answer"])) -> list[dict]:
+    """Preference pairs from task examples with integer answers (built-in ``arithmetic``):
+    chosen = the verified solution, rejected = a wrong integer near it (a small nonzero
+    offset or a digit change), so the pair differs only in correctness."""
+    pairs = []
+    for ex in examples:
+        right = solution(ex)
+        value = int(str(ex["answer"]).strip())
+        wrong = value
+        while wrong == value or (wrong < 0 <= value):
+            if rng.random() < 0.5:
+                wrong = value + int(rng.choice([-1, 1])) * int(rng.integers(1, 11))
+            else:  # change one digit: a near-miss in the token space
+                digits = list(str(value))
+                i = int(rng.integers(len(digits)))
+                digits[i] = str(int(rng.integers(10)))
+                wrong = int("".join(digits))
+        pairs.append({**ex, "chosen": right, "rejected": right.replace(str(value), str(wrong))
+                      if str(value) in right else str(wrong)})
+    return pairs
+
+
+def best_worst_pairs(prompt_batch: dict, completions: dict, rewards: np.ndarray,
+                     num_generations: int) -> dict:
+    """Online DPO pairs from G samples per prompt: chosen = the highest-reward sample,
+    rejected = the lowest; ties (no reward difference) become padding pairs.
+
+    Args:
+      prompt_batch: ``prompt_tokens/prompt_mask [B, P]``.
+      completions: ``tokens/mask [B*G, N]`` (prompt-major rows ``i*G + g``, right-padded).
+      rewards: [B*G] host floats.
+    Returns a preference batch (``encode_preference`` layout) with ``pair_mask [B]``; shapes
+    are static (always B pairs) so the DPO step compiles once.
+    """
+    g = num_generations
+    r = np.asarray(rewards, np.float64).reshape(-1, g)
+    best, worst = r.argmax(axis=1), r.argmin(axis=1)
+    rows = np.arange(r.shape[0]) * g
+    tokens, mask = np.asarray(completions["tokens"]), np.asarray(completions["mask"], bool)
+    return {
+        "prompt_tokens": np.asarray(prompt_batch["prompt_tokens"]),
+        "prompt_mask": np.asarray(prompt_batch["prompt_mask"], bool),
+        "chosen_tokens": tokens[rows + best], "chosen_mask": mask[rows + best],
+        "rejected_tokens": tokens[rows + worst], "rejected_mask": mask[rows + worst],
+        "pair_mask": r.max(axis=1) > r.min(axis=1),
+    }
+
+
+# ----------------------------------------------------------------------------- data
+
+class PreferenceData:
+    """Encoded preference batches for offline DPO and reward models, with a checkpointable
+    position.
+
+    The pairs come from ``data.source``: a preference file (JSONL/Parquet/TFDS rows with
+    ``prompt``, ``chosen``, ``rejected``; ``data.kwargs.fields`` maps other column names; the
+    default template renders ``{prompt}`` as is), or a synthetic task (``arithmetic``), whose
+    examples become (right answer, wrong answer) pairs with ``synthetic_pairs``. Prompts are
+    left-padded to ``data.max_prompt_length`` and completions right-padded to
+    ``rollout.max_new_tokens`` (EOS included), so the step compiles once; longer pairs are
+    dropped (and counted by the iterator).
+    """
+
+    def __init__(self, ctx, batch_size: int, split: str = "train", seed_offset: int = 0,
+                 num_epochs=None):
+        cfg = ctx.cfg
+        config = dict(ctx.data_config())
+        self.task = data_lib.get_task(config) if config["source"] in data_lib.TASKS else None
+        if self.task is None:
+            config.setdefault("kind", "preference")
+            if cfg.data.template == "plain":  # the default "{question}" is for prompt data
+                config["template"] = "{prompt}"
+        self.max_prompt = int(cfg.data.max_prompt_length)
+        self.max_completion = int(cfg.rollout.max_new_tokens)
+        config["max_completion_len"] = self.max_completion
+        if split == "eval":
+            config["shuffle"] = False
+        self.ctx, self.batch_size, self.split = ctx, int(batch_size), split
+        self.seed = cfg.seed + seed_offset
+        try:
+            self.iterator = data_lib.make_iterator(config, batch_size=batch_size, seed=self.seed,
+                                                   split=split, tokenizer=ctx.tokenizer,
+                                                   num_epochs=num_epochs)
+        except (ValueError, KeyError) as e:
+            raise UserError(f"preference data: {e}") from None
+        self.batches = 0  # seeds the wrong answers of synthetic pairs (so resume replays them)
+
+    def encode(self, examples: list[dict]) -> dict:
+        """Examples -> ``encode_preference`` arrays (+ ``pair_mask``), padded to batch_size."""
+        if self.task is not None:
+            rng = np.random.default_rng([self.seed, int(self.split == "eval"), self.batches])
+            examples = synthetic_pairs(examples, rng, solution=self.task.solution)
+        n = len(examples)
+        padded = examples + [examples[-1]] * (self.batch_size - n)  # static shapes
+        out = data_lib.encode_preference(self.ctx.tokenizer, padded, self.max_prompt,
+                                         self.max_completion)
+        out["pair_mask"] = np.arange(self.batch_size) < n
+        return out
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        try:
+            examples = next(self.iterator)
+        except StopIteration:
+            raise StopIteration from None
+        batch = self.encode(examples)
+        self.batches += 1
+        return batch
+
+    def state(self) -> dict:
+        return {"data": self.iterator.state(), "batches": self.batches}
+
+    def restore(self, state: dict) -> None:
+        self.iterator.restore(state["data"])
+        self.batches = int(state["batches"])
+
+
+def eval_pair_batches(ctx) -> list[dict]:
+    """The held-out preference batches (``eval.num_examples`` pairs, 0 = all; batches of
+    ``eval.batch_size``), or [] when the data has no eval split."""
+    cfg = ctx.cfg
+    try:
+        pairs = PreferenceData(ctx, cfg.eval.batch_size, split="eval", seed_offset=EVAL_SEED,
+                               num_epochs=1)
+    except UserError:
+        return []
+    out, count, limit = [], 0, cfg.eval.num_examples or None
+    for batch in pairs:
+        out.append(batch)
+        count += int(batch["pair_mask"].sum())
+        if limit and count >= limit:
+            break
+    return out
+
+
+EVAL_SEED = 17  # the wrong answers of held-out synthetic pairs differ from training ones
+
+
+def pair_metrics(fn, batches: list[dict], prefix: str = "eval/") -> dict:
+    """Runs ``fn(batch) -> ((loss_sum, weight), {name: (sum, count)})`` over ``batches`` and
+    returns exact means ``{prefix + name}`` (loss included)."""
+    total: dict[str, list[float]] = {}
+    for batch in batches:
+        (num, den), metrics = fn(batch)
+        for name, (s, c) in {"loss": (num, den), **metrics}.items():
+            acc = total.setdefault(name, [0.0, 0.0])
+            acc[0] += float(s)
+            acc[1] += float(c)
+    return {prefix + k: (s / c if c else 0.0) for k, (s, c) in total.items()}
+
+
+# ----------------------------------------------------------------------------- phase
+
+class DPOPhase:
+    """``steps`` DPO updates (``algo.num_iterations`` per step when online).
+
+    Offline (default): each step takes ``rollout.batch_size`` pairs from ``PreferenceData``.
+    Online (``algo.online``): each step is a round: sample ``algo.num_generations`` completions
+    for each of ``rollout.batch_size / num_generations`` prompts, rank them with the reward
+    functions, pair the best with the worst (ties are skipped), then update on those pairs.
+    The reference starts as a copy of the phase's starting policy and is refreshed every
+    ``algo.ref_update_every`` steps (0 = frozen; 1 = every round, iterative DPO).
+    Evaluation: the policy's task accuracy (as for GRPO, when the data has prompts with
+    answers) and, on held-out pairs, ``eval/pref_accuracy`` / ``eval/pref_margin``.
+    """
+
+    name = "dpo"
+
+    def __init__(self, ctx, steps: int):
+        cfg = ctx.cfg
+        a = cfg.algo
+        self.ctx, self.steps, self.online = ctx, int(steps), bool(a.online)
+        self.g = int(a.num_generations)
+        self.num_pairs = cfg.rollout.batch_size // self.g if self.online else cfg.rollout.batch_size
+        if self.num_pairs % ctx.dp_size:
+            raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
+                            f"split over the data-parallel mesh size {ctx.dp_size}")
+        micro = a.micro_batch_size
+        self.num_micro = self.num_pairs // micro if micro and self.num_pairs % micro == 0 else 1
+        if self.online:
+            self.iterator = data_iterator(ctx, self.num_pairs)
+            self.source = RewardRollout(ctx, self.iterator)
+        else:
+            self.source = PreferenceData(ctx, self.num_pairs)
+        self.updates = a.num_iterations if self.online else 1
+        self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, self.steps * self.updates)
+        self.uses_ref = a.loss_type != "simpo"
+        self._step_fn = self._eval_fn = None
+        self._eval_batches = self._eval_examples = None
+
+    def init_state(self, state):
+        ref = jax.tree.map(jnp.copy, state.params) if self.uses_ref else None
+        return state.replace(opt_state=self.optimizer.init(state.params), ref_params=ref)
+
+    def _compiled(self, state):
+        if self._step_fn is None:
+            self._step_fn = build_dpo_step(
+                self.ctx.model_cfg, self.ctx.cfg.algo, self.optimizer, num_micro=self.num_micro,
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+        return self._step_fn
+
+    def _online_pairs(self, state, step: int) -> tuple[dict, dict]:
+        batch, metrics = self.source(state, step)
+        n = batch["loss_mask"].shape[1]
+        tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"], bool)
+        p = tokens.shape[1] - n
+        prompts = {"prompt_tokens": tokens[::self.g, :p], "prompt_mask": mask[::self.g, :p]}
+        completions = {"tokens": tokens[:, p:], "mask": mask[:, p:]}
+        pairs = best_worst_pairs(prompts, completions, batch["rewards"], self.g)
+        metrics["dpo/pairs_frac"] = float(pairs["pair_mask"].mean())
+        return pairs, metrics
+
+    def iteration(self, state, step: int):
+        t0 = time.perf_counter()
+        if self.online:
+            pairs, metrics = self._online_pairs(state, step)
+        else:
+            pairs, metrics = next(self.source), {}
+        t1 = time.perf_counter()
+        step_fn = self._compiled(state)
+        updates = []
+        for _ in range(self.updates):
+            state, m = step_fn(state, dist.device_batch(pairs, self.ctx.mesh))
+            updates.append(to_host(m))
+        every = self.ctx.cfg.algo.ref_update_every
+        if self.uses_ref and every and (step + 1) % every == 0:
+            state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+        t2 = time.perf_counter()
+        for key in updates[0]:
+            values = [u[key] for u in updates]
+            metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))
+        metrics.update({"dpo/pairs": int(pairs["pair_mask"].sum()), "time/rollout": t1 - t0,
+                        "time/update": t2 - t1, "time/step": t2 - t0})
+        return state, metrics
+
+    def evaluate(self, state, rng) -> dict:
+        """Task accuracy of the policy (prompt data only) + held-out preference metrics."""
+        out = {}
+        if self.online or self.ctx.cfg.data.source in data_lib.TASKS:
+            if self._eval_examples is None:
+                self._eval_examples = eval_lib.eval_examples(self.ctx)
+            out.update(eval_lib.run_eval(self.ctx, state.params, rng, self._eval_examples))
+        if self._eval_batches is None:
+            self._eval_batches = eval_pair_batches(self.ctx)
+            cfg, algo = self.ctx.model_cfg, self.ctx.cfg.algo
+            self._eval_fn = jax.jit(lambda s, b: dpo_loss(cfg, algo, s.params, s, b))
+        if self._eval_batches:
+            m = pair_metrics(lambda b: self._eval_fn(state, b), self._eval_batches, "eval/pref_")
+            out.update({k: v for k, v in m.items() if not k.startswith("eval/pref_logps")})
+        return out
+
+    def state_dict(self) -> dict:
+        return {"data": (self.iterator if self.online else self.source).state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        (self.iterator if self.online else self.source).restore(state["data"])

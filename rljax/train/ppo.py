@@ -1,0 +1,321 @@
+"""PPO with a learned critic (Schulman et al. 2017; the RLHF recipe of Ouyang et al. 2022).
+
+One iteration: sample completions -> score them (host reward functions) -> ``ppo_prepare``
+(old log-probs, reference log-probs, critic values, token-level rewards, GAE, whitened
+advantages; no gradients) -> K epochs x minibatches of ``ppo_step`` updating policy and critic.
+
+Batches use the sequence layout of ``rljax.train.steps`` (prompt bucket P, completion slot N)::
+
+    tokens     int32 [B, P+N]   mask bool [B, P+N]   loss_mask bool [B, N]
+    rewards    f32   [B]        sequence scores from the reward functions
+
+``ppo_prepare`` adds, in completion space [B, N] (entry t belongs to completion token t):
+``old_logps``, ``old_values`` (V of the prefix *before* token t), ``advantages``, ``returns``
+and, when a KL to the reference is used, ``ref_logps``.
+
+Token-level reward: the sequence reward sits on the last real completion token; with
+``algo.kl_in_reward`` every token also pays ``-beta * KL_t(pi_old || pi_ref)`` (estimator
+``algo.kl_estimator``). Without it, ``beta > 0`` adds the KL as a loss term, as in GRPO.
+
+The critic is ``models.value_forward`` over ``state.critic_params`` (initialise it from the
+policy with ``models.init_value_params(cfg, rng, from_params=params)``) with its own optimizer
+(``state.critic_opt_state``).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import algorithms, models
+from rljax import distributed as dist
+from rljax.train import steps
+from rljax.train.optim import all_finite, apply_if_finite
+from rljax.train.rollout import Rollout
+from rljax.train.setup import Context, data_iterator
+from rljax.train.steps import to_host
+
+Array = jax.Array
+sg = jax.lax.stop_gradient
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def completion_values(model_cfg, critic_params, batch) -> Array:
+    """Critic values [B, N]: entry t is V(prompt ++ completion[:t]), the state in which
+    completion token t is chosen, read at the position just before it (like its logits)."""
+    n = batch["loss_mask"].shape[1]
+    values = models.value_forward(model_cfg, critic_params, batch["tokens"],
+                                  attention_mask=batch["mask"])
+    return values[:, -n - 1:-1]
+
+
+def token_rewards(rewards: Array, mask: Array, kl: Array | None = None,
+                  beta: float = 0.0) -> Array:
+    """Sequence rewards [B] placed on each row's last real token of ``mask`` [B, N], minus
+    ``beta * kl`` [B, N] on every real token (KL-in-reward). [B, N], 0 where masked."""
+    mask = mask.astype(bool)
+    n = mask.shape[1]
+    last = n - 1 - jnp.argmax(mask[:, ::-1], axis=1)
+    at_last = jnp.arange(n)[None, :] == last[:, None]
+    r = jnp.where(at_last & mask, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
+    if kl is not None and beta:
+        r = r - beta * sg(kl)
+    return jnp.where(mask, r, 0.0)
+
+
+def advantages_and_returns(algo_cfg, rewards, values, old_logps, ref_logps, mask):
+    """GAE on token-level rewards. All [B, N] except ``rewards`` [B]; ``ref_logps`` may be None.
+
+    Returns ``(advantages, returns, metrics)``. Advantages are whitened over the real tokens of
+    the whole rollout batch when ``algo.whiten_advantages`` (before minibatching, so every
+    minibatch sees the same normalisation); returns are never whitened (critic targets).
+    """
+    m = mask.astype(bool)
+    metrics = {}
+    kl = None
+    if ref_logps is not None:
+        kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(old_logps, ref_logps)
+        metrics["kl_ref"] = algorithms.masked_mean(kl, m)
+    r = token_rewards(rewards, m, kl if algo_cfg.kl_in_reward else None, float(algo_cfg.beta))
+    adv, returns = algorithms.gae(r, values, m, gamma=float(algo_cfg.gamma),
+                                  lam=float(algo_cfg.lam))
+    metrics["advantages/raw_mean"] = algorithms.masked_mean(adv, m)
+    if algo_cfg.whiten_advantages:
+        adv = algorithms.masked_whiten(adv, m)
+    metrics["values/mean"] = algorithms.masked_mean(values, m)
+    metrics["returns/mean"] = algorithms.masked_mean(returns, m)
+    return adv, returns, metrics
+
+
+def build_prepare(model_cfg, algo_cfg, *, temperature: float = 1.0) -> Callable:
+    """Jitted ``prepare(state, batch) -> (batch + PPO fields, metrics)`` (no gradients).
+
+    ``old_logps`` are the trainer's own log-probs before the first update (not the sampler's),
+    so the first PPO ratio is exactly 1; taken from the batch when the rollout computed them. The reference is used when ``algo.beta > 0`` and
+    ``state.ref_params`` is set.
+    """
+    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
+
+    def prepare(state, batch):
+        m = batch["loss_mask"].astype(bool)
+        if "old_logps" in batch:  # the rollout already computed them
+            old = batch["old_logps"]
+        else:
+            old, _ = steps.completion_logps(model_cfg, state.params, batch,
+                                            temperature=temperature)
+        ref = None
+        if algo_cfg.beta > 0 and state.ref_params is not None:
+            ref, _ = steps.completion_logps(model_cfg, state.ref_params, batch,
+                                            temperature=temperature)
+        values = completion_values(model_cfg, state.critic_params, batch)
+        adv, returns, metrics = advantages_and_returns(algo_cfg, batch["rewards"], values,
+                                                       old, ref, m)
+        out = dict(batch, old_logps=jnp.where(m, old, 0.0), old_values=jnp.where(m, values, 0.0),
+                   advantages=adv, returns=returns)
+        if ref is not None:
+            out["ref_logps"] = jnp.where(m, ref, 0.0)
+        return out, metrics
+
+    return jax.jit(prepare)
+
+
+# ----------------------------------------------------------------------------- loss / step
+
+def _pair(x, m):
+    m = m.astype(jnp.float32)
+    return jnp.where(m > 0, sg(x), 0.0).astype(jnp.float32).sum(), m.sum()
+
+
+def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
+    """Micro-batch PPO loss; ``params = {"policy": ..., "critic": ...}`` (both differentiated).
+
+    ``policy loss + vf_coef * value loss``, both aggregated by ``algo.loss_agg_mode`` over the
+    same mask, so they share one weight. Returns ``((weighted_sum, weight), metric pairs)``.
+    """
+    del state
+    m = batch["loss_mask"].astype(bool)
+    n = m.shape[1]
+    entropy_coef = float(algo_cfg.entropy_coef)
+    logps, ent = steps.completion_logps(model_cfg, params["policy"], batch,
+                                        temperature=temperature, with_entropy=entropy_coef > 0)
+    opts = steps.policy_loss_options(algo_cfg)
+    if "tis_cap" in opts:
+        opts["sampler_logps"] = batch["sampler_logps"]
+    pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
+        logps, batch["old_logps"], batch["advantages"], m, **opts)
+    kl = None
+    if algo_cfg.beta > 0 and not algo_cfg.kl_in_reward and "ref_logps" in batch:
+        kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(logps, batch["ref_logps"])
+        metrics["kl_loss"] = _pair(kl, m)
+    policy_tokens = algorithms.combine_token_losses(
+        pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta), entropy_tokens=ent,
+        entropy_coef=entropy_coef)
+    values = completion_values(model_cfg, params["critic"], batch)
+    clip = float(algo_cfg.cliprange_value) or None
+    vf, vf_clipped = algorithms.value_loss_tokens(values, batch["old_values"], batch["returns"],
+                                                  m, clip_range=clip)
+    pg_pair = algorithms.aggregate(policy_tokens, m, algo_cfg.loss_agg_mode, max_len=n)
+    vf_pair = algorithms.aggregate(vf, m, algo_cfg.loss_agg_mode, max_len=n)
+    metrics["pg_loss"] = jax.tree.map(sg, pg_pair)
+    metrics["vf_loss"] = jax.tree.map(sg, vf_pair)
+    metrics["vf_clipfrac"] = _pair(vf_clipped, m)
+    metrics["values/pred_mean"] = _pair(values, m)
+    if ent is not None:
+        metrics["entropy"] = _pair(ent, m)
+    total = pg_pair[0] + float(algo_cfg.vf_coef) * vf_pair[0]
+    return (total, pg_pair[1]), metrics
+
+
+def ppo_update(optimizer, critic_optimizer, loss_fn, state, batch, num_micro: int = 1):
+    """One exact update of policy and critic (pure). Returns ``(new_state, metrics)``.
+
+    Gradients of both models come from one accumulation (``steps.accumulate`` over a view of
+    the state whose ``params`` are ``{"policy", "critic"}``). Each model then takes its own
+    optimizer step; if anything is non-finite *both* are skipped, so they stay in step.
+    """
+    joint = state.replace(params={"policy": state.params, "critic": state.critic_params})
+    grads, num, den, metric_sums = steps.accumulate(loss_fn, joint, batch, num_micro)
+    grads = jax.tree.map(lambda g: algorithms.safe_divide(g, den), grads)
+    loss = algorithms.safe_divide(num, den)
+    # Each apply_if_finite checks its own grads and the loss; fold the other model's
+    # finiteness into the loss it sees so that a skip is joint.
+    nan = jnp.asarray(jnp.nan, loss.dtype)
+    pol = apply_if_finite(optimizer, state.params, state.opt_state, grads["policy"],
+                          jnp.where(all_finite(grads["critic"]), loss, nan))
+    cri = apply_if_finite(critic_optimizer, state.critic_params, state.critic_opt_state,
+                          grads["critic"], jnp.where(all_finite(grads["policy"]), loss, nan))
+    new_state = state.replace(step=state.step + 1, params=pol.params, opt_state=pol.opt_state,
+                              critic_params=cri.params, critic_opt_state=cri.opt_state)
+    metrics = {"loss": loss, "grad_norm": pol.grad_norm, "critic_grad_norm": cri.grad_norm,
+               "skipped": pol.skipped.astype(jnp.int32), **steps.finalize_metrics(metric_sums)}
+    return new_state, metrics
+
+
+def build_ppo_step(model_cfg, algo_cfg, optimizer, critic_optimizer, *, temperature: float = 1.0,
+                   num_micro: int = 1, state_shardings=None, mesh=None) -> Callable:
+    """Jitted ``ppo_step(state, batch) -> (state, metrics)`` on a prepared minibatch
+    (``ppo_prepare`` fields). Metrics: loss, pg_loss, vf_loss, vf_clipfrac, clipfrac_*,
+    approx_kl, values/pred_mean, entropy (entropy_coef > 0), kl_loss (KL as a loss term),
+    grad_norm, critic_grad_norm, skipped."""
+    temperature = float(temperature) or 1.0
+    loss_fn = functools.partial(ppo_loss, model_cfg, algo_cfg, temperature)
+
+    def ppo_step(state, batch):
+        return ppo_update(optimizer, critic_optimizer, loss_fn, state, batch, num_micro)
+    return steps.jit_step(ppo_step, state_shardings, mesh)
+
+
+# ----------------------------------------------------------------------------- phase
+
+CRITIC_STREAM = 4  # rng stream of the critic head's initialisation
+
+
+class RewardRollout(Rollout):
+    """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each
+    completion's raw reward as ``batch["rewards"]`` [R] instead of group advantages: PPO
+    computes token-level advantages itself and online DPO ranks samples by reward. The
+    reference (and any KL) is handled per token by the caller, so the rollout skips it."""
+
+    def __init__(self, ctx, iterator):
+        super().__init__(ctx, iterator)
+        self.needs_ref = False
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        return np.asarray(rewards, np.float32)
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        batch, metrics = super().__call__(state, step)
+        batch["rewards"] = batch.pop("advantages")
+        for key in [k for k in metrics if k.startswith("adv/")]:
+            del metrics[key]  # these were reward statistics; the caller reports its own
+        return batch, metrics
+
+
+class PPOPhase:
+    """``steps`` PPO iterations: rollout -> ``prepare`` (values, GAE) -> ``algo.num_iterations``
+    epochs over the batch in shuffled minibatches of ``algo.mini_batch_size`` completions.
+
+    The critic is initialised from the phase's starting policy (after any SFT warm-up) and
+    trained with ``optimizer.critic_learning_rate`` (default ``optimizer.learning_rate``).
+    With ``algo.beta > 0`` the reference is a copy of the starting policy, refreshed every
+    ``algo.ref_update_every`` iterations (0 = never).
+    """
+
+    name = "ppo"
+
+    def __init__(self, ctx: Context, steps: int):
+        cfg = ctx.cfg
+        self.ctx, self.steps = ctx, int(steps)
+        a = cfg.algo
+        self.batch_size = cfg.rollout.batch_size
+        self.mini = a.mini_batch_size or self.batch_size
+        self.num_micro = self.mini // a.micro_batch_size if a.micro_batch_size else 1
+        updates = self.steps * a.num_iterations * (self.batch_size // self.mini)
+        self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
+        self.rollout = RewardRollout(ctx, self.iterator)
+        self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, updates)
+        self.critic_optimizer = ctx.optimizer(
+            cfg.optimizer.critic_learning_rate or cfg.optimizer.learning_rate, updates)
+        self.prepare = build_prepare(ctx.model_cfg, a, temperature=cfg.rollout.temperature)
+        self._step_fn = None
+
+    def init_state(self, state):
+        """Fresh optimizers, a critic copied from the policy, the reference (beta > 0)."""
+        critic = models.init_value_params(
+            self.ctx.model_cfg, jax.random.fold_in(state.rng, CRITIC_STREAM),
+            from_params=state.params)
+        ref = jax.tree.map(jnp.copy, state.params) if self.ctx.cfg.algo.beta > 0 else None
+        return state.replace(opt_state=self.optimizer.init(state.params), critic_params=critic,
+                             critic_opt_state=self.critic_optimizer.init(critic),
+                             ref_params=ref)
+
+    def _compiled(self, state):
+        if self._step_fn is None:
+            cfg = self.ctx.cfg
+            self._step_fn = build_ppo_step(
+                self.ctx.model_cfg, cfg.algo, self.optimizer, self.critic_optimizer,
+                temperature=cfg.rollout.temperature, num_micro=self.num_micro,
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+        return self._step_fn
+
+    def iteration(self, state, step: int):
+        cfg, mesh = self.ctx.cfg, self.ctx.mesh
+        t0 = time.perf_counter()
+        batch, metrics = self.rollout(state, step)
+        prepared, pm = self.prepare(state, dist.device_batch(batch, mesh))
+        prepared = {k: dist.to_host(v) for k, v in prepared.items()}
+        metrics.update({k: float(dist.to_host(v)) for k, v in pm.items()})
+        t1 = time.perf_counter()
+        step_fn = self._compiled(state)
+        # Shuffled minibatches, reproducible from (seed, step, epoch) so a resume replays them.
+        rng = np.random.default_rng([cfg.seed, step])
+        updates = []
+        for _ in range(cfg.algo.num_iterations):
+            order = rng.permutation(self.batch_size) if self.mini < self.batch_size else None
+            for start in range(0, self.batch_size, self.mini):
+                rows = slice(start, start + self.mini) if order is None else \
+                    order[start:start + self.mini]
+                mb = {k: v[rows] for k, v in prepared.items()}
+                state, m = step_fn(state, dist.device_batch(mb, mesh))
+                updates.append(m)
+        updates = [to_host(m) for m in updates]
+        every = cfg.algo.ref_update_every
+        if state.ref_params is not None and every and (step + 1) % every == 0:
+            state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+        t2 = time.perf_counter()
+        for key in updates[0]:
+            values = [u[key] for u in updates]
+            metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))
+        metrics.update({"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0})
+        return state, metrics
+
+    def state_dict(self) -> dict:
+        return {"data": self.iterator.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iterator.restore(state["data"])

@@ -1,0 +1,174 @@
+"""Reward-model training: Bradley-Terry loss on preference pairs with a value-head model.
+
+The reward model is ``models.value_forward`` (trunk + scalar head, usually initialised from a
+policy checkpoint with ``models.init_value_params(from_params=...)``); the score of a
+completion is the value at the *last real token* of ``prompt ++ completion``, i.e. after the
+model has read the whole answer including its EOS. The loss per pair is
+``-log sigmoid(r_chosen - r_rejected)`` (``algorithms.reward_model_loss``); accuracy is the
+fraction of pairs with ``r_chosen > r_rejected``.
+
+Batches are the arrays of ``data.encode_preference`` (see :mod:`rljax.train.dpo`):
+``prompt_tokens/prompt_mask [B, P]``, ``chosen_tokens/chosen_mask`` and
+``rejected_tokens/rejected_mask [B, C]``. ``build_rm_step`` trains ``TrainState.params``
+(value params); the run's ``RMPhase`` keeps the reward model in ``critic_params`` instead.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from rljax import algorithms, models
+from rljax import distributed as dist
+from rljax.errors import UserError
+from rljax.train import dpo as dpo_lib
+from rljax.train import steps
+from rljax.train.steps import to_host
+
+Array = jax.Array
+
+
+def last_token_scores(values: Array, mask: Array) -> Array:
+    """Values [B, T] at each row's last True position of ``mask`` [B, T] -> [B] (0 if empty)."""
+    m = mask.astype(bool)
+    t = mask.shape[1]
+    # argmax finds the first True of the reversed row, i.e. the last True of the row.
+    last = t - 1 - jnp.argmax(m[:, ::-1], axis=1)
+    picked = jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
+    return jnp.where(m.any(axis=1), picked, 0.0)
+
+
+def pair_scores(model_cfg: models.ModelConfig, value_params: Any, batch: dict) -> tuple[Array, Array]:
+    """Reward-model scores (chosen [B], rejected [B]) of a preference batch.
+
+    Chosen and rejected rows go through the model together as one [2B, P+C] batch.
+    """
+    seq = dpo_lib.pair_sequences(batch)
+    values = models.value_forward(model_cfg, value_params, seq["tokens"],
+                                  attention_mask=seq["attention_mask"])
+    scores = last_token_scores(values, seq["attention_mask"])
+    b = batch["chosen_tokens"].shape[0]
+    return scores[:b], scores[b:]
+
+
+def rm_loss(model_cfg: models.ModelConfig, params: Any, state, batch: dict):
+    """Micro-batch Bradley-Terry loss in the ``steps.accumulate`` convention (``params`` are
+    value params). Returns ``((loss sum over real pairs, number of real pairs), metric
+    pairs)``: accuracy (score of chosen > rejected), score/chosen, score/rejected,
+    score/margin."""
+    del state
+    chosen, rejected = pair_scores(model_cfg, params, batch)
+    m = dpo_lib.pair_mask(batch)
+    loss_sum, weight = algorithms.reward_model_loss(chosen, rejected, mask=m)
+    correct, _ = algorithms.preference_accuracy(chosen, rejected, m)
+    msum = lambda x: jax.lax.stop_gradient(jnp.where(m, x, 0.0).sum())  # noqa: E731
+    metrics = {
+        "accuracy": (correct, weight),
+        "score/chosen": (msum(chosen), weight),
+        "score/rejected": (msum(rejected), weight),
+        "score/margin": (msum(chosen - rejected), weight),
+    }
+    return (loss_sum, weight), metrics
+
+
+def build_rm_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
+                  mesh=None) -> Callable:
+    """Jitted ``rm_step(state, batch) -> (state, metrics)``; ``state.params`` are value params.
+    Metrics: loss, accuracy, score/{chosen,rejected,margin}, grad_norm, skipped."""
+    loss_fn = functools.partial(rm_loss, model_cfg)
+
+    def rm_step(state, batch):
+        return steps.update(optimizer, loss_fn, state, batch, num_micro)
+    return steps.jit_step(rm_step, state_shardings, mesh)
+
+
+def build_score_fn(model_cfg) -> Callable:
+    """Jitted ``score(value_params, batch) -> (chosen [B], rejected [B])`` for evaluation."""
+    return jax.jit(functools.partial(pair_scores, model_cfg))
+
+
+# ----------------------------------------------------------------------------- phase
+
+RM_STREAM = 5  # rng stream of the value head's initialisation
+
+
+def build_rm_phase_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
+                        mesh=None) -> Callable:
+    """Jitted ``rm_step`` on a phase state whose reward model lives in ``critic_params`` /
+    ``critic_opt_state`` (so the run's sharding and checkpoint machinery handle it like a
+    critic); ``params`` (the policy it was initialised from) is carried unchanged."""
+    loss_fn = functools.partial(rm_loss, model_cfg)
+
+    def rm_step(state, batch):
+        view = state.replace(params=state.critic_params, opt_state=state.critic_opt_state)
+        new, metrics = steps.update(optimizer, loss_fn, view, batch, num_micro)
+        return state.replace(step=new.step, critic_params=new.params,
+                             critic_opt_state=new.opt_state), metrics
+    return steps.jit_step(rm_step, state_shardings, mesh)
+
+
+class RMPhase:
+    """``steps`` reward-model updates on ``rollout.batch_size`` pairs each (``PreferenceData``:
+    a preference file, or right-vs-wrong pairs from a synthetic task).
+
+    The reward model (``critic_params``) is the policy's trunk (after any SFT warm-up) plus a
+    fresh scalar head; the policy itself is not trained. Evaluation: pairwise accuracy on
+    held-out pairs (``eval/accuracy``), loss and score margin.
+    """
+
+    name = "rm"
+
+    def __init__(self, ctx, steps: int):
+        cfg = ctx.cfg
+        self.ctx, self.steps = ctx, int(steps)
+        self.num_pairs = cfg.rollout.batch_size
+        if self.num_pairs % ctx.dp_size:
+            raise UserError(f"rollout.batch_size={self.num_pairs} pairs do not split over the "
+                            f"data-parallel mesh size {ctx.dp_size}")
+        micro = cfg.algo.micro_batch_size
+        self.num_micro = self.num_pairs // micro if micro and self.num_pairs % micro == 0 else 1
+        self.data = dpo_lib.PreferenceData(ctx, self.num_pairs)
+        self.optimizer = ctx.optimizer(
+            cfg.optimizer.critic_learning_rate or cfg.optimizer.learning_rate, self.steps)
+        self._step_fn = self._eval_fn = self._eval_batches = None
+
+    def init_state(self, state):
+        value = models.init_value_params(self.ctx.model_cfg,
+                                         jax.random.fold_in(state.rng, RM_STREAM),
+                                         from_params=state.params)
+        return state.replace(opt_state=None, ref_params=None, critic_params=value,
+                             critic_opt_state=self.optimizer.init(value))
+
+    def iteration(self, state, step: int):
+        t0 = time.perf_counter()
+        batch = next(self.data)
+        if self._step_fn is None:
+            self._step_fn = build_rm_phase_step(
+                self.ctx.model_cfg, self.optimizer, num_micro=self.num_micro,
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+        state, m = self._step_fn(state, dist.device_batch(batch, self.ctx.mesh))
+        m = to_host(m)
+        m.update({"rm/pairs": int(batch["pair_mask"].sum()),
+                  "time/step": time.perf_counter() - t0})
+        return state, m
+
+    def evaluate(self, state, rng) -> dict:
+        """Held-out pairs: eval/accuracy (score of chosen > rejected), eval/loss, margins."""
+        del rng
+        if self._eval_batches is None:
+            self._eval_batches = dpo_lib.eval_pair_batches(self.ctx)
+            cfg = self.ctx.model_cfg
+            self._eval_fn = jax.jit(lambda v, b: rm_loss(cfg, v, None, b))
+        if not self._eval_batches:
+            return {}
+        return dpo_lib.pair_metrics(lambda b: self._eval_fn(state.critic_params, b),
+                                    self._eval_batches)
+
+    def state_dict(self) -> dict:
+        return {"data": self.data.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data.restore(state["data"])

@@ -1,0 +1,207 @@
+"""Tests for rljax.train.dpo: every loss type runs, sigmoid DPO learns a fixed batch, the step's
+loss equals algorithms.dpo_loss on independently computed log-probs, micro-batching and an
+8-device sharded step are exact, pair builders, and a 2-step end-to-end run of the configs."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from rljax import algorithms, data, models, sharding, tokenizers
+from rljax.train import dpo, optim
+from rljax.train.state import create_train_state, eval_state_shape, state_shardings
+
+TOK = tokenizers.CharTokenizer()
+PAIRS = [
+    {"prompt": "1+2=", "chosen": "3", "rejected": "7"},
+    {"prompt": "12+5=", "chosen": "17", "rejected": "71"},
+    {"prompt": "9+9=", "chosen": "18", "rejected": "19"},
+    {"prompt": "40+2=", "chosen": "42", "rejected": "4"},
+]
+
+
+def _cfg():
+    # Small and shallow: these tests are about the step, and compile time dominates on CPU.
+    return models.get_preset("tiny", vocab_size=TOK.vocab_size, num_layers=1, hidden_size=32,
+                             intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def _algo(**kw):
+    a = ml_collections.ConfigDict(dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0))
+    a.update(kw)
+    return a
+
+
+def _batch(pairs=PAIRS):
+    return {k: jnp.asarray(v) for k, v in data.encode_preference(TOK, pairs, 8, 4).items()}
+
+
+def _opt(lr=1e-3):
+    return optim.make_optimizer(ml_collections.ConfigDict(dict(
+        name="adam", learning_rate=lr, schedule="constant", warmup_steps=0, min_lr_ratio=0.0,
+        b1=0.9, b2=0.999, eps=1e-8, momentum=0.0, weight_decay=0.0, max_grad_norm=1.0)), 100)
+
+
+def _state(cfg, opt, seed=0, ref_seed=None):
+    """Policy from ``seed``; reference = a copy of it, or another init (``ref_seed``)."""
+    params = models.init_params(cfg, jax.random.key(seed))
+    ref = (jax.tree.map(jnp.copy, params) if ref_seed is None
+           else models.init_params(cfg, jax.random.key(ref_seed)))
+    return create_train_state(params, opt, jax.random.key(1), ref_params=ref)
+
+
+@functools.cache
+def _step(num_micro=1):
+    """The sigmoid DPO step used by several tests (built once, so compiled once)."""
+    return dpo.build_dpo_step(_cfg(), _algo(beta=0.5), _opt(3e-3), num_micro=num_micro)
+
+
+def test_every_loss_type_runs():
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    state = create_train_state(params, _opt(), jax.random.key(1),
+                               ref_params=models.init_params(cfg, jax.random.key(2)))
+
+    @jax.jit  # one program for all variants: compile once
+    def all_types(params, batch):
+        out = {}
+        for loss_type in algorithms.DPO_LOSS_TYPES:
+            def f(p):
+                algo = _algo(loss_type=loss_type, label_smoothing=0.1)
+                (num, den), m = dpo.dpo_loss(cfg, algo, p, state, batch)
+                return num / den, m
+            (loss, m), g = jax.value_and_grad(f, has_aux=True)(params)
+            out[loss_type] = (loss, optim.optax.tree.norm(g), m["accuracy"][1])
+        return out
+
+    out = all_types(params, _batch())
+    assert set(out) == {"sigmoid", "ipo", "hinge", "robust", "simpo"}
+    for loss_type, (loss, gnorm, count) in out.items():
+        assert np.isfinite(float(loss)) and float(gnorm) > 0, loss_type
+        assert float(count) == len(PAIRS)
+    assert len({round(float(v[0]), 6) for v in out.values()}) == len(out)  # really different
+
+
+def test_sigmoid_loss_decreases_and_accuracy_rises():
+    cfg, opt = _cfg(), _opt(3e-3)
+    step = _step()
+    state, batch = _state(cfg, opt), _batch()
+    history = []
+    for _ in range(15):
+        state, m = step(state, batch)
+        history.append((float(m["loss"]), float(m["accuracy"]), float(m["rewards/margin"])))
+    # Step 0 runs at policy == reference: loss log 2, implicit rewards 0 (up to rounding, so
+    # its accuracy is a coin flip per pair; it must end at 1).
+    assert history[0][0] == pytest.approx(np.log(2.0), abs=1e-5)
+    assert abs(history[0][2]) < 1e-5
+    assert history[-1][0] < 0.6 * history[0][0]
+    assert history[-1][1] == 1.0 and history[-1][2] > 0.5
+
+
+def _seq_logps_by_forward(cfg, params, prompt, pmask, comp, cmask):
+    """Summed completion log-probs from models.forward + log_softmax (independent path)."""
+    seq = jnp.concatenate([prompt, comp], axis=1)
+    mask = jnp.concatenate([pmask, cmask], axis=1)
+    logits = models.forward(cfg, params, seq, attention_mask=mask)
+    p = prompt.shape[1]
+    lp = jax.nn.log_softmax(logits[:, p - 1:-1], axis=-1)
+    tok = jnp.take_along_axis(lp, comp[..., None], axis=-1)[..., 0]
+    return jnp.where(cmask, tok, 0.0).sum(-1), cmask.sum(-1)
+
+
+@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.1), ("ipo", 0.0)])
+def test_loss_matches_algorithms_dpo_loss(loss_type, smoothing):
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(3))
+    ref = models.init_params(cfg, jax.random.key(4))  # a different reference: nonzero rewards
+    state = create_train_state(params, _opt(), jax.random.key(0), ref_params=ref)
+    b = _batch()
+    algo = _algo(loss_type=loss_type, label_smoothing=smoothing)
+    (num, den), metrics = jax.jit(lambda p, s, b: dpo.dpo_loss(cfg, algo, p, s, b))(
+        params, state, b)
+    lp = {}
+    for name, p_ in (("pol", params), ("ref", ref)):
+        for side in ("chosen", "rejected"):
+            lp[name, side] = _seq_logps_by_forward(cfg, p_, b["prompt_tokens"], b["prompt_mask"],
+                                                   b[f"{side}_tokens"], b[f"{side}_mask"])
+    kw = {}
+    if loss_type == "ipo":
+        kw = dict(chosen_lengths=lp["pol", "chosen"][1], rejected_lengths=lp["pol", "rejected"][1])
+    losses, cr, rr = algorithms.dpo_loss(lp["pol", "chosen"][0], lp["pol", "rejected"][0],
+                                         lp["ref", "chosen"][0], lp["ref", "rejected"][0],
+                                         beta=0.1, loss_type=loss_type,
+                                         label_smoothing=smoothing, **kw)
+    assert float(den) == len(PAIRS)
+    np.testing.assert_allclose(float(num / den), float(losses.mean()), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["rewards/chosen"][0]), float(cr.sum()), rtol=1e-4,
+                               atol=1e-6)
+    np.testing.assert_allclose(float(metrics["accuracy"][0]), float((cr > rr).sum()))
+
+
+def test_pair_mask_and_micro_batches_are_exact():
+    cfg, opt = _cfg(), _opt(3e-3)
+    mask = [True, True, False, True]
+    b = dict(_batch(), pair_mask=jnp.array(mask))
+    one = _step()(_state(cfg, opt), b)
+    two = _step(num_micro=2)(_state(cfg, opt), b)
+    np.testing.assert_allclose(float(one[1]["loss"]), float(two[1]["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(one[1]["grad_norm"]), float(two[1]["grad_norm"]), rtol=1e-5)
+    # Adam normalises the step, so compare updated params with an absolute tolerance well
+    # below one step (lr 3e-3).
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=3e-5),
+                 one[0].params, two[0].params)
+    # The masked pair counts for nothing: the loss is the mean over the other three.
+    st = _state(cfg, opt)
+    loss_of = jax.jit(lambda b: dpo.dpo_loss(cfg, _algo(beta=0.5), st.params, st, b)[0])
+    per_pair = []
+    for i in range(len(PAIRS)):  # pair i alone, through the same compiled program
+        num, den = loss_of(dict(b, pair_mask=jnp.arange(len(PAIRS)) == i))
+        assert float(den) == 1.0
+        per_pair.append(float(num))
+    np.testing.assert_allclose(float(one[1]["loss"]), np.mean(np.array(per_pair)[mask]),
+                               rtol=1e-5)
+
+
+def test_sharded_step_matches_unsharded():
+    cfg, opt = _cfg(), _opt(3e-3)
+    algo = _algo(beta=0.5)
+    b = _batch()
+    # A reference unlike the policy, so that rewards and accuracy are not rounding noise.
+    base_state, base_m = _step()(_state(cfg, opt, ref_seed=7), b)
+
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    state = _state(cfg, opt, ref_seed=7)
+    pshard = sharding.logical_to_sharding(models.param_logical_axes(cfg), mesh,
+                                          shapes=state.params)
+    shape = eval_state_shape(state.params, opt, state.rng, ref_params=state.ref_params)
+    sshard = state_shardings(shape, pshard)
+    state = jax.device_put(state, sshard)
+    step = dpo.build_dpo_step(cfg, algo, opt, state_shardings=sshard, mesh=mesh)
+    new_state, m = step(state, sharding.shard_batch(b, mesh))
+    assert new_state.params["embed"].sharding.spec == sshard.params["embed"].spec
+    for key in ("loss", "accuracy", "rewards/margin", "grad_norm"):
+        np.testing.assert_allclose(float(m[key]), float(base_m[key]), rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         atol=3e-5),
+                 new_state.params, base_state.params)
+
+
+def test_synthetic_pairs_are_right_vs_wrong():
+    rng = np.random.default_rng(0)
+    examples = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(0, 30, 3)
+                for b in (0, 5, 9)]
+    pairs = dpo.synthetic_pairs(examples, rng)
+    for ex, p in zip(examples, pairs):
+        assert p["chosen"] == ex["answer"] and p["rejected"] != ex["answer"]
+        assert int(p["rejected"]) >= 0 and p["prompt"] == ex["prompt"]
+
+
+def test_best_worst_pairs():
+    comps = {"tokens": np.arange(6 * 3).reshape(6, 3), "mask": np.ones((6, 3), bool)}
+    prompts = {"prompt_tokens": np.zeros((2, 2), np.int32), "prompt_mask": np.ones((2, 2), bool)}
+    out = dpo.best_worst_pairs(prompts, comps, np.array([0.0, 1.0, 0.5, 1.0, 1.0, 1.0]), 3)
+    np.testing.assert_array_equal(out["chosen_tokens"][0], comps["tokens"][1])
+    np.testing.assert_array_equal(out["rejected_tokens"][0], comps["tokens"][0])
+    np.testing.assert_array_equal(out["pair_mask"], [True, False])  # prompt 1: all tied
