@@ -28,9 +28,12 @@ from rljax.errors import UserError
 from rljax.train import evaluate as eval_lib
 from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
+from rljax.train.dpo import DPOPhase
 from rljax.train.grpo import GRPOPhase
 from rljax.train.metrics import MetricsWriter
 from rljax.train.optim import NonFiniteGuard
+from rljax.train.ppo import PPOPhase
+from rljax.train.rm import RMPhase
 from rljax.train.setup import Context, Phase, build_context, check_inputs
 from rljax.train.sft import SFTPhase
 from rljax.train.state import TrainState, abstract_train_state
@@ -40,6 +43,9 @@ evaluate = eval_lib.evaluate  # `rljax eval`
 # algo.name -> factory(ctx, steps) -> Phase. Other algorithm files register themselves here.
 ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
     "grpo": GRPOPhase,
+    "ppo": PPOPhase,
+    "dpo": DPOPhase,
+    "rm": RMPhase,
     "sft": lambda ctx, steps: SFTPhase(ctx, steps, ctx.cfg.optimizer.learning_rate),
 }
 
@@ -132,9 +138,13 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) ->
 
     def run_eval(step: int) -> None:
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, eval_lib.EVAL_STREAM), step)
-        writer.write(step, eval_lib.run_eval(ctx, state.params, rng, examples))
+        if hasattr(phases[index], "evaluate"):  # a phase with its own held-out metrics (dpo, rm)
+            writer.write(step, phases[index].evaluate(state, rng))
+        else:
+            writer.write(step, eval_lib.run_eval(ctx, state.params, rng, examples))
 
-    examples = eval_lib.eval_examples(ctx)
+    examples = (eval_lib.eval_examples(ctx)
+                if any(not hasattr(p, "evaluate") for p in phases) else None)
     writer = MetricsWriter(workdir, total_steps=total, console_every_s=cfg.logging.console_every_s,
                            tensorboard=cfg.logging.tensorboard,
                            resume_step=gstep if state is not None else None)
