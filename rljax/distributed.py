@@ -212,6 +212,45 @@ def global_batch(local_tree: Any, mesh, global_size: int | None = None) -> Any:
     return jax.tree.map(put, local_tree)
 
 
+def device_batch(tree: Any, mesh) -> Any:
+    """A host batch that is identical on every process -> global arrays split over the batch
+    axes (each process transfers only its own devices' rows). One process: unchanged (jit
+    places numpy inputs itself)."""
+    if not is_multiprocess():
+        return tree
+    import jax
+
+    def put(x):
+        if isinstance(x, jax.Array):
+            return x
+        x = np.asarray(x)
+        return jax.device_put(x, _batch_sharding(mesh, x.shape) if x.ndim else
+                              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    return jax.tree.map(put, tree)
+
+
+def rows_to_global(local_tree: Any, mesh, global_size: int) -> Any:
+    """Host values computed for this process's rows (``local_rows(mesh, global_size)``) ->
+    the values of all rows, as numpy, on every process (e.g. rewards of own completions).
+    Correct also when the batch is replicated over processes (too small to split)."""
+    if not is_multiprocess():
+        return local_tree
+    return to_host_tree(global_batch(local_tree, mesh, global_size))
+
+
+def row_replication(mesh, global_size: int) -> int:
+    """How many processes hold each row of a batch of ``global_size`` (1 when split evenly)."""
+    rows = local_rows(mesh, global_size)
+    return max(1, process_count() * (rows.stop - rows.start) // global_size)
+
+
+def to_host_tree(tree: Any) -> Any:
+    """:func:`to_host` on every leaf."""
+    import jax
+    return jax.tree.map(to_host, tree)
+
+
 def local_data(x: Any) -> np.ndarray:
     """This process's rows of a global array sharded on its leading axis, as numpy.
 
