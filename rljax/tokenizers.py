@@ -219,8 +219,12 @@ class CharTokenizer(Tokenizer):
         """Writes JSON to ``path`` (or ``path/char_tokenizer.json`` for a directory); returns the file."""
         if os.path.isdir(path):
             path = os.path.join(path, CHAR_TOKENIZER_FILE)
-        with open(path, "w", encoding="utf-8") as f:
+        # Atomic (tmp + rename): several hosts of a multi-host run may save the same file while
+        # another reads it.
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"kind": "char", "specials": list(CHAR_SPECIALS), "alphabet": self.alphabet}, f)
+        os.replace(tmp, path)
         return path
 
     @classmethod
