@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rljax import distributed as dist
 from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, data_iterator
 from rljax.train.steps import build_grpo_step, to_host
@@ -59,7 +60,7 @@ class GRPOPhase:
         for _ in range(self.ctx.cfg.algo.num_iterations):
             for start in range(0, self.batch_size, self.mini):
                 mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
-                state, m = step_fn(state, mb)
+                state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))
                 updates.append(m)
         updates = [to_host(m) for m in updates]
         t2 = time.perf_counter()

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from rljax import algorithms, sampling
+from rljax import distributed as dist
 from rljax.train.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
@@ -67,13 +68,15 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     chunk = micro_prompts or b
     outs = []
     for i, start in enumerate(range(0, b, chunk)):
+        # Multi-host: every process holds the same prompts and feeds its own rows.
+        p_tok, p_mask = dist.device_batch(
+            (prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]), ctx.mesh)
         out = sampling.generate(
-            ctx.model_cfg, params, prompt_tokens[start:start + chunk],
-            prompt_mask[start:start + chunk], rng=jax.random.fold_in(rng, i),
+            ctx.model_cfg, params, p_tok, p_mask, rng=jax.random.fold_in(rng, i),
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, num_samples=num_samples,
             mesh=ctx.mesh)
-        outs.append(jax.device_get(out))
+        outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
     return {k: np.concatenate([getattr(o, k) for o in outs]) for k in
             ("tokens", "logps", "mask", "lengths", "truncated")}
 
@@ -110,12 +113,21 @@ class Rollout:
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                        top_p=cfg.rollout.top_p, micro_prompts=micro)
         t1 = time.perf_counter()
-        texts = self.ctx.tokenizer.batch_decode(out["tokens"], out["mask"])
-        prompts = [ex["prompt"] for ex in examples for _ in range(g)]
-        fields = expand_fields(examples, g)
-        result = self.reward_fn(prompts, texts, completion_lengths=list(out["lengths"]), **fields)
+        # Multi-host: each process scores its own rows, then every process gets all rewards.
+        n = len(out["tokens"])
+        rows = dist.local_rows(self.ctx.mesh, n) if dist.is_multiprocess() else slice(0, n)
+        texts = self.ctx.tokenizer.batch_decode(out["tokens"][rows], out["mask"][rows])
+        prompts = [ex["prompt"] for ex in examples for _ in range(g)][rows]
+        fields = {k: v[rows] for k, v in expand_fields(examples, g).items()}
+        result = self.reward_fn(prompts, texts, completion_lengths=list(out["lengths"][rows]),
+                                **fields)
         scores = {name: np.asarray(v, np.float32) for name, v in result.per_function.items()}
         total = np.asarray(result.total, np.float32)
+        errors = result.num_errors
+        if dist.is_multiprocess():
+            total, scores = dist.rows_to_global((total, scores), self.ctx.mesh, n)
+            errors = int(dist.gather(np.asarray([errors])).sum()) // dist.row_replication(
+                self.ctx.mesh, n)
         buffer = int(cfg.algo.overlong_buffer)
         if buffer:  # DAPO soft overlong punishment on token lengths
             scores["overlong"] = np.asarray(algorithms.overlong_penalty(
@@ -123,7 +135,7 @@ class Rollout:
                 cfg.algo.overlong_penalty_factor), np.float32)
             total = total + scores["overlong"]
         return dict(out, prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
-                    rewards=total, scores=scores, errors=result.num_errors,
+                    rewards=total, scores=scores, errors=errors,
                     time_sample=t1 - t0, time_reward=time.perf_counter() - t1)
 
     # -- the full batch ------------------------------------------------------------------------
@@ -152,21 +164,22 @@ class Rollout:
         batch["loss_mask"] = loss_mask
 
         t0 = time.perf_counter()
-        batch["old_logps"] = self.logps_fn(state.params, batch)
+        batch["old_logps"] = self.logps_fn(state.params, dist.device_batch(batch, self.ctx.mesh))
         rewards = rows["rewards"]
         metrics: dict[str, Any] = {}
         if self.needs_ref:
-            batch["ref_logps"] = self.logps_fn(state.ref_params, batch)
+            batch["ref_logps"] = self.logps_fn(state.ref_params,
+                                               dist.device_batch(batch, self.ctx.mesh))
             if cfg.algo.kl_in_reward:  # sequence KL penalty folded into the outcome reward
                 kl = algorithms.get_kl_estimator(cfg.algo.kl_estimator)(
                     batch["old_logps"], batch["ref_logps"])
-                kl_seq = np.asarray(jax.device_get((kl * rows["mask"]).sum(-1)))
+                kl_seq = dist.to_host((kl * rows["mask"]).sum(-1))
                 rewards = rewards - cfg.algo.beta * kl_seq
                 metrics["kl_ref_seq"] = float(kl_seq.mean())
                 del batch["ref_logps"]
         adv = self.advantages(rewards)
         batch["advantages"] = adv
-        old = np.asarray(jax.device_get(batch["old_logps"]))
+        old = dist.to_host(batch["old_logps"])
         diff = np.abs(old - rows["logps"])[rows["mask"]]
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
         metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0

@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from rljax import data as data_lib
+from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.train import rollout as rollout_lib
 from rljax.train.setup import Context, data_iterator
@@ -77,7 +78,7 @@ class SFTPhase:
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
         batch = self.make_batch(next(self.iterator))
-        state, m = self._compiled(state)(state, batch)
+        state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))
         m = to_host(m)
         dt = time.perf_counter() - t0
         ntok = int(batch["loss_mask"].sum())
