@@ -159,9 +159,10 @@ def cmd_plot(args, overrides) -> int | None:
 
 def cmd_plan(args, overrides) -> int | None:
     from rljax import config as config_lib
+    from rljax import plan as plan_lib
 
     cfg = config_lib.load_config(args.config, overrides)
-    return _run_function("plan", "plan")(cfg)
+    return plan_lib.run(cfg)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample,

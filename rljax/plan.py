@@ -1,0 +1,430 @@
+"""Memory plan: compile every phase of a run for its mesh, without running it or allocating it.
+
+    rljax plan --config configs/grpo_arithmetic.py [--config.KEY=VALUE ...]
+
+Each phase program the trainer runs (``sample``: the on-device sampler, ``logps``: old /
+reference log-probs, ``update``: one optimizer step on a mini-batch; ``sft_update`` for an SFT
+warm-up) is lowered with abstract inputs (``jax.ShapeDtypeStruct`` carrying the run's
+shardings; no parameter is ever materialised) at its worst-case shapes (the longest prompt
+bucket, ``rollout.max_new_tokens``), compiled, and XLA's ``compiled.memory_analysis()`` gives
+its per-device arguments, outputs, aliased (donated) bytes and temporaries.
+
+A phase's per-device peak is estimated as
+
+    resident + (arguments - resident arguments) + outputs - aliased + temporaries + code
+
+where *resident* is the train state that lives on the device for the whole phase (policy,
+optimizer state, frozen reference), counted once whether or not the program takes it as an
+argument. The peak is compared with the device's memory: ``memory.device_memory_gb`` when set,
+else the allocator limit from ``device.memory_stats()`` (GPU/TPU), else, on CPU, the host's
+RAM shared by its local devices. ``rljax train`` runs the same check first (``memory.check``)
+and stops with one clear line when a run cannot fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rljax import models, sampling
+from rljax import sharding as shd
+from rljax.errors import ConfigError, UserError
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+
+class DoesNotFit(UserError):
+    """The configured run needs more memory per device than the device has."""
+
+
+@dataclasses.dataclass
+class PhaseMemory:
+    """Per-device bytes of one compiled phase (from ``compiled.memory_analysis()``)."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temps: int
+    code: int
+    resident_arguments: int      # part of ``arguments`` that is resident train state
+    compile_s: float = 0.0
+
+    def peak(self, resident: int) -> int:
+        return (resident + self.arguments - self.resident_arguments + self.outputs
+                - self.aliased + self.temps + self.code)
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """The plan of one config: resident state, phases, and the device's capacity."""
+
+    description: str
+    resident: int                # per-device bytes of the train state (largest phase's)
+    resident_parts: dict         # name -> per-device bytes
+    phases: list                 # PhaseMemory
+    capacity: int | None         # per-device bytes available, None = unknown
+    capacity_source: str
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max([p.peak(self.resident) for p in self.phases] or [self.resident])
+
+    @property
+    def peak_phase(self) -> str:
+        if not self.phases:
+            return "state"
+        return max(self.phases, key=lambda p: p.peak(self.resident)).name
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.peak <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {"description": self.description, "resident_bytes": self.resident,
+                "resident_parts": self.resident_parts, "peak_bytes": self.peak,
+                "peak_phase": self.peak_phase, "capacity_bytes": self.capacity,
+                "capacity_source": self.capacity_source, "fits": self.fits,
+                "phases": [dict(dataclasses.asdict(p), peak=p.peak(self.resident))
+                           for p in self.phases], "notes": self.notes}
+
+    def format(self) -> str:
+        lines = [self.description, "per-device memory (MiB):",
+                 f"  {'phase':<12}{'arguments':>11}{'outputs':>10}{'aliased':>10}{'temps':>10}"
+                 f"{'peak':>10}   (compile)"]
+        for p in self.phases:
+            lines.append(f"  {p.name:<12}{p.arguments / MiB:>11.1f}{p.outputs / MiB:>10.1f}"
+                         f"{p.aliased / MiB:>10.1f}{p.temps / MiB:>10.1f}"
+                         f"{p.peak(self.resident) / MiB:>10.1f}   ({p.compile_s:.1f}s)")
+        parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in self.resident_parts.items())
+        lines.append(f"  resident train state {self.resident / MiB:.1f} MiB ({parts})")
+        lines.append("  peak = resident state + the phase's other arguments + outputs - aliased "
+                     "+ temporaries")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.capacity is None:
+            lines.append(f"device memory unknown ({self.capacity_source}): peak "
+                         f"{human(self.peak)} in {self.peak_phase}")
+        else:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(f"device memory {human(self.capacity)} ({self.capacity_source}); "
+                         f"peak {human(self.peak)} in {self.peak_phase} "
+                         f"({100 * self.peak / max(self.capacity, 1):.1f}%): {verdict}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def human(n: float) -> str:
+    """Bytes as ``1.5 GiB`` / ``12.3 MiB`` / ``4.0 KiB``."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024.0)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def shard_bytes(tree: Any) -> int:
+    """Per-device bytes of a pytree of ``ShapeDtypeStruct``/arrays with shardings (the
+    largest shard, i.e. the most loaded device)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and shape:
+            shape = tuple(sharding.shard_shape(shape))
+        try:
+            itemsize = jnp.dtype(leaf.dtype).itemsize
+        except TypeError:  # PRNG key dtypes
+            itemsize = 8
+        total += math.prod(shape) * itemsize
+    return total
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        tree, shardings)
+
+
+def _batch_struct(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype),
+                                sharding=shd.batch_sharding(mesh, tuple(shape)))
+
+
+def _compile_phase(name: str, jitted: Callable, args: tuple, resident_arguments: int) -> PhaseMemory:
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    stats = compiled.memory_analysis()
+    dt = time.perf_counter() - t0
+    if stats is None:
+        raise RuntimeError(f"XLA gave no memory analysis for {name} on {jax.default_backend()}")
+    return PhaseMemory(
+        name=name, arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes), aliased=int(stats.alias_size_in_bytes),
+        temps=int(stats.temp_size_in_bytes), code=int(stats.generated_code_size_in_bytes),
+        resident_arguments=resident_arguments, compile_s=dt)
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_capacity(cfg, device=None) -> tuple[int | None, str]:
+    """(bytes per device, where the number comes from)."""
+    gb = float(_memory_cfg(cfg).get("device_memory_gb", 0.0) or 0.0)
+    if gb > 0:
+        return int(gb * GiB), "memory.device_memory_gb"
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        stats = {}
+    limit = stats.get("bytes_limit") or stats.get("bytes_reservable_limit")
+    if limit:
+        return int(limit), f"{device.device_kind} allocator limit"
+    if device.platform == "cpu":
+        ram = host_memory_bytes()
+        if ram:
+            n = jax.local_device_count()
+            return ram // n, f"host RAM / {n} local CPU device{'s' if n > 1 else ''}"
+    return None, f"{device.platform} reports no memory limit; set memory.device_memory_gb"
+
+
+def _memory_cfg(cfg) -> dict:
+    return dict(cfg.memory) if "memory" in cfg else {}
+
+
+# ----------------------------------------------------------------------------- model / state
+
+def model_config(cfg, tokenizer) -> models.ModelConfig:
+    """The run's ModelConfig without loading or creating weights (as ``setup.build_model``)."""
+    m = cfg.model
+    if m.path:
+        with open(os.path.join(m.path, "config.json")) as f:
+            return models.config_from_hf(json.load(f), dtype=jnp.dtype(m.dtype),
+                                         remat=bool(m.remat), **dict(m.overrides))
+    overrides = {"vocab_size": tokenizer.vocab_size, "dtype": m.dtype, "param_dtype": m.dtype,
+                 "remat": bool(m.remat), "eos_token_id": tokenizer.eos_id,
+                 "pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id}
+    overrides.update(dict(m.overrides))
+    try:
+        return models.get_preset(m.preset, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def _tokenizer(cfg):
+    from rljax.train.setup import make_tokenizer
+    return make_tokenizer(cfg, None)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
+    """Compiles the run's phases abstractly and returns their per-device memory.
+
+    ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
+    """
+    from rljax.train import optim, steps
+    from rljax.train.rollout import prompt_buckets
+    from rljax.train.setup import check_inputs
+    from rljax.train.state import abstract_train_state, eval_state_shape, state_shardings
+
+    devices = list(jax.devices() if devices is None else devices)
+    check_inputs(cfg, len(devices))
+    try:
+        mesh = shd.make_mesh(dict(cfg.mesh.items()), devices=devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    tok = _tokenizer(cfg)
+    mcfg = model_config(cfg, tok)
+    param_shapes = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
+    param_sh = shd.logical_to_sharding(models.param_logical_axes(mcfg), mesh,
+                                       shapes=param_shapes)
+    params = _abstract(param_shapes, param_sh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)  # jax.random.PRNGKey
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes))
+    a, r = cfg.algo, cfg.rollout
+    phases: list[PhaseMemory] = []
+    notes: list[str] = []
+    residents: list[tuple[str, dict]] = []
+
+    def _compile(*args):
+        return _compile_phase(*args) if compile_phases else None
+
+    def make_state(optimizer, with_ref: bool):
+        shape = eval_state_shape(params, optimizer, rng, ref_params=params if with_ref else None)
+        abstract = abstract_train_state(shape, state_shardings(shape, param_sh))
+        parts = {"params": shard_bytes(abstract.params),
+                 "optimizer": shard_bytes(abstract.opt_state)}
+        if with_ref:
+            parts["reference"] = shard_bytes(abstract.ref_params)
+        return abstract, parts
+
+    p_len = max(prompt_buckets(cfg.data.max_prompt_length))
+    n_new = int(r.max_new_tokens)
+
+    if cfg.sft.steps or a.name == "sft":
+        bs = int(cfg.sft.batch_size)
+        sft_steps = cfg.sft.steps or cfg.steps
+        lr = cfg.sft.learning_rate if cfg.sft.steps else cfg.optimizer.learning_rate
+        optimizer = optim.make_optimizer(cfg.optimizer, sft_steps, learning_rate=lr)
+        state, parts = make_state(optimizer, with_ref=False)
+        residents.append(("sft", parts))
+        completion = int(cfg.sft.max_length) - int(cfg.data.max_prompt_length)
+        length = p_len + completion
+        micro = a.micro_batch_size
+        num_micro = bs // micro if micro and bs % micro == 0 else 1
+        fn = steps.build_sft_step(mcfg, optimizer, num_micro=num_micro,
+                                  state_shardings=jax.tree.map(lambda s: s.sharding, state),
+                                  mesh=mesh)
+        batch = {"tokens": _batch_struct(mesh, (bs, length), jnp.int32),
+                 "mask": _batch_struct(mesh, (bs, length), bool),
+                 "loss_mask": _batch_struct(mesh, (bs, completion), bool)}
+        phases.append(_compile("sft_update" if a.name != "sft" else "update", fn,
+                               (state, batch), sum(parts.values())))
+
+    if a.name != "sft":
+        g = int(a.num_generations)
+        total = int(r.batch_size)
+        prompts = total // g
+        chunk = (r.micro_batch_size // g) if r.micro_batch_size else prompts
+        mini = a.mini_batch_size or total
+        with_ref = a.beta > 0
+        optimizer = optim.make_optimizer(cfg.optimizer, max(1, cfg.steps))
+        state, parts = make_state(optimizer, with_ref=with_ref)
+        residents.append((a.name, parts))
+        resident_params = parts["params"]
+
+        # sample: `chunk` prompts of the longest bucket, G completions each.
+        def sample_fn(params, prompt_tokens, prompt_mask, key):
+            return sampling.generate(mcfg, params, prompt_tokens, prompt_mask, rng=key,
+                                     max_new_tokens=n_new, temperature=r.temperature,
+                                     top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id,
+                                     pad_id=tok.pad_id, num_samples=g, mesh=mesh)
+        phases.append(_compile("sample", jax.jit(sample_fn), (
+            params, _batch_struct(mesh, (chunk, p_len), jnp.int32),
+            _batch_struct(mesh, (chunk, p_len), bool), rng), resident_params))
+
+        # logps: old (and reference) log-probs of the whole rollout batch.
+        micro = a.micro_batch_size or a.mini_batch_size or total
+        logps_fn = steps.build_logps_fn(mcfg, temperature=r.temperature,
+                                        num_micro=total // micro, mesh=mesh,
+                                        param_shardings=param_sh)
+        seq = {"tokens": _batch_struct(mesh, (total, p_len + n_new), jnp.int32),
+               "mask": _batch_struct(mesh, (total, p_len + n_new), bool),
+               "loss_mask": _batch_struct(mesh, (total, n_new), bool)}
+        phases.append(_compile("logps", logps_fn, (params, seq), resident_params))
+
+        if a.name == "grpo":
+            num_micro = mini // a.micro_batch_size if a.micro_batch_size else 1
+            fn = steps.build_grpo_step(mcfg, a, optimizer, temperature=r.temperature,
+                                       num_micro=num_micro,
+                                       state_shardings=jax.tree.map(lambda s: s.sharding, state),
+                                       mesh=mesh)
+            batch = {"tokens": _batch_struct(mesh, (mini, p_len + n_new), jnp.int32),
+                     "mask": _batch_struct(mesh, (mini, p_len + n_new), bool),
+                     "loss_mask": _batch_struct(mesh, (mini, n_new), bool),
+                     "advantages": _batch_struct(mesh, (mini,), jnp.float32),
+                     "old_logps": _batch_struct(mesh, (mini, n_new), jnp.float32),
+                     "sampler_logps": _batch_struct(mesh, (mini, n_new), jnp.float32)}
+            if with_ref and not a.kl_in_reward:
+                batch["ref_logps"] = _batch_struct(mesh, (mini, n_new), jnp.float32)
+            phases.append(_compile("update", fn, (state, batch), sum(parts.values())))
+        else:
+            notes.append(f"the {a.name} update step is not planned yet (sample and logps are)")
+
+    phases = [x for x in phases if x is not None]
+    if not compile_phases:
+        notes.append("phases not compiled: resident train state only")
+    name, parts = max(residents, key=lambda x: sum(x[1].values()))
+    capacity, source = device_capacity(cfg, devices[0])
+    mesh_desc = " ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    description = (f"rljax plan: {a.name}{' + sft warm-up' if cfg.sft.steps else ''}, model "
+                   f"{cfg.model.path or cfg.model.preset} ({n_params / 1e6:.3g}M params, "
+                   f"{cfg.model.dtype}), mesh {mesh_desc} ({len(devices)} "
+                   f"{devices[0].platform} devices, {jax.process_count()} process"
+                   f"{'es' if jax.process_count() > 1 else ''}); prompts <= {p_len} tokens, "
+                   f"completions {n_new}")
+    return MemoryPlan(description, sum(parts.values()), parts, phases, capacity, source, notes)
+
+
+def explain(p: MemoryPlan) -> str:
+    """One line: why the run cannot fit, and what to change."""
+    phase = next(x for x in p.phases if x.name == p.peak_phase) if p.phases else None
+    if phase is not None:
+        what = (f"phase '{p.peak_phase}' needs {human(p.peak)} per device (resident state "
+                f"{human(p.resident)}, other inputs "
+                f"{human(phase.arguments - phase.resident_arguments)}, outputs "
+                f"{human(phase.outputs - phase.aliased)}, temporaries {human(phase.temps)})")
+    else:
+        what = (f"the train state alone ({', '.join(p.resident_parts)}) needs "
+                f"{human(p.resident)} per device")
+    return (f"the run does not fit: {what} but a device has {human(p.capacity)} "
+            f"({p.capacity_source}). Shard more (mesh.fsdp / mesh.tensor), use smaller "
+            f"algo.micro_batch_size / rollout.micro_batch_size, model.remat=true or "
+            f"model.dtype=bfloat16; `rljax plan --config ...` shows every phase")
+
+
+def check(cfg, devices=None, *, verbose: bool = False) -> MemoryPlan | None:
+    """``rljax train``'s pre-flight check; raises :class:`DoesNotFit` (one clear line).
+
+    ``memory.check``: ``"full"`` always compiles the phases; ``"auto"`` does so on GPU/TPU or when
+    ``memory.device_memory_gb`` is set, and on a plain CPU run only checks that the resident
+    train state fits (no compile, so the first step's compile time is not doubled);
+    ``"off"`` skips it.
+    """
+    mode = _memory_cfg(cfg).get("check", "auto")
+    if mode == "off":
+        return None
+    devices = list(jax.devices() if devices is None else devices)
+    explicit = float(_memory_cfg(cfg).get("device_memory_gb", 0.0) or 0.0) > 0
+    full = mode == "full" or explicit or devices[0].platform != "cpu"
+    p = plan(cfg, devices, compile_phases=False)  # seconds: is the resident state too big?
+    if p.fits and full:
+        p = plan(cfg, devices)
+    if verbose and jax.process_index() == 0:
+        print(p.format(), file=sys.stderr, flush=True)
+    if not p.fits:
+        raise DoesNotFit(explain(p))
+    return p
+
+
+def run(cfg, devices=None, *, as_json: bool = False) -> int:
+    """``rljax plan``: prints the plan; exit code 0 if it fits, 1 if not."""
+    from rljax import distributed
+    distributed.initialize()  # on a pod, plan for the global mesh
+    p = plan(cfg, devices)
+    if jax.process_index() == 0:
+        print(json.dumps(p.to_dict(), indent=2) if as_json else p.format(), flush=True)
+        if not p.fits:
+            print(f"rljax: {explain(p)}", file=sys.stderr, flush=True)
+    return 0 if p.fits else 1
+
+
+def measure_live_bytes() -> int:
+    """Bytes of all live jax arrays on the first local device (for checking a plan)."""
+    device = jax.local_devices()[0]
+    total = 0
+    for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                total += shard.data.nbytes
+    return total
+
+
+__all__ = ["plan", "check", "run", "explain", "MemoryPlan", "PhaseMemory", "DoesNotFit",
+           "device_capacity", "shard_bytes", "model_config", "measure_live_bytes"]
