@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from rljax import config as config_lib
-from rljax import models, sampling, tokenizers
+from rljax import distributed, models, sampling, tokenizers
+from rljax import plan as plan_lib
 from rljax.errors import UserError
 from rljax.train import evaluate as eval_lib
 from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
@@ -109,8 +110,10 @@ def phase_offsets(phases: list[Phase]) -> list[int]:
 
 def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) -> int:
     """``rljax train``: runs (or resumes) the run in ``workdir``; returns the exit code."""
+    distributed.initialize()  # multi-host (SPMD): the same loop on every host
     config_lib.validate(cfg)
     check_inputs(cfg, len(devices) if devices is not None else None)
+    plan_lib.check(cfg, devices)  # stop before allocating anything if it cannot fit
     os.makedirs(workdir, exist_ok=True)
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
