@@ -1,0 +1,138 @@
+"""Multi-host (SPMD): 2 local processes x 4 CPU devices give the same GRPO run as 1 x 8.
+
+The two runs are subprocesses (each needs its own XLA_FLAGS / jax.distributed state) started
+side by side; the 2-process one goes through ``launch/local.py``, exactly as a user would.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rljax import distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A tiny GRPO run: 2 RL steps, 8 prompts x G=4, a 1-layer model; the length reward makes the
+# rewards (and so advantages, losses and gradients) non-zero from the first step; beta > 0
+# exercises the reference log-probs.
+OVERRIDES = [
+    "--config.steps=2", "--config.sft.steps=0", "--config.eval_every=0",
+    "--config.checkpoint_every=0", "--config.rollout.batch_size=32",
+    "--config.algo.num_generations=4", "--config.rollout.max_new_tokens=5",
+    "--config.eval.num_examples=8", "--config.eval.batch_size=8",
+    "--config.logging.tensorboard=false", "--config.model.overrides.num_layers=1",
+    "--config.model.overrides.hidden_size=32", "--config.model.overrides.intermediate_size=64",
+    "--config.reward.names=('arithmetic','length')",
+    "--config.reward.kwargs={'length':{'max_length':5,'buffer':4}}",
+    "--config.algo.beta=0.04", "--config.optimizer.learning_rate=0.01",
+]
+# Wall-clock and throughput differ between runs; everything else must match.
+VOLATILE = ("time/", "tokens_per_s", "steps_per_s")
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    for name in ("RLJAX_COORDINATOR_ADDRESS", "RLJAX_NUM_PROCESSES", "RLJAX_PROCESS_ID",
+                 "RLJAX_DISTRIBUTED"):
+        env.pop(name, None)
+    return env
+
+
+def _read(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    train = [sys.executable, "-m", "rljax.cli", "train", "--config",
+             os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES]
+    one = subprocess.Popen(train + ["--workdir", str(tmp_path / "one")], env=_env(8),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    two = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "local.py"), "-n", "2",
+                            "-d", "4", "--log_dir", str(tmp_path / "logs"), "--timeout", "300",
+                            "--", *train, "--workdir", str(tmp_path / "two")],
+                           env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    out_two, _ = two.communicate(timeout=400)
+    out_one, _ = one.communicate(timeout=400)
+    assert one.returncode == 0, out_one[-3000:]
+    assert two.returncode == 0, out_two[-3000:]
+
+    a, b = _read(tmp_path / "one"), _read(tmp_path / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 2]
+    assert a[0]["reward/std"] > 0 and a[0]["loss"] != 0   # a run that could differ
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not any(v in k for v in VOLATILE)}
+        assert keys == {k for k in rb if not any(v in k for v in VOLATILE)}
+        for k in sorted(keys):
+            x, y = ra[k], rb[k]
+            if isinstance(x, float) or isinstance(y, float):
+                assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6), (ra["step"], k, x, y)
+            else:
+                assert x == y, (ra["step"], k, x, y)
+    # Only process 0 logs; both processes wrote their shards of the collective checkpoint.
+    assert "step 2/2" in out_two
+    assert "step 2/2" not in (tmp_path / "logs" / "process_1.log").read_text()
+    ckpt = tmp_path / "two" / "checkpoints" / "2"
+    assert (ckpt / "state" / "ocdbt.process_0").exists()
+    assert (ckpt / "state" / "ocdbt.process_1").exists()
+    meta = json.loads((ckpt / "meta" / "metadata").read_text())
+    assert meta["host"]["process_count"] == 2 and meta["host"]["device_count"] == 8
+
+
+# ----------------------------------------------------------------------------- detection
+
+def test_detect_explicit_and_off():
+    env = {"RLJAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "RLJAX_NUM_PROCESSES": "4",
+           "RLJAX_PROCESS_ID": "3", "RLJAX_LOCAL_DEVICE_IDS": "0,1"}
+    assert distributed.detect(env, query_metadata=False) == dict(
+        coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3,
+        local_device_ids=[0, 1])
+    assert distributed.detect({**env, "RLJAX_DISTRIBUTED": "0"}, query_metadata=False) is None
+    single = {**env, "RLJAX_NUM_PROCESSES": "1", "RLJAX_PROCESS_ID": "0"}
+    assert distributed.detect(single, query_metadata=False) is None
+    with pytest.raises(ValueError, match="RLJAX_PROCESS_ID"):
+        distributed.detect({"RLJAX_COORDINATOR_ADDRESS": "h:1", "RLJAX_NUM_PROCESSES": "2"},
+                           query_metadata=False)
+    with pytest.raises(ValueError, match=r"\[0, RLJAX_NUM_PROCESSES=2\)"):
+        distributed.detect({**env, "RLJAX_NUM_PROCESSES": "2", "RLJAX_PROCESS_ID": "2"},
+                           query_metadata=False)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, None),
+    ({"RLJAX_DISTRIBUTED": "1"}, {}),
+    ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, {}),
+    ({"TPU_WORKER_HOSTNAMES": "w0"}, None),
+    ({"MEGASCALE_COORDINATOR_ADDRESS": "w0"}, {}),
+    ({"SLURM_NTASKS": "2"}, {}),
+    ({"SLURM_NTASKS": "1"}, None),
+    ({"OMPI_COMM_WORLD_SIZE": "8"}, {}),
+])
+def test_detect_cluster_signals(env, expected):
+    assert distributed.detect(env, query_metadata=False) == expected
+
+
+def test_single_process_helpers():
+    """Outside a multi-host run every helper is the identity / whole batch."""
+    import numpy as np
+
+    from rljax import sharding as shd
+
+    mesh = shd.make_mesh({"data": -1})
+    assert distributed.local_rows(mesh, 16) == slice(0, 16)
+    x = np.arange(6.0)
+    assert distributed.device_batch({"x": x}, mesh)["x"] is x
+    assert distributed.rows_to_global(x, mesh, 6) is x
+    np.testing.assert_array_equal(distributed.gather(x), x)
+    np.testing.assert_array_equal(distributed.to_host(distributed.global_batch(x, mesh)), x)
+    assert distributed.any_process(True) and not distributed.any_process(False)
+    assert distributed.row_replication(mesh, 16) == 1
+    assert distributed.initialize({}) is False
