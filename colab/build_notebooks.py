@@ -323,7 +323,7 @@ if TINY:
         eval=dict(num_examples=8, batch_size=8, max_new_tokens=8),
         logging=dict(tensorboard=False)))
 config_lib.validate(cfg)
-p = plan.plan(cfg)
+p = plan.plan(cfg, compile_phases=not TINY)  # compiling every phase takes a while on CPU
 print(p.format())'''),
         new_code_cell('''\
 from rljax.train.run import train

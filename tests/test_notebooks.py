@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLAB = os.path.join(ROOT, "colab")
 
 TINY = {
-    "quickstart_grpo.ipynb": "STEPS = 2\nSFT_STEPS = 1\n",
-    "dpo.ipynb": "STEPS = 2\nSFT_STEPS = 1\n",
+    "quickstart_grpo.ipynb": "STEPS = 1\nSFT_STEPS = 0\n",
+    "dpo.ipynb": "STEPS = 1\nSFT_STEPS = 0\n",
     "bring_your_own_model.ipynb": "STEPS = 1\nMODEL_DIR = ''\n",
 }
 
