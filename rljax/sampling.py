@@ -157,7 +157,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     Args:
       cfg: model config (static).
       params: model parameters; used as given (e.g. the trainer's own sharded arrays).
-      prompt_tokens: int32 [B, P], left-padded (bucket P with ``pad_to_bucket``).
+      prompt_tokens: int32 [B, P], left-padded (bucket P with ``pad_to_bucket``). Real tokens
+        (``prompt_mask`` True) must be in ``[0, cfg.vocab_size)``: ValueError otherwise (checked
+        on the host when the arrays are concrete; inside a jit, out-of-range ids are clipped).
       prompt_mask: bool [B, P], True for real prompt tokens.
       rng: PRNG key; the same key gives the same output.
       max_new_tokens: N, the completion length.
@@ -186,6 +188,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    # Out-of-range ids would be clipped silently inside the program: reject them here.
+    models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
+                                       what="generate: prompt_tokens")
     return _generate(
         cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), rng,
         max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
@@ -208,7 +213,7 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     bg = b * g
     s = p + n  # cache slots: the prompt bucket plus the completion, nothing more
     batch = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)
-    cache_axes = ("layers", "batch", "length", "kv_heads", "head_dim")
+    cache_axes = ("layers", "batch", "kv_heads", "length", "head_dim")  # init_cache layout
     constrain_cache = lambda c: {k: shd.constrain(v, cache_axes, mesh, rules) for k, v in c.items()}
     stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
 

@@ -189,7 +189,7 @@ def test_kv_cache_decoding_matches_full_forward(family, loaded):
 
     step = jax.jit(models.trunk, static_argnums=0)
     cache = models.init_cache(cfg, B, s)
-    assert cache["k"].shape == (cfg.num_layers, B, s, cfg.num_kv_heads, cfg.head_dim)
+    assert cache["k"].shape == (cfg.num_layers, B, cfg.num_kv_heads, s, cfg.head_dim)
     p = prompt.shape[1]
     hidden, cache = step(cfg, params, jnp.asarray(prompt), cache_mask, jnp.asarray(pos[:, :p]),
                          cache, 0)
@@ -369,3 +369,22 @@ def test_error_shape_mismatch(ckpts, tmp_path):
 def test_error_no_config(tmp_path):
     with pytest.raises(models.HFCheckpointError, match="no config.json"):
         models.load_hf(str(tmp_path))
+
+
+def test_out_of_range_token_ids_clip_and_check():
+    # jnp.take fills out-of-range rows with NaN; embed_tokens clips instead (deterministic).
+    cfg = models.get_preset("tiny")
+    params = models.init_params(cfg, jax.random.key(0))
+    v = cfg.vocab_size
+    tokens = jnp.asarray([[1, v, v + 100, -5]], jnp.int32)
+    logits = np.asarray(models.forward(cfg, params, tokens))
+    assert np.isfinite(logits).all()
+    clipped = np.asarray(models.forward(cfg, params, jnp.asarray([[1, v - 1, v - 1, 0]])))
+    np.testing.assert_array_equal(logits, clipped)
+    check = models.transformer.check_token_ids
+    with pytest.raises(ValueError, match=rf"token id {v + 100} .*vocab_size {v}"):
+        check(cfg, np.asarray(tokens))
+    with pytest.raises(ValueError, match="token id -5"):
+        check(cfg, np.asarray([[1, -5]]))
+    check(cfg, np.asarray([[1, v]]), mask=np.asarray([[True, False]]))  # masked: ignored
+    check(cfg, jnp.asarray([[0, v - 1]]))

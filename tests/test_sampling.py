@@ -275,3 +275,49 @@ def test_sharded_greedy_equals_unsharded():
     assert out.tokens.sharding.spec[0] == ("data", "fsdp")
     # The caller's params were used as given: still sharded, not copied/replaced.
     assert sparams["layers"]["q"].sharding.spec == shardings["layers"]["q"].spec
+
+
+# ----------------------------------------------------------------------------- regressions
+
+def _big_transposes(hlo_text, min_elements):
+    """Shapes of `transpose` ops (fused or not) producing at least `min_elements` elements."""
+    import re
+    out = []
+    for m in re.finditer(r"= [a-z0-9]+\[([0-9,]*)\]\{[0-9,]*\} transpose\(", hlo_text):
+        dims = [int(d) for d in m.group(1).split(",") if d]
+        if int(np.prod(dims)) >= min_elements:
+            out.append(dims)
+    return out
+
+
+def test_decode_loop_does_not_transpose_the_kv_cache():
+    # Regression: with a [L, B, S, K, Dh] cache the compiled decode loop transposed a copy of
+    # every layer's K and V slice at every step (cost grew with the cache, not with the work).
+    cfg = _cfg(num_layers=3)
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    b, p, n, g = prompt.shape[0], prompt.shape[1], 29, 2  # S = 37 slots
+    compiled = sampling._generate.lower(
+        cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jax.random.key(0),
+        max_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(), pad_id=0,
+        num_samples=g, min_new_tokens=0, mesh=None, rules=(), cache_dtype=None).compile()
+    hlo = compiled.as_text()
+    cache = models.init_cache(cfg, b * g, p + n)
+    assert cache["k"].shape == (cfg.num_layers, b * g, cfg.num_kv_heads, p + n, cfg.head_dim)
+    layer_slice = int(np.prod(cache["k"].shape[1:]))
+    assert "while" in hlo
+    assert _big_transposes(hlo, layer_slice) == []
+
+
+def test_out_of_range_prompt_ids():
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    bad = prompt.copy()
+    bad[0, -1] = cfg.vocab_size + 3
+    with pytest.raises(ValueError, match=rf"{cfg.vocab_size + 3}.*vocab_size {cfg.vocab_size}"):
+        sampling.generate(cfg, params, bad, pmask, rng=jax.random.key(0), max_new_tokens=2)
+    # Ids under the padding mask are not checked (they are never attended to).
+    padded = prompt.copy()
+    padded[~pmask] = -1
+    sampling.generate(cfg, params, padded, pmask, rng=jax.random.key(0), max_new_tokens=2)

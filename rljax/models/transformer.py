@@ -164,6 +164,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, h, dh)
 
 
+def _cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """``attention`` for keys/values in the cache layout: k, v: [B, K, S, Dh].
+
+    The contractions are written in that layout (scores contract Dh, the minor axis of both q
+    and k; the output contracts S, the major axis of v), so each layer's cache slice reaches the
+    dots as a contiguous block. With the old [L, B, S, K, Dh] layout XLA transposed a copy of
+    every layer's K and V (the whole S extent) at every decode step.
+    """
+    b, t, h, dh = q.shape
+    kv = k.shape[1]
+    q = q.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (dh ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, h, dh)
+
+
 def _mlp(cfg: ModelConfig, p: dict, h: jax.Array) -> jax.Array:
     gate = jnp.einsum("btd,df->btf", h, p["gate"])
     up = jnp.einsum("btd,df->btf", h, p["up"])
@@ -193,12 +212,40 @@ def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
 
 
 def embed_tokens(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
-    """int [B, T] -> [B, T, D] in the compute dtype (gemma scales by sqrt(D))."""
+    """int [B, T] -> [B, T, D] in the compute dtype (gemma scales by sqrt(D)).
+
+    Ids outside ``[0, vocab_size)`` are clipped into range (deterministic, never NaN); callers
+    with concrete host arrays should reject them first (``check_token_ids``).
+    """
+    tokens = jnp.clip(tokens, 0, cfg.vocab_size - 1)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
     if cfg.scale_embeddings:
         # HF rounds the normaliser to the activation dtype first; do the same for parity.
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.compute_dtype)
     return x
+
+
+def check_token_ids(cfg: ModelConfig, tokens, mask=None, what: str = "tokens") -> None:
+    """Raises ValueError if a concrete token array has an id outside ``[0, vocab_size)``.
+
+    Host-side check for concrete (numpy / committed jax) arrays before they enter a jitted
+    program; positions where ``mask`` is False (padding) are ignored. Tracers are skipped:
+    inside jit, ``embed_tokens`` clips instead.
+    """
+    for x in (tokens, mask):
+        if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
+            return
+    ids = np.asarray(tokens)
+    if mask is not None:
+        ids = ids[np.asarray(mask, bool)]
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = hi if hi >= cfg.vocab_size else lo
+        raise ValueError(f"{what}: token id {bad} is out of range for vocab_size "
+                         f"{cfg.vocab_size} (ids must be in [0, {cfg.vocab_size - 1}]; "
+                         f"max id {hi}, min id {lo})")
 
 
 def default_positions(attention_mask: jax.Array) -> jax.Array:
@@ -209,8 +256,12 @@ def default_positions(attention_mask: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- trunk / forward
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> dict:
-    """Zeroed KV cache ``{"k", "v": [L, B, S, K, Dh]}`` (dtype defaults to ``cfg.dtype``)."""
-    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    """Zeroed KV cache ``{"k", "v": [L, B, K, S, Dh]}`` (dtype defaults to ``cfg.dtype``).
+
+    Heads before slots: one layer's ``[B, K, S, Dh]`` slice is what the decode-step attention
+    contracts over, in the order it needs (see ``_cached_attention``).
+    """
+    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = cfg.compute_dtype if dtype is None else dtype
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
@@ -242,7 +293,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             raise ValueError("trunk: `positions` must be given when decoding with a cache")
         if cache_index is None:
             raise ValueError("trunk: `cache_index` must be given with a cache")
-        s = cache["k"].shape[2]
+        s = cache["k"].shape[3]
         cache_index = jnp.asarray(cache_index, jnp.int32)
         slots = jnp.arange(s)
         q_slots = cache_index + jnp.arange(t)
@@ -261,13 +312,18 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         if kv_cache is not None:
             ck, cv = kv_cache
             zero = jnp.zeros((), jnp.int32)
-            start = (i, zero, cache_index, zero, zero)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], start)
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], start)
+            start = (i, zero, zero, cache_index, zero)
+            # [B, T, K, Dh] -> [1, B, K, T, Dh]: only the T new slots are written, in place.
+            new_k = k.astype(ck.dtype).swapaxes(1, 2)[None]
+            new_v = v.astype(cv.dtype).swapaxes(1, 2)[None]
+            ck = jax.lax.dynamic_update_slice(ck, new_k, start)
+            cv = jax.lax.dynamic_update_slice(cv, new_v, start)
             k = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(q.dtype)
             v = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(q.dtype)
             kv_cache = (ck, cv)
-        attn = attention(q, k, v, mask)
+            attn = _cached_attention(q, k, v, mask)
+        else:
+            attn = attention(q, k, v, mask)
         x = x + jnp.einsum("bthk,hkd->btd", attn, p["o"])
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         x = x + _mlp(cfg, p, h)
