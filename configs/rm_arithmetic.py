@@ -1,9 +1,11 @@
-"""Reward-model training on preference pairs generated from the arithmetic task (CPU, minutes).
+"""Reward-model training on preference pairs from the arithmetic task (1-digit + and -; CPU, <1 min).
 
 Pairs: the correct answer (chosen) against a near-miss wrong one (rejected). The reward model is
 a value-head transformer (trunk + scalar head; score = value at the last real token) trained
 with the Bradley-Terry loss; ``eval/accuracy`` is the fraction of held-out pairs it ranks
-correctly (0.5 = chance). Without an SFT warm-up the trunk starts from random weights.
+correctly (0.5 = chance). Without an SFT warm-up the trunk starts from random weights. The
+1-digit problem space is small, so held-out pairs share problems with training pairs (not their
+wrong answers); use ``data.kwargs.digits=2`` for a harder, disjoint-problem setting.
 
     rljax train --config configs/rm_arithmetic.py --workdir runs/rm
 """
@@ -13,15 +15,15 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 150                      # reward-model updates
-    c.eval_every = 50
-    c.checkpoint_every = 50
+    c.steps = 300                      # reward-model updates
+    c.eval_every = 100
+    c.checkpoint_every = 100
     c.model = dict(preset="tiny", overrides=dict(
         num_layers=2, hidden_size=96, intermediate_size=256, num_heads=4, num_kv_heads=2,
         max_position_embeddings=64))
     c.tokenizer = dict(kind="char")
     c.data = dict(source="arithmetic", template="plain", max_prompt_length=8,
-                  kwargs=dict(digits=2, operands=2, ops="+-", eval_examples=512))
+                  kwargs=dict(digits=1, operands=2, ops="+-", eval_examples=512))
     c.rollout = dict(batch_size=64, max_new_tokens=6)   # pairs per step
     c.algo = dict(name="rm", num_generations=1)
     c.optimizer = dict(learning_rate=1e-3, max_grad_norm=1.0)

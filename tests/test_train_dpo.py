@@ -205,3 +205,56 @@ def test_best_worst_pairs():
     np.testing.assert_array_equal(out["chosen_tokens"][0], comps["tokens"][1])
     np.testing.assert_array_equal(out["rejected_tokens"][0], comps["tokens"][0])
     np.testing.assert_array_equal(out["pair_mask"], [True, False])  # prompt 1: all tied
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("online", [False, True])
+def test_config_runs_two_steps(tmp_path, online):
+    from rljax import config
+    from rljax.train import metrics, run
+
+    cfg = config.load_config("configs/dpo_arithmetic.py", [
+        "steps=2", "sft.steps=0", "rollout.batch_size=8", "eval.num_examples=8",
+        "eval.batch_size=8", "checkpoint.async_save=False", "logging.tensorboard=False",
+        "mesh.data=1", f"algo.online={online}", f"algo.ref_update_every={int(online)}"])
+    assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
+    records = metrics.read_metrics(str(tmp_path / "metrics.jsonl"))
+    train = [r for r in records if "rewards/margin" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    # Offline: 8 synthetic pairs per step. Online: 8 samples = 2 prompts x G=4 -> <= 2 pairs.
+    assert all(r["dpo/pairs"] == (2 if online else 8) or online and r["dpo/pairs"] < 2
+               for r in train)
+    if online:
+        assert all("reward/mean" in r for r in train)
+    (ev,) = [r for r in records if "eval/accuracy" in r]
+    # Held-out pair metrics are reported against a frozen reference only (online: it moves).
+    assert ("eval/pref_accuracy" in ev) == (not online)
+
+
+@pytest.mark.slow
+def test_hf_example_config_runs_two_steps(tmp_path):
+    """The HF recipe on a tiny checkpoint written here (save_hf) and a preference JSONL."""
+    import json
+
+    from rljax import config
+    from rljax.train import metrics, run
+
+    model_dir = tmp_path / "model"
+    cfg_small = _cfg()
+    models.save_hf(cfg_small, models.init_params(cfg_small, jax.random.key(0)), str(model_dir))
+    TOK.save(str(model_dir))  # the example takes its tokenizer from model.path
+    for name, rows in (("train.jsonl", PAIRS * 2), ("test.jsonl", PAIRS)):
+        with open(tmp_path / name, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    cfg = config.load_config("configs/dpo_hf_example.py", [
+        f"model.path={model_dir}", "model.dtype=float32", f"data.path={tmp_path}/train.jsonl",
+        f"data.eval_path={tmp_path}/test.jsonl", "data.max_prompt_length=32",
+        "rollout.max_new_tokens=4", "rollout.batch_size=4", "algo.micro_batch_size=2",
+        "steps=2", "optimizer.warmup_steps=0", "eval.batch_size=4", "mesh.fsdp=1",
+        "checkpoint.async_save=False", "logging.tensorboard=False"])
+    assert run.train(cfg, str(tmp_path / "run"), devices=jax.devices()[:1]) == 0
+    records = metrics.read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    train = [r for r in records if "rewards/margin" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(r["dpo/pairs"] == 4 for r in train)
+    (ev,) = [r for r in records if "eval/pref_accuracy" in r]
+    assert "eval/accuracy" not in ev  # preference data has no task answers to check

@@ -307,7 +307,8 @@ class DPOPhase:
     The reference starts as a copy of the phase's starting policy and is refreshed every
     ``algo.ref_update_every`` steps (0 = frozen; 1 = every round, iterative DPO).
     Evaluation: the policy's task accuracy (as for GRPO, when the data has prompts with
-    answers) and, on held-out pairs, ``eval/pref_accuracy`` / ``eval/pref_margin``.
+    answers) and, on held-out pairs with a frozen reference, ``eval/pref_accuracy`` (implicit
+    reward of chosen > rejected), ``eval/pref_loss`` and ``eval/pref_rewards/*``.
     """
 
     name = "dpo"
@@ -390,7 +391,10 @@ class DPOPhase:
             self._eval_batches = eval_pair_batches(self.ctx)
             cfg, algo = self.ctx.model_cfg, self.ctx.cfg.algo
             self._eval_fn = jax.jit(lambda s, b: dpo_loss(cfg, algo, s.params, s, b))
-        if self._eval_batches:
+        # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
+        # refresh (all 0 right after one), so held-out pair metrics are only reported for a
+        # frozen reference.
+        if self._eval_batches and not (self.uses_ref and self.ctx.cfg.algo.ref_update_every):
             m = pair_metrics(lambda b: self._eval_fn(state, b), self._eval_batches, "eval/pref_")
             out.update({k: v for k, v in m.items() if not k.startswith("eval/pref_logps")})
         return out
