@@ -115,6 +115,8 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) ->
     check_inputs(cfg, len(devices) if devices is not None else None)
     plan_lib.check(cfg, devices)  # stop before allocating anything if it cannot fit
     os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(config_lib.to_json(cfg) + "\n")
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
     offsets = phase_offsets(phases)

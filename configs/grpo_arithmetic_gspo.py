@@ -1,0 +1,24 @@
+"""GSPO (Zheng et al. 2025) on the built-in arithmetic demo: the length-normalised sequence
+importance ratio with the paper's tight clip range, sequence-level aggregation, and two
+updates per rollout batch so the ratio actually moves away from 1."""
+import importlib.util
+import os
+
+
+def _demo():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_arithmetic.py")
+    spec = importlib.util.spec_from_file_location("grpo_arithmetic", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def get_config():
+    c = _demo()
+    c.algo.policy_loss = "gspo"
+    c.algo.importance_sampling_level = "sequence"
+    c.algo.epsilon = 3e-4
+    c.algo.epsilon_high = 4e-4
+    c.algo.loss_agg_mode = "seq-mean-token-mean"
+    c.algo.num_iterations = 2
+    return c
