@@ -130,14 +130,14 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) ->
     if ckpt.latest_step() is not None:
         state, meta, gstep = restore(ctx, phases, ckpt)
         index, start = int(meta["phase"]), int(meta["phase_step"])
-        phases[index].load_state_dict(meta["host"])
+        phases[index].load_state_dict(meta["phase_state"])
         guard.load_state_dict(meta["guard"])
         print(f"rljax: resumed at step {gstep} ({phases[index].name} {start}/"
               f"{phases[index].steps})", file=sys.stderr, flush=True)
 
     def save(phase_index: int, phase_step: int, step: int, wait: bool = False):
         meta = {"phase": phase_index, "phase_name": phases[phase_index].name,
-                "phase_step": phase_step, "host": phases[phase_index].state_dict(),
+                "phase_step": phase_step, "phase_state": phases[phase_index].state_dict(),
                 "guard": guard.state_dict()}
         ckpt.save(step, state, meta, wait=wait)
 
