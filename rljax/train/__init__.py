@@ -12,4 +12,12 @@ the package stays cheap and does not start a jax backend:
   faults      StopSignal (graceful SIGTERM/SIGINT)
   workdir     config.json handling and resume detection
   plot        plot_metrics (``rljax plot``)
+  steps       exact micro-batch accumulation, non-finite skip; build_sft_step, build_grpo_step,
+              build_logps_fn (jitted, explicit shardings, state donated)
+  rollout     Rollout: prompts -> G samples -> rewards -> advantages -> training batch (DAPO
+              dynamic sampling, overlong shaping, KL-in-reward)
+  evaluate    run_eval (greedy accuracy, pass@k), evaluate (``rljax eval``)
+  setup       check_inputs (before compiling), Context (mesh, tokenizer, model), Phase protocol
+  sft, grpo   SFTPhase, GRPOPhase: one iteration each of SFT / the GRPO family
+  run         train (``rljax train``), sample, export; ALGORITHMS registry of phases
 """
