@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rljax import data, rewards, tokenizers
+from rljax.data.tasks import ArithmeticTask, CountdownTask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.path.join(REPO, "..", "shared", "data", "gsm8k")
@@ -35,6 +36,14 @@ def test_arithmetic_deterministic_and_difficulty():
     assert any(int(neg[i]["answer"]) < 0 for i in range(50))
     with pytest.raises(ValueError, match="ops"):
         data.ArithmeticTask(ops="/")
+
+
+@pytest.mark.parametrize("task", [ArithmeticTask(digits=1, ops="+-"), ArithmeticTask(digits=2),
+                                  CountdownTask(num_numbers=3)])
+def test_train_and_eval_splits_are_disjoint(task):
+    train = {task.example(i, "train")["question"] for i in range(3000)}
+    held_out = {task.example(i, "eval")["question"] for i in range(300)}
+    assert held_out and not train & held_out
 
 
 def test_arithmetic_solution_verifies():

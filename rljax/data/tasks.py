@@ -8,6 +8,7 @@ The matching reward functions are ``rewards.get("arithmetic")`` and ``rewards.ge
 from __future__ import annotations
 
 import itertools
+import zlib
 from fractions import Fraction
 from typing import Sequence
 
@@ -16,6 +17,10 @@ import numpy as np
 __all__ = ["ArithmeticTask", "CountdownTask", "solve_countdown", "TASKS"]
 
 _SPLIT_STREAM = {"train": 0, "eval": 1, "test": 1}
+# Share of the problem space reserved for evaluation. Splits are disjoint by construction, so
+# held-out accuracy measures problems the policy never trained on (a small task's train stream
+# would otherwise cover its whole space).
+HOLDOUT_FRACTION = 0.1
 
 
 def _rng(seed: int, split: str, index: int) -> np.random.Generator:
@@ -23,6 +28,12 @@ def _rng(seed: int, split: str, index: int) -> np.random.Generator:
     if split not in _SPLIT_STREAM:
         raise ValueError(f"unknown split {split!r}; expected one of {sorted(_SPLIT_STREAM)}")
     return np.random.default_rng([int(seed), _SPLIT_STREAM[split], int(index)])
+
+
+def _belongs_to(split: str, question: str, seed: int) -> bool:
+    """Whether ``question`` is in ``split``'s part of the problem space (a stable hash bucket)."""
+    held_out = zlib.crc32(f"{seed}:{question}".encode()) % 10_000 < HOLDOUT_FRACTION * 10_000
+    return held_out == (_SPLIT_STREAM[split] == 1)
 
 
 class ArithmeticTask:
@@ -51,7 +62,7 @@ class ArithmeticTask:
             ops = [self.ops[int(rng.integers(len(self.ops)))] for _ in range(self.operands - 1)]
             expr = "".join(str(n) + op for n, op in zip(nums, ops)) + str(nums[-1])
             value = _eval_int(expr)
-            if self.allow_negative or value >= 0:
+            if (self.allow_negative or value >= 0) and _belongs_to(split, expr + "=", self.seed):
                 return {"question": expr + "=", "answer": str(value)}
 
     def solution(self, example: dict) -> str:
@@ -100,8 +111,8 @@ class CountdownTask:
         while True:
             numbers = [int(x) for x in rng.integers(1, self.max_number + 1, size=self.num_numbers)]
             target = self._random_target(numbers, rng)
-            if target is not None:
-                nums = " ".join(str(n) for n in numbers)
+            nums = " ".join(str(n) for n in numbers)
+            if target is not None and _belongs_to(split, f"Use {nums} to make {target}.", self.seed):
                 return {"question": f"Use {nums} to make {target}.", "numbers": numbers,
                         "target": target, "use_all": self.use_all}
 
