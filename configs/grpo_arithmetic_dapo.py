@@ -1,16 +1,14 @@
 """DAPO (Yu et al. 2025) on the built-in arithmetic demo: clip-higher (epsilon_high=0.28),
 dynamic sampling (groups with all-equal rewards are dropped and more prompts sampled),
 token-level loss, and the soft overlong penalty over the last tokens of the budget."""
-import importlib.util
 import os
+
+from rljax.config import config_from_file
 
 
 def _demo():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_arithmetic.py")
-    spec = importlib.util.spec_from_file_location("grpo_arithmetic", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "grpo_arithmetic.py"))
 
 
 def get_config():

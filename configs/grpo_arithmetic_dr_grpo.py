@@ -1,15 +1,13 @@
 """Dr. GRPO (Liu et al. 2025) on the built-in arithmetic demo: no std scaling of advantages and
 a constant length normaliser (``seq-mean-token-sum-norm``) instead of 1/|o_i|."""
-import importlib.util
 import os
+
+from rljax.config import config_from_file
 
 
 def _demo():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_arithmetic.py")
-    spec = importlib.util.spec_from_file_location("grpo_arithmetic", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "grpo_arithmetic.py"))
 
 
 def get_config():

@@ -1,16 +1,14 @@
 """GSPO (Zheng et al. 2025) on the built-in arithmetic demo: the length-normalised sequence
 importance ratio with the paper's tight clip range, sequence-level aggregation, and two
 updates per rollout batch so the ratio actually moves away from 1."""
-import importlib.util
 import os
+
+from rljax.config import config_from_file
 
 
 def _demo():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_arithmetic.py")
-    spec = importlib.util.spec_from_file_location("grpo_arithmetic", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "grpo_arithmetic.py"))
 
 
 def get_config():

@@ -196,7 +196,7 @@ def load_config(path: str | None, overrides: Sequence[str] = (),
     """
     cfg = default_config()
     if path:
-        merge_into(cfg, _load_file(path))
+        merge_into(cfg, config_from_file(path))
     apply_overrides(cfg, overrides)
     validate(cfg, choices=choices)
     return cfg
@@ -224,8 +224,11 @@ def to_json(cfg: ml_collections.ConfigDict) -> str:
     return cfg.to_json(indent=2, sort_keys=True)
 
 
-def _load_file(spec: str) -> Any:
-    """Imports ``file.py`` and calls ``get_config()`` (``file.py:arg`` passes ``arg``)."""
+def config_from_file(spec: str) -> Any:
+    """Imports ``file.py`` and returns its ``get_config()`` (``file.py:arg`` passes ``arg``).
+
+    Config files build on each other with it: a variant loads its base and changes a few keys.
+    """
     path, _, arg = spec.partition(":")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
