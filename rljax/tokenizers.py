@@ -216,26 +216,53 @@ class CharTokenizer(Tokenizer):
         return text + ("Assistant: " if add_generation_prompt else "")
 
     def save(self, path: str) -> str:
-        """Writes JSON to ``path`` (or ``path/char_tokenizer.json`` for a directory); returns the file."""
+        """Writes JSON to ``path`` (or ``path/char_tokenizer.json`` for a directory); returns the file.
+
+        ``path`` may be a URL (``gs://...``, written through ``etils.epath``); a URL not ending in
+        ``.json`` is taken as a directory."""
+        path = os.fspath(path)
+        text = json.dumps({"kind": "char", "specials": list(CHAR_SPECIALS), "alphabet": self.alphabet})
+        if _is_url(path):
+            from etils import epath  # local: only URL paths need it
+
+            if not path.endswith(".json"):  # a directory (object stores may not list empty ones)
+                path = path.rstrip("/") + "/" + CHAR_TOKENIZER_FILE
+            epath.Path(path).write_text(text, encoding="utf-8")  # one object write: atomic
+            return path
         if os.path.isdir(path):
             path = os.path.join(path, CHAR_TOKENIZER_FILE)
         # Atomic (tmp + rename): several hosts of a multi-host run may save the same file while
         # another reads it.
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"kind": "char", "specials": list(CHAR_SPECIALS), "alphabet": self.alphabet}, f)
+            f.write(text)
         os.replace(tmp, path)
         return path
 
     @classmethod
     def load(cls, path: str) -> "CharTokenizer":
-        if os.path.isdir(path):
-            path = os.path.join(path, CHAR_TOKENIZER_FILE)
-        with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
+        """Reads a file written by :meth:`save` (a directory holding one, or a URL)."""
+        path = os.fspath(path)
+        if _is_url(path):
+            from etils import epath  # local: only URL paths need it
+
+            if not path.endswith(".json"):  # a directory (object stores may not list empty ones)
+                path = path.rstrip("/") + "/" + CHAR_TOKENIZER_FILE
+            spec = json.loads(epath.Path(path).read_text(encoding="utf-8"))
+        else:
+            if os.path.isdir(path):
+                path = os.path.join(path, CHAR_TOKENIZER_FILE)
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
         if spec.get("kind") != "char" or tuple(spec.get("specials", ())) != CHAR_SPECIALS:
             raise ValueError(f"{path!r} is not a CharTokenizer file")
         return cls(spec["alphabet"])
+
+
+def _is_url(path: str) -> bool:
+    """``scheme://...`` (gs://, s3://, ...): read and written through ``etils.epath``."""
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme.isidentifier() and len(scheme) > 1
 
 
 def _is_char_json(path: str) -> bool:

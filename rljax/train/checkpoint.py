@@ -25,6 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rljax.train import paths
+
 STATE_ITEM = "state"
 META_ITEM = "meta"
 
@@ -61,7 +63,7 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
                  async_save: bool = True):
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = paths.absolute(directory)  # a URL (gs://...) stays as it is
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
             enable_async_checkpointing=async_save,
@@ -152,7 +154,7 @@ class CheckpointManager:
 
 def checkpoint_dir(workdir: str | os.PathLike) -> str:
     """Where a run's checkpoints live inside its workdir (public contract: ``checkpoints/``)."""
-    return os.path.join(os.fspath(workdir), "checkpoints")
+    return paths.join(workdir, "checkpoints")
 
 
 def has_checkpoint(workdir: str | os.PathLike) -> bool:

@@ -6,6 +6,11 @@ a progress line at most every ``console_every_s`` seconds (plus the first and la
 Only process 0 writes anything; other processes get a no-op writer, so the loop can call it
 unconditionally on every host.
 
+A URL workdir (``gs://...``; any ``etils.epath`` scheme) gets the same files: they are written
+to a local staging directory and copied to the workdir at most every ``sync_every_s`` seconds
+and on :meth:`MetricsWriter.flush` / :meth:`MetricsWriter.close` (object stores cannot append,
+and tensorboardX writes ``gs://`` only with extra packages).
+
 Values may be Python/numpy/jax scalars; size-1 arrays become scalars; other arrays are stored
 as lists in the JSON only. Non-finite floats are written as ``null`` (standard JSON).
 """
@@ -14,11 +19,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+
+from rljax.train import paths
 
 METRICS_FILE = "metrics.jsonl"
 # Shown first on the console line when present (then other keys, up to CONSOLE_KEYS in all).
@@ -76,12 +85,15 @@ class MetricsWriter:
       tensorboard: also write TensorBoard event files into ``workdir``.
       resume_step: when resuming from a checkpoint at this step, drop lines logged after it by
         the interrupted run, so ``metrics.jsonl`` has each step once.
+      sync_every_s: for a URL workdir, the minimum seconds between copies of the staged files.
     """
 
     def __init__(self, workdir: str | os.PathLike, *, total_steps: int | None = None,
                  console_every_s: float = 10.0, tensorboard: bool = True,
-                 resume_step: int | None = None, stream=None, enabled: bool | None = None):
+                 resume_step: int | None = None, stream=None, enabled: bool | None = None,
+                 sync_every_s: float = 30.0):
         self.workdir = os.fspath(workdir)
+        self.sync_every_s = sync_every_s
         self.total_steps = total_steps
         self.console_every_s = console_every_s
         self.enabled = _is_process_zero() if enabled is None else enabled
@@ -91,17 +103,27 @@ class MetricsWriter:
         self._start_time: float | None = None
         self._start_step = 0
         self._last_print = -math.inf
+        self._staging: str | None = None  # local mirror of a URL workdir's log files
+        self._last_sync = -math.inf
         if not self.enabled:
             return
-        os.makedirs(self.workdir, exist_ok=True)
-        self.path = os.path.join(self.workdir, METRICS_FILE)
+        paths.makedirs(self.workdir)
+        self.path = paths.join(self.workdir, METRICS_FILE)
+        local_dir = self.workdir
+        if paths.is_url(self.workdir):
+            self._staging = local_dir = tempfile.mkdtemp(prefix="rljax_metrics_")
+            if paths.isfile(self.path):  # resuming: continue the run's file
+                with open(os.path.join(local_dir, METRICS_FILE), "wb") as f:
+                    f.write(paths.as_path(self.path).read_bytes())
+        local_path = os.path.join(local_dir, METRICS_FILE)
         if resume_step is not None:
-            truncate_after(self.path, resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
+            truncate_after(local_path, resume_step)
+        self._file = open(local_path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # local: slow import, optional output
 
-            self._tb = SummaryWriter(logdir=self.workdir)
+            self._tb = SummaryWriter(logdir=local_dir)
+        self._sync()
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Logs ``metrics`` at ``step``; returns the JSON record written."""
@@ -116,7 +138,20 @@ class MetricsWriter:
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, global_step=int(step))
         self._maybe_print(int(step), record)
+        if self._staging is not None and time.monotonic() - self._last_sync >= self.sync_every_s:
+            self.flush()
         return record
+
+    def _sync(self) -> None:
+        """Copies the staged files to a URL workdir (whole files: object stores cannot append)."""
+        if self._staging is None:
+            return
+        self._last_sync = time.monotonic()
+        for name in sorted(os.listdir(self._staging)):
+            local = os.path.join(self._staging, name)
+            if os.path.isfile(local):
+                with open(local, "rb") as f:
+                    paths.as_path(paths.join(self.workdir, name)).write_bytes(f.read())
 
     def _maybe_print(self, step: int, record: Mapping[str, Any]) -> None:
         now = time.monotonic()
@@ -147,15 +182,22 @@ class MetricsWriter:
             self._file.flush()
         if self._tb is not None:
             self._tb.flush()
+        if self._file is not None:
+            self._sync()
 
     def close(self) -> None:
         """Flushes and closes the files (idempotent)."""
         if self._file is not None:
             self._file.close()
-            self._file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._file is not None:
+            self._file = None
+            if self._staging is not None:
+                self._sync()
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -175,18 +217,24 @@ def _console_keys(record: Mapping[str, Any]) -> list[str]:
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Reads ``metrics.jsonl`` (a file, or a workdir containing one); skips a torn last line."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, METRICS_FILE)
+    if paths.is_url(path):  # gs://...: a workdir unless it names the .jsonl file
+        if not path.endswith(".jsonl"):
+            path = paths.join(path, METRICS_FILE)
+        lines = paths.read_text(path).splitlines()
+    else:
+        if os.path.isdir(path):
+            path = os.path.join(path, METRICS_FILE)
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a run killed mid-write leaves a partial final line
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write leaves a partial final line
     return records
 
 

@@ -27,6 +27,7 @@ from rljax import distributed, models, sampling, tokenizers
 from rljax import plan as plan_lib
 from rljax.errors import UserError
 from rljax.train import evaluate as eval_lib
+from rljax.train import paths
 from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
 from rljax.train.dpo import DPOPhase
@@ -114,9 +115,8 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) ->
     config_lib.validate(cfg)
     check_inputs(cfg, len(devices) if devices is not None else None)
     plan_lib.check(cfg, devices)  # stop before allocating anything if it cannot fit
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config_lib.to_json(cfg) + "\n")
+    paths.makedirs(workdir)  # a local directory or a URL (gs://...)
+    paths.write_text_atomic(paths.join(workdir, "config.json"), config_lib.to_json(cfg) + "\n")
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
     offsets = phase_offsets(phases)
@@ -233,8 +233,12 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
     """``rljax export``: the checkpoint's policy as HF safetensors + config.json in ``out``."""
     ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices)
     models.save_hf(ctx.model_cfg, state.params, out)
-    char_file = os.path.join(workdir, tokenizers.CHAR_TOKENIZER_FILE)
-    if os.path.isfile(char_file):
-        shutil.copy(char_file, out)
+    char_file = paths.join(workdir, tokenizers.CHAR_TOKENIZER_FILE)
+    if paths.isfile(char_file):  # the workdir may be a URL; `out` is a local directory
+        if paths.is_url(char_file):
+            with open(os.path.join(out, tokenizers.CHAR_TOKENIZER_FILE), "wb") as f:
+                f.write(paths.as_path(char_file).read_bytes())
+        else:
+            shutil.copy(char_file, out)
     print(f"rljax: exported step {step} to {out}", file=sys.stderr, flush=True)
     return 0

@@ -24,7 +24,7 @@ from rljax import data as data_lib
 from rljax import models, rewards, tokenizers
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
-from rljax.train import optim
+from rljax.train import optim, paths
 from rljax.train.state import TrainState, state_shardings
 
 # Named prompt templates (``data.template``); anything else containing "{" is a format string.
@@ -184,7 +184,7 @@ def make_tokenizer(cfg, workdir: str | None):
     (saved into the workdir so ``eval``/``sample`` use the very same one)."""
     t = cfg.tokenizer
     path = t.path or (cfg.model.path if t.kind != "char" else "")
-    if workdir and not path and os.path.isfile(os.path.join(workdir, tokenizers.CHAR_TOKENIZER_FILE)):
+    if workdir and not path and paths.isfile(paths.join(workdir, tokenizers.CHAR_TOKENIZER_FILE)):
         return tokenizers.CharTokenizer.load(workdir)
     if path and t.kind != "char":
         try:
@@ -193,7 +193,7 @@ def make_tokenizer(cfg, workdir: str | None):
             raise UserError(f"cannot load a tokenizer from {path!r}: {e}") from None
     tok = tokenizers.CharTokenizer()
     if workdir:
-        os.makedirs(workdir, exist_ok=True)
+        paths.makedirs(workdir)  # a local directory or a URL (gs://...)
         tok.save(workdir)
     return tok
 

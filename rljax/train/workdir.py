@@ -7,11 +7,11 @@ written to ``config.json`` at train start; a workdir with a checkpoint resumes f
 from __future__ import annotations
 
 import json
-import os
 from typing import Sequence
 
 from rljax import config as config_lib
-from rljax.errors import UserError
+from rljax.errors import ConfigError, UserError
+from rljax.train import paths
 from rljax.train.checkpoint import checkpoint_dir, has_checkpoint
 
 CONFIG_FILE = "config.json"
@@ -21,26 +21,40 @@ __all__ = ["CONFIG_FILE", "checkpoint_dir", "has_checkpoint", "config_path", "wr
 
 
 def config_path(workdir: str) -> str:
-    return os.path.join(os.fspath(workdir), CONFIG_FILE)
+    return paths.join(workdir, CONFIG_FILE)
 
 
 def write_config(workdir: str, cfg) -> str:
     """Writes ``<workdir>/config.json`` atomically (safe if several hosts write the same)."""
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     path = config_path(workdir)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(config_lib.to_json(cfg) + "\n")
-    os.replace(tmp, path)
+    paths.write_text_atomic(path, config_lib.to_json(cfg) + "\n")
     return path
+
+
+def _load_config_json(path: str, overrides: Sequence[str] = ()):
+    """``config_lib.load_config_json`` for a local file; the same read through epath for a URL."""
+    if not paths.is_url(path):
+        return config_lib.load_config_json(path, overrides)
+    try:
+        data = json.loads(paths.read_text(path))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    cfg = config_lib.default_config()
+    config_lib.merge_into(cfg, data)
+    config_lib.apply_overrides(cfg, overrides)
+    config_lib.validate(cfg)
+    return cfg
 
 
 def load_workdir_config(workdir: str, overrides: Sequence[str] = ()):
     """The config a run was started with (``config.json``) plus ``overrides``."""
     path = config_path(workdir)
-    if not os.path.isfile(path):
+    if not paths.isfile(path):
         raise UserError(f"{workdir} has no {CONFIG_FILE}; is it a run directory?")
-    return config_lib.load_config_json(path, overrides)
+    return _load_config_json(path, overrides)
 
 
 def config_diff(old, new, prefix: str = "") -> list[str]:
@@ -67,11 +81,11 @@ def resolve_train_config(config_file: str | None, workdir: str, overrides: Seque
     saved = config_path(workdir)
     resuming = has_checkpoint(workdir)
     if config_file is None:
-        if not os.path.isfile(saved):
+        if not paths.isfile(saved):
             raise UserError(f"--config is required: {workdir} has no {CONFIG_FILE} to resume")
-        return config_lib.load_config_json(saved, overrides), resuming, []
+        return _load_config_json(saved, overrides), resuming, []
     cfg = config_lib.load_config(config_file, overrides)
     changes = []
-    if resuming and os.path.isfile(saved):
-        changes = config_diff(config_lib.load_config_json(saved), cfg)
+    if resuming and paths.isfile(saved):
+        changes = config_diff(_load_config_json(saved), cfg)
     return cfg, resuming, changes
