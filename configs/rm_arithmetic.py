@@ -3,9 +3,9 @@
 Pairs: the correct answer (chosen) against a near-miss wrong one (rejected). The reward model is
 a value-head transformer (trunk + scalar head; score = value at the last real token) trained
 with the Bradley-Terry loss; ``eval/accuracy`` is the fraction of held-out pairs it ranks
-correctly (0.5 = chance). Without an SFT warm-up the trunk starts from random weights. The
-1-digit problem space is small, so held-out pairs share problems with training pairs (not their
-wrong answers); use ``data.kwargs.digits=2`` for a harder, disjoint-problem setting.
+correctly (0.5 = chance). Without an SFT warm-up the trunk starts from random weights. Held-out
+pairs come from problems never seen in training, but the 1-digit held-out set is small (22
+problems); use ``data.kwargs.digits=2`` for a larger one.
 
     rljax train --config configs/rm_arithmetic.py --workdir runs/rm
 """
