@@ -230,13 +230,17 @@ def test_fan_out_equals_repeated_prompts_and_prefills_once():
     np.testing.assert_allclose(fan.logps, rep.logps, atol=1e-5)
     np.testing.assert_array_equal(fan.lengths, rep.lengths)
     # The compiled program runs the prompt ([B, P] activations) through the layers once at batch
-    # B: no matmul ever sees [B*G, P, ...].
+    # B: no matmul ever sees [B*G, P, ...] (projections run on [B*P, D] rows, attention on
+    # [B, ...] batches).
     b, p = prompt.shape
     jaxpr = jax.make_jaxpr(lambda pr: sampling.generate(cfg, pr, prompt, pmask, num_samples=g,
                                                         **kw))(params)
-    lead = [tuple(v.aval.shape[:2]) for e in _walk_eqns(jaxpr.jaxpr)
-            if e.primitive.name == "dot_general" for v in e.outvars]
-    assert (b, p) in lead
+    shapes = [v.aval.shape for e in _walk_eqns(jaxpr.jaxpr)
+              if e.primitive.name == "dot_general" for v in e.outvars]
+    rows = [s[0] for s in shapes if len(s) == 2]
+    lead = [tuple(s[:2]) for s in shapes if len(s) > 2]
+    assert b * p in rows
+    assert b * g * p not in rows
     assert (b * g, p) not in lead
 
 
