@@ -32,7 +32,8 @@ FLOP model (per forward pass of one sequence of S = P + N positions):
 ``2 * S * W + 4 * L * S^2 * H * Dh`` where W = weights used in matmuls (all but the embedding
 table; the LM head included) and the second term is causal attention computed densely (QK^T
 and AV, as rljax and XLA do). Backward = 2x forward. The update step (grpo_step: forward +
-backward + AdamW) does 3x; the old-logps pass before it does 1x (reported separately).
+backward + AdamW) does 3x; the old-logps pass before it, when there is one, does 1x (reported
+separately; with one update per rollout the step uses its own forward's log-probs instead).
 
 Writes ``bench/results/grpo_step.json`` and prints markdown tables.
 """
@@ -228,6 +229,10 @@ def rljax_worker(spec: dict) -> dict:
     it = statistics.median(steady)
     med = lambda key: statistics.median(m[key] for m in metrics_all[1:])  # noqa: E731
     update_s, logps_s = med("time/update"), med("time/logps")
+    # One update per rollout: the step reuses its own forward as the old log-probs (no pass).
+    old_logps_pass = bool(phase.rollout.old_logps)
+    if not old_logps_pass:
+        logps_s = 0.0
     sample_s, reward_s = med("time/sample"), med("time/reward")
     mcfg = ctx.model_cfg
     seq = spec["prompt_tokens"] + n
@@ -242,7 +247,8 @@ def rljax_worker(spec: dict) -> dict:
         "compiles_first_iter": compiles_at[0] - 0 if compiles_at else 0,
         "recompiles_after_first": len(compiles) - compiles_at[0],
         "compiles_total": len(compiles),
-        "update_flops": 3 * fwd, "old_logps_flops": fwd,
+        "old_logps_pass": old_logps_pass,
+        "update_flops": 3 * fwd, "old_logps_flops": fwd if old_logps_pass else 0.0,
         "update_flops_per_s": 3 * fwd / update_s,
         "old_logps_flops_per_s": fwd / logps_s if logps_s > 0 else None,
         "params": mcfg.num_params(), "completion_length_mean": float(np.mean(lengths)),
@@ -483,8 +489,9 @@ def main() -> None:
     for m in mfu:
         print(f"update step ({m['shape']}, G={m['g']}, N={m['n']}): "
               f"{m['update_flops_per_s'] / 1e9:.1f} GFLOP/s = "
-              f"{100 * m['fraction_of_peak']:.0f}% of peak "
-              f"(old-logps pass {100 * m['old_logps_fraction_of_peak']:.0f}%)")
+              f"{100 * m['fraction_of_peak']:.0f}% of peak"
+              + (f" (old-logps pass {100 * m['old_logps_fraction_of_peak']:.0f}%)"
+                 if m['old_logps_fraction_of_peak'] else " (no separate old-logps pass)"))
     print(f"XLA compilations after the first iteration, per rljax run: "
           f"{sorted(set(recompiles.values()))} (max {max(recompiles.values(), default=0)})")
     print(f"wrote {args.out}")

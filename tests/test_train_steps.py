@@ -120,6 +120,31 @@ def test_micro_batch_split_does_not_change_the_update():
                      params, results[0][0])
 
 
+def test_grpo_step_without_old_logps_uses_its_own():
+    """One update per rollout: no ``old_logps`` in the batch -> the step's own log-probs
+    (stop_gradient) are the old ones; same update as with recomputed old log-probs, and the
+    sampler-vs-trainer diff metrics come from the step (max combined across micro-batches)."""
+    algo = algo_cfg(beta=0.0, epsilon_high=0.28)
+    state0, opt = fresh_state(lr=1.0, name="sgd")
+    batch = on_policy(make_batch(2), state0, algo)
+    batch["sampler_logps"] = batch["old_logps"] + 0.01 * np.arange(N, dtype=np.float32)
+    real = batch["mask"][:, -N:]
+    diff = np.abs(batch["old_logps"] - batch["sampler_logps"])[real]
+    ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt)(state0, batch)
+    ref_params = jax.tree.map(np.asarray, ref_state.params)
+    no_old = {k: v for k, v in batch.items() if k != "old_logps"}
+    for num_micro in (1, 2):
+        state, _ = fresh_state(lr=1.0, name="sgd")
+        state, m = steps.build_grpo_step(MODEL, algo, opt, num_micro=num_micro)(state, no_old)
+        np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(m["grad_norm"]), float(ref_m["grad_norm"]), rtol=1e-4)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                     jax.tree.map(np.asarray, state.params), ref_params)
+        np.testing.assert_allclose(float(m["rollout/logp_diff_mean"]), diff.mean(), atol=1e-5)
+        np.testing.assert_allclose(float(m["rollout/logp_diff_max"]), diff.max(), atol=1e-5)
+    assert "rollout/logp_diff_mean" not in ref_m
+
+
 def test_non_finite_update_is_skipped():
     algo = algo_cfg(beta=0.0)
     state, opt = fresh_state()

@@ -32,7 +32,10 @@ class GRPOPhase:
         self.num_micro = self.mini // a.micro_batch_size if a.micro_batch_size else 1
         self.updates_per_step = a.num_iterations * (self.batch_size // self.mini)
         self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
-        self.rollout = Rollout(ctx, self.iterator)
+        # One update per rollout (one epoch, one mini-batch): the policy has not moved since
+        # sampling, so the update's own log-probs are the old ones (no separate forward).
+        single_update = a.num_iterations == 1 and self.mini == self.batch_size
+        self.rollout = Rollout(ctx, self.iterator, old_logps=not single_update)
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate,
                                        self.steps * self.updates_per_step)
         self._step_fn = None

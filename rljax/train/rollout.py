@@ -9,7 +9,8 @@
     mask           bool  [R, P+N]  real tokens
     loss_mask      bool  [R, N]    completion tokens that train (see below)
     sampler_logps  f32   [R, N]    log-probs the sampler reported
-    old_logps      f32   [R, N]    the trainer's log-probs before any update (recomputed)
+    old_logps      f32   [R, N]    the trainer's log-probs before any update (recomputed;
+                                   absent with ``Rollout(..., old_logps=False)``, see below)
     ref_logps      f32   [R, N]    reference policy (only with a KL-to-reference loss)
     advantages     f32   [R]       one per completion (outcome reward, per-group estimator)
 
@@ -18,6 +19,12 @@ all equal are dropped and more prompts sampled (at most ``algo.max_sampling_roun
 rounds); if the batch is still short, it is filled with dropped groups whose ``loss_mask`` is
 all False, so shapes stay static and they count for nothing. ``mask_truncated_completions``
 drops completions without a stop token from the loss (DAPO overlong filtering).
+
+``old_logps=False`` (GRPO with ``num_iterations = 1`` and one mini-batch: the policy does not
+move between sampling and the only update) skips the separate forward pass; the update step
+then uses its own log-probs (under ``stop_gradient``) as the old ones and reports the
+sampler-vs-trainer ``rollout/logp_diff_*`` metrics itself. The pass still runs when a sequence
+KL is folded into the reward (it needs the old log-probs before the advantages).
 """
 from __future__ import annotations
 
@@ -84,7 +91,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
 class Rollout:
     """Collects one training batch per call; host state is the data iterator's."""
 
-    def __init__(self, ctx, iterator):
+    def __init__(self, ctx, iterator, old_logps: bool = True):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
         self.g = int(cfg.algo.num_generations)
@@ -97,6 +104,14 @@ class Rollout:
             param_shardings=ctx.param_shardings)
         a = cfg.algo
         self.needs_ref = a.beta > 0
+        # Host-side group statistics as one jitted program each (run eagerly, every jnp op of
+        # the estimator was a separate XLA compilation in the first iteration).
+        g = self.g
+        opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
+        estimator = algorithms.get_advantage_estimator(a.adv_estimator)
+        self._advantages = jax.jit(lambda r: estimator(r, g, **opts))
+        self._informative = jax.jit(lambda r: algorithms.nonzero_variance_groups(r, g))
+        self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -148,7 +163,7 @@ class Rollout:
         for r in range(max_rounds):
             rnd = self._round(state.params, jax.random.fold_in(rng, r))
             rounds.append(rnd)
-            informative = algorithms.nonzero_variance_groups(rnd["rewards"], g)
+            informative = self.informative_groups(rnd["rewards"])
             for i, ok in enumerate(informative):
                 (kept if ok or not cfg.algo.dynamic_sampling else dropped).append((r, i))
             if len(kept) >= want:
@@ -164,7 +179,9 @@ class Rollout:
         batch["loss_mask"] = loss_mask
 
         t0 = time.perf_counter()
-        batch["old_logps"] = self.logps_fn(state.params, dist.device_batch(batch, self.ctx.mesh))
+        if self.old_logps:
+            batch["old_logps"] = self.logps_fn(state.params,
+                                               dist.device_batch(batch, self.ctx.mesh))
         rewards = rows["rewards"]
         metrics: dict[str, Any] = {}
         if self.needs_ref:
@@ -179,20 +196,22 @@ class Rollout:
                 del batch["ref_logps"]
         adv = self.advantages(rewards)
         batch["advantages"] = adv
-        old = dist.to_host(batch["old_logps"])
-        diff = np.abs(old - rows["logps"])[rows["mask"]]
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
-        metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
-        metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
+        if self.old_logps:  # otherwise the update step reports them from its own log-probs
+            old = dist.to_host(batch["old_logps"])
+            diff = np.abs(old - rows["logps"])[rows["mask"]]
+            metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
+            metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0
         return batch, metrics
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """Per-completion advantages from rewards [R] with the configured estimator."""
-        a = self.cfg.algo
-        opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
-        fn = algorithms.get_advantage_estimator(a.adv_estimator)
-        return np.asarray(fn(np.asarray(rewards, np.float32), self.g, **opts), np.float32)
+        return np.asarray(self._advantages(np.asarray(rewards, np.float32)), np.float32)
+
+    def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
+        """bool [R / G]: groups whose rewards are not all equal."""
+        return np.asarray(self._informative(np.asarray(rewards, np.float32)), bool)
 
     def _assemble(self, rounds, groups):
         """Stacks the selected groups' rows into the batch layout (re-bucketing prompts)."""
@@ -227,8 +246,7 @@ class Rollout:
             "completion/truncated_frac": float(truncated.mean()),
             "rollout/rounds": len(rounds),
             "rollout/informative_groups_frac": float(np.mean(
-                np.concatenate([algorithms.nonzero_variance_groups(r["rewards"], self.g)
-                                for r in rounds]))),
+                np.concatenate([self.informative_groups(r["rewards"]) for r in rounds]))),
             "rollout/filler_groups": filler,
             "rollout/train_tokens": int(loss_mask.sum()),
             "rollout/tokens": int(lengths.sum()),

@@ -57,7 +57,8 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     """Gradients of the summed numerators, summed weights and summed metric pairs.
 
     Returns ``(grads_sum, weighted_sum, weight, metric_sums)``; the loss is
-    ``weighted_sum / weight`` and its gradient ``grads_sum / weight``.
+    ``weighted_sum / weight`` and its gradient ``grads_sum / weight``. Metric pairs named
+    ``*_max`` are ``(max, 1)`` and combine by maximum instead.
     """
     def one(mb):
         def numerator(p):
@@ -73,10 +74,19 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(one, first))
 
     def body(carry, mb):
-        return jax.tree.map(jnp.add, carry, one(mb)), None
+        out = one(mb)
+        summed = jax.tree.map(jnp.add, carry[:3], out[:3])
+        metrics = {k: (_combine_max(carry[3][k], v) if k.endswith("_max")
+                       else jax.tree.map(jnp.add, carry[3][k], v)) for k, v in out[3].items()}
+        return (*summed, metrics), None
 
     total, _ = jax.lax.scan(body, zeros, micro)
     return total
+
+
+def _combine_max(a, b):
+    """Metric pairs named ``*_max`` hold ``(max, 1)`` and combine by maximum (values >= 0)."""
+    return jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])
 
 
 def finalize_metrics(metric_sums: Mapping[str, tuple]) -> dict:
@@ -162,7 +172,10 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     """GRPO-family loss on one micro-batch.
 
     batch (besides the sequence layout): ``advantages`` f32 [B], ``old_logps`` f32 [B, N]
-    (trainer's own log-probs before the first update), ``sampler_logps`` f32 [B, N], and
+    (trainer's own log-probs before the first update; when absent -- one update per rollout,
+    the policy has not moved since sampling -- this forward's own log-probs under
+    ``stop_gradient``, and the step reports ``rollout/logp_diff_mean``/``_max`` against the
+    sampler's), ``sampler_logps`` f32 [B, N], and
     ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on. Returns
     ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
     """
@@ -172,8 +185,18 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     opts = policy_loss_options(algo_cfg)
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]
+    old = batch.get("old_logps")
+    diff_metrics = {}
+    if old is None:
+        old = jax.lax.stop_gradient(logps)
+        n = m.shape[1]
+        real = batch["mask"][:, -n:]
+        diff = jnp.where(real, jnp.abs(old - batch["sampler_logps"]), 0.0)
+        diff_metrics = {"rollout/logp_diff_mean": _pair(diff, real),
+                        "rollout/logp_diff_max": (jnp.max(diff), jnp.ones((), jnp.float32))}
     pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
-        logps, batch["old_logps"], batch["advantages"], m, **opts)
+        logps, old, batch["advantages"], m, **opts)
+    metrics.update(diff_metrics)
     kl = None
     if algo_cfg.beta > 0 and not algo_cfg.kl_in_reward:
         kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(logps, batch["ref_logps"])
