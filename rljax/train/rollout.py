@@ -107,9 +107,7 @@ class Rollout:
         # Host-side group statistics as one jitted program each (run eagerly, every jnp op of
         # the estimator was a separate XLA compilation in the first iteration).
         g = self.g
-        opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
-        estimator = algorithms.get_advantage_estimator(a.adv_estimator)
-        self._advantages = jax.jit(lambda r: estimator(r, g, **opts))
+        self._advantages = None   # built on first use (PPO's 'gae' is not an outcome estimator)
         self._informative = jax.jit(lambda r: algorithms.nonzero_variance_groups(r, g))
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
 
@@ -207,6 +205,11 @@ class Rollout:
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """Per-completion advantages from rewards [R] with the configured estimator."""
+        if self._advantages is None:
+            a, g = self.cfg.algo, self.g
+            opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
+            estimator = algorithms.get_advantage_estimator(a.adv_estimator)
+            self._advantages = jax.jit(lambda r: estimator(r, g, **opts))
         return np.asarray(self._advantages(np.asarray(rewards, np.float32)), np.float32)
 
     def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
