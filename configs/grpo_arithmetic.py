@@ -11,7 +11,7 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 500                      # GRPO iterations
+    c.steps = 800                      # GRPO iterations
     c.eval_every = 100
     c.checkpoint_every = 100
     c.model = dict(preset="tiny", overrides=dict(
