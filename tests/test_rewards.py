@@ -212,13 +212,10 @@ def test_from_config_rejects_unknown_keys():
 # ---- reward model ----------------------------------------------------------------------------
 
 def test_reward_model_scorer_scores_last_token():
-    models = pytest.importorskip("rljax.models")
-    if not hasattr(models, "value_forward"):
-        pytest.skip("rljax.models does not export value_forward yet")
     import jax
     import numpy as np
 
-    from rljax import tokenizers
+    from rljax import models, tokenizers
 
     tok = tokenizers.CharTokenizer()
     cfg = models.get_preset("tiny", vocab_size=tok.vocab_size, num_layers=1, hidden_size=32,

@@ -14,7 +14,7 @@ import numpy as np
 
 from rljax import distributed as dist
 from rljax.train.rollout import Rollout
-from rljax.train.setup import Context, data_iterator
+from rljax.train.setup import Context, data_iterator, update_sizes
 from rljax.train.steps import build_grpo_step, to_host
 
 
@@ -28,9 +28,7 @@ class GRPOPhase:
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
-        self.mini = a.mini_batch_size or self.batch_size
-        self.num_micro = self.mini // a.micro_batch_size if a.micro_batch_size else 1
-        self.updates_per_step = a.num_iterations * (self.batch_size // self.mini)
+        self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
         # One update per rollout (one epoch, one mini-batch): the policy has not moved since
         # sampling, so the update's own log-probs are the old ones (no separate forward).

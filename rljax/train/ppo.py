@@ -36,7 +36,7 @@ from rljax import distributed as dist
 from rljax.train import steps
 from rljax.train.optim import all_finite, apply_if_finite
 from rljax.train.rollout import Rollout
-from rljax.train.setup import Context, data_iterator
+from rljax.train.setup import Context, data_iterator, update_sizes
 from rljax.train.steps import to_host
 
 Array = jax.Array
@@ -253,9 +253,8 @@ class PPOPhase:
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
-        self.mini = a.mini_batch_size or self.batch_size
-        self.num_micro = self.mini // a.micro_batch_size if a.micro_batch_size else 1
-        updates = self.steps * a.num_iterations * (self.batch_size // self.mini)
+        self.mini, self.num_micro, updates_per_step = update_sizes(cfg)
+        updates = self.steps * updates_per_step
         self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
         self.rollout = RewardRollout(ctx, self.iterator)
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, updates)

@@ -246,6 +246,19 @@ def build_context(cfg, workdir: str, devices=None) -> Context:
     return Context(cfg, workdir, mesh, tokenizer, model_cfg, params, shardings)
 
 
+def update_sizes(cfg) -> tuple[int, int, int]:
+    """(mini-batch rows, micro-batches per mini-batch, updates per iteration) of an RL phase.
+
+    ``rollout.batch_size`` completions are split into mini-batches of ``algo.mini_batch_size``
+    (default: all), each one exact update accumulated over micro-batches of
+    ``algo.micro_batch_size``, for ``algo.num_iterations`` epochs.
+    """
+    a, batch = cfg.algo, cfg.rollout.batch_size
+    mini = a.mini_batch_size or batch
+    num_micro = mini // a.micro_batch_size if a.micro_batch_size else 1
+    return mini, num_micro, a.num_iterations * (batch // mini)
+
+
 def data_iterator(ctx: Context, batch_size: int, split: str = "train", seed_offset: int = 0,
                   source: str | None = None, path: str | None = None, num_epochs=None):
     """A checkpointable ``DataIterator`` over the run's data (or another source/path)."""
