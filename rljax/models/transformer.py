@@ -147,39 +147,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              kv_layout: str = "bskd") -> jax.Array:
     """Grouped-query attention.
 
-    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] with H % K == 0; mask: bool [B, T, S] (True = attend).
+    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (``kv_layout="bskd"``) or, in the KV cache's layout,
+    [B, K, S, Dh] (``"bksd"``), with H % K == 0; mask: bool [B, T, S] (True = attend).
     Returns [B, T, H, Dh] in ``q.dtype``. Scores and softmax in float32.
+
+    The contractions are written in the keys' own layout: for the cache, scores contract Dh (the
+    minor axis of q and k) and the output contracts S (the major axis of v), so each layer's
+    cache slice reaches the dots as a contiguous block instead of a transposed copy of the whole
+    S extent at every decode step.
     """
     b, t, h, dh = q.shape
-    kv = k.shape[2]
+    kv = k.shape[kv_layout.index("k")]
     q = q.reshape(b, t, kv, h // kv, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{kv_layout}->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dh ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, dh)
-
-
-def _cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """``attention`` for keys/values in the cache layout: k, v: [B, K, S, Dh].
-
-    The contractions are written in that layout (scores contract Dh, the minor axis of both q
-    and k; the output contracts S, the major axis of v), so each layer's cache slice reaches the
-    dots as a contiguous block. With the old [L, B, S, K, Dh] layout XLA transposed a copy of
-    every layer's K and V (the whole S extent) at every decode step.
-    """
-    b, t, h, dh = q.shape
-    kv = k.shape[1]
-    q = q.reshape(b, t, kv, h // kv, dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs, v)
     return out.reshape(b, t, h, dh)
 
 
@@ -274,7 +262,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> d
     """Zeroed KV cache ``{"k", "v": [L, B, K, S, Dh]}`` (dtype defaults to ``cfg.dtype``).
 
     Heads before slots: one layer's ``[B, K, S, Dh]`` slice is what the decode-step attention
-    contracts over, in the order it needs (see ``_cached_attention``).
+    contracts over, in the order it needs (see ``attention``, ``kv_layout="bksd"``).
     """
     shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = cfg.compute_dtype if dtype is None else dtype
@@ -336,7 +324,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             k = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(q.dtype)
             v = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(q.dtype)
             kv_cache = (ck, cv)
-            attn = _cached_attention(q, k, v, mask)
+            attn = attention(q, k, v, mask, kv_layout="bksd")
         else:
             attn = attention(q, k, v, mask)
         x = x + dense(attn, p["o"], n_in=2)
