@@ -18,7 +18,7 @@ micro-batch per iteration, and a trivial reward (fraction of 'e' in the completi
 Peers run in their own virtual environments (``--trl-python``, ``--tunix-python``; defaults
 ``/work/peers/{trl,tunix}/bin/python``) through the runners in ``bench/peers/``; a peer that is
 missing or fails is recorded with its error text. rljax runs ``--worker`` subprocesses of this
-script that drive the trainer's own GRPO phase (``rljax.train.run``: build_context ->
+script that drive the trainer's own GRPO phase (``rljax.train``: build_context ->
 make_phases -> start_phase -> ``phase.iteration``), i.e. exactly the controller's loop body
 without logging/eval/checkpointing.
 
@@ -161,7 +161,8 @@ def rljax_worker(spec: dict) -> dict:
 
     from rljax import config as config_lib
     from rljax import rewards
-    from rljax.train import run as run_lib
+    from rljax.train import inference
+    from rljax.train import phases as phases_lib
     from rljax.train.setup import build_context, check_inputs
 
     char = spec["reward_char"]
@@ -212,8 +213,8 @@ def rljax_worker(spec: dict) -> dict:
     t_start = time.perf_counter()
     ctx = build_context(cfg, workdir)
     ctx.tokenizer.eos_id = VOCAB  # EOS stopping off: an id the model cannot sample -> exactly N
-    phase = run_lib.make_phases(ctx)[-1]
-    state = run_lib.start_phase(ctx, phase, run_lib.initial_state(ctx))
+    phase = phases_lib.make_phases(ctx)[-1]
+    state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
     jax.block_until_ready(state)
     t_setup = time.perf_counter() - t_start
 

@@ -127,7 +127,7 @@ assert train(cfg, WORKDIR) == 0'''),
         new_code_cell(CURVES),
         new_markdown_cell("## After training\n\nThe same prompts, with the latest checkpoint:"),
         new_code_cell('''\
-from rljax.train.run import load_for_inference
+from rljax.train.inference import load_for_inference
 
 ctx, state, step = load_for_inference(cfg, WORKDIR)
 print(f"step {step}: accuracy after:",
@@ -185,7 +185,7 @@ if TINY:
 config_lib.validate(cfg)'''),
         new_markdown_cell("## A few training pairs"),
         new_code_cell('''\
-from rljax.train.dpo import PreferenceData
+from rljax.train.phases.dpo import PreferenceData
 from rljax.train.setup import build_context
 
 ctx = build_context(cfg, WORKDIR)
@@ -207,7 +207,7 @@ assert train(cfg, WORKDIR) == 0'''),
         new_code_cell(SAMPLE_HELPER + '''
 
 from rljax.train.evaluate import eval_examples
-from rljax.train.run import load_for_inference
+from rljax.train.inference import load_for_inference
 
 ctx, state, step = load_for_inference(cfg, WORKDIR)
 print(f"step {step}: accuracy",
@@ -332,7 +332,8 @@ assert train(cfg, WORKDIR) == 0'''),
         new_code_cell(CURVES),
         new_markdown_cell("## Sample and export"),
         new_code_cell('''\
-from rljax.train.run import export, load_for_inference
+from rljax.train.inference import load_for_inference
+from rljax.train.run import export
 from rljax import sampling
 
 ctx, state, step = load_for_inference(cfg, WORKDIR)

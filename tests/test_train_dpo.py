@@ -1,4 +1,4 @@
-"""Tests for rljax.train.dpo: every loss type runs, sigmoid DPO learns a fixed batch, the step's
+"""Tests for rljax.train.phases.dpo: every loss type runs, sigmoid DPO learns a fixed batch, the step's
 loss equals algorithms.dpo_loss on independently computed log-probs, micro-batching and an
 8-device sharded step are exact, pair builders, and a 2-step end-to-end run of the configs."""
 import functools
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, data, models, sharding, tokenizers
-from rljax.train import dpo, optim
+from rljax.train import optim
+from rljax.train.phases import dpo
 from rljax.train.state import create_train_state, eval_state_shape, state_shardings
 
 TOK = tokenizers.CharTokenizer()

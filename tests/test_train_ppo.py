@@ -1,4 +1,4 @@
-"""Tests for rljax.train.ppo: token rewards and GAE preparation, the PPO step lowers the policy
+"""Tests for rljax.train.phases.ppo: token rewards and GAE preparation, the PPO step lowers the policy
 and value losses on a fixed batch, micro-batching and an 8-device sharded step are exact, a
 non-finite gradient skips both models, and a 2-step end-to-end run of the config."""
 import functools
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, config, models, sharding
-from rljax.train import optim, ppo
+from rljax.train import optim
+from rljax.train.phases import ppo
 from rljax.train.state import create_train_state, eval_state_shape, state_shardings
 
 P, N, B, V = 4, 5, 8, 24

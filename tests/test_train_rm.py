@@ -1,4 +1,4 @@
-"""Tests for rljax.train.rm: last-token scores, the Bradley-Terry step learns a fixed batch, its
+"""Tests for rljax.train.phases.rm: last-token scores, the Bradley-Terry step learns a fixed batch, its
 loss equals algorithms.reward_model_loss on independently computed scores, micro-batching and
 an 8-device sharded step are exact, and a 2-step end-to-end run of the config."""
 import functools
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, config, data, models, sharding, tokenizers
-from rljax.train import optim, rm
+from rljax.train import optim
+from rljax.train.phases import rm
 from rljax.train.state import create_train_state, eval_state_shape, state_shardings
 
 TOK = tokenizers.CharTokenizer()

@@ -1,5 +1,8 @@
-"""rljax.train: train state, checkpoints, metrics, optimizers, fault handling (and, built on
-them, the jitted steps in ``steps.py`` and the controller loop in ``run.py``).
+"""rljax.train: the machinery of training (train state, jitted steps, rollouts, checkpoints,
+metrics, optimizers, fault handling), the algorithms built on it as phases (``phases/``), and
+the controller that runs them (``run.py``).
+
+Imports flow one way: machinery <- ``phases`` <- ``inference`` <- ``run`` <- ``rljax.cli``.
 
 Submodules are imported explicitly (``from rljax.train import checkpoint``) so that importing
 the package stays cheap and does not start a jax backend:
@@ -16,8 +19,12 @@ the package stays cheap and does not start a jax backend:
               build_logps_fn (jitted, explicit shardings, state donated)
   rollout     Rollout: prompts -> G samples -> rewards -> advantages -> training batch (DAPO
               dynamic sampling, overlong shaping, KL-in-reward)
-  evaluate    run_eval (greedy accuracy, pass@k), evaluate (``rljax eval``)
+  rollout     also RewardRollout (raw rewards instead of advantages, for PPO and online DPO)
+  evaluate    run_eval (greedy accuracy, pass@k), eval_examples
   setup       check_inputs (before compiling), Context (mesh, tokenizer, model), Phase protocol
-  sft, grpo   SFTPhase, GRPOPhase: one iteration each of SFT / the GRPO family
-  run         train (``rljax train``), sample, export; ALGORITHMS registry of phases
+
+  phases/     the algorithms, one module each (sft, grpo, ppo, dpo, rm); ALGORITHMS registry,
+              register_algorithm, make_phases
+  inference   phase state shapes, restore, load_for_inference (a run's params for eval/sample)
+  run         the controller: train (``rljax train``) and the verbs evaluate, sample, export
 """

@@ -1,7 +1,7 @@
 """Held-out evaluation: greedy (or sampled) accuracy and unbiased pass@k.
 
 ``run_eval(ctx, params, rng)`` is what the trainer calls (after the warm-up, every
-``eval_every`` steps, at the end); ``evaluate(cfg, workdir, checkpoint=None)`` is ``rljax eval``.
+``eval_every`` steps, at the end) and what ``rljax eval`` (``run.evaluate``) prints.
 
 A completion is correct when the first reward function (``reward.names[0]``, the task's
 verifier) gives it a score >= 1. With ``eval.num_samples = n > 1`` (and temperature > 0),
@@ -10,8 +10,6 @@ estimator for every power of two k <= n.
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import jax
@@ -80,14 +78,3 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None) -> dict:
         m[f"eval/pass@{k}"] = float(np.mean(algorithms.pass_at_k(n, ok.sum(axis=1), k)))
         k *= 2
     return m
-
-
-def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> int:
-    """``rljax eval --workdir DIR``: evaluates a checkpoint (default: latest), prints JSON."""
-    from rljax.train import run  # late import: run imports this module
-
-    ctx, state, step = run.load_for_inference(cfg, workdir, checkpoint, devices=devices)
-    rng = jax.random.fold_in(jax.random.fold_in(state.rng, EVAL_STREAM), step)
-    metrics = run_eval(ctx, state.params, rng)
-    print(json.dumps({"step": step, **metrics}), file=sys.stdout, flush=True)
-    return 0

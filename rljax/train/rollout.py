@@ -257,3 +257,24 @@ class Rollout:
             "time/reward": sum(r["time_reward"] for r in rounds),
         })
         return m
+
+
+class RewardRollout(Rollout):
+    """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each
+    completion's raw reward as ``batch["rewards"]`` [R] instead of group advantages: PPO
+    computes token-level advantages itself and online DPO ranks samples by reward. The
+    reference (and any KL) is handled per token by the caller, so the rollout skips it."""
+
+    def __init__(self, ctx, iterator):
+        super().__init__(ctx, iterator)
+        self.needs_ref = False
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        return np.asarray(rewards, np.float32)
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        batch, metrics = super().__call__(state, step)
+        batch["rewards"] = batch.pop("advantages")
+        for key in [k for k in metrics if k.startswith("adv/")]:
+            del metrics[key]  # these were reward statistics; the caller reports its own
+        return batch, metrics

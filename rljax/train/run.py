@@ -1,4 +1,4 @@
-"""The single controller: ``rljax train | eval | sample | export``.
+"""The single controller and the inference verbs: ``rljax train | eval | sample | export``.
 
     train(cfg, workdir)
 
@@ -8,19 +8,18 @@ restore the latest checkpoint if there is one, then run the phases: the SFT warm
 ``rollout -> reward -> advantage -> update`` inside the phase, then ``log -> eval -> checkpoint``
 here. SIGTERM / SIGINT finish the current iteration, save, and return (0 / 130).
 
-Algorithms plug in through ``ALGORITHMS``: ``name -> factory(ctx, steps) -> Phase`` (see
-``setup.Phase``). Global step numbers (metrics, checkpoints) count iterations over all phases:
-the warm-up's ``1..sft.steps``, then the RL iterations.
+Algorithms plug in as phases (``rljax.train.phases.ALGORITHMS``: ``name -> factory(ctx, steps)
+-> Phase``). Global step numbers (metrics, checkpoints) count iterations over all phases: the
+warm-up's ``1..sft.steps``, then the RL iterations.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
-from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from rljax import config as config_lib
 from rljax import distributed, models, sampling, tokenizers
@@ -30,82 +29,12 @@ from rljax.train import evaluate as eval_lib
 from rljax.train import paths
 from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
-from rljax.train.dpo import DPOPhase
-from rljax.train.grpo import GRPOPhase
+from rljax.train.inference import (initial_state, load_for_inference, phase_offsets, restore,
+                                   start_phase)
 from rljax.train.metrics import MetricsWriter
 from rljax.train.optim import NonFiniteGuard
-from rljax.train.ppo import PPOPhase
-from rljax.train.rm import RMPhase
-from rljax.train.setup import Context, Phase, build_context, check_inputs
-from rljax.train.sft import SFTPhase
-from rljax.train.state import TrainState, abstract_train_state
-
-evaluate = eval_lib.evaluate  # `rljax eval`
-
-# algo.name -> factory(ctx, steps) -> Phase. Other algorithm files register themselves here.
-ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
-    "grpo": GRPOPhase,
-    "ppo": PPOPhase,
-    "dpo": DPOPhase,
-    "rm": RMPhase,
-    "sft": lambda ctx, steps: SFTPhase(ctx, steps, ctx.cfg.optimizer.learning_rate),
-}
-
-
-def register_algorithm(name: str, factory: Callable[[Context, int], Phase]) -> None:
-    """Makes ``algo.name=name`` run ``factory(ctx, steps)``."""
-    ALGORITHMS[name] = factory
-
-
-def make_phases(ctx: Context) -> list[Phase]:
-    """The run's phases in order: optional SFT warm-up, then the main algorithm."""
-    cfg = ctx.cfg
-    if cfg.algo.name not in ALGORITHMS:
-        raise UserError(f"algo.name={cfg.algo.name!r} is not available in this version "
-                        f"(available: {', '.join(sorted(ALGORITHMS))})")
-    phases: list[Phase] = []
-    if cfg.sft.steps:
-        phases.append(SFTPhase(ctx, cfg.sft.steps, cfg.sft.learning_rate, name="sft_warmup"))
-    phases.append(ALGORITHMS[cfg.algo.name](ctx, cfg.steps))
-    return phases
-
-
-def initial_state(ctx: Context) -> TrainState:
-    """Step 0, the built/loaded params, no optimizer yet (each phase makes its own)."""
-    return TrainState(step=jnp.zeros((), jnp.int32), params=ctx.params, opt_state=None,
-                      rng=jax.random.PRNGKey(ctx.cfg.seed))
-
-
-def start_phase(ctx: Context, phase: Phase, state: TrainState) -> TrainState:
-    """``phase.init_state`` compiled with the phase's state shardings."""
-    shardings = ctx.state_shardings(jax.eval_shape(phase.init_state, state))
-    return jax.jit(phase.init_state, out_shardings=shardings)(state)
-
-
-def abstract_state(ctx: Context, phases: list[Phase], index: int):
-    """Shapes + shardings of the state during phase ``index`` (checkpoint restore target)."""
-    shape = jax.eval_shape(phases[index].init_state, initial_state(ctx))
-    return abstract_train_state(shape, ctx.state_shardings(shape))
-
-
-def restore(ctx: Context, phases: list[Phase], ckpt: CheckpointManager, step: int | None = None):
-    """(state, meta, global step) of checkpoint ``step`` (default: latest)."""
-    meta = ckpt.restore_meta(step)
-    index = int(meta["phase"])
-    if index >= len(phases) or phases[index].name != meta["phase_name"]:
-        raise UserError(f"checkpoint was written in phase {meta['phase_name']!r}, which this "
-                        f"config does not have (phases: {[p.name for p in phases]})")
-    restored = ckpt.restore(step, abstract_state(ctx, phases, index))
-    return restored.state, meta, restored.step
-
-
-def phase_offsets(phases: list[Phase]) -> list[int]:
-    offsets, total = [], 0
-    for p in phases:
-        offsets.append(total)
-        total += p.steps
-    return offsets
-
+from rljax.train.phases import make_phases
+from rljax.train.setup import build_context, check_inputs
 
 # ----------------------------------------------------------------------------- train
 
@@ -187,24 +116,13 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) ->
 
 # ----------------------------------------------------------------------------- inference
 
-def load_for_inference(cfg, workdir: str, checkpoint: str | None = None, devices=None):
-    """(ctx, state, step) with the params of checkpoint ``checkpoint`` (default latest)."""
-    config_lib.validate(cfg)
-    check_inputs(cfg, len(devices) if devices is not None else None)
-    ctx = build_context(cfg, workdir, devices)
-    phases = make_phases(ctx)
-    with CheckpointManager(checkpoint_dir(workdir), max_to_keep=cfg.checkpoint.max_to_keep,
-                           async_save=False) as ckpt:
-        if ckpt.latest_step() is None:
-            raise UserError(f"{workdir} has no checkpoint")
-        step = None
-        if checkpoint is not None:
-            if not str(checkpoint).isdigit() or int(checkpoint) not in ckpt.all_steps():
-                raise UserError(f"checkpoint {checkpoint!r} not found; saved steps: "
-                                f"{ckpt.all_steps()}")
-            step = int(checkpoint)
-        state, _, step = restore(ctx, phases, ckpt, step)
-    return ctx, state, step
+def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> int:
+    """``rljax eval --workdir DIR``: evaluates a checkpoint (default: latest), prints JSON."""
+    ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices=devices)
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, eval_lib.EVAL_STREAM), step)
+    metrics = eval_lib.run_eval(ctx, state.params, rng)
+    print(json.dumps({"step": step, **metrics}), file=sys.stdout, flush=True)
+    return 0
 
 
 def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None = None,

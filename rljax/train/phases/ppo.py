@@ -35,7 +35,7 @@ from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.train import steps
 from rljax.train.optim import all_finite, apply_if_finite
-from rljax.train.rollout import Rollout
+from rljax.train.rollout import RewardRollout
 from rljax.train.setup import Context, data_iterator, update_sizes
 from rljax.train.steps import to_host
 
@@ -213,27 +213,6 @@ def build_ppo_step(model_cfg, algo_cfg, optimizer, critic_optimizer, *, temperat
 # ----------------------------------------------------------------------------- phase
 
 CRITIC_STREAM = 4  # rng stream of the critic head's initialisation
-
-
-class RewardRollout(Rollout):
-    """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each
-    completion's raw reward as ``batch["rewards"]`` [R] instead of group advantages: PPO
-    computes token-level advantages itself and online DPO ranks samples by reward. The
-    reference (and any KL) is handled per token by the caller, so the rollout skips it."""
-
-    def __init__(self, ctx, iterator):
-        super().__init__(ctx, iterator)
-        self.needs_ref = False
-
-    def advantages(self, rewards: np.ndarray) -> np.ndarray:
-        return np.asarray(rewards, np.float32)
-
-    def __call__(self, state, step: int) -> tuple[dict, dict]:
-        batch, metrics = super().__call__(state, step)
-        batch["rewards"] = batch.pop("advantages")
-        for key in [k for k in metrics if k.startswith("adv/")]:
-            del metrics[key]  # these were reward statistics; the caller reports its own
-        return batch, metrics
 
 
 class PPOPhase:

@@ -28,7 +28,7 @@ from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.train import evaluate as eval_lib
 from rljax.train import steps
-from rljax.train.ppo import RewardRollout
+from rljax.train.rollout import RewardRollout
 from rljax.train.setup import data_iterator
 from rljax.train.steps import to_host
 

@@ -7,7 +7,7 @@ model has read the whole answer including its EOS. The loss per pair is
 ``-log sigmoid(r_chosen - r_rejected)`` (``algorithms.reward_model_loss``); accuracy is the
 fraction of pairs with ``r_chosen > r_rejected``.
 
-Batches are the arrays of ``data.encode_preference`` (see :mod:`rljax.train.dpo`):
+Batches are the arrays of ``data.encode_preference`` (see :mod:`rljax.train.phases.dpo`):
 ``prompt_tokens/prompt_mask [B, P]``, ``chosen_tokens/chosen_mask`` and
 ``rejected_tokens/rejected_mask [B, C]``. ``build_rm_step`` trains ``TrainState.params``
 (value params); the run's ``RMPhase`` keeps the reward model in ``critic_params`` instead.
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.errors import UserError
-from rljax.train import dpo as dpo_lib
 from rljax.train import steps
+from rljax.train.phases import dpo as dpo_lib
 from rljax.train.steps import to_host
 
 Array = jax.Array

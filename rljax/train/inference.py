@@ -1,0 +1,74 @@
+"""From a config (and a checkpoint) to a train state: the phases' state shapes, restoring a
+checkpoint into them, and loading a run's parameters for inference.
+
+Below both the controller (``run.train``) and the inference verbs (``run.evaluate | sample |
+export``); above the phases, whose ``init_state`` defines what a checkpoint of each holds.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax import config as config_lib
+from rljax.errors import UserError
+from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
+from rljax.train.phases import make_phases
+from rljax.train.setup import Context, Phase, build_context, check_inputs
+from rljax.train.state import TrainState, abstract_train_state
+
+
+def initial_state(ctx: Context) -> TrainState:
+    """Step 0, the built/loaded params, no optimizer yet (each phase makes its own)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=ctx.params, opt_state=None,
+                      rng=jax.random.PRNGKey(ctx.cfg.seed))
+
+
+def start_phase(ctx: Context, phase: Phase, state: TrainState) -> TrainState:
+    """``phase.init_state`` compiled with the phase's state shardings."""
+    shardings = ctx.state_shardings(jax.eval_shape(phase.init_state, state))
+    return jax.jit(phase.init_state, out_shardings=shardings)(state)
+
+
+def abstract_state(ctx: Context, phases: list[Phase], index: int):
+    """Shapes + shardings of the state during phase ``index`` (checkpoint restore target)."""
+    shape = jax.eval_shape(phases[index].init_state, initial_state(ctx))
+    return abstract_train_state(shape, ctx.state_shardings(shape))
+
+
+def restore(ctx: Context, phases: list[Phase], ckpt: CheckpointManager, step: int | None = None):
+    """(state, meta, global step) of checkpoint ``step`` (default: latest)."""
+    meta = ckpt.restore_meta(step)
+    index = int(meta["phase"])
+    if index >= len(phases) or phases[index].name != meta["phase_name"]:
+        raise UserError(f"checkpoint was written in phase {meta['phase_name']!r}, which this "
+                        f"config does not have (phases: {[p.name for p in phases]})")
+    restored = ckpt.restore(step, abstract_state(ctx, phases, index))
+    return restored.state, meta, restored.step
+
+
+def phase_offsets(phases: list[Phase]) -> list[int]:
+    offsets, total = [], 0
+    for p in phases:
+        offsets.append(total)
+        total += p.steps
+    return offsets
+
+
+def load_for_inference(cfg, workdir: str, checkpoint: str | None = None, devices=None):
+    """(ctx, state, step) with the params of checkpoint ``checkpoint`` (default latest)."""
+    config_lib.validate(cfg)
+    check_inputs(cfg, len(devices) if devices is not None else None)
+    ctx = build_context(cfg, workdir, devices)
+    phases = make_phases(ctx)
+    with CheckpointManager(checkpoint_dir(workdir), max_to_keep=cfg.checkpoint.max_to_keep,
+                           async_save=False) as ckpt:
+        if ckpt.latest_step() is None:
+            raise UserError(f"{workdir} has no checkpoint")
+        step = None
+        if checkpoint is not None:
+            if not str(checkpoint).isdigit() or int(checkpoint) not in ckpt.all_steps():
+                raise UserError(f"checkpoint {checkpoint!r} not found; saved steps: "
+                                f"{ckpt.all_steps()}")
+            step = int(checkpoint)
+        state, _, step = restore(ctx, phases, ckpt, step)
+    return ctx, state, step
