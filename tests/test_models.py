@@ -388,3 +388,21 @@ def test_out_of_range_token_ids_clip_and_check():
         check(cfg, np.asarray([[1, -5]]))
     check(cfg, np.asarray([[1, v]]), mask=np.asarray([[True, False]]))  # masked: ignored
     check(cfg, jnp.asarray([[0, v - 1]]))
+
+
+def test_attention_impl_auto_is_xla_off_gpu_and_cudnn_needs_a_gpu():
+    # The fused cuDNN path only exists on GPU (bench/gpu.py checks its parity there); elsewhere
+    # "auto" must be the dense path bit for bit and "cudnn" must say why it cannot run.
+    cfg = models.get_preset("tiny")
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.array([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]], jnp.int32)
+    mask = tokens > 0
+    ref = models.forward(cfg, params, tokens, attention_mask=mask)
+    auto = models.forward(cfg.replace(attention_impl="auto"), params, tokens, attention_mask=mask)
+    if jax.default_backend() != "gpu":
+        np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+        with pytest.raises(ValueError, match="needs a GPU"):
+            models.forward(cfg.replace(attention_impl="cudnn"), params, tokens,
+                           attention_mask=mask)
+    with pytest.raises(ValueError, match="unsupported attention_impl"):
+        models.get_preset("tiny", attention_impl="flash")

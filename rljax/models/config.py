@@ -24,6 +24,9 @@ def dtype_name(dtype) -> str:
     return name
 
 
+ATTENTION_IMPLS = ("xla", "cudnn", "auto")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Static hyper-parameters of a decoder-only transformer.
@@ -60,6 +63,11 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False  # jax.checkpoint each layer (recompute activations in the backward pass)
+    # Attention over a whole sequence (training, old/ref log-probs, prefill): "xla" (dense
+    # einsums, float32 scores; every backend) | "cudnn" (jax.nn.dot_product_attention's fused
+    # cuDNN kernel: GPU, bf16/fp16 compute) | "auto" (cudnn where it applies, else xla).
+    # Decoding over the KV cache always uses the xla path.
+    attention_impl: str = "xla"
     init_std: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, Tuple[int, ...]]] = None
@@ -74,6 +82,9 @@ class ModelConfig:
         object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unsupported attention_impl {self.attention_impl!r}; "
+                             f"use one of {ATTENTION_IMPLS}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.num_heads % self.num_kv_heads:

@@ -148,7 +148,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-              kv_layout: str = "bskd") -> jax.Array:
+              kv_layout: str = "bskd", impl: str = "xla") -> jax.Array:
     """Grouped-query attention.
 
     q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (``kv_layout="bskd"``) or, in the KV cache's layout,
@@ -159,7 +159,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     minor axis of q and k) and the output contracts S (the major axis of v), so each layer's
     cache slice reaches the dots as a contiguous block instead of a transposed copy of the whole
     S extent at every decode step.
+
+    ``impl="cudnn"`` (``"auto"`` where it applies: GPU, bf16/fp16, ``"bskd"``) runs the fused
+    kernel of ``jax.nn.dot_product_attention``, which never writes the [B, H, T, S] scores.
     """
+    if kv_layout == "bskd" and _use_cudnn(impl, q.dtype):
+        return _cudnn_attention(q, k, v, mask)
     b, t, h, dh = q.shape
     kv = k.shape[kv_layout.index("k")]
     q = q.reshape(b, t, kv, h // kv, dh)
@@ -169,6 +174,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs, v)
     return out.reshape(b, t, h, dh)
+
+
+def _use_cudnn(impl: str, dtype) -> bool:
+    if impl == "xla":
+        return False
+    fits = jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    if impl == "cudnn" and not fits:
+        raise ValueError("attention_impl='cudnn' needs a GPU and bfloat16/float16 compute "
+                         f"(backend {jax.default_backend()!r}, dtype {jnp.dtype(dtype).name}); "
+                         "use 'auto' to fall back to 'xla' elsewhere")
+    return fits
+
+
+def _cudnn_attention(q, k, v, mask):
+    # A left-padding query row has no key to attend to (every earlier slot is padding); a fully
+    # masked row is undefined in the fused kernel, so such rows attend to themselves. Their
+    # outputs are never read by a real token (real queries never attend padding keys).
+    t, s = mask.shape[1], mask.shape[2]
+    mask = mask | jnp.eye(t, s, k=s - t, dtype=bool)[None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=None) -> jax.Array:
@@ -326,7 +351,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             kv_cache = (ck, cv)
             attn = attention(q, k, v, mask, kv_layout="bksd")
         else:
-            attn = attention(q, k, v, mask)
+            attn = attention(q, k, v, mask, impl=cfg.attention_impl)
         x = x + dense(attn, p["o"], n_in=2)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         x = x + _mlp(cfg, p, h)
