@@ -60,6 +60,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.steps = 100                    # RL (or SFT/DPO/RM) optimizer steps
     c.eval_every = 0                 # 0 = never (except the final eval)
     c.checkpoint_every = 50          # 0 = only on stop/finish
+    c.compilation_cache_dir = "auto"  # persistent XLA cache ("auto": ~/.cache/rljax/jax; "" = off)
 
     c.model = dict(
         preset="tiny",               # models.get_preset name; ignored when `path` is set

@@ -405,8 +405,9 @@ def check(cfg, devices=None, *, verbose: bool = False) -> MemoryPlan | None:
 
 def run(cfg, devices=None, *, as_json: bool = False) -> int:
     """``rljax plan``: prints the plan; exit code 0 if it fits, 1 if not."""
-    from rljax import distributed
+    from rljax import compilation_cache, distributed
     distributed.initialize()  # on a pod, plan for the global mesh
+    compilation_cache.enable(cfg.get("compilation_cache_dir", "auto"))
     p = plan(cfg, devices)
     if jax.process_index() == 0:
         print(json.dumps(p.to_dict(), indent=2) if as_json else p.format(), flush=True)

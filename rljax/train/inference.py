@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rljax import compilation_cache
 from rljax import config as config_lib
 from rljax.errors import UserError
 from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
@@ -57,6 +58,7 @@ def phase_offsets(phases: list[Phase]) -> list[int]:
 def load_for_inference(cfg, workdir: str, checkpoint: str | None = None, devices=None):
     """(ctx, state, step) with the params of checkpoint ``checkpoint`` (default latest)."""
     config_lib.validate(cfg)
+    compilation_cache.enable(cfg.compilation_cache_dir)
     check_inputs(cfg, len(devices) if devices is not None else None)
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)

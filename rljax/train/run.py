@@ -21,6 +21,7 @@ import sys
 
 import jax
 
+from rljax import compilation_cache
 from rljax import config as config_lib
 from rljax import distributed, models, sampling, tokenizers
 from rljax import plan as plan_lib
@@ -42,6 +43,7 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) ->
     """``rljax train``: runs (or resumes) the run in ``workdir``; returns the exit code."""
     distributed.initialize()  # multi-host (SPMD): the same loop on every host
     config_lib.validate(cfg)
+    compilation_cache.enable(cfg.compilation_cache_dir)
     check_inputs(cfg, len(devices) if devices is not None else None)
     plan_lib.check(cfg, devices)  # stop before allocating anything if it cannot fit
     paths.makedirs(workdir)  # a local directory or a URL (gs://...)

@@ -1,0 +1,49 @@
+"""The persistent compilation cache: a second process compiles nothing that the first did."""
+import json
+import os
+import subprocess
+import sys
+
+from rljax import compilation_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Counts the persistent cache's misses (programs XLA had to compile) and hits (executables
+# loaded from disk) for a small jitted program, through jax.monitoring's events.
+PROGRAM = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from rljax import compilation_cache
+events = []
+jax.monitoring.register_event_listener(lambda name, **_: events.append(name))
+compilation_cache.enable(sys.argv[1])
+y = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((8, 8)))
+print(json.dumps({"misses": events.count("/jax/compilation_cache/cache_misses"),
+                  "hits": events.count("/jax/compilation_cache/cache_hits"), "y": float(y)}))
+"""
+
+
+def _run(cache_dir):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", PROGRAM, cache_dir], env=env, cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_instead_of_compiling(tmp_path):
+    cache = str(tmp_path / "cache")
+    first, second = _run(cache), _run(cache)
+    assert first["misses"] >= 1 and first["hits"] == 0 and os.listdir(cache)
+    assert second["misses"] == 0 and second["hits"] == first["misses"]
+    assert second["y"] == first["y"]
+
+
+def test_cache_dir_setting(monkeypatch, tmp_path):
+    assert compilation_cache.resolve_dir("") is None
+    assert compilation_cache.resolve_dir("/x/y") == "/x/y"
+    monkeypatch.setenv("RLJAX_CACHE_DIR", str(tmp_path))
+    assert compilation_cache.resolve_dir("auto") == str(tmp_path / "jax")
+    monkeypatch.delenv("RLJAX_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compilation_cache.resolve_dir("auto") == str(tmp_path / "xdg" / "rljax" / "jax")
