@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="config file (.py with get_config()); default: "
                    "WORKDIR/config.json when resuming")
     p.add_argument("--workdir", required=True)
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume a checkpointed WORKDIR although the config differs from its "
+                   "config.json (hyper-parameters only; a larger `steps` needs no flag)")
 
     p = sub.add_parser("eval", help="evaluate the latest checkpoint (accuracy, pass@k)")
     p.add_argument("--workdir", required=True)
@@ -109,14 +112,18 @@ def _run_function(name: str, command: str) -> Callable:
 def cmd_train(args, overrides) -> int | None:
     from rljax.train import workdir as wd
 
-    cfg, resuming, changes = wd.resolve_train_config(args.config, args.workdir, overrides)
+    # Compared with the workdir's config.json before anything is written (refused: one line).
+    cfg, resuming, changes = wd.resolve_train_config(args.config, args.workdir, overrides,
+                                                     args.allow_config_change)
     fn = _run_function("train", "train")
     if resuming:
         print(f"rljax: resuming from {wd.checkpoint_dir(args.workdir)}", file=sys.stderr)
-        for change in changes:
-            print(f"rljax: config changed since the last run: {change}", file=sys.stderr)
-    wd.write_config(args.workdir, cfg)
-    return fn(cfg, args.workdir)
+        if changes:
+            print(f"rljax: config changed since the last run: {'; '.join(changes)}",
+                  file=sys.stderr)
+    else:
+        wd.write_config(args.workdir, cfg)  # a resumed run's is rewritten once it has restored
+    return fn(cfg, args.workdir, allow_config_change=args.allow_config_change)
 
 
 def cmd_eval(args, overrides) -> int | None:

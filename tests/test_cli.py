@@ -25,7 +25,7 @@ def fake_run(monkeypatch):
     module = types.ModuleType("fake_rljax_run")
     module.calls = []
 
-    def train(cfg, workdir):
+    def train(cfg, workdir, allow_config_change=False):
         module.calls.append(("train", cfg, workdir))
         return 0
 
@@ -88,11 +88,19 @@ def test_train_dispatch_writes_config_and_resumes(tmp_path, capsys, fake_run):
     assert cli.main(["train", "--workdir", str(workdir), "--config.steps=5"]) == 0
     assert fake_run.calls[-1][1].steps == 5 and fake_run.calls[-1][1].algo.beta == 0.0
     assert "resuming from" in capsys.readouterr().err
-    # Resume with a config file: changes versus the saved config are reported.
-    assert cli.main(["train", "--config", cfg_file, "--workdir", str(workdir)]) == 0
+    # A resumed run's config.json is rewritten by train() after its checkpoint restored, not
+    # here; a config file that differs from it is refused (one line naming the keys) ...
+    assert json.loads((workdir / "config.json").read_text())["steps"] == 3
+    calls = len(fake_run.calls)
+    assert cli.main(["train", "--config", cfg_file, "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert "algo.beta (0.0 -> 0.04)" in err and "--allow-config-change" in err
+    assert len(fake_run.calls) == calls
+    # ... unless allowed; the changes are then reported.
+    assert cli.main(["train", "--config", cfg_file, "--workdir", str(workdir),
+                     "--allow-config-change"]) == 0
     err = capsys.readouterr().err
     assert "config changed since the last run: algo.beta: 0.0 -> 0.04" in err
-    assert "steps: 5 -> 3" in err
 
 
 def test_eval_uses_workdir_config_and_overrides(tmp_path, fake_run):

@@ -43,7 +43,13 @@ def restore(ctx: Context, phases: list[Phase], ckpt: CheckpointManager, step: in
     if index >= len(phases) or phases[index].name != meta["phase_name"]:
         raise UserError(f"checkpoint was written in phase {meta['phase_name']!r}, which this "
                         f"config does not have (phases: {[p.name for p in phases]})")
-    restored = ckpt.restore(step, abstract_state(ctx, phases, index))
+    try:
+        restored = ckpt.restore(step, abstract_state(ctx, phases, index))
+    except (ValueError, TypeError, KeyError) as e:  # orbax: the tree or a shape differs
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {ckpt.latest_step() if step is None else step} does not "
+                        f"fit this config (the state's structure or shapes differ, e.g. "
+                        f"algo.beta switching the reference model on/off): {first}") from None
     return restored.state, meta, restored.step
 
 

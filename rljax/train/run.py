@@ -28,6 +28,7 @@ from rljax import plan as plan_lib
 from rljax.errors import UserError
 from rljax.train import evaluate as eval_lib
 from rljax.train import paths
+from rljax.train import workdir as workdir_lib
 from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets, restore,
@@ -39,15 +40,20 @@ from rljax.train.setup import build_context, check_inputs
 
 # ----------------------------------------------------------------------------- train
 
-def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) -> int:
-    """``rljax train``: runs (or resumes) the run in ``workdir``; returns the exit code."""
+def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
+          allow_config_change: bool = False) -> int:
+    """``rljax train``: runs (or resumes) the run in ``workdir``; returns the exit code.
+
+    A checkpointed ``workdir`` whose ``config.json`` differs from ``cfg`` is refused before
+    anything is written (``workdir_lib.check_reuse``; ``allow_config_change`` for
+    hyper-parameters); ``config.json`` is rewritten only once the checkpoint has restored."""
     distributed.initialize()  # multi-host (SPMD): the same loop on every host
     config_lib.validate(cfg)
+    workdir_lib.check_reuse(workdir, cfg, allow_config_change)
     compilation_cache.enable(cfg.compilation_cache_dir)
     check_inputs(cfg, len(devices) if devices is not None else None)
     plan_lib.check(cfg, devices)  # stop before allocating anything if it cannot fit
     paths.makedirs(workdir)  # a local directory or a URL (gs://...)
-    paths.write_text_atomic(paths.join(workdir, "config.json"), config_lib.to_json(cfg) + "\n")
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
     offsets = phase_offsets(phases)
@@ -65,6 +71,11 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None) ->
         guard.load_state_dict(meta["guard"])
         print(f"rljax: resumed at step {gstep} ({phases[index].name} {start}/"
               f"{phases[index].steps})", file=sys.stderr, flush=True)
+        if gstep >= total:
+            print(f"rljax: nothing to train: the checkpoint is at step {gstep} of {total}; "
+                  f"raise `steps` to train further", file=sys.stderr, flush=True)
+    workdir_lib.write_config(workdir, cfg)  # after a successful restore: never a config
+    #                                         the workdir's checkpoint does not fit
 
     def save(phase_index: int, phase_step: int, step: int, wait: bool = False):
         meta = {"phase": phase_index, "phase_name": phases[phase_index].name,

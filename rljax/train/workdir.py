@@ -1,12 +1,22 @@
 """A run's workdir: ``config.json``, ``metrics.jsonl``, TensorBoard events, ``checkpoints/``.
 
 ``resolve_train_config`` decides which config a ``train`` invocation uses: the given file, or
-(when resuming a workdir without ``--config``) the workdir's own ``config.json``. The config is
-written to ``config.json`` at train start; a workdir with a checkpoint resumes from it.
+(when resuming a workdir without ``--config``) the workdir's own ``config.json``. A workdir with
+a checkpoint resumes from it, and ``check_reuse`` compares the new config with the saved one
+*before anything is written*:
+
+* incompatible keys (``INCOMPATIBLE``: the model, the tokenizer, the phases, the optimizer's
+  kind; the checkpoint cannot be restored under them) are always refused;
+* a larger ``steps`` extends the run and is allowed;
+* any other difference is refused unless ``allow_config_change`` (``--allow-config-change``).
+
+A refusal is one line naming the differing keys, and leaves ``config.json`` as it was, so the
+workdir stays usable for ``sample``, ``eval`` and resuming.
 """
 from __future__ import annotations
 
 import json
+import os
 from typing import Sequence
 
 from rljax import config as config_lib
@@ -16,8 +26,14 @@ from rljax.train.checkpoint import checkpoint_dir, has_checkpoint
 
 CONFIG_FILE = "config.json"
 
-__all__ = ["CONFIG_FILE", "checkpoint_dir", "has_checkpoint", "config_path", "write_config",
-           "load_workdir_config", "resolve_train_config", "config_diff"]
+__all__ = ["CONFIG_FILE", "INCOMPATIBLE", "checkpoint_dir", "has_checkpoint", "config_path",
+           "write_config", "load_workdir_config", "resolve_train_config", "config_diff",
+           "check_reuse", "is_run_dir", "check_export_target"]
+
+# Keys (dotted; a trailing "." is a prefix) whose change makes a checkpoint unrestorable: the
+# parameter shapes and vocabulary, the phase layout (global step numbering), the optimizer state.
+INCOMPATIBLE = ("model.", "tokenizer.path", "tokenizer.kind", "algo.name", "sft.steps",
+                "optimizer.name")
 
 
 def config_path(workdir: str) -> str:
@@ -57,35 +73,115 @@ def load_workdir_config(workdir: str, overrides: Sequence[str] = ()):
     return _load_config_json(path, overrides)
 
 
-def config_diff(old, new, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two configs (``a.b: 1 -> 2``)."""
+def _diff(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
     old_d = old if isinstance(old, dict) else json.loads(config_lib.to_json(old))
     new_d = new if isinstance(new, dict) else json.loads(config_lib.to_json(new))
     changes = []
     for key in sorted(set(old_d) | set(new_d)):
         a, b = old_d.get(key), new_d.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            changes += config_diff(a, b, f"{prefix}{key}.")
+            changes += _diff(a, b, f"{prefix}{key}.")
         elif a != b:
-            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+            changes.append((f"{prefix}{key}", a, b))
     return changes
 
 
-def resolve_train_config(config_file: str | None, workdir: str, overrides: Sequence[str] = ()):
-    """Returns ``(cfg, resuming, changes)`` for ``rljax train``.
+def config_diff(old, new, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configs (``a.b: 1 -> 2``)."""
+    return [f"{k}: {a!r} -> {b!r}" for k, a, b in _diff(old, new, prefix)]
 
-    Without ``config_file`` the workdir's ``config.json`` is used (resuming a run by its
-    directory alone). ``changes`` lists keys that differ from the saved config, so the caller
-    can tell the user what a resumed run changed.
+
+def _incompatible(key: str) -> bool:
+    return any(key.startswith(k) if k.endswith(".") else key == k for k in INCOMPATIBLE)
+
+
+def check_reuse(workdir: str, cfg, allow_config_change: bool = False) -> list[str]:
+    """Compares ``cfg`` with the config of the checkpointed run in ``workdir``; writes nothing.
+
+    Returns the accepted changes (``key: old -> new``); raises UserError (one line naming the
+    keys) for an incompatible change, or for any change but a larger ``steps`` unless
+    ``allow_config_change``. A workdir without a checkpoint (or without ``config.json``) has
+    nothing to compare with and accepts any config.
+    """
+    saved = config_path(workdir)
+    if not has_checkpoint(workdir) or not paths.isfile(saved):
+        return []
+    try:
+        old = json.loads(paths.read_text(saved))
+    except (OSError, ValueError):
+        old = None
+    if not isinstance(old, dict) or not isinstance(old.get("model"), dict):
+        raise UserError(f"{saved} is not an rljax config, so this workdir's checkpoint cannot "
+                        f"be checked against the new config; restore that file or use a new "
+                        f"--workdir")
+    changes = _diff(_load_config_json(saved), cfg)
+    show = lambda items: ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in items)  # noqa: E731
+    bad = [c for c in changes if _incompatible(c[0])]
+    if bad:
+        raise UserError(f"{workdir} holds a checkpoint of a run this config cannot resume: "
+                        f"{show(bad)} differ(s) from its config.json; use a new --workdir "
+                        f"(nothing was changed in {workdir})")
+    extend = [c for c in changes
+              if c[0] == "steps" and isinstance(c[1], int) and isinstance(c[2], int)
+              and c[2] > c[1]]
+    other = [c for c in changes if c not in extend]
+    if other and not allow_config_change:
+        raise UserError(f"{workdir} holds a checkpoint of a run with a different config: "
+                        f"{show(other)}; pass --allow-config-change to resume with the new "
+                        f"values, or use a new --workdir (nothing was changed in {workdir})")
+    return [f"{k}: {a!r} -> {b!r}" for k, a, b in changes]
+
+
+def resolve_train_config(config_file: str | None, workdir: str, overrides: Sequence[str] = (),
+                         allow_config_change: bool = False):
+    """Returns ``(cfg, resuming, changes)`` for ``rljax train``; writes nothing.
+
+    Without ``config_file`` the workdir's ``config.json`` (plus ``overrides``) is used (resuming
+    a run by its directory alone). When resuming, ``check_reuse`` refuses a changed config (see
+    the module doc); ``changes`` lists the accepted differences, so the caller can report them.
     """
     saved = config_path(workdir)
     resuming = has_checkpoint(workdir)
     if config_file is None:
         if not paths.isfile(saved):
             raise UserError(f"--config is required: {workdir} has no {CONFIG_FILE} to resume")
-        return _load_config_json(saved, overrides), resuming, []
-    cfg = config_lib.load_config(config_file, overrides)
-    changes = []
-    if resuming and paths.isfile(saved):
-        changes = config_diff(_load_config_json(saved), cfg)
+        cfg = _load_config_json(saved, overrides)
+    else:
+        cfg = config_lib.load_config(config_file, overrides)
+    changes = check_reuse(workdir, cfg, allow_config_change) if resuming else []
     return cfg, resuming, changes
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether the local directory ``path`` looks like an rljax workdir (a ``checkpoints/`` directory, a
+    ``metrics.jsonl``, or a ``config.json`` that is an rljax config rather than a model's)."""
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(
+            os.path.join(path, "metrics.jsonl")):
+        return True
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("model"), dict) and "algo" in data
+
+
+def check_export_target(workdir: str, out: str, overwrite: bool = False) -> None:
+    """Raises UserError unless ``out`` may receive an export of ``workdir``: never the workdir,
+    a directory inside it or another run's directory; an existing non-empty directory only
+    with ``overwrite``. Writes nothing."""
+    if paths.is_url(out):
+        raise UserError(f"--out must be a local directory, not {out!r}")
+    target = os.path.realpath(out)
+    if not paths.is_url(workdir):
+        run = os.path.realpath(workdir)
+        if target == run or target.startswith(run.rstrip(os.sep) + os.sep):
+            raise UserError(f"--out {out} is inside the run directory {workdir}; an export "
+                            f"there would overwrite the run's files (choose another --out)")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out} exists and is not a directory")
+    if os.path.isdir(out) and is_run_dir(out):
+        raise UserError(f"--out {out} is an rljax run directory; export into another directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise UserError(f"--out {out} is not empty; pass --overwrite to replace its files, or "
+                        f"choose a new directory")

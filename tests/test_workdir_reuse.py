@@ -1,0 +1,102 @@
+"""Training again in a used workdir: a changed or incompatible config is refused with one line
+naming the keys, before anything is written, so the workdir stays usable; a larger `steps`
+extends the run; `--allow-config-change` resumes with changed hyper-parameters."""
+import json
+import textwrap
+
+import pytest
+
+from rljax import cli
+
+TINY = textwrap.dedent("""
+    import ml_collections
+
+    def get_config():
+        c = ml_collections.ConfigDict()
+        c.steps = 2
+        c.checkpoint_every = 0
+        c.model = dict(preset="tiny", overrides=dict(num_layers=1, hidden_size=32,
+                       intermediate_size=64, num_heads=2, num_kv_heads=1))
+        c.tokenizer = dict(kind="char")
+        c.data = dict(source="arithmetic", max_prompt_length=8,
+                      kwargs=dict(digits=1, eval_examples=8))
+        c.rollout = dict(batch_size=8, max_new_tokens=4)
+        c.algo = dict(num_generations=4, beta=0.0)
+        c.optimizer = dict(learning_rate=1e-3)
+        c.eval = dict(num_examples=8, batch_size=8)
+        c.logging = dict(tensorboard=False, console_every_s=0.0)
+        c.memory = dict(check="off")
+        return c
+""")
+
+
+def _one_error_line(capsys) -> str:
+    text = capsys.readouterr().err
+    err = [line for line in text.splitlines() if line.startswith("rljax: error: ")]
+    assert len(err) == 1 and "Traceback" not in text, text
+    return err[0]
+
+
+def _last_step(workdir) -> int:
+    return [json.loads(line) for line in open(workdir / "metrics.jsonl")][-1]["step"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reuse")
+    cfg_file = root / "tiny.py"
+    cfg_file.write_text(TINY)
+    workdir = root / "run"
+    assert cli.main(["train", "--config", str(cfg_file), "--workdir", str(workdir)]) == 0
+    return str(cfg_file), workdir
+
+
+@pytest.mark.parametrize("override, key, hint, allow", [
+    ("--config.algo.epsilon=0.3", "algo.epsilon (0.2 -> 0.3)", "--allow-config-change", False),
+    ("--config.model.overrides.num_layers=2", "model.overrides.num_layers (1 -> 2)",
+     "use a new --workdir", False),
+    # Incompatible keys are refused even with the flag: the checkpoint could not restore.
+    ("--config.model.overrides.num_layers=2", "model.overrides.num_layers (1 -> 2)",
+     "use a new --workdir", True),
+])
+def test_changed_config_is_refused_and_the_workdir_stays_usable(trained, capsys, override, key,
+                                                                 hint, allow):
+    cfg_file, workdir = trained
+    before = (workdir / "config.json").read_bytes()
+    argv = ["train", "--config", cfg_file, "--workdir", str(workdir), override]
+    assert cli.main(argv + (["--allow-config-change"] if allow else [])) == 2
+    line = _one_error_line(capsys)
+    assert key in line and hint in line
+    assert (workdir / "config.json").read_bytes() == before  # nothing rewritten
+    # Still a working run directory.
+    assert cli.main(["eval", "--workdir", str(workdir)]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] >= 2
+
+
+def test_extend_steps_then_allowed_change(trained, capsys):
+    cfg_file, workdir = trained
+    # A larger `steps` extends the run without a flag.
+    assert cli.main(["train", "--workdir", str(workdir), "--config.steps=3"]) == 0
+    assert "resumed at step 2" in capsys.readouterr().err
+    assert _last_step(workdir) == 3
+    assert json.loads((workdir / "config.json").read_text())["steps"] == 3
+    # A hyper-parameter change needs the flag; then the run resumes with it.
+    argv = ["train", "--config", cfg_file, "--workdir", str(workdir), "--config.steps=4",
+            "--config.optimizer.learning_rate=0.0005"]
+    assert cli.main(argv) == 2
+    assert "optimizer.learning_rate (0.001 -> 0.0005)" in _one_error_line(capsys)
+    assert cli.main(argv + ["--allow-config-change"]) == 0
+    assert "optimizer.learning_rate: 0.001 -> 0.0005" in capsys.readouterr().err
+    assert _last_step(workdir) == 4
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["optimizer"]["learning_rate"] == 0.0005 and saved["steps"] == 4
+
+
+def test_allowed_change_that_does_not_restore_leaves_config_json(trained, capsys):
+    """beta > 0 adds a reference model to the state: the checkpoint cannot restore into it."""
+    _, workdir = trained
+    before = (workdir / "config.json").read_bytes()
+    assert cli.main(["train", "--workdir", str(workdir), "--config.algo.beta=0.04",
+                     "--allow-config-change"]) == 2
+    assert "does not fit this config" in _one_error_line(capsys)
+    assert (workdir / "config.json").read_bytes() == before
