@@ -76,12 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="run directory (latest checkpoint)")
     p.add_argument("--checkpoint", help="checkpoint step/path or HF model dir")
     p.add_argument("--prompt", required=True, action="append",
-                   help="prompt text (repeat for several)")
+                   help="prompt text (repeat for several); rendered with the run's data "
+                   "template and chat template, as in training")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt text to the model as it is (no templates)")
 
-    p = sub.add_parser("export", help="write HF-format safetensors + config.json")
+    p = sub.add_parser("export", help="write an HF model directory: safetensors, config.json, "
+                       "tokenizer files")
     p.add_argument("--workdir", required=True)
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--checkpoint", help="checkpoint step (default: latest)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files in a non-empty --out (never a run directory)")
 
     p = sub.add_parser("plot", help="draw learning curves from metrics.jsonl")
     p.add_argument("dir", help="run directory (or a metrics.jsonl file)")
@@ -144,15 +150,16 @@ def cmd_sample(args, overrides) -> int | None:
     else:
         cfg = config_lib.load_config(None, overrides)
     fn = _run_function("sample", "sample")
-    return fn(cfg, args.workdir, prompts=args.prompt, checkpoint=args.checkpoint)
+    return fn(cfg, args.workdir, prompts=args.prompt, checkpoint=args.checkpoint, raw=args.raw)
 
 
 def cmd_export(args, overrides) -> int | None:
     from rljax.train import workdir as wd
 
+    wd.check_export_target(args.workdir, args.out, args.overwrite)  # before loading anything
     cfg = wd.load_workdir_config(args.workdir, overrides)
     return _run_function("export", "export")(cfg, args.workdir, args.out,
-                                             checkpoint=args.checkpoint)
+                                             checkpoint=args.checkpoint, overwrite=args.overwrite)
 
 
 def cmd_plot(args, overrides) -> int | None:

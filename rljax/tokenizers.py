@@ -137,6 +137,13 @@ class HFTokenizer(Tokenizer):
         return self._tok.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
 
+    def save(self, out_dir: str) -> list[str]:
+        """Writes the tokenizer's files into ``out_dir`` (``tokenizer.json``,
+        ``tokenizer_config.json``, special tokens, the chat template) so that
+        ``AutoTokenizer.from_pretrained(out_dir)`` gives the same ids; returns the files."""
+        os.makedirs(out_dir, exist_ok=True)
+        return [os.fspath(f) for f in self._tok.save_pretrained(out_dir)]
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece ``.model`` file. SentencePiece models carry no chat template."""

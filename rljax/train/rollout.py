@@ -28,6 +28,7 @@ KL is folded into the reward (it needs the old log-probs before the advantages).
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -45,6 +46,16 @@ def prompt_buckets(max_prompt_length: int) -> tuple[int, ...]:
     """Allowed prompt lengths: powers of two from 16 below the maximum, and the maximum."""
     return tuple(b for b in sampling.DEFAULT_BUCKETS if b < max_prompt_length) + \
         (int(max_prompt_length),)
+
+
+def print_completions(prompts, completions, rewards=None, file=None) -> None:
+    """Prompt and completion of each sample, separated by marker lines (``rljax sample`` and
+    ``logging.num_completions_to_print``)."""
+    file = file if file is not None else sys.stderr
+    for i, (prompt, text) in enumerate(zip(prompts, completions)):
+        score = "" if rewards is None else f" (reward {float(rewards[i]):.3g})"
+        print(f"--- prompt ---\n{prompt}\n--- completion{score} ---\n{text}", file=file,
+              flush=True)
 
 
 def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int):
@@ -110,6 +121,7 @@ class Rollout:
         self._advantages = None   # built on first use (PPO's 'gae' is not an outcome estimator)
         self._informative = jax.jit(lambda r: algorithms.nonzero_variance_groups(r, g))
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
+        self._printed_at = None   # time of the last logging.num_completions_to_print output
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -137,6 +149,7 @@ class Rollout:
         scores = {name: np.asarray(v, np.float32) for name, v in result.per_function.items()}
         total = np.asarray(result.total, np.float32)
         errors = result.num_errors
+        self._maybe_print_completions(prompts, texts, result.total)
         if dist.is_multiprocess():
             total, scores = dist.rows_to_global((total, scores), self.ctx.mesh, n)
             errors = int(dist.gather(np.asarray([errors])).sum()) // dist.row_replication(
@@ -150,6 +163,19 @@ class Rollout:
         return dict(out, prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
                     rewards=total, scores=scores, errors=errors,
                     time_sample=t1 - t0, time_reward=time.perf_counter() - t1)
+
+    def _maybe_print_completions(self, prompts, texts, rewards) -> None:
+        """``logging.num_completions_to_print`` samples of this round on the console (stderr,
+        process 0): at the first round, then at most every ``logging.console_every_s``."""
+        n = int(self.cfg.logging.num_completions_to_print)
+        if n <= 0 or jax.process_index() != 0:
+            return
+        now = time.monotonic()
+        if self._printed_at is not None and now - self._printed_at < float(
+                self.cfg.logging.console_every_s):
+            return
+        self._printed_at = now
+        print_completions(prompts[:n], texts[:n], list(rewards)[:n])
 
     # -- the full batch ------------------------------------------------------------------------
 

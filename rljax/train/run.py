@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import jax
@@ -36,6 +35,7 @@ from rljax.train.inference import (initial_state, load_for_inference, phase_offs
 from rljax.train.metrics import MetricsWriter
 from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
+from rljax.train.rollout import print_completions
 from rljax.train.setup import build_context, check_inputs
 
 # ----------------------------------------------------------------------------- train
@@ -139,8 +139,14 @@ def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> 
 
 
 def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None = None,
-           devices=None) -> int:
-    """``rljax sample``: completions of ``prompts`` (eval temperature; greedy by default)."""
+           devices=None, raw: bool = False) -> int:
+    """``rljax sample``: completions of ``prompts`` (eval temperature; greedy by default).
+
+    Each prompt goes through the run's prompt template and, with ``tokenizer.chat_template``,
+    the chat template, exactly as training and eval render a data set's question; ``raw``
+    feeds the text to the model as it is. Prints each rendered prompt and its completion
+    between marker lines."""
+    ctx = None
     if checkpoint and os.path.isfile(os.path.join(checkpoint, "config.json")):
         model_cfg, params = models.load_hf(checkpoint)
         tok = tokenizers.load(checkpoint)
@@ -149,27 +155,49 @@ def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None 
             raise UserError("sample needs --workdir (or --checkpoint HF_DIR)")
         ctx, state, _ = load_for_inference(cfg, workdir, checkpoint, devices)
         model_cfg, params, tok = ctx.model_cfg, state.params, ctx.tokenizer
-    p_tok, p_mask = sampling.pad_to_bucket([tok.encode(p) for p in prompts], pad_id=tok.pad_id)
+    texts = list(prompts) if raw else render_prompts(cfg, tok, prompts, ctx)
+    p_tok, p_mask = sampling.pad_to_bucket([tok.encode(p) for p in texts], pad_id=tok.pad_id)
     out = sampling.generate(model_cfg, params, p_tok, p_mask, rng=jax.random.PRNGKey(cfg.seed),
                             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                             temperature=cfg.eval.temperature, eos_id=tok.eos_id,
                             pad_id=tok.pad_id)
-    for prompt, text in zip(prompts, tok.batch_decode(jax.device_get(out.tokens),
-                                                       jax.device_get(out.mask))):
-        print(f"{prompt}{text}", flush=True)
+    completions = tok.batch_decode(jax.device_get(out.tokens), jax.device_get(out.mask))
+    print_completions(texts, completions, file=sys.stdout)
     return 0
 
 
-def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=None) -> int:
-    """``rljax export``: the checkpoint's policy as HF safetensors + config.json in ``out``."""
+def render_prompts(cfg, tok, prompts: list[str], ctx=None) -> list[str]:
+    """``prompts`` as the run's data pipeline renders a question: ``data.template`` (its one
+    field filled with the text), then the chat template when ``tokenizer.chat_template``."""
+    from rljax import data as data_lib
+    from rljax.train.setup import _template
+
+    spec = ctx.data_config() if ctx is not None else {
+        "template": _template(cfg), "chat": bool(cfg.tokenizer.chat_template),
+        **{k: v for k, v in dict(cfg.data.kwargs).items() if k == "system_prompt"}}
+    try:
+        template = data_lib.make_template(spec, tok)
+    except ValueError as e:
+        raise UserError(f"cannot render the prompt: {e} (pass --raw to send it as it is)")
+    if len(template.fields) != 1:
+        raise UserError(f"data.template {template.template!r} has fields {template.fields}, "
+                        f"not one for the prompt text; pass --raw to send the prompt as it is")
+    return [template({template.fields[0]: p}) for p in prompts]
+
+
+def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=None,
+           overwrite: bool = False) -> int:
+    """``rljax export``: the checkpoint's policy as a Hugging Face model directory ``out``:
+    safetensors + config.json, and the tokenizer's files (for an HF tokenizer:
+    ``tokenizer.json``, ``tokenizer_config.json`` with the chat template, special tokens).
+
+    ``out`` must be empty or new (``overwrite`` replaces files in a non-empty one), and may
+    never be a run directory: not ``workdir``, nothing inside it, nor another run's."""
+    workdir_lib.check_export_target(workdir, out, overwrite)
     ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices)
     models.save_hf(ctx.model_cfg, state.params, out)
-    char_file = paths.join(workdir, tokenizers.CHAR_TOKENIZER_FILE)
-    if paths.isfile(char_file):  # the workdir may be a URL; `out` is a local directory
-        if paths.is_url(char_file):
-            with open(os.path.join(out, tokenizers.CHAR_TOKENIZER_FILE), "wb") as f:
-                f.write(paths.as_path(char_file).read_bytes())
-        else:
-            shutil.copy(char_file, out)
+    save = getattr(ctx.tokenizer, "save", None)
+    if save is not None:  # HF: tokenizer files + chat template; char: char_tokenizer.json
+        save(out)
     print(f"rljax: exported step {step} to {out}", file=sys.stderr, flush=True)
     return 0
