@@ -4,6 +4,7 @@ A cell injected right after each notebook's ``parameters`` cell shrinks the run 
 steps, a one-layer model) and points WORKDIR at a temp dir. The kernel runs from the repository
 root with this checkout on PYTHONPATH, on the test session's 8 fake CPU devices, offline.
 """
+import json
 import os
 
 import pytest
@@ -15,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLAB = os.path.join(ROOT, "colab")
 
 TINY = {
-    "quickstart_grpo.ipynb": "STEPS = 1\nSFT_STEPS = 0\n",
+    # 1-digit problems: a short warm-up and 40 GRPO steps, enough to learn (asserted below).
+    "quickstart_grpo.ipynb": "STEPS = 40\nSFT_STEPS = 100\nDIGITS = 1\n",
     "dpo.ipynb": "STEPS = 1\nSFT_STEPS = 0\n",
     "bring_your_own_model.ipynb": "STEPS = 1\nMODEL_DIR = ''\n",
 }
@@ -48,6 +50,9 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     workdir = str(tmp_path / "run")
     nb.cells.insert(index + 1, nbformat.v4.new_code_cell(
         f"{TINY[name]}TINY = True\nWORKDIR = {workdir!r}"))
+    if name == "quickstart_grpo.ipynb":  # report what the notebook measured
+        nb.cells.append(nbformat.v4.new_code_cell(
+            'import json\nprint("RESULT", json.dumps([ACC_BEFORE, ACC_WARMUP, ACC_AFTER]))'))
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": ROOT}})
     client.execute()
@@ -56,3 +61,9 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                      for o in c.get("outputs", []) if o.get("output_type") == "stream")
     assert "eval/accuracy" in text or "accuracy" in text
+    if name == "quickstart_grpo.ipynb":
+        # The demo's learning, in small: the warm-up teaches the format, GRPO improves on it.
+        line = next(t for t in text.splitlines() if t.startswith("RESULT "))
+        before, warmup, after = json.loads(line[len("RESULT "):])
+        assert before <= 0.05 and after >= before + 0.15 and after > warmup, (before, warmup,
+                                                                             after)
