@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", required=True)
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume a checkpointed WORKDIR although the config differs from its "
-                   "config.json (hyper-parameters only; a larger `steps` needs no flag)")
+                   "config.json (hyper-parameters only; a new `steps` needs no flag)")
 
     p = sub.add_parser("eval", help="evaluate the latest checkpoint (accuracy, pass@k)")
     p.add_argument("--workdir", required=True)

@@ -48,4 +48,4 @@ def test_demo_config_pipeline(tmp_path):
                           "--prompt", "12+7="], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("12+7=")
+    assert out.stdout.startswith("--- prompt ---\n12+7=\n--- completion ---\n")

@@ -7,7 +7,7 @@ a checkpoint resumes from it, and ``check_reuse`` compares the new config with t
 
 * incompatible keys (``INCOMPATIBLE``: the model, the tokenizer, the phases, the optimizer's
   kind; the checkpoint cannot be restored under them) are always refused;
-* a larger ``steps`` extends the run and is allowed;
+* a different ``steps`` is allowed: it extends the run (or ends it earlier);
 * any other difference is refused unless ``allow_config_change`` (``--allow-config-change``).
 
 A refusal is one line naming the differing keys, and leaves ``config.json`` as it was, so the
@@ -99,7 +99,7 @@ def check_reuse(workdir: str, cfg, allow_config_change: bool = False) -> list[st
     """Compares ``cfg`` with the config of the checkpointed run in ``workdir``; writes nothing.
 
     Returns the accepted changes (``key: old -> new``); raises UserError (one line naming the
-    keys) for an incompatible change, or for any change but a larger ``steps`` unless
+    keys) for an incompatible change, or for any change but ``steps`` unless
     ``allow_config_change``. A workdir without a checkpoint (or without ``config.json``) has
     nothing to compare with and accepts any config.
     """
@@ -121,10 +121,7 @@ def check_reuse(workdir: str, cfg, allow_config_change: bool = False) -> list[st
         raise UserError(f"{workdir} holds a checkpoint of a run this config cannot resume: "
                         f"{show(bad)} differ(s) from its config.json; use a new --workdir "
                         f"(nothing was changed in {workdir})")
-    extend = [c for c in changes
-              if c[0] == "steps" and isinstance(c[1], int) and isinstance(c[2], int)
-              and c[2] > c[1]]
-    other = [c for c in changes if c not in extend]
+    other = [c for c in changes if c[0] != "steps"]  # steps: extend (or end earlier)
     if other and not allow_config_change:
         raise UserError(f"{workdir} holds a checkpoint of a run with a different config: "
                         f"{show(other)}; pass --allow-config-change to resume with the new "
