@@ -100,3 +100,34 @@ def test_allowed_change_that_does_not_restore_leaves_config_json(trained, capsys
                      "--allow-config-change"]) == 2
     assert "does not fit this config" in _one_error_line(capsys)
     assert (workdir / "config.json").read_bytes() == before
+
+
+def test_check_reuse_key_classes(tmp_path):
+    """Without training: which differences are free, need the flag, or are never accepted."""
+    from rljax import config as config_lib
+    from rljax.errors import UserError
+    from rljax.train import workdir as wd
+
+    cfg = config_lib.default_config()
+    wd.write_config(str(tmp_path), cfg)
+    assert wd.check_reuse(str(tmp_path), cfg) == []  # no checkpoint yet: anything goes
+    (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+
+    def changed(**kv):
+        new = config_lib.default_config()
+        config_lib.merge_into(new, kv)
+        return new
+
+    free = changed(steps=500, logging=dict(console_every_s=1.0), model=dict(remat=True),
+                   checkpoint_every=7)
+    assert len(wd.check_reuse(str(tmp_path), free)) == 4
+    with pytest.raises(UserError, match=r"algo.beta \(0.04 -> 0.0\).*--allow-config-change"):
+        wd.check_reuse(str(tmp_path), changed(algo=dict(beta=0.0)))
+    assert wd.check_reuse(str(tmp_path), changed(algo=dict(beta=0.0)), True)
+    for kv in (dict(model=dict(dtype="bfloat16")), dict(sft=dict(steps=3)),
+               dict(optimizer=dict(name="sgd")), dict(tokenizer=dict(kind="char"))):
+        with pytest.raises(UserError, match="use a new --workdir"):
+            wd.check_reuse(str(tmp_path), changed(**kv), True)
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    with pytest.raises(UserError, match="is not an rljax config"):
+        wd.check_reuse(str(tmp_path), cfg)

@@ -7,7 +7,9 @@ a checkpoint resumes from it, and ``check_reuse`` compares the new config with t
 
 * incompatible keys (``INCOMPATIBLE``: the model, the tokenizer, the phases, the optimizer's
   kind; the checkpoint cannot be restored under them) are always refused;
-* a different ``steps`` is allowed: it extends the run (or ends it earlier);
+* ``FREE`` keys are allowed: a different ``steps`` extends the run (or ends it earlier);
+  logging, checkpointing, evaluation cadence, memory check, compilation cache, remat and the
+  attention kernel change how the run goes, not what it trains;
 * any other difference is refused unless ``allow_config_change`` (``--allow-config-change``).
 
 A refusal is one line naming the differing keys, and leaves ``config.json`` as it was, so the
@@ -26,7 +28,7 @@ from rljax.train.checkpoint import checkpoint_dir, has_checkpoint
 
 CONFIG_FILE = "config.json"
 
-__all__ = ["CONFIG_FILE", "INCOMPATIBLE", "checkpoint_dir", "has_checkpoint", "config_path",
+__all__ = ["CONFIG_FILE", "INCOMPATIBLE", "FREE", "checkpoint_dir", "has_checkpoint", "config_path",
            "write_config", "load_workdir_config", "resolve_train_config", "config_diff",
            "check_reuse", "is_run_dir", "check_export_target"]
 
@@ -34,6 +36,10 @@ __all__ = ["CONFIG_FILE", "INCOMPATIBLE", "checkpoint_dir", "has_checkpoint", "c
 # parameter shapes and vocabulary, the phase layout (global step numbering), the optimizer state.
 INCOMPATIBLE = ("model.", "tokenizer.path", "tokenizer.kind", "algo.name", "sft.steps",
                 "optimizer.name")
+# Keys that change how (or how long, or what is logged), not what is trained: accepted without
+# --allow-config-change (and reported).
+FREE = ("steps", "eval_every", "checkpoint_every", "checkpoint.", "logging.", "memory.",
+        "compilation_cache_dir", "model.remat", "model.attention_impl")
 
 
 def config_path(workdir: str) -> str:
@@ -91,15 +97,15 @@ def config_diff(old, new, prefix: str = "") -> list[str]:
     return [f"{k}: {a!r} -> {b!r}" for k, a, b in _diff(old, new, prefix)]
 
 
-def _incompatible(key: str) -> bool:
-    return any(key.startswith(k) if k.endswith(".") else key == k for k in INCOMPATIBLE)
+def _matches(key: str, names) -> bool:
+    return any(key.startswith(k) if k.endswith(".") else key == k for k in names)
 
 
 def check_reuse(workdir: str, cfg, allow_config_change: bool = False) -> list[str]:
     """Compares ``cfg`` with the config of the checkpointed run in ``workdir``; writes nothing.
 
     Returns the accepted changes (``key: old -> new``); raises UserError (one line naming the
-    keys) for an incompatible change, or for any change but ``steps`` unless
+    keys) for an incompatible change, or for any change to a key not in ``FREE`` unless
     ``allow_config_change``. A workdir without a checkpoint (or without ``config.json``) has
     nothing to compare with and accepts any config.
     """
@@ -116,12 +122,12 @@ def check_reuse(workdir: str, cfg, allow_config_change: bool = False) -> list[st
                         f"--workdir")
     changes = _diff(_load_config_json(saved), cfg)
     show = lambda items: ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in items)  # noqa: E731
-    bad = [c for c in changes if _incompatible(c[0])]
+    bad = [c for c in changes if _matches(c[0], INCOMPATIBLE) and not _matches(c[0], FREE)]
     if bad:
         raise UserError(f"{workdir} holds a checkpoint of a run this config cannot resume: "
                         f"{show(bad)} differ(s) from its config.json; use a new --workdir "
                         f"(nothing was changed in {workdir})")
-    other = [c for c in changes if c[0] != "steps"]  # steps: extend (or end earlier)
+    other = [c for c in changes if not _matches(c[0], FREE)]  # e.g. steps: extend the run
     if other and not allow_config_change:
         raise UserError(f"{workdir} holds a checkpoint of a run with a different config: "
                         f"{show(other)}; pass --allow-config-change to resume with the new "
