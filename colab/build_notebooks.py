@@ -141,7 +141,9 @@ ACC_BEFORE = run_eval(ctx, ctx.params, jax.random.PRNGKey(EVAL_STREAM))["eval/ac
 print(f"held-out accuracy before training: {ACC_BEFORE:.3f}")'''),
         new_markdown_cell("## Train\n\n`train(cfg, workdir)` is what `rljax train` runs: "
                           "warm-up, GRPO, periodic evaluation and checkpoints. Re-running the "
-                          "cell resumes from the last checkpoint in `WORKDIR`."),
+                          "cell resumes from the last checkpoint in `WORKDIR` (a larger "
+                          "`STEPS` trains further; other changed settings are refused: use "
+                          "a new `WORKDIR`)."),
         new_code_cell('''\
 from rljax.train.run import train
 
@@ -370,7 +372,7 @@ tok, mask = sampling.pad_to_bucket([ctx.tokenizer.encode(prompt)], pad_id=ctx.to
 out = sampling.generate(ctx.model_cfg, state.params, tok, mask, rng=jax.random.PRNGKey(0),
                         max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
                         eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id)
-print("--- prompt ---\n" + prompt + "\n--- completion ---\n"
+print("--- prompt ---\\n" + prompt + "\\n--- completion ---\\n"
       + ctx.tokenizer.batch_decode(jax.device_get(out.tokens), jax.device_get(out.mask))[0])
 
 # A complete HF model directory: weights, config.json, tokenizer files and chat template.

@@ -28,9 +28,9 @@ from rljax.train.checkpoint import checkpoint_dir, has_checkpoint
 
 CONFIG_FILE = "config.json"
 
-__all__ = ["CONFIG_FILE", "INCOMPATIBLE", "FREE", "checkpoint_dir", "has_checkpoint", "config_path",
-           "write_config", "load_workdir_config", "resolve_train_config", "config_diff",
-           "check_reuse", "is_run_dir", "check_export_target"]
+__all__ = ["CONFIG_FILE", "INCOMPATIBLE", "FREE", "checkpoint_dir", "has_checkpoint",
+           "config_path", "write_config", "load_workdir_config", "resolve_train_config",
+           "config_diff", "check_reuse", "is_run_dir", "check_export_target"]
 
 # Keys (dotted; a trailing "." is a prefix) whose change makes a checkpoint unrestorable: the
 # parameter shapes and vocabulary, the phase layout (global step numbering), the optimizer state.
@@ -156,8 +156,9 @@ def resolve_train_config(config_file: str | None, workdir: str, overrides: Seque
 
 
 def is_run_dir(path: str) -> bool:
-    """Whether the local directory ``path`` looks like an rljax workdir (a ``checkpoints/`` directory, a
-    ``metrics.jsonl``, or a ``config.json`` that is an rljax config rather than a model's)."""
+    """Whether the local directory ``path`` looks like an rljax workdir (a ``checkpoints/``
+    directory, a ``metrics.jsonl``, or a ``config.json`` that is an rljax config rather than a
+    model's)."""
     if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(
             os.path.join(path, "metrics.jsonl")):
         return True
