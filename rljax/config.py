@@ -44,6 +44,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "tokenizer.kind": ("auto", "hf", "sentencepiece", "char"),
     "memory.check": ("auto", "full", "off"),
+    "reward.isolation": ("thread", "process"),
+    "logging.wandb.mode": ("online", "offline", "disabled"),
 }
 
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
@@ -148,7 +150,13 @@ def default_config() -> ml_collections.ConfigDict:
         names=("arithmetic",),       # rewards.get names, summed with `weights`
         weights=(),                  # () = all 1.0
         model_path="",               # reward-model checkpoint for the "model" reward
-        kwargs={},                   # free-form options for reward functions
+        kwargs={},                   # free-form options: {function name: {option: value}}
+        default_score=0.0,           # score of a sample its function failed on (error/NaN/timeout)
+        timeout_s=30.0,              # per batch; 0 = none (calls run on the main thread)
+        isolation="thread",          # "thread": a hung call is abandoned (counted, cannot be
+                                     # killed); "process": spawned workers, killed on timeout
+        max_consecutive_error_steps=10,  # stop when a function fails on every sample of this
+                                         # many steps in a row; 0 = never
     )
     c.mesh = dict(data=-1, fsdp=1, tensor=1)  # -1 = the rest of the devices
     c.logging = dict(
@@ -156,6 +164,14 @@ def default_config() -> ml_collections.ConfigDict:
         console_every_s=10.0,        # console progress line at most this often
         tensorboard=True,
         num_completions_to_print=0,
+        wandb=dict(                  # Weights & Biases; off while project is ""
+            project="",
+            mode="online",           # "online", "offline" (files under WORKDIR/wandb, no
+                                     # network; `wandb sync` later) or "disabled"
+            entity="",
+            name="",                 # "" = the workdir's name
+            tags=(),
+        ),
     )
     c.sft = dict(
         steps=0,                     # warm-up SFT steps before RL; 0 = none
@@ -468,6 +484,7 @@ _RANGES = (
     ("sft.max_length", 1, None), ("checkpoint.max_to_keep", 1, None),
     ("eval.num_examples", 0, None), ("eval.batch_size", 1, None), ("eval.num_samples", 1, None),
     ("eval.temperature", 0.0, None),
+    ("reward.timeout_s", 0.0, None), ("reward.max_consecutive_error_steps", 0, None),
 )
 
 

@@ -1,4 +1,5 @@
 """Rewards: verifiers, shaping, composition with error/timeout isolation, reward-model scoring."""
+import io
 import json
 import math
 import os
@@ -240,3 +241,175 @@ def test_numpy_and_shared_fields():
     assert cd(["", ""], ["3+4", "3*4"], numbers=np.array([[3, 4], [3, 4]]), target=np.array([7, 7])) == [1.0, 0.0]
     assert cd(["", ""], ["3+4", "3*4"], numbers=[3, 4], target=7) == [1.0, 0.0]
     assert score("gsm8k", ["18", "#### 17"], answer=np.int64(18)) == [1.0, 0.0]
+
+
+# ---- failures per sample / per call, SystemExit, user code by path ---------------------------
+
+def _exits(prompts, completions, **_):
+    raise SystemExit(3)
+
+
+def _interrupted(prompts, completions, **_):
+    raise KeyboardInterrupt
+
+
+def _some_nan(prompts, completions, **_):
+    return [1.0, math.nan, 0.5, math.inf]
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_combine_system_exit_is_an_error_not_an_exit(timeout_s):
+    # Issue 19.6: a reward function raising SystemExit(3) ended the run with rc 3, no message.
+    comb = rewards.combine([("arithmetic", 1.0), (_exits, 1.0)], timeout_s=timeout_s)
+    res = comb(["q", "q"], ["2", "3"], answer=["2", "2"])
+    assert res.errors == {"arithmetic": 0, "_exits": 2} and res.total == [1.0, 0.0]
+    assert res.messages["_exits"].startswith("SystemExit: 3")
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C still stops the run
+        rewards.combine([(_interrupted, 1.0)], timeout_s=timeout_s)(["q"], ["2"])
+
+
+def test_combine_non_finite_scores_fail_per_sample():
+    comb = rewards.combine([(_some_nan, 1.0), ("arithmetic", 1.0)], default_score=-1.0,
+                           timeout_s=5.0)
+    res = comb(["q"] * 4, ["2", "2", "3", "2"], answer=["2"] * 4)
+    assert res.per_function["_some_nan"] == [1.0, -1.0, 0.5, -1.0]  # the others untouched
+    assert res.errors["_some_nan"] == 2 and res.timeouts["_some_nan"] == 0
+    assert res.messages["_some_nan"] == "returned NaN/inf for 2 of 4 samples (first: sample 1)"
+    assert res.total == [2.0, 0.0, 0.5, 0.0]
+
+
+def test_combine_wrong_length_and_non_list():
+    comb = rewards.combine([(lambda p, c, **_: [1.0], 1.0), (lambda p, c, **_: 1.0, 1.0)])
+    res = comb(["q", "q"], ["a", "b"])
+    assert res.errors == {"<lambda>": 2, "<lambda>_2": 2}
+    assert res.messages["<lambda>"] == "returned 1 scores for 2 completions"
+    assert "returned float, not a list of 2 scores" in res.messages["<lambda>_2"]
+
+
+def test_hung_thread_is_not_called_again_while_running():
+    release = __import__("threading").Event()
+    calls = []
+
+    def slow(prompts, completions, **_):
+        calls.append(1)
+        release.wait(30)
+        return [1.0] * len(completions)
+
+    comb = rewards.combine([(slow, 1.0)], timeout_s=0.2)
+    assert comb(["q"], ["a"]).timeouts == {"slow": 1}
+    res = comb(["q"], ["a"])  # the first call is still running: fails at once, no new thread
+    assert res.timeouts == {"slow": 1} and "still running" in res.messages["slow"]
+    assert len(calls) == 1 and comb.leaked_threads == 1
+    release.set()
+    deadline = time.monotonic() + 30
+    while comb._hung["slow"].thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert comb(["q"], ["a"]).per_function == {"slow": [1.0]} and len(calls) == 2
+
+
+def test_should_abort_abandons_a_hung_call():
+    comb = rewards.combine([(_hangs, 1.0)], timeout_s=600, should_abort=lambda: True)
+    t0 = time.monotonic()
+    res = comb(["q"], ["a"])
+    assert time.monotonic() - t0 < 30
+    assert res.timeouts == {"_hangs": 1} and "stopping" in res.messages["_hangs"]
+
+
+USER_REWARDS = '''
+def exact(prompts, completions, answer):
+    return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]
+
+
+def make_const(value=1.0):
+    def const(prompts, completions, **_):
+        return [value] * len(completions)
+    return const
+
+
+def broken(prompts, completions, **_):
+    return [len(c) / 0 for c in completions]
+'''
+
+
+def test_reward_from_file_path_relative_to_cwd(tmp_path, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.chdir(tmp_path)
+    fn = rewards.get("mine/user_rewards.py:exact")
+    assert fn(["q", "q"], ["2", "3"], answer=[2, 2]) == [1.0, 0.0]
+    assert rewards.get("mine/user_rewards.py:make_const", value=0.5)(["q"], ["x"]) == [0.5]
+    assert rewards.display_name("mine/user_rewards.py:exact") == "exact"
+    comb = rewards.combine([("mine/user_rewards.py:exact", 1.0),
+                            ("mine/user_rewards.py:broken", 1.0)])
+    res = comb(["q"], ["2"], answer=[2], completion_lengths=[1])  # extra fields are filtered
+    assert res.per_function == {"exact": [1.0], "broken": [0.0]}
+    path = os.path.join("mine", "user_rewards.py")
+    assert res.messages["broken"] == (f"ZeroDivisionError: division by zero "
+                                      f"(at {os.path.abspath(path)}:13)")
+
+
+def test_reward_from_module_path():
+    fn = rewards.get("rljax.rewards.verifiers:gsm8k")
+    assert fn([""], ["#### 18"], answer=["18"]) == [1.0]
+    assert rewards.get("rljax.rewards.shaping:make_format", pattern=r"\d+")([""], ["7"]) == [1.0]
+
+
+def test_reward_from_path_errors_are_one_line(tmp_path, monkeypatch):
+    from rljax.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ok.py").write_text(USER_REWARDS)
+    (tmp_path / "bad.py").write_text("x = 1\ndef f(:\n")
+    (tmp_path / "boom.py").write_text("import math\nraise RuntimeError('no config')\n")
+    cases = {
+        "missing.py:f": "reward.names: file not found: missing.py",
+        "ok.py:nope": "reward.names: ok.py has no 'nope'; it defines: broken, exact, make_const",
+        "bad.py:f": "bad.py:2)",
+        "boom.py:f": f"RuntimeError: no config ({tmp_path / 'boom.py'}:2)",
+        "no_such_pkg.mod:f": "no module named 'no_such_pkg.mod'",
+        "ok.py:exact?": "unknown reward",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(UserError) as info:
+            rewards.check(spec)
+        assert message in str(info.value), (spec, str(info.value))
+    with pytest.raises(UserError, match="called as a factory exact"):
+        rewards.get("ok.py:exact", scale=2)
+
+
+@pytest.mark.slow
+def test_process_isolation_with_user_file_and_system_exit(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "procs.py").write_text(USER_REWARDS + "\n\ndef exits(p, c, **_):\n"
+                                       "    raise SystemExit(3)\n")
+    comb = rewards.combine([("procs.py:exact", 1.0), ("procs.py:exits", 1.0)], timeout_s=60,
+                           isolation="process")
+    try:
+        res = comb(["q"], ["2"], answer=[2])
+    finally:
+        comb.close()
+    assert res.per_function == {"exact": [1.0], "exits": [0.0]}
+    assert "SystemExit: 3" in res.messages["exits"]
+
+
+def test_monitor_rate_limits_warnings_and_stops():
+    now = [0.0]
+    out = io.StringIO()
+    mon = rewards.RewardMonitor(max_consecutive_error_steps=3, warn_every_s=60,
+                                stream=out, clock=lambda: now[0])
+    bad = rewards.RewardResult([0.0] * 4, {"f": [0.0] * 4, "g": [1.0] * 4}, {"f": 4, "g": 0},
+                               {"f": "ValueError: x"}, {"f": 0, "g": 0})
+    for step in range(2):
+        mon.observe(bad)
+        mon.end_step(step, bad.errors, {"f": 4, "g": 4})
+        now[0] += 10
+    assert out.getvalue().count("warning") == 1
+    assert "reward 'f' failed on 4 of 4 samples: ValueError: x" in out.getvalue()
+    now[0] += 60
+    mon.observe(bad)
+    assert "failed on 8 of 8 samples in 2 batches since the last warning" in out.getvalue()
+    mon.end_step(2, {"f": 3, "g": 0}, {"f": 4, "g": 4})  # not every sample: streak resets
+    mon.end_step(3, bad.errors, {"f": 4, "g": 4})
+    mon.end_step(4, bad.errors, {"f": 4, "g": 4})
+    with pytest.raises(rewards.RewardFunctionFailed, match="'f' failed on every sample for 3"):
+        mon.end_step(5, bad.errors, {"f": 4, "g": 4})

@@ -13,6 +13,12 @@ Every reward function has the shape ``fn(prompts, completions, **dataset_fields)
 ``length``     alias of ``overlong``
 =============  ==================================================================================
 
+Your own function, without registering it: ``get("path/to/file.py:my_reward")`` or
+``get("package.module:my_reward")`` (what ``reward.names`` entries of that form do). Without
+options the attribute is the reward function; with options (``get(spec, **kwargs)``, from
+``reward.kwargs[<function name>]``) it is a factory called once as ``attr(**kwargs)`` that
+returns the reward function.
+
 ``RewardModelScorer(cfg, value_params, tokenizer)`` scores with a value-head model; build it
 yourself (it needs parameters), then pass it to ``combine`` like any function.
 """
@@ -20,11 +26,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+from rljax import usercode
+from rljax.errors import UserError
 from rljax.rewards import shaping, verifiers
 from rljax.rewards.combine import CombinedReward, RewardResult, combine
+from rljax.rewards.monitor import RewardFunctionFailed, RewardMonitor
 
 __all__ = ["get", "register", "names", "combine", "from_config", "CombinedReward", "RewardResult",
-           "RewardModelScorer"]
+           "RewardModelScorer", "RewardMonitor", "RewardFunctionFailed", "display_name", "check"]
 
 # name -> factory(**kwargs) returning a reward function.
 _REGISTRY: dict[str, Callable[..., Callable]] = {}
@@ -51,11 +60,52 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get(name: str, **kwargs) -> Callable:
-    """The reward function called ``name``; ``kwargs`` configure factories such as ``format``."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown reward {name!r}; known: {', '.join(names())}")
-    return _REGISTRY[name](**kwargs)
+def display_name(name: str) -> str:
+    """The name metrics use: ``"my/file.py:exact"`` -> ``"exact"``; registry names unchanged."""
+    return usercode.attribute_name(name) if usercode.is_spec(name) else name
+
+
+def _from_user_code(spec: str, kwargs: dict, key: str) -> Callable:
+    obj = usercode.load(spec, key)
+    if kwargs:
+        try:
+            fn = obj(**kwargs)
+        except TypeError as e:
+            raise UserError(f"{key}: {spec} was given options {sorted(kwargs)} (reward.kwargs), "
+                            f"so it is called as a factory {usercode.attribute_name(spec)}"
+                            f"(**options) returning the reward function, which failed: {e}"
+                            ) from None
+        if not callable(fn):
+            raise UserError(f"{key}: factory {spec}(**{kwargs}) returned "
+                            f"{type(fn).__name__}, not a reward function")
+        return fn
+    if not callable(obj):
+        raise UserError(f"{key}: {spec} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def get(name: str, *, _key: str = "reward.names", **kwargs) -> Callable:
+    """The reward function called ``name``; ``kwargs`` configure factories such as ``format``.
+
+    ``name`` may also be ``path/to/file.py:function`` or ``package.module:function`` (see the
+    module docstring); errors in such code raise ``UserError`` naming the file and line.
+    """
+    if name in _REGISTRY:
+        return _REGISTRY[name](**kwargs)
+    if usercode.is_spec(name):
+        return _from_user_code(name, kwargs, _key)
+    raise KeyError(f"unknown reward {name!r}; known: {', '.join(names())} (or your own "
+                   "function as path/to/file.py:function or package.module:function)")
+
+
+def check(name: str, kwargs: dict | None = None, key: str = "reward.names") -> None:
+    """Raises UserError if ``name`` is neither registered nor loadable user code (imports it)."""
+    if name in _REGISTRY:
+        return
+    if not usercode.is_spec(name):
+        raise UserError(f"{key}: unknown reward {name!r}; known: {', '.join(names())} (or your "
+                        "own function as path/to/file.py:function or package.module:function)")
+    get(name, _key=key, **(kwargs or {}))
 
 
 def from_config(config) -> CombinedReward:

@@ -1,70 +1,154 @@
 """Weighted composition of reward functions with error and timeout isolation.
 
-``combine([("gsm8k", 1.0), ("format", 0.2)], default_score=0.0, timeout_s=10.0)`` returns a
+``combine([("gsm8k", 1.0), ("format", 0.2)], default_score=0.0, timeout_s=30.0)`` returns a
 callable; calling it on a batch gives a ``RewardResult`` with the weighted total, each function's
-own scores (the trainer logs them separately) and the number of scores each function failed to
-produce. A function that raises, returns the wrong number of scores or non-finite values, or does
-not finish within ``timeout_s`` gets ``default_score`` for the whole batch and an error count;
-the other functions and the batch go on.
+own scores (the trainer logs them separately), how many samples each function failed to score
+(``errors``, timeouts included) and how many of those were timeouts (``timeouts``), and one line
+per failed function saying why (``messages``). What counts as a failure:
+
+* the call raises (any exception, ``SystemExit`` included; ``KeyboardInterrupt`` from the
+  function itself is re-raised), returns something that is not a list of numbers, or a list of
+  the wrong length: every sample of the call gets ``default_score``;
+* a NaN or infinite score: that sample gets ``default_score``, the others keep theirs;
+* the call does not finish within ``timeout_s``: every sample gets ``default_score``.
+
+The message names the exception type and text and, for an exception, the last line of the
+function's own file in the traceback (``my_reward.py:12``). The other functions and the batch
+go on; ``rljax.rewards.monitor`` turns these counts into console warnings and a stop.
 
 How timeouts are enforced (``isolation``):
 
-* ``"thread"`` (default): each call runs in a fresh daemon thread joined with a deadline. Works
-  for any callable, including closures over device arrays (the reward-model scorer). A Python
-  thread cannot be killed, so a truly hung function keeps running in the background (daemon, so
-  it never blocks interpreter exit); ``leaked_threads`` counts them and a warning is logged.
+* ``"thread"`` (default): each call runs in a daemon thread that the caller waits on with a
+  deadline. Works for any callable, including closures over device arrays (the reward-model
+  scorer). A Python thread cannot be killed: a hung call keeps running in the background
+  (daemon, so it never blocks interpreter exit; ``leaked_threads`` counts them). While a
+  function's abandoned call is still running it is not called again: its next batches fail at
+  once as timeouts ("still running"), so one hang costs one timeout, not one per step, and
+  threads do not pile up.
 * ``"process"``: calls run in a spawned worker process pool; on a timeout the workers are killed
   and a fresh pool is started for the next batch. Use it for verifiers that may hang for real
-  (sympy, sandboxes). The functions must be picklable: built-in names, or module-level functions.
-* ``timeout_s=None``: calls run directly on the calling thread (exceptions are still caught).
+  (sympy, sandboxes, code execution). The functions must be importable in the worker: built-in
+  names, ``path/to/file.py:function`` / ``package.module:function`` specs, or module-level
+  functions.
+* ``timeout_s=None``: calls run directly on the calling thread (failures are still caught; a
+  hang is a hang).
+
+``should_abort`` (a no-argument callable) is polled while waiting: when it returns True (the
+trainer's SIGTERM/Ctrl-C flag) the calls still running are abandoned as timeouts, so a stop
+request is not held up by a hung function.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import inspect
 import logging
 import math
 import multiprocessing
+import os
 import threading
 import time
+import traceback
 from typing import Callable, Sequence
 
-__all__ = ["RewardResult", "CombinedReward", "combine"]
+__all__ = ["RewardResult", "CombinedReward", "combine", "call_reward", "describe_exception"]
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a wait checks ``should_abort``
 
 
 @dataclasses.dataclass
 class RewardResult:
-    """Scores for one batch. ``errors[name]`` counts scores replaced by the default."""
+    """Scores for one batch. ``errors[name]`` counts scores replaced by the default (timeouts
+    included); ``timeouts[name]`` the part of those that timed out; ``messages[name]`` says why."""
 
     total: list[float]
     per_function: dict[str, list[float]]
     errors: dict[str, int]
     messages: dict[str, str] = dataclasses.field(default_factory=dict)
+    timeouts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_errors(self) -> int:
         return sum(self.errors.values())
 
+    @property
+    def num_samples(self) -> int:
+        return len(self.total)
+
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
-        """Flat scalar metrics: ``reward/mean``, ``reward/<name>/mean``, ``reward/<name>/errors``."""
+        """Flat scalar metrics: ``reward/mean``, ``reward/<name>/mean|errors|timeouts``."""
         mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0  # noqa: E731
         out = {f"{prefix}/mean": mean(self.total), f"{prefix}/errors": float(self.num_errors)}
         for name, scores in self.per_function.items():
             out[f"{prefix}/{name}/mean"] = mean(scores)
             out[f"{prefix}/{name}/errors"] = float(self.errors[name])
+            out[f"{prefix}/{name}/timeouts"] = float(self.timeouts.get(name, 0))
         return out
 
 
+# ----------------------------------------------------------------------------- calling one fn
+
+def _accepted_fields(fn: Callable, fields: dict) -> dict:
+    """``fields`` a function can take: all of them with ``**kwargs``, else the named ones.
+
+    So ``def my_reward(prompts, completions, answer)`` works although the trainer also passes
+    ``completion_lengths`` and every other dataset field.
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins, some C callables
+        return fields
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fields
+    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in fields.items() if k in names}
+
+
+def call_reward(fn: Callable, prompts, completions, fields: dict):
+    """``fn(prompts, completions, **fields)`` with only the fields ``fn`` accepts."""
+    return fn(prompts, completions, **_accepted_fields(fn, fields))
+
+
+def _source_file(fn) -> str | None:
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    try:
+        return os.path.abspath(inspect.getsourcefile(target) or "")
+    except TypeError:
+        return None
+
+
+def describe_exception(exc: BaseException, fn=None) -> str:
+    """``"ZeroDivisionError: division by zero (at my_reward.py:12)"``: type, message and the
+    last traceback line in ``fn``'s own file (else the last line outside rljax and the stdlib)."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    own = _source_file(fn) if fn is not None else None
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the rljax package
+    pick = [f for f in frames if own and os.path.abspath(f.filename) == own]
+    if not pick:
+        stdlib = os.path.dirname(os.__file__)
+        pick = [f for f in frames if not os.path.abspath(f.filename).startswith((here, stdlib))]
+    if pick:
+        text += f" (at {pick[-1].filename}:{pick[-1].lineno})"
+    return text
+
+
 def _call_in_child(fn, prompts, completions, fields):
-    """Runs in a worker process: resolves a built-in name there (names pickle, closures don't)."""
+    """Runs in a worker process: resolves a name there (names pickle, closures don't)."""
     if isinstance(fn, tuple):
         from rljax import rewards
 
         name, kwargs = fn
         fn = rewards.get(name, **kwargs)
-    return list(fn(prompts, completions, **fields))
+    try:
+        return list(call_reward(fn, prompts, completions, fields))
+    except BaseException as e:  # noqa: BLE001 - the message travels; the traceback does not
+        raise RuntimeError(describe_exception(e, fn)) from None
 
 
 def _ready() -> bool:
@@ -74,40 +158,56 @@ def _ready() -> bool:
     return True
 
 
-def _run_in_thread(fn: Callable, args: tuple, kwargs: dict, deadline: float):
-    """Runs fn in a daemon thread; returns ("ok", value) / ("error", exc) / ("timeout", None)."""
-    box: dict = {}
+class _Call:
+    """One call of a reward function in a daemon thread."""
 
-    def target():
+    def __init__(self, fn: Callable, args: tuple, fields: dict, name: str):
+        self.fn, self.done, self.started = fn, threading.Event(), time.monotonic()
+        self.value = self.error = None
+        self.thread = threading.Thread(target=self._target, args=args + (fields,), daemon=True,
+                                       name=f"reward-{name}")
+        self.thread.start()
+
+    def _target(self, prompts, completions, fields):
         try:
-            box["value"] = fn(*args, **kwargs)
+            self.value = call_reward(self.fn, prompts, completions, fields)
         except BaseException as e:  # noqa: BLE001 - any failure becomes a counted error
-            box["error"] = e
+            self.error = e
+        finally:
+            self.done.set()
 
-    thread = threading.Thread(target=target, daemon=True, name=f"reward-{getattr(fn, '__name__', 'fn')}")
-    thread.start()
-    thread.join(max(0.0, deadline - time.monotonic()))
-    if thread.is_alive():
-        return "timeout", None
-    return ("error", box["error"]) if "error" in box else ("ok", box["value"])
 
+def _wait(done: Callable[[], bool], deadline: float, should_abort) -> bool:
+    """Waits until ``done()`` or the deadline or ``should_abort()``; returns ``done()``."""
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0 or (should_abort is not None and should_abort()):
+            return done()
+        time.sleep(min(left, POLL_S))
+    return True
+
+
+# ----------------------------------------------------------------------------- combined
 
 class CombinedReward:
     """Callable ``(prompts, completions, **fields) -> RewardResult``; see module docstring."""
 
     def __init__(self, functions: Sequence, default_score: float = 0.0,
-                 timeout_s: float | None = None, isolation: str = "thread"):
-        from rljax.rewards import get  # late import: rewards/__init__ imports this module
+                 timeout_s: float | None = None, isolation: str = "thread",
+                 should_abort: Callable[[], bool] | None = None):
+        from rljax.rewards import display_name, get  # late: rewards/__init__ imports this module
 
         if isolation not in ("thread", "process"):
             raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 (or None for no timeout), got {timeout_s}")
         if not functions:
             raise ValueError("combine needs at least one reward function")
         self.names, self.fns, self.weights, self._specs = [], [], [], []
         for entry in functions:
             fn_or_name, weight, kwargs = (tuple(entry) + ({},))[:3]
             if isinstance(fn_or_name, str):
-                name, fn = fn_or_name, get(fn_or_name, **kwargs)
+                name, fn = display_name(fn_or_name), get(fn_or_name, **kwargs)
                 spec = (fn_or_name, dict(kwargs))  # picklable stand-in for process isolation
             else:
                 name, fn, spec = getattr(fn_or_name, "__name__", "reward"), fn_or_name, fn_or_name
@@ -118,9 +218,11 @@ class CombinedReward:
         self.default_score = float(default_score)
         self.timeout_s = timeout_s
         self.isolation = isolation
+        self.should_abort = should_abort
         self.leaked_threads = 0
         self.total_errors = {n: 0 for n in self.names}  # cumulative, for end-of-run summaries
         self._pool: cf.ProcessPoolExecutor | None = None
+        self._hung: dict[str, _Call] = {}  # thread isolation: abandoned calls still running
 
     def _unique(self, name: str) -> str:
         base, i = name, 2
@@ -133,59 +235,93 @@ class CombinedReward:
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} completions")
         outcomes = self._run_all(list(prompts), list(completions), fields)
-        per_fn, errors, messages = {}, {}, {}
-        for name, (status, value) in zip(self.names, outcomes):
-            scores, problem = self._validate(status, value, n)
+        per_fn, errors, timeouts, messages = {}, {}, {}, {}
+        for name, fn, (status, value) in zip(self.names, self.fns, outcomes):
+            scores, bad, problem = self._validate(status, value, n, fn)
+            errors[name], timeouts[name] = bad, (bad if status == "timeout" else 0)
             if problem:
-                scores = [self.default_score] * n
-                errors[name], messages[name] = n, problem
-                self.total_errors[name] += n
-                log.warning("reward %r failed on a batch of %d: %s", name, n, problem)
-            else:
-                errors[name] = 0
+                messages[name] = problem
+                self.total_errors[name] += bad
+                log.info("reward %r failed on %d of %d samples: %s", name, bad, n, problem)
             per_fn[name] = scores
-        total = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights)) for i in range(n)]
-        return RewardResult(total, per_fn, errors, messages)
+        total = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
+                 for i in range(n)]
+        return RewardResult(total, per_fn, errors, messages, timeouts)
 
-    def _validate(self, status: str, value, n: int) -> tuple[list[float], str | None]:
-        """Turns one call's outcome into scores, or a description of what went wrong."""
+    def _validate(self, status: str, value, n: int, fn) -> tuple[list[float], int, str | None]:
+        """(scores, samples that failed, why) for one call's outcome."""
+        default = [self.default_score] * n
         if status == "timeout":
-            return [], f"timed out after {self.timeout_s} s"
+            return default, n, value or f"timed out after {self.timeout_s:g} s"
         if status == "error":
-            return [], f"{type(value).__name__}: {value}"
+            return default, n, describe_exception(value, fn)
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            return default, n, (f"returned {type(value).__name__}, not a list of {n} scores "
+                                "(one per completion)")
+        if len(value) != n:
+            return default, n, f"returned {len(value)} scores for {n} completions"
         try:
             scores = [float(s) for s in value]
         except (TypeError, ValueError) as e:
-            return [], f"returned non-numeric scores ({e})"
-        if len(scores) != n:
-            return [], f"returned {len(scores)} scores for {n} completions"
-        if not all(math.isfinite(s) for s in scores):
-            return [], "returned a non-finite score"
-        return scores, None
+            return default, n, f"returned non-numeric scores ({e})"
+        bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
+        if not bad:
+            return scores, 0, None
+        kinds = sorted({"NaN" if math.isnan(scores[i]) else "inf" for i in bad})
+        for i in bad:
+            scores[i] = self.default_score
+        return scores, len(bad), (f"returned {'/'.join(kinds)} for {len(bad)} of {n} samples "
+                                  f"(first: sample {bad[0]})")
 
     def _run_all(self, prompts, completions, fields) -> list[tuple[str, object]]:
         if self.timeout_s is None:
             return [self._direct(fn, prompts, completions, fields) for fn in self.fns]
+        deadline = time.monotonic() + float(self.timeout_s)
         if self.isolation == "process":  # all run concurrently against one deadline
-            return self._in_processes(prompts, completions, fields,
-                                      time.monotonic() + float(self.timeout_s))
-        outcomes = []
-        for fn in self.fns:  # sequential: each gets its own full timeout, hung ones are abandoned
-            outcome = _run_in_thread(fn, (prompts, completions), fields,
-                                     time.monotonic() + float(self.timeout_s))
-            if outcome[0] == "timeout":
+            return self._in_processes(prompts, completions, fields, deadline)
+        return self._in_threads(prompts, completions, fields, deadline)
+
+    def _in_threads(self, prompts, completions, fields, deadline) -> list[tuple[str, object]]:
+        """All functions at once, each in its own thread, against one deadline."""
+        calls: list[_Call | None] = []
+        outcomes: list[tuple[str, object] | None] = []
+        for name, fn in zip(self.names, self.fns):
+            hung = self._hung.get(name)
+            if hung is not None and not hung.done.is_set():
+                calls.append(None)
+                age = time.monotonic() - hung.started
+                outcomes.append(("timeout", f"still running from a call {age:.0f} s ago that "
+                                 f"timed out after {self.timeout_s:g} s; not called again until "
+                                 "it returns"))
+                continue
+            self._hung.pop(name, None)
+            calls.append(_Call(fn, (prompts, completions), fields, name))
+            outcomes.append(None)
+        live = [c for c in calls if c is not None]
+        _wait(lambda: all(c.done.is_set() for c in live), deadline, self.should_abort)
+        for i, (name, call) in enumerate(zip(self.names, calls)):
+            if call is None:
+                continue
+            if not call.done.is_set():
+                self._hung[name] = call
                 self.leaked_threads += 1
-                log.warning("a reward function is still running after its timeout; it cannot be "
-                            "killed in a thread (%d abandoned so far); consider isolation='process'",
-                            self.leaked_threads)
-            outcomes.append(outcome)
+                aborted = time.monotonic() < deadline
+                outcomes[i] = ("timeout", "abandoned: the run is stopping" if aborted else None)
+            elif isinstance(call.error, KeyboardInterrupt):
+                raise call.error
+            elif call.error is not None:
+                outcomes[i] = ("error", call.error)
+            else:
+                outcomes[i] = ("ok", call.value)
         return outcomes
 
     @staticmethod
     def _direct(fn, prompts, completions, fields):
         try:
-            return "ok", fn(prompts, completions, **fields)
-        except Exception as e:  # noqa: BLE001
+            return "ok", call_reward(fn, prompts, completions, fields)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit included
             return "error", e
 
     def _in_processes(self, prompts, completions, fields, deadline) -> list[tuple[str, object]]:
@@ -193,14 +329,17 @@ class CombinedReward:
             self._start_pool()
         futures = [self._pool.submit(_call_in_child, spec, prompts, completions, fields)
                    for spec in self._specs]
+        _wait(lambda: all(f.done() for f in futures), deadline, self.should_abort)
         outcomes, timed_out = [], False
         for fut in futures:
-            try:
-                outcomes.append(("ok", fut.result(timeout=max(0.0, deadline - time.monotonic()))))
-            except cf.TimeoutError:
-                outcomes.append(("timeout", None))
+            if not fut.done():
+                outcomes.append(("timeout", None if time.monotonic() >= deadline
+                                 else "abandoned: the run is stopping"))
                 timed_out = True
-            except Exception as e:  # noqa: BLE001 - includes pickling errors and dead workers
+                continue
+            try:
+                outcomes.append(("ok", fut.result()))
+            except BaseException as e:  # noqa: BLE001 - pickling errors, dead workers, SystemExit
                 outcomes.append(("error", e))
         if timed_out:
             self._kill_pool()
@@ -239,12 +378,13 @@ class CombinedReward:
 
 
 def combine(functions: Sequence, default_score: float = 0.0, timeout_s: float | None = None,
-            isolation: str = "thread") -> CombinedReward:
+            isolation: str = "thread", should_abort: Callable[[], bool] | None = None
+            ) -> CombinedReward:
     """Combines reward functions with weights.
 
     ``functions``: entries ``(name_or_fn, weight)`` or ``(name, weight, kwargs)`` where ``kwargs``
-    go to ``rewards.get(name, **kwargs)``. See the module docstring for ``timeout_s`` and
-    ``isolation``.
+    go to ``rewards.get(name, **kwargs)``. See the module docstring for ``timeout_s``,
+    ``isolation`` and ``should_abort``.
     """
     return CombinedReward(functions, default_score=default_score, timeout_s=timeout_s,
-                          isolation=isolation)
+                          isolation=isolation, should_abort=should_abort)

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rljax import algorithms, sampling
+from rljax import algorithms, rewards, sampling
 from rljax import distributed as dist
 from rljax.train.steps import build_logps_fn
 
@@ -108,6 +108,7 @@ class Rollout:
         self.g = int(cfg.algo.num_generations)
         self.num_prompts = cfg.rollout.batch_size // self.g
         self.reward_fn = ctx.reward_fn()
+        self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
         self.logps_fn = build_logps_fn(
             ctx.model_cfg, temperature=cfg.rollout.temperature,
@@ -146,14 +147,19 @@ class Rollout:
         fields = {k: v[rows] for k, v in expand_fields(examples, g).items()}
         result = self.reward_fn(prompts, texts, completion_lengths=list(out["lengths"][rows]),
                                 **fields)
+        self.monitor.observe(result)  # console warnings: which function failed, why, how often
         scores = {name: np.asarray(v, np.float32) for name, v in result.per_function.items()}
         total = np.asarray(result.total, np.float32)
-        errors = result.num_errors
         self._maybe_print_completions(prompts, texts, result.total)
+        # Per function: [failed samples, timed-out samples, samples scored], summed over hosts.
+        counts = np.asarray([[result.errors[k], result.timeouts.get(k, 0), len(texts)]
+                             for k in result.per_function], np.int64)
         if dist.is_multiprocess():
             total, scores = dist.rows_to_global((total, scores), self.ctx.mesh, n)
-            errors = int(dist.gather(np.asarray([errors])).sum()) // dist.row_replication(
+            counts = dist.gather(counts[None], tiled=True).sum(0) // dist.row_replication(
                 self.ctx.mesh, n)
+        counts = {k: c for k, c in zip(result.per_function, counts.tolist())}
+        errors = sum(c[0] for c in counts.values())
         buffer = int(cfg.algo.overlong_buffer)
         if buffer:  # DAPO soft overlong punishment on token lengths
             scores["overlong"] = np.asarray(algorithms.overlong_penalty(
@@ -161,7 +167,7 @@ class Rollout:
                 cfg.algo.overlong_penalty_factor), np.float32)
             total = total + scores["overlong"]
         return dict(out, prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
-                    rewards=total, scores=scores, errors=errors,
+                    rewards=total, scores=scores, errors=errors, reward_counts=counts,
                     time_sample=t1 - t0, time_reward=time.perf_counter() - t1)
 
     def _maybe_print_completions(self, prompts, texts, rewards) -> None:
@@ -193,6 +199,7 @@ class Rollout:
             if len(kept) >= want:
                 break
         filler = max(0, want - len(kept))
+        self._check_reward_failures(rounds, step)
         groups = kept[:want] + dropped[:filler]
         batch, rows = self._assemble(rounds, groups)
         train = np.ones(len(groups), bool)
@@ -228,6 +235,14 @@ class Rollout:
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0
         return batch, metrics
+
+    def _check_reward_failures(self, rounds, step: int) -> None:
+        """Stops the run (RewardFunctionFailed) when a function failed on every sample of
+        ``reward.max_consecutive_error_steps`` steps in a row (same counts on every host)."""
+        names = rounds[0]["reward_counts"]
+        self.monitor.end_step(
+            step + 1, {k: sum(r["reward_counts"][k][0] for r in rounds) for k in names},
+            {k: sum(r["reward_counts"][k][2] for r in rounds) for k in names})
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """Per-completion advantages from rewards [R] with the configured estimator."""
@@ -265,6 +280,9 @@ class Rollout:
             s = np.concatenate([r["scores"][name] for r in rounds])
             m[f"reward/{name}/mean"], m[f"reward/{name}/std"] = float(s.mean()), float(s.std())
         m["reward/errors"] = float(sum(r["errors"] for r in rounds))
+        for name in rounds[0]["reward_counts"]:  # failed samples (timeouts included), timeouts
+            m[f"reward/{name}/errors"] = float(sum(r["reward_counts"][name][0] for r in rounds))
+            m[f"reward/{name}/timeouts"] = float(sum(r["reward_counts"][name][1] for r in rounds))
         lengths = np.concatenate([r["lengths"] for r in rounds])
         truncated = np.concatenate([r["truncated"] for r in rounds])
         m.update({

@@ -60,6 +60,7 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
     total = offsets[-1] + phases[-1].steps
     guard = NonFiniteGuard(cfg.optimizer.max_consecutive_nonfinite)
     stop = stop or StopSignal()
+    ctx.stop = stop  # a reward call still running when a stop is requested is abandoned
     ckpt = CheckpointManager(checkpoint_dir(workdir), max_to_keep=cfg.checkpoint.max_to_keep,
                              async_save=cfg.checkpoint.async_save)
     # Position: the next iteration to run is `start` of phase `index`.

@@ -90,10 +90,8 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
         value = cfg[section][name]
         if value and not os.path.exists(value):
             raise UserError(f"{key}={value!r} does not exist")
-    for name in cfg.reward.names:
-        if name not in rewards.names():
-            raise ConfigError(f"reward.names: unknown reward {name!r}; known: "
-                              f"{', '.join(rewards.names())}")
+    for name in cfg.reward.names:  # user code (file.py:fn) is imported here, before compiling
+        rewards.check(name, reward_kwargs(cfg, name))
     _template(cfg)
     mesh_sizes = dict(cfg.mesh.items())
     n = num_devices if num_devices is not None else jax.device_count()
@@ -131,6 +129,7 @@ class Context:
     model_cfg: models.ModelConfig
     params: Any
     param_shardings: Any
+    stop: Any = None  # the run's StopSignal (set by the controller): waits on rewards poll it
 
     @property
     def replicated(self) -> NamedSharding:
@@ -161,11 +160,14 @@ class Context:
 
     def reward_fn(self):
         """``rewards.combine`` of ``reward.names`` / ``weights`` (``reward.kwargs[name]`` are the
-        named function's options)."""
+        named function's options), with ``reward.timeout_s`` / ``isolation``; a stop request
+        (SIGTERM, Ctrl-C) abandons a call that is still running."""
         r = self.cfg.reward
         weights = list(r.weights) or [1.0] * len(r.names)
-        kwargs = dict(r.kwargs)
-        return rewards.combine([(n, w, dict(kwargs.get(n, {}))) for n, w in zip(r.names, weights)])
+        return rewards.combine(
+            [(n, w, reward_kwargs(self.cfg, n)) for n, w in zip(r.names, weights)],
+            default_score=r.default_score, timeout_s=r.timeout_s or None, isolation=r.isolation,
+            should_abort=lambda: self.stop is not None and self.stop.should_stop())
 
     def state_shardings(self, shape_state: TrainState) -> TrainState:
         critic = None
@@ -177,6 +179,13 @@ class Context:
     @property
     def dp_size(self) -> int:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+
+def reward_kwargs(cfg, name: str) -> dict:
+    """``reward.kwargs`` entry of reward ``name`` (a ``file.py:fn`` entry is keyed by ``fn``)."""
+    kwargs = dict(cfg.reward.kwargs)
+    entry = kwargs.get(name, kwargs.get(rewards.display_name(name), {}))
+    return dict(entry.to_dict() if hasattr(entry, "to_dict") else entry)
 
 
 def make_tokenizer(cfg, workdir: str | None):

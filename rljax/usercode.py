@@ -1,0 +1,113 @@
+"""User code named in a config: ``path/to/file.py:name`` or ``package.module:name``.
+
+    fn = usercode.load("my_rewards.py:exact_match", key="reward.names")
+
+A path is relative to the current directory (like ``data.path``), so a run started from the
+project directory finds it again when it resumes. A file is imported once per process (under
+a module name derived from its absolute path) and shared by every spec that names it. Problems
+a user can fix (no such file, an import error in it, no such attribute) raise ``UserError``
+naming the config key, the file and, for errors inside the file, its line.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import traceback
+from typing import Any
+
+from rljax.errors import UserError
+
+__all__ = ["is_spec", "attribute_name", "load"]
+
+_MODULE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+_ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+_LOADED: dict[str, Any] = {}  # absolute path -> module
+
+
+def is_spec(text: str) -> bool:
+    """True for ``file.py:name`` and ``package.module:name`` (not a registry name)."""
+    if not isinstance(text, str) or ":" not in text:
+        return False
+    where, _, attr = text.rpartition(":")
+    return bool(attr) and bool(_ATTR.match(attr)) and (
+        where.endswith(".py") or bool(_MODULE.match(where)))
+
+
+def attribute_name(spec: str) -> str:
+    """``"rewards/mine.py:exact_match"`` -> ``"exact_match"`` (the last part of the name)."""
+    return spec.rpartition(":")[2].rpartition(".")[2]
+
+
+def _where_in(exc: BaseException, path: str) -> str:
+    """``" (file.py:12)"`` for the last traceback line in ``path`` (or the SyntaxError's)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" ({exc.filename}:{exc.lineno})"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if os.path.abspath(f.filename) == path]
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _import_file(path: str, key: str):
+    full = os.path.abspath(path)
+    if full in _LOADED:
+        return _LOADED[full]
+    if not os.path.isfile(full):
+        raise UserError(f"{key}: file not found: {path} (relative paths start at the current "
+                        f"directory, {os.getcwd()})")
+    digest = hashlib.sha1(full.encode()).hexdigest()[:8]
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(full))[0])
+    name = f"rljax_user_{stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so pickling and dataclasses inside the file work
+    # The file's own imports of its neighbours work as they would for `python file.py`.
+    folder = os.path.dirname(full)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any error in the user's file
+        sys.modules.pop(name, None)
+        raise UserError(f"{key}: importing {path} failed: {type(e).__name__}: {e}"
+                        f"{_where_in(e, full)}") from e
+    finally:
+        if added:
+            sys.path.remove(folder)
+    _LOADED[full] = module
+    return module
+
+
+def load(spec: str, key: str) -> Any:
+    """The object ``spec`` names; ``key`` is the config key for messages."""
+    where, _, attr = spec.rpartition(":")
+    if where.endswith(".py"):
+        module = _import_file(where, key)
+        origin = where
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            if e.name and where.startswith(e.name):
+                raise UserError(f"{key}: no module named {where!r} (for {spec!r}; is it "
+                                f"installed or on PYTHONPATH?)") from None
+            raise UserError(f"{key}: importing {where} failed: {e}") from e
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"{key}: importing {where} failed: {type(e).__name__}: {e}"
+                            f"{_where_in(e, os.path.abspath(getattr(e, 'filename', '') or ''))}"
+                            ) from e
+        origin = where
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n, v in vars(module).items()
+                            if callable(v) and not n.startswith("_")
+                            and getattr(v, "__module__", None) == module.__name__)
+            hint = f"; it defines: {', '.join(public)}" if public else ""
+            raise UserError(f"{key}: {origin} has no {attr!r}{hint}")
+        obj = getattr(obj, part)
+    return obj
