@@ -11,6 +11,12 @@ to a local staging directory and copied to the workdir at most every ``sync_ever
 and on :meth:`MetricsWriter.flush` / :meth:`MetricsWriter.close` (object stores cannot append,
 and tensorboardX writes ``gs://`` only with extra packages).
 
+With ``wandb=dict(project=..., mode="online"|"offline")`` every record's numbers also go to
+Weights & Biases (the run's ``config`` as the W&B config; ``wandb`` imported only then). Offline
+mode needs no network: the run is written under ``WORKDIR/wandb/offline-run-*`` for a later
+``wandb sync``. A resumed run continues the same W&B run (its id is kept in
+``WORKDIR/wandb/rljax_run_id``).
+
 Values may be Python/numpy/jax scalars; size-1 arrays become scalars; other arrays are stored
 as lists in the JSON only. Non-finite floats are written as ``null`` (standard JSON).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -86,12 +93,15 @@ class MetricsWriter:
       resume_step: when resuming from a checkpoint at this step, drop lines logged after it by
         the interrupted run, so ``metrics.jsonl`` has each step once.
       sync_every_s: for a URL workdir, the minimum seconds between copies of the staged files.
+      wandb: ``logging.wandb`` (project, mode, entity, name, tags); off without a project.
+      config: the run's config as a dict, for W&B.
     """
 
     def __init__(self, workdir: str | os.PathLike, *, total_steps: int | None = None,
                  console_every_s: float = 10.0, tensorboard: bool = True,
                  resume_step: int | None = None, stream=None, enabled: bool | None = None,
-                 sync_every_s: float = 30.0):
+                 sync_every_s: float = 30.0, wandb: Mapping | None = None,
+                 config: Mapping | None = None):
         self.workdir = os.fspath(workdir)
         self.sync_every_s = sync_every_s
         self.total_steps = total_steps
@@ -100,6 +110,7 @@ class MetricsWriter:
         self.stream = stream if stream is not None else sys.stdout
         self._file = None
         self._tb = None
+        self._wandb = None
         self._start_time: float | None = None
         self._start_step = 0
         self._last_print = -math.inf
@@ -123,6 +134,9 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter  # local: slow import, optional output
 
             self._tb = SummaryWriter(logdir=local_dir)
+        wandb = dict(wandb or {})
+        if wandb.get("project") and wandb.get("mode", "online") != "disabled":
+            self._wandb = start_wandb(wandb, config or {}, self.workdir, resume_step is not None)
         self._sync()
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
@@ -137,6 +151,10 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, global_step=int(step))
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step" and
+                             isinstance(v, (int, float)) and not isinstance(v, bool)},
+                            step=int(step))
         self._maybe_print(int(step), record)
         if self._staging is not None and time.monotonic() - self._last_sync >= self.sync_every_s:
             self.flush()
@@ -192,6 +210,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self._file is not None:
             self._file = None
             if self._staging is not None:
@@ -204,6 +225,39 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def start_wandb(options: Mapping, config: Mapping, workdir: str, resuming: bool):
+    """``wandb.init`` for a run (process 0). Local workdir: files under ``WORKDIR/wandb``
+    (a URL workdir: ``./wandb``); the run id is kept there so a resume continues the run."""
+    from rljax.errors import UserError
+
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("logging.wandb.project is set but wandb is not installed: "
+                        "pip install wandb (or this project's [wandb] extra)") from None
+    root = "." if paths.is_url(workdir) else workdir
+    os.makedirs(os.path.join(root, "wandb"), exist_ok=True)
+    id_file = os.path.join(root, "wandb", "rljax_run_id")
+    run_id = None
+    if resuming and os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip() or None
+    if run_id is None:
+        run_id = secrets.token_hex(4)  # W&B ids: lowercase letters and digits
+        with open(id_file, "w") as f:
+            f.write(run_id + "\n")
+    name = options.get("name") or os.path.basename(os.path.normpath(workdir)) or None
+    try:
+        return wandb.init(
+            project=options["project"], entity=options.get("entity") or None, name=name,
+            tags=list(options.get("tags") or ()) or None, mode=options.get("mode", "online"),
+            config=dict(config), dir=root, id=run_id, resume="allow",
+            settings=wandb.Settings(console="off", silent=True))
+    except Exception as e:  # noqa: BLE001 - e.g. online mode without an API key
+        raise UserError(f"logging.wandb: wandb.init failed ({type(e).__name__}: {e}); "
+                        "run `wandb login`, or set logging.wandb.mode=offline") from None
 
 
 def _console_keys(record: Mapping[str, Any]) -> list[str]:

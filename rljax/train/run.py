@@ -95,7 +95,8 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
                 if any(not hasattr(p, "evaluate") for p in phases) else None)
     writer = MetricsWriter(workdir, total_steps=total, console_every_s=cfg.logging.console_every_s,
                            tensorboard=cfg.logging.tensorboard,
-                           resume_step=gstep if state is not None else None)
+                           resume_step=gstep if state is not None else None,
+                           wandb=cfg.logging.wandb.to_dict(), config=cfg.to_dict())
     try:
         with stop:
             for index in range(index, len(phases)):
