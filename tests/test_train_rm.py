@@ -130,3 +130,48 @@ def test_config_runs_two_steps(tmp_path):
     evals = [r for r in records if "eval/accuracy" in r]
     assert len(evals) == 1 and 0.0 <= evals[0]["eval/accuracy"] <= 1.0
     assert "eval/score/margin" in evals[0]
+
+
+@pytest.mark.slow
+def test_eval_and_export_act_on_the_reward_model(tmp_path, capsys):
+    import json
+    import os
+
+    from rljax.train import checkpoint, run
+
+    cfg = config.load_config("configs/rm_arithmetic.py", [
+        "steps=2", "rollout.batch_size=8", "eval.num_examples=16", "eval.batch_size=8",
+        "checkpoint.async_save=False", "logging.tensorboard=False", "mesh.data=1",
+        "model.overrides.num_layers=1", "model.overrides.hidden_size=32",
+        "model.overrides.intermediate_size=64"])
+    devices = jax.devices()[:1]
+    workdir = str(tmp_path / "rm")
+    assert run.train(cfg, workdir, devices=devices) == 0
+    capsys.readouterr()
+    assert run.evaluate(cfg, workdir, devices=devices) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 2 and 0.0 <= out["eval/accuracy"] <= 1.0
+    assert "eval/score/margin" in out and "eval/loss" in out  # pair metrics, not task accuracy
+
+    export_dir = str(tmp_path / "hf")
+    assert run.export(cfg, workdir, export_dir, devices=devices) == 0
+    assert "reward model" in capsys.readouterr().err
+    hf_cfg = json.load(open(os.path.join(export_dir, "config.json")))
+    assert hf_cfg["architectures"] == ["LlamaForSequenceClassification"]
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        value_params = ckpt.restore().state["critic_params"]
+    model_cfg = models.config_from_hf(hf_cfg)
+    ids = [TOK.encode("1+2=", add_bos=True) + TOK.encode("3"), TOK.encode("9-4=5", add_bos=True)]
+    width = max(map(len, ids))
+    tokens = np.full((2, width), TOK.pad_id, np.int32)
+    mask = np.zeros((2, width), bool)
+    for i, row in enumerate(ids):  # left padding: the last column is each row's last token
+        tokens[i, width - len(row):], mask[i, width - len(row):] = row, True
+    expected = np.asarray(models.value_forward(model_cfg, value_params, tokens, mask))[:, -1]
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(export_dir).eval()
+    with torch.no_grad():
+        got = hf(input_ids=torch.tensor(tokens, dtype=torch.long),
+                 attention_mask=torch.tensor(mask, dtype=torch.long)).logits[:, 0].numpy()
+    np.testing.assert_allclose(got + hf_cfg["rljax_value_head_bias"], expected, atol=1e-4)

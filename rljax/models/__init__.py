@@ -4,7 +4,8 @@ parameter pytrees, a value head, and Hugging Face safetensors import/export.
 See docs/internals.md ("rljax.models") for the interface.
 """
 from rljax.models.config import PRESETS, SUPPORTED_MODEL_TYPES, ModelConfig, get_preset
-from rljax.models.hf import HFCheckpointError, config_from_hf, config_to_hf, load_hf, save_hf
+from rljax.models.hf import (HFCheckpointError, config_from_hf, config_to_hf, load_hf, save_hf,
+                             save_hf_value)
 from rljax.models.transformer import (apply_rope, attention, default_positions, embed_tokens,
                                       forward, init_cache, init_params, logits_from_hidden,
                                       param_logical_axes, param_shapes, rms_norm, rope_inv_freq,
@@ -17,5 +18,5 @@ __all__ = [
     "forward", "trunk", "logits_from_hidden", "init_cache", "token_logps",
     "embed_tokens", "default_positions", "rms_norm", "apply_rope", "rope_inv_freq", "attention",
     "init_value_params", "value_forward", "value_param_logical_axes",
-    "load_hf", "save_hf", "config_from_hf", "config_to_hf", "HFCheckpointError",
+    "load_hf", "save_hf", "save_hf_value", "config_from_hf", "config_to_hf", "HFCheckpointError",
 ]

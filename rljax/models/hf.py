@@ -6,6 +6,7 @@ parameter at a time and, when shardings are given, placed straight into their sh
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -384,3 +385,48 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int =
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+
+
+def save_hf_value(cfg: ModelConfig, value_params: dict, out_dir: str,
+                  max_shard_bytes: int = 2 << 30) -> float:
+    """Write a value-head model (a reward model, a critic) in the HF sequence-classification
+    layout with one label, loadable by ``transformers.AutoModelForSequenceClassification``:
+    the trunk as ``model.*``, the head's kernel as ``score.weight [1, D]``. HF scores a
+    sequence at its last non-pad token, which is where rljax reads a reward model's value.
+
+    HF's ``score`` layer has no bias; the head's bias (a constant that cancels in
+    Bradley-Terry pairs, so reward-model training leaves it at its initial 0) is stored in
+    ``config.json`` as ``rljax_value_head_bias`` and returned.
+    """
+    trunk_cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # no lm_head to write
+    save_hf(trunk_cfg, value_params["trunk"], out_dir, max_shard_bytes)
+    head = value_params["head"]
+    kernel = _host(head["kernel"]).astype(_NP_DTYPES[cfg.param_dtype])
+    bias = float(_host(head["bias"]))
+    meta = {"format": "pt"}
+    index_path = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        score_file = "score.safetensors"
+    else:  # one file: becomes shard 1 of 2 (transformers reads model.safetensors without index)
+        first, score_file = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+        os.replace(os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, first))
+        with safe_open(os.path.join(out_dir, first), framework="numpy") as f:
+            index = {"metadata": {}, "weight_map": {k: first for k in f.keys()}}
+    save_file({"score.weight": np.ascontiguousarray(kernel[None, :])},
+              os.path.join(out_dir, score_file), metadata=meta)
+    index["weight_map"]["score.weight"] = score_file
+    index["metadata"]["total_size"] = index["metadata"].get("total_size", 0) + kernel.nbytes
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        hf = json.load(f)
+    hf.update(architectures=[_ARCHITECTURES[cfg.model_type].replace(
+        "ForCausalLM", "ForSequenceClassification")], id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0}, tie_word_embeddings=cfg.tie_word_embeddings,
+        rljax_value_head_bias=bias)
+    with open(config_path, "w") as f:
+        json.dump(hf, f, indent=2)
+    return bias

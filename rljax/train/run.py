@@ -135,7 +135,10 @@ def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> 
     """``rljax eval --workdir DIR``: evaluates a checkpoint (default: latest), prints JSON."""
     ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices=devices)
     rng = jax.random.fold_in(jax.random.fold_in(state.rng, eval_lib.EVAL_STREAM), step)
-    metrics = eval_lib.run_eval(ctx, state.params, rng)
+    if _is_reward_model(cfg, state):  # held-out pair accuracy of the reward model
+        metrics = make_phases(ctx)[-1].evaluate(state, rng)
+    else:
+        metrics = eval_lib.run_eval(ctx, state.params, rng)
     print(json.dumps({"step": step, **metrics}), file=sys.stdout, flush=True)
     return 0
 
@@ -197,9 +200,23 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
     never be a run directory: not ``workdir``, nothing inside it, nor another run's."""
     workdir_lib.check_export_target(workdir, out, overwrite)
     ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices)
-    models.save_hf(ctx.model_cfg, state.params, out)
+    what = "policy"
+    if _is_reward_model(cfg, state):
+        bias = models.save_hf_value(ctx.model_cfg, state.critic_params, out)
+        what = "reward model (AutoModelForSequenceClassification, num_labels=1)"
+        if bias:
+            print(f"rljax: note: the value head's bias {bias:.4g} is not in HF's score layer "
+                  "(config.json: rljax_value_head_bias); add it to get rljax's scores",
+                  file=sys.stderr, flush=True)
+    else:
+        models.save_hf(ctx.model_cfg, state.params, out)
     save = getattr(ctx.tokenizer, "save", None)
     if save is not None:  # HF: tokenizer files + chat template; char: char_tokenizer.json
         save(out)
-    print(f"rljax: exported step {step} to {out}", file=sys.stderr, flush=True)
+    print(f"rljax: exported the {what} of step {step} to {out}", file=sys.stderr, flush=True)
     return 0
+
+
+def _is_reward_model(cfg, state) -> bool:
+    """A reward-model run past its warm-up: eval/export act on the reward model."""
+    return cfg.algo.name == "rm" and state.critic_params is not None
