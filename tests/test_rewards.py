@@ -343,9 +343,8 @@ def test_reward_from_file_path_relative_to_cwd(tmp_path, monkeypatch):
                             ("mine/user_rewards.py:broken", 1.0)])
     res = comb(["q"], ["2"], answer=[2], completion_lengths=[1])  # extra fields are filtered
     assert res.per_function == {"exact": [1.0], "broken": [0.0]}
-    path = os.path.join("mine", "user_rewards.py")
-    assert res.messages["broken"] == (f"ZeroDivisionError: division by zero "
-                                      f"(at {os.path.abspath(path)}:13)")
+    path = os.path.join("mine", "user_rewards.py")  # below the current directory: relative
+    assert res.messages["broken"] == f"ZeroDivisionError: division by zero (at {path}:13)"
 
 
 def test_reward_from_module_path():
@@ -413,3 +412,15 @@ def test_monitor_rate_limits_warnings_and_stops():
     mon.end_step(4, bad.errors, {"f": 4, "g": 4})
     with pytest.raises(rewards.RewardFunctionFailed, match="'f' failed on every sample for 3"):
         mon.end_step(5, bad.errors, {"f": 4, "g": 4})
+
+
+def test_readme_example_reward_file(monkeypatch):
+    monkeypatch.chdir(REPO)
+    fn = rewards.get("examples/my_reward.py:close_enough")
+    assert fn(["", "", ""], ["13", "x 12", "no"], answer=["13", "13", "13"]) == [1.0, 0.5, 0.0]
+    bonus = rewards.get("examples/my_reward.py:make_length_bonus", per_char=0.5)
+    assert bonus([""], ["abc"]) == [1.5]
+    comb = rewards.combine([("examples/my_reward.py:close_enough", 1.0)])
+    res = comb([""], ["3.5"], answer=["3.5"])  # int("3.5") fails: the warning's example
+    assert res.messages["close_enough"] == ("ValueError: invalid literal for int() with base 10: "
+                                            "'3.5' (at examples/my_reward.py:22)")

@@ -134,8 +134,14 @@ def describe_exception(exc: BaseException, fn=None) -> str:
         stdlib = os.path.dirname(os.__file__)
         pick = [f for f in frames if not os.path.abspath(f.filename).startswith((here, stdlib))]
     if pick:
-        text += f" (at {pick[-1].filename}:{pick[-1].lineno})"
+        text += f" (at {_short(pick[-1].filename)}:{pick[-1].lineno})"
     return text
+
+
+def _short(path: str) -> str:
+    """``path`` relative to the current directory when it is below it, else as given."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full) if full.startswith(os.getcwd() + os.sep) else path
 
 
 def _call_in_child(fn, prompts, completions, fields):
