@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 from rljax.errors import UserError
 
-__all__ = ["is_spec", "attribute_name", "load"]
+__all__ = ["is_spec", "attribute_name", "load", "call", "describe_exception"]
 
 _MODULE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 _ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -45,10 +46,10 @@ def attribute_name(spec: str) -> str:
 def _where_in(exc: BaseException, path: str) -> str:
     """``" (file.py:12)"`` for the last traceback line in ``path`` (or the SyntaxError's)."""
     if isinstance(exc, SyntaxError) and exc.filename:
-        return f" ({exc.filename}:{exc.lineno})"
+        return f" ({_short(exc.filename)}:{exc.lineno})"
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if os.path.abspath(f.filename) == path]
-    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f" ({_short(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
 
 
 def _import_file(path: str, key: str):
@@ -111,3 +112,45 @@ def load(spec: str, key: str) -> Any:
             raise UserError(f"{key}: {origin} has no {attr!r}{hint}")
         obj = getattr(obj, part)
     return obj
+
+
+def _source_file(fn) -> str | None:
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    try:
+        return os.path.abspath(inspect.getsourcefile(target) or "")
+    except TypeError:
+        return None
+
+
+def _short(path: str) -> str:
+    """``path`` relative to the current directory when it is below it, else as given."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full) if full.startswith(os.getcwd() + os.sep) else path
+
+
+def describe_exception(exc: BaseException, fn=None) -> str:
+    """``"ZeroDivisionError: division by zero (at my_reward.py:12)"``: type, message and the
+    last traceback line in ``fn``'s own file (else the last line outside rljax and the stdlib)."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    own = _source_file(fn) if fn is not None else None
+    here = os.path.dirname(os.path.abspath(__file__))  # the rljax package
+    pick = [f for f in frames if own and os.path.abspath(f.filename) == own]
+    if not pick:
+        stdlib = os.path.dirname(os.__file__)
+        pick = [f for f in frames if not os.path.abspath(f.filename).startswith((here, stdlib))]
+    if pick:
+        text += f" (at {_short(pick[-1].filename)}:{pick[-1].lineno})"
+    return text
+
+
+def call(fn, key: str, *args, **kwargs):
+    """``fn(*args, **kwargs)``; an exception in user code becomes a one-line UserError naming
+    ``key`` and the user's file and line."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise UserError(f"{key}: {name} raised {describe_exception(e, fn)}") from e

@@ -248,3 +248,37 @@ def test_real_gsm8k_file_out_of_the_box():
         pytest.skip(f"GSM8K data not found at {path} (shipped beside the project)")
     batch = next(data.make_iterator({"source": "jsonl", "path": path}, batch_size=8, seed=0))
     assert all(ex["prompt"] == ex["question"] and "####" in ex["answer"] for ex in batch)
+
+
+# ---- your own loader and template by path ----------------------------------------------------
+
+USER_DATA = '''
+def load(split, n=8):
+    first = 0 if split == "train" else 100
+    return [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(first, first + n)]
+
+
+def prompt(example):
+    return "Q: " + example["question"]
+
+
+def broken(split):
+    return [{"question": "x"}, 3]
+'''
+
+
+def test_user_loader_and_template_by_path(tmp_path, monkeypatch):
+    from rljax.errors import UserError
+
+    (tmp_path / "my_data.py").write_text(USER_DATA)
+    monkeypatch.chdir(tmp_path)
+    cfg = {"source": "my_data.py:load", "template": "my_data.py:prompt", "n": 4}
+    train = next(data.make_iterator(cfg, batch_size=4, seed=0, split="train"))
+    assert sorted(ex["question"] for ex in train) == ["0+1=", "1+1=", "2+1=", "3+1="]
+    assert all(ex["prompt"] == "Q: " + ex["question"] for ex in train)
+    held_out = next(data.make_iterator(cfg, batch_size=2, split="eval"))
+    assert [ex["answer"] for ex in held_out] == ["101", "102"]
+    with pytest.raises(UserError, match="returned a int as row 1"):
+        data.make_source({"source": "my_data.py:broken"})
+    with pytest.raises(UserError, match="unexpected keyword argument 'size'"):
+        data.make_source({"source": "my_data.py:load", "size": 3})

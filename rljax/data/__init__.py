@@ -20,12 +20,22 @@ Sources (key ``source``) and their keys, besides the common ones (``template``, 
 * ``jsonl`` / ``parquet``: ``path``, and ``eval_path`` or ``eval_fraction`` (+ ``split_seed``);
   ``fields`` maps example keys to columns. GSM8K files work as they are: ``{question, answer}``.
 * ``tfds``: ``name``, ``data_dir``, ``train_split`` ("train"), ``eval_split`` ("test"), ``fields``.
+* your own loader, ``path/to/file.py:load`` or ``package.module:load``: called as
+  ``load(split, **options)`` with ``split`` "train" or "eval" and every key that is not a common
+  one (``data.kwargs``) as an option; returns a list of example dicts. ``fields`` applies.
+
+``template`` may also name a function ``path/to/file.py:make_prompt`` taking an example dict and
+returning the prompt text.
 
 ``kind="preference"`` makes examples ``{prompt, chosen, rejected}`` (for DPO / reward models);
 use ``encode_preference`` to tokenise them.
 """
 from __future__ import annotations
 
+from typing import Iterable, Mapping
+
+from rljax import usercode
+from rljax.errors import UserError
 from rljax.data.iterator import DataIterator, encode_preference, encode_prompts
 from rljax.data.sources import (PREFERENCE_FIELDS, RecordsSource, SubsetSource, TaskSource,
                                 TfdsSource, load_records, split_indices)
@@ -54,6 +64,8 @@ def _as_dict(config) -> dict:
     config = config.to_dict() if hasattr(config, "to_dict") else config
     config = dict(config)
     source = config.get("source")
+    if usercode.is_spec(source):  # a user loader: the other keys are its options
+        return config
     if source not in _SOURCE_KEYS:
         raise ValueError(f"data.source must be one of {sorted(_SOURCE_KEYS)}, got {source!r}")
     unknown = set(config) - _COMMON - _SOURCE_KEYS[source]
@@ -87,7 +99,25 @@ def make_source(config, split: str = "train"):
             raise ValueError("data.source='tfds' needs data.name")
         tfds_split = config.get("train_split", "train") if split == "train" else config.get("eval_split", "test")
         return TfdsSource(config["name"], tfds_split, config.get("data_dir"), fields, kind)
+    if usercode.is_spec(name):
+        return _user_source(config, split, kind, fields)
     return _file_source(config, split, kind, fields)
+
+
+def _user_source(config: dict, split: str, kind: str, fields):
+    name = config["source"]
+    load = usercode.load(name, "data.source")
+    options = {k: v for k, v in config.items() if k not in _COMMON | {"fields"}}
+    rows = usercode.call(load, "data.source", split, **options)
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
+        raise UserError(f"data.source: {name} returned {type(rows).__name__}; expected a list "
+                        "of example dicts")
+    rows = list(rows)
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, Mapping)), None)
+    if bad is not None:
+        raise UserError(f"data.source: {name} returned a {type(rows[bad]).__name__} as row "
+                        f"{bad}; expected example dicts")
+    return RecordsSource(rows, fields, kind, name)
 
 
 def _file_source(config: dict, split: str, kind: str, fields):
@@ -111,7 +141,10 @@ def make_template(config, tokenizer=None) -> PromptTemplate:
     """The prompt template a config describes (``template``, ``chat``, ``system_prompt``)."""
     config = _as_dict(config)
     default = "{prompt}" if config.get("kind") == "preference" else DEFAULT_TEMPLATE
-    return PromptTemplate(config.get("template", default), chat=config.get("chat", False),
+    template = config.get("template", default)
+    if usercode.is_spec(template):  # a function example -> prompt text
+        template = usercode.load(template, "data.template")
+    return PromptTemplate(template, chat=config.get("chat", False),
                           system_prompt=config.get("system_prompt"), tokenizer=tokenizer)
 
 

@@ -21,8 +21,10 @@ class PromptTemplate:
     def __init__(self, template: str = DEFAULT_TEMPLATE, chat: bool = False,
                  system_prompt: str | None = None, tokenizer=None):
         self.template, self.chat, self.system_prompt, self.tokenizer = template, chat, system_prompt, tokenizer
-        # Field names the template uses, so a missing one is reported up front by name.
-        self.fields = sorted({name for _, name, _, _ in string.Formatter().parse(template) if name})
+        # Field names the template uses, so a missing one is reported up front by name. A
+        # function (user code: example dict -> prompt text) checks its own fields.
+        self.fields = [] if callable(template) else sorted(
+            {name for _, name, _, _ in string.Formatter().parse(template) if name})
         if chat:
             if tokenizer is None:
                 raise ValueError("chat=True needs a tokenizer (its chat template renders the prompt)")
@@ -38,6 +40,15 @@ class PromptTemplate:
 
     def format(self, example: Mapping) -> str:
         """The plain template filled with the example's fields."""
+        if callable(self.template):
+            from rljax import usercode
+            from rljax.errors import UserError
+
+            text = usercode.call(self.template, "data.template", dict(example))
+            if not isinstance(text, str):
+                raise UserError(f"data.template: {self.template.__name__} returned "
+                                         f"{type(text).__name__}, not the prompt text")
+            return text
         missing = [f for f in self.fields if f not in example]
         if missing:
             raise KeyError(f"prompt template {self.template!r} needs field(s) {missing}; "

@@ -45,11 +45,11 @@ import inspect
 import logging
 import math
 import multiprocessing
-import os
 import threading
 import time
-import traceback
 from typing import Callable, Sequence
+
+from rljax.usercode import describe_exception
 
 __all__ = ["RewardResult", "CombinedReward", "combine", "call_reward", "describe_exception"]
 
@@ -110,38 +110,6 @@ def _accepted_fields(fn: Callable, fields: dict) -> dict:
 def call_reward(fn: Callable, prompts, completions, fields: dict):
     """``fn(prompts, completions, **fields)`` with only the fields ``fn`` accepts."""
     return fn(prompts, completions, **_accepted_fields(fn, fields))
-
-
-def _source_file(fn) -> str | None:
-    while hasattr(fn, "func"):  # functools.partial
-        fn = fn.func
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    try:
-        return os.path.abspath(inspect.getsourcefile(target) or "")
-    except TypeError:
-        return None
-
-
-def describe_exception(exc: BaseException, fn=None) -> str:
-    """``"ZeroDivisionError: division by zero (at my_reward.py:12)"``: type, message and the
-    last traceback line in ``fn``'s own file (else the last line outside rljax and the stdlib)."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
-    own = _source_file(fn) if fn is not None else None
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the rljax package
-    pick = [f for f in frames if own and os.path.abspath(f.filename) == own]
-    if not pick:
-        stdlib = os.path.dirname(os.__file__)
-        pick = [f for f in frames if not os.path.abspath(f.filename).startswith((here, stdlib))]
-    if pick:
-        text += f" (at {_short(pick[-1].filename)}:{pick[-1].lineno})"
-    return text
-
-
-def _short(path: str) -> str:
-    """``path`` relative to the current directory when it is below it, else as given."""
-    full = os.path.abspath(path)
-    return os.path.relpath(full) if full.startswith(os.getcwd() + os.sep) else path
 
 
 def _call_in_child(fn, prompts, completions, fields):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import data as data_lib
-from rljax import models, rewards, tokenizers
+from rljax import models, rewards, tokenizers, usercode
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
 from rljax.train import optim, paths
@@ -65,6 +65,8 @@ def _template(cfg) -> str:
     name = cfg.data.template
     if name in TEMPLATES:
         return TEMPLATES[name]
+    if usercode.is_spec(name):  # a function of the example (rljax.data loads it)
+        return name
     if "{" not in name:
         raise ConfigError(f"data.template={name!r} is neither a known template "
                           f"({', '.join(TEMPLATES)}) nor a format string like '{{question}}'")
@@ -93,6 +95,10 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
     for name in cfg.reward.names:  # user code (file.py:fn) is imported here, before compiling
         rewards.check(name, reward_kwargs(cfg, name))
     _template(cfg)
+    for key in ("data.source", "data.template"):  # user code: imported before compiling
+        value = cfg.data[key.split(".")[1]]
+        if usercode.is_spec(value):
+            usercode.load(value, key)
     mesh_sizes = dict(cfg.mesh.items())
     n = num_devices if num_devices is not None else jax.device_count()
     fixed = 1
