@@ -173,7 +173,9 @@ class Context:
         return rewards.combine(
             [(n, w, reward_kwargs(self.cfg, n)) for n, w in zip(r.names, weights)],
             default_score=r.default_score, timeout_s=r.timeout_s or None, isolation=r.isolation,
-            should_abort=lambda: self.stop is not None and self.stop.should_stop())
+            # The flag itself, not should_stop(): that may be a collective (multi-host) or,
+            # in tests, count calls; this is polled many times within a step.
+            should_abort=lambda: getattr(self.stop, "signum", None) is not None)
 
     def state_shardings(self, shape_state: TrainState) -> TrainState:
         critic = None
