@@ -195,7 +195,8 @@ def test_combine_timeout_thread():
 
 
 def test_combine_timeout_process_kills_worker():
-    comb = rewards.combine([("gsm8k", 1.0), (_hangs, 1.0)], timeout_s=1.0, isolation="process")
+    # 3 s: gsm8k must finish in a spawned worker on a loaded 2-core machine
+    comb = rewards.combine([("gsm8k", 1.0), (_hangs, 1.0)], timeout_s=3.0, isolation="process")
     try:
         res = comb(["q"], ["#### 2"], answer=["2"])
         assert res.per_function == {"gsm8k": [1.0], "_hangs": [0.0]}
@@ -424,3 +425,17 @@ def test_readme_example_reward_file(monkeypatch):
     res = comb([""], ["3.5"], answer=["3.5"])  # int("3.5") fails: the warning's example
     assert res.messages["close_enough"] == ("ValueError: invalid literal for int() with base 10: "
                                             "'3.5' (at examples/my_reward.py:22)")
+
+
+def test_math_runs_on_the_main_thread_with_its_own_limits():
+    seen = []
+
+    def where(prompts, completions, **_):
+        seen.append(__import__("threading").current_thread().name)
+        return [0.0] * len(completions)
+
+    where.rljax_main_thread = True
+    comb = rewards.combine([("math", 1.0), (where, 1.0), (_raises, 1.0)], timeout_s=30)
+    res = comb(["q"], ["$\\frac{1}{2}$"], answer=["0.5"])
+    assert res.per_function["math"] == [1.0] and seen == ["MainThread"]
+    assert res.errors == {"math": 0, "where": 0, "_raises": 1}

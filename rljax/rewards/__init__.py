@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Callable
 
 from rljax import usercode
-from rljax.errors import UserError
+from rljax.errors import ConfigError, UserError
 from rljax.rewards import shaping, verifiers
 from rljax.rewards.combine import CombinedReward, RewardResult, combine
 from rljax.rewards.monitor import RewardFunctionFailed, RewardMonitor
@@ -103,7 +103,7 @@ def check(name: str, kwargs: dict | None = None, key: str = "reward.names") -> N
     if name in _REGISTRY:
         return
     if not usercode.is_spec(name):
-        raise UserError(f"{key}: unknown reward {name!r}; known: {', '.join(names())} (or your "
+        raise ConfigError(f"{key}: unknown reward {name!r}; known: {', '.join(names())} (or your "
                         "own function as path/to/file.py:function or package.module:function)")
     get(name, _key=key, **(kwargs or {}))
 

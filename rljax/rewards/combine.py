@@ -256,10 +256,19 @@ class CombinedReward:
         return self._in_threads(prompts, completions, fields, deadline)
 
     def _in_threads(self, prompts, completions, fields, deadline) -> list[tuple[str, object]]:
-        """All functions at once, each in its own thread, against one deadline."""
+        """All functions at once, each in its own thread, against one deadline. A function
+        marked ``rljax_main_thread = True`` (it enforces its own time limits with signals, as
+        ``math`` does) runs on the calling thread meanwhile, when that is the main thread."""
         calls: list[_Call | None] = []
         outcomes: list[tuple[str, object] | None] = []
+        on_main = threading.current_thread() is threading.main_thread()
+        direct = []
         for name, fn in zip(self.names, self.fns):
+            if on_main and getattr(fn, "rljax_main_thread", False):
+                calls.append(None)
+                outcomes.append(None)
+                direct.append((len(outcomes) - 1, fn))
+                continue
             hung = self._hung.get(name)
             if hung is not None and not hung.done.is_set():
                 calls.append(None)
@@ -271,10 +280,12 @@ class CombinedReward:
             self._hung.pop(name, None)
             calls.append(_Call(fn, (prompts, completions), fields, name))
             outcomes.append(None)
+        for i, fn in direct:
+            outcomes[i] = self._direct(fn, prompts, completions, fields)
         live = [c for c in calls if c is not None]
         _wait(lambda: all(c.done.is_set() for c in live), deadline, self.should_abort)
         for i, (name, call) in enumerate(zip(self.names, calls)):
-            if call is None:
+            if call is None:  # not called (still running) or run directly
                 continue
             if not call.done.is_set():
                 self._hung[name] = call

@@ -155,3 +155,8 @@ def math_equivalence(prompts, completions, answer=None, **_) -> list[float]:
         ok = bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=limit)
         scores.append(1.0 if ok else 0.0)
     return scores
+
+
+# combine's thread isolation runs it on the calling (main) thread, where its per-sample limits
+# work, instead of in a worker thread where they would be off.
+math_equivalence.rljax_main_thread = True
