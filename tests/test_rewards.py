@@ -389,7 +389,7 @@ def test_process_isolation_with_user_file_and_system_exit(tmp_path, monkeypatch)
     finally:
         comb.close()
     assert res.per_function == {"exact": [1.0], "exits": [0.0]}
-    assert "SystemExit: 3" in res.messages["exits"]
+    assert res.messages["exits"] == "SystemExit: 3 (at procs.py:17)"
 
 
 def test_monitor_rate_limits_warnings_and_stops():

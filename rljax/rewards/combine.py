@@ -112,6 +112,10 @@ def call_reward(fn: Callable, prompts, completions, fields: dict):
     return fn(prompts, completions, **_accepted_fields(fn, fields))
 
 
+class ChildFailure(Exception):
+    """A reward function failed in a worker process; the message is its description."""
+
+
 def _call_in_child(fn, prompts, completions, fields):
     """Runs in a worker process: resolves a name there (names pickle, closures don't)."""
     if isinstance(fn, tuple):
@@ -122,7 +126,7 @@ def _call_in_child(fn, prompts, completions, fields):
     try:
         return list(call_reward(fn, prompts, completions, fields))
     except BaseException as e:  # noqa: BLE001 - the message travels; the traceback does not
-        raise RuntimeError(describe_exception(e, fn)) from None
+        raise ChildFailure(describe_exception(e, fn)) from None
 
 
 def _ready() -> bool:
@@ -228,7 +232,8 @@ class CombinedReward:
         if status == "timeout":
             return default, n, value or f"timed out after {self.timeout_s:g} s"
         if status == "error":
-            return default, n, describe_exception(value, fn)
+            return default, n, (str(value) if isinstance(value, ChildFailure)
+                                else describe_exception(value, fn))
         if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
             return default, n, (f"returned {type(value).__name__}, not a list of {n} scores "
                                 "(one per completion)")
