@@ -294,7 +294,13 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) ->
             raise ConfigError(f"override {item!r} has no '=value'")
         parent, name = _resolve_parent(cfg, key)
         if _is_open(key.rpartition(".")[0]) or _is_open(key):
-            parent[name] = _literal(raw)
+            value = _literal(raw)
+            try:
+                parent[name] = value
+            except TypeError:  # ConfigDict keeps an existing key's type
+                kind = type(parent[name]).__name__
+                raise ConfigError(f"{key}: expected {kind}, got {type(value).__name__} "
+                                  f"({value!r})") from None
             continue
         if isinstance(parent[name], ml_collections.ConfigDict):
             raise ConfigError(f"{key} is a section; override its keys, e.g. {key}.<name>=...")
@@ -309,6 +315,11 @@ def _resolve_parent(cfg: ml_collections.ConfigDict, dotted: str):
     for part in parts[:-1]:
         path.append(part)
         if _is_open(".".join(path)):
+            if part not in node:  # a new entry of a free-form section: reward.kwargs.NAME.k=v
+                node[part] = ml_collections.ConfigDict()
+            if not isinstance(node[part], ml_collections.ConfigDict):
+                raise ConfigError(f"{'.'.join(path)}={node[part]!r} is not a section; cannot "
+                                  f"set {dotted}")
             node = node[part]
             continue
         if part not in node or not isinstance(node[part], ml_collections.ConfigDict):

@@ -32,20 +32,22 @@ use ``encode_preference`` to tokenise them.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from rljax import usercode
 from rljax.errors import UserError
 from rljax.data.iterator import DataIterator, encode_preference, encode_prompts
-from rljax.data.sources import (PREFERENCE_FIELDS, RecordsSource, SubsetSource, TaskSource,
-                                TfdsSource, load_records, split_indices)
+from rljax.data.sources import (PREFERENCE_FIELDS, DataError, RecordsSource, SubsetSource,
+                                TaskSource, TfdsSource, load_records, read_records,
+                                split_indices, where)
 from rljax.data.tasks import TASKS, ArithmeticTask, CountdownTask, solve_countdown
 from rljax.data.templates import DEFAULT_TEMPLATE, PromptTemplate
 
 __all__ = ["make_source", "make_template", "make_iterator", "get_task", "DataIterator",
            "encode_prompts", "encode_preference", "PromptTemplate", "TaskSource", "RecordsSource",
            "SubsetSource", "TfdsSource", "ArithmeticTask", "CountdownTask", "solve_countdown",
-           "load_records", "split_indices", "TASKS", "PREFERENCE_FIELDS"]
+           "load_records", "read_records", "split_indices", "TASKS", "PREFERENCE_FIELDS",
+           "DataError", "check_source", "identical_pairs"]
 
 _COMMON = {"source", "template", "chat", "system_prompt", "max_prompt_len", "max_completion_len",
            "on_overlong", "shuffle", "add_bos", "kind"}
@@ -126,9 +128,10 @@ def _file_source(config: dict, split: str, kind: str, fields):
     if "eval_path" in config and "eval_fraction" in config:
         raise ValueError("give data.eval_path or data.eval_fraction, not both")
     if split == "eval" and "eval_path" in config:
-        return RecordsSource(load_records(config["eval_path"]), fields, kind, config["eval_path"])
-    rows = load_records(config["path"])
-    source = RecordsSource(rows, fields, kind, config["path"])
+        rows, lines = read_records(config["eval_path"])
+        return RecordsSource(rows, fields, kind, config["eval_path"], lines)
+    rows, lines = read_records(config["path"])
+    source = RecordsSource(rows, fields, kind, config["path"], lines)
     if "eval_fraction" in config:
         train, held_out = split_indices(len(rows), config["eval_fraction"], config.get("split_seed", 0))
         return SubsetSource(source, train if split == "train" else held_out)
@@ -161,3 +164,39 @@ def make_iterator(config, batch_size: int, seed: int = 0, split: str = "train", 
         on_overlong=cfg.get("on_overlong", "error"), add_bos=cfg.get("add_bos", False),
         max_completion_len=cfg.get("max_completion_len"),
         num_epochs=num_epochs if num_epochs is not None or not is_eval else 1)
+
+
+def check_source(config, split: str = "train", limit: int | None = None,
+                 one_of: Sequence[str] = ()) -> int:
+    """Reads the split's rows up front (the first ``limit``; all with None) and checks each
+    one has the fields the prompt template (and the kind) needs, without a tokenizer, and
+    one of the fields ``one_of`` when given (e.g. SFT targets).
+
+    Returns the number of rows; raises DataError naming ``file:line`` for a bad row and the
+    file for an empty one, so a bad file fails before anything compiles, not at step 1000.
+    """
+    cfg = _as_dict(config)
+    source = make_source(cfg, split)
+    if len(source) == 0:
+        raise DataError(f"{getattr(source, 'name', 'data source')} is empty (no rows)")
+    default = "{prompt}" if cfg.get("kind") == "preference" else DEFAULT_TEMPLATE
+    template = PromptTemplate(cfg.get("template", default))  # the fields; chat needs no check
+    n = len(source) if limit is None else min(limit, len(source))
+    for index in range(n):
+        example = source[index]
+        missing = [f for f in template.fields if f not in example]
+        if missing:
+            raise DataError(f"{where(source, index)}: the prompt template {template.template!r} "
+                            f"needs field(s) {missing}; the row has {sorted(example)}")
+        if one_of and not any(f in example for f in one_of):
+            raise DataError(f"{where(source, index)}: the row needs one of the fields "
+                            f"{list(one_of)}; it has {sorted(example)}")
+    return len(source)
+
+
+def identical_pairs(source, limit: int | None = None) -> tuple[int, int]:
+    """(pairs whose chosen == rejected, pairs checked) among the first ``limit`` rows of a
+    preference source: such pairs carry no signal (DPO loss stays log 2, gradient 0)."""
+    n = len(source) if limit is None else min(limit, len(source))
+    rows = (source[i] for i in range(n))
+    return sum(1 for row in rows if row["chosen"] == row["rejected"]), n

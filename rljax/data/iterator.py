@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from rljax.data.sources import DataError, where
+
 __all__ = ["DataIterator", "encode_prompts", "encode_preference"]
 
 _STATE_VERSION = 1
@@ -30,7 +32,7 @@ class DataIterator:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if len(source) == 0:
-            raise ValueError("data source is empty")
+            raise DataError(f"{getattr(source, 'name', 'data source')} is empty (no rows)")
         if on_overlong not in ("error", "drop"):
             raise ValueError(f"on_overlong must be 'error' or 'drop', got {on_overlong!r}")
         if (max_prompt_len or max_completion_len) and tokenizer is None:
@@ -91,22 +93,53 @@ class DataIterator:
             else:
                 dropped_in_a_row += 1
                 if dropped_in_a_row > len(self.source):  # would loop forever otherwise
-                    raise ValueError("every example is dropped as overlong; raise max_prompt_len")
+                    raise DataError(f"every example is dropped as overlong (max_prompt_len="
+                                    f"{self.max_prompt_len}, max_completion_len="
+                                    f"{self.max_completion_len}); raise the limit")
         return batch
+
+    def render(self, index: int) -> dict:
+        """Example ``index`` of the source with its rendered prompt (no length check); a bad
+        row raises DataError naming its file and line."""
+        try:
+            example = dict(self.source[index])
+            if self.template is not None:
+                example["prompt"] = self.template(example)
+            elif "prompt" not in example:
+                raise KeyError(f"no 'prompt' field and no template was given; "
+                               f"fields: {sorted(example)}")
+        except DataError:
+            raise
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            text = e.args[0] if isinstance(e, KeyError) and e.args else e
+            raise DataError(f"{where(self.source, index)}: {text}") from None
+        return example
+
+    def scan(self, limit: int | None = 1000) -> dict:
+        """Checks the first ``limit`` examples (all with None) without moving the position:
+        renders each (a bad row raises DataError) and measures prompt lengths.
+
+        Returns ``{"checked", "overlong", "min_tokens", "max_tokens"}`` (token counts of the
+        prompts; overlong = examples the length check would drop or refuse)."""
+        n = len(self.source) if limit is None else min(limit, len(self.source))
+        overlong, lengths = 0, []
+        for index in range(n):
+            example = self.render(index)
+            if self.tokenizer is not None:
+                lengths.append(len(self.tokenizer.encode(example["prompt"], add_bos=self.add_bos)))
+                overlong += self._length_problem(example) is not None
+        return {"checked": n, "overlong": overlong, "min_tokens": min(lengths, default=0),
+                "max_tokens": max(lengths, default=0)}
 
     def _prepare(self, index: int) -> dict | None:
         """Example ``index`` with its rendered prompt, or None if dropped as overlong."""
-        example = dict(self.source[index])
-        if self.template is not None:
-            example["prompt"] = self.template(example)
-        elif "prompt" not in example:
-            raise KeyError(f"example {index} has no 'prompt' field and no template was given; "
-                           f"fields: {sorted(example)}")
+        example = self.render(index)
         problem = self._length_problem(example)
         if problem is None:
             return example
         if self.on_overlong == "error":
-            raise ValueError(f"example {index}: {problem} (set on_overlong='drop' to skip such examples)")
+            raise DataError(f"{where(self.source, index)}: {problem} (set on_overlong='drop' to "
+                            "skip such examples)")
         self.num_dropped += 1
         return None
 

@@ -16,10 +16,27 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from rljax.errors import UserError
+
 __all__ = ["TaskSource", "RecordsSource", "SubsetSource", "TfdsSource", "load_records",
-           "split_indices", "PREFERENCE_FIELDS"]
+           "read_records", "split_indices", "where", "DataError", "PREFERENCE_FIELDS"]
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+
+
+class DataError(UserError, ValueError, KeyError):
+    """A data file or row the run cannot use; the message names the file and line (row).
+
+    A UserError (the CLI prints one line); also a ValueError/KeyError for older callers."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def where(source, index: int) -> str:
+    """A human location of example ``index`` of ``source``: ``file:line`` for JSONL files."""
+    fn = getattr(source, "where", None)
+    return fn(index) if fn is not None else f"example {index}"
 
 
 class TaskSource:
@@ -36,13 +53,16 @@ class TaskSource:
             raise IndexError(index)
         return self.task.example(index, self.split)
 
+    def where(self, index: int) -> str:
+        return f"{self.task.__class__.__name__} {self.split} example {index}"
+
 
 def _map_fields(row: Mapping, fields: Mapping[str, str] | None, where: str) -> dict:
     if not fields:
         return dict(row)
     missing = [col for col in fields.values() if col not in row]
     if missing:
-        raise KeyError(f"{where}: column(s) {missing} not found; available: {sorted(row)}")
+        raise DataError(f"{where}: column(s) {missing} not found; available: {sorted(row)}")
     return {key: row[col] for key, col in fields.items()}
 
 
@@ -50,7 +70,7 @@ def _check_kind(example: dict, kind: str, where: str) -> dict:
     if kind == "preference":
         missing = [f for f in PREFERENCE_FIELDS if f not in example]
         if missing:
-            raise KeyError(f"{where}: preference data needs fields {list(PREFERENCE_FIELDS)}, "
+            raise DataError(f"{where}: preference data needs fields {list(PREFERENCE_FIELDS)}, "
                            f"missing {missing}; map them with `fields`")
     elif kind != "prompt":
         raise ValueError(f"unknown data kind {kind!r}; expected 'prompt' or 'preference'")
@@ -61,37 +81,64 @@ class RecordsSource:
     """In-memory rows (from JSONL/Parquet) with an optional field mapping."""
 
     def __init__(self, rows: Sequence[Mapping], fields: Mapping[str, str] | None = None,
-                 kind: str = "prompt", name: str = "records"):
+                 kind: str = "prompt", name: str = "records", lines: Sequence[int] | None = None):
         self.rows, self.fields, self.kind, self.name = rows, dict(fields or {}), kind, name
+        self.lines = lines  # the file line of each row (JSONL), for error messages
         if rows:  # fail at construction, not at step 1000, if the mapping is wrong
             self[0]
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def where(self, index: int) -> str:
+        if self.lines is not None:
+            return f"{self.name}:{self.lines[index]}"
+        return f"{self.name} row {index + 1}"
+
     def __getitem__(self, index: int) -> dict:
-        where = f"{self.name} row {index}"
+        where = self.where(index)
         return _check_kind(_map_fields(self.rows[index], self.fields, where), self.kind, where)
 
 
 def load_records(path: str) -> list[dict]:
     """Reads a ``.jsonl`` (one JSON object per line) or ``.parquet`` file into a list of dicts."""
+    return read_records(path)[0]
+
+
+def read_records(path: str) -> tuple[list[dict], list[int] | None]:
+    """(rows, the file line of each row) of a ``.jsonl`` file; (rows, None) for ``.parquet``.
+
+    A line that is not UTF-8, not JSON or not a JSON object raises DataError naming
+    ``path:line``."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file does not exist: {path!r}")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq  # only Parquet needs pyarrow
 
-        return pq.read_table(path).to_pylist()
+        return pq.read_table(path).to_pylist(), None
     if path.endswith((".jsonl", ".json")):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-        return rows
+        rows, lines = [], []
+        offset = 0
+        with open(path, "rb") as f:  # decoded line by line so an error names the line
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte offset "
+                                     f"{offset + e.start} in the file); save it as UTF-8") from None
+                offset += len(raw)
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object per line "
+                                     f"({{\"question\": ...}}), got a {type(row).__name__}")
+                rows.append(row)
+                lines.append(lineno)
+        return rows, lines
     raise ValueError(f"unsupported data file {path!r}: expected .jsonl or .parquet")
 
 
@@ -100,12 +147,16 @@ class SubsetSource:
 
     def __init__(self, source, indices: Sequence[int]):
         self.source, self.indices = source, [int(i) for i in indices]
+        self.name = getattr(source, "name", "data")
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, index: int) -> dict:
         return self.source[self.indices[index]]
+
+    def where(self, index: int) -> str:
+        return where(self.source, self.indices[index])
 
 
 def split_indices(n: int, eval_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -157,7 +208,10 @@ class TfdsSource:
     def __len__(self) -> int:
         return len(self._source)
 
+    def where(self, index: int) -> str:
+        return f"{self.name} example {index}"
+
     def __getitem__(self, index: int) -> dict:
-        where = f"{self.name} example {index}"
+        where = self.where(index)
         row = _to_python(self._source[int(index)])
         return _check_kind(_map_fields(row, self.fields, where), self.kind, where)

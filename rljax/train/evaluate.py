@@ -38,6 +38,9 @@ def eval_examples(ctx) -> list[dict]:
         out.extend(batch)
         if limit and len(out) >= limit:
             return out[:limit]
+    if not out:
+        raise UserError(f"eval data: none of the {len(it.source)} examples fits "
+                        f"data.max_prompt_length={ctx.cfg.data.max_prompt_length}")
     return out
 
 

@@ -56,6 +56,9 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
     paths.makedirs(workdir)  # a local directory or a URL (gs://...)
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
+    # Held-out prompts, read before the checkpoint manager starts (a bad eval file is one line).
+    examples = (eval_lib.eval_examples(ctx)
+                if any(not hasattr(p, "evaluate") for p in phases) else None)
     offsets = phase_offsets(phases)
     total = offsets[-1] + phases[-1].steps
     guard = NonFiniteGuard(cfg.optimizer.max_consecutive_nonfinite)
@@ -91,8 +94,6 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
         else:
             writer.write(step, eval_lib.run_eval(ctx, state.params, rng, examples))
 
-    examples = (eval_lib.eval_examples(ctx)
-                if any(not hasattr(p, "evaluate") for p in phases) else None)
     writer = MetricsWriter(workdir, total_steps=total, console_every_s=cfg.logging.console_every_s,
                            tensorboard=cfg.logging.tensorboard,
                            resume_step=gstep if state is not None else None,

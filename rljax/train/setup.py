@@ -12,8 +12,11 @@ The ``Phase`` protocol is what ``run.py`` drives; each algorithm file (``sft.py`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
+import re
+import sys
 from typing import Any, Protocol
 
 import jax
@@ -92,8 +95,10 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
         value = cfg[section][name]
         if value and not os.path.exists(value):
             raise UserError(f"{key}={value!r} does not exist")
+    _check_reward_kwargs(cfg)
     for name in cfg.reward.names:  # user code (file.py:fn) is imported here, before compiling
         rewards.check(name, reward_kwargs(cfg, name))
+    _check_model_overrides(cfg)
     _template(cfg)
     for key in ("data.source", "data.template"):  # user code: imported before compiling
         value = cfg.data[key.split(".")[1]]
@@ -113,13 +118,124 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
               ("algo.mini_batch_size", cfg.algo.mini_batch_size),
               ("algo.micro_batch_size", cfg.algo.micro_batch_size),
               ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0)]
-    for key, value in checks:
-        if value and value % dp:
-            raise ConfigError(f"{key}={value} is not divisible by the data-parallel mesh size "
-                              f"{dp} (mesh.data x mesh.fsdp)")
+    problems = [f"{key}={value} is not divisible by the data-parallel mesh size {dp} "
+                "(mesh.data x mesh.fsdp)" for key, value in checks if value and value % dp]
+    if problems:  # all of them at once, not one per run
+        raise ConfigError("; ".join(problems))
     if cfg.data.max_prompt_length >= cfg.sft.max_length and cfg.sft.steps:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length}")
+    check_data_files(cfg)
+
+
+def _check_reward_kwargs(cfg) -> None:
+    """``reward.kwargs.NAME`` must be options that reward ``NAME`` (one of reward.names) takes."""
+    names = list(cfg.reward.names)
+    known = set(names) | {rewards.display_name(n) for n in names}
+    for key, kwargs in dict(cfg.reward.kwargs).items():
+        if key not in known:
+            raise ConfigError(f"reward.kwargs.{key}: {key!r} is not in reward.names "
+                              f"({', '.join(names)}); kwargs are keyed by reward name")
+        kwargs = kwargs.to_dict() if hasattr(kwargs, "to_dict") else kwargs
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"reward.kwargs.{key}={kwargs!r}: expected a dict of options "
+                              f"for reward {key!r}")
+    for name in names:
+        if usercode.is_spec(name) or name not in rewards.names():
+            continue  # user code: rewards.check builds it with its kwargs
+        try:
+            rewards.get(name, **reward_kwargs(cfg, name))  # built-in factories store options
+        except (TypeError, ValueError, KeyError, re.error) as e:
+            raise ConfigError(f"reward.kwargs.{name}: {e}") from None
+
+
+def _check_model_overrides(cfg) -> None:
+    """``model.overrides`` keys are ModelConfig fields with values of the field's type."""
+    fields = {f.name: f for f in dataclasses.fields(models.ModelConfig)}
+    for key, value in dict(cfg.model.overrides).items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"model.overrides.{key}: not a model setting; {hint}"
+                              f"settings: {', '.join(sorted(fields))}")
+        default = fields[key].default
+        if default is None or default is dataclasses.MISSING:
+            continue
+        kind = type(default)
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ConfigError(f"model.overrides.{key}={value!r}: expected {kind.__name__} "
+                              f"(like the default {default!r})")
+
+
+def _files_read(cfg) -> list[tuple[str, dict, str, tuple]]:
+    """(what, data config, split, fields one of which each row needs) of every JSONL/Parquet
+    file the run reads, for ``check_data_files``."""
+    out = []
+    files = ("jsonl", "parquet")
+    has_eval = bool(cfg.data.eval_path) or "eval_fraction" in dict(cfg.data.kwargs)
+    if cfg.data.source in files:
+        if uses_preference_data(cfg):
+            config = preference_config(cfg)
+        else:
+            config = data_config(cfg)
+        out.append(("data", config, "train", ()))
+        if has_eval:
+            out.append(("eval data", config, "eval", ()))
+    sft_source = cfg.sft.source or cfg.data.source
+    if (cfg.sft.steps or cfg.algo.name == "sft") and sft_source in files:
+        config = data_config(cfg, sft_source, cfg.sft.path or None)
+        out.append(("SFT data", config, "train", ("completion", "solution", "answer")))
+    return out
+
+
+def check_data_files(cfg) -> None:
+    """Reads every row of the run's data files up front (cheap next to a compile): a file that
+    is empty, not UTF-8 or not JSON objects, or a row without a field the template needs, is
+    one UserError naming file and line, before anything compiles."""
+    for what, config, split, one_of in _files_read(cfg):
+        try:
+            data_lib.check_source(config, split, one_of=one_of)
+        except (ValueError, KeyError) as e:
+            raise UserError(f"{what}: {e}") from None
+
+
+def data_config(cfg, source: str | None = None, path: str | None = None) -> dict:
+    """The ``rljax.data`` config dict for ``cfg.data`` (or another source/path)."""
+    d = cfg.data
+    source = source or d.source
+    out = {"template": _template(cfg), "max_prompt_len": int(d.max_prompt_length),
+           "on_overlong": "drop", "shuffle": bool(d.shuffle)}
+    if cfg.tokenizer.chat_template:
+        out["chat"] = True
+    if source.startswith("tfds:"):
+        out.update(source="tfds", name=source[len("tfds:"):], train_split=d.split,
+                   eval_split=d.eval_split)
+    else:
+        out["source"] = source
+    if source in ("jsonl", "parquet"):
+        out["path"] = path or d.path
+        if d.eval_path:
+            out["eval_path"] = d.eval_path
+    out.update(dict(d.kwargs))
+    return out
+
+
+def preference_config(cfg) -> dict:
+    """The data config of preference pairs (offline DPO, reward models): ``kind="preference"``
+    and the template ``{prompt}`` unless one is set; synthetic tasks stay prompt data."""
+    config = dict(data_config(cfg))
+    if config["source"] not in data_lib.TASKS:
+        config.setdefault("kind", "preference")
+        if cfg.data.template == "plain":  # the default "{question}" is for prompt data
+            config["template"] = "{prompt}"
+    return config
+
+
+def uses_preference_data(cfg) -> bool:
+    return cfg.algo.name == "rm" or (cfg.algo.name == "dpo" and not cfg.algo.online)
 
 
 # ----------------------------------------------------------------------------- context
@@ -146,23 +262,7 @@ class Context:
 
     def data_config(self, source: str | None = None, path: str | None = None) -> dict:
         """The ``rljax.data`` config dict for ``cfg.data`` (or another source/path)."""
-        d = self.cfg.data
-        source = source or d.source
-        out = {"template": _template(self.cfg), "max_prompt_len": int(d.max_prompt_length),
-               "on_overlong": "drop", "shuffle": bool(d.shuffle)}
-        if self.cfg.tokenizer.chat_template:
-            out["chat"] = True
-        if source.startswith("tfds:"):
-            out.update(source="tfds", name=source[len("tfds:"):], train_split=d.split,
-                       eval_split=d.eval_split)
-        else:
-            out["source"] = source
-        if source in ("jsonl", "parquet"):
-            out["path"] = path or d.path
-            if d.eval_path:
-                out["eval_path"] = d.eval_path
-        out.update(dict(d.kwargs))
-        return out
+        return data_config(self.cfg, source, path)
 
     def reward_fn(self):
         """``rewards.combine`` of ``reward.names`` / ``weights`` (``reward.kwargs[name]`` are the
@@ -220,8 +320,12 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     m = cfg.model
     if m.path:
         with open(os.path.join(m.path, "config.json")) as f:
-            model_cfg = models.config_from_hf(json.load(f), dtype=jnp.dtype(m.dtype),
-                                              remat=bool(m.remat), **dict(m.overrides))
+            try:
+                model_cfg = models.config_from_hf(json.load(f), dtype=jnp.dtype(m.dtype),
+                                                  remat=bool(m.remat), **dict(m.overrides))
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"model: {e}") from None
+        check_context_length(cfg, model_cfg)
         shardings = _param_shardings(model_cfg, mesh)
         try:
             model_cfg, params = models.load_hf(m.path, dtype=jnp.dtype(m.dtype),
@@ -241,9 +345,29 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
         model_cfg = models.get_preset(m.preset, **overrides)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
+    check_context_length(cfg, model_cfg)
     shardings = _param_shardings(model_cfg, mesh)
     params = jax.jit(lambda r: models.init_params(model_cfg, r), out_shardings=shardings)(rng)
     return model_cfg, params, shardings
+
+
+def check_context_length(cfg, model_cfg) -> None:
+    """The longest sequence each phase builds must fit the model's context
+    (``max_position_embeddings``); checked before anything compiles."""
+    p = cfg.data.max_prompt_length  # the largest prompt bucket
+    seqs = [("data.max_prompt_length + rollout.max_new_tokens",
+             f"{p} + {cfg.rollout.max_new_tokens}", p + cfg.rollout.max_new_tokens)]
+    if cfg.eval.max_new_tokens:
+        seqs.append(("data.max_prompt_length + eval.max_new_tokens",
+                     f"{p} + {cfg.eval.max_new_tokens}", p + cfg.eval.max_new_tokens))
+    if cfg.sft.steps or cfg.algo.name == "sft":
+        seqs.append(("sft.max_length", f"{cfg.sft.max_length}", cfg.sft.max_length))
+    limit = model_cfg.max_position_embeddings
+    problems = [f"{keys} = {terms} = {total}" for keys, terms, total in seqs if total > limit]
+    if problems:
+        raise ConfigError(f"sequences longer than the model's context (max_position_embeddings="
+                          f"{limit}): {'; '.join(problems)}; shorten them or use a model with a "
+                          "longer context")
 
 
 def _param_shardings(model_cfg, mesh):
@@ -280,8 +404,35 @@ def data_iterator(ctx: Context, batch_size: int, split: str = "train", seed_offs
                   source: str | None = None, path: str | None = None, num_epochs=None):
     """A checkpointable ``DataIterator`` over the run's data (or another source/path)."""
     try:
-        return data_lib.make_iterator(ctx.data_config(source, path), batch_size=batch_size,
-                                      seed=ctx.cfg.seed + seed_offset, split=split,
-                                      tokenizer=ctx.tokenizer, num_epochs=num_epochs)
+        it = data_lib.make_iterator(ctx.data_config(source, path), batch_size=batch_size,
+                                    seed=ctx.cfg.seed + seed_offset, split=split,
+                                    tokenizer=ctx.tokenizer, num_epochs=num_epochs)
     except (ValueError, KeyError) as e:
         raise UserError(f"data: {e}") from None
+    check_lengths(ctx.cfg, it, "data")
+    return it
+
+
+LENGTH_SCAN = 1000  # examples whose token lengths are checked before the first step
+
+
+def check_lengths(cfg, it, what: str = "data", completions: bool = False) -> None:
+    """Before the first step: refuses data whose every example (of the first ``LENGTH_SCAN``)
+    is too long for ``data.max_prompt_length`` (they would all be dropped), and warns when some
+    are. ``completions``: preference pairs, whose completions must fit rollout.max_new_tokens."""
+    try:
+        scan = it.scan(LENGTH_SCAN)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{what}: {e}") from None
+    n, long = scan["checked"], scan["overlong"]
+    if not n or not long:
+        return
+    limit = f"data.max_prompt_length={cfg.data.max_prompt_length}"
+    if completions:
+        limit += f" (prompts) or rollout.max_new_tokens={cfg.rollout.max_new_tokens} (chosen/rejected + EOS)"
+    lengths = f"prompts have {scan['min_tokens']} to {scan['max_tokens']} tokens"
+    if long == n:
+        raise UserError(f"{what}: all {n} examples checked are longer than {limit}; {lengths}; "
+                        "raise the limit")
+    print(f"rljax: warning: {what}: {long} of the first {n} examples are longer than {limit} "
+          f"and will be skipped ({lengths})", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ batch, without gradient); ``simpo`` is reference-free and needs no reference par
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from typing import Any, Callable
 
@@ -29,7 +30,7 @@ from rljax.errors import UserError
 from rljax.train import evaluate as eval_lib
 from rljax.train import steps
 from rljax.train.rollout import RewardRollout
-from rljax.train.setup import data_iterator
+from rljax.train.setup import check_lengths, data_iterator, preference_config
 from rljax.train.steps import to_host
 
 Array = jax.Array
@@ -208,12 +209,8 @@ class PreferenceData:
     def __init__(self, ctx, batch_size: int, split: str = "train", seed_offset: int = 0,
                  num_epochs=None):
         cfg = ctx.cfg
-        config = dict(ctx.data_config())
+        config = preference_config(cfg)
         self.task = data_lib.get_task(config) if config["source"] in data_lib.TASKS else None
-        if self.task is None:
-            config.setdefault("kind", "preference")
-            if cfg.data.template == "plain":  # the default "{question}" is for prompt data
-                config["template"] = "{prompt}"
         self.max_prompt = int(cfg.data.max_prompt_length)
         self.max_completion = int(cfg.rollout.max_new_tokens)
         config["max_completion_len"] = self.max_completion
@@ -227,6 +224,9 @@ class PreferenceData:
                                                    num_epochs=num_epochs)
         except (ValueError, KeyError) as e:
             raise UserError(f"preference data: {e}") from None
+        if self.task is None:
+            check_identical_pairs(self.iterator.source, split)
+            check_lengths(cfg, self.iterator, "preference data", completions=True)
         self.batches = 0  # seeds the wrong answers of synthetic pairs (so resume replays them)
 
     def encode(self, examples: list[dict]) -> dict:
@@ -259,6 +259,19 @@ class PreferenceData:
     def restore(self, state: dict) -> None:
         self.iterator.restore(state["data"])
         self.batches = int(state["batches"])
+
+
+def check_identical_pairs(source, split: str = "train") -> None:
+    """Pairs with chosen == rejected teach nothing (loss log 2, gradient 0): refuses data made
+    only of them, warns about some."""
+    same, n = data_lib.identical_pairs(source, limit=100_000)
+    name = getattr(source, "name", "preference data")
+    if n and same == n:
+        raise UserError(f"preference data {name} ({split}): chosen == rejected in all {n} pairs; "
+                        "DPO/RM cannot learn from them (check the chosen/rejected fields)")
+    if same:
+        print(f"rljax: warning: preference data {name} ({split}): chosen == rejected in {same} "
+              f"of {n} pairs; they carry no signal", file=sys.stderr, flush=True)
 
 
 def eval_pair_batches(ctx) -> list[dict]:
