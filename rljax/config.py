@@ -516,9 +516,17 @@ def _check_combinations(cfg) -> None:
     """Cross-key constraints: each message names the keys involved and how to fix them."""
     algo, rollout = cfg.algo, cfg.rollout
     g, batch = algo.num_generations, rollout.batch_size
-    if batch % g:
-        raise ConfigError(f"rollout.batch_size={batch} is not divisible by "
-                          f"algo.num_generations={g} (batch_size counts completions)")
+    mini = algo.mini_batch_size or batch
+    sizes = [  # (dividend key, value, divisor key, value, note): all reported at once
+        ("rollout.batch_size", batch, "algo.num_generations", g, " (batch_size counts completions)"),
+        ("rollout.batch_size", batch, "algo.mini_batch_size", mini, ""),
+        ("algo.mini_batch_size", mini, "algo.micro_batch_size", algo.micro_batch_size, ""),
+        ("rollout.batch_size", batch, "rollout.micro_batch_size", rollout.micro_batch_size, ""),
+    ]
+    problems = [f"{a}={x} is not divisible by {b}={y}{note}"
+                for a, x, b, y, note in sizes if y and x % y]
+    if problems:
+        raise ConfigError("; ".join(problems))
     if algo.name == "grpo" and algo.adv_estimator in GROUP_ESTIMATORS and g < 2:
         raise ConfigError(f"algo.num_generations={g} must be >= 2 for "
                           f"algo.adv_estimator='{algo.adv_estimator}' (it normalises per group)")
@@ -532,16 +540,6 @@ def _check_combinations(cfg) -> None:
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
     if algo.name == "ppo" and algo.adv_estimator != "gae":
         raise ConfigError("algo.name='ppo' trains a critic for GAE: set algo.adv_estimator='gae'")
-    mini = algo.mini_batch_size or batch
-    if batch % mini:
-        raise ConfigError(f"rollout.batch_size={batch} is not divisible by "
-                          f"algo.mini_batch_size={mini}")
-    if algo.micro_batch_size and mini % algo.micro_batch_size:
-        raise ConfigError(f"algo.mini_batch_size={mini} is not divisible by "
-                          f"algo.micro_batch_size={algo.micro_batch_size}")
-    if rollout.micro_batch_size and batch % rollout.micro_batch_size:
-        raise ConfigError(f"rollout.batch_size={batch} is not divisible by "
-                          f"rollout.micro_batch_size={rollout.micro_batch_size}")
     _check_mesh(cfg.mesh)
     if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.names):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} entries but "

@@ -131,6 +131,18 @@ def test_impossible_combinations(overrides, needle):
     assert needle in str(e.value)
 
 
+def test_batch_divisibility_problems_are_reported_all_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.batch_size=24", "algo.mini_batch_size=16",
+                           "algo.micro_batch_size=5", "rollout.micro_batch_size=7"])
+    text = str(e.value)
+    assert "\n" not in text
+    assert text.split("; ") == [
+        "rollout.batch_size=24 is not divisible by algo.mini_batch_size=16",
+        "algo.mini_batch_size=16 is not divisible by algo.micro_batch_size=5",
+        "rollout.batch_size=24 is not divisible by rollout.micro_batch_size=7"]
+
+
 def test_choices_can_be_extended_by_a_registry():
     with pytest.raises(ConfigError):
         load_config(None, ["algo.adv_estimator=my_adv"])
