@@ -116,6 +116,7 @@ class MetricsWriter:
         self._last_print = -math.inf
         self._staging: str | None = None  # local mirror of a URL workdir's log files
         self._last_sync = -math.inf
+        self.evals: list[tuple[int, dict]] = []  # (step, eval/* metrics) logged by this run
         if not self.enabled:
             return
         paths.makedirs(self.workdir)
@@ -172,11 +173,18 @@ class MetricsWriter:
                     paths.as_path(paths.join(self.workdir, name)).write_bytes(f.read())
 
     def _maybe_print(self, step: int, record: Mapping[str, Any]) -> None:
+        evals = {k: v for k, v in record.items() if str(k).startswith("eval/")}
+        if evals:  # held-out results are rare and wanted: never throttled
+            self.evals.append((step, evals))
+            if all(str(k).startswith(("eval/", "time/")) for k in record if k != "step"):
+                print(eval_line(step, record), file=self.stream, flush=True)
+                return
         now = time.monotonic()
         if self._start_time is None:
             self._start_time, self._start_step = now, step
         last = self.total_steps is not None and step >= self.total_steps
-        if now - self._last_print < self.console_every_s and not last and self._last_print > -math.inf:
+        if now - self._last_print < self.console_every_s and not last and not evals \
+                and self._last_print > -math.inf:
             return
         self._last_print = now
         print(self.progress_line(step, record, now), file=self.stream, flush=True)
@@ -260,12 +268,42 @@ def start_wandb(options: Mapping, config: Mapping, workdir: str, resuming: bool)
                         "run `wandb login`, or set logging.wandb.mode=offline") from None
 
 
-def _console_keys(record: Mapping[str, Any]) -> list[str]:
+def eval_line(step: int, record: Mapping[str, Any]) -> str:
+    """``eval at step 60 | eval/accuracy 0.41 | eval/pass@2 0.5 | ...``."""
+    keys = [k for k in _console_keys({k: v for k, v in record.items()
+                                      if str(k).startswith("eval/")}, limit=6)]
+    return " | ".join([f"eval at step {step}"] + [f"{k} {_format_value(record[k])}" for k in keys])
+
+
+def run_summary(workdir: str, evals: list[tuple[int, dict]], checkpoint_steps: list[int],
+                checkpoint_dir: str, max_to_keep: int, tensorboard: bool = True) -> str:
+    """The end-of-run console summary: held-out results (first -> last eval), where the
+    metrics, curves and checkpoints are, and the commands that use them."""
+    lines = ["rljax: done."]
+    for key in ("eval/accuracy", "eval/pref_accuracy"):
+        points = [(step, m[key]) for step, m in evals if isinstance(m.get(key), (int, float))]
+        if len(points) > 1:
+            lines.append(f"  {key}: {points[0][1]:.4g} (step {points[0][0]}) -> "
+                         f"{points[-1][1]:.4g} (step {points[-1][0]})")
+        elif points:
+            lines.append(f"  {key}: {points[0][1]:.4g} (step {points[0][0]})")
+    tb = f"; TensorBoard: tensorboard --logdir {workdir}" if tensorboard else ""
+    lines.append(f"  metrics:     {paths.join(workdir, METRICS_FILE)}{tb}")
+    lines.append(f"  curves:      rljax plot {workdir}")
+    kept = ", ".join(map(str, checkpoint_steps)) or "none"
+    lines.append(f"  checkpoints: {checkpoint_dir} (steps {kept}; the last {max_to_keep} are "
+                 "kept, checkpoint.max_to_keep)")
+    lines.append(f"  next:        rljax eval --workdir {workdir}  |  rljax sample --workdir "
+                 f"{workdir} --prompt '...'  |  rljax export --workdir {workdir} --out DIR")
+    return "\n".join(lines)
+
+
+def _console_keys(record: Mapping[str, Any], limit: int = CONSOLE_KEYS) -> list[str]:
     scalars = [k for k, v in record.items()
                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
     first = [k for k in CONSOLE_PRIORITY if k in scalars]
     rest = [k for k in scalars if k not in first]
-    return (first + rest)[:CONSOLE_KEYS]
+    return (first + rest)[:limit]
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -32,7 +32,7 @@ from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets, restore,
                                    start_phase)
-from rljax.train.metrics import MetricsWriter
+from rljax.train.metrics import MetricsWriter, run_summary
 from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
 from rljax.train.rollout import print_completions
@@ -124,9 +124,14 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
                               f"checkpoint in {ckpt.directory}", file=sys.stderr, flush=True)
                         return stop.exit_code
                 start = 0
+        ckpt.wait_until_finished()
+        summary = run_summary(workdir, writer.evals, ckpt.all_steps(), ckpt.directory,
+                              cfg.checkpoint.max_to_keep, cfg.logging.tensorboard)
     finally:
         writer.close()
         ckpt.close()
+    if writer.enabled:
+        print(summary, flush=True)  # where the results are, and what to do with them
     return 0
 
 
