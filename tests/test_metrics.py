@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.train.metrics import MetricsWriter, format_duration, read_metrics, to_python
-from rljax.train.plot import plot_metrics
+from rljax.train.plot import panels, plot_metrics
 
 
 def test_jsonl_content_and_conversions(tmp_path):
@@ -78,3 +78,17 @@ def test_plot_writes_png(tmp_path):
     with open(out, "rb") as f:
         data = f.read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_leaves_out_flat_series(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False, stream=io.StringIO()) as writer:
+        for step in range(1, 11):
+            writer.write(step, {"loss": 1.0 / step, "train/skipped_total": 0,
+                                "clip/frac": 0.25, "kl": 0.0})
+        writer.write(10, {"eval/accuracy": 0.5})  # one eval point: drawn
+    from rljax.train.metrics import numeric_series
+
+    keys, flat = panels(numeric_series(read_metrics(tmp_path)))
+    assert keys == ["eval/accuracy", "loss"]
+    assert flat == {"clip/frac": 0.25, "kl": 0.0, "train/skipped_total": 0}
+    assert os.path.getsize(plot_metrics(str(tmp_path))) > 1000

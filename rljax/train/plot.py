@@ -2,7 +2,9 @@
 
 One subplot per numeric key, in a grid, most useful keys first (rewards, eval, losses, KL,
 lengths, then the rest alphabetically). Noisy per-step series get a moving average on top of
-the raw points; sparse series (evaluations) are drawn with markers.
+the raw points; sparse series (evaluations) are drawn with markers. Series that never change
+(``train/skipped_total`` at 0, an unused clip fraction) get no panel: they are listed with their
+value under the title instead.
 """
 from __future__ import annotations
 
@@ -35,6 +37,18 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def panels(series: dict[str, tuple[list, list]]) -> tuple[list[str], dict[str, float]]:
+    """(keys to draw, most useful first; {key: value} of the flat series left out)."""
+    keys, flat = [], {}
+    for key in sorted(series, key=_rank):
+        values = series[key][1]
+        if min(values) == max(values) and (len(values) > 1 or values[0] == 0):
+            flat[key] = values[0]
+        else:
+            keys.append(key)
+    return keys[:MAX_PANELS], flat
+
+
 def plot_metrics(path: str, out: str | None = None) -> str:
     """Draws ``path`` (workdir or metrics.jsonl) to ``out`` (default ``<dir>/curves.png``).
 
@@ -47,7 +61,10 @@ def plot_metrics(path: str, out: str | None = None) -> str:
     series = {k: v for k, v in series.items() if not k.startswith("time/") and v[0]}
     if not series:
         raise UserError(f"{file} has no numeric metrics to plot")
-    keys = sorted(series, key=_rank)[:MAX_PANELS]
+    keys, flat = panels(series)
+    if not keys:
+        raise UserError(f"{file}: every metric is constant; nothing to plot "
+                        f"({', '.join(f'{k}={v:g}' for k, v in flat.items())})")
     out = out or os.path.join(os.path.dirname(os.path.abspath(file)), "curves.png")
 
     import matplotlib
@@ -57,7 +74,8 @@ def plot_metrics(path: str, out: str | None = None) -> str:
 
     ncols = min(NCOLS, len(keys))
     nrows = math.ceil(len(keys) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.8 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.8 * nrows), squeeze=False,
+                             layout="constrained")  # leaves room for the title
     for ax, key in zip(axes.flat, keys):
         steps, values = series[key]
         if len(steps) <= 30:
@@ -70,8 +88,12 @@ def plot_metrics(path: str, out: str | None = None) -> str:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
-    fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(file))), fontsize=10)
-    fig.tight_layout()
+    title = os.path.basename(os.path.dirname(os.path.abspath(file)))
+    if flat:
+        items = [f"{k}={v:g}" for k, v in flat.items()]
+        lines = [", ".join(items[i:i + 4]) for i in range(0, len(items), 4)]
+        title += "\nconstant, not drawn: " + "\n".join(lines)
+    fig.suptitle(title, fontsize=10 if not flat else 8)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
