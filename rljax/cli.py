@@ -59,8 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Override any config key with --config.KEY=VALUE.")
     parser.add_argument("--version", action="version", version=f"rljax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    overrides = ("Override any config key with --config.KEY=VALUE (or --config.KEY VALUE), e.g. "
+                 "--config.steps=200 --config.algo.beta=0.02; values are typed by the schema "
+                 "in rljax/config.py. Repeat for several keys.")
 
-    p = sub.add_parser("train", help="train (resumes if WORKDIR has a checkpoint)")
+    p = sub.add_parser("train", help="train (resumes if WORKDIR has a checkpoint)",
+                       epilog=overrides)
     p.add_argument("--config", help="config file (.py with get_config()); default: "
                    "WORKDIR/config.json when resuming")
     p.add_argument("--workdir", required=True)
@@ -68,11 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume a checkpointed WORKDIR although the config differs from its "
                    "config.json (hyper-parameters only; a new `steps` needs no flag)")
 
-    p = sub.add_parser("eval", help="evaluate the latest checkpoint (accuracy, pass@k)")
+    p = sub.add_parser("eval", help="evaluate the latest checkpoint (accuracy, pass@k)",
+                       epilog=overrides)
     p.add_argument("--workdir", required=True)
     p.add_argument("--checkpoint", help="checkpoint step or path (default: latest)")
 
-    p = sub.add_parser("sample", help="generate completions for a prompt")
+    p = sub.add_parser("sample", help="generate completions for a prompt",
+                       epilog=overrides)
     p.add_argument("--workdir", help="run directory (latest checkpoint)")
     p.add_argument("--checkpoint", help="checkpoint step/path or HF model dir")
     p.add_argument("--prompt", required=True, action="append",
@@ -82,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the prompt text to the model as it is (no templates)")
 
     p = sub.add_parser("export", help="write an HF model directory: safetensors, config.json, "
-                       "tokenizer files")
+                       "tokenizer files", epilog=overrides)
     p.add_argument("--workdir", required=True)
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--checkpoint", help="checkpoint step (default: latest)")
@@ -93,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="run directory (or a metrics.jsonl file)")
     p.add_argument("-o", "--out", help="PNG path (default: DIR/curves.png)")
 
-    p = sub.add_parser("plan", help="compile the steps and report memory/shapes, no training")
+    p = sub.add_parser("plan", help="compile the steps and report memory/shapes, no training",
+                       epilog=overrides)
     p.add_argument("--config", required=True)
     return parser
 

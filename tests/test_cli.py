@@ -126,3 +126,10 @@ def test_split_overrides():
         ["train", "--config", "a.py", "--config.x.y=1", "--config.z", "2", "--workdir", "w"])
     assert rest == ["train", "--config", "a.py", "--workdir", "w"]
     assert overrides == ["--config.x.y=1", "--config.z=2"]
+
+
+@pytest.mark.parametrize("verb", ["train", "eval", "sample", "export", "plan"])
+def test_verb_help_mentions_config_overrides(verb, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([verb, "--help"])
+    assert "--config.KEY=VALUE" in capsys.readouterr().out
