@@ -29,6 +29,11 @@ returning the prompt text.
 
 ``kind="preference"`` makes examples ``{prompt, chosen, rejected}`` (for DPO / reward models);
 use ``encode_preference`` to tokenise them.
+
+Bad data is a ``DataError`` (a ``UserError``: one line in the CLI) naming ``file:line``:
+``check_source(config, split)`` reads a whole file up front (not UTF-8, not a JSON object per
+line, empty, a row without a field the template needs); ``DataIterator.scan`` renders and
+measures the first rows with the tokenizer; a bad row met later still names its line.
 """
 from __future__ import annotations
 
