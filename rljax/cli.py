@@ -4,14 +4,16 @@ Config overrides use ml_collections' flag syntax, ``--config.algo.beta=0.02`` (o
 ``--config.algo.beta 0.02``), and are typed by the schema in ``rljax.config``.
 
 Exit codes: 0 success (also a SIGTERM-preempted train run that saved its checkpoint),
-1 a run-time failure rljax can describe (e.g. diverged), 2 a user error (bad config, missing
-file, command not available), 130 interrupted by Ctrl-C. User errors print one line,
+1 a run-time failure rljax can describe (e.g. diverged, a damaged checkpoint, a checkpoint that
+cannot be written), 2 a user error (bad config, missing file, command not available), 75 the
+workdir is in use by another ``rljax train`` (try again later), 130 interrupted by Ctrl-C. User errors print one line,
 ``rljax: error: ...``, and no traceback.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume a checkpointed WORKDIR although the config differs from its "
                    "config.json (hyper-parameters only; a new `steps` needs no flag)")
+    p.add_argument("--checkpoint", type=int, metavar="STEP",
+                   help="resume from this checkpoint step instead of the newest (later "
+                   "checkpoints are moved aside to <step>.discarded)")
 
     p = sub.add_parser("eval", help="evaluate the latest checkpoint (accuracy, pass@k)",
                        epilog=overrides)
@@ -134,9 +139,21 @@ def cmd_train(args, overrides) -> int | None:
         if changes:
             print(f"rljax: config changed since the last run: {'; '.join(changes)}",
                   file=sys.stderr)
-    else:
-        wd.write_config(args.workdir, cfg)  # a resumed run's is rewritten once it has restored
-    return fn(cfg, args.workdir, allow_config_change=args.allow_config_change)
+    # Take the workdir's lock before writing config.json over a running run's (train() takes
+    # it again, re-entrantly; on a multi-host run only process 0 does, inside train()).
+    from rljax import distributed
+
+    release = (wd.lock(args.workdir) if distributed.detect(os.environ, query_metadata=False)
+               is None else (lambda: None))
+    try:
+        if not resuming:
+            wd.write_config(args.workdir, cfg)  # a resumed run's is rewritten once restored
+        kwargs = {"allow_config_change": args.allow_config_change}
+        if args.checkpoint is not None:
+            kwargs["checkpoint"] = args.checkpoint
+        return fn(cfg, args.workdir, **kwargs)
+    finally:
+        release()
 
 
 def cmd_eval(args, overrides) -> int | None:
@@ -204,7 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{e.strerror or 'not found'}: {e.filename}" if e.filename else e,
                      EXIT_USER_ERROR)
     except RljaxError as e:
-        return _fail(e, EXIT_FAILURE)
+        code = _fail(e, getattr(e, "exit_code", EXIT_FAILURE))
+        if getattr(e, "abandon_threads", False):
+            # orbax threads of a failed save may wait forever; do not join them at exit.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except KeyboardInterrupt:
         print("rljax: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -191,6 +191,8 @@ def default_config() -> ml_collections.ConfigDict:
         max_to_keep=3,
         async_save=True,
         save_on_stop=True,           # save when stopped by SIGTERM/SIGINT
+        fallback_on_damage=True,     # a damaged latest checkpoint: move it aside, resume from
+                                     # the newest readable one (False: stop with an error)
     )
     c.eval = dict(
         num_examples=256,            # 0 = the whole split

@@ -83,6 +83,11 @@ def test_two_processes_match_one(tmp_path):
     ckpt = tmp_path / "two" / "checkpoints" / "2"
     assert (ckpt / "state" / "ocdbt.process_0").exists()
     assert (ckpt / "state" / "ocdbt.process_1").exists()
+    # Process 0 hashed every host's files after the commit barrier; they verify.
+    files = json.loads((ckpt / "rljax_manifest.json").read_text())["files"]
+    assert any(name.startswith("state/ocdbt.process_1/") for name in files)
+    from rljax.train.checkpoint import verify_step_dir
+    assert verify_step_dir(ckpt) is None
     meta = json.loads((ckpt / "meta" / "metadata").read_text())
     assert meta["host"]["process_count"] == 2 and meta["host"]["device_count"] == 8
 

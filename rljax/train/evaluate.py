@@ -10,6 +10,7 @@ estimator for every power of two k <= n.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -19,6 +20,7 @@ from rljax import algorithms
 from rljax import data as data_lib
 from rljax import rewards
 from rljax.errors import UserError
+from rljax.train.metrics import format_duration
 from rljax.train.rollout import encode_prompts, expand_fields, generate
 
 EVAL_STREAM = 3  # rng stream of evaluation sampling (never advances the training rng)
@@ -44,8 +46,14 @@ def eval_examples(ctx) -> list[dict]:
     return out
 
 
-def run_eval(ctx, params, rng, examples: list[dict] | None = None) -> dict:
-    """Evaluates ``params``; returns ``eval/*`` metrics (accuracy, pass@k, lengths)."""
+def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
+             progress_every_s: float | None = None) -> dict | None:
+    """Evaluates ``params``; returns ``eval/*`` metrics (accuracy, pass@k, lengths).
+
+    ``stop`` (a ``StopSignal``) is checked between batches (on every host together): once a stop
+    was requested the eval is abandoned and None is returned. ``progress_every_s``: print
+    ``eval: done/total examples | ETA`` to stderr at most that often (process 0; None = quiet).
+    """
     cfg = ctx.cfg
     e = cfg.eval
     examples = eval_examples(ctx) if examples is None else examples
@@ -55,7 +63,19 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None) -> dict:
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
     correct, lengths, truncated = [], [], []
     t0 = time.perf_counter()
+    last_print = t0
     for i, start in enumerate(range(0, len(examples), bs)):
+        now = time.perf_counter()
+        if (progress_every_s is not None and start and now - last_print >= progress_every_s
+                and jax.process_index() == 0):
+            last_print = now
+            eta = (now - t0) / start * (len(examples) - start)
+            print(f"eval: {start}/{len(examples)} examples | ETA {format_duration(eta)}",
+                  file=sys.stderr, flush=True)
+        if stop is not None and stop.poll(sync=True):
+            print(f"rljax: eval stopped after {start}/{len(examples)} examples (not logged)",
+                  file=sys.stderr, flush=True)
+            return None
         chunk = examples[start:start + bs]
         padded = chunk + [chunk[-1]] * (bs - len(chunk))  # static shapes: one compile
         p_tok, p_mask = encode_prompts(ctx.tokenizer, [ex["prompt"] for ex in padded],

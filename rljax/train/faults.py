@@ -101,6 +101,11 @@ class StopSignal:
             self.signum = signal.SIGTERM  # another host was preempted: behave the same
         return bool(np.any(flags))
 
+    def poll(self, sync: bool = False) -> bool:
+        """``should_stop`` for checks inside a step (between eval batches): same answer, but
+        not a step boundary (subclasses that count steps in ``should_stop`` do not see it)."""
+        return StopSignal.should_stop(self, sync)
+
     @property
     def exit_code(self) -> int:
         """0 after SIGTERM (preemption, resumable), 130 after SIGINT, 0 if never signalled."""

@@ -6,13 +6,15 @@ export``); above the phases, whose ``init_state`` defines what a checkpoint of e
 """
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 
 from rljax import compilation_cache
 from rljax import config as config_lib
-from rljax.errors import UserError
-from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
+from rljax.errors import RljaxError, UserError
+from rljax.train.checkpoint import CheckpointDamaged, CheckpointManager, checkpoint_dir
 from rljax.train.phases import make_phases
 from rljax.train.setup import Context, Phase, build_context, check_inputs
 from rljax.train.state import TrainState, abstract_train_state
@@ -37,7 +39,15 @@ def abstract_state(ctx: Context, phases: list[Phase], index: int):
 
 
 def restore(ctx: Context, phases: list[Phase], ckpt: CheckpointManager, step: int | None = None):
-    """(state, meta, global step) of checkpoint ``step`` (default: latest)."""
+    """(state, meta, global step) of checkpoint ``step`` (default: latest).
+
+    Checks the step's files against the manifest written at commit first; raises
+    :class:`CheckpointDamaged` (one line: step, file, problem) on a mismatch or read failure."""
+    step = ckpt.latest_step() if step is None else int(step)
+    if step is not None:
+        problem = ckpt.verify(step)
+        if problem is not None:
+            raise CheckpointDamaged(step, problem)
     meta = ckpt.restore_meta(step)
     index = int(meta["phase"])
     if index >= len(phases) or phases[index].name != meta["phase_name"]:
@@ -51,6 +61,43 @@ def restore(ctx: Context, phases: list[Phase], ckpt: CheckpointManager, step: in
                         f"fit this config (the state's structure or shapes differ, e.g. "
                         f"algo.beta switching the reference model on/off): {first}") from None
     return restored.state, meta, restored.step
+
+
+def restore_for_training(ctx: Context, phases: list[Phase], ckpt: CheckpointManager,
+                         step: int | None = None, *, fallback: bool = True):
+    """``restore`` for ``rljax train``: the newest readable checkpoint (or ``step``).
+
+    A damaged checkpoint (manifest mismatch, read failure) is reported in one line; with
+    ``fallback`` it is moved aside to ``<step>.damaged`` and the next older one is tried, with a
+    loud warning. Without ``fallback``, or for an explicit ``step``, the damage is raised
+    (exit 1). Returns None when there is no checkpoint at all.
+    """
+    candidates = [int(step)] if step is not None else ckpt.all_steps()[::-1]
+    damaged = []
+    for s in candidates:
+        try:
+            return restore(ctx, phases, ckpt, s)
+        except CheckpointDamaged as e:
+            _say(str(e))
+            if step is not None or not fallback:
+                hint = ("" if step is not None else "; checkpoint.fallback_on_damage=False, so "
+                        "not falling back (use --checkpoint STEP to pick an older one)")
+                raise CheckpointDamaged(e.step, e.problem + hint) from None
+            moved = ckpt.move_aside(s)
+            damaged.append(s)
+            older = [t for t in ckpt.all_steps() if t < s]
+            _say(f"WARNING: moved damaged checkpoint {s} aside to {moved}; "
+                 + (f"falling back to checkpoint {older[-1]}" if older else
+                    "no older checkpoint is left"))
+    if damaged:
+        raise RljaxError(f"no readable checkpoint in {ckpt.directory} (damaged, moved aside: "
+                         f"{damaged}); running again starts from scratch")
+    return None
+
+
+def _say(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"rljax: {message}", file=sys.stderr, flush=True)
 
 
 def phase_offsets(phases: list[Phase]) -> list[int]:

@@ -91,7 +91,10 @@ class MetricsWriter:
       console_every_s: minimum seconds between console lines (0 = every call).
       tensorboard: also write TensorBoard event files into ``workdir``.
       resume_step: when resuming from a checkpoint at this step, drop lines logged after it by
-        the interrupted run, so ``metrics.jsonl`` has each step once.
+        the interrupted run, so ``metrics.jsonl`` has each step once (0: a run starting from
+        scratch drops every line an aborted earlier attempt left).
+      drop_eval_at_resume: also drop ``eval/*`` lines at ``resume_step`` (the checkpoint was
+        written before its eval, which the resumed run redoes).
       sync_every_s: for a URL workdir, the minimum seconds between copies of the staged files.
       wandb: ``logging.wandb`` (project, mode, entity, name, tags); off without a project.
       config: the run's config as a dict, for W&B.
@@ -101,7 +104,7 @@ class MetricsWriter:
                  console_every_s: float = 10.0, tensorboard: bool = True,
                  resume_step: int | None = None, stream=None, enabled: bool | None = None,
                  sync_every_s: float = 30.0, wandb: Mapping | None = None,
-                 config: Mapping | None = None):
+                 config: Mapping | None = None, drop_eval_at_resume: bool = False):
         self.workdir = os.fspath(workdir)
         self.sync_every_s = sync_every_s
         self.total_steps = total_steps
@@ -129,7 +132,7 @@ class MetricsWriter:
                     f.write(paths.as_path(self.path).read_bytes())
         local_path = os.path.join(local_dir, METRICS_FILE)
         if resume_step is not None:
-            truncate_after(local_path, resume_step)
+            truncate_after(local_path, resume_step, drop_eval_at_step=drop_eval_at_resume)
         self._file = open(local_path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # local: slow import, optional output
@@ -330,11 +333,19 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def truncate_after(path: str, step: int) -> None:
-    """Drops records with ``step`` > ``step`` (rewrites the file atomically)."""
+def truncate_after(path: str, step: int, drop_eval_at_step: bool = False) -> None:
+    """Drops records with ``step`` > ``step`` (and, with ``drop_eval_at_step``, the ``eval/*``
+    records at ``step``); rewrites the file atomically."""
     if not os.path.exists(path):
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+
+    def keep(r):
+        s = r.get("step", 0)
+        if drop_eval_at_step and s == step and any(k.startswith("eval/") for k in r):
+            return False
+        return s <= step
+
+    kept = [r for r in read_metrics(path) if keep(r)]
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)

@@ -141,6 +141,7 @@ class NonFiniteGuard:
         self.max_consecutive = int(max_consecutive)
         self.consecutive = 0
         self.total = 0
+        self.learning_rate_key = "optimizer.learning_rate"  # the current phase's LR key
 
     def update(self, skipped: Any, step: int | None = None) -> bool:
         """Records one step; returns the flag as a bool. Raises TrainingDiverged at the limit."""
@@ -154,7 +155,7 @@ class NonFiniteGuard:
             where = f" (last at step {step})" if step is not None else ""
             raise TrainingDiverged(
                 f"loss or gradients were non-finite for {self.consecutive} consecutive steps"
-                f"{where}; the update was skipped each time. Lower optimizer.learning_rate, "
+                f"{where}; the update was skipped each time. Lower {self.learning_rate_key}, "
                 "check the data/rewards, or raise optimizer.max_consecutive_nonfinite.")
         return True
 

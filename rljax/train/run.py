@@ -6,7 +6,8 @@ reads top to bottom: check inputs (before anything compiles), build mesh / token
 restore the latest checkpoint if there is one, then run the phases: the SFT warm-up
 (``sft.steps``), then ``steps`` iterations of ``algo.name``. Every iteration is
 ``rollout -> reward -> advantage -> update`` inside the phase, then ``log -> eval -> checkpoint``
-here. SIGTERM / SIGINT finish the current iteration, save, and return (0 / 130).
+here. SIGTERM / SIGINT finish the current iteration (or stop an eval between chunks), save,
+and return (0 / 130). A step's checkpoint is written before its eval.
 
 Algorithms plug in as phases (``rljax.train.phases.ALGORITHMS``: ``name -> factory(ctx, steps)
 -> Phase``). Global step numbers (metrics, checkpoints) count iterations over all phases: the
@@ -24,14 +25,14 @@ from rljax import compilation_cache
 from rljax import config as config_lib
 from rljax import distributed, models, sampling, tokenizers
 from rljax import plan as plan_lib
-from rljax.errors import UserError
+from rljax.errors import UserError, WorkdirInUse
 from rljax.train import evaluate as eval_lib
 from rljax.train import paths
 from rljax.train import workdir as workdir_lib
 from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
-from rljax.train.inference import (initial_state, load_for_inference, phase_offsets, restore,
-                                   start_phase)
+from rljax.train.inference import (initial_state, load_for_inference, phase_offsets,
+                                   restore_for_training, start_phase)
 from rljax.train.metrics import MetricsWriter, run_summary
 from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
@@ -41,18 +42,36 @@ from rljax.train.setup import build_context, check_inputs
 # ----------------------------------------------------------------------------- train
 
 def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
-          allow_config_change: bool = False) -> int:
+          allow_config_change: bool = False, checkpoint: int | None = None) -> int:
     """``rljax train``: runs (or resumes) the run in ``workdir``; returns the exit code.
 
     A checkpointed ``workdir`` whose ``config.json`` differs from ``cfg`` is refused before
     anything is written (``workdir_lib.check_reuse``; ``allow_config_change`` for
-    hyper-parameters); ``config.json`` is rewritten only once the checkpoint has restored."""
+    hyper-parameters); ``config.json`` is rewritten only once the checkpoint has restored.
+    ``checkpoint``: resume from that step instead of the newest; later checkpoints are moved
+    aside to ``<step>.discarded`` (they belong to the abandoned continuation)."""
     distributed.initialize()  # multi-host (SPMD): the same loop on every host
     config_lib.validate(cfg)
     workdir_lib.check_reuse(workdir, cfg, allow_config_change)
     compilation_cache.enable(cfg.compilation_cache_dir)
     check_inputs(cfg, len(devices) if devices is not None else None)
     plan_lib.check(cfg, devices)  # stop before allocating anything if it cannot fit
+    # One run per workdir: process 0 holds the lock; every host stops if it is taken.
+    release, busy = (lambda: None), None
+    if jax.process_index() == 0:
+        try:
+            release = workdir_lib.lock(workdir)
+        except WorkdirInUse as e:
+            busy = e
+    if distributed.any_process(busy is not None):
+        raise busy or WorkdirInUse(f"{workdir} is in use by another `rljax train`")
+    try:
+        return _train(cfg, workdir, devices, stop or StopSignal(), checkpoint)
+    finally:
+        release()
+
+
+def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None) -> int:
     paths.makedirs(workdir)  # a local directory or a URL (gs://...)
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
@@ -62,46 +81,92 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
     offsets = phase_offsets(phases)
     total = offsets[-1] + phases[-1].steps
     guard = NonFiniteGuard(cfg.optimizer.max_consecutive_nonfinite)
-    stop = stop or StopSignal()
     ctx.stop = stop  # a reward call still running when a stop is requested is abandoned
     ckpt = CheckpointManager(checkpoint_dir(workdir), max_to_keep=cfg.checkpoint.max_to_keep,
                              async_save=cfg.checkpoint.async_save)
-    # Position: the next iteration to run is `start` of phase `index`.
-    index, start, gstep, state = 0, 0, 0, None
-    if ckpt.latest_step() is not None:
-        state, meta, gstep = restore(ctx, phases, ckpt)
-        index, start = int(meta["phase"]), int(meta["phase_step"])
-        phases[index].load_state_dict(meta["phase_state"])
-        guard.load_state_dict(meta["guard"])
-        print(f"rljax: resumed at step {gstep} ({phases[index].name} {start}/"
-              f"{phases[index].steps})", file=sys.stderr, flush=True)
-        if gstep >= total:
-            print(f"rljax: nothing to train: the checkpoint is at step {gstep} of {total}; "
-                  f"raise `steps` to train further", file=sys.stderr, flush=True)
-    workdir_lib.write_config(workdir, cfg)  # after a successful restore: never a config
-    #                                         the workdir's checkpoint does not fit
+    try:
+        ckpt.check_writable()  # a read-only folder fails now, not after the first steps
+        if checkpoint is not None:
+            if int(checkpoint) not in ckpt.all_steps():
+                raise UserError(f"--checkpoint {checkpoint}: no such checkpoint in "
+                                f"{ckpt.directory}; saved steps: {ckpt.all_steps()}")
+            later = [s for s in ckpt.all_steps() if s > int(checkpoint)]
+            for s in later:
+                ckpt.move_aside(s, "discarded")
+            if later:
+                print(f"rljax: resuming from checkpoint {checkpoint}: moved the later "
+                      f"checkpoints {later} aside to <step>.discarded", file=sys.stderr,
+                      flush=True)
+        # Position: the next iteration to run is `start` of phase `index`.
+        index, start, gstep, state, eval_pending = 0, 0, 0, None, False
+        restored = restore_for_training(ctx, phases, ckpt, checkpoint,
+                                        fallback=cfg.checkpoint.fallback_on_damage)
+        if restored is not None:
+            state, meta, gstep = restored
+            index, start = int(meta["phase"]), int(meta["phase_step"])
+            phases[index].load_state_dict(meta["phase_state"])
+            guard.load_state_dict(meta["guard"])
+            eval_pending = bool(meta.get("eval_pending", False))
+            print(f"rljax: resumed at step {gstep} ({phases[index].name} {start}/"
+                  f"{phases[index].steps})", file=sys.stderr, flush=True)
+            if gstep >= total:
+                print(f"rljax: nothing to train: the checkpoint is at step {gstep} of {total}; "
+                      f"raise `steps` to train further", file=sys.stderr, flush=True)
+        workdir_lib.write_config(workdir, cfg)  # after a successful restore: never a config
+        #                                         the workdir's checkpoint does not fit
+        # A run killed after committing a step but before deleting an old one keeps one too
+        # many (safe to prune: the workdir lock says no other run is writing here).
+        ckpt.prune()
+    except BaseException:
+        ckpt.close()
+        raise
 
-    def save(phase_index: int, phase_step: int, step: int, wait: bool = False):
+    def save(phase_index: int, phase_step: int, step: int, wait: bool = False,
+             eval_pending: bool = False):
         meta = {"phase": phase_index, "phase_name": phases[phase_index].name,
                 "phase_step": phase_step, "phase_state": phases[phase_index].state_dict(),
-                "guard": guard.state_dict()}
+                "guard": guard.state_dict(), "eval_pending": eval_pending}
         ckpt.save(step, state, meta, wait=wait)
 
-    def run_eval(step: int) -> None:
+    def run_eval(step: int) -> bool:
+        """Evaluates at ``step``; False if a stop request interrupted it (nothing written)."""
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, eval_lib.EVAL_STREAM), step)
         if hasattr(phases[index], "evaluate"):  # a phase with its own held-out metrics (dpo, rm)
             writer.write(step, phases[index].evaluate(state, rng))
-        else:
-            writer.write(step, eval_lib.run_eval(ctx, state.params, rng, examples))
+            return True
+        metrics = eval_lib.run_eval(ctx, state.params, rng, examples, stop=stop,
+                                    progress_every_s=cfg.logging.console_every_s)
+        if metrics is None:
+            return False
+        writer.write(step, metrics)
+        return True
 
-    writer = MetricsWriter(workdir, total_steps=total, console_every_s=cfg.logging.console_every_s,
-                           tensorboard=cfg.logging.tensorboard,
-                           resume_step=gstep if state is not None else None,
-                           wandb=cfg.logging.wandb.to_dict(), config=cfg.to_dict())
     try:
-        with stop:
+        # Rows after the checkpoint (or all rows, starting from scratch) belong to an
+        # interrupted run that is redone now; an eval the checkpoint still owes is redone too.
+        writer = MetricsWriter(workdir, total_steps=total,
+                               console_every_s=cfg.logging.console_every_s,
+                               tensorboard=cfg.logging.tensorboard,
+                               resume_step=gstep if state is not None else 0,
+                               drop_eval_at_resume=eval_pending,
+                               wandb=cfg.logging.wandb.to_dict(), config=cfg.to_dict())
+    except BaseException:
+        ckpt.close()
+        raise
+
+    def stopped(step: int) -> int:
+        print(f"rljax: stopped by {stop.reason} at step {step}; checkpoint in "
+              f"{ckpt.directory}", file=sys.stderr, flush=True)
+        return stop.exit_code
+
+    with stop:  # handlers stay installed until the checkpoint is closed (2nd signal: 130)
+        try:
+            if eval_pending and not run_eval(gstep):
+                return stopped(gstep)
             for index in range(index, len(phases)):
                 phase = phases[index]
+                guard.learning_rate_key = getattr(phase, "learning_rate_key",
+                                                  "optimizer.learning_rate")
                 if state is None or start == 0:
                     state = start_phase(ctx, phase, state if state is not None
                                         else initial_state(ctx))
@@ -113,23 +178,26 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
                     metrics["train/skipped_total"] = guard.total
                     if gstep % cfg.logging.log_every == 0 or last:
                         writer.write(gstep, metrics)
-                    if last or (cfg.eval_every and gstep % cfg.eval_every == 0):
-                        run_eval(gstep)  # always after the warm-up and at the end
+                    do_eval = last or bool(cfg.eval_every and gstep % cfg.eval_every == 0)
+                    # The checkpoint comes before the (possibly long) eval: a stop during
+                    # the eval loses no trained step; the eval it owes is redone on resume.
                     if last or (cfg.checkpoint_every and gstep % cfg.checkpoint_every == 0):
-                        save(index, step + 1, gstep)
+                        save(index, step + 1, gstep, eval_pending=do_eval)
+                    if do_eval and not run_eval(gstep):  # always after warm-up and at end
+                        if cfg.checkpoint.save_on_stop:
+                            save(index, step + 1, gstep, wait=True, eval_pending=True)
+                        return stopped(gstep)
                     if stop.should_stop(sync=True):
                         if cfg.checkpoint.save_on_stop:
                             save(index, step + 1, gstep, wait=True)
-                        print(f"rljax: stopped by {stop.reason} at step {gstep}; "
-                              f"checkpoint in {ckpt.directory}", file=sys.stderr, flush=True)
-                        return stop.exit_code
+                        return stopped(gstep)
                 start = 0
-        ckpt.wait_until_finished()
-        summary = run_summary(workdir, writer.evals, ckpt.all_steps(), ckpt.directory,
-                              cfg.checkpoint.max_to_keep, cfg.logging.tensorboard)
-    finally:
-        writer.close()
-        ckpt.close()
+            ckpt.wait_until_finished()
+            summary = run_summary(workdir, writer.evals, ckpt.all_steps(), ckpt.directory,
+                                  cfg.checkpoint.max_to_keep, cfg.logging.tensorboard)
+        finally:
+            writer.close()
+            ckpt.close()
     if writer.enabled:
         print(summary, flush=True)  # where the results are, and what to do with them
     return 0

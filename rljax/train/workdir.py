@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from typing import Sequence
 
 from rljax import config as config_lib
-from rljax.errors import ConfigError, UserError
+from rljax.errors import ConfigError, UserError, WorkdirInUse
 from rljax.train import paths
 from rljax.train.checkpoint import checkpoint_dir, has_checkpoint
 
 CONFIG_FILE = "config.json"
+LOCK_FILE = ".rljax.lock"
+_held: dict[str, list] = {}  # lock path -> [fd, count]: re-entrant within one process
 
 __all__ = ["CONFIG_FILE", "INCOMPATIBLE", "FREE", "checkpoint_dir", "has_checkpoint",
            "config_path", "write_config", "load_workdir_config", "resolve_train_config",
-           "config_diff", "check_reuse", "is_run_dir", "check_export_target"]
+           "config_diff", "check_reuse", "is_run_dir", "check_export_target", "lock"]
 
 # Keys (dotted; a trailing "." is a prefix) whose change makes a checkpoint unrestorable: the
 # parameter shapes and vocabulary, the phase layout (global step numbering), the optimizer state.
@@ -189,3 +193,45 @@ def check_export_target(workdir: str, out: str, overwrite: bool = False) -> None
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise UserError(f"--out {out} is not empty; pass --overwrite to replace its files, or "
                         f"choose a new directory")
+
+
+def lock(workdir: str):
+    """Takes the workdir's lock (one ``rljax train`` per workdir); returns ``release()``.
+
+    ``fcntl.flock`` on ``<workdir>/.rljax.lock``: the kernel drops it when the process dies,
+    so a killed run (even ``kill -9``) never leaves it stuck. Raises :class:`WorkdirInUse`
+    (one line: who holds it) when another process has it. Re-entrant within one process. A URL
+    workdir (``gs://``) has no lock: object stores cannot hold one; keep one run per workdir.
+    """
+    if paths.is_url(workdir):
+        return lambda: None
+    import fcntl
+
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.realpath(os.path.join(workdir, LOCK_FILE))
+    if path in _held:
+        _held[path][1] += 1
+        return lambda: _release(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(fd)
+        raise WorkdirInUse(f"{workdir} is in use by another `rljax train` ({holder}); wait "
+                           "for it to finish, stop it, or use another --workdir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+    _held[path] = [fd, 1]
+    return lambda: _release(path)
+
+
+def _release(path: str) -> None:
+    entry = _held.get(path)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _held[path]
+        os.close(entry[0])  # closing the descriptor releases the flock

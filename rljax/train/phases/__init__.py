@@ -46,6 +46,8 @@ def make_phases(ctx: Context) -> list[Phase]:
                         f"(available: {', '.join(sorted(ALGORITHMS))})")
     phases: list[Phase] = []
     if cfg.sft.steps:
-        phases.append(SFTPhase(ctx, cfg.sft.steps, cfg.sft.learning_rate, name="sft_warmup"))
+        warmup = SFTPhase(ctx, cfg.sft.steps, cfg.sft.learning_rate, name="sft_warmup")
+        warmup.learning_rate_key = "sft.learning_rate"  # named in the non-finite stop message
+        phases.append(warmup)
     phases.append(ALGORITHMS[cfg.algo.name](ctx, cfg.steps))
     return phases
