@@ -70,6 +70,12 @@ def default_config() -> ml_collections.ConfigDict:
         dtype="float32",             # parameter dtype
         remat=False,                 # rematerialise layer activations in the update step
         overrides={},                # free-form ModelConfig overrides for the preset
+        # LoRA (docs/lora.md): rank > 0 trains adapters on the frozen base; the base model
+        # (adapters off) is then the reference policy. targets: projection names or regexes
+        # out of q k v o gate up down.
+        lora=dict(rank=0, alpha=16.0, dropout=0.0,
+                  targets=("q", "k", "v", "o", "gate", "up", "down")),
+        adapter_path="",             # PEFT adapter dir to start from (implies LoRA)
     )
     c.tokenizer = dict(
         path="",                     # "" = model.path, or the built-in char tokenizer
@@ -551,6 +557,14 @@ def _check_combinations(cfg) -> None:
     if algo.overlong_buffer > rollout.max_new_tokens:
         raise ConfigError(f"algo.overlong_buffer={algo.overlong_buffer} must be <= "
                           f"rollout.max_new_tokens={rollout.max_new_tokens}")
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank} must be > 0 (0 = LoRA off)")
+    if lora.dropout != 0.0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: LoRA dropout is not supported "
+                          "yet; use 0.0")
+    if (lora.rank or cfg.model.adapter_path) and lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0")
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")

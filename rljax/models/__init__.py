@@ -10,6 +10,7 @@ from rljax.models.transformer import (apply_rope, attention, default_positions, 
                                       forward, init_cache, init_params, logits_from_hidden,
                                       param_logical_axes, param_shapes, rms_norm, rope_inv_freq,
                                       token_logps, trunk)
+from rljax.models import lora, peft
 from rljax.models.value import init_value_params, value_forward, value_param_logical_axes
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "forward", "trunk", "logits_from_hidden", "init_cache", "token_logps",
     "embed_tokens", "default_positions", "rms_norm", "apply_rope", "rope_inv_freq", "attention",
     "init_value_params", "value_forward", "value_param_logical_axes",
-    "load_hf", "save_hf", "save_hf_value", "config_from_hf", "config_to_hf", "HFCheckpointError",
+    "lora", "peft", "load_hf", "save_hf", "save_hf_value", "config_from_hf", "config_to_hf",
+    "HFCheckpointError",
 ]

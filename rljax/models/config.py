@@ -72,6 +72,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, Tuple[int, ...]]] = None
     pad_token_id: Optional[int] = None
+    lora_scale: float = 1.0  # LoRA alpha / rank, used when the params carry adapters ("lora")
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

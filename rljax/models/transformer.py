@@ -11,7 +11,8 @@ Parameter tree (per-layer weights stacked on a leading ``layers`` axis, see
                 # qwen3 (qk_norm):        "q_norm": [L, Dh], "k_norm": [L, Dh]
                },
      "final_norm": [D],
-     "lm_head": [D, V]}            # absent when tie_word_embeddings
+     "lm_head": [D, V],            # absent when tie_word_embeddings
+     "lora": {"layers": {...}}}    # optional LoRA adapters (rljax.models.lora)
 
 Layers run under ``jax.lax.scan`` so the compiled program contains one layer body regardless of
 depth. Norms, softmax and RoPE tables are computed in float32; matmuls run in ``cfg.dtype``.
@@ -211,20 +212,32 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=None
     return y.reshape(lead + out)
 
 
-def _mlp(cfg: ModelConfig, p: dict, h: jax.Array) -> jax.Array:
-    gate = dense(h, p["gate"])
-    up = dense(h, p["up"])
+def _proj(cfg: ModelConfig, p: dict, lp, name: str, x: jax.Array, n_in: int = 1) -> jax.Array:
+    """``x @ p[name]``, plus ``scale * (x @ A) @ B`` when ``lp`` (this layer's LoRA adapters,
+    see ``rljax.models.lora``) has an adapter for ``name``; the adapter matmuls run unmerged
+    in the compute dtype."""
+    y = dense(x, p[name], n_in=n_in)
+    if lp is None or name not in lp:
+        return y
+    a = lp[name]["a"].astype(x.dtype)
+    b = lp[name]["b"].astype(x.dtype)
+    return y + dense(dense(x, a, n_in=n_in) * jnp.asarray(cfg.lora_scale, x.dtype), b)
+
+
+def _mlp(cfg: ModelConfig, p: dict, h: jax.Array, lp=None) -> jax.Array:
+    gate = _proj(cfg, p, lp, "gate", h)
+    up = _proj(cfg, p, lp, "up", h)
     if cfg.activation == "silu":
         act = jax.nn.silu(gate)
     else:  # GeGLU with the tanh approximation (gemma's gelu_pytorch_tanh)
         act = jax.nn.gelu(gate, approximate=True)
-    return dense(act * up, p["down"])
+    return _proj(cfg, p, lp, "down", act * up)
 
 
-def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array):
-    q = dense(h, p["q"])
-    k = dense(h, p["k"])
-    v = dense(h, p["v"])
+def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array, lp=None):
+    q = _proj(cfg, p, lp, "q", h)
+    k = _proj(cfg, p, lp, "k", h)
+    v = _proj(cfg, p, lp, "v", h)
     if cfg.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
@@ -333,10 +346,10 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
     positions = positions.astype(jnp.int32)
     x = embed_tokens(cfg, params, tokens)
 
-    def layer(x, p, kv_cache, i):
+    def layer(x, p, kv_cache, i, lp=None):
         p = _cast_layer(cfg, p)
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        q, k, v = _qkv(cfg, p, h, positions)
+        q, k, v = _qkv(cfg, p, h, positions, lp)
         if kv_cache is not None:
             ck, cv = kv_cache
             zero = jnp.zeros((), jnp.int32)
@@ -352,9 +365,9 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             attn = attention(q, k, v, mask, kv_layout="bksd")
         else:
             attn = attention(q, k, v, mask, impl=cfg.attention_impl)
-        x = x + dense(attn, p["o"], n_in=2)
+        x = x + _proj(cfg, p, lp, "o", attn, n_in=2)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        x = x + _mlp(cfg, p, h)
+        x = x + _mlp(cfg, p, h, lp)
         return x, kv_cache
 
     if cfg.remat:  # keep only each layer's input; recompute the whole layer in the backward
@@ -370,20 +383,22 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
                                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    # LoRA adapters (``params["lora"]``, stacked per layer like the base) scan alongside.
+    lora_layers = params["lora"]["layers"] if "lora" in params else None
     if cache is None:
         def body(x, xs):
-            return layer(x, xs[0], None, xs[1])[0], None
+            return layer(x, xs[0], None, xs[1], xs[2])[0], None
 
-        x, _ = jax.lax.scan(body, x, (params["layers"], idx))
+        x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers))
     else:
         # The whole cache is carried (not scanned over) so each layer updates it in place.
         def body(carry, xs):
             x, ck, cv = carry
-            x, (ck, cv) = layer(x, xs[0], (ck, cv), xs[1])
+            x, (ck, cv) = layer(x, xs[0], (ck, cv), xs[1], xs[2])
             return (x, ck, cv), None
 
         (x, ck, cv), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]),
-                                      (params["layers"], idx))
+                                      (params["layers"], idx, lora_layers))
         cache = {"k": ck, "v": cv}
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return x, cache

@@ -17,7 +17,8 @@ from rljax.errors import RljaxError, UserError
 from rljax.train.checkpoint import CheckpointDamaged, CheckpointManager, checkpoint_dir
 from rljax.train.phases import make_phases
 from rljax.train.setup import Context, Phase, build_context, check_inputs
-from rljax.train.state import TrainState, abstract_train_state
+from rljax.train.state import (TrainState, abstract_train_state, for_checkpoint,
+                                from_checkpoint)
 
 
 def initial_state(ctx: Context) -> TrainState:
@@ -54,13 +55,21 @@ def restore(ctx: Context, phases: list[Phase], ckpt: CheckpointManager, step: in
         raise UserError(f"checkpoint was written in phase {meta['phase_name']!r}, which this "
                         f"config does not have (phases: {[p.name for p in phases]})")
     try:
-        restored = ckpt.restore(step, abstract_state(ctx, phases, index))
+        # With LoRA a checkpoint holds the adapters only; the frozen base is ctx.params.
+        restored = ckpt.restore(step, for_checkpoint(abstract_state(ctx, phases, index)))
     except (ValueError, TypeError, KeyError) as e:  # orbax: the tree or a shape differs
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise UserError(f"checkpoint {ckpt.latest_step() if step is None else step} does not "
                         f"fit this config (the state's structure or shapes differ, e.g. "
                         f"algo.beta switching the reference model on/off): {first}") from None
-    return restored.state, meta, restored.step
+    return from_checkpoint(restored.state, frozen_state(ctx)), meta, restored.step
+
+
+def frozen_state(ctx: Context) -> TrainState:
+    """The frozen (base) parts a LoRA checkpoint leaves out, in the state's tree: the policy's
+    base, and a critic trunk's base (the same arrays: adapters on a shared frozen base)."""
+    from rljax.models import lora as lora_lib
+    return initial_state(ctx).replace(critic_params={"trunk": lora_lib.critic_base(ctx.params)})
 
 
 def restore_for_training(ctx: Context, phases: list[Phase], ckpt: CheckpointManager,

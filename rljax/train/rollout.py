@@ -114,6 +114,11 @@ class Rollout:
             ctx.model_cfg, temperature=cfg.rollout.temperature,
             num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
             param_shardings=ctx.param_shardings)
+        # With LoRA the reference policy is the base model: the same arrays, adapters off.
+        self.base_logps_fn = build_logps_fn(
+            ctx.model_cfg, temperature=cfg.rollout.temperature,
+            num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
+            param_shardings=ctx.param_shardings, base_only=True)
         a = cfg.algo
         self.needs_ref = a.beta > 0
         # Host-side group statistics as one jitted program each (run eagerly, every jnp op of
@@ -216,8 +221,9 @@ class Rollout:
         rewards = rows["rewards"]
         metrics: dict[str, Any] = {}
         if self.needs_ref:
-            batch["ref_logps"] = self.logps_fn(state.ref_params,
-                                               dist.device_batch(batch, self.ctx.mesh))
+            ref_fn, ref = ((self.logps_fn, state.ref_params) if state.ref_params is not None
+                           else (self.base_logps_fn, state.params))
+            batch["ref_logps"] = ref_fn(ref, dist.device_batch(batch, self.ctx.mesh))
             if cfg.algo.kl_in_reward:  # sequence KL penalty folded into the outcome reward
                 kl = algorithms.get_kl_estimator(cfg.algo.kl_estimator)(
                     batch["old_logps"], batch["ref_logps"])

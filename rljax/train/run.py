@@ -38,6 +38,7 @@ from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
 from rljax.train.rollout import print_completions
 from rljax.train.setup import build_context, check_inputs
+from rljax.train.state import for_checkpoint
 
 # ----------------------------------------------------------------------------- train
 
@@ -126,7 +127,7 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
         meta = {"phase": phase_index, "phase_name": phases[phase_index].name,
                 "phase_step": phase_step, "phase_state": phases[phase_index].state_dict(),
                 "guard": guard.state_dict(), "eval_pending": eval_pending}
-        ckpt.save(step, state, meta, wait=wait)
+        ckpt.save(step, for_checkpoint(state), meta, wait=wait)  # LoRA: adapters, no base
 
     def run_eval(step: int) -> bool:
         """Evaluates at ``step``; False if a stop request interrupted it (nothing written)."""

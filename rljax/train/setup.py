@@ -90,6 +90,16 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
     elif cfg.model.preset not in models.PRESETS:
         raise ConfigError(f"model.preset={cfg.model.preset!r} is not one of: "
                           f"{', '.join(sorted(models.PRESETS))}")
+    lora = cfg.model.lora
+    if lora.rank or cfg.model.adapter_path:
+        try:
+            models.lora.resolve_targets(lora.targets)
+        except ValueError as e:
+            raise ConfigError(f"model.lora.targets: {e}") from None
+    if cfg.model.adapter_path and not os.path.isfile(
+            os.path.join(cfg.model.adapter_path, models.peft.ADAPTER_CONFIG)):
+        raise UserError(f"model.adapter_path={cfg.model.adapter_path!r} is not a PEFT adapter "
+                        f"directory (no {models.peft.ADAPTER_CONFIG})")
     for key in ("data.path", "data.eval_path", "sft.path", "tokenizer.path"):
         section, name = key.split(".")
         value = cfg[section][name]
@@ -370,6 +380,35 @@ def check_context_length(cfg, model_cfg) -> None:
                           "longer context")
 
 
+def add_lora(cfg, model_cfg, params, shardings, mesh, rng):
+    """With ``model.lora.rank`` > 0 (or ``model.adapter_path``): float32 LoRA adapters (fresh,
+    or loaded from a PEFT adapter dir) under ``params["lora"]``, and ``lora_scale`` in the
+    model config. The base parameters are left as they are (frozen, in ``model.dtype``)."""
+    m = cfg.model
+    if not m.lora.rank and not m.adapter_path:
+        return model_cfg, params, shardings
+    lora = models.lora
+    if m.adapter_path:
+        try:
+            adapters, rank, alpha = models.peft.load_adapter(m.adapter_path, model_cfg)
+        except ValueError as e:
+            raise UserError(f"model.adapter_path={m.adapter_path!r}: {e}") from None
+        targets = tuple(adapters["layers"])
+    else:
+        rank, alpha, targets = int(m.lora.rank), float(m.lora.alpha), m.lora.targets
+        adapters = None
+    model_cfg = model_cfg.replace(lora_scale=alpha / rank)
+    axes = lora.lora_logical_axes(model_cfg, rank, targets)
+    shapes = jax.eval_shape(lambda: lora.init_lora(model_cfg, rank, targets, jax.random.key(0)))
+    lora_sh = shd.logical_to_sharding(axes, mesh, shapes=shapes)
+    if adapters is None:
+        adapters = jax.jit(lambda r: lora.init_lora(model_cfg, rank, targets, r),
+                           out_shardings=lora_sh)(rng)
+    else:
+        adapters = shd.shard_params(adapters, lora_sh)
+    return model_cfg, {**params, "lora": adapters}, {**shardings, "lora": lora_sh}
+
+
 def _param_shardings(model_cfg, mesh):
     shapes = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
     return shd.logical_to_sharding(models.param_logical_axes(model_cfg), mesh, shapes=shapes)
@@ -384,6 +423,8 @@ def build_context(cfg, workdir: str, devices=None) -> Context:
     tokenizer = make_tokenizer(cfg, workdir)
     model_cfg, params, shardings = build_model(cfg, tokenizer, mesh,
                                                jax.random.fold_in(jax.random.key(cfg.seed), 1))
+    model_cfg, params, shardings = add_lora(cfg, model_cfg, params, shardings, mesh,
+                                            jax.random.fold_in(jax.random.key(cfg.seed), 2))
     return Context(cfg, workdir, mesh, tokenizer, model_cfg, params, shardings)
 
 

@@ -18,6 +18,8 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rljax.models import lora as lora_lib
+
 
 @struct.dataclass
 class TrainState:
@@ -48,6 +50,33 @@ def create_train_state(params: Any, optimizer: optax.GradientTransformation, rng
         critic_opt_state=None if critic_optimizer is None else critic_optimizer.init(critic_params),
         ref_params=ref_params,
     )
+
+
+def reference_params(state: TrainState) -> Any:
+    """The frozen reference policy: ``ref_params`` when the state holds a copy, else -- with
+    LoRA -- the base model (the params without adapters, no copy), else None."""
+    if state.ref_params is not None:
+        return state.ref_params
+    if lora_lib.has_lora(state.params):
+        return lora_lib.base_params(state.params)
+    return None
+
+
+def for_checkpoint(state: TrainState) -> TrainState:
+    """What a checkpoint holds: with LoRA, the adapters (+ optimizer state, ...) without the
+    frozen base, which is rebuilt from ``model.path`` / the seed on restore."""
+    critic = state.critic_params
+    return state.replace(params=lora_lib.trainable(state.params),
+                         critic_params=None if critic is None else lora_lib.trainable(critic))
+
+
+def from_checkpoint(restored: TrainState, full: TrainState) -> TrainState:
+    """Inverse of ``for_checkpoint``: the restored adapters back on ``full``'s frozen base."""
+    critic = restored.critic_params
+    if critic is not None:
+        critic = lora_lib.attach(critic, full.critic_params)
+    return restored.replace(params=lora_lib.attach(restored.params, full.params),
+                            critic_params=critic)
 
 
 def eval_state_shape(params: Any, optimizer: optax.GradientTransformation, rng: Any, *,
@@ -114,19 +143,22 @@ def state_shardings(shape_state: TrainState, param_shardings: Any,
     """
     replicated = _replicated_like(param_shardings)
     has_critic = shape_state.critic_params is not None
+    trainable = lora_lib.trainable  # optimizer state mirrors the trainable part only
     if has_critic and critic_shardings is None:
         raise ValueError("the state has a critic: pass critic_shardings")
     return TrainState(
         step=replicated,
         params=param_shardings,
-        opt_state=mirror_shardings(shape_state.opt_state, shape_state.params, param_shardings,
-                                   replicated),
+        opt_state=mirror_shardings(shape_state.opt_state, trainable(shape_state.params),
+                                   trainable(param_shardings), replicated),
         rng=jax.tree.map(lambda _: replicated, shape_state.rng),
         critic_params=critic_shardings if has_critic else None,
         critic_opt_state=(mirror_shardings(shape_state.critic_opt_state,
-                                           shape_state.critic_params, critic_shardings,
+                                           trainable(shape_state.critic_params),
+                                           trainable(critic_shardings),
                                            replicated) if has_critic else None),
-        ref_params=param_shardings if shape_state.ref_params is not None else None,
+        ref_params=(lora_lib.base_params(param_shardings) if lora_lib.has_lora(param_shardings)
+                    else param_shardings) if shape_state.ref_params is not None else None,
     )
 
 

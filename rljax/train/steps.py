@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import algorithms, models
+from rljax.models import lora as lora_lib
 from rljax.sharding import BATCH_AXES
 from rljax.train.optim import apply_if_finite
 from rljax.train.state import TrainState
@@ -61,10 +62,13 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     ``*_max`` are ``(max, 1)`` and combine by maximum instead.
     """
     def one(mb):
-        def numerator(p):
-            (num, den), metrics = loss_fn(p, state, mb)
+        # Gradients w.r.t. the trainable part only: with LoRA the frozen base is closed over
+        # (no base gradients, no optimizer state for it).
+        def numerator(t):
+            (num, den), metrics = loss_fn(lora_lib.with_trainable(state.params, t), state, mb)
             return num, (den, metrics)
-        (num, (den, metrics)), grads = jax.value_and_grad(numerator, has_aux=True)(state.params)
+        (num, (den, metrics)), grads = jax.value_and_grad(numerator, has_aux=True)(
+            lora_lib.trainable(state.params))
         return grads, num, den, metrics
 
     if num_micro == 1:
@@ -100,8 +104,10 @@ def update(optimizer, loss_fn: LossFn, state: TrainState, batch, num_micro: int 
     grads, num, den, metric_sums = accumulate(loss_fn, state, batch, num_micro)
     grads = jax.tree.map(lambda g: algorithms.safe_divide(g, den), grads)
     loss = algorithms.safe_divide(num, den)
-    res = apply_if_finite(optimizer, state.params, state.opt_state, grads, loss)
-    new_state = state.replace(step=state.step + 1, params=res.params, opt_state=res.opt_state)
+    res = apply_if_finite(optimizer, lora_lib.trainable(state.params), state.opt_state, grads,
+                          loss)
+    new_state = state.replace(step=state.step + 1, opt_state=res.opt_state,
+                              params=lora_lib.with_trainable(state.params, res.params))
     metrics = {"loss": loss, "grad_norm": res.grad_norm,
                "skipped": res.skipped.astype(jnp.int32), **finalize_metrics(metric_sums)}
     return new_state, metrics
@@ -237,12 +243,15 @@ def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
 
 
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,
-                   param_shardings=None) -> Callable:
+                   param_shardings=None, base_only: bool = False) -> Callable:
     """Jitted ``fn(params, batch) -> logps f32 [B, N]`` over the completion (old / reference
-    log-probs), computed ``num_micro`` rows-chunks at a time to bound memory."""
+    log-probs), computed ``num_micro`` rows-chunks at a time to bound memory. ``base_only``:
+    the LoRA adapters are switched off (the base model is the reference policy)."""
     temperature = float(temperature) or 1.0
 
     def logps_fn(params, batch):
+        if base_only:
+            params = lora_lib.base_params(params)
         batch = {k: batch[k] for k in ("tokens", "mask", "loss_mask")}
         if num_micro == 1:
             return completion_logps(model_cfg, params, batch, temperature=temperature)[0]

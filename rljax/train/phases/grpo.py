@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import distributed as dist
+from rljax.models import lora as lora_lib
 from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, data_iterator, update_sizes
 from rljax.train.steps import build_grpo_step, to_host
@@ -39,9 +40,12 @@ class GRPOPhase:
         self._step_fn = None
 
     def init_state(self, state):
-        """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0)."""
-        ref = jax.tree.map(jnp.copy, state.params) if self.ctx.cfg.algo.beta > 0 else None
-        return state.replace(opt_state=self.optimizer.init(state.params), ref_params=ref)
+        """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0),
+        or with LoRA the base model itself (adapters off: no copy, ``ref_params`` stays None)."""
+        copy_ref = self.ctx.cfg.algo.beta > 0 and not lora_lib.has_lora(state.params)
+        ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
+        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
+                             ref_params=ref)
 
     def _compiled(self, state):
         if self._step_fn is None:

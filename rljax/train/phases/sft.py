@@ -14,6 +14,7 @@ import numpy as np
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
+from rljax.models import lora as lora_lib
 from rljax.train import rollout as rollout_lib
 from rljax.train.setup import Context, data_iterator
 from rljax.train.steps import build_sft_step, to_host
@@ -39,7 +40,8 @@ class SFTPhase:
         self.num_too_long = 0
 
     def init_state(self, state):
-        return state.replace(opt_state=self.optimizer.init(state.params), ref_params=None)
+        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
+                             ref_params=None)
 
     def solution(self, example: dict) -> str:
         if self.task is not None:
