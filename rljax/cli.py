@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="checkpoint step (default: latest)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace files in a non-empty --out (never a run directory)")
+    p.add_argument("--adapter", action="store_true",
+                   help="LoRA runs: write a PEFT adapter dir instead of merged weights")
 
     p = sub.add_parser("plot", help="draw learning curves from metrics.jsonl")
     p.add_argument("dir", help="run directory (or a metrics.jsonl file)")
@@ -182,8 +184,10 @@ def cmd_export(args, overrides) -> int | None:
 
     wd.check_export_target(args.workdir, args.out, args.overwrite)  # before loading anything
     cfg = wd.load_workdir_config(args.workdir, overrides)
+    kw = {"adapter": True} if args.adapter else {}
     return _run_function("export", "export")(cfg, args.workdir, args.out,
-                                             checkpoint=args.checkpoint, overwrite=args.overwrite)
+                                             checkpoint=args.checkpoint, overwrite=args.overwrite,
+                                             **kw)
 
 
 def cmd_plot(args, overrides) -> int | None:

@@ -565,6 +565,10 @@ def _check_combinations(cfg) -> None:
                           "yet; use 0.0")
     if (lora.rank or cfg.model.adapter_path) and lora.alpha <= 0:
         raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0")
+    if (lora.rank or cfg.model.adapter_path) and algo.ref_update_every:
+        raise ConfigError(f"algo.ref_update_every={algo.ref_update_every} refreshes a copied "
+                          "reference; with LoRA (model.lora.rank > 0) the reference is the "
+                          "frozen base model: set it to 0")
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")

@@ -117,3 +117,35 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(straight, tmp_pa
     jax.tree.map(np.testing.assert_array_equal,
                  jax.tree.map(np.asarray, saved_state(workdir)["params"]),
                  jax.tree.map(np.asarray, saved["params"]))
+
+
+# ----------------------------------------------------------------------------- PEFT round trip
+
+def test_peft_adapter_round_trip_matches_rljax_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    cfg = CFG.replace(lora_scale=8.0 / 4)
+    p = perturbed(lora_params(cfg, rank=4, targets=lora.ALL_TARGETS), scale=0.2)
+    base_dir, ad_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
+    models.save_hf(cfg, lora.base_params(p), base_dir)
+    models.peft.save_adapter(cfg, p["lora"], ad_dir, base_model_name_or_path=base_dir)
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf, ad_dir).eval()
+    t = tokens(2, 9)
+    with torch.no_grad():
+        ref = hf(torch.tensor(np.asarray(t))).logits.numpy()
+    ours = np.asarray(models.forward(cfg, p, t))
+    base = np.asarray(models.forward(cfg, lora.base_params(p), t))
+    assert np.abs(ours - base).max() > 1e-2
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
+    # ... and back: model.adapter_path reads PEFT's files into the same adapters.
+    adapters, rank, alpha = models.peft.load_adapter(ad_dir, cfg)
+    assert (rank, alpha) == (4, 8.0)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 adapters, p["lora"])
+    with pytest.raises(ValueError, match="do not match the base model"):
+        models.peft.load_adapter(ad_dir, cfg.replace(hidden_size=64))
+    with pytest.raises(ValueError, match="'qwen2' model|trained on a 'llama'"):
+        models.peft.load_adapter(ad_dir, cfg.replace(model_type="qwen2"))

@@ -21,6 +21,7 @@ import re
 
 import jax
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from rljax.models.config import ModelConfig
@@ -49,7 +50,10 @@ def save_adapter(cfg: ModelConfig, adapters: dict, out_dir: str,
             base = f"{PREFIX}.{i}.{MODULES[name]}"
             tensors[f"{base}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
             tensors[f"{base}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
-    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    # The base model's family rides in the safetensors metadata (PEFT's config would warn
+    # about an unknown key); load_adapter checks it against the base.
+    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS),
+              metadata={"format": "pt", "model_type": cfg.model_type})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path or None,
@@ -57,7 +61,6 @@ def save_adapter(cfg: ModelConfig, adapters: dict, out_dir: str,
         "target_modules": sorted(MODULES[n].split(".")[-1] for n in adapters["layers"]),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
-        "rljax_model_type": cfg.model_type,
     }
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
@@ -73,15 +76,21 @@ def load_adapter(path: str, cfg: ModelConfig) -> tuple[dict, int, float]:
     for flag in ("use_rslora", "use_dora", "fan_in_fan_out"):
         if config.get(flag):
             raise ValueError(f"{flag}=true adapters are not supported")
-    mt = config.get("rljax_model_type")
-    if mt is not None and mt != cfg.model_type:
-        raise ValueError(f"adapter was trained on a {mt!r} model, the base is {cfg.model_type!r}")
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     if rank <= 0:
         raise ValueError(f"adapter rank r={rank} must be > 0")
     weights_path = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights_path):
         raise ValueError(f"no {ADAPTER_WEIGHTS}")
+    with safe_open(weights_path, "np") as f:
+        mt = (f.metadata() or {}).get("model_type")
+    if mt is None and config.get("base_model_name_or_path"):
+        base_cfg = os.path.join(config["base_model_name_or_path"], "config.json")
+        if os.path.isfile(base_cfg):
+            with open(base_cfg) as f:
+                mt = json.load(f).get("model_type")
+    if mt is not None and mt != cfg.model_type:
+        raise ValueError(f"adapter was trained on a {mt!r} model, the base is {cfg.model_type!r}")
     tensors = load_file(weights_path)
     pattern = re.compile(rf"{re.escape(PREFIX)}\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
                          rf"\.lora_([AB])(?:\.default)?\.weight")

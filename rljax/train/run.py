@@ -266,25 +266,40 @@ def render_prompts(cfg, tok, prompts: list[str], ctx=None) -> list[str]:
 
 
 def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=None,
-           overwrite: bool = False) -> int:
+           overwrite: bool = False, adapter: bool = False) -> int:
     """``rljax export``: the checkpoint's policy as a Hugging Face model directory ``out``:
     safetensors + config.json, and the tokenizer's files (for an HF tokenizer:
     ``tokenizer.json``, ``tokenizer_config.json`` with the chat template, special tokens).
 
     ``out`` must be empty or new (``overwrite`` replaces files in a non-empty one), and may
-    never be a run directory: not ``workdir``, nothing inside it, nor another run's."""
+    never be a run directory: not ``workdir``, nothing inside it, nor another run's.
+
+    LoRA runs: the adapters merged into the base; with ``adapter``, the adapters alone as a
+    PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    if adapter and not (cfg.model.lora.rank or cfg.model.adapter_path):
+        raise UserError(f"export --adapter: the run in {workdir} does not use LoRA "
+                        "(model.lora.rank is 0)")
     workdir_lib.check_export_target(workdir, out, overwrite)
     ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices)
+    if adapter:
+        models.peft.save_adapter(ctx.model_cfg, state.params["lora"], out,
+                                 base_model_name_or_path=cfg.model.path)
+        print(f"rljax: exported the LoRA adapter of step {step} to {out}", file=sys.stderr,
+              flush=True)
+        return 0
     what = "policy"
     if _is_reward_model(cfg, state):
-        bias = models.save_hf_value(ctx.model_cfg, state.critic_params, out)
+        # LoRA: the reward model's adapters on the policy's base, merged.
+        value = models.lora.value_on_base(state.params, state.critic_params)
+        value = {**value, "trunk": models.lora.merge(ctx.model_cfg, value["trunk"])}
+        bias = models.save_hf_value(ctx.model_cfg, value, out)
         what = "reward model (AutoModelForSequenceClassification, num_labels=1)"
         if bias:
             print(f"rljax: note: the value head's bias {bias:.4g} is not in HF's score layer "
                   "(config.json: rljax_value_head_bias); add it to get rljax's scores",
                   file=sys.stderr, flush=True)
     else:
-        models.save_hf(ctx.model_cfg, state.params, out)
+        models.save_hf(ctx.model_cfg, models.lora.merge(ctx.model_cfg, state.params), out)
     save = getattr(ctx.tokenizer, "save", None)
     if save is not None:  # HF: tokenizer files + chat template; char: char_tokenizer.json
         save(out)

@@ -27,10 +27,12 @@ from rljax import algorithms, models
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
+from rljax.models import lora as lora_lib
 from rljax.train import evaluate as eval_lib
 from rljax.train import steps
 from rljax.train.rollout import RewardRollout
 from rljax.train.setup import check_lengths, data_iterator, preference_config
+from rljax.train.state import reference_params
 from rljax.train.steps import to_host
 
 Array = jax.Array
@@ -99,7 +101,7 @@ def dpo_loss(model_cfg: models.ModelConfig, algo_cfg, params: Any, state, batch:
     elif "ref_chosen_logps" in batch:
         rc, rr = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
     else:
-        ref = reference_logps(model_cfg, state.ref_params, batch)
+        ref = reference_logps(model_cfg, reference_params(state), batch)
         rc, rr = ref["ref_chosen_logps"], ref["ref_rejected_logps"]
     lengths_kw = {}
     if loss_type in LENGTH_NORMALISED:
@@ -349,8 +351,12 @@ class DPOPhase:
         self._eval_batches = self._eval_examples = None
 
     def init_state(self, state):
-        ref = jax.tree.map(jnp.copy, state.params) if self.uses_ref else None
-        return state.replace(opt_state=self.optimizer.init(state.params), ref_params=ref)
+        """Fresh optimizer; the reference is a copy of the starting policy, or with LoRA the
+        base model (adapters off: no copy, ``ref_params`` stays None)."""
+        copy_ref = self.uses_ref and not lora_lib.has_lora(state.params)
+        ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
+        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
+                             ref_params=ref)
 
     def _compiled(self, state):
         if self._step_fn is None:
@@ -383,7 +389,7 @@ class DPOPhase:
             state, m = step_fn(state, dist.device_batch(pairs, self.ctx.mesh))
             updates.append(to_host(m))
         every = self.ctx.cfg.algo.ref_update_every
-        if self.uses_ref and every and (step + 1) % every == 0:
+        if state.ref_params is not None and every and (step + 1) % every == 0:
             state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
         t2 = time.perf_counter()
         for key in updates[0]:
