@@ -149,3 +149,99 @@ def test_peft_adapter_round_trip_matches_rljax_logits(tmp_path):
         models.peft.load_adapter(ad_dir, cfg.replace(hidden_size=64))
     with pytest.raises(ValueError, match="'qwen2' model|trained on a 'llama'"):
         models.peft.load_adapter(ad_dir, cfg.replace(model_type="qwen2"))
+
+
+# ----------------------------------------------------------------------------- sharding, DPO
+
+def test_lora_grpo_step_sharded_on_8_devices_equals_unsharded():
+    from rljax import sharding as shd
+    from rljax.train.state import eval_state_shape, state_shardings
+    from test_train_steps import MODEL, algo_cfg, make_batch
+    from rljax import config as config_lib
+    from rljax.train import optim
+
+    assert jax.device_count() == 8
+    cfg = MODEL.replace(lora_scale=2.0)
+    targets = lora.ALL_TARGETS
+    opt_cfg = config_lib.default_config().optimizer
+    opt_cfg.name = "sgd"
+    opt = optim.make_optimizer(opt_cfg, 100, learning_rate=1.0)
+
+    def fresh():
+        p = perturbed(lora_params(cfg, rank=4, targets=targets), scale=0.05)
+        return create_train_state(p, opt, jax.random.key(1))
+
+    algo = algo_cfg(beta=0.05)
+    batch = make_batch(2)
+    state = fresh()
+    assert state.ref_params is None
+    want_state, want = steps_lib.build_grpo_step(cfg, algo, opt, num_micro=2)(state, batch)
+
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    state = fresh()
+    pshard = shd.logical_to_sharding(
+        {**models.param_logical_axes(cfg), "lora": lora.lora_logical_axes(cfg, 4, targets)},
+        mesh, shapes=state.params)
+    sshard = state_shardings(eval_state_shape(state.params, opt, state.rng), pshard)
+    state = jax.device_put(state, sshard)
+    assert state.params["lora"]["layers"]["q"]["b"].sharding.spec != jax.sharding.PartitionSpec()
+    step = steps_lib.build_grpo_step(cfg, algo, opt, num_micro=2, state_shardings=sshard,
+                                     mesh=mesh)
+    new_state, m = step(state, batch)
+    np.testing.assert_allclose(float(m["loss"]), float(want["loss"]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(m["kl_ref"]), float(want["kl_ref"]), rtol=1e-4, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=1e-5, atol=1e-6),
+                 new_state.params, want_state.params)
+
+
+def test_dpo_with_lora_holds_no_reference_copy(tmp_path):
+    from rljax import config as config_lib
+    from rljax.train import inference, setup
+    from rljax.train.phases import make_phases
+
+    cfg = config_lib.load_config("configs/dpo_arithmetic.py", [
+        "steps=2", "sft.steps=0", "rollout.batch_size=8", "eval.num_examples=8",
+        "eval.batch_size=8", "checkpoint.async_save=False", "logging.tensorboard=False",
+        "mesh.data=1", "algo.ref_update_every=0", "model.lora.rank=4",
+        "model.lora.targets=q|v"])
+    ctx = setup.build_context(cfg, str(tmp_path / "ctx"), devices=DEVICES)
+    shape = inference.abstract_state(ctx, make_phases(ctx), 0)
+    assert shape.ref_params is None                       # the base is the reference
+    n_lora = sum(x.size for x in jax.tree.leaves(shape.params["lora"]))
+    n_opt = sum(x.size for x in jax.tree.leaves(shape.opt_state))
+    assert n_opt <= 2 * n_lora + 8                        # Adam moments of the adapters only
+    workdir = str(tmp_path / "run")
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    saved = saved_state(workdir)
+    assert set(saved["params"]) == {"lora"} and saved.get("ref_params") is None
+    train = [r for r in read_metrics(workdir) if "rewards/margin" in r]
+    assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)
+
+
+def test_export_merged_adapter_and_refusals(straight, tmp_path):
+    from rljax import cli
+    from rljax.train import inference
+
+    cfg = lora_cfg()
+    out = str(tmp_path / "merged")
+    assert run.export(cfg, straight, out, devices=DEVICES) == 0
+    ctx, state, _ = inference.load_for_inference(cfg, straight, devices=DEVICES)
+    t = tokens(2, 6) % ctx.model_cfg.vocab_size
+    _, merged = models.load_hf(out)
+    np.testing.assert_allclose(models.forward(ctx.model_cfg, merged, t),
+                               models.forward(ctx.model_cfg, state.params, t), atol=1e-5)
+    assert run.export(cfg, straight, str(tmp_path / "ad"), devices=DEVICES, adapter=True) == 0
+    assert sorted(os.listdir(tmp_path / "ad")) == ["adapter_config.json",
+                                                    "adapter_model.safetensors"]
+    adapters, rank, alpha = models.peft.load_adapter(str(tmp_path / "ad"), ctx.model_cfg)
+    assert (rank, alpha) == (4, 8.0)
+    # A run without LoRA: one line, exit 2, before loading anything.
+    plain = str(tmp_path / "plain")
+    os.makedirs(plain)
+    config_lib_cfg = tiny_cfg()
+    from rljax import config as config_lib
+    with open(os.path.join(plain, "config.json"), "w") as f:
+        f.write(config_lib.to_json(config_lib_cfg))
+    assert cli.main(["export", "--workdir", plain, "--out", str(tmp_path / "x"),
+                     "--adapter"]) == 2

@@ -44,10 +44,11 @@ def create_train_state(params: Any, optimizer: optax.GradientTransformation, rng
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init(lora_lib.trainable(params)),  # LoRA: adapters only
         rng=rng,
         critic_params=critic_params,
-        critic_opt_state=None if critic_optimizer is None else critic_optimizer.init(critic_params),
+        critic_opt_state=(None if critic_optimizer is None
+                          else critic_optimizer.init(lora_lib.trainable(critic_params))),
         ref_params=ref_params,
     )
 
