@@ -245,3 +245,25 @@ def test_export_merged_adapter_and_refusals(straight, tmp_path):
         f.write(config_lib.to_json(config_lib_cfg))
     assert cli.main(["export", "--workdir", plain, "--out", str(tmp_path / "x"),
                      "--adapter"]) == 2
+
+
+# ----------------------------------------------------------------------------- PPO, RM
+
+@pytest.mark.parametrize("algo", ["ppo", "rm"])
+def test_ppo_and_rm_critic_is_adapters_on_the_shared_base(algo, tmp_path):
+    from rljax import config as config_lib
+
+    common = ["rollout.batch_size=8", "eval.num_examples=8", "eval.batch_size=8",
+              "checkpoint.async_save=False", "logging.tensorboard=False", "mesh.data=1",
+              "model.lora.rank=4", "model.lora.targets=q,v,down"]
+    extra = (["steps=2", "sft.steps=0", "algo.mini_batch_size=4", "algo.ref_update_every=0"]
+             if algo == "ppo" else ["steps=2"])
+    cfg = config_lib.load_config(f"configs/{algo}_arithmetic.py", common + extra)
+    workdir = str(tmp_path)
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    saved = saved_state(workdir)
+    assert set(saved["params"]) == {"lora"} and saved.get("ref_params") is None
+    assert set(saved["critic_params"]["trunk"]) == {"lora"}   # no copy of the base trunk
+    key = "vf_loss" if algo == "ppo" else "score/margin"
+    train = [r for r in read_metrics(workdir) if key in r]
+    assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)

@@ -124,10 +124,16 @@ def _value_with_lora(params: Any) -> bool:
     return isinstance(params, dict) and "trunk" in params and has_lora(params["trunk"])
 
 
+def _joint(params: Any) -> bool:  # PPO's {"policy", "critic"} view of the state
+    return isinstance(params, dict) and set(params) == {"policy", "critic"}
+
+
 def trainable(params: Any) -> Any:
     """What the optimizer sees (and a checkpoint holds): ``{"lora": adapters}`` when the tree
     has adapters; for a value model whose trunk has them, the trunk's adapters plus the head;
     else the whole tree. Works on any tree of the same structure (shardings, shapes)."""
+    if _joint(params):
+        return {k: trainable(v) for k, v in params.items()}
     if has_lora(params):
         return {"lora": params["lora"]}
     if _value_with_lora(params):
@@ -137,6 +143,8 @@ def trainable(params: Any) -> Any:
 
 def with_trainable(params: Any, new: Any) -> Any:
     """Inverse of ``trainable``: ``params`` (the full tree) with its trainable part ``new``."""
+    if _joint(params):
+        return {k: with_trainable(v, new[k]) for k, v in params.items()}
     if has_lora(params):
         return {**params, "lora": new["lora"]}
     if _value_with_lora(params):
@@ -159,6 +167,26 @@ def critic_base(params: dict) -> dict:
     """A value model's frozen trunk on a LoRA policy: the policy's base arrays (shared, no
     copy) without the LM head."""
     return {k: v for k, v in base_params(params).items() if k != "lm_head"}
+
+
+def init_value_adapters(cfg: ModelConfig, policy_params: dict, rng: jax.Array) -> dict:
+    """A critic / reward model on the policy's frozen base: its own fresh adapters (the
+    policy's rank and targets) and a scalar head, ``{"trunk": {"lora": ...}, "head": ...}``.
+    The trunk's base is not stored: ``value_on_base`` adds the policy's base arrays."""
+    ad = policy_params["lora"]
+    k_lora, k_head = jax.random.split(rng)
+    kernel = cfg.init_std * jax.random.normal(k_head, (cfg.hidden_size,), jnp.float32)
+    return {"trunk": {"lora": init_lora(cfg, rank_of(ad), tuple(ad["layers"]), k_lora)},
+            "head": {"kernel": kernel, "bias": jnp.zeros((), jnp.float32)}}
+
+
+def value_on_base(policy_params: dict, critic: Any) -> Any:
+    """The full value-model tree of a critic whose trunk holds adapters only (see
+    ``init_value_adapters``): the policy's base arrays under the critic's adapters."""
+    if isinstance(critic, dict) and isinstance(critic.get("trunk"), dict) and \
+            set(critic["trunk"]) == {"lora"}:
+        return {**critic, "trunk": {**critic_base(policy_params), "lora": critic["trunk"]["lora"]}}
+    return critic
 
 
 def rank_of(adapters: dict) -> int:

@@ -62,14 +62,7 @@ def restore(ctx: Context, phases: list[Phase], ckpt: CheckpointManager, step: in
         raise UserError(f"checkpoint {ckpt.latest_step() if step is None else step} does not "
                         f"fit this config (the state's structure or shapes differ, e.g. "
                         f"algo.beta switching the reference model on/off): {first}") from None
-    return from_checkpoint(restored.state, frozen_state(ctx)), meta, restored.step
-
-
-def frozen_state(ctx: Context) -> TrainState:
-    """The frozen (base) parts a LoRA checkpoint leaves out, in the state's tree: the policy's
-    base, and a critic trunk's base (the same arrays: adapters on a shared frozen base)."""
-    from rljax.models import lora as lora_lib
-    return initial_state(ctx).replace(critic_params={"trunk": lora_lib.critic_base(ctx.params)})
+    return from_checkpoint(restored.state, initial_state(ctx)), meta, restored.step
 
 
 def restore_for_training(ctx: Context, phases: list[Phase], ckpt: CheckpointManager,

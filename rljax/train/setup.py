@@ -291,6 +291,10 @@ class Context:
         critic = None
         if shape_state.critic_params is not None:
             axes = models.value_param_logical_axes(self.model_cfg)
+            if set(shape_state.critic_params["trunk"]) == {"lora"}:  # adapters on the base
+                axes = {"trunk": {"lora": models.lora.lora_logical_axes(
+                    self.model_cfg, models.lora.rank_of(self.params["lora"]),
+                    tuple(self.params["lora"]["layers"]))}, "head": axes["head"]}
             critic = shd.logical_to_sharding(axes, self.mesh, shapes=shape_state.critic_params)
         return state_shardings(shape_state, self.param_shardings, critic)
 

@@ -72,12 +72,10 @@ def for_checkpoint(state: TrainState) -> TrainState:
 
 
 def from_checkpoint(restored: TrainState, full: TrainState) -> TrainState:
-    """Inverse of ``for_checkpoint``: the restored adapters back on ``full``'s frozen base."""
-    critic = restored.critic_params
-    if critic is not None:
-        critic = lora_lib.attach(critic, full.critic_params)
-    return restored.replace(params=lora_lib.attach(restored.params, full.params),
-                            critic_params=critic)
+    """Inverse of ``for_checkpoint``: the restored adapters back on ``full``'s frozen base. (A
+    LoRA critic holds its adapters and head only; its base is the policy's, see
+    ``lora.value_on_base``.)"""
+    return restored.replace(params=lora_lib.attach(restored.params, full.params))
 
 
 def eval_state_shape(params: Any, optimizer: optax.GradientTransformation, rng: Any, *,

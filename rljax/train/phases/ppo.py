@@ -33,10 +33,12 @@ import numpy as np
 
 from rljax import algorithms, models
 from rljax import distributed as dist
+from rljax.models import lora as lora_lib
 from rljax.train import steps
 from rljax.train.optim import all_finite, apply_if_finite
 from rljax.train.rollout import RewardRollout
 from rljax.train.setup import Context, data_iterator, update_sizes
+from rljax.train.state import reference_params
 from rljax.train.steps import to_host
 
 Array = jax.Array
@@ -109,10 +111,12 @@ def build_prepare(model_cfg, algo_cfg, *, temperature: float = 1.0) -> Callable:
             old, _ = steps.completion_logps(model_cfg, state.params, batch,
                                             temperature=temperature)
         ref = None
-        if algo_cfg.beta > 0 and state.ref_params is not None:
-            ref, _ = steps.completion_logps(model_cfg, state.ref_params, batch,
+        ref_params = reference_params(state)  # with LoRA: the base, adapters off
+        if algo_cfg.beta > 0 and ref_params is not None:
+            ref, _ = steps.completion_logps(model_cfg, ref_params, batch,
                                             temperature=temperature)
-        values = completion_values(model_cfg, state.critic_params, batch)
+        values = completion_values(model_cfg, lora_lib.value_on_base(state.params,
+                                                                     state.critic_params), batch)
         adv, returns, metrics = advantages_and_returns(algo_cfg, batch["rewards"], values,
                                                        old, ref, m)
         out = dict(batch, old_logps=jnp.where(m, old, 0.0), old_values=jnp.where(m, values, 0.0),
@@ -155,7 +159,8 @@ def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     policy_tokens = algorithms.combine_token_losses(
         pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta), entropy_tokens=ent,
         entropy_coef=entropy_coef)
-    values = completion_values(model_cfg, params["critic"], batch)
+    values = completion_values(model_cfg,
+                               lora_lib.value_on_base(params["policy"], params["critic"]), batch)
     clip = float(algo_cfg.cliprange_value) or None
     vf, vf_clipped = algorithms.value_loss_tokens(values, batch["old_values"], batch["returns"],
                                                   m, clip_range=clip)
@@ -185,11 +190,12 @@ def ppo_update(optimizer, critic_optimizer, loss_fn, state, batch, num_micro: in
     # Each apply_if_finite checks its own grads and the loss; fold the other model's
     # finiteness into the loss it sees so that a skip is joint.
     nan = jnp.asarray(jnp.nan, loss.dtype)
-    pol = apply_if_finite(optimizer, state.params, state.opt_state, grads["policy"],
-                          jnp.where(all_finite(grads["critic"]), loss, nan))
+    pol = apply_if_finite(optimizer, lora_lib.trainable(state.params), state.opt_state,
+                          grads["policy"], jnp.where(all_finite(grads["critic"]), loss, nan))
     cri = apply_if_finite(critic_optimizer, state.critic_params, state.critic_opt_state,
                           grads["critic"], jnp.where(all_finite(grads["policy"]), loss, nan))
-    new_state = state.replace(step=state.step + 1, params=pol.params, opt_state=pol.opt_state,
+    new_state = state.replace(step=state.step + 1, opt_state=pol.opt_state,
+                              params=lora_lib.with_trainable(state.params, pol.params),
                               critic_params=cri.params, critic_opt_state=cri.opt_state)
     metrics = {"loss": loss, "grad_norm": pol.grad_norm, "critic_grad_norm": cri.grad_norm,
                "skipped": pol.skipped.astype(jnp.int32), **steps.finalize_metrics(metric_sums)}
@@ -243,12 +249,18 @@ class PPOPhase:
         self._step_fn = None
 
     def init_state(self, state):
-        """Fresh optimizers, a critic copied from the policy, the reference (beta > 0)."""
-        critic = models.init_value_params(
-            self.ctx.model_cfg, jax.random.fold_in(state.rng, CRITIC_STREAM),
-            from_params=state.params)
-        ref = jax.tree.map(jnp.copy, state.params) if self.ctx.cfg.algo.beta > 0 else None
-        return state.replace(opt_state=self.optimizer.init(state.params), critic_params=critic,
+        """Fresh optimizers, a critic copied from the policy, the reference (beta > 0). With
+        LoRA: the critic is a value head + its own adapters on the shared frozen base, and the
+        reference is the base itself (no copies)."""
+        rng = jax.random.fold_in(state.rng, CRITIC_STREAM)
+        if lora_lib.has_lora(state.params):
+            critic = lora_lib.init_value_adapters(self.ctx.model_cfg, state.params, rng)
+            ref = None
+        else:
+            critic = models.init_value_params(self.ctx.model_cfg, rng, from_params=state.params)
+            ref = jax.tree.map(jnp.copy, state.params) if self.ctx.cfg.algo.beta > 0 else None
+        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
+                             critic_params=critic,
                              critic_opt_state=self.critic_optimizer.init(critic),
                              ref_params=ref)
 

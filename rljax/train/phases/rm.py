@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.errors import UserError
+from rljax.models import lora as lora_lib
 from rljax.train import steps
 from rljax.train.phases import dpo as dpo_lib
 from rljax.train.steps import to_host
@@ -103,9 +104,11 @@ def build_rm_phase_step(model_cfg, optimizer, *, num_micro: int = 1, state_shard
     loss_fn = functools.partial(rm_loss, model_cfg)
 
     def rm_step(state, batch):
-        view = state.replace(params=state.critic_params, opt_state=state.critic_opt_state)
+        # With LoRA the reward model is adapters + head on the policy's frozen base.
+        view = state.replace(params=lora_lib.value_on_base(state.params, state.critic_params),
+                             opt_state=state.critic_opt_state)
         new, metrics = steps.update(optimizer, loss_fn, view, batch, num_micro)
-        return state.replace(step=new.step, critic_params=new.params,
+        return state.replace(step=new.step, critic_params=lora_lib.trainable(new.params),
                              critic_opt_state=new.opt_state), metrics
     return steps.jit_step(rm_step, state_shardings, mesh)
 
@@ -136,9 +139,11 @@ class RMPhase:
         self._step_fn = self._eval_fn = self._eval_batches = None
 
     def init_state(self, state):
-        value = models.init_value_params(self.ctx.model_cfg,
-                                         jax.random.fold_in(state.rng, RM_STREAM),
-                                         from_params=state.params)
+        rng = jax.random.fold_in(state.rng, RM_STREAM)
+        if lora_lib.has_lora(state.params):  # adapters + head on the frozen base, no copy
+            value = lora_lib.init_value_adapters(self.ctx.model_cfg, state.params, rng)
+        else:
+            value = models.init_value_params(self.ctx.model_cfg, rng, from_params=state.params)
         return state.replace(opt_state=None, ref_params=None, critic_params=value,
                              critic_opt_state=self.optimizer.init(value))
 
@@ -164,7 +169,8 @@ class RMPhase:
             self._eval_fn = jax.jit(lambda v, b: rm_loss(cfg, v, None, b))
         if not self._eval_batches:
             return {}
-        return dpo_lib.pair_metrics(lambda b: self._eval_fn(state.critic_params, b),
+        value = lora_lib.value_on_base(state.params, state.critic_params)
+        return dpo_lib.pair_metrics(lambda b: self._eval_fn(value, b),
                                     self._eval_batches)
 
     def state_dict(self) -> dict:
