@@ -208,6 +208,14 @@ def _memory_cfg(cfg) -> dict:
 
 # ----------------------------------------------------------------------------- model / state
 
+def _lora_rank(cfg) -> int:
+    """The run's LoRA rank (``model.lora.rank``, or the adapter's ``r``); 0 = LoRA off."""
+    if cfg.model.adapter_path:
+        with open(os.path.join(cfg.model.adapter_path, models.peft.ADAPTER_CONFIG)) as f:
+            return int(json.load(f)["r"])
+    return int(cfg.model.lora.rank)
+
+
 def model_config(cfg, tokenizer) -> models.ModelConfig:
     """The run's ModelConfig without loading or creating weights (as ``setup.build_model``)."""
     m = cfg.model
@@ -251,8 +259,15 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     tok = _tokenizer(cfg)
     mcfg = model_config(cfg, tok)
     param_shapes = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
-    param_sh = shd.logical_to_sharding(models.param_logical_axes(mcfg), mesh,
-                                       shapes=param_shapes)
+    axes = models.param_logical_axes(mcfg)
+    lora_rank = _lora_rank(cfg)
+    if lora_rank:  # frozen base + float32 adapters; no optimizer state or copy for the base
+        lc = cfg.model.lora
+        mcfg = mcfg.replace(lora_scale=float(lc.alpha) / lora_rank)
+        param_shapes = {**param_shapes, "lora": jax.eval_shape(
+            lambda: models.lora.init_lora(mcfg, lora_rank, lc.targets, jax.random.key(0)))}
+        axes = {**axes, "lora": models.lora.lora_logical_axes(mcfg, lora_rank, lc.targets)}
+    param_sh = shd.logical_to_sharding(axes, mesh, shapes=param_shapes)
     params = _abstract(param_shapes, param_sh)
     replicated = NamedSharding(mesh, PartitionSpec())
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)  # jax.random.PRNGKey
@@ -266,10 +281,14 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         return _compile_phase(*args) if compile_phases else None
 
     def make_state(optimizer, with_ref: bool):
+        with_ref = with_ref and not lora_rank  # LoRA: the reference is the frozen base
         shape = eval_state_shape(params, optimizer, rng, ref_params=params if with_ref else None)
         abstract = abstract_train_state(shape, state_shardings(shape, param_sh))
         parts = {"params": shard_bytes(abstract.params),
                  "optimizer": shard_bytes(abstract.opt_state)}
+        if lora_rank:
+            parts["adapters"] = shard_bytes(abstract.params["lora"])
+            parts["params"] -= parts["adapters"]  # the frozen base
         if with_ref:
             parts["reference"] = shard_bytes(abstract.ref_params)
         return abstract, parts
@@ -303,7 +322,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         prompts = total // g
         chunk = (r.micro_batch_size // g) if r.micro_batch_size else prompts
         mini = a.mini_batch_size or total
-        with_ref = a.beta > 0
+        with_ref = a.beta > 0 and not lora_rank
         optimizer = optim.make_optimizer(cfg.optimizer, max(1, cfg.steps))
         state, parts = make_state(optimizer, with_ref=with_ref)
         residents.append((a.name, parts))
@@ -341,7 +360,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
                      "advantages": _batch_struct(mesh, (mini,), jnp.float32),
                      "old_logps": _batch_struct(mesh, (mini, n_new), jnp.float32),
                      "sampler_logps": _batch_struct(mesh, (mini, n_new), jnp.float32)}
-            if with_ref and not a.kl_in_reward:
+            if a.beta > 0 and not a.kl_in_reward:  # (LoRA: from the base, no copy)
                 batch["ref_logps"] = _batch_struct(mesh, (mini, n_new), jnp.float32)
             phases.append(_compile("update", fn, (state, batch), sum(parts.values())))
         else:
