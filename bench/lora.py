@@ -100,7 +100,10 @@ def worker(args) -> dict:
            "measured_live_mib": live / 2**20,
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "first_iter_s": times[0], "iter_s": statistics.median(times[1:]),
-           "reward_mean": metrics.get("reward/mean")}
+           "reward_mean": metrics.get("reward/mean"), "platform": devices[0].platform}
+    stats = devices[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:  # GPU/TPU: the allocator's peak, the true per-device peak
+        out["device_peak_mib"] = stats["peak_bytes_in_use"] / 2**20
     if models.lora.has_lora(state.params):
         tok = ctx.tokenizer
         prompts = [tok.encode(f"{i}+{i + 1}=") for i in range(args.prompts)]
@@ -177,7 +180,7 @@ def main():
 
 def table(rows) -> str:
     head = ("| model | variant | trainable | plan resident | plan peak | measured live | "
-            "peak RSS | s / GRPO iter | sample unmerged / merged (s) |")
+            "measured peak | s / GRPO iter | sample unmerged / merged (s) |")
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         if "error" in r:
@@ -189,7 +192,9 @@ def table(rows) -> str:
         lines.append(
             f"| {r['shape']} ({r['params_m']:.1f}M) | {v} | {r['trainable_m']:.3g}M | "
             f"{r['plan_resident_mib']:.1f} MiB | {r['plan_peak_mib']:.1f} MiB | "
-            f"{r['measured_live_mib']:.1f} MiB | {r['peak_rss_mib']:.0f} MiB | "
+            f"{r['measured_live_mib']:.1f} MiB | "
+            + (f"{r['device_peak_mib']:.0f} MiB (device) | " if "device_peak_mib" in r
+               else f"{r['peak_rss_mib']:.0f} MiB (RSS) | ") +
             f"{r['iter_s']:.2f} | {samp} |")
     return "\n".join(lines)
 
