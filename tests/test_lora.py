@@ -267,3 +267,36 @@ def test_ppo_and_rm_critic_is_adapters_on_the_shared_base(algo, tmp_path):
     key = "vf_loss" if algo == "ppo" else "score/margin"
     train = [r for r in read_metrics(workdir) if key in r]
     assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)
+
+
+def test_bad_lora_input_is_one_line_before_compiling(tmp_path):
+    from rljax import config as config_lib
+    from rljax.errors import ConfigError, UserError
+    from rljax.train import setup
+
+    with pytest.raises(ConfigError, match="model.lora.targets: LoRA target 'qq' matches no"):
+        setup.check_inputs(tiny_cfg(**{"model.lora.rank": 4, "model.lora.targets": ("qq",)}),
+                           1)
+    with pytest.raises(ConfigError, match="model.lora.rank=-1 must be > 0"):
+        config_lib.load_config(None, ["model.lora.rank=-1"])
+    with pytest.raises(UserError, match="is not a PEFT adapter directory"):
+        setup.check_inputs(tiny_cfg(**{"model.adapter_path": str(tmp_path)}), 1)
+
+
+def test_adapter_path_starts_from_a_peft_adapter(tmp_path):
+    from rljax.train import setup
+
+    cfg = CFG.replace(lora_scale=8.0 / 4, vocab_size=128)  # >= the char tokenizer's
+    p = perturbed(lora_params(cfg, rank=4, targets=("q", "down")), scale=0.2)
+    base_dir, ad_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
+    models.save_hf(cfg, lora.base_params(p), base_dir)
+    models.peft.save_adapter(cfg, p["lora"], ad_dir, base_model_name_or_path=base_dir)
+    run_cfg = tiny_cfg(**{"model.path": base_dir, "model.adapter_path": ad_dir,
+                          "tokenizer.kind": "char", "sft.steps": 0})
+    run_cfg.model.overrides = {}  # the shapes come from the checkpoint
+    setup.check_inputs(run_cfg, 1)
+    ctx = setup.build_context(run_cfg, str(tmp_path / "run"), devices=DEVICES)
+    assert ctx.model_cfg.lora_scale == 2.0 and set(ctx.params["lora"]["layers"]) == {"q", "down"}
+    t = tokens()
+    np.testing.assert_allclose(models.forward(ctx.model_cfg, ctx.params, t),
+                               models.forward(cfg, p, t), atol=1e-6)
