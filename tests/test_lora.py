@@ -61,14 +61,10 @@ def test_targets_and_rank_errors():
 def test_gradients_flow_only_to_adapters_and_base_is_unchanged():
     import optax
     p = lora_params(targets=("q", "v", "down"))
-    state = create_train_state(p, optax.adam(1e-2), jax.random.key(0),)
-    opt_leaves = jax.tree.leaves(state.opt_state)
+    state = create_train_state(p, optax.adam(1e-2), jax.random.key(0))
     n_lora = sum(x.size for x in jax.tree.leaves(p["lora"]))
     # Adam moments for the adapters only (mu, nu) plus the count: no optimizer state for the base.
-    state = create_train_state(p, optax.adam(1e-2), jax.random.key(0))
-    state = state.replace(opt_state=optax.adam(1e-2).init(lora.trainable(p)))
     assert sum(x.size for x in jax.tree.leaves(state.opt_state)) == 2 * n_lora + 1
-    del opt_leaves
     t = tokens(4, 10)
     batch = {"tokens": t, "mask": jnp.ones_like(t, bool),
              "loss_mask": jnp.ones((4, 5), bool)}
@@ -237,12 +233,11 @@ def test_export_merged_adapter_and_refusals(straight, tmp_path):
     adapters, rank, alpha = models.peft.load_adapter(str(tmp_path / "ad"), ctx.model_cfg)
     assert (rank, alpha) == (4, 8.0)
     # A run without LoRA: one line, exit 2, before loading anything.
+    from rljax import config as config_lib
     plain = str(tmp_path / "plain")
     os.makedirs(plain)
-    config_lib_cfg = tiny_cfg()
-    from rljax import config as config_lib
     with open(os.path.join(plain, "config.json"), "w") as f:
-        f.write(config_lib.to_json(config_lib_cfg))
+        f.write(config_lib.to_json(tiny_cfg()))
     assert cli.main(["export", "--workdir", plain, "--out", str(tmp_path / "x"),
                      "--adapter"]) == 2
 

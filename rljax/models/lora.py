@@ -196,12 +196,11 @@ def rank_of(adapters: dict) -> int:
 
 def lora_delta(cfg: ModelConfig, name: str, ad: dict) -> jax.Array:
     """float32 ``scale * A @ B`` shaped like the (stacked) base weight ``name``."""
-    n_in = PROJECTIONS[name]
+    del name  # the shapes say it all: a [L, in..., r], b [L, r, out...]
     a, b = ad["a"].astype(jnp.float32), ad["b"].astype(jnp.float32)
     L, r = a.shape[0], a.shape[-1]
     in_shape, out_shape = a.shape[1:-1], b.shape[2:]
     d = jnp.einsum("lkr,lrn->lkn", a.reshape(L, -1, r), b.reshape(L, r, -1))
-    del n_in
     return (cfg.lora_scale * d).reshape((L,) + in_shape + out_shape)
 
 
