@@ -73,7 +73,9 @@ def _template(cfg) -> str:
 
 def check_inputs(cfg, num_devices: int | None = None) -> None:
     """Raises UserError for problems found without compiling anything."""
-    if cfg.model.path:
+    if cfg.model.path and models.is_gguf_path(cfg.model.path):
+        models.inspect_gguf(cfg.model.path)  # GGUFError (a UserError) names what it cannot load
+    elif cfg.model.path:
         path = cfg.model.path
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             raise UserError(f"model.path={path!r} does not exist or has no config.json")
@@ -202,9 +204,8 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     """(model_cfg, params, param_shardings): a preset from scratch or a HF checkpoint."""
     m = cfg.model
     if m.path:
-        with open(os.path.join(m.path, "config.json")) as f:
-            model_cfg = models.config_from_hf(json.load(f), dtype=jnp.dtype(m.dtype),
-                                              remat=bool(m.remat), **dict(m.overrides))
+        model_cfg = models.load_config(m.path, dtype=jnp.dtype(m.dtype), remat=bool(m.remat),
+                                       **dict(m.overrides))
         shardings = _param_shardings(model_cfg, mesh)
         try:
             model_cfg, params = models.load_hf(m.path, dtype=jnp.dtype(m.dtype),
