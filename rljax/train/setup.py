@@ -190,9 +190,13 @@ def make_tokenizer(cfg, workdir: str | None):
         return tokenizers.CharTokenizer.load(workdir)
     if path and t.kind != "char":
         try:
-            return tokenizers.load(path)
+            tok = tokenizers.load(path)
         except (ValueError, OSError) as e:
             raise UserError(f"cannot load a tokenizer from {path!r}: {e}") from None
+        if t.chat_template and not tok.has_chat_template:
+            raise ConfigError(f"tokenizer.chat_template=True but the tokenizer from {path!r} "
+                              "has no chat template")
+        return tok
     tok = tokenizers.CharTokenizer()
     if workdir:
         paths.makedirs(workdir)  # a local directory or a URL (gs://...)
