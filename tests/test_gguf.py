@@ -246,6 +246,16 @@ def test_metadata_options(tiny, tmp_path):
     assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (1, 2, 0)
 
 
+def test_overrides_may_not_change_the_files_shapes(tiny, tmp_path):
+    cfg, _, tensors = tiny["llama"]
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, cfg, tensors)
+    assert models.inspect_gguf(path, rope_theta=5e5).rope_theta == 5e5
+    with pytest.raises(models.GGUFError, match="model overrides hidden_size, num_layers change "
+                                               "the shapes of the file's tensors"):
+        models.load_hf(path, num_layers=1, hidden_size=32, remat=True)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def _one_line_error(path, needle):

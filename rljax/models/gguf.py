@@ -30,6 +30,7 @@ import numpy as np
 from rljax.errors import UserError
 from rljax.models.config import ModelConfig, dtype_name
 from rljax.models.hf import hf_tensor_shapes, load_params
+from rljax.models.transformer import param_shapes
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # Types gguf's numpy code dequantizes exactly and that llama.cpp's common quantizations use.
@@ -126,7 +127,7 @@ def _decimal(x: float) -> float:
 
 # ----------------------------------------------------------------------------- config
 
-def _config(reader, path: str, dtype, overrides: dict) -> ModelConfig:
+def _config(reader, path: str, dtype) -> ModelConfig:
     """ModelConfig from the metadata (and the presence/shape of a few tensors)."""
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -171,7 +172,6 @@ def _config(reader, path: str, dtype, overrides: dict) -> ModelConfig:
         pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
     )
     fields.update(_rope_scaling(reader, path, arch))
-    fields.update(overrides)
     try:
         return ModelConfig(**fields)
     except (TypeError, ValueError) as e:
@@ -219,13 +219,25 @@ def inspect_gguf(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
     """The ModelConfig of GGUF file ``path`` after checking that rljax can load it.
 
     Reads metadata and tensor headers only (no dequantization). Raises GGUFError for an
-    unsupported architecture or tensor type, a missing/extra/misshapen tensor, or a truncated
-    or corrupt file.
+    unsupported architecture or tensor type, a missing/extra/misshapen tensor, a truncated or
+    corrupt file, or ``overrides`` (ModelConfig fields) that would change a tensor's shape.
     """
     reader = open_gguf(path)
-    cfg = _config(reader, os.fspath(path), dtype, overrides)
+    cfg = _config(reader, os.fspath(path), dtype)
     _check_tensors(reader, os.fspath(path), cfg)
-    return cfg
+    if not overrides:
+        return cfg
+    try:
+        changed = cfg.replace(**overrides)
+    except (TypeError, ValueError) as e:
+        raise GGUFError(f"{path}: {e}") from None
+    # Overrides may change how the model computes (dtype, remat, ...), not what the file holds.
+    if param_shapes(changed) != param_shapes(cfg):
+        keys = sorted(k for k, v in overrides.items()
+                      if param_shapes(cfg.replace(**{k: v})) != param_shapes(cfg))
+        raise GGUFError(f"{path}: model overrides {', '.join(keys)} change the shapes of the "
+                        "file's tensors; a GGUF model's shapes come from its metadata")
+    return changed
 
 
 # ----------------------------------------------------------------------------- load
@@ -277,7 +289,11 @@ def load_gguf(path: str, dtype=jnp.float32, shardings=None, **overrides):
     """
     cfg = inspect_gguf(path, dtype=dtype, **overrides)
     reader = open_gguf(path)
-    return cfg, load_params(cfg, _tensor_source(reader, os.fspath(path), cfg), shardings)
+    params = load_params(cfg, _tensor_source(reader, os.fspath(path), cfg), shardings)
+    # The parsed metadata (~170 MB of Python objects for a 49k-token vocabulary) was cached for
+    # the checks before loading; loading is its last use in a run.
+    _reader.cache_clear()
+    return cfg, params
 
 
 # ----------------------------------------------------------------------------- packaged models
