@@ -58,31 +58,35 @@ def write_gguf(path, cfg, tensors, types=None, arch=None, meta=None, extra_tenso
                skip=(), permute=None):
     """Writes ``tensors`` (HF names) as a GGUF of architecture ``arch`` (default the family).
 
-    ``types``: HF name -> GGMLQuantizationType (default F32). ``meta``: extra metadata
-    {key: (kind, value)}; ``extra_tensors``: GGUF name -> float array or (raw bytes, type);
+    ``types``: HF name -> GGMLQuantizationType (default F32). ``meta``: metadata
+    {key: (kind, value)} added or replacing ours (value None: key left out); ``extra_tensors``: GGUF name -> float array or (raw bytes, type);
     ``skip``: GGUF names left out.
     Returns {GGUF name: float32 array as the file stores it (after quantization)}.
     """
     arch = arch or cfg.model_type
     permute = (arch == "llama") if permute is None else permute
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
-    w.add_pad_token_id(cfg.pad_token_id)
-    for key, (kind, value) in (meta or {}).items():
-        getattr(w, f"add_{kind}")(key, value)
+    keys = {
+        f"{arch}.block_count": ("uint32", cfg.num_layers),
+        f"{arch}.context_length": ("uint32", cfg.max_position_embeddings),
+        f"{arch}.embedding_length": ("uint32", cfg.hidden_size),
+        f"{arch}.feed_forward_length": ("uint32", cfg.intermediate_size),
+        f"{arch}.attention.head_count": ("uint32", cfg.num_heads),
+        f"{arch}.attention.head_count_kv": ("uint32", cfg.num_kv_heads),
+        f"{arch}.rope.freq_base": ("float32", cfg.rope_theta),
+        f"{arch}.attention.layer_norm_rms_epsilon": ("float32", cfg.rms_norm_eps),
+        f"{arch}.attention.key_length": ("uint32", cfg.head_dim),
+        f"{arch}.attention.value_length": ("uint32", cfg.head_dim),
+        f"{arch}.rope.dimension_count": ("uint32", cfg.head_dim),
+        f"{arch}.vocab_size": ("uint32", cfg.vocab_size),
+        "tokenizer.ggml.bos_token_id": ("uint32", cfg.bos_token_id),
+        "tokenizer.ggml.eos_token_id": ("uint32", cfg.eos_token_id),
+        "tokenizer.ggml.padding_token_id": ("uint32", cfg.pad_token_id),
+    }
+    keys.update(meta or {})
+    for key, (kind, value) in keys.items():
+        if value is not None:  # None: leave the key out
+            getattr(w, f"add_{kind}")(key, value)
     rng = np.random.default_rng(0)
     stored = {}
     for hf_name, t in tensors.items():
@@ -206,12 +210,13 @@ def test_quantized_weights_are_close_to_the_originals(tiny, tmp_path):
 
 def test_tied_and_untied_embeddings(tiny, tmp_path):
     cfg, params, tensors = tiny["llama"]
-    path = str(tmp_path / "tied.gguf")
+    path = str(tmp_path / "untied.gguf")
     write_gguf(path, cfg, tensors)
     assert not models.inspect_gguf(path).tie_word_embeddings  # the file has output.weight
     tied = cfg.replace(tie_word_embeddings=True)
     tied_params = {k: v for k, v in params.items() if k != "lm_head"}
     tied_tensors = hf_tensors(tied, tied_params, tmp_path / "hf_tied")
+    path = str(tmp_path / "tied_embeddings.gguf")
     write_gguf(path, tied, tied_tensors)
     cfg2, loaded = models.load_gguf(path)
     assert cfg2.tie_word_embeddings and "lm_head" not in loaded
@@ -299,6 +304,20 @@ def test_unexpected_missing_and_misshapen_tensors(tiny, tmp_path):
     write_gguf(path, cfg, tensors, skip=("blk.0.ffn_gate.weight",),
                extra_tensors={"blk.0.ffn_gate.weight": np.ones((64, 64))})
     _one_line_error(path, "tensor blk.0.ffn_gate.weight has shape (64, 64), expected (128, 64)")
+
+
+def test_missing_or_malformed_metadata(tiny, tmp_path):
+    cfg, _, tensors = tiny["llama"]
+    cases = [({"llama.embedding_length": ("uint32", None)},
+              "GGUF metadata has no 'llama.embedding_length'"),
+             ({"llama.block_count": ("string", "two")},
+              "unusable GGUF metadata: invalid literal for int()"),
+             ({"llama.attention.head_count_kv": ("uint32", 3)},
+              "unusable GGUF metadata: num_heads=4 is not a multiple of num_kv_heads=3")]
+    for i, (meta, needle) in enumerate(cases):
+        path = str(tmp_path / f"meta{i}.gguf")
+        write_gguf(path, cfg, tensors, meta=meta)
+        _one_line_error(path, needle)
 
 
 def test_unsupported_rope_scaling(tiny, tmp_path):

@@ -96,8 +96,8 @@ def _reader(path: str, mtime_ns: int, size: int):
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, MemoryError) as e:
         # GGUFReader reads the header and maps every tensor: a short file fails a reshape.
-        raise GGUFError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") \
-            from None
+        raise GGUFError(f"{path}: truncated or corrupt GGUF file "
+                        f"({type(e).__name__}: {_one_line(e)})") from None
 
 
 def open_gguf(path: str):
@@ -106,7 +106,15 @@ def open_gguf(path: str):
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: GGUF file does not exist")
     st = os.stat(path)
-    return _reader(path, st.st_mtime_ns, st.st_size)
+    try:
+        return _reader(path, st.st_mtime_ns, st.st_size)
+    except OSError as e:  # e.g. no read permission
+        raise GGUFError(f"{path}: cannot read the GGUF file: {e.strerror or e}") from None
+
+
+def _one_line(e: Exception) -> str:
+    """An exception's message on one line (the CLI prints errors as a single line)."""
+    return " ".join(str(e).split())
 
 
 def _meta(reader, key: str, default=KeyError):
@@ -129,6 +137,16 @@ def _decimal(x: float) -> float:
 
 def _config(reader, path: str, dtype) -> ModelConfig:
     """ModelConfig from the metadata (and the presence/shape of a few tensors)."""
+    arch = _architecture(reader, path)
+    dtype = dtype_name(dtype)
+    try:
+        return ModelConfig(**_config_fields(reader, path, arch), dtype=dtype, param_dtype=dtype)
+    except (TypeError, ValueError) as e:  # a value of the wrong type, or an impossible config
+        raise GGUFError(f"{path}: unusable GGUF metadata: {_one_line(e)}") from None
+
+
+def _architecture(reader, path: str) -> str:
+    """``general.architecture`` if rljax supports it (dense models of those families)."""
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r} "
@@ -137,6 +155,11 @@ def _config(reader, path: str, dtype) -> ModelConfig:
     if experts:
         raise GGUFError(f"{path}: mixture-of-experts GGUF ({arch}.expert_count={experts}) "
                         "is not supported")
+    return arch
+
+
+def _config_fields(reader, path: str, arch: str) -> dict:
+    """ModelConfig fields (all but the dtypes) from ``<arch>.*`` and ``tokenizer.ggml.*``."""
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: GGUF file has no token_embd.weight tensor")
@@ -148,11 +171,10 @@ def _config(reader, path: str, dtype) -> ModelConfig:
     if value_dim != head_dim or rope_dim != head_dim:
         raise GGUFError(f"{path}: key_length={head_dim}, value_length={value_dim}, "
                         f"rope.dimension_count={rope_dim} differ (partial rope is not supported)")
-    # The embedding's rows are the model's vocabulary (the token list may be shorter).
-    vocab = int(np.asarray(tensors["token_embd.weight"].shape)[-1])
     fields = dict(
         model_type=arch,
-        vocab_size=vocab,
+        # The embedding's rows are the model's vocabulary (the token list may be shorter).
+        vocab_size=int(np.asarray(tensors["token_embd.weight"].shape)[-1]),
         hidden_size=hidden,
         intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
         num_layers=int(_meta(reader, f"{arch}.block_count")),
@@ -165,17 +187,12 @@ def _config(reader, path: str, dtype) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
-        dtype=dtype_name(dtype),
-        param_dtype=dtype_name(dtype),
         bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
     )
     fields.update(_rope_scaling(reader, path, arch))
-    try:
-        return ModelConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise GGUFError(f"{path}: {e}") from None
+    return fields
 
 
 def _rope_scaling(reader, path: str, arch: str) -> dict:
@@ -230,7 +247,7 @@ def inspect_gguf(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
     try:
         changed = cfg.replace(**overrides)
     except (TypeError, ValueError) as e:
-        raise GGUFError(f"{path}: {e}") from None
+        raise GGUFError(f"{path}: model overrides: {_one_line(e)}") from None
     # Overrides may change how the model computes (dtype, remat, ...), not what the file holds.
     if param_shapes(changed) != param_shapes(cfg):
         keys = sorted(k for k, v in overrides.items()
@@ -272,8 +289,8 @@ def _tensor_source(reader, path: str, cfg: ModelConfig):
             data = t.data.view(np.ndarray)
             w = np.asarray(quants.dequantize(data, t.tensor_type), dtype=np.float32)
         except (ValueError, NotImplementedError) as e:
-            raise GGUFError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {e}") \
-                from None
+            raise GGUFError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): "
+                            f"{_one_line(e)}") from None
         w = w.reshape(hf_shape)
         heads = permute_heads.get(name.split(".", 2)[-1])
         return _unpermute_rope(w, heads) if heads else w
