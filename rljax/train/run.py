@@ -171,8 +171,8 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                 if state is None or start == 0:
                     state = start_phase(ctx, phase, state if state is not None
                                         else initial_state(ctx))
-                if gstep == 0 and start == 0 and cfg.eval_at_start:
-                    run_eval(0)  # the starting policy's held-out accuracy, before any update
+                if gstep == 0 and start == 0 and cfg.eval_at_start and not run_eval(0):
+                    return stopped(0)  # eval of the starting policy, before any update
                 for step in range(start, phase.steps):
                     state, metrics = phase.iteration(state, step)
                     gstep = offsets[index] + step + 1
