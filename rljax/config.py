@@ -31,7 +31,7 @@ OPEN_SECTIONS = ("model.overrides", "data.kwargs", "reward.kwargs")
 CHOICES: dict[str, tuple[str, ...]] = {
     "algo.name": ("grpo", "ppo", "dpo", "sft", "rm"),
     "algo.adv_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                           "gae"),
+                           "reinforce_pp_seq", "reinforce_pp_baseline_seq", "gae"),
     "algo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "k3+", "k3_st", "abs"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"),
@@ -49,7 +49,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline",
+                    "reinforce_pp_baseline_seq")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -112,9 +113,14 @@ def default_config() -> ml_collections.ConfigDict:
         tis_cap=opt_float(),         # truncated importance sampling vs sampler logps; None = off
         policy_loss="ppo",
         loss_agg_mode="token-mean",
-        adv_estimator="grpo",
+        adv_estimator="grpo",        # grpo, dr_grpo, rloo (one advantage per completion);
+                                     # reinforce_pp, reinforce_pp_baseline (per token, whitened
+                                     # over the batch's tokens, as the paper); *_seq variants:
+                                     # one per completion, whitened over completions
         kl_estimator="k3",
-        kl_in_reward=False,          # subtract beta*KL from the reward instead of the loss
+        kl_in_reward=False,          # subtract beta*KL from the reward instead of the loss:
+                                     # per token for token-level estimators (and PPO), the
+                                     # completion's total KL for per-completion ones
         scale_rewards="group",       # divide advantages by the std of: group, batch, none
         num_iterations=1,            # update epochs per rollout batch (mu)
         mini_batch_size=0,           # completions per optimizer step; 0 = whole batch
@@ -126,7 +132,7 @@ def default_config() -> ml_collections.ConfigDict:
         overlong_buffer=0,           # DAPO soft overlong penalty over the last N tokens; 0 = off
         overlong_penalty_factor=1.0,  # scale of that penalty (-factor at max_new_tokens)
         entropy_coef=0.0,
-        gamma=1.0,                   # PPO/GAE discount
+        gamma=1.0,                   # discount of PPO/GAE and the REINFORCE++ return
         lam=0.95,                    # GAE lambda
         vf_coef=0.5,                 # value loss weight (PPO)
         cliprange_value=0.2,         # value clipping (PPO); 0 = off

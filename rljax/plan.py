@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax import models, sampling
+from rljax import algorithms, models, sampling
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
 
@@ -348,6 +348,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         phases.append(_compile("logps", logps_fn, (params, seq), resident_params))
 
         if a.name == "grpo":
+            token_adv = algorithms.is_token_level(a.adv_estimator)
             num_micro = mini // a.micro_batch_size if a.micro_batch_size else 1
             fn = steps.build_grpo_step(mcfg, a, optimizer, temperature=r.temperature,
                                        num_micro=num_micro,
@@ -356,7 +357,8 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
             batch = {"tokens": _batch_struct(mesh, (mini, p_len + n_new), jnp.int32),
                      "mask": _batch_struct(mesh, (mini, p_len + n_new), bool),
                      "loss_mask": _batch_struct(mesh, (mini, n_new), bool),
-                     "advantages": _batch_struct(mesh, (mini,), jnp.float32),
+                     "advantages": _batch_struct(mesh, (mini, n_new) if token_adv else (mini,),
+                                                 jnp.float32),
                      "old_logps": _batch_struct(mesh, (mini, n_new), jnp.float32),
                      "sampler_logps": _batch_struct(mesh, (mini, n_new), jnp.float32)}
             if a.beta > 0 and not a.kl_in_reward:  # (LoRA: from the base, no copy)

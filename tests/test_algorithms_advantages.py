@@ -70,24 +70,26 @@ def test_dr_grpo_rloo_match_numpy():
                                rtol=RTOL, atol=ATOL)
 
 
-def test_reinforce_pp_variants_match_numpy():
+def test_reinforce_pp_seq_variants_match_numpy():
     rng = np.random.default_rng(3)
     G = 4
     r = _rewards(rng, 5 * G).astype(np.float64)
     eps = 1e-6
     want = (r - r.mean()) / (r.std() + eps)
-    got = A.get_advantage_estimator("reinforce_pp")(jnp.asarray(r, jnp.float32), G)
+    got = A.get_advantage_estimator("reinforce_pp_seq")(jnp.asarray(r, jnp.float32), G)
     np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
     c = np.concatenate([r[s:s + G] - r[s:s + G].mean() for s in range(0, len(r), G)])
     want_b = (c - c.mean()) / (c.std() + eps)
-    got_b = A.get_advantage_estimator("reinforce_pp_baseline")(jnp.asarray(r, jnp.float32), G)
+    got_b = A.get_advantage_estimator("reinforce_pp_baseline_seq")(jnp.asarray(r, jnp.float32),
+                                                                  G)
     np.testing.assert_allclose(np.asarray(got_b), want_b, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp",
-                                  "reinforce_pp_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_seq",
+                                  "reinforce_pp_baseline_seq"])
 def test_constant_rewards_and_g1_give_zero(name):
     fn = A.get_advantage_estimator(name)
+    assert not A.is_token_level(name)
     for r, G in [(np.full(12, 0.1, np.float32), 4), (np.full(12, 1.0, np.float32), 3),
                  (np.zeros(8, np.float32), 8)]:
         got = np.asarray(fn(jnp.asarray(r), G))
@@ -96,11 +98,149 @@ def test_constant_rewards_and_g1_give_zero(name):
     r = np.random.default_rng(4).normal(size=6).astype(np.float32)
     got = np.asarray(fn(jnp.asarray(r), 1))
     assert np.all(np.isfinite(got))
-    if name != "reinforce_pp":  # reinforce_pp's baseline is the batch, not the group
+    if name != "reinforce_pp_seq":  # its baseline is the batch, not the group
         assert np.all(got == 0.0)
     # Gradients (e.g. if rewards come from a differentiable RM) stay finite.
     g = jax.grad(lambda x: fn(x, 4).sum())(jnp.full(8, 0.3))
     assert np.all(np.isfinite(np.asarray(g)))
+
+
+# -------------------------------------------------------------- REINFORCE++ (token level)
+
+def np_reinforce_pp(scores, lengths, T, *, kl=None, beta=0.0, gamma=1.0, G=None, eps=1e-8):
+    """REINFORCE++ / -baseline written out from the paper (Hu et al. 2025), loops in float64.
+
+    Completion i has lengths[i] real tokens (right-padded to T). baseline (G given): the
+    outcome score minus its group mean. Token reward: -beta * kl[i, t] on every real token,
+    plus the score on the last one; return G[i, t] = sum_{s >= t} gamma^(s-t) r[i, s];
+    advantage: (G - mean) / (std + eps), mean and population std over all real tokens.
+    """
+    scores = np.asarray(scores, np.float64)
+    if G is not None:
+        scores = np.concatenate([scores[s:s + G] - np.mean(scores[s:s + G])
+                                 for s in range(0, len(scores), G)])
+    n = len(scores)
+    ret = np.zeros((n, T))
+    for i in range(n):
+        L = lengths[i]
+        for t in range(L):
+            total = 0.0
+            for s in range(t, L):
+                r_s = -beta * (kl[i, s] if kl is not None else 0.0)
+                if s == L - 1:
+                    r_s += scores[i]
+                total += gamma ** (s - t) * r_s
+            ret[i, t] = total
+    real = [(i, t) for i in range(n) for t in range(lengths[i])]
+    vals = np.array([ret[i, t] for i, t in real])
+    mean = vals.sum() / len(vals)
+    std = math.sqrt(((vals - mean) ** 2).sum() / len(vals))
+    out = np.zeros((n, T))
+    for i, t in real:
+        out[i, t] = (ret[i, t] - mean) / (std + eps)
+    return out
+
+
+def _ragged(rng, n, T):
+    lengths = rng.integers(1, T + 1, size=n)
+    lengths[0], lengths[1] = 1, T  # the extremes
+    return lengths, np.arange(T)[None] < lengths[:, None]
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("with_kl", [False, True])
+@pytest.mark.parametrize("name", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_token_level_matches_paper(name, with_kl, gamma):
+    rng = np.random.default_rng(11)
+    G, T = 4, 7
+    n = 6 * G
+    lengths, mask = _ragged(rng, n, T)
+    scores = _rewards(rng, n, "binary")
+    kl = rng.normal(scale=0.3, size=(n, T)).astype(np.float32) if with_kl else None
+    beta = 0.1 if with_kl else 0.0
+    assert A.is_token_level(name)
+    got = A.get_advantage_estimator(name)(
+        jnp.asarray(scores), G, mask=jnp.asarray(mask),
+        token_kl=None if kl is None else jnp.asarray(kl), kl_coef=beta, gamma=gamma)
+    want = np_reinforce_pp(scores, lengths, T, kl=kl, beta=beta, gamma=gamma,
+                           G=G if name == "reinforce_pp_baseline" else None)
+    assert got.shape == (n, T)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-6)
+    assert np.all(np.asarray(got)[~mask] == 0.0)
+
+
+def test_reinforce_pp_weighs_completions_by_length():
+    # No KL, gamma = 1: every token of completion i carries (r_i - mu) / sigma with the
+    # length-weighted mean and std  mu = sum L_i r_i / sum L_i,  sigma^2 = sum L_i (r_i - mu)^2
+    # / sum L_i -- not the per-completion (r_i - mean r) / std r.
+    rng = np.random.default_rng(12)
+    n, T = 10, 9
+    lengths, mask = _ragged(rng, n, T)
+    r = rng.normal(size=n).astype(np.float32)
+    L = lengths.astype(np.float64)
+    mu = (L * r).sum() / L.sum()
+    sigma = math.sqrt((L * (r - mu) ** 2).sum() / L.sum())
+    want = np.where(mask, ((r - mu) / (sigma + 1e-8))[:, None], 0.0)
+    got = np.asarray(A.reinforce_pp_advantages(jnp.asarray(r), mask=jnp.asarray(mask)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    per_seq = np.asarray(A.reinforce_pp_seq_advantages(jnp.asarray(r)))
+    assert np.abs(got[:, 0] - per_seq).max() > 1e-2  # the two really differ
+
+
+def test_reinforce_pp_baseline_constant_group_is_not_zero():
+    # Group 0 all-correct, short completions; group 1 mixed, long ones. The centred score of
+    # group 0 is 0, but the token-weighted batch mean of the centred returns is not, so the
+    # paper's whitening gives group 0 -mu / sigma (the per-sequence variant gives exactly 0).
+    r = np.array([1, 1, 1, 1, 1, 0, 0, 0], np.float32)
+    lengths = np.array([2, 2, 2, 2, 6, 6, 3, 3])
+    T = 6
+    mask = np.arange(T)[None] < lengths[:, None]
+    c = np.array([0, 0, 0, 0, 0.75, -0.25, -0.25, -0.25])
+    L = lengths.astype(np.float64)
+    mu = (L * c).sum() / L.sum()
+    sigma = math.sqrt((L * (c - mu) ** 2).sum() / L.sum())
+    got = np.asarray(A.reinforce_pp_baseline_advantages(jnp.asarray(r), 4,
+                                                        mask=jnp.asarray(mask)))
+    np.testing.assert_allclose(got[:4, :2], -mu / (sigma + 1e-8), rtol=1e-6)
+    assert abs(mu) > 0.05
+    assert np.all(np.asarray(A.reinforce_pp_baseline_seq_advantages(jnp.asarray(r), 4))[:4]
+                  == 0.0)
+
+
+def test_reinforce_pp_per_token_kl_return():
+    # Before whitening, the return at token t is the score minus beta times the KL summed
+    # from t to the end of the completion (gamma = 1), i.e. a KL return-to-go, not the whole
+    # completion's KL at every token.
+    score, beta = 1.0, 0.5
+    kl = np.array([[0.1, 0.2, 0.4, 0.8, 9.0]], np.float32)  # the last slot is padding
+    mask = np.array([[1, 1, 1, 1, 0]], bool)
+    r = A.outcome_token_rewards(jnp.asarray([score]), jnp.asarray(mask), jnp.asarray(kl), beta)
+    np.testing.assert_allclose(np.asarray(r), [[-0.05, -0.1, -0.2, 1.0 - 0.4, 0.0]], rtol=1e-6)
+    ret = np.asarray(A.discounted_returns(r, jnp.asarray(mask)))
+    want = [score - beta * kl[0, t:4].sum() for t in range(4)] + [0.0]
+    np.testing.assert_allclose(ret[0], want, rtol=1e-6)
+    # ... and the estimator whitens exactly those returns.
+    adv = np.asarray(A.reinforce_pp_advantages(jnp.asarray([score]), mask=jnp.asarray(mask),
+                                               token_kl=jnp.asarray(kl), kl_coef=beta))
+    w = np.asarray(want[:4], np.float64)
+    np.testing.assert_allclose(adv[0, :4], (w - w.mean()) / (w.std() + 1e-8), rtol=1e-5)
+    assert adv[0, 4] == 0.0
+
+
+def test_reinforce_pp_token_level_edge_cases():
+    fn = A.get_advantage_estimator("reinforce_pp_baseline")
+    mask = jnp.asarray(np.arange(5)[None] < np.array([[5], [3], [0], [2]]))
+    # Equal returns everywhere (constant rewards, no KL): exactly 0, never 0 / eps.
+    assert np.all(np.asarray(A.reinforce_pp_advantages(jnp.full(4, 0.3), mask=mask)) == 0.0)
+    assert np.all(np.asarray(fn(jnp.full(4, 0.3), 2, mask=mask)) == 0.0)
+    # A row with no real token gets 0; jit and gradients are fine.
+    r = jnp.asarray([1.0, 0.0, 5.0, 0.5])
+    out = jax.jit(fn, static_argnums=1)(r, 2, mask=mask)
+    assert np.all(np.asarray(out)[2] == 0.0) and np.all(np.isfinite(np.asarray(out)))
+    g = jax.grad(lambda x: fn(x, 2, mask=mask).sum())(r)
+    assert np.all(np.isfinite(np.asarray(g)))
+    with pytest.raises(ValueError, match="mask"):
+        A.reinforce_pp_advantages(jnp.zeros(3), mask=jnp.ones((4, 2), bool))
 
 
 def test_estimator_errors():
@@ -255,7 +395,7 @@ def test_pass_at_k_unbiased_estimator():
         A.pass_at_k(3, 1, 5)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline_seq"])
 def test_estimators_jit_with_static_group_size(name):
     fn = A.get_advantage_estimator(name)
     r = jnp.asarray(np.random.default_rng(8).normal(size=12).astype(np.float32))

@@ -122,8 +122,8 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeyp
     original = Rollout.advantages
     poisoned = {SFT_STEPS + 2}  # RL step 2 (global step 4) gets NaN advantages
 
-    def advantages(self, rewards):
-        adv = original(self, rewards)
+    def advantages(self, rewards, **kw):
+        adv = original(self, rewards, **kw)
         calls.append(1)
         return adv * np.nan if SFT_STEPS + len(calls) in poisoned else adv
 
@@ -140,3 +140,42 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeyp
     cfg = tiny_cfg(**{"optimizer.max_consecutive_nonfinite": 2})
     with pytest.raises(TrainingDiverged, match="2 consecutive"):
         run.train(cfg, str(tmp_path / "b"), devices=DEVICES)
+
+
+def test_reinforce_pp_gets_token_level_advantages_with_a_per_token_kl(tmp_path, monkeypatch):
+    # REINFORCE++-baseline with the KL in the reward: the rollout hands the estimator the
+    # loss mask and the per-token KL, and the update trains on [R, N] advantages equal to the
+    # paper's formula (group-centred score on the last token, -beta * KL_t on every token,
+    # return-to-go, whitening over all tokens).
+    original, seen = Rollout.advantages, []
+
+    def advantages(self, rewards, **kw):
+        adv = original(self, rewards, **kw)
+        seen.append((np.asarray(rewards), kw["mask"], kw["token_kl"], adv))
+        return adv
+
+    monkeypatch.setattr(Rollout, "advantages", advantages)
+    beta, g = 0.5, 4
+    cfg = tiny_cfg(**{"sft.steps": 0, "steps": 2, "algo.adv_estimator": "reinforce_pp_baseline",
+                      "algo.kl_in_reward": True, "algo.kl_estimator": "k1",
+                      "algo.beta": beta, "algo.mini_batch_size": 0,
+                      # the untrained model scores 0 everywhere: the entropy bonus moves
+                      # the policy in step 1 so that step 2 sees a KL to the reference
+                      "algo.entropy_coef": 0.1, "optimizer.learning_rate": 1e-2})
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    rewards, mask, kl, adv = seen[-1]   # step 2: the policy has moved off the reference
+    assert adv.shape == mask.shape == kl.shape and np.abs(kl[mask]).max() > 0
+    centred = (rewards.reshape(-1, g) - rewards.reshape(-1, g).mean(1, keepdims=True)).ravel()
+    ret = np.zeros(mask.shape)
+    for i in range(len(rewards)):
+        idx = np.flatnonzero(mask[i])
+        running = 0.0
+        for t in idx[::-1]:
+            running += -beta * float(kl[i, t]) + (centred[i] if t == idx[-1] else 0.0)
+            ret[i, t] = running
+    vals = ret[mask]
+    want = np.where(mask, (ret - vals.mean()) / (vals.std() + 1e-8), 0.0)
+    np.testing.assert_allclose(adv, want, rtol=1e-4, atol=1e-5)
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["loss"]) and r["skipped"] == 0 for r in rl)
+    assert rl[-1]["kl_ref_seq"] != 0.0

@@ -1,7 +1,10 @@
 """rljax.algorithms: RL post-training math as small pure jax functions, chosen by name.
 
 Registries:
-  get_advantage_estimator(name)  grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline
+  get_advantage_estimator(name)  grpo, dr_grpo, rloo, reinforce_pp_seq,
+                                 reinforce_pp_baseline_seq ([N], one per completion);
+                                 reinforce_pp, reinforce_pp_baseline ([N, T], token level:
+                                 is_token_level(name))
   get_policy_loss(name)          ppo (vanilla), gspo, cispo
   get_kl_estimator(name)         k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs
   aggregate(loss_tokens, mask, mode)  token-mean, seq-mean-token-mean, seq-mean-token-sum,
@@ -16,9 +19,13 @@ from rljax.algorithms.advantages import (
     gae,
     get_advantage_estimator,
     grpo_advantages,
+    is_token_level,
+    outcome_token_rewards,
     register_advantage_estimator,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
+    reinforce_pp_baseline_seq_advantages,
+    reinforce_pp_seq_advantages,
     rloo_advantages,
 )
 from rljax.algorithms.aggregation import (

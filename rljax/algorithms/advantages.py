@@ -1,24 +1,30 @@
-"""Advantage estimators.
+"""Advantage estimators, selected by name with ``get_advantage_estimator``.
 
-Outcome-reward estimators take rewards [N] with N = num_prompts * G, laid out as consecutive
-groups of G completions of the same prompt, and return advantages [N] (broadcast over tokens
-by the policy loss). Select them by name with ``get_advantage_estimator``; all share the
-signature ``fn(rewards, group_size, **options) -> advantages``.
+Rewards are [N] with N = num_prompts * G, laid out as consecutive groups of G completions of
+the same prompt. Every estimator takes ``fn(rewards, group_size, **options)``; there are two
+kinds (``is_token_level(name)`` tells which):
 
-A group whose rewards are all equal (including G = 1) carries no learning signal: its
-advantage is exactly 0, never NaN and never a rounding residue divided by eps.
+Sequence level (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_seq``,
+``reinforce_pp_baseline_seq``): one advantage per completion, [N], broadcast over its tokens by
+the policy loss. A group whose rewards are all equal (including G = 1) carries no learning
+signal: its advantage is exactly 0, never NaN and never a rounding residue divided by eps.
 
-Token-level: ``gae`` (PPO critic) and ``discounted_returns`` (REINFORCE++ with per-token
-KL-shaped rewards), both with a reverse ``lax.scan`` over time.
+Token level (``reinforce_pp``, ``reinforce_pp_baseline``): also take ``mask`` bool [N, T]
+(the completion tokens that train) and optionally ``token_kl`` [N, T] with ``kl_coef`` (a
+per-token KL penalty in the reward) and ``gamma``; they return [N, T], 0 where mask is False.
+Their batch statistics are over tokens, so a completion weighs in proportion to its length.
+
+Also token level, with their own signatures: ``gae`` (PPO critic) and ``discounted_returns``,
+both a reverse ``lax.scan`` over time.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from rljax.algorithms.aggregation import safe_sqrt
+from rljax.algorithms.aggregation import masked_whiten, safe_sqrt
 
 Array = jnp.ndarray
 
@@ -99,38 +105,120 @@ def _whiten(x: Array, eps: float) -> Array:
     return jnp.where(constant, 0.0, (x - mean) / (std + eps))
 
 
-def reinforce_pp_advantages(rewards: Array, group_size: int = 1, *, eps: float = 1e-6) -> Array:
-    """REINFORCE++ (Hu et al. 2025): global batch whitening, (r - mean_batch) / std_batch.
+def reinforce_pp_seq_advantages(rewards: Array, group_size: int = 1, *,
+                                eps: float = 1e-6) -> Array:
+    """Per-sequence REINFORCE++ variant: (r - mean_batch) / std_batch over the N outcome
+    rewards, one advantage per completion. Returns [N].
 
-    group_size is only checked (the baseline is the whole batch). Returns [N].
+    Not the published algorithm (that is ``reinforce_pp``, which whitens token-level returns,
+    so each completion weighs by its length). Use this one to weigh every completion equally
+    in the batch statistics, whatever its length: long completions do not dominate the mean
+    and std. The baseline is the batch mean; ``group_size`` is only checked.
     """
     g = _groups(rewards, group_size)
     return _whiten(g.reshape(-1), eps)
 
 
-def reinforce_pp_baseline_advantages(rewards: Array, group_size: int, *,
-                                     eps: float = 1e-6) -> Array:
-    """REINFORCE++-baseline (Hu et al. 2025): subtract the group mean, then whiten the centred
-    values over the whole batch. The batch mean of group-centred values is 0 by construction,
-    so whitening reduces to dividing by their batch std; constant groups stay exactly 0.
-    Returns [N]."""
+def reinforce_pp_baseline_seq_advantages(rewards: Array, group_size: int, *,
+                                         eps: float = 1e-6) -> Array:
+    """Per-sequence REINFORCE++-baseline variant: subtract the group mean, then divide by the
+    batch std of the centred values, one advantage per completion. Returns [N].
+
+    Not the published algorithm (that is ``reinforce_pp_baseline``, token level). Here every
+    completion weighs equally whatever its length, and a constant-reward group gets exactly 0
+    (in the token-level version the token-weighted batch mean of the centred returns is
+    generally not 0, so constant groups get a small nonzero advantage). It is GRPO with the
+    batch std ("Lite PPO") up to the population std. The batch mean of group-centred values
+    is 0 by construction, so whitening reduces to dividing by their batch std.
+    """
     c, _ = _centered(_groups(rewards, group_size))
     c = c.reshape(-1)
     std = _std(c, None, 0)
     return jnp.where(c.max() == c.min(), 0.0, c / (std + eps))
 
 
+def outcome_token_rewards(rewards: Array, mask: Array, token_kl: Optional[Array] = None,
+                          kl_coef: float = 0.0) -> Array:
+    """Per-token rewards from outcome rewards: ``rewards`` [N] on each row's last True token of
+    ``mask`` [N, T], minus ``kl_coef * token_kl`` [N, T] (constant, stop-gradient) on every
+    True token. [N, T], 0 where mask is False (and all 0 in a row with no True token)."""
+    m = jnp.asarray(mask).astype(bool)
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if m.ndim != 2 or rewards.shape != m.shape[:1]:
+        raise ValueError(f"rewards [N] and mask [N, T] expected, got {rewards.shape} and "
+                         f"{m.shape}")
+    t = m.shape[1]
+    last = t - 1 - jnp.argmax(m[:, ::-1], axis=1)
+    r = jnp.where(jnp.arange(t)[None, :] == last[:, None], rewards[:, None], 0.0)
+    if token_kl is not None and kl_coef:
+        r = r - kl_coef * jax.lax.stop_gradient(jnp.asarray(token_kl, jnp.float32))
+    return jnp.where(m, r, 0.0)
+
+
+def reinforce_pp_advantages(rewards: Array, group_size: int = 1, *, mask: Array,
+                            token_kl: Optional[Array] = None, kl_coef: float = 0.0,
+                            gamma: float = 1.0, eps: float = 1e-8) -> Array:
+    """REINFORCE++ (Hu et al. 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
+    Large Language Models"), token level, as in the paper, OpenRLHF and verl.
+
+    Args:
+      rewards: float [N] outcome rewards.
+      group_size: only checked (the baseline is the batch).
+      mask: bool [N, T], the completion tokens that train; only they enter the returns and
+        the batch statistics.
+      token_kl: optional float [N, T] per-token KL estimate (e.g. ``get_kl_estimator("k1")``
+        of the old and reference log-probs), treated as a constant.
+      kl_coef: its weight in the reward (``algo.beta`` with ``algo.kl_in_reward``).
+      gamma: discount of the return.
+    Returns:
+      float [N, T], 0 where mask is False:
+
+        r_{i,t} = -kl_coef * kl_{i,t} + [t = last real token of i] * rewards_i
+        G_{i,t} = sum_{s >= t} gamma^(s - t) r_{i,s}   over real tokens (``discounted_returns``)
+        A_{i,t} = (G_{i,t} - mean) / (std + eps)   mean, std over every real token of the
+                                                   batch (``masked_whiten``)
+
+    With no KL and gamma = 1, G_{i,t} = rewards_i at every token, and the whitening weighs
+    completion i by its number of tokens. If all returns are equal the result is exactly 0.
+    """
+    _groups(rewards, group_size)
+    m = jnp.asarray(mask).astype(bool)
+    r = outcome_token_rewards(rewards, m, token_kl, kl_coef)
+    return masked_whiten(discounted_returns(r, m, gamma), m, eps=eps)
+
+
+def reinforce_pp_baseline_advantages(rewards: Array, group_size: int, *, mask: Array,
+                                     token_kl: Optional[Array] = None, kl_coef: float = 0.0,
+                                     gamma: float = 1.0, eps: float = 1e-8) -> Array:
+    """REINFORCE++-baseline (Hu et al. 2025), token level: the outcome rewards minus their
+    group mean (r_i - mean_group(r), exactly 0 in a constant group), then as
+    ``reinforce_pp``: per-token KL penalty, return-to-go, whitening over every real token of
+    the batch. Arguments as ``reinforce_pp_advantages``. Returns [N, T].
+
+    A constant group's completions still get -mean / std of the batch whitening (the
+    token-weighted mean of the centred returns is not 0 when lengths differ), as in the paper.
+    """
+    c, _ = _centered(_groups(rewards, group_size))
+    return reinforce_pp_advantages(c.reshape(-1), 1, mask=mask, token_kl=token_kl,
+                                   kl_coef=kl_coef, gamma=gamma, eps=eps)
+
+
 _ADVANTAGE_ESTIMATORS: Dict[str, Callable[..., Array]] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
+    "reinforce_pp_seq": reinforce_pp_seq_advantages,
+    "reinforce_pp_baseline_seq": reinforce_pp_baseline_seq_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
 }
+# Estimators that take mask [N, T] (and token_kl, kl_coef, gamma) and return [N, T].
+_TOKEN_LEVEL = {"reinforce_pp", "reinforce_pp_baseline"}
 
 
 def get_advantage_estimator(name: str) -> Callable[..., Array]:
-    """Outcome advantage estimator by name: fn(rewards [N], group_size, **options) -> [N]."""
+    """Advantage estimator by name: fn(rewards [N], group_size, **options) -> [N], or [N, T]
+    for the token-level ones (``is_token_level``), which also take ``mask=[N, T]``."""
     try:
         return _ADVANTAGE_ESTIMATORS[name]
     except KeyError:
@@ -138,8 +226,20 @@ def get_advantage_estimator(name: str) -> Callable[..., Array]:
                          f"{sorted(_ADVANTAGE_ESTIMATORS)} (or 'gae' for PPO with a critic)")
 
 
-def register_advantage_estimator(name: str, fn: Callable[..., Array]) -> None:
+def is_token_level(name: str) -> bool:
+    """True if estimator ``name`` takes ``mask`` (and ``token_kl``, ``kl_coef``, ``gamma``) and
+    returns [N, T] advantages; False for the per-completion ones (and unknown names)."""
+    return name in _TOKEN_LEVEL
+
+
+def register_advantage_estimator(name: str, fn: Callable[..., Array], *,
+                                 token_level: bool = False) -> None:
+    """Adds ``fn`` under ``name``; ``token_level=True`` for the [N, T] interface."""
     _ADVANTAGE_ESTIMATORS[name] = fn
+    if token_level:
+        _TOKEN_LEVEL.add(name)
+    else:
+        _TOKEN_LEVEL.discard(name)
 
 
 # --------------------------------------------------------------------------- token level
@@ -185,9 +285,9 @@ def gae(rewards: Array, values: Array, mask: Array, gamma: float = 1.0,
 def discounted_returns(rewards: Array, mask: Array, gamma: float = 1.0) -> Array:
     """Per-token discounted return-to-go over real tokens: G_t = r_t + gamma * G_t'.
 
-    Used by REINFORCE++ (Hu et al. 2025) with per-token rewards (outcome reward at the last
-    token minus a per-token KL penalty), then whitened over the batch with
-    ``masked_whiten``. Masked positions are skipped and get 0. Shapes [B, T].
+    Used by ``reinforce_pp`` (Hu et al. 2025) on per-token rewards (``outcome_token_rewards``:
+    outcome reward at the last token minus a per-token KL penalty), then whitened over the
+    batch with ``masked_whiten``. Masked positions are skipped and get 0. Shapes [B, T].
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     m = jnp.asarray(mask).astype(bool)

@@ -12,7 +12,9 @@
     old_logps      f32   [R, N]    the trainer's log-probs before any update (recomputed;
                                    absent with ``Rollout(..., old_logps=False)``, see below)
     ref_logps      f32   [R, N]    reference policy (only with a KL-to-reference loss)
-    advantages     f32   [R]       one per completion (outcome reward, per-group estimator)
+    advantages     f32   [R]       one per completion (sequence-level estimators), or
+                   f32   [R, N]    per token (token-level ones: reinforce_pp, ...;
+                                   ``algorithms.is_token_level``), 0 outside ``loss_mask``
 
 DAPO options (``algo.dynamic_sampling``, ``algo.overlong_buffer``): groups whose rewards are
 all equal are dropped and more prompts sampled (at most ``algo.max_sampling_rounds`` extra
@@ -25,6 +27,10 @@ move between sampling and the only update) skips the separate forward pass; the 
 then uses its own log-probs (under ``stop_gradient``) as the old ones and reports the
 sampler-vs-trainer ``rollout/logp_diff_*`` metrics itself. The pass still runs when a sequence
 KL is folded into the reward (it needs the old log-probs before the advantages).
+
+``algo.kl_in_reward``: token-level estimators get the per-token KL ``-beta * KL_t`` in the
+token rewards (so each token's return carries the KL from that token on); sequence-level ones
+get the whole completion's KL subtracted from its outcome reward.
 """
 from __future__ import annotations
 
@@ -125,6 +131,7 @@ class Rollout:
         # the estimator was a separate XLA compilation in the first iteration).
         g = self.g
         self._advantages = None   # built on first use (PPO's 'gae' is not an outcome estimator)
+        self.token_level = algorithms.is_token_level(a.adv_estimator)
         self._informative = jax.jit(lambda r: algorithms.nonzero_variance_groups(r, g))
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
         self._printed_at = None   # time of the last logging.num_completions_to_print output
@@ -218,20 +225,24 @@ class Rollout:
         if self.old_logps:
             batch["old_logps"] = self.logps_fn(state.params,
                                                dist.device_batch(batch, self.ctx.mesh))
-        rewards = rows["rewards"]
+        rewards, token_kl = rows["rewards"], None
         metrics: dict[str, Any] = {}
         if self.needs_ref:
             ref_fn, ref = ((self.logps_fn, state.ref_params) if state.ref_params is not None
                            else (self.base_logps_fn, state.params))
             batch["ref_logps"] = ref_fn(ref, dist.device_batch(batch, self.ctx.mesh))
-            if cfg.algo.kl_in_reward:  # sequence KL penalty folded into the outcome reward
-                kl = algorithms.get_kl_estimator(cfg.algo.kl_estimator)(
-                    batch["old_logps"], batch["ref_logps"])
-                kl_seq = dist.to_host((kl * rows["mask"]).sum(-1))
-                rewards = rewards - cfg.algo.beta * kl_seq
+            if cfg.algo.kl_in_reward:  # KL penalty folded into the reward
+                kl = dist.to_host(algorithms.get_kl_estimator(cfg.algo.kl_estimator)(
+                    batch["old_logps"], batch["ref_logps"]))
+                kl = np.where(rows["mask"], kl, 0.0).astype(np.float32)
+                kl_seq = kl.sum(-1)
+                if self.token_level:  # per token, inside the return-to-go
+                    token_kl = kl
+                else:                 # the whole completion's KL off its outcome reward
+                    rewards = rewards - cfg.algo.beta * kl_seq
                 metrics["kl_ref_seq"] = float(kl_seq.mean())
                 del batch["ref_logps"]
-        adv = self.advantages(rewards)
+        adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl)
         batch["advantages"] = adv
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
         if self.old_logps:  # otherwise the update step reports them from its own log-probs
@@ -250,14 +261,28 @@ class Rollout:
             step + 1, {k: sum(r["reward_counts"][k][0] for r in rounds) for k in names},
             {k: sum(r["reward_counts"][k][2] for r in rounds) for k in names})
 
-    def advantages(self, rewards: np.ndarray) -> np.ndarray:
-        """Per-completion advantages from rewards [R] with the configured estimator."""
+    def advantages(self, rewards: np.ndarray, mask: np.ndarray | None = None,
+                   token_kl: np.ndarray | None = None) -> np.ndarray:
+        """Advantages with the configured estimator from rewards [R]: [R], or [R, N] for a
+        token-level estimator, which also takes ``mask`` [R, N] (the tokens that train) and
+        the per-token KL [R, N] to put in the reward (``algo.kl_in_reward``, else None)."""
+        a, g = self.cfg.algo, self.g
         if self._advantages is None:
-            a, g = self.cfg.algo, self.g
             opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
             estimator = algorithms.get_advantage_estimator(a.adv_estimator)
-            self._advantages = jax.jit(lambda r: estimator(r, g, **opts))
-        return np.asarray(self._advantages(np.asarray(rewards, np.float32)), np.float32)
+            if self.token_level:
+                opts.update(kl_coef=float(a.beta), gamma=float(a.gamma))
+                self._advantages = jax.jit(
+                    lambda r, m, kl: estimator(r, g, mask=m, token_kl=kl, **opts))
+            else:
+                self._advantages = jax.jit(lambda r: estimator(r, g, **opts))
+        rewards = np.asarray(rewards, np.float32)
+        if not self.token_level:
+            return np.asarray(self._advantages(rewards), np.float32)
+        if token_kl is None:
+            token_kl = np.zeros(mask.shape, np.float32)
+        return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl),
+                          np.float32)
 
     def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
         """bool [R / G]: groups whose rewards are not all equal."""
@@ -291,6 +316,8 @@ class Rollout:
             m[f"reward/{name}/timeouts"] = float(sum(r["reward_counts"][name][1] for r in rounds))
         lengths = np.concatenate([r["lengths"] for r in rounds])
         truncated = np.concatenate([r["truncated"] for r in rounds])
+        if adv.ndim == 2:  # token-level: statistics over the tokens that train
+            adv = adv[loss_mask] if loss_mask.any() else np.zeros(1, np.float32)
         m.update({
             "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
             "adv/abs_mean": float(np.abs(adv).mean()),
@@ -319,7 +346,7 @@ class RewardRollout(Rollout):
         super().__init__(ctx, iterator)
         self.needs_ref = False
 
-    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+    def advantages(self, rewards: np.ndarray, mask=None, token_kl=None) -> np.ndarray:
         return np.asarray(rewards, np.float32)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:

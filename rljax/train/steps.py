@@ -177,7 +177,8 @@ def policy_loss_options(algo_cfg) -> dict:
 def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     """GRPO-family loss on one micro-batch.
 
-    batch (besides the sequence layout): ``advantages`` f32 [B], ``old_logps`` f32 [B, N]
+    batch (besides the sequence layout): ``advantages`` f32 [B] (one per completion) or
+    [B, N] (token-level estimators), ``old_logps`` f32 [B, N]
     (trainer's own log-probs before the first update; when absent -- one update per rollout,
     the policy has not moved since sampling -- this forward's own log-probs under
     ``stop_gradient``, and the step reports ``rollout/logp_diff_mean``/``_max`` against the
