@@ -322,7 +322,29 @@ def test_kl_extreme_and_penalized_rewards():
     mask = jnp.array([[True, True, False]])
     rew = jnp.array([[0.0, 0.0, 1.0]])
     out = A.kl_penalized_rewards(rew, lp, ref, mask, kl_coef=0.1, estimator="k1")
-    np.testing.assert_allclose(np.asarray(out), [[-0.1 * 20.0, 0.1 * 20.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), [[-0.1 * 59.0, 0.1 * 59.0, 0.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("d", [30.0, -30.0])
+def test_kl_without_exp_is_not_clamped(d):
+    # log ratio d = log pi - log pi_ref far beyond 20: k1, k2, abs and the k2 gradient of k3+
+    # keep their exact values and gradients (d/d log pi of k1 = 1, of k2 = d, of abs = sign d),
+    # as verl's; only k3 (an exp) clamps, to the value cap.
+    ref = jnp.array([[-40.0]])
+    lp = ref + d
+    want = {"k1": (d, 1.0), "k2": (0.5 * d * d, d), "abs": (abs(d), float(np.sign(d))),
+            "k3+": (10.0, d)}
+    for name, (value, grad) in want.items():
+        fn = A.get_kl_estimator(name)
+        v, g = jax.value_and_grad(lambda x: fn(x, ref).sum())(lp)
+        assert float(v) == pytest.approx(value, rel=1e-6), name
+        assert float(g[0, 0]) == pytest.approx(grad, rel=1e-6), name
+    # k3 = (r - 1) - log r has an exp: its log ratio is clamped to +-20, its value to 10.
+    v3, g3 = jax.value_and_grad(lambda x: A.kl_k3(x, ref).sum())(lp)
+    assert float(v3) == 10.0 and float(g3[0, 0]) == 0.0
+    assert np.isfinite(float(A.kl_k3(lp, ref, max_value=None).sum()))
+    # A clamp is still available on request.
+    assert float(A.kl_k1(lp, ref, log_ratio_clamp=20.0).sum()) == pytest.approx(np.sign(d) * 20)
 
 
 # ----------------------------------------------------------------------------- entropy

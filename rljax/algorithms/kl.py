@@ -13,9 +13,13 @@ log_ratio = log pi(y_t) - log pi_ref(y_t) and r = pi_ref / pi = exp(-log_ratio):
                                   while its gradient is the unbiased KL gradient.
   abs = |log_ratio|
 
-All take ``fn(logps, ref_logps, *, log_ratio_clamp=20.0, max_value=None)`` -> [B, T]
-(unmasked; aggregate with a mask). The log ratio is clamped to +-log_ratio_clamp before any
-exp (no overflow for extreme ratios); k3 / k3+ values are clamped to max_value=10 by default.
+All take ``fn(logps, ref_logps, *, log_ratio_clamp=..., max_value=...)`` -> [B, T]
+(unmasked; aggregate with a mask). Only k3 (and the k3 value inside k3+) has an exp: its log
+ratio is clamped to +-log_ratio_clamp (default 20, as verl) so exp cannot overflow, and its
+value to max_value=10. k1, k2 and abs (and the k2 gradient of k3+) have nothing to protect and
+are not clamped by default (log_ratio_clamp=None): at log ratio 30, k1 = 30 and k2 = 450 with
+gradients 1 and 30, so the penalty keeps pulling back exactly the tokens that drifted furthest
+(a clamp would cap the value and make the gradient 0 there). Inputs must be finite.
 Use them as a loss term (``combine_token_losses``) or as a per-token reward penalty
 (``kl_penalized_rewards``).
 """
@@ -39,32 +43,40 @@ def _cap(x, max_value):
     return x if max_value is None else jnp.clip(x, -max_value, max_value)
 
 
-def kl_k1(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+def kl_k1(logps, ref_logps, *, log_ratio_clamp: Optional[float] = None,
           max_value: Optional[float] = None) -> Array:
+    """k1 = log pi - log pi_ref. [B, T]."""
     return _cap(_log_ratio(logps, ref_logps, log_ratio_clamp), max_value)
 
 
-def kl_k2(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+def kl_k2(logps, ref_logps, *, log_ratio_clamp: Optional[float] = None,
           max_value: Optional[float] = None) -> Array:
+    """k2 = 0.5 * (log pi - log pi_ref) ** 2; gradient (log pi - log pi_ref) grad log pi.
+    [B, T]."""
     lr = _log_ratio(logps, ref_logps, log_ratio_clamp)
     return _cap(0.5 * lr * lr, max_value)
 
 
 def kl_k3(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
           max_value: Optional[float] = 10.0) -> Array:
+    """k3 = (r - 1) - log r, r = pi_ref / pi, with the log ratio clamped to
+    +-log_ratio_clamp before the exp and the value to +-max_value. [B, T]."""
     neg = -_log_ratio(logps, ref_logps, log_ratio_clamp)   # log r, r = pi_ref / pi
     return _cap(jnp.expm1(neg) - neg, max_value)
 
 
 def kl_k3_st(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
              max_value: Optional[float] = 10.0) -> Array:
-    k2 = kl_k2(logps, ref_logps, log_ratio_clamp=log_ratio_clamp)
+    """k3+ = k2 + sg(k3 - k2): the value of k3 (clamped as ``kl_k3``), the gradient of the
+    unclamped k2. [B, T]."""
+    k2 = kl_k2(logps, ref_logps)
     k3 = kl_k3(logps, ref_logps, log_ratio_clamp=log_ratio_clamp, max_value=max_value)
     return k2 + sg(k3 - k2)
 
 
-def kl_abs(logps, ref_logps, *, log_ratio_clamp: Optional[float] = 20.0,
+def kl_abs(logps, ref_logps, *, log_ratio_clamp: Optional[float] = None,
            max_value: Optional[float] = None) -> Array:
+    """|log pi - log pi_ref|. [B, T]."""
     return _cap(jnp.abs(_log_ratio(logps, ref_logps, log_ratio_clamp)), max_value)
 
 
