@@ -21,7 +21,9 @@ def get_config():
     c.data = dict(source="arithmetic", template="plain", max_prompt_length=8,
                   kwargs=dict(digits=2, operands=2, ops="+-", eval_examples=500))
     c.rollout = dict(batch_size=1024, max_new_tokens=6, temperature=1.0)
-    c.algo = dict(name="grpo", num_generations=8, beta=0.0, epsilon=0.2,
+    # epsilon / epsilon_high unset: the policy loss's own clip range (PPO's 0.2 here), so
+    # variants that change algo.policy_loss get theirs.
+    c.algo = dict(name="grpo", num_generations=8, beta=0.0,
                   loss_agg_mode="token-mean", adv_estimator="grpo")
     c.optimizer = dict(learning_rate=3e-4, max_grad_norm=1.0)
     c.reward = dict(names=("arithmetic",))

@@ -8,6 +8,11 @@ ConfigDict; it is laid over the defaults, then ``--config.a.b=value`` overrides 
 
 Adding a knob means adding it to ``default_config()`` (with a comment); nothing else.
 Sections listed in ``OPEN_SECTIONS`` are free-form dicts passed through to one component.
+
+A few keys default to None meaning "the default of the chosen algorithm": ``algo.beta`` (per
+phase, :data:`BETA_DEFAULTS`) and ``algo.epsilon`` / ``algo.epsilon_high`` (per policy loss,
+:data:`POLICY_LOSS_DEFAULTS`). ``validate`` fills the unset ones in (``resolve_defaults``), so
+the validated config, and the ``config.json`` a run writes, shows the values the run uses.
 """
 from __future__ import annotations
 
@@ -47,6 +52,23 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reward.isolation": ("thread", "process"),
     "logging.wandb.mode": ("online", "offline", "disabled"),
 }
+
+# Per-loss defaults of the clip keys left unset (None), as in each loss's signature
+# (rljax.algorithms.policy_losses; tests/test_config.py checks they agree). A None here is the
+# loss's own meaning of None: ppo's epsilon_high = epsilon (symmetric clip), cispo's
+# epsilon = no lower bound (the paper's one-sided clip).
+POLICY_LOSS_DEFAULTS: dict[str, dict[str, float | None]] = {
+    "ppo": {"epsilon": 0.2, "epsilon_high": None},
+    "vanilla": {"epsilon": 0.2, "epsilon_high": None},
+    "gspo": {"epsilon": 3e-4, "epsilon_high": 4e-4},    # Zheng et al. 2025
+    "cispo": {"epsilon": None, "epsilon_high": 0.28},   # MiniMax-M1
+}
+
+# ``algo.beta`` left unset: the phase's default. It is the KL-to-reference coefficient in GRPO
+# and PPO (0.04, the GRPO paper's) and the inverse temperature of the implicit reward in DPO
+# (0.1, the DPO paper's and TRL's usual value).
+BETA_DEFAULTS: dict[str, float] = {"dpo": 0.1}
+BETA_DEFAULT = 0.04
 
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline",
@@ -106,9 +128,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.algo = dict(
         name="grpo",
         num_generations=4,           # G completions per prompt
-        beta=0.04,                   # KL coefficient (GRPO/PPO) or DPO temperature
-        epsilon=0.2,                 # lower clip: ratio >= 1 - epsilon
-        epsilon_high=opt_float(),    # upper clip (DAPO clip-higher); None = epsilon
+        beta=opt_float(),            # GRPO/PPO: KL-to-reference coefficient (0 = no
+                                     # reference); DPO: inverse temperature of the implicit
+                                     # reward. None = the phase's default: 0.04 (grpo, ppo),
+                                     # 0.1 (dpo); see BETA_DEFAULTS
+        epsilon=opt_float(),         # lower clip: ratio >= 1 - epsilon. None = the policy
+                                     # loss's default: 0.2 (ppo), 3e-4 (gspo), none (cispo)
+        epsilon_high=opt_float(),    # upper clip (DAPO clip-higher). None = the policy loss's
+                                     # default: = epsilon (ppo), 4e-4 (gspo), 0.28 (cispo)
         clip_ratio_c=opt_float(),    # dual-clip bound (> 1) for negative advantages; None = off
         tis_cap=opt_float(),         # truncated importance sampling vs sampler logps; None = off
         policy_loss="ppo",
@@ -454,9 +481,25 @@ def validate(cfg: ml_collections.ConfigDict,
         value = _get(cfg, key)
         if value not in tuple(names):
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, names))}")
+    filled = resolve_defaults(cfg)
     _check_ranges(cfg)
-    _check_combinations(cfg)
+    _check_combinations(cfg, filled)
     return cfg
+
+
+def resolve_defaults(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Fills the algorithm-dependent keys left at None, in place: ``algo.beta`` from
+    :data:`BETA_DEFAULTS` (by ``algo.name``), ``algo.epsilon`` / ``algo.epsilon_high`` from
+    :data:`POLICY_LOSS_DEFAULTS` (by ``algo.policy_loss``; a loss not in the table keeps None,
+    which leaves the loss function's own default). Keys the user set are never changed.
+    Idempotent. Returns ``{dotted key: value filled in}``."""
+    algo, filled = cfg.algo, {}
+    if algo.beta is None:
+        algo.beta = filled["algo.beta"] = BETA_DEFAULTS.get(algo.name, BETA_DEFAULT)
+    for key, value in POLICY_LOSS_DEFAULTS.get(algo.policy_loss, {}).items():
+        if algo[key] is None and value is not None:
+            algo[key] = filled[f"algo.{key}"] = value
+    return filled
 
 
 def _get(cfg: ml_collections.ConfigDict, dotted: str) -> Any:
@@ -493,7 +536,7 @@ _RANGES = (
     ("rollout.batch_size", 1, None), ("rollout.max_new_tokens", 1, None),
     ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
     ("rollout.micro_batch_size", 0, None),
-    ("algo.num_generations", 1, None), ("algo.beta", 0.0, None), ("algo.epsilon", 0.0, None),
+    ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
     ("algo.entropy_coef", 0.0, None), ("algo.max_sampling_rounds", 0, None),
@@ -525,9 +568,13 @@ def _check_ranges(cfg) -> None:
         value = _get(cfg, key)
         if value is not None and value <= low:
             raise ConfigError(f"{key}={value!r} must be > {low} (or None for off/default)")
+    for key in ("algo.epsilon", "algo.epsilon_high"):
+        value = _get(cfg, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"{key}={value!r} must be >= 0 (or None for the loss's default)")
 
 
-def _check_combinations(cfg) -> None:
+def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
     """Cross-key constraints: each message names the keys involved and how to fix them."""
     algo, rollout = cfg.algo, cfg.rollout
     g, batch = algo.num_generations, rollout.batch_size
@@ -545,9 +592,13 @@ def _check_combinations(cfg) -> None:
     if algo.name == "grpo" and algo.adv_estimator in GROUP_ESTIMATORS and g < 2:
         raise ConfigError(f"algo.num_generations={g} must be >= 2 for "
                           f"algo.adv_estimator='{algo.adv_estimator}' (it normalises per group)")
-    if algo.epsilon_high is not None and algo.epsilon_high < algo.epsilon:
+    if (algo.epsilon_high is not None and algo.epsilon is not None
+            and algo.epsilon_high < algo.epsilon):
+        unset = [k for k in ("algo.epsilon", "algo.epsilon_high") if k in (filled or {})]
+        hint = (f" ({' and '.join(unset)} not set: policy_loss='{algo.policy_loss}' default; "
+                "set both)" if unset else "")
         raise ConfigError(f"algo.epsilon_high={algo.epsilon_high} must be >= "
-                          f"algo.epsilon={algo.epsilon}")
+                          f"algo.epsilon={algo.epsilon}{hint}")
     if algo.name == "dpo" and algo.online and g < 2:
         raise ConfigError(f"algo.num_generations={g} must be >= 2 for online DPO "
                           "(algo.online=True pairs the best and worst sample of each prompt)")

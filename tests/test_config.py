@@ -29,7 +29,7 @@ def test_partial_file_is_laid_over_defaults(tmp_path):
     path = write_config(tmp_path, "def get_config():\n    return {'steps': 7, 'algo': {'beta': 0.0}}\n")
     cfg = load_config(path)
     assert cfg.steps == 7 and cfg.algo.beta == 0.0
-    assert cfg.algo.epsilon == default_config().algo.epsilon  # untouched keys keep defaults
+    assert cfg.algo.lam == default_config().algo.lam  # untouched keys keep defaults
 
 
 def test_file_arg_is_passed_to_get_config(tmp_path):
@@ -123,6 +123,10 @@ def test_wrong_type_in_file(tmp_path):
     (["reward.weights=1,2"], "reward.weights has 2 entries but reward.names has 1"),
     (["optimizer.min_lr_ratio=2"], "optimizer.min_lr_ratio=2.0 must be in [0.0, 1.0]"),
     (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5 must be > 1"),
+    (["algo.epsilon=-0.1"], "algo.epsilon=-0.1 must be >= 0"),
+    (["algo.beta=-1"], "algo.beta=-1.0 must be >= 0.0"),
+    (["algo.policy_loss=gspo", "algo.epsilon=1e-3"],
+     "algo.epsilon_high=0.0004 must be >= algo.epsilon=0.001 (algo.epsilon_high not set"),
     (["data.source=jsonl"], "data.path is required"),
 ])
 def test_impossible_combinations(overrides, needle):
@@ -183,3 +187,40 @@ def test_choices_match_algorithm_registries():
         algorithms.get_policy_loss(name)
     assert set(config_lib.CHOICES["algo.loss_agg_mode"]) == set(algorithms.AGGREGATION_MODES)
     assert set(config_lib.CHOICES["algo.loss_type"]) == set(algorithms.DPO_LOSS_TYPES)
+
+
+@pytest.mark.parametrize("overrides, want", [
+    # (algo.beta, algo.epsilon, algo.epsilon_high) after validation
+    ([], (0.04, 0.2, None)),                                   # GRPO + PPO clip
+    (["algo.name=ppo", "algo.adv_estimator=gae", "algo.num_generations=1"], (0.04, 0.2, None)),
+    (["algo.name=dpo"], (0.1, 0.2, None)),                     # DPO's temperature
+    (["algo.policy_loss=gspo"], (0.04, 3e-4, 4e-4)),           # the GSPO paper's clip range
+    (["algo.policy_loss=cispo"], (0.04, None, 0.28)),          # one-sided, as MiniMax-M1
+    (["algo.name=dpo", "algo.beta=0.5"], (0.5, 0.2, None)),    # set keys are kept
+    (["algo.policy_loss=gspo", "algo.epsilon=1e-3", "algo.epsilon_high=2e-3"],
+     (0.04, 1e-3, 2e-3)),
+    (["algo.policy_loss=gspo", "algo.epsilon_high=1e-3"], (0.04, 3e-4, 1e-3)),
+    (["algo.policy_loss=cispo", "algo.epsilon=0.1"], (0.04, 0.1, 0.28)),
+    (["algo.beta=0"], (0.0, 0.2, None)),
+])
+def test_algorithm_dependent_defaults(tmp_path, overrides, want):
+    assert default_config().algo.beta is None and default_config().algo.epsilon is None
+    cfg = load_config(None, overrides)
+    assert (cfg.algo.beta, cfg.algo.epsilon, cfg.algo.epsilon_high) == want
+    # The config a run writes (config.json) shows the values used, and reads back the same.
+    saved = json.loads(config_lib.to_json(cfg))["algo"]
+    assert (saved["beta"], saved["epsilon"], saved["epsilon_high"]) == want
+    path = tmp_path / "config.json"
+    path.write_text(config_lib.to_json(cfg))
+    assert config_lib.to_json(load_config_json(str(path))) == config_lib.to_json(cfg)
+    assert config_lib.resolve_defaults(cfg) == {}  # idempotent
+
+
+def test_policy_loss_defaults_match_the_loss_signatures():
+    import inspect
+    algorithms = pytest.importorskip("rljax.algorithms")
+    assert set(config_lib.POLICY_LOSS_DEFAULTS) == set(config_lib.CHOICES["algo.policy_loss"])
+    for name, defaults in config_lib.POLICY_LOSS_DEFAULTS.items():
+        params = inspect.signature(algorithms.get_policy_loss(name)).parameters
+        for key, value in defaults.items():
+            assert params[key].default == value, (name, key)

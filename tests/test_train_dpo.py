@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from rljax import algorithms, data, models, sharding, tokenizers
+from rljax import algorithms, config, data, models, sharding, tokenizers
 from rljax.train import optim
 from rljax.train.phases import dpo
 from rljax.train.state import create_train_state, eval_state_shape, state_shardings
@@ -139,6 +139,26 @@ def test_loss_matches_algorithms_dpo_loss(loss_type, smoothing):
     np.testing.assert_allclose(float(metrics["rewards/chosen"][0]), float(cr.sum()), rtol=1e-4,
                                atol=1e-6)
     np.testing.assert_allclose(float(metrics["accuracy"][0]), float((cr > rr).sum()))
+
+
+def test_dpo_default_beta_is_0_1():
+    # A DPO config that does not set algo.beta gets DPO's usual 0.1 (not GRPO's KL
+    # coefficient 0.04): loss = -log sigmoid(0.1 * ((pi_c - ref_c) - (pi_r - ref_r))).
+    algo = config.load_config(None, ["algo.name=dpo"]).algo
+    assert algo.beta == 0.1
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(3))
+    ref = models.init_params(cfg, jax.random.key(4))
+    state = create_train_state(params, _opt(), jax.random.key(0), ref_params=ref)
+    b = _batch()
+    (num, den), _ = jax.jit(lambda p, s, b: dpo.dpo_loss(cfg, algo, p, s, b))(params, state, b)
+    lp = {(name, side): np.asarray(_seq_logps_by_forward(
+              cfg, p_, b["prompt_tokens"], b["prompt_mask"], b[f"{side}_tokens"],
+              b[f"{side}_mask"])[0], np.float64)
+          for name, p_ in (("pol", params), ("ref", ref)) for side in ("chosen", "rejected")}
+    h = (lp["pol", "chosen"] - lp["ref", "chosen"]) - (lp["pol", "rejected"] - lp["ref", "rejected"])
+    want = np.mean(np.log1p(np.exp(-0.1 * h)))
+    np.testing.assert_allclose(float(num / den), want, rtol=1e-5)
 
 
 def test_pair_mask_and_micro_batches_are_exact():

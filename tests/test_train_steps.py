@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rljax import config as config_lib
-from rljax import models
+from rljax import algorithms, models
 from rljax import sharding as shd
 from rljax.train import optim, steps
 from rljax.train.state import create_train_state, eval_state_shape, state_shardings
@@ -101,6 +101,43 @@ def test_policy_loss_variants_take_a_finite_step(policy_loss, extra):
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(),
                                          state.params, before))
     assert max(moved) > 0
+
+
+def test_gspo_clip_range_applies_from_default_keys():
+    # algo.policy_loss='gspo' with algo.epsilon / epsilon_high unset: the paper's 3e-4 / 4e-4
+    # reach the loss (they used to be overridden by PPO's 0.2). Per token, with the
+    # length-normalised sequence ratio s_i = exp(mean_t(log pi - log pi_old)):
+    #     l_t = max(-A_i s_i, -A_i clip(s_i, 1 - 3e-4, 1 + 4e-4))
+    cfg = config_lib.load_config(None, ["algo.policy_loss=gspo"])
+    assert (cfg.algo.epsilon, cfg.algo.epsilon_high) == (3e-4, 4e-4)
+    opts = steps.policy_loss_options(cfg.algo)
+    assert opts["epsilon"] == 3e-4 and opts["epsilon_high"] == 4e-4
+    # Unvalidated config (keys None): the loss's own defaults, the same numbers.
+    assert "epsilon" not in steps.policy_loss_options(algo_cfg(policy_loss="gspo"))
+    rng = np.random.default_rng(0)
+    mask = np.arange(N)[None, :] < rng.integers(1, N + 1, B)[:, None]
+    old = -rng.uniform(0.5, 3.0, (B, N)).astype(np.float32)
+    # sequence log-ratios inside (-3e-4, 4e-4), between 4e-4 and 0.2, and below -3e-4
+    seq_lr = np.array([1e-4, -2e-4, 3e-3, 0.05, -1e-3, -0.02, 5e-4, 0.0], np.float32)
+    logps = (old + seq_lr[:, None]) * mask
+    old = old * mask
+    adv = np.array([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 0.5, 2.0], np.float32)
+    loss, metrics = algorithms.get_policy_loss("gspo")(jnp.asarray(logps), jnp.asarray(old),
+                                                       jnp.asarray(adv), jnp.asarray(mask),
+                                                       **opts)
+    lr = np.where(mask, logps.astype(np.float64) - old, 0.0).sum(1) / mask.sum(1)
+    s = np.exp(lr)
+    per_seq = np.maximum(-adv * s, -adv * np.clip(s, 1 - 3e-4, 1 + 4e-4))
+    np.testing.assert_allclose(np.asarray(loss), np.where(mask, per_seq[:, None], 0.0),
+                               rtol=1e-5, atol=1e-6)
+    clipped_high = (s > 1 + 4e-4) & (adv > 0)
+    assert clipped_high.sum() == 2  # rows 2 and 6; with epsilon=0.2 none would clip
+    np.testing.assert_allclose(float(metrics["clipfrac_high"][0]),
+                               float((mask * clipped_high[:, None]).sum()))
+    # Keys the user sets win over the loss's defaults.
+    mine = config_lib.load_config(None, ["algo.policy_loss=gspo", "algo.epsilon=1e-3",
+                                         "algo.epsilon_high=2e-3"])
+    assert steps.policy_loss_options(mine.algo)["epsilon_high"] == 2e-3
 
 
 def test_micro_batch_split_does_not_change_the_update():

@@ -158,14 +158,14 @@ def sft_loss(model_cfg, params, state, batch):
 
 
 def policy_loss_options(algo_cfg) -> dict:
-    """Keyword options of the configured policy loss (``algo.policy_loss``)."""
+    """Keyword options of the configured policy loss (``algo.policy_loss``). A clip key that
+    is None is left out, so the loss's own default applies (``config.validate`` has already
+    filled the unset ones with the same per-loss defaults, ``config.POLICY_LOSS_DEFAULTS``)."""
     name = algo_cfg.policy_loss
     opts: dict = {}
-    if name in ("ppo", "vanilla", "gspo"):
-        opts["epsilon"] = float(algo_cfg.epsilon)
-        opts["epsilon_high"] = algo_cfg.epsilon_high
-    elif algo_cfg.epsilon_high is not None:  # cispo: one-sided by default (no lower bound)
-        opts["epsilon_high"] = float(algo_cfg.epsilon_high)
+    for key in ("epsilon", "epsilon_high"):
+        if algo_cfg[key] is not None:
+            opts[key] = float(algo_cfg[key])
     if name in ("ppo", "vanilla"):
         opts["clip_ratio_c"] = algo_cfg.clip_ratio_c
         opts["ratio_level"] = algo_cfg.importance_sampling_level
