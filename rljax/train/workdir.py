@@ -83,9 +83,19 @@ def load_workdir_config(workdir: str, overrides: Sequence[str] = ()):
     return _load_config_json(path, overrides)
 
 
+def _plain(cfg) -> dict:
+    """A config as a plain dict with its unset algorithm-dependent keys filled in, as
+    ``validate`` does (``config.resolve_defaults``), so that an unvalidated config compares
+    equal to its validated self."""
+    if isinstance(cfg, dict):
+        return cfg
+    cfg = cfg.copy_and_resolve_references()
+    config_lib.resolve_defaults(cfg)
+    return json.loads(config_lib.to_json(cfg))
+
+
 def _diff(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
-    old_d = old if isinstance(old, dict) else json.loads(config_lib.to_json(old))
-    new_d = new if isinstance(new, dict) else json.loads(config_lib.to_json(new))
+    old_d, new_d = _plain(old), _plain(new)
     changes = []
     for key in sorted(set(old_d) | set(new_d)):
         a, b = old_d.get(key), new_d.get(key)
