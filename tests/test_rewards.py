@@ -3,6 +3,7 @@ import io
 import json
 import math
 import os
+import threading
 import time
 
 import pytest
@@ -184,19 +185,30 @@ def test_combine_raising_function_is_isolated():
 
 
 def test_combine_timeout_thread():
-    comb = rewards.combine([("arithmetic", 1.0), (_hangs, 1.0)], default_score=0.25, timeout_s=0.3)
-    t0 = time.monotonic()
-    res = comb(["q"], ["2"], answer=["2"])
-    assert time.monotonic() - t0 < 2.0
-    assert res.per_function == {"arithmetic": [1.0], "_hangs": [0.25]} and res.errors["_hangs"] == 1
-    assert comb.leaked_threads == 1
-    res2 = comb(["q"], ["3"], answer=["2"])  # the next batch still works
-    assert res2.total == [0.25] and comb.total_errors["_hangs"] == 2
+    release = threading.Event()
+
+    def _hangs(prompts, completions, **_):
+        release.wait(600)  # hung until the test ends (bounded, so the thread never outlives it)
+        return [1.0] * len(completions)
+
+    # The timeout must also cover 'arithmetic' on a busy machine; it is not a speed bound.
+    comb = rewards.combine([("arithmetic", 1.0), (_hangs, 1.0)], default_score=0.25, timeout_s=2.0)
+    try:
+        res = comb(["q"], ["2"], answer=["2"])
+        # Returned with _hangs still running (abandoned, not waited for). No wall-clock bound:
+        # the one this replaced (< 2 s) measured the machine's load as much as the code.
+        assert comb.leaked_threads == 1
+        assert res.per_function == {"arithmetic": [1.0], "_hangs": [0.25]}
+        assert res.errors["_hangs"] == 1 and "timed out" in res.messages["_hangs"]
+        res2 = comb(["q"], ["3"], answer=["2"])  # the next batch still works
+        assert res2.total == [0.25] and comb.total_errors["_hangs"] == 2
+    finally:
+        release.set()
 
 
 def test_combine_timeout_process_kills_worker():
-    # 3 s: gsm8k must finish in a spawned worker on a loaded 2-core machine
-    comb = rewards.combine([("gsm8k", 1.0), (_hangs, 1.0)], timeout_s=3.0, isolation="process")
+    # A generous timeout: 'gsm8k' must finish in its worker within it even on a busy machine.
+    comb = rewards.combine([("gsm8k", 1.0), (_hangs, 1.0)], timeout_s=5.0, isolation="process")
     try:
         res = comb(["q"], ["#### 2"], answer=["2"])
         assert res.per_function == {"gsm8k": [1.0], "_hangs": [0.0]}
