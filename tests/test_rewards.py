@@ -9,6 +9,7 @@ import time
 import pytest
 
 from rljax import rewards
+from rljax.rewards import verifiers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TEST = os.path.join(REPO, "..", "shared", "data", "gsm8k", "test.jsonl")
@@ -128,7 +129,10 @@ def test_countdown_use_all_and_fractions():
     ("x^2+2x", "\\boxed{x(x+2)}"),
     ("18", "#### 18"),
 ])
-def test_math_equivalent_forms(reference, completion):
+def test_math_equivalent_forms(reference, completion, monkeypatch):
+    # The 5 s limit is wall-clock: on a busy machine the first (import-heavy) or a sympy call
+    # could hit it and score a correct answer 0. Equivalence, not the limit, is tested here.
+    monkeypatch.setattr(verifiers, "MATH_TIMEOUT_S", None)
     assert score("math", [completion], answer=[reference]) == [1.0]
 
 
