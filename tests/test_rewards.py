@@ -131,8 +131,9 @@ def test_countdown_use_all_and_fractions():
 ])
 def test_math_equivalent_forms(reference, completion, monkeypatch):
     # The 5 s limit is wall-clock: on a busy machine the first (import-heavy) or a sympy call
-    # could hit it and score a correct answer 0. Equivalence, not the limit, is tested here.
-    monkeypatch.setattr(verifiers, "MATH_TIMEOUT_S", None)
+    # could hit it and score a correct answer 0. Equivalence, not the limit, is tested here;
+    # the limit stays on (same signal-based code path), only far from reach.
+    monkeypatch.setattr(verifiers, "MATH_TIMEOUT_S", 120)
     assert score("math", [completion], answer=[reference]) == [1.0]
 
 
@@ -304,7 +305,7 @@ def test_combine_wrong_length_and_non_list():
 
 
 def test_hung_thread_is_not_called_again_while_running():
-    release = __import__("threading").Event()
+    release = threading.Event()
     calls = []
 
     def slow(prompts, completions, **_):
@@ -316,11 +317,16 @@ def test_hung_thread_is_not_called_again_while_running():
     assert comb(["q"], ["a"]).timeouts == {"slow": 1}
     res = comb(["q"], ["a"])  # the first call is still running: fails at once, no new thread
     assert res.timeouts == {"slow": 1} and "still running" in res.messages["slow"]
-    assert len(calls) == 1 and comb.leaked_threads == 1
+    assert comb.leaked_threads == 1
     release.set()
     deadline = time.monotonic() + 30
     while comb._hung["slow"].thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
+    # Counted once the thread is done: on a busy machine it may not have entered slow() within
+    # the first call's 0.2 s.
+    assert len(calls) == 1
+    # The call after the hang must finish, so it gets a timeout that a busy machine cannot hit.
+    comb.timeout_s = 60
     assert comb(["q"], ["a"]).per_function == {"slow": [1.0]} and len(calls) == 2
 
 
@@ -443,7 +449,8 @@ def test_readme_example_reward_file(monkeypatch):
                                             "'3.5' (at examples/my_reward.py:22)")
 
 
-def test_math_runs_on_the_main_thread_with_its_own_limits():
+def test_math_runs_on_the_main_thread_with_its_own_limits(monkeypatch):
+    monkeypatch.setattr(verifiers, "MATH_TIMEOUT_S", 120)  # on, but out of a busy machine's reach
     seen = []
 
     def where(prompts, completions, **_):
