@@ -71,8 +71,17 @@ def failing_run(user_file, tmp_path_factory):
                                "hangs"), **{"reward.timeout_s": 5.0})
     err = io.StringIO()
     calls = tmp_path_factory.mktemp("hangs") / "calls"
+
+    class HourWindowMonitor(rewards.RewardMonitor):
+        # Warnings are rate-limited per 60 s by default; step 1's update compiles between the
+        # two steps' warnings, which on a busy machine can take longer. An hour-long window
+        # keeps "one warning per function in this run" a statement about the code.
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "warn_every_s": 3600.0})
+
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
         mp.setenv("RLJAX_TEST_HANG_MARKER", str(calls))
+        mp.setattr(rewards, "RewardMonitor", HourWindowMonitor)
         code = run.train(cfg, workdir, devices=DEVICES)
     return code, calls.read_text().count("called"), read_metrics(workdir), err.getvalue()
 
