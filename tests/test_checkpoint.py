@@ -5,12 +5,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rljax.train import state as state_lib
@@ -112,7 +113,12 @@ def test_leftover_tmp_dir_is_never_latest(tmp_path):
         assert manager.latest_step() == 1
         assert manager.all_steps() == [1]
         assert float(manager.restore().state["w"][1]) == 1.0
-    assert not os.path.exists(partial)  # cleaned up when the manager starts
+    # orbax deletes leftovers in a thread started with the manager, and close() does not wait
+    # for it (only a save does), so wait here; the bound only catches "never deleted".
+    deadline = time.monotonic() + 120
+    while os.path.exists(partial) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(partial)
 
 
 def test_has_checkpoint_false_for_empty_or_missing(tmp_path):
@@ -123,28 +129,54 @@ def test_has_checkpoint_false_for_empty_or_missing(tmp_path):
 
 def test_sigkill_during_async_save_keeps_previous_latest(tmp_path):
     """A process killed while an async save is in flight leaves step 1 as the latest."""
+    directory = tmp_path / "checkpoints"
+    # The child holds step 2's save at its commit point (the rename of the temporary directory
+    # to "2"), says so, and waits: the parent then kills a step that is fully written but not
+    # committed, however long the child took to get there. Listing the directory right after
+    # starting the save instead raced the save on a busy machine.
     script = textwrap.dedent(f"""
-        import json, os, signal, sys
+        import json, os, sys, threading
         sys.path.insert(0, {ROOT!r})
         import jax.numpy as jnp
         from rljax.train.checkpoint import CheckpointManager
-        d = sys.argv[1]
-        m = CheckpointManager(d, async_save=True)
+
+        rename = os.rename
+        def held_rename(src, dst, *args, **kwargs):
+            if os.path.basename(os.fspath(dst)) == "2":
+                print(json.dumps({{"held": os.fspath(src)}}), flush=True)
+                threading.Event().wait()  # until the parent's SIGKILL
+            return rename(src, dst, *args, **kwargs)
+        os.rename = held_rename
+
+        m = CheckpointManager(sys.argv[1], async_save=True)
         m.save(1, {{"w": jnp.ones((4,))}}, wait=True)
-        m.save(2, {{"w": jnp.ones((2048, 4096))}})  # 32 MiB: still writing when killed
-        names = os.listdir(d)
-        print(json.dumps({{"tmp": any("tmp" in n for n in names), "final": "2" in names}}),
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        m.save(2, {{"w": jnp.full((4,), 2.0)}})
+        m.wait_until_finished()
+        print(json.dumps({{"committed": True}}), flush=True)
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
-                          text=True, timeout=120, env=env)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    with CheckpointManager(tmp_path) as manager:
-        if seen["final"]:
-            pytest.skip("the save finished before the kill; nothing partial to test")
-        assert seen["tmp"]  # the kill really hit a half-written step
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:  # a file: an unread pipe could fill and block it
+        proc = subprocess.Popen([sys.executable, "-c", script, str(directory)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    # Only a hang trips this: it kills the child, so readline() returns instead of blocking.
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        assert line, ("the child ended before step 2 reached its commit:\n"
+                      + stderr_path.read_text()[-3000:])
+        report = json.loads(line)
+        assert "held" in report, "step 2 was committed without passing the hold on os.rename"
+        assert ".orbax-checkpoint-tmp" in report["held"] and os.path.isdir(report["held"])
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL, stderr_path.read_text()[-3000:]
+    assert os.path.isdir(report["held"]) and not (directory / "2").exists()
+    with CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [1]
         assert manager.latest_step() == 1
         assert float(manager.restore().state["w"][0]) == 1.0

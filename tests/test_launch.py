@@ -108,14 +108,25 @@ def test_local_process_env():
 @pytest.mark.parametrize("failing,expected", [(None, 0), ("1", 3)])
 def test_local_launcher_exit_codes(tmp_path, failing, expected):
     """Exit codes propagate; a failing process stops the others (which would wait forever)."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    # The failing process exits only once process 0 has printed: otherwise, on a busy machine,
+    # it can fail (and the launcher stop process 0) before process 0's first line. Process 0
+    # then sleeps longer than the test waits (300 s), so only the launcher can end it in time.
     script = ("import os, sys, time\n"
               "pid = os.environ['RLJAX_PROCESS_ID']\n"
               "print('proc', pid, os.environ['RLJAX_NUM_PROCESSES'], flush=True)\n"
-              f"if pid == {failing!r}: sys.exit(3)\n"
-              f"if {failing!r} is not None: time.sleep(60)\n")
+              f"open(os.path.join({str(ready)!r}, pid), 'w').close()\n"
+              f"if pid == {failing!r}:\n"
+              "    deadline = time.monotonic() + 120\n"
+              f"    while not os.path.exists(os.path.join({str(ready)!r}, '0')):\n"
+              "        if time.monotonic() > deadline: sys.exit(4)\n"
+              "        time.sleep(0.01)\n"
+              "    sys.exit(3)\n"
+              f"if {failing!r} is not None: time.sleep(600)\n")
     r = subprocess.run([sys.executable, LOCAL, "-n", "2", "-d", "2", "--log_dir", str(tmp_path),
                         "--", sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=40)
+                       timeout=300)
     assert r.returncode == expected, r.stderr
     assert "proc 0 2" in r.stdout
     assert "proc 1 2" in (tmp_path / "process_1.log").read_text()

@@ -55,7 +55,8 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     if name == "quickstart_grpo.ipynb":  # report what the notebook measured
         nb.cells.append(nbformat.v4.new_code_cell(
             'import json\nprint("RESULT", json.dumps([ACC_BEFORE, ACC_WARMUP, ACC_AFTER]))'))
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+    # The kernel's start-up bound too (nbclient's default is 60 s): importing on a busy machine.
+    client = nbclient.NotebookClient(nb, timeout=600, startup_timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": ROOT}})
     client.execute()
     assert os.path.isfile(os.path.join(workdir, "metrics.jsonl"))

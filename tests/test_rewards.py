@@ -3,11 +3,13 @@ import io
 import json
 import math
 import os
+import threading
 import time
 
 import pytest
 
 from rljax import rewards
+from rljax.rewards import verifiers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TEST = os.path.join(REPO, "..", "shared", "data", "gsm8k", "test.jsonl")
@@ -127,7 +129,11 @@ def test_countdown_use_all_and_fractions():
     ("x^2+2x", "\\boxed{x(x+2)}"),
     ("18", "#### 18"),
 ])
-def test_math_equivalent_forms(reference, completion):
+def test_math_equivalent_forms(reference, completion, monkeypatch):
+    # The 5 s limit is wall-clock: on a busy machine the first (import-heavy) or a sympy call
+    # could hit it and score a correct answer 0. Equivalence, not the limit, is tested here;
+    # the limit stays on (same signal-based code path), only far from reach.
+    monkeypatch.setattr(verifiers, "MATH_TIMEOUT_S", 120)
     assert score("math", [completion], answer=[reference]) == [1.0]
 
 
@@ -184,19 +190,30 @@ def test_combine_raising_function_is_isolated():
 
 
 def test_combine_timeout_thread():
-    comb = rewards.combine([("arithmetic", 1.0), (_hangs, 1.0)], default_score=0.25, timeout_s=0.3)
-    t0 = time.monotonic()
-    res = comb(["q"], ["2"], answer=["2"])
-    assert time.monotonic() - t0 < 2.0
-    assert res.per_function == {"arithmetic": [1.0], "_hangs": [0.25]} and res.errors["_hangs"] == 1
-    assert comb.leaked_threads == 1
-    res2 = comb(["q"], ["3"], answer=["2"])  # the next batch still works
-    assert res2.total == [0.25] and comb.total_errors["_hangs"] == 2
+    release = threading.Event()
+
+    def _hangs(prompts, completions, **_):
+        release.wait(600)  # hung until the test ends (bounded, so the thread never outlives it)
+        return [1.0] * len(completions)
+
+    # The timeout must also cover 'arithmetic' on a busy machine; it is not a speed bound.
+    comb = rewards.combine([("arithmetic", 1.0), (_hangs, 1.0)], default_score=0.25, timeout_s=2.0)
+    try:
+        res = comb(["q"], ["2"], answer=["2"])
+        # Returned with _hangs still running (abandoned, not waited for). No wall-clock bound:
+        # the one this replaced (< 2 s) measured the machine's load as much as the code.
+        assert comb.leaked_threads == 1
+        assert res.per_function == {"arithmetic": [1.0], "_hangs": [0.25]}
+        assert res.errors["_hangs"] == 1 and "timed out" in res.messages["_hangs"]
+        res2 = comb(["q"], ["3"], answer=["2"])  # the next batch still works
+        assert res2.total == [0.25] and comb.total_errors["_hangs"] == 2
+    finally:
+        release.set()
 
 
 def test_combine_timeout_process_kills_worker():
-    # 3 s: gsm8k must finish in a spawned worker on a loaded 2-core machine
-    comb = rewards.combine([("gsm8k", 1.0), (_hangs, 1.0)], timeout_s=3.0, isolation="process")
+    # A generous timeout: 'gsm8k' must finish in its worker within it even on a busy machine.
+    comb = rewards.combine([("gsm8k", 1.0), (_hangs, 1.0)], timeout_s=5.0, isolation="process")
     try:
         res = comb(["q"], ["#### 2"], answer=["2"])
         assert res.per_function == {"gsm8k": [1.0], "_hangs": [0.0]}
@@ -288,7 +305,7 @@ def test_combine_wrong_length_and_non_list():
 
 
 def test_hung_thread_is_not_called_again_while_running():
-    release = __import__("threading").Event()
+    release = threading.Event()
     calls = []
 
     def slow(prompts, completions, **_):
@@ -300,11 +317,16 @@ def test_hung_thread_is_not_called_again_while_running():
     assert comb(["q"], ["a"]).timeouts == {"slow": 1}
     res = comb(["q"], ["a"])  # the first call is still running: fails at once, no new thread
     assert res.timeouts == {"slow": 1} and "still running" in res.messages["slow"]
-    assert len(calls) == 1 and comb.leaked_threads == 1
+    assert comb.leaked_threads == 1
     release.set()
     deadline = time.monotonic() + 30
     while comb._hung["slow"].thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
+    # Counted once the thread is done: on a busy machine it may not have entered slow() within
+    # the first call's 0.2 s.
+    assert len(calls) == 1
+    # The call after the hang must finish, so it gets a timeout that a busy machine cannot hit.
+    comb.timeout_s = 60
     assert comb(["q"], ["a"]).per_function == {"slow": [1.0]} and len(calls) == 2
 
 
@@ -427,7 +449,8 @@ def test_readme_example_reward_file(monkeypatch):
                                             "'3.5' (at examples/my_reward.py:22)")
 
 
-def test_math_runs_on_the_main_thread_with_its_own_limits():
+def test_math_runs_on_the_main_thread_with_its_own_limits(monkeypatch):
+    monkeypatch.setattr(verifiers, "MATH_TIMEOUT_S", 120)  # on, but out of a busy machine's reach
     seen = []
 
     def where(prompts, completions, **_):

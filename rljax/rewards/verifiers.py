@@ -138,6 +138,10 @@ def _as_gold(reference) -> str:
     return f"${text}$"
 
 
+# math-verify's per-call parse/verify limit (seconds, wall clock) on the main thread.
+MATH_TIMEOUT_S: float | None = 5
+
+
 def math_equivalence(prompts, completions, answer=None, **_) -> list[float]:
     """MATH-style answers: the completion's final answer is mathematically equivalent to ``answer``
     (fractions, decimals, \\frac, \\boxed{}, simple expressions), judged by math-verify."""
@@ -147,7 +151,7 @@ def math_equivalence(prompts, completions, answer=None, **_) -> list[float]:
     # math-verify's own timeouts use SIGALRM, which only works on the main thread; in a worker
     # thread (see combine) we switch them off and rely on combine's deadline instead.
     main = threading.current_thread() is threading.main_thread()
-    limit = 5 if main else None
+    limit = MATH_TIMEOUT_S if main else None
     scores = []
     for completion, reference in zip(completions, references):
         gold = parse(_as_gold(reference), parsing_timeout=limit)

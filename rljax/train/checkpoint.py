@@ -11,7 +11,8 @@ Each step directory ``<workdir>/checkpoints/<step>/`` holds two items:
 
 Atomicity: orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` only
 after every item is complete, so an interrupted save (crash, SIGKILL, preemption) never shows up
-in ``latest_step()``. Leftover tmp directories are deleted when the manager is created.
+in ``latest_step()``. Leftover tmp directories are deleted by a background thread that the
+manager starts when it is created; its first save waits for that deletion (close does not).
 
 Integrity: just before that rename, process 0 (after orbax's commit barrier, so every host's
 shards are written) records the size and CRC-32 of every file of the step in
