@@ -2,7 +2,8 @@
 
     rljax plan --config configs/grpo_arithmetic.py [--config.KEY=VALUE ...]
 
-Each phase program the trainer runs (``sample``: the on-device sampler, ``logps``: old /
+Each phase program the trainer runs (``sample``: the on-device sampler, ``eval``: the held-out
+evaluation's sampler at ``eval.batch_size`` / ``eval.max_new_tokens``, ``logps``: old /
 reference log-probs, ``update``: one optimizer step on a mini-batch; ``sft_update`` for an SFT
 warm-up) is lowered with abstract inputs (``jax.ShapeDtypeStruct`` carrying the run's
 shardings; no parameter is ever materialised) at its worst-case shapes (the longest prompt
@@ -336,6 +337,21 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         phases.append(_compile("sample", jax.jit(sample_fn), (
             params, _batch_struct(mesh, (chunk, p_len), jnp.int32),
             _batch_struct(mesh, (chunk, p_len), bool), rng), resident_params))
+
+        # eval: the held-out greedy (or sampled) generation, at its own batch and length.
+        if a.name != "rm":
+            e = cfg.eval
+
+            def eval_fn(params, prompt_tokens, prompt_mask, key):
+                return sampling.generate(
+                    mcfg, params, prompt_tokens, prompt_mask, rng=key,
+                    max_new_tokens=e.max_new_tokens or n_new, temperature=e.temperature,
+                    top_k=r.top_k if e.temperature else 0,
+                    top_p=r.top_p if e.temperature else 1.0, eos_id=tok.eos_id,
+                    pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh)
+            phases.append(_compile("eval", jax.jit(eval_fn), (
+                params, _batch_struct(mesh, (e.batch_size, p_len), jnp.int32),
+                _batch_struct(mesh, (e.batch_size, p_len), bool), rng), resident_params))
 
         # logps: old (and reference) log-probs of the whole rollout batch.
         micro = a.micro_batch_size or a.mini_batch_size or total

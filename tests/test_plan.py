@@ -21,7 +21,7 @@ def test_cli_plan_reports_every_phase_and_refuses_small_device(capsys):
     code = cli.main(["plan", "--config", CONFIG, *TINY, "--config.memory.device_memory_gb=0.0001"])
     out, err = capsys.readouterr()
     assert code == 1
-    for phase in ("sample", "logps", "update"):
+    for phase in ("sample", "eval", "logps", "update"):
         assert f"\n  {phase} " in out
     assert "mesh data=8 fsdp=1 tensor=1 (8 cpu devices" in out
     assert "DOES NOT FIT" in out and "memory.device_memory_gb" in out
@@ -148,7 +148,7 @@ def test_plan_matches_measured_memory_on_cpu():
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     print("plan vs measured (bytes):", m)
-    assert m["fits"] and m["phases"] == ["sample", "logps", "update"]
+    assert m["fits"] and m["phases"] == ["sample", "eval", "logps", "update"]
     # Inputs: the plan's update arguments are exactly the live arrays (state + batch).
     assert abs(m["live_before"] - m["arguments"]) < 64 * 1024, m
     # What the step allocates: measured 10-20% above the plan in runs here (allocator slack,
