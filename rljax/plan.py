@@ -411,7 +411,8 @@ def explain(p: MemoryPlan) -> str:
                 f"{human(p.resident)} per device")
     return (f"the run does not fit: {what} but a device has {human(p.capacity)} "
             f"({p.capacity_source}). Shard more (mesh.fsdp / mesh.tensor), use smaller "
-            f"algo.micro_batch_size / rollout.micro_batch_size, model.remat=true or "
+            f"algo.micro_batch_size / rollout.micro_batch_size / eval.batch_size, "
+            f"model.remat=true or "
             f"model.dtype=bfloat16; `rljax plan --config ...` shows every phase")
 
 
