@@ -112,8 +112,19 @@ def write_model(shape: str, out_dir: str, seed: int = 0) -> None:
     write_tokenizer(out_dir)
 
 
+def gsm8k_path() -> str:
+    """The shared GSM8K train split: ``../shared`` next to the main checkout (a git worktree
+    elsewhere finds it through ``$RLJAX_SHARED`` or ``/work/shared``)."""
+    for root in (os.environ.get("RLJAX_SHARED", ""), os.path.join(ROOT, "..", "shared"),
+                 "/work/shared"):
+        path = os.path.join(root, "data", "gsm8k", "train.jsonl")
+        if root and os.path.exists(path):
+            return path
+    raise FileNotFoundError("GSM8K train.jsonl not found (set RLJAX_SHARED)")
+
+
 def bench_prompts(b: int) -> list[str]:
-    path = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl")
+    path = gsm8k_path()
     out = []
     with open(path) as f:
         for line in f:
@@ -166,6 +177,11 @@ def rljax_worker(spec: dict) -> dict:
     from rljax.train.setup import build_context, check_inputs
 
     char = spec["reward_char"]
+    if spec.get("prompt_buckets") == "pow2":   # the trainer's buckets before quarter steps
+        from rljax import sampling
+        from rljax.train import rollout
+        rollout.prompt_buckets = lambda m: tuple(  # noqa: E731
+            x for x in sampling.DEFAULT_BUCKETS if x < m) + (int(m),)
 
     def char_fraction(**_):
         def fn(prompts, completions, **fields):
@@ -184,7 +200,8 @@ def rljax_worker(spec: dict) -> dict:
     cfg.steps = 1 + spec["iters"]
     cfg.model.path = spec["model_dir"]
     cfg.data.source, cfg.data.path = "jsonl", data_path
-    cfg.data.template = "<bos>{question}"   # BOS + 31 bytes = 32 tokens, as the peers
+    # Default: BOS + 31 bytes = 32 tokens, as the peers (real-model bench: pre-rendered chat).
+    cfg.data.template = spec.get("template", "<bos>{question}")
     cfg.data.max_prompt_length = spec["prompt_tokens"]
     cfg.data.shuffle = False
     cfg.rollout.batch_size = b * g
@@ -199,6 +216,10 @@ def rljax_worker(spec: dict) -> dict:
     cfg.optimizer.learning_rate = spec["learning_rate"]
     cfg.optimizer.weight_decay = 0.0
     cfg.optimizer.max_grad_norm = 1.0
+    cfg.algo.micro_batch_size = int(spec.get("micro_batch", 0))
+    # Persistent compilation cache: off unless the spec names a directory (the bench runs a
+    # cold process on an empty directory, then a second process on the same one).
+    cfg.compilation_cache_dir = spec.get("compilation_cache_dir", "")
     cfg.reward.names = ("bench_char_fraction",)
     config_lib.validate(cfg)
     check_inputs(cfg)
@@ -211,8 +232,11 @@ def rljax_worker(spec: dict) -> dict:
     jax.monitoring.register_event_duration_secs_listener(on_event)
 
     t_start = time.perf_counter()
+    from rljax import compilation_cache
+    compilation_cache.enable(cfg.compilation_cache_dir)   # as rljax.train.run does
     ctx = build_context(cfg, workdir)
-    ctx.tokenizer.eos_id = VOCAB  # EOS stopping off: an id the model cannot sample -> exactly N
+    # EOS stopping off: an id the model cannot sample -> exactly N tokens.
+    ctx.tokenizer.eos_id = ctx.model_cfg.vocab_size
     phase = phases_lib.make_phases(ctx)[-1]
     state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
     jax.block_until_ready(state)
@@ -236,7 +260,7 @@ def rljax_worker(spec: dict) -> dict:
         logps_s = 0.0
     sample_s, reward_s = med("time/sample"), med("time/reward")
     mcfg = ctx.model_cfg
-    seq = spec["prompt_tokens"] + n
+    seq = int(metrics_all[-1].get("rollout/seq_len", spec["prompt_tokens"] + n))
     fwd = forward_flops(mcfg, b * g, seq)
     lengths = [m["completion/length_mean"] for m in metrics_all]
     return {
@@ -254,6 +278,9 @@ def rljax_worker(spec: dict) -> dict:
         "old_logps_flops_per_s": fwd / logps_s if logps_s > 0 else None,
         "params": mcfg.num_params(), "completion_length_mean": float(np.mean(lengths)),
         "reward_mean": float(np.mean([m["reward/mean"] for m in metrics_all])),
+        "seq_len": seq, "token_efficiency": med("rollout/token_efficiency"),
+        "prompt_efficiency": med("rollout/prompt_efficiency"),
+        "compilation_cache_dir": cfg.compilation_cache_dir,
     }
 
 
@@ -294,6 +321,20 @@ def run_case(framework: str, spec: dict, pythons: dict, timeout: float) -> dict:
         os.unlink(spec_path)
 
 
+def run_rljax_cold_warm(spec: dict, cache_dir: str, pythons: dict, timeout: float) -> dict:
+    """The timed rljax run in a fresh process with an empty persistent compilation cache
+    (``first_iter_s`` = cold), then a second process of the same config on that cache, one
+    iteration (``first_iter_warm_s``: what a second ``rljax train`` of the config sees)."""
+    res = run_case("rljax", dict(spec, compilation_cache_dir=cache_dir), pythons, timeout)
+    if "error" not in res:
+        warm = run_case("rljax", dict(spec, compilation_cache_dir=cache_dir, iters=1), pythons,
+                        timeout)
+        res["first_iter_warm_s"] = warm.get("first_iter_s")
+        res["compiles_first_iter_warm"] = warm.get("compiles_first_iter")
+        res["setup_warm_s"] = warm.get("setup_s")
+    return res
+
+
 def make_spec(model_dir: str, b: int, g: int, n: int, iters: int, seed: int) -> dict:
     return {"model_dir": model_dir, "prompts": bench_prompts(b), "num_generations": g,
             "max_new_tokens": n, "prompt_tokens": PROMPT_CHARS + 1, "iters": iters,
@@ -318,8 +359,9 @@ def fmt(x, spec=".3f") -> str:
 
 
 def comparison_table(rows: list[dict]) -> str:
-    out = ["| shape | framework | s/iter (median) | tokens/s | rljax speed-up | first iter (s) "
-           "| sample s | update s | load |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| shape | framework | s/iter (median) | tokens/s | rljax speed-up "
+           "| first iter (s): cold / 2nd run | sample s | update s | load |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         res = r["result"]
         if "error" in res:
@@ -329,7 +371,8 @@ def comparison_table(rows: list[dict]) -> str:
         upd = res["update_s"] + res.get("old_logps_s", 0.0)
         out.append(f"| {r['shape']} | {r['framework']} | {res['iter_s']:.3f} "
                    f"| {res['tokens_per_s']:.0f} | {fmt(r.get('speedup'), '.2f')}x "
-                   f"| {res['first_iter_s']:.1f} | {res['sample_s']:.3f} | {upd:.3f} "
+                   f"| {res['first_iter_s']:.1f} / {fmt(res.get('first_iter_warm_s'), '.1f')} "
+                   f"| {res['sample_s']:.3f} | {upd:.3f} "
                    f"| {res.get('load_average_before', 0):.1f} |")
     return "\n".join(out)
 
@@ -402,7 +445,11 @@ def main() -> None:
             spec = make_spec(model_dir(shape), b, g, n, args.iters, args.seed)
             for fw in ["rljax"] + peers:
                 t0, load = time.perf_counter(), os.getloadavg()[0]
-                res = run_case(fw, spec, pythons, args.timeout)
+                if fw == "rljax":
+                    res = run_rljax_cold_warm(spec, os.path.join(tmp, f"jax_cache_{shape}"),
+                                              pythons, args.timeout)
+                else:
+                    res = run_case(fw, spec, pythons, args.timeout)
                 res["load_average_before"] = load
                 print(f"  {shape:6s} {fw:6s} "
                       + (f"{res['iter_s']:.3f} s/iter, first {res['first_iter_s']:.1f} s"

@@ -120,17 +120,44 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
             kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
             filtered = jnp.where(scaled < kth, neg, filtered)
         if top_p < 1.0:
-            # Sort once, keep tokens whose preceding mass is < top_p (so the token that crosses
-            # top_p is kept), and turn that into a logit threshold: no scatter back needed.
-            desc = jnp.sort(filtered, axis=-1)[:, ::-1]
-            probs = jax.nn.softmax(desc, axis=-1)
-            before = jnp.cumsum(probs, axis=-1) - probs
-            keep = before < top_p
-            thresh = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-            filtered = jnp.where(filtered < thresh, neg, filtered)
+            filtered = jnp.where(filtered < _top_p_threshold(filtered, top_p, top_k), neg,
+                                 filtered)
         tokens = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
     logps = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, logps
+
+
+def _top_p_threshold(filtered: jax.Array, top_p: float, top_k: int = 0) -> jax.Array:
+    """float32 [B, 1]: the smallest logit of the smallest set of tokens whose probability mass
+    (under softmax(filtered)) reaches ``top_p``, the token that crosses ``top_p`` included.
+
+    Without sorting the vocabulary: token i is kept iff the mass of the tokens with a strictly
+    larger logit is < top_p (what a descending sort + cumsum keeps, ties included). That
+    predicate is monotone in the logit, so a bisection over the float32 bit patterns (mapped
+    to int32 in the same order) finds the smallest kept logit exactly in 32 masked sums over
+    the row, where a full sort of [B, V] on CPU cost ~15x the rest of sampling (V = 49,152).
+    ``top_k`` is unused (top-k already set the other logits to float32 min, mass 0).
+    """
+    del top_k
+    probs = jax.nn.softmax(filtered, axis=-1)
+    bits = jax.lax.bitcast_convert_type(filtered, jnp.int32)
+    key = jnp.where(bits < 0, -(bits & 0x7FFFFFFF), bits)   # same order as the floats
+    lo = jnp.min(key, axis=-1, keepdims=True)   # kept(lo) may be false; kept(hi) is true
+    hi = jnp.max(key, axis=-1, keepdims=True)
+
+    def kept(k):   # [B, 1] bool: would a token with key k be kept?
+        return jnp.sum(jnp.where(key > k, probs, 0.0), axis=-1, keepdims=True) < top_p
+
+    def step(_, bounds):   # invariant: kept(hi); smallest kept key in (lo, hi] unless kept(lo)
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)   # floor((lo + hi) / 2) without overflow
+        ok = kept(mid)
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    lo_kept = kept(lo)
+    lo, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    first = jnp.where(lo_kept, lo, hi)   # the smallest kept key
+    return jnp.min(jnp.where(key >= first, filtered, jnp.inf), axis=-1, keepdims=True)
 
 
 # ----------------------------------------------------------------------------- generate

@@ -6,7 +6,9 @@ Runs in its own virtual environment (``torch``, ``trl``), never the project's:
 
 SPEC.json (written by bench/grpo_step.py): model_dir (HF llama + tokenizer, random weights),
 prompts (B strings), num_generations G, max_new_tokens N, iters (timed iterations after one
-warm-up), learning_rate, seed, reward_char, threads. Prints one JSON object on the last line.
+warm-up), learning_rate, seed, reward_char, threads, and optionally micro_batch
+(completions per forward/backward: gradient accumulation over B*G/micro_batch chunks, one
+generation of all B*G completions and one optimizer step per iteration). Prints one JSON object on the last line.
 
 One iteration = one ``GRPOTrainer`` optimizer step: generate G completions for each of the B
 prompts, score them, group advantages, one forward+backward over all B*G completions, one AdamW
@@ -37,6 +39,8 @@ def main(spec_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     b, g, n = len(spec["prompts"]), spec["num_generations"], spec["max_new_tokens"]
+    # Micro-batch (forward/backward chunk; one optimizer step per iteration either way).
+    micro = int(spec.get("micro_batch") or b * g)
     total_steps = 1 + spec["iters"]
     char = spec["reward_char"]
 
@@ -64,8 +68,8 @@ def main(spec_path: str) -> None:
         cfg = trl.GRPOConfig(
             output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6,
             disable_tqdm=True, use_cpu=True, seed=spec["seed"], max_steps=total_steps,
-            per_device_train_batch_size=b * g, gradient_accumulation_steps=1,
-            steps_per_generation=1, num_generations=g, num_iterations=1,
+            per_device_train_batch_size=micro, gradient_accumulation_steps=b * g // micro,
+            steps_per_generation=b * g // micro, num_generations=g, num_iterations=1,
             max_completion_length=n, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
             learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0,
             weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", shuffle_dataset=False,
