@@ -81,6 +81,16 @@ class Tool:
             "parameters": dict(self.parameters)}}
 
 
+class ToolError(Exception):
+    """Raised by a tool for a failure the model should read as ``"Error: <message>"`` (bad
+    input, a program that crashed); any other exception is reported with its type name."""
+
+
+class ToolTimeout(ToolError):
+    """Raised by a tool that enforces its own time limit (e.g. the python sandbox killed a
+    program); counted as ``tool_timeouts`` like a call the runner gave up waiting for."""
+
+
 EnvFactory = Callable[..., Environment]   # factory(example: dict, **kwargs) -> Environment
 ToolFactory = Callable[..., Tool]         # factory(**kwargs) -> Tool
 
