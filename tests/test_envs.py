@@ -7,7 +7,8 @@ import pytest
 
 from rljax import data
 from rljax.envs import (StepResult, Tool, ToolCall, ToolCallError, ToolError, call_tool,
-                        check_env_config, get_tool_format, guess_trace, make_env, make_tool,
+                        check_env_config, env_metrics, get_tool_format, guess_trace, make_env,
+                        make_tool,
                         merge_counters, step_all, trace_messages)
 from rljax.envs.runner import check_arguments
 from rljax.errors import ConfigError
@@ -146,8 +147,14 @@ def test_check_arguments_schema_subset():
     assert "must be number" in check_arguments(schema, {"n": "2"})
 
 
-def test_merge_counters():
+def test_merge_counters_and_env_metrics():
     assert merge_counters({"a": 1, "b": 2}, {"a": 3}) == {"a": 4, "b": 2}
+    episodes = [{"tool_calls": 3, "tool_errors": 1, "tool_timeouts": 0, "tool:python": 3},
+                {"tool_calls": 0, "solved": 1}, {"tool_calls": 1, "tool:calculator": 1}]
+    assert env_metrics(episodes) == {
+        "env/tool_calls_mean": 4 / 3, "env/tool_errors": 1.0, "env/tool_timeouts": 0.0,
+        "env/tool:python": 3.0, "env/tool:calculator": 1.0, "env/solved_mean": 1 / 3}
+    assert env_metrics([]) == {}
 
 
 # ----------------------------------------------------------------------------- step_all
@@ -319,3 +326,24 @@ def test_check_env_config_names_the_key_and_the_known_names():
         with pytest.raises(ConfigError) as info:
             check_env_config(**kwargs)
         assert str(info.value).startswith(message)
+
+
+# ----------------------------------------------------------------------------- docs
+
+def test_the_docs_example_runs(monkeypatch):
+    import os
+    import re
+
+    from rljax.envs import base
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "agents.md")
+    code = re.search(r"```python\n(.*?)```", open(path).read(), re.DOTALL).group(1)
+    # The example registers a tool and an env: keep them out of the shared registries.
+    monkeypatch.setattr(base, "_ENVS", dict(base._ENVS))
+    monkeypatch.setattr(base, "_TOOLS", dict(base._TOOLS))
+    namespace = {}
+    exec(compile(code, path, "exec"), namespace)  # its asserts check the outcomes
+    assert {"convert", "two_tries"} <= set(base.tool_names()) | set(base.env_names())
+    text, counters = call_tool(make_tool("convert"), ToolCall("convert", {
+        "value": 1, "source": "km", "target": "km"}))
+    assert text == "Error: cannot convert km to km" and counters["tool_errors"] == 1

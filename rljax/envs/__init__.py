@@ -14,9 +14,10 @@ from rljax.envs import tools  # noqa: F401  (registers the built-in tools)
 from rljax.envs.tool_env import ToolEnv, trace_messages
 from rljax.envs.games import GuessNumberEnv, guess_trace
 from rljax.envs.checks import check_env_config
+from rljax.envs.metrics import env_metrics
 
 __all__ = ["Environment", "Message", "StepResult", "Tool", "ToolError", "ToolTimeout",
            "env_names", "make_env", "make_tool", "register_env", "register_tool", "tool_names",
            "ToolCall", "ToolCallError", "ToolFormat", "get_tool_format", "tool_format_names",
            "call_tool", "merge_counters", "step_all", "ToolEnv", "trace_messages",
-           "GuessNumberEnv", "guess_trace", "check_env_config"]
+           "GuessNumberEnv", "guess_trace", "check_env_config", "env_metrics"]

@@ -18,6 +18,7 @@ __all__ = ["evaluate", "format_number", "MAX_EXPRESSION_CHARS", "MAX_DIGITS", "M
 MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 100          # largest integer (intermediate or result): 10**MAX_DIGITS
 MAX_EXPONENT = 1000       # |b| in a ** b
+_LIMIT = 10 ** MAX_DIGITS
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -65,7 +66,7 @@ def _check_power(base: int | float, exponent: int | float) -> None:
     """Refuses a power whose result would exceed MAX_DIGITS before computing it."""
     if abs(exponent) > MAX_EXPONENT:
         raise ToolError(f"exponent larger than {MAX_EXPONENT}")
-    if isinstance(exponent, complex) or (base < 0 and not float(exponent).is_integer()):
+    if base < 0 and not float(exponent).is_integer():
         raise ToolError("fractional power of a negative number")
     if abs(base) > 1 and exponent > 0 and exponent * math.log10(abs(base)) > MAX_DIGITS:
         raise ToolError(f"result larger than 10**{MAX_DIGITS}")
@@ -76,9 +77,8 @@ def _check_power(base: int | float, exponent: int | float) -> None:
 def _checked(value: int | float) -> int | float:
     if isinstance(value, complex):
         raise ToolError("complex result")
-    if isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33:  # bits per digit
-        if abs(value) >= 10 ** MAX_DIGITS:
-            raise ToolError(f"result larger than 10**{MAX_DIGITS}")
+    if isinstance(value, int) and abs(value) >= _LIMIT:
+        raise ToolError(f"result larger than 10**{MAX_DIGITS}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ToolError("result too large")
     return value

@@ -115,7 +115,10 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> str:
             f.write(code)
         out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir,
-               "TMPDIR": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+               "TMPDIR": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+               # One BLAS/OpenMP thread: the CPU limit counts every thread, and the rollout
+               # runs many programs at once.
+               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             started = time.monotonic()
             proc = subprocess.Popen(_command(limits), cwd=workdir, env=env,
