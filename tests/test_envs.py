@@ -254,6 +254,18 @@ def test_tool_env_passes_tool_kwargs():
         "<result>[1] gamma delta</result>"
 
 
+def test_tools_are_built_once_and_shared_by_episodes(monkeypatch):
+    from rljax.envs import base
+    from rljax.envs.tool_env import shared_tool
+    a = make_env("tool", {"prompt": "p"}, tools=("search",), tool_kwargs={"search": {"k": 2}})
+    b = make_env("tool", {"prompt": "q"}, tools=("search",), tool_kwargs={"search": {"k": 2}})
+    c = make_env("tool", {"prompt": "q"}, tools=("search",), tool_kwargs={"search": {"k": 1}})
+    assert a.tools[0] is b.tools[0] and a.tools[0] is not c.tools[0]
+    monkeypatch.setattr(base, "_TOOLS", dict(base._TOOLS))
+    base.register_tool("search", lambda **kw: _tool(lambda x: "new", name="search"))
+    assert shared_tool("search", k=2).fn(x=1) == "new"  # a re-registered name builds anew
+
+
 @pytest.mark.parametrize("fmt", ["json", "plain"])
 def test_trace_messages_for_multi_digit_arithmetic(fmt):
     task = data.ArithmeticTask(digits=3, operands=2, ops="*")

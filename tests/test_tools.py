@@ -174,3 +174,24 @@ def test_search_tool_finds_facts_of_the_generated_world(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
     assert make_tool("search", path=str(path)).fn(query="Rome", k=1) == f"[1] {DOCS[3]}"
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer exists or is a zombie waiting to be reaped by init."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_python_background_processes_do_not_outlive_the_call():
+    out = run_python("import subprocess, sys\n"
+                     "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                     "print(p.pid)", FAST)
+    pid = int(out)
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)

@@ -13,7 +13,8 @@ them again):
                     cannot fill the parent's memory), ``RLIMIT_CORE`` 0.
 
 The parent kills the process group after ``wall_s`` seconds of wall-clock time (a ``sleep``
-does not use CPU). Where the OS allows unprivileged user namespaces (Linux, ``unshare -rn``
+does not use CPU), and after every run, so background processes the code started in its group
+end with it. Where the OS allows unprivileged user namespaces (Linux, ``unshare -rn``
 works) the child runs in a new network namespace with no interfaces: no network at all.
 Elsewhere it runs with the network of the user (``network_isolated()`` says which).
 
@@ -92,7 +93,28 @@ def _read_tail(path: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "... [output cut]"
 
 
+def _wait_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` for the child to exit WITHOUT reaping it (``WNOWAIT``): while
+    it is a zombie its process group id cannot be reused, so killing the group afterwards is
+    safe. Returns whether it exited. Falls back to ``Popen.wait`` where ``waitid`` is missing."""
+    if not hasattr(os, "waitid"):
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline, pause = time.monotonic() + timeout_s, 0.001
+    while True:
+        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+        pause = min(pause * 2, 0.02)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kills every process left in the child's group (its own children too), then reaps it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -125,13 +147,11 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> str:
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     start_new_session=True)
             try:
-                proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                raise ToolTimeout(f"python: killed after {limits.wall_s:g}s wall-clock") from None
+                finished = _wait_unreaped(proc, limits.wall_s)
             finally:
-                if proc.poll() is None:
-                    _kill_group(proc)
+                _kill_group(proc)  # also after a normal exit: no background process outlives a call
+            if not finished:
+                raise ToolTimeout(f"python: killed after {limits.wall_s:g}s wall-clock")
         elapsed = time.monotonic() - started
         stdout = _read_tail(out_path, limits.max_output_chars)
         if proc.returncode == 0:

@@ -13,15 +13,41 @@ episode for SFT warm-up on tool use.
 from __future__ import annotations
 
 import collections
+import json
+import threading
 from typing import Any, Mapping, Sequence
 
+from rljax.envs import base
 from rljax.envs.base import Message, StepResult, Tool, make_tool, register_env
 from rljax.envs.runner import call_tool
 from rljax.envs.tool_format import ToolCall, ToolFormat, get_tool_format
 
-__all__ = ["ToolEnv", "trace_messages", "example_prompt"]
+__all__ = ["ToolEnv", "trace_messages", "example_prompt", "shared_tool"]
 
 _ZERO = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
+
+
+_TOOL_CACHE: dict[tuple, Tool] = {}
+_TOOL_CACHE_LOCK = threading.Lock()
+
+
+def shared_tool(name: str, **options) -> Tool:
+    """``make_tool(name, **options)``, built once per process and shared by every episode.
+
+    A rollout makes one environment per episode; building a tool each time (e.g. the ``search``
+    index, ~16 ms) would cost seconds per iteration. Sharing is safe because a ``Tool`` is
+    immutable and its ``fn`` must be thread-safe anyway (``step_all`` runs episodes in
+    threads). The cache is keyed by the registered factory (re-registering a name builds anew)
+    and the options (as JSON; options that are not JSON-able are not cached).
+    """
+    try:
+        key = (name, base._TOOLS.get(name), json.dumps(options, sort_keys=True))
+    except TypeError:  # e.g. a callable option: build a fresh tool
+        return make_tool(name, **options)
+    with _TOOL_CACHE_LOCK:
+        if key not in _TOOL_CACHE:
+            _TOOL_CACHE[key] = make_tool(name, **options)
+        return _TOOL_CACHE[key]
 
 
 def example_prompt(example: Mapping[str, Any]) -> str:
@@ -36,7 +62,8 @@ def example_prompt(example: Mapping[str, Any]) -> str:
 class ToolEnv:
     """One episode of question answering with tools.
 
-    tools: tool names (built with ``tool_kwargs[name]``) or ``Tool`` objects.
+    tools: tool names (built with ``tool_kwargs[name]``, once per process: ``shared_tool``) or
+      ``Tool`` objects.
     tool_format: "json", "plain" or a ``ToolFormat``.
     system_prompt: text put before the tool descriptions in the system message.
     describe_tools: put the tools' descriptions in the system message; turn it off when the chat
@@ -52,7 +79,7 @@ class ToolEnv:
                  tool_kwargs: Mapping[str, Mapping[str, Any]] | None = None):
         self.example = dict(example)
         kwargs = dict(tool_kwargs or {})
-        self.tools = [t if isinstance(t, Tool) else make_tool(t, **dict(kwargs.get(t, {})))
+        self.tools = [t if isinstance(t, Tool) else shared_tool(t, **dict(kwargs.get(t, {})))
                       for t in tools]
         self.format = get_tool_format(tool_format)
         self.system_prompt, self.describe_tools = system_prompt, describe_tools
