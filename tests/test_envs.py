@@ -145,6 +145,8 @@ def test_check_arguments_schema_subset():
     assert check_arguments(schema, {"n": 2}) is None
     assert "one of" in check_arguments(schema, {"m": "c"})
     assert "must be number" in check_arguments(schema, {"n": "2"})
+    assert "must be integer, got number" in check_arguments(
+        {"properties": {"k": {"type": "integer"}}}, {"k": 3.0})
 
 
 def test_merge_counters_and_env_metrics():
@@ -295,6 +297,18 @@ def test_guess_number_episode_with_scripted_turns():
     assert [s.done for s in steps] == [False, False, False, True]
     assert steps[-1].reward == pytest.approx(0.7) and steps[-1].info["solved"] == 1
     assert sum(s.info["invalid_guesses"] for s in steps) == 1
+
+
+def test_guess_number_hint_format_and_its_trace():
+    env = make_env("guess_number", {"prompt": "g", "secret": 70}, hint_format=" {hint}\n")
+    env.reset()
+    assert env.step("50").observation == [{"role": "user", "content": " higher\n"}]
+    msgs = guess_trace({"prompt": "g", "secret": 70, "low": 1, "high": 100},
+                       hint_format=" {hint}\n")
+    assert "".join(m["content"] for m in msgs) == "g50 higher\n75 lower\n62 higher\n68 higher\n" \
+        "71 lower\n69 higher\n70"
+    with pytest.raises(ValueError, match="hint_format"):
+        make_env("guess_number", {"secret": 1}, hint_format="x")
 
 
 def test_guess_number_max_guesses_ends_the_game_unsolved():

@@ -11,6 +11,10 @@ secret is a pure function of seed, split and index). The guess is the last integ
 model's turn. Reward 1.0 when solved, minus ``turn_penalty`` per guess before the right one (not
 below 0); the episode's turn limit is the rollout's (``env.max_turns``), and ``max_guesses``
 optionally ends it here too. ``guess_trace`` plays a bisection, for SFT warm-up.
+
+The hint is the observation's whole content, so chat templates frame it. A plain transcript
+(message contents one after another) reads better with a delimiter: ``hint_format=" {hint}\n"``
+turns ``50lower25`` into ``50 lower\n25``.
 """
 from __future__ import annotations
 
@@ -38,14 +42,17 @@ class GuessNumberEnv:
     HIGHER, LOWER, INVALID = "higher", "lower", "Answer with a number."
 
     def __init__(self, example: Mapping[str, Any], turn_penalty: float = 0.0,
-                 max_guesses: int | None = None, system_prompt: str | None = None):
+                 max_guesses: int | None = None, system_prompt: str | None = None,
+                 hint_format: str = "{hint}"):
         if "secret" not in example:
             raise KeyError(f"guess_number needs an example with a 'secret'; got {sorted(example)}")
         self.example, self.secret = dict(example), int(example["secret"])
         if turn_penalty < 0 or (max_guesses is not None and max_guesses < 1):
             raise ValueError("guess_number: turn_penalty must be >= 0 and max_guesses >= 1")
         self.turn_penalty, self.max_guesses = float(turn_penalty), max_guesses
-        self.system_prompt = system_prompt
+        if "{hint}" not in hint_format:
+            raise ValueError(f"guess_number: hint_format must contain {{hint}}, got {hint_format!r}")
+        self.system_prompt, self.hint_format = system_prompt, hint_format
         self.guesses = 0
 
     def reset(self) -> list[Message]:
@@ -63,7 +70,8 @@ class GuessNumberEnv:
         if self.max_guesses is not None and self.guesses >= self.max_guesses:
             return StepResult((), 0.0, True, info)
         hint = self.INVALID if guess is None else (self.HIGHER if self.secret > guess else self.LOWER)
-        return StepResult([{"role": "user", "content": hint}], 0.0, False, info)
+        return StepResult([{"role": "user", "content": self.hint_format.format(hint=hint)}],
+                          0.0, False, info)
 
 
 def guess_trace(example: Mapping[str, Any], **env_kwargs) -> list[Message]:
@@ -80,8 +88,8 @@ def guess_trace(example: Mapping[str, Any], **env_kwargs) -> list[Message]:
         messages += [{"role": "assistant", "content": str(guess)}, *result.observation]
         if result.done:
             return messages
-        hint = result.observation[0]["content"]
-        low, high = (guess + 1, high) if hint == env.HIGHER else (low, guess - 1)
+        higher = result.observation[0]["content"] == env.hint_format.format(hint=env.HIGHER)
+        low, high = (guess + 1, high) if higher else (low, guess - 1)
 
 
 register_env("guess_number", GuessNumberEnv)

@@ -44,7 +44,8 @@ def check_arguments(parameters: Mapping[str, Any], arguments: Mapping[str, Any])
 
     Checks the subset of JSON schema tool definitions use: required keys, unknown keys (unless
     ``additionalProperties`` is true), each property's ``type`` (a name or list of names) and
-    ``enum``. Booleans are not integers/numbers here, as in JSON.
+    ``enum``. Booleans are not integers/numbers, as in JSON, and ``3.0`` is not an integer (so
+    a tool's ``fn`` gets the Python type its schema promises).
     """
     props = parameters.get("properties", {})
     missing = [k for k in parameters.get("required", ()) if k not in arguments]
@@ -68,8 +69,6 @@ def check_arguments(parameters: Mapping[str, Any], arguments: Mapping[str, Any])
 def _is_type(value: Any, name: str) -> bool:
     if name in ("integer", "number") and isinstance(value, bool):
         return False
-    if name == "integer" and isinstance(value, float):
-        return value.is_integer()
     return isinstance(value, _JSON_TYPES.get(name, object))
 
 
