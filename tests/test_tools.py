@@ -195,3 +195,17 @@ def test_python_background_processes_do_not_outlive_the_call():
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid)
+
+
+def test_world_questions_are_answered_by_the_search_tool_and_load_as_a_data_source():
+    from rljax import data
+    from rljax.envs.search import world_questions
+    train, held_out = world_questions("train"), world_questions("eval")
+    assert {r["country"] for r in train}.isdisjoint(r["country"] for r in held_out)
+    assert len(train) + len(held_out) == 2 * 120
+    tool = make_tool("search", k=1)
+    # BM25's first document holds the answer for every question of the generated world.
+    assert all(r["answer"] in tool.fn(query=r["question"]) for r in train + held_out)
+    source = data.make_source({"source": "rljax.envs.search:world_questions",
+                               "num_countries": 120}, "eval")
+    assert [source[i]["answer"] for i in range(len(source))] == [r["answer"] for r in held_out]

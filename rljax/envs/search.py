@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["BM25Index", "tokenize", "world_facts"]
+__all__ = ["BM25Index", "tokenize", "world_facts", "world_questions"]
 
 _WORD = re.compile(r"\w+")
 
@@ -109,3 +109,28 @@ def world_facts(num_countries: int = 120, seed: int = 0) -> list[dict]:
                 f"{facts['population']} and was founded in {facts['founded']}.")
         docs.append({"id": len(docs), "title": country, "text": text, "facts": facts})
     return docs
+
+
+# Numeric facts only, so the existing answer-matching rewards (``arithmetic``, ``gsm8k``) score
+# the final answer; every 10th country is held out.
+_QUESTIONS = (("founded", "In which year was {country} founded?"),
+              ("population", "What is the population of {country}?"))
+
+
+def world_questions(split: str = "train", num_countries: int = 120, seed: int = 0) -> list[dict]:
+    """Questions about ``world_facts(num_countries, seed)`` that need the ``search`` tool:
+    ``[{"question", "answer", "country"}]``. Train and eval ask about disjoint countries.
+
+    Usable as a data source by name: ``data.source="rljax.envs.search:world_questions"`` (the
+    other data keys, e.g. ``num_countries``, are its options), with ``reward.names=("arithmetic",)``
+    and ``make_tool("search", seed=seed)`` over the same world."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    rows = []
+    for doc in world_facts(num_countries, seed):
+        if (doc["id"] % 10 == 9) != (split == "eval"):
+            continue
+        for key, template in _QUESTIONS:
+            rows.append({"question": template.format(country=doc["title"]),
+                         "answer": str(doc["facts"][key]), "country": doc["title"]})
+    return rows
