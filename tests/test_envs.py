@@ -354,6 +354,48 @@ def test_check_env_config_names_the_key_and_the_known_names():
         assert str(info.value).startswith(message)
 
 
+USER_CODE = """
+from rljax.envs import StepResult, Tool
+
+def make_echo(prefix=">"):
+    return Tool("echo", "Echoes its text.", {"type": "object", "properties": {
+        "text": {"type": "string"}}, "required": ["text"]}, lambda text: prefix + text)
+
+def not_a_tool():
+    return "echo"
+
+class Once:
+    def __init__(self, example):
+        self.prompt = example["prompt"]
+    def reset(self):
+        return [{"role": "user", "content": self.prompt}]
+    def step(self, turn):
+        return StepResult((), float(turn == "ok"), True, {})
+"""
+
+
+def test_user_code_environments_and_tools_by_file_spec(tmp_path):
+    from rljax.errors import UserError
+    path = tmp_path / "my_envs.py"
+    path.write_text(USER_CODE)
+    env_spec, tool_spec = f"{path}:Once", f"{path}:make_echo"
+    check_env_config(env_spec, (tool_spec,), "plain")
+    env = make_env(env_spec, {"prompt": "say ok"})
+    assert env.reset() == [{"role": "user", "content": "say ok"}] and env.step("ok").reward == 1.0
+    tool_env = make_env("tool", {"prompt": "p"}, tools=(tool_spec,), tool_format="plain",
+                        tool_kwargs={tool_spec: {"prefix": "#"}})
+    tool_env.reset()
+    assert tool_env.step("<call echo>hi</call>").observation[0]["content"] == "<result>#hi</result>"
+    with pytest.raises(UserError, match=r"env.name: .*my_envs.py has no 'Twice'"):
+        check_env_config(f"{path}:Twice")
+    with pytest.raises(UserError, match="env.tools: file not found"):
+        check_env_config("tool", (str(tmp_path / "nope.py:make"),))
+    with pytest.raises(UserError, match="returned a str, not a Tool"):
+        make_tool(f"{path}:not_a_tool")
+    with pytest.raises(KeyError, match="unknown tool 'calc'; known: calculator, python, search"):
+        make_tool("calc")
+
+
 # ----------------------------------------------------------------------------- docs
 
 def test_the_docs_example_runs(monkeypatch):

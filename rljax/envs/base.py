@@ -28,6 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from rljax import usercode
+from rljax.errors import UserError
+
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
 
 
@@ -118,14 +121,30 @@ def tool_names() -> tuple[str, ...]:
     return tuple(sorted(_TOOLS))
 
 
+def _factory(registry: Mapping[str, Callable], name: str, what: str, key: str) -> Callable:
+    """The registered factory ``name``, or the user code it names (``path/to/file.py:attr`` or
+    ``package.module:attr``, loaded once per process; a missing file/attribute is a UserError
+    naming ``key``)."""
+    if name in registry:
+        return registry[name]
+    if usercode.is_spec(name):
+        factory = usercode.load(name, key)
+        if not callable(factory):
+            raise UserError(f"{key}: {name} is a {type(factory).__name__}, not a {what} factory")
+        return factory
+    known = ", ".join(sorted(registry)) or "none"
+    raise KeyError(f"unknown {what} {name!r}; known: {known} (or path/to/file.py:factory)")
+
+
 def make_env(name: str, example: Mapping[str, Any], **kwargs) -> Environment:
-    """A fresh episode of environment ``name`` for one dataset example."""
-    if name not in _ENVS:
-        raise KeyError(f"unknown environment {name!r}; known: {', '.join(env_names()) or 'none'}")
-    return _ENVS[name](dict(example), **kwargs)
+    """A fresh episode of environment ``name`` (registered, or ``file.py:factory``) for one
+    dataset example."""
+    return _factory(_ENVS, name, "environment", "env.name")(dict(example), **kwargs)
 
 
 def make_tool(name: str, **kwargs) -> Tool:
-    if name not in _TOOLS:
-        raise KeyError(f"unknown tool {name!r}; known: {', '.join(tool_names()) or 'none'}")
-    return _TOOLS[name](**kwargs)
+    """Tool ``name`` (registered, or ``file.py:factory`` returning a ``Tool``)."""
+    tool = _factory(_TOOLS, name, "tool", "env.tools")(**kwargs)
+    if not isinstance(tool, Tool):
+        raise UserError(f"env.tools: {name} returned a {type(tool).__name__}, not a Tool")
+    return tool
