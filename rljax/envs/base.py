@@ -121,10 +121,11 @@ def tool_names() -> tuple[str, ...]:
     return tuple(sorted(_TOOLS))
 
 
-def _factory(registry: Mapping[str, Callable], name: str, what: str, key: str) -> Callable:
-    """The registered factory ``name``, or the user code it names (``path/to/file.py:attr`` or
-    ``package.module:attr``, loaded once per process; a missing file/attribute is a UserError
-    naming ``key``)."""
+def lookup_factory(what: str, name: str, key: str) -> Callable:
+    """The factory of environment (``what="environment"``) or tool (``"tool"``) ``name``:
+    registered, or the user code it names (``path/to/file.py:attr`` or ``package.module:attr``,
+    loaded once per process; a missing file/attribute is a UserError naming ``key``)."""
+    registry = {"environment": _ENVS, "tool": _TOOLS}[what]
     if name in registry:
         return registry[name]
     if usercode.is_spec(name):
@@ -139,12 +140,12 @@ def _factory(registry: Mapping[str, Callable], name: str, what: str, key: str) -
 def make_env(name: str, example: Mapping[str, Any], **kwargs) -> Environment:
     """A fresh episode of environment ``name`` (registered, or ``file.py:factory``) for one
     dataset example."""
-    return _factory(_ENVS, name, "environment", "env.name")(dict(example), **kwargs)
+    return lookup_factory("environment", name, "env.name")(dict(example), **kwargs)
 
 
 def make_tool(name: str, **kwargs) -> Tool:
     """Tool ``name`` (registered, or ``file.py:factory`` returning a ``Tool``)."""
-    tool = _factory(_TOOLS, name, "tool", "env.tools")(**kwargs)
+    tool = lookup_factory("tool", name, "env.tools")(**kwargs)
     if not isinstance(tool, Tool):
         raise UserError(f"env.tools: {name} returned a {type(tool).__name__}, not a Tool")
     return tool

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rljax import usercode
-from rljax.envs import base
-from rljax.envs.base import env_names, tool_names
+from rljax.envs.base import env_names, lookup_factory, tool_names
 from rljax.envs.tool_format import tool_format_names
 from rljax.errors import ConfigError
 
@@ -20,7 +19,7 @@ def check_env_config(name: str, tools: Sequence[str] = (), tool_format: str | No
     """Raises ConfigError naming ``env.name`` / ``env.tools`` / ``env.tool_format`` /
     ``env.max_tool_calls`` (with ``prefix`` for another section) and listing the known names."""
     if usercode.is_spec(name):  # user code: loading it now reports a missing file/attribute
-        base._factory(base._ENVS, name, "environment", f"{prefix}.name")
+        lookup_factory("environment", name, f"{prefix}.name")
     elif name not in env_names():
         raise ConfigError(f"{prefix}.name: unknown environment {name!r}; known: "
                           f"{', '.join(env_names())} (or path/to/file.py:factory)")
@@ -29,7 +28,7 @@ def check_env_config(name: str, tools: Sequence[str] = (), tool_format: str | No
                           f"{tools!r} (write ({tools!r},))")
     for tool in tools:
         if usercode.is_spec(tool):
-            base._factory(base._TOOLS, tool, "tool", f"{prefix}.tools")
+            lookup_factory("tool", tool, f"{prefix}.tools")
         elif tool not in tool_names():
             raise ConfigError(f"{prefix}.tools: unknown tool {tool!r}; known: "
                               f"{', '.join(tool_names())} (or path/to/file.py:factory)")
