@@ -17,8 +17,8 @@ import json
 import threading
 from typing import Any, Mapping, Sequence
 
-from rljax.envs import base
-from rljax.envs.base import Message, StepResult, Tool, make_tool, register_env
+from rljax.envs.base import (Message, StepResult, Tool, lookup_factory, make_tool,
+                             register_env)
 from rljax.envs.runner import call_tool
 from rljax.envs.tool_format import ToolCall, ToolFormat, get_tool_format
 
@@ -41,7 +41,8 @@ def shared_tool(name: str, **options) -> Tool:
     and the options (as JSON; options that are not JSON-able are not cached).
     """
     try:
-        key = (name, base._TOOLS.get(name), json.dumps(options, sort_keys=True))
+        key = (name, lookup_factory("tool", name, "env.tools"),
+               json.dumps(options, sort_keys=True))
     except TypeError:  # e.g. a callable option: build a fresh tool
         return make_tool(name, **options)
     with _TOOL_CACHE_LOCK:
