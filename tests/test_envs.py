@@ -115,6 +115,13 @@ def test_call_tool_survives_system_exit():
     assert text.startswith("Error: SystemExit") and counters["tool_errors"] == 1
 
 
+def test_keyboard_interrupt_is_not_swallowed():
+    def interrupted(x):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        call_tool(_tool(interrupted, timeout_s=0), ToolCall("t", {"x": 1}))
+
+
 def test_a_hanging_tool_times_out_and_is_counted():
     release = threading.Event()
     hang = _tool(lambda x: release.wait(60) and "late", timeout_s=0.3)

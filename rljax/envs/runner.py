@@ -131,7 +131,8 @@ def call_tool(tools: Tool | Mapping[str, Tool] | Sequence[Tool],
               call: ToolCall | ToolCallError) -> tuple[str, dict[str, int]]:
     """Runs one parsed call against ``tools`` (a Tool, a list, or a name -> Tool mapping).
 
-    Returns ``(observation text, counters)``; never raises (see the module docstring).
+    Returns ``(observation text, counters)``; never raises (see the module docstring), except
+    KeyboardInterrupt, so Ctrl-C still stops a run in the middle of a tool call.
     """
     counters = collections.Counter(tool_calls=1, tool_errors=0, tool_timeouts=0)
     if isinstance(call, ToolCallError):
@@ -157,6 +158,8 @@ def call_tool(tools: Tool | Mapping[str, Tool] | Sequence[Tool],
     except ToolError as e:
         counters["tool_errors"] += 1
         return f"Error: {e}", dict(counters)
+    except KeyboardInterrupt:  # the user stopping the run is not the tool's failure
+        raise
     except BaseException as e:  # noqa: BLE001 - a tool's bug is the episode's observation
         counters["tool_errors"] += 1
         return _truncate(f"Error: {type(e).__name__}: {e}"), dict(counters)
