@@ -42,6 +42,16 @@ def test_json_format_malformed_calls_are_errors_not_exceptions(text, message):
     assert isinstance(parsed, ToolCallError) and message in parsed.message
 
 
+def test_pathological_json_is_a_malformed_call():
+    deep = "[" * 100_000 + "]" * 100_000
+    (parsed,) = JSON.parse(f"<tool_call>{deep}</tool_call>")
+    assert isinstance(parsed, ToolCallError)
+    (parsed,) = JSON.parse('<tool_call>{"name": "t", "arguments": "' + "[" * 100_000 + '"}</tool_call>')
+    assert isinstance(parsed, ToolCallError)
+    nested = '{"a":' * 50_000 + "1" + "}" * 50_000  # not JSON we can read: raw text
+    assert PLAIN.parse(f"<call python>{nested}</call>") == [ToolCall("python", {}, raw=nested)]
+
+
 def test_plain_format_raw_and_json_arguments():
     assert PLAIN.parse("<call calculator>123*456</call>") == [
         ToolCall("calculator", {}, raw="123*456")]

@@ -69,7 +69,10 @@ class ToolFormat:
                 out.append(ToolCallError(f"unterminated tool call: no {self.call_end} after "
                                          f"{self.call_start}"))
                 break
-            out.append(self._parse_one(text[pos:end]))
+            try:
+                out.append(self._parse_one(text[pos:end]))
+            except (RecursionError, ValueError) as e:  # e.g. JSON nested thousands deep
+                out.append(ToolCallError(f"malformed tool call: {type(e).__name__}"))
             pos = text.find(self.call_start, end + len(self.call_end))
         return out
 
@@ -96,7 +99,7 @@ def _arguments_from_json(value: Any) -> dict | str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return "arguments must be a JSON object, got a string that is not JSON"
     if not isinstance(value, dict):
         return f"arguments must be a JSON object, got {type(value).__name__}"
@@ -162,7 +165,7 @@ class PlainToolFormat(ToolFormat):
         if args.startswith("{"):
             try:
                 obj = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 obj = None  # not JSON: raw text that happens to start with a brace
             if isinstance(obj, dict):
                 return ToolCall(name, obj)
