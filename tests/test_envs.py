@@ -328,6 +328,15 @@ def test_guess_number_hint_format_and_its_trace():
         make_env("guess_number", {"secret": 1}, hint_format="x")
 
 
+def test_guess_number_survives_absurd_guesses():
+    from rljax.envs.games import parse_guess
+    assert parse_guess("I say 12, no, -7!") == -7 and parse_guess("none") is None
+    env = make_env("guess_number", {"prompt": "g", "secret": 5})
+    env.reset()
+    assert env.step("9" * 10_000).observation[0]["content"] == "lower"
+    assert env.step("-" + "9" * 10_000).observation[0]["content"] == "higher"
+
+
 def test_guess_number_max_guesses_ends_the_game_unsolved():
     env = make_env("guess_number", {"prompt": "g", "secret": 3}, max_guesses=2)
     env.reset()

@@ -29,10 +29,18 @@ __all__ = ["GuessNumberEnv", "guess_trace", "parse_guess"]
 _INTEGER = re.compile(r"-?\d+")
 
 
+_HUGE = 10 ** 18  # a guess with more digits is clamped (int() refuses > 4300 digits)
+
+
 def parse_guess(text: str) -> int | None:
-    """The last integer in ``text`` (None if there is none)."""
+    """The last integer in ``text`` (None if there is none), clamped to ``[-10**18, 10**18]``."""
     found = _INTEGER.findall(text)
-    return int(found[-1]) if found else None
+    if not found:
+        return None
+    digits = found[-1].lstrip("-")
+    if len(digits) > 18:
+        return -_HUGE if found[-1].startswith("-") else _HUGE
+    return int(found[-1])
 
 
 class GuessNumberEnv:
