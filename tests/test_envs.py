@@ -357,6 +357,9 @@ def test_guess_number_task_and_bisection_trace():
         guesses = [m["content"] for m in msgs if m["role"] == "assistant"]
         assert guesses[0] == task.solution(ex) == "16"
         assert guesses[-1] == str(ex["secret"]) and len(guesses) <= 6  # ceil(log2(32)) + 1
+    turns = [sum(m["role"] == "assistant" for m in guess_trace(
+        {"prompt": "g", "secret": s, "low": 1, "high": 100})) for s in range(1, 101)]
+    assert (sum(turns) / 100, max(turns)) == (5.8, 7)  # the numbers docs/agents.md quotes
     source = data.make_source({"source": "guess_number", "low": 1, "high": 32}, "eval")
     assert source[0]["secret"] in held_out
 
