@@ -84,6 +84,13 @@ def test_python_cpu_loop_is_killed_by_its_cpu_limit():
     assert time.monotonic() - started < 20  # 1 CPU-second, with slack for a loaded machine
 
 
+def test_python_ignoring_sigxcpu_is_still_killed():
+    limits = SandboxLimits(wall_s=30, cpu_s=1, memory_mb=512)
+    with pytest.raises(ToolError, match="SIGKILL"):
+        run_python("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                   "while True:\n    pass", limits)
+
+
 def test_python_sleep_is_killed_by_the_wall_clock():
     limits = SandboxLimits(wall_s=1, cpu_s=5, memory_mb=512)
     started = time.monotonic()

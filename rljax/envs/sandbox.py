@@ -3,10 +3,11 @@
 Each call gets a fresh temporary working directory (removed afterwards) and a new process (a
 new session, so the whole process group can be killed) running ``python -I`` (isolated mode: no
 user site-packages, no ``PYTHON*`` environment variables) with a minimal environment. Before the
-code runs, the child lowers its own resource limits (soft = hard, so the code cannot raise
-them again):
+code runs, the child lowers its own resource limits (hard limits, which the code cannot raise
+again):
 
-* ``RLIMIT_CPU``    CPU seconds (the kernel kills the process past it),
+* ``RLIMIT_CPU``    CPU seconds (SIGXCPU at ``cpu_s``, SIGKILL a second later if the code
+                    ignores SIGXCPU),
 * ``RLIMIT_AS``     address space (a large allocation fails with MemoryError; not enforced by
                     macOS, where only the wall-clock limit bounds a runaway allocation),
 * ``RLIMIT_FSIZE``  largest file it may write (stdout/stderr go to files, so a print loop
@@ -43,10 +44,11 @@ __all__ = ["run_python", "network_isolated", "SandboxLimits"]
 # file of ours must exist in the working directory before the code starts.
 _BOOTSTRAP = """\
 import resource, runpy, sys
-for name, value in (("RLIMIT_CPU", {cpu_s}), ("RLIMIT_AS", {memory_bytes}),
-                    ("RLIMIT_FSIZE", {file_bytes}), ("RLIMIT_CORE", 0)):
+for name, soft, hard in (("RLIMIT_CPU", {cpu_s}, {cpu_s} + 1),
+                         ("RLIMIT_AS", {memory_bytes}, {memory_bytes}),
+                         ("RLIMIT_FSIZE", {file_bytes}, {file_bytes}), ("RLIMIT_CORE", 0, 0)):
     try:
-        resource.setrlimit(getattr(resource, name), (value, value))
+        resource.setrlimit(getattr(resource, name), (soft, hard))
     except (ValueError, OSError, AttributeError):
         pass  # e.g. RLIMIT_AS on macOS; the wall-clock limit still holds
 sys.argv = ["main.py"]
@@ -142,7 +144,6 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> str:
                # runs many programs at once.
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            started = time.monotonic()
             proc = subprocess.Popen(_command(limits), cwd=workdir, env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     start_new_session=True)
@@ -152,12 +153,13 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> str:
                 _kill_group(proc)  # also after a normal exit: no background process outlives a call
             if not finished:
                 raise ToolTimeout(f"python: killed after {limits.wall_s:g}s wall-clock")
-        elapsed = time.monotonic() - started
         stdout = _read_tail(out_path, limits.max_output_chars)
         if proc.returncode == 0:
             return stdout if stdout else "(no output)"
-        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and elapsed < limits.wall_s:
+        if proc.returncode == -signal.SIGXCPU:
             raise ToolTimeout(f"python: killed after {limits.cpu_s}s of CPU time")
+        if proc.returncode == -signal.SIGKILL:  # the CPU hard limit (SIGXCPU ignored) or OOM
+            raise ToolError("python: killed by SIGKILL (CPU or memory limit)")
         stderr = _read_tail(err_path, 100_000).rstrip().splitlines()
         reason = stderr[-1] if stderr else f"exit status {proc.returncode}"
         prefix = f"{stdout.rstrip()}\n" if stdout.strip() else ""
