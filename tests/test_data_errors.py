@@ -9,26 +9,9 @@ import pytest
 
 from rljax import cli, data
 
-TINY = """
-import ml_collections
+from tiny_config import tiny_config_source
 
-def get_config():
-    c = ml_collections.ConfigDict()
-    c.steps = 2
-    c.checkpoint_every = 0
-    c.model = dict(preset="tiny", overrides=dict(num_layers=1, hidden_size=32,
-                   intermediate_size=64, num_heads=2, num_kv_heads=1))
-    c.tokenizer = dict(kind="char")
-    c.data = dict(source="arithmetic", max_prompt_length=8,
-                  kwargs=dict(digits=1, eval_examples=8))
-    c.rollout = dict(batch_size=8, max_new_tokens=4)
-    c.algo = dict(num_generations=4, beta=0.0)
-    c.optimizer = dict(learning_rate=1e-3)
-    c.eval = dict(num_examples=8, batch_size=8)
-    c.memory = dict(check="off")
-    c.logging = dict(tensorboard=False, console_every_s=0.0)
-    return c
-"""
+TINY = tiny_config_source()
 
 
 def _write_jsonl(path, rows):
@@ -39,7 +22,7 @@ def _write_jsonl(path, rows):
 def _train(tmp_path, capsys, *overrides):
     cfg = tmp_path / "tiny.py"
     files = any(o.startswith("--config.data.source=jsonl") for o in overrides)
-    cfg.write_text(TINY.replace("dict(digits=1, eval_examples=8)", "dict()") if files else TINY)
+    cfg.write_text(tiny_config_source(data=dict(kwargs={})) if files else TINY)
     code = cli.main(["train", "--config", str(cfg), "--workdir", str(tmp_path / "w"),
                      *overrides])
     err = capsys.readouterr().err

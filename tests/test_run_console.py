@@ -5,28 +5,11 @@ import re
 
 from rljax import cli
 
-TINY = """
-import ml_collections
+from tiny_config import tiny_config_source
 
-def get_config():
-    c = ml_collections.ConfigDict()
-    c.steps = 1
-    c.checkpoint_every = 0
-    c.model = dict(preset="tiny", overrides=dict(num_layers=1, hidden_size=32,
-                   intermediate_size=64, num_heads=2, num_kv_heads=1))
-    c.tokenizer = dict(kind="char")
-    c.data = dict(source="arithmetic", max_prompt_length=8,
-                  kwargs=dict(digits=1, eval_examples=8))
-    c.rollout = dict(batch_size=8, max_new_tokens=4)
-    c.algo = dict(num_generations=4, beta=0.0)
-    c.sft = dict(steps=1, batch_size=8, max_length=16, learning_rate=1e-3)
-    c.optimizer = dict(learning_rate=1e-3)
-    c.eval = dict(num_examples=8, batch_size=8)
-    c.memory = dict(check="off")
-    c.checkpoint = dict(async_save=False)
-    c.logging = dict(tensorboard=False, console_every_s=3600.0)
-    return c
-"""
+TINY = tiny_config_source(
+    steps=1, sft=dict(steps=1, batch_size=8, max_length=16, learning_rate=1e-3),
+    checkpoint=dict(async_save=False), logging=dict(console_every_s=3600.0))
 
 
 def test_warmup_accuracy_summary_and_missing_checkpoint_list(tmp_path, capsys):

@@ -5,32 +5,17 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 
+from tiny_config import tiny_config_source
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TINY = textwrap.dedent("""
-    import ml_collections
-
-    def get_config():
-        c = ml_collections.ConfigDict()
-        c.steps = 1_000_000  # ends only by SIGTERM, however slowly the test gets to send it
-        c.checkpoint_every = 0
-        c.model = dict(preset="tiny", overrides=dict(num_layers=1, hidden_size=32,
-                       intermediate_size=64, num_heads=2, num_kv_heads=1))
-        c.tokenizer = dict(kind="char")
-        c.data = dict(source="arithmetic", max_prompt_length=8,
-                      kwargs=dict(digits=1, eval_examples=8))
-        c.rollout = dict(batch_size=16, max_new_tokens=4)
-        c.algo = dict(num_generations=4, beta=0.0)
-        c.optimizer = dict(learning_rate=1e-3)
-        c.eval = dict(num_examples=8, batch_size=8)
-        c.logging = dict(tensorboard=False, console_every_s=0.0)
-        return c
-""")
+TINY = tiny_config_source(
+    steps=1_000_000,  # ends only by SIGTERM, however slowly the test gets to send it
+    rollout=dict(batch_size=16), memory=dict(check="auto"))
 
 
 def rljax(*args, **kw):

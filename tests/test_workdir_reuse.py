@@ -2,32 +2,14 @@
 naming the keys, before anything is written, so the workdir stays usable; a larger `steps`
 extends the run; `--allow-config-change` resumes with changed hyper-parameters."""
 import json
-import textwrap
 
 import pytest
 
 from rljax import cli
 
-TINY = textwrap.dedent("""
-    import ml_collections
+from tiny_config import tiny_config_source
 
-    def get_config():
-        c = ml_collections.ConfigDict()
-        c.steps = 2
-        c.checkpoint_every = 0
-        c.model = dict(preset="tiny", overrides=dict(num_layers=1, hidden_size=32,
-                       intermediate_size=64, num_heads=2, num_kv_heads=1))
-        c.tokenizer = dict(kind="char")
-        c.data = dict(source="arithmetic", max_prompt_length=8,
-                      kwargs=dict(digits=1, eval_examples=8))
-        c.rollout = dict(batch_size=8, max_new_tokens=4)
-        c.algo = dict(num_generations=4, beta=0.0)
-        c.optimizer = dict(learning_rate=1e-3)
-        c.eval = dict(num_examples=8, batch_size=8)
-        c.logging = dict(tensorboard=False, console_every_s=0.0)
-        c.memory = dict(check="off")
-        return c
-""")
+TINY = tiny_config_source()
 
 
 def _one_error_line(capsys) -> str:

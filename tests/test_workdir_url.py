@@ -11,7 +11,6 @@ storage underneath is faked:
 """
 import json
 import os
-import textwrap
 
 import fsspec
 import pytest
@@ -20,6 +19,8 @@ from fsspec.implementations.local import LocalFileSystem
 from rljax import cli, tokenizers
 from rljax.train import metrics as metrics_lib
 from rljax.train import paths, workdir as workdir_lib
+
+from tiny_config import tiny_config_source
 
 
 class FakeGCS(LocalFileSystem):
@@ -60,27 +61,9 @@ def fake_gcs(tmp_path, monkeypatch):
     fsspec.AbstractFileSystem.clear_instance_cache()
 
 
-TINY = textwrap.dedent("""
-    import ml_collections
-
-    def get_config():
-        c = ml_collections.ConfigDict()
-        c.steps = 2
-        c.eval_every = 0
-        c.checkpoint_every = 1
-        c.model = dict(preset="tiny", overrides=dict(num_layers=1, hidden_size=32,
-                       intermediate_size=64, num_heads=2, num_kv_heads=1))
-        c.tokenizer = dict(kind="char")
-        c.data = dict(source="arithmetic", max_prompt_length=8,
-                      kwargs=dict(digits=1, eval_examples=8))
-        c.rollout = dict(batch_size=16, max_new_tokens=4)
-        c.algo = dict(num_generations=4, beta=0.0)
-        c.optimizer = dict(learning_rate=1e-3)
-        c.sft = dict(steps=2, batch_size=8, max_length=16)
-        c.eval = dict(num_examples=8, batch_size=8)
-        c.logging = dict(tensorboard=True, console_every_s=0.0)
-        return c
-""")
+TINY = tiny_config_source(
+    eval_every=0, checkpoint_every=1, rollout=dict(batch_size=16), memory=dict(check="auto"),
+    sft=dict(steps=2, batch_size=8, max_length=16), logging=dict(tensorboard=True))
 
 
 def test_paths_local_unchanged(tmp_path):
