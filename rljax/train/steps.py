@@ -45,7 +45,7 @@ LORA_DROPOUT_STREAM = 6  # rng stream of LoRA dropout: fold_in(state.rng, 6), th
 def training_dropout_rng(model_cfg, state: TrainState, batch: Mapping[str, jax.Array]):
     """The LoRA-dropout key of a training loss on one micro-batch, or None when
     ``model_cfg.lora_dropout`` is 0 (then nothing is drawn and the pass is the deterministic
-    model, bit for bit).
+    model, bit for bit). ``state`` None (an evaluation call of a loss) also means no dropout.
 
     ``fold_in(fold_in(fold_in(state.rng, LORA_DROPOUT_STREAM), state.step), micro index)``: a
     function of the state and the micro-batch only, so runs are deterministic and a resumed
@@ -54,7 +54,7 @@ def training_dropout_rng(model_cfg, state: TrainState, batch: Mapping[str, jax.A
     split into micro-batches (which rows share a key) and is exact only in expectation, as
     in every framework; with dropout 0 the split does not matter.
     """
-    if not model_cfg.lora_dropout:
+    if not model_cfg.lora_dropout or state is None:
         return None
     key = jax.random.fold_in(jax.random.fold_in(state.rng, LORA_DROPOUT_STREAM), state.step)
     return jax.random.fold_in(key, batch.get(MICRO_INDEX, 0))
