@@ -147,7 +147,8 @@ def test_sampling_and_old_ref_logps_ignore_the_rate():
     prompt = tokens(2, 5)
     mask = jnp.ones_like(prompt, bool)
     outs = [sampling.generate(c, p, prompt, mask, rng=jax.random.key(4), max_new_tokens=6,
-                              temperature=1.0, pad_id=0) for c in (CFG, CFG.replace(lora_dropout=0.5))]
+                              temperature=1.0, pad_id=0)
+            for c in (CFG, CFG.replace(lora_dropout=0.5))]
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].logps, outs[1].logps)
     t = tokens(4, 9)
