@@ -262,7 +262,7 @@ def _loss_cases():
 
     return {
         "sft": (lambda c, s: (steps_lib.sft_loss(c, s.params, s, grpo_b)[0][0], None), pol),
-        "grpo": (lambda c, s: (steps_lib.grpo_loss(c, algo_cfg(), 1.0, s.params, s,
+        "grpo": (lambda c, s: (steps_lib.grpo_loss(c, algo_cfg(beta=0.05), 1.0, s.params, s,
                                                    grpo_b)[0][0], None), pol),
         "ppo": (ppo_case, with_critic),
         "dpo": (lambda c, s: (dpo.dpo_loss(c, dpo_algo(), s.params, s, pref)[0][0], None), pol),
@@ -374,3 +374,23 @@ def test_peft_export_writes_the_rate_and_adapter_path_reads_it(straight_drop, tm
         json.dump({**config, "lora_dropout": 1.0}, f)
     with pytest.raises(ValueError, match="lora_dropout=1.0 in adapter_config.json"):
         models.peft.adapter_dropout(out)
+
+
+def test_peft_loads_an_adapter_with_dropout_and_evaluates_without_it(tmp_path):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    cfg = CFG.replace(lora_dropout=RATE)
+    p = adapted(cfg)
+    base_dir, ad_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
+    models.save_hf(cfg, lora.base_params(p), base_dir)
+    models.peft.save_adapter(cfg, p["lora"], ad_dir, base_model_name_or_path=base_dir)
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf, ad_dir).eval()
+    assert hf.peft_config["default"].lora_dropout == RATE
+    t = tokens(2, 7)
+    with torch.no_grad():
+        ref = hf(torch.tensor(np.asarray(t))).logits.numpy()
+    # PEFT in eval mode and rljax without a key: the same deterministic model.
+    np.testing.assert_allclose(np.asarray(models.forward(cfg, p, t)), ref, atol=2e-5, rtol=1e-4)
