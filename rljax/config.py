@@ -618,9 +618,9 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
     lora = cfg.model.lora
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank={lora.rank} must be > 0 (0 = LoRA off)")
-    if lora.dropout != 0.0:
-        raise ConfigError(f"model.lora.dropout={lora.dropout}: LoRA dropout is not supported "
-                          "yet; use 0.0")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1) (the "
+                          "probability of dropping an adapter input; 0 = off)")
     if (lora.rank or cfg.model.adapter_path) and lora.alpha <= 0:
         raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0")
     if (lora.rank or cfg.model.adapter_path) and algo.ref_update_every:

@@ -263,7 +263,8 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     lora_rank = _lora_rank(cfg)
     if lora_rank:  # frozen base + float32 adapters; no optimizer state or copy for the base
         lc = cfg.model.lora
-        mcfg = mcfg.replace(lora_scale=float(lc.alpha) / lora_rank)
+        mcfg = mcfg.replace(lora_scale=float(lc.alpha) / lora_rank,
+                            lora_dropout=float(lc.dropout))  # the masks are planned too
         param_shapes = {**param_shapes, "lora": jax.eval_shape(
             lambda: models.lora.init_lora(mcfg, lora_rank, lc.targets, jax.random.key(0)))}
         axes = {**axes, "lora": models.lora.lora_logical_axes(mcfg, lora_rank, lc.targets)}

@@ -73,6 +73,9 @@ class ModelConfig:
     eos_token_id: Optional[Union[int, Tuple[int, ...]]] = None
     pad_token_id: Optional[int] = None
     lora_scale: float = 1.0  # LoRA alpha / rank, used when the params carry adapters ("lora")
+    # LoRA dropout rate p on the adapters' inputs (PEFT's lora_dropout); applied only in passes
+    # given a dropout key (training losses), never in sampling, evaluation or old/ref log-probs.
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -93,6 +96,8 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported activation {self.activation!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.rope_scaling_type not in (None, "linear", "llama3"):
             raise ValueError(f"unsupported rope scaling {self.rope_scaling_type!r}")
 

@@ -16,6 +16,11 @@ that is the reference policy, at no memory cost.
 
 Initialisation as in the LoRA paper (and PEFT): ``A`` uniform(+-1/sqrt(fan_in)), ``B = 0``, so
 a fresh adapter leaves the base model's outputs exactly unchanged.
+
+Dropout (``cfg.lora_dropout`` = p, as PEFT's ``lora_dropout``) acts on the adapter's input only:
+``y = x @ W + scale * (dropout(x) @ A) @ B``, inverted (kept entries scaled by 1 / (1 - p)), and
+only in training passes, which hand the model a key (``lora_dropout_rng``). Every layer and
+projection draws its own mask from ``dropout_key(rng, layer, name)``.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ from rljax.models.config import ModelConfig
 # Projection name -> number of leading input axes of its weight (``dense``'s ``n_in``).
 PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 ALL_TARGETS = tuple(PROJECTIONS)
+# Projection name -> its stream in ``dropout_key`` (the order of ``ALL_TARGETS``; fixed, so a
+# mask does not depend on which other projections are targeted).
+DROPOUT_STREAMS = {name: i for i, name in enumerate(ALL_TARGETS)}
 
 
 def resolve_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
@@ -107,6 +115,24 @@ def init_lora(cfg: ModelConfig, rank: int, targets, rng: jax.Array,
         out[name] = {"a": jax.random.uniform(key, a_shape, jnp.float32, -bound, bound).astype(dtype),
                      "b": jnp.zeros(b_shape, dtype)}
     return {"layers": out}
+
+
+# ----------------------------------------------------------------------------- dropout
+
+def dropout_key(rng: jax.Array, layer, name: str) -> jax.Array:
+    """The dropout key of projection ``name`` in layer ``layer`` (int, may be traced) of one
+    forward pass keyed by ``rng``: ``fold_in(fold_in(rng, layer), DROPOUT_STREAMS[name])``,
+    so masks are independent across layers and projections (q, k and v read the same input
+    but drop different entries of it, like PEFT's one dropout module per adapted layer)."""
+    return jax.random.fold_in(jax.random.fold_in(rng, layer), DROPOUT_STREAMS[name])
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
+    """Inverted dropout: each entry of ``x`` (any shape) is kept with probability ``1 - rate``
+    and scaled by ``1 / (1 - rate)``, else set to 0. Same shape and dtype as ``x``; the mask is
+    ``jax.random.bernoulli(rng, 1 - rate, x.shape)``."""
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
 
 
 # ----------------------------------------------------------------------------- tree helpers

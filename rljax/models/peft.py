@@ -57,13 +57,24 @@ def save_adapter(cfg: ModelConfig, adapters: dict, out_dir: str,
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path or None,
-        "r": rank, "lora_alpha": float(cfg.lora_scale) * rank, "lora_dropout": 0.0,
+        "r": rank, "lora_alpha": float(cfg.lora_scale) * rank,
+        "lora_dropout": float(cfg.lora_dropout),
         "target_modules": sorted(MODULES[n].split(".")[-1] for n in adapters["layers"]),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
     }
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def adapter_dropout(path: str) -> float:
+    """The ``lora_dropout`` rate of a PEFT LoRA directory (0 when the config has none).
+    Raises ValueError (one line) when it is not a number in [0, 1)."""
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        value = json.load(f).get("lora_dropout") or 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"lora_dropout={value!r} in {ADAPTER_CONFIG} must be a number in [0, 1)")
+    return float(value)
 
 
 def load_adapter(path: str, cfg: ModelConfig) -> tuple[dict, int, float]:

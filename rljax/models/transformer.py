@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.models.config import ModelConfig
+from rljax.models.lora import dropout as lora_dropout, dropout_key as lora_dropout_key
 
 # Large finite negative instead of -inf: rows whose keys are all masked (left-padding queries)
 # then give a uniform softmax instead of NaN, which would poison gradients through `where`.
@@ -212,32 +213,37 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=None
     return y.reshape(lead + out)
 
 
-def _proj(cfg: ModelConfig, p: dict, lp, name: str, x: jax.Array, n_in: int = 1) -> jax.Array:
+def _proj(cfg: ModelConfig, p: dict, lp, name: str, x: jax.Array, n_in: int = 1,
+          drop=None) -> jax.Array:
     """``x @ p[name]``, plus ``scale * (x @ A) @ B`` when ``lp`` (this layer's LoRA adapters,
     see ``rljax.models.lora``) has an adapter for ``name``; the adapter matmuls run unmerged
-    in the compute dtype."""
+    in the compute dtype. ``drop`` = ``(rng, layer)``: the adapter reads
+    ``dropout(x)`` (rate ``cfg.lora_dropout``, key ``lora.dropout_key(rng, layer, name)``)
+    instead of ``x``; the base matmul always reads ``x`` itself (PEFT's LoRA dropout)."""
     y = dense(x, p[name], n_in=n_in)
     if lp is None or name not in lp:
         return y
     a = lp[name]["a"].astype(x.dtype)
     b = lp[name]["b"].astype(x.dtype)
+    if drop is not None and cfg.lora_dropout > 0:
+        x = lora_dropout(x, cfg.lora_dropout, lora_dropout_key(drop[0], drop[1], name))
     return y + dense(dense(x, a, n_in=n_in) * jnp.asarray(cfg.lora_scale, x.dtype), b)
 
 
-def _mlp(cfg: ModelConfig, p: dict, h: jax.Array, lp=None) -> jax.Array:
-    gate = _proj(cfg, p, lp, "gate", h)
-    up = _proj(cfg, p, lp, "up", h)
+def _mlp(cfg: ModelConfig, p: dict, h: jax.Array, lp=None, drop=None) -> jax.Array:
+    gate = _proj(cfg, p, lp, "gate", h, drop=drop)
+    up = _proj(cfg, p, lp, "up", h, drop=drop)
     if cfg.activation == "silu":
         act = jax.nn.silu(gate)
     else:  # GeGLU with the tanh approximation (gemma's gelu_pytorch_tanh)
         act = jax.nn.gelu(gate, approximate=True)
-    return _proj(cfg, p, lp, "down", act * up)
+    return _proj(cfg, p, lp, "down", act * up, drop=drop)
 
 
-def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array, lp=None):
-    q = _proj(cfg, p, lp, "q", h)
-    k = _proj(cfg, p, lp, "k", h)
-    v = _proj(cfg, p, lp, "v", h)
+def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array, lp=None, drop=None):
+    q = _proj(cfg, p, lp, "q", h, drop=drop)
+    k = _proj(cfg, p, lp, "k", h, drop=drop)
+    v = _proj(cfg, p, lp, "v", h, drop=drop)
     if cfg.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
@@ -308,7 +314,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> d
 
 
 def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
-          positions=None, cache: Optional[dict] = None, cache_index=None):
+          positions=None, cache: Optional[dict] = None, cache_index=None,
+          lora_dropout_rng: Optional[jax.Array] = None):
     """Embeddings + all layers + final norm.
 
     tokens: int [B, T]. Without a cache, ``attention_mask`` is bool [B, T] (True = real token,
@@ -317,6 +324,10 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
     ``[cache_index, cache_index + T)``; ``attention_mask`` is bool [B, S] over the whole cache
     (None = every slot below ``cache_index + T`` is valid) and ``positions`` int [B, T] must be
     given. A query in slot s attends to valid slots <= s.
+
+    ``lora_dropout_rng``: a key for LoRA dropout (``cfg.lora_dropout`` on the adapters'
+    inputs; layer ``i``, projection ``name`` use ``lora.dropout_key(lora_dropout_rng, i,
+    name)``). Training passes only; None (the default) = no dropout, the deterministic model.
 
     Returns ``(hidden [B, T, D] in cfg.dtype, cache or None)``.
     """
@@ -348,8 +359,10 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
 
     def layer(x, p, kv_cache, i, lp=None):
         p = _cast_layer(cfg, p)
+        # The layer index is scanned in, so each layer's masks come from its own key.
+        drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        q, k, v = _qkv(cfg, p, h, positions, lp)
+        q, k, v = _qkv(cfg, p, h, positions, lp, drop)
         if kv_cache is not None:
             ck, cv = kv_cache
             zero = jnp.zeros((), jnp.int32)
@@ -365,9 +378,9 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             attn = attention(q, k, v, mask, kv_layout="bksd")
         else:
             attn = attention(q, k, v, mask, impl=cfg.attention_impl)
-        x = x + _proj(cfg, p, lp, "o", attn, n_in=2)
+        x = x + _proj(cfg, p, lp, "o", attn, n_in=2, drop=drop)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        x = x + _mlp(cfg, p, h, lp)
+        x = x + _mlp(cfg, p, h, lp, drop)
         return x, kv_cache
 
     if cfg.remat:  # keep only each layer's input; recompute the whole layer in the backward
@@ -417,9 +430,11 @@ def logits_from_hidden(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax
 
 
 def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
-            positions=None) -> jax.Array:
-    """tokens int [B, T] -> float32 logits [B, T, V]. See ``trunk`` for the mask semantics."""
-    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions)
+            positions=None, lora_dropout_rng: Optional[jax.Array] = None) -> jax.Array:
+    """tokens int [B, T] -> float32 logits [B, T, V]. See ``trunk`` for the mask semantics
+    and ``lora_dropout_rng`` (None = no LoRA dropout)."""
+    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
+                      lora_dropout_rng=lora_dropout_rng)
     return logits_from_hidden(cfg, params, hidden)
 
 
@@ -432,7 +447,7 @@ def _auto_chunk(batch: int, length: int, vocab: int) -> int:
 
 def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
                 positions=None, temperature=1.0, chunk_size: Optional[int] = None,
-                with_entropy: bool = False):
+                with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None):
     """Per-token log-probabilities of ``tokens`` under the model (teacher forcing).
 
     Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
@@ -442,9 +457,11 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
 
     The LM head runs over chunks of ``chunk_size`` positions inside a rematerialised
     ``lax.map``, so neither the forward nor the backward pass holds float32 [B, T, V] logits.
+    ``lora_dropout_rng``: LoRA dropout key of a training pass (see ``trunk``; None = none).
     """
     b, t = tokens.shape
-    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions)
+    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
+                      lora_dropout_rng=lora_dropout_rng)
     n = t - 1
     if n == 0:
         zeros = jnp.zeros((b, t), jnp.float32)

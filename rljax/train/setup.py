@@ -391,8 +391,10 @@ def check_context_length(cfg, model_cfg) -> None:
 
 def add_lora(cfg, model_cfg, params, shardings, mesh, rng):
     """With ``model.lora.rank`` > 0 (or ``model.adapter_path``): float32 LoRA adapters (fresh,
-    or loaded from a PEFT adapter dir) under ``params["lora"]``, and ``lora_scale`` in the
-    model config. The base parameters are left as they are (frozen, in ``model.dtype``)."""
+    or loaded from a PEFT adapter dir) under ``params["lora"]``, and ``lora_scale`` and
+    ``lora_dropout`` in the model config. The base parameters are left as they are (frozen, in
+    ``model.dtype``). The dropout rate is ``model.lora.dropout``; when that is 0 and an adapter
+    dir is loaded, its ``lora_dropout`` (as PEFT resumes training an adapter)."""
     m = cfg.model
     if not m.lora.rank and not m.adapter_path:
         return model_cfg, params, shardings
@@ -400,13 +402,15 @@ def add_lora(cfg, model_cfg, params, shardings, mesh, rng):
     if m.adapter_path:
         try:
             adapters, rank, alpha = models.peft.load_adapter(m.adapter_path, model_cfg)
+            dropout = float(m.lora.dropout) or models.peft.adapter_dropout(m.adapter_path)
         except ValueError as e:
             raise UserError(f"model.adapter_path={m.adapter_path!r}: {e}") from None
         targets = tuple(adapters["layers"])
     else:
         rank, alpha, targets = int(m.lora.rank), float(m.lora.alpha), m.lora.targets
+        dropout = float(m.lora.dropout)
         adapters = None
-    model_cfg = model_cfg.replace(lora_scale=alpha / rank)
+    model_cfg = model_cfg.replace(lora_scale=alpha / rank, lora_dropout=dropout)
     axes = lora.lora_logical_axes(model_cfg, rank, targets)
     shapes = jax.eval_shape(lambda: lora.init_lora(model_cfg, rank, targets, jax.random.key(0)))
     lora_sh = shd.logical_to_sharding(axes, mesh, shapes=shapes)

@@ -36,6 +36,29 @@ from rljax.train.state import TrainState
 # loss_fn(params, state, micro_batch) -> ((weighted_sum, weight), {name: (sum, count)})
 LossFn = Callable[[Any, TrainState, Mapping[str, jax.Array]], tuple]
 
+# ``accumulate`` hands each loss its micro-batch's index under this key (int32 scalar; absent =
+# 0), so a loss can key per-micro-batch randomness (LoRA dropout, ``training_dropout_rng``).
+MICRO_INDEX = "micro_index"
+LORA_DROPOUT_STREAM = 6  # rng stream of LoRA dropout: fold_in(state.rng, 6), then step, micro
+
+
+def training_dropout_rng(model_cfg, state: TrainState, batch: Mapping[str, jax.Array]):
+    """The LoRA-dropout key of a training loss on one micro-batch, or None when
+    ``model_cfg.lora_dropout`` is 0 (then nothing is drawn and the pass is the deterministic
+    model, bit for bit). ``state`` None (an evaluation call of a loss) also means no dropout.
+
+    ``fold_in(fold_in(fold_in(state.rng, LORA_DROPOUT_STREAM), state.step), micro index)``: a
+    function of the state and the micro-batch only, so runs are deterministic and a resumed
+    run draws the same masks as an uninterrupted one. Each update (``state.step``) and each
+    micro-batch gets fresh masks. With dropout on, the update depends on how the batch is
+    split into micro-batches (which rows share a key) and is exact only in expectation, as
+    in every framework; with dropout 0 the split does not matter.
+    """
+    if not model_cfg.lora_dropout or state is None:
+        return None
+    key = jax.random.fold_in(jax.random.fold_in(state.rng, LORA_DROPOUT_STREAM), state.step)
+    return jax.random.fold_in(key, batch.get(MICRO_INDEX, 0))
+
 
 # ----------------------------------------------------------------------------- accumulation
 
@@ -61,7 +84,9 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     ``weighted_sum / weight`` and its gradient ``grads_sum / weight``. Metric pairs named
     ``*_max`` are ``(max, 1)`` and combine by maximum instead.
     """
-    def one(mb):
+    def one(mb, index=0):
+        mb = {**mb, MICRO_INDEX: jnp.asarray(index, jnp.int32)}  # keys LoRA dropout
+
         # Gradients w.r.t. the trainable part only: with LoRA the frozen base is closed over
         # (no base gradients, no optimizer state for it).
         def numerator(t):
@@ -77,14 +102,14 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     first = jax.tree.map(lambda x: x[0], micro)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(one, first))
 
-    def body(carry, mb):
-        out = one(mb)
+    def body(carry, xs):
+        out = one(*xs)
         summed = jax.tree.map(jnp.add, carry[:3], out[:3])
         metrics = {k: (_combine_max(carry[3][k], v) if k.endswith("_max")
                        else jax.tree.map(jnp.add, carry[3][k], v)) for k, v in out[3].items()}
         return (*summed, metrics), None
 
-    total, _ = jax.lax.scan(body, zeros, micro)
+    total, _ = jax.lax.scan(body, zeros, (micro, jnp.arange(num_micro, dtype=jnp.int32)))
     return total
 
 
@@ -133,13 +158,15 @@ def jit_step(fn: Callable, state_shardings=None, mesh=None) -> Callable:
 # ----------------------------------------------------------------------------- losses
 
 def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, lora_dropout_rng=None):
     """Log-probs (and entropies) of the completion tokens: float32 [B, N] each (N from
-    ``batch["loss_mask"]``); the [B, P+N, V] logits are never materialised at once."""
+    ``batch["loss_mask"]``); the [B, P+N, V] logits are never materialised at once.
+    ``lora_dropout_rng``: training passes only (see ``training_dropout_rng``); None = none."""
     n = batch["loss_mask"].shape[1]
     logps, ent = models.token_logps(model_cfg, params, batch["tokens"],
                                     attention_mask=batch["mask"], temperature=temperature,
-                                    with_entropy=with_entropy)
+                                    with_entropy=with_entropy,
+                                    lora_dropout_rng=lora_dropout_rng)
     return logps[:, -n:], (None if ent is None else ent[:, -n:])
 
 
@@ -150,8 +177,8 @@ def _pair(x, m):
 
 def sft_loss(model_cfg, params, state, batch):
     """Masked next-token cross-entropy over completion tokens: (sum of -log p, #tokens)."""
-    del state
-    logps, _ = completion_logps(model_cfg, params, batch)
+    logps, _ = completion_logps(model_cfg, params, batch,
+                                lora_dropout_rng=training_dropout_rng(model_cfg, state, batch))
     m = batch["loss_mask"]
     num, den = _pair(-logps, m)
     return (num, den), {"nll": (num, den)}
@@ -187,8 +214,11 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
     """
     m = batch["loss_mask"]
+    # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
+    # adapters; old/ref log-probs computed beforehand never do.
     logps, ent = completion_logps(model_cfg, params, batch, temperature=temperature,
-                                  with_entropy=True)
+                                  with_entropy=True,
+                                  lora_dropout_rng=training_dropout_rng(model_cfg, state, batch))
     opts = policy_loss_options(algo_cfg)
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]

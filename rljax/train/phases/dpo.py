@@ -61,10 +61,13 @@ def pair_sequences(batch: dict) -> dict:
     }
 
 
-def sequence_logps(model_cfg: models.ModelConfig, params: Any, seq: dict) -> tuple[Array, Array]:
-    """(summed completion log-probs [2B], completion lengths [2B]) of ``pair_sequences`` rows."""
+def sequence_logps(model_cfg: models.ModelConfig, params: Any, seq: dict,
+                   lora_dropout_rng=None) -> tuple[Array, Array]:
+    """(summed completion log-probs [2B], completion lengths [2B]) of ``pair_sequences`` rows.
+    ``lora_dropout_rng``: LoRA dropout of a training pass (None = none)."""
     logps, _ = models.token_logps(model_cfg, params, seq["tokens"],
-                                  attention_mask=seq["attention_mask"])
+                                  attention_mask=seq["attention_mask"],
+                                  lora_dropout_rng=lora_dropout_rng)
     m = seq["completion_mask"]
     return jnp.where(m, logps, 0.0).sum(axis=1), m.sum(axis=1).astype(jnp.float32)
 
@@ -94,7 +97,9 @@ def dpo_loss(model_cfg: models.ModelConfig, algo_cfg, params: Any, state, batch:
     """
     loss_type = algo_cfg.loss_type
     b = batch["chosen_tokens"].shape[0]
-    logps, lengths = sequence_logps(model_cfg, params, pair_sequences(batch))
+    # LoRA dropout on the policy's pass only; the reference below is deterministic.
+    logps, lengths = sequence_logps(model_cfg, params, pair_sequences(batch),
+                                    steps.training_dropout_rng(model_cfg, state, batch))
     pc, pr = logps[:b], logps[b:]
     if loss_type == "simpo":
         rc = rr = None
@@ -408,7 +413,8 @@ class DPOPhase:
             out.update(eval_lib.run_eval(self.ctx, state.params, rng, self._eval_examples))
         if self._eval_batches is None:
             self._eval_batches = eval_pair_batches(self.ctx)
-            cfg, algo = self.ctx.model_cfg, self.ctx.cfg.algo
+            # Evaluation sees the deterministic model: LoRA dropout off (a static setting).
+            cfg, algo = self.ctx.model_cfg.replace(lora_dropout=0.0), self.ctx.cfg.algo
             self._eval_fn = jax.jit(lambda s, b: dpo_loss(cfg, algo, s.params, s, b))
         # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
         # refresh (all 0 right after one), so held-out pair metrics are only reported for a

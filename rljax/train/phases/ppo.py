@@ -47,12 +47,14 @@ sg = jax.lax.stop_gradient
 
 # ----------------------------------------------------------------------------- pieces
 
-def completion_values(model_cfg, critic_params, batch) -> Array:
+def completion_values(model_cfg, critic_params, batch, lora_dropout_rng=None) -> Array:
     """Critic values [B, N]: entry t is V(prompt ++ completion[:t]), the state in which
-    completion token t is chosen, read at the position just before it (like its logits)."""
+    completion token t is chosen, read at the position just before it (like its logits).
+    ``lora_dropout_rng``: LoRA dropout on the critic's adapters (training loss only)."""
     n = batch["loss_mask"].shape[1]
     values = models.value_forward(model_cfg, critic_params, batch["tokens"],
-                                  attention_mask=batch["mask"])
+                                  attention_mask=batch["mask"],
+                                  lora_dropout_rng=lora_dropout_rng)
     return values[:, -n - 1:-1]
 
 
@@ -141,12 +143,15 @@ def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     ``policy loss + vf_coef * value loss``, both aggregated by ``algo.loss_agg_mode`` over the
     same mask, so they share one weight. Returns ``((weighted_sum, weight), metric pairs)``.
     """
-    del state
     m = batch["loss_mask"].astype(bool)
     n = m.shape[1]
     entropy_coef = float(algo_cfg.entropy_coef)
+    # LoRA dropout: independent masks for the policy's and the critic's adapters.
+    rng = steps.training_dropout_rng(model_cfg, state, batch)
+    policy_rng, critic_rng = (None, None) if rng is None else jax.random.split(rng)
     logps, ent = steps.completion_logps(model_cfg, params["policy"], batch,
-                                        temperature=temperature, with_entropy=entropy_coef > 0)
+                                        temperature=temperature, with_entropy=entropy_coef > 0,
+                                        lora_dropout_rng=policy_rng)
     opts = steps.policy_loss_options(algo_cfg)
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]
@@ -160,7 +165,8 @@ def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
         pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta), entropy_tokens=ent,
         entropy_coef=entropy_coef)
     values = completion_values(model_cfg,
-                               lora_lib.value_on_base(params["policy"], params["critic"]), batch)
+                               lora_lib.value_on_base(params["policy"], params["critic"]), batch,
+                               lora_dropout_rng=critic_rng)
     clip = float(algo_cfg.cliprange_value) or None
     vf, vf_clipped = algorithms.value_loss_tokens(values, batch["old_values"], batch["returns"],
                                                   m, clip_range=clip)

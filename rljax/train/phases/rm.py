@@ -42,14 +42,17 @@ def last_token_scores(values: Array, mask: Array) -> Array:
     return jnp.where(m.any(axis=1), picked, 0.0)
 
 
-def pair_scores(model_cfg: models.ModelConfig, value_params: Any, batch: dict) -> tuple[Array, Array]:
+def pair_scores(model_cfg: models.ModelConfig, value_params: Any, batch: dict,
+                lora_dropout_rng=None) -> tuple[Array, Array]:
     """Reward-model scores (chosen [B], rejected [B]) of a preference batch.
 
     Chosen and rejected rows go through the model together as one [2B, P+C] batch.
+    ``lora_dropout_rng``: LoRA dropout of a training pass (None = none, as in evaluation).
     """
     seq = dpo_lib.pair_sequences(batch)
     values = models.value_forward(model_cfg, value_params, seq["tokens"],
-                                  attention_mask=seq["attention_mask"])
+                                  attention_mask=seq["attention_mask"],
+                                  lora_dropout_rng=lora_dropout_rng)
     scores = last_token_scores(values, seq["attention_mask"])
     b = batch["chosen_tokens"].shape[0]
     return scores[:b], scores[b:]
@@ -60,8 +63,8 @@ def rm_loss(model_cfg: models.ModelConfig, params: Any, state, batch: dict):
     value params). Returns ``((loss sum over real pairs, number of real pairs), metric
     pairs)``: accuracy (score of chosen > rejected), score/chosen, score/rejected,
     score/margin."""
-    del state
-    chosen, rejected = pair_scores(model_cfg, params, batch)
+    chosen, rejected = pair_scores(model_cfg, params, batch,
+                                   steps.training_dropout_rng(model_cfg, state, batch))
     m = dpo_lib.pair_mask(batch)
     loss_sum, weight = algorithms.reward_model_loss(chosen, rejected, mask=m)
     correct, _ = algorithms.preference_accuracy(chosen, rejected, m)
@@ -165,7 +168,7 @@ class RMPhase:
         del rng
         if self._eval_batches is None:
             self._eval_batches = dpo_lib.eval_pair_batches(self.ctx)
-            cfg = self.ctx.model_cfg
+            cfg = self.ctx.model_cfg.replace(lora_dropout=0.0)  # evaluation: no LoRA dropout
             self._eval_fn = jax.jit(lambda v, b: rm_loss(cfg, v, None, b))
         if not self._eval_batches:
             return {}
