@@ -683,6 +683,9 @@ def _check_step_mc(cfg) -> None:
                           "algo.online=True")
     if not cfg.data.step_delimiter:
         raise ConfigError("data.step_delimiter must not be empty with data.pairs='step_mc'")
+    if cfg.rollout.temperature_schedule.name != "constant":
+        raise ConfigError("data.pairs='step_mc' samples continuations at rollout.temperature; "
+                          "set rollout.temperature_schedule.name='constant'")
 
 
 def _check_mesh(mesh) -> None:

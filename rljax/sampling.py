@@ -161,7 +161,7 @@ def _top_p_threshold(filtered: jax.Array, top_p: float, top_k: int = 0) -> jax.A
     return jnp.min(jnp.where(key >= first, filtered, jnp.inf), axis=-1, keepdims=True)
 
 
-# ----------------------------------------------------------------------------- temperature schedules
+# ------------------------------------------------------------------------- temperature schedules
 
 TEMPERATURE_SCHEDULES = ("constant", "linear", "cosine", "exp")
 
