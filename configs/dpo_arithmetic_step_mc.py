@@ -32,9 +32,9 @@ def get_config():
     c.algo = dict(name="dpo", online=True, num_generations=4, ref_update_every=1,
                   loss_type="sigmoid", beta=0.1, num_iterations=1,
                   step_mc=dict(max_steps=2, min_value_gap=0.0))
-    c.optimizer = dict(learning_rate=3e-4, max_grad_norm=1.0)
+    c.optimizer = dict(learning_rate=1e-4, max_grad_norm=1.0)
     c.reward = dict(names=("arithmetic",))
-    c.sft = dict(steps=60, learning_rate=1e-3, batch_size=64, max_length=26)
+    c.sft = dict(steps=200, learning_rate=1e-3, batch_size=64, max_length=26)
     c.eval = dict(num_examples=256, batch_size=256)
     c.logging = dict(console_every_s=15.0)
     return c

@@ -419,14 +419,16 @@ class DPOPhase:
             if self._eval_examples is None:
                 self._eval_examples = eval_lib.eval_examples(self.ctx)
             out.update(eval_lib.run_eval(self.ctx, state.params, rng, self._eval_examples))
+        # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
+        # refresh (all 0 right after one), so held-out pair metrics are only reported for a
+        # frozen reference; step_mc pairs are sampled, the data has no held-out step pairs.
+        if (self.uses_ref and self.ctx.cfg.algo.ref_update_every) or self.step_mc:
+            return out
         if self._eval_batches is None:
             self._eval_batches = eval_pair_batches(self.ctx)
             cfg, algo = self.ctx.model_cfg, self.ctx.cfg.algo
             self._eval_fn = jax.jit(lambda s, b: dpo_loss(cfg, algo, s.params, s, b))
-        # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
-        # refresh (all 0 right after one), so held-out pair metrics are only reported for a
-        # frozen reference.
-        if self._eval_batches and not (self.uses_ref and self.ctx.cfg.algo.ref_update_every):
+        if self._eval_batches:
             m = pair_metrics(lambda b: self._eval_fn(state, b), self._eval_batches, "eval/pref_")
             out.update({k: v for k, v in m.items() if not k.startswith("eval/pref_logps")})
         return out
