@@ -80,15 +80,9 @@ def pass_at_k(workdir: str, samples: int) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    out = {}
-    for line in (proc.stdout + proc.stderr).splitlines():
-        for key in ["eval/accuracy"] + [f"eval/pass@{k}" for k in (2, 4, 8, 16)]:
-            if line.strip().startswith(key + ":") or f"{key} " in line:
-                try:
-                    out[key] = float(line.split(key)[1].strip(" :|").split()[0])
-                except (ValueError, IndexError):
-                    pass
-    return out
+    record = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    return {("sampled_" + k.split("/")[1] if k == "eval/accuracy" else k.split("/")[1]): v
+            for k, v in record.items() if k == "eval/accuracy" or k.startswith("eval/pass@")}
 
 
 def main(argv=None) -> int:
@@ -124,11 +118,15 @@ def main(argv=None) -> int:
     with open(out, "w") as f:
         json.dump({"experiment": args.experiment, "config": config, "loadavg_end": load,
                    "runs": results}, f, indent=1)
-    print(f"\n| variant | seed | acc after warm-up | acc end | sampled tokens | cpu s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| variant | seed | acc after warm-up | acc end | sampled tokens | cpu s | "
+          "pass@1 / pass@k (T=1) |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
+        k = max((key for key in r if key.startswith("pass@")), default=None,
+                key=lambda key: int(key[5:]))
+        passk = f"{r['sampled_accuracy']:.3f} / {k} {r[k]:.3f}" if k else "-"
         print(f"| {r['variant']} | {r['seed']} | {r['acc_start']:.3f} | {r['acc_end']:.3f} | "
-              f"{r['sampled_tokens']} | {r['cpu_s']} |")
+              f"{r['sampled_tokens']} | {r['cpu_s']} | {passk} |")
     for name in variants:
         rs = [r for r in results if r["variant"] == name]
         gains = [r["acc_end"] - r["acc_start"] for r in rs]
