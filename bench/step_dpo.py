@@ -18,6 +18,7 @@ and, with ``--pass-at-k``, pass@1/2/4 of the final policy at temperature 1 (``rl
 
     nice -n 10 python bench/step_dpo.py --experiment dpo --seeds 0,1,2
     nice -n 10 python bench/step_dpo.py --experiment anneal --seeds 0,1,2
+    python bench/step_dpo.py --report bench/results/step_dpo_dpo*.json   # tables of saved runs
 
 Writes ``bench/results/step_dpo_<experiment>.json`` and prints a markdown table.
 """
@@ -85,9 +86,37 @@ def pass_at_k(workdir: str, samples: int) -> dict:
             for k, v in record.items() if k == "eval/accuracy" or k.startswith("eval/pass@")}
 
 
+def report(paths: list[str]) -> None:
+    """Markdown summary of saved result files: per variant, mean over seeds of the held-out
+    accuracy (end, gain over the warm-up), sampled tokens and pass@k; and the paired
+    difference of gains (first variant minus second, same seed = same warm-up)."""
+    runs = [r for path in paths for r in json.load(open(path))["runs"]]
+    variants = list(dict.fromkeys(r["variant"] for r in runs))
+    mean = statistics.mean
+    sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    print("| variant | seeds | acc after warm-up | acc end | gain | sampled tokens / run | "
+          "pass@1 (T=1) | pass@4 (T=1) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for v in variants:
+        rs = [r for r in runs if r["variant"] == v]
+        gains = [r["acc_end"] - r["acc_start"] for r in rs]
+        passk = (f"{mean(r['sampled_accuracy'] for r in rs):.3f} | "
+                 f"{mean(r['pass@4'] for r in rs):.3f}" if "pass@4" in rs[0] else "- | -")
+        print(f"| {v} | {len(rs)} | {mean(r['acc_start'] for r in rs):.3f} | "
+              f"{mean(r['acc_end'] for r in rs):.3f} | {mean(gains):+.3f} ± {sd(gains):.3f} | "
+              f"{mean(r['sampled_tokens'] for r in rs):,.0f} | {passk} |")
+    a, b = variants[:2]
+    by_seed = {(r["variant"], r["seed"]): r for r in runs}
+    diffs = [(by_seed[(a, s)]["acc_end"] - by_seed[(b, s)]["acc_end"])
+             for s in sorted({r["seed"] for r in runs}) if (a, s) in by_seed and (b, s) in by_seed]
+    print(f"\npaired end-accuracy difference {a} - {b}: {mean(diffs):+.3f} ± {sd(diffs):.3f} "
+          f"(sd over {len(diffs)} seeds; per seed {', '.join(f'{d:+.3f}' for d in diffs)})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--experiment", choices=sorted(EXPERIMENTS), required=True)
+    p.add_argument("--experiment", choices=sorted(EXPERIMENTS))
+    p.add_argument("--report", nargs="+", default=None, help="summarize saved result files")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=0, help="RL rounds (0 = the config's)")
     p.add_argument("--outcome-prompts", type=int, default=48,
@@ -97,6 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/rljax_bench_step_dpo")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    if args.report:
+        report(args.report)
+        return 0
+    if not args.experiment:
+        p.error("--experiment is required (or --report FILES)")
     config, variants = EXPERIMENTS[args.experiment]
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:

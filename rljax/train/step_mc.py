@@ -203,30 +203,18 @@ class StepMCPairs:
             out1 = {key: v[:real] for key, v in out1.items()}
             r1, conts1 = self._score(examples, owners, prefixes, out1)
 
-        # Values and pairs, level by level.
-        delim, stops = self.cfg.data.step_delimiter, self.stop_ids
-        first = lambda c: tuple(c[:step_ends(c, self.decode, delim, stops)[0]]) if c else ()
-        pairs, prefix_values = [], []
+        # Values and pairs, prefix by prefix.
         row_of = {lv: r for r, lv in enumerate(levels)}
+        pairs, prefix_values = [], []
         for i in range(b):
-            traj, traj_ends = trajectories[i], ends[i]
-            # (prefix end, continuations' first steps, rewards) for level 0 and each prefix
-            nodes = [(0, [first(c) for c in conts0[i * k:(i + 1) * k]], r0[i])]
-            for e in traj_ends[:-1][:self.max_steps - 1]:
+            # (prefix end, its K continuations, their rewards): the root, then each prefix
+            nodes = [(0, conts0[i * k:(i + 1) * k], r0[i])]
+            for e in ends[i][:-1][:self.max_steps - 1]:
                 r = row_of[(i, e)]
-                nodes.append((e, [first(c) for c in conts1[r * k:(r + 1) * k]],
-                              r1[r * k:(r + 1) * k]))
-            for d, (e, steps_, rs) in enumerate(nodes):
-                prefix_values.append(float(np.mean(rs)))   # V(prefix): mean of its K rewards
-                extra = None
-                if d + 1 < len(nodes):   # the trajectory's next step: the next prefix's rollouts
-                    e_next = nodes[d + 1][0]
-                    extra = (tuple(traj[e:e_next]), nodes[d + 1][2])
-                pick = best_worst_steps(candidate_values(steps_, rs, extra),
-                                        float(self.cfg.algo.step_mc.min_value_gap))
-                if pick is not None:
-                    pairs.append((prompt_ids[i] + traj[:e], list(pick[0]), list(pick[1]),
-                                  pick[2], d))
+                nodes.append((e, conts1[r * k:(r + 1) * k], r1[r * k:(r + 1) * k]))
+            prefix_values += [float(np.mean(rs)) for _, _, rs in nodes]  # V = mean of K
+            pairs += [(prompt_ids[i] + trajectories[i][:e], *pick)
+                      for e, pick in self._node_pairs(trajectories[i], nodes)]
         batch = self.encode_pairs(pairs)
         single = float(np.mean([len(e) <= 1 for e in ends]))
         metrics = {
@@ -242,6 +230,27 @@ class StepMCPairs:
             "time/sample_and_score": time.perf_counter() - t0,
         }
         return batch, metrics
+
+    def _first_step(self, ids: list[int]) -> tuple:
+        """The first step of a continuation (token tuple; () for an empty one)."""
+        if not ids:
+            return ()
+        return tuple(ids[:step_ends(ids, self.decode, self.cfg.data.step_delimiter,
+                                    self.stop_ids)[0]])
+
+    def _node_pairs(self, trajectory: list[int], nodes: list[tuple]):
+        """Yields ``(prefix end, (chosen, rejected, value gap, depth))`` for the prefixes of one
+        trajectory that have a pair; ``nodes[d] = (prefix end, continuations, rewards)``."""
+        gap = float(self.cfg.algo.step_mc.min_value_gap)
+        for d, (e, conts, rs) in enumerate(nodes):
+            extra = None
+            if d + 1 < len(nodes):   # the trajectory's next step: the next prefix's rollouts
+                e_next, _, rs_next = nodes[d + 1]
+                extra = (tuple(trajectory[e:e_next]), rs_next)
+            values = candidate_values([self._first_step(c) for c in conts], rs, extra)
+            pick = best_worst_steps(values, gap)
+            if pick is not None:
+                yield e, (list(pick[0]), list(pick[1]), pick[2], d)
 
     def encode_pairs(self, pairs: list[tuple]) -> dict:
         """Step pairs ``(context ids, chosen step ids, rejected step ids, gap, depth)`` -> the
