@@ -1,6 +1,7 @@
 """Exploratory annealed decoding: per-position temperature schedules in the sampler, and
 training log-probs / importance ratios at the temperature each token was sampled at."""
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +186,16 @@ def test_grpo_run_with_annealing_scores_tokens_at_their_temperature(tmp_path):
     assert len(rl) == 2
     for r in rl:
         assert r["rollout/logp_diff_max"] < 1e-4, r
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["algo.name=ppo", "algo.adv_estimator=gae"], "algo.name='grpo'"),
+    (["algo.name=dpo", "algo.online=True", "data.pairs=step_mc"],
+     "rollout.temperature_schedule.name='constant'"),
+    (["rollout.temperature_schedule.start=0.5", "rollout.temperature_schedule.end=1.0"],
+     "start >= end"),
+])
+def test_schedule_combinations_it_cannot_serve_are_config_errors(overrides, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        config_lib.load_config(None, ["--config.rollout.temperature_schedule.name=exp"]
+                               + [f"--config.{o}" for o in overrides])
