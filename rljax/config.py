@@ -43,6 +43,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.policy_loss": ("ppo", "vanilla", "gspo", "cispo"),
     "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
     "algo.scale_rewards": ("group", "batch", "none"),
+    "rollout.temperature_schedule.name": ("constant", "linear", "cosine", "exp"),
+    "data.pairs": ("auto", "step_mc"),
     "algo.importance_sampling_level": ("token", "sequence"),
     "optimizer.name": ("adamw", "adam", "sgd"),
     "optimizer.schedule": ("constant", "linear", "cosine"),
@@ -116,6 +118,10 @@ def default_config() -> ml_collections.ConfigDict:
         max_prompt_length=256,
         shuffle=True,
         kwargs={},                   # free-form options for the source
+        pairs="auto",                # DPO pairs: "auto" = the data's (offline) or best vs worst
+                                     # of num_generations (algo.online); "step_mc" = step-level
+                                     # pairs from Monte-Carlo step values (docs/search.md)
+        step_delimiter="\n",         # step_mc: a solution's steps end with this text
     )
     c.rollout = dict(
         batch_size=16,               # completions per step = prompts * algo.num_generations
@@ -124,6 +130,12 @@ def default_config() -> ml_collections.ConfigDict:
         top_k=0,                     # 0 = off
         top_p=1.0,
         micro_batch_size=0,          # sampler chunk; 0 = whole batch at once
+        # Per-position sampling temperature (exploratory annealed decoding; docs/search.md):
+        # from `start` at the first completion token to `end` at token `tokens` (0 = all of
+        # max_new_tokens), then `end`. "constant" = off (rollout.temperature everywhere);
+        # otherwise it replaces rollout.temperature for rollouts, and training log-probs and
+        # ratios use each token's own temperature. GRPO and online DPO only.
+        temperature_schedule=dict(name="constant", start=1.0, end=1.0, tokens=0),
     )
     c.algo = dict(
         name="grpo",
@@ -170,6 +182,11 @@ def default_config() -> ml_collections.ConfigDict:
                                      # of num_generations, ranked by reward) instead of data
         ref_update_every=0,          # DPO/PPO: copy the policy into the reference every N
                                      # steps (online DPO: 1 = refresh each round); 0 = frozen
+        # data.pairs="step_mc": one sampled solution per prompt is cut into steps; each step
+        # prefix (up to max_steps of them) gets num_generations continuations, whose mean
+        # reward values the candidate next steps; the best and worst next step at a prefix
+        # form a pair when their values differ by more than min_value_gap.
+        step_mc=dict(max_steps=4, min_value_gap=0.0),
     )
     c.optimizer = dict(
         name="adamw",
@@ -602,6 +619,8 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
     if algo.name == "dpo" and algo.online and g < 2:
         raise ConfigError(f"algo.num_generations={g} must be >= 2 for online DPO "
                           "(algo.online=True pairs the best and worst sample of each prompt)")
+    _check_step_mc(cfg)
+    _check_temperature_schedule(cfg)
     if algo.adv_estimator == "gae" and algo.name != "ppo":
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
     if algo.name == "ppo" and algo.adv_estimator != "gae":
@@ -630,6 +649,43 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")
+
+
+def _check_temperature_schedule(cfg) -> None:
+    """A schedule's temperatures are all > 0 and it runs where training scores tokens at it."""
+    sched = cfg.rollout.temperature_schedule
+    for key in ("start", "end"):
+        if sched[key] <= 0:
+            raise ConfigError(f"rollout.temperature_schedule.{key}={sched[key]!r} must be > 0 "
+                              "(a schedule has no greedy position)")
+    if sched.tokens < 0:
+        raise ConfigError(f"rollout.temperature_schedule.tokens={sched.tokens} must be >= 0 "
+                          "(0 = rollout.max_new_tokens)")
+    if sched.name == "exp" and sched.start < sched.end:
+        raise ConfigError(f"rollout.temperature_schedule: name='exp' anneals down, needs "
+                          f"start >= end (got start={sched.start}, end={sched.end})")
+    if sched.name != "constant" and cfg.algo.name not in ("grpo", "dpo"):
+        raise ConfigError(f"rollout.temperature_schedule.name='{sched.name}' is supported for "
+                          f"algo.name='grpo' and online 'dpo', not '{cfg.algo.name}'")
+
+
+def _check_step_mc(cfg) -> None:
+    """Step-level MC pairs are built from the policy's own samples by the DPO phase."""
+    algo = cfg.algo
+    if algo.step_mc.max_steps < 1:
+        raise ConfigError(f"algo.step_mc.max_steps={algo.step_mc.max_steps} must be >= 1")
+    if algo.step_mc.min_value_gap < 0:
+        raise ConfigError(f"algo.step_mc.min_value_gap={algo.step_mc.min_value_gap} must be >= 0")
+    if cfg.data.pairs != "step_mc":
+        return
+    if algo.name != "dpo" or not algo.online:
+        raise ConfigError("data.pairs='step_mc' samples its pairs: set algo.name='dpo' and "
+                          "algo.online=True")
+    if not cfg.data.step_delimiter:
+        raise ConfigError("data.step_delimiter must not be empty with data.pairs='step_mc'")
+    if cfg.rollout.temperature_schedule.name != "constant":
+        raise ConfigError("data.pairs='step_mc' samples continuations at rollout.temperature; "
+                          "set rollout.temperature_schedule.name='constant'")
 
 
 def _check_mesh(mesh) -> None:

@@ -98,7 +98,8 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
     Args:
       rng: PRNG key.
       logits: float32 [B, V] (already masked where tokens are forbidden).
-      temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+      temperature: 0 means greedy (argmax); otherwise logits are divided by it. May be a
+        traced float32 scalar (a per-position schedule), which must then be > 0.
       top_k: keep the k largest logits (0 = off).
       top_p: keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
 
@@ -108,7 +109,7 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
       the quantity a trainer recomputes from the model.
     """
     logits = logits.astype(jnp.float32)
-    if temperature == 0.0:
+    if not isinstance(temperature, jax.Array) and temperature == 0.0:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         logp_all = jax.nn.log_softmax(logits, axis=-1)
     else:
@@ -160,6 +161,51 @@ def _top_p_threshold(filtered: jax.Array, top_p: float, top_k: int = 0) -> jax.A
     return jnp.min(jnp.where(key >= first, filtered, jnp.inf), axis=-1, keepdims=True)
 
 
+# ------------------------------------------------------------------------- temperature schedules
+
+TEMPERATURE_SCHEDULES = ("constant", "linear", "cosine", "exp")
+
+
+def temperature_schedule(name: str, start: float, end: float, tokens: int,
+                         length: int) -> np.ndarray:
+    """Per-position sampling temperatures: float32 [length], ``out[t]`` for completion token t.
+
+    Every schedule goes from ``start`` at t = 0 to ``end`` at t = ``tokens`` (0 = ``length``)
+    and stays at ``end`` after it:
+
+      constant: ``start`` everywhere.
+      linear:   start + (end - start) * u, with u = min(t / tokens, 1).
+      cosine:   end + (start - end) * (1 + cos(pi * u)) / 2.
+      exp:      max(1 + start - exp(t / d), end), the exploratory annealed decoding form
+                (Yang et al. 2025, "Let it Calm"), with the decay d = tokens / ln(1 + start - end)
+                chosen so that it reaches ``end`` at t = tokens (needs start >= end).
+
+    Temperatures must be > 0 (a schedule has no greedy position): ValueError otherwise.
+    """
+    if name not in TEMPERATURE_SCHEDULES:
+        raise ValueError(f"unknown temperature schedule {name!r}; one of {TEMPERATURE_SCHEDULES}")
+    if start <= 0 or end <= 0:
+        raise ValueError(f"temperature schedule temperatures must be > 0, got start={start}, "
+                         f"end={end}")
+    span = float(tokens or length)
+    t = np.arange(length, dtype=np.float64)
+    u = np.minimum(t / span, 1.0)
+    if name == "constant":
+        out = np.full(length, start, np.float64)
+    elif name == "linear":
+        out = start + (end - start) * u
+    elif name == "cosine":
+        out = end + (start - end) * 0.5 * (1.0 + np.cos(np.pi * u))
+    else:
+        if start < end:
+            raise ValueError(f"the 'exp' schedule anneals down: needs start >= end, got "
+                             f"start={start}, end={end}")
+        gap = np.log1p(start - end)
+        out = (np.full(length, start, np.float64) if gap == 0.0 else
+               np.maximum(1.0 + start - np.exp(np.minimum(t, span) * gap / span), end))
+    return out.astype(np.float32)
+
+
 # ----------------------------------------------------------------------------- generate
 
 def _stop_ids(eos_id, stop_ids) -> tuple[int, ...]:
@@ -178,7 +224,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              num_samples: int = 1, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
              mesh: jax.sharding.Mesh | None = None,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
-             cache_dtype: Any = None) -> SampleOutput:
+             cache_dtype: Any = None, temperatures: Any = None) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt, entirely on device.
 
     Args:
@@ -203,6 +249,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         over tensor (``rules``); params keep whatever sharding they already have.
       rules: logical-axis rules for those constraints.
       cache_dtype: KV cache dtype (default the model's compute dtype).
+      temperatures: optional float32 [N] per-position temperatures (``temperature_schedule``),
+        all > 0; completion token t is sampled, and its logp reported, at ``temperatures[t]``
+        (``temperature`` is then unused). A traced argument: new values do not recompile.
 
     Returns:
       ``SampleOutput`` with ``B * num_samples`` rows (see its docstring).
@@ -218,13 +267,22 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     # Out-of-range ids would be clipped silently inside the program: reject them here.
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="generate: prompt_tokens")
+    if temperatures is not None:
+        temperatures = np.asarray(temperatures, np.float32)
+        if temperatures.shape != (max_new_tokens,):
+            raise ValueError(f"temperatures must have shape ({max_new_tokens},), got "
+                             f"{temperatures.shape}")
+        if not np.all(temperatures > 0):
+            raise ValueError("temperatures must all be > 0 (a schedule has no greedy position)")
+        temperatures = jnp.asarray(temperatures)
     return _generate(
         cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), rng,
         max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
         top_p=float(top_p), stop_ids=_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
         num_samples=int(num_samples), min_new_tokens=int(min_new_tokens), mesh=mesh,
         rules=tuple((k, v if isinstance(v, (str, type(None))) else tuple(v)) for k, v in rules),
-        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
+        temperatures=temperatures)
 
 
 _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids", "pad_id",
@@ -234,7 +292,7 @@ _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids",
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, temperature,
               top_k, top_p, stop_ids, pad_id, num_samples, min_new_tokens, mesh, rules,
-              cache_dtype):
+              cache_dtype, temperatures=None):
     b, p = prompt_tokens.shape
     n, g = max_new_tokens, num_samples
     bg = b * g
@@ -251,12 +309,15 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
 
     def pick(key, logits, t):
         # Stop ids are forbidden until min_new_tokens tokens exist; logps stay unfiltered.
+        # A schedule gives token t its own temperature (a traced scalar, always > 0).
+        temp = temperature if temperatures is None else temperatures[t]
         if stop is None or min_new_tokens == 0:
-            return sample_logits(key, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            return sample_logits(key, logits, temperature=temp, top_k=top_k, top_p=top_p)
         forbid = jnp.zeros(logits.shape[-1], bool).at[stop].set(True) & (t < min_new_tokens)
         masked = jnp.where(forbid[None, :], jnp.finfo(jnp.float32).min, logits)
-        tok, _ = sample_logits(key, masked, temperature=temperature, top_k=top_k, top_p=top_p)
-        logp_all = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
+        tok, _ = sample_logits(key, masked, temperature=temp, top_k=top_k, top_p=top_p)
+        logp_all = jax.nn.log_softmax(logits / (temp if temperatures is not None
+                                                else temperature or 1.0), axis=-1)
         return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
     # ---- prefill: B prompts, once.

@@ -60,7 +60,7 @@ __all__ = ["make_source", "make_template", "make_iterator", "get_task", "DataIte
 
 _COMMON = {"source", "template", "chat", "system_prompt", "max_prompt_len", "max_completion_len",
            "on_overlong", "shuffle", "add_bos", "kind"}
-_TASK_KEYS = {"arithmetic": {"digits", "operands", "ops", "allow_negative"},
+_TASK_KEYS = {"arithmetic": {"digits", "operands", "ops", "allow_negative", "steps"},
               "countdown": {"num_numbers", "max_number", "max_target", "use_all"},
               "guess_number": {"low", "high"}}
 _SOURCE_KEYS = {

@@ -8,6 +8,7 @@ The matching reward functions are ``rewards.get("arithmetic")`` and ``rewards.ge
 from __future__ import annotations
 
 import itertools
+import re
 import zlib
 from fractions import Fraction
 from typing import Sequence
@@ -41,18 +42,23 @@ class ArithmeticTask:
 
     Difficulty: ``digits`` (operands have 1..digits digits), ``operands`` (how many numbers),
     ``ops`` (a subset of "+-*"; usual precedence), ``allow_negative`` (else results are >= 0).
+    ``steps``: the solution works left to right, one line per operation ("3+4=7\n7-2=5"), so
+    it has ``operands - 1`` steps (step-level methods; needs ops without "*").
     """
 
     name = "arithmetic"
 
     def __init__(self, digits: int = 2, operands: int = 2, ops: str = "+",
-                 allow_negative: bool = False, seed: int = 0):
+                 allow_negative: bool = False, steps: bool = False, seed: int = 0):
         if digits < 1 or operands < 2:
             raise ValueError(f"arithmetic: need digits >= 1 and operands >= 2, got {digits}, {operands}")
         if not ops or set(ops) - set("+-*"):
             raise ValueError(f"arithmetic: ops must be a non-empty subset of '+-*', got {ops!r}")
+        if steps and "*" in ops:
+            raise ValueError("arithmetic: steps=True works left to right, which needs ops "
+                             f"without '*' (precedence), got {ops!r}")
         self.digits, self.operands, self.ops = int(digits), int(operands), ops
-        self.allow_negative, self.seed = bool(allow_negative), int(seed)
+        self.allow_negative, self.steps, self.seed = bool(allow_negative), bool(steps), int(seed)
 
     def example(self, index: int, split: str = "train") -> dict:
         rng = _rng(self.seed, split, index)
@@ -66,8 +72,17 @@ class ArithmeticTask:
                 return {"question": expr + "=", "answer": str(value)}
 
     def solution(self, example: dict) -> str:
-        """The completion to train on: the result itself."""
-        return str(example["answer"])
+        """The completion to train on: the result itself, or with ``steps`` the left-to-right
+        partial results, one line each, the last line ending in the result."""
+        if not self.steps:
+            return str(example["answer"])
+        terms = re.findall(r"[+-]?\d+", example["question"].rstrip("="))
+        value, lines = int(terms[0]), []
+        for term in terms[1:]:
+            new = value + int(term)
+            lines.append(f"{value}{term[0]}{term[1:]}={new}")
+            value = new
+        return "\n".join(lines)
 
 
 def _eval_int(expr: str) -> int:

@@ -453,7 +453,9 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
     ``logps[:, t] = log p(tokens[:, t] | tokens[:, :t])`` under ``softmax(logits / temperature)``
     and ``entropy[:, t]`` the entropy of that same distribution; column 0 is 0, and so are
-    positions whose token is padding (``attention_mask`` False).
+    positions whose token is padding (``attention_mask`` False). ``temperature`` is a scalar or
+    a float32 [B, T] array giving each position its own (``temperature[:, t]`` for token t;
+    column 0 unused): tokens sampled with a per-position schedule are scored at theirs.
 
     The LM head runs over chunks of ``chunk_size`` positions inside a rematerialised
     ``lax.map``, so neither the forward nor the backward pass holds float32 [B, T, V] logits.
@@ -476,11 +478,16 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     h = h.reshape(b, num_chunks, c, -1).swapaxes(0, 1)
     targets = targets.reshape(b, num_chunks, c).swapaxes(0, 1)
     inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
+    if inv_temp.ndim == 2:  # per position: chunked like the targets, [num_chunks, B, C, 1]
+        inv_temp = jnp.pad(inv_temp[:, 1:], ((0, 0), (0, pad)), constant_values=1.0)
+        inv_temp = inv_temp.reshape(b, num_chunks, c).swapaxes(0, 1)[..., None]
+    else:  # one scalar for every chunk
+        inv_temp = jnp.broadcast_to(inv_temp, (num_chunks,))
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(args):
-        h_c, tgt = args
-        logits = logits_from_hidden(cfg, params, h_c) * inv_temp  # f32 [B, C, V]
+        h_c, tgt, inv_t = args
+        logits = logits_from_hidden(cfg, params, h_c) * inv_t  # f32 [B, C, V]
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
         logp = picked - lse
@@ -490,7 +497,7 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
         ent = lse - jnp.sum(probs * logits, axis=-1)
         return logp, ent
 
-    logp, ent = jax.lax.map(chunk, (h, targets))
+    logp, ent = jax.lax.map(chunk, (h, targets, inv_temp))
     logp = logp.swapaxes(0, 1).reshape(b, -1)[:, :n]
     ent = ent.swapaxes(0, 1).reshape(b, -1)[:, :n]
     first = jnp.zeros((b, 1), jnp.float32)

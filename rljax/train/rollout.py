@@ -12,6 +12,8 @@
     old_logps      f32   [R, N]    the trainer's log-probs before any update (recomputed;
                                    absent with ``Rollout(..., old_logps=False)``, see below)
     ref_logps      f32   [R, N]    reference policy (only with a KL-to-reference loss)
+    temperatures   f32   [R, N]    each token's sampling temperature (only with a
+                                   ``rollout.temperature_schedule``; log-probs use it)
     advantages     f32   [R]       one per completion (sequence-level estimators), or
                    f32   [R, N]    per token (token-level ones: reinforce_pp, ...;
                                    ``algorithms.is_token_level``), 0 outside ``loss_mask``
@@ -92,10 +94,21 @@ def expand_fields(examples: list[dict], g: int) -> dict[str, list]:
     return {k: [ex.get(k) for ex in examples for _ in range(g)] for k in keys}
 
 
+def rollout_temperatures(cfg) -> np.ndarray | None:
+    """float32 [rollout.max_new_tokens] per-position temperatures of the configured
+    ``rollout.temperature_schedule``, or None when it is "constant" (``rollout.temperature``)."""
+    s = cfg.rollout.temperature_schedule
+    if s.name == "constant":
+        return None
+    return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens,
+                                         cfg.rollout.max_new_tokens)
+
+
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-             micro_prompts: int = 0):
-    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs."""
+             micro_prompts: int = 0, temperatures=None):
+    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs.
+    ``temperatures``: optional per-position schedule f32 [max_new_tokens]."""
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     outs = []
@@ -107,7 +120,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
             ctx.model_cfg, params, p_tok, p_mask, rng=jax.random.fold_in(rng, i),
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, num_samples=num_samples,
-            mesh=ctx.mesh)
+            mesh=ctx.mesh, temperatures=temperatures)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
     return {k: np.concatenate([getattr(o, k) for o in outs]) for k in
             ("tokens", "logps", "mask", "lengths", "truncated")}
@@ -142,6 +155,7 @@ class Rollout:
         self.token_level = algorithms.is_token_level(a.adv_estimator)
         self._informative = jax.jit(lambda r: algorithms.nonzero_variance_groups(r, g))
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
+        self.temperatures = rollout_temperatures(cfg)   # None: rollout.temperature
         self._printed_at = None   # time of the last logging.num_completions_to_print output
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
@@ -157,7 +171,8 @@ class Rollout:
         out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=g,
                        max_new_tokens=cfg.rollout.max_new_tokens,
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                       top_p=cfg.rollout.top_p, micro_prompts=micro)
+                       top_p=cfg.rollout.top_p, micro_prompts=micro,
+                       temperatures=self.temperatures)
         t1 = time.perf_counter()
         # Multi-host: each process scores its own rows, then every process gets all rewards.
         n = len(out["tokens"])
@@ -316,6 +331,9 @@ class Rollout:
             buckets=prompt_buckets(self.cfg.data.max_prompt_length))
         tokens, mask = build_sequences(p_tok, p_mask, rows["tokens"], rows["mask"])
         batch = {"tokens": tokens, "mask": mask, "sampler_logps": rows["logps"]}
+        if self.temperatures is not None:   # scored at the temperature each was sampled at
+            batch["temperatures"] = np.broadcast_to(
+                self.temperatures, rows["tokens"].shape).astype(np.float32)
         return batch, rows
 
     def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:

@@ -29,6 +29,7 @@ from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
 from rljax.train import optim, paths
 from rljax.train.state import TrainState, state_shardings
+from rljax.train.step_mc import check_step_delimiter
 
 # Named prompt templates (``data.template``); anything else containing "{" is a format string.
 TEMPLATES = {
@@ -138,6 +139,7 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length}")
     check_data_files(cfg)
+    check_step_delimiter(cfg)
 
 
 def _check_reward_kwargs(cfg) -> None:

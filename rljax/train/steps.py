@@ -161,8 +161,16 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
                      with_entropy: bool = False, lora_dropout_rng=None):
     """Log-probs (and entropies) of the completion tokens: float32 [B, N] each (N from
     ``batch["loss_mask"]``); the [B, P+N, V] logits are never materialised at once.
-    ``lora_dropout_rng``: training passes only (see ``training_dropout_rng``); None = none."""
+    ``lora_dropout_rng``: training passes only (see ``training_dropout_rng``); None = none.
+
+    ``batch["temperatures"]`` f32 [B, N], when present (a sampler temperature schedule,
+    ``rollout.temperature_schedule``), scores each completion token at the temperature it was
+    sampled at, instead of the scalar ``temperature``."""
     n = batch["loss_mask"].shape[1]
+    if "temperatures" in batch:
+        per_token = jnp.asarray(batch["temperatures"], jnp.float32)
+        prompt = jnp.ones((per_token.shape[0], batch["tokens"].shape[1] - n), jnp.float32)
+        temperature = jnp.concatenate([prompt, per_token], axis=1)  # [B, P+N]
     logps, ent = models.token_logps(model_cfg, params, batch["tokens"],
                                     attention_mask=batch["mask"], temperature=temperature,
                                     with_entropy=with_entropy,
@@ -210,7 +218,9 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     the policy has not moved since sampling -- this forward's own log-probs under
     ``stop_gradient``, and the step reports ``rollout/logp_diff_mean``/``_max`` against the
     sampler's), ``sampler_logps`` f32 [B, N], and
-    ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on. Returns
+    ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on; ``temperatures`` f32 [B, N]
+    with a sampler temperature schedule (log-probs, ratios and entropies at each token's own
+    temperature; see ``completion_logps``). Returns
     ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
     """
     m = batch["loss_mask"]
@@ -276,14 +286,16 @@ def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,
                    param_shardings=None, base_only: bool = False) -> Callable:
     """Jitted ``fn(params, batch) -> logps f32 [B, N]`` over the completion (old / reference
-    log-probs), computed ``num_micro`` rows-chunks at a time to bound memory. ``base_only``:
+    log-probs; at ``batch["temperatures"]`` when present), computed ``num_micro`` row-chunks at
+    a time to bound memory. ``base_only``:
     the LoRA adapters are switched off (the base model is the reference policy)."""
     temperature = float(temperature) or 1.0
 
     def logps_fn(params, batch):
         if base_only:
             params = lora_lib.base_params(params)
-        batch = {k: batch[k] for k in ("tokens", "mask", "loss_mask")}
+        batch = {k: batch[k] for k in ("tokens", "mask", "loss_mask", "temperatures")
+                 if k in batch}
         if num_micro == 1:
             return completion_logps(model_cfg, params, batch, temperature=temperature)[0]
         micro = split_micro_batches(batch, num_micro)

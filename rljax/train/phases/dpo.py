@@ -32,6 +32,7 @@ from rljax.train import evaluate as eval_lib
 from rljax.train import steps
 from rljax.train.rollout import RewardRollout
 from rljax.train.setup import check_lengths, data_iterator, preference_config
+from rljax.train.step_mc import StepMCPairs
 from rljax.train.state import reference_params
 from rljax.train.steps import to_host
 
@@ -324,6 +325,8 @@ class DPOPhase:
     Online (``algo.online``): each step is a round: sample ``algo.num_generations`` completions
     for each of ``rollout.batch_size / num_generations`` prompts, rank them with the reward
     functions, pair the best with the worst (ties are skipped), then update on those pairs.
+    With ``data.pairs="step_mc"`` the pairs are step-level instead (``train.step_mc``: steps
+    valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most).
     The reference starts as a copy of the phase's starting policy and is refreshed every
     ``algo.ref_update_every`` steps (0 = frozen; 1 = every round, iterative DPO).
     Evaluation: the policy's task accuracy (as for GRPO, when the data has prompts with
@@ -338,13 +341,19 @@ class DPOPhase:
         a = cfg.algo
         self.ctx, self.steps, self.online = ctx, int(steps), bool(a.online)
         self.g = int(a.num_generations)
+        self.step_mc = cfg.data.pairs == "step_mc"
         self.num_pairs = cfg.rollout.batch_size // self.g if self.online else cfg.rollout.batch_size
+        if self.step_mc:
+            self.num_pairs *= int(a.step_mc.max_steps)
         if self.num_pairs % ctx.dp_size:
             raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
                             f"split over the data-parallel mesh size {ctx.dp_size}")
         micro = a.micro_batch_size
         self.num_micro = self.num_pairs // micro if micro and self.num_pairs % micro == 0 else 1
-        if self.online:
+        if self.step_mc:
+            self.iterator = data_iterator(ctx, cfg.rollout.batch_size // self.g)
+            self.source = StepMCPairs(ctx, self.iterator)
+        elif self.online:
             self.iterator = data_iterator(ctx, self.num_pairs)
             self.source = RewardRollout(ctx, self.iterator)
         else:
@@ -371,6 +380,10 @@ class DPOPhase:
         return self._step_fn
 
     def _online_pairs(self, state, step: int) -> tuple[dict, dict]:
+        if self.step_mc:
+            pairs, metrics = self.source(state, step)
+            metrics["dpo/pairs_frac"] = float(pairs["pair_mask"].mean())
+            return pairs, metrics
         batch, metrics = self.source(state, step)
         n = batch["loss_mask"].shape[1]
         tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"], bool)
@@ -411,15 +424,17 @@ class DPOPhase:
             if self._eval_examples is None:
                 self._eval_examples = eval_lib.eval_examples(self.ctx)
             out.update(eval_lib.run_eval(self.ctx, state.params, rng, self._eval_examples))
+        # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
+        # refresh (all 0 right after one), so held-out pair metrics are only reported for a
+        # frozen reference; step_mc pairs are sampled, the data has no held-out step pairs.
+        if (self.uses_ref and self.ctx.cfg.algo.ref_update_every) or self.step_mc:
+            return out
         if self._eval_batches is None:
             self._eval_batches = eval_pair_batches(self.ctx)
             # Evaluation sees the deterministic model: LoRA dropout off (a static setting).
             cfg, algo = self.ctx.model_cfg.replace(lora_dropout=0.0), self.ctx.cfg.algo
             self._eval_fn = jax.jit(lambda s, b: dpo_loss(cfg, algo, s.params, s, b))
-        # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
-        # refresh (all 0 right after one), so held-out pair metrics are only reported for a
-        # frozen reference.
-        if self._eval_batches and not (self.uses_ref and self.ctx.cfg.algo.ref_update_every):
+        if self._eval_batches:
             m = pair_metrics(lambda b: self._eval_fn(state, b), self._eval_batches, "eval/pref_")
             out.update({k: v for k, v in m.items() if not k.startswith("eval/pref_logps")})
         return out

@@ -1,0 +1,276 @@
+"""Step-level DPO pairs from Monte-Carlo step values (``data.pairs="step_mc"``; MCTS-DPO style).
+
+One call builds one batch of step pairs for the DPO phase:
+
+1. Level 0: K = ``algo.num_generations`` samples for each of B prompts (one ``generate`` with
+   ``num_samples=K``: the prompt is prefilled once and its KV cache fanned out to K rows).
+2. The best-reward sample of each prompt is the trajectory; it is cut into steps at
+   ``data.step_delimiter`` (a step ends with the delimiter; the last one at the end).
+3. Levels 1..: every proper step prefix of the trajectory (up to ``algo.step_mc.max_steps - 1``
+   of them) is appended to its prompt and gets K continuations, again one ``generate`` with
+   ``num_samples=K`` (prefill the prompt + prefix once, fork the cache K ways). A
+   continuation's text is prefix + continuation, cut at ``rollout.max_new_tokens`` tokens (the
+   policy's own completion budget), and scored by the reward functions.
+4. Values: the value of the prefix is the mean reward of its K continuations. At each prefix,
+   every distinct first step of its continuations is a candidate next step, valued by the mean
+   reward of the continuations that start with it; the trajectory's own next step also counts
+   the K continuations of the next prefix (they are samples of the same value).
+5. Pairs: at each prefix, chosen = its best candidate step, rejected = its worst, when their
+   values differ by more than ``algo.step_mc.min_value_gap``. The DPO "prompt" is prompt ++
+   prefix (context only: its tokens are not scored) and the completions are the two steps, so
+   the DPO loss covers the differing step only.
+
+Shapes stay static: always ``B * max_steps`` pairs (``pair_mask`` marks the real ones), prefix
+prompts padded to ``data.max_prompt_length + rollout.max_new_tokens``, and a constant number of
+continuation rows (rows of missing prefixes repeat a real one and are not counted).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from rljax import data as data_lib
+from rljax import rewards, sampling
+from rljax.errors import UserError
+from rljax.train.rollout import RL_STREAM, expand_fields, generate, prompt_buckets
+
+
+# ----------------------------------------------------------------------------- pure host helpers
+
+def step_ends(ids: Sequence[int], decode: Callable[[list[int]], str], delimiter: str,
+              stop_ids: Sequence[int] = ()) -> list[int]:
+    """Token counts at which the steps of a completion end: a step ends right after the token
+    that completes ``delimiter`` in the decoded text, or at a stop token; the last step ends at
+    ``len(ids)``. Returns an increasing list whose last element is ``len(ids)`` ([] if empty).
+    """
+    ends, prev = [], ""
+    for k in range(1, len(ids) + 1):
+        text = decode(list(ids[:k]))
+        # This token completed a delimiter (it changed the text, which now ends with it).
+        if int(ids[k - 1]) in stop_ids or (text != prev and text.endswith(delimiter)):
+            ends.append(k)
+        prev = text
+    if ids and (not ends or ends[-1] != len(ids)):
+        ends.append(len(ids))
+    return ends
+
+
+def candidate_values(first_steps: Sequence[tuple], step_rewards: Sequence[float],
+                     extra: tuple | None = None) -> dict[tuple, tuple[float, int]]:
+    """MC values of the candidate next steps at one prefix.
+
+    Args:
+      first_steps: the first step (token tuple) of each of the K continuations of the prefix.
+      step_rewards: their K rewards.
+      extra: optional ``(step, rewards)``: more continuations known to start with ``step``
+        (those of the next prefix of the trajectory).
+    Returns ``{step: (mean reward, number of continuations)}`` in first-seen order.
+    """
+    sums: dict[tuple, list[float]] = {}
+    for step, r in zip(first_steps, step_rewards):
+        acc = sums.setdefault(tuple(step), [0.0, 0])
+        acc[0] += float(r)
+        acc[1] += 1
+    if extra is not None:
+        step, more = extra
+        acc = sums.setdefault(tuple(step), [0.0, 0])
+        acc[0] += float(np.sum(more))
+        acc[1] += len(more)
+    return {k: (s / n, n) for k, (s, n) in sums.items()}
+
+
+def best_worst_steps(values: dict[tuple, tuple[float, int]], min_gap: float = 0.0):
+    """(chosen step, rejected step, value gap) of one prefix's candidates, or None when fewer
+    than two candidates or their values differ by no more than ``min_gap``."""
+    if len(values) < 2:
+        return None
+    items = list(values.items())
+    best = max(items, key=lambda kv: kv[1][0])      # first of the ties, deterministic
+    worst = min(items, key=lambda kv: kv[1][0])
+    gap = best[1][0] - worst[1][0]
+    if gap <= min_gap or best[0] == worst[0]:
+        return None
+    return best[0], worst[0], gap
+
+
+def check_step_delimiter(cfg) -> None:
+    """``data.pairs="step_mc"`` on a built-in task: the task's reference solutions must contain
+    ``data.step_delimiter`` (else every solution is one step and no step pairs exist): UserError
+    naming the key, before anything compiles. Other sources have no reference solutions; their
+    samples are counted at run time (``step_mc/single_step_frac``)."""
+    if cfg.data.pairs != "step_mc" or cfg.data.source not in data_lib.TASKS:
+        return
+    task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
+    solutions = [task.solution(task.example(i)) for i in range(8)]
+    if not any(cfg.data.step_delimiter in s for s in solutions):
+        raise UserError(f"data.step_delimiter={cfg.data.step_delimiter!r} never occurs in the "
+                        f"{cfg.data.source} task's solutions (e.g. {solutions[0]!r}): every "
+                        "solution would be one step (arithmetic: data.kwargs.steps=True with "
+                        "operands >= 3)")
+
+
+# ----------------------------------------------------------------------------- the source
+
+class StepMCPairs:
+    """Callable ``(state, step) -> (preference batch, metrics)`` for the DPO phase; its only
+    host state is the data iterator's (the sampling keys derive from ``state.rng`` and step)."""
+
+    def __init__(self, ctx, iterator):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
+        self.k = int(cfg.algo.num_generations)
+        self.num_prompts = cfg.rollout.batch_size // self.k
+        self.max_steps = int(cfg.algo.step_mc.max_steps)
+        self.num_pairs = self.num_prompts * self.max_steps
+        self.n = int(cfg.rollout.max_new_tokens)
+        self.prefix_bucket = int(cfg.data.max_prompt_length) + self.n
+        self.reward_fn = ctx.reward_fn()
+        self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
+        tok = ctx.tokenizer
+        self.decode = lambda ids: tok.decode(ids)
+        self.stop_ids = tuple(i for i in (tok.eos_id,) if i is not None)
+
+    # -- sampling and scoring ----------------------------------------------------------------
+
+    def _sample(self, params, prompt_ids: list[list[int]], rng, bucket=None):
+        """K continuations of each prompt (token lists): numpy ``tokens/mask/lengths``."""
+        tok, cfg = self.ctx.tokenizer, self.cfg
+        buckets = prompt_buckets(cfg.data.max_prompt_length) if bucket is None else (bucket,)
+        p_tok, p_mask = sampling.pad_to_bucket(prompt_ids, pad_id=tok.pad_id, buckets=buckets)
+        micro = cfg.rollout.micro_batch_size // self.k if cfg.rollout.micro_batch_size else 0
+        return generate(self.ctx, params, p_tok, p_mask, rng, num_samples=self.k,
+                        max_new_tokens=self.n, temperature=cfg.rollout.temperature,
+                        top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, micro_prompts=micro)
+
+    def _score(self, examples: list[dict], owners: list[int], prefixes: list[list[int]],
+               out: dict) -> tuple[np.ndarray, list[list[int]]]:
+        """Rewards [rows * K] of prefix ++ continuation (cut to N tokens) and the continuation
+        token lists (cut the same way). ``owners[r]`` is the example of prefix row r."""
+        k, texts, conts, prompts, rows = self.k, [], [], [], []
+        for r, (owner, prefix) in enumerate(zip(owners, prefixes)):
+            room = self.n - len(prefix)
+            for j in range(k):
+                i = r * k + j
+                cont = out["tokens"][i][out["mask"][i]].tolist()[:room]
+                conts.append(cont)
+                texts.append(self.decode(prefix + cont))
+                prompts.append(examples[owner]["prompt"])
+                rows.append(examples[owner])
+        lengths = [len(prefixes[i // k]) + len(c) for i, c in enumerate(conts)]
+        result = self.reward_fn(prompts, texts, completion_lengths=lengths,
+                                **expand_fields(rows, 1))
+        self.monitor.observe(result)
+        return np.asarray(result.total, np.float32), conts
+
+    # -- one batch -------------------------------------------------------------------------------
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        t0 = time.perf_counter()
+        k, tok = self.k, self.ctx.tokenizer
+        rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
+        examples = next(self.iterator)
+        b = len(examples)
+        prompt_ids = [tok.encode(ex["prompt"]) for ex in examples]
+
+        # Level 0: K samples per prompt; the best one is the trajectory.
+        out0 = self._sample(state.params, prompt_ids, jax.random.fold_in(rng, 0))
+        r0, conts0 = self._score(examples, list(range(b)), [[] for _ in range(b)], out0)
+        r0 = r0.reshape(b, k)
+        trajectories = [conts0[i * k + int(np.argmax(r0[i]))] for i in range(b)]
+        ends = [step_ends(t, self.decode, self.cfg.data.step_delimiter, self.stop_ids)
+                for t in trajectories]
+
+        # Levels 1..: the proper step prefixes of each trajectory, K continuations each.
+        levels = [(i, e) for i in range(b) for e in ends[i][:-1][:self.max_steps - 1]]
+        static_rows = b * (self.max_steps - 1)
+        tokens_real = int(out0["lengths"].sum())
+        tokens_padding = 0
+        r1 = conts1 = None
+        if levels and static_rows:
+            owners = [i for i, _ in levels]
+            prefixes = [trajectories[i][:e] for i, e in levels]
+            pad = static_rows - len(levels)   # static shapes: repeat a real row
+            out1 = self._sample(state.params,
+                                [prompt_ids[i] + p for i, p in zip(owners, prefixes)]
+                                + [prompt_ids[owners[-1]] + prefixes[-1]] * pad,
+                                jax.random.fold_in(rng, 1), bucket=self.prefix_bucket)
+            real = len(levels) * k
+            tokens_real += int(out1["lengths"][:real].sum())
+            tokens_padding = int(out1["lengths"][real:].sum())
+            out1 = {key: v[:real] for key, v in out1.items()}
+            r1, conts1 = self._score(examples, owners, prefixes, out1)
+
+        # Values and pairs, prefix by prefix.
+        row_of = {lv: r for r, lv in enumerate(levels)}
+        pairs, prefix_values = [], []
+        for i in range(b):
+            # (prefix end, its K continuations, their rewards): the root, then each prefix
+            nodes = [(0, conts0[i * k:(i + 1) * k], r0[i])]
+            for e in ends[i][:-1][:self.max_steps - 1]:
+                r = row_of[(i, e)]
+                nodes.append((e, conts1[r * k:(r + 1) * k], r1[r * k:(r + 1) * k]))
+            prefix_values += [float(np.mean(rs)) for _, _, rs in nodes]  # V = mean of K
+            pairs += [(prompt_ids[i] + trajectories[i][:e], *pick)
+                      for e, pick in self._node_pairs(trajectories[i], nodes)]
+        batch = self.encode_pairs(pairs)
+        single = float(np.mean([len(e) <= 1 for e in ends]))
+        metrics = {
+            "reward/mean": float(r0.mean()), "reward/std": float(r0.std()),
+            "step_mc/pairs": len(pairs), "step_mc/prefixes": len(levels),
+            "step_mc/steps_mean": float(np.mean([len(e) for e in ends])),
+            "step_mc/single_step_frac": single,
+            "step_mc/prefix_value_mean": float(np.mean(prefix_values)),
+            "step_mc/value_gap_mean": float(np.mean([p[3] for p in pairs])) if pairs else 0.0,
+            "step_mc/pair_depth_mean": float(np.mean([p[4] for p in pairs])) if pairs else 0.0,
+            "rollout/tokens": tokens_real, "rollout/tokens_padding": tokens_padding,
+            "completion/length_mean": float(out0["lengths"].mean()),
+            "time/sample_and_score": time.perf_counter() - t0,
+        }
+        return batch, metrics
+
+    def _first_step(self, ids: list[int]) -> tuple:
+        """The first step of a continuation (token tuple; () for an empty one)."""
+        if not ids:
+            return ()
+        return tuple(ids[:step_ends(ids, self.decode, self.cfg.data.step_delimiter,
+                                    self.stop_ids)[0]])
+
+    def _node_pairs(self, trajectory: list[int], nodes: list[tuple]):
+        """Yields ``(prefix end, (chosen, rejected, value gap, depth))`` for the prefixes of one
+        trajectory that have a pair; ``nodes[d] = (prefix end, continuations, rewards)``."""
+        gap = float(self.cfg.algo.step_mc.min_value_gap)
+        for d, (e, conts, rs) in enumerate(nodes):
+            extra = None
+            if d + 1 < len(nodes):   # the trajectory's next step: the next prefix's rollouts
+                e_next, _, rs_next = nodes[d + 1]
+                extra = (tuple(trajectory[e:e_next]), rs_next)
+            values = candidate_values([self._first_step(c) for c in conts], rs, extra)
+            pick = best_worst_steps(values, gap)
+            if pick is not None:
+                yield e, (list(pick[0]), list(pick[1]), pick[2], d)
+
+    def encode_pairs(self, pairs: list[tuple]) -> dict:
+        """Step pairs ``(context ids, chosen step ids, rejected step ids, gap, depth)`` -> the
+        ``encode_preference`` layout with ``pair_mask``, always ``num_pairs`` rows: context
+        left-padded to ``prefix_bucket``, steps right-padded to ``rollout.max_new_tokens``."""
+        tok, n = self.ctx.tokenizer, self.n
+        pairs = pairs[:self.num_pairs]
+        rows = pairs + [pairs[-1] if pairs else ([tok.pad_id], [tok.pad_id], [tok.pad_id], 0, 0)
+                        ] * (self.num_pairs - len(pairs))
+        p_tok, p_mask = sampling.pad_to_bucket([r[0] for r in rows], pad_id=tok.pad_id,
+                                               buckets=(self.prefix_bucket,))
+
+        def right_pad(seqs):
+            t = np.full((len(seqs), n), tok.pad_id, np.int32)
+            m = np.zeros((len(seqs), n), bool)
+            for j, s in enumerate(seqs):
+                t[j, :len(s)], m[j, :len(s)] = s, True
+            return t, m
+        c_tok, c_mask = right_pad([r[1] for r in rows])
+        r_tok, r_mask = right_pad([r[2] for r in rows])
+        return {"prompt_tokens": p_tok, "prompt_mask": p_mask, "chosen_tokens": c_tok,
+                "chosen_mask": c_mask, "rejected_tokens": r_tok, "rejected_mask": r_mask,
+                "pair_mask": np.arange(self.num_pairs) < len(pairs)}

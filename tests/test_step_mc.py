@@ -1,0 +1,241 @@
+"""Step-level DPO pairs from Monte-Carlo step values (data.pairs="step_mc")."""
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import config as config_lib
+from rljax import models, rewards
+from rljax.data.tasks import ArithmeticTask
+from rljax.rewards.combine import RewardResult
+from rljax.tokenizers import CharTokenizer
+from rljax.train import step_mc
+from rljax.train.phases import dpo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOK = CharTokenizer()
+EOS = TOK.eos_id
+
+
+def ids(text, eos=False):
+    return TOK.encode(text) + ([EOS] if eos else [])
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+def test_step_ends_cut_after_each_delimiter_and_at_the_stop_token():
+    seq = ids("3+4=7\n7-2=5", eos=True)
+    assert step_mc.step_ends(seq, TOK.decode, "\n", (EOS,)) == [6, 12]
+    assert step_mc.step_ends(ids("12;3;"), TOK.decode, ";") == [3, 5]
+    assert step_mc.step_ends(ids("no delimiter"), TOK.decode, "\n") == [12]   # one step
+    assert step_mc.step_ends([], TOK.decode, "\n") == []
+
+
+def test_candidate_values_are_mean_rewards_of_the_continuations_starting_with_them():
+    steps = [(1,), (2,), (1,), (3,)]
+    vals = step_mc.candidate_values(steps, [1.0, 0.0, 0.5, 0.25], extra=((2,), [1.0, 1.0]))
+    assert vals == {(1,): (0.75, 2), (2,): (2.0 / 3.0, 3), (3,): (0.25, 1)}
+    assert step_mc.best_worst_steps(vals) == ((1,), (3,), 0.5)
+    assert step_mc.best_worst_steps(vals, min_gap=0.5) is None    # gap must exceed it
+    assert step_mc.best_worst_steps({(1,): (1.0, 4)}) is None       # one candidate: no pair
+
+
+def test_arithmetic_steps_solution_is_left_to_right_and_ends_in_the_answer():
+    task = ArithmeticTask(digits=1, operands=4, ops="+-", steps=True)
+    for i in range(20):
+        ex = task.example(i)
+        lines = task.solution(ex).split("\n")
+        assert len(lines) == 3 and lines[-1].endswith("=" + ex["answer"])
+        assert rewards.get("arithmetic")([ex["question"]], [task.solution(ex)],
+                                         answer=[ex["answer"]]) == [1.0]
+    with pytest.raises(ValueError, match="steps"):
+        ArithmeticTask(ops="+*", steps=True)
+
+
+# ----------------------------------------------------------------------------- scripted source
+
+PROMPT = "1+2+3="
+CONTINUATIONS = {   # prompt text fed to the sampler -> its K=2 continuations
+    PROMPT: ["1+2=3\n3+3=6", "1+2=4\n4+3=7"],
+    PROMPT + "1+2=3\n": ["3+3=6", "3+3=7"],
+}
+REWARD = {"1+2=3\n3+3=6": 1.0, "1+2=4\n4+3=7": 0.0, "1+2=3\n3+3=7": 0.5}
+
+
+def scripted_source(monkeypatch, max_steps=2):
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "algo.name": "dpo", "algo.online": True, "algo.num_generations": 2,
+        "rollout.batch_size": 2, "rollout.max_new_tokens": 12, "data.max_prompt_length": 8,
+        "data.pairs": "step_mc", "algo.step_mc.max_steps": max_steps})
+    config_lib.validate(cfg)
+    calls = []
+
+    def fake_generate(ctx, params, p_tok, p_mask, rng, *, num_samples, max_new_tokens, **kw):
+        prompts = TOK.batch_decode(p_tok, p_mask)
+        calls.append((prompts, num_samples, p_tok.shape))
+        rows = [ids(c, eos=True) for p in prompts for c in CONTINUATIONS[p]]
+        tokens = np.zeros((len(rows), max_new_tokens), np.int32)
+        mask = np.zeros(tokens.shape, bool)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r)], mask[i, :len(r)] = r, True
+        return {"tokens": tokens, "mask": mask, "lengths": mask.sum(1),
+                "logps": np.zeros(tokens.shape, np.float32), "truncated": ~mask.any(1)}
+
+    def reward_fn(prompts, texts, **_):
+        total = [REWARD[t] for t in texts]
+        return RewardResult(total=total, per_function={"scripted": total},
+                            errors={"scripted": 0})
+
+    monkeypatch.setattr(step_mc, "generate", fake_generate)
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=TOK, reward_fn=lambda: reward_fn, mesh=None)
+    source = step_mc.StepMCPairs(ctx, iter([[{"prompt": PROMPT, "answer": "6"}]]))
+    state = types.SimpleNamespace(rng=jax.random.PRNGKey(0), params=None)
+    return source, state, calls
+
+
+def test_step_pairs_share_the_prefix_and_differ_in_the_step(monkeypatch):
+    source, state, calls = scripted_source(monkeypatch)
+    batch, metrics = source(state, 0)
+    # Level 0 from the prompt, then K continuations of the trajectory's one proper prefix,
+    # each prefix prefilled once and fanned out to K rows (num_samples=K).
+    assert [c[0] for c in calls] == [[PROMPT], [PROMPT + "1+2=3\n"]]
+    assert [c[1] for c in calls] == [2, 2]
+    assert batch["pair_mask"].tolist() == [True, True]
+    context = TOK.batch_decode(batch["prompt_tokens"], batch["prompt_mask"])
+    chosen = [TOK.decode(t[m], skip_special=False)
+              for t, m in zip(batch["chosen_tokens"], batch["chosen_mask"])]
+    rejected = [TOK.decode(t[m], skip_special=False)
+                for t, m in zip(batch["rejected_tokens"], batch["rejected_mask"])]
+    # Root: "1+2=3\n" is valued by its own sample (1.0) and the K continuations of the next
+    # prefix (1.0, 0.5): 2.5 / 3; "1+2=4\n" by its one sample (0.0).
+    assert context[0] == PROMPT and chosen[0] == "1+2=3\n" and rejected[0] == "1+2=4\n"
+    # Depth 1: the shared prefix is context; the two steps differ.
+    assert context[1] == PROMPT + "1+2=3\n"
+    assert chosen[1] == "3+3=6<eos>" and rejected[1] == "3+3=7<eos>"
+    assert metrics["step_mc/pairs"] == 2 and metrics["step_mc/prefixes"] == 1
+    assert metrics["step_mc/value_gap_mean"] == pytest.approx((2.5 / 3 + 0.5) / 2)
+    # V(prefix) = mean reward of its K continuations: root (1 + 0) / 2, depth 1 (1 + .5) / 2.
+    assert metrics["step_mc/prefix_value_mean"] == pytest.approx((0.5 + 0.75) / 2)
+    assert metrics["reward/mean"] == pytest.approx(0.5)
+    # Static shapes: context padded to max_prompt_length + max_new_tokens.
+    assert batch["prompt_tokens"].shape == (2, 20) and batch["chosen_tokens"].shape == (2, 12)
+
+
+def test_pairs_stop_at_max_steps_and_pad_statically(monkeypatch):
+    source, state, calls = scripted_source(monkeypatch, max_steps=1)
+    batch, metrics = source(state, 0)
+    assert len(calls) == 1   # no prefix continuations
+    assert batch["pair_mask"].tolist() == [True] and metrics["step_mc/prefixes"] == 0
+
+
+def test_prefix_tokens_are_context_not_scored_by_the_dpo_logps():
+    """sequence_logps of a step pair == the sum of full-forward log-probs over the step's
+    tokens only (the shared prefix conditions them but is not part of the sum)."""
+    cfg = models.get_preset("tiny", num_layers=1, hidden_size=32, intermediate_size=64,
+                            num_heads=2, num_kv_heads=1, vocab_size=TOK.vocab_size)
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    context, chosen, rejected = ids("1+2+3=1+2=3\n"), ids("3+3=6", True), ids("3+3=7", True)
+    p, n = 20, 8
+    pt = np.zeros((1, p), np.int32)
+    pt[0, p - len(context):] = context
+
+    def right(s):
+        t = np.zeros((1, n), np.int32)
+        t[0, :len(s)] = s
+        return t, t != 0
+    ct, cm = right(chosen)
+    rt, rm = right(rejected)
+    batch = {"prompt_tokens": pt, "prompt_mask": pt != 0, "chosen_tokens": ct,
+             "chosen_mask": cm, "rejected_tokens": rt, "rejected_mask": rm}
+    got, lengths = dpo.sequence_logps(cfg, params, dpo.pair_sequences(batch))
+    for row, step in enumerate((chosen, rejected)):
+        seq = np.asarray([context + step])
+        logits = np.asarray(models.forward(cfg, params, jnp.asarray(seq)), np.float64)
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        tok_logp = [logp[0, t - 1, seq[0, t]] for t in range(1, seq.shape[1])]
+        step_only = sum(tok_logp[len(context) - 1:])
+        with_prefix = sum(tok_logp)
+        assert float(got[row]) == pytest.approx(step_only, abs=1e-4)
+        assert abs(with_prefix - step_only) > 1.0   # the prefix would have counted
+        assert float(lengths[row]) == len(step)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_config_rejects_step_mc_outside_online_dpo():
+    with pytest.raises(config_lib.ConfigError, match="data.pairs='step_mc'"):
+        config_lib.load_config(None, ["--config.data.pairs=step_mc"])
+
+
+def test_delimiter_that_never_occurs_is_one_line_exit_2(tmp_path):
+    args = ["--config", os.path.join(ROOT, "configs", "dpo_arithmetic_step_mc.py"),
+            "--workdir", str(tmp_path / "w"), "--config.data.step_delimiter=;"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "rljax.cli", "train", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "data.step_delimiter=';'" in lines[0], proc.stderr
+    assert not os.path.isdir(tmp_path / "w" / "checkpoints")
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def tiny_step_mc_cfg(steps):
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": steps, "eval_every": 0, "checkpoint_every": 0, "tokenizer.kind": "char",
+        "data.max_prompt_length": 8, "data.pairs": "step_mc", "algo.name": "dpo",
+        "algo.online": True, "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
+        "rollout.batch_size": 4, "rollout.max_new_tokens": 8, "optimizer.learning_rate": 1e-3,
+        "sft.steps": 2, "sft.batch_size": 4, "sft.max_length": 26, "eval.num_examples": 4,
+        "eval.batch_size": 4, "logging.tensorboard": False, "checkpoint.async_save": False})
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 1, "operands": 3, "steps": True, "eval_examples": 4}
+    return config_lib.validate(cfg)
+
+
+def test_step_mc_run_resumes_exactly(tmp_path):
+    """Same seed: a run stopped after its first DPO round and resumed logs the same metrics
+    and ends with the same parameters as a straight run (the sampling keys come from the train
+    state, the data position from the phase's state_dict)."""
+    from rljax.train import checkpoint, run
+    from rljax.train.faults import StopSignal
+    from rljax.train.metrics import read_metrics
+
+    class StopAfter(StopSignal):
+        def __init__(self, n):
+            super().__init__(quiet=True)
+            self.n = n
+
+        def should_stop(self, sync=False):
+            self.n -= 1
+            if self.n <= 0:
+                self.request_stop()
+            return super().should_stop(sync)
+
+    devices = jax.devices()[:1]
+    straight, parts = str(tmp_path / "a"), str(tmp_path / "b")
+    assert run.train(tiny_step_mc_cfg(2), straight, devices=devices) == 0
+    assert run.train(tiny_step_mc_cfg(2), parts, devices=devices, stop=StopAfter(3)) == 0
+    assert run.train(tiny_step_mc_cfg(2), parts, devices=devices) == 0
+
+    def comparable(workdir):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+                for r in read_metrics(workdir)]
+    rounds = [r for r in comparable(straight) if "step_mc/pairs" in r]
+    assert len(rounds) == 2 and all("rollout/tokens" in r for r in rounds)
+    assert comparable(parts) == comparable(straight)
+
+    def params(workdir):
+        with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+            return jax.tree.map(np.asarray, ckpt.restore().state["params"])
+    jax.tree.map(np.testing.assert_array_equal, params(parts), params(straight))
