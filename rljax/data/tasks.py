@@ -1,4 +1,4 @@
-"""Built-in synthetic tasks with exact verifiers: ``arithmetic`` and ``countdown``.
+"""Built-in synthetic tasks with exact verifiers: ``arithmetic``, ``countdown``, ``guess_number``.
 
 Examples are a pure function of ``(seed, split, index)``, so a task is a random-access dataset of
 any size: no download, no files, the same example on every host and after every restart.
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ArithmeticTask", "CountdownTask", "solve_countdown", "TASKS"]
+__all__ = ["ArithmeticTask", "CountdownTask", "GuessNumberTask", "solve_countdown", "TASKS"]
 
 _SPLIT_STREAM = {"train": 0, "eval": 1, "test": 1}
 # Share of the problem space reserved for evaluation. Splits are disjoint by construction, so
@@ -180,4 +180,35 @@ def _strip_outer(expr: str) -> str:
     return expr[1:-1]
 
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+class GuessNumberTask:
+    """Games for the multi-turn environment ``guess_number`` (``rljax.envs.games``): a secret
+    integer in ``[low, high]`` found from "higher"/"lower" hints. Fields: ``question``,
+    ``secret``, ``low``, ``high``, and ``answer`` (the secret as text, so answer-matching rewards
+    such as ``arithmetic`` can also score the final guess). Splits hold disjoint secrets.
+    """
+
+    name = "guess_number"
+
+    def __init__(self, low: int = 1, high: int = 100, seed: int = 0):
+        if high - low < 1:
+            raise ValueError(f"guess_number: need low < high, got {low}, {high}")
+        self.low, self.high, self.seed = int(low), int(high), int(seed)
+
+    def example(self, index: int, split: str = "train") -> dict:
+        rng = _rng(self.seed, split, index)
+        question = f"Guess my number from {self.low} to {self.high}."
+        for _ in range(10_000):
+            secret = int(rng.integers(self.low, self.high + 1))
+            if _belongs_to(split, f"{question}#{secret}", self.seed):
+                return {"question": question, "secret": secret, "low": self.low,
+                        "high": self.high, "answer": str(secret)}
+        raise ValueError(f"guess_number: no secret in [{self.low}, {self.high}] falls in the "
+                         f"{split!r} split; widen the range")
+
+    def solution(self, example: dict) -> str:
+        """The first move of a bisection (the range's midpoint). A game is several turns: the
+        whole solved game for SFT warm-up is ``rljax.envs.guess_trace(example)``."""
+        return str((int(example["low"]) + int(example["high"])) // 2)
+
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "guess_number": GuessNumberTask}

@@ -28,6 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from rljax import usercode
+from rljax.errors import UserError
+
 Message = dict  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
 
 
@@ -81,6 +84,16 @@ class Tool:
             "parameters": dict(self.parameters)}}
 
 
+class ToolError(Exception):
+    """Raised by a tool for a failure the model should read as ``"Error: <message>"`` (bad
+    input, a program that crashed); any other exception is reported with its type name."""
+
+
+class ToolTimeout(ToolError):
+    """Raised by a tool that enforces its own time limit (e.g. the python sandbox killed a
+    program); counted as ``tool_timeouts`` like a call the runner gave up waiting for."""
+
+
 EnvFactory = Callable[..., Environment]   # factory(example: dict, **kwargs) -> Environment
 ToolFactory = Callable[..., Tool]         # factory(**kwargs) -> Tool
 
@@ -108,14 +121,31 @@ def tool_names() -> tuple[str, ...]:
     return tuple(sorted(_TOOLS))
 
 
+def lookup_factory(what: str, name: str, key: str) -> Callable:
+    """The factory of environment (``what="environment"``) or tool (``"tool"``) ``name``:
+    registered, or the user code it names (``path/to/file.py:attr`` or ``package.module:attr``,
+    loaded once per process; a missing file/attribute is a UserError naming ``key``)."""
+    registry = {"environment": _ENVS, "tool": _TOOLS}[what]
+    if name in registry:
+        return registry[name]
+    if usercode.is_spec(name):
+        factory = usercode.load(name, key)
+        if not callable(factory):
+            raise UserError(f"{key}: {name} is a {type(factory).__name__}, not a {what} factory")
+        return factory
+    known = ", ".join(sorted(registry)) or "none"
+    raise KeyError(f"unknown {what} {name!r}; known: {known} (or path/to/file.py:factory)")
+
+
 def make_env(name: str, example: Mapping[str, Any], **kwargs) -> Environment:
-    """A fresh episode of environment ``name`` for one dataset example."""
-    if name not in _ENVS:
-        raise KeyError(f"unknown environment {name!r}; known: {', '.join(env_names()) or 'none'}")
-    return _ENVS[name](dict(example), **kwargs)
+    """A fresh episode of environment ``name`` (registered, or ``file.py:factory``) for one
+    dataset example."""
+    return lookup_factory("environment", name, "env.name")(dict(example), **kwargs)
 
 
 def make_tool(name: str, **kwargs) -> Tool:
-    if name not in _TOOLS:
-        raise KeyError(f"unknown tool {name!r}; known: {', '.join(tool_names()) or 'none'}")
-    return _TOOLS[name](**kwargs)
+    """Tool ``name`` (registered, or ``file.py:factory`` returning a ``Tool``)."""
+    tool = lookup_factory("tool", name, "env.tools")(**kwargs)
+    if not isinstance(tool, Tool):
+        raise UserError(f"env.tools: {name} returned a {type(tool).__name__}, not a Tool")
+    return tool
