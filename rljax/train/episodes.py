@@ -17,6 +17,7 @@ decoded text, the tokens after it dropped), the per-turn cap, or the episode's t
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -78,11 +79,6 @@ class EpisodeLimits:
     prompt_buckets: tuple[int, ...] = sampling.DEFAULT_BUCKETS
 
 
-def step_sequentially(envs: Sequence[Any], turns: Sequence[str]) -> list:
-    """Fallback stepper: ``env.step(turn)`` one after another."""
-    return [env.step(turn) for env, turn in zip(envs, turns)]
-
-
 def _cut_after(tokenizer, ids: list[int], marker: str) -> int:
     """Number of leading tokens of ``ids`` whose decoded text first contains ``marker``
     (``len(ids)`` when it never does). Binary search: containment grows with the prefix."""
@@ -99,9 +95,10 @@ def _cut_after(tokenizer, ids: list[int], marker: str) -> int:
 
 
 def _count(info: Any, totals: dict) -> None:
+    """Adds a step's numeric ``info`` counters into an episode's totals."""
     for k, v in dict(info or {}).items():
         if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):
-            totals[k] = totals.get(k, 0) + float(v)
+            totals[k] = totals.get(k, 0) + v
 
 
 def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer: Renderer,
@@ -117,10 +114,14 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     before the environment said done), ``turns`` int32 [R], ``env_rewards`` f32 [R] (sum of
     the turns' rewards), ``turn_rewards`` (list of lists, with ``keep_per_turn_rewards``),
     ``prompt_ids`` (list of id lists, one per row), ``prompt_len`` (bucket P), ``prompts`` /
-    ``final_turns`` / ``transcripts`` (lists of str), ``info`` ({counter: total}), ``time_env``.
+    ``final_turns`` / ``transcripts`` (lists of str), ``counters`` (one dict per episode: the
+    sum of its steps' ``info`` counters), ``info`` (their totals), ``time_env``.
+
+    ``step_all(envs, turns) -> results`` steps the active episodes (default
+    ``rljax.envs.step_all``: concurrently, in threads).
     """
-    import time
-    step_all = step_all or step_sequentially
+    if step_all is None:
+        from rljax.envs import step_all
     r, g = len(envs), int(num_samples)
     if r % g:
         raise ValueError(f"{r} environments are not groups of {g}")
@@ -152,7 +153,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     env_rewards = np.zeros(r, np.float32)
     turn_rewards: list[list[float]] = [[] for _ in range(r)]
     final_turns = [""] * r
-    info: dict[str, float] = {}
+    counters: list[dict] = [{} for _ in range(r)]
     time_env = 0.0
     for turn in range(t_max):
         budget = np.where(active, np.minimum(n, m_max - length), 0).astype(np.int32)
@@ -184,7 +185,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
             env_rewards[i] += float(res.reward)
             if keep_per_turn_rewards:
                 turn_rewards[i].append(float(res.reward))
-            _count(res.info, info)
+            _count(res.info, counters[i])
             if res.done:
                 active[i], done[i] = False, True
                 continue
@@ -207,10 +208,46 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
             slot_mask[:, start:start + o] = chunk_mask
     mask = np.arange(m_max)[None, :] < length[:, None]
     transcripts = [tokenizer.decode(tokens[i, :length[i]].tolist()) for i in range(r)]
+    info: dict[str, float] = {}
+    for c in counters:
+        _count(c, info)
     return dict(tokens=tokens, mask=mask, model_mask=model_mask, logps=logps,
                 lengths=length.astype(np.int32), model_tokens=model_mask.sum(1).astype(np.int32),
                 truncated=~done, turns=turns, env_rewards=env_rewards,
                 turn_rewards=turn_rewards if keep_per_turn_rewards else None,
                 prompt_ids=[list(map(int, ids)) for ids in prompt_ids],
                 prompt_len=int(layout.prompt_len), prompts=prompts, final_turns=final_turns,
-                transcripts=transcripts, info=info, time_env=time_env)
+                transcripts=transcripts, counters=counters, info=info, time_env=time_env)
+
+
+def trace_tokens(tokenizer, renderer: Renderer, messages: Sequence[dict]):
+    """A scripted episode (``[system?, user, assistant, observation..., assistant, ...]``) as a
+    rollout would lay it out: ``(prompt ids, trajectory ids, model mask)`` (lists).
+
+    A model turn that ends with the tool call's closing text ends there (as the sampler stops
+    it); any other model turn ends with EOS. Observation messages after a turn are rendered as
+    the rollout renders them (context: not in the model mask).
+    """
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a trace needs at least one assistant message")
+    prompt = tokenizer.encode(renderer.prompt(messages[:first]))
+    ids: list[int] = []
+    model: list[bool] = []
+    i = first
+    while i < len(messages):
+        text = messages[i]["content"]
+        turn = tokenizer.encode(text)
+        eos = not (renderer.call_end and text.endswith(renderer.call_end))
+        turn += [tokenizer.eos_id] if eos else []
+        ids += turn
+        model += [True] * len(turn)
+        j = i + 1
+        while j < len(messages) and messages[j]["role"] != "assistant":
+            j += 1
+        if j > i + 1:
+            obs = tokenizer.encode(renderer.observation(messages[i + 1:j], eos))
+            ids += obs
+            model += [False] * len(obs)
+        i = j
+    return prompt, ids, model
