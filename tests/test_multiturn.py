@@ -16,8 +16,8 @@ def _full_logps(cfg, params, prompt_tok, prompt_mask, traj, traj_mask):
     """Reference: token_logps over prompt ++ trajectory (one uncached forward)."""
     seq = np.concatenate([prompt_tok, traj], axis=1)
     mask = np.concatenate([prompt_mask, traj_mask], axis=1)
-    lp, _ = models.token_logps(cfg, params, jnp.asarray(seq), attention_mask=jnp.asarray(mask))
-    return np.asarray(lp)[:, prompt_tok.shape[1]:]
+    fwd = jax.jit(lambda p, s, m: models.token_logps(cfg, p, s, attention_mask=m)[0])
+    return np.asarray(fwd(params, jnp.asarray(seq), jnp.asarray(mask)))[:, prompt_tok.shape[1]:]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma"])
@@ -172,3 +172,24 @@ def test_chat_renderer_observation_chunk():
         "\ntool: 42\nAssistant: "
     plain = episodes.Renderer(tok, chat=False)
     assert plain.observation([{"role": "tool", "content": "<r>4</r>"}], False) == "<r>4</r>"
+
+
+def test_sharded_episodes_equal_unsharded(char_model):
+    """The same episodes on a 2x2x2 mesh of 8 fake devices (rows over data x fsdp, cache heads
+    over tensor, parameters sharded): same tokens, same log-probs."""
+    from rljax import sharding
+    tok, cfg, params = char_model
+    ref = _run(char_model, seed=5)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    shardings = sharding.logical_to_sharding(models.param_logical_axes(cfg), mesh, shapes=params)
+    sparams = sharding.shard_params(params, shardings)
+    envs = [CountingEnv({"q": q}) for q in ["12*3=", "7+8=", "90="] for _ in range(4)]
+    limits = episodes.EpisodeLimits(turn_tokens=8, chunk_tokens=12, max_turns=3,
+                                    max_total_tokens=32, prompt_buckets=(8,))
+    out = episodes.run_episodes(cfg, sparams, tok, envs, limits=limits,
+                                renderer=episodes.Renderer(tok, chat=False, call_end="</c>"),
+                                rng=jax.random.key(5), num_samples=4, mesh=mesh)
+    for k in ("tokens", "mask", "model_mask", "turns"):
+        np.testing.assert_array_equal(out[k], ref[k])
+    np.testing.assert_allclose(out["logps"], ref["logps"], atol=1e-5)
+    assert sparams["layers"]["q"].sharding.spec == shardings["layers"]["q"].spec

@@ -329,6 +329,9 @@ def make_tokenizer(cfg, workdir: str | None):
                               "has no chat template")
         return tok
     tok = tokenizers.CharTokenizer()
+    if t.chat_template and not tok.has_chat_template:
+        raise ConfigError("tokenizer.chat_template=True but the character tokenizer has no "
+                          "chat template")
     if workdir:
         paths.makedirs(workdir)  # a local directory or a URL (gs://...)
         tok.save(workdir)
