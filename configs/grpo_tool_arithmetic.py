@@ -15,9 +15,9 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 200                      # GRPO iterations
-    c.eval_every = 50
-    c.checkpoint_every = 50
+    c.steps = 120                      # GRPO iterations
+    c.eval_every = 100
+    c.checkpoint_every = 100
     c.model = dict(preset="tiny", overrides=dict(
         num_layers=2, hidden_size=96, intermediate_size=256, num_heads=4, num_kv_heads=2,
         max_position_embeddings=80))
@@ -30,9 +30,11 @@ def get_config():
     c.rollout = dict(batch_size=256, max_new_tokens=32, temperature=1.0)
     c.algo = dict(name="grpo", num_generations=8, beta=0.0, loss_agg_mode="token-mean",
                   adv_estimator="grpo")
-    c.optimizer = dict(learning_rate=3e-4, max_grad_norm=1.0)
+    # A gentle start: the first Adam step moves every weight by ~lr whatever its gradient
+    # (3e-4 with no warm-up broke the warm-up's call format in one step).
+    c.optimizer = dict(learning_rate=1e-4, warmup_steps=10, max_grad_norm=1.0)
     c.reward = dict(names=("arithmetic",))   # on the final model turn's text
-    c.sft = dict(steps=150, learning_rate=1e-3, batch_size=64, max_length=72, env_traces=True)
+    c.sft = dict(steps=200, learning_rate=1e-3, batch_size=64, max_length=72, env_traces=True)
     c.eval = dict(num_examples=500, batch_size=250)
     c.logging = dict(console_every_s=15.0)
     return c

@@ -5,7 +5,8 @@ An episode's training row is the prompt ++ the whole trajectory after it (model 
 observations, ``env.max_total_tokens`` slots); ``loss_mask`` holds only the tokens the model
 generated, so the policy loss, KL, entropy and importance ratios never see an observation
 token. The reward of an episode is the sum of its environment rewards plus ``reward.names``
-applied to the final model turn's text; GRPO normalises it over the G episodes of a prompt.
+applied to the final model turn's text (an episode cut short by the turn or token limits has
+no final answer: they see ""); GRPO normalises it over the G episodes of a prompt.
 Episodes start and end within one iteration, so a checkpoint never holds an open episode.
 """
 from __future__ import annotations
@@ -84,13 +85,20 @@ def env_metrics(eps_list: list[dict], prefix: str = "env") -> dict:
     return m
 
 
+def final_answers(eps: dict) -> list[str]:
+    """The text reward functions judge: the final model turn of an episode the environment
+    ended, and "" for a truncated one (its last turn was e.g. a tool call, not an answer:
+    scoring it would pay a call whose arguments end with the right number)."""
+    return ["" if cut else text for text, cut in zip(eps["final_turns"], eps["truncated"])]
+
+
 def score(reward_fn, eps: dict, examples: list[dict], g: int):
-    """Episode rewards f32 [R] (environment rewards + ``reward.names`` on the final model
-    turn) and the ``rewards.combine`` result (None without reward functions)."""
+    """Episode rewards f32 [R] (environment rewards + ``reward.names`` on the final answer,
+    ``final_answers``) and the ``rewards.combine`` result (None without reward functions)."""
     total = eps["env_rewards"].astype(np.float32)
     if reward_fn is None:
         return total, None
-    result = reward_fn(eps["prompts"], eps["final_turns"],
+    result = reward_fn(eps["prompts"], final_answers(eps),
                        completion_lengths=list(eps["model_tokens"]),
                        **expand_fields(examples, g))
     return total + np.asarray(result.total, np.float32), result
@@ -207,7 +215,7 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
         total = eps["env_rewards"][:keep].astype(np.float64)
         if verifier is not None:
             total = total + np.asarray(verifier(
-                eps["prompts"][:keep], eps["final_turns"][:keep],
+                eps["prompts"][:keep], final_answers(eps)[:keep],
                 **expand_fields(chunk, num_samples)), np.float64)
         correct.append(total >= 1.0)
         lengths.append(eps["lengths"][:keep])
