@@ -108,11 +108,6 @@ class MultiTurnRollout(Rollout):
     """The GRPO rollout with episodes instead of single completions (same batch layout, plus
     ``model_mask``); dynamic sampling, TIS, KL and exact accumulation are the base class's."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True):
-        super().__init__(ctx, iterator, old_logps)
-        if not ctx.cfg.reward.names:
-            self.reward_fn = None
-
     def _round(self, params, rng) -> dict:
         cfg, g = self.cfg, self.g
         examples = next(self.iterator)

@@ -121,7 +121,8 @@ class Rollout:
         self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
         self.g = int(cfg.algo.num_generations)
         self.num_prompts = cfg.rollout.batch_size // self.g
-        self.reward_fn = ctx.reward_fn()
+        # An environment may be the only source of reward (``reward.names`` empty).
+        self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
         self.logps_fn = build_logps_fn(
