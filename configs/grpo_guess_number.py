@@ -12,9 +12,9 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 100                      # GRPO iterations
-    c.eval_every = 50
-    c.checkpoint_every = 50
+    c.steps = 60                       # GRPO iterations
+    c.eval_every = 150
+    c.checkpoint_every = 150
     c.model = dict(preset="tiny", overrides=dict(
         num_layers=2, hidden_size=96, intermediate_size=256, num_heads=4, num_kv_heads=2,
         max_position_embeddings=160))
@@ -24,7 +24,7 @@ def get_config():
     # Plain transcript: "50 lower\n25 higher\n37" (the hint framed by hint_format).
     c.env = dict(name="guess_number", max_turns=10, max_total_tokens=112, max_turn_tokens=4,
                  max_obs_tokens=8, kwargs=dict(hint_format=" {hint}\n", turn_penalty=0.05))
-    c.rollout = dict(batch_size=256, max_new_tokens=4, temperature=1.0)
+    c.rollout = dict(batch_size=128, max_new_tokens=4, temperature=1.0)
     c.algo = dict(name="grpo", num_generations=8, beta=0.0, loss_agg_mode="token-mean",
                   adv_estimator="grpo")
     c.optimizer = dict(learning_rate=1e-4, warmup_steps=10, max_grad_norm=1.0)
