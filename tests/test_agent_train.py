@@ -178,3 +178,11 @@ def test_chat_template_tool_format_needs_a_tokenizer_template(monkeypatch, tmp_p
     cfg = agent_cfg(**{"env.tool_format": "json", "tokenizer.chat_template": True})
     with pytest.raises(config_lib.ConfigError, match="tokenizer.chat_template"):
         setup.make_tokenizer(cfg, None)
+
+
+def test_sample_prints_whole_episodes(straight, capsys):
+    """``rljax sample`` on a run with an environment plays episodes and prints transcripts."""
+    assert run.sample(agent_cfg(), straight, ["3*4=", "7*8="], devices=DEVICES) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt ---") == 2 and out.count("--- episode (") == 2
+    assert "3*4=" in out and "turns, environment reward" in out
