@@ -29,7 +29,7 @@ from ml_collections import config_dict
 from rljax.errors import ConfigError
 
 # Free-form dicts: any keys allowed below these paths (their owner validates them).
-OPEN_SECTIONS = ("model.overrides", "data.kwargs", "reward.kwargs")
+OPEN_SECTIONS = ("model.overrides", "data.kwargs", "reward.kwargs", "env.kwargs")
 
 # Allowed names for string knobs chosen from a registry. The owning module may pass a fresher
 # registry to ``validate(cfg, choices=...)``; these constants are the documented defaults.
@@ -215,6 +215,17 @@ def default_config() -> ml_collections.ConfigDict:
         max_consecutive_error_steps=10,  # stop when a function fails on every sample of this
                                          # many steps in a row; 0 = never
     )
+    c.env = dict(                    # multi-turn episodes (docs/agents.md); "" = single-turn
+        name="",                     # environment: "tool", "guess_number", path/to/file.py:fn
+        tools=(),                    # tool names for the "tool" environment (calculator, ...)
+        tool_format="plain",         # how calls are written: "plain" or "json" (chat template)
+        max_turns=4,                 # model turns per episode
+        max_total_tokens=128,        # trajectory tokens after the prompt (model + observations)
+        max_turn_tokens=0,           # tokens per model turn; 0 = rollout.max_new_tokens
+        max_obs_tokens=31,           # tokens of one rendered observation (longer: the episode
+                                     # ends, truncated); the cache holds O = this + 1 per turn
+        kwargs={},                   # free-form options of the environment's factory
+    )
     c.mesh = dict(data=-1, fsdp=1, tensor=1)  # -1 = the rest of the devices
     c.logging = dict(
         log_every=1,
@@ -237,6 +248,8 @@ def default_config() -> ml_collections.ConfigDict:
         max_length=512,
         source="",                   # "" = data.source
         path="",
+        env_traces=False,            # with env.name: train on the environment's scripted
+                                     # episodes (tool calls, observations as context)
     )
     c.memory = dict(
         check="auto",                # pre-flight memory check in `train` (rljax.plan): "full"
@@ -571,6 +584,8 @@ _RANGES = (
     ("eval.num_examples", 0, None), ("eval.batch_size", 1, None), ("eval.num_samples", 1, None),
     ("eval.temperature", 0.0, None),
     ("reward.timeout_s", 0.0, None), ("reward.max_consecutive_error_steps", 0, None),
+    ("env.max_turns", 1, None), ("env.max_total_tokens", 1, None), ("env.max_turn_tokens", 0, None),
+    ("env.max_obs_tokens", 1, None),
 )
 
 
@@ -646,6 +661,7 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
         raise ConfigError(f"algo.ref_update_every={algo.ref_update_every} refreshes a copied "
                           "reference; with LoRA (model.lora.rank > 0) the reference is the "
                           "frozen base model: set it to 0")
+    _check_env(cfg)
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")
@@ -686,6 +702,33 @@ def _check_step_mc(cfg) -> None:
     if cfg.rollout.temperature_schedule.name != "constant":
         raise ConfigError("data.pairs='step_mc' samples continuations at rollout.temperature; "
                           "set rollout.temperature_schedule.name='constant'")
+
+
+def _check_env(cfg) -> None:
+    """The ``env`` section: known environment/tools/format (``envs.check_env_config``, which
+    imports user code), an algorithm that samples episodes, and a chat template for ``json``."""
+    env = cfg.env
+    if not env.name:
+        if cfg.sft.env_traces:
+            raise ConfigError("sft.env_traces=True needs an environment (env.name)")
+        return
+    from rljax.envs import check_env_config   # host-only module; imported when used
+
+    check_env_config(env.name, tuple(env.tools), env.tool_format)
+    if cfg.algo.name != "grpo":
+        raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
+                          f"algo.name='grpo' (got {cfg.algo.name!r})")
+    if env.tool_format == "json" and env.tools and not cfg.tokenizer.chat_template:
+        raise ConfigError("env.tool_format='json' renders tool results with the chat "
+                          "template: set tokenizer.chat_template=True (or env.tool_format="
+                          "'plain')")
+    if cfg.sft.env_traces and env.name not in ENV_TRACES:
+        raise ConfigError(f"sft.env_traces: environment {env.name!r} has no scripted traces "
+                          f"(known: {', '.join(ENV_TRACES)})")
+
+
+# Environments with scripted episodes for SFT warm-up (``sft.env_traces``).
+ENV_TRACES = ("tool", "guess_number")
 
 
 def _check_mesh(mesh) -> None:

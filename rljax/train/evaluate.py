@@ -58,6 +58,8 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
     e = cfg.eval
     examples = eval_examples(ctx) if examples is None else examples
     n, bs = e.num_samples, e.batch_size
+    if cfg.env.name:
+        return run_agent_eval(ctx, params, rng, examples)
     verifier = rewards.get(cfg.reward.names[0], **dict(cfg.reward.kwargs).get(
         cfg.reward.names[0], {}))
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
@@ -96,8 +98,33 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
          "eval/length_mean": float(np.concatenate(lengths).mean()),
          "eval/truncated_frac": float(np.concatenate(truncated).mean()),
          "time/eval": time.perf_counter() - t0}
-    k = 2
+    m.update(_pass_at_k(ok))
+    return m
+
+
+def _pass_at_k(ok: np.ndarray) -> dict:
+    """``eval/pass@k`` for every power of two k <= n from correctness bool [E, n]."""
+    n, m, k = ok.shape[1], {}, 2
     while k <= n:
         m[f"eval/pass@{k}"] = float(np.mean(algorithms.pass_at_k(n, ok.sum(axis=1), k)))
         k *= 2
+    return m
+
+
+def run_agent_eval(ctx, params, rng, examples: list[dict]) -> dict:
+    """Held-out episodes (``env.name`` set): ``eval/accuracy`` (episode reward >= 1: the
+    environment's rewards plus the first reward function on the final model turn), pass@k,
+    trajectory lengths, and the episodes' ``eval/turns_mean``, tool counts, ..."""
+    from rljax.train import agent
+    e, t0 = ctx.cfg.eval, time.perf_counter()
+    out = agent.run_eval_batches(ctx, params, rng, examples, num_samples=e.num_samples,
+                                 temperature=e.temperature, batch_size=e.batch_size)
+    ok = out["correct"]
+    m = {"eval/accuracy": float(ok.mean()), "eval/num_examples": int(ok.shape[0]),
+         "eval/length_mean": float(out["lengths"].mean()),
+         "eval/truncated_frac": float(out["truncated"].mean())}
+    m.update({k: v for k, v in agent.env_metrics(out["episodes"], prefix="eval").items()
+              if k != "eval/truncated_frac"})
+    m.update(_pass_at_k(ok))
+    m["time/eval"] = time.perf_counter() - t0
     return m

@@ -134,7 +134,8 @@ class Rollout:
         self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
         self.g = int(cfg.algo.num_generations)
         self.num_prompts = cfg.rollout.batch_size // self.g
-        self.reward_fn = ctx.reward_fn()
+        # An environment may be the only source of reward (``reward.names`` empty).
+        self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
         self.logps_fn = build_logps_fn(
@@ -240,7 +241,9 @@ class Rollout:
         batch, rows = self._assemble(rounds, groups)
         train = np.ones(len(groups), bool)
         train[len(groups) - filler:] = False
-        loss_mask = rows["mask"] & np.repeat(train, g)[:, None]
+        # Multi-turn episodes: only the model's own tokens train (observations are context).
+        model_mask = rows.get("model_mask", rows["mask"])
+        loss_mask = model_mask & np.repeat(train, g)[:, None]
         if cfg.algo.mask_truncated_completions:
             loss_mask &= ~rows["truncated"][:, None]
         batch["loss_mask"] = loss_mask
@@ -258,7 +261,7 @@ class Rollout:
             if cfg.algo.kl_in_reward:  # KL penalty folded into the reward
                 kl = dist.to_host(algorithms.get_kl_estimator(cfg.algo.kl_estimator)(
                     batch["old_logps"], batch["ref_logps"]))
-                kl = np.where(rows["mask"], kl, 0.0).astype(np.float32)
+                kl = np.where(model_mask, kl, 0.0).astype(np.float32)
                 kl_seq = kl.sum(-1)
                 if self.token_level:  # per token, inside the return-to-go
                     token_kl = kl
@@ -277,7 +280,7 @@ class Rollout:
             [len(ids) / r["prompt_len"] for r in rounds for ids in r["prompt_ids"]]))
         if self.old_logps:  # otherwise the update step reports them from its own log-probs
             old = dist.to_host(batch["old_logps"])
-            diff = np.abs(old - rows["logps"])[rows["mask"]]
+            diff = np.abs(old - rows["logps"])[model_mask]
             metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0

@@ -238,6 +238,8 @@ def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None 
         ctx, state, _ = load_for_inference(cfg, workdir, checkpoint, devices)
         model_cfg, params, tok = ctx.model_cfg, state.params, ctx.tokenizer
     texts = list(prompts) if raw else render_prompts(cfg, tok, prompts, ctx)
+    if cfg.env.name and ctx is not None:   # multi-turn: the whole episode, tools included
+        return _sample_episodes(ctx, params, prompts, texts)
     p_tok, p_mask = sampling.pad_to_bucket([tok.encode(p) for p in texts], pad_id=tok.pad_id)
     out = sampling.generate(model_cfg, params, p_tok, p_mask, rng=jax.random.PRNGKey(cfg.seed),
                             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
@@ -245,6 +247,23 @@ def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None 
                             pad_id=tok.pad_id)
     completions = tok.batch_decode(jax.device_get(out.tokens), jax.device_get(out.mask))
     print_completions(texts, completions, file=sys.stdout)
+    return 0
+
+
+def _sample_episodes(ctx, params, questions: list[str], texts: list[str]) -> int:
+    """One episode per prompt in the run's environment (eval temperature); prints each
+    episode's rendered first messages and its whole transcript (model turns and
+    observations)."""
+    from rljax.train import agent
+    cfg = ctx.cfg
+    examples = [{"prompt": t, "question": q} for q, t in zip(questions, texts)]
+    eps = agent.play(ctx, params, examples, jax.random.PRNGKey(cfg.seed), num_samples=1,
+                     temperature=cfg.eval.temperature)
+    for i in range(len(examples)):
+        print(f"--- prompt ---\n{eps['prompts'][i]}\n--- episode ({eps['turns'][i]} turns, "
+              f"environment reward {eps['env_rewards'][i]:.3g}"
+              f"{', truncated' if eps['truncated'][i] else ''}) ---\n{eps['transcripts'][i]}",
+              file=sys.stdout, flush=True)
     return 0
 
 

@@ -222,7 +222,7 @@ def data_config(cfg, source: str | None = None, path: str | None = None) -> dict
     source = source or d.source
     out = {"template": _template(cfg), "max_prompt_len": int(d.max_prompt_length),
            "on_overlong": "drop", "shuffle": bool(d.shuffle)}
-    if cfg.tokenizer.chat_template:
+    if cfg.tokenizer.chat_template and not cfg.env.name:  # episodes render their own messages
         out["chat"] = True
     if source.startswith("tfds:"):
         out.update(source="tfds", name=source[len("tfds:"):], train_split=d.split,
@@ -331,6 +331,9 @@ def make_tokenizer(cfg, workdir: str | None):
                               "has no chat template")
         return tok
     tok = tokenizers.CharTokenizer()
+    if t.chat_template and not tok.has_chat_template:
+        raise ConfigError("tokenizer.chat_template=True but the character tokenizer has no "
+                          "chat template")
     if workdir:
         paths.makedirs(workdir)  # a local directory or a URL (gs://...)
         tok.save(workdir)
@@ -383,6 +386,9 @@ def check_context_length(cfg, model_cfg) -> None:
                      f"{p} + {cfg.eval.max_new_tokens}", p + cfg.eval.max_new_tokens))
     if cfg.sft.steps or cfg.algo.name == "sft":
         seqs.append(("sft.max_length", f"{cfg.sft.max_length}", cfg.sft.max_length))
+    if cfg.env.name:  # an episode's training row: prompt ++ the whole trajectory
+        seqs.append(("data.max_prompt_length + env.max_total_tokens",
+                     f"{p} + {cfg.env.max_total_tokens}", p + cfg.env.max_total_tokens))
     limit = model_cfg.max_position_embeddings
     problems = [f"{keys} = {terms} = {total}" for keys, terms, total in seqs if total > limit]
     if problems:

@@ -237,7 +237,8 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     if old is None:
         old = jax.lax.stop_gradient(logps)
         n = m.shape[1]
-        real = batch["mask"][:, -n:]
+        # Sampler log-probs exist for sampled tokens only (multi-turn: not observations).
+        real = batch.get("model_mask", batch["mask"][:, -n:])
         diff = jnp.where(real, jnp.abs(old - batch["sampler_logps"]), 0.0)
         diff_metrics = {"rollout/logp_diff_mean": _pair(diff, real),
                         "rollout/logp_diff_max": (jnp.max(diff), jnp.ones((), jnp.float32))}

@@ -34,7 +34,10 @@ class GRPOPhase:
         # One update per rollout (one epoch, one mini-batch): the policy has not moved since
         # sampling, so the update's own log-probs are the old ones (no separate forward).
         single_update = a.num_iterations == 1 and self.mini == self.batch_size
-        self.rollout = Rollout(ctx, self.iterator, old_logps=not single_update)
+        rollout_cls = Rollout
+        if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
+            from rljax.train.agent import MultiTurnRollout as rollout_cls
+        self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update)
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate,
                                        self.steps * self.updates_per_step)
         self._step_fn = None

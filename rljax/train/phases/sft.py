@@ -52,8 +52,20 @@ class SFTPhase:
         raise UserError(f"SFT data has no completion/solution/answer field: {sorted(example)}")
 
     def make_batch(self, examples: list[dict]) -> dict:
-        """Prompt ++ solution ++ EOS; solutions longer than the slot are cut (and counted)."""
+        """Prompt ++ solution ++ EOS; solutions longer than the slot are cut (and counted).
+        With ``sft.env_traces``: prompt ++ the environment's scripted episode, the loss on the
+        model's turns only."""
         tok, n = self.ctx.tokenizer, self.completion_len
+        if self.ctx.cfg.sft.env_traces:
+            from rljax.sampling import pad_to_bucket
+            from rljax.train.agent import trace_batch
+            prompts, c_tok, c_mask, model, cut = trace_batch(self.ctx.cfg, tok, examples, n)
+            self.num_too_long += cut
+            p_tok, p_mask = pad_to_bucket(prompts, pad_id=tok.pad_id,
+                                          buckets=rollout_lib.prompt_buckets(
+                                              self.ctx.cfg.data.max_prompt_length))
+            tokens, mask = rollout_lib.build_sequences(p_tok, p_mask, c_tok, c_mask)
+            return {"tokens": tokens, "mask": mask, "loss_mask": model}
         p_tok, p_mask = rollout_lib.encode_prompts(tok, [ex["prompt"] for ex in examples],
                                                    self.ctx.cfg.data.max_prompt_length)
         c_tok = np.full((len(examples), n), tok.pad_id, np.int32)

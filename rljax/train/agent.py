@@ -1,0 +1,222 @@
+"""Multi-turn (agentic) training with ``env.name`` set: the GRPO rollout over episodes, the
+SFT warm-up on scripted episodes, and held-out evaluation of episodes.
+
+An episode's training row is the prompt ++ the whole trajectory after it (model turns and
+observations, ``env.max_total_tokens`` slots); ``loss_mask`` holds only the tokens the model
+generated, so the policy loss, KL, entropy and importance ratios never see an observation
+token. The reward of an episode is the sum of its environment rewards plus ``reward.names``
+applied to the final model turn's text (an episode cut short by the turn or token limits has
+no final answer: they see ""); GRPO normalises it over the G episodes of a prompt.
+Episodes start and end within one iteration, so a checkpoint never holds an open episode.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from rljax import rewards
+from rljax.train import episodes as ep
+from rljax.train.rollout import Rollout, expand_fields, prompt_buckets
+
+
+def turn_tokens(cfg) -> int:
+    """Per-turn token cap: ``env.max_turn_tokens``, else ``rollout.max_new_tokens``."""
+    return int(cfg.env.max_turn_tokens or cfg.rollout.max_new_tokens)
+
+
+def make_renderer(cfg, tokenizer) -> ep.Renderer:
+    """Chat template when ``tokenizer.chat_template``; a tool call ends at its format's
+    closing text when the environment has tools."""
+    call_end = ""
+    if cfg.env.tools:
+        from rljax.envs import get_tool_format
+        call_end = get_tool_format(cfg.env.tool_format).call_end
+    return ep.Renderer(tokenizer, chat=bool(cfg.tokenizer.chat_template), call_end=call_end)
+
+
+def env_kwargs(cfg) -> dict:
+    """Factory options: ``env.kwargs``, plus ``tools`` / ``tool_format`` when tools are set."""
+    kw = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in dict(cfg.env.kwargs).items()}
+    if cfg.env.tools:
+        kw.update(tools=tuple(cfg.env.tools), tool_format=cfg.env.tool_format)
+    return kw
+
+
+def make_envs(cfg, examples: list[dict], g: int) -> list:
+    """G fresh environments per example, prompt-major."""
+    from rljax.envs import make_env
+    kw = env_kwargs(cfg)
+    return [make_env(cfg.env.name, ex, **kw) for ex in examples for _ in range(g)]
+
+
+def limits(cfg) -> ep.EpisodeLimits:
+    e = cfg.env
+    return ep.EpisodeLimits(turn_tokens=turn_tokens(cfg), chunk_tokens=int(e.max_obs_tokens) + 1,
+                            max_turns=int(e.max_turns), max_total_tokens=int(e.max_total_tokens),
+                            prompt_buckets=prompt_buckets(cfg.data.max_prompt_length))
+
+
+def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
+         top_k: int = 0, top_p: float = 1.0) -> dict:
+    """``episodes.run_episodes`` for the run's environment on ``examples``."""
+    cfg = ctx.cfg
+    return ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer,
+                           make_envs(cfg, examples, num_samples),
+                           renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
+                           rng=rng, num_samples=num_samples, temperature=temperature,
+                           top_k=top_k, top_p=top_p, mesh=ctx.mesh)
+
+
+def env_metrics(eps_list: list[dict], prefix: str = "env") -> dict:
+    """``env/turns_mean``, ``env/truncated_frac``, ``env/model_tokens_mean`` and the
+    environments' counters (``rljax.envs.env_metrics``: tool calls, errors, timeouts,
+    per-tool counts, ...) over every episode of ``eps_list``."""
+    from rljax.envs import env_metrics as counter_metrics
+    turns = np.concatenate([e["turns"] for e in eps_list])
+    m = {f"{prefix}/turns_mean": float(turns.mean()),
+         f"{prefix}/truncated_frac": float(np.concatenate(
+             [e["truncated"] for e in eps_list]).mean()),
+         f"{prefix}/model_tokens_mean": float(np.concatenate(
+             [e["model_tokens"] for e in eps_list]).mean())}
+    m.update(counter_metrics([c for e in eps_list for c in e["counters"]], prefix=prefix))
+    return m
+
+
+def final_answers(eps: dict) -> list[str]:
+    """The text reward functions judge: the final model turn of an episode the environment
+    ended, and "" for a truncated one (its last turn was e.g. a tool call, not an answer:
+    scoring it would pay a call whose arguments end with the right number)."""
+    return ["" if cut else text for text, cut in zip(eps["final_turns"], eps["truncated"])]
+
+
+def score(reward_fn, eps: dict, examples: list[dict], g: int):
+    """Episode rewards f32 [R] (environment rewards + ``reward.names`` on the final answer,
+    ``final_answers``) and the ``rewards.combine`` result (None without reward functions)."""
+    total = eps["env_rewards"].astype(np.float32)
+    if reward_fn is None:
+        return total, None
+    result = reward_fn(eps["prompts"], final_answers(eps),
+                       completion_lengths=list(eps["model_tokens"]),
+                       **expand_fields(examples, g))
+    return total + np.asarray(result.total, np.float32), result
+
+
+class MultiTurnRollout(Rollout):
+    """The GRPO rollout with episodes instead of single completions (same batch layout, plus
+    ``model_mask``); dynamic sampling, TIS, KL and exact accumulation are the base class's."""
+
+    def _round(self, params, rng) -> dict:
+        cfg, g = self.cfg, self.g
+        examples = next(self.iterator)
+        t0 = time.perf_counter()
+        eps = play(self.ctx, params, examples, rng, num_samples=g,
+                   temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                   top_p=cfg.rollout.top_p)
+        t1 = time.perf_counter()
+        total, result = score(self.reward_fn, eps, examples, g)
+        scores = {"env": eps["env_rewards"]}
+        counts: dict[str, list[int]] = {}
+        if result is not None:
+            self.monitor.observe(result)
+            scores.update({k: np.asarray(v, np.float32) for k, v in result.per_function.items()})
+            counts = {k: [result.errors[k], result.timeouts.get(k, 0), len(total)]
+                      for k in result.per_function}
+        self._maybe_print_completions(eps["prompts"], eps["transcripts"], total)
+        return dict(tokens=eps["tokens"], logps=eps["logps"], mask=eps["mask"],
+                    model_mask=eps["model_mask"], lengths=eps["lengths"],
+                    truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
+                    prompt_len=eps["prompt_len"], rewards=total, scores=scores,
+                    errors=sum(c[0] for c in counts.values()), reward_counts=counts,
+                    episodes=eps, time_sample=t1 - t0 - eps["time_env"],
+                    time_env=eps["time_env"], time_reward=time.perf_counter() - t1)
+
+    def _check_reward_failures(self, rounds, step: int) -> None:
+        if self.reward_fn is not None:
+            super()._check_reward_failures(rounds, step)
+
+    def _assemble(self, rounds, groups):
+        batch, rows = super()._assemble(rounds, groups)
+        g = self.g
+        rows["model_mask"] = np.concatenate(
+            [rounds[r]["model_mask"][i * g:(i + 1) * g] for r, i in groups])
+        batch["model_mask"] = rows["model_mask"]
+        return batch, rows
+
+    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
+        m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)
+        m.update(env_metrics([r["episodes"] for r in rounds]))
+        m["time/env"] = sum(r["time_env"] for r in rounds)
+        return m
+
+
+# ----------------------------------------------------------------------------- SFT traces
+
+def trace_messages(cfg, example: dict) -> list[dict]:
+    """The environment's scripted, verified episode for ``example`` (``sft.env_traces``)."""
+    from rljax import envs
+    kw = env_kwargs(cfg)
+    if cfg.env.name == "tool":
+        kw.pop("tools", None)   # the scripted episode uses the calculator
+        return envs.trace_messages(example, kw.pop("tool_format", cfg.env.tool_format), **kw)
+    if cfg.env.name == "guess_number":
+        return envs.guess_trace(example, **kw)
+    raise ValueError(f"environment {cfg.env.name!r} has no scripted traces")
+
+
+def trace_batch(cfg, tokenizer, examples: list[dict], completion_len: int):
+    """SFT rows from scripted episodes: ``(prompt ids per row, tokens int32 [B, C],
+    trajectory mask bool [B, C], model mask bool [B, C], number cut)``; traces longer than
+    ``completion_len`` are cut."""
+    renderer = make_renderer(cfg, tokenizer)
+    tok = np.full((len(examples), completion_len), tokenizer.pad_id, np.int32)
+    mask = np.zeros(tok.shape, bool)
+    model = np.zeros(tok.shape, bool)
+    prompts, cut = [], 0
+    for i, ex in enumerate(examples):
+        prompt, ids, is_model = ep.trace_tokens(tokenizer, renderer, trace_messages(cfg, ex))
+        if len(ids) > completion_len:
+            cut += 1
+            ids, is_model = ids[:completion_len], is_model[:completion_len]
+        prompts.append(prompt)
+        tok[i, :len(ids)], mask[i, :len(ids)], model[i, :len(ids)] = ids, True, is_model
+    return prompts, tok, mask, model, cut
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int,
+                     temperature: float, batch_size: int) -> dict[str, Any]:
+    """Episodes on held-out ``examples`` (batches of ``batch_size`` prompts, the last padded so
+    shapes stay static). An episode is correct when its reward (environment rewards + the
+    first reward function on the final turn) is >= 1. Returns ``{"correct": bool [E, n],
+    "lengths", "truncated", "episodes": [...]}``."""
+    cfg = ctx.cfg
+    verifier = None
+    if cfg.reward.names:
+        name = cfg.reward.names[0]
+        verifier = rewards.get(name, **dict(cfg.reward.kwargs).get(name, {}))
+    correct, lengths, truncated, eps_list = [], [], [], []
+    for i, start in enumerate(range(0, len(examples), batch_size)):
+        chunk = examples[start:start + batch_size]
+        padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        eps = play(ctx, params, padded, jax.random.fold_in(rng, i), num_samples=num_samples,
+                   temperature=temperature,
+                   top_k=cfg.rollout.top_k if temperature else 0,
+                   top_p=cfg.rollout.top_p if temperature else 1.0)
+        keep = len(chunk) * num_samples
+        total = eps["env_rewards"][:keep].astype(np.float64)
+        if verifier is not None:
+            total = total + np.asarray(verifier(
+                eps["prompts"][:keep], final_answers(eps)[:keep],
+                **expand_fields(chunk, num_samples)), np.float64)
+        correct.append(total >= 1.0)
+        lengths.append(eps["lengths"][:keep])
+        truncated.append(eps["truncated"][:keep])
+        eps_list.append({k: (v[:keep] if isinstance(v, (np.ndarray, list)) else v)
+                         for k, v in eps.items()})
+    return {"correct": np.concatenate(correct).reshape(-1, num_samples),
+            "lengths": np.concatenate(lengths), "truncated": np.concatenate(truncated),
+            "episodes": eps_list}

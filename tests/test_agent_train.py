@@ -1,0 +1,188 @@
+"""Training on multi-turn episodes (env.name set): the loop end to end (SFT on scripted tool
+episodes, GRPO on the model's own episodes, agentic eval, env metrics), exact resume, the
+loss seeing model tokens only, and config errors before anything compiles."""
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import cli
+from rljax.envs import StepResult, register_env
+from rljax import config as config_lib
+from rljax.train import run, setup
+from rljax.train.agent import MultiTurnRollout
+from rljax.train.state import create_train_state
+from rljax.train.metrics import read_metrics
+from rljax.train.steps import grpo_loss
+from tests.test_train_loop import StopAfter, comparable, final_params
+
+DEVICES = jax.devices()[:1]
+SFT_STEPS, RL_STEPS = 2, 3
+
+
+def agent_cfg(**overrides):
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": RL_STEPS, "eval_every": 0, "checkpoint_every": 0,
+        "model.preset": "tiny", "tokenizer.kind": "char", "data.source": "arithmetic",
+        "data.max_prompt_length": 8, "rollout.batch_size": 8, "rollout.max_new_tokens": 28,
+        "algo.num_generations": 4, "algo.beta": 0.0, "optimizer.learning_rate": 1e-3,
+        "sft.steps": SFT_STEPS, "sft.learning_rate": 1e-3, "sft.batch_size": 8,
+        "sft.max_length": 64, "sft.env_traces": True, "eval.num_examples": 4,
+        "eval.batch_size": 4, "logging.tensorboard": False, "checkpoint.async_save": False,
+        "env.name": "tool", "env.tools": ("calculator",), "env.tool_format": "plain",
+        "env.max_turns": 2, "env.max_total_tokens": 56, "env.max_obs_tokens": 20,
+    })
+    cfg.env.kwargs = {"describe_tools": False}
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 1, "ops": "*", "eval_examples": 8}
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("agent_straight"))
+    assert run.train(agent_cfg(), workdir, devices=DEVICES) == 0
+    return workdir
+
+
+def test_loop_logs_env_metrics_and_agentic_eval(straight):
+    records = read_metrics(straight)
+    rl = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in rl] == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))
+    for key in ("env/turns_mean", "env/tool_calls_mean", "env/truncated_frac",
+                "env/model_tokens_mean", "time/env", "loss", "entropy"):
+        assert key in rl[0], key
+    # Same params, same math: the trainer's log-probs of model tokens are the sampler's.
+    assert rl[0]["rollout/logp_diff_max"] < 1e-4
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [SFT_STEPS, SFT_STEPS + RL_STEPS]
+    assert "eval/turns_mean" in evals[0] and evals[0]["eval/num_examples"] == 4
+    assert [r["step"] for r in records if "sft/loss" in r] == [1, 2]
+
+
+def test_stop_and_resume_equals_straight_run(straight, tmp_path):
+    workdir = str(tmp_path)
+    assert run.train(agent_cfg(), workdir, devices=DEVICES,
+                     stop=StopAfter(SFT_STEPS + 1)) == 0
+    assert max(r["step"] for r in read_metrics(workdir)) == SFT_STEPS + 1
+    assert run.train(agent_cfg(), workdir, devices=DEVICES) == 0
+    assert comparable(read_metrics(workdir)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
+
+
+class EchoEnv:
+    """Answers every first turn with ``<r>LEN</r>`` (so every episode has observation
+    tokens, whatever an untrained model writes); done after the second turn."""
+
+    def __init__(self, example):
+        self.example, self.turns = example, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns >= 2:
+            return StepResult(done=True)
+        return StepResult(observation=[{"role": "tool", "content": f"<r>{len(text)}</r>"}])
+
+
+register_env("test_echo", EchoEnv)
+
+
+def test_loss_ignores_observation_tokens(tmp_path):
+    """A real episode batch: ``loss_mask`` is exactly the model's tokens, and changing every
+    per-token input of the loss (old/sampler/reference log-probs, token advantages) at the
+    observation positions changes neither the loss nor its gradient; the same change at a
+    model token does (so the test can fail)."""
+    cfg = agent_cfg(**{"algo.beta": 0.04, "algo.tis_cap": 2.0, "algo.adv_estimator":
+                       "reinforce_pp_baseline", "sft.steps": 0, "sft.env_traces": False,
+                       "env.name": "test_echo", "env.tools": (),
+                       "rollout.max_new_tokens": 8})
+    cfg.env.kwargs = {}
+    setup.check_inputs(cfg, num_devices=1)
+    ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
+    rollout = MultiTurnRollout(ctx, setup.data_iterator(ctx, 2))
+    import optax
+    state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0),
+                               ref_params=jax.tree.map(lambda x: x * 1.01, ctx.params))
+    batch, _ = rollout(state, 0)
+    n = batch["loss_mask"].shape[1]
+    seq_obs = batch["mask"][:, -n:] & ~batch["model_mask"]
+    assert seq_obs.sum() > 0, "the batch should have observation tokens"
+    np.testing.assert_array_equal(batch["loss_mask"], batch["model_mask"])
+    assert batch["advantages"].shape == (8, n)   # token-level: per position
+
+    @jax.jit
+    def value_and_grad(params, b):
+        def loss(params):
+            num, den = grpo_loss(ctx.model_cfg, cfg.algo, 1.0, params, state, b)[0]
+            return num / den
+        return jax.value_and_grad(loss)(params)
+
+    def loss_and_grad(b):
+        value, grad = value_and_grad(state.params, {k: jnp.asarray(v) for k, v in b.items()})
+        return float(value), grad
+
+    def perturbed(where):
+        b = dict(batch)
+        rs = np.random.default_rng(0)
+        for key in ("old_logps", "sampler_logps", "ref_logps", "advantages"):
+            x = np.array(b[key])
+            x[where] = rs.normal(size=int(where.sum())) * 3
+            b[key] = jnp.asarray(x)
+        return b
+
+    base_loss, base_grad = loss_and_grad(batch)
+    loss, grad = loss_and_grad(perturbed(seq_obs))
+    assert loss == base_loss
+    jax.tree.map(np.testing.assert_array_equal, grad, base_grad)
+    one_model_token = np.zeros_like(seq_obs)
+    one_model_token[np.argwhere(batch["model_mask"])[0][0], np.argwhere(
+        batch["model_mask"])[0][1]] = True
+    assert loss_and_grad(perturbed(one_model_token))[0] != base_loss
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("--config.env.name=nope", "env.name: unknown environment 'nope'"),
+    ("--config.env.tools=('calculator','abacus')", "env.tools: unknown tool 'abacus'"),
+    ("--config.env.max_turns=0", "env.max_turns=0 must be >= 1"),
+    ("--config.env.tool_format=json", "env.tool_format='json'"),
+    ("--config.algo.name=dpo", "multi-turn episodes train with algo.name='grpo'"),
+])
+def test_bad_env_config_is_one_line_exit_2(tmp_path, override, needle):
+    path = tmp_path / "agent.py"
+    path.write_text("from tests.test_agent_train import agent_cfg\n"
+                    "def get_config():\n    return agent_cfg()\n")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "w"),
+                         override])
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("rljax: error:"), lines
+    assert needle in lines[0], lines[0]
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_chat_template_tool_format_needs_a_tokenizer_template(monkeypatch, tmp_path):
+    """``json`` with ``tokenizer.chat_template`` but a tokenizer without a template: one line
+    naming the key when the tokenizer is loaded, before the model is built."""
+    from rljax import tokenizers
+    monkeypatch.setattr(tokenizers.CharTokenizer, "has_chat_template", property(lambda s: False))
+    cfg = agent_cfg(**{"env.tool_format": "json", "tokenizer.chat_template": True})
+    with pytest.raises(config_lib.ConfigError, match="tokenizer.chat_template"):
+        setup.make_tokenizer(cfg, None)
+
+
+def test_sample_prints_whole_episodes(straight, capsys):
+    """``rljax sample`` on a run with an environment plays episodes and prints transcripts."""
+    assert run.sample(agent_cfg(), straight, ["3*4=", "7*8="], devices=DEVICES) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt ---") == 2 and out.count("--- episode (") == 2
+    assert "3*4=" in out and "turns, environment reward" in out
