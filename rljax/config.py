@@ -44,6 +44,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.importance_sampling_level": ("token", "sequence"),
+    "algo.hint.mode": ("off", "fixed", "adaptive"),
+    "algo.hint.source": ("reference", "replay"),
     "optimizer.name": ("adamw", "adam", "sgd"),
     "optimizer.schedule": ("constant", "linear", "cosine"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -170,6 +172,31 @@ def default_config() -> ml_collections.ConfigDict:
                                      # of num_generations, ranked by reward) instead of data
         ref_update_every=0,          # DPO/PPO: copy the policy into the reference every N
                                      # steps (online DPO: 1 = refresh each round); 0 = frozen
+        # Guidance for prompts the policy fails (GRPO; docs/guidance.md). Reference solutions:
+        # built-in tasks' task.solution; files: this column ("" = the first of completion,
+        # solution, answer).
+        solution_field="",
+        hint=dict(                   # re-sample a group whose G samples all failed with a
+                                     # solution prefix as context (only the continuation trains)
+            mode="off",              # off | fixed (GHPO) | adaptive (SEELE, per prompt)
+            source="reference",      # reference (dataset solution) | replay (a stored success
+                                     # of the same prompt: POPE / off-policy prefixes)
+            threshold=1.0,           # a sample succeeds when its reward >= threshold
+            fraction=0.5,            # share of the solution's tokens given (adaptive: start)
+            target=0.5,              # adaptive: success rate of hinted groups to steer toward
+            step=0.25,               # adaptive: fraction += step * (target - success rate)
+            min_fraction=0.0,        # adaptive: bounds of the per-prompt fraction
+            max_fraction=1.0,
+            replay_fallback=True,    # replay: no stored success -> the reference (else no hint)
+            max_prompts=10000,       # per-prompt state kept (oldest dropped)
+        ),
+        relift=dict(                 # ReLIFT: SFT on prompts the policy keeps failing
+            every=0,                 # one SFT step every N RL steps; 0 = off
+            k_visits=1,              # buffered after this many zero-success visits in a row
+            batch_size=16,           # prompts per SFT step (padded rows count for nothing)
+            buffer_size=256,         # FIFO bound of the buffer (deduplicated by prompt)
+            coef=1.0,                # SFT loss scale (the mixing weight next to RL updates)
+        ),
     )
     c.optimizer = dict(
         name="adamw",
@@ -544,6 +571,12 @@ _RANGES = (
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
     ("algo.label_smoothing", 0.0, 0.5), ("algo.ref_update_every", 0, None),
     ("memory.device_memory_gb", 0.0, None),
+    ("algo.hint.fraction", 0.0, 1.0), ("algo.hint.target", 0.0, 1.0),
+    ("algo.hint.min_fraction", 0.0, 1.0), ("algo.hint.max_fraction", 0.0, 1.0),
+    ("algo.hint.step", 0.0, None), ("algo.hint.max_prompts", 1, None),
+    ("algo.relift.every", 0, None), ("algo.relift.k_visits", 1, None),
+    ("algo.relift.batch_size", 1, None), ("algo.relift.buffer_size", 1, None),
+    ("algo.relift.coef", 0.0, None),
     ("optimizer.learning_rate", 1e-30, None), ("optimizer.warmup_steps", 0, None),
     ("optimizer.min_lr_ratio", 0.0, 1.0), ("optimizer.weight_decay", 0.0, None),
     ("optimizer.max_grad_norm", 0.0, None), ("optimizer.max_consecutive_nonfinite", 1, None),
@@ -606,6 +639,7 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
     if algo.name == "ppo" and algo.adv_estimator != "gae":
         raise ConfigError("algo.name='ppo' trains a critic for GAE: set algo.adv_estimator='gae'")
+    _check_guidance(cfg)
     _check_mesh(cfg.mesh)
     if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.names):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} entries but "
@@ -630,6 +664,21 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")
+
+
+def _check_guidance(cfg) -> None:
+    """Hints and ReLIFT (``algo.hint``, ``algo.relift``) are GRPO options."""
+    hint, relift = cfg.algo.hint, cfg.algo.relift
+    on = [k for k, v in (("algo.hint.mode", hint.mode != "off"),
+                         ("algo.relift.every", relift.every > 0)) if v]
+    if on and cfg.algo.name != "grpo":
+        raise ConfigError(f"{on[0]} is a GRPO option; algo.name={cfg.algo.name!r}")
+    if hint.mode == "adaptive" and hint.min_fraction > hint.max_fraction:
+        raise ConfigError(f"algo.hint.min_fraction={hint.min_fraction} must be <= "
+                          f"algo.hint.max_fraction={hint.max_fraction}")
+    if hint.mode != "off" and hint.fraction == 0.0 and hint.mode == "fixed":
+        raise ConfigError("algo.hint.fraction=0.0 gives no hint; set it in (0, 1] or "
+                          "algo.hint.mode='off'")
 
 
 def _check_mesh(mesh) -> None:

@@ -43,6 +43,7 @@ import numpy as np
 
 from rljax import algorithms, rewards, sampling
 from rljax import distributed as dist
+from rljax.train import guidance
 from rljax.train.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
@@ -143,15 +144,28 @@ class Rollout:
         self._informative = jax.jit(lambda r: algorithms.nonzero_variance_groups(r, g))
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
         self._printed_at = None   # time of the last logging.num_completions_to_print output
+        self.guide = guidance.Guide(ctx, g) if guidance.enabled(cfg) else None
+        if self.guide is not None:
+            self.guide.check(iterator.render(0))
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
-    def _round(self, params, rng) -> dict:
+    def _round(self, params, rng, examples=None, prefixes=None) -> dict:
+        """Samples G completions of each prompt (the iterator's next batch, or ``examples``)
+        and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
+        i.e. placed at the start of the assistant turn; the reward judges prefix + completion."""
         cfg, g = self.cfg, self.g
-        examples = next(self.iterator)
-        prompt_tokens, prompt_mask = encode_prompts(self.ctx.tokenizer,
-                                                    [ex["prompt"] for ex in examples],
-                                                    cfg.data.max_prompt_length)
+        examples = next(self.iterator) if examples is None else examples
+        if prefixes is None:
+            prompt_tokens, prompt_mask = encode_prompts(self.ctx.tokenizer,
+                                                        [ex["prompt"] for ex in examples],
+                                                        cfg.data.max_prompt_length)
+        else:
+            prompt_tokens, prompt_mask = sampling.pad_to_bucket(
+                [self.ctx.tokenizer.encode(ex["prompt"]) + list(p)
+                 for ex, p in zip(examples, prefixes)],
+                pad_id=self.ctx.tokenizer.pad_id,
+                buckets=prompt_buckets(cfg.data.max_prompt_length))
         t0 = time.perf_counter()
         micro = cfg.rollout.micro_batch_size // g if cfg.rollout.micro_batch_size else 0
         out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=g,
@@ -162,7 +176,11 @@ class Rollout:
         # Multi-host: each process scores its own rows, then every process gets all rewards.
         n = len(out["tokens"])
         rows = dist.local_rows(self.ctx.mesh, n) if dist.is_multiprocess() else slice(0, n)
-        texts = self.ctx.tokenizer.batch_decode(out["tokens"][rows], out["mask"][rows])
+        if prefixes is None:
+            texts = self.ctx.tokenizer.batch_decode(out["tokens"][rows], out["mask"][rows])
+        else:
+            texts = [self.ctx.tokenizer.decode(list(prefixes[i // g]) + list(t[m]))
+                     for i, t, m in zip(range(n)[rows], out["tokens"][rows], out["mask"][rows])]
         prompts = [ex["prompt"] for ex in examples for _ in range(g)][rows]
         fields = {k: v[rows] for k, v in expand_fields(examples, g).items()}
         result = self.reward_fn(prompts, texts, completion_lengths=list(out["lengths"][rows]),
@@ -186,7 +204,8 @@ class Rollout:
                 out["lengths"], cfg.rollout.max_new_tokens, buffer,
                 cfg.algo.overlong_penalty_factor), np.float32)
             total = total + scores["overlong"]
-        return dict(out, prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
+        return dict(out, examples=examples,
+                    prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
                     prompt_len=int(prompt_tokens.shape[1]),
                     rewards=total, scores=scores, errors=errors, reward_counts=counts,
                     time_sample=t1 - t0, time_reward=time.perf_counter() - t1)
@@ -213,6 +232,9 @@ class Rollout:
         max_rounds = 1 + (cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 0)
         for r in range(max_rounds):
             rnd = self._round(state.params, jax.random.fold_in(rng, r))
+            if self.guide is not None:  # hints for failed groups, ReLIFT visit counts
+                rnd = self.guide.after_round(self, state.params, rnd, jax.random.fold_in(
+                    jax.random.fold_in(rng, r), guidance.HINT_STREAM))
             rounds.append(rnd)
             informative = self.informative_groups(rnd["rewards"])
             for i, ok in enumerate(informative):
@@ -344,10 +366,13 @@ class Rollout:
                 np.concatenate([self.informative_groups(r["rewards"]) for r in rounds]))),
             "rollout/filler_groups": filler,
             "rollout/train_tokens": int(loss_mask.sum()),
-            "rollout/tokens": int(lengths.sum()),
+            # Sampled tokens, failed groups that hints replaced included.
+            "rollout/tokens": int(lengths.sum()) + sum(r.get("extra_tokens", 0) for r in rounds),
             "time/sample": sum(r["time_sample"] for r in rounds),
             "time/reward": sum(r["time_reward"] for r in rounds),
         })
+        if self.guide is not None and self.guide.hints is not None:
+            m.update(guidance.hint_metrics(rounds))
         return m
 
 

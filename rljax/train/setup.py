@@ -129,7 +129,9 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
     checks = [("rollout.batch_size", cfg.rollout.batch_size),
               ("algo.mini_batch_size", cfg.algo.mini_batch_size),
               ("algo.micro_batch_size", cfg.algo.micro_batch_size),
-              ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0)]
+              ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
+              ("algo.relift.batch_size",
+               cfg.algo.relift.batch_size if cfg.algo.relift.every else 0)]
     problems = [f"{key}={value} is not divisible by the data-parallel mesh size {dp} "
                 "(mesh.data x mesh.fsdp)" for key, value in checks if value and value % dp]
     if problems:  # all of them at once, not one per run
@@ -196,6 +198,12 @@ def _files_read(cfg) -> list[tuple[str, dict, str, tuple]]:
         out.append(("data", config, "train", ()))
         if has_eval:
             out.append(("eval data", config, "eval", ()))
+    guided = [k for k, on in (("algo.hint.mode", cfg.algo.hint.mode != "off"),
+                              ("algo.relift.every", cfg.algo.relift.every > 0)) if on]
+    if guided and cfg.data.source in files:  # hints / ReLIFT read every row's solution
+        field = cfg.algo.solution_field
+        out.append((f"{guided[0]} needs reference solutions: data", data_config(cfg), "train",
+                    (field,) if field else ("completion", "solution", "answer")))
     sft_source = cfg.sft.source or cfg.data.source
     if (cfg.sft.steps or cfg.algo.name == "sft") and sft_source in files:
         config = data_config(cfg, sft_source, cfg.sft.path or None)
