@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.policy_loss": ("ppo", "vanilla", "gspo", "cispo"),
     "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
     "algo.scale_rewards": ("group", "batch", "none"),
+    "data.selection.name": ("uniform", "online_filter", "predicted", "curriculum"),
     "algo.importance_sampling_level": ("token", "sequence"),
     "algo.hint.mode": ("off", "fixed", "adaptive"),
     "algo.hint.source": ("reference", "replay"),
@@ -118,6 +119,28 @@ def default_config() -> ml_collections.ConfigDict:
         max_prompt_length=256,
         shuffle=True,
         kwargs={},                   # free-form options for the source
+        # Which prompts an RL step trains on (rljax.data.selection, docs/curricula.md):
+        # uniform (as drawn), online_filter (groups with pass rate in [low, high]; more
+        # sampling rounds, algo.max_sampling_rounds), predicted (MoPPS: Beta posteriors per
+        # prompt, Thompson-sampled near `target`), curriculum (task knob `knob` moved to keep
+        # the training accuracy in [low, high]). Success: reward >= threshold (fractional:
+        # the reward clipped to [0, 1]).
+        selection=dict(
+            name="uniform",
+            low=0.1,                 # band of pass rates (online_filter) / accuracy (curriculum)
+            high=0.9,
+            threshold=1.0,           # a sample succeeds when its reward >= threshold
+            fractional=False,        # or counts min(max(reward, 0), 1) as its success
+            target=0.5,              # predicted: success rate to pick prompts near
+            pool_factor=4,           # predicted: candidates per step = pool_factor x prompts
+            prior_a=1.0,             # predicted: Beta prior of every prompt
+            prior_b=1.0,
+            decay=0.9,               # predicted: evidence kept per update (1 = no forgetting)
+            max_tracked=100_000,     # predicted: posteriors kept (least recent dropped)
+            knob="digits",           # curriculum: the built-in task's difficulty knob
+            min_level=1,             # curriculum: easiest level (training starts there)
+            window=10,               # curriculum: steps between level decisions
+        ),
     )
     c.rollout = dict(
         batch_size=16,               # completions per step = prompts * algo.num_generations
@@ -587,6 +610,11 @@ _RANGES = (
     ("eval.num_examples", 0, None), ("eval.batch_size", 1, None), ("eval.num_samples", 1, None),
     ("eval.temperature", 0.0, None),
     ("reward.timeout_s", 0.0, None), ("reward.max_consecutive_error_steps", 0, None),
+    ("data.selection.low", 0.0, 1.0), ("data.selection.high", 0.0, 1.0),
+    ("data.selection.target", 0.0, 1.0), ("data.selection.pool_factor", 1, None),
+    ("data.selection.prior_a", 1e-9, None), ("data.selection.prior_b", 1e-9, None),
+    ("data.selection.decay", 1e-9, 1.0), ("data.selection.max_tracked", 1, None),
+    ("data.selection.window", 1, None),
 )
 
 
@@ -661,6 +689,7 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
         raise ConfigError(f"algo.ref_update_every={algo.ref_update_every} refreshes a copied "
                           "reference; with LoRA (model.lora.rank > 0) the reference is the "
                           "frozen base model: set it to 0")
+    _check_selection(cfg)
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")
@@ -679,6 +708,39 @@ def _check_guidance(cfg) -> None:
     if hint.mode != "off" and hint.fraction == 0.0 and hint.mode == "fixed":
         raise ConfigError("algo.hint.fraction=0.0 gives no hint; set it in (0, 1] or "
                           "algo.hint.mode='off'")
+
+
+def _check_selection(cfg) -> None:
+    """``data.selection``: a band with low <= high, an RL rollout to select for, and for
+    ``curriculum`` a built-in task with the named difficulty knob."""
+    sel, algo = cfg.data.selection, cfg.algo
+    if sel.name == "uniform":
+        return
+    if sel.low > sel.high:
+        raise ConfigError(f"data.selection.low={sel.low} must be <= data.selection.high="
+                          f"{sel.high}")
+    if algo.name not in ("grpo", "ppo"):
+        raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "
+                          f"rollouts: algo.name='{algo.name}' needs 'uniform'")
+    if sel.name == "online_filter" and algo.dynamic_sampling:
+        raise ConfigError("data.selection.name='online_filter' and algo.dynamic_sampling both "
+                          "filter groups: use one (dynamic sampling = the band (0, 1))")
+    if sel.name == "curriculum":
+        from rljax.data.selection import DIFFICULTY_KNOBS  # noqa: PLC0415 (light module)
+        knobs = DIFFICULTY_KNOBS.get(cfg.data.source)
+        if knobs is None:
+            tasks = "; ".join(f"{t}: {', '.join(k)}" for t, k in DIFFICULTY_KNOBS.items())
+            raise ConfigError(f"data.selection.name='curriculum' needs a difficulty knob, and "
+                              f"data.source='{cfg.data.source}' has none (built-in tasks: "
+                              f"{tasks})")
+        if sel.knob not in knobs:
+            raise ConfigError(f"data.selection.knob='{sel.knob}' is not a difficulty knob of "
+                              f"data.source='{cfg.data.source}' (one of: {', '.join(knobs)})")
+        top = dict(cfg.data.kwargs).get(sel.knob)
+        if sel.min_level < knobs[sel.knob] or (isinstance(top, int) and sel.min_level > top):
+            upper = f" and <= data.kwargs.{sel.knob}={top}" if isinstance(top, int) else ""
+            raise ConfigError(f"data.selection.min_level={sel.min_level} must be >= "
+                              f"{knobs[sel.knob]}{upper}")
 
 
 def _check_mesh(mesh) -> None:

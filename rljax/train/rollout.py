@@ -19,7 +19,11 @@
 DAPO options (``algo.dynamic_sampling``, ``algo.overlong_buffer``): groups whose rewards are
 all equal are dropped and more prompts sampled (at most ``algo.max_sampling_rounds`` extra
 rounds); if the batch is still short, it is filled with dropped groups whose ``loss_mask`` is
-all False, so shapes stay static and they count for nothing. ``mask_truncated_completions``
+all False, so shapes stay static and they count for nothing. Prompt selection
+(``data.selection``, ``rljax.data.selection``) plugs in here: ``online_filter`` replaces the
+all-equal test by a pass-rate band in the same loop, and every selector sees each round's
+rewards (``observe``). ``rollout/tokens`` counts every sampled token, of dropped rounds too.
+``mask_truncated_completions``
 drops completions without a stop token from the loss (DAPO overlong filtering).
 
 ``old_logps=False`` (GRPO with ``num_iterations = 1`` and one mini-batch: the policy does not
@@ -42,6 +46,7 @@ import jax
 import numpy as np
 
 from rljax import algorithms, rewards, sampling
+from rljax.data import selection
 from rljax import distributed as dist
 from rljax.train import guidance
 from rljax.train.steps import build_logps_fn
@@ -120,6 +125,8 @@ class Rollout:
     def __init__(self, ctx, iterator, old_logps: bool = True):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
+        # Prompt selection (data.selection): the iterator is a selector to report rounds to.
+        self.selector = iterator if isinstance(iterator, selection.Selector) else None
         self.g = int(cfg.algo.num_generations)
         self.num_prompts = cfg.rollout.batch_size // self.g
         self.reward_fn = ctx.reward_fn()
@@ -229,16 +236,20 @@ class Rollout:
         cfg, g, want = self.cfg, self.g, self.num_prompts
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
         rounds, kept, dropped = [], [], []   # kept/dropped: (round, group) pairs
-        max_rounds = 1 + (cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 0)
+        keep_fn = self._group_filter()
+        max_rounds = 1 + (cfg.algo.max_sampling_rounds if keep_fn is not None else 0)
         for r in range(max_rounds):
             rnd = self._round(state.params, jax.random.fold_in(rng, r))
+            if self.selector is not None:  # prompt selection learns from every round
+                self.selector.observe(rnd["rewards"], g)  # (the policy's own, before hints)
             if self.guide is not None:  # hints for failed groups, ReLIFT visit counts
                 rnd = self.guide.after_round(self, state.params, rnd, jax.random.fold_in(
                     jax.random.fold_in(rng, r), guidance.HINT_STREAM))
             rounds.append(rnd)
-            informative = self.informative_groups(rnd["rewards"])
-            for i, ok in enumerate(informative):
-                (kept if ok or not cfg.algo.dynamic_sampling else dropped).append((r, i))
+            keep = (np.ones(len(rnd["rewards"]) // g, bool) if keep_fn is None
+                    else keep_fn(rnd["rewards"]))
+            for i, ok in enumerate(keep):
+                (kept if ok else dropped).append((r, i))
             if len(kept) >= want:
                 break
         filler = max(0, want - len(kept))
@@ -276,6 +287,8 @@ class Rollout:
         adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl)
         batch["advantages"] = adv
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
+        if self.selector is not None:
+            metrics.update(self.selector.metrics())
         # Padding: real tokens / positions the training forward/backward computes ([R, P+N]),
         # and real prompt tokens / prompt slots the sampler prefilled ([B, P] per round).
         metrics["rollout/seq_len"] = int(batch["mask"].shape[1])
@@ -320,6 +333,16 @@ class Rollout:
             token_kl = np.zeros(mask.shape, np.float32)
         return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl),
                           np.float32)
+
+    def _group_filter(self):
+        """The function ``rewards [B*G] -> bool [B]`` of groups that may train, or None to
+        keep all: DAPO dynamic sampling (groups whose rewards differ) or the selector's
+        band (``data.selection.name='online_filter'``). Either samples extra rounds."""
+        if self.cfg.algo.dynamic_sampling:
+            return self.informative_groups
+        if self.selector is not None and self.selector.filters:
+            return lambda rewards: self.selector.keep_groups(rewards, self.g)
+        return None
 
     def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
         """bool [R / G]: groups whose rewards are not all equal."""

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import data as data_lib
+from rljax.data import selection
 from rljax import models, rewards, tokenizers, usercode
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
@@ -469,6 +470,13 @@ def data_iterator(ctx: Context, batch_size: int, split: str = "train", seed_offs
         raise UserError(f"data: {e}") from None
     check_lengths(ctx.cfg, it, "data")
     return it
+
+
+def rl_iterator(ctx: Context, num_prompts: int):
+    """The RL rollout's prompts: the run's data iterator behind the configured prompt
+    selection (``data.selection``; ``uniform`` is the iterator itself). Checkpointable."""
+    return selection.make(data_iterator(ctx, num_prompts), ctx.cfg.data.selection,
+                          seed=ctx.cfg.seed)
 
 
 LENGTH_SCAN = 1000  # examples whose token lengths are checked before the first step

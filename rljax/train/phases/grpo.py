@@ -16,7 +16,7 @@ from rljax import distributed as dist
 from rljax.models import lora as lora_lib
 from rljax.train import guidance
 from rljax.train.rollout import Rollout
-from rljax.train.setup import Context, data_iterator, update_sizes
+from rljax.train.setup import Context, rl_iterator, update_sizes
 from rljax.train.steps import build_grpo_step, to_host
 
 
@@ -31,7 +31,7 @@ class GRPOPhase:
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
-        self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
+        self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         # One update per rollout (one epoch, one mini-batch): the policy has not moved since
         # sampling, so the update's own log-probs are the old ones (no separate forward).
         single_update = a.num_iterations == 1 and self.mini == self.batch_size
