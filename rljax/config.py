@@ -220,6 +220,9 @@ def default_config() -> ml_collections.ConfigDict:
             buffer_size=256,         # FIFO bound of the buffer (deduplicated by prompt)
             coef=1.0,                # SFT loss scale (the mixing weight next to RL updates)
         ),
+        mixed_policy=False,          # LUFFY-style: the reference solution replaces one sample
+                                     # of a group that failed entirely (importance ratio
+                                     # pi_theta / 1, so <= 1); an alternative to hints
     )
     c.optimizer = dict(
         name="adamw",
@@ -699,9 +702,13 @@ def _check_guidance(cfg) -> None:
     """Hints and ReLIFT (``algo.hint``, ``algo.relift``) are GRPO options."""
     hint, relift = cfg.algo.hint, cfg.algo.relift
     on = [k for k, v in (("algo.hint.mode", hint.mode != "off"),
-                         ("algo.relift.every", relift.every > 0)) if v]
+                         ("algo.relift.every", relift.every > 0),
+                         ("algo.mixed_policy", cfg.algo.mixed_policy)) if v]
     if on and cfg.algo.name != "grpo":
         raise ConfigError(f"{on[0]} is a GRPO option; algo.name={cfg.algo.name!r}")
+    if cfg.algo.mixed_policy and hint.mode != "off":
+        raise ConfigError("algo.mixed_policy=True and algo.hint.mode both act on failed "
+                          "groups: use one")
     if hint.mode == "adaptive" and hint.min_fraction > hint.max_fraction:
         raise ConfigError(f"algo.hint.min_fraction={hint.min_fraction} must be <= "
                           f"algo.hint.max_fraction={hint.max_fraction}")

@@ -101,7 +101,7 @@ def make_guide(mode="fixed", source="replay", fallback=True, g=2):
     guide.solution = lambda ex: ex["answer"]
     guide.hints = guidance.Hints(hint_cfg(mode=mode, source=source, replay_fallback=fallback,
                                           fraction=0.5), guide.solution, FakeTokenizer(), 16)
-    guide.buffer = guidance.ReliftBuffer(1, 8)
+    guide.buffer, guide.mixed = guidance.ReliftBuffer(1, 8), False
     return guide
 
 
@@ -266,6 +266,45 @@ def test_prefix_positions_get_no_gradient_and_no_ratio(hinted_batch, monkeypatch
     assert float(loss_of(jnp.asarray(bump))) == float(loss_of(jnp.zeros((b, t))))
 
 
+def test_mixed_policy_demo_rows_have_ratio_pi_theta_and_a_written_out_loss(tmp_path):
+    """``algo.mixed_policy``: the last sample of each failed group is the reference solution
+    (reward 1, the only positive advantage of its group), its old log-probs are 0 (mu = 1),
+    and the real GRPO loss equals the PPO-clip token-mean written out from a full forward
+    pass with those old log-probs."""
+    cfg = guided_cfg(**{"algo.hint.mode": "off", "algo.mixed_policy": True})
+    ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
+    phase = GRPOPhase(ctx, 2)
+    state = create_train_state(ctx.params, phase.optimizer, jax.random.key(0))
+    sampled, original = [], phase.rollout._round
+    phase.rollout._round = lambda *a, **k: (lambda rnd: sampled.append(
+        int(rnd["lengths"].sum())) or rnd)(original(*a, **k))
+    batch, metrics = phase.rollout(state, 0)
+    g, n = cfg.algo.num_generations, cfg.rollout.max_new_tokens
+    demo_rows = [r for r in range(g - 1, cfg.rollout.batch_size, g)
+                 if np.all(np.asarray(batch["old_logps"])[r] == 0)]
+    assert metrics["mixed/demos"] == len(demo_rows) > 0
+    tok, solution = ctx.tokenizer, guidance.solution_fn(ctx)
+    p = batch["tokens"].shape[1] - n
+    for r in demo_rows:
+        prompt = tok.decode(batch["tokens"][r, :p][batch["mask"][r, :p]])
+        ids = tok.encode(solution({"prompt": prompt, "answer": str(eval(prompt[:-1]))}))
+        assert list(batch["tokens"][r, p:][batch["loss_mask"][r]]) == ids + [tok.eos_id]
+        assert batch["advantages"][r] > 0 and np.all(batch["advantages"][r - g + 1:r] < 0)
+    # The replaced sampled completions still count as sampled tokens.
+    assert len(sampled) == 1 and metrics["rollout/tokens"] == sampled[0]
+    mb = {k: jnp.asarray(v) for k, v in batch.items()}
+    (num, den), _ = steps.grpo_loss(ctx.model_cfg, cfg.algo, 1.0, state.params, state, mb)
+    logps = np.asarray(models.token_logps(ctx.model_cfg, state.params, mb["tokens"],
+                                          attention_mask=mb["mask"])[0])[:, -n:]
+    ratio = np.exp(logps - np.asarray(batch["old_logps"]))
+    adv = np.asarray(batch["advantages"])[:, None]
+    eps = cfg.algo.epsilon
+    pg = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv)
+    m = batch["loss_mask"]
+    np.testing.assert_allclose(float(num / den), (pg * m).sum() / m.sum(), rtol=1e-5, atol=1e-6)
+    assert np.all(ratio[demo_rows][m[demo_rows]] <= 1.0)  # bounded weight on demonstrations
+
+
 # ----------------------------------------------------------------------------- training runs
 
 RESUME = {"algo.hint.mode": "adaptive", "algo.hint.step": 0.5, "algo.hint.source": "replay",
@@ -324,6 +363,13 @@ def test_bad_ranges_name_the_key(key, value, needle):
     cfg = config_lib.default_config()
     cfg.update_from_flattened_dict({key: value})
     with pytest.raises(ConfigError, match=re.escape(needle)):
+        config_lib.validate(cfg)
+
+
+def test_mixed_policy_and_hints_are_alternatives():
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({"algo.mixed_policy": True, "algo.hint.mode": "fixed"})
+    with pytest.raises(ConfigError, match="algo.mixed_policy=True and algo.hint.mode"):
         config_lib.validate(cfg)
 
 

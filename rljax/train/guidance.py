@@ -35,8 +35,10 @@ import math
 from collections import OrderedDict
 from typing import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
+from rljax import algorithms
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import ConfigError, UserError
@@ -264,7 +266,62 @@ def solution_fn(ctx) -> Callable[[dict], str]:
 
 
 def enabled(cfg) -> bool:
-    return cfg.algo.hint.mode != "off" or cfg.algo.relift.every > 0
+    a = cfg.algo
+    return a.hint.mode != "off" or a.relift.every > 0 or bool(a.mixed_policy)
+
+
+def insert_demos(rollout, rnd: dict, examples: Sequence[dict], groups: Sequence[int],
+                 solution: Callable[[dict], str]) -> dict:
+    """Mixed-policy groups (LUFFY / RL-PLUS style, ``algo.mixed_policy``): in each failed
+    group, the last sample is replaced by the reference solution (+ EOS, cut to the completion
+    slot), scored by the reward functions. ``rnd["demo"]`` bool [R] marks these rows; the
+    rollout sets their ``old_logps`` to 0 (the demonstrator's probabilities are unknown; it is
+    taken to be certain, mu = 1), so their importance ratio is pi_theta(token) <= 1: bounded,
+    and never clipped for a positive advantage (the PPO clip only binds above 1 + epsilon). Their
+    ``sampler_logps`` are 0 as well. ``rollout/tokens`` counts the replaced (sampled) completions,
+    not the demonstrations."""
+    g, tok = rollout.g, rollout.ctx.tokenizer
+    n = rnd["tokens"].shape[1]
+    rnd["demo"] = np.zeros(len(rnd["rewards"]), bool)
+    rnd.setdefault("extra_tokens", 0)
+    if not len(groups):
+        return rnd
+    rows = [int(i) * g + g - 1 for i in groups]
+    texts, lengths = [], []
+    for row, ex in zip(rows, examples):
+        text = solution(ex)
+        ids = (tok.encode(text) + [tok.eos_id])[:n]
+        # rollout/tokens counts sampled tokens: the replaced sample's, not the demo's.
+        rnd["extra_tokens"] += int(rnd["lengths"][row]) - len(ids)
+        rnd["tokens"][row] = tok.pad_id
+        rnd["tokens"][row, :len(ids)] = ids
+        rnd["mask"][row] = np.arange(n) < len(ids)
+        rnd["lengths"][row], rnd["truncated"][row] = len(ids), ids[-1] != tok.eos_id
+        rnd["logps"][row] = 0.0
+        rnd["demo"][row] = True
+        texts.append(tok.decode(ids))
+        lengths.append(len(ids))
+    keys = [k for k in examples[0] if k != "prompt"]
+    result = rollout.reward_fn([ex["prompt"] for ex in examples], texts,
+                               completion_lengths=lengths,
+                               **{k: [ex.get(k) for ex in examples] for k in keys})
+    total = np.asarray(result.total, np.float32)
+    for name, values in result.per_function.items():
+        rnd["scores"][name][rows] = np.asarray(values, np.float32)
+    cfg = rollout.cfg
+    if cfg.algo.overlong_buffer:  # the same DAPO length penalty as sampled completions get
+        pen = np.asarray(algorithms.overlong_penalty(
+            np.asarray(lengths), cfg.rollout.max_new_tokens, int(cfg.algo.overlong_buffer),
+            cfg.algo.overlong_penalty_factor), np.float32)
+        rnd["scores"]["overlong"][rows] = pen
+        total = total + pen
+    rnd["rewards"][rows] = total
+    return rnd
+
+
+def demo_old_logps(old_logps, demo: np.ndarray):
+    """``old_logps`` [R, N] with the demonstration rows (``demo`` bool [R]) set to 0."""
+    return jnp.where(jnp.asarray(demo)[:, None], 0.0, old_logps)
 
 
 class Guide:
@@ -281,10 +338,12 @@ class Guide:
                             cfg.data.max_prompt_length) if cfg.algo.hint.mode != "off" else None)
         r = cfg.algo.relift
         self.buffer = ReliftBuffer(r.k_visits, r.buffer_size) if r.every > 0 else None
+        self.mixed = bool(cfg.algo.mixed_policy)
 
     def check(self, example: dict) -> None:
         """Before the first step: the data has reference solutions (one ConfigError line)."""
-        key = "algo.hint.mode" if self.hints is not None else "algo.relift.every"
+        key = ("algo.hint.mode" if self.hints is not None else
+               "algo.relift.every" if self.buffer is not None else "algo.mixed_policy")
         try:
             self.solution(example)
         except (UserError, KeyError, ValueError) as e:
@@ -304,6 +363,9 @@ class Guide:
         stats = {"groups": len(examples), "hinted": 0, "prefix_tokens": 0, "successes": 0,
                  "samples": 0}
         rnd["hint"] = stats
+        if self.mixed:
+            return insert_demos(rollout, rnd, [examples[i] for i in np.flatnonzero(rates == 0)],
+                                np.flatnonzero(rates == 0), self.solution)
         if self.hints is None:
             return rnd
         failed, prefixes = [], []

@@ -284,6 +284,8 @@ class Rollout:
                     rewards = rewards - cfg.algo.beta * kl_seq
                 metrics["kl_ref_seq"] = float(kl_seq.mean())
                 del batch["ref_logps"]
+        if "demo" in rows:  # mixed-policy demonstrations: ratio pi_theta / 1 (guidance)
+            batch["old_logps"] = guidance.demo_old_logps(batch["old_logps"], rows["demo"])
         adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl)
         batch["advantages"] = adv
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
@@ -297,7 +299,8 @@ class Rollout:
             [len(ids) / r["prompt_len"] for r in rounds for ids in r["prompt_ids"]]))
         if self.old_logps:  # otherwise the update step reports them from its own log-probs
             old = dist.to_host(batch["old_logps"])
-            diff = np.abs(old - rows["logps"])[rows["mask"]]
+            sampled = rows["mask"] & ~rows.get("demo", np.zeros(len(old), bool))[:, None]
+            diff = np.abs(old - rows["logps"])[sampled]
             metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0
@@ -354,7 +357,7 @@ class Rollout:
         pick = lambda key: np.concatenate(  # noqa: E731
             [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
         rows = {k: pick(k) for k in ("tokens", "logps", "mask", "lengths", "truncated",
-                                     "rewards")}
+                                     "rewards") + (("demo",) if "demo" in rounds[0] else ())}
         prompt_ids = [rounds[r]["prompt_ids"][i] for r, i in groups for _ in range(g)]
         p_tok, p_mask = sampling.pad_to_bucket(
             prompt_ids, pad_id=self.ctx.tokenizer.pad_id,
@@ -396,6 +399,8 @@ class Rollout:
         })
         if self.guide is not None and self.guide.hints is not None:
             m.update(guidance.hint_metrics(rounds))
+        if "demo" in rows:
+            m["mixed/demos"] = int(rows["demo"].sum())
         return m
 
 

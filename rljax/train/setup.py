@@ -200,7 +200,8 @@ def _files_read(cfg) -> list[tuple[str, dict, str, tuple]]:
         if has_eval:
             out.append(("eval data", config, "eval", ()))
     guided = [k for k, on in (("algo.hint.mode", cfg.algo.hint.mode != "off"),
-                              ("algo.relift.every", cfg.algo.relift.every > 0)) if on]
+                              ("algo.relift.every", cfg.algo.relift.every > 0),
+                              ("algo.mixed_policy", cfg.algo.mixed_policy)) if on]
     if guided and cfg.data.source in files:  # hints / ReLIFT read every row's solution
         field = cfg.algo.solution_field
         out.append((f"{guided[0]} needs reference solutions: data", data_config(cfg), "train",

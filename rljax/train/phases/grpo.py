@@ -34,7 +34,9 @@ class GRPOPhase:
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         # One update per rollout (one epoch, one mini-batch): the policy has not moved since
         # sampling, so the update's own log-probs are the old ones (no separate forward).
-        single_update = a.num_iterations == 1 and self.mini == self.batch_size
+        # (Not with mixed-policy demonstrations: their old log-probs are set apart.)
+        single_update = (a.num_iterations == 1 and self.mini == self.batch_size
+                         and not a.mixed_policy)
         self.rollout = Rollout(ctx, self.iterator, old_logps=not single_update)
         # ReLIFT SFT steps share the optimizer (and its schedule) with the RL updates.
         self.relift = guidance.Relift(ctx, self.rollout.guide) if a.relift.every else None
