@@ -204,7 +204,8 @@ def default_config() -> ml_collections.ConfigDict:
             mode="off",              # off | fixed (GHPO) | adaptive (SEELE, per prompt)
             source="reference",      # reference (dataset solution) | replay (a stored success
                                      # of the same prompt: POPE / off-policy prefixes)
-            threshold=1.0,           # a sample succeeds when its reward >= threshold
+            threshold=1.0,           # a sample succeeds when its reward >= threshold (also
+                                     # the failure test of relift and mixed_policy)
             fraction=0.5,            # share of the solution's tokens given (adaptive: start)
             target=0.5,              # adaptive: success rate of hinted groups to steer toward
             step=0.25,               # adaptive: fraction += step * (target - success rate)
