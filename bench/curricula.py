@@ -38,10 +38,9 @@ sys.path.insert(0, ROOT)
 DEFAULT_CONFIG = "configs/grpo_arithmetic.py"
 # The setting (on top of the config file): see docs/curricula.md for why this one.
 SETTING = [
-    "data.kwargs.digits=2", "data.kwargs.operands=3", "data.kwargs.ops=+-",
-    "data.kwargs.num_examples=2000", "data.max_prompt_length=12", "sft.max_length=20",
-    "sft.steps=200", "rollout.batch_size=256", "eval.num_examples=500",
-    "checkpoint_every=0", "logging.tensorboard=false",
+    "data.kwargs.digits=2", "data.kwargs.operands=2", "data.kwargs.ops=+-",
+    "data.kwargs.num_examples=2000", "sft.steps=50", "rollout.batch_size=256",
+    "eval.num_examples=500", "checkpoint_every=0", "logging.tensorboard=false",
 ]
 METHODS = {
     "plain": [],
@@ -49,9 +48,9 @@ METHODS = {
                       "data.selection.high=0.9", "algo.max_sampling_rounds=3"],
     "predicted": ["data.selection.name=predicted", "data.selection.target=0.5",
                   "data.selection.pool_factor=4", "data.selection.decay=0.9"],
-    "curriculum": ["data.selection.name=curriculum", "data.selection.knob=operands",
-                   "data.selection.min_level=2", "data.selection.low=0.3",
-                   "data.selection.high=0.6", "data.selection.window=10"],
+    "curriculum": ["data.selection.name=curriculum", "data.selection.knob=digits",
+                   "data.selection.min_level=1", "data.selection.low=0.2",
+                   "data.selection.high=0.5", "data.selection.window=10"],
     "dynamic_sampling": ["algo.dynamic_sampling=true", "algo.max_sampling_rounds=3"],
     "lite_ppo": ["@configs/grpo_arithmetic_lite_ppo.py"],
 }
@@ -238,8 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--method", action="append", default=[], metavar="NAME=SPEC",
                    help="define or redefine a method (see the module docstring)")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--budget", type=int, default=400_000, help="sampled tokens per run")
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--budget", type=int, default=150_000, help="sampled tokens per run")
+    p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--max-steps", type=int, default=2000, help="RL steps cap per run")
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
