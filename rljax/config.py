@@ -45,7 +45,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.scale_rewards": ("group", "batch", "none"),
     "rollout.temperature_schedule.name": ("constant", "linear", "cosine", "exp"),
     "data.pairs": ("auto", "step_mc"),
+    "data.selection.name": ("uniform", "online_filter", "predicted", "curriculum"),
     "algo.importance_sampling_level": ("token", "sequence"),
+    "algo.hint.mode": ("off", "fixed", "adaptive"),
+    "algo.hint.source": ("reference", "replay"),
     "optimizer.name": ("adamw", "adam", "sgd"),
     "optimizer.schedule": ("constant", "linear", "cosine"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -122,6 +125,28 @@ def default_config() -> ml_collections.ConfigDict:
                                      # of num_generations (algo.online); "step_mc" = step-level
                                      # pairs from Monte-Carlo step values (docs/search.md)
         step_delimiter="\n",         # step_mc: a solution's steps end with this text
+        # Which prompts an RL step trains on (rljax.data.selection, docs/curricula.md):
+        # uniform (as drawn), online_filter (groups with pass rate in [low, high]; more
+        # sampling rounds, algo.max_sampling_rounds), predicted (MoPPS: Beta posteriors per
+        # prompt, Thompson-sampled near `target`), curriculum (task knob `knob` moved to keep
+        # the training accuracy in [low, high]). Success: reward >= threshold (fractional:
+        # the reward clipped to [0, 1]).
+        selection=dict(
+            name="uniform",
+            low=0.1,                 # band of pass rates (online_filter) / accuracy (curriculum)
+            high=0.9,
+            threshold=1.0,           # a sample succeeds when its reward >= threshold
+            fractional=False,        # or counts min(max(reward, 0), 1) as its success
+            target=0.5,              # predicted: success rate to pick prompts near
+            pool_factor=4,           # predicted: candidates per step = pool_factor x prompts
+            prior_a=1.0,             # predicted: Beta prior of every prompt
+            prior_b=1.0,
+            decay=0.9,               # predicted: evidence kept per update (1 = no forgetting)
+            max_tracked=100_000,     # predicted: posteriors kept (least recent dropped)
+            knob="digits",           # curriculum: the built-in task's difficulty knob
+            min_level=1,             # curriculum: easiest level (training starts there)
+            window=10,               # curriculum: steps between level decisions
+        ),
     )
     c.rollout = dict(
         batch_size=16,               # completions per step = prompts * algo.num_generations
@@ -187,6 +212,35 @@ def default_config() -> ml_collections.ConfigDict:
         # reward values the candidate next steps; the best and worst next step at a prefix
         # form a pair when their values differ by more than min_value_gap.
         step_mc=dict(max_steps=4, min_value_gap=0.0),
+        # Guidance for prompts the policy fails (GRPO; docs/guidance.md). Reference solutions:
+        # built-in tasks' task.solution; files: this column ("" = the first of completion,
+        # solution, answer).
+        solution_field="",
+        hint=dict(                   # re-sample a group whose G samples all failed with a
+                                     # solution prefix as context (only the continuation trains)
+            mode="off",              # off | fixed (GHPO) | adaptive (SEELE, per prompt)
+            source="reference",      # reference (dataset solution) | replay (a stored success
+                                     # of the same prompt: POPE / off-policy prefixes)
+            threshold=1.0,           # a sample succeeds when its reward >= threshold (also
+                                     # the failure test of relift and mixed_policy)
+            fraction=0.5,            # share of the solution's tokens given (adaptive: start)
+            target=0.5,              # adaptive: success rate of hinted groups to steer toward
+            step=0.25,               # adaptive: fraction += step * (target - success rate)
+            min_fraction=0.0,        # adaptive: bounds of the per-prompt fraction
+            max_fraction=1.0,
+            replay_fallback=True,    # replay: no stored success -> the reference (else no hint)
+            max_prompts=10000,       # per-prompt state kept (oldest dropped)
+        ),
+        relift=dict(                 # ReLIFT: SFT on prompts the policy keeps failing
+            every=0,                 # one SFT step every N RL steps; 0 = off
+            k_visits=1,              # buffered after this many zero-success visits in a row
+            batch_size=16,           # prompts per SFT step (padded rows count for nothing)
+            buffer_size=256,         # FIFO bound of the buffer (deduplicated by prompt)
+            coef=1.0,                # SFT loss scale (the mixing weight next to RL updates)
+        ),
+        mixed_policy=False,          # LUFFY-style: the reference solution replaces one sample
+                                     # of a group that failed entirely (importance ratio
+                                     # pi_theta / 1, so <= 1); an alternative to hints
     )
     c.optimizer = dict(
         name="adamw",
@@ -574,6 +628,12 @@ _RANGES = (
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
     ("algo.label_smoothing", 0.0, 0.5), ("algo.ref_update_every", 0, None),
     ("memory.device_memory_gb", 0.0, None),
+    ("algo.hint.fraction", 0.0, 1.0), ("algo.hint.target", 0.0, 1.0),
+    ("algo.hint.min_fraction", 0.0, 1.0), ("algo.hint.max_fraction", 0.0, 1.0),
+    ("algo.hint.step", 0.0, None), ("algo.hint.max_prompts", 1, None),
+    ("algo.relift.every", 0, None), ("algo.relift.k_visits", 1, None),
+    ("algo.relift.batch_size", 1, None), ("algo.relift.buffer_size", 1, None),
+    ("algo.relift.coef", 0.0, None),
     ("optimizer.learning_rate", 1e-30, None), ("optimizer.warmup_steps", 0, None),
     ("optimizer.min_lr_ratio", 0.0, 1.0), ("optimizer.weight_decay", 0.0, None),
     ("optimizer.max_grad_norm", 0.0, None), ("optimizer.max_consecutive_nonfinite", 1, None),
@@ -586,6 +646,11 @@ _RANGES = (
     ("reward.timeout_s", 0.0, None), ("reward.max_consecutive_error_steps", 0, None),
     ("env.max_turns", 1, None), ("env.max_total_tokens", 1, None), ("env.max_turn_tokens", 0, None),
     ("env.max_obs_tokens", 1, None),
+    ("data.selection.low", 0.0, 1.0), ("data.selection.high", 0.0, 1.0),
+    ("data.selection.target", 0.0, 1.0), ("data.selection.pool_factor", 1, None),
+    ("data.selection.prior_a", 1e-9, None), ("data.selection.prior_b", 1e-9, None),
+    ("data.selection.decay", 1e-9, 1.0), ("data.selection.max_tracked", 1, None),
+    ("data.selection.window", 1, None),
 )
 
 
@@ -640,6 +705,7 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
     if algo.name == "ppo" and algo.adv_estimator != "gae":
         raise ConfigError("algo.name='ppo' trains a critic for GAE: set algo.adv_estimator='gae'")
+    _check_guidance(cfg)
     _check_mesh(cfg.mesh)
     if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.names):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} entries but "
@@ -662,6 +728,7 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
                           "reference; with LoRA (model.lora.rank > 0) the reference is the "
                           "frozen base model: set it to 0")
     _check_env(cfg)
+    _check_selection(cfg)
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError(f"eval.num_samples={cfg.eval.num_samples} needs eval.temperature > 0 "
                           "(greedy samples are all identical)")
@@ -729,6 +796,61 @@ def _check_env(cfg) -> None:
 
 # Environments with scripted episodes for SFT warm-up (``sft.env_traces``).
 ENV_TRACES = ("tool", "guess_number")
+
+
+def _check_guidance(cfg) -> None:
+    """Hints and ReLIFT (``algo.hint``, ``algo.relift``) are GRPO options."""
+    hint, relift = cfg.algo.hint, cfg.algo.relift
+    on = [k for k, v in (("algo.hint.mode", hint.mode != "off"),
+                         ("algo.relift.every", relift.every > 0),
+                         ("algo.mixed_policy", cfg.algo.mixed_policy)) if v]
+    if on and cfg.algo.name != "grpo":
+        raise ConfigError(f"{on[0]} is a GRPO option; algo.name={cfg.algo.name!r}")
+    if on and cfg.env.name:
+        raise ConfigError(f"{on[0]} re-samples single-turn prompts; it is not supported with "
+                          f"multi-turn episodes (env.name={cfg.env.name!r})")
+    if cfg.algo.mixed_policy and hint.mode != "off":
+        raise ConfigError("algo.mixed_policy=True and algo.hint.mode both act on failed "
+                          "groups: use one")
+    if hint.mode == "adaptive" and hint.min_fraction > hint.max_fraction:
+        raise ConfigError(f"algo.hint.min_fraction={hint.min_fraction} must be <= "
+                          f"algo.hint.max_fraction={hint.max_fraction}")
+    if hint.mode != "off" and hint.fraction == 0.0 and hint.mode == "fixed":
+        raise ConfigError("algo.hint.fraction=0.0 gives no hint; set it in (0, 1] or "
+                          "algo.hint.mode='off'")
+
+
+def _check_selection(cfg) -> None:
+    """``data.selection``: a band with low <= high, an RL rollout to select for, and for
+    ``curriculum`` a built-in task with the named difficulty knob."""
+    sel, algo = cfg.data.selection, cfg.algo
+    if sel.name == "uniform":
+        return
+    if sel.low > sel.high:
+        raise ConfigError(f"data.selection.low={sel.low} must be <= data.selection.high="
+                          f"{sel.high}")
+    if algo.name not in ("grpo", "ppo"):
+        raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "
+                          f"rollouts: algo.name='{algo.name}' needs 'uniform'")
+    if sel.name == "online_filter" and algo.dynamic_sampling:
+        raise ConfigError("data.selection.name='online_filter' and algo.dynamic_sampling both "
+                          "filter groups: use one (dynamic sampling = the band (0, 1))")
+    if sel.name == "curriculum":
+        from rljax.data.selection import DIFFICULTY_KNOBS  # noqa: PLC0415 (light module)
+        knobs = DIFFICULTY_KNOBS.get(cfg.data.source)
+        if knobs is None:
+            tasks = "; ".join(f"{t}: {', '.join(k)}" for t, k in DIFFICULTY_KNOBS.items())
+            raise ConfigError(f"data.selection.name='curriculum' needs a difficulty knob, and "
+                              f"data.source='{cfg.data.source}' has none (built-in tasks: "
+                              f"{tasks})")
+        if sel.knob not in knobs:
+            raise ConfigError(f"data.selection.knob='{sel.knob}' is not a difficulty knob of "
+                              f"data.source='{cfg.data.source}' (one of: {', '.join(knobs)})")
+        top = dict(cfg.data.kwargs).get(sel.knob)
+        if sel.min_level < knobs[sel.knob] or (isinstance(top, int) and sel.min_level > top):
+            upper = f" and <= data.kwargs.{sel.knob}={top}" if isinstance(top, int) else ""
+            raise ConfigError(f"data.selection.min_level={sel.min_level} must be >= "
+                              f"{knobs[sel.knob]}{upper}")
 
 
 def _check_mesh(mesh) -> None:

@@ -43,6 +43,7 @@ class DataIterator:
         self.on_overlong, self.num_epochs = on_overlong, num_epochs
         self.epoch, self.position, self.num_dropped = 0, 0, 0
         self._order_epoch, self._order = None, None
+        self.last_indices: list[int] = []  # dataset indices of the last batch (selection)
 
     # -- position -------------------------------------------------------------------------------
 
@@ -76,11 +77,13 @@ class DataIterator:
 
     def __next__(self) -> list[dict]:
         batch: list[dict] = []
+        indices: list[int] = []
         dropped_in_a_row = 0
         while len(batch) < self.batch_size:
             if self.position >= len(self.source):
                 if self.num_epochs is not None and self.epoch + 1 >= self.num_epochs:
                     if batch:
+                        self.last_indices = indices
                         return batch  # the last, short batch of a finite pass (evaluation)
                     raise StopIteration
                 self.epoch, self.position = self.epoch + 1, 0
@@ -89,6 +92,7 @@ class DataIterator:
             example = self._prepare(index)
             if example is not None:
                 batch.append(example)
+                indices.append(index)
                 dropped_in_a_row = 0
             else:
                 dropped_in_a_row += 1
@@ -96,6 +100,7 @@ class DataIterator:
                     raise DataError(f"every example is dropped as overlong (max_prompt_len="
                                     f"{self.max_prompt_len}, max_completion_len="
                                     f"{self.max_completion_len}); raise the limit")
+        self.last_indices = indices
         return batch
 
     def render(self, index: int) -> dict:

@@ -21,7 +21,11 @@
 DAPO options (``algo.dynamic_sampling``, ``algo.overlong_buffer``): groups whose rewards are
 all equal are dropped and more prompts sampled (at most ``algo.max_sampling_rounds`` extra
 rounds); if the batch is still short, it is filled with dropped groups whose ``loss_mask`` is
-all False, so shapes stay static and they count for nothing. ``mask_truncated_completions``
+all False, so shapes stay static and they count for nothing. Prompt selection
+(``data.selection``, ``rljax.data.selection``) plugs in here: ``online_filter`` replaces the
+all-equal test by a pass-rate band in the same loop, and every selector sees each round's
+rewards (``observe``). ``rollout/tokens`` counts every sampled token, of dropped rounds too.
+``mask_truncated_completions``
 drops completions without a stop token from the loss (DAPO overlong filtering).
 
 ``old_logps=False`` (GRPO with ``num_iterations = 1`` and one mini-batch: the policy does not
@@ -44,7 +48,9 @@ import jax
 import numpy as np
 
 from rljax import algorithms, rewards, sampling
+from rljax.data import selection
 from rljax import distributed as dist
+from rljax.train import guidance
 from rljax.train.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
@@ -132,6 +138,8 @@ class Rollout:
     def __init__(self, ctx, iterator, old_logps: bool = True):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
+        # Prompt selection (data.selection): the iterator is a selector to report rounds to.
+        self.selector = iterator if isinstance(iterator, selection.Selector) else None
         self.g = int(cfg.algo.num_generations)
         self.num_prompts = cfg.rollout.batch_size // self.g
         # An environment may be the only source of reward (``reward.names`` empty).
@@ -158,15 +166,28 @@ class Rollout:
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
         self.temperatures = rollout_temperatures(cfg)   # None: rollout.temperature
         self._printed_at = None   # time of the last logging.num_completions_to_print output
+        self.guide = guidance.Guide(ctx, g) if guidance.enabled(cfg) else None
+        if self.guide is not None:
+            self.guide.check(iterator.render(0))
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
-    def _round(self, params, rng) -> dict:
+    def _round(self, params, rng, examples=None, prefixes=None) -> dict:
+        """Samples G completions of each prompt (the iterator's next batch, or ``examples``)
+        and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
+        i.e. placed at the start of the assistant turn; the reward judges prefix + completion."""
         cfg, g = self.cfg, self.g
-        examples = next(self.iterator)
-        prompt_tokens, prompt_mask = encode_prompts(self.ctx.tokenizer,
-                                                    [ex["prompt"] for ex in examples],
-                                                    cfg.data.max_prompt_length)
+        examples = next(self.iterator) if examples is None else examples
+        if prefixes is None:
+            prompt_tokens, prompt_mask = encode_prompts(self.ctx.tokenizer,
+                                                        [ex["prompt"] for ex in examples],
+                                                        cfg.data.max_prompt_length)
+        else:
+            prompt_tokens, prompt_mask = sampling.pad_to_bucket(
+                [self.ctx.tokenizer.encode(ex["prompt"]) + list(p)
+                 for ex, p in zip(examples, prefixes)],
+                pad_id=self.ctx.tokenizer.pad_id,
+                buckets=prompt_buckets(cfg.data.max_prompt_length))
         t0 = time.perf_counter()
         micro = cfg.rollout.micro_batch_size // g if cfg.rollout.micro_batch_size else 0
         out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=g,
@@ -178,7 +199,11 @@ class Rollout:
         # Multi-host: each process scores its own rows, then every process gets all rewards.
         n = len(out["tokens"])
         rows = dist.local_rows(self.ctx.mesh, n) if dist.is_multiprocess() else slice(0, n)
-        texts = self.ctx.tokenizer.batch_decode(out["tokens"][rows], out["mask"][rows])
+        if prefixes is None:
+            texts = self.ctx.tokenizer.batch_decode(out["tokens"][rows], out["mask"][rows])
+        else:
+            texts = [self.ctx.tokenizer.decode(list(prefixes[i // g]) + list(t[m]))
+                     for i, t, m in zip(range(n)[rows], out["tokens"][rows], out["mask"][rows])]
         prompts = [ex["prompt"] for ex in examples for _ in range(g)][rows]
         fields = {k: v[rows] for k, v in expand_fields(examples, g).items()}
         result = self.reward_fn(prompts, texts, completion_lengths=list(out["lengths"][rows]),
@@ -202,7 +227,8 @@ class Rollout:
                 out["lengths"], cfg.rollout.max_new_tokens, buffer,
                 cfg.algo.overlong_penalty_factor), np.float32)
             total = total + scores["overlong"]
-        return dict(out, prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
+        return dict(out, examples=examples,
+                    prompt_ids=[list(r[m]) for r, m in zip(prompt_tokens, prompt_mask)],
                     prompt_len=int(prompt_tokens.shape[1]),
                     rewards=total, scores=scores, errors=errors, reward_counts=counts,
                     time_sample=t1 - t0, time_reward=time.perf_counter() - t1)
@@ -226,13 +252,20 @@ class Rollout:
         cfg, g, want = self.cfg, self.g, self.num_prompts
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
         rounds, kept, dropped = [], [], []   # kept/dropped: (round, group) pairs
-        max_rounds = 1 + (cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 0)
+        keep_fn = self._group_filter()
+        max_rounds = 1 + (cfg.algo.max_sampling_rounds if keep_fn is not None else 0)
         for r in range(max_rounds):
             rnd = self._round(state.params, jax.random.fold_in(rng, r))
+            if self.selector is not None:  # prompt selection learns from every round
+                self.selector.observe(rnd["rewards"], g)  # (the policy's own, before hints)
+            if self.guide is not None:  # hints for failed groups, ReLIFT visit counts
+                rnd = self.guide.after_round(self, state.params, rnd, jax.random.fold_in(
+                    jax.random.fold_in(rng, r), guidance.HINT_STREAM))
             rounds.append(rnd)
-            informative = self.informative_groups(rnd["rewards"])
-            for i, ok in enumerate(informative):
-                (kept if ok or not cfg.algo.dynamic_sampling else dropped).append((r, i))
+            keep = (np.ones(len(rnd["rewards"]) // g, bool) if keep_fn is None
+                    else keep_fn(rnd["rewards"]))
+            for i, ok in enumerate(keep):
+                (kept if ok else dropped).append((r, i))
             if len(kept) >= want:
                 break
         filler = max(0, want - len(kept))
@@ -269,9 +302,13 @@ class Rollout:
                     rewards = rewards - cfg.algo.beta * kl_seq
                 metrics["kl_ref_seq"] = float(kl_seq.mean())
                 del batch["ref_logps"]
+        if "demo" in rows:  # mixed-policy demonstrations: ratio pi_theta / 1 (guidance)
+            batch["old_logps"] = guidance.demo_old_logps(batch["old_logps"], rows["demo"])
         adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl)
         batch["advantages"] = adv
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
+        if self.selector is not None:
+            metrics.update(self.selector.metrics())
         # Padding: real tokens / positions the training forward/backward computes ([R, P+N]),
         # and real prompt tokens / prompt slots the sampler prefilled ([B, P] per round).
         metrics["rollout/seq_len"] = int(batch["mask"].shape[1])
@@ -280,7 +317,8 @@ class Rollout:
             [len(ids) / r["prompt_len"] for r in rounds for ids in r["prompt_ids"]]))
         if self.old_logps:  # otherwise the update step reports them from its own log-probs
             old = dist.to_host(batch["old_logps"])
-            diff = np.abs(old - rows["logps"])[model_mask]
+            sampled = model_mask & ~rows.get("demo", np.zeros(len(old), bool))[:, None]
+            diff = np.abs(old - rows["logps"])[sampled]
             metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0
@@ -317,6 +355,16 @@ class Rollout:
         return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl),
                           np.float32)
 
+    def _group_filter(self):
+        """The function ``rewards [B*G] -> bool [B]`` of groups that may train, or None to
+        keep all: DAPO dynamic sampling (groups whose rewards differ) or the selector's
+        band (``data.selection.name='online_filter'``). Either samples extra rounds."""
+        if self.cfg.algo.dynamic_sampling:
+            return self.informative_groups
+        if self.selector is not None and self.selector.filters:
+            return lambda rewards: self.selector.keep_groups(rewards, self.g)
+        return None
+
     def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
         """bool [R / G]: groups whose rewards are not all equal."""
         return np.asarray(self._informative(np.asarray(rewards, np.float32)), bool)
@@ -327,7 +375,7 @@ class Rollout:
         pick = lambda key: np.concatenate(  # noqa: E731
             [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
         rows = {k: pick(k) for k in ("tokens", "logps", "mask", "lengths", "truncated",
-                                     "rewards")}
+                                     "rewards") + (("demo",) if "demo" in rounds[0] else ())}
         prompt_ids = [rounds[r]["prompt_ids"][i] for r, i in groups for _ in range(g)]
         p_tok, p_mask = sampling.pad_to_bucket(
             prompt_ids, pad_id=self.ctx.tokenizer.pad_id,
@@ -365,10 +413,15 @@ class Rollout:
                 np.concatenate([self.informative_groups(r["rewards"]) for r in rounds]))),
             "rollout/filler_groups": filler,
             "rollout/train_tokens": int(loss_mask.sum()),
-            "rollout/tokens": int(lengths.sum()),
+            # Sampled tokens, failed groups that hints replaced included.
+            "rollout/tokens": int(lengths.sum()) + sum(r.get("extra_tokens", 0) for r in rounds),
             "time/sample": sum(r["time_sample"] for r in rounds),
             "time/reward": sum(r["time_reward"] for r in rounds),
         })
+        if self.guide is not None and self.guide.hints is not None:
+            m.update(guidance.hint_metrics(rounds))
+        if "demo" in rows:
+            m["mixed/demos"] = int(rows["demo"].sum())
         return m
 
 

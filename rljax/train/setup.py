@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import data as data_lib
+from rljax.data import selection
 from rljax import models, rewards, tokenizers, usercode
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
@@ -130,7 +131,9 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
     checks = [("rollout.batch_size", cfg.rollout.batch_size),
               ("algo.mini_batch_size", cfg.algo.mini_batch_size),
               ("algo.micro_batch_size", cfg.algo.micro_batch_size),
-              ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0)]
+              ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
+              ("algo.relift.batch_size",
+               cfg.algo.relift.batch_size if cfg.algo.relift.every else 0)]
     problems = [f"{key}={value} is not divisible by the data-parallel mesh size {dp} "
                 "(mesh.data x mesh.fsdp)" for key, value in checks if value and value % dp]
     if problems:  # all of them at once, not one per run
@@ -198,6 +201,13 @@ def _files_read(cfg) -> list[tuple[str, dict, str, tuple]]:
         out.append(("data", config, "train", ()))
         if has_eval:
             out.append(("eval data", config, "eval", ()))
+    guided = [k for k, on in (("algo.hint.mode", cfg.algo.hint.mode != "off"),
+                              ("algo.relift.every", cfg.algo.relift.every > 0),
+                              ("algo.mixed_policy", cfg.algo.mixed_policy)) if on]
+    if guided and cfg.data.source in files:  # hints / ReLIFT read every row's solution
+        field = cfg.algo.solution_field
+        out.append((f"{guided[0]} needs reference solutions: data", data_config(cfg), "train",
+                    (field,) if field else ("completion", "solution", "answer")))
     sft_source = cfg.sft.source or cfg.data.source
     if (cfg.sft.steps or cfg.algo.name == "sft") and sft_source in files:
         config = data_config(cfg, sft_source, cfg.sft.path or None)
@@ -473,6 +483,13 @@ def data_iterator(ctx: Context, batch_size: int, split: str = "train", seed_offs
         raise UserError(f"data: {e}") from None
     check_lengths(ctx.cfg, it, "data")
     return it
+
+
+def rl_iterator(ctx: Context, num_prompts: int):
+    """The RL rollout's prompts: the run's data iterator behind the configured prompt
+    selection (``data.selection``; ``uniform`` is the iterator itself). Checkpointable."""
+    return selection.make(data_iterator(ctx, num_prompts), ctx.cfg.data.selection,
+                          seed=ctx.cfg.seed)
 
 
 LENGTH_SCAN = 1000  # examples whose token lengths are checked before the first step

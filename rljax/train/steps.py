@@ -261,10 +261,16 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
 # ----------------------------------------------------------------------------- step builders
 
 def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
-                   mesh=None) -> Callable:
+                   mesh=None, loss_scale: float = 1.0) -> Callable:
     """Jitted ``sft_step(state, batch) -> (state, metrics)`` (metrics: loss, nll, grad_norm,
-    skipped)."""
+    skipped). ``loss_scale`` multiplies the loss (and gradient); ``nll`` stays unscaled."""
     loss_fn = functools.partial(sft_loss, model_cfg)
+    if loss_scale != 1.0:
+        unscaled = loss_fn
+
+        def loss_fn(params, state, batch):
+            (num, den), metrics = unscaled(params, state, batch)
+            return (loss_scale * num, den), metrics
 
     def sft_step(state, batch):
         return update(optimizer, loss_fn, state, batch, num_micro)

@@ -14,8 +14,9 @@ import numpy as np
 
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib
+from rljax.train import guidance
 from rljax.train.rollout import Rollout
-from rljax.train.setup import Context, data_iterator, update_sizes
+from rljax.train.setup import Context, rl_iterator, update_sizes
 from rljax.train.steps import build_grpo_step, to_host
 
 
@@ -30,16 +31,21 @@ class GRPOPhase:
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
-        self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
+        self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         # One update per rollout (one epoch, one mini-batch): the policy has not moved since
         # sampling, so the update's own log-probs are the old ones (no separate forward).
-        single_update = a.num_iterations == 1 and self.mini == self.batch_size
+        # (Not with mixed-policy demonstrations: their old log-probs are set apart.)
+        single_update = (a.num_iterations == 1 and self.mini == self.batch_size
+                         and not a.mixed_policy)
         rollout_cls = Rollout
         if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
             from rljax.train.agent import MultiTurnRollout as rollout_cls
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update)
+        # ReLIFT SFT steps share the optimizer (and its schedule) with the RL updates.
+        self.relift = guidance.Relift(ctx, self.rollout.guide) if a.relift.every else None
+        relift_updates = self.steps // a.relift.every if self.relift else 0
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate,
-                                       self.steps * self.updates_per_step)
+                                       self.steps * self.updates_per_step + relift_updates)
         self._step_fn = None
 
     def init_state(self, state):
@@ -70,6 +76,9 @@ class GRPOPhase:
                 mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
                 state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))
                 updates.append(m)
+        if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
+            state, relift_metrics = self.relift.maybe_step(state, step, self.optimizer)
+            metrics.update(relift_metrics)
         updates = [to_host(m) for m in updates]
         t2 = time.perf_counter()
         for key in updates[0]:
@@ -83,7 +92,12 @@ class GRPOPhase:
         return state, metrics
 
     def state_dict(self) -> dict:
-        return {"data": self.iterator.state()}
+        out = {"data": self.iterator.state()}
+        if self.rollout.guide is not None:
+            out["guidance"] = self.rollout.guide.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.iterator.restore(state["data"])
+        if self.rollout.guide is not None and "guidance" in state:
+            self.rollout.guide.load_state_dict(state["guidance"])

@@ -37,7 +37,7 @@ from rljax.models import lora as lora_lib
 from rljax.train import steps
 from rljax.train.optim import all_finite, apply_if_finite
 from rljax.train.rollout import RewardRollout
-from rljax.train.setup import Context, data_iterator, update_sizes
+from rljax.train.setup import Context, rl_iterator, update_sizes
 from rljax.train.state import reference_params
 from rljax.train.steps import to_host
 
@@ -246,7 +246,7 @@ class PPOPhase:
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, updates_per_step = update_sizes(cfg)
         updates = self.steps * updates_per_step
-        self.iterator = data_iterator(ctx, self.batch_size // a.num_generations)
+        self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         self.rollout = RewardRollout(ctx, self.iterator)
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, updates)
         self.critic_optimizer = ctx.optimizer(

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
-from rljax.train import rollout as rollout_lib
+from rljax.train import guidance
 from rljax.train.setup import Context, data_iterator
 from rljax.train.steps import build_sft_step, to_host
 
@@ -44,12 +43,11 @@ class SFTPhase:
                              ref_params=None)
 
     def solution(self, example: dict) -> str:
-        if self.task is not None:
-            return self.task.solution(example)
-        for key in ("completion", "solution", "answer"):
-            if key in example:
-                return str(example[key])
-        raise UserError(f"SFT data has no completion/solution/answer field: {sorted(example)}")
+        try:
+            return guidance.solution_of(example, self.task)
+        except UserError:
+            raise UserError(f"SFT data has no completion/solution/answer field: "
+                            f"{sorted(example)}") from None
 
     def make_batch(self, examples: list[dict]) -> dict:
         """Prompt ++ solution ++ EOS; solutions longer than the slot are cut (and counted).
@@ -66,18 +64,11 @@ class SFTPhase:
                                               self.ctx.cfg.data.max_prompt_length))
             tokens, mask = rollout_lib.build_sequences(p_tok, p_mask, c_tok, c_mask)
             return {"tokens": tokens, "mask": mask, "loss_mask": model}
-        p_tok, p_mask = rollout_lib.encode_prompts(tok, [ex["prompt"] for ex in examples],
-                                                   self.ctx.cfg.data.max_prompt_length)
-        c_tok = np.full((len(examples), n), tok.pad_id, np.int32)
-        c_mask = np.zeros((len(examples), n), bool)
-        for i, ex in enumerate(examples):
-            ids = tok.encode(self.solution(ex)) + [tok.eos_id]
-            if len(ids) > n:
-                self.num_too_long += 1
-                ids = ids[:n]
-            c_tok[i, :len(ids)], c_mask[i, :len(ids)] = ids, True
-        tokens, mask = rollout_lib.build_sequences(p_tok, p_mask, c_tok, c_mask)
-        return {"tokens": tokens, "mask": mask, "loss_mask": c_mask}
+        batch, cut = guidance.sft_batch(
+            tok, [ex["prompt"] for ex in examples], [self.solution(ex) for ex in examples],
+            self.ctx.cfg.data.max_prompt_length, n)
+        self.num_too_long += cut
+        return batch
 
     def _compiled(self, state):
         if self._step_fn is None:

@@ -1,0 +1,480 @@
+"""Guidance for prompts the policy fails: hints (``algo.hint``) and SFT on the hardest
+(``algo.relift``). Host-side machinery; the rollout and the GRPO phase call it.
+
+Hints (GHPO / SEELE / POPE). When every one of a prompt's G samples fails (reward below
+``hint.threshold``), its group is sampled again with the first tokens of a solution placed at
+the start of the assistant turn. The prefix is appended to the *prompt* tokens of that group,
+so it is context by construction: it sits before the completion slot, outside ``loss_mask``,
+``old_logps`` and ``sampler_logps``; no loss, no gradient and no importance ratio involve it.
+Only the sampled continuation trains. The reward judges prefix + continuation (the whole
+answer). The hinted group replaces the failed one in the batch; the failed samples' tokens
+still count in ``rollout/tokens``.
+
+- ``hint.mode="fixed"``: the prefix is ``hint.fraction`` of the solution's tokens (GHPO-style).
+- ``hint.mode="adaptive"``: one fraction per prompt, starting at ``hint.fraction`` and moved
+  after every hinted visit by ``step * (target - success rate of the hinted group)`` (SEELE:
+  keep hinted groups near a target success rate, where their advantages are informative).
+- ``hint.source="reference"``: the dataset's solution (``task.solution`` of the built-in
+  tasks; the ``algo.solution_field`` column of a file, default the first of completion /
+  solution / answer). ``"replay"``: a successful completion of the same prompt stored at an
+  earlier visit (POPE / off-policy prefixes), falling back to the reference
+  (``hint.replay_fallback``) or to no hint.
+
+ReLIFT. A prompt whose unhinted groups had zero successes on its last ``relift.k_visits``
+visits enters a bounded FIFO buffer (deduplicated by prompt). Every ``relift.every`` RL steps
+the GRPO phase runs one SFT step (``steps.build_sft_step`` on the same train state and
+optimizer, loss scaled by ``relift.coef``) on the oldest ``relift.batch_size`` buffered
+prompts with their reference solutions, and removes them from the buffer.
+
+All host state (per-prompt fractions, stored successes, visit counters, buffer) is a JSON-able
+``state_dict`` saved with the phase, so resume is exact.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import algorithms
+from rljax import data as data_lib
+from rljax import distributed as dist
+from rljax.errors import ConfigError, UserError
+from rljax.train.steps import build_sft_step, to_host
+
+SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
+HINT_STREAM = 1 << 16  # rng: fold_in(round rng, HINT_STREAM) samples the hinted groups
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+def solution_of(example: dict, task=None, field: str = "") -> str:
+    """The reference solution text of ``example``: ``task.solution`` for built-in tasks, the
+    ``field`` column, or the first of ``SOLUTION_FIELDS``. Raises UserError when there is none."""
+    if task is not None:
+        return task.solution(example)
+    for key in ((field,) if field else SOLUTION_FIELDS):
+        if key in example and example[key] is not None:
+            return str(example[key])
+    wanted = repr(field) if field else "one of " + "/".join(SOLUTION_FIELDS)
+    raise UserError(f"example has no solution field ({wanted}); fields: {sorted(example)}")
+
+
+def group_success(rewards: np.ndarray, g: int, threshold: float) -> np.ndarray:
+    """Success rate per group: float32 [R / G] from rewards [R] (prompt-major groups of G);
+    a sample succeeds when its reward is >= ``threshold``."""
+    ok = np.asarray(rewards, np.float32).reshape(-1, g) >= threshold
+    return ok.mean(axis=1).astype(np.float32)
+
+
+def prefix_length(num_tokens: int, fraction: float, room: int) -> int:
+    """Hint tokens for a solution of ``num_tokens`` tokens at ``fraction`` of it: rounded, at
+    least 1, at most the solution and at most ``room`` (what the prompt bucket still holds).
+    0 means no hint is possible."""
+    k = int(math.floor(fraction * num_tokens + 0.5))
+    return max(0, min(max(k, 1), num_tokens, room))
+
+
+def adaptive_update(fraction: float, success_rate: float, target: float, step: float,
+                    low: float, high: float) -> float:
+    """SEELE-style per-prompt control: more hint when the hinted group succeeded less often
+    than ``target``, less when more often; clipped to [low, high]."""
+    return float(min(high, max(low, fraction + step * (target - success_rate))))
+
+
+def hint_rows(num_prompts: int, hinted: int, multiple: int = 1) -> int:
+    """Prompts to sample for ``hinted`` hinted groups: the next power of two (at most
+    ``num_prompts``, the round's own size), rounded up to a multiple of the data-parallel size,
+    so the sampler compiles for a handful of shapes only."""
+    n = min(num_prompts, 1 << max(0, hinted - 1).bit_length())
+    return -(-max(n, hinted) // multiple) * multiple
+
+
+def completion_ids(tokens: np.ndarray, mask: np.ndarray, eos_id: int) -> list[int]:
+    """A completion's token ids (mask applied), without its trailing EOS."""
+    ids = [int(t) for t in np.asarray(tokens)[np.asarray(mask, bool)]]
+    return ids[:-1] if ids and ids[-1] == eos_id else ids
+
+
+class BoundedDict:
+    """An insertion-ordered dict of at most ``size`` entries (the oldest are evicted), with a
+    JSON-able state (a list of [key, value] pairs, order kept)."""
+
+    def __init__(self, size: int):
+        self.size, self.items = int(size), OrderedDict()
+
+    def get(self, key, default=None):
+        return self.items.get(key, default)
+
+    def __contains__(self, key) -> bool:
+        return key in self.items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, key, value) -> None:
+        self.items.pop(key, None)
+        self.items[key] = value
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+    def pop(self, key) -> None:
+        self.items.pop(key, None)
+
+    def state(self) -> list:
+        return [[k, v] for k, v in self.items.items()]
+
+    def restore(self, state: list) -> None:
+        self.items = OrderedDict((k, v) for k, v in state)
+
+
+# ----------------------------------------------------------------------------- hints
+
+class Hints:
+    """Chooses hint prefixes for failed prompts and learns from hinted groups
+    (``algo.hint``; see the module docstring)."""
+
+    def __init__(self, hint_cfg, solution_fn: Callable[[dict], str], tokenizer,
+                 max_prompt_length: int):
+        self.cfg, self.solution_fn, self.tok = hint_cfg, solution_fn, tokenizer
+        self.max_prompt_length = int(max_prompt_length)
+        self.fractions = BoundedDict(hint_cfg.max_prompts)  # adaptive: prompt -> fraction
+        self.successes = BoundedDict(hint_cfg.max_prompts)  # replay: prompt -> token ids
+
+    def fraction(self, key: str) -> float:
+        if self.cfg.mode == "adaptive":
+            return float(self.fractions.get(key, self.cfg.fraction))
+        return float(self.cfg.fraction)
+
+    def solution_ids(self, example: dict) -> list[int] | None:
+        """Token ids the prefix is cut from: a stored success (replay) or the reference."""
+        if self.cfg.source == "replay":
+            stored = self.successes.get(example["prompt"])
+            if stored is not None:
+                return list(stored)
+            if not self.cfg.replay_fallback:
+                return None
+        return self.tok.encode(self.solution_fn(example))
+
+    def prefix(self, example: dict, prompt_len: int) -> list[int] | None:
+        """The hint token ids for a failed prompt of ``prompt_len`` tokens, or None."""
+        ids = self.solution_ids(example)
+        if not ids:
+            return None
+        k = prefix_length(len(ids), self.fraction(example["prompt"]),
+                          self.max_prompt_length - prompt_len)
+        return ids[:k] if k else None
+
+    def remember_success(self, key: str, ids: Sequence[int]) -> None:
+        """Replay store: the newest successful completion of a prompt."""
+        if self.cfg.source == "replay" and ids:
+            self.successes.put(key, [int(t) for t in ids])
+
+    def hinted_result(self, key: str, success_rate: float) -> None:
+        """Adaptive mode: moves the prompt's fraction toward the target success rate."""
+        if self.cfg.mode == "adaptive":
+            c = self.cfg
+            self.fractions.put(key, adaptive_update(self.fraction(key), success_rate, c.target,
+                                                    c.step, c.min_fraction, c.max_fraction))
+
+    def state_dict(self) -> dict:
+        return {"fractions": self.fractions.state(), "successes": self.successes.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fractions.restore(state["fractions"])
+        self.successes.restore(state["successes"])
+
+
+# ----------------------------------------------------------------------------- ReLIFT buffer
+
+class ReliftBuffer:
+    """Prompts with zero successes on their last ``k_visits`` visits, oldest first, each at
+    most once, at most ``size`` (the oldest are evicted). ``streaks`` counts each prompt's
+    current run of failed visits (bounded like the buffer, x8)."""
+
+    def __init__(self, k_visits: int, size: int):
+        self.k_visits = int(k_visits)
+        self.entries = BoundedDict(size)           # prompt -> example
+        self.streaks = BoundedDict(8 * int(size))  # prompt -> failed visits in a row
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def observe(self, example: dict, solved: bool) -> None:
+        key = example["prompt"]
+        if solved:
+            self.streaks.pop(key)
+            return
+        streak = int(self.streaks.get(key, 0)) + 1
+        self.streaks.put(key, streak)
+        if streak >= self.k_visits and key not in self.entries:
+            self.entries.put(key, dict(example))
+
+    def take(self, n: int) -> list[dict]:
+        """Removes and returns the oldest ``n`` (or fewer) buffered examples."""
+        keys = list(self.entries.items)[:n]
+        out = [self.entries.get(k) for k in keys]
+        for k in keys:
+            self.entries.pop(k)
+            self.streaks.pop(k)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"entries": self.entries.state(), "streaks": self.streaks.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entries.restore(state["entries"])
+        self.streaks.restore(state["streaks"])
+
+
+# ----------------------------------------------------------------------------- SFT batches
+
+def sft_batch(tokenizer, prompts: Sequence[str], solutions: Sequence[str],
+              max_prompt_length: int, completion_len: int, rows: int | None = None):
+    """Prompt ++ solution ++ EOS in the shared sequence layout (``steps``), loss on the
+    solution and EOS. ``rows`` pads the batch with rows that count for nothing (``loss_mask``
+    all False). Returns ``(batch, number of solutions cut to completion_len)``."""
+    from rljax.train import rollout as rollout_lib  # late: rollout imports this module
+
+    rows = len(prompts) if rows is None else rows
+    prompts = list(prompts) + [prompts[0] if prompts else ""] * (rows - len(prompts))
+    p_tok, p_mask = rollout_lib.encode_prompts(tokenizer, prompts, max_prompt_length)
+    c_tok = np.full((rows, completion_len), tokenizer.pad_id, np.int32)
+    c_mask = np.zeros((rows, completion_len), bool)
+    cut = 0
+    for i, text in enumerate(solutions):
+        ids = tokenizer.encode(text) + [tokenizer.eos_id]
+        if len(ids) > completion_len:
+            cut, ids = cut + 1, ids[:completion_len]
+        c_tok[i, :len(ids)], c_mask[i, :len(ids)] = ids, True
+    tokens, mask = rollout_lib.build_sequences(p_tok, p_mask, c_tok, c_mask)
+    return {"tokens": tokens, "mask": mask, "loss_mask": c_mask}, cut
+
+
+# ----------------------------------------------------------------------------- the rollout hook
+
+def solution_fn(ctx) -> Callable[[dict], str]:
+    """The run's reference-solution lookup (built-in task or file field)."""
+    cfg = ctx.cfg
+    task = None
+    if cfg.data.source in data_lib.TASKS:
+        task = data_lib.get_task(ctx.data_config())
+    field = cfg.algo.solution_field
+    return lambda example: solution_of(example, task, field)
+
+
+def enabled(cfg) -> bool:
+    a = cfg.algo
+    return a.hint.mode != "off" or a.relift.every > 0 or bool(a.mixed_policy)
+
+
+def insert_demos(rollout, rnd: dict, examples: Sequence[dict], groups: Sequence[int],
+                 solution: Callable[[dict], str]) -> dict:
+    """Mixed-policy groups (LUFFY / RL-PLUS style, ``algo.mixed_policy``): in each failed
+    group, the last sample is replaced by the reference solution (+ EOS, cut to the completion
+    slot), scored by the reward functions. ``rnd["demo"]`` bool [R] marks these rows; the
+    rollout sets their ``old_logps`` to 0 (the demonstrator's probabilities are unknown; it is
+    taken to be certain, mu = 1), so their importance ratio is pi_theta(token) <= 1: bounded,
+    and never clipped for a positive advantage (the PPO clip only binds above 1 + epsilon). Their
+    ``sampler_logps`` are 0 as well. ``rollout/tokens`` counts the replaced (sampled) completions,
+    not the demonstrations."""
+    g, tok = rollout.g, rollout.ctx.tokenizer
+    n = rnd["tokens"].shape[1]
+    rnd["demo"] = np.zeros(len(rnd["rewards"]), bool)
+    rnd.setdefault("extra_tokens", 0)
+    if not len(groups):
+        return rnd
+    rows = [int(i) * g + g - 1 for i in groups]
+    texts, lengths = [], []
+    for row, ex in zip(rows, examples):
+        text = solution(ex)
+        ids = (tok.encode(text) + [tok.eos_id])[:n]
+        # rollout/tokens counts sampled tokens: the replaced sample's, not the demo's.
+        rnd["extra_tokens"] += int(rnd["lengths"][row]) - len(ids)
+        rnd["tokens"][row] = tok.pad_id
+        rnd["tokens"][row, :len(ids)] = ids
+        rnd["mask"][row] = np.arange(n) < len(ids)
+        rnd["lengths"][row], rnd["truncated"][row] = len(ids), ids[-1] != tok.eos_id
+        rnd["logps"][row] = 0.0
+        rnd["demo"][row] = True
+        texts.append(tok.decode(ids))
+        lengths.append(len(ids))
+    keys = [k for k in examples[0] if k != "prompt"]
+    result = rollout.reward_fn([ex["prompt"] for ex in examples], texts,
+                               completion_lengths=lengths,
+                               **{k: [ex.get(k) for ex in examples] for k in keys})
+    total = np.asarray(result.total, np.float32)
+    for name, values in result.per_function.items():
+        rnd["scores"][name][rows] = np.asarray(values, np.float32)
+    cfg = rollout.cfg
+    if cfg.algo.overlong_buffer:  # the same DAPO length penalty as sampled completions get
+        pen = np.asarray(algorithms.overlong_penalty(
+            np.asarray(lengths), cfg.rollout.max_new_tokens, int(cfg.algo.overlong_buffer),
+            cfg.algo.overlong_penalty_factor), np.float32)
+        rnd["scores"]["overlong"][rows] = pen
+        total = total + pen
+    rnd["rewards"][rows] = total
+    return rnd
+
+
+def demo_old_logps(old_logps, demo: np.ndarray):
+    """``old_logps`` [R, N] with the demonstration rows (``demo`` bool [R]) set to 0."""
+    return jnp.where(jnp.asarray(demo)[:, None], 0.0, old_logps)
+
+
+class Guide:
+    """What the rollout calls after each sampling round (``after_round``): records visits
+    (ReLIFT streaks, replay successes) and replaces failed groups by hinted ones."""
+
+    def __init__(self, ctx, g: int):
+        cfg = ctx.cfg
+        self.g, self.threshold = g, float(cfg.algo.hint.threshold)
+        self.eos_id = ctx.tokenizer.eos_id
+        self.multiple = ctx.dp_size
+        self.solution = solution_fn(ctx)
+        self.hints = (Hints(cfg.algo.hint, self.solution, ctx.tokenizer,
+                            cfg.data.max_prompt_length) if cfg.algo.hint.mode != "off" else None)
+        r = cfg.algo.relift
+        self.buffer = ReliftBuffer(r.k_visits, r.buffer_size) if r.every > 0 else None
+        self.mixed = bool(cfg.algo.mixed_policy)
+
+    def check(self, example: dict) -> None:
+        """Before the first step: the data has reference solutions (one ConfigError line)."""
+        key = ("algo.hint.mode" if self.hints is not None else
+               "algo.relift.every" if self.buffer is not None else "algo.mixed_policy")
+        try:
+            self.solution(example)
+        except (UserError, KeyError, ValueError) as e:
+            raise ConfigError(f"{key} needs reference solutions: {e} (name the column with "
+                              "algo.solution_field)") from None
+
+    def after_round(self, rollout, params, rnd: dict, rng) -> dict:
+        """``rnd`` (a ``Rollout._round`` result) with failed groups replaced by hinted ones,
+        and ``rnd["hint"]`` = {groups, hinted, prefix_tokens, successes, samples}."""
+        g, examples = self.g, rnd["examples"]
+        rates = group_success(rnd["rewards"], g, self.threshold)
+        for i, ex in enumerate(examples):
+            if self.buffer is not None:
+                self.buffer.observe(ex, solved=bool(rates[i] > 0))
+            if self.hints is not None and rates[i] > 0:
+                self._remember(ex, rnd, i)
+        stats = {"groups": len(examples), "hinted": 0, "prefix_tokens": 0, "successes": 0,
+                 "samples": 0}
+        rnd["hint"] = stats
+        if self.mixed:
+            return insert_demos(rollout, rnd, [examples[i] for i in np.flatnonzero(rates == 0)],
+                                np.flatnonzero(rates == 0), self.solution)
+        if self.hints is None:
+            return rnd
+        failed, prefixes = [], []
+        for i in np.flatnonzero(rates == 0):
+            p = self.hints.prefix(examples[i], len(rnd["prompt_ids"][i]))
+            if p is not None:
+                failed.append(int(i))
+                prefixes.append(p)
+        if not failed:
+            return rnd
+        n = hint_rows(len(examples), len(failed), self.multiple)
+        pad = n - len(failed)  # repeats of the first hinted prompt; sampled, then discarded
+        sub = [examples[i] for i in failed] + [examples[failed[0]]] * pad
+        hinted = rollout._round(params, rng, examples=sub,
+                                prefixes=prefixes + [prefixes[0]] * pad)
+        h_rates = group_success(hinted["rewards"], g, self.threshold)
+        rnd["extra_tokens"] = rnd.get("extra_tokens", 0)
+        for j, i in enumerate(failed):
+            rows, src = slice(i * g, (i + 1) * g), slice(j * g, (j + 1) * g)
+            # The failed samples were sampled too: their tokens stay in rollout/tokens.
+            rnd["extra_tokens"] += int(rnd["lengths"][rows].sum())
+            for key in ("tokens", "logps", "mask", "lengths", "truncated", "rewards"):
+                rnd[key][rows] = hinted[key][src]
+            for name in rnd["scores"]:
+                rnd["scores"][name][rows] = hinted["scores"][name][src]
+            rnd["prompt_ids"][i] = hinted["prompt_ids"][j]
+            self.hints.hinted_result(examples[i]["prompt"], float(h_rates[j]))
+            if h_rates[j] > 0:
+                self._remember(examples[i], rnd, i, prefix=prefixes[j])
+        if rnd["prompt_len"] < hinted["prompt_len"]:
+            rnd["prompt_len"] = hinted["prompt_len"]
+        rnd["time_sample"] += hinted["time_sample"]
+        rnd["time_reward"] += hinted["time_reward"]
+        rnd["errors"] += hinted["errors"]
+        stats.update(hinted=len(failed), prefix_tokens=sum(len(p) for p in prefixes),
+                     successes=int(round(float(h_rates[:len(failed)].sum()) * g)),
+                     samples=len(failed) * g, padding_groups=pad)
+        return rnd
+
+    def _remember(self, example: dict, rnd: dict, group: int, prefix: Sequence[int] = ()):
+        """Replay store: the first successful sample of ``group`` (hint prefix included)."""
+        if self.hints.cfg.source != "replay":
+            return
+        g = self.g
+        ok = np.flatnonzero(rnd["rewards"][group * g:(group + 1) * g] >= self.threshold)
+        row = group * g + int(ok[0])
+        ids = list(prefix) + completion_ids(rnd["tokens"][row], rnd["mask"][row], self.eos_id)
+        self.hints.remember_success(example["prompt"], ids)
+
+    def state_dict(self) -> dict:
+        return {"hints": None if self.hints is None else self.hints.state_dict(),
+                "relift": None if self.buffer is None else self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.hints is not None:
+            self.hints.load_state_dict(state["hints"])
+        if self.buffer is not None:
+            self.buffer.load_state_dict(state["relift"])
+
+
+def hint_metrics(rounds: Sequence[dict]) -> dict:
+    """``hint/*`` metrics over a step's rounds: share of groups hinted, mean prefix length
+    (tokens, over hinted groups), success rate of the hinted samples."""
+    stats = [r["hint"] for r in rounds if "hint" in r]
+    groups = sum(s["groups"] for s in stats)
+    hinted = sum(s["hinted"] for s in stats)
+    samples = sum(s["samples"] for s in stats)
+    return {"hint/fraction_hinted": hinted / max(groups, 1),
+            "hint/prefix_tokens_mean": sum(s["prefix_tokens"] for s in stats) / max(hinted, 1),
+            "hint/success_rate": sum(s["successes"] for s in stats) / max(samples, 1),
+            "hint/padding_groups": sum(s.get("padding_groups", 0) for s in stats)}
+
+
+# ----------------------------------------------------------------------------- ReLIFT steps
+
+class Relift:
+    """Every ``algo.relift.every`` RL steps, one SFT step on the oldest buffered prompts'
+    reference solutions (same train state and optimizer; ``steps.build_sft_step`` with the
+    loss scaled by ``relift.coef``). Its state is the Guide's buffer."""
+
+    def __init__(self, ctx, guide: Guide):
+        self.ctx, self.guide, self.cfg = ctx, guide, ctx.cfg.algo.relift
+        self.completion_len = int(ctx.cfg.rollout.max_new_tokens)
+        self._step_fn = None
+
+    def batch(self, examples: list[dict]) -> tuple[dict, int]:
+        """``relift.batch_size`` rows of prompt ++ solution ++ EOS (padding rows masked)."""
+        return sft_batch(self.ctx.tokenizer, [ex["prompt"] for ex in examples],
+                         [self.guide.solution(ex) for ex in examples],
+                         self.ctx.cfg.data.max_prompt_length, self.completion_len,
+                         rows=int(self.cfg.batch_size))
+
+    def maybe_step(self, state, step: int, optimizer):
+        """(state, metrics) after RL step ``step`` (0-based): an SFT step when it is due and
+        the buffer holds prompts. Metrics: relift/buffer_size (before the step), and on SFT
+        steps relift/sft_loss, relift/sft_rows, relift/sft_tokens."""
+        buffer = self.guide.buffer
+        metrics = {"relift/buffer_size": len(buffer)}
+        if (step + 1) % int(self.cfg.every) or not len(buffer):
+            return state, metrics
+        examples = buffer.take(int(self.cfg.batch_size))
+        batch, cut = self.batch(examples)
+        if self._step_fn is None:
+            self._step_fn = build_sft_step(
+                self.ctx.model_cfg, optimizer, loss_scale=float(self.cfg.coef),
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+        state, m = self._step_fn(state, dist.device_batch(batch, self.ctx.mesh))
+        m = to_host(m)
+        metrics.update({"relift/sft_loss": m["nll"], "relift/sft_rows": len(examples),
+                        "relift/sft_tokens": int(batch["loss_mask"].sum()),
+                        "relift/sft_cut": cut, "relift/skipped": m["skipped"]})
+        return state, metrics
