@@ -15,6 +15,7 @@ token, of re-sampling rounds too), and each held-out evaluation (``eval/accuracy
 problems training never draws) becomes a point (tokens, accuracy). Once an evaluation at or
 beyond ``--budget`` sampled tokens is written, the run is stopped (SIGTERM: it saves and exits).
 Accuracy "at T tokens" is the linear interpolation between the evaluations around T.
+Raising ``--budget`` later continues finished runs from their checkpoints (exact resume).
 
 Method specs: ``NAME=ITEM;ITEM;...`` where an item is ``key=value`` (a ``--config.`` override)
 or ``@path/to/config.py`` (the config file, default ``--config``). Results merge into the JSON
@@ -178,7 +179,7 @@ def run_one(cmd: list[str], workdir: str, budget: int, log_path: str) -> dict:
     """Runs one training until an evaluation at >= ``budget`` tokens (then SIGTERM) or the
     end; returns wall/CPU seconds (the child's own rusage), load and exit code."""
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         stopped, status, usage = False, None, None
         while status is None:
@@ -272,13 +273,22 @@ def main(argv=None) -> int:
             cmd = command(methods_def[m], seed, workdir, common, args.config, args.max_steps,
                           args.eval_every)
             old = next((r for r in runs if r["method"] == m and r["seed"] == seed), None)
-            if old is not None and old["command"][4:] == cmd[4:] and not args.rerun:
+            same = old is not None and old["command"][4:] == cmd[4:] and not args.rerun
+            if same and old["budget"] >= args.budget:
                 print(f"[{m} seed {seed}] done before, kept", flush=True)
                 continue
-            subprocess.run(["rm", "-rf", workdir], check=True)
+            # A larger budget continues the run from the checkpoint its stop saved (resume
+            # is exact), so only the extra tokens are sampled.
+            extend = same and os.path.isdir(os.path.join(workdir, "checkpoints"))
+            if not extend:
+                subprocess.run(["rm", "-rf", workdir], check=True)
             os.makedirs(args.workdirs, exist_ok=True)
-            print(f"[{m} seed {seed}] {' '.join(cmd[4:])}", flush=True)
+            print(f"[{m} seed {seed}] {'extended: ' if extend else ''}{' '.join(cmd[4:])}",
+                  flush=True)
             info = run_one(cmd, workdir, args.budget, workdir + ".log")
+            if extend:  # the costs of both parts
+                info.update(wall_s=info["wall_s"] + old["wall_s"],
+                            cpu_s=info["cpu_s"] + old["cpu_s"], load_start=old["load_start"])
             records = read_records(workdir)
             points = curve(records)
             rl = [r for r in records if "rollout/tokens" in r]
@@ -298,7 +308,7 @@ def main(argv=None) -> int:
                 json.dump(results, f, indent=1)
     shown = [m for m in dict.fromkeys([r["method"] for r in runs])]
     shown = [m for m in methods] + [m for m in shown if m not in methods]
-    budget = min(r["budget"] for r in runs)
+    budget = args.budget
     rows = summary(runs, shown, budget)
     results["summary"] = {"budget": budget, "rows": rows}
     with open(args.out, "w") as f:
