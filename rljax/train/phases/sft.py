@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import time
 
-
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.train import guidance
+from rljax.train import rollout as rollout_lib
 from rljax.train.setup import Context, data_iterator
 from rljax.train.steps import build_sft_step, to_host
 
