@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rljax import algorithms, rewards, sampling
+from rljax import algorithms, rewards, sampling, tree_sampling
 from rljax import distributed as dist
 from rljax.train.steps import build_logps_fn
 
@@ -94,8 +94,13 @@ def expand_fields(examples: list[dict], g: int) -> dict[str, list]:
 
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-             micro_prompts: int = 0):
-    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs."""
+             micro_prompts: int = 0, tree: dict | None = None):
+    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
+    ``decoded`` int [B]: the tokens decoded per prompt.
+
+    ``tree`` (``tree_options``): ``tree_sampling.generate`` instead, its ``num_samples``
+    leaves per prompt are the group; shared tree segments are decoded (and counted) once.
+    """
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     outs = []
@@ -103,14 +108,31 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         # Multi-host: every process holds the same prompts and feeds its own rows.
         p_tok, p_mask = dist.device_batch(
             (prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]), ctx.mesh)
-        out = sampling.generate(
-            ctx.model_cfg, params, p_tok, p_mask, rng=jax.random.fold_in(rng, i),
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, num_samples=num_samples,
-            mesh=ctx.mesh)
+        kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_k=top_k, top_p=top_p,
+                  eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
+        if tree is None:
+            out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
+                                    num_samples=num_samples, **kw)
+        else:
+            out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
-    return {k: np.concatenate([getattr(o, k) for o in outs]) for k in
-            ("tokens", "logps", "mask", "lengths", "truncated")}
+    result = {k: np.concatenate([getattr(o, k) for o in outs]) for k in
+              ("tokens", "logps", "mask", "lengths", "truncated")}
+    result["decoded"] = (np.concatenate([o.decoded for o in outs]) if tree is not None else
+                         result["lengths"].reshape(b, num_samples).sum(axis=1))
+    return result
+
+
+def tree_options(rollout_cfg, num_generations: int) -> dict | None:
+    """``tree_sampling.generate`` options from ``rollout.tree`` (None when it is off):
+    segment_tokens, branching, roots and the depth that gives ``num_generations`` leaves."""
+    t = rollout_cfg.tree
+    if not t.enabled:
+        return None
+    depth = tree_sampling.tree_depth(t.roots, t.branching, num_generations)
+    return dict(segment_tokens=int(t.segment_tokens), branching=int(t.branching),
+                roots=int(t.roots), depth=int(depth))
 
 
 class Rollout:
@@ -143,6 +165,8 @@ class Rollout:
         self._informative = jax.jit(lambda r: algorithms.nonzero_variance_groups(r, g))
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
         self._printed_at = None   # time of the last logging.num_completions_to_print output
+        # Tree sampling (docs/search.md): each prompt's group is the leaves of one tree.
+        self.tree = tree_options(cfg.rollout, g)
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -157,7 +181,7 @@ class Rollout:
         out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=g,
                        max_new_tokens=cfg.rollout.max_new_tokens,
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                       top_p=cfg.rollout.top_p, micro_prompts=micro)
+                       top_p=cfg.rollout.top_p, micro_prompts=micro, tree=self.tree)
         t1 = time.perf_counter()
         # Multi-host: each process scores its own rows, then every process gets all rewards.
         n = len(out["tokens"])
@@ -285,8 +309,12 @@ class Rollout:
         if self._advantages is None:
             opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
             estimator = algorithms.get_advantage_estimator(a.adv_estimator)
+            if algorithms.uses_tree(a.adv_estimator):  # every group has the same tree layout
+                opts.update(self.tree_structure(len(rewards) // g))
             if self.token_level:
-                opts.update(kl_coef=float(a.beta), gamma=float(a.gamma))
+                # The KL enters the token rewards only with kl_in_reward (else token_kl = 0).
+                opts.update(kl_coef=float(a.beta) if a.kl_in_reward else 0.0,
+                            gamma=float(a.gamma))
                 self._advantages = jax.jit(
                     lambda r, m, kl: estimator(r, g, mask=m, token_kl=kl, **opts))
             else:
@@ -298,6 +326,17 @@ class Rollout:
             token_kl = np.zeros(mask.shape, np.float32)
         return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl),
                           np.float32)
+
+    def tree_structure(self, num_groups: int) -> dict:
+        """Tree estimators' inputs for ``num_groups`` groups: ``node_ids`` int32 [R, D+1] and
+        (token level) ``segments`` int32 [N], the tree level of each completion position."""
+        t = self.tree
+        node_ids, _ = tree_sampling.tree_layout(t["roots"], t["branching"], t["depth"])
+        out = {"node_ids": np.tile(node_ids, (num_groups, 1))}
+        if self.token_level:
+            out["segments"] = tree_sampling.segment_of_position(
+                self.cfg.rollout.max_new_tokens, t["segment_tokens"], t["depth"])
+        return out
 
     def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
         """bool [R / G]: groups whose rewards are not all equal."""
@@ -345,6 +384,8 @@ class Rollout:
             "rollout/filler_groups": filler,
             "rollout/train_tokens": int(loss_mask.sum()),
             "rollout/tokens": int(lengths.sum()),
+            # Tokens the sampler decoded (a tree's shared segments once): the sampling cost.
+            "rollout/decoded_tokens": int(sum(r["decoded"].sum() for r in rounds)),
             "time/sample": sum(r["time_sample"] for r in rounds),
             "time/reward": sum(r["time_reward"] for r in rounds),
         })
