@@ -172,9 +172,9 @@ def _summarize_run(workdir: str) -> dict | None:
 def grid(args) -> dict:
     arms = dict(a.split("=", 1) for a in args.arm)
     runs = {}
-    for name, spec in arms.items():
-        config, *extra = spec.split(":")
-        for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in [int(s) for s in args.seeds.split(",")]:   # seed-major: arms finish together
+        for name, spec in arms.items():
+            config, *extra = spec.split(":")
             workdir = os.path.join(args.root, f"{name}_seed{seed}")
             if not args.summarize and not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
                 cmd = [sys.executable, "-m", "rljax.cli", "train", "--config", config,
