@@ -100,6 +100,17 @@ def segment_of_position(max_new_tokens: int, segment_tokens: int, depth: int) ->
     return np.minimum(np.arange(max_new_tokens) // segment_tokens, depth).astype(np.int32)
 
 
+def options_from_config(tree_cfg, num_generations: int) -> dict | None:
+    """``generate`` options from the ``rollout.tree`` config section (None when it is off):
+    segment_tokens, branching, roots and the depth that gives ``num_generations`` leaves
+    (``rljax.config`` has checked that one exists)."""
+    if not tree_cfg.enabled:
+        return None
+    depth = tree_depth(tree_cfg.roots, tree_cfg.branching, num_generations)
+    return dict(segment_tokens=int(tree_cfg.segment_tokens), branching=int(tree_cfg.branching),
+                roots=int(tree_cfg.roots), depth=int(depth))
+
+
 def check_tree(max_new_tokens: int, segment_tokens: int, branching: int, depth: int,
                roots: int) -> None:
     """ValueError unless the tree fits the static shapes: every level decodes >= 1 token."""

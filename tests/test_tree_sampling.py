@@ -167,3 +167,21 @@ def test_layout_and_depth_helpers():
         ts.check_tree(6, 3, 2, 2, 1)
     with pytest.raises(ValueError, match="branching >= 1"):
         ts.check_tree(6, 1, 0, 2, 1)
+
+
+def test_sharded_equals_unsharded(tiny):
+    from rljax import sharding
+    cfg, params = tiny
+    prompt, pmask = _prompts()
+    kw = dict(rng=jax.random.key(0), max_new_tokens=5, segment_tokens=1, branching=2, depth=2,
+              roots=1, temperature=0.0, pad_id=0, eos_id=1)
+    ref = ts.generate(cfg, params, prompt, pmask, **kw)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    shardings = sharding.logical_to_sharding(models.param_logical_axes(cfg), mesh, shapes=params)
+    sparams = sharding.shard_params(params, shardings)
+    sprompt = sharding.shard_batch({"t": prompt, "m": pmask}, mesh)
+    out = ts.generate(cfg, sparams, sprompt["t"], sprompt["m"], mesh=mesh, **kw)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logps, ref.logps, atol=1e-5)
+    np.testing.assert_array_equal(out.decoded, ref.decoded)
+    assert out.tokens.sharding.spec[0] == ("data", "fsdp")   # leaves stay split over data

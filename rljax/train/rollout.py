@@ -98,8 +98,9 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
     ``decoded`` int [B]: the tokens decoded per prompt.
 
-    ``tree`` (``tree_options``): ``tree_sampling.generate`` instead, its ``num_samples``
-    leaves per prompt are the group; shared tree segments are decoded (and counted) once.
+    ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead; its
+    ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
+    once.
     """
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
@@ -122,17 +123,6 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     result["decoded"] = (np.concatenate([o.decoded for o in outs]) if tree is not None else
                          result["lengths"].reshape(b, num_samples).sum(axis=1))
     return result
-
-
-def tree_options(rollout_cfg, num_generations: int) -> dict | None:
-    """``tree_sampling.generate`` options from ``rollout.tree`` (None when it is off):
-    segment_tokens, branching, roots and the depth that gives ``num_generations`` leaves."""
-    t = rollout_cfg.tree
-    if not t.enabled:
-        return None
-    depth = tree_sampling.tree_depth(t.roots, t.branching, num_generations)
-    return dict(segment_tokens=int(t.segment_tokens), branching=int(t.branching),
-                roots=int(t.roots), depth=int(depth))
 
 
 class Rollout:
@@ -166,7 +156,7 @@ class Rollout:
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
         self._printed_at = None   # time of the last logging.num_completions_to_print output
         # Tree sampling (docs/search.md): each prompt's group is the leaves of one tree.
-        self.tree = tree_options(cfg.rollout, g)
+        self.tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
