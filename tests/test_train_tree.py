@@ -78,6 +78,8 @@ def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monke
         assert adv.shape == mask.shape == (16, 4)
     rl = [r for r in read_metrics(straight) if "reward/mean" in r]
     assert len(rl) == 3 and all(np.isfinite(r["loss"]) for r in rl)
+    # The trainer's log-probs of the leaves agree with the tree sampler's (same params).
+    assert rl[0]["rollout/logp_diff_max"] < 1e-4
     # Shared segments are decoded once: fewer decoded tokens than completion tokens.
     assert all(r["rollout/decoded_tokens"] < r["rollout/tokens"] for r in rl)
     assert any(np.abs(a).max() > 0 for _, _, a in seen)   # some signal reached the update
