@@ -58,7 +58,7 @@ def sampler_bench(args) -> dict:
 
     cfg = config_lib.load_config_json(os.path.join(args.workdir, "config.json"))
     ctx, state, step = load_for_inference(cfg, args.workdir)
-    examples = next(data_iterator(ctx, args.prompts, split="test"))
+    examples = next(data_iterator(ctx, args.prompts, split="eval"))
     prompts = [ex["prompt"] for ex in examples]
     tok, mask = encode_prompts(ctx.tokenizer, prompts, cfg.data.max_prompt_length)
     reward_fn = ctx.reward_fn()
