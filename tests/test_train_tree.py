@@ -121,3 +121,11 @@ def test_cli_bad_tree_exits_2_with_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "rljax: error: rollout.tree.segment_tokens=2: 3 forks * 2 tokens must be < "
         "rollout.max_new_tokens=6 (the leaves need a segment)"]
+
+
+def test_tree_demo_config_validates():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config_lib.load_config(os.path.join(root, "configs", "grpo_arithmetic_tree.py"))
+    assert cfg.algo.adv_estimator == "treepo" and cfg.rollout.tree.enabled
+    opts = tree_sampling.options_from_config(cfg.rollout.tree, cfg.algo.num_generations)
+    assert opts == dict(segment_tokens=1, branching=2, roots=2, depth=2)
