@@ -36,7 +36,8 @@ OPEN_SECTIONS = ("model.overrides", "data.kwargs", "reward.kwargs", "env.kwargs"
 CHOICES: dict[str, tuple[str, ...]] = {
     "algo.name": ("grpo", "ppo", "dpo", "sft", "rm"),
     "algo.adv_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                           "reinforce_pp_seq", "reinforce_pp_baseline_seq", "gae"),
+                           "reinforce_pp_seq", "reinforce_pp_baseline_seq", "gae", "treepo",
+                           "rover"),
     "algo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "k3+", "k3_st", "abs"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"),
@@ -77,7 +78,9 @@ BETA_DEFAULT = 0.04
 
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline",
-                    "reinforce_pp_baseline_seq")
+                    "reinforce_pp_baseline_seq", "treepo", "rover")
+# Advantage estimators over the sampled tree: they need rollout.tree.enabled.
+TREE_ESTIMATORS = ("treepo", "rover")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -161,6 +164,18 @@ def default_config() -> ml_collections.ConfigDict:
         # otherwise it replaces rollout.temperature for rollouts, and training log-probs and
         # ratios use each token's own temperature. GRPO and online DPO only.
         temperature_schedule=dict(name="constant", start=1.0, end=1.0, tokens=0),
+        # Tree sampling (docs/search.md; rljax.tree_sampling): each prompt's group of
+        # algo.num_generations completions is the leaves of one tree: `roots` paths decode
+        # `segment_tokens` tokens, then every path forks into `branching` children sharing its
+        # KV cache, depth times, until roots * branching**depth = max_leaves leaves; the
+        # leaves decode the rest. Shared segments are decoded once.
+        tree=dict(
+            enabled=False,
+            segment_tokens=2,        # L, tokens per segment before each fork
+            branching=2,             # k, children per path at each fork
+            roots=1,                 # independent paths per prompt before the first fork
+            max_leaves=0,            # leaves per prompt; 0 = algo.num_generations (must agree)
+        ),
     )
     c.algo = dict(
         name="grpo",
@@ -620,6 +635,8 @@ _RANGES = (
     ("rollout.batch_size", 1, None), ("rollout.max_new_tokens", 1, None),
     ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
     ("rollout.micro_batch_size", 0, None),
+    ("rollout.tree.segment_tokens", 1, None), ("rollout.tree.branching", 1, None),
+    ("rollout.tree.roots", 1, None), ("rollout.tree.max_leaves", 0, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
@@ -706,6 +723,7 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
     if algo.name == "ppo" and algo.adv_estimator != "gae":
         raise ConfigError("algo.name='ppo' trains a critic for GAE: set algo.adv_estimator='gae'")
     _check_guidance(cfg)
+    _check_tree(cfg)
     _check_mesh(cfg.mesh)
     if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.names):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} entries but "
@@ -781,6 +799,10 @@ def _check_env(cfg) -> None:
         return
     from rljax.envs import check_env_config   # host-only module; imported when used
 
+    if cfg.rollout.temperature_schedule.name != "constant":
+        raise ConfigError("rollout.temperature_schedule is not supported with multi-turn "
+                          f"episodes (env.name={env.name!r}): set its name='constant'")
+
     check_env_config(env.name, tuple(env.tools), env.tool_format)
     if cfg.algo.name != "grpo":
         raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
@@ -851,6 +873,44 @@ def _check_selection(cfg) -> None:
             upper = f" and <= data.kwargs.{sel.knob}={top}" if isinstance(top, int) else ""
             raise ConfigError(f"data.selection.min_level={sel.min_level} must be >= "
                               f"{knobs[sel.knob]}{upper}")
+
+
+def _check_tree(cfg) -> None:
+    """rollout.tree: a tree whose leaves are the group and whose segments fit max_new_tokens."""
+    tree, algo = cfg.rollout.tree, cfg.algo
+    if algo.adv_estimator in TREE_ESTIMATORS and not tree.enabled:
+        raise ConfigError(f"algo.adv_estimator='{algo.adv_estimator}' uses the sampled tree: "
+                          "set rollout.tree.enabled=true")
+    if not tree.enabled:
+        return
+    others = [k for k, on in (
+        ("rollout.temperature_schedule.name", cfg.rollout.temperature_schedule.name != "constant"),
+        ("env.name", bool(cfg.env.name)), ("algo.hint.mode", algo.hint.mode != "off"),
+        ("algo.mixed_policy", algo.mixed_policy)) if on]
+    if others:   # each samples its own way; the tree sampler has none of them
+        raise ConfigError(f"rollout.tree.enabled=true cannot be combined with {others[0]}")
+    if algo.name != "grpo":
+        raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo' "
+                          f"(got '{algo.name}')")
+    g = algo.num_generations
+    if tree.max_leaves and tree.max_leaves != g:
+        raise ConfigError(f"rollout.tree.max_leaves={tree.max_leaves} must equal "
+                          f"algo.num_generations={g} (a prompt's group is its tree's leaves)")
+    from rljax.tree_sampling import tree_depth   # late: config itself needs no jax
+    leaves, k, r = tree.max_leaves or g, tree.branching, tree.roots
+    depth = tree_depth(r, k, leaves)
+    if depth is None:
+        raise ConfigError(f"rollout.tree.max_leaves={leaves} is not reachable: it must be "
+                          f"rollout.tree.roots={r} * rollout.tree.branching={k} ** depth")
+    if depth * tree.segment_tokens >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"rollout.tree.segment_tokens={tree.segment_tokens}: {depth} forks "
+                          f"* {tree.segment_tokens} tokens must be < rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (the leaves need a segment)")
+    if algo.adv_estimator == "rover" and algo.kl_in_reward:
+        raise ConfigError("algo.kl_in_reward=true is not supported with "
+                          "algo.adv_estimator='rover' (tree values carry no per-token KL)")
+    if algo.adv_estimator == "rover" and algo.gamma != 1.0:
+        raise ConfigError(f"algo.gamma={algo.gamma} must be 1.0 with algo.adv_estimator='rover'")
 
 
 def _check_mesh(mesh) -> None:

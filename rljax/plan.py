@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax import algorithms, models, sampling
+from rljax import algorithms, models, sampling, tree_sampling
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
 
@@ -329,12 +329,17 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         residents.append((a.name, parts))
         resident_params = parts["params"]
 
-        # sample: `chunk` prompts of the longest bucket, G completions each.
+        # sample: `chunk` prompts of the longest bucket, G completions each (or G tree leaves).
+        tree = tree_sampling.options_from_config(r.tree, g)
+
         def sample_fn(params, prompt_tokens, prompt_mask, key):
-            return sampling.generate(mcfg, params, prompt_tokens, prompt_mask, rng=key,
-                                     max_new_tokens=n_new, temperature=r.temperature,
-                                     top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id,
-                                     pad_id=tok.pad_id, num_samples=g, mesh=mesh)
+            kw = dict(rng=key, max_new_tokens=n_new, temperature=r.temperature, top_k=r.top_k,
+                      top_p=r.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
+            if tree is not None:
+                return tree_sampling.generate(mcfg, params, prompt_tokens, prompt_mask,
+                                              **tree, **kw)
+            return sampling.generate(mcfg, params, prompt_tokens, prompt_mask,
+                                     num_samples=g, **kw)
         phases.append(_compile("sample", jax.jit(sample_fn), (
             params, _batch_struct(mesh, (chunk, p_len), jnp.int32),
             _batch_struct(mesh, (chunk, p_len), bool), rng), resident_params))

@@ -4,7 +4,8 @@ Registries:
   get_advantage_estimator(name)  grpo, dr_grpo, rloo, reinforce_pp_seq,
                                  reinforce_pp_baseline_seq ([N], one per completion);
                                  reinforce_pp, reinforce_pp_baseline ([N, T], token level:
-                                 is_token_level(name))
+                                 is_token_level(name)); treepo ([N]), rover ([N, T]) over
+                                 a sampled tree (uses_tree(name): take node_ids)
   get_policy_loss(name)          ppo (vanilla), gspo, cispo
   get_kl_estimator(name)         k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs
   aggregate(loss_tokens, mask, mode)  token-mean, seq-mean-token-mean, seq-mean-token-sum,
@@ -27,6 +28,12 @@ from rljax.algorithms.advantages import (
     reinforce_pp_baseline_seq_advantages,
     reinforce_pp_seq_advantages,
     rloo_advantages,
+    uses_tree,
+)
+from rljax.algorithms.tree_advantages import (  # registers "treepo" and "rover"
+    rover_advantages,
+    tree_values,
+    treepo_advantages,
 )
 from rljax.algorithms.aggregation import (
     AGGREGATION_MODES,

@@ -14,6 +14,9 @@ Token level (``reinforce_pp``, ``reinforce_pp_baseline``): also take ``mask`` bo
 per-token KL penalty in the reward) and ``gamma``; they return [N, T], 0 where mask is False.
 Their batch statistics are over tokens, so a completion weighs in proportion to its length.
 
+Tree estimators (``treepo`` [N], ``rover`` [N, T]; ``uses_tree(name)``) also take the sampled
+tree's ``node_ids``: ``rljax.algorithms.tree_advantages``.
+
 Also token level, with their own signatures: ``gae`` (PPO critic) and ``discounted_returns``,
 both a reverse ``lax.scan`` over time.
 """
@@ -214,6 +217,9 @@ _ADVANTAGE_ESTIMATORS: Dict[str, Callable[..., Array]] = {
 }
 # Estimators that take mask [N, T] (and token_kl, kl_coef, gamma) and return [N, T].
 _TOKEN_LEVEL = {"reinforce_pp", "reinforce_pp_baseline"}
+# Estimators that need the sampled tree (``node_ids`` [N, D+1], token level also
+# ``segments`` [T]): ``rljax.algorithms.tree_advantages`` registers them.
+_TREE: set = set()
 
 
 def get_advantage_estimator(name: str) -> Callable[..., Array]:
@@ -232,14 +238,22 @@ def is_token_level(name: str) -> bool:
     return name in _TOKEN_LEVEL
 
 
+def uses_tree(name: str) -> bool:
+    """True if estimator ``name`` also takes the sampled tree: ``node_ids`` int [N, D+1] (and,
+    token level, ``segments`` int [T]); it needs ``rollout.tree.enabled``."""
+    return name in _TREE
+
+
 def register_advantage_estimator(name: str, fn: Callable[..., Array], *,
-                                 token_level: bool = False) -> None:
-    """Adds ``fn`` under ``name``; ``token_level=True`` for the [N, T] interface."""
+                                 token_level: bool = False, tree: bool = False) -> None:
+    """Adds ``fn`` under ``name``; ``token_level=True`` for the [N, T] interface,
+    ``tree=True`` if it takes the tree structure (``uses_tree``)."""
     _ADVANTAGE_ESTIMATORS[name] = fn
-    if token_level:
-        _TOKEN_LEVEL.add(name)
-    else:
-        _TOKEN_LEVEL.discard(name)
+    for flag, names in ((token_level, _TOKEN_LEVEL), (tree, _TREE)):
+        if flag:
+            names.add(name)
+        else:
+            names.discard(name)
 
 
 # --------------------------------------------------------------------------- token level

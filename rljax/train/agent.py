@@ -127,6 +127,7 @@ class MultiTurnRollout(Rollout):
         self._maybe_print_completions(eps["prompts"], eps["transcripts"], total)
         return dict(tokens=eps["tokens"], logps=eps["logps"], mask=eps["mask"],
                     model_mask=eps["model_mask"], lengths=eps["lengths"],
+                    decoded=eps["model_mask"].sum(axis=1).reshape(-1, g).sum(axis=1),
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,

@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rljax import algorithms, rewards, sampling
+from rljax import algorithms, rewards, sampling, tree_sampling
 from rljax.data import selection
 from rljax import distributed as dist
 from rljax.train import guidance
@@ -112,9 +112,15 @@ def rollout_temperatures(cfg) -> np.ndarray | None:
 
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-             micro_prompts: int = 0, temperatures=None):
-    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs.
-    ``temperatures``: optional per-position schedule f32 [max_new_tokens]."""
+             micro_prompts: int = 0, temperatures=None, tree: dict | None = None):
+    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
+    ``decoded`` int [B]: the tokens decoded per prompt.
+
+    ``temperatures``: optional per-position schedule f32 [max_new_tokens].
+    ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead; its
+    ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
+    once. The two are exclusive (config validation).
+    """
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     outs = []
@@ -122,14 +128,20 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         # Multi-host: every process holds the same prompts and feeds its own rows.
         p_tok, p_mask = dist.device_batch(
             (prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]), ctx.mesh)
-        out = sampling.generate(
-            ctx.model_cfg, params, p_tok, p_mask, rng=jax.random.fold_in(rng, i),
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, num_samples=num_samples,
-            mesh=ctx.mesh, temperatures=temperatures)
+        kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_k=top_k, top_p=top_p,
+                  eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
+        if tree is None:
+            out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
+                                    num_samples=num_samples, temperatures=temperatures, **kw)
+        else:
+            out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
-    return {k: np.concatenate([getattr(o, k) for o in outs]) for k in
-            ("tokens", "logps", "mask", "lengths", "truncated")}
+    result = {k: np.concatenate([getattr(o, k) for o in outs]) for k in
+              ("tokens", "logps", "mask", "lengths", "truncated")}
+    result["decoded"] = (np.concatenate([o.decoded for o in outs]) if tree is not None else
+                         result["lengths"].reshape(b, num_samples).sum(axis=1))
+    return result
 
 
 class Rollout:
@@ -169,6 +181,8 @@ class Rollout:
         self.guide = guidance.Guide(ctx, g) if guidance.enabled(cfg) else None
         if self.guide is not None:
             self.guide.check(iterator.render(0))
+        # Tree sampling (docs/search.md): each prompt's group is the leaves of one tree.
+        self.tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -194,7 +208,7 @@ class Rollout:
                        max_new_tokens=cfg.rollout.max_new_tokens,
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                        top_p=cfg.rollout.top_p, micro_prompts=micro,
-                       temperatures=self.temperatures)
+                       temperatures=self.temperatures, tree=self.tree)
         t1 = time.perf_counter()
         # Multi-host: each process scores its own rows, then every process gets all rewards.
         n = len(out["tokens"])
@@ -341,8 +355,12 @@ class Rollout:
         if self._advantages is None:
             opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
             estimator = algorithms.get_advantage_estimator(a.adv_estimator)
+            if algorithms.uses_tree(a.adv_estimator):  # every group has the same tree layout
+                opts.update(self.tree_structure(len(rewards) // g))
             if self.token_level:
-                opts.update(kl_coef=float(a.beta), gamma=float(a.gamma))
+                # The KL enters the token rewards only with kl_in_reward (else token_kl = 0).
+                opts.update(kl_coef=float(a.beta) if a.kl_in_reward else 0.0,
+                            gamma=float(a.gamma))
                 self._advantages = jax.jit(
                     lambda r, m, kl: estimator(r, g, mask=m, token_kl=kl, **opts))
             else:
@@ -364,6 +382,17 @@ class Rollout:
         if self.selector is not None and self.selector.filters:
             return lambda rewards: self.selector.keep_groups(rewards, self.g)
         return None
+
+    def tree_structure(self, num_groups: int) -> dict:
+        """Tree estimators' inputs for ``num_groups`` groups: ``node_ids`` int32 [R, D+1] and
+        (token level) ``segments`` int32 [N], the tree level of each completion position."""
+        t = self.tree
+        node_ids, _ = tree_sampling.tree_layout(t["roots"], t["branching"], t["depth"])
+        out = {"node_ids": np.tile(node_ids, (num_groups, 1))}
+        if self.token_level:
+            out["segments"] = tree_sampling.segment_of_position(
+                self.cfg.rollout.max_new_tokens, t["segment_tokens"], t["depth"])
+        return out
 
     def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
         """bool [R / G]: groups whose rewards are not all equal."""
@@ -415,6 +444,8 @@ class Rollout:
             "rollout/train_tokens": int(loss_mask.sum()),
             # Sampled tokens, failed groups that hints replaced included.
             "rollout/tokens": int(lengths.sum()) + sum(r.get("extra_tokens", 0) for r in rounds),
+            # Tokens the sampler decoded (a tree's shared segments once): the sampling cost.
+            "rollout/decoded_tokens": int(sum(r["decoded"].sum() for r in rounds)),
             "time/sample": sum(r["time_sample"] for r in rounds),
             "time/reward": sum(r["time_reward"] for r in rounds),
         })
