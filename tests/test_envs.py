@@ -7,9 +7,8 @@ import pytest
 
 from rljax import data
 from rljax.envs import (StepResult, Tool, ToolCall, ToolCallError, ToolError, call_tool,
-                        check_env_config, env_metrics, get_tool_format, guess_trace, make_env,
-                        make_tool,
-                        merge_counters, step_all, trace_messages)
+                        check_env_config, env_metrics, env_names, get_tool_format, guess_trace,
+                        make_env, make_tool, merge_counters, step_all, trace_messages)
 from rljax.envs.runner import check_arguments
 from rljax.errors import ConfigError
 
@@ -370,7 +369,6 @@ def test_check_env_config_names_the_key_and_the_known_names():
     check_env_config("tool", ("calculator", "python"), "json", 3)
     check_env_config("guess_number")
     for kwargs, message in [
-        (dict(name="tools"), "env.name: unknown environment 'tools'; known: guess_number, tool"),
         (dict(name="tool", tools=("calc",)), "env.tools: unknown tool 'calc'; known: calculator, "
                                              "python, search"),
         (dict(name="tool", tools="calculator"), "env.tools: expected a list"),
@@ -381,6 +379,15 @@ def test_check_env_config_names_the_key_and_the_known_names():
         with pytest.raises(ConfigError) as info:
             check_env_config(**kwargs)
         assert str(info.value).startswith(message)
+
+
+def test_unknown_environment_lists_every_registered_name():
+    # Other test modules register environments of their own: compare with the registry.
+    with pytest.raises(ConfigError) as info:
+        check_env_config(name="tools")
+    assert str(info.value).startswith(
+        f"env.name: unknown environment 'tools'; known: {', '.join(env_names())}")
+    assert {"guess_number", "tool"} <= set(env_names())
 
 
 USER_CODE = """
