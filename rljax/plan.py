@@ -331,8 +331,14 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
 
         # sample: `chunk` prompts of the longest bucket, G completions each (or G tree leaves).
         tree = tree_sampling.options_from_config(r.tree, g)
+        # LoRA on a float32 base samples from a merged copy (rollout.sampling_params): merge
+        # inside the planned programs so the copy counts toward their peak.
+        merge = (bool(lora_rank) and cfg.model.lora.merge_for_sampling
+                 and jnp.dtype(mcfg.dtype) == jnp.float32)
+        for_sampling = (lambda p: models.lora.merge(mcfg, p)) if merge else (lambda p: p)
 
         def sample_fn(params, prompt_tokens, prompt_mask, key):
+            params = for_sampling(params)
             kw = dict(rng=key, max_new_tokens=n_new, temperature=r.temperature, top_k=r.top_k,
                       top_p=r.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
             if tree is not None:
@@ -350,7 +356,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
 
             def eval_fn(params, prompt_tokens, prompt_mask, key):
                 return sampling.generate(
-                    mcfg, params, prompt_tokens, prompt_mask, rng=key,
+                    mcfg, for_sampling(params), prompt_tokens, prompt_mask, rng=key,
                     max_new_tokens=e.max_new_tokens or n_new, temperature=e.temperature,
                     top_k=r.top_k if e.temperature else 0,
                     top_p=r.top_p if e.temperature else 1.0, eos_id=tok.eos_id,

@@ -40,15 +40,18 @@ get the whole completion's KL subtracted from its outcome reward.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rljax import algorithms, rewards, sampling, tree_sampling
 from rljax.data import selection
+from rljax.models import lora as lora_lib
 from rljax import distributed as dist
 from rljax.train import guidance
 from rljax.train.steps import build_logps_fn
@@ -110,6 +113,23 @@ def rollout_temperatures(cfg) -> np.ndarray | None:
                                          cfg.rollout.max_new_tokens)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _merged(model_cfg, params):
+    return lora_lib.merge(model_cfg, params)
+
+
+def sampling_params(ctx, params):
+    """The parameters the sampler reads: ``params`` as they are, or, with LoRA adapters on a
+    float32 base and ``model.lora.merge_for_sampling``, the adapters folded in once
+    (``lora.merge``). Same model up to float32 rounding; the training step keeps the
+    unmerged tree."""
+    cfg = ctx.cfg.model.lora
+    if (not cfg.merge_for_sampling or not lora_lib.has_lora(params)
+            or jnp.dtype(ctx.model_cfg.dtype) != jnp.float32):
+        return params
+    return _merged(ctx.model_cfg, params)
+
+
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
              micro_prompts: int = 0, temperatures=None, tree: dict | None = None):
@@ -121,6 +141,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
     once. The two are exclusive (config validation).
     """
+    params = sampling_params(ctx, params)
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     outs = []
