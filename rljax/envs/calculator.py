@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 
 from rljax.envs.base import ToolError
 
@@ -36,7 +37,9 @@ def evaluate(expression: str) -> int | float:
     if len(text) > MAX_EXPRESSION_CHARS:
         raise ToolError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        tree = ast.parse(text, mode="eval")
+        with warnings.catch_warnings():   # model text like "12a" warns before it fails
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(text, mode="eval")
     except SyntaxError:
         raise ToolError(f"not an arithmetic expression: {expression!r}") from None
     return _value(tree.body)
