@@ -14,9 +14,10 @@ from rljax import data as data_lib
 from rljax.data import selection
 from rljax.errors import ConfigError
 from rljax.train import inference, run, setup
-from rljax.train.faults import StopSignal
 from rljax.train.metrics import read_metrics
 from rljax.train.phases import make_phases
+
+from test_train_loop import StopAfter, comparable
 
 DEVICES = jax.devices()[:1]
 RL_STEPS = 4
@@ -244,23 +245,6 @@ def test_online_filter_trains_exactly_the_in_band_groups(reward_file, tmp_path):
         if len(rounds) > 1:
             seen_more = True
     assert seen_more, "the band never made the rollout sample a second round"
-
-
-class StopAfter(StopSignal):
-    def __init__(self, n):
-        super().__init__(quiet=True)
-        self.n = n
-
-    def should_stop(self, sync=False):
-        self.n -= 1
-        if self.n <= 0:
-            self.request_stop()
-        return super().should_stop(sync)
-
-
-def comparable(records):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
-            for r in records]
 
 
 @pytest.mark.parametrize("name", ["online_filter", "predicted", "curriculum"])

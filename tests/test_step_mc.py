@@ -208,19 +208,9 @@ def test_step_mc_run_resumes_exactly(tmp_path):
     and ends with the same parameters as a straight run (the sampling keys come from the train
     state, the data position from the phase's state_dict)."""
     from rljax.train import checkpoint, run
-    from rljax.train.faults import StopSignal
     from rljax.train.metrics import read_metrics
 
-    class StopAfter(StopSignal):
-        def __init__(self, n):
-            super().__init__(quiet=True)
-            self.n = n
-
-        def should_stop(self, sync=False):
-            self.n -= 1
-            if self.n <= 0:
-                self.request_stop()
-            return super().should_stop(sync)
+    from test_train_loop import StopAfter
 
     devices = jax.devices()[:1]
     straight, parts = str(tmp_path / "a"), str(tmp_path / "b")

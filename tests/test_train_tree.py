@@ -13,9 +13,10 @@ from rljax import config as config_lib
 from rljax import tree_sampling
 from rljax.errors import ConfigError
 from rljax.train import run
-from rljax.train.faults import StopSignal
 from rljax.train.metrics import read_metrics
 from rljax.train.rollout import Rollout
+
+from test_train_loop import StopAfter, comparable
 
 DEVICES = jax.devices()[:1]
 TREE = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 1,
@@ -37,23 +38,6 @@ def tiny_cfg(**overrides):
     cfg.data.kwargs = {"digits": 1, "eval_examples": 8}
     cfg.update_from_flattened_dict(overrides)
     return config_lib.validate(cfg)
-
-
-class StopAfter(StopSignal):
-    def __init__(self, n):
-        super().__init__(quiet=True)
-        self.n = n
-
-    def should_stop(self, sync=False):
-        self.n -= 1
-        if self.n <= 0:
-            self.request_stop()
-        return super().should_stop(sync)
-
-
-def comparable(records):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
-            for r in records]
 
 
 def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monkeypatch):
