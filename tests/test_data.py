@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rljax import data, rewards, tokenizers
+from rljax.data.iterator import PrefetchingIterator
 from rljax.data.tasks import ArithmeticTask, CountdownTask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,6 +181,30 @@ def test_iterator_resumes_exactly_after_save_restore():
     assert [e["question"] for e in next(other)] != first_epoch[:5]
     with pytest.raises(ValueError, match="seed"):
         other.restore(state)
+
+
+def test_prefetching_iterator_changes_nothing_a_caller_sees():
+    """Prefetching (GRPO draws the next prompts while the update runs) gives the same batches,
+    and its state() is the one before the prefetched batch: a checkpoint taken after a
+    prefetch resumes with that batch, not the one after it."""
+    cfg = {"source": "arithmetic", "num_examples": 10}
+    plain = data.make_iterator(cfg, batch_size=3, seed=5)
+    expected = [next(plain) for _ in range(6)]   # crosses the epoch boundary
+    it = PrefetchingIterator(data.make_iterator(cfg, batch_size=3, seed=5))
+    got, saved = [], None
+    for i in range(6):
+        got.append(next(it))
+        it.prefetch()
+        it.prefetch()   # a second prefetch keeps the first batch
+        if i == 2:
+            saved = json.loads(json.dumps(it.state()))   # as a checkpoint after iteration 3
+    assert got == expected
+    resumed = PrefetchingIterator(data.make_iterator(cfg, batch_size=3, seed=5))
+    resumed.restore(saved)
+    assert [next(resumed) for _ in range(3)] == expected[3:]
+    it.restore(saved)   # drops the pending prefetched batch
+    assert next(it) == expected[3]
+    assert it.source is it.iterator.source   # other attributes are the wrapped iterator's
 
 
 def test_overlong_prompts_error_or_drop_and_count():

@@ -7,7 +7,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.train.metrics import MetricsWriter, format_duration, read_metrics, to_python
+from rljax.train.metrics import (MetricsWriter, format_duration, host_fraction, read_metrics,
+                                 to_python)
 from rljax.train.plot import panels, plot_metrics
 
 
@@ -92,3 +93,10 @@ def test_plot_leaves_out_flat_series(tmp_path):
     assert keys == ["eval/accuracy", "loss"]
     assert flat == {"clip/frac": 0.25, "kl": 0.0, "train/skipped_total": 0}
     assert os.path.getsize(plot_metrics(str(tmp_path))) > 1000
+
+
+def test_host_fraction_is_the_share_without_pending_device_work():
+    assert host_fraction(2.0, 0.5) == 0.75
+    assert host_fraction(1.0, 0.0) == 1.0
+    assert host_fraction(1.0, 1.5) == 0.0   # pending over-counts: clipped, never negative
+    assert host_fraction(0.0, 0.0) == 0.0

@@ -330,6 +330,30 @@ def test_hung_thread_is_not_called_again_while_running():
     assert comb(["q"], ["a"]).per_function == {"slow": [1.0]} and len(calls) == 2
 
 
+def test_thread_wait_wakes_when_the_call_finishes_not_at_the_next_poll(monkeypatch):
+    # The waiter used to poll with time.sleep(POLL_S = 50 ms): every reward call cost >= 50 ms
+    # (the demo's ~5 ms arithmetic reward made each GRPO iteration ~13% slower). It must wait on
+    # the call's own completion instead; here any poll-sleep on the waiting thread fails.
+    release = threading.Event()
+
+    def gated(prompts, completions, **_):
+        release.wait(30)   # finishes only after the waiter has started waiting
+        return [1.0] * len(completions)
+
+    def no_polling(seconds):
+        raise AssertionError(f"the reward wait polled with time.sleep({seconds})")
+
+    monkeypatch.setattr(time, "sleep", no_polling)
+    timer = threading.Timer(0.1, release.set)
+    timer.start()
+    try:
+        res = rewards.combine([(gated, 1.0)], timeout_s=60)(["q"], ["a"])
+    finally:
+        release.set()
+        timer.cancel()
+    assert res.per_function == {"gated": [1.0]} and res.errors == {"gated": 0}
+
+
 def test_should_abort_abandons_a_hung_call():
     comb = rewards.combine([(_hangs, 1.0)], timeout_s=600, should_abort=lambda: True)
     t0 = time.monotonic()

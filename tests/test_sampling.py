@@ -166,9 +166,14 @@ def test_top_k_one_is_greedy_and_rng_determinism():
     assert not np.array_equal(a.tokens, c.tokens)
 
 
-def test_sample_logits_frequencies():
+@pytest.mark.parametrize("draw", ["gumbel", "inverse_cdf"])
+def test_sample_logits_frequencies(draw, monkeypatch):
     """Frequencies of 40k draws vs the target distribution. With n = 40k the standard error of a
-    frequency is <= 0.0025, so a 0.012 tolerance is > 4.5 sigma (fixed seed anyway)."""
+    frequency is <= 0.0025, so a 0.012 tolerance is > 4.5 sigma (fixed seed anyway).
+    ``inverse_cdf``: the large-vocabulary draw, in blocks of 4 tokens (two levels, padding)."""
+    if draw == "inverse_cdf":
+        monkeypatch.setattr(sampling, "INVERSE_CDF_MIN_VOCAB", 1)
+        monkeypatch.setattr(sampling, "INVERSE_CDF_BLOCK", 4)
     logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n, tol = 40_000, 0.012
     rows = jnp.broadcast_to(logits, (n, 6))
@@ -188,6 +193,33 @@ def test_sample_logits_frequencies():
     p_p = np.where(np.arange(6) < 2, p, 0) / p[:2].sum()
     np.testing.assert_allclose(freqs(temperature=0.8, top_p=0.7), p_p, atol=tol)
     np.testing.assert_array_equal(freqs(temperature=0.0), np.eye(6)[0])
+
+
+def test_inverse_cdf_never_draws_tokens_without_mass(monkeypatch):
+    """Masked (float32 min) logits and block padding are never drawn, also where float32
+    rounding overshoots the last sum: with the uniform forced to 1.0 (beyond any real draw)
+    the last token with mass is taken."""
+    neg = jnp.finfo(jnp.float32).min
+    logits = jnp.array([[0.0, neg, 1.0, 2.0, 0.5, neg, neg],       # last with mass: 4
+                        [neg, neg, neg, neg, neg, 3.0, neg]])      # only 5
+    got = sampling.categorical_inverse_cdf(jax.random.key(0), logits, block=3)
+    assert got[1] == 5 and int(got[0]) in (0, 2, 3, 4)
+    monkeypatch.setattr(jax.random, "uniform", lambda key, shape, dtype: jnp.ones(shape, dtype))
+    np.testing.assert_array_equal(
+        sampling.categorical_inverse_cdf(jax.random.key(0), logits, block=3), [4, 5])
+
+
+def test_large_vocab_sampling_draws_by_inverse_cdf_with_top_k():
+    """At V >= INVERSE_CDF_MIN_VOCAB sample_logits uses the inverse-CDF draw: top-k filtering
+    still holds and the logps are the unfiltered log-softmax."""
+    v = sampling.INVERSE_CDF_MIN_VOCAB
+    logits = jax.random.normal(jax.random.key(1), (64, v)) * 4
+    tok, logp = sampling.sample_logits(jax.random.key(2), logits, temperature=1.0, top_k=5)
+    top5 = np.argsort(-np.asarray(logits), axis=-1)[:, :5]
+    assert all(int(t) in row for t, row in zip(tok, top5))
+    np.testing.assert_allclose(
+        logp, np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), np.asarray(tok)[:, None],
+                                 1)[:, 0], atol=1e-5)
 
 
 def test_generate_frequencies_match_model_softmax(small_vocab):

@@ -12,6 +12,7 @@ from rljax.errors import TrainingDiverged
 from rljax.train import checkpoint, run
 from rljax.train.faults import StopSignal
 from rljax.train.metrics import read_metrics
+from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.rollout import Rollout
 
 DEVICES = jax.devices()[:1]   # the loop itself; sharding is covered by test_train_steps
@@ -116,6 +117,18 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     # Same seed, run twice (once in two parts): identical metrics and parameters.
     assert comparable(read_metrics(workdir)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
+
+
+def test_prefetching_the_next_prompts_changes_no_result(straight, tmp_path, monkeypatch):
+    """GRPO draws the next prompt batch while the update runs: the same run without the
+    prefetch has identical metrics and parameters; every RL step reports time/host_frac."""
+    monkeypatch.setattr(GRPOPhase, "prefetch", False)
+    workdir = str(tmp_path)
+    assert run.train(tiny_cfg(), workdir, devices=DEVICES) == 0
+    assert comparable(read_metrics(workdir)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert all(0.0 <= r["time/host_frac"] <= 1.0 and r["time/prefetch"] >= 0 for r in rl)
 
 
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeypatch):

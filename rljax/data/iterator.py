@@ -193,3 +193,50 @@ def encode_preference(tokenizer, batch: list[dict], max_prompt_len: int, max_com
             tokens[i, :len(ids)], mask[i, :len(ids)] = ids, True
         out[f"{key}_tokens"], out[f"{key}_mask"] = tokens, mask
     return out
+
+
+class PrefetchingIterator:
+    """Wraps a batch iterator (``DataIterator`` or a selector) so the next batch can be drawn
+    early, e.g. while the device runs an update (``prefetch``), without changing what any
+    caller sees:
+
+    * ``next()`` returns the prefetched batch if there is one, else draws one;
+    * ``state()`` is the wrapped iterator's state *before* the prefetched batch, so a
+      checkpoint taken after a prefetch resumes exactly (the batch is drawn again from it);
+    * ``restore()`` drops any prefetched batch.
+
+    Other attributes (``render``, ``source``, ``last_indices``, ...) are the wrapped
+    iterator's. The caller must not feed the wrapped iterator anything that would change the
+    prefetched batch between ``prefetch`` and ``next`` (selectors observe a round's rewards
+    before its update, i.e. before the prefetch)."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self._ahead: tuple[dict, list] | None = None   # (state before, batch)
+
+    def __iter__(self):
+        return self
+
+    def prefetch(self) -> None:
+        """Draws the next batch now (once; a second call keeps the first batch)."""
+        if self._ahead is None:
+            before = self.iterator.state()
+            self._ahead = (before, next(self.iterator))
+
+    def __next__(self) -> list[dict]:
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead[1], None
+            return batch
+        return next(self.iterator)
+
+    def state(self) -> dict:
+        return self._ahead[0] if self._ahead is not None else self.iterator.state()
+
+    def restore(self, state: dict) -> None:
+        self._ahead = None
+        self.iterator.restore(state)
+
+    def __getattr__(self, name):
+        if name == "iterator":   # not set yet (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.iterator, name)

@@ -155,14 +155,31 @@ class _Call:
             self.done.set()
 
 
-def _wait(done: Callable[[], bool], deadline: float, should_abort) -> bool:
-    """Waits until ``done()`` or the deadline or ``should_abort()``; returns ``done()``."""
+def _wait(done: Callable[[], bool], deadline: float, should_abort,
+          block: Callable[[float], object] = time.sleep) -> bool:
+    """Waits until ``done()`` or the deadline or ``should_abort()``; returns ``done()``.
+
+    ``block(seconds)`` waits at most that long and should return as soon as the calls may be
+    done (an event's or futures' wait): with a plain ``time.sleep`` every call cost at least
+    one ``POLL_S`` (50 ms) even when the function took 5 ms, ~13% of a demo GRPO iteration.
+    ``should_abort`` is still checked at least every ``POLL_S``."""
     while not done():
         left = deadline - time.monotonic()
         if left <= 0 or (should_abort is not None and should_abort()):
             return done()
-        time.sleep(min(left, POLL_S))
+        block(min(left, POLL_S))
     return True
+
+
+def _first_pending(calls: list[_Call]):
+    """``seconds -> None``: waits on the first unfinished call's event (returns at once when
+    every call is done), so ``_wait`` wakes when a call finishes, not at the next poll."""
+    def block(seconds: float) -> None:
+        for c in calls:
+            if not c.done.is_set():
+                c.done.wait(seconds)
+                return
+    return block
 
 
 # ----------------------------------------------------------------------------- combined
@@ -288,7 +305,8 @@ class CombinedReward:
         for i, fn in direct:
             outcomes[i] = self._direct(fn, prompts, completions, fields)
         live = [c for c in calls if c is not None]
-        _wait(lambda: all(c.done.is_set() for c in live), deadline, self.should_abort)
+        _wait(lambda: all(c.done.is_set() for c in live), deadline, self.should_abort,
+              block=_first_pending(live))
         for i, (name, call) in enumerate(zip(self.names, calls)):
             if call is None:  # not called (still running) or run directly
                 continue
@@ -319,7 +337,8 @@ class CombinedReward:
             self._start_pool()
         futures = [self._pool.submit(_call_in_child, spec, prompts, completions, fields)
                    for spec in self._specs]
-        _wait(lambda: all(f.done() for f in futures), deadline, self.should_abort)
+        _wait(lambda: all(f.done() for f in futures), deadline, self.should_abort,
+              block=lambda seconds: cf.wait(futures, timeout=seconds))
         outcomes, timed_out = [], False
         for fut in futures:
             if not fut.done():

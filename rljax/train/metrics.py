@@ -238,6 +238,17 @@ class MetricsWriter:
         self.close()
 
 
+def host_fraction(wall_s: float, pending_s: float) -> float:
+    """Share of ``wall_s`` in which no device work was pending, given the seconds
+    ``pending_s`` from dispatches to the return of the fetches of their results, clipped to
+    [0, 1]. ``pending_s`` over-counts device time (a fetch returns only when the host asks,
+    and a dispatch includes its host-side launch), so this is a lower bound of the device's
+    idle share; on a CPU backend "device" work runs on the same cores as the host."""
+    if wall_s <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - pending_s / wall_s))
+
+
 def start_wandb(options: Mapping, config: Mapping, workdir: str, resuming: bool):
     """``wandb.init`` for a run (process 0). Local workdir: files under ``WORKDIR/wandb``
     (a URL workdir: ``./wandb``); the run id is kept there so a resume continues the run."""

@@ -204,6 +204,7 @@ class Rollout:
             self.guide.check(iterator.render(0))
         # Tree sampling (docs/search.md): each prompt's group is the leaves of one tree.
         self.tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
+        self.pending_since = None   # see __call__
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -317,6 +318,8 @@ class Rollout:
         batch["loss_mask"] = loss_mask
 
         t0 = time.perf_counter()
+        # When device work is next dispatched (time/host_frac); None: the caller's update.
+        self.pending_since = t0 if self.old_logps or self.needs_ref else None
         if self.old_logps:
             batch["old_logps"] = self.logps_fn(state.params,
                                                dist.device_batch(batch, self.ctx.mesh))

@@ -3,6 +3,14 @@
 One iteration: rollout (sample G per prompt, rewards, advantages, old/ref log-probs) ->
 ``algo.num_iterations`` epochs over the batch in mini-batches of ``algo.mini_batch_size``
 completions, each one exact update (micro-batches of ``algo.micro_batch_size``).
+
+Overlap and ``time/host_frac``: while the update runs on the device (dispatched
+asynchronously) the controller draws the next iteration's prompt batch
+(``PrefetchingIterator``; checkpoints keep the iterator state from before it, so resume is
+exact). ``time/host_frac`` is the share of the iteration's wall time in which no device work
+was pending (``metrics.host_fraction``): the device is counted busy from each dispatch to the
+return of the blocking fetch of its result (sampling: ``time/sample``; the old/ref log-prob
+passes and the update: from their first dispatch to the fetch of the update's metrics).
 """
 from __future__ import annotations
 
@@ -13,8 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import distributed as dist
+from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train import guidance
+from rljax.train.metrics import host_fraction
 from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
 from rljax.train.steps import build_grpo_step, to_host
@@ -24,6 +34,7 @@ class GRPOPhase:
     """``steps`` GRPO iterations at ``optimizer.learning_rate``."""
 
     name = "grpo"
+    prefetch = True   # draw the next prompts while the update runs (results do not change)
 
     def __init__(self, ctx: Context, steps: int):
         cfg = ctx.cfg
@@ -41,6 +52,8 @@ class GRPOPhase:
         if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
             from rljax.train.agent import MultiTurnRollout as rollout_cls
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update)
+        # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
+        self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
         # ReLIFT SFT steps share the optimizer (and its schedule) with the RL updates.
         self.relift = guidance.Relift(ctx, self.rollout.guide) if a.relift.every else None
         relift_updates = self.steps // a.relift.every if self.relift else 0
@@ -79,8 +92,17 @@ class GRPOPhase:
         if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
             state, relift_metrics = self.relift.maybe_step(state, step, self.optimizer)
             metrics.update(relift_metrics)
+        t_prefetch = time.perf_counter()
+        if self.prefetch and step + 1 < self.steps:   # host work while the update runs
+            self.iterator.prefetch()
+        metrics["time/prefetch"] = time.perf_counter() - t_prefetch
         updates = [to_host(m) for m in updates]
         t2 = time.perf_counter()
+        # Device work pending: sampling rounds, then from the first post-sampling dispatch
+        # (old/ref log-probs, else the update) until the update's metrics are on the host.
+        since = self.rollout.pending_since if self.rollout.pending_since is not None else t1
+        pending = metrics.get("time/sample", 0.0) + t2 - since
+        metrics["time/host_frac"] = host_fraction(t2 - t0, pending)
         for key in updates[0]:
             values = [u[key] for u in updates]
             metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))
