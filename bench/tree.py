@@ -57,7 +57,7 @@ def sampler_bench(args) -> dict:
     from rljax.train.setup import data_iterator
 
     cfg = config_lib.load_config_json(os.path.join(args.workdir, "config.json"))
-    ctx, state, step = load_for_inference(cfg, args.workdir)
+    ctx, state, step = load_for_inference(cfg, args.workdir, args.checkpoint)
     examples = next(data_iterator(ctx, args.prompts, split="eval"))
     prompts = [ex["prompt"] for ex in examples]
     tok, mask = encode_prompts(ctx.tokenizer, prompts, cfg.data.max_prompt_length)
@@ -166,7 +166,15 @@ def _summarize_run(workdir: str) -> dict | None:
         "time_step_mean_s": statistics.mean(r["time/step"] for r in rl),
         "time_sample_mean_s": statistics.mean(r["time/sample"] for r in rl),
         "reward_last10": statistics.mean(r["reward/mean"] for r in rl[-10:]),
+        "informative_groups_frac_mean": _mean_of(rl, "rollout/informative_groups_frac"),
+        "time_update_mean_s": _mean_of(rl, "time/update"),
     }
+
+
+def _mean_of(records: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over the records that log it (None if none does: older runs)."""
+    values = [r[key] for r in records if key in r]
+    return statistics.mean(values) if values else None
 
 
 def grid(args) -> dict:
@@ -229,6 +237,7 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sampler")
     s.add_argument("--workdir", required=True)
+    s.add_argument("--checkpoint", default=None, help="checkpoint step (default: the latest)")
     s.add_argument("--prompts", type=int, default=128)
     s.add_argument("--leaves", type=int, default=8)
     s.add_argument("--shapes", default="1:2:2,1:2:1,2:2:2", help="L:k:roots,...")
