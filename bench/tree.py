@@ -213,10 +213,15 @@ def _cpu_seconds(workdir: str) -> float | None:
     return total or None
 
 
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    """A table cell: the number, or "-" where an older run did not record it."""
+    return "-" if value is None else format(value, spec)
+
+
 def print_grid(res: dict) -> None:
     print("\n| arm | seed | eval acc (after SFT -> end) | decoded tokens | completion tokens | "
-          "time/step s | time/sample s | CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "informative groups | time/step s | time/sample s | time/update s | CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     by_arm: dict = {}
     for r in res["runs"].values():
         if "eval_accuracy" not in r:
@@ -224,7 +229,9 @@ def print_grid(res: dict) -> None:
         by_arm.setdefault(r["arm"], []).append(r)
         print(f"| {r['arm']} | {r['seed']} | {r['eval_accuracy_after_sft']:.3f} -> "
               f"{r['eval_accuracy']:.3f} | {r['decoded_tokens']} | {r['completion_tokens']} | "
-              f"{r['time_step_mean_s']:.3f} | {r['time_sample_mean_s']:.3f} | {r['cpu_s']} |")
+              f"{_fmt(r.get('informative_groups_frac_mean'))} | {r['time_step_mean_s']:.3f} | "
+              f"{r['time_sample_mean_s']:.3f} | {_fmt(r.get('time_update_mean_s'))} | "
+              f"{_fmt(r['cpu_s'], '.0f')} |")
     for arm, rs in by_arm.items():
         acc = [r["eval_accuracy"] for r in rs]
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
