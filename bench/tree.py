@@ -18,7 +18,7 @@ shapes, interleaved over ``--rounds`` rounds with fresh keys. Reported per shape
 accuracy, total decoded tokens (sum of ``rollout/decoded_tokens``), completions, mean
 ``time/step`` and ``time/sample``; ``--summarize`` only reads existing workdirs.
 
-    python bench/tree.py sampler --workdir RUN_WORKDIR [--prompts 128] [--rounds 5]
+    python bench/tree.py sampler --workdir RUN_WORKDIR [--checkpoint STEP] [--prompts 128] [--rounds 5]
     python bench/tree.py grid --root runs/tree_grid --seeds 0,1,2 \\
         --arm plain=configs/grpo_arithmetic.py:--config.rollout.batch_size=512 \\
         --arm tree=configs/grpo_arithmetic_tree.py:--config.rollout.batch_size=896 \\
