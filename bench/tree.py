@@ -18,7 +18,7 @@ shapes, interleaved over ``--rounds`` rounds with fresh keys. Reported per shape
 accuracy, total decoded tokens (sum of ``rollout/decoded_tokens``), completions, mean
 ``time/step`` and ``time/sample``; ``--summarize`` only reads existing workdirs.
 
-    python bench/tree.py sampler --workdir RUN_WORKDIR [--prompts 128] [--rounds 5]
+    python bench/tree.py sampler --workdir RUN_WORKDIR [--checkpoint STEP] [--prompts 128] [--rounds 5]
     python bench/tree.py grid --root runs/tree_grid --seeds 0,1,2 \\
         --arm plain=configs/grpo_arithmetic.py:--config.rollout.batch_size=512 \\
         --arm tree=configs/grpo_arithmetic_tree.py:--config.rollout.batch_size=896 \\
@@ -57,7 +57,7 @@ def sampler_bench(args) -> dict:
     from rljax.train.setup import data_iterator
 
     cfg = config_lib.load_config_json(os.path.join(args.workdir, "config.json"))
-    ctx, state, step = load_for_inference(cfg, args.workdir)
+    ctx, state, step = load_for_inference(cfg, args.workdir, args.checkpoint)
     examples = next(data_iterator(ctx, args.prompts, split="eval"))
     prompts = [ex["prompt"] for ex in examples]
     tok, mask = encode_prompts(ctx.tokenizer, prompts, cfg.data.max_prompt_length)
@@ -166,7 +166,15 @@ def _summarize_run(workdir: str) -> dict | None:
         "time_step_mean_s": statistics.mean(r["time/step"] for r in rl),
         "time_sample_mean_s": statistics.mean(r["time/sample"] for r in rl),
         "reward_last10": statistics.mean(r["reward/mean"] for r in rl[-10:]),
+        "informative_groups_frac_mean": _mean_of(rl, "rollout/informative_groups_frac"),
+        "time_update_mean_s": _mean_of(rl, "time/update"),
     }
+
+
+def _mean_of(records: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over the records that log it (None if none does: older runs)."""
+    values = [r[key] for r in records if key in r]
+    return statistics.mean(values) if values else None
 
 
 def grid(args) -> dict:
@@ -205,10 +213,15 @@ def _cpu_seconds(workdir: str) -> float | None:
     return total or None
 
 
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    """A table cell: the number, or "-" where an older run did not record it."""
+    return "-" if value is None else format(value, spec)
+
+
 def print_grid(res: dict) -> None:
     print("\n| arm | seed | eval acc (after SFT -> end) | decoded tokens | completion tokens | "
-          "time/step s | time/sample s | CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "informative groups | time/step s | time/sample s | time/update s | CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     by_arm: dict = {}
     for r in res["runs"].values():
         if "eval_accuracy" not in r:
@@ -216,7 +229,9 @@ def print_grid(res: dict) -> None:
         by_arm.setdefault(r["arm"], []).append(r)
         print(f"| {r['arm']} | {r['seed']} | {r['eval_accuracy_after_sft']:.3f} -> "
               f"{r['eval_accuracy']:.3f} | {r['decoded_tokens']} | {r['completion_tokens']} | "
-              f"{r['time_step_mean_s']:.3f} | {r['time_sample_mean_s']:.3f} | {r['cpu_s']} |")
+              f"{_fmt(r.get('informative_groups_frac_mean'))} | {r['time_step_mean_s']:.3f} | "
+              f"{r['time_sample_mean_s']:.3f} | {_fmt(r.get('time_update_mean_s'))} | "
+              f"{_fmt(r['cpu_s'], '.0f')} |")
     for arm, rs in by_arm.items():
         acc = [r["eval_accuracy"] for r in rs]
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
@@ -229,6 +244,7 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sampler")
     s.add_argument("--workdir", required=True)
+    s.add_argument("--checkpoint", default=None, help="checkpoint step (default: the latest)")
     s.add_argument("--prompts", type=int, default=128)
     s.add_argument("--leaves", type=int, default=8)
     s.add_argument("--shapes", default="1:2:2,1:2:1,2:2:2", help="L:k:roots,...")

@@ -113,3 +113,19 @@ def test_tree_demo_config_validates():
     assert cfg.algo.adv_estimator == "treepo" and cfg.rollout.tree.enabled
     opts = tree_sampling.options_from_config(cfg.rollout.tree, cfg.algo.num_generations)
     assert opts == dict(segment_tokens=1, branching=2, roots=2, depth=2)
+
+
+def test_steps_tree_config_differs_from_its_baseline_only_in_the_rollout_tree():
+    """The multi-step comparison (docs/search.md) is fair only if the two configs are the same
+    run apart from the sampler and the estimator."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plain = config_lib.load_config(os.path.join(root, "configs", "grpo_arithmetic_steps.py"))
+    tree = config_lib.load_config(os.path.join(root, "configs", "grpo_arithmetic_steps_tree.py"))
+    config_lib.validate(plain)
+    config_lib.validate(tree)
+    opts = tree_sampling.options_from_config(tree.rollout.tree, tree.algo.num_generations)
+    assert opts == dict(segment_tokens=4, branching=2, roots=2, depth=2)
+    assert not plain.rollout.tree.enabled and plain.algo.adv_estimator == "grpo"
+    tree.rollout.tree = plain.rollout.tree
+    tree.algo.adv_estimator = plain.algo.adv_estimator
+    assert tree.to_dict() == plain.to_dict()
