@@ -1,10 +1,19 @@
 """Multi-turn game demo: a tiny llama from scratch plays guess-the-number (1..100) with
-"higher"/"lower" hints. SFT on scripted bisection games (``sft.env_traces``), then GRPO on its
-own games; the reward is the environment's: 1 for a solved game minus 0.05 per extra guess, so
-GRPO favours solving, and solving in fewer guesses. Logged: ``eval/solved_mean`` (success
-rate), ``eval/turns_mean``. Numbers: docs/agents.md.
+"higher"/"lower" hints. SFT on scripted bisection games (``sft.env_traces``), then 150 GRPO
+iterations on its own games; the reward is the environment's: 1 for a solved game minus 0.05
+per extra guess, so GRPO favours solving, and solving in fewer guesses.
+
+Held-out games (secrets training never draws) are evaluated greedily after the warm-up (step
+150), every 50 steps and at the end: ``eval/solved_mean`` (= ``eval/accuracy``: solved within
+``env.max_turns``), ``eval/turns_mean`` (all games; an unsolved one counts 10) and
+``eval/solved_turns_mean`` (solved games only). Greedy play hardly moves (docs/agents.md says
+why); sampled play does, measured on the checkpoints after the warm-up and at the end:
 
     rljax train --config configs/grpo_guess_number.py --workdir runs/guess
+    rljax eval --workdir runs/guess --checkpoint 150 --config.eval.temperature=1 \
+        --config.eval.num_samples=8
+    rljax eval --workdir runs/guess --checkpoint 300 --config.eval.temperature=1 \
+        --config.eval.num_samples=8
 """
 import ml_collections
 
@@ -12,8 +21,8 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 60                       # GRPO iterations
-    c.eval_every = 150
+    c.steps = 150                      # GRPO iterations
+    c.eval_every = 50
     c.checkpoint_every = 150
     c.model = dict(preset="tiny", overrides=dict(
         num_layers=2, hidden_size=96, intermediate_size=256, num_heads=4, num_kv_heads=2,

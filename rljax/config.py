@@ -325,6 +325,8 @@ def default_config() -> ml_collections.ConfigDict:
         path="",
         env_traces=False,            # with env.name: train on the environment's scripted
                                      # episodes (tool calls, observations as context)
+        trace_noise=0.0,             # guess_number traces: chance that a guess is random in
+                                     # the interval left instead of the midpoint
     )
     c.memory = dict(
         check="auto",                # pre-flight memory check in `train` (rljax.plan): "full"
@@ -663,7 +665,8 @@ _RANGES = (
     ("logging.log_every", 1, None), ("logging.console_every_s", 0.0, None),
     ("logging.num_completions_to_print", 0, None),
     ("sft.steps", 0, None), ("sft.learning_rate", 1e-30, None), ("sft.batch_size", 1, None),
-    ("sft.max_length", 1, None), ("checkpoint.max_to_keep", 1, None),
+    ("sft.max_length", 1, None), ("sft.trace_noise", 0.0, 1.0),
+    ("checkpoint.max_to_keep", 1, None),
     ("eval.num_examples", 0, None), ("eval.batch_size", 1, None), ("eval.num_samples", 1, None),
     ("eval.temperature", 0.0, None),
     ("reward.timeout_s", 0.0, None), ("reward.max_consecutive_error_steps", 0, None),
@@ -799,6 +802,9 @@ def _check_env(cfg) -> None:
     """The ``env`` section: known environment/tools/format (``envs.check_env_config``, which
     imports user code), an algorithm that samples episodes, and a chat template for ``json``."""
     env = cfg.env
+    if cfg.sft.trace_noise and not (cfg.sft.env_traces and env.name == "guess_number"):
+        raise ConfigError(f"sft.trace_noise={cfg.sft.trace_noise} applies to "
+                          "env.name='guess_number' with sft.env_traces=True")
     if not env.name:
         if cfg.sft.env_traces:
             raise ConfigError("sft.env_traces=True needs an environment (env.name)")

@@ -186,3 +186,20 @@ def test_sample_prints_whole_episodes(straight, capsys):
     out = capsys.readouterr().out
     assert out.count("--- prompt ---") == 2 and out.count("--- episode (") == 2
     assert "3*4=" in out and "turns, environment reward" in out
+
+
+def test_games_count_solved_episodes_as_correct_and_report_turns_to_solve():
+    """A game solved on its 3rd guess under a turn penalty (reward 0.9) is correct; turns to
+    solve average the solved episodes only (the unsolved one played 10 turns)."""
+    from rljax.train.agent import env_metrics, episode_correct
+    counters = [{"solved": 1, "guesses": 3}, {"solved": 0, "guesses": 10}, {"solved": 1,
+                                                                            "guesses": 5}]
+    ok = episode_correct(np.array([0.9, 0.0, 0.8], np.float32), counters)
+    assert ok.tolist() == [True, False, True]
+    assert episode_correct(np.array([1.0, 0.5]), [{}, {}]).tolist() == [True, False]
+    eps = {"turns": np.array([3, 10, 5]), "truncated": np.array([False, True, False]),
+           "model_tokens": np.array([6, 20, 10]), "counters": counters}
+    m = env_metrics([eps], prefix="eval")
+    assert m["eval/turns_mean"] == 6.0 and m["eval/solved_turns_mean"] == 4.0
+    assert m["eval/solved_mean"] == pytest.approx(2 / 3)
+    assert "env/solved_turns_mean" not in env_metrics([dict(eps, counters=[{}] * 3)])

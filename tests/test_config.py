@@ -128,6 +128,8 @@ def test_wrong_type_in_file(tmp_path):
     (["algo.policy_loss=gspo", "algo.epsilon=1e-3"],
      "algo.epsilon_high=0.0004 must be >= algo.epsilon=0.001 (algo.epsilon_high not set"),
     (["data.source=jsonl"], "data.path is required"),
+    (["sft.trace_noise=0.3"], "sft.trace_noise=0.3 applies to env.name='guess_number'"),
+    (["sft.trace_noise=2"], "sft.trace_noise=2.0 must be in [0.0, 1.0]"),
 ])
 def test_impossible_combinations(overrides, needle):
     with pytest.raises(ConfigError) as e:

@@ -363,6 +363,30 @@ def test_guess_number_task_and_bisection_trace():
     assert source[0]["secret"] in held_out
 
 
+def test_noisy_guess_trace_still_solves_in_consistent_guesses():
+    """With ``noise``, random guesses stay inside the interval the hints leave (never a repeat,
+    never contradicting a hint) and the game still ends solved; noise 0 is the bisection."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    turns = []
+    for secret in range(1, 101):
+        ex = {"prompt": "g", "secret": secret, "low": 1, "high": 100}
+        msgs = guess_trace(ex, noise=0.5, rng=rng)
+        low, high = 1, 100
+        guesses = [int(m["content"]) for m in msgs if m["role"] == "assistant"]
+        for guess in guesses[:-1]:
+            assert low <= guess <= high and guess != secret
+            low, high = (guess + 1, high) if secret > guess else (low, guess - 1)
+        assert guesses[-1] == secret and low <= secret <= high
+        turns.append(len(guesses))
+        assert guess_trace(ex, noise=0.0) == guess_trace(ex)
+    assert 5.8 < sum(turns) / 100 < 8  # more guesses than bisection's 5.8, bounded
+    with pytest.raises(ValueError, match="needs an rng"):
+        guess_trace({"prompt": "g", "secret": 3}, noise=0.5)
+    with pytest.raises(ValueError, match="noise must be in"):
+        guess_trace({"prompt": "g", "secret": 3}, noise=1.5, rng=rng)
+
+
 # ----------------------------------------------------------------------------- config checks
 
 def test_check_env_config_names_the_key_and_the_known_names():

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+import numpy as np
+
 from rljax.envs.base import Message, StepResult, register_env
 from rljax.envs.tool_env import example_prompt
 
@@ -82,16 +84,27 @@ class GuessNumberEnv:
                           0.0, False, info)
 
 
-def guess_trace(example: Mapping[str, Any], **env_kwargs) -> list[Message]:
+def guess_trace(example: Mapping[str, Any], noise: float = 0.0,
+                rng: np.random.Generator | None = None, **env_kwargs) -> list[Message]:
     """A solved game by bisection over ``[low, high]`` (the example's, default 1..100), played
-    on the real environment: ``[user, assistant: guess, user: hint, ..., assistant: secret]``."""
+    on the real environment: ``[user, assistant: guess, user: hint, ..., assistant: secret]``.
+
+    ``noise`` in [0, 1]: each guess is, with this probability, a uniform random integer of the
+    interval still consistent with the hints instead of its midpoint (drawn from ``rng``), so
+    the game is still solved and never repeats a guess, only in more turns; a warm-up on such
+    games sees states off the bisection tree and leaves RL turns to save."""
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"guess_trace: noise must be in [0, 1], got {noise}")
+    if noise and rng is None:
+        raise ValueError("guess_trace: noise > 0 needs an rng (numpy Generator)")
     env = GuessNumberEnv(example, **env_kwargs)
     low, high = int(example.get("low", 1)), int(example.get("high", 100))
     if not low <= env.secret <= high:
         raise ValueError(f"secret {env.secret} is outside [{low}, {high}]")
     messages = env.reset()
     while True:
-        guess = (low + high) // 2
+        noisy = noise and rng.random() < noise
+        guess = int(rng.integers(low, high + 1)) if noisy else (low + high) // 2
         result = env.step(str(guess))
         messages += [{"role": "assistant", "content": str(guess)}, *result.observation]
         if result.done:

@@ -81,8 +81,20 @@ def env_metrics(eps_list: list[dict], prefix: str = "env") -> dict:
              [e["truncated"] for e in eps_list]).mean()),
          f"{prefix}/model_tokens_mean": float(np.concatenate(
              [e["model_tokens"] for e in eps_list]).mean())}
-    m.update(counter_metrics([c for e in eps_list for c in e["counters"]], prefix=prefix))
+    counters = [c for e in eps_list for c in e["counters"]]
+    m.update(counter_metrics(counters, prefix=prefix))
+    solved = np.array([c.get("solved", 0) > 0 for c in counters])
+    if solved.any():  # games: turns to solve, over solved episodes only
+        m[f"{prefix}/solved_turns_mean"] = float(turns[solved].mean())
     return m
+
+
+def episode_correct(total_rewards: np.ndarray, counters: list[dict]) -> np.ndarray:
+    """Whether each episode counts as correct, bool [R] from rewards f32 [R] and R counter
+    dicts: its total reward is >= 1, or its environment reported it ``solved`` (a game under a
+    turn penalty is solved with a reward below 1 after its first guess)."""
+    solved = np.array([c.get("solved", 0) > 0 for c in counters], bool)
+    return (np.asarray(total_rewards, np.float64) >= 1.0) | solved
 
 
 def final_answers(eps: dict) -> list[str]:
@@ -155,29 +167,31 @@ class MultiTurnRollout(Rollout):
 
 # ----------------------------------------------------------------------------- SFT traces
 
-def trace_messages(cfg, example: dict) -> list[dict]:
-    """The environment's scripted, verified episode for ``example`` (``sft.env_traces``)."""
+def trace_messages(cfg, example: dict, rng: np.random.Generator | None = None) -> list[dict]:
+    """The environment's scripted, verified episode for ``example`` (``sft.env_traces``);
+    ``rng`` draws ``guess_number``'s random guesses under ``sft.trace_noise``."""
     from rljax import envs
     kw = env_kwargs(cfg)
     if cfg.env.name == "tool":
         kw.pop("tools", None)   # the scripted episode uses the calculator
         return envs.trace_messages(example, kw.pop("tool_format", cfg.env.tool_format), **kw)
     if cfg.env.name == "guess_number":
-        return envs.guess_trace(example, **kw)
+        return envs.guess_trace(example, noise=float(cfg.sft.trace_noise), rng=rng, **kw)
     raise ValueError(f"environment {cfg.env.name!r} has no scripted traces")
 
 
-def trace_batch(cfg, tokenizer, examples: list[dict], completion_len: int):
+def trace_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
+                rng: np.random.Generator | None = None):
     """SFT rows from scripted episodes: ``(prompt ids per row, tokens int32 [B, C],
     trajectory mask bool [B, C], model mask bool [B, C], number cut)``; traces longer than
-    ``completion_len`` are cut."""
+    ``completion_len`` are cut. ``rng``: for noisy traces (``trace_messages``)."""
     renderer = make_renderer(cfg, tokenizer)
     tok = np.full((len(examples), completion_len), tokenizer.pad_id, np.int32)
     mask = np.zeros(tok.shape, bool)
     model = np.zeros(tok.shape, bool)
     prompts, cut = [], 0
     for i, ex in enumerate(examples):
-        prompt, ids, is_model = ep.trace_tokens(tokenizer, renderer, trace_messages(cfg, ex))
+        prompt, ids, is_model = ep.trace_tokens(tokenizer, renderer, trace_messages(cfg, ex, rng))
         if len(ids) > completion_len:
             cut += 1
             ids, is_model = ids[:completion_len], is_model[:completion_len]
@@ -192,7 +206,8 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
                      temperature: float, batch_size: int) -> dict[str, Any]:
     """Episodes on held-out ``examples`` (batches of ``batch_size`` prompts, the last padded so
     shapes stay static). An episode is correct when its reward (environment rewards + the
-    first reward function on the final turn) is >= 1. Returns ``{"correct": bool [E, n],
+    first reward function on the final turn) is >= 1 or its environment says it is solved
+    (``episode_correct``). Returns ``{"correct": bool [E, n],
     "lengths", "truncated", "episodes": [...]}``."""
     cfg = ctx.cfg
     verifier = None
@@ -213,7 +228,7 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
             total = total + np.asarray(verifier(
                 eps["prompts"][:keep], final_answers(eps)[:keep],
                 **expand_fields(chunk, num_samples)), np.float64)
-        correct.append(total >= 1.0)
+        correct.append(episode_correct(total, eps["counters"][:keep]))
         lengths.append(eps["lengths"][:keep])
         truncated.append(eps["truncated"][:keep])
         eps_list.append({k: (v[:keep] if isinstance(v, (np.ndarray, list)) else v)

@@ -113,7 +113,8 @@ def _pass_at_k(ok: np.ndarray) -> dict:
 
 def run_agent_eval(ctx, params, rng, examples: list[dict]) -> dict:
     """Held-out episodes (``env.name`` set): ``eval/accuracy`` (episode reward >= 1: the
-    environment's rewards plus the first reward function on the final model turn), pass@k,
+    environment's rewards plus the first reward function on the final model turn; or the
+    environment reported the episode ``solved``: ``agent.episode_correct``), pass@k,
     trajectory lengths, and the episodes' ``eval/turns_mean``, tool counts, ..."""
     from rljax.train import agent
     e, t0 = ctx.cfg.eval, time.perf_counter()

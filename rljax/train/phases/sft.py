@@ -49,15 +49,19 @@ class SFTPhase:
             raise UserError(f"SFT data has no completion/solution/answer field: "
                             f"{sorted(example)}") from None
 
-    def make_batch(self, examples: list[dict]) -> dict:
+    def make_batch(self, examples: list[dict], step: int = 0) -> dict:
         """Prompt ++ solution ++ EOS; solutions longer than the slot are cut (and counted).
         With ``sft.env_traces``: prompt ++ the environment's scripted episode, the loss on the
-        model's turns only."""
+        model's turns only (noisy traces draw from an rng seeded by ``seed`` and ``step``, so a
+        resumed run sees the same games)."""
         tok, n = self.ctx.tokenizer, self.completion_len
         if self.ctx.cfg.sft.env_traces:
+            import numpy as np
             from rljax.sampling import pad_to_bucket
             from rljax.train.agent import trace_batch
-            prompts, c_tok, c_mask, model, cut = trace_batch(self.ctx.cfg, tok, examples, n)
+            rng = np.random.default_rng([int(self.ctx.cfg.seed), SFT_SEED_OFFSET, int(step)])
+            prompts, c_tok, c_mask, model, cut = trace_batch(self.ctx.cfg, tok, examples, n,
+                                                             rng)
             self.num_too_long += cut
             p_tok, p_mask = pad_to_bucket(prompts, pad_id=tok.pad_id,
                                           buckets=rollout_lib.prompt_buckets(
@@ -82,7 +86,7 @@ class SFTPhase:
 
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
-        batch = self.make_batch(next(self.iterator))
+        batch = self.make_batch(next(self.iterator), step)
         state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))
         m = to_host(m)
         dt = time.perf_counter() - t0
