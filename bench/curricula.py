@@ -118,10 +118,15 @@ def accuracy_at(points: list[dict], tokens: float) -> float | None:
 
 def with_included(runs: list[dict], included: list[dict]) -> list[dict]:
     """``runs`` plus the runs of other result files (``--include``) whose (method, seed) is
-    not in ``runs``, each marked with ``included_from``: shown in the table and plot, never
-    run again and never written to ``--out``."""
-    have = {(r["method"], r["seed"]) for r in runs}
-    return runs + [r for r in included if (r["method"], r["seed"]) not in have]
+    not in ``runs`` (nor earlier in ``included``: the first file wins), each marked with
+    ``included_from``: shown in the table and plot, never run again and never written to
+    ``--out``."""
+    have, out = {(r["method"], r["seed"]) for r in runs}, list(runs)
+    for r in included:
+        if (r["method"], r["seed"]) not in have:
+            have.add((r["method"], r["seed"]))
+            out.append(r)
+    return out
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

@@ -74,7 +74,8 @@ def test_summary_compares_methods_at_the_same_tokens():
 def test_included_runs_fill_in_only_missing_method_seeds():
     bench = _bench()
     mine = [{"method": "x", "seed": 0, "acc": 1}]
-    other = [{"method": "x", "seed": 0, "acc": 2}, {"method": "plain", "seed": 0, "acc": 3}]
+    other = [{"method": "x", "seed": 0, "acc": 2}, {"method": "plain", "seed": 0, "acc": 3},
+             {"method": "plain", "seed": 0, "acc": 4}]  # a second file with the same run
     merged = bench.with_included(mine, other)
     assert [(r["method"], r["acc"]) for r in merged] == [("x", 1), ("plain", 3)]
     assert mine == [{"method": "x", "seed": 0, "acc": 1}]  # not modified in place
