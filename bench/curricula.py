@@ -116,6 +116,19 @@ def accuracy_at(points: list[dict], tokens: float) -> float | None:
     return None
 
 
+def with_included(runs: list[dict], included: list[dict]) -> list[dict]:
+    """``runs`` plus the runs of other result files (``--include``) whose (method, seed) is
+    not in ``runs`` (nor earlier in ``included``: the first file wins), each marked with
+    ``included_from``: shown in the table and plot, never run again and never written to
+    ``--out``."""
+    have, out = {(r["method"], r["seed"]) for r in runs}, list(runs)
+    for r in included:
+        if (r["method"], r["seed"]) not in have:
+            have.add((r["method"], r["seed"]))
+            out.append(r)
+    return out
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
 
@@ -248,6 +261,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/curricula.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs/curricula.png"))
     p.add_argument("--rerun", action="store_true")
+    p.add_argument("--include", action="append", default=[], metavar="RESULTS.json",
+                   help="also show these files' runs (e.g. a baseline measured before) in "
+                        "the table and plot; they are not run and not copied into --out")
     args = p.parse_args(argv)
 
     methods_def = {k: list(v) for k, v in METHODS.items()}
@@ -306,6 +322,12 @@ def main(argv=None) -> int:
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
+    included = []
+    for path in args.include:
+        with open(path) as f:
+            included += [dict(r, included_from=os.path.relpath(path, ROOT))
+                         for r in json.load(f)["runs"]]
+    runs = with_included(runs, included)
     shown = [m for m in dict.fromkeys([r["method"] for r in runs])]
     shown = [m for m in methods] + [m for m in shown if m not in methods]
     budget = args.budget

@@ -50,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.importance_sampling_level": ("token", "sequence"),
     "algo.hint.mode": ("off", "fixed", "adaptive"),
     "algo.hint.source": ("reference", "replay"),
+    "algo.relift.prompts": ("failed", "any"),
     "optimizer.name": ("adamw", "adam", "sgd"),
     "optimizer.schedule": ("constant", "linear", "cosine"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -258,6 +259,9 @@ def default_config() -> ml_collections.ConfigDict:
             batch_size=16,           # prompts per SFT step (padded rows count for nothing)
             buffer_size=256,         # FIFO bound of the buffer (deduplicated by prompt)
             coef=1.0,                # SFT loss scale (the mixing weight next to RL updates)
+            prompts="failed",        # failed: ReLIFT. any: every visited prompt is buffered,
+                                     # solved or not (a control: the same SFT steps on
+                                     # prompts not chosen by failure)
         ),
         mixed_policy=False,          # LUFFY-style: the reference solution replaces one sample
                                      # of a group that failed entirely (importance ratio

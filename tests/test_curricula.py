@@ -71,6 +71,16 @@ def test_summary_compares_methods_at_the_same_tokens():
     assert bench.summary(short, ["x"], budget=1000)[0]["acc@1"] is None
 
 
+def test_included_runs_fill_in_only_missing_method_seeds():
+    bench = _bench()
+    mine = [{"method": "x", "seed": 0, "acc": 1}]
+    other = [{"method": "x", "seed": 0, "acc": 2}, {"method": "plain", "seed": 0, "acc": 3},
+             {"method": "plain", "seed": 0, "acc": 4}]  # a second file with the same run
+    merged = bench.with_included(mine, other)
+    assert [(r["method"], r["acc"]) for r in merged] == [("x", 1), ("plain", 3)]
+    assert mine == [{"method": "x", "seed": 0, "acc": 1}]  # not modified in place
+
+
 def test_method_specs_become_overrides_and_config_files():
     bench = _bench()
     name, items = bench.parse_method("hint=algo.beta=0.1;@configs/x.py")

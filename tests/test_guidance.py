@@ -70,6 +70,16 @@ def test_relift_buffer_entry_after_k_failed_visits_dedup_and_eviction():
     assert list(again.entries.items) == ["c"]
 
 
+def test_relift_control_buffers_prompts_whatever_their_outcome():
+    failed = guidance.ReliftBuffer(k_visits=1, size=4)
+    control = guidance.ReliftBuffer(k_visits=1, size=4, failed_only=False)
+    for solved, p in ((True, "a"), (False, "b"), (True, "c")):
+        failed.observe({"prompt": p}, solved=solved)
+        control.observe({"prompt": p}, solved=solved)
+    assert list(failed.entries.items) == ["b"]
+    assert list(control.entries.items) == ["a", "b", "c"]
+
+
 def test_bounded_dict_evicts_the_oldest():
     d = guidance.BoundedDict(2)
     for k in "abc":
@@ -358,6 +368,7 @@ def test_stop_and_resume_with_hints_and_relift_equals_straight_run(guided_straig
     ("algo.hint.max_fraction", 2.0, "algo.hint.max_fraction=2.0 must be in [0.0, 1.0]"),
     ("algo.hint.mode", "always", "algo.hint.mode='always' is not one of: off, fixed, adaptive"),
     ("algo.relift.k_visits", 0, "algo.relift.k_visits=0 must be >= 1"),
+    ("algo.relift.prompts", "random", "algo.relift.prompts='random' is not one of: failed, any"),
 ])
 def test_bad_ranges_name_the_key(key, value, needle):
     cfg = config_lib.default_config()

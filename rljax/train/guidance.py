@@ -192,10 +192,13 @@ class Hints:
 class ReliftBuffer:
     """Prompts with zero successes on their last ``k_visits`` visits, oldest first, each at
     most once, at most ``size`` (the oldest are evicted). ``streaks`` counts each prompt's
-    current run of failed visits (bounded like the buffer, x8)."""
+    current run of failed visits (bounded like the buffer, x8). ``failed_only=False`` is the
+    control (``algo.relift.prompts="any"``): every visit counts as failed, so prompts enter
+    after ``k_visits`` visits whatever their outcome."""
 
-    def __init__(self, k_visits: int, size: int):
+    def __init__(self, k_visits: int, size: int, failed_only: bool = True):
         self.k_visits = int(k_visits)
+        self.failed_only = bool(failed_only)
         self.entries = BoundedDict(size)           # prompt -> example
         self.streaks = BoundedDict(8 * int(size))  # prompt -> failed visits in a row
 
@@ -204,7 +207,7 @@ class ReliftBuffer:
 
     def observe(self, example: dict, solved: bool) -> None:
         key = example["prompt"]
-        if solved:
+        if solved and self.failed_only:
             self.streaks.pop(key)
             return
         streak = int(self.streaks.get(key, 0)) + 1
@@ -337,7 +340,8 @@ class Guide:
         self.hints = (Hints(cfg.algo.hint, self.solution, ctx.tokenizer,
                             cfg.data.max_prompt_length) if cfg.algo.hint.mode != "off" else None)
         r = cfg.algo.relift
-        self.buffer = ReliftBuffer(r.k_visits, r.buffer_size) if r.every > 0 else None
+        self.buffer = (ReliftBuffer(r.k_visits, r.buffer_size, failed_only=r.prompts == "failed")
+                       if r.every > 0 else None)
         self.mixed = bool(cfg.algo.mixed_policy)
 
     def check(self, example: dict) -> None:
