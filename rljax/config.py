@@ -79,6 +79,9 @@ BETA_DEFAULT = 0.04
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline",
                     "reinforce_pp_baseline_seq", "treepo", "rover")
+# Outcome estimators that per-turn returns plug into (env.turn_discount; the same tuple as
+# rljax.algorithms.turn_credit.TURN_ESTIMATORS, not imported: config loads without jax).
+TURN_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # Advantage estimators over the sampled tree: they need rollout.tree.enabled.
 TREE_ESTIMATORS = ("treepo", "rover")
 
@@ -836,10 +839,9 @@ def _check_turn_discount(cfg) -> None:
         return
     if not 0.0 <= gamma <= 1.0:
         raise ConfigError(f"env.turn_discount={gamma!r} must be in [0, 1] (or None: outcome)")
-    turn_estimators = ("grpo", "dr_grpo", "rloo")   # algorithms.turn_credit.TURN_ESTIMATORS
-    if algo.name == "grpo" and algo.adv_estimator not in turn_estimators:
+    if algo.name == "grpo" and algo.adv_estimator not in TURN_ESTIMATORS:
         raise ConfigError(f"env.turn_discount (per-turn returns) needs algo.adv_estimator in "
-                          f"{turn_estimators}, got '{algo.adv_estimator}'")
+                          f"{TURN_ESTIMATORS}, got '{algo.adv_estimator}'")
     if algo.name == "grpo" and algo.kl_in_reward and algo.beta > 0:
         raise ConfigError("env.turn_discount: algo.kl_in_reward=True (a sequence KL off the "
                           "outcome) is not supported with per-turn returns in GRPO; use the "
