@@ -304,7 +304,7 @@ def test_ppo_loss_ignores_observation_tokens(tmp_path):
 
 PPO_EPISODES = {"algo.name": "ppo", "algo.adv_estimator": "gae", "algo.num_generations": 2,
                 "algo.mini_batch_size": 4, "algo.num_iterations": 2, "env.turn_discount": 0.9,
-                "steps": 2}
+                "steps": 2, "sft.steps": 0, "sft.env_traces": False}
 
 
 def _critic(workdir):
@@ -313,9 +313,10 @@ def _critic(workdir):
     return jax.tree.map(np.asarray, (state["params"], state["critic_params"]))
 
 
+@pytest.mark.slow
 def test_ppo_over_episodes_stops_and_resumes_exactly(tmp_path):
-    """PPO on the tool environment (SFT on scripted episodes first): straight vs stopped after
-    the first PPO iteration and resumed: same metrics, policy and critic."""
+    """PPO on the tool environment: straight vs stopped after the first PPO iteration and
+    resumed: same metrics, policy and critic."""
     cfg = agent_cfg(**PPO_EPISODES)
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     assert run.train(cfg, straight, devices=DEVICES) == 0
