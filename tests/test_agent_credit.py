@@ -2,16 +2,13 @@
 advantages (``algorithms.turn_credit``, ``env.turn_discount``), GAE over model tokens with
 observation gaps and a turn discount, and PPO over episodes (observations carry no gradient
 for the policy or the value loss; a run checkpoints and resumes exactly)."""
-import contextlib
-import io
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from rljax import algorithms, cli
+from rljax import algorithms
 from rljax import config as config_lib
 from rljax.algorithms import turn_credit
 from rljax.envs import StepResult, register_env
@@ -20,7 +17,7 @@ from rljax.train.agent import MultiTurnRollout
 from rljax.train.metrics import read_metrics
 from rljax.train.phases import ppo
 from rljax.train.state import create_train_state
-from tests.test_agent_train import DEVICES, agent_cfg
+from tests.test_agent_train import DEVICES, agent_cfg, assert_one_line_config_error
 from tests.test_train_loop import StopAfter, comparable
 
 
@@ -339,15 +336,5 @@ def test_ppo_over_episodes_stops_and_resumes_exactly(tmp_path):
     ("--config.env.name=", "env.turn_discount needs multi-turn episodes (env.name)"),
 ])
 def test_bad_turn_discount_is_one_line_exit_2(tmp_path, override, needle):
-    path = tmp_path / "agent.py"
-    path.write_text("from tests.test_agent_train import agent_cfg\n"
-                    "def get_config():\n    c = agent_cfg(**{'sft.env_traces': False})\n"
-                    "    c.env.turn_discount = 0.9\n"
-                    "    return c\n")
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "w"),
-                         override])
-    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("rljax: error:"), lines
-    assert needle in lines[0], lines[0]
+    body = "c = agent_cfg(**{'sft.env_traces': False}); c.env.turn_discount = 0.9; return c"
+    assert_one_line_config_error(tmp_path, body, override, needle)
