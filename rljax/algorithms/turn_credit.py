@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rljax.algorithms.advantages import discounted_returns, get_advantage_estimator
+from rljax.algorithms.advantages import get_advantage_estimator
 
 # Sequence estimators with a group baseline and scale that per-turn returns plug into.
 TURN_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -44,9 +44,16 @@ TURN_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 def turn_returns(turn_rewards: np.ndarray, turns: np.ndarray, gamma: float) -> np.ndarray:
     """Discounted return from each played turn: f32 [N, T], 0 for turns not played.
 
-    ``R_{i,t} = r_{i,t} + gamma * R_{i,t+1}`` with ``R_{i,turns_i} = 0``."""
-    played = np.arange(turn_rewards.shape[1])[None, :] < np.asarray(turns)[:, None]
-    return np.asarray(discounted_returns(turn_rewards, played, float(gamma)), np.float32)
+    ``R_{i,t} = r_{i,t} + gamma * R_{i,t+1}`` with ``R_{i,turns_i} = 0`` (host numpy: T is a
+    handful of turns, and an eager ``lax.scan`` would compile anew every iteration)."""
+    rewards = np.asarray(turn_rewards, np.float32)
+    played = np.arange(rewards.shape[1])[None, :] < np.asarray(turns)[:, None]
+    returns = np.zeros_like(rewards)
+    later = np.zeros(len(rewards), np.float32)
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        later = np.where(played[:, t], rewards[:, t] + np.float32(gamma) * later, 0.0)
+        returns[:, t] = later
+    return returns
 
 
 def _group_scale(first: np.ndarray, group_size: int, estimator: str, scale_rewards: str,
