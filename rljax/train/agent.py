@@ -174,6 +174,12 @@ class MultiTurnRollout(Rollout):
         adv = turn_credit.spread_over_turns(per_turn, rows["turn_ids"])
         return np.where(mask, adv, 0.0).astype(np.float32)
 
+    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
+        m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)
+        m.update(env_metrics([r["episodes"] for r in rounds]))
+        m["time/env"] = sum(r["time_env"] for r in rounds)
+        return m
+
 
 class MultiTurnRewardRollout(MultiTurnRollout, RewardRollout):
     """Episodes for PPO: ``batch["rewards"]`` f32 [R] (the episode's outcome), and with
@@ -193,12 +199,6 @@ class MultiTurnRewardRollout(MultiTurnRollout, RewardRollout):
                                                                   rows["turn_ids"])
             batch["next_discount"] = turn_credit.turn_end_discounts(rows["turn_ids"], gamma)
         return batch, metrics
-
-    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
-        m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)
-        m.update(env_metrics([r["episodes"] for r in rounds]))
-        m["time/env"] = sum(r["time_env"] for r in rounds)
-        return m
 
 
 # ----------------------------------------------------------------------------- SFT traces
