@@ -80,6 +80,9 @@ BETA_DEFAULT = 0.04
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline",
                     "reinforce_pp_baseline_seq", "treepo", "rover")
+# Outcome estimators that per-turn returns plug into (env.turn_discount; the same tuple as
+# rljax.algorithms.turn_credit.TURN_ESTIMATORS, not imported: config loads without jax).
+TURN_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # Advantage estimators over the sampled tree: they need rollout.tree.enabled.
 TREE_ESTIMATORS = ("treepo", "rover")
 
@@ -304,6 +307,9 @@ def default_config() -> ml_collections.ConfigDict:
         max_obs_tokens=31,           # tokens of one rendered observation (longer: the episode
                                      # ends, truncated); the cache holds O = this + 1 per turn
         kwargs={},                   # free-form options of the environment's factory
+        turn_discount=opt_float(),   # None = outcome: the episode's summed reward for every
+                                     # turn; gamma in [0, 1] = per-turn rewards, turn t judged
+                                     # by sum_k gamma^k r_{t+k} (docs/agents.md)
     )
     c.mesh = dict(data=-1, fsdp=1, tensor=1)  # -1 = the rest of the devices
     c.logging = dict(
@@ -812,6 +818,8 @@ def _check_env(cfg) -> None:
     if not env.name:
         if cfg.sft.env_traces:
             raise ConfigError("sft.env_traces=True needs an environment (env.name)")
+        if env.turn_discount is not None:
+            raise ConfigError("env.turn_discount needs multi-turn episodes (env.name)")
         return
     from rljax.envs import check_env_config   # host-only module; imported when used
 
@@ -820,9 +828,10 @@ def _check_env(cfg) -> None:
                           f"episodes (env.name={env.name!r}): set its name='constant'")
 
     check_env_config(env.name, tuple(env.tools), env.tool_format)
-    if cfg.algo.name != "grpo":
+    if cfg.algo.name not in ("grpo", "ppo"):
         raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
-                          f"algo.name='grpo' (got {cfg.algo.name!r})")
+                          f"algo.name='grpo' or 'ppo' (got {cfg.algo.name!r})")
+    _check_turn_discount(cfg)
     if env.tool_format == "json" and env.tools and not cfg.tokenizer.chat_template:
         raise ConfigError("env.tool_format='json' renders tool results with the chat "
                           "template: set tokenizer.chat_template=True (or env.tool_format="
@@ -830,6 +839,23 @@ def _check_env(cfg) -> None:
     if cfg.sft.env_traces and env.name not in ENV_TRACES:
         raise ConfigError(f"sft.env_traces: environment {env.name!r} has no scripted traces "
                           f"(known: {', '.join(ENV_TRACES)})")
+
+
+def _check_turn_discount(cfg) -> None:
+    """``env.turn_discount``: in [0, 1]; with GRPO an estimator with a group baseline
+    (``algorithms.turn_credit.TURN_ESTIMATORS``) and no sequence KL folded into the reward."""
+    gamma, algo = cfg.env.turn_discount, cfg.algo
+    if gamma is None:
+        return
+    if not 0.0 <= gamma <= 1.0:
+        raise ConfigError(f"env.turn_discount={gamma!r} must be in [0, 1] (or None: outcome)")
+    if algo.name == "grpo" and algo.adv_estimator not in TURN_ESTIMATORS:
+        raise ConfigError(f"env.turn_discount (per-turn returns) needs algo.adv_estimator in "
+                          f"{TURN_ESTIMATORS}, got '{algo.adv_estimator}'")
+    if algo.name == "grpo" and algo.kl_in_reward and algo.beta > 0:
+        raise ConfigError("env.turn_discount: algo.kl_in_reward=True (a sequence KL off the "
+                          "outcome) is not supported with per-turn returns in GRPO; use the "
+                          "KL loss (kl_in_reward=False) or algo.name='ppo'")
 
 
 # Environments with scripted episodes for SFT warm-up (``sft.env_traces``).

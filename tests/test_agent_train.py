@@ -154,12 +154,19 @@ def test_loss_ignores_observation_tokens(tmp_path):
     ("--config.env.tools=('calculator','abacus')", "env.tools: unknown tool 'abacus'"),
     ("--config.env.max_turns=0", "env.max_turns=0 must be >= 1"),
     ("--config.env.tool_format=json", "env.tool_format='json'"),
-    ("--config.algo.name=dpo", "multi-turn episodes train with algo.name='grpo'"),
+    ("--config.algo.name=dpo", "multi-turn episodes train with algo.name='grpo' or 'ppo'"),
 ])
 def test_bad_env_config_is_one_line_exit_2(tmp_path, override, needle):
+    assert_one_line_config_error(tmp_path, "return agent_cfg()", override, needle)
+
+
+def assert_one_line_config_error(tmp_path, body: str, override: str, needle: str) -> None:
+    """``rljax train`` on a config file whose ``get_config`` is ``body`` (one line, with
+    ``agent_cfg`` in scope) plus ``override``: exit 2, one stderr line holding ``needle``,
+    nothing written."""
     path = tmp_path / "agent.py"
     path.write_text("from tests.test_agent_train import agent_cfg\n"
-                    "def get_config():\n    return agent_cfg()\n")
+                    f"def get_config():\n    {body}\n")
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         code = cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "w"),

@@ -11,6 +11,9 @@ Registries:
   aggregate(loss_tokens, mask, mode)  token-mean, seq-mean-token-mean, seq-mean-token-sum,
                                       seq-mean-token-sum-norm
 
+Multi-turn episodes: ``rljax.algorithms.turn_credit`` (per-turn discounted returns, their
+GRPO-family advantages, turn-end rewards and discounts for GAE; numpy, host side).
+
 Losses return (weighted_sum, weight): sum both over micro-batches / shards, divide once.
 Depends on jax and numpy only.
 """

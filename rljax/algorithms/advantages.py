@@ -259,7 +259,7 @@ def register_advantage_estimator(name: str, fn: Callable[..., Array], *,
 # --------------------------------------------------------------------------- token level
 
 def gae(rewards: Array, values: Array, mask: Array, gamma: float = 1.0,
-        lam: float = 0.95) -> Tuple[Array, Array]:
+        lam: float = 0.95, next_discount: Optional[Array] = None) -> Tuple[Array, Array]:
     """Generalized Advantage Estimation (Schulman et al. 2016), masked, per token.
 
     Args:
@@ -267,12 +267,16 @@ def gae(rewards: Array, values: Array, mask: Array, gamma: float = 1.0,
         token, optionally minus a per-token KL penalty).
       values: float [B, T] critic values V(s_t).
       mask: bool [B, T]; True for real (trainable) tokens.
+      next_discount: optional float [B, T], an extra factor on gamma for the step from token
+        t to the next real token (multi-turn PPO: ``env.turn_discount`` on each turn's last
+        model token, 1 elsewhere); None = 1 everywhere.
     Returns:
       (advantages [B, T], returns [B, T]) with returns = advantages + values; both 0 where
       mask is False.
 
     Recursion over the real tokens only: for a real token t whose next real token is t',
-        delta_t = r_t + gamma * V(t') - V(t),   A_t = delta_t + gamma * lam * A_t'.
+        delta_t = r_t + gamma_t * V(t') - V(t),   A_t = delta_t + gamma_t * lam * A_t',
+    gamma_t = gamma * next_discount_t.
     Masked positions are skipped (their rewards and values are ignored, and they do not
     break the chain, e.g. tool-output tokens inside a completion). At the last real token of a
     row the episode terminates: V(next) = 0 and A(next) = 0.
@@ -280,17 +284,20 @@ def gae(rewards: Array, values: Array, mask: Array, gamma: float = 1.0,
     rewards = jnp.asarray(rewards, jnp.float32)
     values = jnp.asarray(values, jnp.float32)
     m = jnp.asarray(mask).astype(bool)
+    discount = (jnp.ones_like(rewards) if next_discount is None
+                else jnp.asarray(next_discount, jnp.float32)) * gamma
 
     def step(carry, xs):
         next_v, next_a = carry
-        r, v, mk = xs
-        delta = r + gamma * next_v - v
-        a = delta + gamma * lam * next_a
+        r, v, mk, d = xs
+        delta = r + d * next_v - v
+        a = delta + d * lam * next_a
         new_carry = (jnp.where(mk, v, next_v), jnp.where(mk, a, next_a))
         return new_carry, jnp.where(mk, a, 0.0)
 
     zeros = jnp.zeros(rewards.shape[0], jnp.float32)
-    _, adv_t = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, m.T), reverse=True)
+    _, adv_t = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, m.T, discount.T),
+                            reverse=True)
     adv = adv_t.T
     returns = jnp.where(m, adv + values, 0.0)
     return adv, returns

@@ -20,6 +20,8 @@ the package stays cheap and does not start a jax backend:
   rollout     Rollout: prompts -> G samples -> rewards -> advantages -> training batch (DAPO
               dynamic sampling, overlong shaping, KL-in-reward)
   rollout     also RewardRollout (raw rewards instead of advantages, for PPO and online DPO)
+  agent       MultiTurnRollout / MultiTurnRewardRollout: episodes (env.name) for GRPO / PPO,
+              SFT on scripted episodes, agentic eval
   evaluate    run_eval (greedy accuracy, pass@k), eval_examples
   setup       check_inputs (before compiling), Context (mesh, tokenizer, model), Phase protocol
 

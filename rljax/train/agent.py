@@ -1,12 +1,14 @@
-"""Multi-turn (agentic) training with ``env.name`` set: the GRPO rollout over episodes, the
-SFT warm-up on scripted episodes, and held-out evaluation of episodes.
+"""Multi-turn (agentic) training with ``env.name`` set: the GRPO and PPO rollouts over
+episodes, the SFT warm-up on scripted episodes, and held-out evaluation of episodes.
 
 An episode's training row is the prompt ++ the whole trajectory after it (model turns and
 observations, ``env.max_total_tokens`` slots); ``loss_mask`` holds only the tokens the model
 generated, so the policy loss, KL, entropy and importance ratios never see an observation
 token. The reward of an episode is the sum of its environment rewards plus ``reward.names``
 applied to the final model turn's text (an episode cut short by the turn or token limits has
-no final answer: they see ""); GRPO normalises it over the G episodes of a prompt.
+no final answer: they see ""); GRPO normalises it over the G episodes of a prompt, PPO puts
+it on the episode's last model token. With ``env.turn_discount`` each turn keeps its own reward
+instead (``rljax.algorithms.turn_credit``).
 Episodes start and end within one iteration, so a checkpoint never holds an open episode.
 """
 from __future__ import annotations
@@ -18,8 +20,9 @@ import jax
 import numpy as np
 
 from rljax import rewards
+from rljax.algorithms import turn_credit
 from rljax.train import episodes as ep
-from rljax.train.rollout import Rollout, expand_fields, prompt_buckets
+from rljax.train.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
 
 
 def turn_tokens(cfg) -> int:
@@ -106,19 +109,27 @@ def final_answers(eps: dict) -> list[str]:
 
 def score(reward_fn, eps: dict, examples: list[dict], g: int):
     """Episode rewards f32 [R] (environment rewards + ``reward.names`` on the final answer,
-    ``final_answers``) and the ``rewards.combine`` result (None without reward functions)."""
+    ``final_answers``), per-turn rewards f32 [R, T] (each step's environment reward on its
+    turn, the answer's score on the last turn played) and the ``rewards.combine`` result
+    (None without reward functions)."""
     total = eps["env_rewards"].astype(np.float32)
+    per_turn = eps["turn_rewards"].astype(np.float32).copy()
     if reward_fn is None:
-        return total, None
+        return total, per_turn, None
     result = reward_fn(eps["prompts"], final_answers(eps),
                        completion_lengths=list(eps["model_tokens"]),
                        **expand_fields(examples, g))
-    return total + np.asarray(result.total, np.float32), result
+    answer = np.asarray(result.total, np.float32)
+    per_turn[np.arange(len(answer)), np.maximum(eps["turns"] - 1, 0)] += answer
+    return total + answer, per_turn, result
 
 
 class MultiTurnRollout(Rollout):
     """The GRPO rollout with episodes instead of single completions (same batch layout, plus
-    ``model_mask``); dynamic sampling, TIS, KL and exact accumulation are the base class's."""
+    ``model_mask``); dynamic sampling, TIS, KL and exact accumulation are the base class's.
+
+    With ``env.turn_discount`` set the advantages are per turn (``turn_credit``), f32 [R, M]:
+    every model token of turn t gets turn t's advantage."""
 
     def _round(self, params, rng) -> dict:
         cfg, g = self.cfg, self.g
@@ -128,7 +139,7 @@ class MultiTurnRollout(Rollout):
                    temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                    top_p=cfg.rollout.top_p)
         t1 = time.perf_counter()
-        total, result = score(self.reward_fn, eps, examples, g)
+        total, per_turn, result = score(self.reward_fn, eps, examples, g)
         scores = {"env": eps["env_rewards"]}
         counts: dict[str, list[int]] = {}
         if result is not None:
@@ -142,6 +153,7 @@ class MultiTurnRollout(Rollout):
                     decoded=eps["model_mask"].sum(axis=1).reshape(-1, g).sum(axis=1),
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
+                    turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=t1 - t0 - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1)
@@ -153,16 +165,52 @@ class MultiTurnRollout(Rollout):
     def _assemble(self, rounds, groups):
         batch, rows = super()._assemble(rounds, groups)
         g = self.g
-        rows["model_mask"] = np.concatenate(
-            [rounds[r]["model_mask"][i * g:(i + 1) * g] for r, i in groups])
+        for key in ("model_mask", "turn_rewards", "turn_ids", "turns"):
+            rows[key] = np.concatenate([rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
         batch["model_mask"] = rows["model_mask"]
+        self._turn_rows = rows   # this batch's turns, for ``advantages``
         return batch, rows
+
+    def advantages(self, rewards, mask=None, token_kl=None):
+        """Outcome advantages (the base class), or with ``env.turn_discount`` per-turn ones
+        f32 [R, M] (``turn_credit.turn_advantages`` spread over each turn's tokens, 0 outside
+        ``mask``)."""
+        gamma = self.cfg.env.turn_discount
+        if gamma is None:
+            return super().advantages(rewards, mask=mask, token_kl=token_kl)
+        rows, a = self._turn_rows, self.cfg.algo
+        returns = turn_credit.turn_returns(rows["turn_rewards"], rows["turns"], gamma)
+        per_turn = turn_credit.turn_advantages(
+            returns, rows["turns"], self.g, estimator=a.adv_estimator,
+            scale_rewards=a.scale_rewards, outcome=super().advantages(returns[:, 0]))
+        adv = turn_credit.spread_over_turns(per_turn, rows["turn_ids"])
+        return np.where(mask, adv, 0.0).astype(np.float32)
 
     def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
         m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)
         m.update(env_metrics([r["episodes"] for r in rounds]))
         m["time/env"] = sum(r["time_env"] for r in rounds)
         return m
+
+
+class MultiTurnRewardRollout(MultiTurnRollout, RewardRollout):
+    """Episodes for PPO: ``batch["rewards"]`` f32 [R] (the episode's outcome), and with
+    ``env.turn_discount`` also ``token_rewards`` f32 [R, M] (each turn's reward on its last
+    model token) and ``next_discount`` f32 [R, M] (the turn discount there, 1 elsewhere) for
+    GAE over model tokens."""
+
+    def advantages(self, rewards, mask=None, token_kl=None):
+        return RewardRollout.advantages(self, rewards, mask, token_kl)
+
+    def __call__(self, state, step: int):
+        batch, metrics = super().__call__(state, step)
+        gamma = self.cfg.env.turn_discount
+        if gamma is not None:
+            rows = self._turn_rows
+            batch["token_rewards"] = turn_credit.turn_end_rewards(rows["turn_rewards"],
+                                                                  rows["turn_ids"])
+            batch["next_discount"] = turn_credit.turn_end_discounts(rows["turn_ids"], gamma)
+        return batch, metrics
 
 
 # ----------------------------------------------------------------------------- SFT traces

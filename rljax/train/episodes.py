@@ -9,6 +9,10 @@ training.
     eps["mask"]        bool  [R, M]  real tokens (attention)
     eps["model_mask"]  bool  [R, M]  tokens the model generated (the ones that train)
     eps["logps"]       f32   [R, M]  sampler log-probs of model tokens, 0 elsewhere
+    eps["turn_ids"]    int32 [R, M]  the model turn (0, 1, ...) each model token belongs to,
+                                     -1 elsewhere (observations, padding)
+    eps["turn_rewards"] f32  [R, T]  each turn's environment reward (T = max_turns; 0 for
+                                     turns not played)
 
 A turn ends on EOS, a tool call's closing text (``renderer.call_end``: stopped on device when it
 tokenizes to a fixed id sequence, and always cut on the host after its first occurrence in the
@@ -104,7 +108,7 @@ def _count(info: Any, totals: dict) -> None:
 def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer: Renderer,
                  limits: EpisodeLimits, rng: jax.Array, num_samples: int = 1,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mesh=None,
-                 step_all: Callable | None = None, keep_per_turn_rewards: bool = False) -> dict:
+                 step_all: Callable | None = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -112,7 +116,8 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     [R, M] (see the module docstring), ``lengths`` int32 [R] (real trajectory tokens),
     ``model_tokens`` int32 [R], ``truncated`` bool [R] (turns, tokens or chunk width ran out
     before the environment said done), ``turns`` int32 [R], ``env_rewards`` f32 [R] (sum of
-    the turns' rewards), ``turn_rewards`` (list of lists, with ``keep_per_turn_rewards``),
+    the turns' rewards), ``turn_rewards`` f32 [R, T] and ``turn_ids`` int32 [R, M] (see the
+    module docstring),
     ``prompt_ids`` (list of id lists, one per row), ``prompt_len`` (bucket P), ``prompts`` /
     ``final_turns`` / ``transcripts`` (lists of str), ``counters`` (one dict per episode: the
     sum of its steps' ``info`` counters), ``info`` (their totals), ``time_env``.
@@ -142,6 +147,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
 
     tokens = np.full((r, m_max), tokenizer.pad_id, np.int32)
     model_mask = np.zeros((r, m_max), bool)
+    turn_ids = np.full((r, m_max), -1, np.int32)
     logps = np.zeros((r, m_max), np.float32)
     length = np.zeros(r, np.int64)                      # trajectory tokens so far
     cache = multiturn.start(model_cfg, params, p_tok, p_mask, layout=layout, num_samples=g,
@@ -151,7 +157,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     done = np.zeros(r, bool)                            # the environment ended the episode
     turns = np.zeros(r, np.int32)
     env_rewards = np.zeros(r, np.float32)
-    turn_rewards: list[list[float]] = [[] for _ in range(r)]
+    turn_rewards = np.zeros((r, t_max), np.float32)
     final_turns = [""] * r
     counters: list[dict] = [{} for _ in range(r)]
     time_env = 0.0
@@ -170,6 +176,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
             kept[i] = k
             tokens[i, length[i]:length[i] + k] = ids[:k]
             model_mask[i, length[i]:length[i] + k] = True
+            turn_ids[i, length[i]:length[i] + k] = turn
             logps[i, length[i]:length[i] + k] = out_lp[i, :k]
             texts.append(tokenizer.decode(ids[:k]))
             final_turns[i] = texts[-1]
@@ -183,8 +190,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
         chunk_mask = np.zeros((r, o), bool)
         for i, res in zip(rows, results):
             env_rewards[i] += float(res.reward)
-            if keep_per_turn_rewards:
-                turn_rewards[i].append(float(res.reward))
+            turn_rewards[i, turn] = float(res.reward)
             _count(res.info, counters[i])
             if res.done:
                 active[i], done[i] = False, True
@@ -214,7 +220,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     return dict(tokens=tokens, mask=mask, model_mask=model_mask, logps=logps,
                 lengths=length.astype(np.int32), model_tokens=model_mask.sum(1).astype(np.int32),
                 truncated=~done, turns=turns, env_rewards=env_rewards,
-                turn_rewards=turn_rewards if keep_per_turn_rewards else None,
+                turn_rewards=turn_rewards, turn_ids=turn_ids,
                 prompt_ids=[list(map(int, ids)) for ids in prompt_ids],
                 prompt_len=int(layout.prompt_len), prompts=prompts, final_turns=final_turns,
                 transcripts=transcripts, counters=counters, info=info, time_env=time_env)

@@ -13,6 +13,13 @@ Batches use the sequence layout of ``rljax.train.steps`` (prompt bucket P, compl
 ``old_logps``, ``old_values`` (V of the prefix *before* token t), ``advantages``, ``returns``
 and, when a KL to the reference is used, ``ref_logps``.
 
+Multi-turn episodes (``env.name``): the completion slot holds the whole trajectory and
+``loss_mask`` only the model's tokens, so values, rewards, GAE and both losses live on model
+tokens; observation tokens are skipped by the GAE recursion (neither discounted nor a break:
+the last token of turn t bootstraps from the first token of turn t+1, whose value reads the
+observation as context). With ``env.turn_discount`` the rollout also gives ``token_rewards``
+(each turn's reward on its last model token) and ``next_discount`` (that gamma at turn ends).
+
 Token-level reward: the sequence reward sits on the last real completion token; with
 ``algo.kl_in_reward`` every token also pays ``-beta * KL_t(pi_old || pi_ref)`` (estimator
 ``algo.kl_estimator``). Without it, ``beta > 0`` adds the KL as a loss term, as in GRPO.
@@ -72,8 +79,14 @@ def token_rewards(rewards: Array, mask: Array, kl: Array | None = None,
     return jnp.where(mask, r, 0.0)
 
 
-def advantages_and_returns(algo_cfg, rewards, values, old_logps, ref_logps, mask):
+def advantages_and_returns(algo_cfg, rewards, values, old_logps, ref_logps, mask,
+                           placed_rewards=None, next_discount=None):
     """GAE on token-level rewards. All [B, N] except ``rewards`` [B]; ``ref_logps`` may be None.
+
+    ``placed_rewards`` [B, N] (multi-turn per-turn rewards, each on its turn's last model
+    token) replace ``rewards`` [B] on the last token; ``next_discount`` [B, N] scales gamma
+    per step (``algorithms.gae``: the turn discount at turn ends). Tokens outside ``mask``
+    (observations) are skipped by the recursion.
 
     Returns ``(advantages, returns, metrics)``. Advantages are whitened over the real tokens of
     the whole rollout batch when ``algo.whiten_advantages`` (before minibatching, so every
@@ -85,9 +98,14 @@ def advantages_and_returns(algo_cfg, rewards, values, old_logps, ref_logps, mask
     if ref_logps is not None:
         kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(old_logps, ref_logps)
         metrics["kl_ref"] = algorithms.masked_mean(kl, m)
-    r = token_rewards(rewards, m, kl if algo_cfg.kl_in_reward else None, float(algo_cfg.beta))
+    kl_term = kl if algo_cfg.kl_in_reward else None
+    if placed_rewards is None:
+        r = token_rewards(rewards, m, kl_term, float(algo_cfg.beta))
+    else:
+        r = token_rewards(jnp.zeros_like(rewards), m, kl_term, float(algo_cfg.beta)) + \
+            jnp.where(m, placed_rewards, 0.0)
     adv, returns = algorithms.gae(r, values, m, gamma=float(algo_cfg.gamma),
-                                  lam=float(algo_cfg.lam))
+                                  lam=float(algo_cfg.lam), next_discount=next_discount)
     metrics["advantages/raw_mean"] = algorithms.masked_mean(adv, m)
     if algo_cfg.whiten_advantages:
         adv = algorithms.masked_whiten(adv, m)
@@ -119,8 +137,9 @@ def build_prepare(model_cfg, algo_cfg, *, temperature: float = 1.0) -> Callable:
                                             temperature=temperature)
         values = completion_values(model_cfg, lora_lib.value_on_base(state.params,
                                                                      state.critic_params), batch)
-        adv, returns, metrics = advantages_and_returns(algo_cfg, batch["rewards"], values,
-                                                       old, ref, m)
+        adv, returns, metrics = advantages_and_returns(
+            algo_cfg, batch["rewards"], values, old, ref, m,
+            placed_rewards=batch.get("token_rewards"), next_discount=batch.get("next_discount"))
         out = dict(batch, old_logps=jnp.where(m, old, 0.0), old_values=jnp.where(m, values, 0.0),
                    advantages=adv, returns=returns)
         if ref is not None:
@@ -247,7 +266,11 @@ class PPOPhase:
         self.mini, self.num_micro, updates_per_step = update_sizes(cfg)
         updates = self.steps * updates_per_step
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
-        self.rollout = RewardRollout(ctx, self.iterator)
+        if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
+            from rljax.train.agent import MultiTurnRewardRollout
+            self.rollout = MultiTurnRewardRollout(ctx, self.iterator)
+        else:
+            self.rollout = RewardRollout(ctx, self.iterator)
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, updates)
         self.critic_optimizer = ctx.optimizer(
             cfg.optimizer.critic_learning_rate or cfg.optimizer.learning_rate, updates)
