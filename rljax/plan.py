@@ -33,7 +33,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import algorithms, models, sampling, tree_sampling
@@ -296,6 +295,17 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
 
     p_len = max(prompt_buckets(cfg.data.max_prompt_length))
     n_new = int(r.max_new_tokens)
+    n_sample = n_new   # tokens after the prompt in the sampler's KV cache
+    if cfg.env.name:
+        # Episodes train on env.max_total_tokens after the prompt; the multi-turn sampler's cache
+        # holds T turns of (observation chunk O + turn tokens) slots (rljax.multiturn.SlotLayout).
+        env = cfg.env
+        n_sample = int(env.max_turns) * (int(env.max_obs_tokens) + 1
+                                         + int(env.max_turn_tokens or r.max_new_tokens))
+        n_new = int(env.max_total_tokens)
+        notes.append(f"episodes: sampling planned as one sampler pass over the multi-turn "
+                     f"KV cache ({n_sample} slots after the prompt); training sequences "
+                     f"{p_len} + env.max_total_tokens = {p_len + n_new}")
 
     if cfg.sft.steps or a.name == "sft":
         bs = int(cfg.sft.batch_size)
@@ -339,7 +349,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
 
         def sample_fn(params, prompt_tokens, prompt_mask, key):
             params = for_sampling(params)
-            kw = dict(rng=key, max_new_tokens=n_new, temperature=r.temperature, top_k=r.top_k,
+            kw = dict(rng=key, max_new_tokens=n_sample, temperature=r.temperature, top_k=r.top_k,
                       top_p=r.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
             if tree is not None:
                 return tree_sampling.generate(mcfg, params, prompt_tokens, prompt_mask,
@@ -357,7 +367,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
             def eval_fn(params, prompt_tokens, prompt_mask, key):
                 return sampling.generate(
                     mcfg, for_sampling(params), prompt_tokens, prompt_mask, rng=key,
-                    max_new_tokens=e.max_new_tokens or n_new, temperature=e.temperature,
+                    max_new_tokens=e.max_new_tokens or n_sample, temperature=e.temperature,
                     top_k=r.top_k if e.temperature else 0,
                     top_p=r.top_p if e.temperature else 1.0, eos_id=tok.eos_id,
                     pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh)

@@ -157,3 +157,17 @@ def test_plan_matches_measured_memory_on_cpu():
     # per-thread arenas, the executable's own buffers); never below it by much.
     assert 0.8 * m["planned"] < m["measured"] < 1.4 * m["planned"], m
     assert m["planned"] > 50 * (1 << 20), m  # large enough that RSS noise does not matter
+
+
+def test_episode_runs_are_planned_at_their_trajectory_length():
+    """With an environment the update trains on prompt + env.max_total_tokens positions and the
+    sampler's cache holds the multi-turn slots, whatever rollout.max_new_tokens says."""
+    def update_args(total):
+        p = plan.plan(config.load_config(os.path.join(ROOT, "configs", "grpo_tool_arithmetic.py"), [
+            *TINY, "--config.rollout.micro_batch_size=0", f"--config.env.max_total_tokens={total}"]))
+        return next(x.arguments - x.resident_arguments for x in p.phases if x.name == "update"), p
+
+    short, _ = update_args(16)
+    long, p = update_args(64)
+    assert long > short
+    assert any("env.max_total_tokens" in n and "slots after the prompt" in n for n in p.notes)

@@ -195,4 +195,5 @@ def test_config_runs_two_steps(tmp_path):
     assert [r["step"] for r in train] == [2, 3]
     for r in train:
         assert np.isfinite(r["vf_loss"]) and np.isfinite(r["pg_loss"]) and "reward/mean" in r
+        assert 0.0 <= r["time/host_frac"] <= 1.0
     assert any("eval/accuracy" in r for r in records)

@@ -46,6 +46,7 @@ from rljax.train.optim import all_finite, apply_if_finite
 from rljax.train.rollout import RewardRollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
 from rljax.train.state import reference_params
+from rljax.train.metrics import host_fraction
 from rljax.train.steps import to_host
 
 Array = jax.Array
@@ -306,6 +307,7 @@ class PPOPhase:
         cfg, mesh = self.ctx.cfg, self.ctx.mesh
         t0 = time.perf_counter()
         batch, metrics = self.rollout(state, step)
+        t_prepare = time.perf_counter()
         prepared, pm = self.prepare(state, dist.device_batch(batch, mesh))
         prepared = {k: dist.to_host(v) for k, v in prepared.items()}
         metrics.update({k: float(dist.to_host(v)) for k, v in pm.items()})
@@ -327,6 +329,12 @@ class PPOPhase:
         if state.ref_params is not None and every and (step + 1) % every == 0:
             state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
         t2 = time.perf_counter()
+        # Device work pending (see the GRPO phase): sampling, the rollout's own passes, the
+        # critic/GAE pass until its fetch, and the updates until their metrics' fetch.
+        since = self.rollout.pending_since if self.rollout.pending_since is not None \
+            else t_prepare
+        pending = metrics.get("time/sample", 0.0) + (t1 - since) + (t2 - t1)
+        metrics["time/host_frac"] = host_fraction(t2 - t0, pending)
         for key in updates[0]:
             values = [u[key] for u in updates]
             metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))
