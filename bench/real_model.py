@@ -200,10 +200,14 @@ def bench_sampler(model_dir: str, args) -> dict:
         assert out.shape == (b * g, longest + n)
 
     load = os.getloadavg()[0]
-    first, times = sampler_bench._interleaved_times(
-        {"rljax": lambda: run_jax(fine), "rljax_pow2_bucket": lambda: run_jax(pow2),
-         "transformers": run_hf}, args.runs)
+    fns = {"rljax": lambda: run_jax(fine), "rljax_pow2_bucket": lambda: run_jax(pow2),
+           "transformers": run_hf}
+    if "transformers" in args.skip:   # iterating on rljax: time only it (greedy check kept)
+        fns.pop("transformers")
+    cpu0 = time.process_time()
+    first, times = sampler_bench._interleaved_times(fns, args.runs)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med.setdefault("transformers", float("nan"))
     toks = b * g * n
     return {"prompts": b, "generations": g, "new_tokens": n, "runs": args.runs,
             "vocab": cfg.vocab_size, "params": cfg.num_params(),
@@ -214,7 +218,8 @@ def bench_sampler(model_dir: str, args) -> dict:
             "tok_s": {k: toks / v for k, v in med.items()},
             "speedup_vs_transformers": med["transformers"] / med["rljax"],
             "speedup_vs_transformers_pow2_bucket": med["transformers"] / med["rljax_pow2_bucket"],
-            "load_average_before": load, "load_average_after": os.getloadavg()[0]}
+            "load_average_before": load, "load_average_after": os.getloadavg()[0],
+            "process_cpu_s": time.process_time() - cpu0}
 
 
 # ----------------------------------------------------------------------------- main
@@ -229,7 +234,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3, help="GRPO timed iterations after warm-up")
     ap.add_argument("--sampler-prompts", type=int, default=8, help="sampler: B prompts")
     ap.add_argument("--runs", type=int, default=3, help="sampler: timed rounds")
-    ap.add_argument("--skip", default="", help="comma list of: grpo, sampler, trl, before")
+    ap.add_argument("--skip", default="", help="comma list of: grpo, sampler, trl, before, "
+                    "transformers (sampler: time rljax only)")
     ap.add_argument("--trl-python", default="/work/peers/trl/bin/python")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "real_model.json"))

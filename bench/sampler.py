@@ -66,12 +66,23 @@ def _prompts(rng: np.random.Generator, batch: int, max_len: int, vocab: int):
     return sampling.pad_to_bucket(rows, pad_id=0, buckets=(max_len,))
 
 
+# Shapes beyond the model presets: "base" is bench/grpo_step.py's 4L-128 llama (issue 13's toy
+# sampler row: --presets base --batch 32 --num-samples 1 --prompt-len 32 --threads 2).
+EXTRA_SHAPES = {"base": ("tiny", dict(num_layers=4, hidden_size=128, intermediate_size=384,
+                                      num_heads=4, num_kv_heads=2))}
+
+
+def preset_config(name: str):
+    preset, overrides = EXTRA_SHAPES.get(name, (name, {}))
+    return models.get_preset(preset, **overrides)
+
+
 def bench_preset(preset: str, batch: int, num_samples: int, prompt_len: int, new_tokens: int,
                  runs: int, seed: int = 0) -> dict:
     import torch
     import transformers
 
-    cfg0 = models.get_preset(preset)
+    cfg0 = preset_config(preset)
     hf_cfg = transformers.LlamaConfig(**models.config_to_hf(cfg0))
     torch.manual_seed(seed)
     hf_model = transformers.LlamaForCausalLM(hf_cfg).eval()

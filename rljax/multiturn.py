@@ -26,7 +26,9 @@ last token has no keys/values yet when the turn ends. Rather than one more model
 that token leads the next chunk (whose prefill computes it anyway), and the prompt's last token
 leads turn 0's chunk, so turn 0 runs the same program as every other turn.
 The price of the layout is attention over invalid slots (about ``O + N`` per turn); the cache
-is donated to each call, never copied.
+is donated to each call, never copied. It is kept per layer (``models.unstack_cache``: one
+[R, K, S, Dh] buffer per layer) and each turn reads per-layer weights, so the decode loop
+neither slices weights nor cache out of stacks at every step (see ``sampling.generate``).
 """
 from __future__ import annotations
 
@@ -40,9 +42,7 @@ import numpy as np
 
 from rljax import models
 from rljax import sharding as shd
-from rljax.sampling import _stop_ids, sample_logits
-
-_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
+from rljax.sampling import _constrain_cache, _stop_ids, sample_logits
 
 
 @flax.struct.dataclass(frozen=True)
@@ -98,8 +98,7 @@ def stop_sequences_of(tokenizer, texts: Sequence[str]) -> tuple[tuple[int, ...],
 
 def _constraints(mesh, rules):
     batch = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)  # noqa
-    cache = lambda c: {k: shd.constrain(v, _CACHE_AXES, mesh, rules) for k, v in c.items()}  # noqa
-    return batch, cache
+    return batch, functools.partial(_constrain_cache, mesh=mesh, rules=rules)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "num_samples", "mesh", "rules",
@@ -113,9 +112,11 @@ def _start(cfg, params, prompt_tokens, prompt_mask, *, layout, num_samples, mesh
     cache = constrain_cache(models.init_cache(cfg, b, layout.num_slots, dtype=cache_dtype))
     _, cache = models.trunk(cfg, params, tokens, attention_mask=slot_mask,
                             positions=models.default_positions(mask), cache=cache, cache_index=0)
-    # Prefill once per prompt; its G rows (prompt-major) share it.
+    # Prefill once per prompt; its G rows (prompt-major) share it. Per layer from here on.
+    cache = models.unstack_cache(cache)
     if num_samples > 1:
-        cache = {k: jnp.repeat(v, num_samples, axis=1) for k, v in cache.items()}
+        cache = {k: tuple(jnp.repeat(c, num_samples, axis=0) for c in v)
+                 for k, v in cache.items()}
     return constrain_cache(cache)
 
 
@@ -127,6 +128,7 @@ _STATIC = ("cfg", "layout", "temperature", "top_k", "top_p", "stop_ids", "stop_s
 def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget, rng, *, layout,
           temperature, top_k, top_p, stop_ids, stop_seqs, pad_id, mesh, rules):
     batch, constrain_cache = _constraints(mesh, rules)
+    params = models.unstack_layers(params)   # once per turn, not per decode step
     r, n = chunk.shape[0], layout.turn_len
     chunk, chunk_mask, slot_mask = batch(chunk), batch(chunk_mask), batch(slot_mask)
     active, budget = batch(active), batch(budget)
@@ -208,8 +210,8 @@ def start(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, *,
     Args:
       prompt_tokens: int32 [B, P] left-padded (P == ``layout.prompt_len`` >= 2); prompt_mask.
     Returns:
-      the cache ``{"k", "v": [L, B*G, Hkv, S, Dh]}`` (rows prompt-major); the valid slots are
-      ``first_chunk``'s ``slot_mask``.
+      the cache ``{"k", "v": tuple of L [B*G, Hkv, S, Dh]}`` (per layer, rows prompt-major;
+      ``models.stack_cache`` stacks it); the valid slots are ``first_chunk``'s ``slot_mask``.
     """
     if prompt_tokens.shape[1] != layout.prompt_len or layout.prompt_len < 2:
         raise ValueError(f"prompt bucket {prompt_tokens.shape[1]} != layout.prompt_len "

@@ -92,16 +92,18 @@ def pad_to_bucket(tokens: Any, mask: Any = None, *, pad_id: int,
 # ----------------------------------------------------------------------------- token sampling
 
 def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0,
-                  top_k: int = 0, top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                  top_k: int = 0, top_p: float = 1.0,
+                  noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
     Args:
-      rng: PRNG key.
+      rng: PRNG key (unused when ``noise`` is given).
       logits: float32 [B, V] (already masked where tokens are forbidden).
       temperature: 0 means greedy (argmax); otherwise logits are divided by it. May be a
         traced float32 scalar (a per-position schedule), which must then be > 0.
       top_k: keep the k largest logits (0 = off).
       top_p: keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
+      noise: ``draw_noise(rng, B, V)`` computed ahead (same tokens as passing ``rng``).
 
     Returns:
       ``(tokens int32 [B], logps float32 [B])``; logps are log softmax(logits / temperature) at
@@ -123,10 +125,13 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
         if top_p < 1.0:
             filtered = jnp.where(filtered < _top_p_threshold(filtered, top_p, top_k), neg,
                                  filtered)
+        if noise is None:
+            noise = draw_noise(rng, *logits.shape)
         if logits.shape[-1] >= INVERSE_CDF_MIN_VOCAB:
-            tokens = categorical_inverse_cdf(rng, filtered)
+            tokens = categorical_inverse_cdf(None, filtered, uniform=noise)
         else:   # small vocabularies: the Gumbel draw is cheap (and older seeds unchanged)
-            tokens = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+            # jax.random.categorical(rng, filtered) is exactly this argmax.
+            tokens = jnp.argmax(noise + filtered, axis=-1).astype(jnp.int32)
     logps = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, logps
 
@@ -134,10 +139,24 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
 # Vocabularies from this size on draw by inverse CDF instead of the Gumbel-max trick.
 INVERSE_CDF_MIN_VOCAB = 8192
 INVERSE_CDF_BLOCK = 256
+# generate draws all steps' noise before its decode loop up to this many float32s (64 MiB).
+NOISE_AHEAD_MAX_ELEMENTS = 1 << 24
 
 
-def categorical_inverse_cdf(rng: jax.Array, logits: jax.Array,
-                            block: int | None = None) -> jax.Array:
+def draw_noise(rng: jax.Array, batch: int, vocab: int) -> jax.Array:
+    """The randomness of one ``sample_logits`` draw over [batch, vocab] logits, exactly what it
+    draws from ``rng`` itself: float32 [batch, 1] uniforms in [0, 1) where the vocabulary uses
+    the inverse-CDF draw, else float32 [batch, vocab] Gumbel noise (``jax.random.categorical``'s).
+    Independent of the logits, so a decode loop draws every step's noise in one batched call
+    before the loop (``_generate``) instead of a small threefry loop per token."""
+    if vocab >= INVERSE_CDF_MIN_VOCAB:
+        return jax.random.uniform(rng, (batch, 1), jnp.float32)
+    return jax.random.gumbel(rng, (batch, vocab), jnp.float32)
+
+
+def categorical_inverse_cdf(rng: jax.Array | None, logits: jax.Array,
+                            block: int | None = None,
+                            uniform: jax.Array | None = None) -> jax.Array:
     """int32 [B]: one draw per row of softmax(logits [B, V]), by inverse CDF with one
     uniform per row, where ``jax.random.categorical`` (Gumbel-max) hashes B x V random
     numbers and takes two logs of each: on XLA:CPU at V = 49,152 that draw was nearly all of
@@ -149,6 +168,7 @@ def categorical_inverse_cdf(rng: jax.Array, logits: jax.Array,
     draw's default mode, so tokens with probability below ~1e-7 are not sampled exactly).
     Tokens with probability 0 (logits at float32 min, e.g. top-k/top-p filtered) are never
     drawn: where rounding overshoots the last sum, the last token with mass is taken.
+    ``uniform``: float32 [B, 1] in [0, 1) drawn ahead (``draw_noise``) instead of from ``rng``.
     """
     block = int(block or INVERSE_CDF_BLOCK)   # tokens per block (default 256)
     b, v = logits.shape
@@ -157,7 +177,9 @@ def categorical_inverse_cdf(rng: jax.Array, logits: jax.Array,
     probs = jnp.pad(probs, ((0, 0), (0, c * block - v))).reshape(b, c, block)
     mass = probs.sum(-1)                                               # [B, C]
     cum = jnp.cumsum(mass, axis=-1)
-    u = jax.random.uniform(rng, (b, 1), jnp.float32) * cum[:, -1:]   # in [0, total)
+    if uniform is None:
+        uniform = jax.random.uniform(rng, (b, 1), jnp.float32)
+    u = uniform * cum[:, -1:]   # in [0, total)
     j = jnp.minimum(jnp.sum(cum <= u, axis=-1), _last_positive(mass))   # block of the draw
     rest = u[:, 0] - jnp.take_along_axis(cum - mass, j[:, None], axis=1)[:, 0]
     inner = jnp.take_along_axis(probs, j[:, None, None], axis=1)[:, 0]   # [B, block]
@@ -252,6 +274,19 @@ def temperature_schedule(name: str, start: float, end: float, tokens: int,
 
 # ----------------------------------------------------------------------------- generate
 
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")   # init_cache layout
+
+
+def _constrain_cache(cache: dict, mesh, rules) -> dict:
+    """Sharding constraints on a KV cache, stacked ([L, B, K, S, Dh] leaves) or per layer
+    (tuples of [B, K, S, Dh], ``models.unstack_cache``). No-op without a mesh."""
+    def one(c):
+        if isinstance(c, tuple):
+            return tuple(shd.constrain(x, CACHE_AXES[1:], mesh, rules) for x in c)
+        return shd.constrain(c, CACHE_AXES, mesh, rules)
+    return {name: one(c) for name, c in cache.items()}
+
+
 def _stop_ids(eos_id, stop_ids) -> tuple[int, ...]:
     ids = []
     for x in (eos_id, stop_ids):
@@ -329,6 +364,20 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         temperatures=temperatures)
 
 
+def _noise_ahead(rng: jax.Array, n: int, rows: int, vocab: int, greedy: bool):
+    """float32 [n, rows, W] = ``draw_noise(fold_in(rng, t), rows, vocab)`` for t < n (W = 1 or
+    vocab), or None when greedy or larger than ``NOISE_AHEAD_MAX_ELEMENTS``.
+
+    Token t's randomness comes from fold_in(rng, t) either way; drawn for all tokens in one
+    batched call before the decode loop, the numbers (and so the tokens) are the same as drawn
+    step by step, without a small threefry loop (and its fold_in) in every step, which was a
+    fifth of a decode step at a small model."""
+    width = 1 if vocab >= INVERSE_CDF_MIN_VOCAB else vocab
+    if greedy or n * rows * width > NOISE_AHEAD_MAX_ELEMENTS:
+        return None
+    return jax.vmap(lambda t: draw_noise(jax.random.fold_in(rng, t), rows, vocab))(jnp.arange(n))
+
+
 _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids", "pad_id",
            "num_samples", "min_new_tokens", "mesh", "rules", "cache_dtype")
 
@@ -342,8 +391,7 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     bg = b * g
     s = p + n  # cache slots: the prompt bucket plus the completion, nothing more
     batch = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)
-    cache_axes = ("layers", "batch", "kv_heads", "length", "head_dim")  # init_cache layout
-    constrain_cache = lambda c: {k: shd.constrain(v, cache_axes, mesh, rules) for k, v in c.items()}
+    constrain_cache = functools.partial(_constrain_cache, mesh=mesh, rules=rules)
     stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
 
     def is_stop(tok):
@@ -351,15 +399,21 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
             return jnp.zeros(tok.shape, bool)
         return jnp.any(tok[:, None] == stop[None, :], axis=-1)
 
-    def pick(key, logits, t):
+    noise = _noise_ahead(rng, n, bg, cfg.vocab_size,
+                         greedy=temperatures is None and temperature == 0.0)
+
+    def pick(logits, t):
         # Stop ids are forbidden until min_new_tokens tokens exist; logps stay unfiltered.
         # A schedule gives token t its own temperature (a traced scalar, always > 0).
         temp = temperature if temperatures is None else temperatures[t]
+        draw = dict(temperature=temp, top_k=top_k, top_p=top_p,
+                    noise=None if noise is None else noise[t])
+        key = jax.random.fold_in(rng, t)   # unused (and not computed) when noise is given
         if stop is None or min_new_tokens == 0:
-            return sample_logits(key, logits, temperature=temp, top_k=top_k, top_p=top_p)
+            return sample_logits(key, logits, **draw)
         forbid = jnp.zeros(logits.shape[-1], bool).at[stop].set(True) & (t < min_new_tokens)
         masked = jnp.where(forbid[None, :], jnp.finfo(jnp.float32).min, logits)
-        tok, _ = sample_logits(key, masked, temperature=temp, top_k=top_k, top_p=top_p)
+        tok, _ = sample_logits(key, masked, **draw)
         logp_all = jax.nn.log_softmax(logits / (temp if temperatures is not None
                                                 else temperature or 1.0), axis=-1)
         return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
@@ -375,12 +429,16 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     # Left padding: every prompt's last token sits in slot P-1.
     logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
 
-    # ---- fan out to G rows per prompt (prompt-major), sharing the prefill.
+    # ---- fan out to G rows per prompt (prompt-major), sharing the prefill. The decode loop
+    # reads per-layer weights and cache buffers (see models.unstack_layers / unstack_cache):
+    # sliced out of the stacks once here, not at every step.
     fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis) if g > 1 else x
-    cache = constrain_cache({k: fan(v, axis=1) for k, v in cache.items()})
+    cache = constrain_cache({k: tuple(fan(c) for c in v)
+                             for k, v in models.unstack_cache(cache).items()})
+    params = models.unstack_layers(params)
     logits, prompt_mask, prompt_len = batch(fan(logits)), batch(fan(prompt_mask)), fan(prompt_len)
 
-    tok, logp = pick(jax.random.fold_in(rng, 0), logits, 0)
+    tok, logp = pick(logits, 0)
     tokens = jnp.full((bg, n), pad_id, jnp.int32).at[:, 0].set(tok)
     logps = jnp.zeros((bg, n), jnp.float32).at[:, 0].set(logp)
     done = is_stop(tok)
@@ -400,7 +458,7 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
                                      cache_index=p + t - 1)
         cache = constrain_cache(cache)
         logits = models.logits_from_hidden(cfg, params, hidden[:, 0])
-        tok, logp = pick(jax.random.fold_in(rng, t), logits, t)
+        tok, logp = pick(logits, t)
         tok = jnp.where(done, pad_id, tok)
         logp = jnp.where(done, 0.0, logp)
         lengths = lengths + (~done).astype(jnp.int32)

@@ -207,6 +207,40 @@ def test_kv_cache_decoding_matches_full_forward(family, loaded):
     assert diff <= 1e-4
 
 
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_unstacked_cache_decoding_matches_stacked(with_lora):
+    """The decode loops' path (per-layer weights and cache buffers, layers unrolled) computes
+    what the layer scan over the stacked weights and cache does, LoRA adapters included."""
+    cfg = models.get_preset("tiny", num_layers=3, init_std=0.1)
+    params = models.init_params(cfg, jax.random.key(0))
+    if with_lora:
+        lora = models.lora.init_lora(cfg, 4, "q,v,down", jax.random.key(1))
+        lora = jax.tree.map(lambda x: x + 0.05, lora)   # B != 0: the adapters change outputs
+        params = dict(params, lora=lora)
+    prompt, pmask = _batch()
+    s = T + 3
+    mask = jnp.asarray(np.concatenate([pmask, np.ones((B, 3), bool)], axis=1))
+    pos = models.default_positions(mask)
+    step = jax.jit(models.trunk, static_argnums=0)
+    _, stacked = step(cfg, params, jnp.asarray(prompt), mask, pos[:, :T],
+                      models.init_cache(cfg, B, s), 0)
+    per_layer = models.unstack_cache(stacked)
+    assert len(per_layer["k"]) == cfg.num_layers
+    assert per_layer["k"][0].shape == (B, cfg.num_kv_heads, s, cfg.head_dim)
+    np.testing.assert_array_equal(models.stack_cache(per_layer)["v"], stacked["v"])
+    unstacked = models.unstack_layers(params)
+    assert isinstance(unstacked["layers"], tuple) and len(unstacked["layers"]) == cfg.num_layers
+    assert models.unstack_layers(unstacked)["layers"] is unstacked["layers"]
+    new = jnp.asarray(np.arange(1, B + 1, dtype=np.int32)[:, None])
+    for t in range(T, s):   # one token at a time, as the decode loop feeds them
+        h_ref, stacked = step(cfg, params, new, mask, pos[:, t:t + 1], stacked, t)
+        h, per_layer = step(cfg, unstacked, new, mask, pos[:, t:t + 1], per_layer, t)
+        np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)
+        new = (new * 7 + t) % cfg.vocab_size
+    np.testing.assert_allclose(models.stack_cache(per_layer)["k"], stacked["k"], rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_token_logps_and_entropy(loaded):
     cfg, params = loaded["qwen2"]
     tokens, mask = _batch()

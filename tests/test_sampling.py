@@ -357,3 +357,94 @@ def test_out_of_range_prompt_ids():
     padded = prompt.copy()
     padded[~pmask] = -1
     sampling.generate(cfg, params, padded, pmask, rng=jax.random.key(0), max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- decode loop cost
+
+def _fresh_generate():
+    """A separate jit of ``_generate``: module constants are read when it traces."""
+    return jax.jit(sampling._generate.__wrapped__, static_argnames=sampling._STATIC)
+
+
+@pytest.mark.parametrize("draw", ["gumbel", "inverse_cdf"])
+def test_noise_drawn_ahead_gives_the_per_step_tokens(draw, monkeypatch):
+    """generate draws every step's noise before the loop (NOISE_AHEAD_MAX_ELEMENTS): the same
+    numbers as drawing fold_in(rng, t) inside each step, so the same tokens and logps."""
+    if draw == "inverse_cdf":
+        monkeypatch.setattr(sampling, "INVERSE_CDF_MIN_VOCAB", 8)
+    cfg = _cfg(vocab_size=32)
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts(rows=[[1, 2, 3], [4, 5], [6, 7, 8, 9]])
+    kw = dict(max_new_tokens=9, temperature=1.0, top_k=0, top_p=0.9, stop_ids=(1,), pad_id=0,
+              num_samples=2, min_new_tokens=2, mesh=None, rules=(), cache_dtype=None)
+    args = (cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jax.random.key(3))
+    ahead = _fresh_generate()(*args, **kw)
+    monkeypatch.setattr(sampling, "NOISE_AHEAD_MAX_ELEMENTS", 0)
+    per_step = _fresh_generate()(*args, **kw)
+    np.testing.assert_array_equal(ahead.tokens, per_step.tokens)
+    np.testing.assert_array_equal(ahead.logps, per_step.logps)
+    assert len(set(np.asarray(ahead.tokens).ravel().tolist())) > 3   # really sampled
+
+
+def test_sample_logits_noise_is_the_categorical_draw():
+    """The Gumbel path is jax.random.categorical's draw, noise passed in or drawn from rng."""
+    logits = jax.random.normal(jax.random.key(1), (16, 50)) * 2.0
+    for seed in range(3):
+        key = jax.random.key(seed)
+        want = jax.random.categorical(key, logits, axis=-1)
+        got, _ = sampling.sample_logits(key, logits)
+        ahead, _ = sampling.sample_logits(None, logits, noise=sampling.draw_noise(key, 16, 50))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(ahead, want)
+
+
+def _while_bodies(hlo_text):
+    """{computation name: instruction lines} of every computation used as a while body."""
+    import re
+    comps, cur = {}, None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            cur = line.split(" ")[0].lstrip("%")
+            comps[cur] = []
+        elif cur is not None and line.startswith("  "):
+            comps[cur].append(line)
+    bodies = {m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", hlo_text)}
+    return {name: comps[name] for name in bodies if name in comps}
+
+
+def test_decode_loop_reads_layer_weights_and_cache_in_place():
+    # Regression: with the layers scanned inside the decode loop, XLA:CPU copied every layer's
+    # weight matrices and its [B, K, S, Dh] cache slices out of the stacks at every step (at
+    # SmolLM2-135M: ~750 MB copied per token). Unstacked before the loop, no while body produces
+    # an array of a layer weight's shape, and the cache slices only as in-place updates.
+    cfg = _cfg(num_layers=3, hidden_size=48, intermediate_size=80, num_heads=4, num_kv_heads=2,
+               head_dim=16)
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    b, p, n, g = prompt.shape[0], prompt.shape[1], 13, 2
+    hlo = sampling._generate.lower(
+        cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jax.random.key(0),
+        max_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(), pad_id=0,
+        num_samples=g, min_new_tokens=0, mesh=None, rules=(), cache_dtype=None
+    ).compile().as_text()
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    weights = {(d, f), (f, d), (d, cfg.num_heads * dh), (cfg.num_heads * dh, d),
+               (d, cfg.num_kv_heads * dh), (d, cfg.num_heads, dh), (cfg.num_heads, dh, d),
+               (d, cfg.num_kv_heads, dh)}
+    cache_slice = (b * g, cfg.num_kv_heads, p + n, dh)
+    # The decode loop (and, before, its nested layer scan): the while bodies that run [B*G, D]
+    # activations (the prefill's layer scan runs B*P rows).
+    rows = (f"f32[{b * g},{d}]", f"f32[{b * g},1,{d}]")
+    bodies = {name: lines for name, lines in _while_bodies(hlo).items()
+              if any(r in line for line in lines for r in rows)}
+    assert bodies
+    import re
+    for name, lines in bodies.items():
+        for line in lines:
+            m = re.match(r"\s+(?:ROOT )?%\S+ = f32\[([0-9,]*)\]\S* (\S+?)\(", line)
+            if not m or m.group(2) in ("parameter", "get-tuple-element", "bitcast"):
+                continue
+            shape = tuple(int(x) for x in m.group(1).split(",") if x)
+            assert shape not in weights, (name, line.strip()[:160])
+            if shape == cache_slice:
+                assert "dynamic-update-slice" in line, (name, line.strip()[:160])

@@ -313,6 +313,45 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> d
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
+def unstack_layers(params: dict) -> dict:
+    """``params`` with ``"layers"`` (and LoRA's ``"lora"/"layers"``) as a tuple of L per-layer
+    dicts (leaves without the leading ``layers`` axis); other entries shared, not copied.
+
+    For decode loops: inside a ``while_loop``, a layer scan over stacked weights slices each
+    layer's matrices out of the stack at every step, and XLA:CPU materialises every slice (a
+    copy of all layer weights per generated token). Unstacked once before the loop, the
+    per-layer arrays are loop invariants the matmuls read in place (``trunk`` then unrolls
+    the layers). An already unstacked tree is returned as is.
+    """
+    def split(tree):
+        if isinstance(tree, (tuple, list)):
+            return tuple(tree)
+        return tuple(jax.tree.map(lambda w, i=i: w[i], tree) for i in range(_num_layers(tree)))
+
+    out = dict(params, layers=split(params["layers"]))
+    if "lora" in params:
+        out["lora"] = dict(params["lora"], layers=split(params["lora"]["layers"]))
+    return out
+
+
+def _num_layers(stacked: dict) -> int:
+    return int(jax.tree.leaves(stacked)[0].shape[0])
+
+
+def unstack_cache(cache: dict) -> dict:
+    """``{"k", "v": [L, B, K, S, Dh]}`` -> ``{"k", "v": tuple of L [B, K, S, Dh]}``: one buffer
+    per layer, so a decode step writes each layer's new slots in place and its attention reads
+    the layer's keys/values without slicing them out of the stack (a copy of the whole cache
+    per step on XLA:CPU). ``trunk`` accepts either form; ``stack_cache`` inverts this."""
+    return {name: tuple(c[i] for i in range(c.shape[0])) if not isinstance(c, tuple) else c
+            for name, c in cache.items()}
+
+
+def stack_cache(cache: dict) -> dict:
+    """Inverse of ``unstack_cache`` (a stacked cache is returned as is)."""
+    return {name: jnp.stack(c) if isinstance(c, tuple) else c for name, c in cache.items()}
+
+
 def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
           positions=None, cache: Optional[dict] = None, cache_index=None,
           lora_dropout_rng: Optional[jax.Array] = None):
@@ -323,7 +362,9 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
     With a cache (from ``init_cache``), the new keys/values are written to slots
     ``[cache_index, cache_index + T)``; ``attention_mask`` is bool [B, S] over the whole cache
     (None = every slot below ``cache_index + T`` is valid) and ``positions`` int [B, T] must be
-    given. A query in slot s attends to valid slots <= s.
+    given. A query in slot s attends to valid slots <= s. With a per-layer cache
+    (``unstack_cache``) the layers are unrolled instead of scanned, reading per-layer weights
+    when ``params`` is unstacked (``unstack_layers``): the decode loops' fast path.
 
     ``lora_dropout_rng``: a key for LoRA dropout (``cfg.lora_dropout`` on the adapters'
     inputs; layer ``i``, projection ``name`` use ``lora.dropout_key(lora_dropout_rng, i,
@@ -345,7 +386,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             raise ValueError("trunk: `positions` must be given when decoding with a cache")
         if cache_index is None:
             raise ValueError("trunk: `cache_index` must be given with a cache")
-        s = cache["k"].shape[3]
+        s = cache["k"][0].shape[2] if isinstance(cache["k"], tuple) else cache["k"].shape[3]
         cache_index = jnp.asarray(cache_index, jnp.int32)
         slots = jnp.arange(s)
         q_slots = cache_index + jnp.arange(t)
@@ -364,18 +405,10 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         q, k, v = _qkv(cfg, p, h, positions, lp, drop)
         if kv_cache is not None:
-            ck, cv = kv_cache
-            zero = jnp.zeros((), jnp.int32)
-            start = (i, zero, zero, cache_index, zero)
-            # [B, T, K, Dh] -> [1, B, K, T, Dh]: only the T new slots are written, in place.
-            new_k = k.astype(ck.dtype).swapaxes(1, 2)[None]
-            new_v = v.astype(cv.dtype).swapaxes(1, 2)[None]
-            ck = jax.lax.dynamic_update_slice(ck, new_k, start)
-            cv = jax.lax.dynamic_update_slice(cv, new_v, start)
-            k = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(q.dtype)
-            v = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(q.dtype)
+            ck, k = _write_kv(kv_cache[0], k, i, cache_index)
+            cv, v = _write_kv(kv_cache[1], v, i, cache_index)
             kv_cache = (ck, cv)
-            attn = attention(q, k, v, mask, kv_layout="bksd")
+            attn = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, kv_layout="bksd")
         else:
             attn = attention(q, k, v, mask, impl=cfg.attention_impl)
         x = x + _proj(cfg, p, lp, "o", attn, n_in=2, drop=drop)
@@ -403,6 +436,14 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             return layer(x, xs[0], None, xs[1], xs[2])[0], None
 
         x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers))
+    elif isinstance(cache["k"], tuple):
+        # Per-layer caches: the layers unrolled, each reading its own weights and cache buffer.
+        layers = unstack_layers(params)
+        lora_list = layers["lora"]["layers"] if "lora" in layers else (None,) * len(idx)
+        ks, vs = list(cache["k"]), list(cache["v"])
+        for i, (p, lp) in enumerate(zip(layers["layers"], lora_list)):
+            x, (ks[i], vs[i]) = layer(x, p, (ks[i], vs[i]), idx[i], lp)
+        cache = {"k": tuple(ks), "v": tuple(vs)}
     else:
         # The whole cache is carried (not scanned over) so each layer updates it in place.
         def body(carry, xs):
@@ -415,6 +456,20 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         cache = {"k": ck, "v": cv}
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return x, cache
+
+
+def _write_kv(cache: jax.Array, new: jax.Array, layer, cache_index) -> tuple:
+    """Writes ``new`` [B, T, K, Dh] into slots ``[cache_index, cache_index + T)`` of one layer's
+    cache, in place: ``cache`` is that layer's [B, K, S, Dh] buffer, or the stacked
+    [L, B, K, S, Dh] cache with ``layer`` its index. Returns ``(cache, this layer's keys or
+    values [B, K, S, Dh])``."""
+    new = new.astype(cache.dtype).swapaxes(1, 2)   # [B, K, T, Dh]: only T slots are written
+    zero = jnp.zeros((), jnp.int32)
+    if cache.ndim == 4:
+        cache = jax.lax.dynamic_update_slice(cache, new, (zero, zero, cache_index, zero))
+        return cache, cache
+    cache = jax.lax.dynamic_update_slice(cache, new[None], (layer, zero, zero, cache_index, zero))
+    return cache, jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
 
 
 def logits_from_hidden(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
