@@ -165,7 +165,10 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
 
     ``batch["temperatures"]`` f32 [B, N], when present (a sampler temperature schedule,
     ``rollout.temperature_schedule``), scores each completion token at the temperature it was
-    sampled at, instead of the scalar ``temperature``."""
+    sampled at, instead of the scalar ``temperature``.
+
+    Only the completion columns are scored (``token_logps(first_scored=P)``): the LM head
+    never runs over the prompt, whose log-probs no loss reads."""
     n = batch["loss_mask"].shape[1]
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
@@ -174,7 +177,8 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     logps, ent = models.token_logps(model_cfg, params, batch["tokens"],
                                     attention_mask=batch["mask"], temperature=temperature,
                                     with_entropy=with_entropy,
-                                    lora_dropout_rng=lora_dropout_rng)
+                                    lora_dropout_rng=lora_dropout_rng,
+                                    first_scored=batch["tokens"].shape[1] - n)
     return logps[:, -n:], (None if ent is None else ent[:, -n:])
 
 
