@@ -39,6 +39,10 @@ LossFn = Callable[[Any, TrainState, Mapping[str, jax.Array]], tuple]
 # ``accumulate`` hands each loss its micro-batch's index under this key (int32 scalar; absent =
 # 0), so a loss can key per-micro-batch randomness (LoRA dropout, ``training_dropout_rng``).
 MICRO_INDEX = "micro_index"
+# The full completion width N when a micro-batch's completion columns were trimmed
+# (``length_groups``): the constant normaliser of ``seq-mean-token-sum-norm`` (a Python int
+# added inside the step; absent = the micro-batch's own width).
+COMPLETION_SLOTS = "completion_slots"
 LORA_DROPOUT_STREAM = 6  # rng stream of LoRA dropout: fold_in(state.rng, 6), then step, micro
 
 
@@ -76,6 +80,31 @@ def split_micro_batches(batch: Mapping[str, jax.Array], num_micro: int) -> dict:
     return {k: split(v) for k, v in batch.items()}
 
 
+def micro_grads(loss_fn: LossFn, state: TrainState, mb: Mapping[str, jax.Array], index=0):
+    """One micro-batch: ``(grads of the numerator, numerator, weight, metric pairs)``.
+
+    Gradients w.r.t. the trainable part only: with LoRA the frozen base is closed over (no
+    base gradients, no optimizer state for it). ``index`` (int32 scalar) is the micro-batch's
+    number, handed to the loss as ``mb[MICRO_INDEX]`` (it keys LoRA dropout)."""
+    mb = {**mb, MICRO_INDEX: jnp.asarray(index, jnp.int32)}
+
+    def numerator(t):
+        (num, den), metrics = loss_fn(lora_lib.with_trainable(state.params, t), state, mb)
+        return num, (den, metrics)
+    (num, (den, metrics)), grads = jax.value_and_grad(numerator, has_aux=True)(
+        lora_lib.trainable(state.params))
+    return grads, num, den, metrics
+
+
+def add_micro(total: tuple, out: tuple) -> tuple:
+    """Adds one ``micro_grads`` output to a running total of the same structure (metric pairs
+    named ``*_max`` combine by maximum)."""
+    summed = jax.tree.map(jnp.add, total[:3], out[:3])
+    metrics = {k: (_combine_max(total[3][k], v) if k.endswith("_max")
+                   else jax.tree.map(jnp.add, total[3][k], v)) for k, v in out[3].items()}
+    return (*summed, metrics)
+
+
 def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array],
                num_micro: int = 1):
     """Gradients of the summed numerators, summed weights and summed metric pairs.
@@ -84,18 +113,7 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     ``weighted_sum / weight`` and its gradient ``grads_sum / weight``. Metric pairs named
     ``*_max`` are ``(max, 1)`` and combine by maximum instead.
     """
-    def one(mb, index=0):
-        mb = {**mb, MICRO_INDEX: jnp.asarray(index, jnp.int32)}  # keys LoRA dropout
-
-        # Gradients w.r.t. the trainable part only: with LoRA the frozen base is closed over
-        # (no base gradients, no optimizer state for it).
-        def numerator(t):
-            (num, den), metrics = loss_fn(lora_lib.with_trainable(state.params, t), state, mb)
-            return num, (den, metrics)
-        (num, (den, metrics)), grads = jax.value_and_grad(numerator, has_aux=True)(
-            lora_lib.trainable(state.params))
-        return grads, num, den, metrics
-
+    one = functools.partial(micro_grads, loss_fn, state)
     if num_micro == 1:
         return one(batch)
     micro = split_micro_batches(batch, num_micro)
@@ -103,11 +121,7 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(one, first))
 
     def body(carry, xs):
-        out = one(*xs)
-        summed = jax.tree.map(jnp.add, carry[:3], out[:3])
-        metrics = {k: (_combine_max(carry[3][k], v) if k.endswith("_max")
-                       else jax.tree.map(jnp.add, carry[3][k], v)) for k, v in out[3].items()}
-        return (*summed, metrics), None
+        return add_micro(carry, one(*xs)), None
 
     total, _ = jax.lax.scan(body, zeros, (micro, jnp.arange(num_micro, dtype=jnp.int32)))
     return total
@@ -126,7 +140,13 @@ def finalize_metrics(metric_sums: Mapping[str, tuple]) -> dict:
 def update(optimizer, loss_fn: LossFn, state: TrainState, batch, num_micro: int = 1):
     """One exact optimizer update (pure). Non-finite loss/grads leave params and optimizer
     state untouched and report ``skipped=1``. Returns ``(new_state, metrics)``."""
-    grads, num, den, metric_sums = accumulate(loss_fn, state, batch, num_micro)
+    return apply_accumulated(optimizer, state, accumulate(loss_fn, state, batch, num_micro))
+
+
+def apply_accumulated(optimizer, state: TrainState, total: tuple):
+    """The optimizer step from accumulated ``(grads_sum, weighted_sum, weight, metric_sums)``
+    (``accumulate``): divides once by the total weight. Returns ``(new_state, metrics)``."""
+    grads, num, den, metric_sums = total
     grads = jax.tree.map(lambda g: algorithms.safe_divide(g, den), grads)
     loss = algorithms.safe_divide(num, den)
     res = apply_if_finite(optimizer, lora_lib.trainable(state.params), state.opt_state, grads,
@@ -256,7 +276,7 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     total = algorithms.combine_token_losses(pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta),
                                             entropy_tokens=ent,
                                             entropy_coef=float(algo_cfg.entropy_coef))
-    n = m.shape[1]
+    n = batch.get(COMPLETION_SLOTS, m.shape[1])
     metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
     metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
     return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
@@ -282,12 +302,20 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
 
 
 def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
-                    num_micro: int = 1, state_shardings=None, mesh=None) -> Callable:
+                    num_micro: int = 1, state_shardings=None, mesh=None,
+                    group_by_length: bool = False) -> Callable:
     """Jitted ``grpo_step(state, batch) -> (state, metrics)``; see ``grpo_loss`` for the
     batch. Metrics: loss, pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0),
-    entropy, tis_weight (tis_cap), grad_norm, skipped."""
+    entropy, tis_weight (tis_cap), grad_norm, skipped.
+
+    ``group_by_length``: a ``length_groups.GroupedUpdate`` instead (host batch in; micro-batches
+    of rows of similar length, trimmed to their real columns; the same update up to float32
+    summation order; adds ``update/token_efficiency``)."""
     temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
     loss_fn = functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
+    if group_by_length:
+        from rljax.train.length_groups import GroupedUpdate   # (it imports this module)
+        return GroupedUpdate(optimizer, loss_fn, num_micro, state_shardings, mesh)
 
     def grpo_step(state, batch):
         return update(optimizer, loss_fn, state, batch, num_micro)

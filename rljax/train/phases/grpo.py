@@ -75,7 +75,8 @@ class GRPOPhase:
             self._step_fn = build_grpo_step(
                 self.ctx.model_cfg, cfg.algo, self.optimizer,
                 temperature=cfg.rollout.temperature, num_micro=self.num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh,
+                group_by_length=cfg.algo.group_by_length)
         return self._step_fn
 
     def iteration(self, state, step: int):
@@ -87,7 +88,12 @@ class GRPOPhase:
         for _ in range(self.ctx.cfg.algo.num_iterations):
             for start in range(0, self.batch_size, self.mini):
                 mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
-                state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))
+                if self.ctx.cfg.algo.group_by_length:   # regroups the host rows itself
+                    state, m = step_fn(state, mb)
+                else:
+                    state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))
+                    # Real tokens / positions the update computes (grouped: its own figure).
+                    m = dict(m, **{"update/token_efficiency": float(np.mean(mb["mask"]))})
                 updates.append(m)
         if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
             state, relift_metrics = self.relift.maybe_step(state, step, self.optimizer)
