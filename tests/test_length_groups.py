@@ -125,3 +125,17 @@ def test_grouped_training_run_resumes_exactly(tmp_path):
     assert all(0 < r["update/token_efficiency"] <= 1 for r in records if "loss" in r)
     assert comparable(read_metrics(split)) == comparable(records)
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
+def test_grouped_logps_equal_the_padded_pass():
+    """Old/reference log-prob pass over trimmed micro-batches: the same [R, N] log-probs, 0
+    outside the mask (host array, original row order)."""
+    batch = ragged_batch(3)
+    batch["temperatures"] = np.full((B, N), 0.7, np.float32)
+    state, _ = fresh_state()
+    want = np.asarray(steps.build_logps_fn(MODEL, num_micro=2)(state.params, batch))
+    got = steps.build_logps_fn(MODEL, num_micro=2, group_by_length=True)(state.params, batch)
+    assert isinstance(got, np.ndarray) and got.shape == (B, N)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[~batch["loss_mask"]], 0.0)
+    assert np.abs(got[batch["loss_mask"]]).min() > 0

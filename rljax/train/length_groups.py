@@ -172,3 +172,28 @@ class GroupedUpdate:
         state, metrics = self._apply(state, total)
         metrics["update/token_efficiency"] = token_efficiency(batch["mask"], micro_batches)
         return state, metrics
+
+
+class GroupedLogps:
+    """``fn(params, batch) -> float32 [R, N]`` (numpy): the completion log-probs of the
+    old/reference passes (``steps.build_logps_fn``) over ``num_micro`` length-grouped
+    micro-batches, ``logps_fn`` (jitted, one micro-batch) run once per micro-batch, all
+    dispatched before any is fetched. Columns past a micro-batch's trimmed completion width
+    hold no real token of its rows: 0, as the full computation gives."""
+
+    def __init__(self, logps_fn, num_micro: int = 1, mesh=None):
+        self.logps_fn, self.num_micro, self.mesh = logps_fn, int(num_micro), mesh
+
+    def __call__(self, params, batch: dict) -> np.ndarray:
+        batch = {k: dist.to_host(batch[k]) for k in steps.LOGPS_KEYS if k in batch}
+        rows, n = batch["loss_mask"].shape
+        if rows % self.num_micro:
+            raise ValueError(f"batch of {rows} is not divisible into {self.num_micro} "
+                             "micro-batches")
+        micro_batches = plan(batch["mask"], n, rows // self.num_micro)
+        outs = [self.logps_fn(params, dist.device_batch(take(batch, mb, n), self.mesh))
+                for mb in micro_batches]
+        logps = np.zeros((rows, n), np.float32)
+        for mb, out in zip(micro_batches, outs):
+            logps[mb.rows, :mb.completion_cols] = dist.to_host(out)
+        return logps

@@ -179,15 +179,13 @@ class Rollout:
         self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
-        self.logps_fn = build_logps_fn(
-            ctx.model_cfg, temperature=cfg.rollout.temperature,
-            num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
-            param_shardings=ctx.param_shardings)
+        logps_opts = dict(temperature=cfg.rollout.temperature,
+                          num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
+                          param_shardings=ctx.param_shardings,
+                          group_by_length=bool(cfg.algo.group_by_length))
+        self.logps_fn = build_logps_fn(ctx.model_cfg, **logps_opts)
         # With LoRA the reference policy is the base model: the same arrays, adapters off.
-        self.base_logps_fn = build_logps_fn(
-            ctx.model_cfg, temperature=cfg.rollout.temperature,
-            num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
-            param_shardings=ctx.param_shardings, base_only=True)
+        self.base_logps_fn = build_logps_fn(ctx.model_cfg, base_only=True, **logps_opts)
         a = cfg.algo
         self.needs_ref = a.beta > 0
         # Host-side group statistics as one jitted program each (run eagerly, every jnp op of

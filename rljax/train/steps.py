@@ -322,31 +322,41 @@ def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
     return jit_step(grpo_step, state_shardings, mesh)
 
 
+LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures")   # what the log-prob passes read
+
+
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,
-                   param_shardings=None, base_only: bool = False) -> Callable:
+                   param_shardings=None, base_only: bool = False,
+                   group_by_length: bool = False) -> Callable:
     """Jitted ``fn(params, batch) -> logps f32 [B, N]`` over the completion (old / reference
     log-probs; at ``batch["temperatures"]`` when present), computed ``num_micro`` row-chunks at
     a time to bound memory. ``base_only``:
-    the LoRA adapters are switched off (the base model is the reference policy)."""
+    the LoRA adapters are switched off (the base model is the reference policy).
+    ``group_by_length``: the chunks are length-grouped micro-batches trimmed to their real
+    columns (``length_groups.GroupedLogps``; returns a host array)."""
     temperature = float(temperature) or 1.0
 
-    def logps_fn(params, batch):
+    def logps_fn(params, batch, chunks: int = num_micro):
         if base_only:
             params = lora_lib.base_params(params)
-        batch = {k: batch[k] for k in ("tokens", "mask", "loss_mask", "temperatures")
-                 if k in batch}
-        if num_micro == 1:
+        batch = {k: batch[k] for k in LOGPS_KEYS if k in batch}
+        if chunks == 1:
             return completion_logps(model_cfg, params, batch, temperature=temperature)[0]
-        micro = split_micro_batches(batch, num_micro)
+        micro = split_micro_batches(batch, chunks)
         out = jax.lax.map(lambda mb: completion_logps(model_cfg, params, mb,
                                                       temperature=temperature)[0], micro)
         b = batch["tokens"].shape[0]
         return jnp.swapaxes(out, 0, 1).reshape(b, -1)  # undo the strided split
 
+    if group_by_length:
+        from rljax.train.length_groups import GroupedLogps   # (it imports this module)
+        logps_fn, chunks = functools.partial(logps_fn, chunks=1), num_micro
     if mesh is None:
-        return jax.jit(logps_fn)
-    return jax.jit(logps_fn, in_shardings=(param_shardings, batch_sharding(mesh)),
-                   out_shardings=batch_sharding(mesh))
+        fn = jax.jit(logps_fn)
+    else:
+        fn = jax.jit(logps_fn, in_shardings=(param_shardings, batch_sharding(mesh)),
+                     out_shardings=batch_sharding(mesh))
+    return GroupedLogps(fn, chunks, mesh) if group_by_length else fn
 
 
 def to_host(metrics: Mapping[str, Any]) -> dict:
