@@ -64,7 +64,7 @@ def test_grouped_update_equals_scanned_update():
     state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
     ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
     state, _ = fresh_state(lr=1.0, name="sgd", with_ref=True)
-    step = steps.build_grpo_step(MODEL, algo, opt, num_micro=2, group_by_length=True)
+    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)
     new_state, m = step(state, batch)
     assert 0 < m.pop("update/token_efficiency") <= 1
     assert set(m) == set(ref_m)
@@ -90,8 +90,8 @@ def test_grouped_update_sharded_matches_unsharded():
     state, opt = fresh_state(lr=1.0, name="sgd")
     sshard = state_shardings(eval_state_shape(state.params, opt, state.rng), pshard)
     state = jax.device_put(state, sshard)
-    step = steps.build_grpo_step(MODEL, algo, opt, num_micro=2, state_shardings=sshard,
-                                 mesh=mesh, group_by_length=True)
+    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2,
+                                         state_shardings=sshard, mesh=mesh)
     new_state, m = step(state, batch)
     assert new_state.params["embed"].sharding == sshard.params["embed"]
     np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5, atol=1e-7)
@@ -134,7 +134,7 @@ def test_grouped_logps_equal_the_padded_pass():
     batch["temperatures"] = np.full((B, N), 0.7, np.float32)
     state, _ = fresh_state()
     want = np.asarray(steps.build_logps_fn(MODEL, num_micro=2)(state.params, batch))
-    got = steps.build_logps_fn(MODEL, num_micro=2, group_by_length=True)(state.params, batch)
+    got = length_groups.build_logps_fn(MODEL, num_micro=2)(state.params, batch)
     assert isinstance(got, np.ndarray) and got.shape == (B, N)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got[~batch["loss_mask"]], 0.0)

@@ -6,7 +6,7 @@ micro-batch of the update then computes all P+N positions of its rows, however s
 
 ``plan`` sorts the rows by real length on the host (stable: deterministic) and cuts them into
 micro-batches of similar rows; each keeps only the columns that hold a real token of one of its
-rows, rounded out to a bucket (``rollout.prompt_buckets`` of P for the prompt side, of N for the
+rows, rounded out to a bucket (``buckets.prompt_buckets`` of P for the prompt side, of N for the
 completion side), so the number of shapes -- compiled programs -- stays bounded (at most
 ``len(prompt_buckets(P)) * len(prompt_buckets(N))``, each compiled once and kept in the
 persistent compilation cache).
@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib
 from rljax.train import steps
-from rljax.train.rollout import prompt_buckets
+from rljax.train.buckets import prompt_buckets
 
 SEQUENCE_KEYS = ("tokens", "mask")   # [R, P+N]; other 2-D fields of width N are per completion
 
@@ -197,3 +197,18 @@ class GroupedLogps:
         for mb, out in zip(micro_batches, outs):
             logps[mb.rows, :mb.completion_cols] = dist.to_host(out)
         return logps
+
+
+def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
+                    num_micro: int = 1, state_shardings=None, mesh=None) -> GroupedUpdate:
+    """``steps.build_grpo_step`` over length-grouped micro-batches (host batch in; metrics
+    add ``update/token_efficiency``)."""
+    return GroupedUpdate(optimizer, steps.grpo_loss_fn(model_cfg, algo_cfg, temperature),
+                         num_micro, state_shardings, mesh)
+
+
+def build_logps_fn(model_cfg, *, num_micro: int = 1, mesh=None, **opts) -> GroupedLogps:
+    """``steps.build_logps_fn`` over length-grouped micro-batches (returns host arrays);
+    ``opts``: its ``temperature``, ``param_shardings``, ``base_only``."""
+    one = steps.build_logps_fn(model_cfg, num_micro=1, mesh=mesh, **opts)
+    return GroupedLogps(one, num_micro, mesh)

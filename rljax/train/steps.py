@@ -301,21 +301,19 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
     return jit_step(sft_step, state_shardings, mesh)
 
 
+def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0) -> LossFn:
+    """``grpo_loss`` with its configuration bound: ``loss_fn(params, state, batch)``."""
+    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
+    return functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
+
+
 def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
-                    num_micro: int = 1, state_shardings=None, mesh=None,
-                    group_by_length: bool = False) -> Callable:
+                    num_micro: int = 1, state_shardings=None, mesh=None) -> Callable:
     """Jitted ``grpo_step(state, batch) -> (state, metrics)``; see ``grpo_loss`` for the
     batch. Metrics: loss, pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0),
-    entropy, tis_weight (tis_cap), grad_norm, skipped.
-
-    ``group_by_length``: a ``length_groups.GroupedUpdate`` instead (host batch in; micro-batches
-    of rows of similar length, trimmed to their real columns; the same update up to float32
-    summation order; adds ``update/token_efficiency``)."""
-    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
-    loss_fn = functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
-    if group_by_length:
-        from rljax.train.length_groups import GroupedUpdate   # (it imports this module)
-        return GroupedUpdate(optimizer, loss_fn, num_micro, state_shardings, mesh)
+    entropy, tis_weight (tis_cap), grad_norm, skipped. (``algo.group_by_length``:
+    ``length_groups.build_grpo_step`` instead.)"""
+    loss_fn = grpo_loss_fn(model_cfg, algo_cfg, temperature)
 
     def grpo_step(state, batch):
         return update(optimizer, loss_fn, state, batch, num_micro)
@@ -326,37 +324,29 @@ LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures")   # what the log-pr
 
 
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,
-                   param_shardings=None, base_only: bool = False,
-                   group_by_length: bool = False) -> Callable:
+                   param_shardings=None, base_only: bool = False) -> Callable:
     """Jitted ``fn(params, batch) -> logps f32 [B, N]`` over the completion (old / reference
     log-probs; at ``batch["temperatures"]`` when present), computed ``num_micro`` row-chunks at
     a time to bound memory. ``base_only``:
-    the LoRA adapters are switched off (the base model is the reference policy).
-    ``group_by_length``: the chunks are length-grouped micro-batches trimmed to their real
-    columns (``length_groups.GroupedLogps``; returns a host array)."""
+    the LoRA adapters are switched off (the base model is the reference policy)."""
     temperature = float(temperature) or 1.0
 
-    def logps_fn(params, batch, chunks: int = num_micro):
+    def logps_fn(params, batch):
         if base_only:
             params = lora_lib.base_params(params)
         batch = {k: batch[k] for k in LOGPS_KEYS if k in batch}
-        if chunks == 1:
+        if num_micro == 1:
             return completion_logps(model_cfg, params, batch, temperature=temperature)[0]
-        micro = split_micro_batches(batch, chunks)
+        micro = split_micro_batches(batch, num_micro)
         out = jax.lax.map(lambda mb: completion_logps(model_cfg, params, mb,
                                                       temperature=temperature)[0], micro)
         b = batch["tokens"].shape[0]
         return jnp.swapaxes(out, 0, 1).reshape(b, -1)  # undo the strided split
 
-    if group_by_length:
-        from rljax.train.length_groups import GroupedLogps   # (it imports this module)
-        logps_fn, chunks = functools.partial(logps_fn, chunks=1), num_micro
     if mesh is None:
-        fn = jax.jit(logps_fn)
-    else:
-        fn = jax.jit(logps_fn, in_shardings=(param_shardings, batch_sharding(mesh)),
-                     out_shardings=batch_sharding(mesh))
-    return GroupedLogps(fn, chunks, mesh) if group_by_length else fn
+        return jax.jit(logps_fn)
+    return jax.jit(logps_fn, in_shardings=(param_shardings, batch_sharding(mesh)),
+                   out_shardings=batch_sharding(mesh))
 
 
 def to_host(metrics: Mapping[str, Any]) -> dict:

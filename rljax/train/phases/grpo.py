@@ -23,7 +23,7 @@ import numpy as np
 from rljax import distributed as dist
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
-from rljax.train import guidance
+from rljax.train import guidance, length_groups
 from rljax.train.metrics import host_fraction
 from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
@@ -72,11 +72,12 @@ class GRPOPhase:
     def _compiled(self, state):
         if self._step_fn is None:
             cfg = self.ctx.cfg
-            self._step_fn = build_grpo_step(
+            build = (length_groups.build_grpo_step if cfg.algo.group_by_length
+                     else build_grpo_step)
+            self._step_fn = build(
                 self.ctx.model_cfg, cfg.algo, self.optimizer,
                 temperature=cfg.rollout.temperature, num_micro=self.num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh,
-                group_by_length=cfg.algo.group_by_length)
+                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
         return self._step_fn
 
     def iteration(self, state, step: int):
