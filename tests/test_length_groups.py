@@ -4,12 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from rljax import models
-from rljax import sharding as shd
 from rljax.train import length_groups, steps
-from rljax.train.state import eval_state_shape, state_shardings
 
-from test_train_steps import MODEL, V, algo_cfg, fresh_state
+from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fresh_state,
+                              sharded_fresh_state)
 
 B, P, N = 8, 40, 20   # P, N > 16: trimming to the 16/32 buckets can happen on both sides
 
@@ -84,20 +82,11 @@ def test_grouped_update_sharded_matches_unsharded():
     state, opt = fresh_state(lr=1.0, name="sgd")
     ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
 
-    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    shapes = jax.eval_shape(lambda: models.init_params(MODEL, jax.random.PRNGKey(0)))
-    pshard = shd.logical_to_sharding(models.param_logical_axes(MODEL), mesh, shapes=shapes)
-    state, opt = fresh_state(lr=1.0, name="sgd")
-    sshard = state_shardings(eval_state_shape(state.params, opt, state.rng), pshard)
-    state = jax.device_put(state, sshard)
+    state, opt, sshard, mesh = sharded_fresh_state()
     step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2,
                                          state_shardings=sshard, mesh=mesh)
     new_state, m = step(state, batch)
-    assert new_state.params["embed"].sharding == sshard.params["embed"]
-    np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5, atol=1e-7)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                         rtol=1e-5, atol=1e-6),
-                 new_state.params, ref_state.params)
+    assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard)
 
 
 def test_group_by_length_is_refused_outside_grpo():
