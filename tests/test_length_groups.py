@@ -35,7 +35,7 @@ def test_plan_keeps_every_real_token_and_trims_padding():
     prompt_len, completion_len = length_groups.real_extents(batch["mask"], N)
     np.testing.assert_array_equal(prompt_len, batch["mask"][:, :P].sum(1))
     np.testing.assert_array_equal(completion_len, batch["mask"][:, P:].sum(1))
-    plan = length_groups.plan(batch["mask"], N, 2)
+    plan = length_groups.plan(batch["mask"], N, 4)   # 4 micro-batches of 2 rows
     assert sorted(np.concatenate([mb.rows for mb in plan]).tolist()) == list(range(B))
     real = 0
     for mb in plan:
@@ -50,7 +50,7 @@ def test_plan_keeps_every_real_token_and_trims_padding():
     assert length_groups.token_efficiency(batch["mask"], plan) > batch["mask"].mean()
     assert plan[0].prompt_cols + plan[0].completion_cols < P + N   # the short rows were cut
     with pytest.raises(ValueError, match="not divisible"):
-        length_groups.plan(batch["mask"], N, 3)
+        length_groups.plan(batch["mask"], N, 3)   # 8 rows do not split in 3
 
 
 def test_grouped_update_equals_scanned_update():

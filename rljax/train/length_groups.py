@@ -63,13 +63,14 @@ def bucket(length: int, limit: int) -> int:
     return next(b for b in prompt_buckets(limit) if b >= max(int(length), 1))
 
 
-def plan(mask: np.ndarray, n: int, micro_size: int) -> list[MicroBatch]:
-    """Micro-batches of ``micro_size`` rows of similar real length (mask bool [R, P+N], N
+def plan(mask: np.ndarray, n: int, num_micro: int) -> list[MicroBatch]:
+    """``num_micro`` micro-batches of rows of similar real length (mask bool [R, P+N], N
     completion columns), shortest first; each trimmed to the buckets of its longest prompt and
     completion. Rows are ordered by total real length, then prompt length, then index."""
     r = mask.shape[0]
-    if r % micro_size:
-        raise ValueError(f"batch of {r} is not divisible into micro-batches of {micro_size}")
+    if r % num_micro:
+        raise ValueError(f"batch of {r} is not divisible into {num_micro} micro-batches")
+    micro_size = r // num_micro
     p = mask.shape[1] - n
     prompt_len, completion_len = real_extents(mask, n)
     order = np.lexsort((prompt_len, prompt_len + completion_len))   # last key is primary
@@ -120,7 +121,7 @@ class GroupedUpdate:
     def __init__(self, optimizer, loss_fn, num_micro: int = 1, state_shardings=None,
                  mesh=None):
         self.loss_fn, self.num_micro, self.mesh = loss_fn, int(num_micro), mesh
-        self._metric_shapes = {}   # batch keys -> abstract metric pairs (for the zero total)
+        self._sum_shapes = {}   # batch layout -> abstract (numerator, weight, metric pairs)
         if mesh is None:
             self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4)
             self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
@@ -144,24 +145,20 @@ class GroupedUpdate:
     def _zeros(self, state, mb: dict, slots: int):
         """A zero total: gradients like the trainable params, scalar sums, metric pairs."""
         key = tuple(sorted((k, np.ndim(v)) for k, v in mb.items()))
-        if key not in self._metric_shapes:   # one abstract trace per batch layout
+        if key not in self._sum_shapes:   # one abstract trace per batch layout
             mb_abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
                            for k, v in mb.items()}
             one = lambda s, b: steps.micro_grads(   # noqa: E731
                 self.loss_fn, s, {**b, steps.COMPLETION_SLOTS: slots})
-            self._metric_shapes[key] = jax.eval_shape(one, state, mb_abstract)[3]
+            self._sum_shapes[key] = jax.eval_shape(one, state, mb_abstract)[1:]
         grads = jax.tree.map(jnp.zeros_like, lora_lib.trainable(state.params))
-        metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._metric_shapes[key])
-        return (grads, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), metrics)
+        sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._sum_shapes[key])
+        return (grads, *sums)
 
     def __call__(self, state, batch: dict):
         batch = {k: dist.to_host(v) for k, v in batch.items()}
         n = batch["loss_mask"].shape[1]
-        rows = batch["mask"].shape[0]
-        if rows % self.num_micro:
-            raise ValueError(f"batch of {rows} is not divisible into {self.num_micro} "
-                             "micro-batches")
-        micro_batches = plan(batch["mask"], n, rows // self.num_micro)
+        micro_batches = plan(batch["mask"], n, self.num_micro)
         total = None
         for i, mb in enumerate(micro_batches):
             part = take(batch, mb, n)
@@ -187,10 +184,7 @@ class GroupedLogps:
     def __call__(self, params, batch: dict) -> np.ndarray:
         batch = {k: dist.to_host(batch[k]) for k in steps.LOGPS_KEYS if k in batch}
         rows, n = batch["loss_mask"].shape
-        if rows % self.num_micro:
-            raise ValueError(f"batch of {rows} is not divisible into {self.num_micro} "
-                             "micro-batches")
-        micro_batches = plan(batch["mask"], n, rows // self.num_micro)
+        micro_batches = plan(batch["mask"], n, self.num_micro)
         outs = [self.logps_fn(params, dist.device_batch(take(batch, mb, n), self.mesh))
                 for mb in micro_batches]
         logps = np.zeros((rows, n), np.float32)
