@@ -217,6 +217,8 @@ def rljax_worker(spec: dict) -> dict:
     cfg.optimizer.weight_decay = 0.0
     cfg.optimizer.max_grad_norm = 1.0
     cfg.algo.micro_batch_size = int(spec.get("micro_batch", 0))
+    if "group_by_length" in spec:   # length-grouped micro-batches (rljax.train.length_groups)
+        cfg.algo.group_by_length = bool(spec["group_by_length"])
     # Persistent compilation cache: off unless the spec names a directory (the bench runs a
     # cold process on an empty directory, then a second process on the same one).
     cfg.compilation_cache_dir = spec.get("compilation_cache_dir", "")
@@ -242,12 +244,13 @@ def rljax_worker(spec: dict) -> dict:
     jax.block_until_ready(state)
     t_setup = time.perf_counter() - t_start
 
-    times, metrics_all, compiles_at = [], [], []
+    times, cpu_times, metrics_all, compiles_at = [], [], [], []
     for step in range(cfg.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         state, metrics = phase.iteration(state, step)
         jax.block_until_ready(state.params)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)   # all threads: robust to a busy machine
         metrics_all.append(metrics)
         compiles_at.append(len(compiles))
     first, steady = times[0], times[1:]
@@ -266,6 +269,7 @@ def rljax_worker(spec: dict) -> dict:
     return {
         "framework": "rljax", "versions": {"jax": jax.__version__},
         "first_iter_s": first, "setup_s": t_setup, "iter_s": it, "iter_s_all": steady,
+        "iter_cpu_s": statistics.median(cpu_times[1:]), "iter_cpu_s_all": cpu_times[1:],
         "sample_s": sample_s, "reward_s": reward_s, "old_logps_s": logps_s, "update_s": update_s,
         "rollout_s": med("time/rollout"), "tokens_per_s": b * g * n / it,
         "iterations": len(steady),
@@ -279,6 +283,10 @@ def rljax_worker(spec: dict) -> dict:
         "params": mcfg.num_params(), "completion_length_mean": float(np.mean(lengths)),
         "reward_mean": float(np.mean([m["reward/mean"] for m in metrics_all])),
         "seq_len": seq, "token_efficiency": med("rollout/token_efficiency"),
+        # Real / computed positions of the update's forward/backward (grouped: trimmed ones).
+        "update_token_efficiency": (med("update/token_efficiency")
+                                    if "update/token_efficiency" in metrics_all[-1] else None),
+        "group_by_length": bool(cfg.algo.get("group_by_length", False)),
         "prompt_efficiency": med("rollout/prompt_efficiency"),
         "compilation_cache_dir": cfg.compilation_cache_dir,
     }
@@ -321,12 +329,14 @@ def run_case(framework: str, spec: dict, pythons: dict, timeout: float) -> dict:
         os.unlink(spec_path)
 
 
-def run_rljax_cold_warm(spec: dict, cache_dir: str, pythons: dict, timeout: float) -> dict:
+def run_rljax_cold_warm(spec: dict, cache_dir: str, pythons: dict, timeout: float,
+                        skip_warm: bool = False) -> dict:
     """The timed rljax run in a fresh process with an empty persistent compilation cache
     (``first_iter_s`` = cold), then a second process of the same config on that cache, one
-    iteration (``first_iter_warm_s``: what a second ``rljax train`` of the config sees)."""
+    iteration (``first_iter_warm_s``: what a second ``rljax train`` of the config sees;
+    ``skip_warm``: not run)."""
     res = run_case("rljax", dict(spec, compilation_cache_dir=cache_dir), pythons, timeout)
-    if "error" not in res:
+    if "error" not in res and not skip_warm:
         warm = run_case("rljax", dict(spec, compilation_cache_dir=cache_dir, iters=1), pythons,
                         timeout)
         res["first_iter_warm_s"] = warm.get("first_iter_s")

@@ -6,7 +6,9 @@ Two comparisons on the same weights, prompts and lengths, all cores on both side
    B GSM8K questions rendered with the model's chat template (150-200 tokens each), G
    completions per prompt, exactly N new tokens (EOS stopping off / ``min_new_tokens``),
    float32, micro-batch M (forward/backward chunks, one optimizer step), AdamW lr 1e-5,
-   beta = 0, reward = fraction of 'e'. rljax runs twice more: with the old power-of-two prompt
+   beta = 0, reward = fraction of 'e'; rljax with ``algo.group_by_length`` (``--group-by-length
+   on``, the default here: length-grouped micro-batches trimmed to their real columns, as TRL
+   pads to the batch's longest prompt and scores completions only). rljax runs twice more: with the old power-of-two prompt
    buckets (``prompt_buckets=pow2``: what the trainer padded to before) to show the padding
    cost, and a second process on the first one's persistent compilation cache (first iteration
    of a second run).
@@ -23,6 +25,7 @@ TRL and rljax (``models.load_hf``) load, so both run identical float32 weights.
     python bench/real_model.py                       # both comparisons (~15 min on 2 cores)
     python bench/real_model.py --skip grpo           # sampler only
     python bench/real_model.py --skip sampler --iters 2
+    python bench/real_model.py --skip sampler,trl,before,warm --iters 2   # rljax only, quick
 
 Writes ``bench/results/real_model.json`` and prints markdown tables.
 """
@@ -112,10 +115,12 @@ def bench_grpo(model_dir: str, args, tmp: str) -> dict:
             "iters": args.iters, "learning_rate": grpo_step.LEARNING_RATE, "seed": 0,
             "reward_char": grpo_step.REWARD_CHAR, "threads": os.cpu_count(),
             "template": "{question}", "micro_batch": args.micro_batch}
+    spec["group_by_length"] = args.group_by_length == "on"
     pythons = {"trl": args.trl_python}
     rows = {}
     runs = [("rljax", lambda: grpo_step.run_rljax_cold_warm(
-                spec, os.path.join(tmp, "jax_cache"), pythons, args.timeout)),
+                spec, os.path.join(tmp, "jax_cache"), pythons, args.timeout,
+                skip_warm="warm" in args.skip)),
             ("rljax, power-of-two prompt buckets (before)", lambda: grpo_step.run_case(
                 "rljax", dict(spec, prompt_buckets="pow2"), pythons, args.timeout)),
             ("trl", lambda: grpo_step.run_case("trl", spec, pythons, args.timeout))]
@@ -235,7 +240,11 @@ def main() -> None:
     ap.add_argument("--sampler-prompts", type=int, default=8, help="sampler: B prompts")
     ap.add_argument("--runs", type=int, default=3, help="sampler: timed rounds")
     ap.add_argument("--skip", default="", help="comma list of: grpo, sampler, trl, before, "
+                    "warm (the second rljax process on the first one's compilation cache), "
                     "transformers (sampler: time rljax only)")
+    ap.add_argument("--group-by-length", choices=("on", "off"), default="on",
+                    help="rljax: algo.group_by_length (the config's default is off; this "
+                    "bench's shape has prompts of 57-137 tokens in a 160 bucket)")
     ap.add_argument("--trl-python", default="/work/peers/trl/bin/python")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "real_model.json"))
@@ -269,7 +278,8 @@ def main() -> None:
           f"{load_before[0]:.1f} -> {out['load_average_after'][0]:.1f}\n")
     if "grpo" in out:
         print("| GRPO iteration | s/iter | sample s | update s | rljax speed-up | first iter "
-              "cold / 2nd run (s) | train seq | token efficiency |\n|---|---|---|---|---|---|---|---|")
+              "cold / 2nd run (s) | train seq | token efficiency (rollout) | (update) |\n"
+              "|---|---|---|---|---|---|---|---|---|")
         for name, r in out["grpo"]["results"].items():
             if "error" in r:
                 print(f"| {name} | failed: {r['error'][:100]} |||||||")
@@ -277,7 +287,8 @@ def main() -> None:
             print(f"| {name} | {r['iter_s']:.2f} | {r['sample_s']:.2f} | {r['update_s']:.2f} "
                   f"| {grpo_step.fmt(r.get('rljax_speedup'), '.2f')}x "
                   f"| {r['first_iter_s']:.1f} / {grpo_step.fmt(r.get('first_iter_warm_s'), '.1f')} "
-                  f"| {r.get('seq_len', '—')} | {grpo_step.fmt(r.get('token_efficiency'), '.2f')} |")
+                  f"| {r.get('seq_len', '—')} | {grpo_step.fmt(r.get('token_efficiency'), '.2f')} "
+                  f"| {grpo_step.fmt(r.get('update_token_efficiency'), '.2f')} |")
     if "sampler" in out:
         s = out["sampler"]
         print(f"\n| sampler, {s['prompts']} prompts x G={s['generations']} x {s['new_tokens']} "

@@ -214,6 +214,9 @@ def default_config() -> ml_collections.ConfigDict:
         num_iterations=1,            # update epochs per rollout batch (mu)
         mini_batch_size=0,           # completions per optimizer step; 0 = whole batch
         micro_batch_size=0,          # completions per forward/backward; 0 = mini batch
+        group_by_length=False,       # GRPO: micro-batches of rows of similar length, each
+                                     # computed on its own real columns only (exact up to
+                                     # float32 order; rljax.train.length_groups)
         importance_sampling_level="token",
         mask_truncated_completions=False,
         dynamic_sampling=False,      # DAPO: drop groups with all-equal rewards, sample more
@@ -741,6 +744,9 @@ def _check_combinations(cfg, filled: Mapping[str, Any] | None = None) -> None:
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
     if algo.name == "ppo" and algo.adv_estimator != "gae":
         raise ConfigError("algo.name='ppo' trains a critic for GAE: set algo.adv_estimator='gae'")
+    if algo.group_by_length and algo.name != "grpo":
+        raise ConfigError(f"algo.group_by_length=True groups the GRPO update's micro-batches; "
+                          f"algo.name='{algo.name}' does not use it (set it to False)")
     _check_guidance(cfg)
     _check_tree(cfg)
     _check_mesh(cfg.mesh)

@@ -98,7 +98,8 @@ def loaded(ckpts):
 
 
 _fwd = jax.jit(models.forward, static_argnums=0)
-_logps = jax.jit(models.token_logps, static_argnums=0, static_argnames=("chunk_size", "with_entropy"))
+_logps = jax.jit(models.token_logps, static_argnums=0,
+                 static_argnames=("chunk_size", "with_entropy", "first_scored"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -273,6 +274,39 @@ def test_token_logps_and_entropy(loaded):
     g = jax.jit(jax.grad(
         lambda p: models.token_logps(cfg, p, tokens, mask, chunk_size=4)[0].sum()))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g, g_ref)
+
+
+def test_token_logps_first_scored_matches_full():
+    """``first_scored=k``: columns >= k (and the gradients of a loss over them) equal the full
+    computation, columns < k are 0 -- with left padding, a per-position temperature,
+    entropies and a chunk size that does not divide the scored length."""
+    cfg = models.get_preset("tiny", num_layers=1)
+    params = models.init_params(cfg, jax.random.PRNGKey(3))
+    tokens, mask = _batch()
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    temp = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, (B, T)), jnp.float32)
+    k = 7
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(B, T - k)), jnp.float32)
+
+    def loss(p, first):
+        lp, ent = models.token_logps(cfg, p, tokens, mask, temperature=temp, with_entropy=True,
+                                     chunk_size=4, first_scored=first)
+        return jnp.sum((lp[:, k:] + 0.1 * ent[:, k:]) * weights), (lp, ent)
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, (lp_full, ent_full)), g_full = grad(params, 1)
+    (_, (lp, ent)), g_part = grad(params, k)
+    assert lp.shape == (B, T) and ent.shape == (B, T)
+    np.testing.assert_array_equal(lp[:, :k], 0.0)
+    np.testing.assert_array_equal(ent[:, :k], 0.0)
+    np.testing.assert_allclose(lp[:, k:], lp_full[:, k:], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ent[:, k:], ent_full[:, k:], rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(lp_full[:, 1:k]).max()) > 0.1   # the full call did score them
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 g_part, g_full)
+    # Past the end: nothing is scored.
+    none, _ = _logps(cfg, params, tokens, mask, first_scored=T + 3)
+    np.testing.assert_array_equal(none, 0.0)
 
 
 def test_init_params_axes_and_remat():

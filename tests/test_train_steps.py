@@ -200,16 +200,27 @@ def test_sharded_step_matches_unsharded():
     state, opt = fresh_state(lr=1.0, with_ref=True, name="sgd")
     ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
 
-    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    shapes = jax.eval_shape(lambda: models.init_params(MODEL, jax.random.PRNGKey(0)))
-    pshard = shd.logical_to_sharding(models.param_logical_axes(MODEL), mesh, shapes=shapes)
-    state, opt = fresh_state(lr=1.0, with_ref=True, name="sgd")
-    shape = eval_state_shape(state.params, opt, state.rng, ref_params=state.ref_params)
-    sshard = state_shardings(shape, pshard)
-    state = jax.device_put(state, sshard)
+    state, opt, sshard, mesh = sharded_fresh_state(with_ref=True)
     assert state.params["layers"]["q"].sharding.spec != jax.sharding.PartitionSpec()
     step = steps.build_grpo_step(MODEL, algo, opt, num_micro=2, state_shardings=sshard, mesh=mesh)
     new_state, m = step(state, batch)
+    assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard)
+
+
+def sharded_fresh_state(with_ref=False):
+    """``fresh_state(lr=1.0, name="sgd")`` placed on a data x fsdp x tensor = 2x2x2 mesh:
+    (state, optimizer, state shardings, mesh)."""
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    shapes = jax.eval_shape(lambda: models.init_params(MODEL, jax.random.PRNGKey(0)))
+    pshard = shd.logical_to_sharding(models.param_logical_axes(MODEL), mesh, shapes=shapes)
+    state, opt = fresh_state(lr=1.0, with_ref=with_ref, name="sgd")
+    shape = eval_state_shape(state.params, opt, state.rng, ref_params=state.ref_params)
+    sshard = state_shardings(shape, pshard)
+    return jax.device_put(state, sshard), opt, sshard, mesh
+
+
+def assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard):
+    """A sharded step's result kept its shardings and equals the unsharded one."""
     assert new_state.params["embed"].sharding == sshard.params["embed"]
     np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5, atol=1e-7)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),

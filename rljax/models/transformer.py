@@ -502,7 +502,8 @@ def _auto_chunk(batch: int, length: int, vocab: int) -> int:
 
 def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
                 positions=None, temperature=1.0, chunk_size: Optional[int] = None,
-                with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None):
+                with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
+                first_scored: int = 1):
     """Per-token log-probabilities of ``tokens`` under the model (teacher forcing).
 
     Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
@@ -515,11 +516,18 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     The LM head runs over chunks of ``chunk_size`` positions inside a rematerialised
     ``lax.map``, so neither the forward nor the backward pass holds float32 [B, T, V] logits.
     ``lora_dropout_rng``: LoRA dropout key of a training pass (see ``trunk``; None = none).
+
+    ``first_scored`` (static int): columns below it are not scored -- their logps (and
+    entropies) are 0 and the LM head never runs for them. Every loss over a completion masks
+    the prompt, so passing the prompt length skips the [*, D] x [D, V] head and its log-softmax
+    over the prompt positions (at vocab 49k the head is ~20% of the forward FLOPs per position,
+    and the backward recomputes it). Scored columns are computed exactly as with the default 1.
     """
     b, t = tokens.shape
     hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
                       lora_dropout_rng=lora_dropout_rng)
-    n = t - 1
+    start = min(max(int(first_scored), 1), t)   # column 0 has no prediction
+    n = t - start
     if n == 0:
         zeros = jnp.zeros((b, t), jnp.float32)
         return zeros, (zeros if with_entropy else None)
@@ -527,14 +535,15 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     c = min(c, n)
     num_chunks = -(-n // c)
     pad = num_chunks * c - n
-    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
+    # hidden[:, s - 1] predicts tokens[:, s]: scored columns [start, t).
+    h = jnp.pad(hidden[:, start - 1:-1], ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(tokens[:, start:], ((0, 0), (0, pad)))
     # [num_chunks, B, C, ...] so lax.map walks over chunks.
     h = h.reshape(b, num_chunks, c, -1).swapaxes(0, 1)
     targets = targets.reshape(b, num_chunks, c).swapaxes(0, 1)
     inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
     if inv_temp.ndim == 2:  # per position: chunked like the targets, [num_chunks, B, C, 1]
-        inv_temp = jnp.pad(inv_temp[:, 1:], ((0, 0), (0, pad)), constant_values=1.0)
+        inv_temp = jnp.pad(inv_temp[:, start:], ((0, 0), (0, pad)), constant_values=1.0)
         inv_temp = inv_temp.reshape(b, num_chunks, c).swapaxes(0, 1)[..., None]
     else:  # one scalar for every chunk
         inv_temp = jnp.broadcast_to(inv_temp, (num_chunks,))
@@ -555,7 +564,7 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     logp, ent = jax.lax.map(chunk, (h, targets, inv_temp))
     logp = logp.swapaxes(0, 1).reshape(b, -1)[:, :n]
     ent = ent.swapaxes(0, 1).reshape(b, -1)[:, :n]
-    first = jnp.zeros((b, 1), jnp.float32)
+    first = jnp.zeros((b, start), jnp.float32)
     logp = jnp.concatenate([first, logp], axis=1)
     ent = jnp.concatenate([first, ent], axis=1)
     if attention_mask is not None:

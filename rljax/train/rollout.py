@@ -53,24 +53,11 @@ from rljax import algorithms, rewards, sampling, tree_sampling
 from rljax.data import selection
 from rljax.models import lora as lora_lib
 from rljax import distributed as dist
-from rljax.train import guidance
+from rljax.train import guidance, length_groups
+from rljax.train.buckets import prompt_buckets  # noqa: F401  (re-exported: callers import it here)
 from rljax.train.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
-
-
-def prompt_buckets(max_prompt_length: int) -> tuple[int, ...]:
-    """Allowed prompt lengths below the maximum, and the maximum: 16, 32, 64, then quarter
-    steps between powers of two (80, 96, 112, 128, 160, 192, 224, 256, 320, ...).
-
-    Prompts are left-padded to the bucket for sampling and training alike, so the bucket is
-    computed work: with powers of two only, GSM8K chat prompts of 150-200 tokens padded to 256
-    (a 256 + 64 training sequence held ~75% real tokens); quarter steps bound the padding to
-    < 25% of the bucket (here 192 or 224) at the cost of up to 4 programs per octave, each
-    compiled once (and cached on disk)."""
-    fine = [b for b in sampling.DEFAULT_BUCKETS if b < 64] + [
-        b + i * b // 4 for b in sampling.DEFAULT_BUCKETS if b >= 64 for i in range(4)]
-    return tuple(b for b in fine if b < max_prompt_length) + (int(max_prompt_length),)
 
 
 def print_completions(prompts, completions, rewards=None, file=None) -> None:
@@ -179,15 +166,13 @@ class Rollout:
         self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
-        self.logps_fn = build_logps_fn(
-            ctx.model_cfg, temperature=cfg.rollout.temperature,
-            num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
-            param_shardings=ctx.param_shardings)
+        build = (length_groups.build_logps_fn if cfg.algo.group_by_length else build_logps_fn)
+        logps_opts = dict(temperature=cfg.rollout.temperature,
+                          num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
+                          param_shardings=ctx.param_shardings)
+        self.logps_fn = build(ctx.model_cfg, **logps_opts)
         # With LoRA the reference policy is the base model: the same arrays, adapters off.
-        self.base_logps_fn = build_logps_fn(
-            ctx.model_cfg, temperature=cfg.rollout.temperature,
-            num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
-            param_shardings=ctx.param_shardings, base_only=True)
+        self.base_logps_fn = build(ctx.model_cfg, base_only=True, **logps_opts)
         a = cfg.algo
         self.needs_ref = a.beta > 0
         # Host-side group statistics as one jitted program each (run eagerly, every jnp op of

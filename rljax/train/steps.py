@@ -39,6 +39,10 @@ LossFn = Callable[[Any, TrainState, Mapping[str, jax.Array]], tuple]
 # ``accumulate`` hands each loss its micro-batch's index under this key (int32 scalar; absent =
 # 0), so a loss can key per-micro-batch randomness (LoRA dropout, ``training_dropout_rng``).
 MICRO_INDEX = "micro_index"
+# The full completion width N when a micro-batch's completion columns were trimmed
+# (``length_groups``): the constant normaliser of ``seq-mean-token-sum-norm`` (a Python int
+# added inside the step; absent = the micro-batch's own width).
+COMPLETION_SLOTS = "completion_slots"
 LORA_DROPOUT_STREAM = 6  # rng stream of LoRA dropout: fold_in(state.rng, 6), then step, micro
 
 
@@ -76,6 +80,31 @@ def split_micro_batches(batch: Mapping[str, jax.Array], num_micro: int) -> dict:
     return {k: split(v) for k, v in batch.items()}
 
 
+def micro_grads(loss_fn: LossFn, state: TrainState, mb: Mapping[str, jax.Array], index=0):
+    """One micro-batch: ``(grads of the numerator, numerator, weight, metric pairs)``.
+
+    Gradients w.r.t. the trainable part only: with LoRA the frozen base is closed over (no
+    base gradients, no optimizer state for it). ``index`` (int32 scalar) is the micro-batch's
+    number, handed to the loss as ``mb[MICRO_INDEX]`` (it keys LoRA dropout)."""
+    mb = {**mb, MICRO_INDEX: jnp.asarray(index, jnp.int32)}
+
+    def numerator(t):
+        (num, den), metrics = loss_fn(lora_lib.with_trainable(state.params, t), state, mb)
+        return num, (den, metrics)
+    (num, (den, metrics)), grads = jax.value_and_grad(numerator, has_aux=True)(
+        lora_lib.trainable(state.params))
+    return grads, num, den, metrics
+
+
+def add_micro(total: tuple, out: tuple) -> tuple:
+    """Adds one ``micro_grads`` output to a running total of the same structure (metric pairs
+    named ``*_max`` combine by maximum)."""
+    summed = jax.tree.map(jnp.add, total[:3], out[:3])
+    metrics = {k: (_combine_max(total[3][k], v) if k.endswith("_max")
+                   else jax.tree.map(jnp.add, total[3][k], v)) for k, v in out[3].items()}
+    return (*summed, metrics)
+
+
 def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array],
                num_micro: int = 1):
     """Gradients of the summed numerators, summed weights and summed metric pairs.
@@ -84,18 +113,7 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     ``weighted_sum / weight`` and its gradient ``grads_sum / weight``. Metric pairs named
     ``*_max`` are ``(max, 1)`` and combine by maximum instead.
     """
-    def one(mb, index=0):
-        mb = {**mb, MICRO_INDEX: jnp.asarray(index, jnp.int32)}  # keys LoRA dropout
-
-        # Gradients w.r.t. the trainable part only: with LoRA the frozen base is closed over
-        # (no base gradients, no optimizer state for it).
-        def numerator(t):
-            (num, den), metrics = loss_fn(lora_lib.with_trainable(state.params, t), state, mb)
-            return num, (den, metrics)
-        (num, (den, metrics)), grads = jax.value_and_grad(numerator, has_aux=True)(
-            lora_lib.trainable(state.params))
-        return grads, num, den, metrics
-
+    one = functools.partial(micro_grads, loss_fn, state)
     if num_micro == 1:
         return one(batch)
     micro = split_micro_batches(batch, num_micro)
@@ -103,11 +121,7 @@ def accumulate(loss_fn: LossFn, state: TrainState, batch: Mapping[str, jax.Array
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(one, first))
 
     def body(carry, xs):
-        out = one(*xs)
-        summed = jax.tree.map(jnp.add, carry[:3], out[:3])
-        metrics = {k: (_combine_max(carry[3][k], v) if k.endswith("_max")
-                       else jax.tree.map(jnp.add, carry[3][k], v)) for k, v in out[3].items()}
-        return (*summed, metrics), None
+        return add_micro(carry, one(*xs)), None
 
     total, _ = jax.lax.scan(body, zeros, (micro, jnp.arange(num_micro, dtype=jnp.int32)))
     return total
@@ -126,7 +140,13 @@ def finalize_metrics(metric_sums: Mapping[str, tuple]) -> dict:
 def update(optimizer, loss_fn: LossFn, state: TrainState, batch, num_micro: int = 1):
     """One exact optimizer update (pure). Non-finite loss/grads leave params and optimizer
     state untouched and report ``skipped=1``. Returns ``(new_state, metrics)``."""
-    grads, num, den, metric_sums = accumulate(loss_fn, state, batch, num_micro)
+    return apply_accumulated(optimizer, state, accumulate(loss_fn, state, batch, num_micro))
+
+
+def apply_accumulated(optimizer, state: TrainState, total: tuple):
+    """The optimizer step from accumulated ``(grads_sum, weighted_sum, weight, metric_sums)``
+    (``accumulate``): divides once by the total weight. Returns ``(new_state, metrics)``."""
+    grads, num, den, metric_sums = total
     grads = jax.tree.map(lambda g: algorithms.safe_divide(g, den), grads)
     loss = algorithms.safe_divide(num, den)
     res = apply_if_finite(optimizer, lora_lib.trainable(state.params), state.opt_state, grads,
@@ -165,7 +185,10 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
 
     ``batch["temperatures"]`` f32 [B, N], when present (a sampler temperature schedule,
     ``rollout.temperature_schedule``), scores each completion token at the temperature it was
-    sampled at, instead of the scalar ``temperature``."""
+    sampled at, instead of the scalar ``temperature``.
+
+    Only the completion columns are scored (``token_logps(first_scored=P)``): the LM head
+    never runs over the prompt, whose log-probs no loss reads."""
     n = batch["loss_mask"].shape[1]
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
@@ -174,7 +197,8 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     logps, ent = models.token_logps(model_cfg, params, batch["tokens"],
                                     attention_mask=batch["mask"], temperature=temperature,
                                     with_entropy=with_entropy,
-                                    lora_dropout_rng=lora_dropout_rng)
+                                    lora_dropout_rng=lora_dropout_rng,
+                                    first_scored=batch["tokens"].shape[1] - n)
     return logps[:, -n:], (None if ent is None else ent[:, -n:])
 
 
@@ -252,7 +276,7 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     total = algorithms.combine_token_losses(pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta),
                                             entropy_tokens=ent,
                                             entropy_coef=float(algo_cfg.entropy_coef))
-    n = m.shape[1]
+    n = batch.get(COMPLETION_SLOTS, m.shape[1])
     metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
     metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
     return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
@@ -277,17 +301,26 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
     return jit_step(sft_step, state_shardings, mesh)
 
 
+def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0) -> LossFn:
+    """``grpo_loss`` with its configuration bound: ``loss_fn(params, state, batch)``."""
+    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
+    return functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
+
+
 def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
                     num_micro: int = 1, state_shardings=None, mesh=None) -> Callable:
     """Jitted ``grpo_step(state, batch) -> (state, metrics)``; see ``grpo_loss`` for the
     batch. Metrics: loss, pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0),
-    entropy, tis_weight (tis_cap), grad_norm, skipped."""
-    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
-    loss_fn = functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
+    entropy, tis_weight (tis_cap), grad_norm, skipped. (``algo.group_by_length``:
+    ``length_groups.build_grpo_step`` instead.)"""
+    loss_fn = grpo_loss_fn(model_cfg, algo_cfg, temperature)
 
     def grpo_step(state, batch):
         return update(optimizer, loss_fn, state, batch, num_micro)
     return jit_step(grpo_step, state_shardings, mesh)
+
+
+LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures")   # what the log-prob passes read
 
 
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,
@@ -301,8 +334,7 @@ def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, m
     def logps_fn(params, batch):
         if base_only:
             params = lora_lib.base_params(params)
-        batch = {k: batch[k] for k in ("tokens", "mask", "loss_mask", "temperatures")
-                 if k in batch}
+        batch = {k: batch[k] for k in LOGPS_KEYS if k in batch}
         if num_micro == 1:
             return completion_logps(model_cfg, params, batch, temperature=temperature)[0]
         micro = split_micro_batches(batch, num_micro)

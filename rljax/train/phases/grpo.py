@@ -23,7 +23,7 @@ import numpy as np
 from rljax import distributed as dist
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
-from rljax.train import guidance
+from rljax.train import guidance, length_groups
 from rljax.train.metrics import host_fraction
 from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
@@ -72,7 +72,9 @@ class GRPOPhase:
     def _compiled(self, state):
         if self._step_fn is None:
             cfg = self.ctx.cfg
-            self._step_fn = build_grpo_step(
+            build = (length_groups.build_grpo_step if cfg.algo.group_by_length
+                     else build_grpo_step)
+            self._step_fn = build(
                 self.ctx.model_cfg, cfg.algo, self.optimizer,
                 temperature=cfg.rollout.temperature, num_micro=self.num_micro,
                 state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
@@ -87,7 +89,12 @@ class GRPOPhase:
         for _ in range(self.ctx.cfg.algo.num_iterations):
             for start in range(0, self.batch_size, self.mini):
                 mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
-                state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))
+                if self.ctx.cfg.algo.group_by_length:   # regroups the host rows itself
+                    state, m = step_fn(state, mb)
+                else:
+                    state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))
+                    # Real tokens / positions the update computes (grouped: its own figure).
+                    m = dict(m, **{"update/token_efficiency": float(np.mean(mb["mask"]))})
                 updates.append(m)
         if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
             state, relift_metrics = self.relift.maybe_step(state, step, self.optimizer)

@@ -1,0 +1,19 @@
+"""Prompt-length buckets shared by the rollout (sampling and training layout) and the
+length-grouped update (``length_groups``)."""
+from __future__ import annotations
+
+from rljax import sampling
+
+
+def prompt_buckets(max_prompt_length: int) -> tuple[int, ...]:
+    """Allowed prompt lengths below the maximum, and the maximum: 16, 32, 64, then quarter
+    steps between powers of two (80, 96, 112, 128, 160, 192, 224, 256, 320, ...).
+
+    Prompts are left-padded to the bucket for sampling and training alike, so the bucket is
+    computed work: with powers of two only, GSM8K chat prompts of 150-200 tokens padded to 256
+    (a 256 + 64 training sequence held ~75% real tokens); quarter steps bound the padding to
+    < 25% of the bucket (here 192 or 224) at the cost of up to 4 programs per octave, each
+    compiled once (and cached on disk)."""
+    fine = [b for b in sampling.DEFAULT_BUCKETS if b < 64] + [
+        b + i * b // 4 for b in sampling.DEFAULT_BUCKETS if b >= 64 for i in range(4)]
+    return tuple(b for b in fine if b < max_prompt_length) + (int(max_prompt_length),)

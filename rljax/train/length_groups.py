@@ -1,0 +1,208 @@
+"""Length-grouped micro-batches (``algo.group_by_length``): the update computes on what is real.
+
+The rollout lays every row of a batch out alike: the prompt left-padded to one bucket P, then
+the completion slot N, right-padded after the stop token (``rollout.build_sequences``). Each
+micro-batch of the update then computes all P+N positions of its rows, however short they are.
+
+``plan`` sorts the rows by real length on the host (stable: deterministic) and cuts them into
+micro-batches of similar rows; each keeps only the columns that hold a real token of one of its
+rows, rounded out to a bucket (``buckets.prompt_buckets`` of P for the prompt side, of N for the
+completion side), so the number of shapes -- compiled programs -- stays bounded (at most
+``len(prompt_buckets(P)) * len(prompt_buckets(N))``, each compiled once and kept in the
+persistent compilation cache).
+
+``GroupedUpdate`` runs one exact update over such micro-batches. A ``lax.scan`` cannot carry
+micro-batches of different shapes, so a jitted micro-step per shape adds each micro-batch's
+numerator gradients, numerators, weights and metric pairs (``steps.micro_grads``) into a
+carried total (donated), and one apply step divides by the total weight and steps the
+optimizer (``steps.apply_accumulated``); the controller dispatches them asynchronously. These
+are the same sums as ``steps.update``'s, taken in another order: equal up to float32 summation
+order. Dropped columns are padding (attention mask False, loss mask False): a real token never
+attends to them, so its log-prob does not change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rljax import distributed as dist
+from rljax.models import lora as lora_lib
+from rljax.train import steps
+from rljax.train.buckets import prompt_buckets
+
+SEQUENCE_KEYS = ("tokens", "mask")   # [R, P+N]; other 2-D fields of width N are per completion
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """Rows ``rows`` (int [m], indices into the batch) keeping the last ``prompt_cols`` prompt
+    columns and the first ``completion_cols`` completion columns."""
+    rows: np.ndarray
+    prompt_cols: int
+    completion_cols: int
+
+
+def real_extents(mask: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """mask bool [R, P+N] -> (int [R] columns from a row's first real prompt token to the end
+    of the prompt, int [R] completion columns up to and including its last real token)."""
+    mask = np.asarray(mask, bool)
+    p = mask.shape[1] - n
+    prompt, completion = mask[:, :p], mask[:, p:]
+    first = np.where(prompt.any(1), prompt.argmax(1), p)
+    last = np.where(completion.any(1), n - completion[:, ::-1].argmax(1), 0)
+    return (p - first).astype(np.int64), last.astype(np.int64)
+
+
+def bucket(length: int, limit: int) -> int:
+    """The smallest of ``prompt_buckets(limit)`` holding ``length`` columns (at least one)."""
+    return next(b for b in prompt_buckets(limit) if b >= max(int(length), 1))
+
+
+def plan(mask: np.ndarray, n: int, num_micro: int) -> list[MicroBatch]:
+    """``num_micro`` micro-batches of rows of similar real length (mask bool [R, P+N], N
+    completion columns), shortest first; each trimmed to the buckets of its longest prompt and
+    completion. Rows are ordered by total real length, then prompt length, then index."""
+    r = mask.shape[0]
+    if r % num_micro:
+        raise ValueError(f"batch of {r} is not divisible into {num_micro} micro-batches")
+    micro_size = r // num_micro
+    p = mask.shape[1] - n
+    prompt_len, completion_len = real_extents(mask, n)
+    order = np.lexsort((prompt_len, prompt_len + completion_len))   # last key is primary
+    out = []
+    for start in range(0, r, micro_size):
+        rows = order[start:start + micro_size]
+        out.append(MicroBatch(rows, bucket(prompt_len[rows].max(), p) if p else 0,
+                              bucket(completion_len[rows].max(), n)))
+    return out
+
+
+def take(batch: dict, mb: MicroBatch, n: int) -> dict:
+    """The micro-batch's rows and columns of a host batch (numpy leaves, rows on axis 0;
+    ``tokens``/``mask`` [R, P+N], 2-D fields of width N per completion position, the rest
+    per row)."""
+    p, r = batch["tokens"].shape[1] - n, batch["tokens"].shape[0]
+    out = {}
+    for key, value in batch.items():
+        if np.ndim(value) == 0 or value.shape[0] != r:
+            raise ValueError(f"length_groups: batch field {key!r} of shape {np.shape(value)} "
+                             f"has no row axis of {r}")
+        value = value[mb.rows]
+        if key in SEQUENCE_KEYS:
+            value = value[:, p - mb.prompt_cols:p + mb.completion_cols]
+        elif value.ndim >= 2 and value.shape[1] == n:
+            value = value[:, :mb.completion_cols]
+        out[key] = value
+    return out
+
+
+def token_efficiency(mask: np.ndarray, micro_batches: list[MicroBatch]) -> float:
+    """Real tokens / positions the grouped update computes."""
+    computed = sum(len(mb.rows) * (mb.prompt_cols + mb.completion_cols) for mb in micro_batches)
+    return float(np.asarray(mask, bool).sum() / max(computed, 1))
+
+
+class GroupedUpdate:
+    """``update(state, batch) -> (state, metrics)``: one exact optimizer update of ``loss_fn``
+    over ``num_micro`` length-grouped micro-batches (see the module docstring).
+
+    ``batch``: host arrays (or device arrays, fetched once) in the rollout layout, with
+    ``loss_mask`` [R, N]. The loss sees the full completion width N as
+    ``mb[steps.COMPLETION_SLOTS]`` (the constant normaliser of
+    ``seq-mean-token-sum-norm``). With a mesh, each micro-batch's rows split over the batch
+    axes like any batch (their size must divide over them, as for the scanned update).
+    Metrics add ``update/token_efficiency`` (real / computed positions)."""
+
+    def __init__(self, optimizer, loss_fn, num_micro: int = 1, state_shardings=None,
+                 mesh=None):
+        self.loss_fn, self.num_micro, self.mesh = loss_fn, int(num_micro), mesh
+        self._sum_shapes = {}   # batch layout -> abstract (numerator, weight, metric pairs)
+        if mesh is None:
+            self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4)
+            self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
+                                  donate_argnums=0)
+            return
+        rep = NamedSharding(mesh, PartitionSpec())
+        grads = lora_lib.trainable(state_shardings.params)
+        total = (grads, rep, rep, rep)
+        self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
+                              in_shardings=(state_shardings, total,
+                                            steps.batch_sharding(mesh), rep),
+                              out_shardings=total)
+        self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
+                              donate_argnums=0, in_shardings=(state_shardings, total),
+                              out_shardings=(state_shardings, rep))
+
+    def _micro_step(self, state, total, mb, index, slots: int):
+        mb = {**mb, steps.COMPLETION_SLOTS: slots}
+        return steps.add_micro(total, steps.micro_grads(self.loss_fn, state, mb, index))
+
+    def _zeros(self, state, mb: dict, slots: int):
+        """A zero total: gradients like the trainable params, scalar sums, metric pairs."""
+        key = tuple(sorted((k, np.ndim(v)) for k, v in mb.items()))
+        if key not in self._sum_shapes:   # one abstract trace per batch layout
+            mb_abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
+                           for k, v in mb.items()}
+            one = lambda s, b: steps.micro_grads(   # noqa: E731
+                self.loss_fn, s, {**b, steps.COMPLETION_SLOTS: slots})
+            self._sum_shapes[key] = jax.eval_shape(one, state, mb_abstract)[1:]
+        grads = jax.tree.map(jnp.zeros_like, lora_lib.trainable(state.params))
+        sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._sum_shapes[key])
+        return (grads, *sums)
+
+    def __call__(self, state, batch: dict):
+        batch = {k: dist.to_host(v) for k, v in batch.items()}
+        n = batch["loss_mask"].shape[1]
+        micro_batches = plan(batch["mask"], n, self.num_micro)
+        total = None
+        for i, mb in enumerate(micro_batches):
+            part = take(batch, mb, n)
+            if total is None:
+                total = self._zeros(state, part, n)
+            total = self._micro(state, total, dist.device_batch(part, self.mesh),
+                                jnp.asarray(i, jnp.int32), n)
+        state, metrics = self._apply(state, total)
+        metrics["update/token_efficiency"] = token_efficiency(batch["mask"], micro_batches)
+        return state, metrics
+
+
+class GroupedLogps:
+    """``fn(params, batch) -> float32 [R, N]`` (numpy): the completion log-probs of the
+    old/reference passes (``steps.build_logps_fn``) over ``num_micro`` length-grouped
+    micro-batches, ``logps_fn`` (jitted, one micro-batch) run once per micro-batch, all
+    dispatched before any is fetched. Columns past a micro-batch's trimmed completion width
+    hold no real token of its rows: 0, as the full computation gives."""
+
+    def __init__(self, logps_fn, num_micro: int = 1, mesh=None):
+        self.logps_fn, self.num_micro, self.mesh = logps_fn, int(num_micro), mesh
+
+    def __call__(self, params, batch: dict) -> np.ndarray:
+        batch = {k: dist.to_host(batch[k]) for k in steps.LOGPS_KEYS if k in batch}
+        rows, n = batch["loss_mask"].shape
+        micro_batches = plan(batch["mask"], n, self.num_micro)
+        outs = [self.logps_fn(params, dist.device_batch(take(batch, mb, n), self.mesh))
+                for mb in micro_batches]
+        logps = np.zeros((rows, n), np.float32)
+        for mb, out in zip(micro_batches, outs):
+            logps[mb.rows, :mb.completion_cols] = dist.to_host(out)
+        return logps
+
+
+def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
+                    num_micro: int = 1, state_shardings=None, mesh=None) -> GroupedUpdate:
+    """``steps.build_grpo_step`` over length-grouped micro-batches (host batch in; metrics
+    add ``update/token_efficiency``)."""
+    return GroupedUpdate(optimizer, steps.grpo_loss_fn(model_cfg, algo_cfg, temperature),
+                         num_micro, state_shardings, mesh)
+
+
+def build_logps_fn(model_cfg, *, num_micro: int = 1, mesh=None, **opts) -> GroupedLogps:
+    """``steps.build_logps_fn`` over length-grouped micro-batches (returns host arrays);
+    ``opts``: its ``temperature``, ``param_shardings``, ``base_only``."""
+    one = steps.build_logps_fn(model_cfg, num_micro=1, mesh=mesh, **opts)
+    return GroupedLogps(one, num_micro, mesh)
