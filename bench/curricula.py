@@ -116,6 +116,14 @@ def accuracy_at(points: list[dict], tokens: float) -> float | None:
     return None
 
 
+def mean_accuracy(points: list[dict], lo: float, hi: float, n: int = 21) -> float | None:
+    """Accuracy averaged over ``n`` evenly spaced token counts in ``[lo, hi]`` (interpolated as
+    in ``accuracy_at``): less sensitive than one point to evaluation-to-evaluation noise.
+    None when the run did not reach ``hi``."""
+    values = [accuracy_at(points, lo + (hi - lo) * i / (n - 1)) for i in range(n)]
+    return None if any(v is None for v in values) else statistics.fmean(values)
+
+
 def with_included(runs: list[dict], included: list[dict]) -> list[dict]:
     """``runs`` plus the runs of other result files (``--include``) whose (method, seed) is
     not in ``runs`` (nor earlier in ``included``: the first file wins), each marked with
@@ -145,6 +153,9 @@ def summary(runs: list[dict], methods: list[str], budget: int,
             acc = [a for a in (accuracy_at(r["points"], f * budget) for r in mine)
                    if a is not None]
             row[f"acc@{f:g}"] = mean_std(acc) if len(acc) == len(mine) and mine else None
+        half = [a for a in (mean_accuracy(r["points"], budget / 2, budget) for r in mine)
+                if a is not None]
+        row["mean@half"] = mean_std(half) if len(half) == len(mine) and mine else None
         if mine:
             row["rl_steps"] = statistics.fmean(r["rl_steps"] for r in mine)
             row["cpu_s"] = statistics.fmean(r["cpu_s"] for r in mine)
@@ -154,21 +165,26 @@ def summary(runs: list[dict], methods: list[str], budget: int,
 
 
 def table(rows: list[dict], budget: int, fractions=(0.25, 0.5, 1.0)) -> str:
-    """Markdown: accuracy (%) at the token fractions, mean ± std, and the change vs plain."""
-    base = next((r.get("acc@1") for r in rows if r["method"] == "plain"), None)
+    """Markdown: accuracy (%) at the token fractions, mean ± std, the change vs plain at the
+    budget, and the change vs plain of the accuracy averaged over the budget's second half."""
+    plain = next((r for r in rows if r["method"] == "plain"), {})
+    base, base_half = plain.get("acc@1"), plain.get("mean@half")
     head = (["method", "seeds", "after SFT"] +
             [f"acc @ {f * budget / 1e3:,.0f}k tok" for f in fractions] +
-            ["vs plain", "RL steps", "CPU s/run"])
+            ["vs plain", "vs plain, 2nd-half mean", "RL steps", "CPU s/run"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pct = lambda ms: "n/a" if ms is None else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"  # noqa
     for r in rows:
         final = r.get("acc@1")
         delta = ("" if base is None or final is None or r["method"] == "plain"
                  else f"{100 * (final[0] - base[0]):+.1f}")
+        half = r.get("mean@half")
+        delta_half = ("" if base_half is None or half is None or r["method"] == "plain"
+                      else f"{100 * (half[0] - base_half[0]):+.1f}")
         out.append("| " + " | ".join(
             [r["method"], str(len(r["seeds"])), pct(r.get("sft_acc"))] +
             [pct(r.get(f"acc@{f:g}")) for f in fractions] +
-            [delta, f"{r.get('rl_steps', 0):.0f}", f"{r.get('cpu_s', 0):.0f}"]) + " |")
+            [delta, delta_half, f"{r.get('rl_steps', 0):.0f}", f"{r.get('cpu_s', 0):.0f}"]) + " |")
     return "\n".join(out)
 
 
@@ -310,7 +326,10 @@ def main(argv=None) -> int:
             rl = [r for r in records if "rollout/tokens" in r]
             row = {"method": m, "seed": seed, "command": cmd, "budget": args.budget,
                    "points": points, "rl_steps": len(rl),
-                   "tokens": sum(int(r["rollout/tokens"]) for r in rl), **info}
+                   "tokens": sum(int(r["rollout/tokens"]) for r in rl),
+                   # ReLIFT's SFT steps: supervised tokens the sampled-token budget omits.
+                   "supervised_tokens": sum(int(r.get("relift/sft_tokens", 0)) for r in records),
+                   **info}
             print(f"[{m} seed {seed}] rc {info['returncode']}, {len(rl)} RL steps, "
                   f"{row['tokens']} tokens, final acc "
                   f"{points[-1]['accuracy'] if points else float('nan'):.3f}, "

@@ -89,3 +89,21 @@ def test_method_specs_become_overrides_and_config_files():
     assert cmd[cmd.index("--config") + 1] == "configs/x.py"
     assert cmd[-1] == "--config.algo.beta=0.1" and "--config.seed=2" in cmd
     assert cmd.index("--config.steps=100") > cmd.index("--config.steps=5")  # cap wins
+
+
+def test_second_half_mean_averages_interpolated_accuracy_and_is_compared_to_plain():
+    bench = _bench()
+    points = [{"step": 0, "tokens": 0, "accuracy": 0.0},
+              {"step": 5, "tokens": 500, "accuracy": 0.2},
+              {"step": 9, "tokens": 1000, "accuracy": 0.4}]
+    # Linear from 0.2 at 500 to 0.4 at 1000: the mean over [500, 1000] is 0.3.
+    assert bench.mean_accuracy(points, 500, 1000) == pytest.approx(0.3)
+    assert bench.mean_accuracy(points, 500, 1001) is None   # never sampled that many
+    run = lambda m, s, acc: {"method": m, "seed": s, "rl_steps": 10, "cpu_s": 5.0,  # noqa
+                             "points": [{"step": 0, "tokens": 0, "accuracy": 0.1},
+                                        {"step": 5, "tokens": 500, "accuracy": acc},
+                                        {"step": 9, "tokens": 1000, "accuracy": acc}]}
+    rows = bench.summary([run("plain", 0, 0.2), run("x", 0, 0.3)], ["plain", "x"], 1000)
+    assert rows[1]["mean@half"] == pytest.approx((0.3, 0.0))
+    assert "| x | 1 | 10.0 ± 0.0 | 20.0 ± 0.0 | 30.0 ± 0.0 | 30.0 ± 0.0 | +10.0 | +10.0 |" in \
+        bench.table(rows, 1000)
