@@ -219,6 +219,8 @@ def rljax_worker(spec: dict) -> dict:
     cfg.algo.micro_batch_size = int(spec.get("micro_batch", 0))
     if "group_by_length" in spec:   # length-grouped micro-batches (rljax.train.length_groups)
         cfg.algo.group_by_length = bool(spec["group_by_length"])
+    if "shared_prompt" in spec:   # each group's prompt computed once (rljax.models.shared_prompt)
+        cfg.algo.shared_prompt = bool(spec["shared_prompt"])
     # Persistent compilation cache: off unless the spec names a directory (the bench runs a
     # cold process on an empty directory, then a second process on the same one).
     cfg.compilation_cache_dir = spec.get("compilation_cache_dir", "")
@@ -287,6 +289,7 @@ def rljax_worker(spec: dict) -> dict:
         "update_token_efficiency": (med("update/token_efficiency")
                                     if "update/token_efficiency" in metrics_all[-1] else None),
         "group_by_length": bool(cfg.algo.get("group_by_length", False)),
+        "shared_prompt": bool(cfg.algo.get("shared_prompt", False)),
         "prompt_efficiency": med("rollout/prompt_efficiency"),
         "compilation_cache_dir": cfg.compilation_cache_dir,
     }

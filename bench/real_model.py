@@ -116,6 +116,7 @@ def bench_grpo(model_dir: str, args, tmp: str) -> dict:
             "reward_char": grpo_step.REWARD_CHAR, "threads": os.cpu_count(),
             "template": "{question}", "micro_batch": args.micro_batch}
     spec["group_by_length"] = args.group_by_length == "on"
+    spec["shared_prompt"] = args.shared_prompt == "on"
     pythons = {"trl": args.trl_python}
     rows = {}
     runs = [("rljax", lambda: grpo_step.run_rljax_cold_warm(
@@ -245,6 +246,9 @@ def main() -> None:
     ap.add_argument("--group-by-length", choices=("on", "off"), default="on",
                     help="rljax: algo.group_by_length (the config's default is off; this "
                     "bench's shape has prompts of 57-137 tokens in a 160 bucket)")
+    ap.add_argument("--shared-prompt", choices=("on", "off"), default="on",
+                    help="rljax: algo.shared_prompt (each group's prompt computed once in the "
+                    "update)")
     ap.add_argument("--trl-python", default="/work/peers/trl/bin/python")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "real_model.json"))

@@ -217,6 +217,10 @@ def default_config() -> ml_collections.ConfigDict:
         group_by_length=False,       # GRPO: micro-batches of rows of similar length, each
                                      # computed on its own real columns only (exact up to
                                      # float32 order; rljax.train.length_groups)
+        shared_prompt=True,          # GRPO: the update computes each group's prompt once, its
+                                     # G completions attending to it (exact up to float32
+                                     # order; rljax.models.shared_prompt); other algorithms
+                                     # ignore it
         importance_sampling_level="token",
         mask_truncated_completions=False,
         dynamic_sampling=False,      # DAPO: drop groups with all-equal rewards, sample more

@@ -47,7 +47,8 @@ def test_plan_keeps_every_real_token_and_trims_padding():
         real += part["mask"].sum()
         np.testing.assert_array_equal(part["loss_mask"], batch["loss_mask"][mb.rows][:, :mb.completion_cols])
     assert real == batch["mask"].sum()          # no real token dropped
-    assert length_groups.token_efficiency(batch["mask"], plan) > batch["mask"].mean()
+    parts = [length_groups.take(batch, mb, N) for mb in plan]
+    assert length_groups.token_efficiency(parts) > batch["mask"].mean()
     assert plan[0].prompt_cols + plan[0].completion_cols < P + N   # the short rows were cut
     with pytest.raises(ValueError, match="not divisible"):
         length_groups.plan(batch["mask"], N, 3)   # 8 rows do not split in 3
@@ -65,6 +66,7 @@ def test_grouped_update_equals_scanned_update():
     step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)
     new_state, m = step(state, batch)
     assert 0 < m.pop("update/token_efficiency") <= 1
+    assert m.pop("update/shared_prompt") == 0.0
     assert set(m) == set(ref_m)
     for key in ref_m:
         np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=2e-5, atol=1e-7,

@@ -513,9 +513,8 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     a float32 [B, T] array giving each position its own (``temperature[:, t]`` for token t;
     column 0 unused): tokens sampled with a per-position schedule are scored at theirs.
 
-    The LM head runs over chunks of ``chunk_size`` positions inside a rematerialised
-    ``lax.map``, so neither the forward nor the backward pass holds float32 [B, T, V] logits.
-    ``lora_dropout_rng``: LoRA dropout key of a training pass (see ``trunk``; None = none).
+    The LM head runs in chunks of ``chunk_size`` positions (``scored_logps``): no float32
+    [B, T, V] logits are held. ``lora_dropout_rng``: LoRA dropout key of a training pass (see ``trunk``; None = none).
 
     ``first_scored`` (static int): columns below it are not scored -- their logps (and
     entropies) are 0 and the LM head never runs for them. Every loss over a completion masks
@@ -531,19 +530,44 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     if n == 0:
         zeros = jnp.zeros((b, t), jnp.float32)
         return zeros, (zeros if with_entropy else None)
-    c = chunk_size or _auto_chunk(b, n, cfg.vocab_size)
-    c = min(c, n)
+    # hidden[:, s - 1] predicts tokens[:, s]: scored columns [start, t).
+    temperature = jnp.asarray(temperature, jnp.float32)
+    if temperature.ndim == 2:
+        temperature = temperature[:, start:]
+    logp, ent = scored_logps(cfg, params, hidden[:, start - 1:-1], tokens[:, start:],
+                             temperature, chunk_size, with_entropy)
+    first = jnp.zeros((b, start), jnp.float32)
+    logp = jnp.concatenate([first, logp], axis=1)
+    ent = jnp.concatenate([first, ent], axis=1)
+    if attention_mask is not None:
+        valid = attention_mask.astype(bool)
+        logp = jnp.where(valid, logp, 0.0)
+        ent = jnp.where(valid, ent, 0.0)
+    return logp, (ent if with_entropy else None)
+
+
+def scored_logps(cfg: ModelConfig, params: dict, hidden: jax.Array, targets: jax.Array,
+                 temperature=1.0, chunk_size: Optional[int] = None, with_entropy: bool = False):
+    """The LM head and log-softmax over given positions, chunked.
+
+    hidden: [B, n, D], each row's hidden state *before* its target; targets: int [B, n];
+    temperature: scalar or float32 [B, n]. Returns ``(logps float32 [B, n], entropy float32
+    [B, n])`` (entropy zeros unless ``with_entropy``). The head runs over chunks of
+    ``chunk_size`` positions inside a rematerialised ``lax.map``, so neither the forward nor
+    the backward pass holds float32 [B, n, V] logits.
+    """
+    b, n = targets.shape
+    c = min(chunk_size or _auto_chunk(b, n, cfg.vocab_size), n)
     num_chunks = -(-n // c)
     pad = num_chunks * c - n
-    # hidden[:, s - 1] predicts tokens[:, s]: scored columns [start, t).
-    h = jnp.pad(hidden[:, start - 1:-1], ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(tokens[:, start:], ((0, 0), (0, pad)))
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
     # [num_chunks, B, C, ...] so lax.map walks over chunks.
     h = h.reshape(b, num_chunks, c, -1).swapaxes(0, 1)
     targets = targets.reshape(b, num_chunks, c).swapaxes(0, 1)
     inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
     if inv_temp.ndim == 2:  # per position: chunked like the targets, [num_chunks, B, C, 1]
-        inv_temp = jnp.pad(inv_temp[:, start:], ((0, 0), (0, pad)), constant_values=1.0)
+        inv_temp = jnp.pad(inv_temp, ((0, 0), (0, pad)), constant_values=1.0)
         inv_temp = inv_temp.reshape(b, num_chunks, c).swapaxes(0, 1)[..., None]
     else:  # one scalar for every chunk
         inv_temp = jnp.broadcast_to(inv_temp, (num_chunks,))
@@ -562,13 +586,4 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
         return logp, ent
 
     logp, ent = jax.lax.map(chunk, (h, targets, inv_temp))
-    logp = logp.swapaxes(0, 1).reshape(b, -1)[:, :n]
-    ent = ent.swapaxes(0, 1).reshape(b, -1)[:, :n]
-    first = jnp.zeros((b, start), jnp.float32)
-    logp = jnp.concatenate([first, logp], axis=1)
-    ent = jnp.concatenate([first, ent], axis=1)
-    if attention_mask is not None:
-        valid = attention_mask.astype(bool)
-        logp = jnp.where(valid, logp, 0.0)
-        ent = jnp.where(valid, ent, 0.0)
-    return logp, (ent if with_entropy else None)
+    return (logp.swapaxes(0, 1).reshape(b, -1)[:, :n], ent.swapaxes(0, 1).reshape(b, -1)[:, :n])

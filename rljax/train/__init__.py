@@ -17,8 +17,10 @@ the package stays cheap and does not start a jax backend:
   plot        plot_metrics (``rljax plot``)
   steps       exact micro-batch accumulation, non-finite skip; build_sft_step, build_grpo_step,
               build_logps_fn (jitted, explicit shardings, state donated)
-  length_groups  algo.group_by_length: the GRPO update and old/ref log-prob passes over
-              micro-batches of rows of similar length, trimmed to their real columns
+  length_groups  host-planned micro-batches of the GRPO update and old/ref log-prob passes:
+              algo.group_by_length (rows of similar length, trimmed to their real columns),
+              algo.shared_prompt (whole groups, each prompt computed once:
+              rljax.models.shared_prompt)
   buckets     prompt_buckets (prompt-length buckets of the rollout and length_groups)
   rollout     Rollout: prompts -> G samples -> rewards -> advantages -> training batch (DAPO
               dynamic sampling, overlong shaping, KL-in-reward)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -63,20 +64,36 @@ def bucket(length: int, limit: int) -> int:
     return next(b for b in prompt_buckets(limit) if b >= max(int(length), 1))
 
 
-def plan(mask: np.ndarray, n: int, num_micro: int) -> list[MicroBatch]:
-    """``num_micro`` micro-batches of rows of similar real length (mask bool [R, P+N], N
-    completion columns), shortest first; each trimmed to the buckets of its longest prompt and
-    completion. Rows are ordered by total real length, then prompt length, then index."""
+def plan(mask: np.ndarray, n: int, num_micro: int, group_size: int = 1,
+         by_length: bool = True) -> list[MicroBatch]:
+    """``num_micro`` micro-batches of the rows of a batch (mask bool [R, P+N], N completion
+    columns).
+
+    ``by_length``: rows of similar real length together, shortest first, each micro-batch
+    trimmed to the buckets of its longest prompt and completion; rows ordered by total real
+    length, then prompt length, then index. Otherwise in batch order, untrimmed.
+    ``group_size`` G > 1 (whole micro-batches of G-row groups possible): groups of G
+    consecutive rows stay together and are ordered by their longest row, so that a
+    micro-batch can compute each group's shared prompt once (``shared_layout``)."""
     r = mask.shape[0]
     if r % num_micro:
         raise ValueError(f"batch of {r} is not divisible into {num_micro} micro-batches")
     micro_size = r // num_micro
+    g = group_size if group_size > 1 and micro_size % group_size == 0 else 1
     p = mask.shape[1] - n
     prompt_len, completion_len = real_extents(mask, n)
-    order = np.lexsort((prompt_len, prompt_len + completion_len))   # last key is primary
+    unit_prompt = prompt_len.reshape(-1, g).max(1)
+    unit_completion = completion_len.reshape(-1, g).max(1)
+    units = np.arange(r // g)
+    if by_length:   # last key is primary
+        units = np.lexsort((unit_prompt, unit_prompt + unit_completion))
+    order = (units[:, None] * g + np.arange(g)[None]).reshape(-1)
     out = []
     for start in range(0, r, micro_size):
         rows = order[start:start + micro_size]
+        if not by_length:
+            out.append(MicroBatch(rows, p, n))
+            continue
         out.append(MicroBatch(rows, bucket(prompt_len[rows].max(), p) if p else 0,
                               bucket(completion_len[rows].max(), n)))
     return out
@@ -101,26 +118,87 @@ def take(batch: dict, mb: MicroBatch, n: int) -> dict:
     return out
 
 
-def token_efficiency(mask: np.ndarray, micro_batches: list[MicroBatch]) -> float:
-    """Real tokens / positions the grouped update computes."""
-    computed = sum(len(mb.rows) * (mb.prompt_cols + mb.completion_cols) for mb in micro_batches)
-    return float(np.asarray(mask, bool).sum() / max(computed, 1))
+def shared_layout(part: dict, completion_cols: int, group_size: int) -> dict | None:
+    """A micro-batch (``take``'s output, rows group-contiguous) in the shared-prompt layout --
+    ``prompt_tokens``/``prompt_mask`` [R/G, P'] once per group of G rows, ``tokens``/``mask``
+    [R, N'] the completion columns, other fields as they are (``steps.completion_logps`` then
+    runs ``models.shared_prompt``) -- or None when some group's rows differ in their prompt
+    columns (then each row computes its own prompt)."""
+    tokens, mask = part["tokens"], np.asarray(part["mask"], bool)
+    r, width = tokens.shape
+    p = width - completion_cols
+    if group_size < 2 or p == 0 or r % group_size:
+        return None
+    prompt = tokens[:, :p].reshape(-1, group_size, p)
+    prompt_mask = mask[:, :p].reshape(-1, group_size, p)
+    if not ((prompt == prompt[:, :1]).all() and (prompt_mask == prompt_mask[:, :1]).all()):
+        return None
+    if not prompt_mask[:, 0, -1].all():   # a prompt must end in its last column (left padding)
+        return None
+    return {**part, "prompt_tokens": prompt[:, 0], "prompt_mask": prompt_mask[:, 0],
+            "tokens": tokens[:, p:], "mask": mask[:, p:]}
+
+
+def computed_positions(part: dict) -> tuple[int, int]:
+    """(real tokens, positions) the forward over one micro-batch computes."""
+    real = int(np.asarray(part["mask"], bool).sum())
+    positions = int(np.size(part["mask"]))
+    if "prompt_mask" in part:
+        real += int(np.asarray(part["prompt_mask"], bool).sum())
+        positions += int(np.size(part["prompt_mask"]))
+    return real, positions
+
+
+def token_efficiency(parts: list[dict]) -> float:
+    """Real tokens / positions the grouped update computes (a shared prompt counts once)."""
+    real, positions = np.sum([computed_positions(p) for p in parts], axis=0)
+    return float(real / max(positions, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+    """How a host batch is cut into micro-batches: ``num_micro`` of them; ``by_length``
+    (``algo.group_by_length``: sorted and trimmed, see ``plan``); ``group_size`` G > 1
+    (``algo.shared_prompt``): groups of G rows kept together and, where their prompt columns
+    are equal, each group's prompt computed once (``shared_layout``). ``mesh``: a shared
+    micro-batch's prompt rows must split over the batch axes too."""
+    num_micro: int = 1
+    by_length: bool = True
+    group_size: int = 1
+    mesh: object = None
+
+    def parts(self, batch: dict, n: int) -> list[tuple[MicroBatch, dict]]:
+        """[(micro-batch, its host arrays in the layout the step computes)] of a host batch
+        with N completion columns."""
+        out = []
+        for mb in plan(batch["mask"], n, self.num_micro, self.group_size, self.by_length):
+            part = take(batch, mb, n)
+            shared = shared_layout(part, mb.completion_cols, self.group_size)
+            if shared is not None and len(mb.rows) // self.group_size % self._shards() == 0:
+                part = shared
+            out.append((mb, part))
+        return out
+
+    def _shards(self) -> int:
+        if self.mesh is None:
+            return 1
+        return math.prod(self.mesh.shape[a] for a in steps.BATCH_AXES if a in self.mesh.shape)
 
 
 class GroupedUpdate:
     """``update(state, batch) -> (state, metrics)``: one exact optimizer update of ``loss_fn``
-    over ``num_micro`` length-grouped micro-batches (see the module docstring).
+    over the micro-batches of ``planner`` (see the module docstring).
 
     ``batch``: host arrays (or device arrays, fetched once) in the rollout layout, with
     ``loss_mask`` [R, N]. The loss sees the full completion width N as
     ``mb[steps.COMPLETION_SLOTS]`` (the constant normaliser of
     ``seq-mean-token-sum-norm``). With a mesh, each micro-batch's rows split over the batch
     axes like any batch (their size must divide over them, as for the scanned update).
-    Metrics add ``update/token_efficiency`` (real / computed positions)."""
+    Metrics add ``update/token_efficiency`` (real / computed positions) and
+    ``update/shared_prompt`` (fraction of micro-batches computing each prompt once)."""
 
-    def __init__(self, optimizer, loss_fn, num_micro: int = 1, state_shardings=None,
-                 mesh=None):
-        self.loss_fn, self.num_micro, self.mesh = loss_fn, int(num_micro), mesh
+    def __init__(self, optimizer, loss_fn, planner: Planner, state_shardings=None):
+        self.loss_fn, self.planner, mesh = loss_fn, planner, planner.mesh
         self._sum_shapes = {}   # batch layout -> abstract (numerator, weight, metric pairs)
         if mesh is None:
             self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4)
@@ -158,51 +236,67 @@ class GroupedUpdate:
     def __call__(self, state, batch: dict):
         batch = {k: dist.to_host(v) for k, v in batch.items()}
         n = batch["loss_mask"].shape[1]
-        micro_batches = plan(batch["mask"], n, self.num_micro)
+        parts = [part for _, part in self.planner.parts(batch, n)]
         total = None
-        for i, mb in enumerate(micro_batches):
-            part = take(batch, mb, n)
+        for i, part in enumerate(parts):
             if total is None:
                 total = self._zeros(state, part, n)
-            total = self._micro(state, total, dist.device_batch(part, self.mesh),
+            total = self._micro(state, total, dist.device_batch(part, self.planner.mesh),
                                 jnp.asarray(i, jnp.int32), n)
         state, metrics = self._apply(state, total)
-        metrics["update/token_efficiency"] = token_efficiency(batch["mask"], micro_batches)
+        metrics["update/token_efficiency"] = token_efficiency(parts)
+        metrics["update/shared_prompt"] = float(np.mean(["prompt_tokens" in p for p in parts]))
         return state, metrics
 
 
 class GroupedLogps:
     """``fn(params, batch) -> float32 [R, N]`` (numpy): the completion log-probs of the
-    old/reference passes (``steps.build_logps_fn``) over ``num_micro`` length-grouped
-    micro-batches, ``logps_fn`` (jitted, one micro-batch) run once per micro-batch, all
-    dispatched before any is fetched. Columns past a micro-batch's trimmed completion width
-    hold no real token of its rows: 0, as the full computation gives."""
+    old/reference passes (``steps.build_logps_fn``) over the micro-batches of ``planner``,
+    ``logps_fn`` (jitted, one micro-batch) run once per micro-batch, all dispatched before any
+    is fetched. Columns past a micro-batch's trimmed completion width hold no real token of
+    its rows: 0, as the full computation gives."""
 
-    def __init__(self, logps_fn, num_micro: int = 1, mesh=None):
-        self.logps_fn, self.num_micro, self.mesh = logps_fn, int(num_micro), mesh
+    def __init__(self, logps_fn, planner: Planner):
+        self.logps_fn, self.planner = logps_fn, planner
 
     def __call__(self, params, batch: dict) -> np.ndarray:
         batch = {k: dist.to_host(batch[k]) for k in steps.LOGPS_KEYS if k in batch}
         rows, n = batch["loss_mask"].shape
-        micro_batches = plan(batch["mask"], n, self.num_micro)
-        outs = [self.logps_fn(params, dist.device_batch(take(batch, mb, n), self.mesh))
-                for mb in micro_batches]
+        parts = self.planner.parts(batch, n)
+        outs = [self.logps_fn(params, dist.device_batch(part, self.planner.mesh))
+                for _, part in parts]
         logps = np.zeros((rows, n), np.float32)
-        for mb, out in zip(micro_batches, outs):
+        for (mb, _), out in zip(parts, outs):
             logps[mb.rows, :mb.completion_cols] = dist.to_host(out)
         return logps
 
 
+def host_planned(algo_cfg) -> bool:
+    """Whether the GRPO update and log-prob passes run over host-planned micro-batches."""
+    return bool(algo_cfg.group_by_length or algo_cfg.get("shared_prompt", False))
+
+
+def planner(algo_cfg=None, num_micro: int = 1, mesh=None) -> Planner:
+    """The ``Planner`` of the configured ``algo.group_by_length`` / ``algo.shared_prompt``
+    (``algo_cfg`` None: grouped by length, no shared prompts)."""
+    if algo_cfg is None:
+        return Planner(int(num_micro), True, 1, mesh)
+    g = int(algo_cfg.num_generations) if algo_cfg.get("shared_prompt", False) else 1
+    return Planner(int(num_micro), bool(algo_cfg.group_by_length), g, mesh)
+
+
 def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
                     num_micro: int = 1, state_shardings=None, mesh=None) -> GroupedUpdate:
-    """``steps.build_grpo_step`` over length-grouped micro-batches (host batch in; metrics
-    add ``update/token_efficiency``)."""
+    """``steps.build_grpo_step`` over host-planned micro-batches (host batch in; metrics add
+    ``update/token_efficiency`` and ``update/shared_prompt``)."""
     return GroupedUpdate(optimizer, steps.grpo_loss_fn(model_cfg, algo_cfg, temperature),
-                         num_micro, state_shardings, mesh)
+                         planner(algo_cfg, num_micro, mesh), state_shardings)
 
 
-def build_logps_fn(model_cfg, *, num_micro: int = 1, mesh=None, **opts) -> GroupedLogps:
-    """``steps.build_logps_fn`` over length-grouped micro-batches (returns host arrays);
-    ``opts``: its ``temperature``, ``param_shardings``, ``base_only``."""
+def build_logps_fn(model_cfg, *, algo_cfg=None, num_micro: int = 1, mesh=None,
+                   **opts) -> GroupedLogps:
+    """``steps.build_logps_fn`` over host-planned micro-batches (returns host arrays);
+    ``algo_cfg`` as ``planner``; ``opts``: its ``temperature``, ``param_shardings``,
+    ``base_only``."""
     one = steps.build_logps_fn(model_cfg, num_micro=1, mesh=mesh, **opts)
-    return GroupedLogps(one, num_micro, mesh)
+    return GroupedLogps(one, planner(algo_cfg, num_micro, mesh))

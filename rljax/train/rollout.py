@@ -166,10 +166,12 @@ class Rollout:
         self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
-        build = (length_groups.build_logps_fn if cfg.algo.group_by_length else build_logps_fn)
         logps_opts = dict(temperature=cfg.rollout.temperature,
                           num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
                           param_shardings=ctx.param_shardings)
+        build = build_logps_fn
+        if length_groups.host_planned(cfg.algo):
+            build = functools.partial(length_groups.build_logps_fn, algo_cfg=cfg.algo)
         self.logps_fn = build(ctx.model_cfg, **logps_opts)
         # With LoRA the reference policy is the base model: the same arrays, adapters off.
         self.base_logps_fn = build(ctx.model_cfg, base_only=True, **logps_opts)

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import algorithms, models
-from rljax.models import lora as lora_lib
+from rljax.models import lora as lora_lib, shared_prompt
 from rljax.sharding import BATCH_AXES
 from rljax.train.optim import apply_if_finite
 from rljax.train.state import TrainState
@@ -188,8 +188,20 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     sampled at, instead of the scalar ``temperature``.
 
     Only the completion columns are scored (``token_logps(first_scored=P)``): the LM head
-    never runs over the prompt, whose log-probs no loss reads."""
+    never runs over the prompt, whose log-probs no loss reads.
+
+    Shared-prompt layout (``length_groups.shared_layout``, ``algo.shared_prompt``): with
+    ``batch["prompt_tokens"]``/``["prompt_mask"]`` [R/G, P] once per group of G rows,
+    ``tokens``/``mask`` are the completion columns [R, N] only, and each prompt is computed
+    once (``models.shared_prompt``): the same log-probs up to float32 summation order."""
     n = batch["loss_mask"].shape[1]
+    if "prompt_tokens" in batch:
+        temperature = batch.get("temperatures", temperature)
+        logps, ent = shared_prompt.completion_logps(
+            model_cfg, params, batch["prompt_tokens"], batch["prompt_mask"],
+            batch["tokens"][:, :n], batch["mask"][:, :n], temperature=temperature,
+            with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng)
+        return logps, ent
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
         prompt = jnp.ones((per_token.shape[0], batch["tokens"].shape[1] - n), jnp.float32)
@@ -320,7 +332,8 @@ def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
     return jit_step(grpo_step, state_shardings, mesh)
 
 
-LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures")   # what the log-prob passes read
+# What the log-prob passes read (``prompt_*``: the shared-prompt layout, see completion_logps).
+LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures", "prompt_tokens", "prompt_mask")
 
 
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,

@@ -72,7 +72,7 @@ class GRPOPhase:
     def _compiled(self, state):
         if self._step_fn is None:
             cfg = self.ctx.cfg
-            build = (length_groups.build_grpo_step if cfg.algo.group_by_length
+            build = (length_groups.build_grpo_step if length_groups.host_planned(cfg.algo)
                      else build_grpo_step)
             self._step_fn = build(
                 self.ctx.model_cfg, cfg.algo, self.optimizer,
@@ -89,7 +89,7 @@ class GRPOPhase:
         for _ in range(self.ctx.cfg.algo.num_iterations):
             for start in range(0, self.batch_size, self.mini):
                 mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
-                if self.ctx.cfg.algo.group_by_length:   # regroups the host rows itself
+                if length_groups.host_planned(self.ctx.cfg.algo):   # plans the host rows itself
                     state, m = step_fn(state, mb)
                 else:
                     state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))

@@ -1,0 +1,142 @@
+"""Teacher-forced forward over G completions of one prompt, with the prompt computed once.
+
+A GRPO batch holds G completions of each prompt: rows ``g*G .. g*G+G-1`` share their prompt
+columns. The plain forward (``transformer.token_logps`` over ``[prompt ++ completion]``) runs
+every layer over the prompt G times, though the G copies compute the same numbers: the prompt
+never attends to the completion. Here the prompt rows run once ([Bp, P]) and each completion
+row ([Bp*G, N]) attends to its prompt's keys/values and to its own earlier tokens, in one
+softmax over both (the "shared-prefix forward" of Prefix Grouper, arXiv 2506.05433). The
+gradient reaching the prompt's keys and values is the sum over the G completions, as the plain
+forward's would be: the same log-probs and gradients up to float32 summation order, at
+``Bp*P + Bp*G*N`` positions instead of ``Bp*G*(P+N)``.
+
+The projections and MLP run over the prompt and completion positions as one flattened row
+axis (one matmul per weight); only attention treats the two parts apart.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from rljax.models import transformer as tfm
+from rljax.models.config import ModelConfig
+
+
+def completion_positions(prompt_mask: jax.Array, mask: jax.Array, group_size: int) -> jax.Array:
+    """int32 [Bp*G, N]: the positions ``default_positions`` gives the completion columns of
+    ``[prompt ++ completion]`` rows (prompt_mask bool [Bp, P]; mask bool [Bp*G, N])."""
+    prompt_len = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), group_size)   # [Bp*G]
+    return jnp.maximum(prompt_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
+
+
+def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask) -> jax.Array:
+    """Completion queries over their prompt's keys and their own earlier keys, one softmax.
+
+    q: [Bp, G, N, H, Dh]; k_prompt, v_prompt: [Bp, P, K, Dh]; k, v: [Bp, G, N, K, Dh];
+    prompt_mask: bool [Bp, P]; mask: bool [Bp, G, N] (real completion tokens). Returns
+    [Bp, G, N, H, Dh]. Scores and softmax in float32, as ``transformer.attention``.
+    """
+    bp, g, n, h, dh = q.shape
+    kv = k.shape[3]
+    q = q.reshape(bp, g, n, kv, h // kv, dh)
+    scale = dh ** -0.5
+    # The G queries of a prompt batch against its keys: [Bp, G, K, h/K, N, P].
+    s_prompt = jnp.einsum("bgtkhd,bskd->bgkhts", q, k_prompt,
+                          preferred_element_type=jnp.float32) * scale
+    s_self = jnp.einsum("bgtkhd,bgskd->bgkhts", q, k, preferred_element_type=jnp.float32) * scale
+    s_prompt = jnp.where(prompt_mask[:, None, None, None, None, :], s_prompt, tfm._MASK_VALUE)
+    causal = jnp.tril(jnp.ones((n, n), bool))
+    self_mask = causal[None, None] & mask[:, :, None, :]                  # [Bp, G, N, N]
+    s_self = jnp.where(self_mask[:, :, None, None], s_self, tfm._MASK_VALUE)
+    p = k_prompt.shape[1]
+    probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_self], axis=-1), axis=-1)
+    probs = probs.astype(v.dtype)
+    out = (jnp.einsum("bgkhts,bskd->bgtkhd", probs[..., :p], v_prompt)
+           + jnp.einsum("bgkhts,bgskd->bgtkhd", probs[..., p:], v))
+    return out.reshape(bp, g, n, h, dh)
+
+
+def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+          tokens: jax.Array, mask: jax.Array, lora_dropout_rng: Optional[jax.Array] = None):
+    """Embeddings + all layers + final norm over shared prompts and their completions.
+
+    prompt_tokens: int [Bp, P], left-padded (prompt_mask bool [Bp, P]); tokens: int [Bp*G, N]
+    completion rows, group-contiguous (rows ``g*G .. g*G+G-1`` continue prompt g), mask bool
+    [Bp*G, N]. Positions are those of the concatenated rows (``default_positions``). Returns
+    ``(prompt hidden [Bp, P, D], completion hidden [Bp*G, N, D])`` in ``cfg.dtype``; the
+    completion rows' equal those of ``transformer.trunk`` on ``[prompt ++ completion]`` up to
+    float32 summation order. ``lora_dropout_rng`` as in ``transformer.trunk`` (other masks:
+    the positions are laid out differently).
+    """
+    bp, p = prompt_tokens.shape
+    r, n = tokens.shape
+    if r % bp:
+        raise ValueError(f"shared_prompt.trunk: {r} completion rows are not a multiple of "
+                         f"{bp} prompts")
+    g = r // bp
+    prompt_mask, mask = prompt_mask.astype(bool), mask.astype(bool)
+    causal = jnp.tril(jnp.ones((p, p), bool))
+    prompt_attn_mask = causal[None] & prompt_mask[:, None, :]               # [Bp, P, P]
+    positions = jnp.concatenate([
+        tfm.default_positions(prompt_mask).reshape(-1),
+        completion_positions(prompt_mask, mask, g).reshape(-1)])[None]      # [1, Bp*P+R*N]
+    split = bp * p
+    x = jnp.concatenate([tfm.embed_tokens(cfg, params, prompt_tokens).reshape(split, -1),
+                         tfm.embed_tokens(cfg, params, tokens).reshape(r * n, -1)])[None]
+
+    def attend(q, k, v):
+        def parts(a):   # [1, Bp*P + R*N, heads, Dh] -> prompt [Bp, P, ...], completion [Bp, G, N, ...]
+            return (a[0, :split].reshape((bp, p) + a.shape[2:]),
+                    a[0, split:].reshape((bp, g, n) + a.shape[2:]))
+        (qp, qc), (kp, kc), (vp, vc) = parts(q), parts(k), parts(v)
+        out_prompt = tfm.attention(qp, kp, vp, prompt_attn_mask, impl=cfg.attention_impl)
+        out = shared_prompt_attention(qc, kp, vp, kc, vc, prompt_mask, mask.reshape(bp, g, n))
+        return jnp.concatenate([out_prompt.reshape((split,) + out_prompt.shape[2:]),
+                                out.reshape((r * n,) + out.shape[3:])])[None]
+
+    def layer(x, p, i, lp):
+        p = tfm._cast_layer(cfg, p)
+        drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
+        h = tfm.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        q, k, v = tfm._qkv(cfg, p, h, positions, lp, drop)
+        x = x + tfm._proj(cfg, p, lp, "o", attend(q, k, v), n_in=2, drop=drop)
+        h = tfm.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        return x + tfm._mlp(cfg, p, h, lp, drop)
+
+    # The same rematerialisation as ``transformer.trunk``'s training forward.
+    policy = None if cfg.remat else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    layer = jax.checkpoint(layer, prevent_cse=False, policy=policy)
+    lora_layers = params["lora"]["layers"] if "lora" in params else None
+
+    def body(x, xs):
+        return layer(x, *xs), None
+
+    idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers))
+    x = tfm.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)[0]
+    return x[:split].reshape(bp, p, -1), x[split:].reshape(r, n, -1)
+
+
+def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
+                     prompt_mask: jax.Array, tokens: jax.Array, mask: jax.Array,
+                     temperature=1.0, chunk_size: Optional[int] = None,
+                     with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None):
+    """Log-probs (and entropies) of completion tokens after shared prompts.
+
+    Shapes as ``trunk``; ``temperature`` a scalar or float32 [Bp*G, N] (each token at its own).
+    Returns ``(logps float32 [Bp*G, N], entropy [Bp*G, N] or None)``, 0 where ``mask`` is
+    False: column j is ``log p(tokens[:, j] | prompt, tokens[:, :j])``, as
+    ``transformer.token_logps(..., first_scored=P)`` gives for the concatenated rows. Token 0
+    is predicted by the prompt's last position (left padding: the last column is real).
+    """
+    prompt_hidden, hidden = trunk(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
+                                  lora_dropout_rng)
+    g = tokens.shape[0] // prompt_tokens.shape[0]
+    last = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)                    # [Bp*G, 1, D]
+    before = jnp.concatenate([last, hidden[:, :-1]], axis=1)              # predicts column j
+    logp, ent = tfm.scored_logps(cfg, params, before, tokens, temperature, chunk_size,
+                                 with_entropy)
+    logp = jnp.where(mask, logp, 0.0)
+    return logp, (jnp.where(mask, ent, 0.0) if with_entropy else None)

@@ -1,0 +1,138 @@
+"""Shared-prompt forward (``algo.shared_prompt``, ``rljax.models.shared_prompt``): each group's
+prompt computed once gives the same completion log-probs, gradients and updates as the plain
+forward over ``[prompt ++ completion]`` rows (float32 summation order), sharded too."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import models
+from rljax.models import shared_prompt
+from rljax.train import length_groups, steps
+
+from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fresh_state,
+                              sharded_fresh_state)
+
+G, P, N = 2, 24, 20
+
+
+def group_batch(num_prompts=4, seed=0):
+    """``num_prompts`` prompts of their own length (left padding) x G completions of their own
+    length (right padding), rows group-contiguous, in the rollout layout [R, P+N]."""
+    rng = np.random.default_rng(seed)
+    r = num_prompts * G
+    prompt_len = np.repeat(rng.integers(3, P + 1, num_prompts), G)
+    completion_len = rng.integers(1, N + 1, r)
+    mask = np.zeros((r, P + N), bool)
+    for i in range(r):
+        mask[i, P - prompt_len[i]:P + completion_len[i]] = True
+    prompts = np.repeat(rng.integers(4, V, (num_prompts, P)), G, axis=0)
+    tokens = np.concatenate([prompts, rng.integers(4, V, (r, N))], axis=1)
+    tokens = np.where(mask, tokens, 0).astype(np.int32)
+    loss_mask = mask[:, P:].copy()
+    logps = (-rng.uniform(0.5, 4.0, (r, N)) * loss_mask).astype(np.float32)
+    return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask,
+            "advantages": rng.normal(size=r).astype(np.float32),
+            "old_logps": logps, "sampler_logps": logps, "ref_logps": logps}
+
+
+def test_logps_entropies_and_gradients_equal_the_plain_forward():
+    cfg = models.get_preset("tiny")
+    params = models.init_params(cfg, jax.random.key(0))
+    batch = group_batch(3, seed=1)
+    layout = length_groups.shared_layout(batch, N, G)
+    temps = np.random.default_rng(2).uniform(0.5, 1.5, (3 * G, N)).astype(np.float32)
+    weights = jnp.asarray(np.random.default_rng(3).normal(size=(3 * G, N)), jnp.float32)
+
+    def plain(p):
+        t = jnp.concatenate([jnp.ones((3 * G, P)), temps], axis=1)
+        lp, ent = models.token_logps(cfg, p, batch["tokens"], batch["mask"], temperature=t,
+                                     with_entropy=True, first_scored=P)
+        return lp[:, P:], ent[:, P:]
+
+    def shared(p):
+        return shared_prompt.completion_logps(
+            cfg, p, layout["prompt_tokens"], layout["prompt_mask"], layout["tokens"],
+            layout["mask"], temperature=temps, with_entropy=True)
+
+    (lp_a, ent_a), (lp_b, ent_b) = plain(params), shared(params)
+    np.testing.assert_allclose(lp_b, lp_a, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(ent_b, ent_a, rtol=1e-5, atol=2e-6)
+    assert np.all(np.asarray(lp_b)[~batch["loss_mask"]] == 0)
+    assert np.abs(np.asarray(lp_b)[batch["loss_mask"]]).min() > 0
+    grads = [jax.grad(lambda p, f=f: (f(p)[0] * weights).sum())(params) for f in (plain, shared)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6), *grads)
+
+
+def test_shared_layout_needs_equal_prompts_in_each_group():
+    batch = group_batch(2)
+    layout = length_groups.shared_layout(batch, N, G)
+    assert layout["prompt_tokens"].shape == (2, P) and layout["tokens"].shape == (2 * G, N)
+    np.testing.assert_array_equal(layout["prompt_tokens"], batch["tokens"][::G, :P])
+    differs = dict(batch, tokens=batch["tokens"].copy())
+    differs["tokens"][1, P - 1] += 1            # row 1's prompt is not row 0's
+    assert length_groups.shared_layout(differs, N, G) is None
+    assert length_groups.shared_layout(batch, N, 3) is None    # 4 rows are not groups of 3
+
+
+@pytest.mark.parametrize("by_length", [False, True])
+def test_shared_prompt_update_equals_scanned_update(by_length):
+    algo = algo_cfg(beta=0.04, loss_agg_mode="seq-mean-token-sum-norm", epsilon_high=0.28,
+                    num_generations=G, shared_prompt=True, group_by_length=by_length)
+    batch = group_batch(4, seed=3)
+    batch["old_logps"] = batch["old_logps"] * 0.5
+    state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
+    ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    state, _ = fresh_state(lr=1.0, name="sgd", with_ref=True)
+    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)
+    new_state, m = step(state, batch)
+    assert m.pop("update/shared_prompt") == 1.0
+    assert 0 < m.pop("update/token_efficiency") <= 1
+    assert set(m) == set(ref_m)
+    for key in ref_m:
+        np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=2e-5, atol=1e-7,
+                                   err_msg=key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=1e-5, atol=1e-6),
+                 new_state.params, ref_state.params)
+
+
+def test_shared_prompt_update_sharded_matches_unsharded():
+    assert jax.device_count() == 8, "conftest provides 8 fake CPU devices"
+    algo = algo_cfg(beta=0.0, num_generations=G, shared_prompt=True)
+    batch = group_batch(8, seed=2)   # 2 micro-batches of 4 prompts: split over data x fsdp
+    state, opt = fresh_state(lr=1.0, name="sgd")
+    ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    state, opt, sshard, mesh = sharded_fresh_state()
+    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2,
+                                         state_shardings=sshard, mesh=mesh)
+    new_state, m = step(state, batch)
+    assert m["update/shared_prompt"] == 1.0
+    assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard)
+
+
+def test_shared_prompt_logps_equal_the_padded_pass():
+    batch = group_batch(4, seed=4)
+    state, _ = fresh_state()
+    want = np.asarray(steps.build_logps_fn(MODEL, num_micro=2)(state.params, batch))
+    algo = algo_cfg(num_generations=G, shared_prompt=True)
+    got = length_groups.build_logps_fn(MODEL, algo_cfg=algo, num_micro=2)(state.params, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shared_prompt_training_run_resumes_exactly(tmp_path):
+    """The trainer with ``algo.shared_prompt``: every micro-batch computes its prompts once,
+    and a run stopped midway and resumed equals a straight run."""
+    from test_train_loop import DEVICES, StopAfter, comparable, final_params, tiny_cfg
+    from rljax.train import run
+    from rljax.train.metrics import read_metrics
+    overrides = {"algo.shared_prompt": True, "algo.micro_batch_size": 8, "sft.steps": 0,
+                 "steps": 2}
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run.train(tiny_cfg(**overrides), straight, devices=DEVICES) == 0
+    assert run.train(tiny_cfg(**overrides), split, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert run.train(tiny_cfg(**overrides), split, devices=DEVICES) == 0
+    records = [r for r in read_metrics(straight) if "loss" in r]
+    assert records and all(r["update/shared_prompt"] == 1.0 for r in records)
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
