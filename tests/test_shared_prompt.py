@@ -136,3 +136,22 @@ def test_shared_prompt_training_run_resumes_exactly(tmp_path):
     assert records and all(r["update/shared_prompt"] == 1.0 for r in records)
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
+def test_dpo_pair_logps_equal_the_plain_forward_over_both_rows():
+    """DPO scores chosen and rejected after their shared prompt, computed once: the same
+    summed log-probs as ``token_logps`` over the ``pair_sequences`` rows."""
+    from rljax.train.phases import dpo
+    cfg = models.get_preset("tiny")
+    params = models.init_params(cfg, jax.random.key(1))
+    batch = group_batch(3, seed=5)   # pairs: rows 2i (chosen) and 2i+1 (rejected)
+    layout = length_groups.shared_layout(batch, N, 2)
+    pairs = {"prompt_tokens": layout["prompt_tokens"], "prompt_mask": layout["prompt_mask"],
+             "chosen_tokens": layout["tokens"][0::2], "chosen_mask": layout["mask"][0::2],
+             "rejected_tokens": layout["tokens"][1::2], "rejected_mask": layout["mask"][1::2]}
+    seq = dpo.pair_sequences(pairs)
+    plain, _ = models.token_logps(cfg, params, seq["tokens"], seq["attention_mask"])
+    want = np.where(seq["completion_mask"], plain, 0.0).sum(1)
+    got, lengths = dpo.sequence_logps(cfg, params, pairs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(lengths, np.asarray(seq["completion_mask"]).sum(1))

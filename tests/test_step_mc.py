@@ -153,7 +153,7 @@ def test_prefix_tokens_are_context_not_scored_by_the_dpo_logps():
     rt, rm = right(rejected)
     batch = {"prompt_tokens": pt, "prompt_mask": pt != 0, "chosen_tokens": ct,
              "chosen_mask": cm, "rejected_tokens": rt, "rejected_mask": rm}
-    got, lengths = dpo.sequence_logps(cfg, params, dpo.pair_sequences(batch))
+    got, lengths = dpo.sequence_logps(cfg, params, batch)
     for row, step in enumerate((chosen, rejected)):
         seq = np.asarray([context + step])
         logits = np.asarray(models.forward(cfg, params, jnp.asarray(seq)), np.float64)

@@ -7,9 +7,9 @@ Preference batches are the arrays of ``data.encode_preference``::
     rejected_tokens int32 [B, C]                  rejected_mask bool [B, C]
     pair_mask      bool  [B]     optional: False marks padding pairs (count for nothing)
 
-The policy scores ``prompt ++ completion``; a completion's log-probability is the sum of
-``models.token_logps`` over its real tokens. Chosen and rejected rows share one forward pass
-([2B, P+C]). Reference log-probs come from the frozen ``state.ref_params`` (computed once per
+The policy scores ``prompt ++ completion``; a completion's log-probability is the sum of its
+real tokens' log-probs. Chosen and rejected completions go through one forward pass that
+computes their shared prompt once (``sequence_logps``). Reference log-probs come from the frozen ``state.ref_params`` (computed once per
 batch, without gradient); ``simpo`` is reference-free and needs no reference params.
 """
 from __future__ import annotations
@@ -62,22 +62,32 @@ def pair_sequences(batch: dict) -> dict:
     }
 
 
-def sequence_logps(model_cfg: models.ModelConfig, params: Any, seq: dict,
+def sequence_logps(model_cfg: models.ModelConfig, params: Any, batch: dict,
                    lora_dropout_rng=None) -> tuple[Array, Array]:
-    """(summed completion log-probs [2B], completion lengths [2B]) of ``pair_sequences`` rows.
-    ``lora_dropout_rng``: LoRA dropout of a training pass (None = none)."""
-    logps, _ = models.token_logps(model_cfg, params, seq["tokens"],
-                                  attention_mask=seq["attention_mask"],
-                                  lora_dropout_rng=lora_dropout_rng)
-    m = seq["completion_mask"]
-    return jnp.where(m, logps, 0.0).sum(axis=1), m.sum(axis=1).astype(jnp.float32)
+    """(summed completion log-probs [2B], completion lengths [2B]) of a preference batch, rows
+    ``[:B]`` chosen and ``[B:]`` rejected (the order of ``pair_sequences``).
+
+    The chosen and rejected completions of a pair share its prompt, computed once
+    (``models.shared_prompt``, G = 2), and the LM head runs over completion positions only:
+    the sums of ``models.token_logps`` over ``pair_sequences`` rows, up to float32 summation
+    order. ``lora_dropout_rng``: LoRA dropout of a training pass (None = none)."""
+    b, c = batch["chosen_tokens"].shape
+    def pairs(chosen, rejected):   # [B, C] x 2 -> [2B, C], each pair's two rows adjacent
+        return jnp.stack([chosen, rejected], axis=1).reshape(2 * b, c)
+    tokens = pairs(batch["chosen_tokens"], batch["rejected_tokens"]).astype(jnp.int32)
+    mask = pairs(batch["chosen_mask"], batch["rejected_mask"]).astype(bool)
+    logps, _ = models.shared_prompt.completion_logps(
+        model_cfg, params, batch["prompt_tokens"].astype(jnp.int32),
+        batch["prompt_mask"].astype(bool), tokens, mask, lora_dropout_rng=lora_dropout_rng)
+    unpair = lambda x: x.reshape(b, 2).T.reshape(2 * b)   # noqa: E731  chosen rows, then rejected
+    return unpair(logps.sum(axis=1)), unpair(mask.sum(axis=1).astype(jnp.float32))
 
 
 def reference_logps(model_cfg: models.ModelConfig, ref_params: Any, batch: dict) -> dict:
     """Reference log-probs of a preference batch: ``{"ref_chosen_logps", "ref_rejected_logps"}``
     [B] each. Computed once per batch (no gradient) and stored in it, so that repeated epochs
     over the same pairs do not recompute them."""
-    ref, _ = sequence_logps(model_cfg, ref_params, pair_sequences(batch))
+    ref, _ = sequence_logps(model_cfg, ref_params, batch)
     ref = sg(ref)
     b = batch["chosen_tokens"].shape[0]
     return {"ref_chosen_logps": ref[:b], "ref_rejected_logps": ref[b:]}
@@ -99,7 +109,7 @@ def dpo_loss(model_cfg: models.ModelConfig, algo_cfg, params: Any, state, batch:
     loss_type = algo_cfg.loss_type
     b = batch["chosen_tokens"].shape[0]
     # LoRA dropout on the policy's pass only; the reference below is deterministic.
-    logps, lengths = sequence_logps(model_cfg, params, pair_sequences(batch),
+    logps, lengths = sequence_logps(model_cfg, params, batch,
                                     steps.training_dropout_rng(model_cfg, state, batch))
     pc, pr = logps[:b], logps[b:]
     if loss_type == "simpo":
