@@ -199,7 +199,7 @@ class GroupedUpdate:
 
     def __init__(self, optimizer, loss_fn, planner: Planner, state_shardings=None):
         self.loss_fn, self.planner, mesh = loss_fn, planner, planner.mesh
-        self._sum_shapes = {}   # batch layout -> abstract (numerator, weight, metric pairs)
+        self._zeros_fns = {}   # batch layout -> jitted zero total (gradients, sums, metrics)
         if mesh is None:
             self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4)
             self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
@@ -223,15 +223,20 @@ class GroupedUpdate:
     def _zeros(self, state, mb: dict, slots: int):
         """A zero total: gradients like the trainable params, scalar sums, metric pairs."""
         key = tuple(sorted((k, np.ndim(v)) for k, v in mb.items()))
-        if key not in self._sum_shapes:   # one abstract trace per batch layout
+        if key not in self._zeros_fns:   # one abstract trace per batch layout
             mb_abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
                            for k, v in mb.items()}
             one = lambda s, b: steps.micro_grads(   # noqa: E731
                 self.loss_fn, s, {**b, steps.COMPLETION_SLOTS: slots})
-            self._sum_shapes[key] = jax.eval_shape(one, state, mb_abstract)[1:]
-        grads = jax.tree.map(jnp.zeros_like, lora_lib.trainable(state.params))
-        sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._sum_shapes[key])
-        return (grads, *sums)
+            sum_shapes = jax.eval_shape(one, state, mb_abstract)[1:]
+
+            # One program (eager zeros_like per parameter leaf compiled one XLA program each).
+            @jax.jit
+            def zeros(trainable):
+                grads = jax.tree.map(jnp.zeros_like, trainable)
+                return (grads, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
+            self._zeros_fns[key] = zeros
+        return self._zeros_fns[key](lora_lib.trainable(state.params))
 
     def __call__(self, state, batch: dict):
         batch = {k: dist.to_host(v) for k, v in batch.items()}
