@@ -23,9 +23,9 @@ import numpy as np
 from rljax import distributed as dist
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
-from rljax.train import guidance, length_groups
+from rljax.train import guidance, length_groups, precompile
 from rljax.train.metrics import host_fraction
-from rljax.train.rollout import Rollout
+from rljax.train.rollout import Rollout, encode_prompts
 from rljax.train.setup import Context, rl_iterator, update_sizes
 from rljax.train.steps import build_grpo_step, to_host
 
@@ -80,8 +80,24 @@ class GRPOPhase:
                 state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
         return self._step_fn
 
+    def _precompile(self, state) -> None:
+        """Before the first rollout: compile the update step in a background thread for the
+        shapes of the batch it will produce (``rljax.train.precompile``), so the compile
+        overlaps the sampler's compile and the sampling. One process, plain update only."""
+        if (self._step_fn is not None or self.ctx.cfg.algo.group_by_length
+                or dist.is_multiprocess()):
+            return
+        step_fn = self._compiled(state)
+        prompts = [ex["prompt"] for ex in self.iterator.peek()]
+        bucket = encode_prompts(self.ctx.tokenizer, prompts,
+                                self.ctx.cfg.data.max_prompt_length)[0].shape[1]
+        spec = precompile.rollout_batch_spec(self.rollout, bucket, self.mini)
+        if spec is not None:
+            self._step_fn = precompile.AheadOfTime(step_fn, state, spec)
+
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
+        self._precompile(state)
         batch, metrics = self.rollout(state, step)
         t1 = time.perf_counter()
         step_fn = self._compiled(state)
