@@ -1,68 +1,28 @@
-"""Compile the update step in a background thread while the first rollout samples.
+"""Compile the GRPO update in a background thread while the first rollout samples.
 
-A cold first GRPO iteration is mostly two XLA compilations done one after the other: the
-sampler's (needed to sample) and the update step's (needed only once the batch exists). The
-update's input shapes are known before sampling (the prompt bucket of the first prompt batch,
-the config), so ``AheadOfTime`` lowers and compiles it on those abstract shapes in a thread;
-XLA compilation releases the GIL, so it runs on another core while the main thread compiles
-and runs the sampler.
+A cold first GRPO iteration is mostly XLA compilations done one after the other: the
+sampler's (needed to sample), then the update's (needed only once the batch exists). The
+update's input shapes are known before sampling (the first prompt batch's bucket and the
+config), so ``warm_update`` lowers and compiles the update's programs on those shapes in a
+thread: ``jit(f).lower(...).compile()`` fills the same in-memory cache a call of ``f`` reads,
+so the first real call finds its executable and compiles nothing. XLA compilation releases
+the GIL, so it overlaps the sampler's compile and the sampling.
 
-The speculation only decides *when* the step compiles, never what it computes: a call whose
-arguments match the compiled signature runs that executable (the same program ``jax.jit``
-would build), any other call (a different prompt bucket, a failed background compile) goes to
-the plain jitted function.
+Only *when* a program compiles changes, never what it computes: the first call runs the very
+executable ``jax.jit`` would have built. A misprediction (e.g. a different prompt bucket after
+dynamic sampling, trimmed columns with ``algo.group_by_length``) costs the wasted compile and
+the call compiles as usual; a failed background compile likewise.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-
-def signature(tree: Any) -> tuple:
-    """Tree structure plus (shape, dtype) of every leaf: what a compiled executable needs its
-    arguments to match (arrays, numpy arrays or ``jax.ShapeDtypeStruct``s alike)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
-
-
-class AheadOfTime:
-    """``jitted`` (a ``jax.jit`` function), compiled now in a daemon thread for arguments
-    shaped like ``example_args`` (arrays or ``jax.ShapeDtypeStruct``s).
-
-    Calls with that signature wait for the thread and run the compiled executable; any other
-    call, or every call if the background compile failed, runs ``jitted`` itself.
-    ``compiled_used`` counts the calls that ran the background executable (for tests)."""
-
-    def __init__(self, jitted: Callable, *example_args):
-        self.jitted = jitted
-        self._signature = signature(example_args)
-        self._compiled = None
-        self._error: BaseException | None = None
-        self.compiled_used = 0
-        self._thread = threading.Thread(target=self._compile, args=(example_args,),
-                                        name="rljax-precompile", daemon=True)
-        self._thread.start()
-
-    def _compile(self, example_args) -> None:
-        try:
-            self._compiled = self.jitted.lower(*example_args).compile()
-        except BaseException as e:  # noqa: BLE001  (reported through the fallback path)
-            self._error = e
-
-    def ready(self) -> bool:
-        """Whether the background compile has finished (successfully or not)."""
-        return not self._thread.is_alive()
-
-    def __call__(self, *args):
-        if signature(args) == self._signature:
-            self._thread.join()
-            if self._compiled is not None:
-                self.compiled_used += 1
-                return self._compiled(*args)
-        return self.jitted(*args)
+from rljax.train import length_groups
 
 
 def rollout_batch_spec(rollout, prompt_len: int, rows: int) -> dict | None:
@@ -70,7 +30,7 @@ def rollout_batch_spec(rollout, prompt_len: int, rows: int) -> dict | None:
     when its prompts fall in bucket ``prompt_len`` (layout: ``rljax.train.rollout``'s
     docstring), or None where the layout is not predicted here (multi-turn episodes,
     guidance hints)."""
-    from rljax.train.rollout import Rollout   # (import cycle: rollout imports the phases' deps)
+    from rljax.train.rollout import Rollout   # (import cycle: rollout imports length_groups)
     cfg, a = rollout.cfg, rollout.cfg.algo
     if type(rollout) is not Rollout or rollout.guide is not None:
         return None
@@ -88,3 +48,55 @@ def rollout_batch_spec(rollout, prompt_len: int, rows: int) -> dict | None:
     if rollout.needs_ref and not a.kl_in_reward:
         spec["ref_logps"] = f32(r, n)
     return spec
+
+
+def host_batch(spec: dict) -> dict:
+    """Numpy stand-ins for a batch spec: masks all True (every column real, as the planner
+    sees an untrimmed batch), everything else zeros (every group's prompt rows equal)."""
+    return {k: (np.ones if s.dtype == np.bool_ else np.zeros)(s.shape, s.dtype)
+            for k, s in spec.items()}
+
+
+def warm_update(step_fn, state, spec: dict) -> None:
+    """Compiles the programs ``step_fn(state, batch)`` runs on a batch shaped like ``spec``
+    (``steps.build_grpo_step``'s jitted step, or ``length_groups.GroupedUpdate``: one
+    micro-step per distinct micro-batch layout, and the optimizer apply), without running
+    the update. Fills the jit caches; returns nothing."""
+    if not isinstance(step_fn, length_groups.GroupedUpdate):
+        step_fn.lower(state, spec).compile()
+        return
+    batch = host_batch(spec)
+    n = batch["loss_mask"].shape[1]
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    seen, summed = set(), None
+    for _, part in step_fn.planner.parts(batch, n):
+        layout = tuple(sorted((k, np.shape(v), np.dtype(v.dtype)) for k, v in part.items()))
+        if layout not in seen:
+            seen.add(layout)
+            zeros = step_fn._zeros(state, part, n)   # (also compiles its zero fills)
+            lowered = step_fn._micro.lower(state, zeros, part, index, n)
+            lowered.compile()
+            # The apply takes the micro-steps' output (its exact avals, not the zeros').
+            summed = lowered.out_info
+    step_fn._apply.lower(state, summed).compile()
+
+
+class Background:
+    """``fn()`` running in a daemon thread; ``wait()`` joins it. An exception in ``fn`` is
+    kept in ``error`` (the work it was doing then simply happens later, on first use)."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.error: BaseException | None = None
+        self._fn = fn
+        self._thread = threading.Thread(target=self._run, name="rljax-precompile",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._fn()
+        except Exception as e:  # noqa: BLE001  (the first real call compiles instead)
+            self.error = e
+
+    def wait(self) -> None:
+        self._thread.join()

@@ -35,6 +35,7 @@ class GRPOPhase:
 
     name = "grpo"
     prefetch = True   # draw the next prompts while the update runs (results do not change)
+    precompile = True   # compile the update during the first rollout (results do not change)
 
     def __init__(self, ctx: Context, steps: int):
         cfg = ctx.cfg
@@ -60,6 +61,7 @@ class GRPOPhase:
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate,
                                        self.steps * self.updates_per_step + relift_updates)
         self._step_fn = None
+        self._precompiled, self._warmup = False, None   # see _precompile
 
     def init_state(self, state):
         """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0),
@@ -81,19 +83,21 @@ class GRPOPhase:
         return self._step_fn
 
     def _precompile(self, state) -> None:
-        """Before the first rollout: compile the update step in a background thread for the
-        shapes of the batch it will produce (``rljax.train.precompile``), so the compile
-        overlaps the sampler's compile and the sampling. One process, plain update only."""
-        if (self._step_fn is not None or self.ctx.cfg.algo.group_by_length
-                or dist.is_multiprocess()):
+        """Before the first rollout of this process: compile the update in a background
+        thread for the shapes of the batch that rollout will produce
+        (``rljax.train.precompile``), overlapping the sampler's compile and the sampling.
+        One process only (multi-host programs must compile in step on every host)."""
+        if not self.precompile or self._precompiled or dist.is_multiprocess():
             return
+        self._precompiled = True
         step_fn = self._compiled(state)
         prompts = [ex["prompt"] for ex in self.iterator.peek()]
         bucket = encode_prompts(self.ctx.tokenizer, prompts,
                                 self.ctx.cfg.data.max_prompt_length)[0].shape[1]
         spec = precompile.rollout_batch_spec(self.rollout, bucket, self.mini)
         if spec is not None:
-            self._step_fn = precompile.AheadOfTime(step_fn, state, spec)
+            self._warmup = precompile.Background(
+                lambda: precompile.warm_update(step_fn, state, spec))
 
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
@@ -101,6 +105,9 @@ class GRPOPhase:
         batch, metrics = self.rollout(state, step)
         t1 = time.perf_counter()
         step_fn = self._compiled(state)
+        if self._warmup is not None:   # its compile must finish before the first call uses it
+            self._warmup.wait()
+            self._warmup = None
         updates = []
         for _ in range(self.ctx.cfg.algo.num_iterations):
             for start in range(0, self.batch_size, self.mini):
