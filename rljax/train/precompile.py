@@ -25,14 +25,20 @@ import numpy as np
 from rljax.train import length_groups
 
 
+def predicts(rollout) -> bool:
+    """Whether ``rollout_batch_spec`` knows this rollout's batch layout (the plain
+    ``Rollout``: not multi-turn episodes, not guidance hints)."""
+    from rljax.train.rollout import Rollout   # (import cycle: rollout imports length_groups)
+    return type(rollout) is Rollout and rollout.guide is None
+
+
 def rollout_batch_spec(rollout, prompt_len: int, rows: int) -> dict | None:
     """``jax.ShapeDtypeStruct``s of ``rows`` rows of the batch ``Rollout.__call__`` returns
     when its prompts fall in bucket ``prompt_len`` (layout: ``rljax.train.rollout``'s
     docstring), or None where the layout is not predicted here (multi-turn episodes,
     guidance hints)."""
-    from rljax.train.rollout import Rollout   # (import cycle: rollout imports length_groups)
     cfg, a = rollout.cfg, rollout.cfg.algo
-    if type(rollout) is not Rollout or rollout.guide is not None:
+    if not predicts(rollout):
         return None
     r, n = int(rows), cfg.rollout.max_new_tokens
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731

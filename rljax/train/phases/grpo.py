@@ -87,7 +87,8 @@ class GRPOPhase:
         thread for the shapes of the batch that rollout will produce
         (``rljax.train.precompile``), overlapping the sampler's compile and the sampling.
         One process only (multi-host programs must compile in step on every host)."""
-        if not self.precompile or self._precompiled or dist.is_multiprocess():
+        if (not self.precompile or self._precompiled or dist.is_multiprocess()
+                or not precompile.predicts(self.rollout)):
             return
         self._precompiled = True
         step_fn = self._compiled(state)
@@ -95,9 +96,8 @@ class GRPOPhase:
         bucket = encode_prompts(self.ctx.tokenizer, prompts,
                                 self.ctx.cfg.data.max_prompt_length)[0].shape[1]
         spec = precompile.rollout_batch_spec(self.rollout, bucket, self.mini)
-        if spec is not None:
-            self._warmup = precompile.Background(
-                lambda: precompile.warm_update(step_fn, state, spec))
+        self._warmup = precompile.Background(
+            lambda: precompile.warm_update(step_fn, state, spec))
 
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
