@@ -172,7 +172,14 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_toke
     s = p + n
     batch = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)
     cache_axes = ("layers", "batch", "kv_heads", "length", "head_dim")  # init_cache layout
-    constrain_cache = lambda c: {k: shd.constrain(v, cache_axes, mesh, rules) for k, v in c.items()}
+
+    def constrain_cache(c):   # stacked (prefill) or per-layer (decode: ``unstack_cache``)
+        return {k: (tuple(shd.constrain(x, cache_axes[1:], mesh, rules) for x in v)
+                    if isinstance(v, tuple) else shd.constrain(v, cache_axes, mesh, rules))
+                for k, v in c.items()}
+    # Decode steps read per-layer weights and cache buffers (see ``models.unstack_layers``):
+    # in the loops, slicing a layer out of the stacks copied every layer's weights per token.
+    decode_params = models.unstack_layers(params)
     stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
     new_slots = jnp.arange(n)
 
@@ -189,7 +196,7 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_toke
         """Feeds token t-1 (slot P+t-1) of every row: (logits [rows, V], cache)."""
         rows = prev.shape[0]
         attn = jnp.concatenate([prompt_mask, jnp.broadcast_to(new_slots < t, (rows, n))], 1)
-        hidden, cache = models.trunk(cfg, params, prev[:, None], attention_mask=attn,
+        hidden, cache = models.trunk(cfg, decode_params, prev[:, None], attention_mask=attn,
                                      positions=(prompt_len + t - 1)[:, None], cache=cache,
                                      cache_index=p + t - 1)
         return models.logits_from_hidden(cfg, params, hidden[:, 0]), constrain_cache(cache)
@@ -218,6 +225,7 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_toke
                                  positions=models.default_positions(prompt_mask),
                                  cache=cache, cache_index=0)
     logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
+    cache = constrain_cache(models.unstack_cache(cache))
 
     rows = b
     paths = (jnp.full((b, n), pad_id, jnp.int32), jnp.zeros((b, n), jnp.float32),
@@ -227,7 +235,8 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_toke
     for level in range(depth + 1):
         # ---- fork: k children per path (R roots per prompt at level 0), one gather each.
         k = roots if level == 0 else branching
-        cache = constrain_cache({name: fork(v, rows, k, axis=1) for name, v in cache.items()})
+        cache = constrain_cache({name: tuple(fork(x, rows, k) for x in v)
+                                 for name, v in cache.items()})
         logits, prompt_mask, prompt_len = (fork(x, rows, k) for x in (logits, prompt_mask,
                                                                       prompt_len))
         paths = tuple(batch(fork(x, rows, k)) for x in paths)
