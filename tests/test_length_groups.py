@@ -12,6 +12,20 @@ from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fr
 B, P, N = 8, 40, 20   # P, N > 16: trimming to the 16/32 buckets can happen on both sides
 
 
+def rollout_batch(tokens, prompt_len, completion_len, rng, p):
+    """A GRPO batch in the rollout layout from token ids int [R, P+N] and each row's real
+    prompt length (left padding) and completion length (right padding)."""
+    r, n = tokens.shape[0], tokens.shape[1] - p
+    mask = np.zeros((r, p + n), bool)
+    for i in range(r):
+        mask[i, p - prompt_len[i]:p + completion_len[i]] = True
+    loss_mask = mask[:, p:].copy()
+    logps = (-rng.uniform(0.5, 4.0, (r, n)) * loss_mask).astype(np.float32)
+    return {"tokens": np.where(mask, tokens, 0).astype(np.int32), "mask": mask,
+            "loss_mask": loss_mask, "advantages": rng.normal(size=r).astype(np.float32),
+            "old_logps": logps, "sampler_logps": logps, "ref_logps": logps}
+
+
 def ragged_batch(seed=0):
     """Rows with their own prompt length (left padding) and completion length (right)."""
     rng = np.random.default_rng(seed)
@@ -19,15 +33,7 @@ def ragged_batch(seed=0):
     prompt_len[0] = 5                          # a short row, so some micro-batch is trimmed
     completion_len = rng.integers(1, N + 1, B)
     completion_len[0] = 3
-    mask = np.zeros((B, P + N), bool)
-    for i in range(B):
-        mask[i, P - prompt_len[i]:P + completion_len[i]] = True
-    tokens = np.where(mask, rng.integers(4, V, (B, P + N)), 0).astype(np.int32)
-    loss_mask = mask[:, P:].copy()
-    logps = (-rng.uniform(0.5, 4.0, (B, N)) * loss_mask).astype(np.float32)
-    return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask,
-            "advantages": rng.normal(size=B).astype(np.float32),
-            "old_logps": logps, "sampler_logps": logps, "ref_logps": logps}
+    return rollout_batch(rng.integers(4, V, (B, P + N)), prompt_len, completion_len, rng, P)
 
 
 def test_plan_keeps_every_real_token_and_trims_padding():

@@ -10,6 +10,7 @@ from rljax import models
 from rljax.models import shared_prompt
 from rljax.train import length_groups, steps
 
+from test_length_groups import rollout_batch
 from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fresh_state,
                               sharded_fresh_state)
 
@@ -23,17 +24,9 @@ def group_batch(num_prompts=4, seed=0):
     r = num_prompts * G
     prompt_len = np.repeat(rng.integers(3, P + 1, num_prompts), G)
     completion_len = rng.integers(1, N + 1, r)
-    mask = np.zeros((r, P + N), bool)
-    for i in range(r):
-        mask[i, P - prompt_len[i]:P + completion_len[i]] = True
     prompts = np.repeat(rng.integers(4, V, (num_prompts, P)), G, axis=0)
     tokens = np.concatenate([prompts, rng.integers(4, V, (r, N))], axis=1)
-    tokens = np.where(mask, tokens, 0).astype(np.int32)
-    loss_mask = mask[:, P:].copy()
-    logps = (-rng.uniform(0.5, 4.0, (r, N)) * loss_mask).astype(np.float32)
-    return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask,
-            "advantages": rng.normal(size=r).astype(np.float32),
-            "old_logps": logps, "sampler_logps": logps, "ref_logps": logps}
+    return rollout_batch(tokens, prompt_len, completion_len, rng, P)
 
 
 def test_logps_entropies_and_gradients_equal_the_plain_forward():
