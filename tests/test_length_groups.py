@@ -60,19 +60,15 @@ def test_plan_keeps_every_real_token_and_trims_padding():
         length_groups.plan(batch["mask"], N, 3)   # 8 rows do not split in 3
 
 
-def test_grouped_update_equals_scanned_update():
-    """Same loss, metrics and parameters (SGD: linear in the gradient) as ``steps.update``
-    over the padded micro-batches; ``seq-mean-token-sum-norm`` still divides by the full N."""
-    algo = algo_cfg(beta=0.04, loss_agg_mode="seq-mean-token-sum-norm", epsilon_high=0.28)
-    batch = ragged_batch(3)   # micro-batches of 16+16 and 40+16 columns (of 40+20)
-    batch["old_logps"] = batch["old_logps"] * 0.5
+def assert_planned_update_equals_scanned(algo, batch) -> dict:
+    """The host-planned update (``length_groups.build_grpo_step``, 2 micro-batches) gives the
+    same loss, metrics and parameters (SGD: linear in the gradient) as ``steps.update`` over
+    the padded micro-batches. Returns its own ``update/*`` metrics."""
     state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
     ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
     state, _ = fresh_state(lr=1.0, name="sgd", with_ref=True)
-    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)
-    new_state, m = step(state, batch)
-    assert 0 < m.pop("update/token_efficiency") <= 1
-    assert m.pop("update/shared_prompt") == 0.0
+    new_state, m = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    own = {k: m.pop(k) for k in list(m) if k.startswith("update/")}
     assert set(m) == set(ref_m)
     for key in ref_m:
         np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=2e-5, atol=1e-7,
@@ -81,6 +77,17 @@ def test_grouped_update_equals_scanned_update():
                                                          rtol=1e-5, atol=1e-6),
                  new_state.params, ref_state.params)
     assert int(new_state.step) == 1
+    return own
+
+
+def test_grouped_update_equals_scanned_update():
+    """``seq-mean-token-sum-norm`` still divides by the full N after trimming."""
+    algo = algo_cfg(beta=0.04, loss_agg_mode="seq-mean-token-sum-norm", epsilon_high=0.28)
+    batch = ragged_batch(3)   # micro-batches of 16+16 and 40+16 columns (of 40+20)
+    batch["old_logps"] = batch["old_logps"] * 0.5
+    own = assert_planned_update_equals_scanned(algo, batch)
+    assert 0 < own["update/token_efficiency"] <= 1
+    assert own["update/shared_prompt"] == 0.0
 
 
 def test_grouped_update_sharded_matches_unsharded():
