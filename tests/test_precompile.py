@@ -70,6 +70,7 @@ def run_phase(cfg, workdir, steps=1):
 def test_update_compiles_in_background_and_results_are_identical(tmp_path, monkeypatch,
                                                                  overrides):
     cfg = tiny_cfg(**overrides)
+    monkeypatch.setattr(GRPOPhase, "precompile", True)   # off by default
     params, per_iter, phase = run_phase(cfg, str(tmp_path / "bg"))
     assert phase._warmup is None and phase._precompiled
     # Every update program the first iteration ran came from the background compile.
