@@ -3,8 +3,7 @@
 Runs ``grpo_step.py``'s rljax worker in this process (4L-128 llama, 8 prompts x G=8 x 64
 tokens by default, an empty persistent compilation cache) and prints, on one time axis from
 the start of the first iteration, each trace / MLIR lowering / XLA compile span longer than
-``--min-ms`` with its function and thread (``rljax-precompile``: the update compiled in the
-background during the first rollout, ``rljax.train.precompile``), then totals per kind.
+``--min-ms`` with its function and thread, then totals per kind.
 
     python bench/first_iter_profile.py [--shape base] [--iters 2] [--json out.json]
 

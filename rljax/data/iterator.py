@@ -223,11 +223,6 @@ class PrefetchingIterator:
             before = self.iterator.state()
             self._ahead = (before, next(self.iterator))
 
-    def peek(self) -> list[dict]:
-        """The batch ``next()`` will return, without consuming it (prefetches it)."""
-        self.prefetch()
-        return self._ahead[1]
-
     def __next__(self) -> list[dict]:
         if self._ahead is not None:
             batch, self._ahead = self._ahead[1], None

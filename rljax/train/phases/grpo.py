@@ -23,9 +23,9 @@ import numpy as np
 from rljax import distributed as dist
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
-from rljax.train import guidance, length_groups, precompile
+from rljax.train import guidance, length_groups
 from rljax.train.metrics import host_fraction
-from rljax.train.rollout import Rollout, encode_prompts
+from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
 from rljax.train.steps import build_grpo_step, to_host
 
@@ -35,10 +35,6 @@ class GRPOPhase:
 
     name = "grpo"
     prefetch = True   # draw the next prompts while the update runs (results do not change)
-    # Compile the update during the first rollout (results do not change). Off: it saved
-    # ~0.2 s on 2 cores, and tracing in a second thread while the main thread compiles
-    # crashed the process once (segfault in jax's lowering, tests/test_workdir_url.py).
-    precompile = False
 
     def __init__(self, ctx: Context, steps: int):
         cfg = ctx.cfg
@@ -64,7 +60,6 @@ class GRPOPhase:
         self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate,
                                        self.steps * self.updates_per_step + relift_updates)
         self._step_fn = None
-        self._precompiled, self._warmup = False, None   # see _precompile
 
     def init_state(self, state):
         """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0),
@@ -85,32 +80,11 @@ class GRPOPhase:
                 state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
         return self._step_fn
 
-    def _precompile(self, state) -> None:
-        """Before the first rollout of this process: compile the update in a background
-        thread for the shapes of the batch that rollout will produce
-        (``rljax.train.precompile``), overlapping the sampler's compile and the sampling.
-        One process only (multi-host programs must compile in step on every host)."""
-        if (not self.precompile or self._precompiled or dist.is_multiprocess()
-                or not precompile.predicts(self.rollout)):
-            return
-        self._precompiled = True
-        step_fn = self._compiled(state)
-        prompts = [ex["prompt"] for ex in self.iterator.peek()]
-        bucket = encode_prompts(self.ctx.tokenizer, prompts,
-                                self.ctx.cfg.data.max_prompt_length)[0].shape[1]
-        spec = precompile.rollout_batch_spec(self.rollout, bucket, self.mini)
-        self._warmup = precompile.Background(
-            lambda: precompile.warm_update(step_fn, state, spec))
-
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
-        self._precompile(state)
         batch, metrics = self.rollout(state, step)
         t1 = time.perf_counter()
         step_fn = self._compiled(state)
-        if self._warmup is not None:   # its compile must finish before the first call uses it
-            self._warmup.wait()
-            self._warmup = None
         updates = []
         for _ in range(self.ctx.cfg.algo.num_iterations):
             for start in range(0, self.batch_size, self.mini):
