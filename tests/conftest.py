@@ -3,6 +3,7 @@
 XLA reads XLA_FLAGS once, when the backend starts, so this must run before anything imports jax.
 Unsharded tests simply use device 0.
 """
+import gc
 import os
 import tempfile
 
@@ -30,3 +31,15 @@ def _no_persistent_compilation_cache_in_this_process():
     patch.setattr(compilation_cache, "enable", lambda setting="auto": None)
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs_after_each_module():
+    """Drops every compiled program when a test module ends. Each XLA:CPU executable keeps its
+    machine code in memory mappings of its own; kept for the whole session, they neared the
+    kernel's per-process limit (vm.max_map_count, 65,530: ~35,000 mappings at 60% of the
+    suite) and loading or compiling one more could then fail inside jaxlib, killing the run."""
+    yield
+    import jax
+    jax.clear_caches()
+    gc.collect()
