@@ -112,7 +112,7 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
     """
     logits = logits.astype(jnp.float32)
     if not isinstance(temperature, jax.Array) and temperature == 0.0:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = first_argmax(logits)
         logp_all = jax.nn.log_softmax(logits, axis=-1)
     else:
         scaled = logits / temperature
@@ -130,9 +130,19 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float = 1.0
             tokens = categorical_inverse_cdf(None, filtered, uniform=noise)
         else:   # small vocabularies: the Gumbel draw is cheap (and older seeds unchanged)
             # jax.random.categorical(rng, filtered) is exactly this argmax.
-            tokens = jnp.argmax(noise + filtered, axis=-1).astype(jnp.int32)
+            tokens = first_argmax(noise + filtered)
     logps = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, logps
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32 [B]: ``jnp.argmax(x, axis=-1)`` for float x [B, V] without NaNs (the first index of
+    each row's maximum), as a max and a min over indices: XLA:CPU runs argmax's paired
+    (value, index) reduction element by element, ~3/4 of a millisecond per [64, 259] draw,
+    a fifth of a decode step at the toy model."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == best, index, x.shape[-1] - 1), axis=-1)
 
 
 # Vocabularies from this size on draw by inverse CDF instead of the Gumbel-max trick.
@@ -190,7 +200,8 @@ def categorical_inverse_cdf(rng: jax.Array | None, logits: jax.Array,
 def _last_positive(x: jax.Array) -> jax.Array:
     """int32 [B]: index of the last entry > 0 in each row of x [B, K] (K - 1 if none)."""
     k = x.shape[-1]
-    return (k - 1 - jnp.argmax((x > 0)[:, ::-1], axis=-1)).astype(jnp.int32)
+    last = jnp.max(jnp.where(x > 0, jnp.arange(k, dtype=jnp.int32), -1), axis=-1)
+    return jnp.where(last < 0, k - 1, last)   # a max, not an argmax (see first_argmax)
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:

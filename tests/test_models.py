@@ -477,3 +477,19 @@ def test_attention_impl_auto_is_xla_off_gpu_and_cudnn_needs_a_gpu():
                            attention_mask=mask)
     with pytest.raises(ValueError, match="unsupported attention_impl"):
         models.get_preset("tiny", attention_impl="flash")
+
+
+def test_decode_attention_equals_the_dot_path():
+    """A single query against the KV cache (the decode step's multiply-and-sum form on CPU)
+    equals the dot-product form the full forward uses, in float32."""
+    from rljax.models import transformer
+    b, k_heads, g, s, dh = 5, 3, 3, 41, 16
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, 1, k_heads * g, dh))
+    k = jax.random.normal(keys[1], (b, k_heads, s, dh))
+    v = jax.random.normal(keys[2], (b, k_heads, s, dh))
+    mask = jax.random.uniform(keys[3], (b, 1, s)) < 0.7
+    mask = mask.at[:, :, 0].set(True)
+    got = transformer.attention(q, k, v, mask, kv_layout="bksd")
+    want = transformer.attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, kv_layout="bskd")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -464,3 +464,18 @@ def test_top_k_threshold_equals_lax_top_k_with_ties_and_extremes():
         want = jax.lax.top_k(x, k)[0][:, -1:]
         got = sampling._top_k_threshold(x, k)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
+
+
+def test_first_argmax_and_last_positive_equal_numpy():
+    """The max/min reductions that replace argmax in the sampler pick the same indices,
+    ties (first maximum) and rows of -inf included."""
+    rng = np.random.default_rng(0)
+    for b, v in [(64, 259), (4, 49152), (3, 7)]:
+        x = rng.normal(size=(b, v)).astype(np.float32)
+        x[0, [2, 5]] = x[0].max() + 1.0     # a tie: the first index wins
+        x[1] = -np.inf
+        np.testing.assert_array_equal(sampling.first_argmax(jnp.asarray(x)), np.argmax(x, -1))
+        m = (rng.random((b, v)) < 0.3).astype(np.float32)
+        m[1] = 0.0                          # no positive entry: the last index
+        want = v - 1 - np.argmax((m > 0)[:, ::-1], -1)
+        np.testing.assert_array_equal(sampling._last_positive(jnp.asarray(m)), want)

@@ -170,12 +170,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     b, t, h, dh = q.shape
     kv = k.shape[kv_layout.index("k")]
     q = q.reshape(b, t, kv, h // kv, dh)
+    if t == 1 and kv_layout == "bksd" and jax.default_backend() == "cpu":
+        return _decode_attention_cpu(q, k, v, mask).reshape(b, t, h, dh)
     scores = jnp.einsum(f"btkgd,{kv_layout}->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dh ** -0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs, v)
     return out.reshape(b, t, h, dh)
+
+
+def _decode_attention_cpu(q, k, v, mask):
+    """One query per row against the KV cache: q [B, 1, K, G, Dh]; k, v [B, K, S, Dh]; mask
+    [B, 1, S]. Returns [B, 1, K, G, Dh] in ``q.dtype``.
+
+    The probabilities-times-values contraction is a multiply and a sum over S instead of a
+    dot: XLA:CPU runs that dot as many tiny batched matrix products (G rows each), which took
+    ~4x as long as the fused reduction at SmolLM2's decode shape (``bench/decode_step.py``).
+    """
+    scores = jnp.einsum("bkgd,bksd->bkgs", q[:, 0], k, preferred_element_type=jnp.float32)
+    scores = scores * (q.shape[-1] ** -0.5)
+    scores = jnp.where(mask[:, :, None, :], scores, _MASK_VALUE)   # mask [B, 1, S] -> [B, 1, 1, S]
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, None], axis=-2)
+    return out[:, None].astype(q.dtype)
 
 
 def _use_cudnn(impl: str, dtype) -> bool:
