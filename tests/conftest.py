@@ -20,14 +20,28 @@ if "xla_force_host_platform_device_count" not in _flags:
 os.environ["RLJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-cache-")
 
 
+def _memory_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:   # not Linux: no count, always release
+        return MAX_MAPPINGS + 1
+
+
+# Well below the kernel's per-process limit (vm.max_map_count, 65,530 by default).
+MAX_MAPPINGS = 20_000
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs_after_each_module():
-    """Drops every compiled program when a test module ends. Each XLA:CPU executable keeps its
-    machine code in memory mappings of its own; kept for the whole session, they neared the
-    kernel's per-process limit (vm.max_map_count, 65,530: ~35,000 mappings at 60% of the
-    suite) and loading or compiling one more then failed inside jaxlib, killing the run (twice,
-    at ~91%, in `compilation_cache.get_executable_and_time`)."""
+def _release_compiled_programs_when_mappings_pile_up():
+    """Drops every compiled program after a test module once the process holds more than
+    ``MAX_MAPPINGS`` memory mappings. Each XLA:CPU executable keeps its machine code in
+    mappings of its own; kept for the whole session they reached 63,000 of the kernel's
+    65,530 near the end of the suite, and loading or compiling one more then failed inside
+    jaxlib, killing the run (twice, at ~91%, in `compilation_cache.get_executable_and_time`).
+    Releasing only past the threshold keeps the programs later modules share in memory."""
     yield
-    import jax
-    jax.clear_caches()
-    gc.collect()
+    if _memory_mappings() > MAX_MAPPINGS:
+        import jax
+        jax.clear_caches()
+        gc.collect()
