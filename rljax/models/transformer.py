@@ -188,7 +188,11 @@ def _decode_attention_cpu(q, k, v, mask):
     dot: XLA:CPU runs that dot as many tiny batched matrix products (G rows each), which took
     ~4x as long as the fused reduction at SmolLM2's decode shape (``bench/decode_step.py``).
     """
-    scores = jnp.einsum("bkgd,bksd->bkgs", q[:, 0], k, preferred_element_type=jnp.float32)
+    # One matrix-vector product per query head of a group: faster than the batched [G, Dh] x
+    # [Dh, S] products (0.52 vs 0.69 ms per layer at SmolLM2's decode shape, G = 3).
+    scores = jnp.stack([jnp.einsum("bkd,bksd->bks", q[:, 0, :, i], k,
+                                   preferred_element_type=jnp.float32)
+                        for i in range(q.shape[3])], axis=2)
     scores = scores * (q.shape[-1] ** -0.5)
     scores = jnp.where(mask[:, :, None, :], scores, _MASK_VALUE)   # mask [B, 1, S] -> [B, 1, 1, S]
     probs = jax.nn.softmax(scores, axis=-1)
