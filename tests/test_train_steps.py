@@ -6,7 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from rljax import config as config_lib
+from rljax import compilation_cache, config as config_lib
 from rljax import algorithms, models
 from rljax import sharding as shd
 from rljax.train import optim, steps
@@ -180,6 +180,32 @@ def test_grpo_step_without_old_logps_uses_its_own():
         np.testing.assert_allclose(float(m["rollout/logp_diff_mean"]), diff.mean(), atol=1e-5)
         np.testing.assert_allclose(float(m["rollout/logp_diff_max"]), diff.max(), atol=1e-5)
     assert "rollout/logp_diff_mean" not in ref_m
+
+
+def test_training_programs_compile_at_o1_on_cpu_with_identical_results(monkeypatch):
+    """On CPU the update compiles with LLVM -O1 (``training_compiler_options``): three GRPO
+    updates over two micro-batches leave the params of the -O3 default, to float32 rounding
+    (SGD, as in the tests above: Adam's first steps amplify rounding noise)."""
+    assert compilation_cache.training_compiler_options() == {"xla_backend_optimization_level": 1}
+    algo = algo_cfg(beta=0.0)
+    batch = make_batch(3)
+
+    def three_updates():
+        state, opt = fresh_state(lr=1.0, name="sgd")
+        step = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)
+        for _ in range(3):
+            state, _ = step(state, batch)
+        return jax.tree.map(np.asarray, state.params)
+
+    at_o1 = three_updates()
+    monkeypatch.setattr(compilation_cache, "training_compiler_options", lambda: None)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 three_updates(), at_o1)
+    # The options do reach the compiler: a bad one fails the compile.
+    monkeypatch.setattr(compilation_cache, "training_compiler_options",
+                        lambda: {"xla_backend_optimization_level": "not-a-level"})
+    with pytest.raises(Exception, match="xla_backend_optimization_level"):
+        three_updates()
 
 
 def test_non_finite_update_is_skipped():

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax import distributed as dist
+from rljax import compilation_cache, distributed as dist
 from rljax.models import lora as lora_lib
 from rljax.train import steps
 from rljax.train.buckets import prompt_buckets
@@ -204,10 +204,12 @@ class GroupedUpdate:
     def __init__(self, optimizer, loss_fn, planner: Planner, state_shardings=None):
         self.loss_fn, self.planner, mesh = loss_fn, planner, planner.mesh
         self._zeros_fns = {}   # batch layout -> jitted zero total (gradients, sums, metrics)
+        options = compilation_cache.training_compiler_options()
         if mesh is None:
-            self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4)
+            self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
+                                  compiler_options=options)
             self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
-                                  donate_argnums=0)
+                                  donate_argnums=0, compiler_options=options)
             return
         rep = NamedSharding(mesh, PartitionSpec())
         grads = lora_lib.trainable(state_shardings.params)
@@ -215,10 +217,10 @@ class GroupedUpdate:
         self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
                               in_shardings=(state_shardings, total,
                                             steps.batch_sharding(mesh), rep),
-                              out_shardings=total)
+                              out_shardings=total, compiler_options=options)
         self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
                               donate_argnums=0, in_shardings=(state_shardings, total),
-                              out_shardings=(state_shardings, rep))
+                              out_shardings=(state_shardings, rep), compiler_options=options)
 
     def _micro_step(self, state, total, mb, index, slots: int):
         mb = {**mb, steps.COMPLETION_SLOTS: slots}

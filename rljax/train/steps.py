@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax import algorithms, models
+from rljax import algorithms, compilation_cache, models
 from rljax.models import lora as lora_lib, shared_prompt
 from rljax.sharding import BATCH_AXES
 from rljax.train.optim import apply_if_finite
@@ -168,11 +168,12 @@ def batch_sharding(mesh) -> NamedSharding | None:
 def jit_step(fn: Callable, state_shardings=None, mesh=None) -> Callable:
     """``jax.jit`` of ``fn(state, batch) -> (state, metrics)`` with the state donated and,
     when ``mesh`` is given, explicit in/out shardings (metrics replicated)."""
+    options = compilation_cache.training_compiler_options()
     if mesh is None:
-        return jax.jit(fn, donate_argnums=0)
+        return jax.jit(fn, donate_argnums=0, compiler_options=options)
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(fn, donate_argnums=0, in_shardings=(state_shardings, batch_sharding(mesh)),
-                   out_shardings=(state_shardings, replicated))
+                   out_shardings=(state_shardings, replicated), compiler_options=options)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -356,10 +357,11 @@ def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, m
         b = batch["tokens"].shape[0]
         return jnp.swapaxes(out, 0, 1).reshape(b, -1)  # undo the strided split
 
+    options = compilation_cache.training_compiler_options()
     if mesh is None:
-        return jax.jit(logps_fn)
+        return jax.jit(logps_fn, compiler_options=options)
     return jax.jit(logps_fn, in_shardings=(param_shardings, batch_sharding(mesh)),
-                   out_shardings=batch_sharding(mesh))
+                   out_shardings=batch_sharding(mesh), compiler_options=options)
 
 
 def to_host(metrics: Mapping[str, Any]) -> dict:
