@@ -182,7 +182,7 @@ def test_grpo_step_without_old_logps_uses_its_own():
     assert "rollout/logp_diff_mean" not in ref_m
 
 
-def test_training_programs_compile_at_o1_on_cpu_with_identical_results(monkeypatch):
+def test_training_programs_compile_at_o1_on_cpu_and_match_o3(monkeypatch):
     """On CPU the update compiles with LLVM -O1 (``training_compiler_options``): three GRPO
     updates over two micro-batches leave the params of the -O3 default, to float32 rounding
     (SGD, as in the tests above: Adam's first steps amplify rounding noise)."""
