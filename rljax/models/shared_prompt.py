@@ -82,6 +82,7 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
     positions = jnp.concatenate([
         tfm.default_positions(prompt_mask).reshape(-1),
         completion_positions(prompt_mask, mask, g).reshape(-1)])[None]      # [1, Bp*P+R*N]
+    rope = tfm.rope_tables(positions, tfm.rope_inv_freq(cfg), cfg.compute_dtype)
     split = bp * p
     x = jnp.concatenate([tfm.embed_tokens(cfg, params, prompt_tokens).reshape(split, -1),
                          tfm.embed_tokens(cfg, params, tokens).reshape(r * n, -1)])[None]
@@ -100,7 +101,7 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
         p = tfm._cast_layer(cfg, p)
         drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
         h = tfm.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        q, k, v = tfm._qkv(cfg, p, h, positions, lp, drop)
+        q, k, v = tfm._qkv(cfg, p, h, rope, lp, drop)
         x = x + tfm._proj(cfg, p, lp, "o", attend(q, k, v), n_in=2, drop=drop)
         h = tfm.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         return x + tfm._mlp(cfg, p, h, lp, drop)

@@ -136,17 +136,30 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv_freq
 
 
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple:
+    """``(cos, sin)``, each [B, T, 1, Dh] in ``dtype``, for positions int [B, T] (half-split
+    layout). Computed once per forward and shared by every layer's queries and keys: left to
+    each layer, XLA fuses a copy of the cos/sin into each consumer, 2 x L transcendental passes
+    per step (~5% of a small model's decode step on CPU)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def rotate(x: jax.Array, tables: tuple) -> jax.Array:
+    """Applies ``rope_tables``' ``(cos, sin)`` to x [B, T, N, Dh]."""
+    cos, sin = tables
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotary embedding (half-split layout, as in HF checkpoints).
 
     x: [B, T, N, Dh]; positions: int [B, T]. Tables in float32, product in ``x.dtype``.
     """
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,Dh/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
+    return rotate(x, rope_tables(positions, inv_freq, x.dtype))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -263,7 +276,8 @@ def _mlp(cfg: ModelConfig, p: dict, h: jax.Array, lp=None, drop=None) -> jax.Arr
     return _proj(cfg, p, lp, "down", act * up, drop=drop)
 
 
-def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array, lp=None, drop=None):
+def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, rope: tuple, lp=None, drop=None):
+    """Projected, normalised and rotated q, k and v; ``rope`` = ``rope_tables(...)``."""
     q = _proj(cfg, p, lp, "q", h, drop=drop)
     k = _proj(cfg, p, lp, "k", h, drop=drop)
     v = _proj(cfg, p, lp, "v", h, drop=drop)
@@ -272,8 +286,7 @@ def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array, lp=None,
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return rotate(q, rope), rotate(k, rope), v
 
 
 def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
@@ -418,7 +431,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             mask = jnp.broadcast_to(mask[None], (b, t, s))
         else:
             mask = mask[None] & attention_mask.astype(bool)[:, None, :]
-    positions = positions.astype(jnp.int32)
+    rope = rope_tables(positions.astype(jnp.int32), rope_inv_freq(cfg), cfg.compute_dtype)
     x = embed_tokens(cfg, params, tokens)
 
     def layer(x, p, kv_cache, i, lp=None):
@@ -426,7 +439,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         # The layer index is scanned in, so each layer's masks come from its own key.
         drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        q, k, v = _qkv(cfg, p, h, positions, lp, drop)
+        q, k, v = _qkv(cfg, p, h, rope, lp, drop)
         if kv_cache is not None:
             ck, k = _write_kv(kv_cache[0], k, i, cache_index)
             cv, v = _write_kv(kv_cache[1], v, i, cache_index)
