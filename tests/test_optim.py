@@ -63,6 +63,15 @@ def test_nonfinite_update_is_skipped_inside_jit():
                         jax.tree.leaves((params, opt_state))):
         np.testing.assert_array_equal(new, old)
     assert bool(step(params, opt_state, {"w": jnp.ones(3)}, jnp.float32(jnp.inf)).skipped)
+    # The test is the global norm: an inf in one leaf of several, and finite gradients whose
+    # norm overflows float32, are skipped too.
+    two = {"a": jnp.ones(3), "b": jnp.ones(2)}
+    inf_leaf = jax.jit(lambda p, s, g: apply_if_finite(tx, p, s, g, jnp.float32(1.0)))(
+        two, tx.init(two), {"a": jnp.ones(3), "b": jnp.array([0.0, -jnp.inf])})
+    assert bool(inf_leaf.skipped) and not np.isfinite(float(inf_leaf.grad_norm))
+    huge = step(params, opt_state, {"w": jnp.full(3, 3e19)}, jnp.float32(1.0))
+    assert bool(huge.skipped)
+    np.testing.assert_array_equal(huge.params["w"], params["w"])
 
     good = step(params, opt_state, {"w": jnp.ones(3)}, jnp.float32(1.0))
     assert not bool(good.skipped)
