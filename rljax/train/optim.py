@@ -118,7 +118,9 @@ def apply_if_finite(optimizer: optax.GradientTransformation, params: Any, opt_st
 
     When anything is non-finite the old params *and* optimizer state are returned unchanged
     (so Adam moments and the schedule count are not polluted) and ``skipped`` is True.
-    Selecting with ``jnp.where`` keeps shapes/shardings static and works with donation.
+    The update runs under ``lax.cond``. Selecting new or old values with ``jnp.where`` after
+    the update made XLA copy every Adam moment first (the old values had to outlive the
+    in-place update): at SmolLM2-135M's size on CPU an apply took 0.51 s that way, 0.29 s now.
     """
     # A NaN or inf anywhere makes the global norm NaN or inf, so the norm (needed for the
     # metric and for clipping anyway) is the finiteness test: one reduction over the gradients
@@ -127,15 +129,15 @@ def apply_if_finite(optimizer: optax.GradientTransformation, params: Any, opt_st
     # would have scaled to zero.
     grad_norm = optax.tree.norm(grads)
     ok = jnp.logical_and(jnp.all(jnp.isfinite(loss)), jnp.isfinite(grad_norm))
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-    return UpdateResult(
-        params=jax.tree.map(keep, new_params, params),
-        opt_state=jax.tree.map(keep, new_opt_state, opt_state),
-        skipped=jnp.logical_not(ok),
-        grad_norm=grad_norm,
-    )
+
+    def update(params, opt_state, grads):
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    new_params, new_opt_state = jax.lax.cond(ok, update, lambda p, s, _: (p, s),
+                                             params, opt_state, grads)
+    return UpdateResult(params=new_params, opt_state=new_opt_state,
+                        skipped=jnp.logical_not(ok), grad_norm=grad_norm)
 
 
 class NonFiniteGuard:
