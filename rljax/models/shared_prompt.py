@@ -40,21 +40,29 @@ def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask) -> j
     """
     bp, g, n, h, dh = q.shape
     kv = k.shape[3]
-    q = q.reshape(bp, g, n, kv, h // kv, dh)
     scale = dh ** -0.5
-    # The G queries of a prompt batch against its keys: [Bp, G, K, h/K, N, P].
-    s_prompt = jnp.einsum("bgtkhd,bskd->bgkhts", q, k_prompt,
+    # Every contraction below is written in the order XLA:CPU's batched matmuls take their
+    # operands and give their results (batch axes first, then rows, then the contracted or
+    # column axis): q, k, v are moved to KV-head-major order once, the scores and
+    # probabilities stay in it, and only the output goes back.
+    q = q.reshape(bp, g, n, kv, h // kv, dh).transpose(0, 3, 1, 2, 4, 5)   # [Bp, K, G, N, h/K, Dh]
+    k = k.transpose(0, 3, 1, 2, 4)                                          # [Bp, K, G, N, Dh]
+    v = v.transpose(0, 3, 1, 2, 4)
+    k_prompt = k_prompt.transpose(0, 2, 1, 3)                               # [Bp, K, P, Dh]
+    v_prompt = v_prompt.transpose(0, 2, 1, 3)
+    s_prompt = jnp.einsum("bkgthd,bksd->bkgths", q, k_prompt,
                           preferred_element_type=jnp.float32) * scale
-    s_self = jnp.einsum("bgtkhd,bgskd->bgkhts", q, k, preferred_element_type=jnp.float32) * scale
+    s_self = jnp.einsum("bkgthd,bkgsd->bkgths", q, k, preferred_element_type=jnp.float32) * scale
     s_prompt = jnp.where(prompt_mask[:, None, None, None, None, :], s_prompt, tfm._MASK_VALUE)
     causal = jnp.tril(jnp.ones((n, n), bool))
     self_mask = causal[None, None] & mask[:, :, None, :]                  # [Bp, G, N, N]
-    s_self = jnp.where(self_mask[:, :, None, None], s_self, tfm._MASK_VALUE)
-    p = k_prompt.shape[1]
+    s_self = jnp.where(self_mask[:, None, :, :, None, :], s_self, tfm._MASK_VALUE)
+    p = k_prompt.shape[2]
     probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_self], axis=-1), axis=-1)
     probs = probs.astype(v.dtype)
-    out = (jnp.einsum("bgkhts,bskd->bgtkhd", probs[..., :p], v_prompt)
-           + jnp.einsum("bgkhts,bgskd->bgtkhd", probs[..., p:], v))
+    out = (jnp.einsum("bkgths,bksd->bkgthd", probs[..., :p], v_prompt)
+           + jnp.einsum("bkgths,bkgsd->bkgthd", probs[..., p:], v))
+    out = out.transpose(0, 2, 3, 1, 4, 5)                                   # [Bp, G, N, K, h/K, Dh]
     return out.reshape(bp, g, n, h, dh)
 
 
