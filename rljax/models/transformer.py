@@ -138,9 +138,10 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple:
     """``(cos, sin)``, each [B, T, 1, Dh] in ``dtype``, for positions int [B, T] (half-split
-    layout). Computed once per forward and shared by every layer's queries and keys: left to
-    each layer, XLA fuses a copy of the cos/sin into each consumer, 2 x L transcendental passes
-    per step (~5% of a small model's decode step on CPU)."""
+    layout). Computed once per forward and shared by every layer's queries and keys: inside
+    the training forward's layer scan they were recomputed per layer, and again in the
+    rematerialised backward. (The unrolled decode loop gains nothing: XLA:CPU fuses a copy of
+    the cos/sin into each consumer there either way.)"""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
