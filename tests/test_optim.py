@@ -90,3 +90,24 @@ def test_guard_counts_consecutive_skips():
     restored = NonFiniteGuard(3)
     restored.load_state_dict(guard.state_dict())
     assert restored.consecutive == 3 and restored.total == 5
+
+
+def test_clip_reuses_a_given_norm_and_matches_optax():
+    """rljax's clip equals optax.clip_by_global_norm bit for bit, with its own norm or the one
+    apply_if_finite passes, and keeps optax's (empty) state, so checkpoints still restore."""
+    from rljax.train.optim import clip_by_global_norm
+    g = {"a": jax.random.normal(jax.random.key(0), (5, 3)) * 3,
+         "b": jax.random.normal(jax.random.key(1), (4,))}
+    norm = optax.tree.norm(g)
+    for max_norm in (1.0, 100.0):   # clipping on, off
+        ref, _ = optax.clip_by_global_norm(max_norm).update(g, optax.EmptyState())
+        ours = clip_by_global_norm(max_norm)
+        assert jax.tree.structure(ours.init(g)) == jax.tree.structure(
+            optax.clip_by_global_norm(max_norm).init(g))
+        for kwargs in ({}, {"grad_norm": norm}):
+            out, _ = ours.update(g, ours.init(g), **kwargs)
+            for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+                np.testing.assert_array_equal(x, y)
+    # A given norm is what it uses: a larger one scales more.
+    out, _ = clip_by_global_norm(1.0).update(g, optax.EmptyState(), grad_norm=2 * norm)
+    np.testing.assert_allclose(optax.tree.norm(out), 0.5, rtol=1e-6)

@@ -64,6 +64,22 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(wants_decay, params)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` (same arithmetic, same empty state) that takes the norm
+    as the extra argument ``grad_norm`` when the caller has it: ``apply_if_finite`` computes it
+    for the finiteness test, and a second reduction over every gradient inside the update was
+    ~65 of the ~300 ms an AdamW step took at SmolLM2-135M's size on CPU."""
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        keep = norm < max_norm
+        updates = jax.tree.map(
+            lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates)
+        return updates, state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
 def make_optimizer(opt_cfg, total_steps: int, learning_rate: float | None = None
                    ) -> optax.GradientTransformation:
     """Builds the optimizer from ``cfg.optimizer`` (``learning_rate`` overrides the peak LR,
@@ -74,7 +90,7 @@ def make_optimizer(opt_cfg, total_steps: int, learning_rate: float | None = None
     name, wd = opt_cfg.name, float(opt_cfg.weight_decay)
     parts = []
     if opt_cfg.max_grad_norm and opt_cfg.max_grad_norm > 0:
-        parts.append(optax.clip_by_global_norm(float(opt_cfg.max_grad_norm)))
+        parts.append(clip_by_global_norm(float(opt_cfg.max_grad_norm)))
     if name == "adamw":
         parts.append(optax.adamw(lr, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                                  weight_decay=wd, mask=decay_mask))
@@ -130,8 +146,12 @@ def apply_if_finite(optimizer: optax.GradientTransformation, params: Any, opt_st
     grad_norm = optax.tree.norm(grads)
     ok = jnp.logical_and(jnp.all(jnp.isfinite(loss)), jnp.isfinite(grad_norm))
 
+    # Optimizers from make_optimizer reuse the norm for clipping (clip_by_global_norm).
+    extra = ({"grad_norm": grad_norm}
+             if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {})
+
     def update(params, opt_state, grads):
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params, **extra)
         return optax.apply_updates(params, updates), new_opt_state
 
     new_params, new_opt_state = jax.lax.cond(ok, update, lambda p, s, _: (p, s),
