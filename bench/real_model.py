@@ -194,7 +194,8 @@ def bench_sampler(model_dir: str, args) -> dict:
 
     def run_jax(t_m):
         out = sampling.generate(cfg, params, *t_m, rng=next(keys), max_new_tokens=n,
-                                temperature=1.0, eos_id=None, pad_id=pad, num_samples=g)
+                                temperature=1.0, eos_id=None, pad_id=pad, num_samples=g,
+                                streams=args.streams)
         jax.block_until_ready(out.tokens)
 
     def run_hf():
@@ -220,6 +221,8 @@ def bench_sampler(model_dir: str, args) -> dict:
             "prompt_lengths": [len(r) for r in ids], "bucket": int(fine[0].shape[1]),
             "bucket_pow2": int(pow2[0].shape[1]), "hf_padded_length": longest,
             "torch_threads": torch.get_num_threads(), "greedy_token_agreement": greedy_match,
+            "rljax_streams": sampling.stream_count(args.streams, b, n, cfg.vocab_size, greedy=False,
+                                                   num_samples=g),
             "first_call_s": first, "median_s": med, "times_s": times,
             "tok_s": {k: toks / v for k, v in med.items()},
             "speedup_vs_transformers": med["transformers"] / med["rljax"],
@@ -240,6 +243,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3, help="GRPO timed iterations after warm-up")
     ap.add_argument("--sampler-prompts", type=int, default=8, help="sampler: B prompts")
     ap.add_argument("--runs", type=int, default=3, help="sampler: timed rounds")
+    ap.add_argument("--streams", type=int, default=0,
+                    help="sampler: rljax concurrent decode streams (0 = auto, as rollout.streams)")
     ap.add_argument("--skip", default="", help="comma list of: grpo, sampler, trl, before, "
                     "warm (the second rljax process on the first one's compilation cache), "
                     "transformers (sampler: time rljax only)")

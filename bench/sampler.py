@@ -78,7 +78,7 @@ def preset_config(name: str):
 
 
 def bench_preset(preset: str, batch: int, num_samples: int, prompt_len: int, new_tokens: int,
-                 runs: int, seed: int = 0) -> dict:
+                 runs: int, seed: int = 0, streams: int = 0) -> dict:
     import torch
     import transformers
 
@@ -109,7 +109,8 @@ def bench_preset(preset: str, batch: int, num_samples: int, prompt_len: int, new
 
     def run_jax(t=tokens, m=mask, g=num_samples, n=new_tokens):
         out = sampling.generate(cfg, params, t, m, rng=next(keys), max_new_tokens=n,
-                                temperature=1.0, eos_id=None, pad_id=0, num_samples=g)
+                                temperature=1.0, eos_id=None, pad_id=0, num_samples=g,
+                                streams=streams)
         jax.block_until_ready(out.tokens)
         assert out.tokens.shape == (batch * num_samples, n)
 
@@ -139,6 +140,8 @@ def bench_preset(preset: str, batch: int, num_samples: int, prompt_len: int, new
         "preset": preset, "params": cfg.num_params(), "batch": batch, "num_samples": num_samples,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
         "greedy_tokens_match_transformers": greedy_match,
+        "rljax_streams": sampling.stream_count(streams, batch, new_tokens, cfg.vocab_size,
+                                               greedy=False, num_samples=num_samples),
         "rljax_tok_s": n_tokens / jax_t, "rljax_first_call_s": jax_first,
         "rljax_repeated_prompts_tok_s": n_tokens / jax_rep_t,
         "transformers_tok_s": n_tokens / hf_t,
@@ -181,13 +184,15 @@ def main(argv=None):
     # slower than 1 thread. Default 1; for an equal core budget run the whole script pinned,
     # e.g. `taskset -c 0 python bench/sampler.py`, so JAX gets the same single core.
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--streams", type=int, default=0,
+                    help="rljax concurrent decode streams (0 = auto, as rollout.streams)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "sampler.json"))
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
     results = [bench_preset(p, args.batch, args.num_samples, args.prompt_len, args.new_tokens,
-                            args.runs) for p in args.presets.split(",")]
+                            args.runs, streams=args.streams) for p in args.presets.split(",")]
     meta = {"jax": jax.__version__, "backend": jax.default_backend(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)),

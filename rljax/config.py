@@ -168,6 +168,10 @@ def default_config() -> ml_collections.ConfigDict:
         top_k=0,                     # 0 = off
         top_p=1.0,
         micro_batch_size=0,          # sampler chunk; 0 = whole batch at once
+        # Concurrent decode streams: the prompts (of each chunk) split this many ways, decoded
+        # by concurrent programs; same samples as one stream. 0 = auto (2 on a CPU with 2+
+        # cores and one device, else 1; sampling.auto_streams).
+        streams=0,
         # Per-position sampling temperature (exploratory annealed decoding; docs/search.md):
         # from `start` at the first completion token to `end` at token `tokens` (0 = all of
         # max_new_tokens), then `end`. "constant" = off (rollout.temperature everywhere);
@@ -221,6 +225,10 @@ def default_config() -> ml_collections.ConfigDict:
                                      # G completions attending to it (exact up to float32
                                      # order; rljax.models.shared_prompt); other algorithms
                                      # ignore it
+        update_streams=0,            # GRPO with group_by_length or shared_prompt: each
+                                     # micro-batch's gradients in this many parts computed
+                                     # concurrently (rljax.streams; exact up to float32
+                                     # order). 0 = auto (2 on a CPU with 2+ cores, else 1)
         importance_sampling_level="token",
         mask_truncated_completions=False,
         dynamic_sampling=False,      # DAPO: drop groups with all-equal rewards, sample more
@@ -659,7 +667,8 @@ _RANGES = (
     ("data.max_prompt_length", 1, None),
     ("rollout.batch_size", 1, None), ("rollout.max_new_tokens", 1, None),
     ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
-    ("rollout.micro_batch_size", 0, None),
+    ("rollout.micro_batch_size", 0, None), ("rollout.streams", 0, None),
+    ("algo.update_streams", 0, None),
     ("rollout.tree.segment_tokens", 1, None), ("rollout.tree.branching", 1, None),
     ("rollout.tree.roots", 1, None), ("rollout.tree.max_leaves", 0, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),

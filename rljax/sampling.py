@@ -25,6 +25,7 @@ import numpy as np
 
 from rljax import models
 from rljax import sharding as shd
+from rljax import streams as streams_lib
 
 
 @flax.struct.dataclass
@@ -342,7 +343,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              num_samples: int = 1, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
              mesh: jax.sharding.Mesh | None = None,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
-             cache_dtype: Any = None, temperatures: Any = None) -> SampleOutput:
+             cache_dtype: Any = None, temperatures: Any = None,
+             streams: int = 1) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt, entirely on device.
 
     Args:
@@ -370,6 +372,10 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
       temperatures: optional float32 [N] per-position temperatures (``temperature_schedule``),
         all > 0; completion token t is sampled, and its logp reported, at ``temperatures[t]``
         (``temperature`` is then unused). A traced argument: new values do not recompile.
+      streams: decode the prompts in this many equal chunks, concurrent programs dispatched
+        from threads (``rljax.streams``); 0 = auto (2 on a multi-core CPU, else 1). Each chunk
+        reads its rows of the noise drawn for the whole batch, so the tokens are one stream's
+        (logps to float32 rounding: a smaller batch's matmuls). ``stream_count``: how many run.
 
     Returns:
       ``SampleOutput`` with ``B * num_samples`` rows (see its docstring).
@@ -393,14 +399,67 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         if not np.all(temperatures > 0):
             raise ValueError("temperatures must all be > 0 (a schedule has no greedy position)")
         temperatures = jnp.asarray(temperatures)
-    return _generate(
-        cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), rng,
+    static = dict(
         max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
         top_p=float(top_p), stop_ids=_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
         num_samples=int(num_samples), min_new_tokens=int(min_new_tokens), mesh=mesh,
         rules=tuple((k, v if isinstance(v, (str, type(None))) else tuple(v)) for k, v in rules),
-        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
-        temperatures=temperatures)
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+    greedy = temperatures is None and temperature == 0.0
+    k = stream_count(streams, np.shape(prompt_tokens)[0], max_new_tokens, cfg.vocab_size, greedy,
+                     num_samples, mesh)
+    if k == 1:
+        return _generate(cfg, params, jnp.asarray(prompt_tokens, jnp.int32),
+                         jnp.asarray(prompt_mask, bool), rng, temperatures=temperatures,
+                         **static)
+    return _generate_streams(cfg, params, np.asarray(prompt_tokens, np.int32),
+                             np.asarray(prompt_mask, bool), rng, k, greedy,
+                             temperatures=temperatures, **static)
+
+
+def stream_count(streams: int, prompts: int, max_new_tokens: int, vocab: int, greedy: bool,
+                 num_samples: int = 1, mesh: jax.sharding.Mesh | None = None) -> int:
+    """Decode streams that run for a ``streams`` setting (``rljax.streams.resolve``: 0 = auto):
+    the largest count up to it that splits the prompts into equal chunks (one compiled
+    program for all); 1 where the whole batch's noise is too large to draw ahead
+    (``NOISE_AHEAD_MAX_ELEMENTS``): the per-step draws depend on the batch's shape, so
+    chunks would not sample what one stream samples."""
+    k = streams_lib.resolve(streams, mesh)
+    rows = prompts * num_samples
+    if k == 1 or (not greedy and
+                  _noise_ahead_size(max_new_tokens, rows, vocab) > NOISE_AHEAD_MAX_ELEMENTS):
+        return 1
+    return streams_lib.largest_divisor(min(k, prompts), prompts)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _stream_noise(rng, n, rows, vocab, k):
+    """The whole batch's noise (``_noise_ahead``) in k row chunks: [n, rows / k, W] each."""
+    noise = _noise_ahead(rng, n, rows, vocab, greedy=False)
+    return tuple(jnp.split(noise, k, axis=1))
+
+
+@jax.jit
+def _concat_outputs(outs):
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
+
+
+def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy, **kw):
+    """``_generate`` over k equal chunks of prompts, run concurrently; one SampleOutput."""
+    rows = prompt_tokens.shape[0] * kw["num_samples"]
+    noise = ((None,) * k if greedy else
+             _stream_noise(rng, kw["max_new_tokens"], rows, cfg.vocab_size, k))
+    tok, mask = np.split(prompt_tokens, k), np.split(prompt_mask, k)
+
+    def stream(i):
+        return lambda: jax.block_until_ready(
+            _generate(cfg, params, tok[i], mask[i], rng, noise=noise[i], **kw))
+
+    return _concat_outputs(streams_lib.run([stream(i) for i in range(k)]))
+
+
+def _noise_ahead_size(n: int, rows: int, vocab: int) -> int:
+    return n * rows * (1 if vocab >= INVERSE_CDF_MIN_VOCAB else vocab)
 
 
 def _noise_ahead(rng: jax.Array, n: int, rows: int, vocab: int, greedy: bool):
@@ -411,8 +470,7 @@ def _noise_ahead(rng: jax.Array, n: int, rows: int, vocab: int, greedy: bool):
     batched call before the decode loop, the numbers (and so the tokens) are the same as drawn
     step by step, without a small threefry loop (and its fold_in) in every step, which was a
     fifth of a decode step at a small model."""
-    width = 1 if vocab >= INVERSE_CDF_MIN_VOCAB else vocab
-    if greedy or n * rows * width > NOISE_AHEAD_MAX_ELEMENTS:
+    if greedy or _noise_ahead_size(n, rows, vocab) > NOISE_AHEAD_MAX_ELEMENTS:
         return None
     return jax.vmap(lambda t: draw_noise(jax.random.fold_in(rng, t), rows, vocab))(jnp.arange(n))
 
@@ -424,7 +482,9 @@ _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids",
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, temperature,
               top_k, top_p, stop_ids, pad_id, num_samples, min_new_tokens, mesh, rules,
-              cache_dtype, temperatures=None):
+              cache_dtype, temperatures=None, noise=None):
+    """``noise``: this call's rows of noise drawn ahead for a larger batch (streams); None =
+    drawn here."""
     b, p = prompt_tokens.shape
     n, g = max_new_tokens, num_samples
     bg = b * g
@@ -438,8 +498,9 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
             return jnp.zeros(tok.shape, bool)
         return jnp.any(tok[:, None] == stop[None, :], axis=-1)
 
-    noise = _noise_ahead(rng, n, bg, cfg.vocab_size,
-                         greedy=temperatures is None and temperature == 0.0)
+    if noise is None:
+        noise = _noise_ahead(rng, n, bg, cfg.vocab_size,
+                             greedy=temperatures is None and temperature == 0.0)
 
     def pick(logits, t):
         # Stop ids are forbidden until min_new_tokens tokens exist; logps stay unfiltered.

@@ -125,6 +125,8 @@ def test_wrong_type_in_file(tmp_path):
     (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5 must be > 1"),
     (["algo.epsilon=-0.1"], "algo.epsilon=-0.1 must be >= 0"),
     (["algo.beta=-1"], "algo.beta=-1.0 must be >= 0.0"),
+    (["rollout.streams=-1"], "rollout.streams=-1 must be >= 0"),
+    (["algo.update_streams=-2"], "algo.update_streams=-2 must be >= 0"),
     (["algo.policy_loss=gspo", "algo.epsilon=1e-3"],
      "algo.epsilon_high=0.0004 must be >= algo.epsilon=0.001 (algo.epsilon_high not set"),
     (["data.source=jsonl"], "data.path is required"),

@@ -90,6 +90,38 @@ def test_grouped_update_equals_scanned_update():
     assert own["update/shared_prompt"] == 0.0
 
 
+def test_update_streams_equal_one_stream_and_are_deterministic():
+    """``algo.update_streams``: each micro-batch cut into k parts whose gradients concurrent
+    streams sum, then added in stream order: the one-stream update up to float32 order, the
+    same bits on every run; fewer streams where a micro-batch does not split."""
+    batch = ragged_batch(3)
+    results = {}
+    for k in (1, 2, 4, 4):
+        algo = algo_cfg(beta=0.04, group_by_length=True, shared_prompt=False,
+                        update_streams=k)
+        state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
+        step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)
+        assert step.update_streams(B) == k   # micro-batches of 4 rows
+        new_state, m = step(state, batch)
+        if k in results:   # a second run of 4 streams: bit-identical
+            jax.tree.map(np.testing.assert_array_equal, new_state.params, results[k][0].params)
+        results[k] = (new_state, m)
+    ref_state, ref_m = results[1]
+    for k in (2, 4):
+        new_state, m = results[k]
+        assert set(m) == set(ref_m)
+        for key in (k for k in ref_m if not k.startswith("update/")):   # finer parts trim more
+            np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=2e-5, atol=1e-7,
+                                       err_msg=key)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                             rtol=1e-5, atol=1e-6),
+                     new_state.params, ref_state.params)
+    update = length_groups.GroupedUpdate(opt, None, length_groups.Planner(2, False, 4),
+                                         streams=2)
+    assert update.update_streams(8) == 1   # one group of 4 per micro-batch: no split
+    assert update.update_streams(16) == 2
+
+
 def test_grouped_update_sharded_matches_unsharded():
     assert jax.device_count() == 8, "conftest provides 8 fake CPU devices"
     algo = algo_cfg(beta=0.0)
@@ -138,8 +170,12 @@ def test_grouped_logps_equal_the_padded_pass():
     batch["temperatures"] = np.full((B, N), 0.7, np.float32)
     state, _ = fresh_state()
     want = np.asarray(steps.build_logps_fn(MODEL, num_micro=2)(state.params, batch))
-    got = length_groups.build_logps_fn(MODEL, num_micro=2)(state.params, batch)
-    assert isinstance(got, np.ndarray) and got.shape == (B, N)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(got[~batch["loss_mask"]], 0.0)
-    assert np.abs(got[batch["loss_mask"]]).min() > 0
+    for k in (1, 2, 4):   # algo.update_streams: micro-batches in k concurrent parts
+        algo = algo_cfg(group_by_length=True, shared_prompt=False, update_streams=k)
+        fn = length_groups.build_logps_fn(MODEL, algo_cfg=algo, num_micro=2)
+        assert length_groups.stream_count(fn.planner, fn.streams, B) == k
+        got = fn(state.params, batch)
+        assert isinstance(got, np.ndarray) and got.shape == (B, N)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got[~batch["loss_mask"]], 0.0)
+        assert np.abs(got[batch["loss_mask"]]).min() > 0

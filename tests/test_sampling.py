@@ -276,6 +276,41 @@ def test_fan_out_equals_repeated_prompts_and_prefills_once():
     assert (b * g, p) not in lead
 
 
+@pytest.mark.parametrize("draw", ["gumbel", "inverse_cdf", "greedy"])
+def test_streams_sample_what_one_stream_samples(draw, monkeypatch):
+    """generate(streams=k): k concurrent chunks of prompts, each reading its rows of the whole
+    batch's noise, give one stream's tokens (logps to float32 rounding), stop ids,
+    min_new_tokens and top-p included; a count that does not divide the prompts runs fewer."""
+    if draw == "inverse_cdf":
+        monkeypatch.setattr(sampling, "INVERSE_CDF_MIN_VOCAB", 8)
+    cfg = _cfg(vocab_size=32)
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts(rows=[[1, 2, 3], [4, 5], [6, 7, 8, 9], [3], [9, 9], [2, 4, 6]])
+    kw = dict(rng=jax.random.key(3), max_new_tokens=9, temperature=0.0 if draw == "greedy"
+              else 1.0, top_p=0.9, eos_id=1, pad_id=0, num_samples=2, min_new_tokens=2)
+    one = sampling.generate(cfg, params, prompt, pmask, streams=1, **kw)
+    if draw != "greedy":
+        assert len(set(np.asarray(one.tokens).ravel().tolist())) > 3   # really sampled
+    for k, runs in ((2, 2), (3, 3), (4, 3), (6, 6)):   # 4 does not divide 6 prompts: 3 run
+        assert sampling.stream_count(k, 6, 9, cfg.vocab_size, draw == "greedy", 2) == runs
+        out = sampling.generate(cfg, params, prompt, pmask, streams=k, **kw)
+        for field in ("tokens", "mask", "lengths", "truncated"):
+            np.testing.assert_array_equal(getattr(out, field), getattr(one, field), err_msg=field)
+        np.testing.assert_allclose(out.logps, one.logps, rtol=1e-5, atol=1e-5)
+    # Too much noise to draw ahead: the per-step draws depend on the batch, so one stream.
+    monkeypatch.setattr(sampling, "NOISE_AHEAD_MAX_ELEMENTS", 0)
+    assert sampling.stream_count(2, 6, 9, cfg.vocab_size, False, 2) == 1
+    assert sampling.stream_count(2, 6, 9, cfg.vocab_size, True, 2) == 2   # greedy: no noise
+    with pytest.raises(ValueError, match="streams must be >= 0"):
+        sampling.generate(cfg, params, prompt, pmask, streams=-1, **kw)
+
+
+def test_streams_are_one_under_a_multi_device_mesh():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert sampling.stream_count(2, 8, 4, 512, False, mesh=mesh) == 1
+    assert sampling.stream_count(2, 8, 4, 512, False) == 2
+
+
 def test_same_bucket_does_not_recompile():
     cfg = _cfg()
     params = models.init_params(cfg, jax.random.key(0))

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax import compilation_cache, distributed as dist
+from rljax import compilation_cache, distributed as dist, streams as streams_lib
 from rljax.models import lora as lora_lib
 from rljax.train import steps
 from rljax.train.buckets import prompt_buckets
@@ -189,6 +189,20 @@ class Planner:
         return math.prod(self.mesh.shape[a] for a in steps.BATCH_AXES if a in self.mesh.shape)
 
 
+def stream_count(planner: Planner, streams: int, rows: int) -> int:
+    """Streams for a batch of ``rows`` (``streams`` resolved, >= 1): the most, up to
+    ``streams``, that cut each micro-batch into equal parts of whole groups (whole rows
+    without shared prompts)."""
+    return streams_lib.largest_divisor(streams, rows // planner.num_micro, planner.group_size)
+
+
+def stream_parts(planner: Planner, streams: int, batch: dict, n: int):
+    """``(k, planner.parts(...))`` with every micro-batch cut into k = ``stream_count`` parts;
+    stream j computes parts j, j + k, ..."""
+    k = stream_count(planner, streams, batch["loss_mask"].shape[0])
+    return k, dataclasses.replace(planner, num_micro=planner.num_micro * k).parts(batch, n)
+
+
 class GroupedUpdate:
     """``update(state, batch) -> (state, metrics)``: one exact optimizer update of ``loss_fn``
     over the micro-batches of ``planner`` (see the module docstring).
@@ -199,10 +213,18 @@ class GroupedUpdate:
     ``seq-mean-token-sum-norm``). With a mesh, each micro-batch's rows split over the batch
     axes like any batch (their size must divide over them, as for the scanned update).
     Metrics add ``update/token_efficiency`` (real / computed positions) and
-    ``update/shared_prompt`` (fraction of micro-batches computing each prompt once)."""
+    ``update/shared_prompt`` (fraction of micro-batches computing each prompt once).
 
-    def __init__(self, optimizer, loss_fn, planner: Planner, state_shardings=None):
+    ``streams`` k > 1 (``rljax.streams``; resolved, not 0): every micro-batch is cut into k
+    (``update_streams``: fewer where its rows or groups do not divide), and k threads each
+    sum the gradients of every k-th of them into a total of their own, concurrently; the
+    totals are added in stream order, so the result does not depend on timing."""
+
+    def __init__(self, optimizer, loss_fn, planner: Planner, state_shardings=None,
+                 streams: int = 1):
         self.loss_fn, self.planner, mesh = loss_fn, planner, planner.mesh
+        self.streams = streams
+        self._add = jax.jit(steps.add_micro, donate_argnums=0)
         self._zeros_fns = {}   # batch layout -> jitted zero total (gradients, sums, metrics)
         options = compilation_cache.training_compiler_options()
         if mesh is None:
@@ -244,16 +266,28 @@ class GroupedUpdate:
             self._zeros_fns[key] = zeros
         return self._zeros_fns[key](lora_lib.trainable(state.params))
 
+    def update_streams(self, rows: int) -> int:
+        return stream_count(self.planner, self.streams, rows)
+
     def __call__(self, state, batch: dict):
         batch = {k: dist.to_host(v) for k, v in batch.items()}
         n = batch["loss_mask"].shape[1]
-        parts = [part for _, part in self.planner.parts(batch, n)]
-        total = None
-        for i, part in enumerate(parts):
-            if total is None:
-                total = self._zeros(state, part, n)
-            total = self._micro(state, total, dist.device_batch(part, self.planner.mesh),
-                                jnp.asarray(i, jnp.int32), n)
+        k, parts = stream_parts(self.planner, self.streams, batch, n)
+        parts = [part for _, part in parts]
+        totals = [self._zeros(state, parts[j], n) for j in range(k)]
+
+        def stream(j):   # micro-batches j, j + k, ... into totals[j]
+            def run():
+                total = totals[j]
+                for i in range(j, len(parts), k):
+                    total = self._micro(state, total,
+                                        dist.device_batch(parts[i], self.planner.mesh),
+                                        jnp.asarray(i, jnp.int32), n)
+                # One stream is left to dispatch asynchronously; concurrent ones must block.
+                return total if k == 1 else jax.block_until_ready(total)
+            return run
+
+        total = functools.reduce(self._add, streams_lib.run([stream(j) for j in range(k)]))
         state, metrics = self._apply(state, total)
         metrics["update/token_efficiency"] = token_efficiency(parts)
         metrics["update/shared_prompt"] = float(np.mean(["prompt_tokens" in p for p in parts]))
@@ -265,17 +299,25 @@ class GroupedLogps:
     old/reference passes (``steps.build_logps_fn``) over the micro-batches of ``planner``,
     ``logps_fn`` (jitted, one micro-batch) run once per micro-batch, all dispatched before any
     is fetched. Columns past a micro-batch's trimmed completion width hold no real token of
-    its rows: 0, as the full computation gives."""
+    its rows: 0, as the full computation gives. ``streams`` k > 1: micro-batches cut into k
+    parts, computed by k concurrent streams (as ``GroupedUpdate``)."""
 
-    def __init__(self, logps_fn, planner: Planner):
-        self.logps_fn, self.planner = logps_fn, planner
+    def __init__(self, logps_fn, planner: Planner, streams: int = 1):
+        self.logps_fn, self.planner, self.streams = logps_fn, planner, streams
 
     def __call__(self, params, batch: dict) -> np.ndarray:
         batch = {k: dist.to_host(batch[k]) for k in steps.LOGPS_KEYS if k in batch}
         rows, n = batch["loss_mask"].shape
-        parts = self.planner.parts(batch, n)
-        outs = [self.logps_fn(params, dist.device_batch(part, self.planner.mesh))
-                for _, part in parts]
+        k, parts = stream_parts(self.planner, self.streams, batch, n)
+
+        def one(part):
+            out = self.logps_fn(params, dist.device_batch(part, self.planner.mesh))
+            return out if k == 1 else jax.block_until_ready(out)   # as GroupedUpdate
+        outs = [None] * len(parts)
+        for j, stream_outs in enumerate(streams_lib.run(
+                [lambda j=j: [one(parts[i][1]) for i in range(j, len(parts), k)]
+                 for j in range(k)])):
+            outs[j::k] = stream_outs
         logps = np.zeros((rows, n), np.float32)
         for (mb, _), out in zip(parts, outs):
             logps[mb.rows, :mb.completion_cols] = dist.to_host(out)
@@ -299,15 +341,20 @@ def planner(algo_cfg=None, num_micro: int = 1, mesh=None) -> Planner:
 def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
                     num_micro: int = 1, state_shardings=None, mesh=None) -> GroupedUpdate:
     """``steps.build_grpo_step`` over host-planned micro-batches (host batch in; metrics add
-    ``update/token_efficiency`` and ``update/shared_prompt``)."""
+    ``update/token_efficiency`` and ``update/shared_prompt``); ``algo.update_streams``
+    concurrent streams (``GroupedUpdate``)."""
     return GroupedUpdate(optimizer, steps.grpo_loss_fn(model_cfg, algo_cfg, temperature),
-                         planner(algo_cfg, num_micro, mesh), state_shardings)
+                         planner(algo_cfg, num_micro, mesh), state_shardings,
+                         streams=streams_lib.resolve(int(algo_cfg.get("update_streams", 1)),
+                                                     mesh))
 
 
 def build_logps_fn(model_cfg, *, algo_cfg=None, num_micro: int = 1, mesh=None,
                    **opts) -> GroupedLogps:
     """``steps.build_logps_fn`` over host-planned micro-batches (returns host arrays);
     ``algo_cfg`` as ``planner``; ``opts``: its ``temperature``, ``param_shardings``,
-    ``base_only``."""
+    ``base_only``; ``algo.update_streams`` concurrent streams."""
     one = steps.build_logps_fn(model_cfg, num_micro=1, mesh=mesh, **opts)
-    return GroupedLogps(one, planner(algo_cfg, num_micro, mesh))
+    setting = int(algo_cfg.get("update_streams", 1)) if algo_cfg is not None else 1
+    return GroupedLogps(one, planner(algo_cfg, num_micro, mesh),
+                        streams=streams_lib.resolve(setting, mesh))

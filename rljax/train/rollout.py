@@ -141,7 +141,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                   eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
         if tree is None:
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
-                                    num_samples=num_samples, temperatures=temperatures, **kw)
+                                    num_samples=num_samples, temperatures=temperatures,
+                                    streams=ctx.cfg.rollout.streams, **kw)
         else:
             out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
