@@ -189,6 +189,12 @@ class Planner:
         return math.prod(self.mesh.shape[a] for a in steps.BATCH_AXES if a in self.mesh.shape)
 
 
+def _apply_totals(optimizer, state, totals: tuple):
+    """``steps.apply_accumulated`` of the sum of the streams' totals, added in stream order
+    (in the apply's program: no program of its own to compile)."""
+    return steps.apply_accumulated(optimizer, state, functools.reduce(steps.add_micro, totals))
+
+
 def stream_count(planner: Planner, streams: int, rows: int) -> int:
     """Streams for a batch of ``rows`` (``streams`` resolved, >= 1): the most, up to
     ``streams``, that cut each micro-batch into equal parts of whole groups (whole rows
@@ -224,14 +230,15 @@ class GroupedUpdate:
                  streams: int = 1):
         self.loss_fn, self.planner, mesh = loss_fn, planner, planner.mesh
         self.streams = streams
-        self._add = jax.jit(steps.add_micro, donate_argnums=0)
         self._zeros_fns = {}   # batch layout -> jitted zero total (gradients, sums, metrics)
+        self._apply_fns = {}   # stream count -> jitted apply of that many totals
         options = compilation_cache.training_compiler_options()
         if mesh is None:
             self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
                                   compiler_options=options)
-            self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
-                                  donate_argnums=0, compiler_options=options)
+            self._apply_jit = lambda k: jax.jit(  # noqa: E731
+                functools.partial(_apply_totals, optimizer), donate_argnums=0,
+                compiler_options=options)
             return
         rep = NamedSharding(mesh, PartitionSpec())
         grads = lora_lib.trainable(state_shardings.params)
@@ -240,9 +247,15 @@ class GroupedUpdate:
                               in_shardings=(state_shardings, total,
                                             steps.batch_sharding(mesh), rep),
                               out_shardings=total, compiler_options=options)
-        self._apply = jax.jit(functools.partial(steps.apply_accumulated, optimizer),
-                              donate_argnums=0, in_shardings=(state_shardings, total),
-                              out_shardings=(state_shardings, rep), compiler_options=options)
+        self._apply_jit = lambda k: jax.jit(  # noqa: E731
+            functools.partial(_apply_totals, optimizer), donate_argnums=0,
+            in_shardings=(state_shardings, (total,) * k),
+            out_shardings=(state_shardings, rep), compiler_options=options)
+
+    def _apply(self, state, totals: tuple):
+        if len(totals) not in self._apply_fns:
+            self._apply_fns[len(totals)] = self._apply_jit(len(totals))
+        return self._apply_fns[len(totals)](state, totals)
 
     def _micro_step(self, state, total, mb, index, slots: int):
         mb = {**mb, steps.COMPLETION_SLOTS: slots}
@@ -287,8 +300,8 @@ class GroupedUpdate:
                 return total if k == 1 else jax.block_until_ready(total)
             return run
 
-        total = functools.reduce(self._add, streams_lib.run([stream(j) for j in range(k)]))
-        state, metrics = self._apply(state, total)
+        state, metrics = self._apply(state, tuple(streams_lib.run([stream(j)
+                                                                   for j in range(k)])))
         metrics["update/token_efficiency"] = token_efficiency(parts)
         metrics["update/shared_prompt"] = float(np.mean(["prompt_tokens" in p for p in parts]))
         return state, metrics
