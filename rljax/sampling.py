@@ -408,7 +408,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     greedy = temperatures is None and temperature == 0.0
     k = stream_count(streams, np.shape(prompt_tokens)[0], max_new_tokens, cfg.vocab_size, greedy,
                      num_samples, mesh)
-    if k == 1:
+    if k == 1 or isinstance(prompt_tokens, jax.core.Tracer):   # inside a trace: one program
         return _generate(cfg, params, jnp.asarray(prompt_tokens, jnp.int32),
                          jnp.asarray(prompt_mask, bool), rng, temperatures=temperatures,
                          **static)

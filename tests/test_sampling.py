@@ -303,6 +303,8 @@ def test_streams_sample_what_one_stream_samples(draw, monkeypatch):
     assert sampling.stream_count(2, 6, 9, cfg.vocab_size, True, 2) == 2   # greedy: no noise
     with pytest.raises(ValueError, match="streams must be >= 0"):
         sampling.generate(cfg, params, prompt, pmask, streams=-1, **kw)
+    traced = jax.jit(lambda t, m: sampling.generate(cfg, params, t, m, streams=2, **kw).tokens)
+    np.testing.assert_array_equal(traced(prompt, pmask), one.tokens)   # one program in a trace
 
 
 def test_streams_are_one_under_a_multi_device_mesh():
