@@ -170,7 +170,7 @@ def default_config() -> ml_collections.ConfigDict:
         micro_batch_size=0,          # sampler chunk; 0 = whole batch at once
         # Concurrent decode streams: the prompts (of each chunk) split this many ways, decoded
         # by concurrent programs; same samples as one stream. 0 = auto (2 on a CPU with 2+
-        # cores and one device, else 1; sampling.auto_streams).
+        # cores and one device, else 1; rljax.streams).
         streams=0,
         # Per-position sampling temperature (exploratory annealed decoding; docs/search.md):
         # from `start` at the first completion token to `end` at token `tokens` (0 = all of
