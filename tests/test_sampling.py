@@ -291,7 +291,7 @@ def test_streams_sample_what_one_stream_samples(draw, monkeypatch):
     one = sampling.generate(cfg, params, prompt, pmask, streams=1, **kw)
     if draw != "greedy":
         assert len(set(np.asarray(one.tokens).ravel().tolist())) > 3   # really sampled
-    for k, runs in ((2, 2), (3, 3), (4, 3), (6, 6)):   # 4 does not divide 6 prompts: 3 run
+    for k, runs in ((2, 2), (4, 3)):   # 4 does not divide 6 prompts: 3 run
         assert sampling.stream_count(k, 6, 9, cfg.vocab_size, draw == "greedy", 2) == runs
         out = sampling.generate(cfg, params, prompt, pmask, streams=k, **kw)
         for field in ("tokens", "mask", "lengths", "truncated"):
