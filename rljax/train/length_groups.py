@@ -232,30 +232,33 @@ class GroupedUpdate:
         self.streams = streams
         self._zeros_fns = {}   # batch layout -> jitted zero total (gradients, sums, metrics)
         self._apply_fns = {}   # stream count -> jitted apply of that many totals
-        options = compilation_cache.training_compiler_options()
+        self._apply_totals = functools.partial(_apply_totals, optimizer)
+        self._options = compilation_cache.training_compiler_options()
+        self._shardings = None   # mesh: (state, total, replicated) shardings
         if mesh is None:
             self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
-                                  compiler_options=options)
-            self._apply_jit = lambda k: jax.jit(  # noqa: E731
-                functools.partial(_apply_totals, optimizer), donate_argnums=0,
-                compiler_options=options)
+                                  compiler_options=self._options)
             return
         rep = NamedSharding(mesh, PartitionSpec())
-        grads = lora_lib.trainable(state_shardings.params)
-        total = (grads, rep, rep, rep)
+        total = (lora_lib.trainable(state_shardings.params), rep, rep, rep)
+        self._shardings = (state_shardings, total, rep)
         self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
                               in_shardings=(state_shardings, total,
                                             steps.batch_sharding(mesh), rep),
-                              out_shardings=total, compiler_options=options)
-        self._apply_jit = lambda k: jax.jit(  # noqa: E731
-            functools.partial(_apply_totals, optimizer), donate_argnums=0,
-            in_shardings=(state_shardings, (total,) * k),
-            out_shardings=(state_shardings, rep), compiler_options=options)
+                              out_shardings=total, compiler_options=self._options)
 
     def _apply(self, state, totals: tuple):
-        if len(totals) not in self._apply_fns:
-            self._apply_fns[len(totals)] = self._apply_jit(len(totals))
-        return self._apply_fns[len(totals)](state, totals)
+        """The optimizer step on the sum of ``totals`` (one program per stream count)."""
+        k = len(totals)
+        if k not in self._apply_fns:
+            shardings = {}
+            if self._shardings is not None:
+                state_shardings, total, rep = self._shardings
+                shardings = dict(in_shardings=(state_shardings, (total,) * k),
+                                 out_shardings=(state_shardings, rep))
+            self._apply_fns[k] = jax.jit(self._apply_totals, donate_argnums=0,
+                                         compiler_options=self._options, **shardings)
+        return self._apply_fns[k](state, totals)
 
     def _micro_step(self, state, total, mb, index, slots: int):
         mb = {**mb, steps.COMPLETION_SLOTS: slots}
