@@ -8,8 +8,8 @@ Builds the length-grouped GRPO update of ``bench/update_step.py``'s batch (share
 (what rljax uses), B with ``--options`` added to them. Prints each one's first call (compile +
 one run, B after A, so B's tracing is warm: its number is mostly its own compile) and the
 medians of ``--runs`` interleaved calls after two warm-ups (wall and process-CPU seconds).
-Shapes: ``toy`` and ``real`` as ``update_step.py``; ``small`` an 8L-256 llama (vocab 2,048,
-~6M params), 8 prompts of 40-64 tokens x G=8 x 64, one micro-batch.
+Shapes: ``bench/streams.py``'s (``toy`` and ``real`` as ``update_step.py``, ``small`` an
+8L-256 llama).
 
 The default ``--options`` are XLA:CPU's older elementwise-fusion emitters, which the test
 suite uses (``tests/conftest.py``); ``bench/README.md`` has the numbers and why rljax keeps
@@ -29,15 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-import update_step  # noqa: E402  (its shapes and rollout batch)
-from streams import interleaved  # noqa: E402
+import update_step  # noqa: E402  (its rollout batch)
+from streams import UPDATE_SHAPES as SHAPES, interleaved  # noqa: E402
 from rljax import compilation_cache, config as config_lib, models  # noqa: E402
 from rljax.train import length_groups, steps  # noqa: E402
 from rljax.train.state import create_train_state  # noqa: E402
-
-SHAPES = dict(update_step.SHAPES, small=(
-    dict(vocab_size=2048, num_layers=8, hidden_size=256, intermediate_size=768, num_heads=4,
-         num_kv_heads=2), 8, 8, 64, 64, (40, 65), 64))
 
 
 def main() -> None:

@@ -1,13 +1,15 @@
 """Concurrent streams (``rljax.streams``): the sampler and the GRPO update at several counts.
 
     python bench/streams.py [--part sampler,update] [--shape toy|real] [--streams 1,2,4]
-                            [--runs 7]
+                            [--micro-batches 1] [--runs 7]
 
 sampler: ``sampling.generate(streams=k)``, temperature 1, exactly N new tokens; toy: issue
 13's 4L-128 llama, 32 prompts x G=1 (bucket 32, N=64), and 8 prompts x G=8; real:
-SmolLM2-135M's shape (random weights), 8 prompts x G=4, bucket 160, N=64. update: one GRPO
+SmolLM2-135M's shape (random weights), 8 prompts x G=4, bucket 160, N=64 (small: none).
+update: one GRPO
 update of ``bench/update_step.py``'s batch (shared prompt; real: grouped by length too) with
-``algo.update_streams=k``. Medians of ``--runs`` interleaved calls after two warm-ups; wall
+``algo.update_streams=k``, for each count of micro-batches in ``--micro-batches`` (each
+micro-batch is cut into k parts: more micro-batches, smaller parts). Medians of ``--runs`` interleaved calls after two warm-ups; wall
 and process-CPU seconds; the load average before and after.
 """
 from __future__ import annotations
@@ -31,6 +33,11 @@ from rljax.train import length_groups, steps  # noqa: E402
 from rljax.train.state import create_train_state  # noqa: E402
 
 SAMPLER_SHAPES = {"toy": [(32, 1, 32, 64), (8, 8, 32, 64)], "real": [(8, 4, 160, 64)]}
+# The update's shapes: update_step.py's, and small: an 8L-256 llama (vocab 2,048, ~7M params),
+# 8 prompts of 40-64 tokens (bucket 64) x G=8 x 64, one micro-batch.
+UPDATE_SHAPES = dict(update_step.SHAPES, small=(
+    dict(vocab_size=2048, num_layers=8, hidden_size=256, intermediate_size=768, num_heads=4,
+         num_kv_heads=2), 8, 8, 64, 64, (40, 65), 64))
 
 
 def interleaved(fns: dict, runs: int) -> dict:
@@ -48,11 +55,11 @@ def interleaved(fns: dict, runs: int) -> dict:
 
 
 def bench_sampler(shape: str, counts: list[int], runs: int) -> None:
-    overrides = update_step.SHAPES[shape][0]
+    overrides = UPDATE_SHAPES[shape][0]
     cfg = models.get_preset("tiny", **overrides)
     params = models.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
-    for b, g, p, n in SAMPLER_SHAPES[shape]:
+    for b, g, p, n in SAMPLER_SHAPES.get(shape, []):
         ids = [list(rng.integers(3, cfg.vocab_size, int(rng.integers(p // 2, p + 1))))
                for _ in range(b)]
         tok, mask = sampling.pad_to_bucket(ids, pad_id=0, buckets=(p,))
@@ -69,27 +76,32 @@ def bench_sampler(shape: str, counts: list[int], runs: int) -> None:
             print(f"| {k} | {w:.4f} | {c:.4f} | {b * g * n / w:,.0f} |")
 
 
-def bench_update(shape: str, counts: list[int], runs: int) -> None:
-    overrides, b, g, p, n, lengths, micro = update_step.SHAPES[shape]
+def bench_update(shape: str, counts: list[int], runs: int, micro_counts=(None,)) -> None:
+    """``micro_counts``: micro-batches per update (None: the shape's micro-batch size)."""
+    overrides, b, g, p, n, lengths, micro = UPDATE_SHAPES[shape]
     cfg = models.get_preset("tiny", **overrides)
     batch = update_step.rollout_batch(cfg, b, g, p, n, lengths)
     opt = optax.adamw(1e-5, weight_decay=0.0)
     carried = {"state": create_train_state(models.init_params(cfg, jax.random.key(0)), opt,
                                            jax.random.key(1))}
     fns = {}
-    for k in counts:
-        algo = config_lib.default_config().algo
-        algo.update(num_generations=g, beta=0.0, shared_prompt=True,
-                    group_by_length=shape == "real", update_streams=k)
-        step = length_groups.build_grpo_step(cfg, algo, opt, num_micro=b * g // micro)
+    for num_micro in micro_counts:
+        num_micro = num_micro or b * g // micro
+        for k in counts:
+            algo = config_lib.default_config().algo
+            algo.update(num_generations=g, beta=0.0, shared_prompt=True,
+                        group_by_length=shape == "real", update_streams=k)
+            step = length_groups.build_grpo_step(cfg, algo, opt, num_micro=num_micro)
 
-        def run(step=step):   # the state is donated: each call continues from the last one
-            carried["state"], m = step(carried["state"], batch)
-            return steps.to_host(m)
-        fns[f"{k} (runs {step.update_streams(b * g)})"] = run
+            def run(step=step):   # the state is donated: each call continues from the last one
+                carried["state"], m = step(carried["state"], batch)
+                return steps.to_host(m)
+            ran = step.update_streams(b * g)
+            fns[f"{k} (runs {ran}) | {num_micro} | {b * g // num_micro // ran}"] = run
     t = interleaved(fns, runs)
-    print(f"\nupdate {shape}: {b} prompts x G={g}, bucket {p}, N={n}, micro-batch {micro}")
-    print("| update_streams | s per update | CPU s |\n|---|---|---|")
+    print(f"\nupdate {shape}: {b} prompts x G={g}, bucket {p}, N={n}")
+    print("| update_streams | micro-batches | rows per part | s per update | CPU s |\n"
+          "|---|---|---|---|---|")
     for k, (w, c) in t.items():
         print(f"| {k} | {w:.3f} | {c:.2f} |")
 
@@ -97,8 +109,10 @@ def bench_update(shape: str, counts: list[int], runs: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="sampler,update")
-    ap.add_argument("--shape", choices=sorted(update_step.SHAPES), default="toy")
+    ap.add_argument("--shape", choices=sorted(UPDATE_SHAPES), default="toy")
     ap.add_argument("--streams", default="1,2,4")
+    ap.add_argument("--micro-batches", default="",
+                    help="micro-batches per update, e.g. 1,4 (default: the shape's)")
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
     counts = [int(k) for k in args.streams.split(",")]
@@ -106,7 +120,8 @@ def main() -> None:
     if "sampler" in args.part:
         bench_sampler(args.shape, counts, args.runs)
     if "update" in args.part:
-        bench_update(args.shape, counts, args.runs)
+        micro = [int(m) for m in args.micro_batches.split(",")] if args.micro_batches else [None]
+        bench_update(args.shape, counts, args.runs, micro)
     print(f"\nload average {load0:.1f} -> {os.getloadavg()[0]:.1f}; {os.cpu_count()} CPUs")
 
 
