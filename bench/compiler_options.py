@@ -11,9 +11,8 @@ medians of ``--runs`` interleaved calls after two warm-ups (wall and process-CPU
 Shapes: ``bench/streams.py``'s (``toy`` and ``real`` as ``update_step.py``, ``small`` an
 8L-256 llama).
 
-The default ``--options`` are XLA:CPU's older elementwise-fusion emitters, which the test
-suite uses (``tests/conftest.py``); ``bench/README.md`` has the numbers and why rljax keeps
-the default emitters.
+The default ``--options`` are XLA:CPU's older elementwise-fusion emitters;
+``bench/README.md`` (session 11) has the numbers and why rljax keeps the default ones.
 """
 from __future__ import annotations
 

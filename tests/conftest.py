@@ -12,16 +12,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
-# The suite is mostly compiling: XLA:CPU's older elementwise-fusion emitters compile its tiny
-# models' programs about twice as fast as the default MLIR ones and run them only a few percent
-# slower (bench/compiler_options.py; test_length_groups, test_sampling, test_train_ppo and
-# test_lora: 284 -> 225 s).
-# RLJAX_TEST_FUSION_EMITTERS=1 runs the suite on the default emitters instead.
-if "xla_cpu_use_fusion_emitters" not in _flags and not os.environ.get(
-        "RLJAX_TEST_FUSION_EMITTERS"):
-    _flags += " --xla_cpu_use_fusion_emitters=false"
-os.environ["XLA_FLAGS"] = _flags
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 # Tests keep out of the user's cache directory: a developer's old entries must not change what a
 # test runs, and a test run must not fill ~/.cache. The persistent compilation cache still works
