@@ -1,16 +1,19 @@
 """Concurrent streams (``rljax.streams``): the sampler and the GRPO update at several counts.
 
-    python bench/streams.py [--part sampler,update] [--shape toy|real] [--streams 1,2,4]
+    python bench/streams.py [--part sampler,update] [--shape toy|small|real] [--streams 1,2,4]
                             [--micro-batches 1] [--runs 7]
 
 sampler: ``sampling.generate(streams=k)``, temperature 1, exactly N new tokens; toy: issue
 13's 4L-128 llama, 32 prompts x G=1 (bucket 32, N=64), and 8 prompts x G=8; real:
-SmolLM2-135M's shape (random weights), 8 prompts x G=4, bucket 160, N=64 (small: none).
-update: one GRPO
-update of ``bench/update_step.py``'s batch (shared prompt; real: grouped by length too) with
-``algo.update_streams=k``, for each count of micro-batches in ``--micro-batches`` (each
-micro-batch is cut into k parts: more micro-batches, smaller parts). Medians of ``--runs`` interleaved calls after two warm-ups; wall
-and process-CPU seconds; the load average before and after.
+SmolLM2-135M's shape (random weights), 8 prompts x G=4, bucket 160, N=64; small: none.
+
+update: one GRPO update of ``bench/update_step.py``'s batch (shared prompt; real: grouped by
+length too; small: ``UPDATE_SHAPES``) with ``algo.update_streams=k``, for each count of
+micro-batches in ``--micro-batches`` (each micro-batch is cut into k parts: more
+micro-batches, smaller parts).
+
+Medians of ``--runs`` interleaved calls after two warm-ups; wall and process-CPU seconds; the
+load average before and after.
 """
 from __future__ import annotations
 
