@@ -80,6 +80,21 @@ def test_nonfinite_update_is_skipped_inside_jit():
     assert counts and all(int(c) == 1 for _, c in counts)
 
 
+def test_bfloat16_params_with_float32_gradients_keep_their_dtypes():
+    # model.dtype=bfloat16 with gradients accumulated in float32: Adam's moments would be
+    # promoted to float32 inside the update branch, which lax.cond rejects.
+    tx = make_optimizer(opt_cfg(learning_rate=0.1), 10)
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    opt_state = tx.init(params)
+    out = jax.jit(lambda p, s, g: apply_if_finite(tx, p, s, g, jnp.float32(1.0)))(
+        params, opt_state, {"w": jnp.ones(3, jnp.float32)})
+    assert not bool(out.skipped)
+    assert float(out.params["w"][0]) < 1.0
+    for new, old in zip(jax.tree.leaves((out.params, out.opt_state)),
+                        jax.tree.leaves((params, opt_state))):
+        assert new.dtype == old.dtype
+
+
 def test_guard_counts_consecutive_skips():
     guard = NonFiniteGuard(max_consecutive=3)
     for skipped in (True, True, False, True, True):

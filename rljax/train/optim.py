@@ -152,6 +152,10 @@ def apply_if_finite(optimizer: optax.GradientTransformation, params: Any, opt_st
 
     def update(params, opt_state, grads):
         updates, new_opt_state = optimizer.update(grads, opt_state, params, **extra)
+        # float32 gradients of bfloat16 params promote Adam's moments to float32; both cond
+        # branches must keep the state's own dtypes.
+        new_opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                     new_opt_state, opt_state)
         return optax.apply_updates(params, updates), new_opt_state
 
     new_params, new_opt_state = jax.lax.cond(ok, update, lambda p, s, _: (p, s),
