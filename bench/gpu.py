@@ -44,6 +44,7 @@ from rljax import models, sampling  # noqa: E402
 from rljax.train import optim, steps  # noqa: E402
 from rljax.train.state import create_train_state  # noqa: E402
 
+DEFAULT_CHUNK = models.transformer.LOGITS_CHUNK_ELEMENTS
 DATASHEET = {"H100": {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12},
              "H200": {"bf16_flops": 989e12, "hbm_bytes_per_s": 4.8e12}}
 
@@ -77,6 +78,17 @@ def model_config(preset: str, **overrides) -> models.ModelConfig:
 
 def update_step(preset: str, batch: int, seq: int, num_micro: int, runs: int, remat: bool,
                 extra: dict) -> dict:
+    extra = dict(extra)
+    chunk = extra.pop("logits_chunk_elements", None)
+    if chunk:  # the LM head's chunk budget (module constant, not a ModelConfig field)
+        models.transformer.LOGITS_CHUNK_ELEMENTS = int(chunk)
+    try:
+        return _update_step(preset, batch, seq, num_micro, runs, remat, extra)
+    finally:
+        models.transformer.LOGITS_CHUNK_ELEMENTS = DEFAULT_CHUNK
+
+
+def _update_step(preset, batch, seq, num_micro, runs, remat, extra) -> dict:
     cfg = model_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat, **extra)
     params = models.init_params(cfg, jax.random.PRNGKey(0))
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
@@ -107,10 +119,11 @@ def update_step(preset: str, batch: int, seq: int, num_micro: int, runs: int, re
         holder["state"], m = step(holder["state"], b)
         jax.block_until_ready(m)
     med, times = timed(one, runs)
-    flops = 3 * forward_flops(cfg, batch, seq)
+    flops = 3 * forward_flops(cfg, batch, seq, scored=n)   # the head runs on the completion
     mem = jax.devices()[0].memory_stats() or {}
     return {"preset": preset, "params": n_params, "batch": batch, "seq": seq,
-            "num_micro": num_micro, "remat": remat, "extra": extra, "seconds": med,
+            "num_micro": num_micro, "remat": remat, "extra": extra,
+            "logits_chunk_elements": models.transformer.LOGITS_CHUNK_ELEMENTS, "seconds": med,
             "times": times, "model_flops": flops, "xla_flops": xla_flops,
             "model_flops_per_s": flops / med, "tokens_per_s": batch * seq / med,
             "peak_bytes_in_use": mem.get("peak_bytes_in_use")}
@@ -182,6 +195,10 @@ def main(argv=None) -> int:
     ap.add_argument("--remat", action="store_true")
     ap.add_argument("--attention-impl", nargs="+", default=[None],
                     help="model.attention_impl values to compare (when the model has the knob)")
+    ap.add_argument("--update-variants", nargs="+", metavar="JSON",
+                    help="update-step variants, each a JSON dict of ModelConfig overrides "
+                         "(and optionally logits_chunk_elements, the LM head's chunk budget); "
+                         "default: one per --attention-impl")
     ap.add_argument("--decode-batch", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
@@ -208,8 +225,10 @@ def main(argv=None) -> int:
     has_impl = "attention_impl" in getattr(models.ModelConfig, "__dataclass_fields__", {})
     impls = [i for i in args.attention_impl if i is not None] if has_impl else []
     variants = [{"attention_impl": i} for i in impls] or [{}]
+    update_variants = ([json.loads(v) for v in args.update_variants] if args.update_variants
+                       else variants)
     if "update" not in args.skip:
-        for extra in variants:
+        for extra in update_variants:
             for nm in args.num_micro:
                 try:
                     r = update_step(args.preset, args.batch, args.seq, nm, args.runs,

@@ -64,6 +64,9 @@ SHAPES = {
     "base": ("tiny", dict(num_layers=4, hidden_size=128, intermediate_size=384,
                           num_heads=4, num_kv_heads=2)),             # 4L, d128
     "small": ("small", {}),                                          # 8L, d256
+    # SmolLM2-135M's trunk (30L, d576) with the byte vocabulary: the GPU comparison's shape.
+    "smollm2": ("tiny", dict(num_layers=30, hidden_size=576, intermediate_size=1536,
+                             num_heads=9, num_kv_heads=3)),
 }
 
 
@@ -154,13 +157,16 @@ def measure_matmul_peak(n: int = 2048, runs: int = 7) -> dict:
     return {"n": n, "seconds": t, "flops_per_s": 2 * n ** 3 / t, "best_flops_per_s": 2 * n ** 3 / min(times)}
 
 
-def forward_flops(cfg, batch: int, seq: int) -> float:
-    """Matmul FLOPs of one forward pass over ``batch`` sequences of ``seq`` positions."""
+def forward_flops(cfg, batch: int, seq: int, scored: int | None = None) -> float:
+    """Matmul FLOPs of one forward pass over ``batch`` sequences of ``seq`` positions, the LM
+    head counted at ``scored`` positions per sequence (default all ``seq``): a loss over the
+    completion needs the head only there, and rljax's update runs it only there."""
     d, f, h, k, dh, v, layers = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                                  cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.num_layers)
-    weights = layers * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f) + d * v  # + LM head
+    weights = layers * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f)
     attention = 4 * layers * seq * seq * h * dh
-    return batch * (2 * seq * weights + attention)
+    head = d * v * (seq if scored is None else scored)
+    return batch * (2 * seq * weights + 2 * head + attention)
 
 
 # ----------------------------------------------------------------------------- rljax worker
@@ -199,6 +205,9 @@ def rljax_worker(spec: dict) -> dict:
     cfg.seed = spec["seed"]
     cfg.steps = 1 + spec["iters"]
     cfg.model.path = spec["model_dir"]
+    cfg.model.dtype = spec.get("dtype", "float32")
+    if cfg.model.dtype != "float32":   # cuDNN's fused attention where it applies (GPU)
+        cfg.model.overrides = {"attention_impl": "auto"}
     cfg.data.source, cfg.data.path = "jsonl", data_path
     # Default: BOS + 31 bytes = 32 tokens, as the peers (real-model bench: pre-rendered chat).
     cfg.data.template = spec.get("template", "<bos>{question}")
@@ -266,7 +275,7 @@ def rljax_worker(spec: dict) -> dict:
     sample_s, reward_s = med("time/sample"), med("time/reward")
     mcfg = ctx.model_cfg
     seq = int(metrics_all[-1].get("rollout/seq_len", spec["prompt_tokens"] + n))
-    fwd = forward_flops(mcfg, b * g, seq)
+    fwd = forward_flops(mcfg, b * g, seq, scored=n)   # the head runs on completions only
     lengths = [m["completion/length_mean"] for m in metrics_all]
     return {
         "framework": "rljax", "versions": {"jax": jax.__version__},
@@ -348,11 +357,12 @@ def run_rljax_cold_warm(spec: dict, cache_dir: str, pythons: dict, timeout: floa
     return res
 
 
-def make_spec(model_dir: str, b: int, g: int, n: int, iters: int, seed: int) -> dict:
+def make_spec(model_dir: str, b: int, g: int, n: int, iters: int, seed: int,
+              device: str = "cpu", dtype: str = "float32") -> dict:
     return {"model_dir": model_dir, "prompts": bench_prompts(b), "num_generations": g,
             "max_new_tokens": n, "prompt_tokens": PROMPT_CHARS + 1, "iters": iters,
             "learning_rate": LEARNING_RATE, "seed": seed, "reward_char": REWARD_CHAR,
-            "threads": os.cpu_count()}
+            "threads": os.cpu_count(), "device": device, "dtype": dtype}
 
 
 def git_state() -> dict:
@@ -422,6 +432,13 @@ def main() -> None:
     ap.add_argument("--scaling-g", default="4,8,16", help="G values (base shape, N fixed)")
     ap.add_argument("--scaling-n", default="32,64,128", help="N values (base shape, G fixed)")
     ap.add_argument("--scaling-shapes", default="tiny,base,small", help="shapes (G, N fixed)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
+                    help="where the peers run (TRL: use_cpu / CUDA); rljax takes JAX's default "
+                         "backend, so on a GPU machine it runs there either way")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="parameter and compute dtype of every framework")
+    ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                    help="a second rljax process on the first one's compilation cache")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "grpo_step.json"))
@@ -455,12 +472,13 @@ def main() -> None:
             return model_dirs[shape]
 
         for shape in shapes:
-            spec = make_spec(model_dir(shape), b, g, n, args.iters, args.seed)
+            spec = make_spec(model_dir(shape), b, g, n, args.iters, args.seed, args.device,
+                             args.dtype)
             for fw in ["rljax"] + peers:
                 t0, load = time.perf_counter(), os.getloadavg()[0]
                 if fw == "rljax":
                     res = run_rljax_cold_warm(spec, os.path.join(tmp, f"jax_cache_{shape}"),
-                                              pythons, args.timeout)
+                                              pythons, args.timeout, skip_warm=not args.warm)
                 else:
                     res = run_case(fw, spec, pythons, args.timeout)
                 res["load_average_before"] = load
@@ -521,7 +539,8 @@ def main() -> None:
                   for k, res in unique.items()}
     results = {
         "benchmark": "grpo_step",
-        "setup": {"prompts": b, "generations": g, "new_tokens": n,
+        "setup": {"prompts": b, "generations": g, "new_tokens": n, "dtype": args.dtype,
+                  "peer_device": args.device, "device": jax.devices()[0].device_kind,
                   "prompt_tokens": PROMPT_CHARS + 1, "iters": args.iters,
                   "optimizer": f"adamw lr={LEARNING_RATE} wd=0 clip=1.0", "beta": 0.0,
                   "reward": f"fraction of {REWARD_CHAR!r}", "vocab": VOCAB},
@@ -541,7 +560,8 @@ def main() -> None:
         json.dump(results, f, indent=1)
 
     print(f"\n## GRPO iteration: B={b} prompts x G={g} x N={n} new tokens, prompt 32 tokens, "
-          f"CPU ({os.cpu_count()} cores, load {load_before[0]:.2f} -> {load_after[0]:.2f})\n")
+          f"{args.dtype}, {jax.devices()[0].device_kind} (peers on {args.device}; "
+          f"{os.cpu_count()} cores, load {load_before[0]:.2f} -> {load_after[0]:.2f})\n")
     print(comparison_table(comparison))
     if scaling:
         print("\n## rljax scaling (G, N, model size)\n")

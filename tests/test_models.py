@@ -331,6 +331,10 @@ def test_init_params_axes_and_remat():
     g1 = jax.jit(jax.grad(loss(cfg)))(params)
     g2 = jax.jit(jax.grad(loss(cfg.replace(remat=True))))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), g1, g2)
+    g3 = jax.jit(jax.grad(loss(cfg.replace(remat_policy="everything"))))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), g1, g3)
+    with pytest.raises(ValueError, match="remat_policy"):
+        cfg.replace(remat_policy="some")
     assert hash(cfg) == hash(models.get_preset("tiny"))
     # Presets have the shapes of the real checkpoints (published parameter counts).
     expected = {"qwen2.5-0.5b": 494.0e6, "qwen2.5-1.5b": 1.544e9, "qwen2.5-7b": 7.616e9,

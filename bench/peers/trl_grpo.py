@@ -1,4 +1,4 @@
-"""TRL GRPOTrainer timing runner (PyTorch CPU), called by ``bench/grpo_step.py``.
+"""TRL GRPOTrainer timing runner (PyTorch, CPU or CUDA), called by ``bench/grpo_step.py``.
 
 Runs in its own virtual environment (``torch``, ``trl``), never the project's:
 
@@ -6,7 +6,8 @@ Runs in its own virtual environment (``torch``, ``trl``), never the project's:
 
 SPEC.json (written by bench/grpo_step.py): model_dir (HF llama + tokenizer, random weights),
 prompts (B strings), num_generations G, max_new_tokens N, iters (timed iterations after one
-warm-up), learning_rate, seed, reward_char, threads, and optionally micro_batch
+warm-up), learning_rate, seed, reward_char, threads, and optionally device ("cpu" | "cuda"),
+dtype ("float32" | "bfloat16": the weights' dtype, and TRL's bf16 flag) and micro_batch
 (completions per forward/backward: gradient accumulation over B*G/micro_batch chunks, one
 generation of all B*G completions and one optimizer step per iteration). Prints one JSON object on the last line.
 
@@ -61,19 +62,21 @@ def main(spec_path: str) -> None:
 
     tok = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
     torch.manual_seed(spec["seed"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    on_cpu = spec.get("device", "cpu") == "cpu"
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype,
                                                  local_files_only=True)
     ds = datasets.Dataset.from_dict({"prompt": list(spec["prompts"]) * total_steps})
     with tempfile.TemporaryDirectory() as out:
         cfg = trl.GRPOConfig(
             output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6,
-            disable_tqdm=True, use_cpu=True, seed=spec["seed"], max_steps=total_steps,
+            disable_tqdm=True, use_cpu=on_cpu, seed=spec["seed"], max_steps=total_steps,
             per_device_train_batch_size=micro, gradient_accumulation_steps=b * g // micro,
             steps_per_generation=b * g // micro, num_generations=g, num_iterations=1,
             max_completion_length=n, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
             learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0,
             weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", shuffle_dataset=False,
-            loss_type="dapo", bf16=False, fp16=False, dataloader_num_workers=0,
+            loss_type="dapo", bf16=dtype == torch.bfloat16, fp16=False, dataloader_num_workers=0,
             generation_kwargs={"min_new_tokens": n},
         )
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=ds,
@@ -96,7 +99,7 @@ def main(spec_path: str) -> None:
         "framework": "trl",
         "versions": {"trl": trl.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__},
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "device": str(model.device),
         "first_iter_s": times[0], "iter_s": it, "iter_s_all": steady,
         "sample_s": statistics.median(steady_gen), "update_s": it - statistics.median(steady_gen),
         "tokens_per_s": b * g * n / it, "iterations": len(steady),

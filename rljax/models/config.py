@@ -25,6 +25,7 @@ def dtype_name(dtype) -> str:
 
 
 ATTENTION_IMPLS = ("xla", "cudnn", "auto")
+REMAT_POLICIES = ("dots", "everything")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,10 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False  # jax.checkpoint each layer (recompute activations in the backward pass)
+    # Without remat, what the training forward keeps for the backward pass: "dots" (the
+    # projection/MLP matmul outputs; attention and elementwise ops are recomputed) |
+    # "everything" (nothing recomputed: more memory, less work, see transformer.layer_checkpoint).
+    remat_policy: str = "dots"
     # Attention over a whole sequence (training, old/ref log-probs, prefill): "xla" (dense
     # einsums, float32 scores; every backend) | "cudnn" (jax.nn.dot_product_attention's fused
     # cuDNN kernel: GPU, bf16/fp16 compute) | "auto" (cudnn where it applies, else xla).
@@ -94,6 +99,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"unsupported remat_policy {self.remat_policy!r}; "
+                             f"use one of {REMAT_POLICIES}")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported activation {self.activation!r}")
         if not 0.0 <= self.lora_dropout < 1.0:

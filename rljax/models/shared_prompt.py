@@ -114,9 +114,7 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
         h = tfm.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         return x + tfm._mlp(cfg, p, h, lp, drop)
 
-    # The same rematerialisation as ``transformer.trunk``'s training forward.
-    policy = None if cfg.remat else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    layer = jax.checkpoint(layer, prevent_cse=False, policy=policy)
+    layer = tfm.layer_checkpoint(cfg, layer)   # as ``transformer.trunk``'s training forward
     lora_layers = params["lora"]["layers"] if "lora" in params else None
 
     def body(x, xs):

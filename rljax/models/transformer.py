@@ -453,17 +453,8 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         x = x + _mlp(cfg, p, h, lp, drop)
         return x, kv_cache
 
-    if cfg.remat:  # keep only each layer's input; recompute the whole layer in the backward
-        layer = jax.checkpoint(layer, prevent_cse=False)
-    elif cache is None:
-        # Keep the projection/MLP matmul outputs; recompute the attention scores, softmax and
-        # elementwise ops in the backward pass. Saving every intermediate ([L, B, K, G, T, S]
-        # probabilities, activations before and after each elementwise op) stacked over the
-        # layer scan made the backward memory-bound on CPU (zero-filled residual buffers,
-        # copies): the GRPO update on the benchmark shape ran ~16% faster this way, with
-        # identical results. Forward-only calls (sampling, old log-probs) do not change.
-        layer = jax.checkpoint(layer, prevent_cse=False,
-                               policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if cache is None:
+        layer = layer_checkpoint(cfg, layer)
 
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     # LoRA adapters (``params["lora"]``, stacked per layer like the base) scan alongside.
@@ -493,6 +484,26 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         cache = {"k": ck, "v": cv}
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return x, cache
+
+
+def layer_checkpoint(cfg: ModelConfig, layer):
+    """``layer`` wrapped for a training forward: what its backward pass recomputes.
+
+    ``cfg.remat``: only each layer's input is kept; the whole layer is recomputed.
+    Else ``cfg.remat_policy``: "dots" keeps the projection/MLP matmul outputs and recomputes
+    the attention scores, softmax and elementwise ops. Saving every intermediate
+    ([L, B, K, G, T, S] probabilities, activations before and after each elementwise op)
+    stacked over the layer scan made the backward memory-bound on CPU (zero-filled residual
+    buffers, copies): the GRPO update on the benchmark shape ran ~16% faster with "dots", with
+    identical results. "everything" recomputes nothing (``bench/gpu.py`` compares the two on a
+    GPU). Forward-only calls (sampling, old log-probs) are the same under every choice.
+    """
+    if cfg.remat:
+        return jax.checkpoint(layer, prevent_cse=False)
+    if cfg.remat_policy == "everything":
+        return layer
+    return jax.checkpoint(layer, prevent_cse=False,
+                          policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
 
 def _write_kv(cache: jax.Array, new: jax.Array, layer, cache_index) -> tuple:
@@ -532,9 +543,12 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=No
 
 # ----------------------------------------------------------------------------- log-probs
 
+# One LM-head chunk's float32 logits hold about this many elements at most (256 MiB).
+LOGITS_CHUNK_ELEMENTS = 1 << 26
+
+
 def _auto_chunk(batch: int, length: int, vocab: int) -> int:
-    # Keep one chunk's float32 logits around 2**26 elements (256 MiB) at most.
-    return int(max(1, min(length, (1 << 26) // max(1, batch * vocab))))
+    return int(max(1, min(length, LOGITS_CHUNK_ELEMENTS // max(1, batch * vocab))))
 
 
 def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
