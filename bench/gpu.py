@@ -44,7 +44,7 @@ from rljax import models, sampling  # noqa: E402
 from rljax.train import optim, steps  # noqa: E402
 from rljax.train.state import create_train_state  # noqa: E402
 
-DEFAULT_CHUNK = models.transformer.LOGITS_CHUNK_ELEMENTS
+DEFAULT_CHUNK = dict(models.transformer.LOGITS_CHUNK_ELEMENTS)
 DATASHEET = {"H100": {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12},
              "H200": {"bf16_flops": 989e12, "hbm_bytes_per_s": 4.8e12}}
 
@@ -81,7 +81,7 @@ def update_step(preset: str, batch: int, seq: int, num_micro: int, runs: int, re
     extra = dict(extra)
     chunk = extra.pop("logits_chunk_elements", None)
     if chunk:  # the LM head's chunk budget (module constant, not a ModelConfig field)
-        models.transformer.LOGITS_CHUNK_ELEMENTS = int(chunk)
+        models.transformer.LOGITS_CHUNK_ELEMENTS = {None: int(chunk)}
     try:
         return _update_step(preset, batch, seq, num_micro, runs, remat, extra)
     finally:
@@ -123,7 +123,9 @@ def _update_step(preset, batch, seq, num_micro, runs, remat, extra) -> dict:
     mem = jax.devices()[0].memory_stats() or {}
     return {"preset": preset, "params": n_params, "batch": batch, "seq": seq,
             "num_micro": num_micro, "remat": remat, "extra": extra,
-            "logits_chunk_elements": models.transformer.LOGITS_CHUNK_ELEMENTS, "seconds": med,
+            "logits_chunk_elements": models.transformer.LOGITS_CHUNK_ELEMENTS.get(
+                jax.default_backend(), models.transformer.LOGITS_CHUNK_ELEMENTS[None]),
+            "seconds": med,
             "times": times, "model_flops": flops, "xla_flops": xla_flops,
             "model_flops_per_s": flops / med, "tokens_per_s": batch * seq / med,
             "peak_bytes_in_use": mem.get("peak_bytes_in_use")}

@@ -497,3 +497,38 @@ def test_decode_attention_equals_the_dot_path():
     got = transformer.attention(q, k, v, mask, kv_layout="bksd")
     want = transformer.attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, kv_layout="bskd")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_low_precision_head_backward_runs_in_the_compute_dtype(tied):
+    # bf16 compute: the head's backward matmuls read the cotangent rounded to bf16 (no float32
+    # GEMMs); gradients stay within bf16 rounding of the float32 model's.
+    from rljax.models import transformer as tfm
+    cfg = models.get_preset("tiny", tie_word_embeddings=tied)
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    h = jax.random.normal(jax.random.PRNGKey(1), (3, 5, cfg.hidden_size))
+    target = jax.random.normal(jax.random.PRNGKey(2), (3, 5, cfg.vocab_size))
+    name = "embed" if tied else "lm_head"
+
+    def grads(c):
+        def loss(p, x):
+            return (tfm.logits_from_hidden(c, p, x.astype(c.compute_dtype)) * target).sum()
+        return jax.grad(loss, argnums=(0, 1)), loss
+
+    ref_fn, _ = grads(cfg)
+    ref = ref_fn(params, h)
+    bf16 = cfg.replace(dtype="bfloat16")
+    fn, _ = grads(bf16)
+    got = fn(params, h)
+    for a, b in [(ref[1], got[1]), (ref[0][name], got[0][name])]:
+        assert b.dtype == a.dtype == jnp.float32
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 1e-2
+    dots = [e for e in jax.make_jaxpr(fn)(params, h).jaxpr.eqns
+            if e.primitive.name == "custom_vjp_call"]
+    assert dots, "the bf16 head goes through its custom VJP"
+    bwd = jax.make_jaxpr(lambda g: tfm._low_precision_head_bwd(
+        tied, (h.reshape(15, -1).astype(jnp.bfloat16),
+               params[name].astype(jnp.bfloat16)), g))(jnp.ones((15, cfg.vocab_size)))
+    operand_dtypes = {v.aval.dtype for e in bwd.jaxpr.eqns if e.primitive.name == "dot_general"
+                      for v in e.invars}
+    assert operand_dtypes == {jnp.dtype(jnp.bfloat16)}
