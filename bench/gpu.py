@@ -10,9 +10,12 @@ Measured in this one process, on whatever ``jax.devices()[0]`` is:
 * **Update step.** rljax's own jitted GRPO step (``steps.build_grpo_step``: forward, backward,
   AdamW) on a random batch of ``--batch`` sequences of ``--seq`` positions (half prompt, half
   completion), params float32, compute bfloat16, random weights of ``--preset``. FLOPs are
-  counted with the model of ``bench/grpo_step.py``: ``3 x (2 S W + 4 L S^2 H Dh)`` per sequence
-  (W = matmul weights incl. the LM head; causal attention computed densely), i.e. no credit
-  for the recomputation of remat. XLA's own cost analysis is reported beside it.
+  counted with the model of ``bench/grpo_step.py``: ``3 x (2 S W + 2 n D V + 4 L S^2 H Dh)``
+  per sequence (W = the layers' matmul weights; the LM head on the n = S/2 scored positions
+  only, as the loss needs and rljax computes; causal attention computed densely), i.e. no
+  credit for the recomputation of remat. XLA's own cost analysis is reported beside it.
+  ``--update-variants`` compares ModelConfig overrides (e.g. ``remat_policy``) and LM-head
+  chunk budgets (``logits_chunk_elements``) in one process.
 * **Decode.** ``sampling.generate`` (prefill once, then the ``while_loop`` over the KV cache)
   with bf16 params for ``--decode-batch`` prompts of ``--prompt`` tokens, ``--new`` new tokens,
   temperature 1 and no stop token (exactly N steps). The bound per decode step is the bytes it
