@@ -91,10 +91,10 @@ def update_step(preset: str, batch: int, seq: int, num_micro: int, runs: int, re
         models.transformer.LOGITS_CHUNK_ELEMENTS = DEFAULT_CHUNK
 
 
-def _update_step(preset, batch, seq, num_micro, runs, remat, extra) -> dict:
-    cfg = model_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat, **extra)
+def update_setup(cfg, batch: int, seq: int, num_micro: int = 1):
+    """``(step, state, batch)``: the jitted GRPO step of ``cfg`` (AdamW, beta 0), a train state
+    of random weights, and a random batch of ``batch`` x ``seq`` tokens, the second half scored."""
     params = models.init_params(cfg, jax.random.PRNGKey(0))
-    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     c = config_lib.default_config()
     c.algo.beta = 0.0
     optimizer = optim.make_optimizer(c.optimizer, total_steps=100, learning_rate=1e-6)
@@ -107,7 +107,14 @@ def _update_step(preset, batch, seq, num_micro, runs, remat, extra) -> dict:
          "loss_mask": jnp.ones((batch, n), bool),
          "advantages": jnp.asarray(rng.normal(size=(batch,)), jnp.float32),
          "sampler_logps": jnp.full((batch, n), -2.0, jnp.float32)}
-    step = steps.build_grpo_step(cfg, c.algo, optimizer, num_micro=num_micro)
+    return steps.build_grpo_step(cfg, c.algo, optimizer, num_micro=num_micro), state, b
+
+
+def _update_step(preset, batch, seq, num_micro, runs, remat, extra) -> dict:
+    cfg = model_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat, **extra)
+    n_params = cfg.num_params()
+    n = seq // 2
+    step, state, b = update_setup(cfg, batch, seq, num_micro)
     compiled = step.lower(state, b).compile()
     xla_flops = None
     try:

@@ -31,10 +31,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rljax import config as config_lib  # noqa: E402
+from bench.gpu import update_setup  # noqa: E402
 from rljax import models, sampling  # noqa: E402
-from rljax.train import optim, steps  # noqa: E402
-from rljax.train.state import create_train_state  # noqa: E402
 
 
 def profile(fn, name: str, out: str | None) -> dict:
@@ -109,21 +107,7 @@ def main(argv=None) -> int:
     if "update" not in args.skip:
         cfg = models.get_preset(args.preset, dtype="bfloat16", param_dtype="float32",
                                 attention_impl=impl)
-        params = models.init_params(cfg, jax.random.PRNGKey(0))
-        c = config_lib.default_config()
-        c.algo.beta = 0.0
-        optimizer = optim.make_optimizer(c.optimizer, total_steps=100, learning_rate=1e-6)
-        state = jax.jit(lambda p: create_train_state(p, optimizer, jax.random.PRNGKey(1)))(params)
-        del params
-        n = args.seq // 2
-        rng = np.random.default_rng(0)
-        b = {"tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, args.seq)),
-                                   jnp.int32),
-             "mask": jnp.ones((args.batch, args.seq), bool),
-             "loss_mask": jnp.ones((args.batch, n), bool),
-             "advantages": jnp.asarray(rng.normal(size=(args.batch,)), jnp.float32),
-             "sampler_logps": jnp.full((args.batch, n), -2.0, jnp.float32)}
-        step = steps.build_grpo_step(cfg, c.algo, optimizer, num_micro=1)
+        step, state, b = update_setup(cfg, args.batch, args.seq)
         holder = {"state": state}
 
         def one():
