@@ -100,9 +100,10 @@ def test_check_reuse_key_classes(tmp_path):
         config_lib.merge_into(new, kv)
         return new
 
-    free = changed(steps=500, logging=dict(console_every_s=1.0), model=dict(remat=True),
-                   checkpoint_every=7)
-    assert len(wd.check_reuse(str(tmp_path), free)) == 4
+    free = changed(steps=500, logging=dict(console_every_s=1.0), checkpoint_every=7,
+                   model=dict(remat=True, overrides=dict(attention_impl="auto",
+                                                         remat_policy="everything")))
+    assert len(wd.check_reuse(str(tmp_path), free)) == 6
     with pytest.raises(UserError, match=r"algo.beta \(0.04 -> 0.0\).*--allow-config-change"):
         wd.check_reuse(str(tmp_path), changed(algo=dict(beta=0.0)))
     assert wd.check_reuse(str(tmp_path), changed(algo=dict(beta=0.0)), True)

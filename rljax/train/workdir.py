@@ -8,8 +8,8 @@ a checkpoint resumes from it, and ``check_reuse`` compares the new config with t
 * incompatible keys (``INCOMPATIBLE``: the model, the tokenizer, the phases, the optimizer's
   kind; the checkpoint cannot be restored under them) are always refused;
 * ``FREE`` keys are allowed: a different ``steps`` extends the run (or ends it earlier);
-  logging, checkpointing, evaluation cadence, memory check, compilation cache, remat and the
-  attention kernel change how the run goes, not what it trains;
+  logging, checkpointing, evaluation cadence, memory check, compilation cache, remat (and its
+  policy) and the attention kernel change how the run goes, not what it trains;
 * any other difference is refused unless ``allow_config_change`` (``--allow-config-change``).
 
 A refusal is one line naming the differing keys, and leaves ``config.json`` as it was, so the
@@ -43,7 +43,8 @@ INCOMPATIBLE = ("model.", "tokenizer.path", "tokenizer.kind", "algo.name", "sft.
 # Keys that change how (or how long, or what is logged), not what is trained: accepted without
 # --allow-config-change (and reported).
 FREE = ("steps", "eval_every", "eval_at_start", "checkpoint_every", "checkpoint.", "logging.",
-        "memory.", "compilation_cache_dir", "model.remat", "model.attention_impl")
+        "memory.", "compilation_cache_dir", "model.remat", "model.overrides.attention_impl",
+        "model.overrides.remat_policy")
 
 
 def config_path(workdir: str) -> str:
