@@ -79,9 +79,13 @@ def test_constant_schedule_equals_the_scalar_temperature_sampler_exactly(model, 
     scalar = sampling.generate(cfg, params, toks, mask, temperature=0.7, **kw)
     sched = sampling.generate(cfg, params, toks, mask, temperature=1.0,
                               temperatures=np.full(N, 0.7, np.float32), **kw)
-    for name in ("tokens", "logps", "mask", "lengths", "truncated"):
+    for name in ("tokens", "mask", "lengths", "truncated"):
         np.testing.assert_array_equal(np.asarray(getattr(scalar, name)),
                                       np.asarray(getattr(sched, name)), err_msg=name)
+    # Two programs: XLA:CPU's default build gives equal log-probs, the test suite's -O0 build
+    # (tests/conftest.py) rounds one of 48 differently by one float32 ulp.
+    np.testing.assert_allclose(np.asarray(scalar.logps), np.asarray(sched.logps), rtol=1e-6,
+                               atol=0)
 
 
 def reference_logps(cfg, params, toks, mask, out, temps, g):

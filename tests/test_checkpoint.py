@@ -154,7 +154,8 @@ def test_sigkill_during_async_save_keeps_previous_latest(tmp_path):
         m.wait_until_finished()
         print(json.dumps({{"committed": True}}), flush=True)
     """)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     stderr_path = tmp_path / "stderr.txt"
     with open(stderr_path, "w") as stderr:  # a file: an unread pipe could fill and block it
         proc = subprocess.Popen([sys.executable, "-c", script, str(directory)],

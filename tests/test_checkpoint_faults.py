@@ -135,7 +135,8 @@ FAILING_MKDIR = textwrap.dedent("""
 @pytest.mark.parametrize("code, text", [("EACCES", "Permission denied"),
                                         ("ENOSPC", "No space left on device")])
 def test_unwritable_checkpoint_is_one_line_and_does_not_hang(tiny_config, tmp_path, code, text):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     proc = subprocess.Popen(
         [sys.executable, "-c", FAILING_MKDIR, code, "train", "--config", tiny_config,
          "--workdir", str(tmp_path / "w"), "--config.steps=2"],
@@ -181,7 +182,8 @@ STOP_THEN_SLOW_CLOSE = textwrap.dedent(f"""
 
 
 def test_second_signal_while_closing_exits_130(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     proc = subprocess.Popen([sys.executable, "-c", STOP_THEN_SLOW_CLOSE, str(tmp_path)],
                             env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines = []
@@ -209,7 +211,8 @@ HOLD_LOCK = textwrap.dedent("""
 
 def test_second_train_on_a_workdir_in_use_refuses_and_kill_frees_it(tiny_config, tmp_path):
     workdir = str(tmp_path / "w")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, workdir], env=env,
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -58,7 +58,8 @@ def read_until(proc, stream, needle, limit_s=300):
 def start_loop(directory, step_time, last_step_time=None):
     """Starts LOOP; steps from the 3rd on take ``last_step_time`` (default ``step_time``)."""
     last_step_time = step_time if last_step_time is None else last_step_time
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     proc = subprocess.Popen([sys.executable, "-c", LOOP, str(directory), str(step_time),
                              str(last_step_time)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

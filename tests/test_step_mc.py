@@ -177,7 +177,8 @@ def test_config_rejects_step_mc_outside_online_dpo():
 def test_delimiter_that_never_occurs_is_one_line_exit_2(tmp_path):
     args = ["--config", os.path.join(ROOT, "configs", "dpo_arithmetic_step_mc.py"),
             "--workdir", str(tmp_path / "w"), "--config.data.step_delimiter=;"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     proc = subprocess.run([sys.executable, "-m", "rljax.cli", "train", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr

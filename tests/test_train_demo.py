@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_demo_config_pipeline(tmp_path):
     workdir = tmp_path / "demo"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "rljax.cli", "train", "--config", "configs/grpo_arithmetic.py",
          "--workdir", str(workdir), "--config.sft.steps=30", "--config.steps=3",
