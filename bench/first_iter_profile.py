@@ -5,7 +5,7 @@ tokens by default, an empty persistent compilation cache) and prints, on one tim
 the start of the first iteration, each trace / MLIR lowering / XLA compile span longer than
 ``--min-ms`` with its function and thread, then totals per kind.
 
-    python bench/first_iter_profile.py [--shape base] [--iters 2] [--json out.json]
+    python bench/first_iter_profile.py [--shape base] [--iters 2] [--json out.json] [--cache DIR]
 
 Spans come from ``jax.monitoring`` time-span events; a compile span is wall time, so two
 compiles that share XLA:CPU's compile threads stretch each other.
@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2, help="timed iterations after the first")
     ap.add_argument("--min-ms", type=float, default=20.0, help="shortest span printed")
     ap.add_argument("--json", help="also write the spans and the worker's result here")
+    ap.add_argument("--cache", help="persistent compilation cache folder, kept (default: a new "
+                    "empty one): run twice to profile a second run's first iteration")
     args = ap.parse_args()
 
     from jax._src import monitoring
@@ -57,7 +59,7 @@ def main() -> None:
         grpo_step.write_model(args.shape, model, seed=0)
         spec = grpo_step.make_spec(model, args.prompts, args.generations, args.new_tokens,
                                    args.iters, seed=0)
-        spec["compilation_cache_dir"] = os.path.join(tmp, "jax_cache")
+        spec["compilation_cache_dir"] = args.cache or os.path.join(tmp, "jax_cache")
         res = grpo_step.rljax_worker(spec)
     t0 = marks["start"]
     print(f"first iteration {res['first_iter_s']:.2f} s (setup before it {res['setup_s']:.2f} "

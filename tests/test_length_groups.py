@@ -1,9 +1,11 @@
 """Length-grouped micro-batches (``algo.group_by_length``): the plan keeps every real token,
 and the grouped update equals the scanned one (float32 summation order), sharded too."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax import distributed as dist
 from rljax.train import length_groups, steps
 
 from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fresh_state,
@@ -122,15 +124,42 @@ def test_update_streams_equal_one_stream_and_are_deterministic():
     assert update.update_streams(16) == 2
 
 
-def test_grouped_update_sharded_matches_unsharded():
+def test_one_micro_batch_per_stream_is_its_own_total():
+    """With one micro-batch per stream, a stream's gradients are its total: no zero total is
+    made and no adds compiled. The same bits as adding them to zeros, and the scanned
+    update's result."""
+    algo = algo_cfg(beta=0.04, update_streams=2)
+    batch = ragged_batch(3)
+    state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
+    ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt, num_micro=1)(state, batch)
+    state, _ = fresh_state(lr=1.0, name="sgd", with_ref=True)
+    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=1)
+    k, parts = length_groups.stream_parts(step.planner, step.streams, batch, N)
+    assert k == 2 and len(parts) == 2
+    part, index = dist.device_batch(parts[1][1], None), jnp.asarray(1, jnp.int32)
+    direct = step._grads(state, part, index, N)
+    added = step._micro(state, step._zeros(state, parts[1][1], N), part, index, N)
+    jax.tree.map(np.testing.assert_array_equal, direct, added)
+
+    new_state, m = step(state, batch)
+    for key in (k for k in ref_m if not k.startswith("update/")):
+        np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=2e-5, atol=1e-7,
+                                   err_msg=key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=1e-5, atol=1e-6),
+                 new_state.params, ref_state.params)
+
+
+@pytest.mark.parametrize("num_micro", [1, 2])   # a stream's one micro-batch, or a total
+def test_grouped_update_sharded_matches_unsharded(num_micro):
     assert jax.device_count() == 8, "conftest provides 8 fake CPU devices"
     algo = algo_cfg(beta=0.0)
     batch = ragged_batch(2)   # 16+20 and 40+20 columns
     state, opt = fresh_state(lr=1.0, name="sgd")
-    ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=num_micro)(state, batch)
 
     state, opt, sshard, mesh = sharded_fresh_state()
-    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2,
+    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=num_micro,
                                          state_shardings=sshard, mesh=mesh)
     new_state, m = step(state, batch)
     assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard)

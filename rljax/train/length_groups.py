@@ -235,17 +235,25 @@ class GroupedUpdate:
         self._apply_totals = functools.partial(_apply_totals, optimizer)
         self._options = compilation_cache.training_compiler_options()
         self._shardings = None   # mesh: (state, total, replicated) shardings
-        if mesh is None:
-            self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
-                                  compiler_options=self._options)
-            return
-        rep = NamedSharding(mesh, PartitionSpec())
-        total = (lora_lib.trainable(state_shardings.params), rep, rep, rep)
-        self._shardings = (state_shardings, total, rep)
+        grads_shardings, micro_shardings = {}, {}
+        if mesh is not None:
+            rep = NamedSharding(mesh, PartitionSpec())
+            total = (lora_lib.trainable(state_shardings.params), rep, rep, rep)
+            self._shardings = (state_shardings, total, rep)
+            batch = steps.batch_sharding(mesh)
+            grads_shardings = dict(in_shardings=(state_shardings, batch, rep),
+                                   out_shardings=total)
+            micro_shardings = dict(in_shardings=(state_shardings, total, batch, rep),
+                                   out_shardings=total)
+        # One micro-batch's gradients, sums and metrics: a stream's total when it computes one
+        # micro-batch (no zero total to make, no adds to compile). Also jitted bare to be
+        # called inside ``_micro_step``, whose trace then reuses the one ``_zeros`` took for
+        # its shapes (a second trace of the forward and backward cost ~0.3 s at the toy).
+        self._grads = jax.jit(self._micro_grads, static_argnums=3,
+                              compiler_options=self._options, **grads_shardings)
+        self._grads_inner = jax.jit(self._micro_grads, static_argnums=3)
         self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
-                              in_shardings=(state_shardings, total,
-                                            steps.batch_sharding(mesh), rep),
-                              out_shardings=total, compiler_options=self._options)
+                              compiler_options=self._options, **micro_shardings)
 
     def _apply(self, state, totals: tuple):
         """The optimizer step on the sum of ``totals`` (one program per stream count)."""
@@ -260,9 +268,12 @@ class GroupedUpdate:
                                          compiler_options=self._options, **shardings)
         return self._apply_fns[k](state, totals)
 
+    def _micro_grads(self, state, mb, index, slots: int):
+        return steps.micro_grads(self.loss_fn, state, {**mb, steps.COMPLETION_SLOTS: slots},
+                                 index)
+
     def _micro_step(self, state, total, mb, index, slots: int):
-        mb = {**mb, steps.COMPLETION_SLOTS: slots}
-        return steps.add_micro(total, steps.micro_grads(self.loss_fn, state, mb, index))
+        return steps.add_micro(total, self._grads_inner(state, mb, index, slots))
 
     def _zeros(self, state, mb: dict, slots: int):
         """A zero total: gradients like the trainable params, scalar sums, metric pairs."""
@@ -270,9 +281,9 @@ class GroupedUpdate:
         if key not in self._zeros_fns:   # one abstract trace per batch layout
             mb_abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
                            for k, v in mb.items()}
-            one = lambda s, b: steps.micro_grads(   # noqa: E731
-                self.loss_fn, s, {**b, steps.COMPLETION_SLOTS: slots})
-            sum_shapes = jax.eval_shape(one, state, mb_abstract)[1:]
+            index = jax.ShapeDtypeStruct((), jnp.int32)
+            sum_shapes = jax.eval_shape(self._grads_inner, state, mb_abstract, index,
+                                        slots)[1:]
 
             # One program (eager zeros_like per parameter leaf compiled one XLA program each).
             @jax.jit
@@ -290,15 +301,20 @@ class GroupedUpdate:
         n = batch["loss_mask"].shape[1]
         k, parts = stream_parts(self.planner, self.streams, batch, n)
         parts = [part for _, part in parts]
-        totals = [self._zeros(state, parts[j], n) for j in range(k)]
+        mesh = self.planner.mesh
+        single = len(parts) == k   # one micro-batch per stream: its gradients are its total
+        totals = [None if single else self._zeros(state, parts[j], n) for j in range(k)]
 
         def stream(j):   # micro-batches j, j + k, ... into totals[j]
             def run():
-                total = totals[j]
-                for i in range(j, len(parts), k):
-                    total = self._micro(state, total,
-                                        dist.device_batch(parts[i], self.planner.mesh),
-                                        jnp.asarray(i, jnp.int32), n)
+                def args(i):
+                    return dist.device_batch(parts[i], mesh), jnp.asarray(i, jnp.int32), n
+                if single:
+                    total = self._grads(state, *args(j))
+                else:
+                    total = totals[j]
+                    for i in range(j, len(parts), k):
+                        total = self._micro(state, total, *args(i))
                 # One stream is left to dispatch asynchronously; concurrent ones must block.
                 return total if k == 1 else jax.block_until_ready(total)
             return run
