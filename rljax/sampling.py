@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import models
+from rljax import compilation_cache, models
 from rljax import sharding as shd
 from rljax import streams as streams_lib
 
@@ -432,11 +432,17 @@ def stream_count(streams: int, prompts: int, max_new_tokens: int, vocab: int, gr
     return streams_lib.largest_divisor(min(k, prompts), prompts)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _stream_noise(rng, n, rows, vocab, k):
     """The whole batch's noise (``_noise_ahead``) in k row chunks: [n, rows / k, W] each."""
-    noise = _noise_ahead(rng, n, rows, vocab, greedy=False)
-    return tuple(jnp.split(noise, k, axis=1))
+    return _stream_noise_fn()(rng, n, rows, vocab, k)
+
+
+@functools.cache
+def _stream_noise_fn():
+    def stream_noise(rng, n, rows, vocab, k):
+        return tuple(jnp.split(_noise_ahead(rng, n, rows, vocab, greedy=False), k, axis=1))
+    return jax.jit(stream_noise, static_argnums=(1, 2, 3, 4),
+                   compiler_options=compilation_cache.elementwise_compiler_options())
 
 
 @jax.jit
