@@ -18,8 +18,9 @@ persistent compilation cache).
 ``GroupedUpdate`` runs one exact update over such micro-batches. A ``lax.scan`` cannot carry
 micro-batches of different shapes, so a jitted micro-step per shape adds each micro-batch's
 numerator gradients, numerators, weights and metric pairs (``steps.micro_grads``) into a
-carried total (donated), and one apply step divides by the total weight and steps the
-optimizer (``steps.apply_accumulated``); the controller dispatches them asynchronously. These
+carried total (donated; a stream with one micro-batch takes its gradients as its total), and
+one apply step divides by the total weight and steps the optimizer
+(``steps.apply_accumulated``); the controller dispatches them asynchronously. These
 are the same sums as ``steps.update``'s, taken in another order: equal up to float32 summation
 order. Dropped columns are padding (attention mask False, loss mask False): a real token never
 attends to them, so its log-prob does not change.
