@@ -233,6 +233,7 @@ def rljax_worker(spec: dict) -> dict:
     # Persistent compilation cache: off unless the spec names a directory (the bench runs a
     # cold process on an empty directory, then a second process on the same one).
     cfg.compilation_cache_dir = spec.get("compilation_cache_dir", "")
+    cfg.compile_for = spec.get("compile_for", "throughput")
     cfg.reward.names = ("bench_char_fraction",)
     config_lib.validate(cfg)
     check_inputs(cfg)
@@ -246,7 +247,7 @@ def rljax_worker(spec: dict) -> dict:
 
     t_start = time.perf_counter()
     from rljax import compilation_cache
-    compilation_cache.enable(cfg.compilation_cache_dir)   # as rljax.train.run does
+    compilation_cache.from_config(cfg)   # as rljax.train.run does
     ctx = build_context(cfg, workdir)
     # EOS stopping off: an id the model cannot sample -> exactly N tokens.
     ctx.tokenizer.eos_id = ctx.model_cfg.vocab_size
@@ -300,7 +301,7 @@ def rljax_worker(spec: dict) -> dict:
         "group_by_length": bool(cfg.algo.get("group_by_length", False)),
         "shared_prompt": bool(cfg.algo.get("shared_prompt", False)),
         "prompt_efficiency": med("rollout/prompt_efficiency"),
-        "compilation_cache_dir": cfg.compilation_cache_dir,
+        "compilation_cache_dir": cfg.compilation_cache_dir, "compile_for": cfg.compile_for,
     }
 
 
@@ -437,6 +438,8 @@ def main() -> None:
                          "backend, so on a GPU machine it runs there either way")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="parameter and compute dtype of every framework")
+    ap.add_argument("--compile-for", default="throughput", choices=["throughput", "startup"],
+                    help="rljax's compile_for (what XLA:CPU compiles the programs for)")
     ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                     help="a second rljax process on the first one's compilation cache")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
@@ -474,6 +477,7 @@ def main() -> None:
         for shape in shapes:
             spec = make_spec(model_dir(shape), b, g, n, args.iters, args.seed, args.device,
                              args.dtype)
+            spec["compile_for"] = args.compile_for
             for fw in ["rljax"] + peers:
                 t0, load = time.perf_counter(), os.getloadavg()[0]
                 if fw == "rljax":
@@ -540,6 +544,7 @@ def main() -> None:
     results = {
         "benchmark": "grpo_step",
         "setup": {"prompts": b, "generations": g, "new_tokens": n, "dtype": args.dtype,
+                  "compile_for": args.compile_for,
                   "peer_device": args.device, "device": jax.devices()[0].device_kind,
                   "prompt_tokens": PROMPT_CHARS + 1, "iters": args.iters,
                   "optimizer": f"adamw lr={LEARNING_RATE} wd=0 clip=1.0", "beta": 0.0,

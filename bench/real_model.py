@@ -117,6 +117,7 @@ def bench_grpo(model_dir: str, args, tmp: str) -> dict:
             "template": "{question}", "micro_batch": args.micro_batch}
     spec["group_by_length"] = args.group_by_length == "on"
     spec["shared_prompt"] = args.shared_prompt == "on"
+    spec["compile_for"] = args.compile_for
     pythons = {"trl": args.trl_python}
     rows = {}
     runs = [("rljax", lambda: grpo_step.run_rljax_cold_warm(
@@ -254,6 +255,8 @@ def main() -> None:
     ap.add_argument("--shared-prompt", choices=("on", "off"), default="on",
                     help="rljax: algo.shared_prompt (each group's prompt computed once in the "
                     "update)")
+    ap.add_argument("--compile-for", default="throughput", choices=("throughput", "startup"),
+                    help="rljax's compile_for (GRPO: what XLA:CPU compiles the programs for)")
     ap.add_argument("--trl-python", default="/work/peers/trl/bin/python")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "real_model.json"))

@@ -4,16 +4,20 @@ A second ``rljax train`` (or ``eval``/``sample``/``export``/``plan``) of the sam
 and mesh loads every executable from disk instead of compiling it again. Executables are keyed
 by JAX on the program, the backend and the compiler flags, so a stale entry is never used.
 
-``training_compiler_options`` picks the XLA options of the training programs (see there).
+``training_compiler_options`` and ``sampler_compiler_options`` pick the XLA options of the
+training programs and of the sampler (see there).
 
 Config: ``compilation_cache_dir`` = ``"auto"`` (``$RLJAX_CACHE_DIR/jax`` or
-``~/.cache/rljax/jax``), a directory (local or a URL JAX can write), or ``""`` to turn it off.
+``~/.cache/rljax/jax``), a directory (local or a URL JAX can write), or ``""`` to turn it off;
+``compile_for`` = ``"throughput"`` (default) or ``"startup"`` (see ``set_compile_for``).
 """
 from __future__ import annotations
 
 import os
 
 import jax
+
+from rljax import config as config_lib
 
 
 def resolve_dir(setting: str) -> str | None:
@@ -43,6 +47,46 @@ def enable(setting: str = "auto") -> str | None:
     return path
 
 
+COMPILE_FOR = config_lib.CHOICES["compile_for"]
+_compile_for = "throughput"
+
+
+def from_config(cfg) -> str | None:
+    """``enable(cfg.compilation_cache_dir)`` and ``set_compile_for(cfg.compile_for)``: what a
+    run, an eval or a plan of ``cfg`` calls before it compiles. Returns the cache directory."""
+    set_compile_for(cfg.get("compile_for", "throughput"))
+    return enable(cfg.get("compilation_cache_dir", "auto"))
+
+
+def set_compile_for(mode: str) -> None:
+    """What the sampler and training programs built from now on are compiled for (process-wide,
+    like the cache directory).
+
+    ``"throughput"`` (default): XLA:CPU's default elementwise-fusion emitters, whose code runs
+    faster. ``"startup"``: on CPU, its older emitters, which compile in about half the time and
+    run ~4% slower (``bench/README.md``, session 14: the toy GRPO iteration's first iteration
+    4.8 -> 3.6 s, then 0.291 -> 0.304 s per iteration). For short runs and notebooks on small
+    models; a long run gives the seconds back in a few hundred iterations. Results agree to
+    float32 rounding, not bit for bit (the emitters fuse differently). Other backends ignore
+    it."""
+    global _compile_for
+    if mode not in COMPILE_FOR:
+        raise ValueError(f"compile_for={mode!r} is not one of: {', '.join(COMPILE_FOR)}")
+    _compile_for = mode
+
+
+def _startup_options() -> dict:
+    return {"xla_cpu_use_fusion_emitters": False} if _compile_for == "startup" else {}
+
+
+def sampler_compiler_options() -> dict | None:
+    """XLA compiler options of the sampler's decode program. None = the backend's defaults
+    (always, under ``compile_for="throughput"``)."""
+    if jax.default_backend() != "cpu":
+        return None
+    return _startup_options() or None
+
+
 def training_compiler_options() -> dict | None:
     """XLA compiler options for the training programs: loss and gradients, the optimizer step,
     old/reference log-probs. None = the backend's defaults.
@@ -53,10 +97,11 @@ def training_compiler_options() -> dict | None:
     (4L-128 toy) and 18.7 s instead of 22.6 s (SmolLM2-135M's shape); ``bench/README.md`` has
     the measurement. Results agree to float32 rounding: params were bit-identical after six
     GRPO updates at both shapes, and within 2e-5 relative after three AdamW steps at lr 1e-2
-    on a 1-layer test model. The sampler keeps -O3: its decode step was ~10% slower at -O1."""
+    on a 1-layer test model. The sampler keeps -O3: its decode step was ~10% slower at -O1.
+    ``compile_for="startup"`` adds the older fusion emitters (``set_compile_for``)."""
     if jax.default_backend() != "cpu":
         return None
-    return {"xla_backend_optimization_level": 1}
+    return {"xla_backend_optimization_level": 1, **_startup_options()}
 
 
 def elementwise_compiler_options() -> dict | None:

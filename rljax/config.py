@@ -58,6 +58,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "memory.check": ("auto", "full", "off"),
     "reward.isolation": ("thread", "process"),
     "logging.wandb.mode": ("online", "offline", "disabled"),
+    "compile_for": ("throughput", "startup"),
 }
 
 # Per-loss defaults of the clip keys left unset (None), as in each loss's signature
@@ -99,6 +100,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval_at_start = False          # also evaluate the starting policy (step 0) of a fresh run
     c.checkpoint_every = 50          # 0 = only on stop/finish
     c.compilation_cache_dir = "auto"  # persistent XLA cache ("auto": ~/.cache/rljax/jax; "" = off)
+    # "startup": XLA:CPU compiles ~2x faster, runs ~4% slower (rljax.compilation_cache)
+    c.compile_for = "throughput"
 
     c.model = dict(
         preset="tiny",               # models.get_preset name; ignored when `path` is set

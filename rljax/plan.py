@@ -466,7 +466,7 @@ def run(cfg, devices=None, *, as_json: bool = False) -> int:
     """``rljax plan``: prints the plan; exit code 0 if it fits, 1 if not."""
     from rljax import compilation_cache, distributed
     distributed.initialize()  # on a pod, plan for the global mesh
-    compilation_cache.enable(cfg.get("compilation_cache_dir", "auto"))
+    compilation_cache.from_config(cfg)
     p = plan(cfg, devices)
     if jax.process_index() == 0:
         print(json.dumps(p.to_dict(), indent=2) if as_json else p.format(), flush=True)

@@ -409,7 +409,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     k = stream_count(streams, np.shape(prompt_tokens)[0], max_new_tokens, cfg.vocab_size, greedy,
                      num_samples, mesh)
     if k == 1 or isinstance(prompt_tokens, jax.core.Tracer):   # inside a trace: one program
-        return _generate(cfg, params, jnp.asarray(prompt_tokens, jnp.int32),
+        fn = _generate if isinstance(prompt_tokens, jax.core.Tracer) else _generate_program()
+        return fn(cfg, params, jnp.asarray(prompt_tokens, jnp.int32),
                          jnp.asarray(prompt_mask, bool), rng, temperatures=temperatures,
                          **static)
     return _generate_streams(cfg, params, np.asarray(prompt_tokens, np.int32),
@@ -459,7 +460,7 @@ def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy, *
 
     def stream(i):
         return lambda: jax.block_until_ready(
-            _generate(cfg, params, tok[i], mask[i], rng, noise=noise[i], **kw))
+            _generate_program()(cfg, params, tok[i], mask[i], rng, noise=noise[i], **kw))
 
     return _concat_outputs(streams_lib.run([stream(i) for i in range(k)]))
 
@@ -479,6 +480,19 @@ def _noise_ahead(rng: jax.Array, n: int, rows: int, vocab: int, greedy: bool):
     if greedy or _noise_ahead_size(n, rows, vocab) > NOISE_AHEAD_MAX_ELEMENTS:
         return None
     return jax.vmap(lambda t: draw_noise(jax.random.fold_in(rng, t), rows, vocab))(jnp.arange(n))
+
+
+def _generate_program():
+    """``_generate``, or its twin jitted with ``compilation_cache.sampler_compiler_options()``
+    when those are not the defaults (a nested call inside another trace takes ``_generate``:
+    JAX refuses compiler options on an inner jit)."""
+    options = compilation_cache.sampler_compiler_options()
+    return _generate if options is None else _generate_with(tuple(sorted(options.items())))
+
+
+@functools.cache
+def _generate_with(options: tuple):
+    return jax.jit(_generate.__wrapped__, static_argnames=_STATIC, compiler_options=dict(options))
 
 
 _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids", "pad_id",

@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
-from rljax import compilation_cache
+import pytest
+
+from rljax import compilation_cache, config as config_lib
+from rljax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,3 +50,22 @@ def test_cache_dir_setting(monkeypatch, tmp_path):
     monkeypatch.delenv("RLJAX_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compilation_cache.resolve_dir("auto") == str(tmp_path / "xdg" / "rljax" / "jax")
+
+
+def test_compile_for_picks_the_cpu_options(monkeypatch):
+    """``compile_for="startup"`` adds XLA:CPU's older fusion emitters to the sampler's and the
+    training programs' options; "throughput" leaves the sampler on the defaults."""
+    monkeypatch.setattr(compilation_cache, "_compile_for", "throughput")
+    assert compilation_cache.sampler_compiler_options() is None
+    assert compilation_cache.training_compiler_options() == {"xla_backend_optimization_level": 1}
+    cfg = config_lib.default_config()
+    cfg.compile_for, cfg.compilation_cache_dir = "startup", ""
+    assert compilation_cache.from_config(cfg) is None   # the cache setting is left alone
+    assert compilation_cache.sampler_compiler_options() == {"xla_cpu_use_fusion_emitters": False}
+    assert compilation_cache.training_compiler_options() == {
+        "xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
+    with pytest.raises(ValueError, match="compile_for='fast'"):
+        compilation_cache.set_compile_for("fast")
+    cfg.compile_for = "fast"
+    with pytest.raises(ConfigError, match="compile_for='fast' is not one of: throughput, startup"):
+        config_lib.validate(cfg)

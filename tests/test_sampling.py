@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax import models, sampling, sharding
+from rljax import compilation_cache, models, sampling, sharding
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8], [9, 10, 11, 12, 13, 14, 15], [200, 1, 2]]
 SMALL_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [6], [2, 7, 1, 1, 4]]  # for the vocab-8 model
@@ -327,6 +327,29 @@ def test_same_bucket_does_not_recompile():
     c, cm = _prompts(rows=[[1, 2, 3]], bucket=32)
     sampling.generate(cfg, params, c, cm, rng=jax.random.key(0), **kw)
     assert sampling._generate._cache_size() == before + 1  # a new bucket compiles once
+
+
+def test_compile_for_startup_reaches_the_sampler(monkeypatch):
+    """Under ``compile_for="startup"`` generate runs a twin of ``_generate`` built with the
+    sampler's compiler options: a bad option fails its compile, and the real ones sample the
+    same tokens (log-probs to float32 rounding) as XLA's defaults."""
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    p, pm = _prompts()
+    kw = dict(max_new_tokens=6, temperature=1.0, pad_id=0, eos_id=1, num_samples=2,
+              rng=jax.random.key(3))
+    monkeypatch.setattr(compilation_cache, "_compile_for", "throughput")
+    assert sampling._generate_program() is sampling._generate
+    ref = sampling.generate(cfg, params, p, pm, **kw)
+    compilation_cache.set_compile_for("startup")
+    assert sampling._generate_program() is not sampling._generate
+    out = sampling.generate(cfg, params, p, pm, **kw)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logps, ref.logps, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(compilation_cache, "sampler_compiler_options",
+                        lambda: {"xla_backend_optimization_level": "not-a-level"})
+    with pytest.raises(Exception, match="xla_backend_optimization_level"):
+        sampling.generate(cfg, params, p, pm, **kw)
 
 
 # ----------------------------------------------------------------------------- sharded

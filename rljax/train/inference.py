@@ -113,7 +113,7 @@ def phase_offsets(phases: list[Phase]) -> list[int]:
 def load_for_inference(cfg, workdir: str, checkpoint: str | None = None, devices=None):
     """(ctx, state, step) with the params of checkpoint ``checkpoint`` (default latest)."""
     config_lib.validate(cfg)
-    compilation_cache.enable(cfg.compilation_cache_dir)
+    compilation_cache.from_config(cfg)
     check_inputs(cfg, len(devices) if devices is not None else None)
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)

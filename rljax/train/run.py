@@ -54,7 +54,7 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
     distributed.initialize()  # multi-host (SPMD): the same loop on every host
     config_lib.validate(cfg)
     workdir_lib.check_reuse(workdir, cfg, allow_config_change)
-    compilation_cache.enable(cfg.compilation_cache_dir)
+    compilation_cache.from_config(cfg)
     check_inputs(cfg, len(devices) if devices is not None else None)
     plan_lib.check(cfg, devices)  # stop before allocating anything if it cannot fit
     # One run per workdir: process 0 holds the lock; every host stops if it is taken.
