@@ -6,6 +6,7 @@ the start of the first iteration, each trace / MLIR lowering / XLA compile span 
 ``--min-ms`` with its function and thread, then totals per kind.
 
     python bench/first_iter_profile.py [--shape base] [--iters 2] [--json out.json] [--cache DIR]
+        [--compile-for startup]
 
 Spans come from ``jax.monitoring`` time-span events; a compile span is wall time, so two
 compiles that share XLA:CPU's compile threads stretch each other.
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the spans and the worker's result here")
     ap.add_argument("--cache", help="persistent compilation cache folder, kept (default: a new "
                     "empty one): run twice to profile a second run's first iteration")
+    ap.add_argument("--compile-for", default="throughput", choices=["throughput", "startup"],
+                    help="rljax's compile_for")
     args = ap.parse_args()
 
     from jax._src import monitoring
@@ -60,6 +63,7 @@ def main() -> None:
         spec = grpo_step.make_spec(model, args.prompts, args.generations, args.new_tokens,
                                    args.iters, seed=0)
         spec["compilation_cache_dir"] = args.cache or os.path.join(tmp, "jax_cache")
+        spec["compile_for"] = args.compile_for
         res = grpo_step.rljax_worker(spec)
     t0 = marks["start"]
     print(f"first iteration {res['first_iter_s']:.2f} s (setup before it {res['setup_s']:.2f} "

@@ -256,15 +256,17 @@ def rljax_worker(spec: dict) -> dict:
     jax.block_until_ready(state)
     t_setup = time.perf_counter() - t_start
 
+    from rljax.train.run import setup_objects_frozen
     times, cpu_times, metrics_all, compiles_at = [], [], [], []
-    for step in range(cfg.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        state, metrics = phase.iteration(state, step)
-        jax.block_until_ready(state.params)
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)   # all threads: robust to a busy machine
-        metrics_all.append(metrics)
-        compiles_at.append(len(compiles))
+    with setup_objects_frozen():   # as rljax.train.run's loop
+        for step in range(cfg.steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            state, metrics = phase.iteration(state, step)
+            jax.block_until_ready(state.params)
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)   # all threads: robust to a busy machine
+            metrics_all.append(metrics)
+            compiles_at.append(len(compiles))
     first, steady = times[0], times[1:]
     it = statistics.median(steady)
     med = lambda key: statistics.median(m[key] for m in metrics_all[1:])  # noqa: E731

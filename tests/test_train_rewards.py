@@ -2,6 +2,7 @@
 timeouts (a hung function does not hold the run), SystemExit, the stop after N failed steps,
 and SIGTERM while a reward function hangs. Reward functions come from a user file by path."""
 import contextlib
+import gc
 import io
 import os
 import signal
@@ -34,6 +35,13 @@ def nan_some(prompts, completions, answer):  # no **kwargs: gets only the fields
 
 def wrong_length(prompts, completions, **_):
     return [1.0]
+
+
+def frozen_objects(prompts, completions, **_):
+    import gc
+    with open(os.environ["RLJAX_TEST_FREEZE_MARKER"], "a") as f:
+        f.write(f"{gc.get_freeze_count()}\\n")
+    return [0.0 for _ in completions]
 
 
 def exits(prompts, completions, **_):
@@ -84,6 +92,24 @@ def failing_run(user_file, tmp_path_factory):
         mp.setattr(rewards, "RewardMonitor", HourWindowMonitor)
         code = run.train(cfg, workdir, devices=DEVICES)
     return code, calls.read_text().count("called"), read_metrics(workdir), err.getvalue()
+
+
+def test_run_freezes_its_setup_objects_and_compiles_for_startup(user_file, tmp_path,
+                                                                 monkeypatch):
+    """The training loop runs with the setup's objects out of the cyclic collector's view
+    (``run.setup_objects_frozen``) and hands them back at the end; ``compile_for="startup"``
+    trains (its options themselves: test_compilation_cache, test_sampling)."""
+    from rljax import compilation_cache
+    marker = tmp_path / "freeze"
+    monkeypatch.setenv("RLJAX_TEST_FREEZE_MARKER", str(marker))
+    monkeypatch.setattr(compilation_cache, "_compile_for", "throughput")   # restored after
+    before = gc.get_freeze_count()
+    cfg = cfg_with(user_file, ("arithmetic", "frozen_objects"), compile_for="startup")
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    counts = [int(x) for x in marker.read_text().split()]
+    assert len(counts) == 2 and min(counts) > before + 10_000, counts
+    assert gc.get_freeze_count() == before
+    assert compilation_cache.training_compiler_options()["xla_cpu_use_fusion_emitters"] is False
 
 
 def test_broken_reward_functions_are_counted_per_function(failing_run):

@@ -15,6 +15,8 @@ warm-up's ``1..sft.steps``, then the RL iterations.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import sys
@@ -160,7 +162,8 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
               f"{ckpt.directory}", file=sys.stderr, flush=True)
         return stop.exit_code
 
-    with stop:  # handlers stay installed until the checkpoint is closed (2nd signal: 130)
+    # handlers stay installed until the checkpoint is closed (2nd signal: 130)
+    with stop, setup_objects_frozen():
         try:
             if eval_pending and not run_eval(gstep):
                 return stopped(gstep)
@@ -204,6 +207,22 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
     if writer.enabled:
         print(summary, flush=True)  # where the results are, and what to do with them
     return 0
+
+
+@contextlib.contextmanager
+def setup_objects_frozen():
+    """Moves every object that exists now (modules, tokenizer, data, config, model state) out
+    of the cyclic garbage collector's view until the block ends (``gc.freeze``).
+
+    They live for the whole run, and tracing the first iteration's programs allocates enough
+    to set off full collections, each of which rescanned them all: ~0.2 s per collection over
+    ~520k objects at the toy GRPO benchmark (``bench/README.md``, session 14). Reference
+    counting still frees frozen objects; on exit they are handed back to the collector."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # ----------------------------------------------------------------------------- inference
