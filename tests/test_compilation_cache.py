@@ -61,9 +61,9 @@ def test_compile_for_picks_the_cpu_options(monkeypatch):
     cfg = config_lib.default_config()
     cfg.compile_for, cfg.compilation_cache_dir = "startup", ""
     assert compilation_cache.from_config(cfg) is None   # the cache setting is left alone
-    assert compilation_cache.sampler_compiler_options() == {"xla_cpu_use_fusion_emitters": False}
-    assert compilation_cache.training_compiler_options() == {
-        "xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
+    startup = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
+    assert compilation_cache.sampler_compiler_options() == startup
+    assert compilation_cache.training_compiler_options() == startup
     with pytest.raises(ValueError, match="compile_for='fast'"):
         compilation_cache.set_compile_for("fast")
     cfg.compile_for = "fast"
