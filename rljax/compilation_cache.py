@@ -63,12 +63,12 @@ def set_compile_for(mode: str) -> None:
     like the cache directory).
 
     ``"throughput"`` (default): XLA:CPU's default elementwise-fusion emitters, whose code runs
-    faster. ``"startup"``: on CPU, its older emitters, which compile in about half the time and
-    run ~4% slower (``bench/README.md``, session 14: the toy GRPO iteration's first iteration
-    4.8 -> 3.6 s, then 0.291 -> 0.304 s per iteration). For short runs and notebooks on small
-    models; a long run gives the seconds back in a few hundred iterations. Results agree to
-    float32 rounding, not bit for bit (the emitters fuse differently). Other backends ignore
-    it."""
+    faster. ``"startup"``: on CPU, its older emitters (and LLVM -O1 for the sampler too), which
+    compile the update in about half the time and run ~4% slower (``bench/README.md``, session
+    14: the toy GRPO benchmark's cold first iteration 5.65 -> 4.1 s, medians, and 4.8% more
+    per iteration: the ~1.5 s come back after ~100 iterations). For short runs and notebooks on
+    small models. Results agree to float32 rounding, not bit for bit (the
+    emitters fuse differently). Other backends ignore it."""
     global _compile_for
     if mode not in COMPILE_FOR:
         raise ValueError(f"compile_for={mode!r} is not one of: {', '.join(COMPILE_FOR)}")
