@@ -67,8 +67,8 @@ def set_compile_for(mode: str) -> None:
     compile the update in about half the time and run ~4% slower (``bench/README.md``, session
     14: the toy GRPO benchmark's cold first iteration 5.65 -> 4.1 s, medians, and 4.8% more
     per iteration: the ~1.5 s come back after ~100 iterations). For short runs and notebooks on
-    small models. Results agree to float32 rounding, not bit for bit (the
-    emitters fuse differently). Other backends ignore it."""
+    small models. Results agree to float32 rounding, not bit for bit (the emitters fuse
+    differently). Other backends ignore it."""
     global _compile_for
     if mode not in COMPILE_FOR:
         raise ValueError(f"compile_for={mode!r} is not one of: {', '.join(COMPILE_FOR)}")

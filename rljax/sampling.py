@@ -408,11 +408,11 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     greedy = temperatures is None and temperature == 0.0
     k = stream_count(streams, np.shape(prompt_tokens)[0], max_new_tokens, cfg.vocab_size, greedy,
                      num_samples, mesh)
-    if k == 1 or isinstance(prompt_tokens, jax.core.Tracer):   # inside a trace: one program
-        fn = _generate if isinstance(prompt_tokens, jax.core.Tracer) else _generate_program()
-        return fn(cfg, params, jnp.asarray(prompt_tokens, jnp.int32),
-                         jnp.asarray(prompt_mask, bool), rng, temperatures=temperatures,
-                         **static)
+    traced = isinstance(prompt_tokens, jax.core.Tracer)
+    if k == 1 or traced:   # inside a trace: one program
+        return (_generate if traced else _generate_program())(
+            cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool),
+            rng, temperatures=temperatures, **static)
     return _generate_streams(cfg, params, np.asarray(prompt_tokens, np.int32),
                              np.asarray(prompt_mask, bool), rng, k, greedy,
                              temperatures=temperatures, **static)

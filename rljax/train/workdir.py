@@ -43,8 +43,8 @@ INCOMPATIBLE = ("model.", "tokenizer.path", "tokenizer.kind", "algo.name", "sft.
 # Keys that change how (or how long, or what is logged), not what is trained: accepted without
 # --allow-config-change (and reported).
 FREE = ("steps", "eval_every", "eval_at_start", "checkpoint_every", "checkpoint.", "logging.",
-        "memory.", "compilation_cache_dir", "compile_for", "model.remat", "model.overrides.attention_impl",
-        "model.overrides.remat_policy")
+        "memory.", "compilation_cache_dir", "compile_for", "model.remat",
+        "model.overrides.attention_impl", "model.overrides.remat_policy")
 
 
 def config_path(workdir: str) -> str:
