@@ -81,11 +81,10 @@ def _startup_options() -> dict:
 
 def sampler_compiler_options() -> dict | None:
     """XLA compiler options of the sampler's decode program. None = the backend's defaults
-    (always, under ``compile_for="throughput"``). Under "startup", on CPU, LLVM -O1 as well:
-    the toy's first iteration took another ~0.35 s less (``bench/README.md``, session 14)."""
-    if jax.default_backend() != "cpu" or _compile_for != "startup":
-        return None
-    return {"xla_backend_optimization_level": 1, **_startup_options()}
+    (always, under ``compile_for="throughput"``). Under "startup", on CPU, the elementwise
+    programs' options: the older emitters and LLVM -O1, which took another ~0.35 s off the
+    toy's first iteration than the emitters alone (``bench/README.md``, session 14)."""
+    return elementwise_compiler_options() if _compile_for == "startup" else None
 
 
 def training_compiler_options() -> dict | None:
