@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from rljax import config as config_lib
+from rljax import cache_dirs, config as config_lib
 
 
 def resolve_dir(setting: str) -> str | None:
@@ -26,9 +26,7 @@ def resolve_dir(setting: str) -> str | None:
         return None
     if setting != "auto":
         return setting
-    root = os.environ.get("RLJAX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rljax")
-    return os.path.join(root, "jax")
+    return os.path.join(cache_dirs.root(), "jax")
 
 
 def enable(setting: str = "auto") -> str | None:

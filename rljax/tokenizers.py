@@ -27,6 +27,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from rljax import cache_dirs
+
 __all__ = ["Tokenizer", "HFTokenizer", "SentencePieceTokenizer", "CharTokenizer", "load",
            "CHAR_TOKENIZER_FILE"]
 
@@ -105,10 +107,7 @@ class HFTokenizer(Tokenizer):
 
         self.path = path
         if _is_gguf(path):
-            # transformers builds a fast tokenizer (and the chat template) from GGUF metadata.
-            self._tok = AutoTokenizer.from_pretrained(
-                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
-                local_files_only=True)
+            self._tok = _gguf_tokenizer(path)
         else:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         tok = self._tok
@@ -151,22 +150,87 @@ class HFTokenizer(Tokenizer):
         ``AutoTokenizer.from_pretrained(out_dir)`` and :func:`load` give the same ids and
         template, e.g. next to ``models.save_hf``'s files (export); returns the files."""
         os.makedirs(out_dir, exist_ok=True)
-        # save_jinja_files=False: the template goes into tokenizer_config.json, where every
-        # transformers version (and other HF-format readers) looks for it.
-        files = [os.fspath(f) for f in self._tok.save_pretrained(out_dir, save_jinja_files=False)]
-        config_file = os.path.join(out_dir, "tokenizer_config.json")
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
-        # transformers 5 names its fast tokenizer "TokenizersBackend", a class transformers 4
-        # does not have; "PreTrainedTokenizerFast" is the same class in 5 and exists in 4.
-        # local_files_only/is_local describe how *this* copy was loaded, not the tokenizer.
-        if config.get("tokenizer_class") == "TokenizersBackend":
-            config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        for key in ("local_files_only", "is_local"):
-            config.pop(key, None)
-        with open(config_file, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, ensure_ascii=False)
-        return files
+        return _write_hf_files(self._tok, out_dir)
+
+
+def _gguf_tokenizer(path: str):
+    """The ``transformers`` tokenizer of a GGUF file, converted once per file and kept in
+    ``cache_dirs.root()/tokenizers``. transformers builds it (vocabulary, merges, special
+    tokens, chat template) from the GGUF metadata in Python: ~4 s for SmolLM2's 49,152 tokens,
+    paid by every process and twice per ``train`` (its pre-flight check and its setup); the
+    saved HF files load in ~0.2 s. The entry is keyed by the file (path, size, mtime) and the
+    transformers and tokenizers versions, so an edited file or a new converter converts again;
+    an unreadable or unwritable cache falls back to converting."""
+    from transformers import AutoTokenizer
+
+    entry = _gguf_cache_entry(path)
+    if os.path.isfile(os.path.join(entry, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(entry, local_files_only=True)
+        except Exception:  # noqa: BLE001 -- any damage: convert again, replace it below
+            pass
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                        gguf_file=os.path.basename(path), local_files_only=True)
+    _save_cache_entry(tok, entry)
+    return tok
+
+
+def _gguf_cache_entry(path: str) -> str:
+    import hashlib
+
+    import tokenizers as hf_tokenizers
+    import transformers
+
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    key = json.dumps([path, st.st_size, st.st_mtime_ns, transformers.__version__,
+                      hf_tokenizers.__version__])
+    return os.path.join(cache_dirs.root(), "tokenizers",
+                        hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _save_cache_entry(tok, entry: str) -> None:
+    """Writes ``tok`` as HF files to ``entry`` atomically (a temporary folder renamed into
+    place: hosts of a multi-host run may convert the same file at once); gives up silently
+    when the cache cannot be written."""
+    import shutil
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(entry) + ".", dir=os.path.dirname(entry))
+    except OSError:
+        return
+    try:
+        _write_hf_files(tok, tmp)
+        if os.path.isdir(entry):   # a damaged entry (a complete one was loaded, not replaced)
+            shutil.rmtree(entry, ignore_errors=True)
+        os.rename(tmp, entry)
+    except Exception:  # noqa: BLE001 -- a cache write never fails the load it follows
+        pass   # e.g. another process renamed its copy first, or the disk is full / read-only
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_hf_files(tok, out_dir: str) -> list[str]:
+    """``tok`` (a ``transformers`` tokenizer) as ``tokenizer.json`` + ``tokenizer_config.json``
+    (special tokens and chat template) in ``out_dir``; returns the files."""
+    # save_jinja_files=False: the template goes into tokenizer_config.json, where every
+    # transformers version (and other HF-format readers) looks for it.
+    files = [os.fspath(f) for f in tok.save_pretrained(out_dir, save_jinja_files=False)]
+    config_file = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    # transformers 5 names its fast tokenizer "TokenizersBackend", a class transformers 4
+    # does not have; "PreTrainedTokenizerFast" is the same class in 5 and exists in 4.
+    # local_files_only/is_local describe how *this* copy was loaded, not the tokenizer.
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("local_files_only", "is_local"):
+        config.pop(key, None)
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    return files
 
 
 class SentencePieceTokenizer(Tokenizer):

@@ -130,6 +130,55 @@ def test_tokenizer_save_writes_a_complete_hf_tokenizer(tok, tmp_path):
     assert (reloaded.bos_id, reloaded.eos_id, reloaded.pad_id) == (1, 2, 2)
 
 
+def test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache(gguf_path, tmp_path,
+                                                                     monkeypatch):
+    """The first load converts the GGUF tokenizer and keeps it as HF files; the next load reads
+    those (no conversion) and tokenizes, decodes and renders chats exactly as the conversion
+    does; a damaged entry is converted again and replaced."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("RLJAX_CACHE_DIR", str(tmp_path))
+    converted = tokenizers.load(gguf_path)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    convert = AutoTokenizer.from_pretrained
+
+    def no_conversion(*args, **kwargs):
+        assert "gguf_file" not in kwargs, "the GGUF tokenizer was converted again"
+        return convert(*args, **kwargs)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
+    cached = tokenizers.load(gguf_path)
+    texts = [converted.apply_chat_template(c) for c in CHATS] + [
+        "12+7=19, ünïcödé 🙂 <|im_end|><|endoftext|>  spaces\n\ttabs"]
+    for text in texts:
+        ids = converted.encode(text)
+        assert cached.encode(text) == ids
+        assert cached.decode(ids, skip_special=False) == converted.decode(ids, skip_special=False)
+    for chat in CHATS:
+        assert cached.apply_chat_template(chat, add_generation_prompt=False) == \
+            converted.apply_chat_template(chat, add_generation_prompt=False)
+    assert (cached.bos_id, cached.eos_id, cached.pad_id, cached.vocab_size) == \
+        (converted.bos_id, converted.eos_id, converted.pad_id, converted.vocab_size)
+    assert cached.hf_tokenizer.get_vocab() == converted.hf_tokenizer.get_vocab()
+    assert cached.hf_tokenizer.all_special_ids == converted.hf_tokenizer.all_special_ids
+
+    # A damaged entry: converted again (the conversion is stood in for by its result, ~4 s
+    # saved) and replaced by a complete copy.
+    conversions = []
+
+    def reconvert(*args, **kwargs):
+        if "gguf_file" in kwargs:
+            conversions.append(kwargs["gguf_file"])
+            return converted.hf_tokenizer
+        return convert(*args, **kwargs)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", reconvert)
+    (entry / "tokenizer.json").write_text("{")
+    assert tokenizers.load(gguf_path).encode(texts[-1]) == converted.encode(texts[-1])
+    assert conversions == [os.path.basename(gguf_path)]
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == [entry.name]
+    assert tokenizers.load(gguf_path).encode(texts[-1]) == converted.encode(texts[-1])
+    assert len(conversions) == 1
+
+
 def test_chat_template_required_but_missing_is_one_config_error(tok, tmp_path):
     from rljax import config as config_lib
     from rljax.train import setup

@@ -120,3 +120,26 @@ def test_bad_paths_name_the_path(tmp_path):
     bad.write_text(json.dumps({"kind": "other"}))
     with pytest.raises(ValueError, match="x.json"):
         tokenizers.load(str(bad))
+
+
+def test_gguf_tokenizer_cache_entry_follows_the_file_and_tolerates_an_unwritable_cache(
+        tmp_path, monkeypatch):
+    """The cache entry of a GGUF file's converted tokenizer changes when the file does (size,
+    mtime); a cache folder that cannot be created is skipped, not an error."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setenv("RLJAX_CACHE_DIR", str(tmp_path / "cache"))
+    entry = tokenizers._gguf_cache_entry(str(model))
+    assert entry.startswith(str(tmp_path / "cache" / "tokenizers"))
+    assert tokenizers._gguf_cache_entry(str(model)) == entry
+    os.utime(model, ns=(1, 1))
+    touched = tokenizers._gguf_cache_entry(str(model))
+    assert touched != entry
+    model.write_bytes(b"GGUF" + bytes(61))
+    os.utime(model, ns=(1, 1))
+    assert tokenizers._gguf_cache_entry(str(model)) not in (entry, touched)
+
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    tokenizers._save_cache_entry(None, str(blocker / "tokenizers" / "x"))
+    assert blocker.read_text() == ""
