@@ -2,7 +2,8 @@
 # Every GPU measurement of issue 13 in one call on a lent GPU, in priority order, each part
 # time-boxed so a hang or an error costs only its own part:
 #   1. bench/gpu.py: ceilings, cuDNN attention parity, the update step (three variants: the
-#      default, remat_policy=everything, a 1 GiB LM-head chunk) and decode at B=256/512;
+#      default, remat_policy=everything, a 1 GiB LM-head chunk) and decode at B=256/512/1024
+#      (session 12: 38-40% of the HBM bound at 256/512, rising with B; 1024 still fits);
 #   2. bench/grpo_step.py: one GRPO iteration, rljax vs TRL GRPOTrainer on the same GPU,
 #      bfloat16, SmolLM2-135M's trunk (byte vocabulary), 16 prompts x G=8 x 128 new tokens;
 #   3. decode again with XLA's command buffers (CUDA graphs) extended to while loops.
@@ -30,8 +31,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   DB="4 8"; IMPL=xla
   G="--shapes tiny --prompts 2 --generations 2 --new-tokens 8"; T=(600 600 600)
 else
-  U="--batch 32 --seq 1024"; D="--prompt 256 --new 256"; DB="256 512"; IMPL=cudnn
-  G="--shapes smollm2 --prompts 16 --generations 8 --new-tokens 128"; T=(280 200 70)
+  U="--batch 32 --seq 1024"; D="--prompt 256 --new 256"; DB="256 512 1024"; IMPL=cudnn
+  G="--shapes smollm2 --prompts 16 --generations 8 --new-tokens 128"; T=(330 200 70)
 fi
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
  $PY -c "import jax, flax, optax, transformers, torch; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" 2>&1
