@@ -160,18 +160,21 @@ def _gguf_tokenizer(path: str):
     paid by every process and twice per ``train`` (its pre-flight check and its setup); the
     saved HF files load in ~0.2 s. The entry is keyed by the file (path, size, mtime) and the
     transformers and tokenizers versions, so an edited file or a new converter converts again;
-    an unreadable or unwritable cache falls back to converting."""
+    an unreadable or unwritable cache (or one on a URL) falls back to converting."""
     from transformers import AutoTokenizer
 
     entry = _gguf_cache_entry(path)
-    if os.path.isfile(os.path.join(entry, "tokenizer.json")):
+    if "://" in entry:   # a cache root on a URL ($RLJAX_CACHE_DIR=gs://...): convert each time
+        entry = None
+    elif os.path.isfile(os.path.join(entry, "tokenizer.json")):
         try:
             return AutoTokenizer.from_pretrained(entry, local_files_only=True)
         except Exception:  # noqa: BLE001 -- any damage: convert again, replace it below
             pass
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                         gguf_file=os.path.basename(path), local_files_only=True)
-    _save_cache_entry(tok, entry)
+    if entry:
+        _save_cache_entry(tok, entry)
     return tok
 
 

@@ -122,10 +122,9 @@ def test_bad_paths_name_the_path(tmp_path):
         tokenizers.load(str(bad))
 
 
-def test_gguf_tokenizer_cache_entry_follows_the_file_and_tolerates_an_unwritable_cache(
-        tmp_path, monkeypatch):
+def test_gguf_tokenizer_cache_entry_follows_the_file(tmp_path, monkeypatch):
     """The cache entry of a GGUF file's converted tokenizer changes when the file does (size,
-    mtime); a cache folder that cannot be created is skipped, not an error."""
+    mtime)."""
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(60))
     monkeypatch.setenv("RLJAX_CACHE_DIR", str(tmp_path / "cache"))
@@ -139,7 +138,25 @@ def test_gguf_tokenizer_cache_entry_follows_the_file_and_tolerates_an_unwritable
     os.utime(model, ns=(1, 1))
     assert tokenizers._gguf_cache_entry(str(model)) not in (entry, touched)
 
-    blocker = tmp_path / "not_a_folder"
-    blocker.write_text("")
-    tokenizers._save_cache_entry(None, str(blocker / "tokenizers" / "x"))
-    assert blocker.read_text() == ""
+
+@pytest.mark.parametrize("root", ["gs://bucket/cache", "blocked"])
+def test_gguf_tokenizer_converts_without_a_usable_cache(root, tmp_path, monkeypatch):
+    """With the cache root on a URL, or a root that cannot be created, the GGUF tokenizer is
+    converted (here a stand-in for transformers' conversion) and nothing is written locally."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    (tmp_path / "blocked").write_text("")   # a file where the cache folder would go
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLJAX_CACHE_DIR", root if "://" in root else str(tmp_path / root))
+    converted = object()
+    calls = []
+
+    def convert(*args, **kwargs):
+        calls.append(kwargs.get("gguf_file"))
+        return converted
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", convert)
+    assert tokenizers._gguf_tokenizer(str(model)) is converted
+    assert calls == ["m.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "m.gguf"]
