@@ -1,9 +1,10 @@
 """llama.cpp GGUF files as a model source: ``(ModelConfig, params)`` without PyTorch.
 
 The config comes from the file's metadata (``<arch>.block_count``, ``<arch>.embedding_length``,
-...), the tensors are read with the ``gguf`` package and dequantized to float32 with its numpy
-code, renamed to their Hugging Face names and handed to ``hf.load_params``, which stacks the
-layers and places each parameter into its sharding exactly as for a safetensors checkpoint.
+...), the tensors are read from the file (``rljax.models.gguf_file``), dequantized to float32
+with the ``gguf`` package's numpy code, renamed to their Hugging Face names and handed to
+``hf.load_params``, which stacks the layers and places each parameter into its sharding exactly
+as for a safetensors checkpoint.
 
 Supported: architectures ``SUPPORTED_ARCHITECTURES`` (dense llama, qwen2, qwen3) and tensor
 types ``SUPPORTED_TENSOR_TYPES`` (float, the legacy block quants and the K-quants). Quantized
@@ -29,6 +30,7 @@ import numpy as np
 
 from rljax.errors import UserError
 from rljax.models.config import ModelConfig, dtype_name
+from rljax.models.gguf_file import GGUFFile
 from rljax.models.hf import hf_tensor_shapes, load_params
 from rljax.models.transformer import param_shapes
 
@@ -83,25 +85,22 @@ def gguf_name(hf_name: str) -> str:
 # ----------------------------------------------------------------------------- reading
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int):
-    """A parsed GGUFReader, cached so that checking and loading one file parse it once (the
-    token list makes parsing take seconds). The key changes when the file does."""
-    import gguf  # local: only GGUF users pay for the import
-
+def _reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    """The file's parsed header, cached so that checking and loading one file read it once.
+    The key changes when the file does."""
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, MemoryError) as e:
-        # GGUFReader reads the header and maps every tensor: a short file fails a reshape.
+        return GGUFFile(path)
+    except (ValueError, OverflowError, MemoryError) as e:   # GGUFFormatError is a ValueError
         raise GGUFError(f"{path}: truncated or corrupt GGUF file "
                         f"({type(e).__name__}: {_one_line(e)})") from None
 
 
-def open_gguf(path: str):
-    """The ``gguf.GGUFReader`` of ``path``; GGUFError if it is missing or unreadable."""
+def open_gguf(path: str) -> GGUFFile:
+    """The parsed header of GGUF file ``path``; GGUFError if it is missing or unreadable."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: GGUF file does not exist")
@@ -117,14 +116,11 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-def _meta(reader, key: str, default=KeyError):
+def _meta(reader: GGUFFile, key: str, default=KeyError):
     """Metadata value ``key`` (str, int, float, bool or list); ``default`` when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is KeyError:
-            raise GGUFError(f"{reader.data.filename}: GGUF metadata has no {key!r}")
-        return default
-    return field.contents()
+    if key not in reader.fields and default is KeyError:
+        raise GGUFError(f"{reader.path}: GGUF metadata has no {key!r}")
+    return reader.value(key, default)
 
 
 def _decimal(x: float) -> float:
@@ -307,8 +303,8 @@ def load_gguf(path: str, dtype=jnp.float32, shardings=None, **overrides):
     cfg = inspect_gguf(path, dtype=dtype, **overrides)
     reader = open_gguf(path)
     params = load_params(cfg, _tensor_source(reader, os.fspath(path), cfg), shardings)
-    # The parsed metadata (~170 MB of Python objects for a 49k-token vocabulary) was cached for
-    # the checks before loading; loading is its last use in a run.
+    # The header was cached for the checks before loading; loading is its last use in a run,
+    # and the cache holds the file mapped.
     _reader.cache_clear()
     return cfg, params
 
