@@ -1,7 +1,7 @@
 """A GGUF file's metadata and tensor table, read in milliseconds.
 
 ``gguf.GGUFReader`` builds numpy views for every element of every metadata array: for a
-49k-token vocabulary (tokens, token types and merges, ~150k elements) that took 3.5 s per file
+49k-token vocabulary (tokens, token types and merges, ~150k elements) that took 3.5-4.2 s
 and ~170 MB of Python objects, in every process that opened the file. rljax reads scalar
 metadata and the tensor table; this reader decodes scalars when parsed, arrays of numbers as
 one numpy array each, and arrays of strings only when asked for (``value``), and maps each
