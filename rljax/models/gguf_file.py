@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 DEFAULT_ALIGNMENT = 32
+_ENDS_EARLY = "the file ends inside its header"
 
 
 class GGUFFormatError(ValueError):
@@ -69,7 +70,7 @@ class GGUFFile:
     def __init__(self, path: str):
         self.path = path
         if os.path.getsize(path) < 24:   # also: numpy cannot map an empty file
-            raise GGUFFormatError("the file ends inside its header")
+            raise GGUFFormatError(_ENDS_EARLY)
         self._buf = np.memmap(path, mode="r").view(np.ndarray)
         self._mem = memoryview(self._buf)
         if bytes(self._mem[:4]) != b"GGUF":
@@ -118,7 +119,11 @@ class GGUFFile:
         try:
             return struct.unpack_from(fmt, self._mem, at)
         except struct.error:
-            raise GGUFFormatError("the file ends inside its header") from None
+            raise GGUFFormatError(_ENDS_EARLY) from None
+
+    def _check_within(self, end: int) -> None:
+        if end > len(self._mem):
+            raise GGUFFormatError(_ENDS_EARLY)
 
     def _scalar(self, fmt: str):
         (v,) = self._unpack(self._order + fmt, self._offset)
@@ -126,10 +131,9 @@ class GGUFFile:
         return v
 
     def _string(self) -> str:
-        n = self._scalar("Q")
+        n = self._scalar("Q")   # read first: it moves self._offset past the length
         end = self._offset + n
-        if end > len(self._mem):
-            raise GGUFFormatError("the file ends inside its header")
+        self._check_within(end)
         s = bytes(self._mem[self._offset:end])
         self._offset = end
         try:
@@ -137,46 +141,35 @@ class GGUFFile:
         except UnicodeDecodeError as e:
             raise GGUFFormatError(f"a string is not UTF-8 ({e.reason})") from None
 
-    def _numpy_type(self, value_type) -> np.dtype:
+    def _numpy_type(self, raw_type: int) -> np.dtype:
         """The numpy dtype of a GGUF number type (gguf's table), in the file's byte order."""
-        return np.dtype(_gguf().GGUFReader.gguf_scalar_to_np[value_type]).newbyteorder(
-            self._order)
+        g = _gguf()
+        try:
+            np_type = g.GGUFReader.gguf_scalar_to_np[g.GGUFValueType(raw_type)]
+        except (ValueError, KeyError):
+            raise GGUFFormatError(f"unknown metadata value type {raw_type}") from None
+        return np.dtype(np_type).newbyteorder(self._order)
 
     def _value(self, raw_type: int):
         types = _gguf().GGUFValueType
-        try:
-            kind = types(raw_type)
-        except ValueError:
-            raise GGUFFormatError(f"unknown metadata value type {raw_type}") from None
-        if kind == types.STRING:
+        if raw_type == types.STRING:
             return self._string()
-        if kind == types.ARRAY:
-            item_type, count = self._scalar("I"), self._scalar("Q")
-            try:
-                item = types(item_type)
-            except ValueError:
-                raise GGUFFormatError(f"unknown metadata value type {item_type}") from None
-            if item == types.STRING:
-                arr, at = _StringArray(self._offset, count), self._offset
-                length = struct.Struct(self._order + "Q")
-                try:
-                    for _ in range(count):   # only the lengths are read here
-                        at += 8 + length.unpack_from(self._mem, at)[0]
-                except struct.error:
-                    raise GGUFFormatError("the file ends inside its header") from None
-                if at > len(self._mem):
-                    raise GGUFFormatError("the file ends inside its header")
-                self._offset = at
-                return arr
-            if item == types.ARRAY:
-                return [self._value(item_type) for _ in range(count)]
-            return self._numbers(self._numpy_type(item), count)
-        return self._numbers(self._numpy_type(kind), 1)[0].item()
+        if raw_type != types.ARRAY:
+            return self._numbers(self._numpy_type(raw_type), 1)[0].item()
+        item_type, count = self._scalar("I"), self._scalar("Q")
+        if item_type == types.STRING:
+            arr = _StringArray(self._offset, count)
+            for _ in range(count):   # only the lengths are read here
+                self._offset += 8 + self._unpack(self._order + "Q", self._offset)[0]
+            self._check_within(self._offset)
+            return arr
+        if item_type == types.ARRAY:
+            return [self._value(item_type) for _ in range(count)]
+        return self._numbers(self._numpy_type(item_type), count)
 
     def _numbers(self, dtype: np.dtype, count: int) -> np.ndarray:
         end = self._offset + dtype.itemsize * count
-        if end > len(self._mem):
-            raise GGUFFormatError("the file ends inside its header")
+        self._check_within(end)
         out = np.frombuffer(self._mem, dtype, count, self._offset)
         self._offset = end
         return out
