@@ -68,6 +68,9 @@ def main() -> None:
     t0 = marks["start"]
     print(f"first iteration {res['first_iter_s']:.2f} s (setup before it {res['setup_s']:.2f} "
           f"s), steady {res['iter_s']:.3f} s/iter, load average {os.getloadavg()[0]:.2f}")
+    cores = len(os.sched_getaffinity(0))
+    print(f"first iteration process CPU {res['first_iter_cpu_s']:.2f} s (all threads): on "
+          f"{cores} cores at least {res['first_iter_cpu_s'] / cores:.2f} s of wall time")
     print(f"{'from s':>7} {'to s':>7} {'secs':>6}  {'kind':28s} program [thread]")
     totals: dict = {}
     for kind, start, end, fun, thread in sorted(spans, key=lambda s: s[1]):

@@ -29,7 +29,8 @@ os.environ["XLA_FLAGS"] = (_flags + " " + _compiler).strip()
 
 # Tests keep out of the user's cache directory: a developer's old entries must not change what a
 # test runs, and a test run must not fill ~/.cache. The persistent compilation cache still works
-# within the session (later modules load what earlier ones compiled), in a directory of its own.
+# within the session (later modules load what earlier ones compiled), in a directory of its own
+# (one per process: each pytest-xdist worker of .ci/run has its own).
 os.environ["RLJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-cache-")
 
 
