@@ -8,6 +8,13 @@ Download the checkpoint yourself (rljax never downloads) and point ``model.path`
 
 GSM8K JSONL lines are ``{"question": ..., "answer": "... #### 18"}``; the ``gsm8k`` reward
 judges the completion's final answer against the number after ``####``.
+
+The data is read from ``data/gsm8k/train.jsonl`` and ``data/gsm8k/test.jsonl`` under the
+directory you run ``rljax`` in, or from the paths given as above. rljax ships no copy of GSM8K:
+take ``train.jsonl`` / ``test.jsonl`` from the dataset's release (github.com/openai/grade-school-math,
+``grade_school_math/data/``; MIT licence). With TensorFlow Datasets' ``gsm8k`` prepared in the
+``array_record`` format instead, pass ``--config.data.source=tfds:gsm8k --config.data.path=
+--config.data.eval_path=`` (and ``--config.data.kwargs.data_dir=DIR`` for another data dir).
 """
 import ml_collections
 
@@ -20,8 +27,10 @@ def get_config():
     c.checkpoint_every = 50
     c.model = dict(path="checkpoints/Qwen2.5-0.5B-Instruct", dtype="bfloat16", remat=True)
     c.tokenizer = dict(chat_template=True)          # tokenizer from model.path
-    c.data = dict(source="jsonl", path="../shared/data/gsm8k/train.jsonl",
-                  eval_path="../shared/data/gsm8k/test.jsonl", template="gsm8k",
+    # GSM8K as JSONL, relative to the directory rljax runs in (data/gsm8k/ is not shipped: see
+    # the docstring). Other places: --config.data.path=... --config.data.eval_path=...
+    c.data = dict(source="jsonl", path="data/gsm8k/train.jsonl",
+                  eval_path="data/gsm8k/test.jsonl", template="gsm8k",
                   max_prompt_length=512)
     c.rollout = dict(batch_size=256, max_new_tokens=512, temperature=1.0, top_p=1.0)
     c.algo = dict(name="grpo", num_generations=8, beta=0.0, epsilon=0.2, epsilon_high=0.28,
