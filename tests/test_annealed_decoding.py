@@ -125,9 +125,9 @@ def test_sampler_logps_are_full_forward_logps_at_each_tokens_temperature(model):
     assert np.abs(np.where(out.mask, np.asarray(flat), 0.0) - ref).max() > 1e-2
 
 
-def test_first_update_ratio_is_exactly_one_with_annealing(model):
+def test_first_update_ratio_is_one_with_annealing(model):
     """old log-probs (the rollout's forward) and the update's own, both at per-token
-    temperatures: ratio 1, nothing clipped, approx_kl 0; the sampler agrees to float error."""
+    temperatures: ratio 1 to float error, nothing clipped; the sampler agrees to float error."""
     cfg, params = model
     toks, mask = prompts()
     g = 4
@@ -149,7 +149,10 @@ def test_first_update_ratio_is_exactly_one_with_annealing(model):
     state = fresh_state(params, opt)
     step = build_grpo_step(cfg, algo, opt, temperature=1.0, num_micro=2)
     _, m = step(state, batch)
-    assert float(m["approx_kl"]) == 0.0
+    # Two programs (the old-log-prob pass and the update's forward): on some CPU types they round
+    # a log-prob differently by a few float32 ulps (|log p| < 20, so < 1e-5 apart); approx_kl is
+    # then ~(1e-5)^2 / 2, far below 1e-9 and far below the off-policy control's 1e-3.
+    assert float(m["approx_kl"]) < 1e-9
     assert float(m["clipfrac_low"]) == 0.0 and float(m["clipfrac_high"]) == 0.0
     # Control: the same rollout scored at temperature 1 is off-policy (ratio != 1).
     state = fresh_state(params, opt)
