@@ -12,7 +12,7 @@ Shapes: ``bench/streams.py``'s (``toy`` and ``real`` as ``update_step.py``, ``sm
 8L-256 llama).
 
 The default ``--options`` are XLA:CPU's older elementwise-fusion emitters;
-``bench/README.md`` (session 11) has the numbers and why rljax keeps the default ones.
+``bench/RESULTS.md`` has the numbers and why rljax keeps the default ones.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Decode-step layers at the real shape with S = 224 vs S = 65 cache slots (issue 13 ablation).
+"""Decode-step layers at the real shape with S = 224 vs S = 65 cache slots (an ablation).
 
     python bench/decode_slots.py
 

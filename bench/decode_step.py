@@ -3,7 +3,7 @@
     python bench/decode_step.py [--shape real|toy] [--runs 5]
 
 real: SmolLM2-135M's shape (random weights, vocab 49,152), 8 prompts (57-137 tokens, bucket
-160) x G=4, 64 new tokens; toy: issue 13's 4L-128 llama, 32 prompts x 32, 64 new. Temperature
+160) x G=4, 64 new tokens; toy: the GRPO benchmark's 4L-128 llama, 32 prompts x 32, 64 new. Temperature
 1, no stop id. Per step = (generate at N - generate at N=1) / (N - 1), medians of ``--runs``
 interleaved calls, wall and process CPU seconds. Parts: one decode step jitted alone on the
 per-layer (unstacked) weights and cache at B*G rows and S = bucket + N slots: the layers, the

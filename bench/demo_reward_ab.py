@@ -1,4 +1,4 @@
-"""Paired A/B of the reward wait inside one demo run (issue 13's regression, load-robust).
+"""Paired A/B of the reward wait inside one demo run (load-robust).
 
 Odd GRPO iterations wait for the reward thread the old way (``time.sleep`` polls of 50 ms, as
 before 4d391dd), even ones with the fix (the call's completion event). Adjacent iterations of

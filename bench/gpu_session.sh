@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issue 13 in one call on a lent GPU, in priority order, each part
+# Every GPU measurement in one call on a lent GPU, in priority order, each part
 # time-boxed so a hang or an error costs only its own part:
 #   1. bench/gpu.py: ceilings, cuDNN attention parity, the update step (three variants: the
 #      default, remat_policy=everything, a 1 GiB LM-head chunk) and decode at B=256/512/1024
-#      (session 12: 38-40% of the HBM bound at 256/512, rising with B; 1024 still fits);
+#      (2026-11: 38-40% of the HBM bound at 256/512 on an H100, rising with B);
 #   2. bench/grpo_step.py: one GRPO iteration, rljax vs TRL GRPOTrainer on the same GPU,
 #      bfloat16, SmolLM2-135M's trunk (byte vocabulary), 16 prompts x G=8 x 128 new tokens;
 #   3. decode again with XLA's command buffers (CUDA graphs) extended to while loops.

@@ -3,7 +3,7 @@
     python bench/optimizer_apply.py [--shape real|toy] [--runs 7]
 
 AdamW + clipping from the default config, jitted with params and state donated, on
-SmolLM2-135M's shape (random weights) or the 4L-128 toy. "before" is the form of session 8:
+SmolLM2-135M's shape (random weights) or the 4L-128 toy. "before" is the earlier form:
 the update, then ``jnp.where(ok, new, old)`` over params and state, with an ``isfinite`` pass
 per leaf and optax's clip (its own norm). Prints the median wall time per apply, XLA's
 temporary memory, the number of copy instructions in the compiled program and whether both

@@ -1,4 +1,4 @@
-"""Wake-up latency of the reward timeout's wait (issue 13's demo regression).
+"""Wake-up latency of the reward timeout's wait (it once slowed the demo).
 
 The time from a reward function's return (in its isolation thread) to the return of the
 combined call, median of 30 calls, for a function that works ~10 ms (busy loop, like the

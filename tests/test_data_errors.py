@@ -1,7 +1,7 @@
 """Bad data and bad free-form config are one line (exit 2) before anything trains: rows that are
 not JSON objects or lack the template's field, non-UTF-8 files, empty files, prompts that are
 all too long, sequences longer than the model's context, DPO pairs with chosen == rejected,
-unknown ``model.overrides`` / ``reward.kwargs`` (issue 19 items 7 and 8)."""
+unknown ``model.overrides`` / ``reward.kwargs``."""
 import json
 import os
 

@@ -2,7 +2,7 @@
 
 A cell injected right after each notebook's ``parameters`` cell shrinks the run (one or two
 steps, a one-layer model) and points WORKDIR at a temp dir. The kernel runs from the repository
-root with this checkout on PYTHONPATH, on the test session's 8 fake CPU devices, offline.
+root with this checkout on PYTHONPATH, on the test run's 8 fake CPU devices, offline.
 """
 import json
 import os

@@ -277,7 +277,7 @@ def _some_nan(prompts, completions, **_):
 
 @pytest.mark.parametrize("timeout_s", [None, 5.0])
 def test_combine_system_exit_is_an_error_not_an_exit(timeout_s):
-    # Issue 19.6: a reward function raising SystemExit(3) ended the run with rc 3, no message.
+    # A reward function raising SystemExit(3) ended the run with rc 3, no message.
     comb = rewards.combine([("arithmetic", 1.0), (_exits, 1.0)], timeout_s=timeout_s)
     res = comb(["q", "q"], ["2", "3"], answer=["2", "2"])
     assert res.errors == {"arithmetic": 0, "_exits": 2} and res.total == [1.0, 0.0]

@@ -1,6 +1,6 @@
 """What a user sees on the console of a finished run: the warm-up's eval accuracy (not only the
 final one), an end-of-run summary saying where results, curves and checkpoints are, and a clear
-list when `eval --checkpoint N` names a step that was not kept (issue 20 item 6)."""
+list when `eval --checkpoint N` names a step that was not kept."""
 import re
 
 from rljax import cli

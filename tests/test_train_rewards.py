@@ -144,7 +144,7 @@ def test_console_warns_once_per_function_with_cause(failing_run, user_file):
 
 
 def test_hung_reward_times_out_on_the_train_path(failing_run):
-    # Issue 19.6: no timeout on `train` (a hung function held each step) and
+    # Once: no timeout on `train` (a hung function held each step) and
     # `--config.reward.timeout_s` was refused. The run ends although `hangs` sleeps an hour,
     # and the hung call is not started again while it still runs, so only the first step
     # waits for it. Counting calls shows that; the run's wall time (once bounded at 120 s)

@@ -201,7 +201,7 @@ def _decode_attention_cpu(q, k, v, mask):
     The probabilities-times-values contraction is a multiply and a sum over S instead of a
     dot: XLA:CPU runs that dot as many tiny batched matrix products (G rows each). At
     SmolLM2's decode shape one layer's attention took 3.7 ms that way and 0.9 ms this way
-    (a microbenchmark; in place, ``bench/decode_step.py``; both in bench/README.md).
+    (a microbenchmark; in place, ``bench/decode_step.py``; both in bench/RESULTS.md).
     """
     # One matrix-vector product per query head of a group: faster than the batched [G, Dh] x
     # [Dh, S] products (0.52 vs 0.69 ms per layer at SmolLM2's decode shape, G = 3).

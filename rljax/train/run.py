@@ -216,7 +216,7 @@ def setup_objects_frozen():
 
     They live for the whole run, and tracing the first iteration's programs allocates enough
     to set off full collections, each of which rescanned them all: ~0.2 s per collection over
-    ~520k objects at the toy GRPO benchmark (``bench/README.md``, session 14). Reference
+    ~520k objects at the toy GRPO benchmark (``bench/RESULTS.md``). Reference
     counting still frees frozen objects; on exit they are handed back to the collector."""
     gc.freeze()
     try:
