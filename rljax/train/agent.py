@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from rljax import rewards
 from rljax.algorithms import turn_credit
 from rljax.train import episodes as ep
+from rljax.train.evaluate import verify
 from rljax.train.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
 
 
@@ -258,10 +258,6 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
     (``episode_correct``). Returns ``{"correct": bool [E, n],
     "lengths", "truncated", "episodes": [...]}``."""
     cfg = ctx.cfg
-    verifier = None
-    if cfg.reward.names:
-        name = cfg.reward.names[0]
-        verifier = rewards.get(name, **dict(cfg.reward.kwargs).get(name, {}))
     correct, lengths, truncated, eps_list = [], [], [], []
     for i, start in enumerate(range(0, len(examples), batch_size)):
         chunk = examples[start:start + batch_size]
@@ -272,10 +268,10 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
                    top_p=cfg.rollout.top_p if temperature else 1.0)
         keep = len(chunk) * num_samples
         total = eps["env_rewards"][:keep].astype(np.float64)
-        if verifier is not None:
-            total = total + np.asarray(verifier(
-                eps["prompts"][:keep], final_answers(eps)[:keep],
-                **expand_fields(chunk, num_samples)), np.float64)
+        if cfg.reward.names:  # called as training calls rewards (fields it names, isolation)
+            total = total + verify(ctx, eps["prompts"][:keep], final_answers(eps)[:keep],
+                                   expand_fields(chunk, num_samples),
+                                   eps["model_tokens"][:keep])
         correct.append(episode_correct(total, eps["counters"][:keep]))
         lengths.append(eps["lengths"][:keep])
         truncated.append(eps["truncated"][:keep])

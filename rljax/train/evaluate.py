@@ -4,7 +4,9 @@
 ``eval_every`` steps, at the end) and what ``rljax eval`` (``run.evaluate``) prints.
 
 A completion is correct when the first reward function (``reward.names[0]``, the task's
-verifier) gives it a score >= 1. With ``eval.num_samples = n > 1`` (and temperature > 0),
+verifier) gives it a score >= 1. The verifier is called exactly as training calls rewards
+(``verifier(ctx)``: ``rewards.combine``, so a function gets only the fields it names, and a
+failure or timeout scores ``reward.default_score`` with one warning line, not a traceback). With ``eval.num_samples = n > 1`` (and temperature > 0),
 ``eval/accuracy`` is the mean over all samples (pass@1) and ``eval/pass@k`` uses the unbiased
 estimator for every power of two k <= n.
 """
@@ -46,6 +48,39 @@ def eval_examples(ctx) -> list[dict]:
     return out
 
 
+def verifier(ctx):
+    """The first reward function (``reward.names[0]`` with its ``reward.kwargs``) wrapped by
+    ``rewards.combine`` with the run's ``reward.default_score`` / ``timeout_s`` /
+    ``isolation``: the one way rewards are called, in training and eval alike. Built once per
+    context (process isolation keeps its worker pool between evals)."""
+    cached = getattr(ctx, "_verifier", None)
+    if cached is None:
+        from rljax.train.setup import reward_kwargs  # late: setup imports the train modules
+
+        r, name = ctx.cfg.reward, ctx.cfg.reward.names[0]
+        cached = rewards.combine(
+            [(name, 1.0, reward_kwargs(ctx.cfg, name))], default_score=r.default_score,
+            timeout_s=r.timeout_s or None, isolation=r.isolation,
+            should_abort=lambda: getattr(getattr(ctx, "stop", None), "signum", None) is not None)
+        ctx._verifier = cached
+    return cached
+
+
+def verify(ctx, prompts: list[str], completions: list[str], fields: dict,
+           lengths=None) -> np.ndarray:
+    """float64 [N] scores of the verifier on N completions (``fields``: dataset columns, one
+    value per completion; ``lengths``: completion tokens). Failed samples score
+    ``reward.default_score``; the failure is one warning line on stderr (process 0)."""
+    extra = {} if lengths is None else {"completion_lengths": [int(n) for n in lengths]}
+    result = verifier(ctx)(prompts, completions, **extra, **fields)
+    if result.messages and jax.process_index() == 0:
+        for name, why in result.messages.items():
+            print(f"rljax: warning: eval: reward {name!r} failed on {result.errors[name]} of "
+                  f"{result.num_samples} samples (scored reward.default_score="
+                  f"{ctx.cfg.reward.default_score:g}): {why}", file=sys.stderr, flush=True)
+    return np.asarray(result.total, np.float64)
+
+
 def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
              progress_every_s: float | None = None) -> dict | None:
     """Evaluates ``params``; returns ``eval/*`` metrics (accuracy, pass@k, lengths).
@@ -60,8 +95,6 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
     n, bs = e.num_samples, e.batch_size
     if cfg.env.name:
         return run_agent_eval(ctx, params, rng, examples)
-    verifier = rewards.get(cfg.reward.names[0], **dict(cfg.reward.kwargs).get(
-        cfg.reward.names[0], {}))
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
     correct, lengths, truncated = [], [], []
     t0 = time.perf_counter()
@@ -89,8 +122,8 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
         keep = len(chunk) * n
         texts = ctx.tokenizer.batch_decode(out["tokens"][:keep], out["mask"][:keep])
         prompts = [ex["prompt"] for ex in chunk for _ in range(n)]
-        scores = verifier(prompts, texts, **expand_fields(chunk, n))
-        correct.append(np.asarray(scores, np.float64) >= 1.0)
+        scores = verify(ctx, prompts, texts, expand_fields(chunk, n), out["lengths"][:keep])
+        correct.append(scores >= 1.0)
         lengths.append(out["lengths"][:keep])
         truncated.append(out["truncated"][:keep])
     ok = np.concatenate(correct).reshape(-1, n)

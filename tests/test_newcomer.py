@@ -1,0 +1,52 @@
+"""What a new user hits first: a reward function without ``**kwargs`` in ``rljax eval``, data
+rows without a field the reward reads, progress lines, a run that cannot learn, leftovers of
+refused runs, re-running a finished run, file modes of exports, and the example data files."""
+import os
+import shutil
+
+import jax
+import pytest
+
+from rljax import config as config_lib
+from rljax.errors import UserError
+from rljax.train import run
+
+DEVICES = jax.devices()[:1]
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
+MY_REWARD = os.path.abspath(os.path.join(EXAMPLES, "my_reward.py"))
+
+
+def tiny_cfg(**overrides):
+    """The smallest GRPO run: 2 RL steps, no warm-up, on the arithmetic task."""
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": 2, "eval_every": 0, "checkpoint_every": 0, "sft.steps": 0,
+        "model.preset": "tiny", "tokenizer.kind": "char", "data.source": "arithmetic",
+        "data.max_prompt_length": 8, "rollout.batch_size": 8, "rollout.max_new_tokens": 4,
+        "algo.num_generations": 4, "algo.beta": 0.0, "optimizer.learning_rate": 1e-3,
+        "eval.num_examples": 8, "eval.batch_size": 8, "logging.tensorboard": False,
+        "logging.console_every_s": 0.0, "checkpoint.async_save": False,
+        "memory.check": "off",
+    })
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 1, "eval_examples": 8}
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def close_enough_run(tmp_path_factory):
+    """A finished run whose reward is examples/my_reward.py:close_enough (no ``**kwargs``)."""
+    workdir = str(tmp_path_factory.mktemp("close_enough"))
+    cfg = tiny_cfg(**{"reward.names": (f"{MY_REWARD}:close_enough",)})
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    return cfg, workdir
+
+
+def test_eval_calls_a_reward_without_kwargs_like_training(close_enough_run, capsys):
+    cfg, workdir = close_enough_run
+    capsys.readouterr()
+    assert run.evaluate(cfg, workdir, devices=DEVICES) == 0
+    out = capsys.readouterr().out
+    assert '"eval/accuracy"' in out
