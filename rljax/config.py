@@ -20,6 +20,7 @@ import ast
 import difflib
 import importlib.util
 import json
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -555,6 +556,9 @@ def coerce(key: str, value: Any, kind: type | None, nullable: bool = False) -> A
         raise ConfigError(f"{key}: expected {kind.__name__}, got None")
     if kind is None or kind is type(None):
         return value
+    if isinstance(value, float) and not math.isfinite(value):
+        # json reads Infinity / NaN; NaN passes every range check (comparisons are False)
+        raise ConfigError(f"{key}={value!r} must be a finite number")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind in (tuple, list) and isinstance(value, (tuple, list)):

@@ -27,7 +27,7 @@ from rljax import compilation_cache
 from rljax import config as config_lib
 from rljax import distributed, models, sampling, tokenizers
 from rljax import plan as plan_lib
-from rljax.errors import UserError, WorkdirInUse
+from rljax.errors import TrainingDiverged, UserError, WorkdirInUse
 from rljax.train import evaluate as eval_lib
 from rljax.train import paths
 from rljax.train import workdir as workdir_lib
@@ -40,7 +40,7 @@ from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
 from rljax.train.rollout import print_completions
 from rljax.train.setup import build_context, check_inputs
-from rljax.train.state import for_checkpoint
+from rljax.train.state import for_checkpoint, nonfinite_fields
 
 # ----------------------------------------------------------------------------- train
 
@@ -126,6 +126,13 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
 
     def save(phase_index: int, phase_step: int, step: int, wait: bool = False,
              eval_pending: bool = False):
+        bad = nonfinite_fields(state)
+        if bad:  # never rotate good checkpoints out for a NaN one
+            raise TrainingDiverged(
+                f"{' and '.join(bad)} became non-finite (NaN/inf) by step {step}: not saving "
+                f"checkpoint {step}; the last good one is {ckpt.latest_step()} in "
+                f"{ckpt.directory}. Lower {guard.learning_rate_key} (or check "
+                "optimizer.max_grad_norm, the data and the rewards), then resume")
         meta = {"phase": phase_index, "phase_name": phases[phase_index].name,
                 "phase_step": phase_step, "phase_state": phases[phase_index].state_dict(),
                 "guard": guard.state_dict(), "eval_pending": eval_pending}

@@ -166,3 +166,25 @@ def abstract_train_state(shape_state: TrainState, shardings: TrainState) -> Trai
     the target that ``CheckpointManager.restore`` and ``jax.jit(out_shardings=...)`` want."""
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape_state, shardings)
+
+
+TRAINED_FIELDS = ("params", "opt_state", "critic_params", "critic_opt_state")
+
+
+@jax.jit
+def _finite_flags(fields: dict) -> dict:
+    """``{field: bool scalar}``: every floating-point element of that subtree is finite."""
+    def finite(tree):
+        leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                  if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+    return {name: finite(tree) for name, tree in fields.items()}
+
+
+def nonfinite_fields(state: TrainState) -> list[str]:
+    """Names of the trained fields of ``state`` (params, opt_state, critic_params,
+    critic_opt_state) holding a NaN or inf anywhere: one reduction over each, on device
+    (a collective in multi-host runs: every process calls it). ``[]`` when all are finite."""
+    fields = {n: getattr(state, n) for n in TRAINED_FIELDS if getattr(state, n) is not None}
+    flags = jax.device_get(_finite_flags(fields))
+    return [n for n in TRAINED_FIELDS if n in flags and not bool(flags[n])]
