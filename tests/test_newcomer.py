@@ -50,3 +50,34 @@ def test_eval_calls_a_reward_without_kwargs_like_training(close_enough_run, caps
     assert run.evaluate(cfg, workdir, devices=DEVICES) == 0
     out = capsys.readouterr().out
     assert '"eval/accuracy"' in out
+
+
+def write_jsonl(path, rows):
+    import json
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+@pytest.mark.parametrize("reward", ["close_enough", "gsm8k"])
+def test_a_row_without_a_field_the_reward_reads_is_refused_before_training(tmp_path, reward):
+    data = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1=", "answer": "2"},
+                                                  {"question": "2+2="}])
+    name = f"{MY_REWARD}:close_enough" if reward == "close_enough" else reward
+    cfg = tiny_cfg(**{"reward.names": (name,), "data.source": "jsonl", "data.path": data})
+    cfg.data.kwargs = {}
+    with pytest.raises(UserError) as e:
+        run.train(cfg, str(tmp_path / "run"), devices=DEVICES)
+    message = str(e.value)
+    assert f"train.jsonl:2: reward '{reward}' reads the field 'answer'" in message, message
+    assert "\n" not in message
+
+
+def test_fields_with_defaults_and_standard_fields_are_not_required():
+    from rljax import rewards
+
+    def mine(prompts, completions, answer, completion_lengths, hint=None, **_):
+        return [0.0] * len(completions)
+
+    assert rewards.required_fields(mine) == ("answer",)
+    assert rewards.required_fields(rewards.get("format")) == ()

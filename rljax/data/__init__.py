@@ -177,10 +177,11 @@ def make_iterator(config, batch_size: int, seed: int = 0, split: str = "train", 
 
 
 def check_source(config, split: str = "train", limit: int | None = None,
-                 one_of: Sequence[str] = ()) -> int:
+                 one_of: Sequence[str] = (), needs: Mapping[str, str] | None = None) -> int:
     """Reads the split's rows up front (the first ``limit``; all with None) and checks each
-    one has the fields the prompt template (and the kind) needs, without a tokenizer, and
-    one of the fields ``one_of`` when given (e.g. SFT targets).
+    one has the fields the prompt template (and the kind) needs, without a tokenizer, one of
+    the fields ``one_of`` when given (e.g. SFT targets), and every field of ``needs``
+    (``field -> what reads it``, e.g. ``{"answer": "reward 'gsm8k'"}``).
 
     Returns the number of rows; raises DataError naming ``file:line`` for a bad row and the
     file for an empty one, so a bad file fails before anything compiles, not at step 1000.
@@ -201,6 +202,10 @@ def check_source(config, split: str = "train", limit: int | None = None,
         if one_of and not any(f in example for f in one_of):
             raise DataError(f"{where(source, index)}: the row needs one of the fields "
                             f"{list(one_of)}; it has {sorted(example)}")
+        for field, reader in (needs or {}).items():
+            if field not in example:
+                raise DataError(f"{where(source, index)}: {reader} reads the field {field!r}; "
+                                f"the row has {sorted(example)}")
     return len(source)
 
 

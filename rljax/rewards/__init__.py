@@ -29,11 +29,13 @@ from typing import Callable
 from rljax import usercode
 from rljax.errors import ConfigError, UserError
 from rljax.rewards import shaping, verifiers
-from rljax.rewards.combine import CombinedReward, RewardResult, combine
+from rljax.rewards.combine import (CombinedReward, RewardResult, call_reward, combine,
+                                   required_fields)
 from rljax.rewards.monitor import RewardFunctionFailed, RewardMonitor
 
 __all__ = ["get", "register", "names", "combine", "from_config", "CombinedReward", "RewardResult",
-           "RewardModelScorer", "RewardMonitor", "RewardFunctionFailed", "display_name", "check"]
+           "RewardModelScorer", "RewardMonitor", "RewardFunctionFailed", "display_name", "check",
+           "call_reward", "required_fields"]
 
 # name -> factory(**kwargs) returning a reward function.
 _REGISTRY: dict[str, Callable[..., Callable]] = {}

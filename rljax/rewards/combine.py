@@ -51,7 +51,8 @@ from typing import Callable, Sequence
 
 from rljax.usercode import describe_exception
 
-__all__ = ["RewardResult", "CombinedReward", "combine", "call_reward", "describe_exception"]
+__all__ = ["RewardResult", "CombinedReward", "combine", "call_reward", "describe_exception",
+           "required_fields", "STANDARD_FIELDS"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,32 @@ def _accepted_fields(fn: Callable, fields: dict) -> dict:
     names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                   inspect.Parameter.KEYWORD_ONLY)}
     return {k: v for k, v in fields.items() if k in names}
+
+
+STANDARD_FIELDS = ("prompts", "completions", "completion_lengths")  # the trainer passes these
+
+
+def required_fields(fn: Callable) -> tuple[str, ...]:
+    """Dataset fields every row must have for ``fn``: its ``rljax_fields`` attribute when set
+    (built-ins whose fields default to None, such as ``gsm8k``'s ``answer``), else the
+    parameters after ``prompts, completions`` that have no default, less ``STANDARD_FIELDS``.
+
+    ``def close_enough(prompts, completions, answer)`` -> ``("answer",)``; a ``**kwargs``
+    function names only what it lists before it."""
+    declared = getattr(fn, "rljax_fields", None)
+    if declared is not None:
+        return tuple(declared)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins, some C callables: nothing to go by
+        return ()
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    skip = {p.name for p in positional[:2]} | set(STANDARD_FIELDS)
+    return tuple(p.name for p in params
+                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                               inspect.Parameter.KEYWORD_ONLY)
+                 and p.default is inspect.Parameter.empty and p.name not in skip)
 
 
 def call_reward(fn: Callable, prompts, completions, fields: dict):

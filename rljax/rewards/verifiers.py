@@ -52,6 +52,9 @@ def arithmetic(prompts, completions, answer=None, **_) -> list[float]:
                           "arithmetic")
 
 
+gsm8k.rljax_fields = arithmetic.rljax_fields = ("answer",)  # rows must have them (checked up front)
+
+
 # ---- countdown -----------------------------------------------------------------------------
 
 _EXPR_CHARS = re.compile(r"^[\d\s+\-*/()]+$")
@@ -128,6 +131,9 @@ def countdown(prompts, completions, numbers=None, target=None, use_all=None, **_
             for c, nums, t, u in zip(completions, numbers, targets, flags)]
 
 
+countdown.rljax_fields = ("numbers", "target")
+
+
 # ---- math (LaTeX / sympy equivalence via math-verify) ----------------------------------------
 
 def _as_gold(reference) -> str:
@@ -164,3 +170,4 @@ def math_equivalence(prompts, completions, answer=None, **_) -> list[float]:
 # combine's thread isolation runs it on the calling (main) thread, where its per-sample limits
 # work, instead of in a worker thread where they would be off.
 math_equivalence.rljax_main_thread = True
+math_equivalence.rljax_fields = ("answer",)

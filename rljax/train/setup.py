@@ -187,9 +187,9 @@ def _check_model_overrides(cfg) -> None:
                               f"(like the default {default!r})")
 
 
-def _files_read(cfg) -> list[tuple[str, dict, str, tuple]]:
-    """(what, data config, split, fields one of which each row needs) of every JSONL/Parquet
-    file the run reads, for ``check_data_files``."""
+def _files_read(cfg) -> list[tuple[str, dict, str, tuple, dict]]:
+    """(what, data config, split, fields one of which each row needs, fields each row needs
+    -> what reads them) of every JSONL/Parquet file the run reads, for ``check_data_files``."""
     out = []
     files = ("jsonl", "parquet")
     has_eval = bool(cfg.data.eval_path) or "eval_fraction" in dict(cfg.data.kwargs)
@@ -198,30 +198,46 @@ def _files_read(cfg) -> list[tuple[str, dict, str, tuple]]:
             config = preference_config(cfg)
         else:
             config = data_config(cfg)
-        out.append(("data", config, "train", ()))
+        needs = {} if uses_preference_data(cfg) else reward_fields(cfg)
+        out.append(("data", config, "train", (), needs))
         if has_eval:
-            out.append(("eval data", config, "eval", ()))
+            out.append(("eval data", config, "eval", (), needs))
     guided = [k for k, on in (("algo.hint.mode", cfg.algo.hint.mode != "off"),
                               ("algo.relift.every", cfg.algo.relift.every > 0),
                               ("algo.mixed_policy", cfg.algo.mixed_policy)) if on]
     if guided and cfg.data.source in files:  # hints / ReLIFT read every row's solution
         field = cfg.algo.solution_field
         out.append((f"{guided[0]} needs reference solutions: data", data_config(cfg), "train",
-                    (field,) if field else ("completion", "solution", "answer")))
+                    (field,) if field else ("completion", "solution", "answer"), {}))
     sft_source = cfg.sft.source or cfg.data.source
     if (cfg.sft.steps or cfg.algo.name == "sft") and sft_source in files:
         config = data_config(cfg, sft_source, cfg.sft.path or None)
-        out.append(("SFT data", config, "train", ("completion", "solution", "answer")))
+        out.append(("SFT data", config, "train", ("completion", "solution", "answer"), {}))
+    return out
+
+
+def reward_fields(cfg) -> dict[str, str]:
+    """``field -> "reward 'NAME'"`` for every dataset field the configured rewards read
+    (``rewards.required_fields``: their signatures), when the run's phases call rewards."""
+    if not cfg.reward.names or cfg.algo.name == "sft":  # supervised only: no reward is called
+        return {}
+    out: dict[str, str] = {}
+    for name in cfg.reward.names:
+        fn = rewards.get(name, **reward_kwargs(cfg, name))
+        for field in rewards.required_fields(fn):
+            out.setdefault(field, f"reward {rewards.display_name(name)!r}")
     return out
 
 
 def check_data_files(cfg) -> None:
     """Reads every row of the run's data files up front (cheap next to a compile): a file that
     is empty, not UTF-8 or not JSON objects, or a row without a field the template needs, is
-    one UserError naming file and line, before anything compiles."""
-    for what, config, split, one_of in _files_read(cfg):
+    one UserError naming file and line, before anything compiles. So is a row without a
+    field a configured reward reads (``reward_fields``): it would score every sample as a
+    failure."""
+    for what, config, split, one_of, needs in _files_read(cfg):
         try:
-            data_lib.check_source(config, split, one_of=one_of)
+            data_lib.check_source(config, split, one_of=one_of, needs=needs)
         except (ValueError, KeyError) as e:
             raise UserError(f"{what}: {e}") from None
 
