@@ -9,7 +9,9 @@ per failed function saying why (``messages``). What counts as a failure:
 * the call raises (any exception, ``SystemExit`` included; ``KeyboardInterrupt`` from the
   function itself is re-raised), returns something that is not a list of numbers, or a list of
   the wrong length: every sample of the call gets ``default_score``;
-* a NaN or infinite score: that sample gets ``default_score``, the others keep theirs;
+* a NaN or infinite score, or one too large for float32 (weighted and summed over the
+  functions, as the trainer casts it): that sample gets ``default_score``, the others keep
+  theirs;
 * the call does not finish within ``timeout_s``: every sample gets ``default_score``.
 
 The message names the exception type and text and, for an exception, the last line of the
@@ -57,6 +59,7 @@ __all__ = ["RewardResult", "CombinedReward", "combine", "call_reward", "describe
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a wait checks ``should_abort``
+FLOAT32_MAX = 3.4028234663852886e38  # rewards are float32 on the device
 
 
 @dataclasses.dataclass
@@ -258,8 +261,8 @@ class CombinedReward:
             raise ValueError(f"{len(prompts)} prompts for {n} completions")
         outcomes = self._run_all(list(prompts), list(completions), fields)
         per_fn, errors, timeouts, messages = {}, {}, {}, {}
-        for name, fn, (status, value) in zip(self.names, self.fns, outcomes):
-            scores, bad, problem = self._validate(status, value, n, fn)
+        for name, fn, w, (status, value) in zip(self.names, self.fns, self.weights, outcomes):
+            scores, bad, problem = self._validate(status, value, n, fn, self._limit(w))
             errors[name], timeouts[name] = bad, (bad if status == "timeout" else 0)
             if problem:
                 messages[name] = problem
@@ -270,8 +273,16 @@ class CombinedReward:
                  for i in range(n)]
         return RewardResult(total, per_fn, errors, messages, timeouts)
 
-    def _validate(self, status: str, value, n: int, fn) -> tuple[list[float], int, str | None]:
-        """(scores, samples that failed, why) for one call's outcome."""
+    def _limit(self, weight: float) -> float:
+        """Largest |score| a function with ``weight`` may return: the trainer casts scores and
+        their weighted total to float32, so each weighted score stays below float32's maximum
+        divided by the number of functions (a finite 1e308 would become inf there)."""
+        return FLOAT32_MAX / len(self.fns) / max(abs(weight), 1.0)
+
+    def _validate(self, status: str, value, n: int, fn, limit: float = math.inf
+                  ) -> tuple[list[float], int, str | None]:
+        """(scores, samples that failed, why) for one call's outcome; a score beyond
+        ``limit`` in magnitude fails like a NaN."""
         default = [self.default_score] * n
         if status == "timeout":
             return default, n, value or f"timed out after {self.timeout_s:g} s"
@@ -287,10 +298,15 @@ class CombinedReward:
             scores = [float(s) for s in value]
         except (TypeError, ValueError) as e:
             return default, n, f"returned non-numeric scores ({e})"
-        bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
+        bad = [i for i, s in enumerate(scores) if not math.isfinite(s) or abs(s) > limit]
         if not bad:
             return scores, 0, None
-        kinds = sorted({"NaN" if math.isnan(scores[i]) else "inf" for i in bad})
+        huge = [scores[i] for i in bad if math.isfinite(scores[i])]
+        kinds = sorted({"NaN" if math.isnan(scores[i]) else "inf" for i in bad
+                        if not math.isfinite(scores[i])})
+        if huge:  # finite in Python, inf once cast to float32
+            kinds.append(f"{huge[0]:.3g} (too large for float32 rewards: |score| must be <= "
+                         f"{limit:.3g})")
         for i in bad:
             scores[i] = self.default_score
         return scores, len(bad), (f"returned {'/'.join(kinds)} for {len(bad)} of {n} samples "
