@@ -145,17 +145,18 @@ def cmd_train(args, overrides) -> int | None:
     # it again, re-entrantly; on a multi-host run only process 0 does, inside train()).
     from rljax import distributed
 
-    release = (wd.lock(args.workdir) if distributed.detect(os.environ, query_metadata=False)
-               is None else (lambda: None))
-    try:
-        if not resuming:
-            wd.write_config(args.workdir, cfg)  # a resumed run's is rewritten once restored
-        kwargs = {"allow_config_change": args.allow_config_change}
-        if args.checkpoint is not None:
-            kwargs["checkpoint"] = args.checkpoint
-        return fn(cfg, args.workdir, **kwargs)
-    finally:
-        release()
+    with wd.removed_if_refused(args.workdir):  # a refused new run leaves no workdir behind
+        release = (wd.lock(args.workdir) if distributed.detect(os.environ, query_metadata=False)
+                   is None else (lambda: None))
+        try:
+            if not resuming:
+                wd.write_config(args.workdir, cfg)  # a resumed run's is rewritten once restored
+            kwargs = {"allow_config_change": args.allow_config_change}
+            if args.checkpoint is not None:
+                kwargs["checkpoint"] = args.checkpoint
+            return fn(cfg, args.workdir, **kwargs)
+        finally:
+            release()
 
 
 def cmd_eval(args, overrides) -> int | None:

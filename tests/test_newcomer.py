@@ -81,3 +81,46 @@ def test_fields_with_defaults_and_standard_fields_are_not_required():
 
     assert rewards.required_fields(mine) == ("answer",)
     assert rewards.required_fields(rewards.get("format")) == ()
+
+
+def test_exported_weights_have_the_mode_of_the_other_files(close_enough_run, tmp_path):
+    cfg, workdir = close_enough_run
+    out = str(tmp_path / "hf")
+    old = os.umask(0o022)
+    try:
+        assert run.export(cfg, workdir, out, devices=DEVICES) == 0
+    finally:
+        os.umask(old)
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+
+
+def test_rerunning_a_finished_run_says_so_and_does_not_evaluate_again(close_enough_run, capsys):
+    from rljax.train.metrics import read_metrics
+
+    cfg, workdir = close_enough_run
+    before = read_metrics(workdir)
+    capsys.readouterr()
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    err = capsys.readouterr().err
+    assert "already complete (step 2 of 2" in err, err
+    assert read_metrics(workdir) == before
+
+
+def test_a_refused_run_leaves_no_trace_in_a_new_workdir(tmp_path, capsys):
+    """Refused after the workdir's lock and config.json were written (every prompt too long)."""
+    from rljax import cli
+    from tiny_config import tiny_config_source
+
+    config = tmp_path / "tiny.py"
+    config.write_text(tiny_config_source())
+    data = write_jsonl(tmp_path / "long.jsonl", [{"question": "1234567890+1=", "answer": "0"}])
+    for workdir in (tmp_path / "new", tmp_path / "empty"):
+        if workdir.name == "empty":
+            workdir.mkdir()
+        code = cli.main(["train", "--config", str(config), "--workdir", str(workdir),
+                         "--config.data.source=jsonl", f"--config.data.path={data}",
+                         "--config.data.kwargs={}"])
+        assert code == 2
+        assert "longer than data.max_prompt_length" in capsys.readouterr().err
+        assert (not workdir.exists()) if workdir.name == "new" else os.listdir(workdir) == []

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save_file as _save_file
 
 from rljax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, dtype_name
 from rljax.models.transformer import param_shapes
@@ -60,6 +60,28 @@ _TOP_NAMES = {
     "lm_head": ("lm_head.weight", 1),
 }
 
+
+
+def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    """``safetensors.numpy.save_file``, then the mode every other exported file gets (0644
+    under the usual umask): safetensors writes through a private temporary file (0600)."""
+    _save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``os.umask`` sets
+    one to read it: a file another thread creates meanwhile would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 def _hf_shape(shape: tuple, n_in: int) -> tuple:
     if n_in == -1:

@@ -22,9 +22,10 @@ import re
 import jax
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from rljax.models.config import ModelConfig
+from rljax.models.hf import save_file
 from rljax.models.lora import ALL_TARGETS, lora_shapes, rank_of
 
 ADAPTER_CONFIG = "adapter_config.json"

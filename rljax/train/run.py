@@ -35,7 +35,7 @@ from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets,
                                    restore_for_training, start_phase)
-from rljax.train.metrics import MetricsWriter, run_summary
+from rljax.train.metrics import MetricsWriter, read_metrics, run_summary
 from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
 from rljax.train.rollout import print_completions
@@ -55,6 +55,14 @@ def train(cfg, workdir: str, *, devices=None, stop: StopSignal | None = None,
     aside to ``<step>.discarded`` (they belong to the abandoned continuation)."""
     distributed.initialize()  # multi-host (SPMD): the same loop on every host
     config_lib.validate(cfg)
+    # A refused new run leaves its workdir as it found it (process 0 owns the files).
+    with (workdir_lib.removed_if_refused(workdir) if jax.process_index() == 0
+          else contextlib.nullcontext()):
+        return _checked_train(cfg, workdir, devices, stop, allow_config_change, checkpoint)
+
+
+def _checked_train(cfg, workdir: str, devices, stop, allow_config_change: bool,
+                   checkpoint: int | None) -> int:
     workdir_lib.check_reuse(workdir, cfg, allow_config_change)
     compilation_cache.from_config(cfg)
     check_inputs(cfg, len(devices) if devices is not None else None)
@@ -112,9 +120,15 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
             eval_pending = bool(meta.get("eval_pending", False))
             print(f"rljax: resumed at step {gstep} ({phases[index].name} {start}/"
                   f"{phases[index].steps})", file=sys.stderr, flush=True)
+            if gstep >= total and finished(workdir, gstep, eval_pending):
+                print(f"rljax: the run in {workdir} is already complete (step {gstep} of "
+                      f"{total}, final eval logged): nothing to do; raise `steps` to train "
+                      "further", file=sys.stderr, flush=True)
+                ckpt.close()
+                return 0
             if gstep >= total:
                 print(f"rljax: nothing to train: the checkpoint is at step {gstep} of {total}; "
-                      f"raise `steps` to train further", file=sys.stderr, flush=True)
+                      f"only its final eval is owed", file=sys.stderr, flush=True)
         workdir_lib.write_config(workdir, cfg)  # after a successful restore: never a config
         #                                         the workdir's checkpoint does not fit
         # A run killed after committing a step but before deleting an old one keeps one too
@@ -214,6 +228,20 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
     if writer.enabled:
         print(summary, flush=True)  # where the results are, and what to do with them
     return 0
+
+
+def finished(workdir: str, step: int, eval_pending: bool) -> bool:
+    """Whether a run whose last checkpoint is ``step`` (the last step) has nothing left to
+    do: no eval owed, or the owed eval's ``eval/*`` line is already in ``metrics.jsonl`` (the
+    final checkpoint is written before the final eval, so it always says one is owed)."""
+    if not eval_pending:
+        return True
+    try:
+        records = read_metrics(workdir)
+    except (OSError, ValueError):
+        return False
+    return any(r.get("step") == step and any(str(k).startswith("eval/") for k in r)
+               for r in records)
 
 
 @contextlib.contextmanager

@@ -17,8 +17,10 @@ workdir stays usable for ``sample``, ``eval`` and resuming.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import time
 from typing import Sequence
@@ -34,7 +36,8 @@ _held: dict[str, list] = {}  # lock path -> [fd, count]: re-entrant within one p
 
 __all__ = ["CONFIG_FILE", "INCOMPATIBLE", "FREE", "checkpoint_dir", "has_checkpoint",
            "config_path", "write_config", "load_workdir_config", "resolve_train_config",
-           "config_diff", "check_reuse", "is_run_dir", "check_export_target", "lock"]
+           "config_diff", "check_reuse", "is_run_dir", "check_export_target", "lock",
+           "removed_if_refused"]
 
 # Keys (dotted; a trailing "." is a prefix) whose change makes a checkpoint unrestorable: the
 # parameter shapes and vocabulary, the phase layout (global step numbering), the optimizer state.
@@ -53,10 +56,21 @@ def config_path(workdir: str) -> str:
 
 def write_config(workdir: str, cfg) -> str:
     """Writes ``<workdir>/config.json`` atomically (safe if several hosts write the same)."""
-    paths.makedirs(workdir)
     path = config_path(workdir)
-    paths.write_text_atomic(path, config_lib.to_json(cfg) + "\n")
+    try:
+        paths.makedirs(workdir)
+        paths.write_text_atomic(path, config_lib.to_json(cfg) + "\n")
+    except OSError as e:
+        raise unwritable(workdir, e) from None
     return path
+
+
+def unwritable(workdir: str, e: OSError) -> UserError:
+    """The one-line error for a workdir that cannot be written (read-only, full, no access)."""
+    what = e.strerror or str(e)
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(workdir) else ""
+    return UserError(f"cannot write in the workdir {workdir}: {what}{where}; --workdir must be "
+                     "a writable directory")
 
 
 def _load_config_json(path: str, overrides: Sequence[str] = ()):
@@ -206,6 +220,35 @@ def check_export_target(workdir: str, out: str, overwrite: bool = False) -> None
                         f"choose a new directory")
 
 
+@contextlib.contextmanager
+def removed_if_refused(workdir: str):
+    """A new (absent or empty) local ``workdir`` is left as it was found when the block is
+    refused (a ``UserError``: one line, exit 2) before any step was logged or checkpointed:
+    no ``config.json``, lock or tokenizer file behind, so the same command can simply be run
+    again once fixed. A workdir that held anything before is never touched."""
+    new = not paths.is_url(workdir) and (not os.path.exists(workdir) or (
+        os.path.isdir(workdir) and not os.listdir(workdir)))
+    existed = os.path.isdir(workdir)
+    try:
+        yield
+    except UserError:
+        if new and os.path.isdir(workdir) and not _has_results(workdir):
+            if existed:
+                for name in os.listdir(workdir):
+                    full = os.path.join(workdir, name)
+                    (shutil.rmtree if os.path.isdir(full) and not os.path.islink(full)
+                     else os.remove)(full)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+def _has_results(workdir: str) -> bool:
+    """Whether a run wrote anything worth keeping: a checkpoint or logged metrics."""
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    return has_checkpoint(workdir) or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
 def lock(workdir: str):
     """Takes the workdir's lock (one ``rljax train`` per workdir); returns ``release()``.
 
@@ -218,12 +261,15 @@ def lock(workdir: str):
         return lambda: None
     import fcntl
 
-    os.makedirs(workdir, exist_ok=True)
     path = os.path.realpath(os.path.join(workdir, LOCK_FILE))
     if path in _held:
         _held[path][1] += 1
         return lambda: _release(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # read-only or full file system, no permission: one line, not a trace
+        raise unwritable(workdir, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
