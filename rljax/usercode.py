@@ -72,15 +72,25 @@ def _import_file(path: str, key: str):
         sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - any error in the user's file
+    except KeyboardInterrupt:  # may be the user's Ctrl-C: stays one
         sys.modules.pop(name, None)
-        raise UserError(f"{key}: importing {path} failed: {type(e).__name__}: {e}"
+        raise
+    except BaseException as e:  # noqa: BLE001 - any error in the user's file, sys.exit included
+        sys.modules.pop(name, None)
+        raise UserError(f"{key}: importing {path} failed: {_exception_text(e)}"
                         f"{_where_in(e, full)}") from e
     finally:
         if added:
             sys.path.remove(folder)
     _LOADED[full] = module
     return module
+
+
+def _exception_text(e: BaseException) -> str:
+    """``"ValueError: bad"``; ``sys.exit(4)`` reads ``"it called sys.exit(4)"``."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {e}"
 
 
 def load(spec: str, key: str) -> Any:
@@ -97,8 +107,10 @@ def load(spec: str, key: str) -> Any:
                 raise UserError(f"{key}: no module named {where!r} (for {spec!r}; is it "
                                 f"installed or on PYTHONPATH?)") from None
             raise UserError(f"{key}: importing {where} failed: {e}") from e
-        except Exception as e:  # noqa: BLE001
-            raise UserError(f"{key}: importing {where} failed: {type(e).__name__}: {e}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - sys.exit at import included
+            raise UserError(f"{key}: importing {where} failed: {_exception_text(e)}"
                             f"{_where_in(e, os.path.abspath(getattr(e, 'filename', '') or ''))}"
                             ) from e
         origin = where
@@ -151,6 +163,6 @@ def call(fn, key: str, *args, **kwargs):
     ``key`` and the user's file and line."""
     try:
         return fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit would end the run silently
         name = getattr(fn, "__name__", type(fn).__name__)
         raise UserError(f"{key}: {name} raised {describe_exception(e, fn)}") from e

@@ -39,3 +39,47 @@ def test_scores_whose_weighted_sum_overflows_float32_fail_too():
     assert np.isfinite(np.asarray(result.total, np.float32)).all()
     fine = combine([(big, 1.0)])(["p"], ["a"])   # alone, 3e38 fits float32
     assert fine.errors == {"big": 0}
+
+
+# ---- KeyboardInterrupt / sys.exit from the reward's own code ---------------------------------
+
+def interrupts(prompts, completions):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_keyboard_interrupt_from_the_function_under_the_trainers_handler_is_its_error(
+        timeout_s):
+    import signal
+
+    from rljax.train.faults import StopSignal
+    with StopSignal(quiet=True):   # as during training: Ctrl-C only requests a stop
+        result = combine([(interrupts, 1.0)], timeout_s=timeout_s)(["q"], ["a"])
+    assert result.errors == {"interrupts": 1}
+    assert result.messages["interrupts"].startswith("KeyboardInterrupt")
+    assert "test_reward_faults.py" in result.messages["interrupts"]
+    assert "not Ctrl-C" in result.messages["interrupts"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_reward_file_that_calls_sys_exit_at_import_is_one_line(tmp_path):
+    from rljax import usercode
+    from rljax.errors import UserError
+    path = tmp_path / "exits_reward.py"
+    path.write_text("import sys\nsys.exit(4)\n\ndef score(p, c):\n    return [0.0] * len(c)\n")
+    with pytest.raises(UserError) as err:
+        usercode.load(f"{path}:score", key="reward.names")
+    message = str(err.value)
+    assert "\n" not in message and "sys.exit(4)" in message
+    assert "exits_reward.py" in message and "reward.names" in message
+
+
+def test_sys_exit_from_user_code_called_by_the_trainer_is_one_line():
+    from rljax import usercode
+    from rljax.errors import UserError
+
+    def leaves(x):
+        raise SystemExit(5)
+
+    with pytest.raises(UserError, match="data.transform: leaves raised SystemExit: 5"):
+        usercode.call(leaves, "data.transform", 1)

@@ -6,9 +6,10 @@ own scores (the trainer logs them separately), how many samples each function fa
 (``errors``, timeouts included) and how many of those were timeouts (``timeouts``), and one line
 per failed function saying why (``messages``). What counts as a failure:
 
-* the call raises (any exception, ``SystemExit`` included; ``KeyboardInterrupt`` from the
-  function itself is re-raised), returns something that is not a list of numbers, or a list of
-  the wrong length: every sample of the call gets ``default_score``;
+* the call raises (any exception, ``SystemExit`` included, and ``KeyboardInterrupt`` unless
+  it may be the user's Ctrl-C: a call on the main thread under Python's default SIGINT
+  handler), returns something that is not a list of numbers, or a list of the wrong length:
+  every sample of the call gets ``default_score``;
 * a NaN or infinite score, or one too large for float32 (weighted and summed over the
   functions, as the trainer casts it): that sample gets ``default_score``, the others keep
   theirs;
@@ -159,6 +160,14 @@ def _call_in_child(fn, prompts, completions, fields):
         raise ChildFailure(describe_exception(e, fn)) from None
 
 
+def _ctrl_c_raises() -> bool:
+    """True when a Ctrl-C would raise KeyboardInterrupt here (Python's default SIGINT handler);
+    under the trainer's handler (``rljax.train.faults``) it only requests a stop."""
+    import signal
+
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def _ready() -> bool:
     """Warm-up task: a spawned worker has started and imported rljax.rewards."""
     import rljax.rewards  # noqa: F401
@@ -287,8 +296,11 @@ class CombinedReward:
         if status == "timeout":
             return default, n, value or f"timed out after {self.timeout_s:g} s"
         if status == "error":
-            return default, n, (str(value) if isinstance(value, ChildFailure)
-                                else describe_exception(value, fn))
+            if isinstance(value, ChildFailure):
+                return default, n, str(value)
+            own = " (raised by the function, not Ctrl-C)" if isinstance(
+                value, KeyboardInterrupt) else ""
+            return default, n, describe_exception(value, fn) + own
         if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
             return default, n, (f"returned {type(value).__name__}, not a list of {n} scores "
                                 "(one per completion)")
@@ -358,9 +370,8 @@ class CombinedReward:
                 self.leaked_threads += 1
                 aborted = time.monotonic() < deadline
                 outcomes[i] = ("timeout", "abandoned: the run is stopping" if aborted else None)
-            elif isinstance(call.error, KeyboardInterrupt):
-                raise call.error
-            elif call.error is not None:
+            elif call.error is not None:  # a KeyboardInterrupt here is the function's own:
+                #                               Ctrl-C goes to the main thread
                 outcomes[i] = ("error", call.error)
             else:
                 outcomes[i] = ("ok", call.value)
@@ -370,8 +381,10 @@ class CombinedReward:
     def _direct(fn, prompts, completions, fields):
         try:
             return "ok", call_reward(fn, prompts, completions, fields)
-        except KeyboardInterrupt:
-            raise
+        except KeyboardInterrupt as e:
+            if _ctrl_c_raises():
+                raise  # may be the user's Ctrl-C
+            return "error", e  # the trainer's SIGINT handler sets a flag: the function's own
         except BaseException as e:  # noqa: BLE001 - SystemExit included
             return "error", e
 
