@@ -83,3 +83,40 @@ def test_sys_exit_from_user_code_called_by_the_trainer_is_one_line():
 
     with pytest.raises(UserError, match="data.transform: leaves raised SystemExit: 5"):
         usercode.call(leaves, "data.transform", 1)
+
+
+# ---- a process-isolated worker that dies -----------------------------------------------------
+
+DYING = '''
+import os
+
+def dies(prompts, completions):
+    os._exit(7)   # as an OOM kill or a crash in a C extension would
+
+def fine(prompts, completions):
+    return [1.0] * len(completions)
+'''
+
+
+def test_a_dead_reward_worker_is_that_calls_error_and_the_pool_restarts(tmp_path):
+    path = tmp_path / "dying_reward.py"
+    path.write_text(DYING)
+    reward = combine([(f"{path}:dies", 1.0), (f"{path}:fine", 1.0)], timeout_s=60.0,
+                     isolation="process")
+    try:
+        for _ in range(2):   # the second batch gets a fresh pool instead of BrokenProcessPool
+            result = reward(["q", "q"], ["a", "b"])
+            assert result.errors["dies"] == 2
+            assert "worker process died (exit code 7)" in result.messages["dies"]
+            assert "\n" not in result.messages["dies"]
+        path.write_text(DYING.replace("os._exit(7)", "return [0.5] * len(completions)"))
+        # (a fresh pool's workers import the file again)
+        result = reward(["q", "q"], ["a", "b"])
+        assert result.errors == {"dies": 0, "fine": 0} and result.total == [1.5, 1.5]
+        worker = reward._workers[0]   # killed between batches (the OOM killer while idle)
+        worker.kill()
+        worker.join(10)
+        result = reward(["q", "q"], ["a", "b"])
+        assert result.total == [1.5, 1.5]
+    finally:
+        reward.close()

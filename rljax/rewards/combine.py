@@ -160,6 +160,24 @@ def _call_in_child(fn, prompts, completions, fields):
         raise ChildFailure(describe_exception(e, fn)) from None
 
 
+def _exit_codes(workers) -> str:
+    """How a broken pool's worker processes ended: ``"exit code 7"``, ``"killed by SIGKILL
+    (out of memory?)"``; the pool's own SIGTERM of the survivors is left out."""
+    import signal
+
+    for p in workers:
+        p.join(timeout=1.0)  # reaped, so that exitcode is known
+    codes = [p.exitcode for p in workers if p.exitcode is not None]
+    codes = [c for c in codes if c != -signal.SIGTERM] or codes
+    if not codes:
+        return "exit status unknown"
+    code = codes[0]
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+        return f"killed by {name}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
+    return f"exit code {code}"
+
+
 def _ctrl_c_raises() -> bool:
     """True when a Ctrl-C would raise KeyboardInterrupt here (Python's default SIGINT handler);
     under the trainer's handler (``rljax.train.faults``) it only requests a stop."""
@@ -256,6 +274,7 @@ class CombinedReward:
         self.leaked_threads = 0
         self.total_errors = {n: 0 for n in self.names}  # cumulative, for end-of-run summaries
         self._pool: cf.ProcessPoolExecutor | None = None
+        self._workers: list = []  # the pool's processes (process isolation)
         self._hung: dict[str, _Call] = {}  # thread isolation: abandoned calls still running
 
     def _unique(self, name: str) -> str:
@@ -391,8 +410,14 @@ class CombinedReward:
     def _in_processes(self, prompts, completions, fields, deadline) -> list[tuple[str, object]]:
         if self._pool is None:
             self._start_pool()
-        futures = [self._pool.submit(_call_in_child, spec, prompts, completions, fields)
-                   for spec in self._specs]
+        try:
+            futures = [self._pool.submit(_call_in_child, spec, prompts, completions, fields)
+                       for spec in self._specs]
+        except cf.process.BrokenProcessPool:  # a worker died since the last batch (OOM kill)
+            self._kill_pool()
+            self._start_pool()
+            futures = [self._pool.submit(_call_in_child, spec, prompts, completions, fields)
+                       for spec in self._specs]
         _wait(lambda: all(f.done() for f in futures), deadline, self.should_abort,
               block=lambda seconds: cf.wait(futures, timeout=seconds))
         outcomes, timed_out = [], False
@@ -406,7 +431,14 @@ class CombinedReward:
                 outcomes.append(("ok", fut.result()))
             except BaseException as e:  # noqa: BLE001 - pickling errors, dead workers, SystemExit
                 outcomes.append(("error", e))
-        if timed_out:
+        broken = [i for i, (status, e) in enumerate(outcomes)
+                  if isinstance(e, cf.process.BrokenProcessPool)]
+        if broken:  # every call still in the pool fails with it; the pool is unusable
+            died = ChildFailure(f"its worker process died ({_exit_codes(self._workers)}) during "
+                                "the call; a fresh worker pool is started for the next batch")
+            for i in broken:
+                outcomes[i] = ("error", died)
+        if timed_out or broken:
             self._kill_pool()
         return outcomes
 
@@ -418,6 +450,7 @@ class CombinedReward:
         # Each submit with no idle worker spawns a process, so this starts all of them.
         for fut in [self._pool.submit(_ready) for _ in self.fns]:
             fut.result(timeout=startup_s)
+        self._workers = list(getattr(self._pool, "_processes", {}).values())  # for exit codes
 
     def _kill_pool(self) -> None:
         """Kills the pool's worker processes (a hung call cannot be cancelled otherwise)."""
