@@ -124,3 +124,56 @@ def test_a_refused_run_leaves_no_trace_in_a_new_workdir(tmp_path, capsys):
         assert code == 2
         assert "longer than data.max_prompt_length" in capsys.readouterr().err
         assert (not workdir.exists()) if workdir.name == "new" else os.listdir(workdir) == []
+
+
+def test_eta_is_measured_on_the_current_phase_only(tmp_path):
+    """At step 401/1200 of a 400-step warm-up at 100 steps/s then GRPO at 1 step/s, the ETA is
+    about 800 s (the GRPO pace), not the ~10 s an average over the whole run gave."""
+    import io
+    import re
+
+    from rljax.train.metrics import MetricsWriter
+
+    now = [0.0]
+    out = io.StringIO()
+    with MetricsWriter(tmp_path, total_steps=1200, console_every_s=0, tensorboard=False,
+                       stream=out, phases=[("sft_warmup", 0, 400), ("grpo", 400, 1200)],
+                       clock=lambda: now[0]) as writer:
+        for step in range(1, 421):
+            now[0] += 0.01 if step <= 400 else 1.0
+            if step == 401:
+                now[0] += 60.0  # the first GRPO iteration compiles
+            writer.write(step, {"loss": 1.0})
+    lines = out.getvalue().splitlines()
+    assert "ETA 0s (sft_warmup; then 800 grpo steps)" in lines[399], lines[399]
+    eta = re.search(r"ETA (\d+)m(\d+)s", lines[419])
+    assert eta and 770 <= int(eta[1]) * 60 + int(eta[2]) <= 800, lines[419]
+
+
+def test_slow_start_up_work_says_what_it_is_doing(capsys):
+    import time
+
+    with run.announced_if_slow("loading the model (x)", after_s=0.05):
+        time.sleep(0.3)
+    with run.announced_if_slow("compiling the grpo iteration", after_s=5.0):
+        pass  # quick: silent
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "rljax: loading the model (x) ..."
+    assert err[1].startswith("rljax: loading the model (x): done in ") and len(err) == 2
+
+
+def test_summary_says_which_evals_it_compares_and_keeps_them_over_a_resume(tmp_path):
+    import io
+
+    from rljax.train.metrics import MetricsWriter, run_summary
+
+    labels = {0: "before training", 400: "end of the SFT warm-up", 1200: "end of grpo"}
+    with MetricsWriter(tmp_path, tensorboard=False, stream=io.StringIO()) as writer:
+        for step in (100, 200, 300, 400, 500):
+            writer.write(step, {"eval/accuracy": step / 1000})
+    with MetricsWriter(tmp_path, tensorboard=False, stream=io.StringIO(),
+                       resume_step=500) as writer:  # a resumed run goes on to the end
+        writer.write(1200, {"eval/accuracy": 0.9})
+        summary = run_summary(str(tmp_path), writer.evals, [1200], "ckpt", 3, False, labels)
+    assert ("eval/accuracy: 0.4 (step 400, end of the SFT warm-up) -> 0.9 (step 1200, end of "
+            "grpo)") in summary, summary

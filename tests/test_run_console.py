@@ -22,7 +22,8 @@ def test_warmup_accuracy_summary_and_missing_checkpoint_list(tmp_path, capsys):
     assert re.search(r"^eval at step 1 \| eval/accuracy ", out, re.M), out
     assert re.search(r"^eval at step 2 \| eval/accuracy ", out, re.M), out
     summary = out[out.index("rljax: done."):]
-    assert re.search(r"eval/accuracy: \S+ \(step 1\) -> \S+ \(step 2\)", summary), summary
+    assert re.search(r"eval/accuracy: \S+ \(step 1, end of the SFT warm-up\) -> \S+ "
+                     r"\(step 2, end of grpo\)", summary), summary
     assert f"{workdir}/metrics.jsonl" in summary and f"rljax plot {workdir}" in summary
     assert "steps 1, 2; the last 3 are kept" in summary
     assert "rljax eval --workdir" in summary and "rljax export" in summary

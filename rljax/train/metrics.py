@@ -22,6 +22,7 @@ as lists in the JSON only. Non-finite floats are written as ``null`` (standard J
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -40,6 +41,7 @@ METRICS_FILE = "metrics.jsonl"
 # Shown first on the console line when present (then other keys, up to CONSOLE_KEYS in all).
 CONSOLE_PRIORITY = ("reward/mean", "eval/accuracy", "loss", "kl", "completion/length_mean")
 CONSOLE_KEYS = 5
+RATE_WINDOW = 20  # logged steps the console's steps/s and ETA are measured over
 
 
 def to_python(value: Any) -> Any:
@@ -88,6 +90,11 @@ class MetricsWriter:
     Args:
       workdir: run directory (created if needed).
       total_steps: for the ETA; None hides it.
+      phases: ``(name, first, last)`` global steps of each phase (its steps are ``first+1 ..
+        last``): the steps/s and ETA are measured over the current phase's last
+        ``RATE_WINDOW`` logged steps only (an SFT warm-up's fast steps say nothing about GRPO's
+        pace), and the ETA covers the current phase. Default: one phase of ``total_steps``.
+      clock: the console's time source (``time.monotonic``).
       console_every_s: minimum seconds between console lines (0 = every call).
       tensorboard: also write TensorBoard event files into ``workdir``.
       resume_step: when resuming from a checkpoint at this step, drop lines logged after it by
@@ -104,8 +111,11 @@ class MetricsWriter:
                  console_every_s: float = 10.0, tensorboard: bool = True,
                  resume_step: int | None = None, stream=None, enabled: bool | None = None,
                  sync_every_s: float = 30.0, wandb: Mapping | None = None,
-                 config: Mapping | None = None, drop_eval_at_resume: bool = False):
+                 config: Mapping | None = None, drop_eval_at_resume: bool = False,
+                 phases: Iterable[tuple[str, int, int]] | None = None, clock=time.monotonic):
         self.workdir = os.fspath(workdir)
+        self.clock = clock  # seconds, for steps/s and the ETA
+        self.phases = [tuple(p) for p in phases or ()]
         self.sync_every_s = sync_every_s
         self.total_steps = total_steps
         self.console_every_s = console_every_s
@@ -114,8 +124,8 @@ class MetricsWriter:
         self._file = None
         self._tb = None
         self._wandb = None
-        self._start_time: float | None = None
-        self._start_step = 0
+        self._window: collections.deque = collections.deque(maxlen=RATE_WINDOW)  # (time, step)
+        self._window_phase: int | None = None
         self._last_print = -math.inf
         self._staging: str | None = None  # local mirror of a URL workdir's log files
         self._last_sync = -math.inf
@@ -133,6 +143,10 @@ class MetricsWriter:
         local_path = os.path.join(local_dir, METRICS_FILE)
         if resume_step is not None:
             truncate_after(local_path, resume_step, drop_eval_at_step=drop_eval_at_resume)
+            if resume_step and os.path.isfile(local_path):  # the summary covers the whole run
+                self.evals = [(r["step"], {k: v for k, v in r.items() if k.startswith("eval/")})
+                              for r in read_metrics(local_path)
+                              if any(k.startswith("eval/") for k in r)]
         self._file = open(local_path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # local: slow import, optional output
@@ -182,9 +196,12 @@ class MetricsWriter:
             if all(str(k).startswith(("eval/", "time/")) for k in record if k != "step"):
                 print(eval_line(step, record), file=self.stream, flush=True)
                 return
-        now = time.monotonic()
-        if self._start_time is None:
-            self._start_time, self._start_step = now, step
+        now = self.clock()
+        phase = self._phase_index(step)
+        if phase != self._window_phase:  # a new phase: its own pace, from its first logged step
+            self._window.clear()
+            self._window_phase = phase
+        self._window.append((now, step))
         last = self.total_steps is not None and step >= self.total_steps
         if now - self._last_print < self.console_every_s and not last and not evals \
                 and self._last_print > -math.inf:
@@ -192,19 +209,35 @@ class MetricsWriter:
         self._last_print = now
         print(self.progress_line(step, record, now), file=self.stream, flush=True)
 
+    def _phase_index(self, step: int) -> int | None:
+        """Index in ``phases`` of the phase global step ``step`` belongs to (None: no phases)."""
+        for i, (_, first, last) in enumerate(self.phases):
+            if first < step <= last:
+                return i
+        return len(self.phases) - 1 if self.phases else None
+
     def progress_line(self, step: int, record: Mapping[str, Any], now: float) -> str:
-        """``step 40/100 | 2.31 steps/s | ETA 26s | reward/mean 0.41 | loss 0.12``."""
+        """``step 40/100 | 2.31 steps/s | ETA 26s | reward/mean 0.41 | loss 0.12``; in an
+        earlier phase ``... | ETA 12s (sft; then 800 grpo steps) | ...``."""
         parts = [f"step {step}" + (f"/{self.total_steps}" if self.total_steps else "")]
-        elapsed = now - (self._start_time or now)
-        done = step - self._start_step
-        if done > 0 and elapsed > 0:
-            rate = done / elapsed  # measured from the first logged step: excludes compile time
+        rate = window_rate(list(self._window))  # the current phase's recent steps only
+        if rate:
             parts.append(f"{rate:.3g} steps/s")
             if self.total_steps:
-                parts.append(f"ETA {format_duration((self.total_steps - step) / rate)}")
+                parts.append("ETA " + self.eta(step, rate))
         for key in _console_keys(record):
             parts.append(f"{key} {_format_value(record[key])}")
         return " | ".join(parts)
+
+    def eta(self, step: int, rate: float) -> str:
+        """Time left in the current phase at ``rate`` steps/s; later phases (whose pace is not
+        known yet) are named with their step counts: ``12s (sft; then 800 grpo steps)``."""
+        i = self._phase_index(step)
+        if i is None or i == len(self.phases) - 1:
+            return format_duration((self.total_steps - step) / rate)
+        name, _, last = self.phases[i]
+        later = ", ".join(f"{b - a} {n} steps" for n, a, b in self.phases[i + 1:])
+        return f"{format_duration((last - step) / rate)} ({name}; then {later})"
 
     def flush(self) -> None:
         if self._file is not None:
@@ -236,6 +269,16 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def window_rate(points: list[tuple[float, int]]) -> float | None:
+    """Steps per second over ``(time, step)`` points (oldest first), None with fewer than two
+    or no time between them. Measured from the first point: a phase's first logged step
+    carries its compilation, which later steps do not repeat."""
+    if len(points) < 2:
+        return None
+    (t0, s0), (t1, s1) = points[0], points[-1]
+    return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
 
 
 def host_fraction(wall_s: float, pending_s: float) -> float:
@@ -289,18 +332,38 @@ def eval_line(step: int, record: Mapping[str, Any]) -> str:
     return " | ".join([f"eval at step {step}"] + [f"{k} {_format_value(record[k])}" for k in keys])
 
 
+def compared_evals(evals: list[tuple[int, dict]], key: str,
+                   labels: Mapping[int, str] | None = None) -> list[tuple[int, float, str]]:
+    """The ``(step, value, label)`` points the summary compares for ``key``, oldest first: the
+    evals at the steps ``labels`` names (global step -> what it is: "before training", "end of
+    the sft warm-up", "end of grpo"), or the first eval when none of them has one, then the
+    last eval. Unlabelled points are called "first eval" / "last eval"."""
+    labels = dict(labels or {})
+    points = [(step, float(m[key])) for step, m in evals
+              if isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool)]
+    if not points:
+        return []
+    last = points[-1]
+    out = [p for p in points[:-1] if p[0] in labels] or points[:1]
+    if out[-1] != last:
+        out.append(last)
+    fallback = {out[0][0]: "first eval", last[0]: "last eval"}
+    return [(step, value, labels.get(step, fallback.get(step, ""))) for step, value in out]
+
+
 def run_summary(workdir: str, evals: list[tuple[int, dict]], checkpoint_steps: list[int],
-                checkpoint_dir: str, max_to_keep: int, tensorboard: bool = True) -> str:
-    """The end-of-run console summary: held-out results (first -> last eval), where the
-    metrics, curves and checkpoints are, and the commands that use them."""
+                checkpoint_dir: str, max_to_keep: int, tensorboard: bool = True,
+                labels: Mapping[int, str] | None = None) -> str:
+    """The end-of-run console summary: held-out results (``compared_evals``: where the run
+    started -> its last eval, each labelled with its step and what it is), where the metrics,
+    curves and checkpoints are, and the commands that use them."""
     lines = ["rljax: done."]
     for key in ("eval/accuracy", "eval/pref_accuracy"):
-        points = [(step, m[key]) for step, m in evals if isinstance(m.get(key), (int, float))]
-        if len(points) > 1:
-            lines.append(f"  {key}: {points[0][1]:.4g} (step {points[0][0]}) -> "
-                         f"{points[-1][1]:.4g} (step {points[-1][0]})")
-        elif points:
-            lines.append(f"  {key}: {points[0][1]:.4g} (step {points[0][0]})")
+        points = compared_evals(evals, key, labels)
+        if points:
+            lines.append(f"  {key}: " + " -> ".join(
+                f"{value:.4g} (step {step}{', ' + label if label else ''})"
+                for step, value, label in points))
     tb = f"; TensorBoard: tensorboard --logdir {workdir}" if tensorboard else ""
     lines.append(f"  metrics:     {paths.join(workdir, METRICS_FILE)}{tb}")
     lines.append(f"  curves:      rljax plot {workdir}")

@@ -20,6 +20,8 @@ import gc
 import json
 import os
 import sys
+import threading
+import time
 
 import jax
 
@@ -84,7 +86,9 @@ def _checked_train(cfg, workdir: str, devices, stop, allow_config_change: bool,
 
 def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None) -> int:
     paths.makedirs(workdir)  # a local directory or a URL (gs://...)
-    ctx = build_context(cfg, workdir, devices)
+    with announced_if_slow(f"loading the model ({cfg.model.path or 'preset ' + cfg.model.preset}"
+                           ") and tokenizer"):
+        ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
     # Held-out prompts, read before the checkpoint manager starts (a bad eval file is one line).
     examples = (eval_lib.eval_examples(ctx)
@@ -168,7 +172,9 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
     try:
         # Rows after the checkpoint (or all rows, starting from scratch) belong to an
         # interrupted run that is redone now; an eval the checkpoint still owes is redone too.
-        writer = MetricsWriter(workdir, total_steps=total,
+        writer = MetricsWriter(workdir, total_steps=total, phases=[
+                                   (p.name, offsets[i], offsets[i] + p.steps)
+                                   for i, p in enumerate(phases)],
                                console_every_s=cfg.logging.console_every_s,
                                tensorboard=cfg.logging.tensorboard,
                                resume_step=gstep if state is not None else 0,
@@ -183,6 +189,8 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
               f"{ckpt.directory}", file=sys.stderr, flush=True)
         return stop.exit_code
 
+    cache_note = (" (slow on the first run of a config only: the compilation cache keeps it)"
+                  if compilation_cache.resolve_dir(cfg.compilation_cache_dir) else "")
     # handlers stay installed until the checkpoint is closed (2nd signal: 130)
     with stop, setup_objects_frozen():
         try:
@@ -198,7 +206,10 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                 if gstep == 0 and start == 0 and cfg.eval_at_start and not run_eval(0):
                     return stopped(0)  # eval of the starting policy, before any update
                 for step in range(start, phase.steps):
-                    state, metrics = phase.iteration(state, step)
+                    with (announced_if_slow(f"compiling the {phase.name} iteration"
+                                            f"{cache_note}") if step == start
+                          else contextlib.nullcontext()):  # the first one compiles
+                        state, metrics = phase.iteration(state, step)
                     gstep = offsets[index] + step + 1
                     last = step + 1 == phase.steps
                     guard.update(metrics.get("skipped", 0) > 0, gstep)
@@ -221,13 +232,56 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                 start = 0
             ckpt.wait_until_finished()
             summary = run_summary(workdir, writer.evals, ckpt.all_steps(), ckpt.directory,
-                                  cfg.checkpoint.max_to_keep, cfg.logging.tensorboard)
+                                  cfg.checkpoint.max_to_keep, cfg.logging.tensorboard,
+                                  labels=eval_labels(phases, offsets))
         finally:
             writer.close()
             ckpt.close()
     if writer.enabled:
         print(summary, flush=True)  # where the results are, and what to do with them
     return 0
+
+
+ANNOUNCE_AFTER_S = 3.0  # start-up work that takes longer says what it is doing
+
+
+@contextlib.contextmanager
+def announced_if_slow(what: str, after_s: float | None = None, stream=None):
+    """Prints ``rljax: WHAT ...`` on stderr (process 0) once the block has run ``after_s``
+    seconds (``ANNOUNCE_AFTER_S``), and then ``rljax: WHAT: done in N s`` when it ends: a
+    model that loads for a minute, or a first iteration that compiles for one, is not a
+    silent console; quick blocks (and refusals, which stay one line) print nothing."""
+    if jax.process_index() != 0:
+        yield
+        return
+    stream = stream or sys.stderr
+    t0, said = time.perf_counter(), threading.Event()
+
+    def announce():
+        said.set()
+        print(f"rljax: {what} ...", file=stream, flush=True)
+
+    timer = threading.Timer(ANNOUNCE_AFTER_S if after_s is None else after_s, announce)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()  # an announcement being printed now finishes first
+    if said.is_set():  # (not after a failure: its own message says what happened)
+        print(f"rljax: {what}: done in {time.perf_counter() - t0:.0f} s", file=stream,
+              flush=True)
+
+
+def eval_labels(phases, offsets) -> dict[int, str]:
+    """Global step -> what it is, for the summary: 0 "before training", each phase's last step
+    ("end of the SFT warm-up", "end of grpo")."""
+    labels = {0: "before training"}
+    for phase, offset in zip(phases, offsets):
+        labels[offset + phase.steps] = ("end of the SFT warm-up" if phase.name == "sft_warmup"
+                                        else f"end of {phase.name}")
+    return labels
 
 
 def finished(workdir: str, step: int, eval_pending: bool) -> bool:
