@@ -177,3 +177,28 @@ def test_summary_says_which_evals_it_compares_and_keeps_them_over_a_resume(tmp_p
         summary = run_summary(str(tmp_path), writer.evals, [1200], "ckpt", 3, False, labels)
     assert ("eval/accuracy: 0.4 (step 400, end of the SFT warm-up) -> 0.9 (step 1200, end of "
             "grpo)") in summary, summary
+
+
+def test_a_run_without_learning_signal_says_so_once(tmp_path, capsys):
+    """A reward that never differs within a group (here: a format nothing matches) gives
+    informative_groups_frac 0 every iteration: after 5 of them, one hint line."""
+    cfg = tiny_cfg(**{"steps": 7, "reward.names": ("format",)})
+    cfg.reward.kwargs = {"format": {"pattern": "^NEVER$"}}
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    err = capsys.readouterr().err
+    hints = [line for line in err.splitlines() if line.startswith("rljax: hint:")]
+    assert len(hints) == 1, err
+    assert "no learning signal for 5 iterations in a row (up to step 5)" in hints[0]
+    for check in ("reward function", "answers", "rollout.temperature=", "algo.num_generations=4"):
+        assert check in hints[0]
+
+
+def test_the_learning_signal_streak_restarts_on_an_informative_iteration():
+    from rljax.train.learning_signal import NoSignalHint
+
+    hint = NoSignalHint(1.0, 8, after=3, enabled=False)
+    fracs = [0, 0, 0.5, 0, 0, 0.0, 0, 0]
+    said = [hint.observe(i + 1, {"rollout/informative_groups_frac": f}) for i, f in
+            enumerate(fracs)]
+    assert [i + 1 for i, line in enumerate(said) if line] == [6]
+    assert hint.observe(9, {"sft/loss": 1.0}) is None

@@ -37,6 +37,7 @@ from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets,
                                    restore_for_training, start_phase)
+from rljax.train.learning_signal import NoSignalHint
 from rljax.train.metrics import MetricsWriter, read_metrics, run_summary
 from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
@@ -189,6 +190,8 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
               f"{ckpt.directory}", file=sys.stderr, flush=True)
         return stop.exit_code
 
+    hint = NoSignalHint(cfg.rollout.temperature, cfg.algo.num_generations,
+                        enabled=jax.process_index() == 0)
     cache_note = (" (slow on the first run of a config only: the compilation cache keeps it)"
                   if compilation_cache.resolve_dir(cfg.compilation_cache_dir) else "")
     # handlers stay installed until the checkpoint is closed (2nd signal: 130)
@@ -211,6 +214,7 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                           else contextlib.nullcontext()):  # the first one compiles
                         state, metrics = phase.iteration(state, step)
                     gstep = offsets[index] + step + 1
+                    hint.observe(gstep, metrics)  # all groups equal for a while: say so, once
                     last = step + 1 == phase.steps
                     guard.update(metrics.get("skipped", 0) > 0, gstep)
                     metrics["train/skipped_total"] = guard.total

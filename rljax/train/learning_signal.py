@@ -1,0 +1,54 @@
+"""A hint when a run cannot learn: every group's completions got the same reward.
+
+GRPO-style advantages are rewards relative to their group (the G completions of one prompt).
+When all G rewards of every group are equal, every advantage is 0, the policy loss is 0 and
+nothing changes: ``rollout/informative_groups_frac`` is 0. ``NoSignalHint.observe(step,
+metrics)`` counts such iterations in a row and, at ``after`` of them, prints one console line
+saying so and what to check. Once per run: a run that keeps going is the user's choice.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Mapping
+
+KEY = "rollout/informative_groups_frac"
+AFTER = 5  # consecutive iterations without one informative group before the hint
+
+
+class NoSignalHint:
+    """Counts iterations whose groups all had equal rewards; prints the hint once.
+
+    ``temperature`` and ``num_generations`` (rollout.temperature, algo.num_generations) are
+    quoted in the line."""
+
+    def __init__(self, temperature: float, num_generations: int, after: int = AFTER,
+                 stream=None, enabled: bool = True):
+        self.temperature, self.g, self.after = float(temperature), int(num_generations), after
+        self.stream, self.enabled = stream, enabled
+        self.streak, self.said = 0, False
+
+    def observe(self, step: int, metrics: Mapping) -> str | None:
+        """Updates the streak from one iteration's metrics (phases without ``KEY``, such as
+        SFT, leave it as it is); returns the line when it is printed now."""
+        frac = metrics.get(KEY)
+        if frac is None:
+            return None
+        self.streak = self.streak + 1 if float(frac) == 0.0 else 0
+        if self.said or self.streak < self.after:
+            return None
+        self.said = True
+        line = self.message(step, metrics.get("reward/mean"))
+        if self.enabled:
+            print(line, file=self.stream or sys.stderr, flush=True)
+        return line
+
+    def message(self, step: int, reward_mean) -> str:
+        """The hint, naming the reward level (all 0: nothing ever matches; all 1: too easy)."""
+        level = "" if reward_mean is None else f" (reward/mean {float(reward_mean):.3g})"
+        return (f"rljax: hint: no learning signal for {self.streak} iterations in a row (up to "
+                f"step {step}): in every group all G={self.g} completions got the same "
+                f"reward{level}, so every advantage and the loss are 0 "
+                f"({KEY} 0). Check the reward function (does it score a right answer 1? try it "
+                "on `rljax sample` output), the data's answers (the fields it reads), "
+                f"rollout.temperature={self.temperature:g} (too low: identical samples) and "
+                f"algo.num_generations={self.g} (more: more chances of a different score)")
