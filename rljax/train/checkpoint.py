@@ -19,8 +19,10 @@ shards are written) records the size and CRC-32 of every file of the step in
 ``<step>/rljax_manifest.json``. :meth:`CheckpointManager.verify` re-checks them before a restore
 reads anything, so a truncated, deleted or garbled file is reported (step, file, problem)
 instead of failing deep inside TensorStore or, worse, loading silently. CRC-32 runs at
-~2 GB/s per core here and files are hashed in parallel; a checkpoint without a manifest
-(written by an older rljax) is restored unverified.
+~2 GB/s per core here and files are hashed in parallel. The first step committed with a
+manifest is recorded in ``<checkpoints>/rljax_manifests_since.json``: a later step without one
+(the manifest was deleted) is damaged; an earlier one (written by an older rljax) is restored
+unverified, with a warning.
 
 A damaged checkpoint is moved aside to ``<step>.damaged`` (never deleted) by
 :meth:`CheckpointManager.move_aside`; orbax ignores such names, so it is no longer a step.
@@ -35,6 +37,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 import time
 import zlib
 from typing import Any, Mapping, NamedTuple
@@ -49,6 +52,9 @@ from rljax.train import paths
 STATE_ITEM = "state"
 META_ITEM = "meta"
 MANIFEST_FILE = "rljax_manifest.json"
+# In the checkpoint directory: the first step written with a manifest. A later step without
+# one had it deleted (an error); an earlier one is an older rljax's (a warning).
+MANIFESTS_SINCE_FILE = "rljax_manifests_since.json"
 # Written or rewritten by orbax after our manifest (commit time stamp, commit marker).
 _UNHASHED = {MANIFEST_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"}
 _CHUNK = 16 << 20
@@ -131,13 +137,34 @@ def write_manifest(step_dir: str | os.PathLike) -> None:
     (step_dir / MANIFEST_FILE).write_text(json.dumps(record, indent=0, sort_keys=True))
 
 
-def verify_step_dir(step_dir: str | os.PathLike) -> str | None:
+def manifests_since(directory: str | os.PathLike) -> int | None:
+    """The first step of checkpoint ``directory`` written with a manifest (None: none was, or
+    an older rljax wrote them all)."""
+    marker = epath.Path(os.fspath(directory)) / MANIFESTS_SINCE_FILE
+    try:
+        return int(json.loads(marker.read_text())["since_step"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0  # unreadable: every step must have its manifest
+
+
+def _mark_manifests_since(step_dir: epath.Path) -> None:
+    """Records ``step_dir``'s step as the first with a manifest, unless one is recorded."""
+    marker = step_dir.parent / MANIFESTS_SINCE_FILE
+    if not marker.exists():
+        marker.write_text(json.dumps({"since_step": int(step_dir.name)}) + "\n")
+
+
+def verify_step_dir(step_dir: str | os.PathLike, required: bool = False) -> str | None:
     """None if every file recorded in the manifest is there with its size and CRC, else the
-    first problem found (one line, naming the file). No manifest: None (unverified)."""
+    first problem found (one line, naming the file). No manifest: the problem if ``required``,
+    else None (unverified)."""
     step_dir = epath.Path(os.fspath(step_dir))
     manifest = step_dir / MANIFEST_FILE
     if not manifest.exists():
-        return None
+        return (f"{MANIFEST_FILE} is missing (deleted? this workdir's checkpoints are written "
+                "with one), so its files cannot be verified") if required else None
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError) as e:
@@ -166,6 +193,7 @@ def _with_manifest(base: type) -> type:
         async def finalize(self, *args, **kwargs):
             if self.get_final().name.isdigit():  # the step directory, not an item inside it
                 await asyncio.to_thread(write_manifest, self.get())
+                await asyncio.to_thread(_mark_manifests_since, self.get_final())
             return await super().finalize(*args, **kwargs)
 
     WithManifest.__name__ = f"Manifest{base.__name__}"
@@ -327,9 +355,21 @@ class CheckpointManager:
         return epath.Path(self.directory) / str(int(step))
 
     def verify(self, step: int) -> str | None:
-        """None if ``step``'s files match the manifest written at commit, else the problem."""
+        """None if ``step``'s files match the manifest written at commit, else the problem.
+
+        A step without a manifest is damaged when this directory's marker says its steps are
+        written with one from an earlier step on; otherwise (an older rljax's checkpoint) it
+        is restored unverified, with a warning."""
+        since = manifests_since(self.directory)
+        required = since is not None and int(step) >= since
         try:
-            return verify_step_dir(self.step_dir(step))
+            problem = verify_step_dir(self.step_dir(step), required=required)
+            if problem is None and not (self.step_dir(step) / MANIFEST_FILE).exists():
+                if jax.process_index() == 0:
+                    print(f"rljax: warning: checkpoint {step} has no {MANIFEST_FILE} (written "
+                          "by an older rljax?): restoring it unverified", file=sys.stderr,
+                          flush=True)
+            return problem
         except OSError as e:
             return f"cannot read it ({e.strerror or e})"
 
