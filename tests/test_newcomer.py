@@ -202,3 +202,33 @@ def test_the_learning_signal_streak_restarts_on_an_informative_iteration():
             enumerate(fracs)]
     assert [i + 1 for i, line in enumerate(said) if line] == [6]
     assert hint.observe(9, {"sft/loss": 1.0}) is None
+
+
+EXAMPLE_DATA = os.path.abspath(os.path.join(EXAMPLES, "data"))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dpo", "sft"])
+def test_the_example_data_files_load_through_the_run_data_path(algo):
+    """examples/data/<algo>.jsonl (docs/data.md) passes the checks a run makes before it
+    compiles (fields, reward fields) and yields a batch from the run's own iterator."""
+    from rljax import data as data_lib
+    from rljax import tokenizers
+    from rljax.train import setup
+
+    path = os.path.join(EXAMPLE_DATA, f"{algo}.jsonl")
+    overrides = {"data.source": "jsonl", "data.path": path, "data.eval_path": path,
+                 "data.max_prompt_length": 24, "sft.max_length": 64}
+    if algo == "dpo":
+        overrides.update({"algo.name": "dpo", "algo.beta": 0.1, "rollout.max_new_tokens": 24})
+    if algo == "sft":
+        overrides.update({"algo.name": "sft", "sft.batch_size": 8})
+    cfg = tiny_cfg(**overrides)
+    cfg.data.kwargs = {}
+    setup.check_inputs(cfg, num_devices=1)
+    config = setup.preference_config(cfg) if algo == "dpo" else setup.data_config(cfg)
+    it = data_lib.make_iterator(config, batch_size=4, tokenizer=tokenizers.CharTokenizer())
+    batch = next(it)
+    assert len(batch) == 4 and all(ex["prompt"] for ex in batch)
+    wanted = {"grpo": {"question", "answer"}, "dpo": {"prompt", "chosen", "rejected"},
+              "sft": {"question", "completion"}}[algo]
+    assert wanted <= set(batch[0])
