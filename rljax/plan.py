@@ -438,14 +438,56 @@ def explain(p: MemoryPlan) -> str:
             f"model.dtype=bfloat16; `rljax plan --config ...` shows every phase")
 
 
+# Every token of a batch the trainer holds costs at least its id (int32) and its log-prob
+# (float32) on the host; masks, advantages, device copies and activations come on top.
+HOST_BYTES_PER_TOKEN = 8
+
+
+def batch_sizes(cfg) -> list[tuple[str, int, int]]:
+    """``[(what, rows, tokens per row)]`` of the batches a run holds at once: the rollout
+    (``rollout.batch_size`` completions of up to ``data.max_prompt_length +
+    rollout.max_new_tokens`` tokens), the eval batch, the SFT warm-up's batch."""
+    rl_tokens = int(cfg.data.max_prompt_length) + int(cfg.rollout.max_new_tokens)
+    out = [("rollout.batch_size", int(cfg.rollout.batch_size), rl_tokens)]
+    if "eval" in cfg:
+        eval_new = int(cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+        out.append(("eval.batch_size", int(cfg.eval.batch_size) * int(cfg.eval.num_samples),
+                    int(cfg.data.max_prompt_length) + eval_new))
+    if "sft" in cfg and cfg.sft.steps:
+        out.append(("sft.batch_size", int(cfg.sft.batch_size), int(cfg.sft.max_length)))
+    return out
+
+
+def check_sizes(cfg, host_bytes: int | None = None) -> None:
+    """Raises :class:`DoesNotFit` (one line) for a batch that cannot fit whatever else the run
+    does. Rule: rows x tokens per row x ``HOST_BYTES_PER_TOKEN`` (8) bytes -- a floor, a
+    run needs more -- must not exceed this host's RAM (``host_bytes``; default: physical
+    memory) times the number of hosts. Costs nothing: no model, no compile."""
+    ram = host_memory_bytes() if host_bytes is None else host_bytes
+    if not ram:
+        return
+    ram *= max(1, jax.process_count())
+    for key, rows, tokens in batch_sizes(cfg):
+        need = rows * tokens * HOST_BYTES_PER_TOKEN
+        if need > ram:
+            raise DoesNotFit(
+                f"{key}={rows} cannot fit: {rows} rows x {tokens} tokens x "
+                f"{HOST_BYTES_PER_TOKEN} bytes (token ids and log-probs alone) = {human(need)} "
+                f"> {human(ram)} of host memory; lower {key}")
+
+
 def check(cfg, devices=None, *, verbose: bool = False) -> MemoryPlan | None:
     """``rljax train``'s pre-flight check; raises :class:`DoesNotFit` (one clear line).
+
+    First, whatever ``memory.check`` says, :func:`check_sizes` refuses a batch too large for
+    the host's memory (e.g. ``rollout.batch_size: 1000000000000``).
 
     ``memory.check``: ``"full"`` always compiles the phases; ``"auto"`` does so on GPU/TPU or when
     ``memory.device_memory_gb`` is set, and on a plain CPU run only checks that the resident
     train state fits (no compile, so the first step's compile time is not doubled);
     ``"off"`` skips it.
     """
+    check_sizes(cfg)
     mode = _memory_cfg(cfg).get("check", "auto")
     if mode == "off":
         return None
