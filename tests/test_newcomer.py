@@ -232,3 +232,42 @@ def test_the_example_data_files_load_through_the_run_data_path(algo):
     wanted = {"grpo": {"question", "answer"}, "dpo": {"prompt", "chosen", "rejected"},
               "sft": {"question", "completion"}}[algo]
     assert wanted <= set(batch[0])
+
+
+def test_a_lora_adapter_of_a_gguf_base_loads_with_peft(tmp_path):
+    """``export --adapter`` of a run on a .gguf: AutoPeftModelForCausalLM.from_pretrained(out)
+    finds a loadable base (the dequantized GGUF as an HF directory) and gives rljax's logits."""
+    import json
+
+    import numpy as np
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+
+    from rljax import models
+    from rljax.train import inference
+    from test_gguf import hf_tensors, tiny_cfg as gguf_cfg, write_gguf
+
+    base_cfg = gguf_cfg("llama", vocab_size=128)  # >= the char tokenizer's 100
+    params = models.init_params(base_cfg, jax.random.PRNGKey(0))
+    gguf_path = str(tmp_path / "tiny.gguf")
+    write_gguf(gguf_path, base_cfg, hf_tensors(base_cfg, params, tmp_path / "hf"))
+    cfg = tiny_cfg(**{"model.path": gguf_path, "model.lora.rank": 4, "steps": 1,
+                      "algo.name": "sft", "sft.max_length": 16, "sft.batch_size": 8,
+                      "sft.learning_rate": 1e-2})  # SFT: the adapters surely move
+    cfg.model.overrides = {}  # the shapes come from the file
+    workdir, out = str(tmp_path / "run"), str(tmp_path / "adapter")
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    assert run.export(cfg, workdir, out, devices=DEVICES, adapter=True) == 0
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.join(out, "base")
+
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ctx, state, _ = inference.load_for_inference(cfg, workdir, devices=DEVICES)
+    # Adapters that moved off their zero start, so the comparison covers them.
+    assert any(float(np.abs(np.asarray(ad["b"])).max()) > 0
+               for ad in state.params["lora"]["layers"].values())
+    tokens = np.array([[5, 17, 33, 40, 8, 9]])
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor(tokens)).logits.numpy()
+    ours = np.asarray(models.forward(ctx.model_cfg, state.params, tokens))
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)

@@ -408,17 +408,29 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
     never be a run directory: not ``workdir``, nothing inside it, nor another run's.
 
     LoRA runs: the adapters merged into the base; with ``adapter``, the adapters alone as a
-    PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) whose
+    ``base_model_name_or_path`` is ``model.path``; a GGUF base (a file PEFT cannot load) is
+    written dequantized as an HF directory ``out/base`` (weights, config, tokenizer) and named
+    instead (absolute path), so ``peft.AutoPeftModelForCausalLM.from_pretrained(out)`` works."""
     if adapter and not (cfg.model.lora.rank or cfg.model.adapter_path):
         raise UserError(f"export --adapter: the run in {workdir} does not use LoRA "
                         "(model.lora.rank is 0)")
     workdir_lib.check_export_target(workdir, out, overwrite)
     ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices)
     if adapter:
+        base = cfg.model.path
+        if base and models.is_gguf_path(base):  # PEFT loads a base directory, not a .gguf
+            base = os.path.abspath(os.path.join(out, GGUF_BASE_DIR))
+            models.save_hf(ctx.model_cfg, models.lora.base_params(state.params), base)
+            save_tokenizer = getattr(ctx.tokenizer, "save", None)
+            if save_tokenizer is not None:
+                save_tokenizer(base)
         models.peft.save_adapter(ctx.model_cfg, state.params["lora"], out,
-                                 base_model_name_or_path=cfg.model.path)
-        print(f"rljax: exported the LoRA adapter of step {step} to {out}", file=sys.stderr,
-              flush=True)
+                                 base_model_name_or_path=base)
+        also = (f" with its GGUF base dequantized to an HF directory {base} "
+                "(base_model_name_or_path)" if base != cfg.model.path else "")
+        print(f"rljax: exported the LoRA adapter of step {step} to {out}{also}",
+              file=sys.stderr, flush=True)
         return 0
     what = "policy"
     if _is_reward_model(cfg, state):
@@ -438,6 +450,9 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
         save(out)
     print(f"rljax: exported the {what} of step {step} to {out}", file=sys.stderr, flush=True)
     return 0
+
+
+GGUF_BASE_DIR = "base"  # export --adapter of a GGUF run: the base as HF weights, in OUT/base
 
 
 def _is_reward_model(cfg, state) -> bool:
