@@ -12,6 +12,7 @@ workdir is in use by another ``rljax train`` (try again later), 130 interrupted 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -233,9 +234,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(code)
         return code
+    except OSError as e:
+        if e.errno not in DISK_ERRNOS:
+            raise  # anything else is a bug: keep its traceback
+        # A writer without its own message (export's safetensors, a tokenizer file, ...).
+        where = f" {e.filename}" if e.filename else ""
+        code = _fail(f"cannot write{where}: {e.strerror or os.strerror(e.errno)}", EXIT_FAILURE)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # as for a failed checkpoint: threads writing to that disk may hang
     except KeyboardInterrupt:
         print("rljax: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+# No space, quota, read-only, too large: a file system that cannot take the write.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 def _fail(message, code: int) -> int:

@@ -61,3 +61,122 @@ def test_train_in_a_read_only_workdir_is_one_line(tmp_path, read_only_dir):
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr[-3000:]
     assert "cannot write in the workdir" in out.stderr and "Read-only" in out.stderr
+
+
+# ---- a full disk: metrics, TensorBoard, W&B, checkpoints ------------------------------------
+
+def _no_space(*args, **kw):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _in_thread(fn, limit_s=60):
+    """``fn()``'s exception (None if it returned); fails if it is still running (a hang)."""
+    import threading
+    box = {}
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"still blocked after {limit_s} s"
+    return box.get("error")
+
+
+def test_a_tensorboard_write_on_a_full_disk_fails_in_one_line_instead_of_blocking(tmp_path):
+    from rljax.train.metrics import MetricsWriteError, MetricsWriter
+    writer = MetricsWriter(str(tmp_path), tensorboard=True, enabled=True, stream=open(os.devnull, "w"))
+    writer._tb.file_writer.event_writer._ev_writer.write_event = _no_space
+    # tensorboardX's writer thread died on its first event; its 10-slot queue then filled
+    error = _in_thread(lambda: [writer.write(s, {f"k{i}": 1.0 for i in range(30)})
+                                for s in range(1, 4)])
+    assert isinstance(error, MetricsWriteError), error
+    assert "No space left on device" in str(error) and "\n" not in str(error)
+    assert _in_thread(writer.close) is None   # reported once, closing stays quiet
+
+
+def test_metrics_jsonl_on_a_full_disk_is_one_line(tmp_path):
+    from rljax.train.metrics import MetricsWriteError, MetricsWriter
+
+    class Full:
+        def write(self, *text):
+            _no_space()
+
+        flush = close = write
+
+    writer = MetricsWriter(str(tmp_path), tensorboard=False, enabled=True,
+                           stream=open(os.devnull, "w"))
+    writer._file.close()
+    writer._file = Full()
+    with pytest.raises(MetricsWriteError, match=r"cannot write metrics in .*No space left"):
+        writer.write(1, {"loss": 1.0})
+    writer.close()
+
+
+def test_a_failing_wandb_is_one_warning_and_logging_goes_on(tmp_path, capsys):
+    from rljax.train.metrics import MetricsWriter
+
+    class Run:
+        def log(self, *a, **kw):
+            _no_space()
+
+        def finish(self):
+            pass
+
+    writer = MetricsWriter(str(tmp_path), tensorboard=False, enabled=True,
+                           stream=open(os.devnull, "w"))
+    writer._wandb = Run()
+    writer.write(1, {"loss": 1.0})
+    writer.write(2, {"loss": 0.5})
+    writer.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "W&B logging failed at step 1" in err[0]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 600 KiB tmpfs (skips where mounting is not allowed)."""
+    d = tmp_path / "small"
+    d.mkdir()
+    if not _mount("-t", "tmpfs", "-o", "size=600k", "tmpfs", str(d)):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield d
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_training_onto_a_full_disk_stops_in_one_line_and_keeps_good_checkpoints(
+        tmp_path, small_disk):
+    from rljax.train.checkpoint import CheckpointManager
+    config = tmp_path / "tiny.py"
+    config.write_text(tiny_config_source(steps=40, checkpoint_every=2,
+                                         logging=dict(tensorboard=True)))
+    workdir = small_disk / "run"
+    out = rljax("train", "--config", str(config), "--workdir", str(workdir))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, \
+        out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rljax: error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0], out.stderr[-3000:]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], capture_output=True)
+    with CheckpointManager(str(workdir / "checkpoints")) as ckpt:
+        assert ckpt.all_steps(), "no checkpoint was committed before the disk filled"
+        assert all(ckpt.verify(s) is None for s in ckpt.all_steps())
+
+
+def test_any_command_that_hits_a_full_disk_ends_in_one_line():
+    # e.g. export writing safetensors, or a tokenizer file, with no message of its own
+    code = ("import errno, os, sys\nfrom rljax import cli\n"
+            "def full(args, overrides):\n"
+            "    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), '/out/model.safetensors')\n"
+            "cli.COMMANDS['plot'] = full\nsys.exit(cli.main(['plot', 'x']))\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == ("rljax: error: cannot write /out/model.safetensors: "
+                                  "No space left on device")

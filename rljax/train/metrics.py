@@ -35,6 +35,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from rljax.errors import RljaxError
 from rljax.train import paths
 
 METRICS_FILE = "metrics.jsonl"
@@ -42,6 +43,37 @@ METRICS_FILE = "metrics.jsonl"
 CONSOLE_PRIORITY = ("reward/mean", "eval/accuracy", "loss", "kl", "completion/length_mean")
 CONSOLE_KEYS = 5
 RATE_WINDOW = 20  # logged steps the console's steps/s and ETA are measured over
+
+
+class MetricsWriteError(RljaxError):
+    """``metrics.jsonl`` or the TensorBoard events cannot be written (disk full, read-only).
+
+    One line (exit 1). A checkpoint save may still be pending in orbax's threads on the same
+    full disk: the CLI exits without joining them (``abandon_threads``), as for a failed
+    checkpoint, so nothing hangs and the last committed checkpoint stays as it was."""
+
+    abandon_threads = True
+
+
+def _write_error(workdir: str, e: OSError) -> MetricsWriteError:
+    what = e.strerror or os.strerror(e.errno or 0) or str(e)
+    where = f": {e.filename}" if e.filename else ""
+    return MetricsWriteError(f"cannot write metrics in {workdir}: {what}{where}")
+
+
+def write_events_synchronously(tb) -> bool:
+    """Makes a tensorboardX ``SummaryWriter`` write each event on the caller's thread.
+
+    tensorboardX hands events to a writer thread through a 10-slot queue; when that thread
+    dies (ENOSPC on a full disk) the queue fills and the next ``add_scalar`` blocks forever.
+    Written here instead, a write error is an ``OSError`` in the caller. Returns False (and
+    changes nothing) for a tensorboardX without these internals (2.6 has them)."""
+    writer = getattr(getattr(tb, "file_writer", None), "event_writer", None)
+    if writer is None or not hasattr(writer, "_ev_writer") or not hasattr(writer, "_worker"):
+        return False
+    writer._worker.stop()  # nothing queued yet: it ends at once
+    writer.add_event = lambda event: writer._ev_writer.write_event(event)
+    return True
 
 
 def to_python(value: Any) -> Any:
@@ -128,6 +160,7 @@ class MetricsWriter:
         self._window_phase: int | None = None
         self._last_print = -math.inf
         self._staging: str | None = None  # local mirror of a URL workdir's log files
+        self._failed = False  # a write failed (reported): closing does not report it again
         self._last_sync = -math.inf
         self.evals: list[tuple[int, dict]] = []  # (step, eval/* metrics) logged by this run
         if not self.enabled:
@@ -152,6 +185,7 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter  # local: slow import, optional output
 
             self._tb = SummaryWriter(logdir=local_dir)
+            write_events_synchronously(self._tb)
         wandb = dict(wandb or {})
         if wandb.get("project") and wandb.get("mode", "online") != "disabled":
             self._wandb = start_wandb(wandb, config or {}, self.workdir, resume_step is not None)
@@ -163,20 +197,37 @@ class MetricsWriter:
         record.update({str(k): to_python(v) for k, v in metrics.items()})
         if not self.enabled:
             return record
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # a killed run still leaves every logged step on disk
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, global_step=int(step))
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # a killed run still leaves every logged step on disk
+            if self._tb is not None:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)) \
+                            and not isinstance(value, bool):
+                        self._tb.add_scalar(key, value, global_step=int(step))
+        except OSError as e:  # full disk, read-only: one line, and close() stays quiet
+            self._failed = True
+            raise _write_error(self.workdir, e) from None
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step" and
-                             isinstance(v, (int, float)) and not isinstance(v, bool)},
-                            step=int(step))
+            self._log_wandb(record, int(step))
         self._maybe_print(int(step), record)
         if self._staging is not None and time.monotonic() - self._last_sync >= self.sync_every_s:
             self.flush()
         return record
+
+    def _log_wandb(self, record: Mapping[str, Any], step: int) -> None:
+        """Sends the record's numbers to W&B; a failure (its disk full, its process gone) is
+        one warning line and W&B is off for the rest of the run (metrics.jsonl has it all)."""
+        try:
+            self._wandb.log({k: v for k, v in record.items() if k != "step" and
+                             isinstance(v, (int, float)) and not isinstance(v, bool)},
+                            step=step)
+        except Exception as e:  # noqa: BLE001 - any W&B failure
+            self._wandb = None
+            text = " ".join(f"{type(e).__name__}: {e}".split())
+            print(f"rljax: warning: W&B logging failed at step {step} ({text}); W&B is off "
+                  f"for the rest of this run, {METRICS_FILE} keeps every step",
+                  file=sys.stderr, flush=True)
 
     def _sync(self) -> None:
         """Copies the staged files to a URL workdir (whole files: object stores cannot append)."""
@@ -240,29 +291,53 @@ class MetricsWriter:
         return f"{format_duration((last - step) / rate)} ({name}; then {later})"
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-        if self._tb is not None:
-            self._tb.flush()
-        if self._file is not None:
-            self._sync()
+        try:
+            if self._file is not None:
+                self._file.flush()
+            if self._tb is not None:
+                self._tb.flush()
+            if self._file is not None:
+                self._sync()
+        except OSError as e:
+            self._failed = True
+            raise _write_error(self.workdir, e) from None
 
     def close(self) -> None:
-        """Flushes and closes the files (idempotent)."""
+        """Flushes and closes the files (idempotent). Every writer is closed even when one
+        fails; a write error is raised once, as :class:`MetricsWriteError` (not again after
+        :meth:`write` reported it)."""
+        errors: list[OSError] = []
+
+        def attempt(fn) -> None:
+            try:
+                fn()
+            except OSError as e:
+                errors.append(e)
+
         if self._file is not None:
-            self._file.close()
+            attempt(self._file.close)
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            attempt(tb.close)
+            writer = getattr(getattr(tb, "file_writer", None), "event_writer", None)
+            if errors and writer is not None and hasattr(writer, "_closed"):
+                writer._closed = True  # its atexit hook would only fail again, as a traceback
         if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+            wandb, self._wandb = self._wandb, None
+            try:
+                wandb.finish()
+            except Exception as e:  # noqa: BLE001 - W&B's own failure is not the run's
+                print(f"rljax: warning: W&B did not finish cleanly ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
         if self._file is not None:
             self._file = None
             if self._staging is not None:
-                self._sync()
+                attempt(self._sync)
                 shutil.rmtree(self._staging, ignore_errors=True)
                 self._staging = None
+        if errors and not self._failed:
+            self._failed = True
+            raise _write_error(self.workdir, errors[0])
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -239,8 +239,10 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                                   cfg.checkpoint.max_to_keep, cfg.logging.tensorboard,
                                   labels=eval_labels(phases, offsets))
         finally:
-            writer.close()
-            ckpt.close()
+            try:
+                writer.close()
+            finally:  # a failed metrics write must not leave a checkpoint save unfinished
+                ckpt.close()
     if writer.enabled:
         print(summary, flush=True)  # where the results are, and what to do with them
     return 0
