@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 
 DEFAULT_ALIGNMENT = 32
+# Arrays of arrays nest at most this deep (real files: 1 or 2). A crafted header nesting
+# 200,000 deep otherwise ended in a RecursionError with a 3,000-line traceback.
+MAX_ARRAY_DEPTH = 32
 _ENDS_EARLY = "the file ends inside its header"
 
 
@@ -150,8 +153,11 @@ class GGUFFile:
             raise GGUFFormatError(f"unknown metadata value type {raw_type}") from None
         return np.dtype(np_type).newbyteorder(self._order)
 
-    def _value(self, raw_type: int):
+    def _value(self, raw_type: int, depth: int = 0):
         types = _gguf().GGUFValueType
+        if depth > MAX_ARRAY_DEPTH:
+            raise GGUFFormatError(f"metadata arrays nest more than {MAX_ARRAY_DEPTH} deep "
+                                  "(a corrupt or hostile header)")
         if raw_type == types.STRING:
             return self._string()
         if raw_type != types.ARRAY:
@@ -164,7 +170,7 @@ class GGUFFile:
             self._check_within(self._offset)
             return arr
         if item_type == types.ARRAY:
-            return [self._value(item_type) for _ in range(count)]
+            return [self._value(item_type, depth + 1) for _ in range(count)]
         return self._numbers(self._numpy_type(item_type), count)
 
     def _numbers(self, dtype: np.dtype, count: int) -> np.ndarray:
