@@ -397,12 +397,22 @@ def load_config(path: str | None, overrides: Sequence[str] = (),
     return cfg
 
 
+def json_loads(text: str, path: str) -> Any:
+    """``json.loads(text)``; a file nesting deeper than the parser can follow (a
+    RecursionError, thousands of levels) is one ConfigError naming ``path``."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path} nests too deeply to be a config (corrupt or "
+                          "hand-edited?)") from None
+
+
 def load_config_json(path: str, overrides: Sequence[str] = (),
                      choices: Mapping[str, Sequence[str]] | None = None):
     """Loads a ``config.json`` written by :func:`to_json` (e.g. a workdir's) plus overrides."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = json_loads(f.read(), path)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except json.JSONDecodeError as e:
@@ -429,7 +439,7 @@ def config_from_file(spec: str) -> Any:
         raise ConfigError(f"config file not found: {path}")
     if path.endswith(".json"):
         with open(path) as f:
-            return json.load(f)
+            return json_loads(f.read(), path)
     module_spec = importlib.util.spec_from_file_location("_rljax_user_config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)

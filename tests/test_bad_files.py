@@ -34,3 +34,19 @@ def test_shallow_nesting_still_reads(tmp_path):
     from rljax.models.gguf_file import GGUFFile
     reader = GGUFFile(_nested_gguf(tmp_path / "ok.gguf", 3))
     assert reader.value("evil.nested") == [[[[]]]]   # 3 arrays of arrays, then an empty one
+
+
+def test_a_config_json_nesting_100k_deep_is_one_line(tmp_path, capsys):
+    from rljax import cli
+    from rljax import config as config_lib
+    from rljax.errors import ConfigError
+    deep = '{"a":' * 100_000 + "1" + "}" * 100_000
+    path = tmp_path / "config.json"
+    path.write_text(deep)
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        config_lib.load_config_json(str(path))
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        config_lib.config_from_file(str(path))
+    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2   # a workdir's config.json
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rljax: error:") and "nests too deeply" in err and "\n" not in err

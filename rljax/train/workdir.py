@@ -78,7 +78,7 @@ def _load_config_json(path: str, overrides: Sequence[str] = ()):
     if not paths.is_url(path):
         return config_lib.load_config_json(path, overrides)
     try:
-        data = json.loads(paths.read_text(path))
+        data = config_lib.json_loads(paths.read_text(path), path)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except json.JSONDecodeError as e:
@@ -143,7 +143,7 @@ def check_reuse(workdir: str, cfg, allow_config_change: bool = False) -> list[st
         return []
     try:
         old = json.loads(paths.read_text(saved))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         old = None
     if not isinstance(old, dict) or not isinstance(old.get("model"), dict):
         raise UserError(f"{saved} is not an rljax config, so this workdir's checkpoint cannot "
@@ -194,7 +194,7 @@ def is_run_dir(path: str) -> bool:
     try:
         with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and isinstance(data.get("model"), dict) and "algo" in data
 
