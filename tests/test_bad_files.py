@@ -50,3 +50,38 @@ def test_a_config_json_nesting_100k_deep_is_one_line(tmp_path, capsys):
     assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2   # a workdir's config.json
     err = capsys.readouterr().err.strip()
     assert err.startswith("rljax: error:") and "nests too deeply" in err and "\n" not in err
+
+
+def test_check_prompt_lengths_names_the_prompt_and_the_rule():
+    from rljax.train.run import check_prompt_lengths
+    check_prompt_lengths([10, 448], 64, 512)   # exactly fits
+    with pytest.raises(UserError, match=r"prompt 2 is 449 tokens; with 64 new tokens it needs "
+                                        r"513 positions, more than the model's context "
+                                        r"\(max_position_embeddings=512\)"):
+        check_prompt_lengths([10, 449], 64, 512)
+
+
+def test_sample_raw_with_a_prompt_beyond_the_context_is_one_line(tmp_path, capsys):
+    import jax
+
+    from rljax import cli
+    from rljax import config as config_lib
+    from rljax.train import run
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": 1, "eval_every": 0, "model.preset": "tiny", "tokenizer.kind": "char",
+        "data.source": "arithmetic", "data.max_prompt_length": 8, "rollout.batch_size": 8,
+        "rollout.max_new_tokens": 4, "algo.num_generations": 4, "algo.beta": 0.0,
+        "eval.num_examples": 8, "eval.batch_size": 8, "logging.tensorboard": False,
+        "checkpoint.async_save": False, "memory.check": "off"})
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 1, "eval_examples": 8}
+    workdir = str(tmp_path / "run")
+    assert run.train(config_lib.validate(cfg), workdir, devices=jax.devices()[:1]) == 0
+    capsys.readouterr()
+    assert cli.main(["sample", "--workdir", workdir, "--raw", "--prompt", "1+" * 300]) == 2
+    captured = capsys.readouterr()
+    assert "--- completion" not in captured.out
+    err = captured.err.strip()
+    assert err.startswith("rljax: error: prompt 1 is 600 tokens") and "\n" not in err

@@ -354,14 +354,28 @@ def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None 
     texts = list(prompts) if raw else render_prompts(cfg, tok, prompts, ctx)
     if cfg.env.name and ctx is not None:   # multi-turn: the whole episode, tools included
         return _sample_episodes(ctx, params, prompts, texts)
-    p_tok, p_mask = sampling.pad_to_bucket([tok.encode(p) for p in texts], pad_id=tok.pad_id)
+    ids = [tok.encode(p) for p in texts]
+    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    check_prompt_lengths([len(i) for i in ids], max_new, model_cfg.max_position_embeddings)
+    p_tok, p_mask = sampling.pad_to_bucket(ids, pad_id=tok.pad_id)
     out = sampling.generate(model_cfg, params, p_tok, p_mask, rng=jax.random.PRNGKey(cfg.seed),
-                            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                            max_new_tokens=max_new,
                             temperature=cfg.eval.temperature, eos_id=tok.eos_id,
                             pad_id=tok.pad_id)
     completions = tok.batch_decode(jax.device_get(out.tokens), jax.device_get(out.mask))
     print_completions(texts, completions, file=sys.stdout)
     return 0
+
+
+def check_prompt_lengths(lengths: list[int], max_new_tokens: int, context: int) -> None:
+    """UserError (one line) when a prompt of ``lengths[i]`` tokens plus ``max_new_tokens``
+    does not fit the model's ``context`` positions (its completion came back empty)."""
+    for i, n in enumerate(lengths):
+        if n + max_new_tokens > context:
+            raise UserError(f"prompt {i + 1} is {n} tokens; with {max_new_tokens} new tokens "
+                            f"it needs {n + max_new_tokens} positions, more than the model's "
+                            f"context (max_position_embeddings={context}); shorten it (or "
+                            "lower eval.max_new_tokens)")
 
 
 def _sample_episodes(ctx, params, questions: list[str], texts: list[str]) -> int:
