@@ -126,8 +126,8 @@ def test_update_streams_equal_one_stream_and_are_deterministic():
 
 def test_one_micro_batch_per_stream_is_its_own_total():
     """With one micro-batch per stream, a stream's gradients are its total: no zero total is
-    made and no adds compiled. The same bits as adding them to zeros, and the scanned
-    update's result."""
+    made and no adds compiled. The same gradients as adding them to zeros, and the scanned
+    update's result (to float32 rounding)."""
     algo = algo_cfg(beta=0.04, update_streams=2)
     batch = ragged_batch(3)
     state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
@@ -139,7 +139,10 @@ def test_one_micro_batch_per_stream_is_its_own_total():
     part, index = dist.device_batch(parts[1][1], None), jnp.asarray(1, jnp.int32)
     direct = step._grads(state, part, index, N)
     added = step._micro(state, step._zeros(state, parts[1][1], N), part, index, N)
-    jax.tree.map(np.testing.assert_array_equal, direct, added)
+    # Adding to zeros is exact, but _grads and _micro are two programs, which another CPU type
+    # may round differently: float32 rounding of the same gradient sums.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 direct, added)
 
     new_state, m = step(state, batch)
     for key in (k for k in ref_m if not k.startswith("update/")):

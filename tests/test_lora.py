@@ -37,10 +37,13 @@ def tokens(b=2, t=9, seed=3):
     return jax.random.randint(jax.random.key(seed), (b, t), 0, CFG.vocab_size)
 
 
-def test_step0_equals_base_exactly_and_merge_matches():
+def test_step0_equals_base_and_merge_matches():
     p = lora_params()
     base = models.forward(CFG, lora.base_params(p), tokens())
-    np.testing.assert_array_equal(models.forward(CFG, p, tokens()), base)
+    # B = 0 adds exact zeros, but the adapted forward is another program than the base one
+    # (extra matmuls, other fusions), which may round the base's own terms differently on
+    # another CPU type: float32 rounding over two tiny layers, not a bit-for-bit claim.
+    np.testing.assert_allclose(models.forward(CFG, p, tokens()), base, rtol=1e-5, atol=1e-6)
     cfg = CFG.replace(lora_scale=2.0)
     q = perturbed(p)
     out = models.forward(cfg, q, tokens())

@@ -45,6 +45,10 @@ def tokens(b=2, t=7, seed=3):
 def test_rate_zero_or_no_key_is_the_deterministic_model_bit_for_bit():
     p, t, key = adapted(), tokens(), jax.random.key(9)
     want = models.forward(CFG, p, t)
+    # Bit for bit because it is one program: without a rate or without a key no dropout is
+    # traced at all (the jaxprs are equal), so the equalities below hold on any CPU.
+    jaxpr = lambda c, **kw: str(jax.make_jaxpr(lambda q: models.forward(c, q, t, **kw))(p))
+    assert jaxpr(CFG, lora_dropout_rng=key) == jaxpr(CFG) == jaxpr(CFG.replace(lora_dropout=RATE))
     np.testing.assert_array_equal(models.forward(CFG, p, t, lora_dropout_rng=key), want)
     np.testing.assert_array_equal(models.forward(CFG.replace(lora_dropout=RATE), p, t), want)
     # ... and with a key and a rate, it does change (the test above can fail).

@@ -442,7 +442,9 @@ def test_noise_drawn_ahead_gives_the_per_step_tokens(draw, monkeypatch):
     monkeypatch.setattr(sampling, "NOISE_AHEAD_MAX_ELEMENTS", 0)
     per_step = _fresh_generate()(*args, **kw)
     np.testing.assert_array_equal(ahead.tokens, per_step.tokens)
-    np.testing.assert_array_equal(ahead.logps, per_step.logps)
+    # Two programs (noise as an input vs drawn in the loop): the same log-softmax, which another
+    # CPU type may round differently in the last bit.
+    np.testing.assert_allclose(ahead.logps, per_step.logps, rtol=1e-6, atol=1e-6)
     assert len(set(np.asarray(ahead.tokens).ravel().tolist())) > 3   # really sampled
 
 
