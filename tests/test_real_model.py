@@ -165,12 +165,10 @@ def test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache(gguf_path, 
     # saved) and replaced by a complete copy.
     conversions = []
 
-    def reconvert(*args, **kwargs):
-        if "gguf_file" in kwargs:
-            conversions.append(kwargs["gguf_file"])
-            return converted.hf_tokenizer
-        return convert(*args, **kwargs)
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", reconvert)
+    def reconvert(path):
+        conversions.append(os.path.basename(path))
+        return converted.hf_tokenizer
+    monkeypatch.setattr(tokenizers, "_convert_gguf", reconvert)
     (entry / "tokenizer.json").write_text("{")
     assert tokenizers.load(gguf_path).encode(texts[-1]) == converted.encode(texts[-1])
     assert conversions == [os.path.basename(gguf_path)]
