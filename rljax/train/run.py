@@ -87,8 +87,10 @@ def _checked_train(cfg, workdir: str, devices, stop, allow_config_change: bool,
 
 def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None) -> int:
     paths.makedirs(workdir)  # a local directory or a URL (gs://...)
-    with announced_if_slow(f"loading the model ({cfg.model.path or 'preset ' + cfg.model.preset}"
-                           ") and tokenizer"):
+    # A checkpoint or GGUF file may load for a minute; a preset is built in a moment (and
+    # refusals during its setup stay one line).
+    with (announced_if_slow(f"loading the model ({cfg.model.path}) and tokenizer")
+          if cfg.model.path else contextlib.nullcontext()):
         ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
     # Held-out prompts, read before the checkpoint manager starts (a bad eval file is one line).
