@@ -138,7 +138,9 @@ def cmd_train(args, overrides) -> int | None:
                                                      args.allow_config_change)
     fn = _run_function("train", "train")
     if resuming:
-        print(f"rljax: resuming from {wd.checkpoint_dir(args.workdir)}", file=sys.stderr)
+        # A workdir's config.json may name Python files; say which ones this resume runs.
+        print(f"rljax: resuming from {wd.checkpoint_dir(args.workdir)}{wd.code_files_line(cfg)}",
+              file=sys.stderr)
         if changes:
             print(f"rljax: config changed since the last run: {'; '.join(changes)}",
                   file=sys.stderr)

@@ -65,6 +65,38 @@ def write_config(workdir: str, cfg) -> str:
     return path
 
 
+def code_files(cfg) -> list[tuple[str, str]]:
+    """``[(dotted key, absolute path)]`` of every ``file.py:name`` in ``cfg`` (reward
+    functions, data loaders and templates, environments, tools): the Python files a run of
+    this config imports and runs. Relative paths resolve from the current directory, as
+    ``rljax.usercode`` resolves them."""
+    from rljax import usercode
+
+    out: list[tuple[str, str]] = []
+
+    def walk(node, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v, key)
+        elif isinstance(node, str) and usercode.is_spec(node) and \
+                node.rpartition(":")[0].endswith(".py"):
+            out.append((key, os.path.abspath(node.rpartition(":")[0])))
+
+    walk(cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg), "")
+    return list(dict.fromkeys(out))
+
+
+def code_files_line(cfg) -> str:
+    """``"; its config runs code from a.py (reward.names), b.py (data.source)"`` or ``""``."""
+    files = code_files(cfg)
+    if not files:
+        return ""
+    return "; its config runs code from " + ", ".join(f"{path} ({key})" for key, path in files)
+
+
 def unwritable(workdir: str, e: OSError) -> UserError:
     """The one-line error for a workdir that cannot be written (read-only, full, no access)."""
     what = e.strerror or str(e)
