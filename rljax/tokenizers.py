@@ -141,8 +141,14 @@ class HFTokenizer(Tokenizer):
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
             super().apply_chat_template(messages, add_generation_prompt)
-        return self._tok.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        from rljax import chat_limits  # a template is code: bound what it may render
+
+        if getattr(self, "_checked_template", None) is not self._tok.chat_template:
+            chat_limits.check_chat_template(self._tok.chat_template,
+                                            self._tok.special_tokens_map)
+            self._checked_template = self._tok.chat_template
+        return chat_limits.check_rendered(self._tok.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt))
 
     def save(self, out_dir: str) -> list[str]:
         """Writes the tokenizer's files into ``out_dir`` (``tokenizer.json``,

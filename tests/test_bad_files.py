@@ -85,3 +85,54 @@ def test_sample_raw_with_a_prompt_beyond_the_context_is_one_line(tmp_path, capsy
     assert "--- completion" not in captured.out
     err = captured.err.strip()
     assert err.startswith("rljax: error: prompt 1 is 600 tokens") and "\n" not in err
+
+
+# ---- chat templates are code: bounded output ---------------------------------------------------
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _hf_tokenizer(tmp_path, template):
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rljax import tokenizers
+    raw = Tokenizer(tm.WordLevel({"<unk>": 0, "<eos>": 1, "a": 2}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path / "tok")
+    return tokenizers.HFTokenizer(str(tmp_path / "tok"))
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'a' * 10**8 }}",                                      # one huge repetition
+    "{{ 7 ** 100000000 }}",                                   # a number of 85M digits
+    "{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}",   # 1e8 in pieces
+])
+def test_a_chat_template_that_renders_hundreds_of_megabytes_is_one_line(tmp_path, template):
+    import time
+
+    from rljax.chat_limits import TemplateTooLarge
+    tok = _hf_tokenizer(tmp_path, template)
+    start = time.monotonic()
+    with pytest.raises(TemplateTooLarge) as err:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < 30
+    assert "\n" not in str(err.value) and "chat template" in str(err.value)
+
+
+def test_an_ordinary_chat_template_renders_as_transformers_renders_it(tmp_path):
+    tok = _hf_tokenizer(tmp_path, CHATML)
+    messages = [{"role": "user", "content": "a a"}]
+    assert tok.apply_chat_template(messages) == tok.hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages).endswith("<|im_start|>assistant\n")
+
+
+def test_a_long_render_is_refused_before_it_is_tokenized():
+    from rljax.chat_limits import MAX_OUTPUT_CHARS, TemplateTooLarge, check_rendered
+    assert check_rendered("ok") == "ok"
+    with pytest.raises(TemplateTooLarge, match="rendered"):
+        check_rendered("a" * (MAX_OUTPUT_CHARS + 1))
