@@ -159,14 +159,21 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                 "guard": guard.state_dict(), "eval_pending": eval_pending}
         ckpt.save(step, for_checkpoint(state), meta, wait=wait)  # LoRA: adapters, no base
 
+    evals_run: list[int] = []  # steps evaluated by this process (the first one compiles)
+
     def run_eval(step: int) -> bool:
         """Evaluates at ``step``; False if a stop request interrupted it (nothing written)."""
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, eval_lib.EVAL_STREAM), step)
         if hasattr(phases[index], "evaluate"):  # a phase with its own held-out metrics (dpo, rm)
             writer.write(step, phases[index].evaluate(state, rng))
             return True
-        metrics = eval_lib.run_eval(ctx, state.params, rng, examples, stop=stop,
-                                    progress_every_s=cfg.logging.console_every_s)
+        first = not evals_run
+        evals_run.append(step)
+        with (announced_if_slow(f"evaluating step {step} on {len(examples)} held-out examples "
+                                "(the first eval compiles the sampler)") if first
+              else contextlib.nullcontext()):
+            metrics = eval_lib.run_eval(ctx, state.params, rng, examples, stop=stop,
+                                        progress_every_s=cfg.logging.console_every_s)
         if metrics is None:
             return False
         writer.write(step, metrics)
