@@ -202,6 +202,12 @@ def test_the_learning_signal_streak_restarts_on_an_informative_iteration():
             enumerate(fracs)]
     assert [i + 1 for i, line in enumerate(said) if line] == [6]
     assert hint.observe(9, {"sft/loss": 1.0}) is None
+    # Advantages that still move (a critic's, KL in the reward), or G=1: no hint.
+    critic = NoSignalHint(1.0, 8, after=1, enabled=False)
+    assert critic.observe(1, {"rollout/informative_groups_frac": 0.0, "adv/abs_mean": 0.3}) \
+        is None
+    single = NoSignalHint(1.0, 1, after=1, enabled=False)
+    assert single.observe(1, {"rollout/informative_groups_frac": 0.0}) is None
 
 
 EXAMPLE_DATA = os.path.abspath(os.path.join(EXAMPLES, "data"))

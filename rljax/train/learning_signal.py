@@ -2,7 +2,8 @@
 
 GRPO-style advantages are rewards relative to their group (the G completions of one prompt).
 When all G rewards of every group are equal, every advantage is 0, the policy loss is 0 and
-nothing changes: ``rollout/informative_groups_frac`` is 0. ``NoSignalHint.observe(step,
+nothing changes: ``rollout/informative_groups_frac`` is 0 and so is ``adv/abs_mean``. (With
+G=1, or advantages that are not 0 anyway, e.g. a critic's, there is no hint.) ``NoSignalHint.observe(step,
 metrics)`` counts such iterations in a row and, at ``after`` of them, prints one console line
 saying so and what to check. Once per run: a run that keeps going is the user's choice.
 """
@@ -12,6 +13,7 @@ import sys
 from typing import Mapping
 
 KEY = "rollout/informative_groups_frac"
+ADV = "adv/abs_mean"
 AFTER = 5  # consecutive iterations without one informative group before the hint
 
 
@@ -31,9 +33,11 @@ class NoSignalHint:
         """Updates the streak from one iteration's metrics (phases without ``KEY``, such as
         SFT, leave it as it is); returns the line when it is printed now."""
         frac = metrics.get(KEY)
-        if frac is None:
+        if frac is None or self.g < 2:  # G=1 (PPO's critic): groups say nothing
             return None
-        self.streak = self.streak + 1 if float(frac) == 0.0 else 0
+        # Advantages that are not all 0 (a critic's, a KL folded into the reward) still train.
+        still = abs(float(metrics.get(ADV, 0.0) or 0.0)) > 0.0
+        self.streak = self.streak + 1 if float(frac) == 0.0 and not still else 0
         if self.said or self.streak < self.after:
             return None
         self.said = True
