@@ -265,13 +265,16 @@ def removed_if_refused(workdir: str):
         yield
     except UserError:
         if new and os.path.isdir(workdir) and not _has_results(workdir):
-            if existed:
-                for name in os.listdir(workdir):
-                    full = os.path.join(workdir, name)
-                    (shutil.rmtree if os.path.isdir(full) and not os.path.islink(full)
-                     else os.remove)(full)
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
+            try:  # best effort: the refusal's own line is what the user needs
+                if existed:
+                    for name in os.listdir(workdir):
+                        full = os.path.join(workdir, name)
+                        (shutil.rmtree if os.path.isdir(full) and not os.path.islink(full)
+                         else os.remove)(full)
+                else:
+                    shutil.rmtree(workdir, ignore_errors=True)
+            except OSError:  # e.g. a read-only folder
+                pass
         raise
 
 
