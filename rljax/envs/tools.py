@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 from rljax.envs import calculator as calc
 from rljax.envs.base import Tool, ToolError, register_tool
-from rljax.envs.sandbox import SandboxLimits, run_python
+from rljax.envs.sandbox import SandboxLimits, resolve_backend, run_python
 from rljax.envs.search import BM25Index, world_facts
 
 __all__ = ["calculator_tool", "python_tool", "search_tool", "load_docs"]
@@ -39,13 +39,17 @@ def calculator_tool(timeout_s: float = 5.0) -> Tool:
 
 
 def python_tool(wall_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024, file_mb: int = 16,
-                max_output_chars: int = 2000) -> Tool:
-    """Runs Python code in a limited child process (see ``sandbox``); returns its stdout."""
+                max_output_chars: int = 2000, max_procs: int = 64, sandbox: str = "auto") -> Tool:
+    """Runs Python code in a limited child process (see ``sandbox``); returns its stdout.
+    ``sandbox``: ``"namespace"`` (Linux namespaces: minimal read-only file system, no network,
+    own PIDs; an error where it cannot run), ``"process"`` (limits only) or ``"auto"`` (the
+    namespace backend where it works, else ``"process"`` with one warning line)."""
     limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, file_mb=file_mb,
-                           max_output_chars=max_output_chars)
+                           max_output_chars=max_output_chars, max_procs=max_procs)
+    backend = resolve_backend(sandbox)  # decided (and any warning printed) once, here
 
     def python(code: str) -> str:
-        return run_python(code, limits)
+        return run_python(code, limits, sandbox=backend)
 
     return Tool(
         name="python",
