@@ -155,23 +155,30 @@ else:
 os.chdir("/")
 mount(None, "/", None, REMOUNT | BIND | RDONLY | NOSUID | NODEV)
 
+def drop_privileges():
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
+    if spec["uid"] is not None:  # as root: an unused uid (no capabilities left after it)
+        os.setgroups([])
+        os.setresgid(spec["uid"], spec["uid"], spec["uid"])
+        os.setresuid(spec["uid"], spec["uid"], spec["uid"])
+    check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
+
 status_fd = spec["status_fd"]
 os.set_inheritable(status_fd, False)
 pid = os.fork()
 if pid == 0:
     try:
-        for cap in range(64):
-            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
-        if spec["uid"] is not None:
-            os.setgroups([])
-            os.setresgid(spec["uid"], spec["uid"], spec["uid"])
-            os.setresuid(spec["uid"], spec["uid"], spec["uid"])
-        check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
+        drop_privileges()
         os.chdir(spec["workdir"])
         os.execve(spec["python"], spec["argv"], dict(os.environ))
     except BaseException as e:
         os.write(2, ("sandbox setup failed: %r\n" % (e,)).encode())
         os._exit(127)
+try:
+    drop_privileges()  # PID 1 only waits: it needs no privileges either
+except OSError:
+    pass
 libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the code cannot ptrace or read PID 1
 while True:
     done, status = os.waitpid(-1, 0)
@@ -332,9 +339,9 @@ def _remove_tree(path: str) -> None:
     """Removes a directory the code wrote into, even where it took away its own permissions."""
     def retry(function, failed, _):
         try:
-            os.chmod(os.path.dirname(failed), stat.S_IRWXU)
-            if os.path.isdir(failed) and not os.path.islink(failed):
-                os.chmod(failed, stat.S_IRWXU)
+            for path in (os.path.dirname(failed), failed):
+                if os.path.isdir(path) and not os.path.islink(path):  # never through a link
+                    os.chmod(path, stat.S_IRWXU)
             function(failed)
         except OSError:
             pass
