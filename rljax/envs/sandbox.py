@@ -264,10 +264,11 @@ def _read_only_paths() -> list[str]:
     Python prefixes (a venv and the interpreter it points to), nothing under them twice."""
     paths = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache",
              "/etc/localtime"]
-    exe_prefix = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
-    for prefix in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
-                   exe_prefix):
-        prefix = os.path.realpath(prefix)
+    prefixes = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+                os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))]
+    # Each as named (a venv's bin/python is reached through it) and with links resolved.
+    for prefix in prefixes + [os.path.realpath(p) for p in prefixes]:
+        prefix = os.path.abspath(prefix)
         if prefix != "/" and prefix not in paths:
             paths.append(prefix)
     out: list[str] = []
@@ -281,10 +282,10 @@ def _namespace_command(limits: SandboxLimits, workdir: str, rootdir: str, status
                        uid: int | None) -> list[str]:
     bootstrap = _BOOTSTRAP.format(cpu_s=limits.cpu_s, memory_bytes=limits.memory_mb << 20,
                                   file_bytes=limits.file_mb << 20, nproc=limits.max_procs)
-    python = os.path.realpath(sys.executable)
+    python = os.path.abspath(sys.executable)  # not resolved: a venv's python finds its venv
     spec = {"root": rootdir, "workdir": workdir, "ro": _read_only_paths(), "uid": uid,
             "status_fd": status_fd, "python": python, "argv": [python, "-I", "-c", bootstrap]}
-    unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc",
+    unshare = [shutil.which("unshare") or "unshare", "--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc",
                "--uts", "--propagation", "private"]
     if os.geteuid() != 0:
         unshare[1:1] = ["--user", "--map-root-user"]
