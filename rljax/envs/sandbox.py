@@ -112,7 +112,7 @@ mount("tmpfs", new, "tmpfs", NOSUID | NODEV, "size=1m,mode=0755")
 def inside(path):
     return new + path
 
-def bind(src, writable=False):
+def bind(src, writable=False, device=False):
     dst = inside(src)
     if os.path.isdir(src):
         os.makedirs(dst, exist_ok=True)
@@ -120,7 +120,7 @@ def bind(src, writable=False):
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         open(dst, "a").close()
     mount(src, dst, None, BIND | REC)
-    flags = locked_flags(src) | NOSUID | NODEV | (0 if writable else RDONLY)
+    flags = locked_flags(src) | NOSUID | (0 if device else NODEV) | (0 if writable else RDONLY)
     mount(None, dst, None, REMOUNT | BIND | flags)
 
 for path in spec["ro"]:
@@ -132,8 +132,7 @@ for path in spec["ro"]:
 bind(spec["workdir"], writable=True)
 for name in ("null", "zero", "full", "random", "urandom"):
     if os.path.exists("/dev/" + name):
-        bind("/dev/" + name)
-        mount(None, inside("/dev/" + name), None, REMOUNT | BIND | NOSUID | locked_flags("/dev/" + name))
+        bind("/dev/" + name, writable=True, device=True)  # writable: the device, not a file
 for fd, name in enumerate(("stdin", "stdout", "stderr")):
     os.symlink("/proc/self/fd/%d" % fd, inside("/dev/" + name))
 os.symlink("/proc/self/fd", inside("/dev/fd"))
