@@ -535,7 +535,8 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
         masked = jnp.where(forbid[None, :], jnp.finfo(jnp.float32).min, logits)
         tok, _ = sample_logits(key, masked, **draw)
         logp_all = jax.nn.log_softmax(logits / (temp if temperatures is not None
-                                                else temperature or 1.0), axis=-1)
+                                                else models.scoring_temperature(temperature)),
+                                      axis=-1)
         return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
     # ---- prefill: B prompts, once.

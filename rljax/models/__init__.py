@@ -13,7 +13,7 @@ from rljax.models.hf import (HFCheckpointError, config_from_hf, config_to_hf, is
 from rljax.models.transformer import (apply_rope, attention, default_positions, embed_tokens,
                                       forward, init_cache, init_params, logits_from_hidden,
                                       param_logical_axes, param_shapes, rms_norm, rope_inv_freq,
-                                      stack_cache, token_logps, trunk, unstack_cache,
+                                      scoring_temperature, stack_cache, token_logps, trunk, unstack_cache,
                                       unstack_layers)
 from rljax.models import lora, peft, shared_prompt
 from rljax.models.value import init_value_params, value_forward, value_param_logical_axes
@@ -22,6 +22,7 @@ __all__ = [
     "ModelConfig", "PRESETS", "SUPPORTED_MODEL_TYPES", "get_preset",
     "init_params", "param_logical_axes", "param_shapes",
     "forward", "trunk", "logits_from_hidden", "init_cache", "token_logps",
+    "scoring_temperature",
     "unstack_layers", "unstack_cache", "stack_cache",
     "embed_tokens", "default_positions", "rms_norm", "apply_rope", "rope_inv_freq", "attention",
     "init_value_params", "value_forward", "value_param_logical_axes",

@@ -590,6 +590,14 @@ def _auto_chunk(batch: int, length: int, vocab: int) -> int:
     return int(max(1, min(length, budget // max(1, batch * vocab))))
 
 
+def scoring_temperature(temperature: float) -> float:
+    """The temperature log-probs are scored at for a rollout sampled at ``temperature``: itself,
+    except greedy decoding (0), whose log-probs are reported at temperature 1 (a softmax at 0
+    is not a distribution). The sampler, the old/reference log-probs and every loss use this,
+    so the first update's ratio is 1."""
+    return float(temperature) or 1.0
+
+
 def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
                 positions=None, temperature=1.0, chunk_size: Optional[int] = None,
                 with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,

@@ -316,7 +316,7 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
 
 def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0) -> LossFn:
     """``grpo_loss`` with its configuration bound: ``loss_fn(params, state, batch)``."""
-    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
+    temperature = models.scoring_temperature(temperature)
     return functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
 
 
@@ -343,7 +343,7 @@ def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, m
     log-probs; at ``batch["temperatures"]`` when present), computed ``num_micro`` row-chunks at
     a time to bound memory. ``base_only``:
     the LoRA adapters are switched off (the base model is the reference policy)."""
-    temperature = float(temperature) or 1.0
+    temperature = models.scoring_temperature(temperature)
 
     def logps_fn(params, batch):
         if base_only:

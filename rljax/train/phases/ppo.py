@@ -122,7 +122,7 @@ def build_prepare(model_cfg, algo_cfg, *, temperature: float = 1.0) -> Callable:
     so the first PPO ratio is exactly 1; taken from the batch when the rollout computed them. The reference is used when ``algo.beta > 0`` and
     ``state.ref_params`` is set.
     """
-    temperature = float(temperature) or 1.0  # greedy sampling reports temperature-1 logps
+    temperature = models.scoring_temperature(temperature)
 
     def prepare(state, batch):
         m = batch["loss_mask"].astype(bool)
@@ -234,7 +234,7 @@ def build_ppo_step(model_cfg, algo_cfg, optimizer, critic_optimizer, *, temperat
     (``ppo_prepare`` fields). Metrics: loss, pg_loss, vf_loss, vf_clipfrac, clipfrac_*,
     approx_kl, values/pred_mean, entropy (entropy_coef > 0), kl_loss (KL as a loss term),
     grad_norm, critic_grad_norm, skipped."""
-    temperature = float(temperature) or 1.0
+    temperature = models.scoring_temperature(temperature)
     loss_fn = functools.partial(ppo_loss, model_cfg, algo_cfg, temperature)
 
     def ppo_step(state, batch):
