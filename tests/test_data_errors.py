@@ -121,3 +121,15 @@ def test_dpo_pairs_all_identical_are_refused_and_some_warned(tmp_path, capsys):
 ])
 def test_bad_free_form_sections_are_one_line(tmp_path, capsys, override, needle):
     _one_line(*_train(tmp_path, capsys, override), needle)
+
+
+def test_a_tfds_source_is_not_taken_for_user_code():
+    """``data.source='tfds:gsm8k'`` (the notebooks' fallback without a local copy) passed for
+    a ``module:function`` spec and was refused as "no module named 'tfds'"."""
+    from rljax import config as config_lib
+    from rljax.train import setup
+    cfg = config_lib.default_config()
+    config_lib.merge_into(cfg, dict(data=dict(source="tfds:gsm8k", path="", eval_path="",
+                                              template="gsm8k"), reward=dict(names=("gsm8k",))))
+    config_lib.validate(cfg)
+    setup.check_inputs(cfg, 1)   # nothing is read or downloaded here

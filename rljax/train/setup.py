@@ -116,7 +116,7 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
     _template(cfg)
     for key in ("data.source", "data.template"):  # user code: imported before compiling
         value = cfg.data[key.split(".")[1]]
-        if usercode.is_spec(value):
+        if usercode.is_spec(value) and not value.startswith("tfds:"):  # tfds:NAME is built in
             usercode.load(value, key)
     mesh_sizes = dict(cfg.mesh.items())
     n = num_devices if num_devices is not None else jax.device_count()
