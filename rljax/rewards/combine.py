@@ -165,8 +165,12 @@ def _exit_codes(workers) -> str:
     (out of memory?)"``; the pool's own SIGTERM of the survivors is left out."""
     import signal
 
+    # The pool's own thread reaps the same processes: a join that loses that race sees no exit
+    # code yet (ECHILD), so poll until the winner has stored it.
+    deadline = time.monotonic() + 5.0
     for p in workers:
-        p.join(timeout=1.0)  # reaped, so that exitcode is known
+        while p.exitcode is None and time.monotonic() < deadline:
+            p.join(timeout=0.05)
     codes = [p.exitcode for p in workers if p.exitcode is not None]
     codes = [c for c in codes if c != -signal.SIGTERM] or codes
     if not codes:
@@ -408,12 +412,14 @@ class CombinedReward:
             return "error", e
 
     def _in_processes(self, prompts, completions, fields, deadline) -> list[tuple[str, object]]:
+        if self._pool is not None and not all(p.is_alive() for p in self._workers):
+            self._kill_pool()  # a worker died since the last batch (the OOM killer while idle)
         if self._pool is None:
             self._start_pool()
         try:
             futures = [self._pool.submit(_call_in_child, spec, prompts, completions, fields)
                        for spec in self._specs]
-        except cf.process.BrokenProcessPool:  # a worker died since the last batch (OOM kill)
+        except cf.process.BrokenProcessPool:  # it died between that check and the submit
             self._kill_pool()
             self._start_pool()
             futures = [self._pool.submit(_call_in_child, spec, prompts, completions, fields)
