@@ -158,12 +158,10 @@ def test_training_onto_a_full_disk_stops_in_one_line_and_keeps_good_checkpoints(
     workdir = small_disk / "run"
     out = rljax("train", "--config", str(config), "--workdir", str(workdir))
     assert out.returncode == 1, out.stderr[-3000:]
-    # No traceback from rljax's own code. Known gap: when an async checkpoint save is in flight
-    # as the disk fills, TensorStore's callbacks may still print "Event loop is closed"
-    # tracebacks (asyncio frames only) from orbax's save loop before the one-line error, and
-    # interleave with it; timing decides, so this is checked, not the absence of all noise.
-    assert 'rljax/' not in "".join(line for line in out.stderr.splitlines()
-                                   if line.lstrip().startswith("File ")), out.stderr[-3000:]
+    # No traceback at all: not rljax's, and not TensorStore's late completions of an async
+    # save that failed (they used to print "Event loop is closed" around the error line).
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, \
+        out.stderr[-3000:]
     assert out.stderr.count("rljax: error:") == 1, out.stderr[-3000:]
     error = out.stderr[out.stderr.index("rljax: error:"):].splitlines()[0]
     assert "No space left on device" in error, out.stderr[-3000:]
@@ -185,3 +183,17 @@ def test_any_command_that_hits_a_full_disk_ends_in_one_line():
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip() == ("rljax: error: cannot write /out/model.safetensors: "
                                   "No space left on device")
+
+
+def test_a_closed_save_loop_drops_late_completions_quietly():
+    import asyncio
+
+    from rljax.train import checkpoint
+    checkpoint._quiet_orbax_errors()   # as every CheckpointManager does
+    loop = asyncio.new_event_loop()
+    ran = []
+    loop.call_soon_threadsafe(ran.append, 1)
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    assert loop.call_soon_threadsafe(ran.append, 2) is None   # no RuntimeError
+    assert ran == [1]

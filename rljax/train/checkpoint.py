@@ -87,10 +87,35 @@ class _QuietOrbaxErrors(logging.Filter):
                     and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
 
 
+class _LateCallbacksIgnored(asyncio.DefaultEventLoopPolicy):
+    """New event loops ignore thread-safe callbacks posted after they are closed.
+
+    orbax runs each save in a loop it closes as soon as the save raises; TensorStore writes of
+    the same save still in flight (the disk filled under all of them) then post their
+    completions to the closed loop, and each ``RuntimeError: Event loop is closed`` is printed
+    as a traceback by TensorStore's thread around rljax's one-line error. Nothing can run those
+    callbacks any more, so dropping them loses nothing."""
+
+    def new_event_loop(self):
+        loop = super().new_event_loop()
+        post = loop.call_soon_threadsafe
+
+        def call_soon_threadsafe(callback, *args, context=None):
+            if loop.is_closed():
+                return None
+            return post(callback, *args, context=context)
+
+        loop.call_soon_threadsafe = call_soon_threadsafe
+        return loop
+
+
 def _quiet_orbax_errors() -> None:
     logger = logging.getLogger("absl")
     if not any(isinstance(f, _QuietOrbaxErrors) for f in logger.filters):
         logger.addFilter(_QuietOrbaxErrors())
+    # Only replaces asyncio's default policy (a user's own, e.g. uvloop's, is left alone).
+    if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
+        asyncio.set_event_loop_policy(_LateCallbacksIgnored())
 
 
 def _file_crc(path: epath.Path) -> tuple[int, str]:
