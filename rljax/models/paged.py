@@ -1,0 +1,113 @@
+"""One decode step over independent slots whose prompts live in shared pages.
+
+The static sampler keeps one KV cache row per completion: a prompt's keys and values are
+copied into each of its G rows, and every row sits at the same cache position. A slot engine
+(``rljax.sampling.engine``) keeps S decode slots that start and stop at different times, and
+splits the cache in two:
+
+* **prompt pages** ``{"k", "v"}``: per layer ``[pages, K, P, Dh]``, one page per prompt, written
+  once by the prefill and read by all G of its samples (never copied per sample);
+* **slot caches**: per layer ``[S, K, N, Dh]``, slot ``s`` holding the completion it decodes now;
+  slot ``s`` writes its token's keys/values at its own index ``t[s]``.
+
+A slot's query attends to its page's real prompt tokens and to its own completion slots
+``<= t[s]``, in one softmax over both parts (scores and softmax in float32, as
+``transformer.attention``). Stale entries above ``t[s]`` left by the slot's previous sample are
+masked, so a reused slot needs no clearing.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.models import transformer as tfm
+from rljax.models.config import ModelConfig
+
+
+def prefill_pages(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
+                  prompt_mask: jax.Array, cache_dtype=None) -> tuple[dict, jax.Array]:
+    """Runs the prompts once and keeps their keys/values as pages.
+
+    prompt_tokens: int32 [B, P], left-padded (prompt_mask bool [B, P]). Returns
+    ``(pages {"k", "v": tuple of L [B, K, P, Dh]}, logits float32 [B, V] at each prompt's last
+    token)``.
+    """
+    b, p = prompt_tokens.shape
+    cache = tfm.init_cache(cfg, b, p, dtype=cache_dtype)
+    hidden, cache = tfm.trunk(cfg, params, prompt_tokens, attention_mask=prompt_mask,
+                              positions=tfm.default_positions(prompt_mask), cache=cache,
+                              cache_index=0)
+    return tfm.unstack_cache(cache), tfm.logits_from_hidden(cfg, params, hidden[:, -1])
+
+
+def init_slot_cache(cfg: ModelConfig, slots: int, length: int, dtype=None) -> dict:
+    """Zeroed slot caches ``{"k", "v": tuple of L [slots, K, length, Dh]}``."""
+    return tfm.unstack_cache(tfm.init_cache(cfg, slots, length, dtype=dtype))
+
+
+def _write(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """cache [S, K, N, Dh] with ``new`` [S, K, Dh] written at slot s's own index ``index[s]``."""
+    s = cache.shape[0]
+    return cache.at[jnp.arange(s), :, index].set(new.astype(cache.dtype), mode="drop",
+                                                 unique_indices=True)
+
+
+def slot_attention(q: jax.Array, k_page: jax.Array, v_page: jax.Array, page_mask: jax.Array,
+                   k: jax.Array, v: jax.Array, own_mask: jax.Array) -> jax.Array:
+    """One query per slot over its prompt page and its own completion, one softmax.
+
+    q: [S, H, Dh]; k_page, v_page: [S, K, P, Dh] (each slot's page); page_mask: bool [S, P];
+    k, v: [S, K, N, Dh] (the slot caches); own_mask: bool [S, N]. Returns [S, H, Dh] in
+    ``q.dtype``.
+    """
+    s, h, dh = q.shape
+    kv = k.shape[1]
+    q = q.reshape(s, kv, h // kv, dh)
+    scale = dh ** -0.5
+    # Matrix-vector products and a multiply-sum for the values, as the static decode step
+    # (``transformer._decode_attention_cpu``): XLA:CPU runs the batched [G, Dh] dots slowly.
+    s_page = jnp.einsum("skgd,skpd->skgp", q, k_page, preferred_element_type=jnp.float32)
+    s_own = jnp.einsum("skgd,sknd->skgn", q, k, preferred_element_type=jnp.float32)
+    s_page = jnp.where(page_mask[:, None, None, :], s_page * scale, tfm._MASK_VALUE)
+    s_own = jnp.where(own_mask[:, None, None, :], s_own * scale, tfm._MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([s_page, s_own], axis=-1), axis=-1)
+    p = k_page.shape[2]
+    out = (jnp.sum(probs[..., :p, None] * v_page.astype(jnp.float32)[:, :, None], axis=-2)
+           + jnp.sum(probs[..., p:, None] * v.astype(jnp.float32)[:, :, None], axis=-2))
+    return out.reshape(s, h, dh).astype(q.dtype)
+
+
+def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
+                index: jax.Array, pages: dict, page_mask: jax.Array, page_of: jax.Array,
+                cache: dict) -> tuple[jax.Array, dict]:
+    """Feeds one token per slot.
+
+    tokens, positions, index, page_of: int32 [S] (the token, its position in the sequence, the
+    slot-cache index it is written at, the slot's page); pages from ``prefill_pages``;
+    page_mask: bool [pages, P]; cache from ``init_slot_cache``. ``params`` unstacked
+    (``transformer.unstack_layers``). Slots whose index is out of range write nothing (idle
+    slots pass N). Returns ``(hidden [S, D] in cfg.dtype, cache)``.
+    """
+    n = cache["k"][0].shape[2]
+    own_mask = jnp.arange(n)[None, :] <= index[:, None]
+    slot_page_mask = page_mask[page_of]
+    rope = tfm.rope_tables(positions[:, None].astype(jnp.int32), tfm.rope_inv_freq(cfg),
+                           cfg.compute_dtype)
+    x = tfm.embed_tokens(cfg, params, tokens[:, None])
+    lora_list = (params["lora"]["layers"] if "lora" in params
+                 else (None,) * len(params["layers"]))
+    ks, vs = list(cache["k"]), list(cache["v"])
+    for i, (p, lp) in enumerate(zip(params["layers"], lora_list)):
+        p = tfm._cast_layer(cfg, p)
+        h = tfm.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        q, k, v = tfm._qkv(cfg, p, h, rope, lp)          # [S, 1, heads, Dh]
+        ks[i] = _write(ks[i], k[:, 0], index)
+        vs[i] = _write(vs[i], v[:, 0], index)
+        attn = slot_attention(q[:, 0], pages["k"][i][page_of].astype(q.dtype),
+                              pages["v"][i][page_of].astype(q.dtype), slot_page_mask,
+                              ks[i].astype(q.dtype), vs[i].astype(q.dtype), own_mask)
+        x = x + tfm._proj(cfg, p, lp, "o", attn[:, None], n_in=2)
+        h = tfm.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        x = x + tfm._mlp(cfg, p, h, lp)
+    x = tfm.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    return x[:, 0], {"k": tuple(ks), "v": tuple(vs)}

@@ -1,0 +1,267 @@
+"""Slot engine: S decode slots that are refilled as their completions stop.
+
+    out, stats = sampling_engine.generate(cfg, params, prompt_tokens, prompt_mask, rng=key,
+                                          max_new_tokens=N, num_samples=G, eos_id=tok.eos_id,
+                                          slots=64, chunk_steps=16)
+    # out: a SampleOutput exactly as sampling.generate returns it (row i * G + g)
+    # stats: EngineStats (decode steps, slot utilisation)
+
+The static sampler decodes all B*G rows until the longest one stops; with long, uneven
+completions most of its row-steps decode rows that have already stopped. Here:
+
+1. **Prefill** (one program): every prompt runs once; its keys/values become a *page* that its
+   G samples share (``models.paged``), and each row's first token is drawn from the prompt's
+   last logits, as the static sampler draws it.
+2. **Decode in chunks** (one program, reused): S slots each decode their own row, at their own
+   step, for up to ``chunk_steps`` steps. A slot whose row stops goes idle.
+3. **Refill** (on device, every step): an idle slot takes the next queued row (a row is a page
+   index, a row id and its first token: nothing is copied or recomputed). The host only
+   relaunches the chunk program until every row has stopped.
+
+Randomness depends only on (rng, row, step): token t of row r reads the noise that the static
+sampler draws for it (``draw_noise(fold_in(rng, t), B*G, V)[r]``, all drawn before the loop),
+so the slot a row lands in, the chunk size and the refill order change nothing, and where both
+programs round the logits alike the tokens equal the static sampler's. Greedy decoding gives
+the static sampler's tokens wherever its logits are not tied within float32 rounding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import deque
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import models
+from rljax.models import paged
+from rljax.sampling import (NOISE_AHEAD_MAX_ELEMENTS, SampleOutput, _noise_ahead, _stop_ids,
+                            draw_noise, sample_logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What a ``generate`` call decoded.
+
+    rows: B*G completions; slots: S; chunks: decode programs run; decode_steps: their steps
+    (each advances every slot, busy or idle); useful_steps: the tokens the decode steps
+    produced (all tokens but each row's first, which the prefill draws).
+    """
+    rows: int
+    slots: int
+    chunks: int
+    decode_steps: int
+    useful_steps: int
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Useful token-steps over slot-steps (1 = no slot ever idle)."""
+        return self.useful_steps / max(1, self.slots * self.decode_steps)
+
+
+def static_utilisation(lengths: np.ndarray) -> float:
+    """What a static batch of these completion lengths keeps busy: tokens over rows x the
+    longest row (the decode steps it runs until the slowest row stops)."""
+    lengths = np.asarray(lengths)
+    return float(lengths.sum() / max(1, lengths.size * lengths.max(initial=1)))
+
+
+def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_mask: Any, *,
+             rng: jax.Array, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
+             num_samples: int = 1, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
+             slots: int = 64, chunk_steps: int = 16, cache_dtype: Any = None,
+             temperatures: Any = None) -> tuple[SampleOutput, EngineStats]:
+    """Samples ``num_samples`` completions per prompt with ``slots`` refilled decode slots.
+
+    Arguments as ``sampling.generate`` (prompt_tokens int32 [B, P] left-padded, prompt_mask
+    bool [B, P]), plus:
+      slots: S, decode slots (at most B*G are used).
+      chunk_steps: decode steps per program run (refills happen inside it; the host only
+        relaunches the program until every row stopped, one small read-back per run).
+
+    Returns ``(SampleOutput with B*G rows, EngineStats)``.
+    """
+    if max_new_tokens < 1 or num_samples < 1 or slots < 1 or chunk_steps < 1:
+        raise ValueError(f"max_new_tokens, num_samples, slots and chunk_steps must be >= 1, got "
+                         f"{max_new_tokens}, {num_samples}, {slots}, {chunk_steps}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    prompt_tokens = np.asarray(prompt_tokens, np.int32)
+    prompt_mask = np.asarray(prompt_mask, bool)
+    models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
+                                       what="generate: prompt_tokens")
+    if temperatures is not None:
+        temperatures = np.asarray(temperatures, np.float32)
+        if temperatures.shape != (max_new_tokens,) or not np.all(temperatures > 0):
+            raise ValueError(f"temperatures must be ({max_new_tokens},) values > 0")
+        temperatures = jnp.asarray(temperatures)
+    b = prompt_tokens.shape[0]
+    n, g = int(max_new_tokens), int(num_samples)
+    rows = b * g
+    s = min(int(slots), rows)
+    greedy = temperatures is None and temperature == 0.0
+    draw = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                stop_ids=_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
+                min_new_tokens=int(min_new_tokens))
+    if greedy:
+        noise = None
+    elif _noise_ahead_fits(n, rows, cfg.vocab_size):
+        noise = _draw_noise_ahead(rng, n, rows, cfg.vocab_size)
+    else:
+        raise ValueError(f"the slot engine draws all noise ahead; {n} tokens x {rows} rows x "
+                         f"vocabulary {cfg.vocab_size} exceed NOISE_AHEAD_MAX_ELEMENTS")
+
+    pages, first, first_logp, first_done = _prefill(
+        cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng, noise,
+        temperatures, num_samples=g, cache_dtype=_dtype_name(cache_dtype), **draw)
+    out = dict(tokens=jnp.full((rows, n), draw["pad_id"], jnp.int32).at[:, 0].set(first),
+               logps=jnp.zeros((rows, n), jnp.float32).at[:, 0].set(first_logp),
+               lengths=jnp.ones((rows,), jnp.int32), done=first_done)
+    page_mask = jnp.asarray(prompt_mask)
+    page_len = jnp.asarray(prompt_mask.sum(-1).astype(np.int32))
+    cache = paged.init_slot_cache(cfg, s, n, dtype=cache_dtype)
+    # The rows still to decode, in order; a slot takes the next one the step after its row
+    # stops (on device: no host round trip per refill).
+    done_host = np.asarray(first_done)
+    waiting = np.flatnonzero(~done_host).astype(np.int32) if n > 1 else np.zeros(0, np.int32)
+    queue = jnp.asarray(np.pad(waiting, (0, rows - waiting.size)))
+    slot_state = (jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32),
+                  jnp.zeros(s, bool), jnp.int32(0))
+    chunks = steps = 0
+    busy = waiting.size > 0
+    while busy:
+        cache, out, slot_state, ran, busy = _decode_chunk(
+            cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
+            jnp.int32(waiting.size), noise, temperatures, max_new_tokens=n, num_samples=g,
+            chunk_steps=int(chunk_steps), **draw)
+        chunks, steps, busy = chunks + 1, steps + int(ran), bool(busy)
+    lengths = out["lengths"]
+    mask = jnp.arange(n)[None, :] < lengths[:, None]
+    result = SampleOutput(tokens=out["tokens"], logps=out["logps"], mask=mask, lengths=lengths,
+                          truncated=~out["done"])
+    useful = int(np.asarray(lengths).sum()) - rows
+    return result, EngineStats(rows=rows, slots=s, chunks=chunks, decode_steps=steps,
+                               useful_steps=useful)
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else jnp.dtype(dtype).name
+
+
+def _noise_ahead_fits(n: int, rows: int, vocab: int) -> bool:
+    from rljax.sampling import INVERSE_CDF_MIN_VOCAB
+    return n * rows * (1 if vocab >= INVERSE_CDF_MIN_VOCAB else vocab) <= NOISE_AHEAD_MAX_ELEMENTS
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_noise_ahead(rng, n, rows, vocab):
+    return _noise_ahead(rng, n, rows, vocab, greedy=False)
+
+
+def _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise, temperatures, rng):
+    """pick(logits [R, V], t int32 [R], row int32 [R]) -> (tokens [R], logps [R]): the static
+    sampler's draw for token t of each row (its noise row, its temperature, its stop rule)."""
+    stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
+
+    def pick(logits, t, row):
+        if temperatures is None:
+            temp = temperature
+            score_temp = models.scoring_temperature(temperature)
+        else:
+            temp = temperatures[t][:, None]
+            score_temp = temp
+        opts = dict(temperature=temp, top_k=top_k, top_p=top_p,
+                    noise=None if noise is None else noise[t, row])
+        if stop is None or min_new_tokens == 0:
+            return sample_logits(rng, logits, **opts)
+        forbid = (jnp.zeros(logits.shape[-1], bool).at[stop].set(True)[None, :]
+                  & (t < min_new_tokens)[:, None])
+        masked = jnp.where(forbid, jnp.finfo(jnp.float32).min, logits)
+        tok, _ = sample_logits(rng, masked, **opts)
+        logp_all = jax.nn.log_softmax(logits / score_temp, axis=-1)
+        return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+
+    def is_stop(tok):
+        if stop is None:
+            return jnp.zeros(tok.shape, bool)
+        return jnp.any(tok[:, None] == stop[None, :], axis=-1)
+
+    return pick, is_stop
+
+
+_DRAW = ("temperature", "top_k", "top_p", "stop_ids", "pad_id", "min_new_tokens")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "cache_dtype") + _DRAW)
+def _prefill(cfg, params, prompt_tokens, prompt_mask, rng, noise, temperatures, *, num_samples,
+             cache_dtype, temperature, top_k, top_p, stop_ids, pad_id, min_new_tokens):
+    """Pages of the B prompts and each of the B*G rows' first token (prompt-major rows)."""
+    pages, logits = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask, cache_dtype)
+    logits = jnp.repeat(logits, num_samples, axis=0)
+    rows = logits.shape[0]
+    pick, is_stop = _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
+                            temperatures, jax.random.fold_in(rng, 0))
+    tok, logp = pick(logits, jnp.zeros((rows,), jnp.int32), jnp.arange(rows))
+    return pages, tok, logp, is_stop(tok)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "out"),
+                   static_argnames=("cfg", "max_new_tokens", "num_samples", "chunk_steps")
+                   + _DRAW)
+def _decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
+                  queued, noise, temperatures, *, max_new_tokens, num_samples, chunk_steps,
+                  temperature, top_k, top_p, stop_ids, pad_id, min_new_tokens):
+    """Up to ``chunk_steps`` decode steps; every step first gives each idle slot the next
+    queued row. Returns early when no slot is busy and the queue is empty.
+
+    slot_state: (row int32 [S], step int32 [S] (the token index sampled next), prev int32 [S]
+    (the token fed next), active bool [S], taken int32 (rows of the queue already given out)).
+    first: int32 [R], each row's first token; queue: int32 [R], the rows to decode in order
+    (the first ``queued``). out: tokens/logps [R, N], lengths [R], done [R], written at each
+    busy slot's (row, step). Returns ``(cache, out, slot_state, steps run, busy)``.
+    """
+    n, g = max_new_tokens, num_samples
+    rows = out["lengths"].shape[0]
+    params = models.unstack_layers(params)
+    pick, is_stop = _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
+                            temperatures, None)
+
+    def cond(carry):
+        i, _, _, (_, _, _, active, taken) = carry
+        return (i < chunk_steps) & (jnp.any(active) | (taken < queued))
+
+    def body(carry):
+        i, cache, out, (row, t, prev, active, taken) = carry
+        # Refill: the k-th idle slot takes queue[taken + k] while rows remain.
+        rank = jnp.cumsum(~active) - 1
+        take = ~active & (taken + rank < queued)
+        new = queue[jnp.clip(taken + rank, 0, rows - 1)]
+        row, t = jnp.where(take, new, row), jnp.where(take, 1, t)
+        prev, active = jnp.where(take, first[new], prev), active | take
+        taken = taken + jnp.sum(take, dtype=jnp.int32)
+        page = row // g
+        # Feed token t-1 (slot-cache index t-1, position prompt_len + t - 1), sample token t.
+        index = jnp.where(active, t - 1, n)   # idle slots write nothing
+        hidden, cache = paged.slot_decode(cfg, params, prev, page_len[page] + t - 1, index,
+                                          pages, page_mask, page, cache)
+        logits = models.logits_from_hidden(cfg, params, hidden)
+        tok, logp = pick(logits, jnp.minimum(t, n - 1), row)
+        stop = is_stop(tok)
+        at = jnp.where(active, row, rows)     # idle slots write out of range: dropped
+        out = dict(
+            tokens=out["tokens"].at[at, t].set(tok, mode="drop"),
+            logps=out["logps"].at[at, t].set(logp, mode="drop"),
+            lengths=out["lengths"].at[at].add(1, mode="drop"),
+            done=out["done"].at[at].set(stop, mode="drop"))
+        active = active & ~stop & (t + 1 < n)
+        return i + 1, cache, out, (row, t + 1, tok, active, taken)
+
+    i, cache, out, slot_state = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), cache, out, slot_state))
+    busy = jnp.any(slot_state[3]) | (slot_state[4] < queued)
+    return cache, out, slot_state, i, busy
