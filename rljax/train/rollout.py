@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import algorithms, rewards, sampling, tree_sampling
+from rljax import algorithms, rewards, sampling
+from rljax.sampling import tree as tree_sampling
 from rljax.data import selection
 from rljax.models import lora as lora_lib
 from rljax import distributed as dist
