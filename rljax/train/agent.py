@@ -21,7 +21,7 @@ import numpy as np
 
 from rljax.algorithms import turn_credit
 from rljax.train import episodes as ep
-from rljax.train.evaluate import verify
+from rljax.train.verifier import verify
 from rljax.train.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
 
 
