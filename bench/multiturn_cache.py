@@ -28,7 +28,8 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rljax import models, multiturn  # noqa: E402
+from rljax import models  # noqa: E402
+from rljax.sampling import multiturn  # noqa: E402
 
 
 def continued(cfg, params, prompt, a) -> tuple[np.ndarray, int]:

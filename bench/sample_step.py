@@ -55,12 +55,12 @@ def with_draw(draw: str, fn):
     """``fn`` traced with ``sample_logits`` using ``draw`` at every vocabulary size ("gumbel")
     or the default threshold ("inverse_cdf"): the module constant is read at trace time."""
     def traced(*args, **kwargs):
-        saved = sampling.INVERSE_CDF_MIN_VOCAB
-        sampling.INVERSE_CDF_MIN_VOCAB = saved if draw == "inverse_cdf" else 1 << 62
+        saved = sampling.draw.INVERSE_CDF_MIN_VOCAB
+        sampling.draw.INVERSE_CDF_MIN_VOCAB = saved if draw == "inverse_cdf" else 1 << 62
         try:
             return fn(*args, **kwargs)
         finally:
-            sampling.INVERSE_CDF_MIN_VOCAB = saved
+            sampling.draw.INVERSE_CDF_MIN_VOCAB = saved
     return traced
 
 
@@ -86,8 +86,8 @@ def generate_fns(new_tokens: int, prompts: int = 8, g: int = 4, prompt_len: int 
     rng = np.random.default_rng(0)
     ids = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(prompts)]
     tok, mask = sampling.pad_to_bucket(ids, pad_id=0)
-    raw = sampling._generate.__wrapped__   # one jit per draw: separate traces and caches
-    jits = {d: jax.jit(with_draw(d, raw), static_argnames=sampling._STATIC)
+    raw = sampling.core._generate.__wrapped__   # one jit per draw: separate traces and caches
+    jits = {d: jax.jit(with_draw(d, raw), static_argnames=sampling.core._STATIC)
             for d in ("gumbel", "inverse_cdf")}
     kw = dict(max_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(),
               pad_id=0, num_samples=g, min_new_tokens=0, mesh=None, rules=(),

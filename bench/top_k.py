@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     x = jax.random.normal(jax.random.key(0), (args.batch, args.vocab))
     fns = {"lax.top_k": jax.jit(lambda x: jax.lax.top_k(x, args.k)[0][:, -1:]),
-           "bisection": jax.jit(lambda x: sampling._top_k_threshold(x, args.k))}
+           "bisection": jax.jit(lambda x: sampling.draw._top_k_threshold(x, args.k))}
     outs = {name: np.asarray(fn(x)) for name, fn in fns.items()}
     assert np.array_equal(*outs.values()), "thresholds differ"
     load = os.getloadavg()[0]

@@ -4,7 +4,7 @@ Two parts:
 
 ``sampler``: one policy (a run's checkpoint, e.g. after the arithmetic demo's SFT warm-up),
 the same prompts, the same number of completions per prompt M. Independent sampling
-(``sampling.generate``, num_samples=M) against ``tree_sampling.generate`` for several tree
+(``sampling.generate``, num_samples=M) against ``sampling.tree.generate`` for several tree
 shapes, interleaved over ``--rounds`` rounds with fresh keys. Reported per shape:
 
 - decoded tokens per completion: independent = mean completion length (every token is decoded
@@ -51,7 +51,8 @@ def sampler_bench(args) -> dict:
     import numpy as np
 
     from rljax import config as config_lib
-    from rljax import sampling, tree_sampling
+    from rljax import sampling
+    from rljax.sampling import tree as tree_sampling
     from rljax.train.inference import load_for_inference
     from rljax.train.rollout import encode_prompts
     from rljax.train.setup import data_iterator

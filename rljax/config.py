@@ -974,7 +974,7 @@ def _check_tree(cfg) -> None:
     if tree.max_leaves and tree.max_leaves != g:
         raise ConfigError(f"rollout.tree.max_leaves={tree.max_leaves} must equal "
                           f"algo.num_generations={g} (a prompt's group is its tree's leaves)")
-    from rljax.tree_sampling import tree_depth   # late: config itself needs no jax
+    from rljax.sampling.tree import tree_depth   # late: config itself needs no jax
     leaves, k, r = tree.max_leaves or g, tree.branching, tree.roots
     depth = tree_depth(r, k, leaves)
     if depth is None:

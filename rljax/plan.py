@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax import algorithms, models, sampling, tree_sampling
+from rljax import algorithms, models, sampling
+from rljax.sampling import tree as tree_sampling
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
 

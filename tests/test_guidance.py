@@ -116,7 +116,7 @@ def make_guide(mode="fixed", source="replay", fallback=True, g=2):
 
 
 def round_of(examples, rewards_, completions, g=2, n=6, prefixes=None):
-    """A ``Rollout._round``-shaped dict: completions are lists of ids (EOS appended)."""
+    """A ``Rollout.sample_round``-shaped dict: completions are lists of ids (EOS appended)."""
     r = len(completions)
     tokens = np.full((r, n), 1, np.int32)
     mask = np.zeros((r, n), bool)
@@ -139,7 +139,7 @@ class FakeRollout:
     def __init__(self, g=2):
         self.g, self.calls = g, []
 
-    def _round(self, params, rng, examples, prefixes):
+    def sample_round(self, params, rng, examples, prefixes):
         self.calls.append((examples, prefixes))
         g = self.g
         return round_of(examples, [1.0] * (len(examples) * g),
@@ -197,20 +197,20 @@ def guided_cfg(**overrides):
 @pytest.fixture(scope="module")
 def hinted_batch(tmp_path_factory):
     """One GRPO rollout of an untrained tiny model (its groups fail, so they are hinted), with
-    every ``Rollout._round`` call recorded by a spy."""
+    every ``Rollout.sample_round`` call recorded by a spy."""
     cfg = guided_cfg()
     ctx = setup.build_context(cfg, str(tmp_path_factory.mktemp("ctx")), devices=DEVICES)
     phase = GRPOPhase(ctx, 2)
     state = create_train_state(ctx.params, phase.optimizer, jax.random.key(0))
     rollout, calls = phase.rollout, []
-    original = rollout._round
+    original = rollout.sample_round
 
     def spy(params, rng, examples=None, prefixes=None):
         rnd = original(params, rng, examples=examples, prefixes=prefixes)
         calls.append((prefixes, {k: np.copy(rnd[k]) for k in ("lengths", "rewards", "tokens",
                                                                "mask")}, rnd))
         return rnd
-    rollout._round = spy
+    rollout.sample_round = spy
     batch, metrics = rollout(state, 0)
     return ctx, cfg, state, batch, metrics, calls
 
@@ -285,8 +285,8 @@ def test_mixed_policy_demo_rows_have_ratio_pi_theta_and_a_written_out_loss(tmp_p
     ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
     phase = GRPOPhase(ctx, 2)
     state = create_train_state(ctx.params, phase.optimizer, jax.random.key(0))
-    sampled, original = [], phase.rollout._round
-    phase.rollout._round = lambda *a, **k: (lambda rnd: sampled.append(
+    sampled, original = [], phase.rollout.sample_round
+    phase.rollout.sample_round = lambda *a, **k: (lambda rnd: sampled.append(
         int(rnd["lengths"].sum())) or rnd)(original(*a, **k))
     batch, metrics = phase.rollout(state, 0)
     g, n = cfg.algo.num_generations, cfg.rollout.max_new_tokens

@@ -1,8 +1,10 @@
-"""rljax.train's imports flow one way: machinery <- phases <- inference <- run (no circles)."""
+"""Imports flow one way: no circles anywhere in rljax; inside rljax.train, machinery <- phases <-
+inference <- run; rljax.sampling's modules use each other's public names only."""
 import ast
 import os
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rljax", "train")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.join(REPO, "rljax", "train")
 LEVELS = {"phases": 1, "inference": 2, "run": 3}  # every other module is machinery (level 0)
 
 
@@ -43,3 +45,144 @@ def test_phases_have_their_own_folder():
         "__init__.py", "dpo.py", "grpo.py", "ppo.py", "rm.py", "sft.py"]
     assert not any(os.path.exists(os.path.join(ROOT, f"{p}.py"))
                    for p in ("sft", "grpo", "ppo", "dpo", "rm"))
+
+
+# ----------------------------------------------------------------------------- the whole package
+
+# Import edges allowed to close a circle, each with the change that removes it.
+KNOWN_EDGES = {
+    # removed when config no longer imports sampling
+    ("rljax.config", "rljax.sampling.tree"),
+}
+
+
+def _package_modules() -> dict[str, str]:
+    """Every module of rljax (a package by its own name) -> its file."""
+    out = {}
+    for dirpath, _, files in os.walk(os.path.join(REPO, "rljax")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+def _module_imports(module: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The rljax modules ``module`` imports, at module level or late inside a function:
+    ``from a import b`` is module ``a.b`` when that is a module, else ``a``."""
+    found = set()
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per extra dot
+                parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in modules and m != module}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _package_modules()
+    return {m: {d for d in _module_imports(m, p, modules) if (m, d) not in KNOWN_EDGES}
+            for m, p in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module, as the path
+    ``[a, b, ..., a]`` (Tarjan's algorithm, then a breadth-first path back to the start)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    circles = []
+    for component in components:
+        start = min(component)
+        parent, frontier = {}, [start]
+        while start not in parent:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & component):
+                    if w not in parent:
+                        parent[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        path, v = [start], parent[start]
+        while v != start:
+            path.append(v)
+            v = parent[v]
+        circles.append([start] + path[::-1][:-1] + [start])
+    return circles
+
+
+def test_cycle_finder_reports_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_rljax_has_no_import_cycles():
+    circles = _cycles(_import_graph())
+    for circle in circles:
+        print("import circle: " + " -> ".join(circle))
+    assert not circles, [" -> ".join(c) for c in circles]
+
+
+def test_sampling_uses_no_private_names_of_other_modules():
+    """rljax.sampling's modules import (or reach through an imported module) no underscore
+    names of another module: what they share is public and documented where it lives."""
+    modules = _package_modules()
+    offenders = []
+    for module, path in sorted(modules.items()):
+        if not (module == "rljax.sampling" or module.startswith("rljax.sampling.")):
+            continue
+        tree = ast.parse(open(path).read())
+        bound = set()   # local names of imported rljax modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rljax"):
+                for a in node.names:
+                    private = a.name.startswith("_") and not a.name.startswith("__")
+                    if private and node.module != module:
+                        offenders.append(f"{module}: from {node.module} import {a.name}")
+                    if f"{node.module}.{a.name}" in modules:
+                        bound.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                bound.update(a.asname or a.name.partition(".")[0] for a in node.names
+                             if a.name.startswith("rljax"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                chain, root = [node.attr], node.value
+                while isinstance(root, ast.Attribute):
+                    chain.append(root.attr)
+                    root = root.value
+                if (isinstance(root, ast.Name) and root.id in bound
+                        and any(a.startswith("_") and not a.startswith("__") for a in chain)):
+                    offenders.append(f"{module}: {root.id}.{'.'.join(reversed(chain))}")
+    assert not offenders, offenders

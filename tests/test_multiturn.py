@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax import models, multiturn, sampling, tokenizers
+from rljax import models, sampling, tokenizers
+from rljax.sampling import multiturn
 from rljax.envs.base import StepResult
 from rljax.train import episodes
 

@@ -172,8 +172,8 @@ def test_sample_logits_frequencies(draw, monkeypatch):
     frequency is <= 0.0025, so a 0.012 tolerance is > 4.5 sigma (fixed seed anyway).
     ``inverse_cdf``: the large-vocabulary draw, in blocks of 4 tokens (two levels, padding)."""
     if draw == "inverse_cdf":
-        monkeypatch.setattr(sampling, "INVERSE_CDF_MIN_VOCAB", 1)
-        monkeypatch.setattr(sampling, "INVERSE_CDF_BLOCK", 4)
+        monkeypatch.setattr(sampling.draw, "INVERSE_CDF_MIN_VOCAB", 1)
+        monkeypatch.setattr(sampling.draw, "INVERSE_CDF_BLOCK", 4)
     logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n, tol = 40_000, 0.012
     rows = jnp.broadcast_to(logits, (n, 6))
@@ -282,7 +282,7 @@ def test_streams_sample_what_one_stream_samples(draw, monkeypatch):
     batch's noise, give one stream's tokens (logps to float32 rounding), stop ids,
     min_new_tokens and top-p included; a count that does not divide the prompts runs fewer."""
     if draw == "inverse_cdf":
-        monkeypatch.setattr(sampling, "INVERSE_CDF_MIN_VOCAB", 8)
+        monkeypatch.setattr(sampling.draw, "INVERSE_CDF_MIN_VOCAB", 8)
     cfg = _cfg(vocab_size=32)
     params = models.init_params(cfg, jax.random.key(0))
     prompt, pmask = _prompts(rows=[[1, 2, 3], [4, 5], [6, 7, 8, 9], [3], [9, 9], [2, 4, 6]])
@@ -298,7 +298,7 @@ def test_streams_sample_what_one_stream_samples(draw, monkeypatch):
             np.testing.assert_array_equal(getattr(out, field), getattr(one, field), err_msg=field)
         np.testing.assert_allclose(out.logps, one.logps, rtol=1e-5, atol=1e-5)
     # Too much noise to draw ahead: the per-step draws depend on the batch, so one stream.
-    monkeypatch.setattr(sampling, "NOISE_AHEAD_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(sampling.draw, "NOISE_AHEAD_MAX_ELEMENTS", 0)
     assert sampling.stream_count(2, 6, 9, cfg.vocab_size, False, 2) == 1
     assert sampling.stream_count(2, 6, 9, cfg.vocab_size, True, 2) == 2   # greedy: no noise
     with pytest.raises(ValueError, match="streams must be >= 0"):
@@ -320,13 +320,13 @@ def test_same_bucket_does_not_recompile():
     a, am = _prompts(rows=[[1, 2, 3], [4, 5]], bucket=16)
     b, bm = _prompts(rows=[[6, 7, 8, 9, 10, 11], [12]], bucket=16)
     sampling.generate(cfg, params, a, am, rng=jax.random.key(0), **kw)
-    before = sampling._generate._cache_size()
+    before = sampling.core._generate._cache_size()
     out = sampling.generate(cfg, params, b, bm, rng=jax.random.key(1), **kw)
-    assert sampling._generate._cache_size() == before
+    assert sampling.core._generate._cache_size() == before
     assert out.tokens.shape == (4, 3)
     c, cm = _prompts(rows=[[1, 2, 3]], bucket=32)
     sampling.generate(cfg, params, c, cm, rng=jax.random.key(0), **kw)
-    assert sampling._generate._cache_size() == before + 1  # a new bucket compiles once
+    assert sampling.core._generate._cache_size() == before + 1  # a new bucket compiles once
 
 
 def test_compile_for_startup_reaches_the_sampler(monkeypatch):
@@ -339,10 +339,10 @@ def test_compile_for_startup_reaches_the_sampler(monkeypatch):
     kw = dict(max_new_tokens=6, temperature=1.0, pad_id=0, eos_id=1, num_samples=2,
               rng=jax.random.key(3))
     monkeypatch.setattr(compilation_cache, "_compile_for", "throughput")
-    assert sampling._generate_program() is sampling._generate
+    assert sampling.core._generate_program() is sampling.core._generate
     ref = sampling.generate(cfg, params, p, pm, **kw)
     compilation_cache.set_compile_for("startup")
-    assert sampling._generate_program() is not sampling._generate
+    assert sampling.core._generate_program() is not sampling.core._generate
     out = sampling.generate(cfg, params, p, pm, **kw)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logps, ref.logps, rtol=1e-5, atol=1e-6)
@@ -393,7 +393,7 @@ def test_decode_loop_does_not_transpose_the_kv_cache():
     params = models.init_params(cfg, jax.random.key(0))
     prompt, pmask = _prompts()
     b, p, n, g = prompt.shape[0], prompt.shape[1], 29, 2  # S = 37 slots
-    compiled = sampling._generate.lower(
+    compiled = sampling.core._generate.lower(
         cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jax.random.key(0),
         max_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(), pad_id=0,
         num_samples=g, min_new_tokens=0, mesh=None, rules=(), cache_dtype=None).compile()
@@ -423,7 +423,7 @@ def test_out_of_range_prompt_ids():
 
 def _fresh_generate():
     """A separate jit of ``_generate``: module constants are read when it traces."""
-    return jax.jit(sampling._generate.__wrapped__, static_argnames=sampling._STATIC)
+    return jax.jit(sampling.core._generate.__wrapped__, static_argnames=sampling.core._STATIC)
 
 
 @pytest.mark.parametrize("draw", ["gumbel", "inverse_cdf"])
@@ -431,7 +431,7 @@ def test_noise_drawn_ahead_gives_the_per_step_tokens(draw, monkeypatch):
     """generate draws every step's noise before the loop (NOISE_AHEAD_MAX_ELEMENTS): the same
     numbers as drawing fold_in(rng, t) inside each step, so the same tokens and logps."""
     if draw == "inverse_cdf":
-        monkeypatch.setattr(sampling, "INVERSE_CDF_MIN_VOCAB", 8)
+        monkeypatch.setattr(sampling.draw, "INVERSE_CDF_MIN_VOCAB", 8)
     cfg = _cfg(vocab_size=32)
     params = models.init_params(cfg, jax.random.key(0))
     prompt, pmask = _prompts(rows=[[1, 2, 3], [4, 5], [6, 7, 8, 9]])
@@ -439,7 +439,7 @@ def test_noise_drawn_ahead_gives_the_per_step_tokens(draw, monkeypatch):
               num_samples=2, min_new_tokens=2, mesh=None, rules=(), cache_dtype=None)
     args = (cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jax.random.key(3))
     ahead = _fresh_generate()(*args, **kw)
-    monkeypatch.setattr(sampling, "NOISE_AHEAD_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(sampling.draw, "NOISE_AHEAD_MAX_ELEMENTS", 0)
     per_step = _fresh_generate()(*args, **kw)
     np.testing.assert_array_equal(ahead.tokens, per_step.tokens)
     # Two programs (noise as an input vs drawn in the loop): the same log-softmax, which another
@@ -484,7 +484,7 @@ def test_decode_loop_reads_layer_weights_and_cache_in_place():
     params = models.init_params(cfg, jax.random.key(0))
     prompt, pmask = _prompts()
     b, p, n, g = prompt.shape[0], prompt.shape[1], 13, 2
-    hlo = sampling._generate.lower(
+    hlo = sampling.core._generate.lower(
         cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jax.random.key(0),
         max_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(), pad_id=0,
         num_samples=g, min_new_tokens=0, mesh=None, rules=(), cache_dtype=None
@@ -524,7 +524,7 @@ def test_top_k_threshold_equals_lax_top_k_with_ties_and_extremes():
     x = jnp.asarray(np.stack(rows), jnp.float32)
     for k in (1, 2, 5, 7, 8, 9, 33, 63):
         want = jax.lax.top_k(x, k)[0][:, -1:]
-        got = sampling._top_k_threshold(x, k)
+        got = sampling.draw._top_k_threshold(x, k)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
 
 
@@ -540,4 +540,4 @@ def test_first_argmax_and_last_positive_equal_numpy():
         m = (rng.random((b, v)) < 0.3).astype(np.float32)
         m[1] = 0.0                          # no positive entry: the last index
         want = v - 1 - np.argmax((m > 0)[:, ::-1], -1)
-        np.testing.assert_array_equal(sampling._last_positive(jnp.asarray(m)), want)
+        np.testing.assert_array_equal(sampling.draw._last_positive(jnp.asarray(m)), want)

@@ -221,8 +221,8 @@ def test_online_filter_trains_exactly_the_in_band_groups(reward_file, tmp_path):
     ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
     phase = make_phases(ctx)[-1]
     rounds, seen_more = [], False
-    original = phase.rollout._round
-    phase.rollout._round = lambda *a: rounds.append(original(*a)) or rounds[-1]
+    original = phase.rollout.sample_round
+    phase.rollout.sample_round = lambda *a: rounds.append(original(*a)) or rounds[-1]
     state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
     for step in range(3):
         rounds.clear()

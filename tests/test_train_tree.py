@@ -10,7 +10,7 @@ import pytest
 
 from rljax import algorithms
 from rljax import config as config_lib
-from rljax import tree_sampling
+from rljax.sampling import tree as tree_sampling
 from rljax.errors import ConfigError
 from rljax.train import run
 from rljax.train.metrics import read_metrics

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from rljax import algorithms
-from rljax import tree_sampling as ts
+from rljax.sampling import tree as ts
 
 # One root, two children, four leaves (tree_layout(1, 2, 2)):    0
 #                                                              /   \

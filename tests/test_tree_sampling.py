@@ -1,4 +1,4 @@
-"""Tests for rljax.tree_sampling: parity with sampling.generate, log-probs against a full
+"""Tests for rljax.sampling.tree: parity with sampling.generate, log-probs against a full
 forward, shared prefixes, decoded-token counts, static shapes, determinism, layout helpers."""
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rljax import models, sampling
-from rljax import tree_sampling as ts
+from rljax.sampling import tree as ts
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8], [9, 10, 11, 12, 13, 14, 15], [200, 1, 2]]
 SMALL_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [6], [2, 7, 1, 1, 4]]  # for the vocab-8 model

@@ -1,4 +1,4 @@
-"""Advantage estimators over sampled trees (``rljax.tree_sampling``), registered by name.
+"""Advantage estimators over sampled trees (``rljax.sampling.tree``), registered by name.
 
 A prompt's group is the G leaves of its tree. Besides the rewards [N] (N = prompts * G,
 consecutive groups), they take ``node_ids`` int [N, D+1]: the node each leaf belongs to at each
@@ -101,7 +101,7 @@ def rover_advantages(rewards: Array, group_size: int, *, mask: Array, node_ids: 
       mask: bool [N, T], the completion tokens that train.
       node_ids: int [N, D+1] (module doc).
       segments: int [T], the tree level of each completion position
-        (``tree_sampling.segment_of_position``).
+        (``sampling.tree.segment_of_position``).
       token_kl, kl_coef, gamma: the token-level interface's; a per-token KL in the reward
         and discounting are not defined on tree values: only ``kl_coef=0`` (or no
         ``token_kl``) and ``gamma=1`` are accepted (``algo.kl_in_reward`` is refused by

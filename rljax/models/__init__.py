@@ -8,8 +8,9 @@ from rljax.models.config import PRESETS, SUPPORTED_MODEL_TYPES, ModelConfig, get
 from rljax.models.gguf import (SUPPORTED_ARCHITECTURES as GGUF_ARCHITECTURES,
                                SUPPORTED_TENSOR_TYPES as GGUF_TENSOR_TYPES, GGUFError,
                                inspect_gguf, load_gguf, packaged_model_path, smollm2_path)
-from rljax.models.hf import (HFCheckpointError, config_from_hf, config_to_hf, is_gguf_path,
-                             load_config, load_hf, save_hf, save_hf_value)
+from rljax.models.hf import (HFCheckpointError, config_from_hf, config_to_hf, save_hf,
+                             save_hf_value)
+from rljax.models.loading import is_gguf_path, load_config, load_hf
 from rljax.models.transformer import (apply_rope, attention, default_positions, embed_tokens,
                                       forward, init_cache, init_params, logits_from_hidden,
                                       param_logical_axes, param_shapes, rms_norm, rope_inv_freq,

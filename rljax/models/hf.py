@@ -280,39 +280,23 @@ class _Reader:
         return w
 
 
-def load_hf(path: str, dtype=jnp.float32, shardings=None, **overrides):
+def load_hf_checkpoint(path: str, dtype=jnp.float32, shardings=None, **overrides):
     """Load a HF checkpoint directory (config.json + *.safetensors) -> ``(cfg, params)``.
 
-    A path ending in ``.gguf`` is a llama.cpp GGUF file and goes to ``models.gguf.load_gguf``.
-    ``dtype`` sets both the parameter storage dtype and the compute dtype (for float32 storage
-    with bfloat16 compute, load float32 and use ``cfg.replace(dtype="bfloat16")``).
-    ``shardings``: optional pytree of ``jax.sharding.Sharding`` matching the params tree; each
-    parameter is then built shard by shard on its devices. Other ``overrides`` (e.g.
-    ``remat=True``) are applied to the config.
+    ``models.load_hf`` takes a GGUF file too (``models.loading``). ``dtype``, ``shardings``,
+    ``overrides``: as ``models.load_hf``.
     """
-    if is_gguf_path(path):
-        from rljax.models.gguf import load_gguf  # gguf.py builds on this module
-        return load_gguf(path, dtype=dtype, shardings=shardings, **overrides)
-    cfg = load_config(path, dtype=dtype, **overrides)
+    cfg = hf_checkpoint_config(path, dtype=dtype, **overrides)
     return cfg, load_params(cfg, _Reader(path).get, shardings)
 
 
-def load_config(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
-    """The ModelConfig of a HF checkpoint directory or a GGUF file, without reading weights
-    (a GGUF file's tensor headers are checked too: ``gguf.inspect_gguf``)."""
-    if is_gguf_path(path):
-        from rljax.models.gguf import inspect_gguf  # gguf.py builds on this module
-        return inspect_gguf(path, dtype=dtype, **overrides)
+def hf_checkpoint_config(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
+    """The ModelConfig of a HF checkpoint directory (its config.json), without reading weights."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.exists(config_file):
         raise HFCheckpointError(f"{path!r} is not a HF checkpoint directory (no config.json)")
     with open(config_file) as f:
         return config_from_hf(json.load(f), dtype=dtype, **overrides)
-
-
-def is_gguf_path(path) -> bool:
-    """True for a path naming a GGUF file (by its extension; the file is checked on load)."""
-    return os.fspath(path).lower().endswith(".gguf")
 
 
 def load_params(cfg: ModelConfig, get_tensor: Callable, shardings=None) -> dict:

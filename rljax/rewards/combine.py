@@ -52,6 +52,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from rljax.rewards.registry import display_name, get
 from rljax.usercode import describe_exception
 
 __all__ = ["RewardResult", "CombinedReward", "combine", "call_reward", "describe_exception",
@@ -150,10 +151,8 @@ class ChildFailure(Exception):
 def _call_in_child(fn, prompts, completions, fields):
     """Runs in a worker process: resolves a name there (names pickle, closures don't)."""
     if isinstance(fn, tuple):
-        from rljax import rewards
-
         name, kwargs = fn
-        fn = rewards.get(name, **kwargs)
+        fn = get(name, **kwargs)
     try:
         return list(call_reward(fn, prompts, completions, fields))
     except BaseException as e:  # noqa: BLE001 - the message travels; the traceback does not
@@ -191,9 +190,8 @@ def _ctrl_c_raises() -> bool:
 
 
 def _ready() -> bool:
-    """Warm-up task: a spawned worker has started and imported rljax.rewards."""
-    import rljax.rewards  # noqa: F401
-
+    """Warm-up task: a spawned worker has started and imported rljax.rewards (unpickling this
+    function imports the package before this module)."""
     return True
 
 
@@ -251,8 +249,6 @@ class CombinedReward:
     def __init__(self, functions: Sequence, default_score: float = 0.0,
                  timeout_s: float | None = None, isolation: str = "thread",
                  should_abort: Callable[[], bool] | None = None):
-        from rljax.rewards import display_name, get  # late: rewards/__init__ imports this module
-
         if isolation not in ("thread", "process"):
             raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
         if timeout_s is not None and timeout_s <= 0:

@@ -21,7 +21,7 @@ import numpy as np
 
 from rljax.algorithms import turn_credit
 from rljax.train import episodes as ep
-from rljax.train.evaluate import verify
+from rljax.train.verifier import verify
 from rljax.train.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
 
 
@@ -131,7 +131,7 @@ class MultiTurnRollout(Rollout):
     With ``env.turn_discount`` set the advantages are per turn (``turn_credit``), f32 [R, M]:
     every model token of turn t gets turn t's advantage."""
 
-    def _round(self, params, rng) -> dict:
+    def sample_round(self, params, rng) -> dict:
         cfg, g = self.cfg, self.g
         examples = next(self.iterator)
         t0 = time.perf_counter()

@@ -1,6 +1,9 @@
-"""Prompt-length buckets shared by the rollout (sampling and training layout) and the
-length-grouped update (``length_groups``)."""
+"""Prompt-length buckets and the prompt ++ completion layout, shared by the rollout (sampling
+and training layout), guidance (its SFT batches) and the length-grouped update
+(``length_groups``)."""
 from __future__ import annotations
+
+import numpy as np
 
 from rljax import sampling
 
@@ -17,3 +20,17 @@ def prompt_buckets(max_prompt_length: int) -> tuple[int, ...]:
     fine = [b for b in sampling.DEFAULT_BUCKETS if b < 64] + [
         b + i * b // 4 for b in sampling.DEFAULT_BUCKETS if b >= 64 for i in range(4)]
     return tuple(b for b in fine if b < max_prompt_length) + (int(max_prompt_length),)
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int):
+    """Left-padded, bucketed prompts: (int32 [B, P], bool [B, P]) numpy arrays."""
+    ids = [tokenizer.encode(p) for p in prompts]
+    return sampling.pad_to_bucket(ids, pad_id=tokenizer.pad_id,
+                                  buckets=prompt_buckets(max_prompt_length))
+
+
+def build_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask):
+    """Prompt ++ completion: (tokens int32 [B, P+N], mask bool [B, P+N])."""
+    tokens = np.concatenate([np.asarray(prompt_tokens), np.asarray(completion_tokens)], axis=1)
+    mask = np.concatenate([np.asarray(prompt_mask, bool), np.asarray(completion_mask, bool)], 1)
+    return tokens.astype(np.int32), mask

@@ -1,6 +1,6 @@
 """Multi-turn episodes on the host: render messages to text, run the turn loop around the
-on-device sampler (``rljax.multiturn``), step the environments, and lay the trajectories out for
-training.
+on-device sampler (``rljax.sampling.multiturn``), step the environments, and lay the trajectories
+out for training.
 
     eps = run_episodes(model_cfg, params, tokenizer, envs, renderer=Renderer(tok, chat=False,
                        call_end="</call>"), limits=EpisodeLimits(...), rng=key, num_samples=G)
@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from rljax import multiturn, sampling
+from rljax import sampling
+from rljax.sampling import multiturn
 
 _SENTINEL = "\x00RLJAX_TURN\x00"
 

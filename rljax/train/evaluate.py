@@ -5,7 +5,7 @@
 
 A completion is correct when the first reward function (``reward.names[0]``, the task's
 verifier) gives it a score >= 1. The verifier is called exactly as training calls rewards
-(``verifier(ctx)``: ``rewards.combine``, so a function gets only the fields it names, and a
+(``train.verifier``: ``rewards.combine``, so a function gets only the fields it names, and a
 failure or timeout scores ``reward.default_score`` with one warning line, not a traceback). With ``eval.num_samples = n > 1`` (and temperature > 0),
 ``eval/accuracy`` is the mean over all samples (pass@1) and ``eval/pass@k`` uses the unbiased
 estimator for every power of two k <= n.
@@ -20,10 +20,10 @@ import numpy as np
 
 from rljax import algorithms
 from rljax import data as data_lib
-from rljax import rewards
 from rljax.errors import UserError
 from rljax.train.metrics import format_duration
 from rljax.train.rollout import encode_prompts, expand_fields, generate
+from rljax.train.verifier import verify
 
 EVAL_STREAM = 3  # rng stream of evaluation sampling (never advances the training rng)
 
@@ -46,39 +46,6 @@ def eval_examples(ctx) -> list[dict]:
         raise UserError(f"eval data: none of the {len(it.source)} examples fits "
                         f"data.max_prompt_length={ctx.cfg.data.max_prompt_length}")
     return out
-
-
-def verifier(ctx):
-    """The first reward function (``reward.names[0]`` with its ``reward.kwargs``) wrapped by
-    ``rewards.combine`` with the run's ``reward.default_score`` / ``timeout_s`` /
-    ``isolation``: the one way rewards are called, in training and eval alike. Built once per
-    context (process isolation keeps its worker pool between evals)."""
-    cached = getattr(ctx, "_verifier", None)
-    if cached is None:
-        from rljax.train.setup import reward_kwargs  # late: setup imports the train modules
-
-        r, name = ctx.cfg.reward, ctx.cfg.reward.names[0]
-        cached = rewards.combine(
-            [(name, 1.0, reward_kwargs(ctx.cfg, name))], default_score=r.default_score,
-            timeout_s=r.timeout_s or None, isolation=r.isolation,
-            should_abort=lambda: getattr(getattr(ctx, "stop", None), "signum", None) is not None)
-        ctx._verifier = cached
-    return cached
-
-
-def verify(ctx, prompts: list[str], completions: list[str], fields: dict,
-           lengths=None) -> np.ndarray:
-    """float64 [N] scores of the verifier on N completions (``fields``: dataset columns, one
-    value per completion; ``lengths``: completion tokens). Failed samples score
-    ``reward.default_score``; the failure is one warning line on stderr (process 0)."""
-    extra = {} if lengths is None else {"completion_lengths": [int(n) for n in lengths]}
-    result = verifier(ctx)(prompts, completions, **extra, **fields)
-    if result.messages and jax.process_index() == 0:
-        for name, why in result.messages.items():
-            print(f"rljax: warning: eval: reward {name!r} failed on {result.errors[name]} of "
-                  f"{result.num_samples} samples (scored reward.default_score="
-                  f"{ctx.cfg.reward.default_score:g}): {why}", file=sys.stderr, flush=True)
-    return np.asarray(result.total, np.float64)
 
 
 def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,

@@ -42,6 +42,7 @@ from rljax import algorithms
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import ConfigError, UserError
+from rljax.train.buckets import build_sequences, encode_prompts
 from rljax.train.steps import build_sft_step, to_host
 
 SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
@@ -239,11 +240,9 @@ def sft_batch(tokenizer, prompts: Sequence[str], solutions: Sequence[str],
     """Prompt ++ solution ++ EOS in the shared sequence layout (``steps``), loss on the
     solution and EOS. ``rows`` pads the batch with rows that count for nothing (``loss_mask``
     all False). Returns ``(batch, number of solutions cut to completion_len)``."""
-    from rljax.train import rollout as rollout_lib  # late: rollout imports this module
-
     rows = len(prompts) if rows is None else rows
     prompts = list(prompts) + [prompts[0] if prompts else ""] * (rows - len(prompts))
-    p_tok, p_mask = rollout_lib.encode_prompts(tokenizer, prompts, max_prompt_length)
+    p_tok, p_mask = encode_prompts(tokenizer, prompts, max_prompt_length)
     c_tok = np.full((rows, completion_len), tokenizer.pad_id, np.int32)
     c_mask = np.zeros((rows, completion_len), bool)
     cut = 0
@@ -252,7 +251,7 @@ def sft_batch(tokenizer, prompts: Sequence[str], solutions: Sequence[str],
         if len(ids) > completion_len:
             cut, ids = cut + 1, ids[:completion_len]
         c_tok[i, :len(ids)], c_mask[i, :len(ids)] = ids, True
-    tokens, mask = rollout_lib.build_sequences(p_tok, p_mask, c_tok, c_mask)
+    tokens, mask = build_sequences(p_tok, p_mask, c_tok, c_mask)
     return {"tokens": tokens, "mask": mask, "loss_mask": c_mask}, cut
 
 
@@ -355,7 +354,7 @@ class Guide:
                               "algo.solution_field)") from None
 
     def after_round(self, rollout, params, rnd: dict, rng) -> dict:
-        """``rnd`` (a ``Rollout._round`` result) with failed groups replaced by hinted ones,
+        """``rnd`` (a ``Rollout.sample_round`` result) with failed groups replaced by hinted ones,
         and ``rnd["hint"]`` = {groups, hinted, prefix_tokens, successes, samples}."""
         g, examples = self.g, rnd["examples"]
         rates = group_success(rnd["rewards"], g, self.threshold)
@@ -383,8 +382,8 @@ class Guide:
         n = hint_rows(len(examples), len(failed), self.multiple)
         pad = n - len(failed)  # repeats of the first hinted prompt; sampled, then discarded
         sub = [examples[i] for i in failed] + [examples[failed[0]]] * pad
-        hinted = rollout._round(params, rng, examples=sub,
-                                prefixes=prefixes + [prefixes[0]] * pad)
+        hinted = rollout.sample_round(params, rng, examples=sub,
+                                     prefixes=prefixes + [prefixes[0]] * pad)
         h_rates = group_success(hinted["rewards"], g, self.threshold)
         rnd["extra_tokens"] = rnd.get("extra_tokens", 0)
         for j, i in enumerate(failed):

@@ -49,12 +49,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import algorithms, rewards, sampling, tree_sampling
+from rljax import algorithms, rewards, sampling
+from rljax.sampling import tree as tree_sampling
 from rljax.data import selection
 from rljax.models import lora as lora_lib
 from rljax import distributed as dist
 from rljax.train import guidance, length_groups
-from rljax.train.buckets import prompt_buckets  # noqa: F401  (re-exported: callers import it here)
+# Re-exported: callers import these here.
+from rljax.train.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
 from rljax.train.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
@@ -68,20 +70,6 @@ def print_completions(prompts, completions, rewards=None, file=None) -> None:
         score = "" if rewards is None else f" (reward {float(rewards[i]):.3g})"
         print(f"--- prompt ---\n{prompt}\n--- completion{score} ---\n{text}", file=file,
               flush=True)
-
-
-def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int):
-    """Left-padded, bucketed prompts: (int32 [B, P], bool [B, P]) numpy arrays."""
-    ids = [tokenizer.encode(p) for p in prompts]
-    return sampling.pad_to_bucket(ids, pad_id=tokenizer.pad_id,
-                                  buckets=prompt_buckets(max_prompt_length))
-
-
-def build_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask):
-    """Prompt ++ completion: (tokens int32 [B, P+N], mask bool [B, P+N])."""
-    tokens = np.concatenate([np.asarray(prompt_tokens), np.asarray(completion_tokens)], axis=1)
-    mask = np.concatenate([np.asarray(prompt_mask, bool), np.asarray(completion_mask, bool)], 1)
-    return tokens.astype(np.int32), mask
 
 
 def expand_fields(examples: list[dict], g: int) -> dict[str, list]:
@@ -196,7 +184,7 @@ class Rollout:
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
-    def _round(self, params, rng, examples=None, prefixes=None) -> dict:
+    def sample_round(self, params, rng, examples=None, prefixes=None) -> dict:
         """Samples G completions of each prompt (the iterator's next batch, or ``examples``)
         and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
         i.e. placed at the start of the assistant turn; the reward judges prefix + completion."""
@@ -279,7 +267,7 @@ class Rollout:
         keep_fn = self._group_filter()
         max_rounds = 1 + (cfg.algo.max_sampling_rounds if keep_fn is not None else 0)
         for r in range(max_rounds):
-            rnd = self._round(state.params, jax.random.fold_in(rng, r))
+            rnd = self.sample_round(state.params, jax.random.fold_in(rng, r))
             if self.selector is not None:  # prompt selection learns from every round
                 self.selector.observe(rnd["rewards"], g)  # (the policy's own, before hints)
             if self.guide is not None:  # hints for failed groups, ReLIFT visit counts

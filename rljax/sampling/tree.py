@@ -1,6 +1,6 @@
 """Tree-structured sampling (TreePO-style segment trees) on device, sharing KV caches.
 
-    out = tree_sampling.generate(cfg, params, prompt_tokens, prompt_mask, rng=key,
+    out = sampling.tree.generate(cfg, params, prompt_tokens, prompt_mask, rng=key,
                                  max_new_tokens=N, segment_tokens=L, branching=k, depth=D,
                                  roots=R, temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
     # M = R * k**D leaves per prompt; out.tokens int32[B*M, N] (row i*M + m: leaf m of prompt i)
@@ -38,7 +38,8 @@ import numpy as np
 
 from rljax import models
 from rljax import sharding as shd
-from rljax.sampling import _stop_ids, sample_logits
+from rljax.sampling.core import merge_stop_ids
+from rljax.sampling.draw import sample_logits
 
 
 @flax.struct.dataclass
@@ -148,13 +149,13 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
-                                       what="tree_sampling.generate: prompt_tokens")
+                                       what="sampling.tree.generate: prompt_tokens")
     return _tree_generate(
         cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), rng,
         max_new_tokens=int(max_new_tokens), segment_tokens=int(segment_tokens),
         branching=int(branching), depth=int(depth), roots=int(roots),
         temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-        stop_ids=_stop_ids(eos_id, stop_ids), pad_id=int(pad_id), mesh=mesh,
+        stop_ids=merge_stop_ids(eos_id, stop_ids), pad_id=int(pad_id), mesh=mesh,
         rules=tuple((k, v if isinstance(v, (str, type(None))) else tuple(v)) for k, v in rules),
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
 

@@ -1,6 +1,7 @@
 """On-device multi-turn sampling: a KV cache that lives across turns, extended by prefilling only
 the new tokens (each turn's observation) before the turn is decoded.
 
+    from rljax.sampling import multiturn
     cache = multiturn.start(cfg, params, prompt_tokens, prompt_mask, layout=layout,
                             num_samples=G)                  # prompt minus its last token
     chunk, chunk_mask = multiturn.first_chunk(prompt_tokens, layout, G)   # ... that last token
@@ -42,7 +43,8 @@ import numpy as np
 
 from rljax import models
 from rljax import sharding as shd
-from rljax.sampling import _constrain_cache, _stop_ids, sample_logits
+from rljax.sampling.core import constrain_cache, merge_stop_ids
+from rljax.sampling.draw import sample_logits
 
 
 @flax.struct.dataclass(frozen=True)
@@ -98,7 +100,7 @@ def stop_sequences_of(tokenizer, texts: Sequence[str]) -> tuple[tuple[int, ...],
 
 def _constraints(mesh, rules):
     batch = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)  # noqa
-    return batch, functools.partial(_constrain_cache, mesh=mesh, rules=rules)
+    return batch, functools.partial(constrain_cache, mesh=mesh, rules=rules)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "num_samples", "mesh", "rules",
@@ -272,7 +274,7 @@ def turn(cfg: models.ModelConfig, params: Any, cache: dict, slot_mask, chunk, ch
                  jnp.asarray(chunk_mask, bool), jnp.int32(turn), jnp.asarray(active, bool),
                  jnp.asarray(budget, jnp.int32), rng, layout=layout,
                  temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                 stop_ids=_stop_ids(eos_id, stop_ids),
+                 stop_ids=merge_stop_ids(eos_id, stop_ids),
                  stop_seqs=tuple(tuple(int(i) for i in q) for q in stop_sequences if len(q)),
                  pad_id=int(pad_id), mesh=mesh, rules=_rules(rules))
 
