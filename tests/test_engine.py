@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rljax import models, sampling
-from rljax import sampling_engine as engine
+from rljax.sampling import engine
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [6], [2, 7, 1, 1, 4]]
 

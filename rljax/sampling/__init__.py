@@ -12,11 +12,12 @@ Modules, each importing only those above it:
   core       the static-batch sampler ``generate``, prompt buckets, stop ids, cache constraints
   tree       tree-shaped sampling (``tree.generate``, ``tree_layout``, ``tree_depth``)
   multiturn  multi-turn sampling with a cache that lives across turns
+  engine     the slot engine: decode slots refilled as rows stop, prompts in shared pages
 
 The module constants (``INVERSE_CDF_MIN_VOCAB``, ``NOISE_AHEAD_MAX_ELEMENTS``, ...) are read
 from ``rljax.sampling.draw`` when a sampler traces; the copies here are for reading.
 """
-from rljax.sampling import core, draw, multiturn, tree
+from rljax.sampling import core, draw, engine, multiturn, tree
 from rljax.sampling.core import (CACHE_AXES, DEFAULT_BUCKETS, SampleOutput, bucket_length,
                                  constrain_cache, generate, merge_stop_ids, pad_to_bucket,
                                  stream_count)
@@ -26,7 +27,7 @@ from rljax.sampling.draw import (INVERSE_CDF_BLOCK, INVERSE_CDF_MIN_VOCAB,
                                  noise_ahead_size, sample_logits, temperature_schedule)
 
 __all__ = [
-    "core", "draw", "multiturn", "tree",
+    "core", "draw", "engine", "multiturn", "tree",
     "CACHE_AXES", "DEFAULT_BUCKETS", "SampleOutput", "bucket_length", "constrain_cache",
     "generate", "merge_stop_ids", "pad_to_bucket", "stream_count",
     "INVERSE_CDF_BLOCK", "INVERSE_CDF_MIN_VOCAB", "NOISE_AHEAD_MAX_ELEMENTS",

@@ -1,8 +1,8 @@
 """Slot engine: S decode slots that are refilled as their completions stop.
 
-    out, stats = sampling_engine.generate(cfg, params, prompt_tokens, prompt_mask, rng=key,
-                                          max_new_tokens=N, num_samples=G, eos_id=tok.eos_id,
-                                          slots=64, chunk_steps=16)
+    out, stats = sampling.engine.generate(cfg, params, prompt_tokens, prompt_mask, rng=key,
+                                   max_new_tokens=N, num_samples=G, eos_id=tok.eos_id,
+                                   slots=64, chunk_steps=16)
     # out: a SampleOutput exactly as sampling.generate returns it (row i * G + g)
     # stats: EngineStats (decode steps, slot utilisation)
 
@@ -37,8 +37,9 @@ import numpy as np
 
 from rljax import models
 from rljax.models import paged
-from rljax.sampling import (NOISE_AHEAD_MAX_ELEMENTS, SampleOutput, _noise_ahead, _stop_ids,
-                            draw_noise, sample_logits)
+from rljax.sampling.core import SampleOutput, merge_stop_ids
+from rljax.sampling.draw import (NOISE_AHEAD_MAX_ELEMENTS, noise_ahead, noise_ahead_size,
+                                 sample_logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +107,11 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     s = min(int(slots), rows)
     greedy = temperatures is None and temperature == 0.0
     draw = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                stop_ids=_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
+                stop_ids=merge_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
                 min_new_tokens=int(min_new_tokens))
     if greedy:
         noise = None
-    elif _noise_ahead_fits(n, rows, cfg.vocab_size):
+    elif noise_ahead_size(n, rows, cfg.vocab_size) <= NOISE_AHEAD_MAX_ELEMENTS:
         noise = _draw_noise_ahead(rng, n, rows, cfg.vocab_size)
     else:
         raise ValueError(f"the slot engine draws all noise ahead; {n} tokens x {rows} rows x "
@@ -153,14 +154,9 @@ def _dtype_name(dtype) -> str | None:
     return None if dtype is None else jnp.dtype(dtype).name
 
 
-def _noise_ahead_fits(n: int, rows: int, vocab: int) -> bool:
-    from rljax.sampling import INVERSE_CDF_MIN_VOCAB
-    return n * rows * (1 if vocab >= INVERSE_CDF_MIN_VOCAB else vocab) <= NOISE_AHEAD_MAX_ELEMENTS
-
-
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _draw_noise_ahead(rng, n, rows, vocab):
-    return _noise_ahead(rng, n, rows, vocab, greedy=False)
+    return noise_ahead(rng, n, rows, vocab, greedy=False)
 
 
 def _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise, temperatures, rng):
