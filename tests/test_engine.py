@@ -105,3 +105,19 @@ def test_bad_arguments_are_one_line(small_vocab):
 def test_static_utilisation():
     assert engine.static_utilisation(np.array([4, 4])) == 1.0
     assert engine.static_utilisation(np.array([1, 3])) == pytest.approx(4 / 6)
+
+
+def test_params_sharded_over_eight_devices_give_the_same_completions():
+    from rljax import sharding
+    cfg = models.get_preset("tiny", init_std=0.1)
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = sampling.pad_to_bucket([[5, 17, 3, 99, 42], [7, 8], [200, 1, 2], [9]],
+                                           pad_id=0, buckets=(8,))
+    kw = dict(rng=jax.random.key(2), max_new_tokens=6, temperature=1.0, num_samples=2,
+              eos_id=7, slots=3, chunk_steps=2)
+    ref, _ = engine.generate(cfg, params, prompt, pmask, **kw)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    shardings = sharding.logical_to_sharding(models.param_logical_axes(cfg), mesh, shapes=params)
+    out, _ = engine.generate(cfg, sharding.shard_params(params, shardings), prompt, pmask, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5)
