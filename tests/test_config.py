@@ -169,15 +169,15 @@ def test_missing_file_and_missing_get_config(tmp_path):
 
 
 def test_json_round_trip(tmp_path):
-    cfg = load_config(None, ["algo.epsilon_high=0.3", "reward.names=a,b", "steps=9"])
+    cfg = load_config(None, ["algo.epsilon_high=0.3", "reward.names=gsm8k,format", "steps=9"])
     path = tmp_path / "config.json"
     path.write_text(config_lib.to_json(cfg))
     assert json.loads(path.read_text())["algo"]["epsilon_high"] == 0.3
     again = load_config_json(str(path), ["seed=5"])
-    assert again.steps == 9 and again.reward.names == ("a", "b") and again.seed == 5
+    assert again.steps == 9 and again.reward.names == ("gsm8k", "format") and again.seed == 5
     assert again.eval.max_new_tokens is None  # placeholder survives as null
     assert config_lib.to_json(again) == config_lib.to_json(load_config(
-        None, ["algo.epsilon_high=0.3", "reward.names=a,b", "steps=9", "seed=5"]))
+        None, ["algo.epsilon_high=0.3", "reward.names=gsm8k,format", "steps=9", "seed=5"]))
 
 
 def test_choices_match_algorithm_registries():
