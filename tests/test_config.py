@@ -1,10 +1,15 @@
 """rljax.config: schema defaults, file loading, typed overrides, validation messages."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from rljax import config as config_lib
 from rljax.config import ConfigError, default_config, load_config, load_config_json, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_config(tmp_path, body: str, name="exp.py"):
@@ -228,3 +233,49 @@ def test_policy_loss_defaults_match_the_loss_signatures():
         params = inspect.signature(algorithms.get_policy_loss(name)).parameters
         for key, value in defaults.items():
             assert params[key].default == value, (name, key)
+
+
+def test_check_changes_nothing_and_validate_fills_the_algorithm_defaults():
+    cfg = default_config()
+    config_lib.check(cfg)
+    assert cfg.algo.beta is None and cfg.algo.epsilon is None
+    assert validate(cfg) is cfg and (cfg.algo.beta, cfg.algo.epsilon) == (0.04, 0.2)
+    bad = default_config()
+    bad.algo.num_generations = 3
+    with pytest.raises(ConfigError, match="not divisible by algo.num_generations=3"):
+        config_lib.check(bad)
+    assert bad.algo.beta is None
+
+
+def test_importing_the_config_needs_neither_jax_nor_the_sampler():
+    code = ("import sys, rljax.config as c; c.default_config(); "
+            "print(sorted(m for m in ('jax', 'rljax.tree_sampling', 'rljax.sampling') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.stdout.strip() == "[]"
+
+
+def test_registry_backed_names_are_read_when_validating(monkeypatch):
+    from rljax.data import selection
+
+    assert {"algo.name", "algo.adv_estimator", "algo.policy_loss", "algo.kl_estimator",
+            "algo.loss_agg_mode", "algo.loss_type", "data.selection.name"} <= set(
+        config_lib.CHOICES.registry_backed())
+    with pytest.raises(ConfigError, match="data.selection.name='mine' is not one of: uniform"):
+        load_config(None, ["data.selection.name=mine"])
+    monkeypatch.setitem(selection.SELECTORS, "mine", selection.Selector)
+    assert load_config(None, ["data.selection.name=mine"]).data.selection.name == "mine"
+    assert config_lib.CHOICES["compile_for"] == ("throughput", "startup")  # a closed set
+
+
+@pytest.mark.parametrize("override, want", [
+    ("algo.adv_estimator=rlooo", "algo.adv_estimator='rlooo' is not one of: grpo, dr_grpo"),
+    ("algo.adv_estimator=rlooo", "(did you mean 'rloo'?)"),
+    ("reward.names=gsm9k", "reward.names: unknown reward 'gsm9k'; known: "),
+    ("reward.names=gsm9k", "(did you mean 'gsm8k'?)"),
+])
+def test_unknown_registry_names_suggest_the_closest(override, want):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert want in str(e.value) and "\n" not in str(e.value)
