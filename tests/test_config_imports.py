@@ -9,6 +9,7 @@ import pytest
 from rljax import cli
 from rljax import config as config_lib
 from rljax.errors import ConfigError
+from rljax.train import workdir as workdir_lib
 from tiny_config import tiny_config_source
 
 # Registers one estimator (the group-mean baseline without std scaling), one policy loss (PPO's
@@ -87,6 +88,9 @@ def test_names_registered_by_imported_code_train_from_the_command_line(
              if '"step"' in line]
     assert max(steps) == 2
     assert (tmp_path / "centered.ran").exists() and (tmp_path / "narrow_clip.ran").exists()
+    # Resuming imports the file again: the resume line names it with the other code files.
+    assert workdir_lib.code_files_line(config_lib.load_config_json(
+        str(workdir / "config.json"))) == f"; its config runs code from {ext} (imports)"
 
 
 @pytest.mark.parametrize("key, typo, registered, builtin", [
