@@ -8,6 +8,8 @@ import pytest
 
 from rljax import cli
 from rljax import config as config_lib
+from rljax import rewards
+from rljax.config import imports
 from rljax.errors import ConfigError
 from rljax.train import workdir as workdir_lib
 from tiny_config import tiny_config_source
@@ -55,6 +57,8 @@ def registries(monkeypatch):
     monkeypatch.setattr(advantages, "_TREE", set(advantages._TREE))
     monkeypatch.setattr(policy_losses, "_POLICY_LOSSES", dict(policy_losses._POLICY_LOSSES))
     monkeypatch.setattr(phases, "ALGORITHMS", dict(phases.ALGORITHMS))
+    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
+    monkeypatch.setattr(imports, "_IMPORTED", [])
 
 
 def _write(tmp_path, name="my_ext.py", text=USER_FILE):
@@ -142,3 +146,29 @@ def test_a_bad_import_is_one_line_naming_it(tmp_path, capsys, monkeypatch, entry
     assert cli.main(["train", "--config", str(config), "--workdir", str(tmp_path / "run"),
                      f"--config.imports={entry}"]) == 2
     assert needle in _one_error_line(capsys)
+
+
+REWARD_FILE = '''
+from rljax import rewards
+
+
+def _always_one(prompts, completions, **_):
+    return [1.0] * len(completions)
+
+
+rewards.register("always_one", lambda: _always_one)
+'''
+
+
+def test_a_reward_registered_by_imported_code_resolves_in_reward_worker_processes(
+        tmp_path, registries):
+    ext = _write(tmp_path, "my_rewards.py", REWARD_FILE)
+    cfg = config_lib.load_config(None, [f"imports={ext}", "reward.names=always_one",
+                                        "reward.isolation=process"])
+    reward = rewards.combine([(name, 1.0) for name in cfg.reward.names],
+                             isolation=cfg.reward.isolation, timeout_s=60.0)
+    try:
+        result = reward(["1+1="], ["2"])
+    finally:
+        reward.close()
+    assert list(result.total) == [1.0], result
