@@ -198,6 +198,32 @@ def test_choices_match_algorithm_registries():
     assert set(config_lib.CHOICES["algo.loss_type"]) == set(algorithms.DPO_LOSS_TYPES)
 
 
+# The built-in names of the registry-backed keys, as 0.1.0 listed them: all still accepted.
+BUILTIN_NAMES = {
+    "algo.name": ("grpo", "ppo", "dpo", "sft", "rm"),
+    "algo.adv_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                           "reinforce_pp_seq", "reinforce_pp_baseline_seq", "gae", "treepo",
+                           "rover"),
+    "algo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "k3+", "k3_st", "abs"),
+    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"),
+    "algo.policy_loss": ("ppo", "vanilla", "gspo", "cispo"),
+    "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
+    "data.selection.name": ("uniform", "online_filter", "predicted", "curriculum"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(BUILTIN_NAMES))
+def test_registries_hold_every_builtin_name(key):
+    assert set(BUILTIN_NAMES[key]) <= set(config_lib.CHOICES[key])
+
+
+def test_the_temperature_schedules_are_the_samplers():
+    sampling = pytest.importorskip("rljax.sampling")
+    assert config_lib.CHOICES["rollout.temperature_schedule.name"] == \
+        sampling.TEMPERATURE_SCHEDULES
+
+
 @pytest.mark.parametrize("overrides, want", [
     # (algo.beta, algo.epsilon, algo.epsilon_high) after validation
     ([], (0.04, 0.2, None)),                                   # GRPO + PPO clip
