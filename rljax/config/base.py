@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import ml_collections
 from ml_collections import config_dict
@@ -16,11 +16,6 @@ from rljax.errors import ConfigError
 
 # Free-form dicts: any keys allowed below these paths (their owner validates them).
 OPEN_SECTIONS = ("model.overrides", "data.kwargs", "reward.kwargs", "env.kwargs")
-
-# A range rule: (dotted key, lowest allowed, highest allowed); None = unbounded.
-Range = tuple[str, Any, Any]
-# A live registry: a function returning the names a key may take right now.
-Registry = Callable[[], Sequence[str]]
 
 
 def opt_float():
@@ -123,7 +118,8 @@ def _check_schema(cfg, node, root, prefix: str) -> None:
         raise ConfigError(f"config key '{prefix}{missing[0]}' is missing")
 
 
-def check_ranges(cfg, ranges: Iterable[Range]) -> None:
+def check_ranges(cfg, ranges: Iterable[tuple[str, Any, Any]]) -> None:
+    """``ranges``: (dotted key, lowest allowed, highest allowed); None = unbounded."""
     for key, low, high in ranges:
         value = get(cfg, key)
         if (low is not None and value < low) or (high is not None and value > high):
