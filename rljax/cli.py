@@ -1,7 +1,8 @@
 """``rljax`` command line: train | eval | sample | export | plot | plan.
 
 Config overrides use ml_collections' flag syntax, ``--config.algo.beta=0.02`` (or
-``--config.algo.beta 0.02``), and are typed by the schema in ``rljax.config``.
+``--config.algo.beta 0.02``), and are typed by the schema in ``rljax.config``;
+``--config.imports=my_ext.py`` imports user code before the config is checked.
 
 Exit codes: 0 success (also a SIGTERM-preempted train run that saved its checkpoint),
 1 a run-time failure rljax can describe (e.g. diverged, a damaged checkpoint, a checkpoint that
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     overrides = ("Override any config key with --config.KEY=VALUE (or --config.KEY VALUE), e.g. "
                  "--config.steps=200 --config.algo.beta=0.02; values are typed by the schema "
-                 "in rljax/config.py. Repeat for several keys.")
+                 "in rljax/config/. Repeat for several keys.")
 
     p = sub.add_parser("train", help="train (resumes if WORKDIR has a checkpoint)",
                        epilog=overrides)

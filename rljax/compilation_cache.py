@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from rljax import cache_dirs, config as config_lib
+from rljax import cache_dirs
 
 
 def resolve_dir(setting: str) -> str | None:
@@ -45,7 +45,8 @@ def enable(setting: str = "auto") -> str | None:
     return path
 
 
-COMPILE_FOR = config_lib.CHOICES["compile_for"]
+# The config's compile_for names (rljax.config.train.COMPILE_FOR; a test checks they agree).
+COMPILE_FOR = ("throughput", "startup")
 _compile_for = "throughput"
 
 

@@ -299,7 +299,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     n_sample = n_new   # tokens after the prompt in the sampler's KV cache
     if cfg.env.name:
         # Episodes train on env.max_total_tokens after the prompt; the multi-turn sampler's cache
-        # holds T turns of (observation chunk O + turn tokens) slots (rljax.multiturn.SlotLayout).
+        # holds T turns of (observation chunk O + turn tokens) slots (rljax.sampling.multiturn.SlotLayout).
         env = cfg.env
         n_sample = int(env.max_turns) * (int(env.max_obs_tokens) + 1
                                          + int(env.max_turn_tokens or r.max_new_tokens))

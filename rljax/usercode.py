@@ -22,7 +22,7 @@ from typing import Any
 
 from rljax.errors import UserError
 
-__all__ = ["is_spec", "attribute_name", "load", "call", "describe_exception"]
+__all__ = ["is_spec", "attribute_name", "import_module", "load", "call", "describe_exception"]
 
 _MODULE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 _ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -93,27 +93,33 @@ def _exception_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def import_module(where: str, key: str, spec: str | None = None):
+    """The module ``where`` names: a ``path/to/file.py`` (imported once per process) or an
+    importable ``package.module``; ``key`` (and ``spec``, the reference it came from) for
+    messages."""
+    if where.endswith(".py"):
+        return _import_file(where, key)
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        if e.name and where.startswith(e.name):
+            what = f" (for {spec!r}; is it" if spec else " (is it"
+            raise UserError(f"{key}: no module named {where!r}{what} installed or on "
+                            "PYTHONPATH?)") from None
+        raise UserError(f"{key}: importing {where} failed: {e}") from e
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - sys.exit at import included
+        raise UserError(f"{key}: importing {where} failed: {_exception_text(e)}"
+                        f"{_where_in(e, os.path.abspath(getattr(e, 'filename', '') or ''))}"
+                        ) from e
+
+
 def load(spec: str, key: str) -> Any:
     """The object ``spec`` names; ``key`` is the config key for messages."""
     where, _, attr = spec.rpartition(":")
-    if where.endswith(".py"):
-        module = _import_file(where, key)
-        origin = where
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            if e.name and where.startswith(e.name):
-                raise UserError(f"{key}: no module named {where!r} (for {spec!r}; is it "
-                                f"installed or on PYTHONPATH?)") from None
-            raise UserError(f"{key}: importing {where} failed: {e}") from e
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - sys.exit at import included
-            raise UserError(f"{key}: importing {where} failed: {_exception_text(e)}"
-                            f"{_where_in(e, os.path.abspath(getattr(e, 'filename', '') or ''))}"
-                            ) from e
-        origin = where
+    module = import_module(where, key, spec)
+    origin = where
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -69,3 +69,8 @@ def test_compile_for_picks_the_cpu_options(monkeypatch):
     cfg.compile_for = "fast"
     with pytest.raises(ConfigError, match="compile_for='fast' is not one of: throughput, startup"):
         config_lib.validate(cfg)
+
+
+def test_the_configs_compile_for_names_are_the_caches():
+    from rljax.config.train import COMPILE_FOR
+    assert compilation_cache.COMPILE_FOR == COMPILE_FOR

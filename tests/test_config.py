@@ -1,10 +1,15 @@
 """rljax.config: schema defaults, file loading, typed overrides, validation messages."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from rljax import config as config_lib
 from rljax.config import ConfigError, default_config, load_config, load_config_json, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_config(tmp_path, body: str, name="exp.py"):
@@ -169,15 +174,15 @@ def test_missing_file_and_missing_get_config(tmp_path):
 
 
 def test_json_round_trip(tmp_path):
-    cfg = load_config(None, ["algo.epsilon_high=0.3", "reward.names=a,b", "steps=9"])
+    cfg = load_config(None, ["algo.epsilon_high=0.3", "reward.names=gsm8k,format", "steps=9"])
     path = tmp_path / "config.json"
     path.write_text(config_lib.to_json(cfg))
     assert json.loads(path.read_text())["algo"]["epsilon_high"] == 0.3
     again = load_config_json(str(path), ["seed=5"])
-    assert again.steps == 9 and again.reward.names == ("a", "b") and again.seed == 5
+    assert again.steps == 9 and again.reward.names == ("gsm8k", "format") and again.seed == 5
     assert again.eval.max_new_tokens is None  # placeholder survives as null
     assert config_lib.to_json(again) == config_lib.to_json(load_config(
-        None, ["algo.epsilon_high=0.3", "reward.names=a,b", "steps=9", "seed=5"]))
+        None, ["algo.epsilon_high=0.3", "reward.names=gsm8k,format", "steps=9", "seed=5"]))
 
 
 def test_choices_match_algorithm_registries():
@@ -191,6 +196,32 @@ def test_choices_match_algorithm_registries():
         algorithms.get_policy_loss(name)
     assert set(config_lib.CHOICES["algo.loss_agg_mode"]) == set(algorithms.AGGREGATION_MODES)
     assert set(config_lib.CHOICES["algo.loss_type"]) == set(algorithms.DPO_LOSS_TYPES)
+
+
+# The built-in names of the registry-backed keys, as 0.1.0 listed them: all still accepted.
+BUILTIN_NAMES = {
+    "algo.name": ("grpo", "ppo", "dpo", "sft", "rm"),
+    "algo.adv_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                           "reinforce_pp_seq", "reinforce_pp_baseline_seq", "gae", "treepo",
+                           "rover"),
+    "algo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "k3+", "k3_st", "abs"),
+    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"),
+    "algo.policy_loss": ("ppo", "vanilla", "gspo", "cispo"),
+    "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust", "simpo"),
+    "data.selection.name": ("uniform", "online_filter", "predicted", "curriculum"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(BUILTIN_NAMES))
+def test_registries_hold_every_builtin_name(key):
+    assert set(BUILTIN_NAMES[key]) <= set(config_lib.CHOICES[key])
+
+
+def test_the_temperature_schedules_are_the_samplers():
+    sampling = pytest.importorskip("rljax.sampling")
+    assert config_lib.CHOICES["rollout.temperature_schedule.name"] == \
+        sampling.TEMPERATURE_SCHEDULES
 
 
 @pytest.mark.parametrize("overrides, want", [
@@ -228,3 +259,49 @@ def test_policy_loss_defaults_match_the_loss_signatures():
         params = inspect.signature(algorithms.get_policy_loss(name)).parameters
         for key, value in defaults.items():
             assert params[key].default == value, (name, key)
+
+
+def test_check_changes_nothing_and_validate_fills_the_algorithm_defaults():
+    cfg = default_config()
+    config_lib.check(cfg)
+    assert cfg.algo.beta is None and cfg.algo.epsilon is None
+    assert validate(cfg) is cfg and (cfg.algo.beta, cfg.algo.epsilon) == (0.04, 0.2)
+    bad = default_config()
+    bad.algo.num_generations = 3
+    with pytest.raises(ConfigError, match="not divisible by algo.num_generations=3"):
+        config_lib.check(bad)
+    assert bad.algo.beta is None
+
+
+def test_importing_the_config_needs_neither_jax_nor_the_sampler():
+    code = ("import sys, rljax.config as c; c.default_config(); "
+            "print(sorted(m for m in ('jax', 'rljax.tree_sampling', 'rljax.sampling') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.stdout.strip() == "[]"
+
+
+def test_registry_backed_names_are_read_when_validating(monkeypatch):
+    from rljax.data import selection
+
+    assert {"algo.name", "algo.adv_estimator", "algo.policy_loss", "algo.kl_estimator",
+            "algo.loss_agg_mode", "algo.loss_type", "data.selection.name"} <= set(
+        config_lib.CHOICES.registry_backed())
+    with pytest.raises(ConfigError, match="data.selection.name='mine' is not one of: uniform"):
+        load_config(None, ["data.selection.name=mine"])
+    monkeypatch.setitem(selection.SELECTORS, "mine", selection.Selector)
+    assert load_config(None, ["data.selection.name=mine"]).data.selection.name == "mine"
+    assert config_lib.CHOICES["compile_for"] == ("throughput", "startup")  # a closed set
+
+
+@pytest.mark.parametrize("override, want", [
+    ("algo.adv_estimator=rlooo", "algo.adv_estimator='rlooo' is not one of: grpo, dr_grpo"),
+    ("algo.adv_estimator=rlooo", "(did you mean 'rloo'?)"),
+    ("reward.names=gsm9k", "reward.names: unknown reward 'gsm9k'; known: "),
+    ("reward.names=gsm9k", "(did you mean 'gsm8k'?)"),
+])
+def test_unknown_registry_names_suggest_the_closest(override, want):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert want in str(e.value) and "\n" not in str(e.value)

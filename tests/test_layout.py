@@ -49,13 +49,6 @@ def test_phases_have_their_own_folder():
 
 # ----------------------------------------------------------------------------- the whole package
 
-# Import edges allowed to close a circle, each with the change that removes it.
-KNOWN_EDGES = {
-    # removed when config no longer imports sampling
-    ("rljax.config", "rljax.sampling.tree"),
-}
-
-
 def _package_modules() -> dict[str, str]:
     """Every module of rljax (a package by its own name) -> its file."""
     out = {}
@@ -89,8 +82,7 @@ def _module_imports(module: str, path: str, modules: dict[str, str]) -> set[str]
 
 def _import_graph() -> dict[str, set[str]]:
     modules = _package_modules()
-    return {m: {d for d in _module_imports(m, p, modules) if (m, d) not in KNOWN_EDGES}
-            for m, p in modules.items()}
+    return {m: _module_imports(m, p, modules) for m, p in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -21,6 +21,7 @@ from rljax.algorithms.advantages import (
     discounted_returns,
     dr_grpo_advantages,
     gae,
+    advantage_estimator_names,
     get_advantage_estimator,
     grpo_advantages,
     is_token_level,
@@ -51,6 +52,7 @@ from rljax.algorithms.aggregation import (
 from rljax.algorithms.entropy import entropy_from_logits, entropy_from_logps
 from rljax.algorithms.kl import (
     get_kl_estimator,
+    kl_estimator_names,
     kl_abs,
     kl_k1,
     kl_k2,
@@ -63,6 +65,7 @@ from rljax.algorithms.policy_losses import (
     combine_token_losses,
     finalize_metrics,
     get_policy_loss,
+    policy_loss_names,
     gspo_loss,
     log_importance_ratio,
     ppo_loss,

@@ -232,6 +232,11 @@ def get_advantage_estimator(name: str) -> Callable[..., Array]:
                          f"{sorted(_ADVANTAGE_ESTIMATORS)} (or 'gae' for PPO with a critic)")
 
 
+def advantage_estimator_names() -> tuple[str, ...]:
+    """Registered advantage estimators, built-ins first (``gae`` is PPO's, not listed)."""
+    return tuple(_ADVANTAGE_ESTIMATORS)
+
+
 def is_token_level(name: str) -> bool:
     """True if estimator ``name`` takes ``mask`` (and ``token_kl``, ``kl_coef``, ``gamma``) and
     returns [N, T] advantages; False for the per-completion ones (and unknown names)."""

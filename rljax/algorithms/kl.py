@@ -89,6 +89,11 @@ _KL_ESTIMATORS: Dict[str, Callable[..., Array]] = {
 }
 
 
+def kl_estimator_names() -> tuple[str, ...]:
+    """The KL estimators' names (aliases included)."""
+    return tuple(_KL_ESTIMATORS)
+
+
 def get_kl_estimator(name: str) -> Callable[..., Array]:
     """KL estimator by name: k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs."""
     try:

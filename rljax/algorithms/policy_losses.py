@@ -194,7 +194,14 @@ def get_policy_loss(name: str) -> Callable[..., Tuple[Array, Metrics]]:
 
 
 def register_policy_loss(name: str, fn: Callable[..., Tuple[Array, Metrics]]) -> None:
+    """Makes ``algo.policy_loss=name`` use ``fn(logps, old_logps, advantages, mask,
+    **options)``."""
     _POLICY_LOSSES[name] = fn
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    """Registered policy losses, built-ins first."""
+    return tuple(_POLICY_LOSSES)
 
 
 def combine_token_losses(pg_tokens: Array, mask: Array, *, kl_tokens: Optional[Array] = None,

@@ -447,8 +447,13 @@ class CombinedReward:
     def _start_pool(self, startup_s: float = 120.0) -> None:
         """Starts one spawned worker per function and waits for them, so that interpreter
         start-up is not charged to the first batch's timeout."""
+        from rljax.config.imports import import_again, imported
+
         ctx = multiprocessing.get_context("spawn")  # fork is unsafe once jax threads exist
-        self._pool = cf.ProcessPoolExecutor(max_workers=len(self.fns), mp_context=ctx)
+        # A worker resolves reward names itself: it imports the config's user code first, so
+        # names that code registered (the config's ``imports``) exist there too.
+        self._pool = cf.ProcessPoolExecutor(max_workers=len(self.fns), mp_context=ctx,
+                                            initializer=import_again, initargs=(imported(),))
         # Each submit with no idle worker spawns a process, so this starts all of them.
         for fut in [self._pool.submit(_ready) for _ in self.fns]:
             fut.result(timeout=startup_s)

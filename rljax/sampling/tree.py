@@ -38,6 +38,7 @@ import numpy as np
 
 from rljax import models
 from rljax import sharding as shd
+from rljax.config.rollout import tree_depth
 from rljax.sampling.core import merge_stop_ids
 from rljax.sampling.draw import sample_logits
 
@@ -62,19 +63,6 @@ class TreeSampleOutput:
 def num_leaves(roots: int, branching: int, depth: int) -> int:
     """M = roots * branching**depth: the leaves (completions) per prompt."""
     return int(roots) * int(branching) ** int(depth)
-
-
-def tree_depth(roots: int, branching: int, max_leaves: int) -> int | None:
-    """The depth D with ``roots * branching**D == max_leaves``; None if there is none.
-    Branching 1 never grows the tree: depth 0 when ``max_leaves == roots``."""
-    if roots < 1 or branching < 1 or max_leaves < roots or max_leaves % roots:
-        return None
-    if branching == 1:
-        return 0 if max_leaves == roots else None
-    d, width = 0, roots
-    while width < max_leaves:
-        width, d = width * branching, d + 1
-    return d if width == max_leaves else None
 
 
 def tree_layout(roots: int, branching: int, depth: int) -> tuple[np.ndarray, np.ndarray]:

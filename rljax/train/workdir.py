@@ -67,9 +67,9 @@ def write_config(workdir: str, cfg) -> str:
 
 def code_files(cfg) -> list[tuple[str, str]]:
     """``[(dotted key, absolute path)]`` of every ``file.py:name`` in ``cfg`` (reward
-    functions, data loaders and templates, environments, tools): the Python files a run of
-    this config imports and runs. Relative paths resolve from the current directory, as
-    ``rljax.usercode`` resolves them."""
+    functions, data loaders and templates, environments, tools) and every file in ``imports``:
+    the Python files a run of this config imports and runs. Relative paths resolve from the
+    current directory, as ``rljax.usercode`` resolves them."""
     from rljax import usercode
 
     out: list[tuple[str, str]] = []
@@ -81,6 +81,8 @@ def code_files(cfg) -> list[tuple[str, str]]:
         elif isinstance(node, (list, tuple)):
             for v in node:
                 walk(v, key)
+        elif key == "imports" and isinstance(node, str) and node.endswith(".py"):
+            out.append((key, os.path.abspath(node)))  # a whole file, imported before validation
         elif isinstance(node, str) and usercode.is_spec(node) and \
                 node.rpartition(":")[0].endswith(".py"):
             out.append((key, os.path.abspath(node.rpartition(":")[0])))

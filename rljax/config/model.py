@@ -1,0 +1,63 @@
+"""The policy network: the ``model`` section (preset or checkpoint, dtype, LoRA) and the
+``tokenizer`` section, with their checks."""
+from __future__ import annotations
+
+from typing import Any
+
+from rljax.config.base import ConfigError
+
+
+def model() -> dict[str, Any]:
+    return dict(
+        preset="tiny",               # models.get_preset name; ignored when `path` is set
+        path="",                     # HF dir (config.json + *.safetensors) or .gguf file to load
+        dtype="float32",             # parameter dtype
+        remat=False,                 # rematerialise layer activations in the update step
+        overrides={},                # free-form ModelConfig overrides for the preset
+        # LoRA (docs/lora.md): rank > 0 trains adapters on the frozen base; the base model
+        # (adapters off) is then the reference policy. targets: projection names or regexes
+        # out of q k v o gate up down.
+        lora=dict(rank=0, alpha=16.0, dropout=0.0,
+                  targets=("q", "k", "v", "o", "gate", "up", "down"),
+                  # Rollouts and evals sample from the adapters merged into a float32 base
+                  # once per call (W + scale * A @ B; a second copy of the weights while
+                  # sampling) instead of two extra matmuls per projection per token: faster on
+                  # SmolLM2-135M (CPU) and a 0.5B model (H100), docs/lora.md. A bf16/fp16 base
+                  # is never merged (rounding would erase small adapter updates).
+                  merge_for_sampling=True),
+        adapter_path="",             # PEFT adapter dir to start from (implies LoRA)
+    )
+
+
+def tokenizer() -> dict[str, Any]:
+    return dict(
+        path="",                     # "" = model.path, or the built-in char tokenizer
+        kind="auto",
+        chat_template=False,         # wrap prompts with the tokenizer's chat template
+    )
+
+
+SECTIONS = {"model": model, "tokenizer": tokenizer}
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "tokenizer.kind": ("auto", "hf", "sentencepiece", "char"),
+}
+
+RANGES = ()
+
+
+def check_lora(cfg) -> None:
+    """Adapter shape and scale, and a reference policy that LoRA leaves as the frozen base."""
+    lora, algo = cfg.model.lora, cfg.algo
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank} must be > 0 (0 = LoRA off)")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1) (the "
+                          "probability of dropping an adapter input; 0 = off)")
+    if (lora.rank or cfg.model.adapter_path) and lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0")
+    if (lora.rank or cfg.model.adapter_path) and algo.ref_update_every:
+        raise ConfigError(f"algo.ref_update_every={algo.ref_update_every} refreshes a copied "
+                          "reference; with LoRA (model.lora.rank > 0) the reference is the "
+                          "frozen base model: set it to 0")

@@ -1,0 +1,127 @@
+"""What a sample is scored by and the episodes it is sampled in: the ``reward`` section
+(functions, weights, failure handling) and the ``env`` section (multi-turn environments and
+tools), with their checks against the live reward and environment registries."""
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from rljax.config.base import ConfigError, opt_float
+
+# Environments with scripted episodes for SFT warm-up (``sft.env_traces``).
+ENV_TRACES = ("tool", "guess_number")
+
+
+def reward() -> dict[str, Any]:
+    return dict(
+        names=("arithmetic",),       # rewards.get names, summed with `weights`
+        weights=(),                  # () = all 1.0
+        model_path="",               # reward-model checkpoint for the "model" reward
+        kwargs={},                   # free-form options: {function name: {option: value}}
+        default_score=0.0,           # score of a sample its function failed on (error/NaN/timeout)
+        timeout_s=30.0,              # per batch; 0 = none (calls run on the main thread)
+        isolation="thread",          # "thread": a hung call is abandoned (counted, cannot be
+                                     # killed); "process": spawned workers, killed on timeout
+        max_consecutive_error_steps=10,  # stop when a function fails on every sample of this
+                                         # many steps in a row; 0 = never
+    )
+
+
+def env() -> dict[str, Any]:
+    return dict(                     # multi-turn episodes (docs/agents.md); "" = single-turn
+        name="",                     # environment: "tool", "guess_number", path/to/file.py:fn
+        tools=(),                    # tool names for the "tool" environment (calculator, ...)
+        tool_format="plain",         # how calls are written: "plain" or "json" (chat template)
+        max_turns=4,                 # model turns per episode
+        max_total_tokens=128,        # trajectory tokens after the prompt (model + observations)
+        max_turn_tokens=0,           # tokens per model turn; 0 = rollout.max_new_tokens
+        max_obs_tokens=31,           # tokens of one rendered observation (longer: the episode
+                                     # ends, truncated); the cache holds O = this + 1 per turn
+        kwargs={},                   # free-form options of the environment's factory
+        turn_discount=opt_float(),   # None = outcome: the episode's summed reward for every
+                                     # turn; gamma in [0, 1] = per-turn rewards, turn t judged
+                                     # by sum_k gamma^k r_{t+k} (docs/agents.md)
+    )
+
+
+SECTIONS = {"reward": reward, "env": env}
+
+CHOICES = {"reward.isolation": ("thread", "process")}
+
+RANGES = (
+    ("reward.timeout_s", 0.0, None), ("reward.max_consecutive_error_steps", 0, None),
+    ("env.max_turns", 1, None), ("env.max_total_tokens", 1, None),
+    ("env.max_turn_tokens", 0, None), ("env.max_obs_tokens", 1, None),
+)
+
+
+def check_rewards(cfg) -> None:
+    """As many weights as functions, and every name registered (``rljax.rewards.register``)
+    or user code (``file.py:function``, loaded and checked when the run is set up)."""
+    if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.names):
+        raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} entries but "
+                          f"reward.names has {len(cfg.reward.names)}")
+    from rljax import rewards, usercode
+
+    known = rewards.names()
+    for name in cfg.reward.names:
+        if name in known or usercode.is_spec(name):
+            continue
+        close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"reward.names: unknown reward {name!r}; known: {', '.join(known)} "
+                          "(or your own function as path/to/file.py:function or "
+                          f"package.module:function){hint}")
+
+
+def check_env(cfg) -> None:
+    """The ``env`` section: known environment/tools/format (``envs.check_env_config``, which
+    reads the live registries and imports user code), an algorithm that samples episodes, and a
+    chat template for ``json``."""
+    env = cfg.env
+    if cfg.sft.trace_noise and not (cfg.sft.env_traces and env.name == "guess_number"):
+        raise ConfigError(f"sft.trace_noise={cfg.sft.trace_noise} applies to "
+                          "env.name='guess_number' with sft.env_traces=True")
+    if not env.name:
+        if cfg.sft.env_traces:
+            raise ConfigError("sft.env_traces=True needs an environment (env.name)")
+        if env.turn_discount is not None:
+            raise ConfigError("env.turn_discount needs multi-turn episodes (env.name)")
+        return
+    from rljax.envs import check_env_config   # host-only module; imported when used
+
+    if cfg.rollout.temperature_schedule.name != "constant":
+        raise ConfigError("rollout.temperature_schedule is not supported with multi-turn "
+                          f"episodes (env.name={env.name!r}): set its name='constant'")
+
+    check_env_config(env.name, tuple(env.tools), env.tool_format)
+    if cfg.algo.name not in ("grpo", "ppo"):
+        raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
+                          f"algo.name='grpo' or 'ppo' (got {cfg.algo.name!r})")
+    _check_turn_discount(cfg)
+    if env.tool_format == "json" and env.tools and not cfg.tokenizer.chat_template:
+        raise ConfigError("env.tool_format='json' renders tool results with the chat "
+                          "template: set tokenizer.chat_template=True (or env.tool_format="
+                          "'plain')")
+    if cfg.sft.env_traces and env.name not in ENV_TRACES:
+        raise ConfigError(f"sft.env_traces: environment {env.name!r} has no scripted traces "
+                          f"(known: {', '.join(ENV_TRACES)})")
+
+
+def _check_turn_discount(cfg) -> None:
+    """``env.turn_discount``: in [0, 1]; with GRPO an estimator with a group baseline
+    (``algorithms.turn_credit.TURN_ESTIMATORS``) and no sequence KL folded into the reward."""
+    from rljax.config.algo import TURN_ESTIMATORS
+
+    gamma, algo = cfg.env.turn_discount, cfg.algo
+    if gamma is None:
+        return
+    if not 0.0 <= gamma <= 1.0:
+        raise ConfigError(f"env.turn_discount={gamma!r} must be in [0, 1] (or None: outcome)")
+    if algo.name == "grpo" and algo.adv_estimator not in TURN_ESTIMATORS:
+        raise ConfigError(f"env.turn_discount (per-turn returns) needs algo.adv_estimator in "
+                          f"{TURN_ESTIMATORS}, got '{algo.adv_estimator}'")
+    if algo.name == "grpo" and algo.kl_in_reward and algo.beta > 0:
+        raise ConfigError("env.turn_discount: algo.kl_in_reward=True (a sequence KL off the "
+                          "outcome) is not supported with per-turn returns in GRPO; use the "
+                          "KL loss (kl_in_reward=False) or algo.name='ppo'")

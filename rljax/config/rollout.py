@@ -1,0 +1,129 @@
+"""Sampling for training: the ``rollout`` section (batch, decoding, per-position temperature
+schedule, tree sampling), its checks, and the tree arithmetic the sampler shares."""
+from __future__ import annotations
+
+from typing import Any
+
+from rljax.config.base import ConfigError
+
+
+def rollout() -> dict[str, Any]:
+    return dict(
+        batch_size=16,               # completions per step = prompts * algo.num_generations
+        max_new_tokens=128,
+        temperature=1.0,
+        top_k=0,                     # 0 = off
+        top_p=1.0,
+        micro_batch_size=0,          # sampler chunk; 0 = whole batch at once
+        # Concurrent decode streams: the prompts (of each chunk) split this many ways, decoded
+        # by concurrent programs; same samples as one stream. 0 = auto (2 on a CPU with 2+
+        # cores and one device, else 1; rljax.streams).
+        streams=0,
+        # Per-position sampling temperature (exploratory annealed decoding; docs/search.md):
+        # from `start` at the first completion token to `end` at token `tokens` (0 = all of
+        # max_new_tokens), then `end`. "constant" = off (rollout.temperature everywhere);
+        # otherwise it replaces rollout.temperature for rollouts, and training log-probs and
+        # ratios use each token's own temperature. GRPO and online DPO only.
+        temperature_schedule=dict(name="constant", start=1.0, end=1.0, tokens=0),
+        # Tree sampling (docs/search.md): each prompt's group of algo.num_generations
+        # completions is the leaves of one tree: `roots` paths decode `segment_tokens` tokens,
+        # then every path forks into `branching` children sharing its KV cache, depth times,
+        # until roots * branching**depth = max_leaves leaves; the leaves decode the rest.
+        # Shared segments are decoded once.
+        tree=dict(
+            enabled=False,
+            segment_tokens=2,        # L, tokens per segment before each fork
+            branching=2,             # k, children per path at each fork
+            roots=1,                 # independent paths per prompt before the first fork
+            max_leaves=0,            # leaves per prompt; 0 = algo.num_generations (must agree)
+        ),
+    )
+
+
+SECTIONS = {"rollout": rollout}
+
+# The sampler's schedules (the same tuple as the sampling code's TEMPERATURE_SCHEDULES; a
+# closed set: each is a formula in the decode loop).
+CHOICES = {"rollout.temperature_schedule.name": ("constant", "linear", "cosine", "exp")}
+
+RANGES = (
+    ("rollout.batch_size", 1, None), ("rollout.max_new_tokens", 1, None),
+    ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
+    ("rollout.micro_batch_size", 0, None), ("rollout.streams", 0, None),
+    ("rollout.tree.segment_tokens", 1, None), ("rollout.tree.branching", 1, None),
+    ("rollout.tree.roots", 1, None), ("rollout.tree.max_leaves", 0, None),
+)
+
+
+def tree_depth(roots: int, branching: int, max_leaves: int) -> int | None:
+    """The depth D with ``roots * branching**D == max_leaves``; None if there is none.
+    Branching 1 never grows the tree: depth 0 when ``max_leaves == roots``."""
+    if roots < 1 or branching < 1 or max_leaves < roots or max_leaves % roots:
+        return None
+    if branching == 1:
+        return 0 if max_leaves == roots else None
+    d, width = 0, roots
+    while width < max_leaves:
+        width, d = width * branching, d + 1
+    return d if width == max_leaves else None
+
+
+def check_temperature_schedule(cfg) -> None:
+    """A schedule's temperatures are all > 0 and it runs where training scores tokens at it."""
+    sched = cfg.rollout.temperature_schedule
+    for key in ("start", "end"):
+        if sched[key] <= 0:
+            raise ConfigError(f"rollout.temperature_schedule.{key}={sched[key]!r} must be > 0 "
+                              "(a schedule has no greedy position)")
+    if sched.tokens < 0:
+        raise ConfigError(f"rollout.temperature_schedule.tokens={sched.tokens} must be >= 0 "
+                          "(0 = rollout.max_new_tokens)")
+    if sched.name == "exp" and sched.start < sched.end:
+        raise ConfigError(f"rollout.temperature_schedule: name='exp' anneals down, needs "
+                          f"start >= end (got start={sched.start}, end={sched.end})")
+    if sched.name != "constant" and cfg.algo.name not in ("grpo", "dpo"):
+        raise ConfigError(f"rollout.temperature_schedule.name='{sched.name}' is supported for "
+                          f"algo.name='grpo' and online 'dpo', not '{cfg.algo.name}'")
+
+
+def _uses_tree(estimator: str) -> bool:
+    from rljax.algorithms import uses_tree  # the live registry's flag (user estimators too)
+
+    return uses_tree(estimator)
+
+
+def check_tree(cfg) -> None:
+    """rollout.tree: a tree whose leaves are the group and whose segments fit max_new_tokens."""
+    tree, algo = cfg.rollout.tree, cfg.algo
+    if not tree.enabled and _uses_tree(algo.adv_estimator):
+        raise ConfigError(f"algo.adv_estimator='{algo.adv_estimator}' uses the sampled tree: "
+                          "set rollout.tree.enabled=true")
+    if not tree.enabled:
+        return
+    others = [k for k, on in (
+        ("rollout.temperature_schedule.name", cfg.rollout.temperature_schedule.name != "constant"),
+        ("env.name", bool(cfg.env.name)), ("algo.hint.mode", algo.hint.mode != "off"),
+        ("algo.mixed_policy", algo.mixed_policy)) if on]
+    if others:   # each samples its own way; the tree sampler has none of them
+        raise ConfigError(f"rollout.tree.enabled=true cannot be combined with {others[0]}")
+    if algo.name != "grpo":
+        raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo' "
+                          f"(got '{algo.name}')")
+    g = algo.num_generations
+    if tree.max_leaves and tree.max_leaves != g:
+        raise ConfigError(f"rollout.tree.max_leaves={tree.max_leaves} must equal "
+                          f"algo.num_generations={g} (a prompt's group is its tree's leaves)")
+    leaves, k, r = tree.max_leaves or g, tree.branching, tree.roots
+    depth = tree_depth(r, k, leaves)
+    if depth is None:
+        raise ConfigError(f"rollout.tree.max_leaves={leaves} is not reachable: it must be "
+                          f"rollout.tree.roots={r} * rollout.tree.branching={k} ** depth")
+    if depth * tree.segment_tokens >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"rollout.tree.segment_tokens={tree.segment_tokens}: {depth} forks "
+                          f"* {tree.segment_tokens} tokens must be < rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (the leaves need a segment)")
+    if algo.adv_estimator == "rover" and algo.kl_in_reward:
+        raise ConfigError("algo.kl_in_reward=true is not supported with "
+                          "algo.adv_estimator='rover' (tree values carry no per-token KL)")
+    if algo.adv_estimator == "rover" and algo.gamma != 1.0:
+        raise ConfigError(f"algo.gamma={algo.gamma} must be 1.0 with algo.adv_estimator='rover'")

@@ -1,0 +1,45 @@
+"""A workdir written by rljax 0.1.0 resumes: its ``config.json`` (``tests/data/config_0.1.0.json``,
+the default config as 0.1.0 validated and wrote it) loads to the same config, and a config
+this version cannot read is refused with one line naming the key."""
+import json
+import os
+import shutil
+
+from rljax import cli
+from rljax import config as config_lib
+from rljax.train import workdir as workdir_lib
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "config_0.1.0.json")
+
+
+def test_a_0_1_0_config_json_loads_to_the_same_config():
+    with open(FIXTURE) as f:
+        saved = json.load(f)
+    now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
+    assert now.pop("imports") == []  # the one key added since: no user code to import
+    assert now == saved
+
+
+def test_a_0_1_0_workdir_resumes_without_a_config_change(tmp_path):
+    workdir = tmp_path / "run"
+    os.makedirs(workdir / "checkpoints" / "2")  # as if step 2 had been saved
+    shutil.copy(FIXTURE, workdir / "config.json")
+    cfg, resuming, changes = workdir_lib.resolve_train_config(None, str(workdir))
+    assert resuming and changes == [] and cfg.imports == ()
+    # The same experiment from a config file today is the same run, not a changed one.
+    path = tmp_path / "exp.py"
+    path.write_text("from rljax.config import default_config\n"
+                    "def get_config():\n    return default_config()\n")
+    assert workdir_lib.resolve_train_config(str(path), str(workdir))[2] == []
+
+
+def test_a_config_json_with_a_key_this_version_lacks_is_one_line(tmp_path, capsys):
+    with open(FIXTURE) as f:
+        data = json.load(f)
+    data["algo"]["clip_mode"] = "token"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    os.makedirs(tmp_path / "checkpoints" / "2")
+    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "rljax: error: unknown config key 'algo.clip_mode'"), err
