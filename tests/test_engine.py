@@ -121,3 +121,42 @@ def test_params_sharded_over_eight_devices_give_the_same_completions():
     out, _ = engine.generate(cfg, sharding.shard_params(params, shardings), prompt, pmask, **kw)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5)
+
+
+# ---- in the trainer: rollout.engine="slots" ------------------------------------------------
+
+def _train(tmp_path, name, **rollout):
+    import json
+
+    from rljax import cli
+    from tiny_config import tiny_config_source
+    path = tmp_path / f"{name}.py"
+    path.write_text(tiny_config_source(steps=3, rollout=dict(batch_size=8, max_new_tokens=6,
+                                                             **rollout)))
+    assert cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / name)]) == 0
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if '"loss"' in x or '"reward/mean"' in x]
+
+
+def test_training_with_the_slot_engine_samples_what_the_static_sampler_samples(tmp_path):
+    static = _train(tmp_path, "static")
+    slots = _train(tmp_path, "slots", engine="slots", slots=3, chunk_steps=2)
+    assert len(static) == len(slots) == 3
+    for a, b in zip(static, slots):
+        # the same completions: the same lengths and rewards
+        for key in ("completion/length_mean", "reward/mean", "rollout/tokens"):
+            assert a[key] == b[key], key
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert 0 < b["rollout/slot_utilisation"] <= 1
+        assert 0 < b["rollout/static_utilisation"] <= 1
+        assert "rollout/slot_utilisation" not in a
+
+
+def test_the_slot_engine_refuses_a_tree_or_an_environment_in_one_line():
+    from rljax import config
+    cfg = config.default_config()
+    cfg.rollout.engine = "slots"
+    cfg.rollout.tree.enabled = True
+    with pytest.raises(config.ConfigError, match="rollout.engine='slots' cannot be combined "
+                                                 "with rollout.tree.enabled"):
+        config.check(cfg)

@@ -19,6 +19,12 @@ def rollout() -> dict[str, Any]:
         # by concurrent programs; same samples as one stream. 0 = auto (2 on a CPU with 2+
         # cores and one device, else 1; rljax.streams).
         streams=0,
+        # Decoding (docs/internals.md): "static" decodes each batch until its longest row
+        # stops; "slots" keeps `slots` decode slots busy, each taking the next row as soon as
+        # its row stops (the same completions; faster when lengths are uneven, bench/RESULTS.md).
+        engine="static",
+        slots=0,                     # slot engine: decode slots; 0 = a quarter of the rows
+        chunk_steps=32,              # slot engine: decode steps per program run
         # Per-position sampling temperature (exploratory annealed decoding; docs/search.md):
         # from `start` at the first completion token to `end` at token `tokens` (0 = all of
         # max_new_tokens), then `end`. "constant" = off (rollout.temperature everywhere);
@@ -44,12 +50,14 @@ SECTIONS = {"rollout": rollout}
 
 # The sampler's schedules (the same tuple as the sampling code's TEMPERATURE_SCHEDULES; a
 # closed set: each is a formula in the decode loop).
-CHOICES = {"rollout.temperature_schedule.name": ("constant", "linear", "cosine", "exp")}
+CHOICES = {"rollout.temperature_schedule.name": ("constant", "linear", "cosine", "exp"),
+           "rollout.engine": ("static", "slots")}
 
 RANGES = (
     ("rollout.batch_size", 1, None), ("rollout.max_new_tokens", 1, None),
     ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
     ("rollout.micro_batch_size", 0, None), ("rollout.streams", 0, None),
+    ("rollout.slots", 0, None), ("rollout.chunk_steps", 1, None),
     ("rollout.tree.segment_tokens", 1, None), ("rollout.tree.branching", 1, None),
     ("rollout.tree.roots", 1, None), ("rollout.tree.max_leaves", 0, None),
 )
@@ -90,6 +98,18 @@ def _uses_tree(estimator: str) -> bool:
     from rljax.algorithms import uses_tree  # the live registry's flag (user estimators too)
 
     return uses_tree(estimator)
+
+
+def check_engine(cfg) -> None:
+    """The slot engine samples GRPO-style batches of prompts; tree rollouts and multi-turn
+    episodes have samplers of their own."""
+    if cfg.rollout.engine == "static":
+        return
+    for key, on in (("rollout.tree.enabled", cfg.rollout.tree.enabled),
+                    ("env.name", bool(cfg.env.name))):
+        if on:
+            raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
+                              f"{key} (it has its own sampler); use rollout.engine='static'")
 
 
 def check_tree(cfg) -> None:

@@ -84,6 +84,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_estimator_and_update,
     algo.check_guidance,
     rollout.check_tree,
+    rollout.check_engine,
     mesh.check_mesh,
     reward.check_rewards,
     data.check_path,

@@ -54,6 +54,7 @@ from rljax.sampling import tree as tree_sampling
 from rljax.data import selection
 from rljax.models import lora as lora_lib
 from rljax import distributed as dist
+from rljax.errors import UserError
 from rljax.train import guidance, length_groups
 # Re-exported: callers import these here.
 from rljax.train.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
@@ -119,7 +120,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     params = sampling_params(ctx, params)
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
-    outs = []
+    outs, engine_stats = [], []
     for i, start in enumerate(range(0, b, chunk)):
         # Multi-host: every process holds the same prompts and feeds its own rows.
         p_tok, p_mask = dist.device_batch(
@@ -127,7 +128,10 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
                   temperature=temperature, top_k=top_k, top_p=top_p,
                   eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
-        if tree is None:
+        if tree is None and ctx.cfg.rollout.engine == "slots":
+            out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
+                               engine_stats)
+        elif tree is None:
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temperatures,
                                     streams=ctx.cfg.rollout.streams, **kw)
@@ -138,7 +142,27 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
               ("tokens", "logps", "mask", "lengths", "truncated")}
     result["decoded"] = (np.concatenate([o.decoded for o in outs]) if tree is not None else
                          result["lengths"].reshape(b, num_samples).sum(axis=1))
+    if engine_stats:   # the slot engine's busy and run slot-steps (its utilisation)
+        result["slot_steps"] = (sum(st.useful_steps for st in engine_stats),
+                                sum(st.slots * st.decode_steps for st in engine_stats))
     return result
+
+
+def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatures, kw,
+                 stats: list):
+    """``sampling.engine.generate`` for one chunk of prompts (appends its EngineStats)."""
+    if dist.is_multiprocess():
+        raise UserError("rollout.engine='slots' runs in a single process for now; use "
+                        "rollout.engine='static' on several hosts")
+    rows = int(np.shape(prompt_tokens)[0]) * num_samples
+    kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
+    out, st = sampling.engine.generate(
+        ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask),
+        num_samples=num_samples, temperatures=temperatures,
+        slots=ctx.cfg.rollout.slots or max(1, rows // 4),
+        chunk_steps=ctx.cfg.rollout.chunk_steps, **kw)
+    stats.append(st)
+    return out
 
 
 class Rollout:
@@ -449,6 +473,13 @@ class Rollout:
             "time/sample": sum(r["time_sample"] for r in rounds),
             "time/reward": sum(r["time_reward"] for r in rounds),
         })
+        if all("slot_steps" in r for r in rounds):   # the slot engine: its busy slot-steps,
+            busy, run = (sum(r["slot_steps"][i] for r in rounds) for i in (0, 1))
+            m["rollout/slot_utilisation"] = busy / max(1, run)
+            # and what a static batch of these lengths would have kept busy
+            m["rollout/static_utilisation"] = float(np.mean([
+                r["lengths"].sum() / max(1, r["lengths"].size * r["lengths"].max())
+                for r in rounds]))
         if self.guide is not None and self.guide.hints is not None:
             m.update(guidance.hint_metrics(rounds))
         if "demo" in rows:
