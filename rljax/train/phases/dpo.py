@@ -29,7 +29,7 @@ from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.train import evaluate as eval_lib
-from rljax.train import steps
+from rljax.train import programs as programs_lib, steps
 from rljax.train.rollout import RewardRollout
 from rljax.train.setup import check_lengths, data_iterator, preference_config
 from rljax.train.step_mc import StepMCPairs
@@ -156,6 +156,17 @@ def build_dpo_step(model_cfg, algo_cfg, optimizer, *, num_micro: int = 1,
     def dpo_step(state, batch):
         return steps.update(optimizer, loss_fn, state, batch, num_micro)
     return steps.jit_step(dpo_step, state_shardings, mesh)
+
+
+def pair_batch(ctx, pairs: int) -> dict:
+    """Abstract preference batch of ``pairs`` pairs (``encode_preference`` + ``pair_mask``):
+    prompts of the longest bucket, completions of ``rollout.max_new_tokens``."""
+    p, c, mesh = programs_lib.prompt_len(ctx.cfg), int(ctx.cfg.rollout.max_new_tokens), ctx.mesh
+    out = {"pair_mask": programs_lib.batch_struct(mesh, (pairs,), bool)}
+    for key, width in (("prompt", p), ("chosen", c), ("rejected", c)):
+        out[f"{key}_tokens"] = programs_lib.batch_struct(mesh, (pairs, width), jnp.int32)
+        out[f"{key}_mask"] = programs_lib.batch_struct(mesh, (pairs, width), bool)
+    return out
 
 
 # ----------------------------------------------------------------------------- pairs (host)
@@ -328,6 +339,33 @@ def pair_metrics(fn, batches: list[dict], prefix: str = "eval/") -> dict:
 
 # ----------------------------------------------------------------------------- phase
 
+def num_pairs(cfg) -> int:
+    """Pairs per update: ``rollout.batch_size`` offline, one per prompt online
+    (``algo.step_mc.max_steps`` per prompt with step-level pairs)."""
+    a, b = cfg.algo, int(cfg.rollout.batch_size)
+    pairs = b // int(a.num_generations) if a.online else b
+    return pairs * int(a.step_mc.max_steps) if cfg.data.pairs == "step_mc" else pairs
+
+
+def _optimizer(ctx, steps: int):
+    updates = ctx.cfg.algo.num_iterations if ctx.cfg.algo.online else 1
+    return ctx.optimizer(ctx.cfg.optimizer.learning_rate, int(steps) * updates)
+
+
+def _init_state(ctx, optimizer, state):
+    copy_ref = ctx.cfg.algo.loss_type != "simpo" and not lora_lib.has_lora(state.params)
+    ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
+    return state.replace(opt_state=optimizer.init(lora_lib.trainable(state.params)),
+                         ref_params=ref)
+
+
+def _build(ctx, optimizer, state):
+    micro, pairs = ctx.cfg.algo.micro_batch_size, num_pairs(ctx.cfg)
+    num_micro = pairs // micro if micro and pairs % micro == 0 else 1
+    return build_dpo_step(ctx.model_cfg, ctx.cfg.algo, optimizer, num_micro=num_micro,
+                          state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
+
+
 class DPOPhase:
     """``steps`` DPO updates (``algo.num_iterations`` per step when online).
 
@@ -352,14 +390,10 @@ class DPOPhase:
         self.ctx, self.steps, self.online = ctx, int(steps), bool(a.online)
         self.g = int(a.num_generations)
         self.step_mc = cfg.data.pairs == "step_mc"
-        self.num_pairs = cfg.rollout.batch_size // self.g if self.online else cfg.rollout.batch_size
-        if self.step_mc:
-            self.num_pairs *= int(a.step_mc.max_steps)
+        self.num_pairs = num_pairs(cfg)
         if self.num_pairs % ctx.dp_size:
             raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
                             f"split over the data-parallel mesh size {ctx.dp_size}")
-        micro = a.micro_batch_size
-        self.num_micro = self.num_pairs // micro if micro and self.num_pairs % micro == 0 else 1
         if self.step_mc:
             self.iterator = data_iterator(ctx, cfg.rollout.batch_size // self.g)
             self.source = StepMCPairs(ctx, self.iterator)
@@ -369,7 +403,7 @@ class DPOPhase:
         else:
             self.source = PreferenceData(ctx, self.num_pairs)
         self.updates = a.num_iterations if self.online else 1
-        self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, self.steps * self.updates)
+        self.optimizer = _optimizer(ctx, self.steps)
         self.uses_ref = a.loss_type != "simpo"
         self._step_fn = self._eval_fn = None
         self._eval_batches = self._eval_examples = None
@@ -377,17 +411,32 @@ class DPOPhase:
     def init_state(self, state):
         """Fresh optimizer; the reference is a copy of the starting policy, or with LoRA the
         base model (adapters off: no copy, ``ref_params`` stays None)."""
-        copy_ref = self.uses_ref and not lora_lib.has_lora(state.params)
-        ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
-        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
-                             ref_params=ref)
+        return _init_state(self.ctx, self.optimizer, state)
 
     def _compiled(self, state):
         if self._step_fn is None:
-            self._step_fn = build_dpo_step(
-                self.ctx.model_cfg, self.ctx.cfg.algo, self.optimizer, num_micro=self.num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+            self._step_fn = _build(self.ctx, self.optimizer, state)
         return self._step_fn
+
+    @staticmethod
+    def programs(ctx, steps: int):
+        """``(abstract state, [Program])``: online, the rollout's sampler and log-prob passes
+        (``rljax.train.programs``); the evaluation sampler when the policy is evaluated on
+        prompts; the update on the step's pairs (``pair_batch``)."""
+        cfg = ctx.cfg
+        optimizer = _optimizer(ctx, steps)
+        state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
+        params = programs_lib.shard_bytes(state.params)
+        out = []
+        if cfg.algo.online:
+            out += programs_lib.sampler_programs(ctx, state.params, params)
+            out.append(programs_lib.logps_program(ctx, state.params, params))
+        elif cfg.data.source in data_lib.TASKS:
+            out += programs_lib.sampler_programs(ctx, state.params, params)[1:]   # eval only
+        out.append(programs_lib.Program("update", _build(ctx, optimizer, state),
+                                        (state, pair_batch(ctx, num_pairs(cfg))),
+                                        programs_lib.shard_bytes(state)))
+        return state, out
 
     def _online_pairs(self, state, step: int) -> tuple[dict, dict]:
         if self.step_mc:
