@@ -164,6 +164,11 @@ class RMPhase:
     def init_state(self, state):
         return _init_state(self.ctx, self.optimizer, state)
 
+    def _compiled(self, state):
+        if self._step_fn is None:
+            self._step_fn = _build(self.ctx, self.optimizer, state)
+        return self._step_fn
+
     @staticmethod
     def programs(ctx, steps: int):
         """``(abstract state, [Program])``: the update on ``rollout.batch_size`` pairs
@@ -177,9 +182,7 @@ class RMPhase:
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
         batch = next(self.data)
-        if self._step_fn is None:
-            self._step_fn = _build(self.ctx, self.optimizer, state)
-        state, m = self._step_fn(state, dist.device_batch(batch, self.ctx.mesh))
+        state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))
         m = to_host(m)
         m.update({"rm/pairs": int(batch["pair_mask"].sum()),
                   "time/step": time.perf_counter() - t0})
