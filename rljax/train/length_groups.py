@@ -217,8 +217,10 @@ def _apply_totals(optimizer, state, totals: tuple):
 def stream_count(planner: Planner, streams: int, rows: int) -> int:
     """Streams for a batch of ``rows`` (``streams`` resolved, >= 1): the most, up to
     ``streams``, that cut each micro-batch into equal parts of whole groups (whole rows
-    without shared prompts)."""
-    return streams_lib.largest_divisor(streams, rows // planner.num_micro, planner.group_size)
+    without shared prompts, or when a micro-batch holds no whole group: see ``plan``)."""
+    micro = rows // planner.num_micro
+    unit = planner.group_size if micro % planner.group_size == 0 else 1
+    return streams_lib.largest_divisor(streams, micro, unit)
 
 
 def stream_parts(planner: Planner, streams: int, batch: dict, n: int):
