@@ -20,10 +20,11 @@ A phase's per-device peak is estimated as
 
 where *resident* is the train state that lives on the device for the whole phase (policy,
 optimizer state, frozen reference, critic), counted once whether or not the program takes it
-as an argument, and *copies* the instances running at once (``algo.update_streams``). The peak is compared with the device's memory: ``memory.device_memory_gb`` when set,
-else the allocator limit from ``device.memory_stats()`` (GPU/TPU), else, on CPU, the host's
-RAM shared by its local devices. ``rljax train`` runs the same check first (``memory.check``)
-and stops with one clear line when a run cannot fit.
+as an argument, and *copies* the instances running at once (``algo.update_streams``).
+The peak is compared with the device's memory: ``memory.device_memory_gb`` when set, else the
+allocator limit from ``device.memory_stats()`` (GPU/TPU), else, on CPU, the host's RAM shared
+by its local devices. ``rljax train`` runs the same check first (``memory.check``) and stops
+with one clear line when a run cannot fit.
 """
 from __future__ import annotations
 

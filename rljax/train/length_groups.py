@@ -1,8 +1,9 @@
 """Host-planned micro-batches of the GRPO update: it computes on what is real.
 
-Two options, alone or together: ``algo.group_by_length`` (below) and ``algo.shared_prompt``
-(``Planner``, ``shared_layout``: micro-batches of whole groups of G rows, each group's prompt
-computed once by ``models.shared_prompt``).
+Every GRPO update runs here (``phases.grpo.build_update``). Two options, alone or together:
+``algo.group_by_length`` (below) and ``algo.shared_prompt`` (``Planner``, ``shared_layout``:
+micro-batches of whole groups of G rows, each group's prompt computed once by
+``models.shared_prompt``); with neither, the micro-batches are the batch's rows in order.
 
 The rollout lays every row of a batch out alike: the prompt left-padded to one bucket P, then
 the completion slot N, right-padded after the stop token (``rollout.build_sequences``). Each

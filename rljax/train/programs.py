@@ -97,6 +97,18 @@ def sequence_batch(ctx, rows: int) -> dict:
             "loss_mask": batch_struct(mesh, (rows, n), bool)}
 
 
+def pair_batch(ctx, pairs: int) -> dict:
+    """Abstract preference batch of ``pairs`` pairs (``data.encode_preference`` +
+    ``pair_mask``; DPO, reward models): prompts [pairs, P] of the longest bucket, chosen /
+    rejected completions [pairs, C] of ``rollout.max_new_tokens``."""
+    p, c, mesh = prompt_len(ctx.cfg), int(ctx.cfg.rollout.max_new_tokens), ctx.mesh
+    out = {"pair_mask": batch_struct(mesh, (pairs,), bool)}
+    for key, width in (("prompt", p), ("chosen", c), ("rejected", c)):
+        for field, dtype in (("tokens", jnp.int32), ("mask", bool)):
+            out[f"{key}_{field}"] = batch_struct(mesh, (pairs, width), dtype)
+    return out
+
+
 def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> list[Program]:
     """``sample`` (``rollout.micro_batch_size / G`` prompts of the longest bucket, G samples
     each, or G tree leaves) and ``eval`` (the held-out generation at ``eval.batch_size`` /

@@ -158,17 +158,6 @@ def build_dpo_step(model_cfg, algo_cfg, optimizer, *, num_micro: int = 1,
     return steps.jit_step(dpo_step, state_shardings, mesh)
 
 
-def pair_batch(ctx, pairs: int) -> dict:
-    """Abstract preference batch of ``pairs`` pairs (``encode_preference`` + ``pair_mask``):
-    prompts of the longest bucket, completions of ``rollout.max_new_tokens``."""
-    p, c, mesh = programs_lib.prompt_len(ctx.cfg), int(ctx.cfg.rollout.max_new_tokens), ctx.mesh
-    out = {"pair_mask": programs_lib.batch_struct(mesh, (pairs,), bool)}
-    for key, width in (("prompt", p), ("chosen", c), ("rejected", c)):
-        out[f"{key}_tokens"] = programs_lib.batch_struct(mesh, (pairs, width), jnp.int32)
-        out[f"{key}_mask"] = programs_lib.batch_struct(mesh, (pairs, width), bool)
-    return out
-
-
 # ----------------------------------------------------------------------------- pairs (host)
 
 def synthetic_pairs(examples: list[dict], rng: np.random.Generator,
@@ -347,9 +336,10 @@ def num_pairs(cfg) -> int:
     return pairs * int(a.step_mc.max_steps) if cfg.data.pairs == "step_mc" else pairs
 
 
-def _optimizer(ctx, steps: int):
-    updates = ctx.cfg.algo.num_iterations if ctx.cfg.algo.online else 1
-    return ctx.optimizer(ctx.cfg.optimizer.learning_rate, int(steps) * updates)
+def _optimizer(ctx, steps: int):   # online: algo.num_iterations updates per step
+    a = ctx.cfg.algo
+    return ctx.optimizer(ctx.cfg.optimizer.learning_rate, int(steps) * (a.num_iterations
+                                                                        if a.online else 1))
 
 
 def _init_state(ctx, optimizer, state):
@@ -422,21 +412,18 @@ class DPOPhase:
     def programs(ctx, steps: int):
         """``(abstract state, [Program])``: online, the rollout's sampler and log-prob passes
         (``rljax.train.programs``); the evaluation sampler when the policy is evaluated on
-        prompts; the update on the step's pairs (``pair_batch``)."""
-        cfg = ctx.cfg
-        optimizer = _optimizer(ctx, steps)
+        prompts; the update on the step's pairs (``programs.pair_batch``)."""
+        cfg, optimizer = ctx.cfg, _optimizer(ctx, steps)
         state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
-        params = programs_lib.shard_bytes(state.params)
-        out = []
+        params, out = programs_lib.shard_bytes(state.params), []
         if cfg.algo.online:
             out += programs_lib.sampler_programs(ctx, state.params, params)
             out.append(programs_lib.logps_program(ctx, state.params, params))
-        elif cfg.data.source in data_lib.TASKS:
-            out += programs_lib.sampler_programs(ctx, state.params, params)[1:]   # eval only
-        out.append(programs_lib.Program("update", _build(ctx, optimizer, state),
-                                        (state, pair_batch(ctx, num_pairs(cfg))),
-                                        programs_lib.shard_bytes(state)))
-        return state, out
+        elif cfg.data.source in data_lib.TASKS:   # evaluated on prompts: the eval sampler
+            out += programs_lib.sampler_programs(ctx, state.params, params)[1:]
+        batch = programs_lib.pair_batch(ctx, num_pairs(cfg))
+        return state, out + [programs_lib.Program("update", _build(ctx, optimizer, state),
+                                                  (state, batch), programs_lib.shard_bytes(state))]
 
     def _online_pairs(self, state, step: int) -> tuple[dict, dict]:
         if self.step_mc:

@@ -172,10 +172,10 @@ class RMPhase:
     @staticmethod
     def programs(ctx, steps: int):
         """``(abstract state, [Program])``: the update on ``rollout.batch_size`` pairs
-        (``dpo.pair_batch``; ``rljax.train.programs``)."""
+        (``programs.pair_batch``)."""
         optimizer = _optimizer(ctx, steps)
         state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
-        batch = dpo_lib.pair_batch(ctx, int(ctx.cfg.rollout.batch_size))
+        batch = programs_lib.pair_batch(ctx, int(ctx.cfg.rollout.batch_size))
         return state, [programs_lib.Program("update", _build(ctx, optimizer, state),
                                             (state, batch), programs_lib.shard_bytes(state))]
 
