@@ -3,10 +3,11 @@
 Every phase class has ``programs(ctx, steps) -> (abstract state, [Program])``: the jitted
 functions its iterations call, each with abstract inputs (``jax.ShapeDtypeStruct`` carrying the
 run's shardings) at the worst-case shapes of the config (the longest prompt bucket, the full
-completion slot). ``ctx`` is a ``setup.Context`` whose ``params`` are abstract
-(the plan's); the phase builds its programs with the same builders its iterations
-use, so the plan compiles what training runs. The rollout's sampler and log-prob passes, shared
-by the RL phases, are stated here (``sampler_programs``, ``logps_program``).
+completion slot). ``ctx`` is a ``setup.Context`` whose ``params`` may be abstract (the
+plan's); the phase builds its programs with the same builders and ``init_state`` its
+iterations use, so the plan compiles what training runs. The rollout's sampler and log-prob
+passes, shared by the RL phases, are stated here (``sampler_programs``, ``logps_program``;
+the multi-turn sampler is planned as one sampler pass over its KV cache, ``sampler_len``).
 """
 from __future__ import annotations
 
@@ -56,8 +57,7 @@ def phase_state(ctx, init_state: Callable) -> state_lib.TrainState:
     """The abstract state of a phase (``init_state`` of the run's initial state), with the
     run's shardings: what the phase's programs take."""
     initial = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=ctx.params,
-                                   opt_state=None,
-                                   rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+                                   opt_state=None, rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
     shape = jax.eval_shape(init_state, initial)
     return state_lib.abstract_train_state(shape, ctx.state_shardings(shape))
 
