@@ -31,7 +31,8 @@ import optax  # noqa: E402
 import update_step  # noqa: E402  (its rollout batch)
 from streams import UPDATE_SHAPES as SHAPES, interleaved  # noqa: E402
 from rljax import compilation_cache, config as config_lib, models  # noqa: E402
-from rljax.train import length_groups, steps  # noqa: E402
+from rljax.train import steps  # noqa: E402
+from rljax.train.phases import grpo  # noqa: E402
 from rljax.train.state import create_train_state  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def main() -> None:
         algo = config_lib.default_config().algo
         algo.update(num_generations=g, beta=0.0, shared_prompt=True,
                     group_by_length=args.shape == "real")
-        step = length_groups.build_grpo_step(cfg, algo, opt, num_micro=b * g // micro)
+        step = grpo.build_update(cfg, algo, opt, num_micro=b * g // micro)
 
         def run(step=step):   # the state is donated: each call continues from the last one
             carried["state"], m = step(carried["state"], batch)

@@ -7,8 +7,8 @@ Measured in this one process, on whatever ``jax.devices()[0]`` is:
 * **Ceilings.** A jitted bf16 8192^3 matmul (FLOP/s) and a device-to-device copy of 2 GiB
   (bytes read + written per second). MFU and the decode bound use these measured ceilings, not
   datasheet numbers (the datasheet peak is printed beside them).
-* **Update step.** rljax's own jitted GRPO step (``steps.build_grpo_step``: forward, backward,
-  AdamW) on a random batch of ``--batch`` sequences of ``--seq`` positions (half prompt, half
+* **Update step.** rljax's GRPO loss as one jitted step (``steps.update`` of
+  ``grpo_loss``: forward, backward, AdamW) on a random batch of ``--batch`` sequences of ``--seq`` positions (half prompt, half
   completion), params float32, compute bfloat16, random weights of ``--preset``. FLOPs are
   counted with the model of ``bench/grpo_step.py``: ``3 x (2 S W + 2 n D V + 4 L S^2 H Dh)``
   per sequence (W = the layers' matmul weights; the LM head on the n = S/2 scored positions
@@ -45,6 +45,7 @@ from bench.grpo_step import forward_flops  # noqa: E402
 from rljax import config as config_lib  # noqa: E402
 from rljax import models, sampling  # noqa: E402
 from rljax.train import optim, steps  # noqa: E402
+from rljax.train.phases import grpo  # noqa: E402
 from rljax.train.state import create_train_state  # noqa: E402
 
 DEFAULT_CHUNK = dict(models.transformer.LOGITS_CHUNK_ELEMENTS)
@@ -107,7 +108,9 @@ def update_setup(cfg, batch: int, seq: int, num_micro: int = 1):
          "loss_mask": jnp.ones((batch, n), bool),
          "advantages": jnp.asarray(rng.normal(size=(batch,)), jnp.float32),
          "sampler_logps": jnp.full((batch, n), -2.0, jnp.float32)}
-    return steps.build_grpo_step(cfg, c.algo, optimizer, num_micro=num_micro), state, b
+    loss_fn = grpo.grpo_loss_fn(cfg, c.algo)
+    step = steps.jit_step(lambda s, x: steps.update(optimizer, loss_fn, s, x, num_micro))
+    return step, state, b
 
 
 def _update_step(preset, batch, seq, num_micro, runs, remat, extra) -> dict:

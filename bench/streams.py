@@ -32,7 +32,8 @@ import optax  # noqa: E402
 
 import update_step  # noqa: E402  (its shapes and rollout batch)
 from rljax import config as config_lib, models, sampling  # noqa: E402
-from rljax.train import length_groups, steps  # noqa: E402
+from rljax.train import steps  # noqa: E402
+from rljax.train.phases import grpo  # noqa: E402
 from rljax.train.state import create_train_state  # noqa: E402
 
 SAMPLER_SHAPES = {"toy": [(32, 1, 32, 64), (8, 8, 32, 64)], "real": [(8, 4, 160, 64)]}
@@ -94,7 +95,7 @@ def bench_update(shape: str, counts: list[int], runs: int, micro_counts=(None,))
             algo = config_lib.default_config().algo
             algo.update(num_generations=g, beta=0.0, shared_prompt=True,
                         group_by_length=shape == "real", update_streams=k)
-            step = length_groups.build_grpo_step(cfg, algo, opt, num_micro=num_micro)
+            step = grpo.build_update(cfg, algo, opt, num_micro=num_micro)
 
             def run(step=step):   # the state is donated: each call continues from the last one
                 carried["state"], m = step(carried["state"], batch)

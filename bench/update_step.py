@@ -5,7 +5,7 @@
 One GRPO update (AdamW, beta 0, token-mean, one epoch: the old log-probs are the update's own)
 on a synthetic rollout batch, four ways, interleaved, median wall and process-CPU seconds:
 
-- ``padded``: ``steps.build_grpo_step``, every row at the full prompt bucket + N columns;
+- ``padded``: neither option, every row at the full prompt bucket + N columns;
 - ``group_by_length``: rows sorted by length, each micro-batch trimmed to its real columns;
 - ``shared_prompt``: micro-batches of whole groups, each group's prompt computed once;
 - ``both``: the two together.
@@ -36,7 +36,8 @@ import numpy as np
 import optax
 
 from rljax import config as config_lib, models
-from rljax.train import length_groups, steps
+from rljax.train import steps
+from rljax.train.phases import grpo
 from rljax.train.state import create_train_state
 
 SHAPES = {   # model overrides of preset "tiny"; prompts, G, bucket, N, prompt lengths, micro
@@ -46,7 +47,8 @@ SHAPES = {   # model overrides of preset "tiny"; prompts, G, bucket, N, prompt l
     "toy": (dict(vocab_size=259, num_layers=4, hidden_size=128, intermediate_size=384,
                  num_heads=4, num_kv_heads=2), 8, 8, 32, 64, (32, 33), 64),
 }
-LAYOUTS = {"padded": None, "group_by_length": (True, False), "shared_prompt": (False, True),
+LAYOUTS = {"padded": (False, False), "group_by_length": (True, False),
+           "shared_prompt": (False, True),
            "both": (True, True)}
 
 
@@ -133,12 +135,8 @@ def main() -> None:
     for name in filter(None, args.layouts.split(",")):
         algo = config_lib.default_config().algo
         algo.update(num_generations=g, beta=0.0)
-        if LAYOUTS[name] is None:
-            steps_by_name[name] = steps.build_grpo_step(cfg, algo, opt, num_micro=num_micro)
-            effs[name] = float(batch["mask"].mean())
-            continue
         algo.update(group_by_length=LAYOUTS[name][0], shared_prompt=LAYOUTS[name][1])
-        steps_by_name[name] = length_groups.build_grpo_step(cfg, algo, opt, num_micro=num_micro)
+        steps_by_name[name] = grpo.build_update(cfg, algo, opt, num_micro=num_micro)
 
     def run(name):
         # The state is donated: each call continues from the last one's (timing only).

@@ -2,24 +2,29 @@
 
     rljax plan --config configs/grpo_arithmetic.py [--config.KEY=VALUE ...]
 
-Each phase program the trainer runs (``sample``: the on-device sampler, ``eval``: the held-out
-evaluation's sampler at ``eval.batch_size`` / ``eval.max_new_tokens``, ``logps``: old /
-reference log-probs, ``update``: one optimizer step on a mini-batch; ``sft_update`` for an SFT
-warm-up) is lowered with abstract inputs (``jax.ShapeDtypeStruct`` carrying the run's
+Each phase states the programs its iterations run (``programs(ctx, steps)``,
+``rljax.train.programs``), built by the builders training uses: ``sample`` (the on-device
+sampler), ``eval`` (the held-out evaluation's sampler at ``eval.batch_size`` /
+``eval.max_new_tokens``), ``logps`` (old / reference log-probs), ``prepare`` (PPO: values and
+GAE), ``update`` (one optimizer step on a mini-batch; GRPO: one micro-batch's gradients per
+update stream, then ``apply``, the optimizer step on their sums); an SFT warm-up's are named
+``sft_*``. Each is lowered with abstract inputs (``jax.ShapeDtypeStruct`` carrying the run's
 shardings; no parameter is ever materialised) at its worst-case shapes (the longest prompt
-bucket, ``rollout.max_new_tokens``), compiled, and XLA's ``compiled.memory_analysis()`` gives
+bucket, the full completion slot), compiled, and XLA's ``compiled.memory_analysis()`` gives
 its per-device arguments, outputs, aliased (donated) bytes and temporaries.
 
 A phase's per-device peak is estimated as
 
-    resident + (arguments - resident arguments) + outputs - aliased + temporaries + code
+    resident + copies x (arguments - resident arguments + outputs - aliased + temporaries)
+             + code
 
 where *resident* is the train state that lives on the device for the whole phase (policy,
-optimizer state, frozen reference), counted once whether or not the program takes it as an
-argument. The peak is compared with the device's memory: ``memory.device_memory_gb`` when set,
-else the allocator limit from ``device.memory_stats()`` (GPU/TPU), else, on CPU, the host's
-RAM shared by its local devices. ``rljax train`` runs the same check first (``memory.check``)
-and stops with one clear line when a run cannot fit.
+optimizer state, frozen reference, critic), counted once whether or not the program takes it
+as an argument, and *copies* the instances running at once (``algo.update_streams``).
+The peak is compared with the device's memory: ``memory.device_memory_gb`` when set, else the
+allocator limit from ``device.memory_stats()`` (GPU/TPU), else, on CPU, the host's RAM shared
+by its local devices. ``rljax train`` runs the same check first (``memory.check``) and stops
+with one clear line when a run cannot fit.
 """
 from __future__ import annotations
 
@@ -29,16 +34,15 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
-from rljax import algorithms, models, sampling
-from rljax.sampling import tree as tree_sampling
+from rljax import models
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
+from rljax.train.programs import shard_bytes
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -60,10 +64,12 @@ class PhaseMemory:
     code: int
     resident_arguments: int      # part of ``arguments`` that is resident train state
     compile_s: float = 0.0
+    copies: int = 1              # instances running at once (update streams)
 
     def peak(self, resident: int) -> int:
-        return (resident + self.arguments - self.resident_arguments + self.outputs
-                - self.aliased + self.temps + self.code)
+        return (resident + self.copies * (self.arguments - self.resident_arguments
+                                          + self.outputs - self.aliased + self.temps)
+                + self.code)
 
 
 @dataclasses.dataclass
@@ -105,13 +111,14 @@ class MemoryPlan:
                  f"  {'phase':<12}{'arguments':>11}{'outputs':>10}{'aliased':>10}{'temps':>10}"
                  f"{'peak':>10}   (compile)"]
         for p in self.phases:
-            lines.append(f"  {p.name:<12}{p.arguments / MiB:>11.1f}{p.outputs / MiB:>10.1f}"
+            name = p.name if p.copies == 1 else f"{p.name} x{p.copies}"
+            lines.append(f"  {name:<12}{p.arguments / MiB:>11.1f}{p.outputs / MiB:>10.1f}"
                          f"{p.aliased / MiB:>10.1f}{p.temps / MiB:>10.1f}"
                          f"{p.peak(self.resident) / MiB:>10.1f}   ({p.compile_s:.1f}s)")
         parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in self.resident_parts.items())
         lines.append(f"  resident train state {self.resident / MiB:.1f} MiB ({parts})")
         lines.append("  peak = resident state + the phase's other arguments + outputs - aliased "
-                     "+ temporaries")
+                     "+ temporaries (x N: N at once)")
         lines += [f"  note: {n}" for n in self.notes]
         if self.capacity is None:
             lines.append(f"device memory unknown ({self.capacity_source}): peak "
@@ -134,45 +141,25 @@ def human(n: float) -> str:
     return f"{int(n)} B"
 
 
-def shard_bytes(tree: Any) -> int:
-    """Per-device bytes of a pytree of ``ShapeDtypeStruct``/arrays with shardings (the
-    largest shard, i.e. the most loaded device)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = tuple(leaf.shape)
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None and shape:
-            shape = tuple(sharding.shard_shape(shape))
-        try:
-            itemsize = jnp.dtype(leaf.dtype).itemsize
-        except TypeError:  # PRNG key dtypes
-            itemsize = 8
-        total += math.prod(shape) * itemsize
-    return total
-
-
 def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         tree, shardings)
 
 
-def _batch_struct(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype),
-                                sharding=shd.batch_sharding(mesh, tuple(shape)))
-
-
-def _compile_phase(name: str, jitted: Callable, args: tuple, resident_arguments: int) -> PhaseMemory:
+def _compile_phase(program) -> PhaseMemory:
+    """Lowers and compiles one ``programs.Program``; XLA's memory analysis of it."""
     t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    compiled = program.fn.lower(*program.args).compile()
     stats = compiled.memory_analysis()
     dt = time.perf_counter() - t0
     if stats is None:
-        raise RuntimeError(f"XLA gave no memory analysis for {name} on {jax.default_backend()}")
+        raise RuntimeError(f"XLA gave no memory analysis for {program.name} on "
+                           f"{jax.default_backend()}")
     return PhaseMemory(
-        name=name, arguments=int(stats.argument_size_in_bytes),
+        name=program.name, arguments=int(stats.argument_size_in_bytes),
         outputs=int(stats.output_size_in_bytes), aliased=int(stats.alias_size_in_bytes),
         temps=int(stats.temp_size_in_bytes), code=int(stats.generated_code_size_in_bytes),
-        resident_arguments=resident_arguments, compile_s=dt)
+        resident_arguments=program.resident, compile_s=dt, copies=program.copies)
 
 
 def host_memory_bytes() -> int | None:
@@ -240,15 +227,30 @@ def _tokenizer(cfg):
 
 # ----------------------------------------------------------------------------- the plan
 
+def resident_parts(state) -> dict:
+    """Per-device bytes of an abstract train state by part: ``params`` (with LoRA the frozen
+    base; ``adapters`` apart), ``optimizer`` (and the step counter and rng), ``reference``,
+    ``critic``, ``critic_optimizer``."""
+    parts = {"params": shard_bytes(state.params),
+             "optimizer": shard_bytes((state.opt_state, state.step, state.rng))}
+    if models.lora.has_lora(state.params):
+        parts["adapters"] = shard_bytes(state.params["lora"])
+        parts["params"] -= parts["adapters"]
+    for key, field in (("reference", "ref_params"), ("critic", "critic_params"),
+                       ("critic_optimizer", "critic_opt_state")):
+        if getattr(state, field) is not None:
+            parts[key] = shard_bytes(getattr(state, field))
+    return parts
+
+
 def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
-    """Compiles the run's phases abstractly and returns their per-device memory.
+    """Compiles the programs of the run's phases abstractly (each phase states its own:
+    ``rljax.train.phases.phase_programs``) and returns their per-device memory.
 
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
     """
-    from rljax.train import optim, steps
-    from rljax.train.rollout import prompt_buckets
-    from rljax.train.setup import check_inputs
-    from rljax.train.state import abstract_train_state, eval_state_shape, state_shardings
+    from rljax.train import phases as phases_lib, programs as programs_lib
+    from rljax.train.setup import Context, check_inputs
 
     devices = list(jax.devices() if devices is None else devices)
     check_inputs(cfg, len(devices))
@@ -269,151 +271,31 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
             lambda: models.lora.init_lora(mcfg, lora_rank, lc.targets, jax.random.key(0)))}
         axes = {**axes, "lora": models.lora.lora_logical_axes(mcfg, lora_rank, lc.targets)}
     param_sh = shd.logical_to_sharding(axes, mesh, shapes=param_shapes)
-    params = _abstract(param_shapes, param_sh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)  # jax.random.PRNGKey
+    ctx = Context(cfg, "", mesh, tok, mcfg, _abstract(param_shapes, param_sh), param_sh)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes))
-    a, r = cfg.algo, cfg.rollout
     phases: list[PhaseMemory] = []
     notes: list[str] = []
     residents: list[tuple[str, dict]] = []
-
-    def _compile(*args):
-        return _compile_phase(*args) if compile_phases else None
-
-    def make_state(optimizer, with_ref: bool):
-        with_ref = with_ref and not lora_rank  # LoRA: the reference is the frozen base
-        shape = eval_state_shape(params, optimizer, rng, ref_params=params if with_ref else None)
-        abstract = abstract_train_state(shape, state_shardings(shape, param_sh))
-        parts = {"params": shard_bytes(abstract.params),
-                 "optimizer": shard_bytes(abstract.opt_state)}
-        if lora_rank:
-            parts["adapters"] = shard_bytes(abstract.params["lora"])
-            parts["params"] -= parts["adapters"]  # the frozen base
-        if with_ref:
-            parts["reference"] = shard_bytes(abstract.ref_params)
-        return abstract, parts
-
-    p_len = max(prompt_buckets(cfg.data.max_prompt_length))
-    n_new = int(r.max_new_tokens)
-    n_sample = n_new   # tokens after the prompt in the sampler's KV cache
+    p_len, n_new = programs_lib.prompt_len(cfg), programs_lib.completion_len(cfg)
     if cfg.env.name:
-        # Episodes train on env.max_total_tokens after the prompt; the multi-turn sampler's cache
-        # holds T turns of (observation chunk O + turn tokens) slots (rljax.sampling.multiturn.SlotLayout).
-        env = cfg.env
-        n_sample = int(env.max_turns) * (int(env.max_obs_tokens) + 1
-                                         + int(env.max_turn_tokens or r.max_new_tokens))
-        n_new = int(env.max_total_tokens)
         notes.append(f"episodes: sampling planned as one sampler pass over the multi-turn "
-                     f"KV cache ({n_sample} slots after the prompt); training sequences "
-                     f"{p_len} + env.max_total_tokens = {p_len + n_new}")
-
-    if cfg.sft.steps or a.name == "sft":
-        bs = int(cfg.sft.batch_size)
-        sft_steps = cfg.sft.steps or cfg.steps
-        lr = cfg.sft.learning_rate if cfg.sft.steps else cfg.optimizer.learning_rate
-        optimizer = optim.make_optimizer(cfg.optimizer, sft_steps, learning_rate=lr)
-        state, parts = make_state(optimizer, with_ref=False)
-        residents.append(("sft", parts))
-        completion = int(cfg.sft.max_length) - int(cfg.data.max_prompt_length)
-        length = p_len + completion
-        micro = a.micro_batch_size
-        num_micro = bs // micro if micro and bs % micro == 0 else 1
-        fn = steps.build_sft_step(mcfg, optimizer, num_micro=num_micro,
-                                  state_shardings=jax.tree.map(lambda s: s.sharding, state),
-                                  mesh=mesh)
-        batch = {"tokens": _batch_struct(mesh, (bs, length), jnp.int32),
-                 "mask": _batch_struct(mesh, (bs, length), bool),
-                 "loss_mask": _batch_struct(mesh, (bs, completion), bool)}
-        phases.append(_compile("sft_update" if a.name != "sft" else "update", fn,
-                               (state, batch), sum(parts.values())))
-
-    if a.name != "sft":
-        g = int(a.num_generations)
-        total = int(r.batch_size)
-        prompts = total // g
-        chunk = (r.micro_batch_size // g) if r.micro_batch_size else prompts
-        mini = a.mini_batch_size or total
-        with_ref = a.beta > 0 and not lora_rank
-        optimizer = optim.make_optimizer(cfg.optimizer, max(1, cfg.steps))
-        state, parts = make_state(optimizer, with_ref=with_ref)
-        residents.append((a.name, parts))
-        resident_params = parts["params"]
-
-        # sample: `chunk` prompts of the longest bucket, G completions each (or G tree leaves).
-        tree = tree_sampling.options_from_config(r.tree, g)
-        # LoRA on a float32 base samples from a merged copy (rollout.sampling_params): merge
-        # inside the planned programs so the copy counts toward their peak.
-        merge = (bool(lora_rank) and cfg.model.lora.merge_for_sampling
-                 and jnp.dtype(mcfg.dtype) == jnp.float32)
-        for_sampling = (lambda p: models.lora.merge(mcfg, p)) if merge else (lambda p: p)
-
-        def sample_fn(params, prompt_tokens, prompt_mask, key):
-            params = for_sampling(params)
-            kw = dict(rng=key, max_new_tokens=n_sample, temperature=r.temperature, top_k=r.top_k,
-                      top_p=r.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
-            if tree is not None:
-                return tree_sampling.generate(mcfg, params, prompt_tokens, prompt_mask,
-                                              **tree, **kw)
-            return sampling.generate(mcfg, params, prompt_tokens, prompt_mask,
-                                     num_samples=g, **kw)
-        phases.append(_compile("sample", jax.jit(sample_fn), (
-            params, _batch_struct(mesh, (chunk, p_len), jnp.int32),
-            _batch_struct(mesh, (chunk, p_len), bool), rng), resident_params))
-
-        # eval: the held-out greedy (or sampled) generation, at its own batch and length.
-        if a.name != "rm":
-            e = cfg.eval
-
-            def eval_fn(params, prompt_tokens, prompt_mask, key):
-                return sampling.generate(
-                    mcfg, for_sampling(params), prompt_tokens, prompt_mask, rng=key,
-                    max_new_tokens=e.max_new_tokens or n_sample, temperature=e.temperature,
-                    top_k=r.top_k if e.temperature else 0,
-                    top_p=r.top_p if e.temperature else 1.0, eos_id=tok.eos_id,
-                    pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh)
-            phases.append(_compile("eval", jax.jit(eval_fn), (
-                params, _batch_struct(mesh, (e.batch_size, p_len), jnp.int32),
-                _batch_struct(mesh, (e.batch_size, p_len), bool), rng), resident_params))
-
-        # logps: old (and reference) log-probs of the whole rollout batch.
-        micro = a.micro_batch_size or a.mini_batch_size or total
-        logps_fn = steps.build_logps_fn(mcfg, temperature=r.temperature,
-                                        num_micro=total // micro, mesh=mesh,
-                                        param_shardings=param_sh)
-        seq = {"tokens": _batch_struct(mesh, (total, p_len + n_new), jnp.int32),
-               "mask": _batch_struct(mesh, (total, p_len + n_new), bool),
-               "loss_mask": _batch_struct(mesh, (total, n_new), bool)}
-        phases.append(_compile("logps", logps_fn, (params, seq), resident_params))
-
-        if a.name == "grpo":
-            token_adv = algorithms.is_token_level(a.adv_estimator)
-            num_micro = mini // a.micro_batch_size if a.micro_batch_size else 1
-            fn = steps.build_grpo_step(mcfg, a, optimizer, temperature=r.temperature,
-                                       num_micro=num_micro,
-                                       state_shardings=jax.tree.map(lambda s: s.sharding, state),
-                                       mesh=mesh)
-            batch = {"tokens": _batch_struct(mesh, (mini, p_len + n_new), jnp.int32),
-                     "mask": _batch_struct(mesh, (mini, p_len + n_new), bool),
-                     "loss_mask": _batch_struct(mesh, (mini, n_new), bool),
-                     "advantages": _batch_struct(mesh, (mini, n_new) if token_adv else (mini,),
-                                                 jnp.float32),
-                     "old_logps": _batch_struct(mesh, (mini, n_new), jnp.float32),
-                     "sampler_logps": _batch_struct(mesh, (mini, n_new), jnp.float32)}
-            if a.beta > 0 and not a.kl_in_reward:  # (LoRA: from the base, no copy)
-                batch["ref_logps"] = _batch_struct(mesh, (mini, n_new), jnp.float32)
-            phases.append(_compile("update", fn, (state, batch), sum(parts.values())))
-        else:
-            notes.append(f"the {a.name} update step is not planned yet (sample and logps are)")
-
-    phases = [x for x in phases if x is not None]
+                     f"KV cache ({programs_lib.sampler_len(cfg)} slots after the prompt); "
+                     f"training sequences {p_len} + env.max_total_tokens = {p_len + n_new}")
+    for name, state, programs in phases_lib.phase_programs(ctx):
+        if programs is None:
+            notes.append(f"the {name} phase states no programs (register_algorithm(..., "
+                         f"programs=...)): not planned")
+            continue
+        residents.append((name, resident_parts(state)))
+        if compile_phases:
+            phases += [_compile_phase(p) for p in programs]
     if not compile_phases:
         notes.append("phases not compiled: resident train state only")
-    name, parts = max(residents, key=lambda x: sum(x[1].values()))
+    name, parts = max(residents, key=lambda x: sum(x[1].values()), default=("", {}))
     capacity, source = device_capacity(cfg, devices[0])
     mesh_desc = " ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    description = (f"rljax plan: {a.name}{' + sft warm-up' if cfg.sft.steps else ''}, model "
-                   f"{cfg.model.path or cfg.model.preset} ({n_params / 1e6:.3g}M params, "
+    description = (f"rljax plan: {cfg.algo.name}{' + sft warm-up' if cfg.sft.steps else ''}, "
+                   f"model {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.3g}M params, "
                    f"{cfg.model.dtype}), mesh {mesh_desc} ({len(devices)} "
                    f"{devices[0].platform} devices, {jax.process_count()} process"
                    f"{'es' if jax.process_count() > 1 else ''}); prompts <= {p_len} tokens, "

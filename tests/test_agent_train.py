@@ -16,7 +16,7 @@ from rljax.train import run, setup
 from rljax.train.agent import MultiTurnRollout
 from rljax.train.state import create_train_state
 from rljax.train.metrics import read_metrics
-from rljax.train.steps import grpo_loss
+from rljax.train.phases.grpo import grpo_loss
 from tests.test_train_loop import StopAfter, comparable, final_params
 
 DEVICES = jax.devices()[:1]

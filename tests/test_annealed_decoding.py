@@ -15,7 +15,8 @@ from rljax.errors import ConfigError
 from rljax.train import run
 from rljax.train.metrics import read_metrics
 from rljax.train.state import create_train_state
-from rljax.train.steps import build_grpo_step, build_logps_fn, completion_logps
+from rljax.train.phases.grpo import build_update
+from rljax.train.steps import build_logps_fn, completion_logps
 
 N = 8
 
@@ -147,7 +148,7 @@ def test_first_update_ratio_is_one_with_annealing(model):
     algo.beta, algo.epsilon, algo.epsilon_high = 0.0, 0.2, 0.2
     opt = optax.sgd(1e-2)
     state = fresh_state(params, opt)
-    step = build_grpo_step(cfg, algo, opt, temperature=1.0, num_micro=2)
+    step = build_update(cfg, algo, opt, temperature=1.0, num_micro=2)
     _, m = step(state, batch)
     # Two programs (the old-log-prob pass and the update's forward): on some CPU types they round
     # a log-prob differently by a few float32 ulps (|log p| < 20, so < 1e-5 apart); approx_kl is

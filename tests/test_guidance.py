@@ -14,6 +14,7 @@ from rljax import config as config_lib
 from rljax.errors import ConfigError, UserError
 from rljax.train import checkpoint, guidance, run, setup, steps
 from rljax.train.metrics import read_metrics
+from rljax.train.phases import grpo
 from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.state import create_train_state
 from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
@@ -263,7 +264,7 @@ def test_prefix_positions_get_no_gradient_and_no_ratio(hinted_batch, monkeypatch
     def loss_of(delta):
         monkeypatch.setattr(models, "token_logps", lambda *a, **k: (
             lambda lp, ent: (lp + delta, ent))(*real(*a, **k)))
-        (num, den), _ = steps.grpo_loss(ctx.model_cfg, cfg.algo, 1.0, state.params, state, mb)
+        (num, den), _ = grpo.grpo_loss(ctx.model_cfg, cfg.algo, 1.0, state.params, state, mb)
         return num / den
 
     grad = np.asarray(jax.grad(loss_of)(jnp.zeros((b, t), jnp.float32)))
@@ -303,7 +304,7 @@ def test_mixed_policy_demo_rows_have_ratio_pi_theta_and_a_written_out_loss(tmp_p
     # The replaced sampled completions still count as sampled tokens.
     assert len(sampled) == 1 and metrics["rollout/tokens"] == sampled[0]
     mb = {k: jnp.asarray(v) for k, v in batch.items()}
-    (num, den), _ = steps.grpo_loss(ctx.model_cfg, cfg.algo, 1.0, state.params, state, mb)
+    (num, den), _ = grpo.grpo_loss(ctx.model_cfg, cfg.algo, 1.0, state.params, state, mb)
     logps = np.asarray(models.token_logps(ctx.model_cfg, state.params, mb["tokens"],
                                           attention_mask=mb["mask"])[0])[:, -n:]
     ratio = np.exp(logps - np.asarray(batch["old_logps"]))

@@ -7,8 +7,10 @@ import pytest
 
 from rljax import distributed as dist
 from rljax.train import length_groups, steps
+from rljax.train.phases import grpo
 
 from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fresh_state,
+                              scanned_grpo_step,
                               sharded_fresh_state)
 
 B, P, N = 8, 40, 20   # P, N > 16: trimming to the 16/32 buckets can happen on both sides
@@ -63,13 +65,13 @@ def test_plan_keeps_every_real_token_and_trims_padding():
 
 
 def assert_planned_update_equals_scanned(algo, batch) -> dict:
-    """The host-planned update (``length_groups.build_grpo_step``, 2 micro-batches) gives the
+    """The host-planned update (``grpo.build_update``, 2 micro-batches) gives the
     same loss, metrics and parameters (SGD: linear in the gradient) as ``steps.update`` over
     the padded micro-batches. Returns its own ``update/*`` metrics."""
     state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
-    ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    ref_state, ref_m = scanned_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
     state, _ = fresh_state(lr=1.0, name="sgd", with_ref=True)
-    new_state, m = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    new_state, m = grpo.build_update(MODEL, algo, opt, num_micro=2)(state, batch)
     own = {k: m.pop(k) for k in list(m) if k.startswith("update/")}
     assert set(m) == set(ref_m)
     for key in ref_m:
@@ -102,7 +104,7 @@ def test_update_streams_equal_one_stream_and_are_deterministic():
         algo = algo_cfg(beta=0.04, group_by_length=True, shared_prompt=False,
                         update_streams=k)
         state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
-        step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2)
+        step = grpo.build_update(MODEL, algo, opt, num_micro=2)
         assert step.update_streams(B) == k   # micro-batches of 4 rows
         new_state, m = step(state, batch)
         if k in results:   # a second run of 4 streams: bit-identical
@@ -131,9 +133,9 @@ def test_one_micro_batch_per_stream_is_its_own_total():
     algo = algo_cfg(beta=0.04, update_streams=2)
     batch = ragged_batch(3)
     state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
-    ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt, num_micro=1)(state, batch)
+    ref_state, ref_m = scanned_grpo_step(MODEL, algo, opt, num_micro=1)(state, batch)
     state, _ = fresh_state(lr=1.0, name="sgd", with_ref=True)
-    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=1)
+    step = grpo.build_update(MODEL, algo, opt, num_micro=1)
     k, parts = length_groups.stream_parts(step.planner, step.streams, batch, N)
     assert k == 2 and len(parts) == 2
     part, index = dist.device_batch(parts[1][1], None), jnp.asarray(1, jnp.int32)
@@ -159,10 +161,10 @@ def test_grouped_update_sharded_matches_unsharded(num_micro):
     algo = algo_cfg(beta=0.0)
     batch = ragged_batch(2)   # 16+20 and 40+20 columns
     state, opt = fresh_state(lr=1.0, name="sgd")
-    ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=num_micro)(state, batch)
+    ref_state, m_ref = scanned_grpo_step(MODEL, algo, opt, num_micro=num_micro)(state, batch)
 
     state, opt, sshard, mesh = sharded_fresh_state()
-    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=num_micro,
+    step = grpo.build_update(MODEL, algo, opt, num_micro=num_micro,
                                          state_shardings=sshard, mesh=mesh)
     new_state, m = step(state, batch)
     assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard)

@@ -13,6 +13,7 @@ from rljax.train import checkpoint, run
 from rljax.train.metrics import read_metrics
 from rljax.train.state import create_train_state
 from rljax.train import steps as steps_lib
+from rljax.train.phases import grpo
 
 from test_train_loop import DEVICES, RL_STEPS, SFT_STEPS, StopAfter, comparable, tiny_cfg
 
@@ -174,7 +175,7 @@ def test_lora_grpo_step_sharded_on_8_devices_equals_unsharded():
     batch = make_batch(2)
     state = fresh()
     assert state.ref_params is None
-    want_state, want = steps_lib.build_grpo_step(cfg, algo, opt, num_micro=2)(state, batch)
+    want_state, want = grpo.build_update(cfg, algo, opt, num_micro=2)(state, batch)
 
     mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     state = fresh()
@@ -184,7 +185,7 @@ def test_lora_grpo_step_sharded_on_8_devices_equals_unsharded():
     sshard = state_shardings(eval_state_shape(state.params, opt, state.rng), pshard)
     state = jax.device_put(state, sshard)
     assert state.params["lora"]["layers"]["q"]["b"].sharding.spec != jax.sharding.PartitionSpec()
-    step = steps_lib.build_grpo_step(cfg, algo, opt, num_micro=2, state_shardings=sshard,
+    step = grpo.build_update(cfg, algo, opt, num_micro=2, state_shardings=sshard,
                                      mesh=mesh)
     new_state, m = step(state, batch)
     np.testing.assert_allclose(float(m["loss"]), float(want["loss"]), rtol=1e-5, atol=1e-7)

@@ -17,6 +17,7 @@ from rljax import models, sampling
 from rljax.models import lora
 from rljax.train import run
 from rljax.train import steps as steps_lib
+from rljax.train.phases import grpo
 from rljax.train.metrics import read_metrics
 from rljax.train.state import create_train_state
 
@@ -266,8 +267,8 @@ def _loss_cases():
 
     return {
         "sft": (lambda c, s: (steps_lib.sft_loss(c, s.params, s, grpo_b)[0][0], None), pol),
-        "grpo": (lambda c, s: (steps_lib.grpo_loss(c, algo_cfg(beta=0.05), 1.0, s.params, s,
-                                                   grpo_b)[0][0], None), pol),
+        "grpo": (lambda c, s: (grpo.grpo_loss(c, algo_cfg(beta=0.05), 1.0, s.params, s,
+                                              grpo_b)[0][0], None), pol),
         "ppo": (ppo_case, with_critic),
         "dpo": (lambda c, s: (dpo.dpo_loss(c, dpo_algo(), s.params, s, pref)[0][0], None), pol),
         "rm": (rm_case, with_critic),

@@ -9,9 +9,11 @@ import pytest
 from rljax import models
 from rljax.models import shared_prompt
 from rljax.train import length_groups, steps
+from rljax.train.phases import grpo
 
 from test_length_groups import assert_planned_update_equals_scanned, rollout_batch
 from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fresh_state,
+                              scanned_grpo_step,
                               sharded_fresh_state)
 
 G, P, N = 2, 24, 20
@@ -84,9 +86,9 @@ def test_shared_prompt_update_sharded_matches_unsharded():
     algo = algo_cfg(beta=0.0, num_generations=G, shared_prompt=True)
     batch = group_batch(8, seed=2)   # 2 micro-batches of 4 prompts: split over data x fsdp
     state, opt = fresh_state(lr=1.0, name="sgd")
-    ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    ref_state, m_ref = scanned_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
     state, opt, sshard, mesh = sharded_fresh_state()
-    step = length_groups.build_grpo_step(MODEL, algo, opt, num_micro=2,
+    step = grpo.build_update(MODEL, algo, opt, num_micro=2,
                                          state_shardings=sshard, mesh=mesh)
     new_state, m = step(state, batch)
     assert m["update/shared_prompt"] == 1.0

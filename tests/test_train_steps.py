@@ -1,4 +1,4 @@
-"""Jitted SFT / GRPO steps: learning on a fixed batch, exact micro-batch accumulation,
+"""SFT / GRPO update steps: learning on a fixed batch, exact micro-batch accumulation,
 non-finite skipping, and sharded == unsharded on 8 fake devices."""
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from rljax import compilation_cache, config as config_lib
 from rljax import algorithms, models
 from rljax import sharding as shd
 from rljax.train import optim, steps
+from rljax.train.phases import grpo
 from rljax.train.state import create_train_state, eval_state_shape, state_shardings
 
 B, P, N, V = 8, 6, 5, 40
@@ -74,7 +75,7 @@ def test_grpo_step_learns_and_reports_metrics():
                     tis_cap=2.0)
     state, opt = fresh_state(lr=3e-3, with_ref=True)
     batch = on_policy(make_batch(), state, algo)
-    step = steps.build_grpo_step(MODEL, algo, opt)
+    step = grpo.build_update(MODEL, algo, opt)
     losses = []
     for _ in range(4):
         state, m = step(state, batch)
@@ -95,7 +96,7 @@ def test_policy_loss_variants_take_a_finite_step(policy_loss, extra):
     algo = algo_cfg(policy_loss=policy_loss, beta=0.0, **extra)
     state, opt = fresh_state()
     before = jax.tree.map(np.asarray, state.params)
-    step = steps.build_grpo_step(MODEL, algo, opt)
+    step = grpo.build_update(MODEL, algo, opt)
     state, m = step(state, make_batch())
     assert int(m["skipped"]) == 0 and np.isfinite(m["loss"])
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(),
@@ -110,10 +111,10 @@ def test_gspo_clip_range_applies_from_default_keys():
     #     l_t = max(-A_i s_i, -A_i clip(s_i, 1 - 3e-4, 1 + 4e-4))
     cfg = config_lib.load_config(None, ["algo.policy_loss=gspo"])
     assert (cfg.algo.epsilon, cfg.algo.epsilon_high) == (3e-4, 4e-4)
-    opts = steps.policy_loss_options(cfg.algo)
+    opts = grpo.policy_loss_options(cfg.algo)
     assert opts["epsilon"] == 3e-4 and opts["epsilon_high"] == 4e-4
     # Unvalidated config (keys None): the loss's own defaults, the same numbers.
-    assert "epsilon" not in steps.policy_loss_options(algo_cfg(policy_loss="gspo"))
+    assert "epsilon" not in grpo.policy_loss_options(algo_cfg(policy_loss="gspo"))
     rng = np.random.default_rng(0)
     mask = np.arange(N)[None, :] < rng.integers(1, N + 1, B)[:, None]
     old = -rng.uniform(0.5, 3.0, (B, N)).astype(np.float32)
@@ -137,7 +138,7 @@ def test_gspo_clip_range_applies_from_default_keys():
     # Keys the user sets win over the loss's defaults.
     mine = config_lib.load_config(None, ["algo.policy_loss=gspo", "algo.epsilon=1e-3",
                                          "algo.epsilon_high=2e-3"])
-    assert steps.policy_loss_options(mine.algo)["epsilon_high"] == 2e-3
+    assert grpo.policy_loss_options(mine.algo)["epsilon_high"] == 2e-3
 
 
 def test_micro_batch_split_does_not_change_the_update():
@@ -147,7 +148,7 @@ def test_micro_batch_split_does_not_change_the_update():
     results = []
     for num_micro in (1, 2, 4):
         state, opt = fresh_state(lr=1.0, name="sgd")
-        state, m = steps.build_grpo_step(MODEL, algo, opt, num_micro=num_micro)(state, batch)
+        state, m = grpo.build_update(MODEL, algo, opt, num_micro=num_micro)(state, batch)
         results.append((jax.tree.map(np.asarray, state.params), float(m["loss"]),
                         float(m["grad_norm"])))
     for params, loss, gnorm in results[1:]:
@@ -167,12 +168,12 @@ def test_grpo_step_without_old_logps_uses_its_own():
     batch["sampler_logps"] = batch["old_logps"] + 0.01 * np.arange(N, dtype=np.float32)
     real = batch["mask"][:, -N:]
     diff = np.abs(batch["old_logps"] - batch["sampler_logps"])[real]
-    ref_state, ref_m = steps.build_grpo_step(MODEL, algo, opt)(state0, batch)
+    ref_state, ref_m = grpo.build_update(MODEL, algo, opt)(state0, batch)
     ref_params = jax.tree.map(np.asarray, ref_state.params)
     no_old = {k: v for k, v in batch.items() if k != "old_logps"}
     for num_micro in (1, 2):
         state, _ = fresh_state(lr=1.0, name="sgd")
-        state, m = steps.build_grpo_step(MODEL, algo, opt, num_micro=num_micro)(state, no_old)
+        state, m = grpo.build_update(MODEL, algo, opt, num_micro=num_micro)(state, no_old)
         np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(float(m["grad_norm"]), float(ref_m["grad_norm"]), rtol=1e-4)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
@@ -192,7 +193,7 @@ def test_training_programs_compile_at_o1_on_cpu_and_match_o3(monkeypatch):
 
     def three_updates():
         state, opt = fresh_state(lr=1.0, name="sgd")
-        step = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)
+        step = grpo.build_update(MODEL, algo, opt, num_micro=2)
         for _ in range(3):
             state, _ = step(state, batch)
         return jax.tree.map(np.asarray, state.params)
@@ -214,7 +215,7 @@ def test_non_finite_update_is_skipped():
     before = jax.tree.map(np.asarray, state.params)
     batch = make_batch()
     batch["advantages"] = np.full(B, np.nan, np.float32)
-    state, m = steps.build_grpo_step(MODEL, algo, opt)(state, batch)
+    state, m = grpo.build_update(MODEL, algo, opt)(state, batch)
     assert int(m["skipped"]) == 1
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
 
@@ -224,11 +225,11 @@ def test_sharded_step_matches_unsharded():
     algo = algo_cfg(beta=0.05)
     batch = make_batch(2)
     state, opt = fresh_state(lr=1.0, with_ref=True, name="sgd")
-    ref_state, m_ref = steps.build_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
+    ref_state, m_ref = grpo.build_update(MODEL, algo, opt, num_micro=2)(state, batch)
 
     state, opt, sshard, mesh = sharded_fresh_state(with_ref=True)
     assert state.params["layers"]["q"].sharding.spec != jax.sharding.PartitionSpec()
-    step = steps.build_grpo_step(MODEL, algo, opt, num_micro=2, state_shardings=sshard, mesh=mesh)
+    step = grpo.build_update(MODEL, algo, opt, num_micro=2, state_shardings=sshard, mesh=mesh)
     new_state, m = step(state, batch)
     assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard)
 
@@ -243,6 +244,13 @@ def sharded_fresh_state(with_ref=False):
     shape = eval_state_shape(state.params, opt, state.rng, ref_params=state.ref_params)
     sshard = state_shardings(shape, pshard)
     return jax.device_put(state, sshard), opt, sshard, mesh
+
+
+def scanned_grpo_step(model_cfg, algo, opt, num_micro=1):
+    """The GRPO loss as one jitted program scanning its micro-batches (``steps.update``): the
+    reference the host-planned update (``grpo.build_update``) is compared with."""
+    loss_fn = grpo.grpo_loss_fn(model_cfg, algo)
+    return jax.jit(lambda state, batch: steps.update(opt, loss_fn, state, batch, num_micro))
 
 
 def assert_same_sharded_update(new_state, m, ref_state, m_ref, sshard):

@@ -15,12 +15,14 @@ the package stays cheap and does not start a jax backend:
   faults      StopSignal (graceful SIGTERM/SIGINT)
   workdir     config.json handling and resume detection
   plot        plot_metrics (``rljax plot``)
-  steps       exact micro-batch accumulation, non-finite skip; build_sft_step, build_grpo_step,
+  steps       exact micro-batch accumulation, non-finite skip; build_sft_step,
               build_logps_fn (jitted, explicit shardings, state donated)
-  length_groups  host-planned micro-batches of the GRPO update and old/ref log-prob passes:
-              algo.group_by_length (rows of similar length, trimmed to their real columns),
-              algo.shared_prompt (whole groups, each prompt computed once:
-              rljax.models.shared_prompt)
+  length_groups  host-planned micro-batches of the GRPO update (every config) and of the
+              old/ref log-prob passes: algo.group_by_length (rows of similar length, trimmed
+              to their real columns), algo.shared_prompt (whole groups, each prompt computed
+              once: rljax.models.shared_prompt)
+  programs    Program: a phase's jitted program with abstract inputs (what rljax plan
+              compiles); the rollout's sampler and log-prob programs
   buckets     prompt_buckets (prompt-length buckets of the rollout and length_groups)
   rollout     Rollout: prompts -> G samples -> rewards -> advantages -> training batch (DAPO
               dynamic sampling, overlong shaping, KL-in-reward)
@@ -30,8 +32,8 @@ the package stays cheap and does not start a jax backend:
   evaluate    run_eval (greedy accuracy, pass@k), eval_examples
   setup       check_inputs (before compiling), Context (mesh, tokenizer, model), Phase protocol
 
-  phases/     the algorithms, one module each (sft, grpo, ppo, dpo, rm); ALGORITHMS registry,
-              register_algorithm, make_phases
+  phases/     the algorithms, one module each (sft, grpo, ppo, dpo, rm); ALGORITHMS and
+              PROGRAMS registries, register_algorithm, make_phases, phase_programs
   inference   phase state shapes, restore, load_for_inference (a run's params for eval/sample)
   run         the controller: train (``rljax train``) and the verbs evaluate, sample, export
 """

@@ -1,8 +1,9 @@
 """Host-planned micro-batches of the GRPO update: it computes on what is real.
 
-Two options, alone or together: ``algo.group_by_length`` (below) and ``algo.shared_prompt``
-(``Planner``, ``shared_layout``: micro-batches of whole groups of G rows, each group's prompt
-computed once by ``models.shared_prompt``).
+Every GRPO update runs here (``phases.grpo.build_update``). Two options, alone or together:
+``algo.group_by_length`` (below) and ``algo.shared_prompt`` (``Planner``, ``shared_layout``:
+micro-batches of whole groups of G rows, each group's prompt computed once by
+``models.shared_prompt``); with neither, the micro-batches are the batch's rows in order.
 
 The rollout lays every row of a batch out alike: the prompt left-padded to one bucket P, then
 the completion slot N, right-padded after the stop token (``rollout.build_sequences``). Each
@@ -184,6 +185,24 @@ class Planner:
             out.append((mb, part))
         return out
 
+    def abstract_part(self, rows: int, p: int, n: int, fields: dict) -> dict:
+        """The inputs (``jax.ShapeDtypeStruct``; with a mesh split over its batch axes, as the
+        steps take them) of the largest micro-batch ``parts`` makes of a ``rows``-row batch with
+        prompt bucket P and N completion columns: rows whose real tokens fill all P + N columns
+        (nothing to trim), in the shared-prompt layout wherever ``parts`` uses it (prompts
+        [m/G, P], completion columns [m, N]). ``fields``: the batch's other fields,
+        {name: (shape after the row axis, dtype)}."""
+        m, g = rows // self.num_micro, self.group_size
+        shapes = {k: ((m, *tail), dtype) for k, (tail, dtype) in fields.items()}
+        if g > 1 and p > 0 and m % g == 0 and (m // g) % self._shards() == 0:
+            shapes.update(prompt_tokens=((m // g, p), jnp.int32), prompt_mask=((m // g, p), bool),
+                          tokens=((m, n), jnp.int32), mask=((m, n), bool))
+        else:
+            shapes.update(tokens=((m, p + n), jnp.int32), mask=((m, p + n), bool))
+        sharding = steps.batch_sharding(self.mesh)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+                for k, (shape, dtype) in shapes.items()}
+
     def _shards(self) -> int:
         if self.mesh is None:
             return 1
@@ -199,8 +218,10 @@ def _apply_totals(optimizer, state, totals: tuple):
 def stream_count(planner: Planner, streams: int, rows: int) -> int:
     """Streams for a batch of ``rows`` (``streams`` resolved, >= 1): the most, up to
     ``streams``, that cut each micro-batch into equal parts of whole groups (whole rows
-    without shared prompts)."""
-    return streams_lib.largest_divisor(streams, rows // planner.num_micro, planner.group_size)
+    without shared prompts, or when a micro-batch holds no whole group: see ``plan``)."""
+    micro = rows // planner.num_micro
+    unit = planner.group_size if micro % planner.group_size == 0 else 1
+    return streams_lib.largest_divisor(streams, micro, unit)
 
 
 def stream_parts(planner: Planner, streams: int, batch: dict, n: int):
@@ -258,7 +279,9 @@ class GroupedUpdate:
 
     def _apply(self, state, totals: tuple):
         """The optimizer step on the sum of ``totals`` (one program per stream count)."""
-        k = len(totals)
+        return self._apply_fn(len(totals))(state, totals)
+
+    def _apply_fn(self, k: int):
         if k not in self._apply_fns:
             shardings = {}
             if self._shardings is not None:
@@ -267,7 +290,31 @@ class GroupedUpdate:
                                  out_shardings=(state_shardings, rep))
             self._apply_fns[k] = jax.jit(self._apply_totals, donate_argnums=0,
                                          compiler_options=self._options, **shardings)
-        return self._apply_fns[k](state, totals)
+        return self._apply_fns[k]
+
+    def programs(self, state, rows: int, p: int, n: int, fields: dict) -> list[tuple]:
+        """The programs one update of a ``rows``-row batch (prompt bucket P, N completion
+        columns; ``fields`` as ``Planner.abstract_part``) runs, at the largest micro-batch
+        layout: ``[(name, jitted, abstract args, copies running at once)]``. ``update``: a
+        stream's gradients of one micro-batch (its total when each of the k streams computes
+        one micro-batch, else added into its donated total), k streams at once; ``apply``: the
+        optimizer step on the k totals. ``state``: abstract, with the run's shardings."""
+        k = stream_count(self.planner, self.streams, rows)
+        planner = dataclasses.replace(self.planner, num_micro=self.planner.num_micro * k)
+        mb = planner.abstract_part(rows, p, n, fields)
+        rep = None if self._shardings is None else self._shardings[2]
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        total = jax.eval_shape(self._grads_inner, state, mb, index, n)
+        if self._shardings is not None:
+            grads = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                 total[0], lora_lib.trainable(self._shardings[0].params))
+            total = (grads, *jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), total[1:]))
+        if planner.num_micro == k:   # one micro-batch per stream (``__call__``'s ``single``)
+            update = ("update", self._grads, (state, mb, index, n), k)
+        else:
+            update = ("update", self._micro, (state, total, mb, index, n), k)
+        return [update, ("apply", self._apply_fn(k), (state, (total,) * k), 1)]
 
     def _micro_grads(self, state, mb, index, slots: int):
         return steps.micro_grads(self.loss_fn, state, {**mb, steps.COMPLETION_SLOTS: slots},
@@ -338,6 +385,19 @@ class GroupedLogps:
     def __init__(self, logps_fn, planner: Planner, streams: int = 1):
         self.logps_fn, self.planner, self.streams = logps_fn, planner, streams
 
+    def copies(self, rows: int) -> int:
+        """Streams computing at once on a ``rows``-row batch."""
+        return stream_count(self.planner, self.streams, rows)
+
+    def program(self, rows: int, p: int, n: int, fields: dict) -> tuple:
+        """``(jitted, abstract batch)``: the one-micro-batch program at the largest layout of a
+        ``rows``-row batch (as ``GroupedUpdate.programs``; ``fields`` besides the sequence
+        layout, e.g. ``temperatures``)."""
+        k = self.copies(rows)
+        planner = dataclasses.replace(self.planner, num_micro=self.planner.num_micro * k)
+        fields = {"loss_mask": ((n,), bool), **fields}
+        return self.logps_fn, planner.abstract_part(rows, p, n, fields)
+
     def __call__(self, params, batch: dict) -> np.ndarray:
         batch = {k: dist.to_host(batch[k]) for k in steps.LOGPS_KEYS if k in batch}
         rows, n = batch["loss_mask"].shape
@@ -358,28 +418,19 @@ class GroupedLogps:
 
 
 def host_planned(algo_cfg) -> bool:
-    """Whether the GRPO update and log-prob passes run over host-planned micro-batches."""
+    """Whether the old/ref log-prob passes run over host-planned micro-batches (the GRPO
+    update always does: ``planner``; without either option its plan is the batch in order)."""
     return bool(algo_cfg.group_by_length or algo_cfg.get("shared_prompt", False))
 
 
 def planner(algo_cfg=None, num_micro: int = 1, mesh=None) -> Planner:
     """The ``Planner`` of the configured ``algo.group_by_length`` / ``algo.shared_prompt``
-    (``algo_cfg`` None: grouped by length, no shared prompts)."""
+    (``algo_cfg`` None: grouped by length, no shared prompts). With neither, micro-batches
+    are the batch's rows in order, untrimmed."""
     if algo_cfg is None:
         return Planner(int(num_micro), True, 1, mesh)
     g = int(algo_cfg.num_generations) if algo_cfg.get("shared_prompt", False) else 1
     return Planner(int(num_micro), bool(algo_cfg.group_by_length), g, mesh)
-
-
-def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
-                    num_micro: int = 1, state_shardings=None, mesh=None) -> GroupedUpdate:
-    """``steps.build_grpo_step`` over host-planned micro-batches (host batch in; metrics add
-    ``update/token_efficiency`` and ``update/shared_prompt``); ``algo.update_streams``
-    concurrent streams (``GroupedUpdate``)."""
-    return GroupedUpdate(optimizer, steps.grpo_loss_fn(model_cfg, algo_cfg, temperature),
-                         planner(algo_cfg, num_micro, mesh), state_shardings,
-                         streams=streams_lib.resolve(int(algo_cfg.get("update_streams", 1)),
-                                                     mesh))
 
 
 def build_logps_fn(model_cfg, *, algo_cfg=None, num_micro: int = 1, mesh=None,

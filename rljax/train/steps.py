@@ -1,4 +1,4 @@
-"""Jitted update steps: exact micro-batch accumulation, non-finite skipping, SFT and GRPO losses.
+"""Jitted update steps: exact micro-batch accumulation, non-finite skipping, the SFT loss.
 
 Every step is ``new_state, metrics = step(state, batch)``, a pure function over the TrainState
 pytree, compiled once with explicit shardings and the state donated.
@@ -229,72 +229,6 @@ def sft_loss(model_cfg, params, state, batch):
     return (num, den), {"nll": (num, den)}
 
 
-def policy_loss_options(algo_cfg) -> dict:
-    """Keyword options of the configured policy loss (``algo.policy_loss``). A clip key that
-    is None is left out, so the loss's own default applies (``config.validate`` has already
-    filled the unset ones with the same per-loss defaults, ``config.POLICY_LOSS_DEFAULTS``)."""
-    name = algo_cfg.policy_loss
-    opts: dict = {}
-    for key in ("epsilon", "epsilon_high"):
-        if algo_cfg[key] is not None:
-            opts[key] = float(algo_cfg[key])
-    if name in ("ppo", "vanilla"):
-        opts["clip_ratio_c"] = algo_cfg.clip_ratio_c
-        opts["ratio_level"] = algo_cfg.importance_sampling_level
-    if algo_cfg.tis_cap is not None:
-        opts["tis_cap"] = float(algo_cfg.tis_cap)
-    return opts
-
-
-def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
-    """GRPO-family loss on one micro-batch.
-
-    batch (besides the sequence layout): ``advantages`` f32 [B] (one per completion) or
-    [B, N] (token-level estimators), ``old_logps`` f32 [B, N]
-    (trainer's own log-probs before the first update; when absent -- one update per rollout,
-    the policy has not moved since sampling -- this forward's own log-probs under
-    ``stop_gradient``, and the step reports ``rollout/logp_diff_mean``/``_max`` against the
-    sampler's), ``sampler_logps`` f32 [B, N], and
-    ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on; ``temperatures`` f32 [B, N]
-    with a sampler temperature schedule (log-probs, ratios and entropies at each token's own
-    temperature; see ``completion_logps``). Returns
-    ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
-    """
-    m = batch["loss_mask"]
-    # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
-    # adapters; old/ref log-probs computed beforehand never do.
-    logps, ent = completion_logps(model_cfg, params, batch, temperature=temperature,
-                                  with_entropy=True,
-                                  lora_dropout_rng=training_dropout_rng(model_cfg, state, batch))
-    opts = policy_loss_options(algo_cfg)
-    if "tis_cap" in opts:
-        opts["sampler_logps"] = batch["sampler_logps"]
-    old = batch.get("old_logps")
-    diff_metrics = {}
-    if old is None:
-        old = jax.lax.stop_gradient(logps)
-        n = m.shape[1]
-        # Sampler log-probs exist for sampled tokens only (multi-turn: not observations).
-        real = batch.get("model_mask", batch["mask"][:, -n:])
-        diff = jnp.where(real, jnp.abs(old - batch["sampler_logps"]), 0.0)
-        diff_metrics = {"rollout/logp_diff_mean": _pair(diff, real),
-                        "rollout/logp_diff_max": (jnp.max(diff), jnp.ones((), jnp.float32))}
-    pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
-        logps, old, batch["advantages"], m, **opts)
-    metrics.update(diff_metrics)
-    kl = None
-    if algo_cfg.beta > 0 and not algo_cfg.kl_in_reward:
-        kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(logps, batch["ref_logps"])
-        metrics["kl_ref"] = _pair(kl, m)
-    total = algorithms.combine_token_losses(pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta),
-                                            entropy_tokens=ent,
-                                            entropy_coef=float(algo_cfg.entropy_coef))
-    n = batch.get(COMPLETION_SLOTS, m.shape[1])
-    metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
-    metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
-    return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
-
-
 # ----------------------------------------------------------------------------- step builders
 
 def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
@@ -312,25 +246,6 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
     def sft_step(state, batch):
         return update(optimizer, loss_fn, state, batch, num_micro)
     return jit_step(sft_step, state_shardings, mesh)
-
-
-def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0) -> LossFn:
-    """``grpo_loss`` with its configuration bound: ``loss_fn(params, state, batch)``."""
-    temperature = models.scoring_temperature(temperature)
-    return functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
-
-
-def build_grpo_step(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
-                    num_micro: int = 1, state_shardings=None, mesh=None) -> Callable:
-    """Jitted ``grpo_step(state, batch) -> (state, metrics)``; see ``grpo_loss`` for the
-    batch. Metrics: loss, pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0),
-    entropy, tis_weight (tis_cap), grad_norm, skipped. (``algo.group_by_length``:
-    ``length_groups.build_grpo_step`` instead.)"""
-    loss_fn = grpo_loss_fn(model_cfg, algo_cfg, temperature)
-
-    def grpo_step(state, batch):
-        return update(optimizer, loss_fn, state, batch, num_micro)
-    return jit_step(grpo_step, state_shardings, mesh)
 
 
 # What the log-prob passes read (``prompt_*``: the shared-prompt layout, see completion_logps).

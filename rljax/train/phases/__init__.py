@@ -9,10 +9,13 @@
 A phase is ``factory(ctx, steps) -> Phase`` (the protocol is ``rljax.train.setup.Phase``); it
 builds on the machinery one level up (``rljax.train``: state, steps, rollout, evaluate, ...) and
 never imports the controller. ``ALGORITHMS`` maps ``algo.name`` to a factory;
-``register_algorithm`` adds one from outside the package.
+``register_algorithm`` adds one from outside the package. ``PROGRAMS`` maps it to the phase's
+``programs(ctx, steps) -> (abstract state, [Program])``: the jitted programs its iterations run,
+with abstract inputs (``rljax.train.programs``), which ``rljax plan`` compiles.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from rljax.errors import UserError
@@ -33,9 +36,43 @@ ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
 }
 
 
-def register_algorithm(name: str, factory: Callable[[Context, int], Phase]) -> None:
-    """Makes ``algo.name=name`` run ``factory(ctx, steps)``."""
+# algo.name -> programs(ctx, steps) -> (abstract state, [programs.Program]).
+PROGRAMS: dict[str, Callable] = {
+    "grpo": GRPOPhase.programs,
+    "ppo": PPOPhase.programs,
+    "dpo": DPOPhase.programs,
+    "rm": RMPhase.programs,
+    "sft": lambda ctx, steps: SFTPhase.programs(ctx, steps, ctx.cfg.optimizer.learning_rate),
+}
+
+
+def register_algorithm(name: str, factory: Callable[[Context, int], Phase],
+                       programs: Callable | None = None) -> None:
+    """Makes ``algo.name=name`` run ``factory(ctx, steps)``; ``programs(ctx, steps)``, when
+    given, states its programs for ``rljax plan`` (else the plan notes it is not planned)."""
     ALGORITHMS[name] = factory
+    if programs is not None:
+        PROGRAMS[name] = programs
+    else:
+        PROGRAMS.pop(name, None)
+
+
+def phase_programs(ctx: Context) -> list[tuple[str, object, list | None]]:
+    """``[(phase name, abstract state or None, [Program] or None)]`` of the run's phases in
+    order (``make_phases``): the SFT warm-up (its programs named ``sft_*``), then the main
+    algorithm (None, None: registered without ``programs``). ``ctx.params`` may be abstract."""
+    cfg = ctx.cfg
+    out: list = []
+    if cfg.sft.steps:
+        state, progs = SFTPhase.programs(ctx, cfg.sft.steps, cfg.sft.learning_rate)
+        out.append(("sft_warmup", state, [dataclasses.replace(p, name=f"sft_{p.name}")
+                                          for p in progs]))
+    name = cfg.algo.name
+    if name in PROGRAMS:
+        out.append((name, *PROGRAMS[name](ctx, cfg.steps)))
+    else:
+        out.append((name, None, None))
+    return out
 
 
 def make_phases(ctx: Context) -> list[Phase]:

@@ -29,7 +29,7 @@ from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.train import evaluate as eval_lib
-from rljax.train import steps
+from rljax.train import programs as programs_lib, steps
 from rljax.train.rollout import RewardRollout
 from rljax.train.setup import check_lengths, data_iterator, preference_config
 from rljax.train.step_mc import StepMCPairs
@@ -328,6 +328,34 @@ def pair_metrics(fn, batches: list[dict], prefix: str = "eval/") -> dict:
 
 # ----------------------------------------------------------------------------- phase
 
+def num_pairs(cfg) -> int:
+    """Pairs per update: ``rollout.batch_size`` offline, one per prompt online
+    (``algo.step_mc.max_steps`` per prompt with step-level pairs)."""
+    a, b = cfg.algo, int(cfg.rollout.batch_size)
+    pairs = b // int(a.num_generations) if a.online else b
+    return pairs * int(a.step_mc.max_steps) if cfg.data.pairs == "step_mc" else pairs
+
+
+def _optimizer(ctx, steps: int):   # online: algo.num_iterations updates per step
+    a = ctx.cfg.algo
+    return ctx.optimizer(ctx.cfg.optimizer.learning_rate, int(steps) * (a.num_iterations
+                                                                        if a.online else 1))
+
+
+def _init_state(ctx, optimizer, state):
+    copy_ref = ctx.cfg.algo.loss_type != "simpo" and not lora_lib.has_lora(state.params)
+    ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
+    return state.replace(opt_state=optimizer.init(lora_lib.trainable(state.params)),
+                         ref_params=ref)
+
+
+def _build(ctx, optimizer, state):
+    micro, pairs = ctx.cfg.algo.micro_batch_size, num_pairs(ctx.cfg)
+    num_micro = pairs // micro if micro and pairs % micro == 0 else 1
+    return build_dpo_step(ctx.model_cfg, ctx.cfg.algo, optimizer, num_micro=num_micro,
+                          state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
+
+
 class DPOPhase:
     """``steps`` DPO updates (``algo.num_iterations`` per step when online).
 
@@ -352,14 +380,10 @@ class DPOPhase:
         self.ctx, self.steps, self.online = ctx, int(steps), bool(a.online)
         self.g = int(a.num_generations)
         self.step_mc = cfg.data.pairs == "step_mc"
-        self.num_pairs = cfg.rollout.batch_size // self.g if self.online else cfg.rollout.batch_size
-        if self.step_mc:
-            self.num_pairs *= int(a.step_mc.max_steps)
+        self.num_pairs = num_pairs(cfg)
         if self.num_pairs % ctx.dp_size:
             raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
                             f"split over the data-parallel mesh size {ctx.dp_size}")
-        micro = a.micro_batch_size
-        self.num_micro = self.num_pairs // micro if micro and self.num_pairs % micro == 0 else 1
         if self.step_mc:
             self.iterator = data_iterator(ctx, cfg.rollout.batch_size // self.g)
             self.source = StepMCPairs(ctx, self.iterator)
@@ -369,7 +393,7 @@ class DPOPhase:
         else:
             self.source = PreferenceData(ctx, self.num_pairs)
         self.updates = a.num_iterations if self.online else 1
-        self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, self.steps * self.updates)
+        self.optimizer = _optimizer(ctx, self.steps)
         self.uses_ref = a.loss_type != "simpo"
         self._step_fn = self._eval_fn = None
         self._eval_batches = self._eval_examples = None
@@ -377,17 +401,29 @@ class DPOPhase:
     def init_state(self, state):
         """Fresh optimizer; the reference is a copy of the starting policy, or with LoRA the
         base model (adapters off: no copy, ``ref_params`` stays None)."""
-        copy_ref = self.uses_ref and not lora_lib.has_lora(state.params)
-        ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
-        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
-                             ref_params=ref)
+        return _init_state(self.ctx, self.optimizer, state)
 
     def _compiled(self, state):
         if self._step_fn is None:
-            self._step_fn = build_dpo_step(
-                self.ctx.model_cfg, self.ctx.cfg.algo, self.optimizer, num_micro=self.num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+            self._step_fn = _build(self.ctx, self.optimizer, state)
         return self._step_fn
+
+    @staticmethod
+    def programs(ctx, steps: int):
+        """``(abstract state, [Program])``: online, the rollout's sampler and log-prob passes
+        (``rljax.train.programs``); the evaluation sampler when the policy is evaluated on
+        prompts; the update on the step's pairs (``programs.pair_batch``)."""
+        cfg, optimizer = ctx.cfg, _optimizer(ctx, steps)
+        state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
+        params, out = programs_lib.shard_bytes(state.params), []
+        if cfg.algo.online:
+            out += programs_lib.sampler_programs(ctx, state.params, params)
+            out.append(programs_lib.logps_program(ctx, state.params, params))
+        elif cfg.data.source in data_lib.TASKS:   # evaluated on prompts: the eval sampler
+            out += programs_lib.sampler_programs(ctx, state.params, params)[1:]
+        batch = programs_lib.pair_batch(ctx, num_pairs(cfg))
+        return state, out + [programs_lib.Program("update", _build(ctx, optimizer, state),
+                                                  (state, batch), programs_lib.shard_bytes(state))]
 
     def _online_pairs(self, state, step: int) -> tuple[dict, dict]:
         if self.step_mc:

@@ -14,20 +14,168 @@ passes and the update: from their first dispatch to the fetch of the update's me
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import distributed as dist
+from rljax import algorithms, models, streams as streams_lib
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
-from rljax.train import guidance, length_groups
+from rljax.train import guidance, length_groups, programs as programs_lib, steps
 from rljax.train.metrics import host_fraction
 from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
-from rljax.train.steps import build_grpo_step, to_host
+from rljax.train.steps import to_host
+
+
+# ----------------------------------------------------------------------------- loss
+
+def _pair(x, m):
+    m = m.astype(jnp.float32)
+    return jnp.where(m > 0, x, 0.0).sum(), m.sum()
+
+
+def policy_loss_options(algo_cfg) -> dict:
+    """Keyword options of the configured policy loss (``algo.policy_loss``). A clip key that
+    is None is left out, so the loss's own default applies (``config.validate`` has already
+    filled the unset ones with the same per-loss defaults, ``config.POLICY_LOSS_DEFAULTS``)."""
+    name = algo_cfg.policy_loss
+    opts: dict = {}
+    for key in ("epsilon", "epsilon_high"):
+        if algo_cfg[key] is not None:
+            opts[key] = float(algo_cfg[key])
+    if name in ("ppo", "vanilla"):
+        opts["clip_ratio_c"] = algo_cfg.clip_ratio_c
+        opts["ratio_level"] = algo_cfg.importance_sampling_level
+    if algo_cfg.tis_cap is not None:
+        opts["tis_cap"] = float(algo_cfg.tis_cap)
+    return opts
+
+
+def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
+    """GRPO-family loss on one micro-batch.
+
+    batch (besides the sequence layout): ``advantages`` f32 [B] (one per completion) or
+    [B, N] (token-level estimators), ``old_logps`` f32 [B, N]
+    (trainer's own log-probs before the first update; when absent -- one update per rollout,
+    the policy has not moved since sampling -- this forward's own log-probs under
+    ``stop_gradient``, and the step reports ``rollout/logp_diff_mean``/``_max`` against the
+    sampler's), ``sampler_logps`` f32 [B, N], and
+    ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on; ``temperatures`` f32 [B, N]
+    with a sampler temperature schedule (log-probs, ratios and entropies at each token's own
+    temperature; see ``completion_logps``). Returns
+    ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
+    """
+    m = batch["loss_mask"]
+    # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
+    # adapters; old/ref log-probs computed beforehand never do.
+    rng = steps.training_dropout_rng(model_cfg, state, batch)
+    logps, ent = steps.completion_logps(model_cfg, params, batch, temperature=temperature,
+                                        with_entropy=True, lora_dropout_rng=rng)
+    opts = policy_loss_options(algo_cfg)
+    if "tis_cap" in opts:
+        opts["sampler_logps"] = batch["sampler_logps"]
+    old = batch.get("old_logps")
+    diff_metrics = {}
+    if old is None:
+        old = jax.lax.stop_gradient(logps)
+        n = m.shape[1]
+        # Sampler log-probs exist for sampled tokens only (multi-turn: not observations).
+        real = batch.get("model_mask", batch["mask"][:, -n:])
+        diff = jnp.where(real, jnp.abs(old - batch["sampler_logps"]), 0.0)
+        diff_metrics = {"rollout/logp_diff_mean": _pair(diff, real),
+                        "rollout/logp_diff_max": (jnp.max(diff), jnp.ones((), jnp.float32))}
+    pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
+        logps, old, batch["advantages"], m, **opts)
+    metrics.update(diff_metrics)
+    kl = None
+    if algo_cfg.beta > 0 and not algo_cfg.kl_in_reward:
+        kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(logps, batch["ref_logps"])
+        metrics["kl_ref"] = _pair(kl, m)
+    total = algorithms.combine_token_losses(pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta),
+                                            entropy_tokens=ent,
+                                            entropy_coef=float(algo_cfg.entropy_coef))
+    n = batch.get(steps.COMPLETION_SLOTS, m.shape[1])
+    metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
+    metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
+    return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
+
+
+def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0) -> steps.LossFn:
+    """``grpo_loss`` with its configuration bound: ``loss_fn(params, state, batch)``."""
+    temperature = models.scoring_temperature(temperature)
+    return functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
+
+
+def build_update(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
+                 num_micro: int = 1, state_shardings=None, mesh=None
+                 ) -> length_groups.GroupedUpdate:
+    """The GRPO update: ``update(state, host batch) -> (state, metrics)``, one exact optimizer
+    step of ``grpo_loss`` (see it for the batch) over the host-planned micro-batches of
+    ``length_groups.planner`` (``algo.shared_prompt``, ``algo.group_by_length``; with neither,
+    the batch's rows in order), in ``algo.update_streams`` concurrent streams. Metrics: loss,
+    pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0), entropy, tis_weight
+    (tis_cap), grad_norm, skipped, update/token_efficiency, update/shared_prompt."""
+    return length_groups.GroupedUpdate(
+        optimizer, grpo_loss_fn(model_cfg, algo_cfg, temperature),
+        length_groups.planner(algo_cfg, num_micro, mesh), state_shardings,
+        streams=streams_lib.resolve(int(algo_cfg.get("update_streams", 1)), mesh))
+
+
+def single_update(cfg) -> bool:
+    """One update per rollout (one epoch, one mini-batch): the policy has not moved since
+    sampling, so the update's own log-probs are the old ones (no separate forward). (Not with
+    mixed-policy demonstrations: their old log-probs are set apart.)"""
+    a = cfg.algo
+    return (a.num_iterations == 1 and update_sizes(cfg)[0] == cfg.rollout.batch_size
+            and not a.mixed_policy)
+
+
+def batch_fields(cfg) -> dict:
+    """The GRPO update batch's fields besides ``tokens``/``mask`` (what the rollout gives):
+    {name: (shape after the row axis, dtype)}."""
+    a, n = cfg.algo, programs_lib.completion_len(cfg)
+    f32 = jnp.float32
+    fields = {"loss_mask": ((n,), bool), "sampler_logps": ((n,), f32),
+              "advantages": ((n,) if algorithms.is_token_level(a.adv_estimator) else (), f32)}
+    if not single_update(cfg) or (a.beta > 0 and a.kl_in_reward):
+        fields["old_logps"] = ((n,), f32)
+    if a.beta > 0 and not a.kl_in_reward:
+        fields["ref_logps"] = ((n,), f32)
+    if cfg.rollout.temperature_schedule.name != "constant":
+        fields["temperatures"] = ((n,), f32)
+    if cfg.env.name:   # multi-turn episodes: the model's own tokens (rljax.train.agent)
+        fields["model_mask"] = ((n,), bool)
+    return fields
+
+
+def _optimizer(ctx: Context, steps_: int):
+    """The phase's optimizer; ReLIFT SFT steps share it (and its schedule) with the RL
+    updates."""
+    a = ctx.cfg.algo
+    relift_updates = steps_ // a.relift.every if a.relift.every else 0
+    return ctx.optimizer(ctx.cfg.optimizer.learning_rate,
+                         steps_ * update_sizes(ctx.cfg)[2] + relift_updates)
+
+
+def _init_state(ctx: Context, optimizer, state):
+    copy_ref = ctx.cfg.algo.beta > 0 and not lora_lib.has_lora(state.params)
+    ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
+    return state.replace(opt_state=optimizer.init(lora_lib.trainable(state.params)),
+                         ref_params=ref)
+
+
+def _build(ctx: Context, optimizer, state) -> length_groups.GroupedUpdate:
+    cfg = ctx.cfg
+    return build_update(ctx.model_cfg, cfg.algo, optimizer, temperature=cfg.rollout.temperature,
+                        num_micro=update_sizes(cfg)[1], state_shardings=ctx.state_shardings(state),
+                        mesh=ctx.mesh)
+
+
+# ----------------------------------------------------------------------------- phase
 
 
 class GRPOPhase:
@@ -43,42 +191,45 @@ class GRPOPhase:
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
-        # One update per rollout (one epoch, one mini-batch): the policy has not moved since
-        # sampling, so the update's own log-probs are the old ones (no separate forward).
-        # (Not with mixed-policy demonstrations: their old log-probs are set apart.)
-        single_update = (a.num_iterations == 1 and self.mini == self.batch_size
-                         and not a.mixed_policy)
         rollout_cls = Rollout
         if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
             from rljax.train.agent import MultiTurnRollout as rollout_cls
-        self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update)
+        self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg))
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
-        # ReLIFT SFT steps share the optimizer (and its schedule) with the RL updates.
         self.relift = guidance.Relift(ctx, self.rollout.guide) if a.relift.every else None
-        relift_updates = self.steps // a.relift.every if self.relift else 0
-        self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate,
-                                       self.steps * self.updates_per_step + relift_updates)
+        self.optimizer = _optimizer(ctx, self.steps)
         self._step_fn = None
 
     def init_state(self, state):
         """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0),
         or with LoRA the base model itself (adapters off: no copy, ``ref_params`` stays None)."""
-        copy_ref = self.ctx.cfg.algo.beta > 0 and not lora_lib.has_lora(state.params)
-        ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
-        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
-                             ref_params=ref)
+        return _init_state(self.ctx, self.optimizer, state)
 
     def _compiled(self, state):
         if self._step_fn is None:
-            cfg = self.ctx.cfg
-            build = (length_groups.build_grpo_step if length_groups.host_planned(cfg.algo)
-                     else build_grpo_step)
-            self._step_fn = build(
-                self.ctx.model_cfg, cfg.algo, self.optimizer,
-                temperature=cfg.rollout.temperature, num_micro=self.num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+            self._step_fn = _build(self.ctx, self.optimizer, state)
         return self._step_fn
+
+    @staticmethod
+    def programs(ctx: Context, steps_: int):
+        """``(abstract state, [Program])``: the rollout's sampler and log-prob passes and the
+        update's programs (``GroupedUpdate.programs``) at the config's largest shapes
+        (``rljax.train.programs``; ``ctx.params`` may be abstract)."""
+        cfg = ctx.cfg
+        optimizer = _optimizer(ctx, steps_)
+        state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
+        update = _build(ctx, optimizer, state)
+        resident = programs_lib.shard_bytes(state)
+        params = programs_lib.shard_bytes(state.params)
+        out = programs_lib.sampler_programs(ctx, state.params, params)
+        if not single_update(cfg) or cfg.algo.beta > 0:
+            out.append(programs_lib.logps_program(ctx, state.params, params))
+        for name, fn, args, copies in update.programs(
+                state, update_sizes(cfg)[0], programs_lib.prompt_len(cfg),
+                programs_lib.completion_len(cfg), batch_fields(cfg)):
+            out.append(programs_lib.Program(name, fn, args, resident, copies))
+        return state, out
 
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
@@ -89,12 +240,7 @@ class GRPOPhase:
         for _ in range(self.ctx.cfg.algo.num_iterations):
             for start in range(0, self.batch_size, self.mini):
                 mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
-                if length_groups.host_planned(self.ctx.cfg.algo):   # plans the host rows itself
-                    state, m = step_fn(state, mb)
-                else:
-                    state, m = step_fn(state, dist.device_batch(mb, self.ctx.mesh))
-                    # Real tokens / positions the update computes (grouped: its own figure).
-                    m = dict(m, **{"update/token_efficiency": float(np.mean(mb["mask"]))})
+                state, m = step_fn(state, mb)   # plans the host rows itself
                 updates.append(m)
         if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
             state, relift_metrics = self.relift.maybe_step(state, step, self.optimizer)

@@ -41,7 +41,8 @@ import numpy as np
 from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib
-from rljax.train import steps
+from rljax.train import programs as programs_lib, steps
+from rljax.train.phases.grpo import policy_loss_options
 from rljax.train.optim import all_finite, apply_if_finite
 from rljax.train.rollout import RewardRollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
@@ -172,7 +173,7 @@ def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     logps, ent = steps.completion_logps(model_cfg, params["policy"], batch,
                                         temperature=temperature, with_entropy=entropy_coef > 0,
                                         lora_dropout_rng=policy_rng)
-    opts = steps.policy_loss_options(algo_cfg)
+    opts = policy_loss_options(algo_cfg)
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]
     pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
@@ -247,6 +248,60 @@ def build_ppo_step(model_cfg, algo_cfg, optimizer, critic_optimizer, *, temperat
 CRITIC_STREAM = 4  # rng stream of the critic head's initialisation
 
 
+def _optimizers(ctx: Context, steps_: int):
+    """(policy optimizer, critic optimizer) over the phase's updates."""
+    o = ctx.cfg.optimizer
+    updates = int(steps_) * update_sizes(ctx.cfg)[2]
+    return (ctx.optimizer(o.learning_rate, updates),
+            ctx.optimizer(o.critic_learning_rate or o.learning_rate, updates))
+
+
+def _init_state(ctx: Context, optimizer, critic_optimizer, state):
+    rng = jax.random.fold_in(state.rng, CRITIC_STREAM)
+    if lora_lib.has_lora(state.params):
+        critic = lora_lib.init_value_adapters(ctx.model_cfg, state.params, rng)
+        ref = None
+    else:
+        critic = models.init_value_params(ctx.model_cfg, rng, from_params=state.params)
+        ref = jax.tree.map(jnp.copy, state.params) if ctx.cfg.algo.beta > 0 else None
+    return state.replace(opt_state=optimizer.init(lora_lib.trainable(state.params)),
+                         critic_params=critic, critic_opt_state=critic_optimizer.init(critic),
+                         ref_params=ref)
+
+
+def _build(ctx: Context, optimizer, critic_optimizer, state):
+    cfg = ctx.cfg
+    return build_ppo_step(ctx.model_cfg, cfg.algo, optimizer, critic_optimizer,
+                          temperature=cfg.rollout.temperature, num_micro=update_sizes(cfg)[1],
+                          state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
+
+
+def batch_fields(cfg, prepared: bool) -> dict:
+    """The fields of a PPO batch besides ``tokens``/``mask``: {name: (shape after the row
+    axis, dtype)}; the rollout's (``RewardRollout``), or ``prepared`` (``build_prepare``'s)."""
+    a, n, f32 = cfg.algo, programs_lib.completion_len(cfg), jnp.float32
+    fields = {"loss_mask": ((n,), bool), "sampler_logps": ((n,), f32),
+              "old_logps": ((n,), f32), "rewards": ((), f32)}
+    if a.beta > 0 and (prepared or not a.kl_in_reward):
+        fields["ref_logps"] = ((n,), f32)
+    if cfg.rollout.temperature_schedule.name != "constant":
+        fields["temperatures"] = ((n,), f32)
+    if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
+        fields["model_mask"] = ((n,), bool)
+        if cfg.env.turn_discount:
+            fields.update(token_rewards=((n,), f32), next_discount=((n,), f32))
+    if prepared:
+        fields.update(old_values=((n,), f32), advantages=((n,), f32), returns=((n,), f32))
+    return fields
+
+
+def _batch(ctx: Context, rows: int, prepared: bool) -> dict:
+    out = programs_lib.sequence_batch(ctx, rows)
+    for key, (tail, dtype) in batch_fields(ctx.cfg, prepared).items():
+        out.setdefault(key, programs_lib.batch_struct(ctx.mesh, (rows, *tail), dtype))
+    return out
+
+
 class PPOPhase:
     """``steps`` PPO iterations: rollout -> ``prepare`` (values, GAE) -> ``algo.num_iterations``
     epochs over the batch in shuffled minibatches of ``algo.mini_batch_size`` completions.
@@ -264,17 +319,14 @@ class PPOPhase:
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
-        self.mini, self.num_micro, updates_per_step = update_sizes(cfg)
-        updates = self.steps * updates_per_step
+        self.mini = update_sizes(cfg)[0]
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
             from rljax.train.agent import MultiTurnRewardRollout
             self.rollout = MultiTurnRewardRollout(ctx, self.iterator)
         else:
             self.rollout = RewardRollout(ctx, self.iterator)
-        self.optimizer = ctx.optimizer(cfg.optimizer.learning_rate, updates)
-        self.critic_optimizer = ctx.optimizer(
-            cfg.optimizer.critic_learning_rate or cfg.optimizer.learning_rate, updates)
+        self.optimizer, self.critic_optimizer = _optimizers(ctx, self.steps)
         self.prepare = build_prepare(ctx.model_cfg, a, temperature=cfg.rollout.temperature)
         self._step_fn = None
 
@@ -282,26 +334,33 @@ class PPOPhase:
         """Fresh optimizers, a critic copied from the policy, the reference (beta > 0). With
         LoRA: the critic is a value head + its own adapters on the shared frozen base, and the
         reference is the base itself (no copies)."""
-        rng = jax.random.fold_in(state.rng, CRITIC_STREAM)
-        if lora_lib.has_lora(state.params):
-            critic = lora_lib.init_value_adapters(self.ctx.model_cfg, state.params, rng)
-            ref = None
-        else:
-            critic = models.init_value_params(self.ctx.model_cfg, rng, from_params=state.params)
-            ref = jax.tree.map(jnp.copy, state.params) if self.ctx.cfg.algo.beta > 0 else None
-        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
-                             critic_params=critic,
-                             critic_opt_state=self.critic_optimizer.init(critic),
-                             ref_params=ref)
+        return _init_state(self.ctx, self.optimizer, self.critic_optimizer, state)
 
     def _compiled(self, state):
         if self._step_fn is None:
-            cfg = self.ctx.cfg
-            self._step_fn = build_ppo_step(
-                self.ctx.model_cfg, cfg.algo, self.optimizer, self.critic_optimizer,
-                temperature=cfg.rollout.temperature, num_micro=self.num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+            self._step_fn = _build(self.ctx, self.optimizer, self.critic_optimizer, state)
         return self._step_fn
+
+    @staticmethod
+    def programs(ctx: Context, steps_: int):
+        """``(abstract state, [Program])``: the rollout's sampler and log-prob passes
+        (``rljax.train.programs``), ``prepare`` (values, reference log-probs, GAE) over the
+        whole batch and the update of policy and critic on a mini-batch."""
+        cfg = ctx.cfg
+        optimizer, critic_optimizer = _optimizers(ctx, steps_)
+        state = programs_lib.phase_state(
+            ctx, lambda s: _init_state(ctx, optimizer, critic_optimizer, s))
+        resident, params = programs_lib.shard_bytes(state), programs_lib.shard_bytes(state.params)
+        out = programs_lib.sampler_programs(ctx, state.params, params)
+        out.append(programs_lib.logps_program(ctx, state.params, params))
+        prepare = build_prepare(ctx.model_cfg, cfg.algo, temperature=cfg.rollout.temperature)
+        out.append(programs_lib.Program(
+            "prepare", prepare, (state, _batch(ctx, int(cfg.rollout.batch_size), False)),
+            resident))
+        out.append(programs_lib.Program(
+            "update", _build(ctx, optimizer, critic_optimizer, state),
+            (state, _batch(ctx, update_sizes(cfg)[0], True)), resident))
+        return state, out
 
     def iteration(self, state, step: int):
         cfg, mesh = self.ctx.cfg, self.ctx.mesh

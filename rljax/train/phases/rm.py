@@ -25,7 +25,7 @@ from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
-from rljax.train import steps
+from rljax.train import programs as programs_lib, steps
 from rljax.train.phases import dpo as dpo_lib
 from rljax.train.steps import to_host
 
@@ -116,6 +116,29 @@ def build_rm_phase_step(model_cfg, optimizer, *, num_micro: int = 1, state_shard
     return steps.jit_step(rm_step, state_shardings, mesh)
 
 
+def _optimizer(ctx, steps: int):
+    o = ctx.cfg.optimizer
+    return ctx.optimizer(o.critic_learning_rate or o.learning_rate, int(steps))
+
+
+def _init_state(ctx, optimizer, state):
+    rng = jax.random.fold_in(state.rng, RM_STREAM)
+    if lora_lib.has_lora(state.params):  # adapters + head on the frozen base, no copy
+        value = lora_lib.init_value_adapters(ctx.model_cfg, state.params, rng)
+    else:
+        value = models.init_value_params(ctx.model_cfg, rng, from_params=state.params)
+    return state.replace(opt_state=None, ref_params=None, critic_params=value,
+                         critic_opt_state=optimizer.init(value))
+
+
+def _build(ctx, optimizer, state):
+    cfg = ctx.cfg
+    micro, pairs = cfg.algo.micro_batch_size, cfg.rollout.batch_size
+    num_micro = pairs // micro if micro and pairs % micro == 0 else 1
+    return build_rm_phase_step(ctx.model_cfg, optimizer, num_micro=num_micro,
+                               state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
+
+
 class RMPhase:
     """``steps`` reward-model updates on ``rollout.batch_size`` pairs each (``PreferenceData``:
     a preference file, or right-vs-wrong pairs from a synthetic task).
@@ -134,30 +157,32 @@ class RMPhase:
         if self.num_pairs % ctx.dp_size:
             raise UserError(f"rollout.batch_size={self.num_pairs} pairs do not split over the "
                             f"data-parallel mesh size {ctx.dp_size}")
-        micro = cfg.algo.micro_batch_size
-        self.num_micro = self.num_pairs // micro if micro and self.num_pairs % micro == 0 else 1
         self.data = dpo_lib.PreferenceData(ctx, self.num_pairs)
-        self.optimizer = ctx.optimizer(
-            cfg.optimizer.critic_learning_rate or cfg.optimizer.learning_rate, self.steps)
+        self.optimizer = _optimizer(ctx, self.steps)
         self._step_fn = self._eval_fn = self._eval_batches = None
 
     def init_state(self, state):
-        rng = jax.random.fold_in(state.rng, RM_STREAM)
-        if lora_lib.has_lora(state.params):  # adapters + head on the frozen base, no copy
-            value = lora_lib.init_value_adapters(self.ctx.model_cfg, state.params, rng)
-        else:
-            value = models.init_value_params(self.ctx.model_cfg, rng, from_params=state.params)
-        return state.replace(opt_state=None, ref_params=None, critic_params=value,
-                             critic_opt_state=self.optimizer.init(value))
+        return _init_state(self.ctx, self.optimizer, state)
+
+    def _compiled(self, state):
+        if self._step_fn is None:
+            self._step_fn = _build(self.ctx, self.optimizer, state)
+        return self._step_fn
+
+    @staticmethod
+    def programs(ctx, steps: int):
+        """``(abstract state, [Program])``: the update on ``rollout.batch_size`` pairs
+        (``programs.pair_batch``)."""
+        optimizer = _optimizer(ctx, steps)
+        state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
+        batch = programs_lib.pair_batch(ctx, int(ctx.cfg.rollout.batch_size))
+        return state, [programs_lib.Program("update", _build(ctx, optimizer, state),
+                                            (state, batch), programs_lib.shard_bytes(state))]
 
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
         batch = next(self.data)
-        if self._step_fn is None:
-            self._step_fn = build_rm_phase_step(
-                self.ctx.model_cfg, self.optimizer, num_micro=self.num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
-        state, m = self._step_fn(state, dist.device_batch(batch, self.ctx.mesh))
+        state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))
         m = to_host(m)
         m.update({"rm/pairs": int(batch["pair_mask"].sum()),
                   "time/step": time.perf_counter() - t0})

@@ -13,12 +13,27 @@ from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
-from rljax.train import guidance
+import jax.numpy as jnp
+
+from rljax.train import guidance, programs as programs_lib
 from rljax.train import rollout as rollout_lib
 from rljax.train.setup import Context, data_iterator
 from rljax.train.steps import build_sft_step, to_host
 
 SFT_SEED_OFFSET = 1  # the SFT iterator's order differs from the RL prompts' order
+
+
+def _init_state(optimizer, state):
+    return state.replace(opt_state=optimizer.init(lora_lib.trainable(state.params)),
+                         ref_params=None)
+
+
+def _build(ctx: Context, optimizer, state):
+    cfg = ctx.cfg
+    micro, bs = cfg.algo.micro_batch_size, cfg.sft.batch_size
+    num_micro = bs // micro if micro and bs % micro == 0 else 1
+    return build_sft_step(ctx.model_cfg, optimizer, num_micro=num_micro,
+                          state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
 
 
 class SFTPhase:
@@ -39,8 +54,23 @@ class SFTPhase:
         self.num_too_long = 0
 
     def init_state(self, state):
-        return state.replace(opt_state=self.optimizer.init(lora_lib.trainable(state.params)),
-                             ref_params=None)
+        return _init_state(self.optimizer, state)
+
+    @staticmethod
+    def programs(ctx: Context, steps: int, learning_rate: float):
+        """``(abstract state, [Program])``: the update on ``sft.batch_size`` rows of the longest
+        prompt bucket + ``sft.max_length - data.max_prompt_length`` completion columns
+        (``rljax.train.programs``)."""
+        cfg = ctx.cfg
+        optimizer = ctx.optimizer(learning_rate, int(steps))
+        state = programs_lib.phase_state(ctx, lambda s: _init_state(optimizer, s))
+        bs, n = int(cfg.sft.batch_size), int(cfg.sft.max_length - cfg.data.max_prompt_length)
+        p = programs_lib.prompt_len(cfg)
+        batch = {"tokens": programs_lib.batch_struct(ctx.mesh, (bs, p + n), jnp.int32),
+                 "mask": programs_lib.batch_struct(ctx.mesh, (bs, p + n), bool),
+                 "loss_mask": programs_lib.batch_struct(ctx.mesh, (bs, n), bool)}
+        return state, [programs_lib.Program("update", _build(ctx, optimizer, state),
+                                            (state, batch), programs_lib.shard_bytes(state))]
 
     def solution(self, example: dict) -> str:
         try:
@@ -76,12 +106,7 @@ class SFTPhase:
 
     def _compiled(self, state):
         if self._step_fn is None:
-            cfg = self.ctx.cfg
-            micro = cfg.algo.micro_batch_size
-            num_micro = cfg.sft.batch_size // micro if micro and cfg.sft.batch_size % micro == 0 else 1
-            self._step_fn = build_sft_step(
-                self.ctx.model_cfg, self.optimizer, num_micro=num_micro,
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
+            self._step_fn = _build(self.ctx, self.optimizer, state)
         return self._step_fn
 
     def iteration(self, state, step: int):

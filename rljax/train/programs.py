@@ -1,0 +1,182 @@
+"""The programs a phase runs, stated without data or weights: what ``rljax plan`` compiles.
+
+Every phase class has ``programs(ctx, steps) -> (abstract state, [Program])``: the jitted
+functions its iterations call, each with abstract inputs (``jax.ShapeDtypeStruct`` carrying the
+run's shardings) at the worst-case shapes of the config (the longest prompt bucket, the full
+completion slot). ``ctx`` is a ``setup.Context`` whose ``params`` may be abstract (the
+plan's); the phase builds its programs with the same builders and ``init_state`` its
+iterations use, so the plan compiles what training runs. The rollout's sampler and log-prob
+passes, shared by the RL phases, are stated here (``sampler_programs``, ``logps_program``;
+the multi-turn sampler is planned as one sampler pass over its KV cache, ``sampler_len``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from rljax import models, sampling
+from rljax.sampling import tree as tree_sampling
+from rljax import sharding as shd
+from rljax.train import length_groups, state as state_lib, steps
+from rljax.train.buckets import prompt_buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One jitted program of a phase: ``fn.lower(*args)`` compiles it. ``resident``: per-device
+    bytes of ``args`` that are train state living on the device for the whole phase (counted
+    once in the plan's peak); ``copies``: instances running at once (``algo.update_streams``)."""
+    name: str
+    fn: Callable
+    args: tuple
+    resident: int
+    copies: int = 1
+
+
+def shard_bytes(tree: Any) -> int:
+    """Per-device bytes of a pytree of ``ShapeDtypeStruct``/arrays with shardings (the
+    largest shard, i.e. the most loaded device)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and shape:
+            shape = tuple(sharding.shard_shape(shape))
+        try:
+            itemsize = jnp.dtype(leaf.dtype).itemsize
+        except TypeError:  # PRNG key dtypes
+            itemsize = 8
+        total += math.prod(shape) * itemsize
+    return total
+
+
+def phase_state(ctx, init_state: Callable) -> state_lib.TrainState:
+    """The abstract state of a phase (``init_state`` of the run's initial state), with the
+    run's shardings: what the phase's programs take."""
+    initial = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=ctx.params,
+                                   opt_state=None, rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+    shape = jax.eval_shape(init_state, initial)
+    return state_lib.abstract_train_state(shape, ctx.state_shardings(shape))
+
+
+def batch_struct(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
+    """A batch leaf ``[B, ...]`` split over the data-parallel axes (``sharding.shard_batch``)."""
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype),
+                                sharding=shd.batch_sharding(mesh, tuple(shape)))
+
+
+def prompt_len(cfg) -> int:
+    """The longest prompt bucket P."""
+    return max(prompt_buckets(cfg.data.max_prompt_length))
+
+
+def completion_len(cfg) -> int:
+    """Completion columns N of a training row: ``rollout.max_new_tokens``, or with an
+    environment the whole trajectory after the prompt (``env.max_total_tokens``)."""
+    return int(cfg.env.max_total_tokens) if cfg.env.name else int(cfg.rollout.max_new_tokens)
+
+
+def sampler_len(cfg) -> int:
+    """Tokens after the prompt in the sampler's KV cache (with an environment: T turns of
+    observation chunk O + turn tokens, ``multiturn.SlotLayout``)."""
+    r, env = cfg.rollout, cfg.env
+    if not env.name:
+        return int(r.max_new_tokens)
+    return int(env.max_turns) * (int(env.max_obs_tokens) + 1
+                                 + int(env.max_turn_tokens or r.max_new_tokens))
+
+
+def sequence_batch(ctx, rows: int) -> dict:
+    """Abstract ``tokens``/``mask`` [rows, P+N] and ``loss_mask`` [rows, N] (rollout layout)."""
+    p, n, mesh = prompt_len(ctx.cfg), completion_len(ctx.cfg), ctx.mesh
+    return {"tokens": batch_struct(mesh, (rows, p + n), jnp.int32),
+            "mask": batch_struct(mesh, (rows, p + n), bool),
+            "loss_mask": batch_struct(mesh, (rows, n), bool)}
+
+
+def pair_batch(ctx, pairs: int) -> dict:
+    """Abstract preference batch of ``pairs`` pairs (``data.encode_preference`` +
+    ``pair_mask``; DPO, reward models): prompts [pairs, P] of the longest bucket, chosen /
+    rejected completions [pairs, C] of ``rollout.max_new_tokens``."""
+    p, c, mesh = prompt_len(ctx.cfg), int(ctx.cfg.rollout.max_new_tokens), ctx.mesh
+    out = {"pair_mask": batch_struct(mesh, (pairs,), bool)}
+    for key, width in (("prompt", p), ("chosen", c), ("rejected", c)):
+        for field, dtype in (("tokens", jnp.int32), ("mask", bool)):
+            out[f"{key}_{field}"] = batch_struct(mesh, (pairs, width), dtype)
+    return out
+
+
+def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> list[Program]:
+    """``sample`` (``rollout.micro_batch_size / G`` prompts of the longest bucket, G samples
+    each, or G tree leaves) and ``eval`` (the held-out generation at ``eval.batch_size`` /
+    ``eval.max_new_tokens``). LoRA on a float32 base samples from a merged copy
+    (``rollout.sampling_params``): the merge runs inside these programs so the copy counts."""
+    cfg, mcfg, mesh, tok = ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.tokenizer
+    r, g, p = cfg.rollout, int(cfg.algo.num_generations), prompt_len(cfg)
+    n_sample = sampler_len(cfg)
+    chunk = r.micro_batch_size // g if r.micro_batch_size else int(r.batch_size) // g
+    tree = tree_sampling.options_from_config(r.tree, g)
+    merge = (models.lora.has_lora(params) and cfg.model.lora.merge_for_sampling
+             and jnp.dtype(mcfg.dtype) == jnp.float32)
+    for_sampling = (lambda q: models.lora.merge(mcfg, q)) if merge else (lambda q: q)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated)
+
+    def sample_fn(params, prompt_tokens, prompt_mask, key):
+        kw = dict(rng=key, max_new_tokens=n_sample, temperature=r.temperature, top_k=r.top_k,
+                  top_p=r.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
+        if tree is not None:
+            return tree_sampling.generate(mcfg, for_sampling(params), prompt_tokens,
+                                          prompt_mask, **tree, **kw)
+        return sampling.generate(mcfg, for_sampling(params), prompt_tokens, prompt_mask,
+                                 num_samples=g, **kw)
+
+    def prompts(b):
+        return (batch_struct(mesh, (b, p), jnp.int32), batch_struct(mesh, (b, p), bool))
+    out = [Program("sample", jax.jit(sample_fn), (params, *prompts(chunk), rng), resident)]
+    if with_eval:
+        e = cfg.eval
+
+        def eval_fn(params, prompt_tokens, prompt_mask, key):
+            return sampling.generate(
+                mcfg, for_sampling(params), prompt_tokens, prompt_mask, rng=key,
+                max_new_tokens=e.max_new_tokens or n_sample, temperature=e.temperature,
+                top_k=r.top_k if e.temperature else 0, top_p=r.top_p if e.temperature else 1.0,
+                eos_id=tok.eos_id, pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh)
+        out.append(Program("eval", jax.jit(eval_fn), (params, *prompts(e.batch_size), rng),
+                           resident))
+    return out
+
+
+def logps_program(ctx, params, resident: int) -> Program:
+    """``logps``: the rollout's old / reference log-prob pass, built as ``rollout.Rollout``
+    builds it (host-planned micro-batches when ``length_groups.host_planned``: one
+    micro-batch's program at its largest layout; else the whole batch in row-chunks)."""
+    cfg, mesh = ctx.cfg, ctx.mesh
+    a, total = cfg.algo, int(cfg.rollout.batch_size)
+    micro = a.micro_batch_size or a.mini_batch_size or total
+    opts = dict(temperature=cfg.rollout.temperature, num_micro=total // micro, mesh=mesh,
+                param_shardings=ctx.param_shardings)
+    if not length_groups.host_planned(a):
+        return Program("logps", steps.build_logps_fn(ctx.model_cfg, **opts),
+                       (params, sequence_batch(ctx, total)), resident)
+    grouped = length_groups.build_logps_fn(ctx.model_cfg, algo_cfg=a, **opts)
+    fn, part = grouped.program(total, prompt_len(cfg), completion_len(cfg), _logps_fields(cfg))
+    return Program("logps", fn, (params, part), resident, copies=grouped.copies(total))
+
+
+def _logps_fields(cfg) -> dict:
+    """Per-completion fields the log-prob pass reads besides the sequence layout."""
+    if cfg.rollout.temperature_schedule.name != "constant":
+        return {"temperatures": ((completion_len(cfg),), jnp.float32)}
+    return {}
+
+
+def with_shardings(tree, shardings):
+    """``ShapeDtypeStruct`` leaves of ``tree`` carrying ``shardings`` (a matching tree)."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        tree, shardings)
+

@@ -1,0 +1,97 @@
+"""The plan compiles the programs the phases run: for every algorithm, one real iteration on
+the tiny model, each update program captured as the phase calls it, against ``rljax plan``.
+
+For each captured call: XLA's memory analysis of the program the phase ran (lowered from the
+call's real arguments) equals the plan's row (arguments, outputs, aliased, temporaries); the
+live jax arrays grow across the call by exactly the plan's outputs - aliased (less the output
+tuple's pointer table); the live train
+state is the plan's resident state; so the plan's peak is the one measured."""
+import jax
+import numpy as np
+import pytest
+
+from rljax import plan as plan_lib
+from rljax.train import inference, setup
+from rljax.train.phases import make_phases
+
+from test_train_loop import tiny_cfg
+
+ALGORITHMS = {
+    # Two mini-batches of 8 (old log-probs recomputed), each two micro-batches of whole groups.
+    "grpo": {"algo.micro_batch_size": 4},
+    "ppo": {"algo.name": "ppo", "algo.adv_estimator": "gae", "algo.beta": 0.0},
+    "dpo": {"algo.name": "dpo", "algo.beta": 0.1, "algo.mini_batch_size": 0},
+    "sft": {"algo.name": "sft", "algo.beta": 0.0, "algo.mini_batch_size": 0},
+    "rm": {"algo.name": "rm", "algo.beta": 0.0, "algo.mini_batch_size": 0},
+}
+
+
+class Recorder:
+    """Calls a jitted program and records, per call, the live bytes it added and XLA's memory
+    analysis of the program compiled for the call's arguments."""
+
+    def __init__(self, name, fn, calls):
+        self.name, self.fn, self.calls = name, fn, calls
+
+    def lower(self, *args, **kwargs):
+        return self.fn.lower(*args, **kwargs)
+
+    def __call__(self, *args):
+        before = plan_lib.measure_live_bytes()
+        out = jax.block_until_ready(self.fn(*args))
+        growth = plan_lib.measure_live_bytes() - before
+        stats = self.fn.lower(*args).compile().memory_analysis()
+        state = next((a for a in args if hasattr(a, "opt_state")), None)
+        self.calls.append({"name": self.name, "growth": growth, "stats": stats,
+                           "outputs": len(jax.tree.leaves(out)),
+                           "state": plan_lib.shard_bytes(state) if state is not None else 0})
+        return out
+
+
+def capture(phase, state, calls):
+    """Wraps the update programs of ``phase`` (built for ``state``) in ``Recorder``s."""
+    step = phase._compiled(state)
+    if phase.name == "grpo":   # a GroupedUpdate: a stream's gradients, then the apply
+        step._grads = Recorder("update", step._grads, calls)
+        step._micro = Recorder("update", step._micro, calls)
+        step._apply_fns[1] = Recorder("apply", step._apply_fn(1), calls)
+    else:
+        phase._step_fn = Recorder("update", step, calls)
+    if phase.name == "ppo":
+        phase.prepare = Recorder("prepare", phase.prepare, calls)
+
+
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+def test_planned_update_programs_are_the_ones_a_step_runs(algo, tmp_path):
+    cfg = tiny_cfg(**{"sft.steps": 0, "algo.update_streams": 1, **ALGORITHMS[algo]})
+    devices = jax.devices()[:1]
+    planned = plan_lib.plan(cfg, devices)
+    rows = {p.name: p for p in planned.phases}
+
+    ctx = setup.build_context(cfg, str(tmp_path), devices)
+    phase = make_phases(ctx)[-1]
+    state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
+    state_bytes = plan_lib.shard_bytes(state)
+    assert state_bytes == planned.resident, (state_bytes, planned.resident_parts)
+    calls = []
+    capture(phase, state, calls)
+    state, _ = phase.iteration(state, 0)
+    jax.block_until_ready(state)
+
+    names = {c["name"] for c in calls}
+    assert names == {n for n in ("prepare", "update", "apply") if n in rows}, (names, rows)
+    for call in calls:
+        row, stats = rows[call["name"]], call["stats"]
+        real = (stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                stats.alias_size_in_bytes, stats.temp_size_in_bytes)
+        assert real == (row.arguments, row.outputs, row.aliased, row.temps), (call, row)
+        # XLA's outputs also count the output tuple's table of buffer pointers (8 bytes each
+        # on CPU), which is no jax array.
+        table = 8 * call["outputs"]
+        assert call["growth"] + table == row.outputs - row.aliased, (call, row)
+        assert call["state"] == row.resident_arguments, (call, row)
+        measured_peak = (state_bytes + stats.argument_size_in_bytes - call["state"]
+                         + call["growth"] + table + stats.temp_size_in_bytes
+                         + stats.generated_code_size_in_bytes)
+        assert row.peak(planned.resident) == measured_peak, (call, row)
+    assert np.isfinite(planned.peak)
