@@ -281,6 +281,9 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         notes.append(f"episodes: sampling planned as one sampler pass over the multi-turn "
                      f"KV cache ({programs_lib.sampler_len(cfg)} slots after the prompt); "
                      f"training sequences {p_len} + env.max_total_tokens = {p_len + n_new}")
+    if cfg.rollout.engine == "slots" and mesh.size > 1:
+        notes.append("rollout.engine='slots': the engine's pages, slots and outputs are "
+                     "planned whole on every device (it does not split them over the mesh)")
     for name, state, programs in phases_lib.phase_programs(ctx):
         if programs is None:
             notes.append(f"the {name} phase states no programs (register_algorithm(..., "

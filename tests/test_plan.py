@@ -183,3 +183,21 @@ def test_episode_runs_are_planned_at_their_trajectory_length():
     long, p = update_args(64)
     assert long > short
     assert any("env.max_total_tokens" in n and "slots after the prompt" in n for n in p.notes)
+
+
+def test_the_slot_engine_is_planned_as_its_two_programs():
+    long = ["--config.rollout.max_new_tokens=64", "--config.algo.num_generations=8"]
+    one = jax.devices()[:1]   # the engine does not split its slots over a mesh (a note says so)
+    mesh = ["--config.mesh.data=1"]
+    static_plan = plan.plan(_cfg(*long, *mesh), devices=one)
+    slots_plan = plan.plan(_cfg(*long, *mesh, "--config.rollout.engine=slots",
+                                "--config.rollout.slots=4"), devices=one)
+    static = {ph.name: ph.peak(static_plan.resident) for ph in static_plan.phases}
+    slots = {ph.name: ph.peak(slots_plan.resident) for ph in slots_plan.phases}
+    assert "sample" in static and "sample" not in slots
+    assert {"sample/prefill", "sample/decode"} <= set(slots)
+    # 16 rows of (prompt + 64) cache slots against 2 prompt pages + 4 slots of 64: the engine's
+    # decode program holds less than the static sampler's whole program
+    assert slots["sample/decode"] < static["sample"]
+    eight = plan.plan(_cfg(*long, "--config.rollout.engine=slots"))
+    assert any("does not split them over the mesh" in n for n in eight.notes)

@@ -261,3 +261,48 @@ def _decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_stat
         cond, body, (jnp.int32(0), cache, out, slot_state))
     busy = jnp.any(slot_state[3]) | (slot_state[4] < queued)
     return cache, out, slot_state, i, busy
+
+
+def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_mask: Any,
+             rng: Any, *, max_new_tokens: int, num_samples: int, slots: int, chunk_steps: int,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
+             stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
+             cache_dtype: Any = None) -> list[tuple[str, Any, tuple]]:
+    """The engine's two programs for a memory plan: ``[(name, jitted fn, abstract args)]``,
+    ``fn.lower(*args)`` compiling what ``generate`` runs for prompts of this shape
+    (``prefill``: the pages and first tokens; ``decode``: one chunk over the pages, the slot
+    caches and the rows' outputs). Inputs may be ``jax.ShapeDtypeStruct``s."""
+    b, p = prompt_tokens.shape
+    n, g = int(max_new_tokens), int(num_samples)
+    rows = b * g
+    s = min(int(slots), rows)
+    static = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                  stop_ids=merge_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
+                  min_new_tokens=int(min_new_tokens))
+    dtype = _dtype_name(cache_dtype)
+    noise = None
+    if temperature != 0.0:
+        noise = jax.eval_shape(lambda key: noise_ahead(key, n, rows, cfg.vocab_size, False), rng)
+
+    def prefill(params, tokens, mask, key, noise):
+        return _prefill(cfg, params, tokens, mask, key, noise, None, num_samples=g,
+                        cache_dtype=dtype, **static)
+
+    pages, first, _, _ = jax.eval_shape(prefill, params, prompt_tokens, prompt_mask, rng, noise)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    out = dict(tokens=i32(rows, n), logps=jax.ShapeDtypeStruct((rows, n), jnp.float32),
+               lengths=i32(rows), done=jax.ShapeDtypeStruct((rows,), bool))
+    cache = jax.eval_shape(lambda: paged.init_slot_cache(cfg, s, n, dtype=cache_dtype))
+    slot_state = (i32(s), i32(s), i32(s), jax.ShapeDtypeStruct((s,), bool), i32())
+
+    def decode(params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
+               queued, noise):
+        return _decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state,
+                             first, queue, queued, noise, None, max_new_tokens=n,
+                             num_samples=g, chunk_steps=int(chunk_steps), **static)
+
+    return [("prefill", jax.jit(prefill), (params, prompt_tokens, prompt_mask, rng, noise)),
+            ("decode", jax.jit(decode, donate_argnums=(4, 5)),
+             (params, pages, prompt_mask, i32(b), cache, out, slot_state, first, i32(rows), i32(),
+              noise))]
