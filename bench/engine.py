@@ -84,7 +84,7 @@ def transformers_runner(model_dir, ids, pad, eos, g, n, key):
     lengths = []
 
     def run():
-        torch.manual_seed(next(key))
+        torch.manual_seed(key[0])
         with torch.no_grad():
             out = hf.generate(input_ids=torch.from_numpy(hf_ids),
                               attention_mask=torch.from_numpy(hf_mask), do_sample=True,
@@ -122,16 +122,19 @@ def main() -> None:
     s = args.slots or max(1, rows // 4)
     cfg, params, prompt, mask, eos, pad, real = (toy_workload if toy else smollm2_workload)(args)
     kw = dict(max_new_tokens=n, temperature=1.0, eos_id=eos, pad_id=pad, num_samples=g)
-    keys = iter(range(1000))
+    # Each round's contenders share its seed (the static sampler runs first and moves it on),
+    # so the two rljax samplers return the same completions.
+    seed = [0]
     seen = {"static": [], "engine": []}
     stats = []
 
     def run_static():
-        out = sampling.generate(cfg, params, prompt, mask, rng=jax.random.key(next(keys)), **kw)
+        seed[0] += 1
+        out = sampling.generate(cfg, params, prompt, mask, rng=jax.random.key(seed[0]), **kw)
         seen["static"].append(np.asarray(out.lengths))
 
     def run_engine():
-        out, st = engine.generate(cfg, params, prompt, mask, rng=jax.random.key(next(keys)),
+        out, st = engine.generate(cfg, params, prompt, mask, rng=jax.random.key(seed[0]),
                                   slots=s, chunk_steps=args.chunk_steps, **kw)
         seen["engine"].append(np.asarray(out.lengths))
         stats.append(st)
@@ -140,7 +143,7 @@ def main() -> None:
     hf_lengths = None
     if real and "transformers" not in args.skip:
         fns["transformers"], hf_lengths = transformers_runner(real[0], real[1], pad, eos, g, n,
-                                                               keys)
+                                                               seed)
     load = os.getloadavg()[0]
     first, times = _interleaved_times(fns, args.runs)
     med = {k: statistics.median(v) for k, v in times.items()}
