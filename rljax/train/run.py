@@ -408,7 +408,7 @@ def render_prompts(cfg, tok, prompts: list[str], ctx=None) -> list[str]:
     """``prompts`` as the run's data pipeline renders a question: ``data.template`` (its one
     field filled with the text), then the chat template when ``tokenizer.chat_template``."""
     from rljax import data as data_lib
-    from rljax.train.setup import _template
+    from rljax.train.inputs import _template
 
     spec = ctx.data_config() if ctx is not None else {
         "template": _template(cfg), "chat": bool(cfg.tokenizer.chat_template),

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from rljax import rewards
+from rljax.train.inputs import reward_kwargs
 
 
 def verifier(ctx):
@@ -17,8 +18,6 @@ def verifier(ctx):
     context (process isolation keeps its worker pool between evals)."""
     cached = getattr(ctx, "_verifier", None)
     if cached is None:
-        from rljax.train.setup import reward_kwargs  # late: setup imports the train modules
-
         r, name = ctx.cfg.reward, ctx.cfg.reward.names[0]
         cached = rewards.combine(
             [(name, 1.0, reward_kwargs(ctx.cfg, name))], default_score=r.default_score,
