@@ -58,6 +58,7 @@ def registries(monkeypatch):
     monkeypatch.setattr(advantages, "_TREE", set(advantages._TREE))
     monkeypatch.setattr(policy_losses, "_POLICY_LOSSES", dict(policy_losses._POLICY_LOSSES))
     monkeypatch.setattr(phases, "ALGORITHMS", dict(phases.ALGORITHMS))
+    monkeypatch.setattr(phases, "PROGRAMS", dict(phases.PROGRAMS))
     monkeypatch.setattr(reward_registry, "_REGISTRY", dict(reward_registry._REGISTRY))
     monkeypatch.setattr(imports, "_IMPORTED", [])
 
@@ -173,3 +174,28 @@ def test_a_reward_registered_by_imported_code_resolves_in_reward_worker_processe
     finally:
         reward.close()
     assert list(result.total) == [1.0], result
+
+
+USER_PHASE = """
+from rljax.train import phases
+
+
+def my_grpo(ctx, steps):
+    open(__file__ + ".built", "a").write("x")   # the trainer built this phase
+    return phases.ALGORITHMS["grpo"](ctx, steps)
+
+
+phases.register_algorithm("my_grpo", my_grpo, programs=phases.PROGRAMS["grpo"])
+"""
+
+
+def test_a_phase_registered_by_imported_code_trains_from_the_cli(tmp_path, registries):
+    from rljax import cli
+    from tiny_config import tiny_config_source
+    ext = _write(tmp_path, "my_phase.py", USER_PHASE)
+    path = tmp_path / "tiny.py"
+    path.write_text(tiny_config_source())
+    assert cli.main(["train", "--config", str(path), "--workdir", str(tmp_path / "w"),
+                     f"--config.imports={ext}", "--config.algo.name=my_grpo"]) == 0
+    assert (tmp_path / "my_phase.py.built").read_text() == "x"
+    assert '"reward/mean"' in (tmp_path / "w" / "metrics.jsonl").read_text()

@@ -32,7 +32,6 @@ from rljax.train.inputs import (TEMPLATES, check_context_length, check_data_file
                                 reward_fields, reward_kwargs, uses_preference_data)
 
 
-
 class Phase(Protocol):
     """One training phase: a fixed number of iterations of one algorithm.
 
@@ -54,28 +53,6 @@ class Phase(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict()``."""
-
-
-# ----------------------------------------------------------------------------- input checks
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------- context
@@ -131,8 +108,6 @@ class Context:
     @property
     def dp_size(self) -> int:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-
-
 
 
 def make_tokenizer(cfg, workdir: str | None):
@@ -194,8 +169,6 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     shardings = _param_shardings(model_cfg, mesh)
     params = jax.jit(lambda r: models.init_params(model_cfg, r), out_shardings=shardings)(rng)
     return model_cfg, params, shardings
-
-
 
 
 def add_lora(cfg, model_cfg, params, shardings, mesh, rng):
@@ -281,7 +254,5 @@ def rl_iterator(ctx: Context, num_prompts: int):
     selection (``data.selection``; ``uniform`` is the iterator itself). Checkpointable."""
     return selection.make(data_iterator(ctx, num_prompts), ctx.cfg.data.selection,
                           seed=ctx.cfg.seed)
-
-
 
 
