@@ -24,9 +24,14 @@ from rljax.models.transformer import param_shapes
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # Per-family defaults of HF config fields that checkpoints may omit.
-_TIE_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "gemma": True}
+_TIE_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "gemma": True, "gemma2": True,
+                "gemma3": True}
+_GEMMAS = ("gemma", "gemma2", "gemma3")
+# The HF model_type each of ours is written as (gemma3: the text-only model).
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 
 class HFCheckpointError(ValueError):
@@ -53,6 +58,13 @@ _LAYER_NAMES = {
     "gate": ("mlp.gate_proj.weight", 1),
     "up": ("mlp.up_proj.weight", 1),
     "down": ("mlp.down_proj.weight", 1),
+}
+# Gemma 2/3 name their four layer norms by position: "post_attention_layernorm" is the norm on
+# the attention output there, not the MLP's pre-norm as in the other families.
+_POST_NORM_NAMES = {
+    "mlp_norm": ("pre_feedforward_layernorm.weight", 0),
+    "post_attn_norm": ("post_attention_layernorm.weight", 0),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", 0),
 }
 _TOP_NAMES = {
     "embed": ("model.embed_tokens.weight", -1),  # -1: same layout as ours ([V, D])
@@ -105,8 +117,9 @@ def _from_ours(w: np.ndarray, n_in: int) -> np.ndarray:
 
 def _entries(cfg: ModelConfig):
     """Yields (path tuple in our tree, our full shape, HF name fn(layer|None), n_in, stacked)."""
+    names = dict(_LAYER_NAMES, **_POST_NORM_NAMES) if cfg.post_norms else _LAYER_NAMES
     for name, (shape, _) in param_shapes(cfg)["layers"].items():
-        hf_name, n_in = _LAYER_NAMES[name]
+        hf_name, n_in = names[name]
         yield ("layers", name), shape, (lambda i, n=hf_name: f"model.layers.{i}.{n}"), n_in, True
     for name in ("embed", "final_norm", "lm_head"):
         if name in param_shapes(cfg):
@@ -126,16 +139,31 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict:
 # ----------------------------------------------------------------------------- config
 
 def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
-    """ModelConfig from a parsed HF config.json dict."""
+    """ModelConfig from a parsed HF config.json dict (for a multimodal "gemma3" config, its
+    text model: ``text_config``)."""
     mt = hf.get("model_type")
+    if mt == "gemma3" and "text_config" in hf:
+        top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                  "tie_word_embeddings") if hf.get(k) is not None}
+        hf = dict(top, **{k: v for k, v in hf["text_config"].items() if v is not None})
+        mt = "gemma3_text"
+    if mt == "gemma3_text":
+        mt = "gemma3"
     if mt not in SUPPORTED_MODEL_TYPES:
         raise HFCheckpointError(
             f"unsupported model_type {mt!r} in config.json; supported: {SUPPORTED_MODEL_TYPES}")
-    # Rope settings: transformers>=5 writes `rope_parameters`; older files `rope_theta` and
-    # `rope_scaling` (whose type key is `rope_type`, or `type` in very old files).
+    # Rope settings: transformers>=5 writes `rope_parameters` (gemma3: one dict per layer
+    # type); older files `rope_theta` and `rope_scaling` (whose type key is `rope_type`, or
+    # `type` in very old files), gemma3 `rope_local_base_freq`.
+    params = dict(hf.get("rope_parameters") or {})
+    local_theta = None
+    if mt == "gemma3":
+        local_theta = (params.get("sliding_attention") or {}).get(
+            "rope_theta", hf.get("rope_local_base_freq", 10000.0))
+        params = params.get("full_attention", params)
     rope = dict(hf.get("rope_scaling") or {})
-    rope.update(hf.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope.update(params)
+    theta = rope.get("rope_theta", hf.get("rope_theta", 1e6 if mt == "gemma3" else 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
         raise HFCheckpointError(f"unsupported rope scaling type {rope_type!r} "
@@ -147,8 +175,8 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
         raise HFCheckpointError(f"attention_bias=True is not supported for {mt}")
     if hf.get("use_sliding_window"):
         raise HFCheckpointError("use_sliding_window=True is not supported")
-    if mt == "gemma":
-        activation = "gelu_tanh"  # Gemma 1 uses the tanh-approximate GELU whatever the config says
+    if mt in _GEMMAS:
+        activation = "gelu_tanh"  # Gemmas use the tanh-approximate GELU whatever the config says
     else:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -169,16 +197,18 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", _TIE_DEFAULT[mt]),
         attention_bias=mt == "qwen2",
-        qk_norm=mt == "qwen3",
+        qk_norm=mt in ("qwen3", "gemma3"),
         activation=activation,
-        scale_embeddings=mt == "gemma",
-        norm_plus_one=mt == "gemma",
+        scale_embeddings=mt in _GEMMAS,
+        norm_plus_one=mt in _GEMMAS,
         dtype=dtype_name(dtype),
         param_dtype=dtype_name(dtype),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
     )
+    if mt in ("gemma2", "gemma3"):
+        fields.update(_gemma_fields(hf, mt, local_theta))
     if rope_type != "default":
         fields.update(rope_scaling_type=rope_type, rope_factor=float(rope.get("factor", 1.0)))
     if rope_type == "llama3":
@@ -189,17 +219,53 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def _gemma_fields(hf: dict, mt: str, local_theta) -> dict:
+    """The gemma2/gemma3 ModelConfig fields of an HF config (defaults: transformers')."""
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:   # older files: gemma2 alternates, gemma3 has a local:global period
+        period = 2 if mt == "gemma2" else hf.get("sliding_window_pattern", 6)
+        layer_types = ["sliding_attention" if (i + 1) % period else "full_attention"
+                       for i in range(layers)]
+    if hf.get("use_bidirectional_attention"):
+        raise HFCheckpointError("use_bidirectional_attention=True is not supported")
+    return dict(post_norms=True, sliding_window=hf.get("sliding_window", 4096),
+                layer_types=tuple(layer_types),
+                rope_local_theta=None if mt == "gemma2" else float(local_theta),
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                attn_logit_softcapping=hf.get("attn_logit_softcapping",
+                                              50.0 if mt == "gemma2" else None),
+                final_logit_softcapping=hf.get("final_logit_softcapping",
+                                               30.0 if mt == "gemma2" else None))
+
+
+def _int_if_whole(x: float):
+    return int(x) if float(x).is_integer() else x
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
     """HF config.json dict for ``cfg`` (legacy rope keys, understood by transformers 4 and 5)."""
-    if cfg.model_type == "gemma" and not (cfg.scale_embeddings and cfg.norm_plus_one):
-        raise HFCheckpointError("gemma export needs scale_embeddings and norm_plus_one")
-    if cfg.model_type != "gemma" and (cfg.scale_embeddings or cfg.norm_plus_one
-                                      or cfg.activation != "silu"):
-        raise HFCheckpointError(f"{cfg.model_type} export cannot express gemma-style options")
-    if cfg.attention_bias != (cfg.model_type == "qwen2"):
+    mt = cfg.model_type
+    gemma = mt in _GEMMAS
+    if gemma and not (cfg.scale_embeddings and cfg.norm_plus_one
+                      and cfg.activation == "gelu_tanh"):
+        raise HFCheckpointError(f"{mt} export needs scale_embeddings, norm_plus_one and "
+                                "activation='gelu_tanh'")
+    if not gemma and (cfg.scale_embeddings or cfg.norm_plus_one or cfg.activation != "silu"):
+        raise HFCheckpointError(f"{mt} export cannot express gemma-style options")
+    if cfg.attention_bias != (mt == "qwen2"):
         raise HFCheckpointError("q/k/v biases are expressible only (and always) for qwen2")
-    if cfg.qk_norm != (cfg.model_type == "qwen3"):
-        raise HFCheckpointError("qk_norm is expressible only (and always) for qwen3")
+    if cfg.qk_norm != (mt in ("qwen3", "gemma3")):
+        raise HFCheckpointError("qk_norm is expressible only (and always) for qwen3, gemma3")
+    new_gemma = mt in ("gemma2", "gemma3")
+    if cfg.post_norms != new_gemma:
+        raise HFCheckpointError("post_norms are expressible only (and always) for gemma2/3")
+    if not new_gemma and (cfg.local_layers or cfg.query_pre_attn_scalar is not None
+                          or cfg.attn_logit_softcapping or cfg.final_logit_softcapping):
+        raise HFCheckpointError(f"{mt} export cannot express sliding windows, "
+                                "query_pre_attn_scalar or soft-capping")
+    if mt == "gemma2" and cfg.rope_local_theta is not None:
+        raise HFCheckpointError("gemma2 export cannot express a separate local rope base")
     rope_scaling = None
     if cfg.rope_scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": cfg.rope_factor}
@@ -210,8 +276,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                         "original_max_position_embeddings": cfg.rope_original_max_position}
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     hf = {
-        "architectures": [_ARCHITECTURES[cfg.model_type]],
-        "model_type": cfg.model_type,
+        "architectures": [_ARCHITECTURES[mt]],
+        "model_type": _HF_MODEL_TYPE.get(mt, mt),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -224,7 +290,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "rope_scaling": rope_scaling,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": "gelu_pytorch_tanh" if cfg.model_type == "gemma" else "silu",
+        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos,
         "pad_token_id": cfg.pad_token_id,
@@ -233,8 +299,20 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
     if cfg.model_type in ("llama", "qwen3"):
         hf["attention_bias"] = False
-    if cfg.model_type == "gemma":
+    if gemma:
         hf["hidden_activation"] = "gelu_pytorch_tanh"
+    if new_gemma:
+        hf.update(
+            # transformers' config validation wants an int here
+            query_pre_attn_scalar=(cfg.head_dim if cfg.query_pre_attn_scalar is None
+                                   else _int_if_whole(cfg.query_pre_attn_scalar)),
+            sliding_window=cfg.sliding_window or cfg.max_position_embeddings,
+            layer_types=list(cfg.layer_types or ("full_attention",) * cfg.num_layers),
+            attn_logit_softcapping=cfg.attn_logit_softcapping,
+            final_logit_softcapping=cfg.final_logit_softcapping, attention_bias=False)
+    if mt == "gemma3":
+        hf["rope_local_base_freq"] = (cfg.rope_theta if cfg.rope_local_theta is None
+                                      else cfg.rope_local_theta)
     if cfg.model_type in ("qwen2", "qwen3"):
         hf["use_sliding_window"] = False
     return hf
@@ -260,6 +338,20 @@ def _tensor_index(path: str) -> dict:
     return index
 
 
+def _text_tower_name(name: str, index: dict) -> str:
+    """The name a multimodal Gemma 3 checkpoint gives the text tower's tensor ``name``
+    ("model.language_model.*" in transformers 5, "language_model.model.*" before), or
+    ``name`` itself when neither is there."""
+    if name.startswith("model."):
+        rest = name[len("model."):]
+        for alt in (f"model.language_model.{rest}", f"language_model.model.{rest}"):
+            if alt in index:
+                return alt
+    elif name == "lm_head.weight" and "language_model.lm_head.weight" in index:
+        return "language_model.lm_head.weight"
+    return name
+
+
 class _Reader:
     """Reads named tensors lazily, keeping each safetensors file open once."""
 
@@ -268,6 +360,8 @@ class _Reader:
         self._files = {}
 
     def get(self, name: str, expected_shape: tuple) -> np.ndarray:
+        if name not in self.index:
+            name = _text_tower_name(name, self.index)
         if name not in self.index:
             raise HFCheckpointError(f"missing tensor {name!r} in checkpoint")
         fname = self.index[name]

@@ -1,0 +1,192 @@
+"""Gemma 2 and Gemma 3 (text): sliding-window layers, four norms per layer, soft-capping, q/k
+norms, per-layer-kind RoPE. Tiny random checkpoints made with transformers are the reference
+(logits, greedy decoding); every rljax path that runs attention (the training forward, the
+cached decode, the shared-prompt forward, the slot engine) must agree with them.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import models, sampling
+from rljax.models import paged, shared_prompt
+from rljax.models import transformer as tfm
+from rljax.sampling import engine
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 4          # smaller than every test prompt, so local layers really drop keys
+VOCAB = 128
+
+
+def _hf_tiny(kind: str, path):
+    """A tiny random transformers Gemma 2 / Gemma 3 text model saved at ``path``."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  sliding_window=WINDOW, query_pre_attn_scalar=12, tie_word_embeddings=True,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0, attn_implementation="eager")
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(num_hidden_layers=3, attn_logit_softcapping=5.0,
+                                           final_logit_softcapping=3.0, **common)
+        model = transformers.Gemma2ForCausalLM(config)
+    else:
+        config = transformers.Gemma3TextConfig(
+            num_hidden_layers=4, rope_scaling={"rope_type": "linear", "factor": 2.0},
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention"], **common)
+        model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():   # random norm scales, so a wrong (1 + w) or norm placement shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _hf_tiny(request.param, path)
+    cfg, params = models.load_hf(str(path))
+    return request.param, path, hf, cfg, params
+
+
+def _batch(rng=0, lengths=(11, 7, 9), total=11):
+    """Left-padded int32 [B, total] tokens and bool mask (ids avoid pad/eos/bos)."""
+    r = np.random.default_rng(rng)
+    toks = np.zeros((len(lengths), total), np.int32)
+    mask = np.zeros((len(lengths), total), bool)
+    for i, n in enumerate(lengths):
+        toks[i, total - n:] = r.integers(3, VOCAB, n)
+        mask[i, total - n:] = True
+    return toks, mask
+
+
+def _hf_logits(hf, toks, mask):
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(toks, dtype=torch.long),
+                 attention_mask=torch.tensor(mask, dtype=torch.long))
+    return out.logits.numpy()
+
+
+def test_config(tiny):
+    kind, _, _, cfg, _ = tiny
+    assert cfg.model_type == kind and cfg.post_norms and cfg.sliding_window == WINDOW
+    if kind == "gemma2":
+        assert cfg.local_layers == (True, False, True)
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (5.0, 3.0)
+    else:
+        assert cfg.local_layers == (True, True, False, True) and cfg.qk_norm
+        assert (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
+        assert (cfg.rope_scaling_type, cfg.rope_factor) == ("linear", 2.0)
+
+
+def test_logits_match_transformers(tiny):
+    _, _, hf, cfg, params = tiny
+    toks, mask = _batch()
+    want = _hf_logits(hf, toks, mask)
+    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
+    """Prefill + one decode step, the shared-prompt forward and the slot engine's decode step
+    give the training forward's logits (the window measured in positions everywhere)."""
+    _, _, _, cfg, params = tiny
+    toks, mask = _batch(1, lengths=(9, 6), total=9)
+    comp = np.random.default_rng(2).integers(3, VOCAB, (4, 3)).astype(np.int32)
+    g = 2
+    full = np.concatenate([np.repeat(toks, g, 0), comp], 1)
+    fmask = np.concatenate([np.repeat(mask, g, 0), np.ones_like(comp, bool)], 1)
+    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(full), jnp.asarray(fmask)))
+    p = toks.shape[1]
+
+    # Static cache: prefill prompt + 2 completion tokens, then decode the third.
+    cache = tfm.init_cache(cfg, 4, p + 3)
+    cmask = jnp.asarray(np.pad(fmask, ((0, 0), (0, 0))))
+    pos = tfm.default_positions(jnp.asarray(fmask))
+    _, cache = tfm.trunk(cfg, params, jnp.asarray(full[:, :p + 2]), attention_mask=cmask,
+                         positions=pos[:, :p + 2], cache=cache, cache_index=0)
+    h, _ = tfm.trunk(cfg, tfm.unstack_layers(params), jnp.asarray(full[:, p + 2:]),
+                     attention_mask=cmask, positions=pos[:, p + 2:],
+                     cache=tfm.unstack_cache(cache), cache_index=p + 2)
+    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))[:, 0]
+    np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
+
+    # Shared-prompt forward: completion log-probs equal the plain forward's.
+    lp, _ = shared_prompt.completion_logps(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
+                                           jnp.asarray(comp), jnp.ones(comp.shape, bool))
+    ref, _ = tfm.token_logps(cfg, params, jnp.asarray(full), jnp.asarray(fmask))
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref)[:, p:], rtol=1e-5, atol=1e-5)
+
+    # Slot engine: pages from the prompts, completion tokens fed one by one per slot.
+    pages, _ = paged.prefill_pages(cfg, params, jnp.asarray(toks), jnp.asarray(mask))
+    slots = paged.init_slot_cache(cfg, 4, 3)
+    page_of = jnp.repeat(jnp.arange(2), g)
+    plen = jnp.repeat(jnp.asarray(mask.sum(1)), g)
+    uparams = tfm.unstack_layers(params)
+    for t in range(3):
+        h, slots = paged.slot_decode(cfg, uparams, jnp.asarray(comp[:, t]), plen + t,
+                                     jnp.full(4, t, jnp.int32), pages, jnp.asarray(mask),
+                                     page_of, slots)
+    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))
+    np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decoding_matches_transformers_and_the_slot_engine(tiny):
+    _, _, hf, cfg, params = tiny
+    toks, mask = _batch(3, lengths=(10, 6, 8), total=10)
+    new = 8
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(toks, dtype=torch.long),
+                          attention_mask=torch.tensor(mask, dtype=torch.long),
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    want = out[:, toks.shape[1]:].numpy()
+    ours = sampling.generate(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
+                             rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(ours.tokens), want)
+    slot_out, _ = engine.generate(cfg, params, toks, mask, rng=jax.random.PRNGKey(0),
+                                  max_new_tokens=new, temperature=0.0, slots=2, chunk_steps=3)
+    np.testing.assert_array_equal(np.asarray(slot_out.tokens), want)
+
+
+def test_save_hf_round_trip_loads_in_transformers(tiny, tmp_path):
+    kind, _, hf, cfg, params = tiny
+    models.save_hf(cfg, params, str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(back).__name__ == type(hf).__name__
+    toks, mask = _batch(4)
+    np.testing.assert_allclose(_hf_logits(back, toks, mask)[mask],
+                               _hf_logits(hf, toks, mask)[mask], rtol=1e-6, atol=1e-6)
+    assert models.load_hf(str(tmp_path))[0] == cfg
+
+
+def test_nested_gemma3_config_loads_the_text_tower(tmp_path):
+    """A multimodal "gemma3" checkpoint: its text_config and language-model tensors."""
+    import json
+    import shutil
+
+    src = tmp_path / "text"
+    hf = _hf_tiny("gemma3", src)
+    with open(src / "config.json") as f:
+        text = json.load(f)
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    json.dump({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+               "text_config": text, "vision_config": {}}, open(nested / "config.json", "w"))
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()},
+              str(nested / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(src)
+    cfg, params = models.load_hf(str(nested))
+    toks, mask = _batch(5)
+    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], _hf_logits(hf, toks, mask)[mask], rtol=1e-5,
+                               atol=1e-5)
+
