@@ -136,6 +136,30 @@ def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
     np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_window_counts_positions_across_invalid_cache_slots(tiny):
+    """A multi-turn cache leaves invalid slots between a row's tokens; the window is measured
+    in positions (valid slots before a token), so the decode step still sees what the forward
+    over the compact sequence sees."""
+    _, _, _, cfg, params = tiny
+    compact = np.random.default_rng(7).integers(3, VOCAB, (1, 10)).astype(np.int32)
+    # Slots: tokens 0-7, three invalid slots (stale tokens), tokens 8-9: the last query's
+    # window (positions 6-9) spans the gap.
+    slots = np.concatenate([compact[:, :8], np.full((1, 3), 5, np.int32), compact[:, 8:]], 1)
+    valid = np.ones(slots.shape, bool)
+    valid[:, 8:11] = False
+    valid, slots = jnp.asarray(valid), jnp.asarray(slots)
+    pos = tfm.default_positions(valid)
+    cache = tfm.init_cache(cfg, 1, slots.shape[1])
+    _, cache = tfm.trunk(cfg, params, slots[:, :-1], attention_mask=valid, positions=pos[:, :-1],
+                         cache=cache, cache_index=0)
+    h, _ = tfm.trunk(cfg, tfm.unstack_layers(params), slots[:, -1:], attention_mask=valid,
+                     positions=pos[:, -1:], cache=tfm.unstack_cache(cache),
+                     cache_index=slots.shape[1] - 1)
+    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))[:, 0]
+    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(compact)))[:, -1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_decoding_matches_transformers_and_the_slot_engine(tiny):
     _, _, hf, cfg, params = tiny
     toks, mask = _batch(3, lengths=(10, 6, 8), total=10)

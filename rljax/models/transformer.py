@@ -388,7 +388,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             positions = default_positions(attention_mask)
         causal = jnp.tril(jnp.ones((t, t), bool))
         mask = causal[None] & attention_mask[:, None, :]  # [B, T, T]
-        q_slots = k_slots = jnp.arange(t)
+        key_positions = positions
     else:
         if positions is None:
             raise ValueError("trunk: `positions` must be given when decoding with a cache")
@@ -396,19 +396,23 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             raise ValueError("trunk: `cache_index` must be given with a cache")
         s = cache["k"][0].shape[2] if isinstance(cache["k"], tuple) else cache["k"].shape[3]
         cache_index = jnp.asarray(cache_index, jnp.int32)
-        slots = k_slots = jnp.arange(s)
+        slots = jnp.arange(s)
         q_slots = cache_index + jnp.arange(t)
         mask = slots[None, :] <= q_slots[:, None]  # [T, S]
         if attention_mask is None:
             mask = jnp.broadcast_to(mask[None], (b, t, s))
+            key_positions = positions[:, :1] - cache_index + slots[None, :]
         else:
             mask = mask[None] & attention_mask.astype(bool)[:, None, :]
+            # A valid slot's position is the number of valid slots before it (multi-turn
+            # caches have invalid slots between a row's tokens).
+            key_positions = default_positions(attention_mask)
     positions = positions.astype(jnp.int32)
     rope = rope_tables(positions, rope_inv_freq(cfg), cfg.compute_dtype)
     kinds = cfg.local_layers   # () unless some layers attend within a sliding window
     if kinds:
-        # Slot distance is position distance within a row: its real tokens are contiguous.
-        local_mask = mask & window_mask(q_slots, k_slots, cfg.sliding_window)
+        # The window is over positions, so it holds however a row's tokens sit in the cache.
+        local_mask = mask & window_mask(positions, key_positions, cfg.sliding_window)
         rope_local = local_rope(cfg, positions, rope)
     x = embed_tokens(cfg, params, tokens)
 
