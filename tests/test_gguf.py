@@ -273,7 +273,7 @@ def _one_line_error(path, needle):
 
 def test_unsupported_architectures(tiny, tmp_path):
     cfg, _, tensors = tiny["llama"]
-    for arch in ("gemma3", "qwen3moe"):
+    for arch in ("phi3", "qwen3moe"):
         path = str(tmp_path / f"{arch}.gguf")
         write_gguf(path, cfg, tensors, arch=arch, permute=False)
         _one_line_error(path, f"unsupported GGUF architecture '{arch}'")
@@ -350,10 +350,10 @@ def test_train_check_inputs_reports_a_bad_gguf_before_compiling(tiny, tmp_path):
     from rljax.train import setup
 
     cfg, _, tensors = tiny["llama"]
-    path = str(tmp_path / "gemma3.gguf")
-    write_gguf(path, cfg, tensors, arch="gemma3", permute=False)
+    path = str(tmp_path / "phi3.gguf")
+    write_gguf(path, cfg, tensors, arch="phi3", permute=False)
     run_cfg = config_lib.load_config(None, [f"model.path={path}"])
-    with pytest.raises(UserError, match="unsupported GGUF architecture 'gemma3'"):
+    with pytest.raises(UserError, match="unsupported GGUF architecture 'phi3'"):
         setup.check_inputs(run_cfg, num_devices=1)
     good = str(tmp_path / "good.gguf")
     write_gguf(good, cfg, tensors)

@@ -1,4 +1,4 @@
-"""Decoder-only transformer families (llama, qwen2, qwen3, gemma) as pure functions over
+"""Decoder-only transformer families (llama, qwen2, qwen3, gemma, gemma2, gemma3) as pure functions over
 parameter pytrees, a value head, Hugging Face safetensors import/export and llama.cpp GGUF
 import (``load_hf`` of a ``.gguf`` path).
 
@@ -7,7 +7,8 @@ See docs/internals.md ("rljax.models") for the interface.
 from rljax.models.config import PRESETS, SUPPORTED_MODEL_TYPES, ModelConfig, get_preset
 from rljax.models.gguf import (SUPPORTED_ARCHITECTURES as GGUF_ARCHITECTURES,
                                SUPPORTED_TENSOR_TYPES as GGUF_TENSOR_TYPES, GGUFError,
-                               inspect_gguf, load_gguf, packaged_model_path, smollm2_path)
+                               chunked_model_path, gemma3_270m_path, inspect_gguf, load_gguf,
+                               packaged_model_path, smollm2_path)
 from rljax.models.hf import (HFCheckpointError, config_from_hf, config_to_hf, save_hf,
                              save_hf_value)
 from rljax.models.loading import is_gguf_path, load_config, load_hf
@@ -31,4 +32,5 @@ __all__ = [
     "HFCheckpointError",
     "load_config", "is_gguf_path", "load_gguf", "inspect_gguf", "GGUFError",
     "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "packaged_model_path", "smollm2_path",
+    "chunked_model_path", "gemma3_270m_path",
 ]

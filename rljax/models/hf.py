@@ -19,18 +19,13 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file as _save_file
 
-from rljax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, dtype_name
+from rljax.models.config import ModelConfig
+# The config.json side lives in hf_config; re-exported, as callers import it from here.
+from rljax.models.hf_config import (_ARCHITECTURES, HFCheckpointError,  # noqa: F401
+                                    config_from_hf, config_to_hf)
 from rljax.models.transformer import param_shapes
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
-# Per-family defaults of HF config fields that checkpoints may omit.
-_TIE_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "gemma": True}
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint that cannot be loaded (or a config that cannot be exported)."""
 
 
 # ----------------------------------------------------------------------------- name mapping
@@ -53,6 +48,13 @@ _LAYER_NAMES = {
     "gate": ("mlp.gate_proj.weight", 1),
     "up": ("mlp.up_proj.weight", 1),
     "down": ("mlp.down_proj.weight", 1),
+}
+# Gemma 2/3 name their four layer norms by position: "post_attention_layernorm" is the norm on
+# the attention output there, not the MLP's pre-norm as in the other families.
+_POST_NORM_NAMES = {
+    "mlp_norm": ("pre_feedforward_layernorm.weight", 0),
+    "post_attn_norm": ("post_attention_layernorm.weight", 0),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", 0),
 }
 _TOP_NAMES = {
     "embed": ("model.embed_tokens.weight", -1),  # -1: same layout as ours ([V, D])
@@ -105,8 +107,9 @@ def _from_ours(w: np.ndarray, n_in: int) -> np.ndarray:
 
 def _entries(cfg: ModelConfig):
     """Yields (path tuple in our tree, our full shape, HF name fn(layer|None), n_in, stacked)."""
+    names = dict(_LAYER_NAMES, **_POST_NORM_NAMES) if cfg.post_norms else _LAYER_NAMES
     for name, (shape, _) in param_shapes(cfg)["layers"].items():
-        hf_name, n_in = _LAYER_NAMES[name]
+        hf_name, n_in = names[name]
         yield ("layers", name), shape, (lambda i, n=hf_name: f"model.layers.{i}.{n}"), n_in, True
     for name in ("embed", "final_norm", "lm_head"):
         if name in param_shapes(cfg):
@@ -121,123 +124,6 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict:
         for i in (range(shape[0]) if stacked else [None]):
             shapes[hf_name(i)] = _hf_shape(shape[1:] if stacked else shape, n_in)
     return shapes
-
-
-# ----------------------------------------------------------------------------- config
-
-def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
-    """ModelConfig from a parsed HF config.json dict."""
-    mt = hf.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise HFCheckpointError(
-            f"unsupported model_type {mt!r} in config.json; supported: {SUPPORTED_MODEL_TYPES}")
-    # Rope settings: transformers>=5 writes `rope_parameters`; older files `rope_theta` and
-    # `rope_scaling` (whose type key is `rope_type`, or `type` in very old files).
-    rope = dict(hf.get("rope_scaling") or {})
-    rope.update(hf.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise HFCheckpointError(f"unsupported rope scaling type {rope_type!r} "
-                                "(supported: default, linear, llama3)")
-    if hf.get("mlp_bias"):
-        raise HFCheckpointError("mlp_bias=True is not supported")
-    if mt in ("llama", "qwen3") and hf.get("attention_bias"):
-        # These families then also carry an o_proj bias, which this model does not have.
-        raise HFCheckpointError(f"attention_bias=True is not supported for {mt}")
-    if hf.get("use_sliding_window"):
-        raise HFCheckpointError("use_sliding_window=True is not supported")
-    if mt == "gemma":
-        activation = "gelu_tanh"  # Gemma 1 uses the tanh-approximate GELU whatever the config says
-    else:
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise HFCheckpointError(f"unsupported hidden_act {act!r} for {mt} (expected 'silu')")
-        activation = "silu"
-    heads = hf["num_attention_heads"]
-    fields = dict(
-        model_type=mt,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", _TIE_DEFAULT[mt]),
-        attention_bias=mt == "qwen2",
-        qk_norm=mt == "qwen3",
-        activation=activation,
-        scale_embeddings=mt == "gemma",
-        norm_plus_one=mt == "gemma",
-        dtype=dtype_name(dtype),
-        param_dtype=dtype_name(dtype),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
-    )
-    if rope_type != "default":
-        fields.update(rope_scaling_type=rope_type, rope_factor=float(rope.get("factor", 1.0)))
-    if rope_type == "llama3":
-        fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]),
-                      rope_original_max_position=int(rope["original_max_position_embeddings"]))
-    fields.update(overrides)
-    return ModelConfig(**fields)
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """HF config.json dict for ``cfg`` (legacy rope keys, understood by transformers 4 and 5)."""
-    if cfg.model_type == "gemma" and not (cfg.scale_embeddings and cfg.norm_plus_one):
-        raise HFCheckpointError("gemma export needs scale_embeddings and norm_plus_one")
-    if cfg.model_type != "gemma" and (cfg.scale_embeddings or cfg.norm_plus_one
-                                      or cfg.activation != "silu"):
-        raise HFCheckpointError(f"{cfg.model_type} export cannot express gemma-style options")
-    if cfg.attention_bias != (cfg.model_type == "qwen2"):
-        raise HFCheckpointError("q/k/v biases are expressible only (and always) for qwen2")
-    if cfg.qk_norm != (cfg.model_type == "qwen3"):
-        raise HFCheckpointError("qk_norm is expressible only (and always) for qwen3")
-    rope_scaling = None
-    if cfg.rope_scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": cfg.rope_factor}
-    elif cfg.rope_scaling_type == "llama3":
-        rope_scaling = {"rope_type": "llama3", "factor": cfg.rope_factor,
-                        "low_freq_factor": cfg.rope_low_freq_factor,
-                        "high_freq_factor": cfg.rope_high_freq_factor,
-                        "original_max_position_embeddings": cfg.rope_original_max_position}
-    eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
-    hf = {
-        "architectures": [_ARCHITECTURES[cfg.model_type]],
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": "gelu_pytorch_tanh" if cfg.model_type == "gemma" else "silu",
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": eos,
-        "pad_token_id": cfg.pad_token_id,
-        "torch_dtype": cfg.param_dtype,
-        "initializer_range": cfg.init_std,
-    }
-    if cfg.model_type in ("llama", "qwen3"):
-        hf["attention_bias"] = False
-    if cfg.model_type == "gemma":
-        hf["hidden_activation"] = "gelu_pytorch_tanh"
-    if cfg.model_type in ("qwen2", "qwen3"):
-        hf["use_sliding_window"] = False
-    return hf
 
 
 # ----------------------------------------------------------------------------- load
@@ -260,6 +146,20 @@ def _tensor_index(path: str) -> dict:
     return index
 
 
+def _text_tower_name(name: str, index: dict) -> str:
+    """The name a multimodal Gemma 3 checkpoint gives the text tower's tensor ``name``
+    ("model.language_model.*" in transformers 5, "language_model.model.*" before), or
+    ``name`` itself when neither is there."""
+    if name.startswith("model."):
+        rest = name[len("model."):]
+        for alt in (f"model.language_model.{rest}", f"language_model.model.{rest}"):
+            if alt in index:
+                return alt
+    elif name == "lm_head.weight" and "language_model.lm_head.weight" in index:
+        return "language_model.lm_head.weight"
+    return name
+
+
 class _Reader:
     """Reads named tensors lazily, keeping each safetensors file open once."""
 
@@ -268,6 +168,8 @@ class _Reader:
         self._files = {}
 
     def get(self, name: str, expected_shape: tuple) -> np.ndarray:
+        if name not in self.index:
+            name = _text_tower_name(name, self.index)
         if name not in self.index:
             raise HFCheckpointError(f"missing tensor {name!r} in checkpoint")
         fname = self.index[name]

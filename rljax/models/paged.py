@@ -13,7 +13,8 @@ splits the cache in two:
 A slot's query attends to its page's real prompt tokens and to its own completion slots
 ``<= t[s]``, in one softmax over both parts (scores and softmax in float32, as
 ``transformer.attention``). Stale entries above ``t[s]`` left by the slot's previous sample are
-masked, so a reused slot needs no clearing.
+masked, so a reused slot needs no clearing. A sliding-window layer (gemma2/3) also masks keys
+``sliding_window`` or more positions behind the query, in the page and in the slot alike.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models import transformer as tfm
+from rljax.models.attention import scale_scores
 from rljax.models.config import ModelConfig
 
 
@@ -53,23 +55,25 @@ def _write(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def slot_attention(q: jax.Array, k_page: jax.Array, v_page: jax.Array, page_mask: jax.Array,
-                   k: jax.Array, v: jax.Array, own_mask: jax.Array) -> jax.Array:
+                   k: jax.Array, v: jax.Array, own_mask: jax.Array, scale=None,
+                   softcap=None) -> jax.Array:
     """One query per slot over its prompt page and its own completion, one softmax.
 
     q: [S, H, Dh]; k_page, v_page: [S, K, P, Dh] (each slot's page); page_mask: bool [S, P];
     k, v: [S, K, N, Dh] (the slot caches); own_mask: bool [S, N]. Returns [S, H, Dh] in
-    ``q.dtype``.
+    ``q.dtype``. ``scale``, ``softcap``: as ``attention.scale_scores``.
     """
     s, h, dh = q.shape
     kv = k.shape[1]
     q = q.reshape(s, kv, h // kv, dh)
-    scale = dh ** -0.5
     # Matrix-vector products and a multiply-sum for the values, as the static decode step
     # (``transformer._decode_attention_cpu``): XLA:CPU runs the batched [G, Dh] dots slowly.
     s_page = jnp.einsum("skgd,skpd->skgp", q, k_page, preferred_element_type=jnp.float32)
     s_own = jnp.einsum("skgd,sknd->skgn", q, k, preferred_element_type=jnp.float32)
-    s_page = jnp.where(page_mask[:, None, None, :], s_page * scale, tfm._MASK_VALUE)
-    s_own = jnp.where(own_mask[:, None, None, :], s_own * scale, tfm._MASK_VALUE)
+    s_page = jnp.where(page_mask[:, None, None, :], scale_scores(s_page, dh, scale, softcap),
+                       tfm._MASK_VALUE)
+    s_own = jnp.where(own_mask[:, None, None, :], scale_scores(s_own, dh, scale, softcap),
+                      tfm._MASK_VALUE)
     probs = jax.nn.softmax(jnp.concatenate([s_page, s_own], axis=-1), axis=-1)
     p = k_page.shape[2]
     out = (jnp.sum(probs[..., :p, None] * v_page.astype(jnp.float32)[:, :, None], axis=-2)
@@ -91,23 +95,36 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
     n = cache["k"][0].shape[2]
     own_mask = jnp.arange(n)[None, :] <= index[:, None]
     slot_page_mask = page_mask[page_of]
-    rope = tfm.rope_tables(positions[:, None].astype(jnp.int32), tfm.rope_inv_freq(cfg),
-                           cfg.compute_dtype)
+    positions = positions[:, None].astype(jnp.int32)
+    rope = tfm.rope_tables(positions, tfm.rope_inv_freq(cfg), cfg.compute_dtype)
+    kinds = cfg.local_layers
+    if kinds:
+        # Window over sequence positions: the page's keys sit at its prompt positions, slot
+        # index j at the position of the slot's token minus (index - j).
+        page_pos = tfm.default_positions(slot_page_mask)                       # [S, P]
+        own_pos = positions - index[:, None] + jnp.arange(n)[None, :]          # [S, N]
+        w = cfg.sliding_window
+        local_masks = (slot_page_mask & tfm.window_mask(positions, page_pos, w)[:, 0],
+                       own_mask & tfm.window_mask(positions, own_pos, w)[:, 0])
+        rope_local = tfm.local_rope(cfg, positions, rope)
     x = tfm.embed_tokens(cfg, params, tokens[:, None])
     lora_list = (params["lora"]["layers"] if "lora" in params
                  else (None,) * len(params["layers"]))
     ks, vs = list(cache["k"]), list(cache["v"])
     for i, (p, lp) in enumerate(zip(params["layers"], lora_list)):
-        p = tfm._cast_layer(cfg, p)
-        h = tfm.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        q, k, v = tfm._qkv(cfg, p, h, rope, lp)          # [S, 1, heads, Dh]
-        ks[i] = _write(ks[i], k[:, 0], index)
-        vs[i] = _write(vs[i], v[:, 0], index)
-        attn = slot_attention(q[:, 0], pages["k"][i][page_of].astype(q.dtype),
-                              pages["v"][i][page_of].astype(q.dtype), slot_page_mask,
-                              ks[i].astype(q.dtype), vs[i].astype(q.dtype), own_mask)
-        x = x + tfm._proj(cfg, p, lp, "o", attn[:, None], n_in=2)
-        h = tfm.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        x = x + tfm._mlp(cfg, p, h, lp)
+        masks, r = (slot_page_mask, own_mask), rope
+        if kinds and kinds[i]:
+            masks, r = local_masks, rope_local
+
+        def attend(q, k, v, i=i, masks=masks):   # q [S, 1, H, Dh]; k, v [S, 1, K, Dh]
+            ks[i] = _write(ks[i], k[:, 0], index)
+            vs[i] = _write(vs[i], v[:, 0], index)
+            attn = slot_attention(q[:, 0], pages["k"][i][page_of].astype(q.dtype),
+                                  pages["v"][i][page_of].astype(q.dtype), masks[0],
+                                  ks[i].astype(q.dtype), vs[i].astype(q.dtype), masks[1],
+                                  cfg.attn_scale, cfg.attn_logit_softcapping)
+            return attn[:, None]
+
+        x = tfm.block(cfg, tfm._cast_layer(cfg, p), x, r, attend, lp)
     x = tfm.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return x[:, 0], {"k": tuple(ks), "v": tuple(vs)}

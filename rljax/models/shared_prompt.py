@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models import transformer as tfm
+from rljax.models.attention import scale_scores
 from rljax.models.config import ModelConfig
 
 
@@ -31,16 +32,18 @@ def completion_positions(prompt_mask: jax.Array, mask: jax.Array, group_size: in
     return jnp.maximum(prompt_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
 
 
-def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask) -> jax.Array:
+def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask, scale=None,
+                            softcap=None) -> jax.Array:
     """Completion queries over their prompt's keys and their own earlier keys, one softmax.
 
     q: [Bp, G, N, H, Dh]; k_prompt, v_prompt: [Bp, P, K, Dh]; k, v: [Bp, G, N, K, Dh];
-    prompt_mask: bool [Bp, P]; mask: bool [Bp, G, N] (real completion tokens). Returns
-    [Bp, G, N, H, Dh]. Scores and softmax in float32, as ``transformer.attention``.
+    prompt_mask: bool [Bp, P] (real prompt tokens) or [Bp, G, N, P] (the prompt keys each
+    query sees); mask: bool [Bp, G, N] (real completion tokens) or [Bp, G, N, N] (the
+    completion keys each query sees, causality included). Returns [Bp, G, N, H, Dh]. Scores
+    and softmax in float32, as ``transformer.attention`` (``scale``, ``softcap`` as there).
     """
     bp, g, n, h, dh = q.shape
     kv = k.shape[3]
-    scale = dh ** -0.5
     # Every contraction below is written in the order XLA:CPU's batched matmuls take their
     # operands and give their results (batch axes first, then rows, then the contracted or
     # column axis): q, k, v are moved to KV-head-major order once, the scores and
@@ -50,12 +53,20 @@ def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask) -> j
     v = v.transpose(0, 3, 1, 2, 4)
     k_prompt = k_prompt.transpose(0, 2, 1, 3)                               # [Bp, K, P, Dh]
     v_prompt = v_prompt.transpose(0, 2, 1, 3)
-    s_prompt = jnp.einsum("bkgthd,bksd->bkgths", q, k_prompt,
-                          preferred_element_type=jnp.float32) * scale
-    s_self = jnp.einsum("bkgthd,bkgsd->bkgths", q, k, preferred_element_type=jnp.float32) * scale
-    s_prompt = jnp.where(prompt_mask[:, None, None, None, None, :], s_prompt, tfm._MASK_VALUE)
-    causal = jnp.tril(jnp.ones((n, n), bool))
-    self_mask = causal[None, None] & mask[:, :, None, :]                  # [Bp, G, N, N]
+    s_prompt = scale_scores(jnp.einsum("bkgthd,bksd->bkgths", q, k_prompt,
+                                       preferred_element_type=jnp.float32), dh, scale, softcap)
+    s_self = scale_scores(jnp.einsum("bkgthd,bkgsd->bkgths", q, k,
+                                     preferred_element_type=jnp.float32), dh, scale, softcap)
+    if prompt_mask.ndim == 2:
+        s_prompt = jnp.where(prompt_mask[:, None, None, None, None, :], s_prompt,
+                             tfm._MASK_VALUE)
+    else:
+        s_prompt = jnp.where(prompt_mask[:, None, :, :, None, :], s_prompt, tfm._MASK_VALUE)
+    if mask.ndim == 3:
+        causal = jnp.tril(jnp.ones((n, n), bool))
+        self_mask = causal[None, None] & mask[:, :, None, :]              # [Bp, G, N, N]
+    else:
+        self_mask = mask
     s_self = jnp.where(self_mask[:, None, :, :, None, :], s_self, tfm._MASK_VALUE)
     p = k_prompt.shape[2]
     probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_self], axis=-1), axis=-1)
@@ -87,32 +98,46 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
     prompt_mask, mask = prompt_mask.astype(bool), mask.astype(bool)
     causal = jnp.tril(jnp.ones((p, p), bool))
     prompt_attn_mask = causal[None] & prompt_mask[:, None, :]               # [Bp, P, P]
-    positions = jnp.concatenate([
-        tfm.default_positions(prompt_mask).reshape(-1),
-        completion_positions(prompt_mask, mask, g).reshape(-1)])[None]      # [1, Bp*P+R*N]
+    prompt_pos = tfm.default_positions(prompt_mask)                         # [Bp, P]
+    comp_pos = completion_positions(prompt_mask, mask, g)                   # [Bp*G, N]
+    positions = jnp.concatenate([prompt_pos.reshape(-1), comp_pos.reshape(-1)])[None]
     rope = tfm.rope_tables(positions, tfm.rope_inv_freq(cfg), cfg.compute_dtype)
+    full = (prompt_attn_mask, prompt_mask, mask.reshape(bp, g, n))
+    kinds = cfg.local_layers
+    if kinds:
+        # Sliding-window layers: each query sees keys less than `sliding_window` positions back.
+        w = cfg.sliding_window
+        cpos = comp_pos.reshape(bp, g, n)
+        # Both kinds' masks in the per-query form, so a scanned layer selects between them.
+        full = (prompt_attn_mask,
+                jnp.broadcast_to(prompt_mask[:, None, None, :], (bp, g, n, p)),
+                jnp.tril(jnp.ones((n, n), bool)) & full[2][:, :, None, :])
+        local = (prompt_attn_mask & tfm.window_mask(prompt_pos, prompt_pos, w),
+                 full[1] & tfm.window_mask(cpos, prompt_pos[:, None], w),
+                 full[2] & tfm.window_mask(cpos, cpos, w))
+        rope_local = tfm.local_rope(cfg, positions, rope)
     split = bp * p
     x = jnp.concatenate([tfm.embed_tokens(cfg, params, prompt_tokens).reshape(split, -1),
                          tfm.embed_tokens(cfg, params, tokens).reshape(r * n, -1)])[None]
 
-    def attend(q, k, v):
+    def attend(q, k, v, masks):
         def parts(a):   # [1, Bp*P + R*N, heads, Dh] -> prompt [Bp, P, ...], completion [Bp, G, N, ...]
             return (a[0, :split].reshape((bp, p) + a.shape[2:]),
                     a[0, split:].reshape((bp, g, n) + a.shape[2:]))
         (qp, qc), (kp, kc), (vp, vc) = parts(q), parts(k), parts(v)
-        out_prompt = tfm.attention(qp, kp, vp, prompt_attn_mask, impl=cfg.attention_impl)
-        out = shared_prompt_attention(qc, kp, vp, kc, vc, prompt_mask, mask.reshape(bp, g, n))
+        out_prompt = tfm.attention(qp, kp, vp, masks[0], impl=cfg.attention_impl,
+                                   scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
+        out = shared_prompt_attention(qc, kp, vp, kc, vc, masks[1], masks[2], cfg.attn_scale,
+                                      cfg.attn_logit_softcapping)
         return jnp.concatenate([out_prompt.reshape((split,) + out_prompt.shape[2:]),
                                 out.reshape((r * n,) + out.shape[3:])])[None]
 
-    def layer(x, p, i, lp):
+    def layer(x, p, i, lp, is_local=None):
         p = tfm._cast_layer(cfg, p)
         drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
-        h = tfm.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        q, k, v = tfm._qkv(cfg, p, h, rope, lp, drop)
-        x = x + tfm._proj(cfg, p, lp, "o", attend(q, k, v), n_in=2, drop=drop)
-        h = tfm.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        return x + tfm._mlp(cfg, p, h, lp, drop)
+        masks, r = (full, rope) if is_local is None else \
+            tfm.pick_layer_kind(is_local, (local, rope_local), (full, rope))
+        return tfm.block(cfg, p, x, r, lambda q, k, v: attend(q, k, v, masks), lp, drop)
 
     layer = tfm.layer_checkpoint(cfg, layer)   # as ``transformer.trunk``'s training forward
     lora_layers = params["lora"]["layers"] if "lora" in params else None
@@ -121,7 +146,8 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
         return layer(x, *xs), None
 
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers))
+    scanned_kinds = jnp.asarray(kinds) if kinds else None
+    x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds))
     x = tfm.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)[0]
     return x[:split].reshape(bp, p, -1), x[split:].reshape(r, n, -1)
 

@@ -8,7 +8,8 @@ Parameter tree (per-layer weights stacked on a leading ``layers`` axis, see
                 "o": [L, H, Dh, D], "mlp_norm": [L, D], "gate": [L, D, F], "up": [L, D, F],
                 "down": [L, F, D],
                 # qwen2 (attention_bias): "q_bias": [L, H, Dh], "k_bias"/"v_bias": [L, K, Dh]
-                # qwen3 (qk_norm):        "q_norm": [L, Dh], "k_norm": [L, Dh]
+                # qwen3, gemma3 (qk_norm): "q_norm": [L, Dh], "k_norm": [L, Dh]
+                # gemma2, gemma3 (post_norms): "post_attn_norm", "post_mlp_norm": [L, D]
                },
      "final_norm": [D],
      "lm_head": [D, V],            # absent when tie_word_embeddings
@@ -27,13 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Attention lives in its own module; re-exported here, where callers have always found it.
+from rljax.models.attention import _MASK_VALUE, attention, window_mask  # noqa: F401
 from rljax.models.config import ModelConfig
 from rljax.models.lora import dropout as lora_dropout, dropout_key as lora_dropout_key
-
-# Large finite negative instead of -inf: rows whose keys are all masked (left-padding queries)
-# then give a uniform softmax instead of NaN, which would poison gradients through `where`.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -59,6 +57,9 @@ def _layer_shapes(cfg: ModelConfig) -> dict:
     if cfg.qk_norm:
         shapes["q_norm"] = ((dh,), ("norm",))
         shapes["k_norm"] = ((dh,), ("norm",))
+    if cfg.post_norms:
+        shapes["post_attn_norm"] = ((d,), ("norm",))
+        shapes["post_mlp_norm"] = ((d,), ("norm",))
     return shapes
 
 
@@ -115,8 +116,13 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False)
     return (x32 * (1.0 + w if plus_one else w)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """float32 [Dh/2] inverse frequencies, with the configured rope scaling applied."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """float32 [Dh/2] inverse frequencies, with the configured rope scaling applied.
+
+    ``local``: the table of the sliding-window layers: base ``cfg.rope_local_theta`` without
+    scaling where that is set (gemma3), else the global table."""
+    if local and cfg.rope_local_theta is not None:
+        cfg = cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling_type=None)
     dh = cfg.head_dim
     exponents = np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / np.float32(dh)
     inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
@@ -161,78 +167,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     x: [B, T, N, Dh]; positions: int [B, T]. Tables in float32, product in ``x.dtype``.
     """
     return rotate(x, rope_tables(positions, inv_freq, x.dtype))
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-              kv_layout: str = "bskd", impl: str = "xla") -> jax.Array:
-    """Grouped-query attention.
-
-    q: [B, T, H, Dh]; k, v: [B, S, K, Dh] (``kv_layout="bskd"``) or, in the KV cache's layout,
-    [B, K, S, Dh] (``"bksd"``), with H % K == 0; mask: bool [B, T, S] (True = attend).
-    Returns [B, T, H, Dh] in ``q.dtype``. Scores and softmax in float32.
-
-    The contractions are written in the keys' own layout: for the cache, scores contract Dh (the
-    minor axis of q and k) and the output contracts S (the major axis of v), so each layer's
-    cache slice reaches the dots as a contiguous block instead of a transposed copy of the whole
-    S extent at every decode step.
-
-    ``impl="cudnn"`` (``"auto"`` where it applies: GPU, bf16/fp16, ``"bskd"``) runs the fused
-    kernel of ``jax.nn.dot_product_attention``, which never writes the [B, H, T, S] scores.
-    """
-    if kv_layout == "bskd" and _use_cudnn(impl, q.dtype):
-        return _cudnn_attention(q, k, v, mask)
-    b, t, h, dh = q.shape
-    kv = k.shape[kv_layout.index("k")]
-    q = q.reshape(b, t, kv, h // kv, dh)
-    if t == 1 and kv_layout == "bksd" and jax.default_backend() == "cpu":
-        return _decode_attention_cpu(q, k, v, mask).reshape(b, t, h, dh)
-    scores = jnp.einsum(f"btkgd,{kv_layout}->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs, v)
-    return out.reshape(b, t, h, dh)
-
-
-def _decode_attention_cpu(q, k, v, mask):
-    """One query per row against the KV cache: q [B, 1, K, G, Dh]; k, v [B, K, S, Dh]; mask
-    [B, 1, S]. Returns [B, 1, K, G, Dh] in ``q.dtype``.
-
-    The probabilities-times-values contraction is a multiply and a sum over S instead of a
-    dot: XLA:CPU runs that dot as many tiny batched matrix products (G rows each). At
-    SmolLM2's decode shape one layer's attention took 3.7 ms that way and 0.9 ms this way
-    (a microbenchmark; in place, ``bench/decode_step.py``; both in bench/RESULTS.md).
-    """
-    # One matrix-vector product per query head of a group: faster than the batched [G, Dh] x
-    # [Dh, S] products (0.52 vs 0.69 ms per layer at SmolLM2's decode shape, G = 3).
-    scores = jnp.stack([jnp.einsum("bkd,bksd->bks", q[:, 0, :, i], k,
-                                   preferred_element_type=jnp.float32)
-                        for i in range(q.shape[3])], axis=2)
-    scores = scores * (q.shape[-1] ** -0.5)
-    scores = jnp.where(mask[:, :, None, :], scores, _MASK_VALUE)   # mask [B, 1, S] -> [B, 1, 1, S]
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, None], axis=-2)
-    return out[:, None].astype(q.dtype)
-
-
-def _use_cudnn(impl: str, dtype) -> bool:
-    if impl == "xla":
-        return False
-    fits = jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-    if impl == "cudnn" and not fits:
-        raise ValueError("attention_impl='cudnn' needs a GPU and bfloat16/float16 compute "
-                         f"(backend {jax.default_backend()!r}, dtype {jnp.dtype(dtype).name}); "
-                         "use 'auto' to fall back to 'xla' elsewhere")
-    return fits
-
-
-def _cudnn_attention(q, k, v, mask):
-    # A left-padding query row has no key to attend to (every earlier slot is padding); a fully
-    # masked row is undefined in the fused kernel, so such rows attend to themselves. Their
-    # outputs are never read by a real token (real queries never attend padding keys).
-    t, s = mask.shape[1], mask.shape[2]
-    mask = mask | jnp.eye(t, s, k=s - t, dtype=bool)[None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1, preferred_element_type=None) -> jax.Array:
@@ -285,9 +219,45 @@ def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, rope: tuple, lp=None, drop=Non
     if cfg.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return rotate(q, rope), rotate(k, rope), v
+
+
+def block(cfg: ModelConfig, p: dict, x: jax.Array, rope: tuple, attend, lp=None,
+          drop=None) -> jax.Array:
+    """One decoder layer on x [..., T, D] (p already ``_cast_layer``-ed): pre-norm attention
+    and MLP with residual adds; with ``cfg.post_norms`` (gemma2/3) each branch's output is
+    normalised again before its add. ``attend(q, k, v)`` maps the rotated [..., T, H|K, Dh]
+    projections to the attention output [..., T, H, Dh] (masks and caches are its business)."""
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    q, k, v = _qkv(cfg, p, h, rope, lp, drop)
+    out = _proj(cfg, p, lp, "o", attend(q, k, v), n_in=2, drop=drop)
+    if cfg.post_norms:
+        out = rms_norm(out, p["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    x = x + out
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    out = _mlp(cfg, p, h, lp, drop)
+    if cfg.post_norms:
+        out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    return x + out
+
+
+def local_rope(cfg: ModelConfig, positions: jax.Array, rope: tuple) -> tuple:
+    """The sliding-window layers' ``rope_tables`` for ``positions``: ``rope`` itself unless
+    their base differs (``cfg.rope_local_theta``)."""
+    if cfg.rope_local_theta is None:
+        return rope
+    return rope_tables(positions, rope_inv_freq(cfg, local=True), cfg.compute_dtype)
+
+
+def pick_layer_kind(is_local, local, full):
+    """``local`` where the layer is a sliding-window one, else ``full`` (pytrees alike).
+    ``is_local``: a Python bool (unrolled layers: nothing is computed) or a traced bool
+    scalar (scanned layers: an elementwise select)."""
+    if isinstance(is_local, (bool, np.bool_)):
+        return local if is_local else full
+    return jax.tree.map(lambda a, b: jnp.where(is_local, a, b), local, full)
 
 
 def _cast_layer(cfg: ModelConfig, p: dict) -> dict:
@@ -418,6 +388,7 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             positions = default_positions(attention_mask)
         causal = jnp.tril(jnp.ones((t, t), bool))
         mask = causal[None] & attention_mask[:, None, :]  # [B, T, T]
+        key_positions = positions
     else:
         if positions is None:
             raise ValueError("trunk: `positions` must be given when decoding with a cache")
@@ -430,57 +401,73 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         mask = slots[None, :] <= q_slots[:, None]  # [T, S]
         if attention_mask is None:
             mask = jnp.broadcast_to(mask[None], (b, t, s))
+            key_positions = positions[:, :1] - cache_index + slots[None, :]
         else:
             mask = mask[None] & attention_mask.astype(bool)[:, None, :]
-    rope = rope_tables(positions.astype(jnp.int32), rope_inv_freq(cfg), cfg.compute_dtype)
+            # A valid slot's position is the number of valid slots before it (multi-turn
+            # caches have invalid slots between a row's tokens).
+            key_positions = default_positions(attention_mask)
+    positions = positions.astype(jnp.int32)
+    rope = rope_tables(positions, rope_inv_freq(cfg), cfg.compute_dtype)
+    kinds = cfg.local_layers   # () unless some layers attend within a sliding window
+    if kinds:
+        # The window is over positions, so it holds however a row's tokens sit in the cache.
+        local_mask = mask & window_mask(positions, key_positions, cfg.sliding_window)
+        rope_local = local_rope(cfg, positions, rope)
     x = embed_tokens(cfg, params, tokens)
 
-    def layer(x, p, kv_cache, i, lp=None):
+    def layer(x, p, kv_cache, i, lp=None, is_local=None):
         p = _cast_layer(cfg, p)
         # The layer index is scanned in, so each layer's masks come from its own key.
         drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        q, k, v = _qkv(cfg, p, h, rope, lp, drop)
-        if kv_cache is not None:
+        m, r = (mask, rope) if is_local is None else \
+            pick_layer_kind(is_local, (local_mask, rope_local), (mask, rope))
+        new_cache = []
+
+        def attend(q, k, v):
+            if kv_cache is None:
+                return attention(q, k, v, m, impl=cfg.attention_impl, scale=cfg.attn_scale,
+                                 softcap=cfg.attn_logit_softcapping)
             ck, k = _write_kv(kv_cache[0], k, i, cache_index)
             cv, v = _write_kv(kv_cache[1], v, i, cache_index)
-            kv_cache = (ck, cv)
-            attn = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, kv_layout="bksd")
-        else:
-            attn = attention(q, k, v, mask, impl=cfg.attention_impl)
-        x = x + _proj(cfg, p, lp, "o", attn, n_in=2, drop=drop)
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        x = x + _mlp(cfg, p, h, lp, drop)
-        return x, kv_cache
+            new_cache.append((ck, cv))
+            return attention(q, k.astype(q.dtype), v.astype(q.dtype), m, kv_layout="bksd",
+                             scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
+
+        x = block(cfg, p, x, r, attend, lp, drop)
+        return x, (new_cache[0] if new_cache else None)
 
     if cache is None:
         layer = layer_checkpoint(cfg, layer)
 
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    # LoRA adapters (``params["lora"]``, stacked per layer like the base) scan alongside.
+    # LoRA adapters (``params["lora"]``, stacked per layer like the base) scan alongside, and
+    # so does each layer's kind where they differ.
     lora_layers = params["lora"]["layers"] if "lora" in params else None
+    scanned_kinds = jnp.asarray(kinds) if kinds else None
     if cache is None:
         def body(x, xs):
-            return layer(x, xs[0], None, xs[1], xs[2])[0], None
+            return layer(x, xs[0], None, xs[1], xs[2], xs[3])[0], None
 
-        x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers))
+        x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds))
     elif isinstance(cache["k"], tuple):
         # Per-layer caches: the layers unrolled, each reading its own weights and cache buffer.
         layers = unstack_layers(params)
         lora_list = layers["lora"]["layers"] if "lora" in layers else (None,) * len(idx)
         ks, vs = list(cache["k"]), list(cache["v"])
         for i, (p, lp) in enumerate(zip(layers["layers"], lora_list)):
-            x, (ks[i], vs[i]) = layer(x, p, (ks[i], vs[i]), idx[i], lp)
+            x, (ks[i], vs[i]) = layer(x, p, (ks[i], vs[i]), idx[i], lp,
+                                      kinds[i] if kinds else None)
         cache = {"k": tuple(ks), "v": tuple(vs)}
     else:
         # The whole cache is carried (not scanned over) so each layer updates it in place.
         def body(carry, xs):
             x, ck, cv = carry
-            x, (ck, cv) = layer(x, xs[0], (ck, cv), xs[1], xs[2])
+            x, (ck, cv) = layer(x, xs[0], (ck, cv), xs[1], xs[2], xs[3])
             return (x, ck, cv), None
 
         (x, ck, cv), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]),
-                                      (params["layers"], idx, lora_layers))
+                                      (params["layers"], idx, lora_layers, scanned_kinds))
         cache = {"k": ck, "v": cv}
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return x, cache
@@ -521,7 +508,8 @@ def _write_kv(cache: jax.Array, new: jax.Array, layer, cache_index) -> tuple:
 
 
 def logits_from_hidden(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
-    """[..., D] -> float32 [..., V] (tied models reuse the embedding matrix)."""
+    """[..., D] -> float32 [..., V] (tied models reuse the embedding matrix; gemma2
+    soft-caps them: ``c * tanh(logits / c)``)."""
     tied = cfg.tie_word_embeddings
     w = (params["embed"] if tied else params["lm_head"]).astype(hidden.dtype)
     lead = hidden.shape[:-1]
@@ -530,6 +518,9 @@ def logits_from_hidden(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax
         logits = jax.lax.dot_general(h, w, _head_dims(tied), preferred_element_type=jnp.float32)
     else:
         logits = _low_precision_head(h, w, tied)
+    if cfg.final_logit_softcapping is not None:
+        c = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / c) * c
     return logits.reshape(lead + (logits.shape[-1],))
 
 

