@@ -66,9 +66,10 @@ def _release_compiled_programs_when_mappings_pile_up():
 # real-model, training-CLI and workdir files came last, and one worker then ran the tail alone.
 # Longest first keeps both workers busy to the end. A file missing here just runs later.
 SLOW_FILES_FIRST = (
-    "test_real_model.py", "test_notebooks.py", "test_multihost.py", "test_train_demo.py",
-    "test_plan.py", "test_checkpoint_faults.py", "test_length_groups.py", "test_lora_dropout.py",
-    "test_train_cli.py", "test_agent_credit.py", "test_lora.py", "test_train_ppo.py",
+    "test_real_model.py", "test_gemma.py", "test_notebooks.py", "test_multihost.py",
+    "test_train_demo.py", "test_plan.py", "test_checkpoint_faults.py", "test_length_groups.py",
+    "test_lora_dropout.py", "test_train_cli.py", "test_agent_credit.py", "test_lora.py",
+    "test_train_ppo.py",
 )
 
 
