@@ -48,3 +48,9 @@ def test_the_check_finds_what_it_looks_for():
         assert DIARY.search(text), text
     for text in ("the pytest session", "a session fixture", "issue #", "sessions"):
         assert not DIARY.search(text), text
+
+
+def test_the_readme_stays_a_short_guide():
+    # What to run, what it gives, where to look; the details live in docs/ and bench/.
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert sum(1 for _ in f) <= 250
