@@ -16,7 +16,11 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
     with open(FIXTURE) as f:
         saved = json.load(f)
     now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
-    assert now.pop("imports") == []  # the one key added since: no user code to import
+    # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
+    # import, the static sampler.
+    assert now.pop("imports") == []
+    assert {k: now["rollout"].pop(k) for k in ("engine", "slots", "chunk_steps")} == {
+        "engine": "static", "slots": 0, "chunk_steps": 32}
     assert now == saved
 
 
