@@ -6,6 +6,8 @@ call's real arguments) equals the plan's row (arguments, outputs, aliased, tempo
 live jax arrays grow across the call by exactly the plan's outputs - aliased (less the output
 tuple's pointer table); the live train
 state is the plan's resident state; so the plan's peak is the one measured."""
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -37,8 +39,12 @@ class Recorder:
         return self.fn.lower(*args, **kwargs)
 
     def __call__(self, *args):
+        # Arrays only a reference cycle keeps (earlier steps, earlier tests in this worker)
+        # would otherwise count as live on one side of the difference and not the other.
+        gc.collect()
         before = plan_lib.measure_live_bytes()
         out = jax.block_until_ready(self.fn(*args))
+        gc.collect()
         growth = plan_lib.measure_live_bytes() - before
         stats = self.fn.lower(*args).compile().memory_analysis()
         state = next((a for a in args if hasattr(a, "opt_state")), None)
