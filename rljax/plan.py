@@ -276,6 +276,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     phases: list[PhaseMemory] = []
     notes: list[str] = []
     residents: list[tuple[str, dict]] = []
+    samples = False
     p_len, n_new = programs_lib.prompt_len(cfg), programs_lib.completion_len(cfg)
     if cfg.env.name:
         notes.append(f"episodes: sampling planned as one sampler pass over the multi-turn "
@@ -290,8 +291,12 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
                          f"programs=...)): not planned")
             continue
         residents.append((name, resident_parts(state)))
+        if any(p.name.split("/")[0] == "sample" for p in programs):
+            samples = True
         if compile_phases:
             phases += [_compile_phase(p) for p in programs]
+    if samples:
+        notes.append(programs_lib.kv_cache_note(ctx, human))
     if not compile_phases:
         notes.append("phases not compiled: resident train state only")
     name, parts = max(residents, key=lambda x: sum(x[1].values()), default=("", {}))

@@ -136,6 +136,39 @@ def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
     np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_ring_buffers_of_local_layers_match_the_forward(tiny):
+    """Local layers in rings of ``window`` slots (``models.kv_ring``): chunks longer than the
+    window, shorter ones that wrap, and single decode steps all give the training forward's
+    logits, while the rings stay ``window`` slots long."""
+    _, _, _, cfg, params = tiny
+    toks, mask = _batch(5, lengths=(11, 7, 9), total=11)
+    chunks = (11, 3, 1, 1, 6, 1)           # the first and fifth outgrow the window (4)
+    total = sum(chunks)
+    comp = np.random.default_rng(6).integers(3, VOCAB, (3, total - 11)).astype(np.int32)
+    seq = np.concatenate([toks, comp], 1)
+    smask = np.concatenate([mask, np.ones_like(comp, bool)], 1)
+    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(seq), jnp.asarray(smask)))
+    cache = models.init_layer_cache(cfg, 3, total)
+    sizes = [c.shape[2] for c in cache["k"]]
+    assert sizes == [WINDOW if local else total for local in cfg.local_layers]
+    uparams, pos = tfm.unstack_layers(params), tfm.default_positions(jnp.asarray(smask))
+    start = 0
+    for n in chunks:
+        h, cache = tfm.trunk(cfg, uparams, jnp.asarray(seq[:, start:start + n]),
+                             attention_mask=jnp.asarray(smask), positions=pos[:, start:start + n],
+                             cache=cache, cache_index=start)
+        got = np.asarray(tfm.logits_from_hidden(cfg, params, h))
+        for b in range(3):   # left-padding queries are undefined; compare real tokens
+            real = smask[b, start:start + n]
+            np.testing.assert_allclose(got[b][real], want[b, start:start + n][real],
+                                       rtol=1e-5, atol=1e-5)
+        start += n
+    assert [c.shape[2] for c in cache["k"]] == sizes
+    full = models.kv_cache_bytes(cfg, 3, total, ring=False)
+    ring = models.kv_cache_bytes(cfg, 3, total)
+    assert ring == sum(2 * 3 * cfg.num_kv_heads * cfg.head_dim * 4 * s for s in sizes) < full
+
+
 def test_window_counts_positions_across_invalid_cache_slots(tiny):
     """A multi-turn cache leaves invalid slots between a row's tokens; the window is measured
     in positions (valid slots before a token), so the decode step still sees what the forward
@@ -341,6 +374,7 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
     assert (cfg.model_type, cfg.num_layers, cfg.sliding_window, cfg.vocab_size) == \
         ("gemma3", 18, 512, 262144)
     assert cfg.local_layers.count(False) == 3 and cfg.rope_local_theta == 10000.0
+    assert cfg == models.get_preset("gemma3-270m")   # the preset is the file's shape
     _, (tokens, mask) = gemma_prompts
     hidden, _ = tfm.trunk(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
     got = np.asarray(tfm.logits_from_hidden(cfg, params, hidden[:, -KEEP:]))

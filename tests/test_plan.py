@@ -201,3 +201,18 @@ def test_the_slot_engine_is_planned_as_its_two_programs():
     assert slots["sample/decode"] < static["sample"]
     eight = plan.plan(_cfg(*long, "--config.rollout.engine=slots"))
     assert any("does not split them over the mesh" in n for n in eight.notes)
+
+
+def test_the_plan_states_the_kv_cache_and_what_rings_save():
+    """Sliding-window layers keep rings of ``sliding_window`` slots while sampling; the plan's
+    note gives the run's KV cache with and without them (``models.kv_cache_bytes``)."""
+    gemma = ["--config.model.overrides.model_type=gemma3", "--config.model.overrides.num_layers=3",
+             "--config.model.overrides.sliding_window=8", "--config.rollout.max_new_tokens=64"]
+    cfg = _cfg(*gemma)
+    cfg.model.overrides.layer_types = ("sliding_attention", "sliding_attention", "full_attention")
+    p = plan.plan(cfg, compile_phases=False)
+    note = next(n for n in p.notes if n.startswith("KV cache while sampling"))
+    assert "16 rows x 72 slots" in note and "rings of 8 slots" in note
+    llama = plan.plan(_cfg("--config.rollout.max_new_tokens=64"), compile_phases=False)
+    note = next(n for n in llama.notes if n.startswith("KV cache while sampling"))
+    assert "rings" not in note

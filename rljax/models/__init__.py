@@ -17,13 +17,15 @@ from rljax.models.transformer import (apply_rope, attention, default_positions, 
                                       param_logical_axes, param_shapes, rms_norm, rope_inv_freq,
                                       scoring_temperature, stack_cache, token_logps, trunk, unstack_cache,
                                       unstack_layers)
-from rljax.models import lora, peft, shared_prompt
+from rljax.models import kv_ring, lora, peft, shared_prompt
+from rljax.models.kv_ring import init_layer_cache, kv_cache_bytes
 from rljax.models.value import init_value_params, value_forward, value_param_logical_axes
 
 __all__ = [
     "ModelConfig", "PRESETS", "SUPPORTED_MODEL_TYPES", "get_preset",
     "init_params", "param_logical_axes", "param_shapes",
-    "forward", "trunk", "logits_from_hidden", "init_cache", "token_logps",
+    "forward", "trunk", "logits_from_hidden", "init_cache", "init_layer_cache", "kv_cache_bytes",
+    "kv_ring", "token_logps",
     "scoring_temperature",
     "unstack_layers", "unstack_cache", "stack_cache",
     "embed_tokens", "default_positions", "rms_norm", "apply_rope", "rope_inv_freq", "attention",

@@ -186,6 +186,11 @@ def _family(model_type: str) -> dict:
     }[model_type]
 
 
+def _gemma3_layers(n: int) -> tuple:
+    """Gemma 3's layer kinds: every sixth layer global, the rest sliding-window."""
+    return tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n))
+
+
 _LLAMA3_ROPE = dict(rope_scaling_type="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
                     rope_high_freq_factor=4.0, rope_original_max_position=8192)
 
@@ -228,6 +233,17 @@ PRESETS = {
                      intermediate_size=16384, num_layers=18, num_heads=8, num_kv_heads=1,
                      head_dim=256, max_position_embeddings=8192, bos_token_id=2,
                      eos_token_id=1, pad_token_id=0),
+    # Gemma 3: five sliding-window layers (512 positions) to each global one.
+    "gemma3-270m": dict(_family("gemma3"), vocab_size=262144, hidden_size=640,
+                        intermediate_size=2048, num_layers=18, num_heads=4, num_kv_heads=1,
+                        head_dim=256, max_position_embeddings=32768, sliding_window=512,
+                        layer_types=_gemma3_layers(18), query_pre_attn_scalar=256.0,
+                        bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "gemma3-1b": dict(_family("gemma3"), vocab_size=262144, hidden_size=1152,
+                      intermediate_size=6912, num_layers=26, num_heads=4, num_kv_heads=1,
+                      head_dim=256, max_position_embeddings=32768, sliding_window=512,
+                      layer_types=_gemma3_layers(26), query_pre_attn_scalar=256.0,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0),
 }
 
 

@@ -14,14 +14,15 @@ A slot's query attends to its page's real prompt tokens and to its own completio
 ``<= t[s]``, in one softmax over both parts (scores and softmax in float32, as
 ``transformer.attention``). Stale entries above ``t[s]`` left by the slot's previous sample are
 masked, so a reused slot needs no clearing. A sliding-window layer (gemma2/3) also masks keys
-``sliding_window`` or more positions behind the query, in the page and in the slot alike.
+``sliding_window`` or more positions behind the query, in the page and in the slot alike, and
+keeps its slot caches as rings of ``sliding_window`` entries (``kv_ring``) when N outgrows it.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from rljax.models import transformer as tfm
+from rljax.models import kv_ring, transformer as tfm
 from rljax.models.attention import scale_scores
 from rljax.models.config import ModelConfig
 
@@ -43,8 +44,10 @@ def prefill_pages(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
 
 
 def init_slot_cache(cfg: ModelConfig, slots: int, length: int, dtype=None) -> dict:
-    """Zeroed slot caches ``{"k", "v": tuple of L [slots, K, length, Dh]}``."""
-    return tfm.unstack_cache(tfm.init_cache(cfg, slots, length, dtype=dtype))
+    """Zeroed slot caches ``{"k", "v": tuple of L [slots, K, length, Dh]}``; a sliding-window
+    layer's is a ring of ``sliding_window`` entries when ``length`` outgrows it
+    (``kv_ring.init_layer_cache``)."""
+    return kv_ring.init_layer_cache(cfg, slots, length, dtype=dtype)
 
 
 def _write(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
@@ -92,7 +95,7 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
     (``transformer.unstack_layers``). Slots whose index is out of range write nothing (idle
     slots pass N). Returns ``(hidden [S, D] in cfg.dtype, cache)``.
     """
-    n = cache["k"][0].shape[2]
+    n = max(c.shape[2] for c in cache["k"])
     own_mask = jnp.arange(n)[None, :] <= index[:, None]
     slot_page_mask = page_mask[page_of]
     positions = positions[:, None].astype(jnp.int32)
@@ -107,6 +110,16 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
         local_masks = (slot_page_mask & tfm.window_mask(positions, page_pos, w)[:, 0],
                        own_mask & tfm.window_mask(positions, own_pos, w)[:, 0])
         rope_local = tfm.local_rope(cfg, positions, rope)
+        ring = kv_ring.ring_size(cfg, n)
+        if ring:
+            # Ring entry j holds the slot's latest completion index c <= index with c % R == j
+            # (this step's token is written before attending); c < 0: nothing of this sample.
+            held = index[:, None] - jnp.mod(index[:, None] - jnp.arange(ring)[None, :], ring)
+            ring_pos = positions - index[:, None] + held
+            local_masks = (local_masks[0],
+                           (held >= 0) & tfm.window_mask(positions, ring_pos, w)[:, 0])
+            # Idle slots (index n) must still write nothing.
+            ring_index = jnp.where(index < n, jnp.mod(index, ring), ring)
     x = tfm.embed_tokens(cfg, params, tokens[:, None])
     lora_list = (params["lora"]["layers"] if "lora" in params
                  else (None,) * len(params["layers"]))
@@ -117,8 +130,9 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
             masks, r = local_masks, rope_local
 
         def attend(q, k, v, i=i, masks=masks):   # q [S, 1, H, Dh]; k, v [S, 1, K, Dh]
-            ks[i] = _write(ks[i], k[:, 0], index)
-            vs[i] = _write(vs[i], v[:, 0], index)
+            at = ring_index if ks[i].shape[2] < n else index
+            ks[i] = _write(ks[i], k[:, 0], at)
+            vs[i] = _write(vs[i], v[:, 0], at)
             attn = slot_attention(q[:, 0], pages["k"][i][page_of].astype(q.dtype),
                                   pages["v"][i][page_of].astype(q.dtype), masks[0],
                                   ks[i].astype(q.dtype), vs[i].astype(q.dtype), masks[1],

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Attention lives in its own module; re-exported here, where callers have always found it.
+from rljax.models import kv_ring
 from rljax.models.attention import _MASK_VALUE, attention, window_mask  # noqa: F401
 from rljax.models.config import ModelConfig
 from rljax.models.lora import dropout as lora_dropout, dropout_key as lora_dropout_key
@@ -394,7 +395,9 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             raise ValueError("trunk: `positions` must be given when decoding with a cache")
         if cache_index is None:
             raise ValueError("trunk: `cache_index` must be given with a cache")
-        s = cache["k"][0].shape[2] if isinstance(cache["k"], tuple) else cache["k"].shape[3]
+        # Per-layer caches may hold sliding-window layers in shorter rings (``kv_ring``).
+        s = (max(c.shape[2] for c in cache["k"]) if isinstance(cache["k"], tuple)
+             else cache["k"].shape[3])
         cache_index = jnp.asarray(cache_index, jnp.int32)
         slots = jnp.arange(s)
         q_slots = cache_index + jnp.arange(t)
@@ -428,6 +431,12 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             if kv_cache is None:
                 return attention(q, k, v, m, impl=cfg.attention_impl, scale=cfg.attn_scale,
                                  softcap=cfg.attn_logit_softcapping)
+            if kv_cache[0].ndim == 4 and kv_cache[0].shape[2] < s:   # a local layer's ring
+                k, v, ring_mask, ck, cv = kv_ring.ring_attend(*kv_cache, k, v, m, cache_index)
+                new_cache.append((ck, cv))
+                return attention(q, k.astype(q.dtype), v.astype(q.dtype), ring_mask,
+                                 kv_layout="bksd",
+                                 scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
             ck, k = _write_kv(kv_cache[0], k, i, cache_index)
             cv, v = _write_kv(kv_cache[1], v, i, cache_index)
             new_cache.append((ck, cv))

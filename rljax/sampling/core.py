@@ -313,7 +313,11 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     prompt_tokens, prompt_mask = batch(prompt_tokens), batch(prompt_mask)
     prompt_len = jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32)  # [B]
     slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, n), bool)], axis=1)  # [B, S]
-    cache = constrain_kv(models.init_cache(cfg, b, s, dtype=cache_dtype))
+    # Sliding-window layers keep only their window (``models.kv_ring``) when the cache outgrows
+    # it; the prefill then runs layer by layer over those per-layer buffers.
+    cache = constrain_kv(models.init_layer_cache(cfg, b, s, dtype=cache_dtype)
+                         if models.kv_ring.ring_size(cfg, s) else
+                         models.init_cache(cfg, b, s, dtype=cache_dtype))
     hidden, cache = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
                                  positions=models.default_positions(prompt_mask),
                                  cache=cache, cache_index=0)

@@ -127,7 +127,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
 
     def sample_fn(params, prompt_tokens, prompt_mask, key):
         kw = dict(rng=key, max_new_tokens=n_sample, temperature=r.temperature, top_k=r.top_k,
-                  top_p=r.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
+                  top_p=r.top_p, eos_id=ctx.stop_ids, pad_id=tok.pad_id, mesh=mesh)
         if tree is not None:
             return tree_sampling.generate(mcfg, for_sampling(params), prompt_tokens,
                                           prompt_mask, **tree, **kw)
@@ -139,7 +139,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
     if r.engine == "slots" and tree is None and not cfg.env.name:   # the slot engine's two
         kw = dict(max_new_tokens=n_sample, num_samples=g, chunk_steps=r.chunk_steps,
                   slots=r.slots or max(1, chunk * g // 4), temperature=r.temperature,
-                  top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id)
+                  top_k=r.top_k, top_p=r.top_p, eos_id=ctx.stop_ids, pad_id=tok.pad_id)
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                # (a merged LoRA copy is planned at its shapes, without the base's sharding)
                sampling.engine.programs(mcfg, jax.eval_shape(for_sampling, params) if merge
@@ -154,10 +154,35 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                 mcfg, for_sampling(params), prompt_tokens, prompt_mask, rng=key,
                 max_new_tokens=e.max_new_tokens or n_sample, temperature=e.temperature,
                 top_k=r.top_k if e.temperature else 0, top_p=r.top_p if e.temperature else 1.0,
-                eos_id=tok.eos_id, pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh)
+                eos_id=ctx.stop_ids, pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh)
         out.append(Program("eval", jax.jit(eval_fn), (params, *prompts(e.batch_size), rng),
                            resident))
     return out
+
+
+def kv_cache_note(ctx, human: Callable[[int], str]) -> str:
+    """One line for the plan: the KV cache of one rollout micro-batch's sampling (the whole
+    batch, before any split over devices), and what rings for sliding-window layers save
+    (``models.kv_ring``; the static sampler's and the slot engine's, not the multi-turn or
+    tree samplers', whose caches stay full)."""
+    cfg, mcfg = ctx.cfg, ctx.model_cfg
+    r, g, p, n = cfg.rollout, int(cfg.algo.num_generations), prompt_len(cfg), sampler_len(cfg)
+    prompts = (r.micro_batch_size or r.batch_size) // g
+    ringed = not cfg.env.name and tree_sampling.options_from_config(r.tree, g) is None
+    if r.engine == "slots" and ringed:
+        slots = r.slots or max(1, prompts * g // 4)
+        what = f"{prompts} prompt pages x {p} + {slots} slots x {n}"
+        size = lambda ring: (models.kv_cache_bytes(mcfg, prompts, p, ring=False)
+                             + models.kv_cache_bytes(mcfg, slots, n, ring=ring))
+    else:
+        what = f"{prompts * g} rows x {p + n} slots"
+        size = lambda ring: models.kv_cache_bytes(mcfg, prompts * g, p + n, ring=ring and ringed)
+    line = (f"KV cache while sampling: {human(size(True))} ({what}, "
+            f"{jnp.dtype(mcfg.compute_dtype).name})")
+    if size(True) < size(False):
+        line += (f"; sliding-window layers keep rings of {mcfg.sliding_window} slots "
+                 f"({human(size(False))} without)")
+    return line
 
 
 def logps_program(ctx, params, resident: int) -> Program:
