@@ -19,8 +19,9 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
     # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
     # import, the static sampler.
     assert now.pop("imports") == []
-    assert {k: now["rollout"].pop(k) for k in ("engine", "slots", "chunk_steps")} == {
-        "engine": "static", "slots": 0, "chunk_steps": 32}
+    assert {k: now["rollout"].pop(k) for k in ("engine", "slots", "chunk_steps",
+                                                "stop_strings")} == {
+        "engine": "static", "slots": 0, "chunk_steps": 32, "stop_strings": []}
     assert now == saved
 
 

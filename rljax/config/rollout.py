@@ -11,6 +11,10 @@ def rollout() -> dict[str, Any]:
     return dict(
         batch_size=16,               # completions per step = prompts * algo.num_generations
         max_new_tokens=128,
+        # Texts that end a completion besides the tokenizer's end-of-sequence token (kept in
+        # it, like EOS): each must be one token of the tokenizer (e.g. "\n" for a base model's
+        # few-shot prompts); rollouts, evals and `rljax sample` stop on them.
+        stop_strings=(),
         temperature=1.0,
         top_k=0,                     # 0 = off
         top_p=1.0,

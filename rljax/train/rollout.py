@@ -127,7 +127,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
             (prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]), ctx.mesh)
         kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
                   temperature=temperature, top_k=top_k, top_p=top_p,
-                  eos_id=ctx.tokenizer.eos_id, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
+                  eos_id=ctx.stop_ids, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
         if tree is None and ctx.cfg.rollout.engine == "slots":
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
                                engine_stats)

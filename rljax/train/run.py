@@ -42,7 +42,7 @@ from rljax.train.metrics import MetricsWriter, read_metrics, run_summary
 from rljax.train.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
 from rljax.train.rollout import print_completions
-from rljax.train.setup import build_context, check_inputs
+from rljax.train.setup import build_context, check_inputs, stop_ids
 from rljax.train.state import for_checkpoint, nonfinite_fields
 
 # ----------------------------------------------------------------------------- train
@@ -369,7 +369,8 @@ def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None 
     p_tok, p_mask = sampling.pad_to_bucket(ids, pad_id=tok.pad_id)
     out = sampling.generate(model_cfg, params, p_tok, p_mask, rng=jax.random.PRNGKey(cfg.seed),
                             max_new_tokens=max_new,
-                            temperature=cfg.eval.temperature, eos_id=tok.eos_id,
+                            temperature=cfg.eval.temperature,
+                            eos_id=stop_ids(cfg, tok),
                             pad_id=tok.pad_id)
     completions = tok.batch_decode(jax.device_get(out.tokens), jax.device_get(out.mask))
     print_completions(texts, completions, file=sys.stdout)

@@ -71,6 +71,11 @@ class Context:
     stop: Any = None  # the run's StopSignal (set by the controller): waits on rewards poll it
 
     @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a completion: EOS and ``rollout.stop_strings``."""
+        return stop_ids(self.cfg, self.tokenizer)
+
+    @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
@@ -134,6 +139,19 @@ def make_tokenizer(cfg, workdir: str | None):
         paths.makedirs(workdir)  # a local directory or a URL (gs://...)
         tok.save(workdir)
     return tok
+
+
+def stop_ids(cfg, tokenizer) -> tuple[int, ...]:
+    """EOS (when the tokenizer has one) and the id of each ``rollout.stop_strings`` text;
+    ConfigError naming the text when it is not exactly one token."""
+    ids = [] if tokenizer.eos_id is None else [int(tokenizer.eos_id)]
+    for text in cfg.rollout.get("stop_strings", ()):
+        got = tokenizer.encode(text)
+        if len(got) != 1:
+            raise ConfigError(f"rollout.stop_strings: {text!r} is {len(got)} tokens of this "
+                              f"tokenizer ({got}); each stop string must be exactly one token")
+        ids.append(int(got[0]))
+    return tuple(dict.fromkeys(ids))
 
 
 def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any]:
@@ -216,6 +234,7 @@ def build_context(cfg, workdir: str, devices=None) -> Context:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tokenizer = make_tokenizer(cfg, workdir)
+    stop_ids(cfg, tokenizer)   # a bad stop string is named before the model loads
     model_cfg, params, shardings = build_model(cfg, tokenizer, mesh,
                                                jax.random.fold_in(jax.random.key(cfg.seed), 1))
     model_cfg, params, shardings = add_lora(cfg, model_cfg, params, shardings, mesh,
