@@ -92,6 +92,43 @@ def test_logits_match_transformers(tiny):
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
 
 
+def test_gradients_match_transformers(tiny):
+    """d/dparams of the summed next-token log-probs, ours vs torch autograd: the embedding
+    (tied head and sqrt(D) input scale), projections, all four norms (1 + w) and q/k norms."""
+    kind, _, hf, cfg, params = tiny
+    toks, mask = _batch(0, lengths=(11, 7, 9), total=11)
+    real = mask[:, 1:] & mask[:, :-1]
+    ids = torch.tensor(toks, dtype=torch.long)
+    logits = hf(input_ids=ids, attention_mask=torch.tensor(mask, dtype=torch.long)).logits
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    hf.zero_grad()
+    (logp * torch.tensor(real)).sum().backward()
+    want = {n: p.grad.numpy() for n, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad()
+
+    def objective(params):
+        lps, _ = tfm.token_logps(cfg, params, jnp.asarray(toks), jnp.asarray(mask))
+        return jnp.sum(lps[:, 1:] * jnp.asarray(real))
+
+    got = jax.grad(objective)(params)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+    close(np.asarray(got["embed"]), want["model.embed_tokens.weight"])
+    close(np.asarray(got["final_norm"]), want["model.norm.weight"])
+    d = cfg.hidden_size
+    pairs = {"q": ("self_attn.q_proj.weight", lambda a: a.reshape(d, -1).T),
+             "down": ("mlp.down_proj.weight", lambda a: a.T),
+             "attn_norm": ("input_layernorm.weight", None),
+             "post_attn_norm": ("post_attention_layernorm.weight", None),
+             "mlp_norm": ("pre_feedforward_layernorm.weight", None),
+             "post_mlp_norm": ("post_feedforward_layernorm.weight", None)}
+    if kind == "gemma3":
+        pairs["k_norm"] = ("self_attn.k_norm.weight", None)
+    for i in range(cfg.num_layers):
+        for ours, (theirs, layout) in pairs.items():
+            a = np.asarray(got["layers"][ours][i])
+            close(layout(a) if layout else a, want[f"model.layers.{i}.{theirs}"])
+
+
 def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
     """Prefill + one decode step, the shared-prompt forward and the slot engine's decode step
     give the training forward's logits (the window measured in positions everywhere)."""
