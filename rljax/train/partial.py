@@ -21,6 +21,7 @@ The pool's host state is saved with the phase (``state_dict``): resume is exact.
 """
 from __future__ import annotations
 
+import json
 import time
 
 import jax
@@ -96,7 +97,15 @@ class PartialRollout(Rollout):
         return self.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
 
     def state_dict(self) -> dict:
-        return self.pool.state_dict()
+        # The groups' examples go into the checkpoint's JSON: numpy values as plain ones.
+        return json.loads(json.dumps(self.pool.state_dict(), default=_plain))
 
     def load_state_dict(self, state: dict) -> None:
         self.pool.load_state_dict(state)
+
+
+def _plain(x):
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
+    raise TypeError(f"a dataset field of type {type(x).__name__} cannot be saved with the "
+                    "partial-rollout pool (checkpoint meta is JSON)")
