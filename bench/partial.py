@@ -78,11 +78,10 @@ def main() -> None:
         while pool.free >= b:
             pool.admit(batches[fed[0]], list(range(b)))
             fed[0] += 1
-        before = int(pool.lengths.sum())
         taken = pool.run(params, pool_key, version=k, want=b, max_staleness=None)
         v = taken.rows["versions"][taken.rows["mask"]]
         staleness.append((float((k - v).mean()), int((k - v).max())))
-        return int(pool.lengths.sum()) + int(taken.rows["lengths"].sum()) - before
+        return taken.drawn
 
     fns = {"static": static, "engine": slots, "partial": carried}
     load = os.getloadavg()[0]

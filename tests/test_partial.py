@@ -61,13 +61,14 @@ def test_carried_samples_record_their_versions_and_continue_exactly(small_vocab)
     key = jax.random.key(5)
     straight = {}
     _by_group(_pool(cfg, slots=24, chunk_steps=64).run(params, key, version=0, want=4), straight)
-    pool, got, version = _pool(cfg), {}, 0
+    pool, got, version, drawn = _pool(cfg), {}, 0, 0
     while len(got) < 4:
         taken = pool.run(params, key, version=version, want=1)
         assert taken.dropped_stale == 0
         _by_group(taken, got)
-        version += 1
+        version, drawn = version + 1, drawn + taken.drawn
     assert version == 4
+    assert drawn == sum(int(got[i]["lengths"].sum()) for i in range(4))   # each token once
     carried = 0
     for i in range(4):
         np.testing.assert_array_equal(got[i]["tokens"], straight[i]["tokens"])

@@ -60,13 +60,15 @@ class Taken:
     (the version that drew each token, -1 past the end), mask bool [R, N], lengths int32 [R],
     truncated bool [R]. prompts: each group's prompt ids; metas: what ``admit`` was given.
     dropped_stale: samples discarded for staleness in this run; decode_steps / useful_steps:
-    the chunks' steps and the tokens they produced (slot utilisation)."""
+    the chunks' steps and the tokens they produced (slot utilisation); drawn: every token
+    this run drew, first tokens included, in any group (the run's sampling work)."""
     rows: dict
     prompts: list
     metas: list
     dropped_stale: int
     decode_steps: int
     useful_steps: int
+    drawn: int
 
 
 class Pool:
@@ -216,7 +218,7 @@ class Pool:
         fresh = (span >= before[:, None]) & (span < self.lengths[:, None])
         self.versions[fresh] = version
         useful = int((self.lengths - before).sum())
-        return self._take(want, dropped, steps, useful)
+        return self._take(want, dropped, steps, useful, useful + int(new.sum()))
 
     def _row_order(self) -> list[int]:
         """Occupied rows, oldest group first (admission serial), then by sample index."""
@@ -252,7 +254,7 @@ class Pool:
             self._clear(j)
         return dropped
 
-    def _take(self, want: int, dropped: int, steps: int, useful: int) -> Taken:
+    def _take(self, want: int, dropped: int, steps: int, useful: int, drawn: int) -> Taken:
         places = np.flatnonzero(self._complete())
         places = sorted(places, key=lambda j: (self.completed_at[j], self.serial[j]))[:want]
         rows = np.concatenate([np.arange(j * self.g, (j + 1) * self.g) for j in places])
@@ -262,7 +264,7 @@ class Pool:
                    lengths=self.lengths[rows].copy(), truncated=~self.done[rows])
         taken = Taken(rows=out, prompts=[self.prompts[j] for j in places],
                       metas=[self.metas[j] for j in places], dropped_stale=dropped,
-                      decode_steps=steps, useful_steps=useful)
+                      decode_steps=steps, useful_steps=useful, drawn=drawn)
         for j in places:
             self._clear(j)
             self.serial[j], self.prompts[j], self.metas[j] = -1, None, None

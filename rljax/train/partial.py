@@ -15,7 +15,9 @@ decoupled objective, ``phases.grpo.grpo_loss``). Metrics, per completion token o
 ``rollout/staleness_mean`` / ``_max`` (current version minus the token's); per iteration
 ``rollout/dropped_stale``: samples discarded because their group held a token more than
 ``rollout.max_staleness`` versions old (the group restarts from its prompt, keeping its place
-in the admission order). ``rollout/carried_groups``: groups left in flight.
+in the admission order). ``rollout/carried_groups``: groups left in flight;
+``rollout/decoded_tokens``: the tokens this iteration drew, in any group (``rollout/tokens``
+counts the trained completions' tokens, whenever drawn).
 
 The pool's host state is saved with the phase (``state_dict``): resume is exact.
 """
@@ -69,7 +71,9 @@ class PartialRollout(Rollout):
         metrics.update({"rollout/staleness_mean": float(stale.mean()),
                         "rollout/staleness_max": int(stale.max()),
                         "rollout/dropped_stale": int(t.dropped_stale),
-                        "rollout/carried_groups": int(self.pool.c - self.pool.free)})
+                        "rollout/carried_groups": int(self.pool.c - self.pool.free),
+                        # this iteration's sampling work (carried groups' tokens included)
+                        "rollout/decoded_tokens": int(t.drawn)})
         return batch, metrics
 
     def sample_round(self, params, rng, examples=None, prefixes=None) -> dict:
