@@ -140,6 +140,34 @@ def test_the_decoupled_loss_equals_its_formula():
     assert (w == cap).any() and (w < cap).any()   # the cap binds somewhere, not everywhere
 
 
+def test_grpo_loss_applies_the_behaviour_weight_only_under_partial_rollouts():
+    """grpo_loss(partial=True) on a tiny model: pg_loss is the token mean of the formula above
+    with pi_theta the model's own log-probs, pi_prox = old_logps, pi_behav = sampler_logps."""
+    from test_train_steps import MODEL, algo_cfg, fresh_state, make_batch
+    from rljax.train import steps
+    state, _ = fresh_state()
+    batch = make_batch()
+    m = batch["loss_mask"]
+    logps = np.asarray(steps.completion_logps(MODEL, state.params, batch)[0])
+    rng = np.random.default_rng(1)
+    batch["old_logps"] = np.where(m, logps + rng.normal(0, 0.2, m.shape), 0).astype(np.float32)
+    batch["sampler_logps"] = np.where(m, batch["old_logps"] + rng.normal(0, 1.0, m.shape),
+                                      0).astype(np.float32)
+    algo = algo_cfg(beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_agg_mode="token-mean",
+                    entropy_coef=0.0)
+    u = np.exp(logps - batch["old_logps"])
+    a = batch["advantages"][:, None]
+    w = np.minimum(np.exp(batch["old_logps"] - batch["sampler_logps"]),
+                   grpo.PARTIAL_BEHAVIOUR_CAP)
+    surrogate = np.maximum(-a * u, -a * np.clip(u, 0.8, 1.28))
+    for partial_on, weight in ((True, w), (False, 1.0)):
+        (num, den), metrics = grpo.grpo_loss(MODEL, algo, 1.0, state.params, state, batch,
+                                             partial=partial_on)
+        want = np.where(m, weight * surrogate, 0).sum() / m.sum()
+        np.testing.assert_allclose(float(num) / float(den), want, rtol=1e-5, atol=1e-6)
+        assert ("tis_weight" in metrics) == partial_on
+
+
 def _partial_cfg(**overrides):
     return tiny_cfg(**{"sft.steps": 0, "steps": 4, "rollout.engine": "slots",
                        "rollout.partial": True, "rollout.slots": 8, "rollout.chunk_steps": 2,
