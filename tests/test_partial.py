@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, config, models, sampling
-from rljax.sampling import partial
+from rljax.sampling import engine, partial
 from rljax.train import checkpoint, run
 from rljax.train.metrics import read_metrics
 from rljax.train.phases import grpo
@@ -62,11 +62,15 @@ def test_carried_samples_record_their_versions_and_continue_exactly(small_vocab)
     straight = {}
     _by_group(_pool(cfg, slots=24, chunk_steps=64).run(params, key, version=0, want=4), straight)
     pool, got, version, drawn = _pool(cfg), {}, 0, 0
+    compiled = None
     while len(got) < 4:
         taken = pool.run(params, key, version=version, want=1)
         assert taken.dropped_stale == 0
         _by_group(taken, got)
         version, drawn = version + 1, drawn + taken.drawn
+        sizes = (partial._pool_prefill._cache_size(), engine.decode_chunk._cache_size())
+        assert compiled in (None, sizes)   # one program each, whatever the pool holds
+        compiled = sizes
     assert version == 4
     assert drawn == sum(int(got[i]["lengths"].sum()) for i in range(4))   # each token once
     carried = 0
