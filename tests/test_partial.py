@@ -195,6 +195,15 @@ def test_training_reports_staleness(straight):
                and "tis_weight" in r for r in rl)
 
 
+def test_training_with_max_staleness_0_trains_only_fresh_tokens(tmp_path):
+    workdir = str(tmp_path)
+    assert run.train(_partial_cfg(**{"steps": 2, "rollout.max_staleness": 0}), workdir,
+                     devices=jax.devices()[:1]) == 0
+    rl = [r for r in read_metrics(workdir) if "reward/mean" in r]
+    assert all(r["rollout/staleness_max"] == 0 for r in rl)
+    assert sum(r["rollout/dropped_stale"] for r in rl) > 0   # carried groups restarted
+
+
 def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     workdir = str(tmp_path)
     devices = jax.devices()[:1]
