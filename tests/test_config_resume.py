@@ -17,11 +17,12 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         saved = json.load(f)
     now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
     # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
-    # import, the static sampler.
+    # import, the static sampler, no partial rollouts.
     assert now.pop("imports") == []
-    assert {k: now["rollout"].pop(k) for k in ("engine", "slots", "chunk_steps",
-                                                "stop_strings")} == {
-        "engine": "static", "slots": 0, "chunk_steps": 32, "stop_strings": []}
+    added = ("engine", "slots", "chunk_steps", "partial", "max_staleness", "stop_strings")
+    assert {k: now["rollout"].pop(k) for k in added} == {
+        "engine": "static", "slots": 0, "chunk_steps": 32, "partial": False, "max_staleness": 2,
+        "stop_strings": []}
     assert now == saved
 
 

@@ -29,6 +29,14 @@ def rollout() -> dict[str, Any]:
         engine="static",
         slots=0,                     # slot engine: decode slots; 0 = a quarter of the rows
         chunk_steps=32,              # slot engine: decode steps per program run
+        # Partial rollouts (slot engine, GRPO; docs/internals.md): an iteration trains on the
+        # first groups to complete; unfinished samples keep decoding in the next iteration
+        # under the new weights (one extra prompt batch stays in flight). Tokens record the
+        # policy version that drew them; the loss corrects with the decoupled objective
+        # (docs/algorithms.md). A group holding a token more than `max_staleness` versions
+        # old restarts from its prompt (counted in rollout/dropped_stale).
+        partial=False,
+        max_staleness=2,
         # Per-position sampling temperature (exploratory annealed decoding; docs/search.md):
         # from `start` at the first completion token to `end` at token `tokens` (0 = all of
         # max_new_tokens), then `end`. "constant" = off (rollout.temperature everywhere);
@@ -62,6 +70,7 @@ RANGES = (
     ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
     ("rollout.micro_batch_size", 0, None), ("rollout.streams", 0, None),
     ("rollout.slots", 0, None), ("rollout.chunk_steps", 1, None),
+    ("rollout.max_staleness", 0, None),
     ("rollout.tree.segment_tokens", 1, None), ("rollout.tree.branching", 1, None),
     ("rollout.tree.roots", 1, None), ("rollout.tree.max_leaves", 0, None),
 )
@@ -114,6 +123,28 @@ def check_engine(cfg) -> None:
         if on:
             raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
                               f"{key} (it has its own sampler); use rollout.engine='static'")
+
+
+def check_partial(cfg) -> None:
+    """Partial rollouts need the slot engine and a GRPO step that takes one round of groups
+    as they complete: nothing that samples extra rounds, re-samples or re-orders groups."""
+    r, a = cfg.rollout, cfg.algo
+    if not r.partial:
+        return
+    if r.engine != "slots":
+        raise ConfigError(f"rollout.partial=true needs rollout.engine='slots' (got "
+                          f"'{r.engine}')")
+    if a.name != "grpo":
+        raise ConfigError(f"rollout.partial=true needs algo.name='grpo' (got '{a.name}')")
+    for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
+                    ("algo.dynamic_sampling", a.dynamic_sampling),
+                    ("data.selection.name", cfg.data.selection.name != "uniform"),
+                    ("algo.hint.mode", a.hint.mode != "off"),
+                    ("algo.mixed_policy", a.mixed_policy),
+                    ("algo.relift.every", bool(a.relift.every))):
+        if on:
+            raise ConfigError(f"rollout.partial=true cannot be combined with {key} (it "
+                              "samples or picks groups per round); turn one of them off")
 
 
 def check_tree(cfg) -> None:

@@ -85,6 +85,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_guidance,
     rollout.check_tree,
     rollout.check_engine,
+    rollout.check_partial,
     mesh.check_mesh,
     reward.check_rewards,
     data.check_path,

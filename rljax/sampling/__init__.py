@@ -13,11 +13,12 @@ Modules, each importing only those above it:
   tree       tree-shaped sampling (``tree.generate``, ``tree_layout``, ``tree_depth``)
   multiturn  multi-turn sampling with a cache that lives across turns
   engine     the slot engine: decode slots refilled as rows stop, prompts in shared pages
+  partial    partial rollouts: a pool of groups whose unfinished samples carry over
 
 The module constants (``INVERSE_CDF_MIN_VOCAB``, ``NOISE_AHEAD_MAX_ELEMENTS``, ...) are read
 from ``rljax.sampling.draw`` when a sampler traces; the copies here are for reading.
 """
-from rljax.sampling import core, draw, engine, multiturn, tree
+from rljax.sampling import core, draw, engine, multiturn, partial, tree
 from rljax.sampling.core import (CACHE_AXES, DEFAULT_BUCKETS, SampleOutput, bucket_length,
                                  constrain_cache, generate, merge_stop_ids, pad_to_bucket,
                                  stream_count)

@@ -136,7 +136,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     chunks = steps = 0
     busy = waiting.size > 0
     while busy:
-        cache, out, slot_state, ran, busy = _decode_chunk(
+        cache, out, slot_state, ran, busy = decode_chunk(
             cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
             jnp.int32(waiting.size), noise, temperatures, max_new_tokens=n, num_samples=g,
             chunk_steps=int(chunk_steps), **draw)
@@ -159,9 +159,10 @@ def _draw_noise_ahead(rng, n, rows, vocab):
     return noise_ahead(rng, n, rows, vocab, greedy=False)
 
 
-def _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise, temperatures, rng):
+def picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise, temperatures, rng):
     """pick(logits [R, V], t int32 [R], row int32 [R]) -> (tokens [R], logps [R]): the static
-    sampler's draw for token t of each row (its noise row, its temperature, its stop rule)."""
+    sampler's draw for token t of each row (its noise row, its temperature, its stop rule).
+    Shared with the partial-rollout pool (``sampling.partial``)."""
     stop = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
 
     def pick(logits, t, row):
@@ -190,17 +191,17 @@ def _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise, temperat
     return pick, is_stop
 
 
-_DRAW = ("temperature", "top_k", "top_p", "stop_ids", "pad_id", "min_new_tokens")
+DRAW_ARGS = ("temperature", "top_k", "top_p", "stop_ids", "pad_id", "min_new_tokens")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "cache_dtype") + _DRAW)
+@functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "cache_dtype") + DRAW_ARGS)
 def _prefill(cfg, params, prompt_tokens, prompt_mask, rng, noise, temperatures, *, num_samples,
              cache_dtype, temperature, top_k, top_p, stop_ids, pad_id, min_new_tokens):
     """Pages of the B prompts and each of the B*G rows' first token (prompt-major rows)."""
     pages, logits = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask, cache_dtype)
     logits = jnp.repeat(logits, num_samples, axis=0)
     rows = logits.shape[0]
-    pick, is_stop = _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
+    pick, is_stop = picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
                             temperatures, jax.random.fold_in(rng, 0))
     tok, logp = pick(logits, jnp.zeros((rows,), jnp.int32), jnp.arange(rows))
     return pages, tok, logp, is_stop(tok)
@@ -208,8 +209,8 @@ def _prefill(cfg, params, prompt_tokens, prompt_mask, rng, noise, temperatures, 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "out"),
                    static_argnames=("cfg", "max_new_tokens", "num_samples", "chunk_steps")
-                   + _DRAW)
-def _decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
+                   + DRAW_ARGS)
+def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
                   queued, noise, temperatures, *, max_new_tokens, num_samples, chunk_steps,
                   temperature, top_k, top_p, stop_ids, pad_id, min_new_tokens):
     """Up to ``chunk_steps`` decode steps; every step first gives each idle slot the next
@@ -219,12 +220,13 @@ def _decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_stat
     (the token fed next), active bool [S], taken int32 (rows of the queue already given out)).
     first: int32 [R], each row's first token; queue: int32 [R], the rows to decode in order
     (the first ``queued``). out: tokens/logps [R, N], lengths [R], done [R], written at each
-    busy slot's (row, step). Returns ``(cache, out, slot_state, steps run, busy)``.
+    busy slot's (row, step). Returns ``(cache, out, slot_state, steps run, busy)``. The
+    partial-rollout pool (``sampling.partial``) runs it too, with slots already holding rows.
     """
     n, g = max_new_tokens, num_samples
     rows = out["lengths"].shape[0]
     params = models.unstack_layers(params)
-    pick, is_stop = _picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
+    pick, is_stop = picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
                             temperatures, None)
 
     def cond(carry):
@@ -298,7 +300,7 @@ def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
 
     def decode(params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
                queued, noise):
-        return _decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state,
+        return decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state,
                              first, queue, queued, noise, None, max_new_tokens=n,
                              num_samples=g, chunk_steps=int(chunk_steps), **static)
 

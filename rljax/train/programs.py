@@ -136,14 +136,19 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
 
     def prompts(b):
         return (batch_struct(mesh, (b, p), jnp.int32), batch_struct(mesh, (b, p), bool))
-    if r.engine == "slots" and tree is None and not cfg.env.name:   # the slot engine's two
+    sampled = jax.eval_shape(for_sampling, params) if merge else params
+    if r.engine == "slots" and r.partial:   # the partial-rollout pool's two programs
+        from rljax.sampling import partial as partial_lib
+        from rljax.train.partial import make_pool
+        out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
+               partial_lib.programs(make_pool(ctx, chunk), sampled, rng)]
+    elif r.engine == "slots" and tree is None and not cfg.env.name:   # the slot engine's two
         kw = dict(max_new_tokens=n_sample, num_samples=g, chunk_steps=r.chunk_steps,
                   slots=r.slots or max(1, chunk * g // 4), temperature=r.temperature,
                   top_k=r.top_k, top_p=r.top_p, eos_id=ctx.stop_ids, pad_id=tok.pad_id)
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                # (a merged LoRA copy is planned at its shapes, without the base's sharding)
-               sampling.engine.programs(mcfg, jax.eval_shape(for_sampling, params) if merge
-                                        else params, *prompts(chunk), rng, **kw)]
+               sampling.engine.programs(mcfg, sampled, *prompts(chunk), rng, **kw)]
     else:
         out = [Program("sample", jax.jit(sample_fn), (params, *prompts(chunk), rng), resident)]
     if with_eval:

@@ -231,6 +231,12 @@ class Rollout:
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                        top_p=cfg.rollout.top_p, micro_prompts=micro,
                        temperatures=self.temperatures, tree=self.tree)
+        return self.score_round(examples, prompt_tokens, prompt_mask, out, prefixes, t0)
+
+    def score_round(self, examples, prompt_tokens, prompt_mask, out, prefixes, t0) -> dict:
+        """The round dict of sampled ``out`` (``generate``'s fields) for ``examples``: texts,
+        rewards (every reward function), per-function counts; sampling timed from ``t0``."""
+        cfg, g = self.cfg, self.g
         t1 = time.perf_counter()
         # Multi-host: each process scores its own rows, then every process gets all rewards.
         n = len(out["tokens"])

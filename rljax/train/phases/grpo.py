@@ -38,10 +38,17 @@ def _pair(x, m):
     return jnp.where(m > 0, x, 0.0).sum(), m.sum()
 
 
-def policy_loss_options(algo_cfg) -> dict:
+# Partial rollouts without an ``algo.tis_cap``: the behaviour weight's cap (TIS's C = 2,
+# Yao et al. 2025).
+PARTIAL_BEHAVIOUR_CAP = 2.0
+
+
+def policy_loss_options(algo_cfg, partial: bool = False) -> dict:
     """Keyword options of the configured policy loss (``algo.policy_loss``). A clip key that
     is None is left out, so the loss's own default applies (``config.validate`` has already
-    filled the unset ones with the same per-loss defaults, ``config.POLICY_LOSS_DEFAULTS``)."""
+    filled the unset ones with the same per-loss defaults, ``config.POLICY_LOSS_DEFAULTS``).
+    ``partial`` (``rollout.partial``): the behaviour weight is always on, capped at
+    ``algo.tis_cap`` or ``PARTIAL_BEHAVIOUR_CAP`` (see ``grpo_loss``)."""
     name = algo_cfg.policy_loss
     opts: dict = {}
     for key in ("epsilon", "epsilon_high"):
@@ -52,10 +59,12 @@ def policy_loss_options(algo_cfg) -> dict:
         opts["ratio_level"] = algo_cfg.importance_sampling_level
     if algo_cfg.tis_cap is not None:
         opts["tis_cap"] = float(algo_cfg.tis_cap)
+    elif partial:
+        opts["tis_cap"] = PARTIAL_BEHAVIOUR_CAP
     return opts
 
 
-def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
+def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial=False):
     """GRPO-family loss on one micro-batch.
 
     batch (besides the sequence layout): ``advantages`` f32 [B] (one per completion) or
@@ -68,6 +77,25 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     with a sampler temperature schedule (log-probs, ratios and entropies at each token's own
     temperature; see ``completion_logps``). Returns
     ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
+
+    Partial rollouts (``partial``; ``rljax.train.partial``): a completion's tokens come from
+    several policy versions, ``sampler_logps`` holding each token's behaviour log-prob. The
+    loss is AReaL's decoupled objective (Fu et al. 2025, arXiv 2505.24298) with the
+    behaviour weight truncated as in TIS::
+
+        l_t = min(pi_prox / pi_behav, C) * max(-A u_t, -A clip(u_t, 1 - eps, 1 + eps_high)),
+        u_t = pi_theta / pi_prox
+
+    with pi_prox the policy this iteration started from (``old_logps``: the trainer's
+    recomputation, or this pass's own log-probs under ``stop_gradient`` when there is one
+    update per rollout). Why this and not plain TIS against the behaviour policy: the clip
+    is a trust region around the policy being improved; anchored at a behaviour policy two
+    versions back it would clip most tokens of carried samples (their ratio is already far
+    from 1 before any update) and their gradient with them, while a weight pi_prox/pi_behav
+    outside the clip keeps the estimate unbiased for the mixture (up to the cap). With one
+    update per rollout u_t = 1, the clip is inactive and the two coincide: the gradient is
+    ``min(pi_prox / pi_behav, C) * A * grad log pi``. The cap C is ``algo.tis_cap`` or
+    ``PARTIAL_BEHAVIOUR_CAP``; AReaL masks tokens above its cap instead of truncating them.
     """
     m = batch["loss_mask"]
     # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
@@ -75,7 +103,7 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     rng = steps.training_dropout_rng(model_cfg, state, batch)
     logps, ent = steps.completion_logps(model_cfg, params, batch, temperature=temperature,
                                         with_entropy=True, lora_dropout_rng=rng)
-    opts = policy_loss_options(algo_cfg)
+    opts = policy_loss_options(algo_cfg, partial)
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]
     old = batch.get("old_logps")
@@ -104,23 +132,25 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
 
 
-def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0) -> steps.LossFn:
+def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0,
+                 partial: bool = False) -> steps.LossFn:
     """``grpo_loss`` with its configuration bound: ``loss_fn(params, state, batch)``."""
     temperature = models.scoring_temperature(temperature)
-    return functools.partial(grpo_loss, model_cfg, algo_cfg, temperature)
+    return functools.partial(grpo_loss, model_cfg, algo_cfg, temperature, partial=partial)
 
 
 def build_update(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
-                 num_micro: int = 1, state_shardings=None, mesh=None
+                 num_micro: int = 1, state_shardings=None, mesh=None, partial: bool = False
                  ) -> length_groups.GroupedUpdate:
     """The GRPO update: ``update(state, host batch) -> (state, metrics)``, one exact optimizer
     step of ``grpo_loss`` (see it for the batch) over the host-planned micro-batches of
     ``length_groups.planner`` (``algo.shared_prompt``, ``algo.group_by_length``; with neither,
     the batch's rows in order), in ``algo.update_streams`` concurrent streams. Metrics: loss,
     pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0), entropy, tis_weight
-    (tis_cap), grad_norm, skipped, update/token_efficiency, update/shared_prompt."""
+    (tis_cap or ``partial``), grad_norm, skipped, update/token_efficiency,
+    update/shared_prompt. ``partial``: partial rollouts' behaviour weight (``grpo_loss``)."""
     return length_groups.GroupedUpdate(
-        optimizer, grpo_loss_fn(model_cfg, algo_cfg, temperature),
+        optimizer, grpo_loss_fn(model_cfg, algo_cfg, temperature, partial),
         length_groups.planner(algo_cfg, num_micro, mesh), state_shardings,
         streams=streams_lib.resolve(int(algo_cfg.get("update_streams", 1)), mesh))
 
@@ -172,7 +202,7 @@ def _build(ctx: Context, optimizer, state) -> length_groups.GroupedUpdate:
     cfg = ctx.cfg
     return build_update(ctx.model_cfg, cfg.algo, optimizer, temperature=cfg.rollout.temperature,
                         num_micro=update_sizes(cfg)[1], state_shardings=ctx.state_shardings(state),
-                        mesh=ctx.mesh)
+                        mesh=ctx.mesh, partial=bool(cfg.rollout.partial))
 
 
 # ----------------------------------------------------------------------------- phase
@@ -194,6 +224,8 @@ class GRPOPhase:
         rollout_cls = Rollout
         if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
             from rljax.train.agent import MultiTurnRollout as rollout_cls
+        elif cfg.rollout.partial:   # groups carried across iterations
+            from rljax.train.partial import PartialRollout as rollout_cls
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg))
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
@@ -270,9 +302,13 @@ class GRPOPhase:
         out = {"data": self.iterator.state()}
         if self.rollout.guide is not None:
             out["guidance"] = self.rollout.guide.state_dict()
+        if self.ctx.cfg.rollout.partial:   # the groups in flight
+            out["partial"] = self.rollout.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         self.iterator.restore(state["data"])
         if self.rollout.guide is not None and "guidance" in state:
             self.rollout.guide.load_state_dict(state["guidance"])
+        if self.ctx.cfg.rollout.partial and "partial" in state:
+            self.rollout.load_state_dict(state["partial"])

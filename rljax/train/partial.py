@@ -1,0 +1,115 @@
+"""The GRPO rollout with partial rollouts (``rollout.partial``): groups carried across iterations.
+
+    rollout = PartialRollout(ctx, iterator, old_logps=...)
+    batch, metrics = rollout(state, step)      # as ``Rollout``, plus staleness metrics
+
+A ``sampling.partial.Pool`` of two prompt batches stays in flight: each iteration admits the
+iterator's next batch into the places freed by the last one (the first iteration admits two),
+then decodes under ``state.params`` (policy version ``step``) until ``rollout.batch_size / G``
+groups are complete and trains on those, in the order they completed. The other groups keep
+their tokens and continue next iteration under the updated weights.
+
+Every completion token records the version that drew it; the batch's ``sampler_logps`` are
+those behaviour log-probs, which the GRPO loss weighs against the proximal policy (the
+decoupled objective, ``phases.grpo.grpo_loss``). Metrics, per completion token of the batch:
+``rollout/staleness_mean`` / ``_max`` (current version minus the token's); per iteration
+``rollout/dropped_stale``: samples discarded because their group held a token more than
+``rollout.max_staleness`` versions old (the group restarts from its prompt, keeping its place
+in the admission order). ``rollout/carried_groups``: groups left in flight;
+``rollout/decoded_tokens``: the tokens this iteration drew, in any group (``rollout/tokens``
+counts the trained completions' tokens, whenever drawn).
+
+The pool's host state is saved with the phase (``state_dict``): resume is exact.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+
+from rljax import distributed as dist, sampling
+from rljax.errors import UserError
+from rljax.sampling import partial as partial_lib
+from rljax.train.buckets import encode_prompts, prompt_buckets
+from rljax.train.rollout import Rollout, rollout_temperatures, sampling_params
+
+PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
+
+
+def make_pool(ctx, num_prompts: int) -> partial_lib.Pool:
+    """The pool of a config: 2 x ``num_prompts`` groups, prompts at the longest bucket."""
+    cfg, tok = ctx.cfg, ctx.tokenizer
+    r, g = cfg.rollout, int(cfg.algo.num_generations)
+    return partial_lib.Pool(
+        ctx.model_cfg, num_samples=g, max_new_tokens=r.max_new_tokens, groups=2 * num_prompts,
+        prompt_len=prompt_buckets(cfg.data.max_prompt_length)[-1],
+        slots=r.slots or max(1, num_prompts * g // 4), chunk_steps=r.chunk_steps,
+        temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id,
+        pad_id=tok.pad_id, temperatures=rollout_temperatures(cfg))
+
+
+class PartialRollout(Rollout):
+    """``Rollout`` whose rounds come from a pool of groups in flight (module docstring)."""
+
+    def __init__(self, ctx, iterator, old_logps: bool = True):
+        super().__init__(ctx, iterator, old_logps=old_logps)
+        if dist.is_multiprocess():
+            raise UserError("rollout.partial=true runs in a single process for now; use "
+                            "rollout.partial=false on several hosts")
+        self.pool = make_pool(ctx, self.num_prompts)
+        self._version, self._key, self._taken = 0, None, None
+
+    def __call__(self, state, step: int):
+        self._version = int(step)
+        self._key = jax.random.fold_in(state.rng, PARTIAL_STREAM)
+        batch, metrics = super().__call__(state, step)
+        t = self._taken
+        versions = t.rows["versions"][t.rows["mask"]]
+        stale = self._version - versions if versions.size else np.zeros(1, np.int64)
+        metrics.update({"rollout/staleness_mean": float(stale.mean()),
+                        "rollout/staleness_max": int(stale.max()),
+                        "rollout/dropped_stale": int(t.dropped_stale),
+                        "rollout/carried_groups": int(self.pool.c - self.pool.free),
+                        # this iteration's sampling work (carried groups' tokens included)
+                        "rollout/decoded_tokens": int(t.drawn)})
+        return batch, metrics
+
+    def sample_round(self, params, rng, examples=None, prefixes=None) -> dict:
+        """The next ``num_prompts`` groups to complete (``rng`` unused: the pool's randomness
+        is keyed by each group's admission, ``sampling.partial``)."""
+        del rng
+        if examples is not None or prefixes is not None:
+            raise ValueError("partial rollouts sample the iterator's prompts only")
+        cfg, pool = self.cfg, self.pool
+        while pool.free >= self.num_prompts:   # the first iteration fills both batches
+            new = next(self.iterator)
+            tok, mask = encode_prompts(self.ctx.tokenizer, [ex["prompt"] for ex in new],
+                                       cfg.data.max_prompt_length)
+            pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new))
+        t0 = time.perf_counter()
+        taken = pool.run(sampling_params(self.ctx, params), self._key, version=self._version,
+                         want=self.num_prompts, max_staleness=cfg.rollout.max_staleness)
+        self._taken = taken
+        out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
+        out["decoded"] = out["lengths"].reshape(-1, self.g).sum(axis=1)
+        out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps)
+        prompt_tokens, prompt_mask = sampling.pad_to_bucket(
+            taken.prompts, pad_id=self.ctx.tokenizer.pad_id,
+            buckets=prompt_buckets(cfg.data.max_prompt_length))
+        return self.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+
+    def state_dict(self) -> dict:
+        # The groups' examples go into the checkpoint's JSON: numpy values as plain ones.
+        return json.loads(json.dumps(self.pool.state_dict(), default=_plain))
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pool.load_state_dict(state)
+
+
+def _plain(x):
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
+    raise TypeError(f"a dataset field of type {type(x).__name__} cannot be saved with the "
+                    "partial-rollout pool (checkpoint meta is JSON)")

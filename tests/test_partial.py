@@ -1,0 +1,242 @@
+"""Partial rollouts: the pool's carried samples, their policy versions and staleness bound, the
+decoupled loss against its formula, exact resume, and the one-line refusals."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import algorithms, config, models, sampling
+from rljax.sampling import engine, partial
+from rljax.train import checkpoint, run
+from rljax.train.metrics import read_metrics
+from rljax.train.phases import grpo
+
+from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [6], [2, 7, 1, 1, 4]]
+G, N = 6, 10
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """Vocabulary 8 with a sharpened head: stop tokens come often, at uneven lengths."""
+    cfg = models.get_preset("tiny", init_std=0.1, vocab_size=8)
+    params = models.init_params(cfg, jax.random.key(3))
+    return cfg, dict(params, lm_head=params["lm_head"] * 3.0)
+
+
+def _pool(cfg, temperature=1.0, slots=5, chunk_steps=2):
+    pool = partial.Pool(cfg, num_samples=G, max_new_tokens=N, groups=len(PROMPTS), prompt_len=8,
+                        slots=slots, chunk_steps=chunk_steps, temperature=temperature, eos_id=3,
+                        pad_id=0)
+    pool.admit(PROMPTS, list(range(len(PROMPTS))))
+    return pool
+
+
+def _by_group(taken, into):
+    for i, meta in enumerate(taken.metas):
+        into[meta] = {k: v[i * G:(i + 1) * G] for k, v in taken.rows.items()}
+
+
+def test_greedy_pool_samples_what_the_static_sampler_samples(small_vocab):
+    cfg, params = small_vocab
+    taken = _pool(cfg, temperature=0.0, slots=24, chunk_steps=64).run(
+        params, jax.random.key(5), version=0, want=4)
+    prompt, pmask = sampling.pad_to_bucket(PROMPTS, pad_id=0, buckets=(8,))
+    ref = sampling.generate(cfg, params, prompt, pmask, rng=jax.random.key(4), max_new_tokens=N,
+                            temperature=0.0, num_samples=G, eos_id=3, pad_id=0)
+    got = {}
+    _by_group(taken, got)
+    tokens = np.concatenate([got[i]["tokens"] for i in range(4)])
+    np.testing.assert_array_equal(tokens, np.asarray(ref.tokens))
+
+
+def test_carried_samples_record_their_versions_and_continue_exactly(small_vocab):
+    """One group per run: the others stop mid-decode and continue in the next run from caches
+    rebuilt from their tokens. Under unchanged weights that is the uninterrupted sample; each
+    token records the run (version) that drew it."""
+    cfg, params = small_vocab
+    key = jax.random.key(5)
+    straight = {}
+    _by_group(_pool(cfg, slots=24, chunk_steps=64).run(params, key, version=0, want=4), straight)
+    pool, got, version, drawn = _pool(cfg), {}, 0, 0
+    compiled = None
+    while len(got) < 4:
+        taken = pool.run(params, key, version=version, want=1)
+        assert taken.dropped_stale == 0
+        _by_group(taken, got)
+        version, drawn = version + 1, drawn + taken.drawn
+        sizes = (partial._pool_prefill._cache_size(), engine.decode_chunk._cache_size())
+        assert compiled in (None, sizes)   # one program each, whatever the pool holds
+        compiled = sizes
+    assert version == 4
+    assert drawn == sum(int(got[i]["lengths"].sum()) for i in range(4))   # each token once
+    carried = 0
+    for i in range(4):
+        np.testing.assert_array_equal(got[i]["tokens"], straight[i]["tokens"])
+        np.testing.assert_allclose(got[i]["logps"], straight[i]["logps"], rtol=1e-5, atol=1e-5)
+        v, m = got[i]["versions"], got[i]["mask"]
+        assert np.all(v[~m] == -1) and np.all((v[m] >= 0) & (v[m] < version))
+        assert np.all(np.diff(np.where(m, v, version), axis=1) >= 0)   # in decode order
+        carried += int(v[m].max() > v[m].min())
+    assert carried > 0   # some sample spans several versions
+
+
+def test_max_staleness_restarts_groups_and_counts_their_samples(small_vocab):
+    cfg, params = small_vocab
+    key = jax.random.key(5)
+    for bound, drops in ((0, True), (1, False)):
+        pool = _pool(cfg)
+        first = pool.run(params, key, version=0, want=1)
+        started = int((pool.lengths > 0).sum())   # the other groups' samples with tokens
+        assert started > 0 and first.dropped_stale == 0
+        taken = pool.run(params, key, version=1, want=1, max_staleness=bound)
+        assert taken.dropped_stale == (started if drops else 0)
+        stale = 1 - taken.rows["versions"][taken.rows["mask"]]
+        assert stale.max() <= bound
+        if drops:   # every token of this run was drawn by version 1
+            assert np.all(stale == 0)
+
+
+def test_the_pool_state_round_trips(small_vocab):
+    cfg, params = small_vocab
+    key = jax.random.key(5)
+    a = _pool(cfg)
+    a.run(params, key, version=0, want=1)
+    b = _pool(cfg)
+    b.load_state_dict(a.state_dict())
+    ta, tb = (p.run(params, key, version=1, want=2) for p in (a, b))
+    for k in ta.rows:
+        np.testing.assert_array_equal(ta.rows[k], tb.rows[k])
+    assert ta.metas == tb.metas
+    with pytest.raises(ValueError, match="admit: 1 groups for 0 free places"):
+        _pool(cfg).admit([[1]], [None])
+
+
+def test_the_decoupled_loss_equals_its_formula():
+    """l_t = min(pi_prox / pi_behav, C) * max(-A u, -A clip(u, 1 - eps, 1 + eps_high)),
+    u = pi_theta / pi_prox: GRPO's options under rollout.partial, the loss by hand."""
+    cfg = config.validate(config.default_config())
+    opts = grpo.policy_loss_options(cfg.algo, partial=True)
+    assert opts.get("clip_ratio_c") is None and opts.get("ratio_level") == "token"
+    assert opts["tis_cap"] == grpo.PARTIAL_BEHAVIOUR_CAP and "tis_cap" not in \
+        grpo.policy_loss_options(cfg.algo)
+    rng = np.random.default_rng(0)
+    logps = rng.normal(-1.5, 0.5, (3, 5)).astype(np.float32)
+    prox = logps + rng.normal(0, 0.3, (3, 5)).astype(np.float32)
+    behav = prox + rng.normal(0, 1.0, (3, 5)).astype(np.float32)
+    adv = np.asarray([1.0, -0.5, 2.0], np.float32)
+    mask = rng.random((3, 5)) > 0.2
+    eps, eps_high, cap = opts["epsilon"], opts.get("epsilon_high", opts["epsilon"]), 2.0
+    loss, metrics = algorithms.get_policy_loss("ppo")(
+        jnp.asarray(logps), jnp.asarray(prox), jnp.asarray(adv), jnp.asarray(mask),
+        sampler_logps=jnp.asarray(behav), **opts)
+    u = np.exp(logps - prox)
+    a = adv[:, None]
+    want = np.minimum(np.exp(prox - behav), cap) * np.maximum(
+        -a * u, -a * np.clip(u, 1 - eps, 1 + eps_high))
+    np.testing.assert_allclose(np.asarray(loss), np.where(mask, want, 0.0), rtol=1e-5,
+                               atol=1e-6)
+    w = np.minimum(np.exp(prox - behav), cap)[mask]
+    np.testing.assert_allclose(float(metrics["tis_weight"][0]), w.sum(), rtol=1e-5)
+    assert (w == cap).any() and (w < cap).any()   # the cap binds somewhere, not everywhere
+
+
+def test_grpo_loss_applies_the_behaviour_weight_only_under_partial_rollouts():
+    """grpo_loss(partial=True) on a tiny model: pg_loss is the token mean of the formula above
+    with pi_theta the model's own log-probs, pi_prox = old_logps, pi_behav = sampler_logps."""
+    from test_train_steps import MODEL, algo_cfg, fresh_state, make_batch
+    from rljax.train import steps
+    state, _ = fresh_state()
+    batch = make_batch()
+    m = batch["loss_mask"]
+    logps = np.asarray(steps.completion_logps(MODEL, state.params, batch)[0])
+    rng = np.random.default_rng(1)
+    batch["old_logps"] = np.where(m, logps + rng.normal(0, 0.2, m.shape), 0).astype(np.float32)
+    batch["sampler_logps"] = np.where(m, batch["old_logps"] + rng.normal(0, 1.0, m.shape),
+                                      0).astype(np.float32)
+    algo = algo_cfg(beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_agg_mode="token-mean",
+                    entropy_coef=0.0)
+    u = np.exp(logps - batch["old_logps"])
+    a = batch["advantages"][:, None]
+    w = np.minimum(np.exp(batch["old_logps"] - batch["sampler_logps"]),
+                   grpo.PARTIAL_BEHAVIOUR_CAP)
+    surrogate = np.maximum(-a * u, -a * np.clip(u, 0.8, 1.28))
+    for partial_on, weight in ((True, w), (False, 1.0)):
+        (num, den), metrics = grpo.grpo_loss(MODEL, algo, 1.0, state.params, state, batch,
+                                             partial=partial_on)
+        want = np.where(m, weight * surrogate, 0).sum() / m.sum()
+        np.testing.assert_allclose(float(num) / float(den), want, rtol=1e-5, atol=1e-6)
+        assert ("tis_weight" in metrics) == partial_on
+
+
+def _partial_cfg(**overrides):
+    return tiny_cfg(**{"sft.steps": 0, "steps": 4, "rollout.engine": "slots",
+                       "rollout.partial": True, "rollout.slots": 8, "rollout.chunk_steps": 2,
+                       "rollout.max_new_tokens": 8, **overrides})
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("partial_straight"))
+    assert run.train(_partial_cfg(), workdir, devices=jax.devices()[:1]) == 0
+    return workdir
+
+
+def test_training_reports_staleness(straight):
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert len(rl) == 4
+    assert rl[0]["rollout/staleness_max"] == 0 and rl[0]["rollout/carried_groups"] == 4
+    assert max(r["rollout/staleness_max"] for r in rl) >= 1   # carried samples trained
+    assert all(r["rollout/staleness_max"] <= 2 and r["rollout/dropped_stale"] >= 0
+               and 0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"]
+               and "tis_weight" in r for r in rl)
+
+
+def test_training_with_max_staleness_0_trains_only_fresh_tokens(tmp_path):
+    workdir = str(tmp_path)
+    assert run.train(_partial_cfg(**{"steps": 2, "rollout.max_staleness": 0}), workdir,
+                     devices=jax.devices()[:1]) == 0
+    rl = [r for r in read_metrics(workdir) if "reward/mean" in r]
+    assert all(r["rollout/staleness_max"] == 0 for r in rl)
+    assert sum(r["rollout/dropped_stale"] for r in rl) > 0   # carried groups restarted
+
+
+def test_stop_and_resume_equals_straight_run(straight, tmp_path):
+    workdir = str(tmp_path)
+    devices = jax.devices()[:1]
+    assert run.train(_partial_cfg(), workdir, devices=devices, stop=StopAfter(2)) == 0
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        assert ckpt.latest_step() == 2
+    assert run.train(_partial_cfg(), workdir, devices=devices) == 0
+    assert comparable(read_metrics(workdir)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rollout.engine": "static"},
+     "rollout.partial=true needs rollout.engine='slots' (got 'static')"),
+    ({"algo.name": "ppo", "algo.adv_estimator": "gae"},
+     "rollout.partial=true needs algo.name='grpo' (got 'ppo')"),
+    ({"algo.dynamic_sampling": True},
+     "rollout.partial=true cannot be combined with algo.dynamic_sampling"),
+    ({"rollout.micro_batch_size": 8},
+     "rollout.partial=true cannot be combined with rollout.micro_batch_size"),
+    ({"rollout.max_staleness": -1}, "rollout.max_staleness"),
+])
+def test_refusals_are_one_line(change, message):
+    cfg = config.default_config()
+    cfg.update_from_flattened_dict({"rollout.engine": "slots", "rollout.partial": True,
+                                    **change})
+    with pytest.raises(config.ConfigError, match=re.escape(message)) as err:
+        config.validate(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_the_plan_plans_the_pools_programs():
+    from rljax import plan as plan_lib
+    planned = plan_lib.plan(_partial_cfg(), jax.devices()[:1])
+    names = {p.name for p in planned.phases}
+    assert {"sample/prefill", "sample/decode"} <= names and "sample" not in names
