@@ -1,15 +1,20 @@
 """The tokenizer a GGUF file describes, built from its own metadata with ``tokenizers``.
 
-llama.cpp stores the tokenizer as metadata: ``tokenizer.ggml.model`` (``gpt2``: byte-level
-BPE, as in SmolLM2, Qwen2/3 and Llama 3), ``tokens``, ``merges``, ``token_type`` (3 = control,
-4 = user-defined), the special token ids, ``pre`` (the pre-tokenizer: how text is split before
-the merges) and ``tokenizer.chat_template``. ``build(path)`` turns that into a
+llama.cpp stores the tokenizer as metadata: ``tokenizer.ggml.model``, ``tokens``, ``merges``,
+``scores``, ``token_type`` (3 = control, 4 = user-defined, 6 = byte), the special token ids,
+``pre`` (the pre-tokenizer: how text is split before the merges) and
+``tokenizer.chat_template``. ``build(path)`` turns that into a
 ``transformers.PreTrainedTokenizerFast`` without transformers' GGUF loader, which needs PyTorch
-for its checkpoint reader. The result gives the same ids as transformers' conversion
-(compared on SmolLM2: ``tests/test_real_model.py``).
+for its checkpoint reader. Two kinds are built:
 
-Byte-level BPE only; ``supported(path)`` says whether a file is one of those. Other tokenizer
-kinds (SentencePiece ``llama``, ``t5``, ...) stay with transformers' conversion.
+* ``gpt2``: byte-level BPE (SmolLM2, Qwen2/3, Llama 3), split as ``pre`` says. The same ids as
+  transformers' conversion (compared on SmolLM2: ``tests/test_real_model.py``).
+* ``llama`` (SentencePiece) in a Gemma file (``general.architecture`` gemma, gemma2, gemma3):
+  ``rljax.gguf_spm``. The same ids as transformers' conversion (compared on Gemma 3 270M:
+  ``tests/test_gemma.py``), in seconds where that conversion takes most of a minute.
+
+``supported(path)`` says whether a file is one of those. Other tokenizer kinds (SentencePiece
+``llama`` of other architectures, ``t5``, ...) stay with transformers' conversion.
 """
 from __future__ import annotations
 
@@ -51,32 +56,63 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def supported(path: str) -> bool:
-    """Whether ``build`` handles the file's tokenizer (byte-level BPE with a known split);
-    False for a file this reader cannot parse (the caller's fallback reports it)."""
+    """Whether ``build`` handles the file's tokenizer (byte-level BPE with a known split, or
+    Gemma's SentencePiece); False for a file this reader cannot parse (the caller's fallback
+    reports it)."""
     try:
         f = GGUFFile(path)
     except (ValueError, OSError):
         return False
-    return (f.value("tokenizer.ggml.model", None) == "gpt2"
-            and f.value("tokenizer.ggml.pre", "default") in PRE_TOKENIZERS)
+    return _kind(f) is not None
+
+
+def _kind(f: GGUFFile) -> str | None:
+    """"gpt2" or "gemma" (the builders here), else None."""
+    from rljax import gguf_spm
+
+    kind = f.value("tokenizer.ggml.model", None)
+    if kind == "gpt2" and f.value("tokenizer.ggml.pre", "default") in PRE_TOKENIZERS:
+        return "gpt2"
+    if kind == "llama" and f.value("general.architecture", None) in gguf_spm.ARCHITECTURES:
+        return "gemma"
+    return None
 
 
 def build(path: str):
-    """A ``transformers.PreTrainedTokenizerFast`` for the byte-level BPE tokenizer in the GGUF
-    file ``path``: vocabulary and merges, control tokens as special tokens, user-defined ones
-    as added tokens, bos/eos/unk/pad from the file's ids, the chat template, and a BOS added
-    by ``encode(..., add_special_tokens=True)`` when ``tokenizer.ggml.add_bos_token``."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
+    """A ``transformers.PreTrainedTokenizerFast`` for the tokenizer in the GGUF file ``path``
+    (see the module docstring for the kinds): control tokens as special tokens, user-defined
+    ones as added tokens, bos/eos/unk/pad from the file's ids, the chat template, and a BOS
+    (EOS) added by ``encode(..., add_special_tokens=True)`` when
+    ``tokenizer.ggml.add_bos_token`` (``add_eos_token``)."""
+    from rljax import gguf_spm
 
     f = GGUFFile(path)
-    kind, pre = f.value("tokenizer.ggml.model", None), f.value("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in PRE_TOKENIZERS:
-        raise ValueError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not built "
-                         "here (byte-level BPE with a known split only)")
+    kind = _kind(f)
+    if kind is None:
+        raise ValueError(
+            f"{path}: tokenizer {f.value('tokenizer.ggml.model', None)!r} with pre-tokenizer "
+            f"{f.value('tokenizer.ggml.pre', 'default')!r} of architecture "
+            f"{f.value('general.architecture', None)!r} is not built here (byte-level BPE with "
+            "a known split, or Gemma's SentencePiece, only)")
     tokens = f.value("tokenizer.ggml.tokens")
-    types = f.value("tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    if kind == "gemma":
+        unk = f.value("tokenizer.ggml.unknown_token_id", None)
+        tok, vocab = gguf_spm.gemma_model(
+            tokens, **({"unk": tokens[unk]} if unk is not None and 0 <= unk < len(tokens) else {}))
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        add_bos_default = True
+        # Gemma's own tokenizer names "<mask>" (no GGUF key holds its id).
+        extra = {"mask_token": gguf_spm.MASK} if gguf_spm.MASK in vocab else {}
+    else:
+        tok, vocab = _byte_level_model(f, tokens)
+        add_bos_default, extra = False, {}
+    return _finish(f, tok, tokens, vocab, add_bos_default, extra)
+
+
+def _byte_level_model(f: GGUFFile, tokens: list[str]):
+    """The byte-level BPE ``tokenizers.Tokenizer`` (no added tokens yet) and its vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     alphabet = set(bytes_to_unicode().values())
     spell = bytes_to_unicode()
     vocab = {(t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i
@@ -84,7 +120,7 @@ def build(path: str):
     merges = [tuple(m.split(" ", 1)) for m in f.value("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    split = PRE_TOKENIZERS[pre]
+    split = PRE_TOKENIZERS[f.value("tokenizer.ggml.pre", "default")]
     if split is _DIGITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -95,26 +131,50 @@ def build(path: str):
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
+    return tok, vocab
+
+
+def _finish(f: GGUFFile, tok, tokens: list[str], vocab: dict[str, int], add_bos_default: bool,
+            extra: dict[str, str]):
+    """``tok`` with the file's added tokens, special tokens, BOS/EOS rule and chat template, as
+    a ``transformers.PreTrainedTokenizerFast``."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    types = f.value("tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    byte_level = f.value("tokenizer.ggml.model", None) == "gpt2"
+    alphabet = set(bytes_to_unicode().values())
     # Control tokens spelled outside the byte alphabet are llama.cpp mislabels (as
     # transformers' conversion treats them): adding them would grow the vocabulary.
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
                             for t, kind_ in zip(tokens, types)
-                            if kind_ == CONTROL and set(t) <= alphabet])
+                            if kind_ == CONTROL and (not byte_level or set(t) <= alphabet)])
+    # A user-defined token is matched whole in the raw text, as llama.cpp does; one whose
+    # spelling the model respells (Gemma's runs of spaces, "▁▁") is reached by the merges.
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, kind_ in zip(tokens, types) if kind_ == USER_DEFINED and t in vocab])
 
+    ids = {}   # special token -> its id in the file
+
     def special(key):
         i = f.value(f"tokenizer.ggml.{key}", None)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        if i is None or not 0 <= i < len(tokens):
+            return None
+        ids[tokens[i]] = int(i)
+        return tokens[i]
 
-    bos = special("bos_token_id")
-    if f.value("tokenizer.ggml.add_bos_token", False) and bos is not None:
+    bos, eos = special("bos_token_id"), special("eos_token_id")
+    first = [bos] if f.value("tokenizer.ggml.add_bos_token", add_bos_default) and bos else []
+    last = [eos] if f.value("tokenizer.ggml.add_eos_token", False) and eos else []
+    if first or last:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-            special_tokens=[(bos, int(f.value("tokenizer.ggml.bos_token_id")))])
-    names = {"bos_token": bos, "eos_token": special("eos_token_id"),
+            single=" ".join(first + ["$A"] + last),
+            pair=" ".join(first + ["$A"] + last + [f"{t}:1" for t in first] + ["$B:1"]
+                          + [f"{t}:1" for t in last]),
+            special_tokens=[(t, ids[t]) for t in dict.fromkeys(first + last)])
+    names = {"bos_token": bos, "eos_token": eos,
              "unk_token": special("unknown_token_id"), "pad_token": special("padding_token_id")}
-    out = PreTrainedTokenizerFast(tokenizer_object=tok,
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, **extra,
                                   **{k: v for k, v in names.items() if v is not None})
     template = f.value("tokenizer.chat_template", None)
     if template:

@@ -159,7 +159,7 @@ class HFTokenizer(Tokenizer):
         return _write_hf_files(self._tok, out_dir)
 
 
-GGUF_CONVERTER = "rljax.gguf_tokenizer 1"  # in the cache key: a new converter converts again
+GGUF_CONVERTER = "rljax.gguf_tokenizer 2"  # in the cache key: a new converter converts again
 
 
 def _gguf_tokenizer(path: str):
@@ -190,8 +190,8 @@ def _gguf_tokenizer(path: str):
 def _convert_gguf(path: str):
     """The GGUF file's tokenizer as a ``transformers`` tokenizer: built from the file's own
     metadata with ``tokenizers`` (``rljax.gguf_tokenizer``: byte-level BPE, as in SmolLM2,
-    Qwen and Llama 3; no PyTorch needed), else by transformers' GGUF conversion (other
-    tokenizer kinds; transformers' GGUF reader needs PyTorch)."""
+    Qwen and Llama 3, and Gemma's SentencePiece; no PyTorch needed), else by transformers'
+    GGUF conversion (other tokenizer kinds; transformers' GGUF reader needs PyTorch)."""
     from rljax import gguf_tokenizer
 
     if gguf_tokenizer.supported(path):
@@ -203,8 +203,9 @@ def _convert_gguf(path: str):
                                              gguf_file=os.path.basename(path),
                                              local_files_only=True)
     except ImportError as e:  # transformers' GGUF reader: "Please install torch and gguf ..."
-        raise ValueError(f"the tokenizer of {os.path.basename(path)} is not byte-level BPE, "
-                         f"and transformers' GGUF conversion of it needs PyTorch ({e}); "
+        raise ValueError(f"the tokenizer of {os.path.basename(path)} is neither byte-level "
+                         "BPE nor Gemma's SentencePiece, and transformers' GGUF conversion of "
+                         f"it needs PyTorch ({e}); "
                          "install torch, or pass tokenizer.path=<an HF tokenizer directory>"
                          ) from None
 
