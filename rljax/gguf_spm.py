@@ -21,7 +21,7 @@ from __future__ import annotations
 # general.architecture values whose SentencePiece tokenizer is built here.
 ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 SPACE = "\u2581"   # "▁", SentencePiece's spelling of a space
-MASK = "<mask>"
+MASK, UNK = "<mask>", "<unk>"
 
 
 def respell(tokens: list[str]) -> list[str]:
@@ -48,7 +48,7 @@ def merges(pieces: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
     return out
 
 
-def gemma_model(tokens: list[str], unk: str = "<unk>"):
+def gemma_model(tokens: list[str], unk: str = UNK):
     """The ``tokenizers.Tokenizer`` (no added tokens yet) for Gemma's ``tokens``, and the
     vocabulary it looks pieces up in ({respelled token: id})."""
     from tokenizers import Tokenizer, decoders, models, normalizers

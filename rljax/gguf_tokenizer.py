@@ -67,7 +67,7 @@ def supported(path: str) -> bool:
 
 
 def _kind(f: GGUFFile) -> str | None:
-    """"gpt2" or "gemma" (the builders here), else None."""
+    """Which builder here takes the file: ``"gpt2"``, ``"gemma"``, or None."""
     from rljax import gguf_spm
 
     kind = f.value("tokenizer.ggml.model", None)
@@ -97,11 +97,12 @@ def build(path: str):
     tokens = f.value("tokenizer.ggml.tokens")
     if kind == "gemma":
         unk = f.value("tokenizer.ggml.unknown_token_id", None)
-        tok, vocab = gguf_spm.gemma_model(
-            tokens, **({"unk": tokens[unk]} if unk is not None and 0 <= unk < len(tokens) else {}))
+        unk = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else gguf_spm.UNK
+        tok, vocab = gguf_spm.gemma_model(tokens, unk)
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
         add_bos_default = True
-        # Gemma's own tokenizer names "<mask>" (no GGUF key holds its id).
+        # Gemma's own tokenizer files (and transformers' conversion) name "<mask>" the mask
+        # token; no GGUF key holds it.
         extra = {"mask_token": gguf_spm.MASK} if gguf_spm.MASK in vocab else {}
     else:
         tok, vocab = _byte_level_model(f, tokens)
