@@ -16,6 +16,7 @@ import jax
 from rljax import data as data_lib
 from rljax import models, rewards, usercode
 from rljax.errors import ConfigError, UserError
+from rljax.train import teacher as teacher_lib
 from rljax.train.step_mc import check_step_delimiter
 
 
@@ -105,6 +106,8 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
                           f"data.max_prompt_length={cfg.data.max_prompt_length}")
     check_data_files(cfg)
     check_step_delimiter(cfg)
+    if cfg.algo.name == "distill":   # the teacher's files and tokenizer, before any model
+        teacher_lib.check(cfg)
 
 
 def _check_reward_kwargs(cfg) -> None:
