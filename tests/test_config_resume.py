@@ -17,10 +17,13 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         saved = json.load(f)
     now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
     # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
-    # import, the static sampler.
+    # import, the static sampler, no distillation.
     assert now.pop("imports") == []
     assert {k: now["rollout"].pop(k) for k in ("engine", "slots", "chunk_steps")} == {
         "engine": "static", "slots": 0, "chunk_steps": 32}
+    assert now["algo"].pop("distill") == {   # read by algo.name='distill' only
+        "teacher": "", "teacher_step": 0, "kl_weight": 1.0, "reward_weight": 0.0,
+        "jsd_weight": 0.0, "jsd_beta": 0.5, "top_k": 16}
     assert now == saved
 
 
