@@ -219,7 +219,7 @@ def test_teacher_from_a_workdir_latest_or_chosen_step(tmp_path):
 
 
 @pytest.mark.parametrize("alphabet, problem", [
-    ("0123456789+-= ", "vocab size 99 \\(student\\) vs 18 \\(teacher\\)"),
+    ("0123456789+-= ", "vocab size 100 \\(student\\) vs 18 \\(teacher\\)"),
     (tokenizers.DEFAULT_ALPHABET[::-1], "token id 4 is '0' for the student, '\\\\n' for the "
                                         "teacher"),
 ])
