@@ -273,3 +273,24 @@ def test_the_distill_configs_load(name):
     cfg = config_lib.load_config(os.path.join(root, "configs", name + ".py"))
     assert cfg.algo.name == "distill" and cfg.algo.beta == 0.0
     assert cfg.algo.distill.teacher and cfg.algo.distill.reward_weight == 0.0
+
+
+def test_an_hf_teacher_directory_without_tokenizer_files_is_refused(tmp_path):
+    from rljax import models
+    cfg = tiny_cfg()
+    mcfg = teacher_lib.model_config(teacher_lib.Source(
+        "workdir", "", tokenizers.CharTokenizer(), "float32", cfg))
+    models.save_hf(mcfg, models.init_params(mcfg, jax.random.PRNGKey(0)), str(tmp_path / "hf"))
+    with pytest.raises(UserError, match=r"algo.distill.teacher=.*hf.*tokenizer"):
+        teacher_lib.check(distill_cfg(str(tmp_path / "hf")))
+
+
+def test_a_lora_student_distills_its_adapters_only(tmp_path):
+    write_teacher_workdir(tmp_path / "teacher", seed=7)
+    cfg = distill_cfg(str(tmp_path / "teacher"), **{"model.lora.rank": 4, "sft.steps": 0,
+                                                    "steps": 2})
+    assert run.train(cfg, str(tmp_path / "student"), devices=DEVICES) == 0
+    rl = [r for r in read_metrics(str(tmp_path / "student")) if "distill/reverse_kl" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) and r["skipped"] == 0
+                                for r in rl)
+    assert set(final_params(str(tmp_path / "student"))) == {"lora"}   # the base never moves

@@ -67,7 +67,9 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     sampler's), ``sampler_logps`` f32 [B, N], and
     ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on; ``temperatures`` f32 [B, N]
     with a sampler temperature schedule (log-probs, ratios and entropies at each token's own
-    temperature; see ``completion_logps``). Returns
+    temperature; see ``completion_logps``); on-policy distillation
+    (``rljax.train.phases.distill``): ``teacher_logps`` f32 [B, N] and, with its JSD term,
+    ``teacher_topk_logps`` f32 / ``teacher_topk_ids`` i32 [B, N, k]. Returns
     ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
     """
     m = batch["loss_mask"]
