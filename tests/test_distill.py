@@ -4,6 +4,7 @@ the teacher read from an rljax workdir (latest or chosen step), the same-tokeniz
 before anything is built, and a stopped-and-resumed run equal to a straight one."""
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,11 @@ def write_teacher_workdir(path, cfg=None, alphabet=None, steps=(3,), seed=0):
     return saved
 
 
+def final_step(workdir):
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        return ckpt.latest_step()
+
+
 def distill_cfg(teacher, **overrides):
     return tiny_cfg(**{"algo.name": "distill", "algo.beta": 0.0, "algo.distill.teacher": teacher,
                        **overrides})
@@ -245,13 +251,15 @@ def test_distill_config_needs_a_teacher_and_a_teacher_needs_distill(tmp_path):
         teacher_lib.check(distill_cfg(str(tmp_path)))
 
 
-def test_a_distill_run_stops_and_resumes_exactly(tmp_path):
-    """Teacher = a workdir; the student's SFT warm-up from another seed, so the teacher
-    differs. A run stopped after its first distillation step and resumed (the teacher reloaded
-    from its source) equals the straight run, metrics and parameters."""
+def test_a_lora_distill_run_stops_and_resumes_exactly(tmp_path):
+    """Teacher = a workdir (other weights than the student's); a LoRA student with the JSD
+    term and the task reward mixed in. A run stopped after its first distillation step and
+    resumed (the teacher reloaded from its source) equals the straight run, metrics and
+    adapters; only the adapters train; the student is evaluated without its teacher."""
     write_teacher_workdir(tmp_path / "teacher", seed=7)
     overrides = {"algo.distill.jsd_weight": 0.5, "algo.distill.top_k": 4, "steps": 2,
-                 "algo.micro_batch_size": 4, "algo.distill.reward_weight": 0.5}
+                 "algo.micro_batch_size": 4, "algo.distill.reward_weight": 0.5,
+                 "model.lora.rank": 4, "optimizer.learning_rate": 1e-2}
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     cfg = lambda: distill_cfg(str(tmp_path / "teacher"), **overrides)   # noqa: E731
     assert run.train(cfg(), straight, devices=DEVICES) == 0
@@ -260,11 +268,19 @@ def test_a_distill_run_stops_and_resumes_exactly(tmp_path):
     records = read_metrics(straight)
     rl = [r for r in records if "distill/reverse_kl" in r]
     assert len(rl) == 2 and all(r["distill/reverse_kl"] > 0 and r["distill/jsd"] > 0 and
-                                0 <= r["distill/teacher_agreement"] <= 1 for r in rl)
+                                0 <= r["distill/teacher_agreement"] <= 1 and r["skipped"] == 0
+                                for r in rl)
     assert comparable(read_metrics(split)) == comparable(records)
+    assert set(final_params(straight)) == {"lora"}   # the base never moves
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
     with open(os.path.join(straight, "config.json")) as f:
         assert json.load(f)["algo"]["beta"] == 0.0   # distillation's default: no reference
+    # The student is evaluated without its teacher.
+    shutil.rmtree(tmp_path / "teacher")
+    from rljax.train import inference
+    _, _, step = inference.load_for_inference(config_lib.load_config_json(
+        os.path.join(straight, "config.json")), straight, devices=DEVICES)
+    assert step == final_step(straight)
 
 
 @pytest.mark.parametrize("name", ["distill_arithmetic", "distill_smollm2"])
@@ -283,14 +299,3 @@ def test_an_hf_teacher_directory_without_tokenizer_files_is_refused(tmp_path):
     models.save_hf(mcfg, models.init_params(mcfg, jax.random.PRNGKey(0)), str(tmp_path / "hf"))
     with pytest.raises(UserError, match=r"algo.distill.teacher=.*hf.*tokenizer"):
         teacher_lib.check(distill_cfg(str(tmp_path / "hf")))
-
-
-def test_a_lora_student_distills_its_adapters_only(tmp_path):
-    write_teacher_workdir(tmp_path / "teacher", seed=7)
-    cfg = distill_cfg(str(tmp_path / "teacher"), **{"model.lora.rank": 4, "sft.steps": 0,
-                                                    "steps": 2})
-    assert run.train(cfg, str(tmp_path / "student"), devices=DEVICES) == 0
-    rl = [r for r in read_metrics(str(tmp_path / "student")) if "distill/reverse_kl" in r]
-    assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) and r["skipped"] == 0
-                                for r in rl)
-    assert set(final_params(str(tmp_path / "student"))) == {"lora"}   # the base never moves
