@@ -11,6 +11,9 @@ Train the teacher first, then distill into the shipped model (same GGUF, same to
 A LoRA student: ``--config.model.lora.rank=16 --config.optimizer.learning_rate=2e-4``.
 Same prompts, rollout and optimizer as the GRPO config, so sampled tokens compare one to one;
 the task reward is logged (``reward/mean``, ``eval/accuracy``) but not trained on.
+
+Not measured yet: the config loads and validates (tests/test_distill.py); no accuracy or
+time is claimed for it.
 """
 import os
 
