@@ -17,12 +17,15 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         saved = json.load(f)
     now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
     # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
-    # import, the static sampler, no partial rollouts.
+    # import, the static sampler, no partial rollouts, no distillation.
     assert now.pop("imports") == []
     added = ("engine", "slots", "chunk_steps", "partial", "max_staleness", "stop_strings")
     assert {k: now["rollout"].pop(k) for k in added} == {
         "engine": "static", "slots": 0, "chunk_steps": 32, "partial": False, "max_staleness": 2,
         "stop_strings": []}
+    assert now["algo"].pop("distill") == {   # read by algo.name='distill' only
+        "teacher": "", "teacher_step": 0, "kl_weight": 1.0, "reward_weight": 0.0,
+        "jsd_weight": 0.0, "jsd_beta": 0.5, "top_k": 16}
     assert now == saved
 
 

@@ -21,6 +21,9 @@ from test_train_loop import tiny_cfg
 ALGORITHMS = {
     # Two mini-batches of 8 (old log-probs recomputed), each two micro-batches of whole groups.
     "grpo": {"algo.micro_batch_size": 4},
+    # GRPO's update with the teacher's scores (and the JSD term's top-k) in its batch.
+    "distill": {"algo.name": "distill", "algo.beta": 0.0, "algo.micro_batch_size": 4,
+                "algo.distill.jsd_weight": 0.5, "algo.distill.top_k": 4},
     "ppo": {"algo.name": "ppo", "algo.adv_estimator": "gae", "algo.beta": 0.0},
     "dpo": {"algo.name": "dpo", "algo.beta": 0.1, "algo.mini_batch_size": 0},
     "sft": {"algo.name": "sft", "algo.beta": 0.0, "algo.mini_batch_size": 0},
@@ -57,7 +60,7 @@ class Recorder:
 def capture(phase, state, calls):
     """Wraps the update programs of ``phase`` (built for ``state``) in ``Recorder``s."""
     step = phase._compiled(state)
-    if phase.name == "grpo":   # a GroupedUpdate: a stream's gradients, then the apply
+    if phase.name in ("grpo", "distill"):   # a GroupedUpdate: a stream's gradients, then the apply
         step._grads = Recorder("update", step._grads, calls)
         step._micro = Recorder("update", step._micro, calls)
         step._apply_fns[1] = Recorder("apply", step._apply_fn(1), calls)
@@ -69,7 +72,12 @@ def capture(phase, state, calls):
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
 def test_planned_update_programs_are_the_ones_a_step_runs(algo, tmp_path):
-    cfg = tiny_cfg(**{"sft.steps": 0, "algo.update_streams": 1, **ALGORITHMS[algo]})
+    overrides = dict(ALGORITHMS[algo])
+    if algo == "distill":   # a teacher to read: a workdir with a checkpoint
+        from test_distill import write_teacher_workdir
+        write_teacher_workdir(tmp_path / "teacher")
+        overrides["algo.distill.teacher"] = str(tmp_path / "teacher")
+    cfg = tiny_cfg(**{"sft.steps": 0, "algo.update_streams": 1, **overrides})
     devices = jax.devices()[:1]
     planned = plan_lib.plan(cfg, devices)
     rows = {p.name: p for p in planned.phases}
@@ -79,6 +87,13 @@ def test_planned_update_programs_are_the_ones_a_step_runs(algo, tmp_path):
     state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
     state_bytes = plan_lib.shard_bytes(state)
     assert state_bytes == planned.resident, (state_bytes, planned.resident_parts)
+    if algo == "distill":
+        # The teacher (loaded at the first rollout, not train state) is loaded now, and its
+        # shards listed once: listing a checkpoint-restored array's shards the first time adds
+        # views of its buffers to the live arrays (no memory), which the first update's
+        # measurement would otherwise count as its own.
+        phase.rollout.teacher()
+        plan_lib.measure_live_bytes()
     calls = []
     capture(phase, state, calls)
     state, _ = phase.iteration(state, 0)

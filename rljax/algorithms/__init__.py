@@ -8,6 +8,7 @@ Registries:
                                  a sampled tree (uses_tree(name): take node_ids)
   get_policy_loss(name)          ppo (vanilla), gspo, cispo
   get_kl_estimator(name)         k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs
+  distill_advantages, generalized_jsd_tokens  on-policy distillation (per token)
   aggregate(loss_tokens, mask, mode)  token-mean, seq-mean-token-mean, seq-mean-token-sum,
                                       seq-mean-token-sum-norm
 
@@ -48,6 +49,12 @@ from rljax.algorithms.aggregation import (
     masked_var,
     masked_whiten,
     safe_divide,
+)
+from rljax.algorithms.distill import (
+    distill_advantages,
+    generalized_jsd_tokens,
+    reverse_kl_tokens,
+    teacher_agreement,
 )
 from rljax.algorithms.entropy import entropy_from_logits, entropy_from_logps
 from rljax.algorithms.kl import (

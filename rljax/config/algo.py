@@ -23,7 +23,8 @@ POLICY_LOSS_DEFAULTS: dict[str, dict[str, float | None]] = {
 # ``algo.beta`` left unset: the phase's default. It is the KL-to-reference coefficient in GRPO
 # and PPO (0.04, the GRPO paper's) and the inverse temperature of the implicit reward in DPO
 # (0.1, the DPO paper's and TRL's usual value).
-BETA_DEFAULTS: dict[str, float] = {"dpo": 0.1}
+# Distillation's anchor is the teacher, so it needs no reference model unless asked for.
+BETA_DEFAULTS: dict[str, float] = {"dpo": 0.1, "distill": 0.0}
 BETA_DEFAULT = 0.04
 
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
@@ -128,6 +129,19 @@ def algo() -> dict[str, Any]:
                                      # solved or not (a control: the same SFT steps on
                                      # prompts not chosen by failure)
         ),
+        # On-policy distillation (algo.name='distill'; docs/algorithms.md): the student samples,
+        # a frozen teacher scores every sampled token, and the GRPO update trains on the
+        # per-token reverse KL to the teacher as the advantage (discount 0).
+        distill=dict(
+            teacher="",              # an HF checkpoint dir, a GGUF file or an rljax workdir
+            teacher_step=0,          # workdir teacher: this checkpoint step; 0 = the latest
+            kl_weight=1.0,           # weight of -(log pi_student - log pi_teacher) per token
+            reward_weight=0.0,       # weight of the task advantage (algo.adv_estimator)
+            jsd_weight=0.0,          # weight of GKD's generalised JSD over the teacher's top-k
+                                     # (a full-distribution loss term); 0 = off
+            jsd_beta=0.5,            # its beta: 0 = forward KL(teacher||student), 1 = reverse
+            top_k=16,                # teacher tokens per position the JSD term reads
+        ),
         mixed_policy=False,          # LUFFY-style: the reference solution replaces one sample
                                      # of a group that failed entirely (importance ratio
                                      # pi_theta / 1, so <= 1); an alternative to hints
@@ -223,6 +237,9 @@ RANGES = (
     ("algo.relift.every", 0, None), ("algo.relift.k_visits", 1, None),
     ("algo.relift.batch_size", 1, None), ("algo.relift.buffer_size", 1, None),
     ("algo.relift.coef", 0.0, None),
+    ("algo.distill.teacher_step", 0, None), ("algo.distill.kl_weight", 0.0, None),
+    ("algo.distill.reward_weight", 0.0, None), ("algo.distill.jsd_weight", 0.0, None),
+    ("algo.distill.jsd_beta", 0.0, 1.0), ("algo.distill.top_k", 1, None),
     ("sft.steps", 0, None), ("sft.learning_rate", 1e-30, None), ("sft.batch_size", 1, None),
     ("sft.max_length", 1, None), ("sft.trace_noise", 0.0, 1.0),
 )
@@ -274,7 +291,9 @@ def check_groups_and_clip(cfg, filled: Mapping[str, Any] | None = None) -> None:
     """Group sizes the estimator or online DPO needs, and a clip range with low <= high."""
     algo = cfg.algo
     g = algo.num_generations
-    if algo.name == "grpo" and algo.adv_estimator in GROUP_ESTIMATORS and g < 2:
+    # Distillation normalises rewards per group only when the task reward is mixed in.
+    grouped = algo.name == "grpo" or (algo.name == "distill" and algo.distill.reward_weight > 0)
+    if grouped and algo.adv_estimator in GROUP_ESTIMATORS and g < 2:
         raise ConfigError(f"algo.num_generations={g} must be >= 2 for "
                           f"algo.adv_estimator='{algo.adv_estimator}' (it normalises per group)")
     if (algo.epsilon_high is not None and algo.epsilon is not None
@@ -296,7 +315,7 @@ def check_estimator_and_update(cfg) -> None:
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.name='ppo'")
     if algo.name == "ppo" and algo.adv_estimator != "gae":
         raise ConfigError("algo.name='ppo' trains a critic for GAE: set algo.adv_estimator='gae'")
-    if algo.group_by_length and algo.name != "grpo":
+    if algo.group_by_length and algo.name not in ("grpo", "distill"):
         raise ConfigError(f"algo.group_by_length=True groups the GRPO update's micro-batches; "
                           f"algo.name='{algo.name}' does not use it (set it to False)")
 
@@ -327,3 +346,22 @@ def check_overlong(cfg) -> None:
     if cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algo.overlong_buffer={cfg.algo.overlong_buffer} must be <= "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+
+
+def check_distill(cfg) -> None:
+    """A teacher exactly when distilling; single-turn rollouts; a signal that is not zero."""
+    algo, d = cfg.algo, cfg.algo.distill
+    if algo.name == "distill" and not d.teacher:
+        raise ConfigError("algo.name='distill' needs algo.distill.teacher (an HF checkpoint "
+                          "dir, a GGUF file or an rljax workdir)")
+    if algo.name != "distill" and d.teacher:
+        raise ConfigError(f"algo.distill.teacher is read by algo.name='distill' only "
+                          f"(algo.name={algo.name!r})")
+    if algo.name != "distill":
+        return
+    if cfg.env.name:
+        raise ConfigError(f"algo.name='distill' scores single-turn completions; multi-turn "
+                          f"episodes (env.name={cfg.env.name!r}) are not supported")
+    if d.kl_weight == 0 and d.reward_weight == 0 and d.jsd_weight == 0:
+        raise ConfigError("algo.distill.kl_weight, reward_weight and jsd_weight are all 0: "
+                          "nothing would train")

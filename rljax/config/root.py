@@ -90,6 +90,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     reward.check_rewards,
     data.check_path,
     algo.check_overlong,
+    algo.check_distill,
     model.check_lora,
     reward.check_env,
     data.check_selection,

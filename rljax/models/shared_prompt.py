@@ -155,7 +155,8 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
 def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
                      prompt_mask: jax.Array, tokens: jax.Array, mask: jax.Array,
                      temperature=1.0, chunk_size: Optional[int] = None,
-                     with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None):
+                     with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
+                     extra_targets: Optional[jax.Array] = None):
     """Log-probs (and entropies) of completion tokens after shared prompts.
 
     Shapes as ``trunk``; ``temperature`` a scalar or float32 [Bp*G, N] (each token at its own).
@@ -163,13 +164,17 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     False: column j is ``log p(tokens[:, j] | prompt, tokens[:, :j])``, as
     ``transformer.token_logps(..., first_scored=P)`` gives for the concatenated rows. Token 0
     is predicted by the prompt's last position (left padding: the last column is real).
+    ``extra_targets`` int [Bp*G, N, K]: a third output, those ids' log-probs per column
+    (``transformer.scored_logps``).
     """
     prompt_hidden, hidden = trunk(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
                                   lora_dropout_rng)
     g = tokens.shape[0] // prompt_tokens.shape[0]
     last = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)                    # [Bp*G, 1, D]
     before = jnp.concatenate([last, hidden[:, :-1]], axis=1)              # predicts column j
-    logp, ent = tfm.scored_logps(cfg, params, before, tokens, temperature, chunk_size,
-                                 with_entropy)
+    scored = tfm.scored_logps(cfg, params, before, tokens, temperature, chunk_size,
+                              with_entropy, extra_targets)
+    logp, ent = scored[:2]
     logp = jnp.where(mask, logp, 0.0)
-    return logp, (jnp.where(mask, ent, 0.0) if with_entropy else None)
+    out = (logp, (jnp.where(mask, ent, 0.0) if with_entropy else None))
+    return out + tuple(scored[2:])

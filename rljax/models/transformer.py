@@ -601,7 +601,7 @@ def scoring_temperature(temperature: float) -> float:
 def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
                 positions=None, temperature=1.0, chunk_size: Optional[int] = None,
                 with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
-                first_scored: int = 1):
+                first_scored: int = 1, extra_targets: Optional[jax.Array] = None):
     """Per-token log-probabilities of ``tokens`` under the model (teacher forcing).
 
     Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
@@ -619,6 +619,10 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     the prompt, so passing the prompt length skips the [*, D] x [D, V] head and its log-softmax
     over the prompt positions (at vocab 49k the head is ~20% of the forward FLOPs per position,
     and the backward recomputes it). Scored columns are computed exactly as with the default 1.
+
+    ``extra_targets`` int [B, T - first_scored, K] (optional; ``first_scored`` >= 1): K more
+    ids per scored column, whose log-probs come back as a third output f32 [B, T -
+    first_scored, K] (see ``scored_logps``).
     """
     b, t = tokens.shape
     hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
@@ -632,8 +636,9 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     temperature = jnp.asarray(temperature, jnp.float32)
     if temperature.ndim == 2:
         temperature = temperature[:, start:]
-    logp, ent = scored_logps(cfg, params, hidden[:, start - 1:-1], tokens[:, start:],
-                             temperature, chunk_size, with_entropy)
+    scored = scored_logps(cfg, params, hidden[:, start - 1:-1], tokens[:, start:],
+                          temperature, chunk_size, with_entropy, extra_targets)
+    logp, ent = scored[:2]
     first = jnp.zeros((b, start), jnp.float32)
     logp = jnp.concatenate([first, logp], axis=1)
     ent = jnp.concatenate([first, ent], axis=1)
@@ -641,11 +646,14 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
         valid = attention_mask.astype(bool)
         logp = jnp.where(valid, logp, 0.0)
         ent = jnp.where(valid, ent, 0.0)
+    if extra_targets is not None:
+        return logp, (ent if with_entropy else None), scored[2]
     return logp, (ent if with_entropy else None)
 
 
 def scored_logps(cfg: ModelConfig, params: dict, hidden: jax.Array, targets: jax.Array,
-                 temperature=1.0, chunk_size: Optional[int] = None, with_entropy: bool = False):
+                 temperature=1.0, chunk_size: Optional[int] = None, with_entropy: bool = False,
+                 extra_targets: Optional[jax.Array] = None):
     """The LM head and log-softmax over given positions, chunked.
 
     hidden: [B, n, D], each row's hidden state *before* its target; targets: int [B, n];
@@ -653,6 +661,10 @@ def scored_logps(cfg: ModelConfig, params: dict, hidden: jax.Array, targets: jax
     [B, n])`` (entropy zeros unless ``with_entropy``). The head runs over chunks of
     ``chunk_size`` positions inside a rematerialised ``lax.map``, so neither the forward nor
     the backward pass holds float32 [B, n, V] logits.
+
+    ``extra_targets`` int [B, n, K] (optional): K more token ids per position whose log-probs
+    the same head pass also returns, as a third output f32 [B, n, K] (a distillation teacher's
+    top-k, ``rljax.algorithms.distill``).
     """
     b, n = targets.shape
     c = min(chunk_size or _auto_chunk(b, n, cfg.vocab_size), n)
@@ -669,19 +681,31 @@ def scored_logps(cfg: ModelConfig, params: dict, hidden: jax.Array, targets: jax
         inv_temp = inv_temp.reshape(b, num_chunks, c).swapaxes(0, 1)[..., None]
     else:  # one scalar for every chunk
         inv_temp = jnp.broadcast_to(inv_temp, (num_chunks,))
+    args = (h, targets, inv_temp)
+    if extra_targets is not None:
+        k = extra_targets.shape[-1]
+        extra = jnp.pad(extra_targets, ((0, 0), (0, pad), (0, 0)))
+        args += (extra.reshape(b, num_chunks, c, k).swapaxes(0, 1),)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(args):
-        h_c, tgt, inv_t = args
+        h_c, tgt, inv_t = args[:3]
         logits = logits_from_hidden(cfg, params, h_c) * inv_t  # f32 [B, C, V]
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
         logp = picked - lse
         if not with_entropy:
-            return logp, jnp.zeros_like(logp)
-        probs = jnp.exp(logits - lse[..., None])
-        ent = lse - jnp.sum(probs * logits, axis=-1)
-        return logp, ent
+            ent = jnp.zeros_like(logp)
+        else:
+            probs = jnp.exp(logits - lse[..., None])
+            ent = lse - jnp.sum(probs * logits, axis=-1)
+        if len(args) == 3:
+            return logp, ent
+        return logp, ent, jnp.take_along_axis(logits, args[3], axis=-1) - lse[..., None]
 
-    logp, ent = jax.lax.map(chunk, (h, targets, inv_temp))
-    return (logp.swapaxes(0, 1).reshape(b, -1)[:, :n], ent.swapaxes(0, 1).reshape(b, -1)[:, :n])
+    outs = jax.lax.map(chunk, args)
+    out = (outs[0].swapaxes(0, 1).reshape(b, -1)[:, :n],
+           outs[1].swapaxes(0, 1).reshape(b, -1)[:, :n])
+    if extra_targets is not None:
+        out += (outs[2].swapaxes(0, 1).reshape(b, -1, extra_targets.shape[-1])[:, :n],)
+    return out

@@ -114,7 +114,8 @@ def load_for_inference(cfg, workdir: str, checkpoint: str | None = None, devices
     """(ctx, state, step) with the params of checkpoint ``checkpoint`` (default latest)."""
     config_lib.validate(cfg)
     compilation_cache.from_config(cfg)
-    check_inputs(cfg, len(devices) if devices is not None else None)
+    # A distilled student is evaluated, sampled and exported without its teacher.
+    check_inputs(cfg, len(devices) if devices is not None else None, teacher=False)
     ctx = build_context(cfg, workdir, devices)
     phases = make_phases(ctx)
     with CheckpointManager(checkpoint_dir(workdir), max_to_keep=cfg.checkpoint.max_to_keep,

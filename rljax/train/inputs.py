@@ -16,6 +16,7 @@ import jax
 from rljax import data as data_lib
 from rljax import models, rewards, usercode
 from rljax.errors import ConfigError, UserError
+from rljax.train import teacher as teacher_lib
 from rljax.train.step_mc import check_step_delimiter
 
 
@@ -40,8 +41,10 @@ def _template(cfg) -> str:
     return name
 
 
-def check_inputs(cfg, num_devices: int | None = None) -> None:
-    """Raises UserError for problems found without compiling anything."""
+def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> None:
+    """Raises UserError for problems found without compiling anything. ``teacher=False``:
+    a distillation run's teacher is not checked (``eval``/``sample``/``export`` of the
+    student never read it)."""
     if cfg.model.path and models.is_gguf_path(cfg.model.path):
         models.inspect_gguf(cfg.model.path)  # GGUFError (a UserError) names what it cannot load
     elif cfg.model.path:
@@ -105,6 +108,8 @@ def check_inputs(cfg, num_devices: int | None = None) -> None:
                           f"data.max_prompt_length={cfg.data.max_prompt_length}")
     check_data_files(cfg)
     check_step_delimiter(cfg)
+    if cfg.algo.name == "distill" and teacher:   # its files and tokenizer, before any model
+        teacher_lib.check(cfg)
 
 
 def _check_reward_kwargs(cfg) -> None:

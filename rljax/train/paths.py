@@ -5,6 +5,7 @@ on it goes through ``etils.epath.Path`` (the same layer orbax uses for checkpoin
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -60,3 +61,18 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether the local directory ``path`` looks like an rljax workdir (a ``checkpoints/``
+    directory, a ``metrics.jsonl``, or a ``config.json`` that is an rljax config rather than a
+    model's)."""
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(
+            os.path.join(path, "metrics.jsonl")):
+        return True
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("model"), dict) and "algo" in data

@@ -179,7 +179,7 @@ def jit_step(fn: Callable, state_shardings=None, mesh=None) -> Callable:
 # ----------------------------------------------------------------------------- losses
 
 def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
-                     with_entropy: bool = False, lora_dropout_rng=None):
+                     with_entropy: bool = False, lora_dropout_rng=None, extra_ids=None):
     """Log-probs (and entropies) of the completion tokens: float32 [B, N] each (N from
     ``batch["loss_mask"]``); the [B, P+N, V] logits are never materialised at once.
     ``lora_dropout_rng``: training passes only (see ``training_dropout_rng``); None = none.
@@ -194,25 +194,28 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     Shared-prompt layout (``length_groups.shared_layout``, ``algo.shared_prompt``): with
     ``batch["prompt_tokens"]``/``["prompt_mask"]`` [R/G, P] once per group of G rows,
     ``tokens``/``mask`` are the completion columns [R, N] only, and each prompt is computed
-    once (``models.shared_prompt``): the same log-probs up to float32 summation order."""
+    once (``models.shared_prompt``): the same log-probs up to float32 summation order.
+
+    ``extra_ids`` int [B, N, K] (optional): a third output, the log-probs of those ids at each
+    completion column, from the same LM-head pass (a distillation teacher's top-k)."""
     n = batch["loss_mask"].shape[1]
     if "prompt_tokens" in batch:
         temperature = batch.get("temperatures", temperature)
-        logps, ent = shared_prompt.completion_logps(
+        return shared_prompt.completion_logps(
             model_cfg, params, batch["prompt_tokens"], batch["prompt_mask"],
             batch["tokens"][:, :n], batch["mask"][:, :n], temperature=temperature,
-            with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng)
-        return logps, ent
+            with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
+            extra_targets=extra_ids)
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
         prompt = jnp.ones((per_token.shape[0], batch["tokens"].shape[1] - n), jnp.float32)
         temperature = jnp.concatenate([prompt, per_token], axis=1)  # [B, P+N]
-    logps, ent = models.token_logps(model_cfg, params, batch["tokens"],
-                                    attention_mask=batch["mask"], temperature=temperature,
-                                    with_entropy=with_entropy,
-                                    lora_dropout_rng=lora_dropout_rng,
-                                    first_scored=batch["tokens"].shape[1] - n)
-    return logps[:, -n:], (None if ent is None else ent[:, -n:])
+    out = models.token_logps(model_cfg, params, batch["tokens"],
+                             attention_mask=batch["mask"], temperature=temperature,
+                             with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
+                             first_scored=batch["tokens"].shape[1] - n, extra_targets=extra_ids)
+    logps, ent = out[:2]
+    return (logps[:, -n:], None if ent is None else ent[:, -n:]) + tuple(out[2:])
 
 
 def _pair(x, m):

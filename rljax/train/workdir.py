@@ -28,6 +28,7 @@ from typing import Sequence
 from rljax import config as config_lib
 from rljax.errors import ConfigError, UserError, WorkdirInUse
 from rljax.train import paths
+from rljax.train.paths import is_run_dir  # noqa: F401 - callers import it here
 from rljax.train.checkpoint import checkpoint_dir, has_checkpoint
 
 CONFIG_FILE = "config.json"
@@ -216,21 +217,6 @@ def resolve_train_config(config_file: str | None, workdir: str, overrides: Seque
         cfg = config_lib.load_config(config_file, overrides)
     changes = check_reuse(workdir, cfg, allow_config_change) if resuming else []
     return cfg, resuming, changes
-
-
-def is_run_dir(path: str) -> bool:
-    """Whether the local directory ``path`` looks like an rljax workdir (a ``checkpoints/``
-    directory, a ``metrics.jsonl``, or a ``config.json`` that is an rljax config rather than a
-    model's)."""
-    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(
-            os.path.join(path, "metrics.jsonl")):
-        return True
-    try:
-        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and isinstance(data.get("model"), dict) and "algo" in data
 
 
 def check_export_target(workdir: str, out: str, overwrite: bool = False) -> None:

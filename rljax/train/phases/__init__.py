@@ -2,6 +2,7 @@
 
     sft   SFTPhase   supervised fine-tuning (also the RL warm-up)
     grpo  GRPOPhase  the GRPO family (Dr. GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++)
+    distill DistillPhase  on-policy distillation from a frozen teacher (GRPO's update)
     ppo   PPOPhase   PPO with a critic and GAE
     dpo   DPOPhase   offline and online (iterative) DPO and its variants
     rm    RMPhase    Bradley-Terry reward model
@@ -19,6 +20,7 @@ import dataclasses
 from typing import Callable
 
 from rljax.errors import UserError
+from rljax.train.phases.distill import DistillPhase
 from rljax.train.phases.dpo import DPOPhase
 from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.phases.ppo import PPOPhase
@@ -29,6 +31,7 @@ from rljax.train.setup import Context, Phase
 # algo.name -> factory(ctx, steps) -> Phase.
 ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
     "grpo": GRPOPhase,
+    "distill": DistillPhase,
     "ppo": PPOPhase,
     "dpo": DPOPhase,
     "rm": RMPhase,
@@ -39,6 +42,7 @@ ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
 # algo.name -> programs(ctx, steps) -> (abstract state, [programs.Program]).
 PROGRAMS: dict[str, Callable] = {
     "grpo": GRPOPhase.programs,
+    "distill": DistillPhase.programs,
     "ppo": PPOPhase.programs,
     "dpo": DPOPhase.programs,
     "rm": RMPhase.programs,

@@ -25,6 +25,7 @@ from rljax import algorithms, models, streams as streams_lib
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train import guidance, length_groups, programs as programs_lib, steps
+from rljax.train import teacher as teacher_lib
 from rljax.train.metrics import host_fraction
 from rljax.train.rollout import Rollout
 from rljax.train.setup import Context, rl_iterator, update_sizes
@@ -75,7 +76,9 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     sampler's), ``sampler_logps`` f32 [B, N], and
     ``ref_logps`` f32 [B, N] when a KL-to-reference loss is on; ``temperatures`` f32 [B, N]
     with a sampler temperature schedule (log-probs, ratios and entropies at each token's own
-    temperature; see ``completion_logps``). Returns
+    temperature; see ``completion_logps``); on-policy distillation
+    (``rljax.train.phases.distill``): ``teacher_logps`` f32 [B, N] and, with its JSD term,
+    ``teacher_topk_logps`` f32 / ``teacher_topk_ids`` i32 [B, N, k]. Returns
     ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
 
     Partial rollouts (``partial``; ``rljax.train.partial``): a completion's tokens come from
@@ -101,8 +104,10 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
     # adapters; old/ref log-probs computed beforehand never do.
     rng = steps.training_dropout_rng(model_cfg, state, batch)
-    logps, ent = steps.completion_logps(model_cfg, params, batch, temperature=temperature,
-                                        with_entropy=True, lora_dropout_rng=rng)
+    scored = steps.completion_logps(model_cfg, params, batch, temperature=temperature,
+                                    with_entropy=True, lora_dropout_rng=rng,
+                                    extra_ids=batch.get("teacher_topk_ids"))
+    logps, ent = scored[:2]
     opts = policy_loss_options(algo_cfg, partial)
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]
@@ -116,9 +121,12 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
         diff = jnp.where(real, jnp.abs(old - batch["sampler_logps"]), 0.0)
         diff_metrics = {"rollout/logp_diff_mean": _pair(diff, real),
                         "rollout/logp_diff_max": (jnp.max(diff), jnp.ones((), jnp.float32))}
-    pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
-        logps, old, batch["advantages"], m, **opts)
+    adv, distill_tokens, distill_metrics = batch["advantages"], None, {}
+    if "teacher_logps" in batch:   # on-policy distillation: the teacher's per-token signal
+        adv, distill_tokens, distill_metrics = _distill_terms(algo_cfg, batch, old, scored, m)
+    pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(logps, old, adv, m, **opts)
     metrics.update(diff_metrics)
+    metrics.update(distill_metrics)
     kl = None
     if algo_cfg.beta > 0 and not algo_cfg.kl_in_reward:
         kl = algorithms.get_kl_estimator(algo_cfg.kl_estimator)(logps, batch["ref_logps"])
@@ -126,10 +134,31 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     total = algorithms.combine_token_losses(pg, m, kl_tokens=kl, kl_coef=float(algo_cfg.beta),
                                             entropy_tokens=ent,
                                             entropy_coef=float(algo_cfg.entropy_coef))
+    if distill_tokens is not None:
+        total = total + float(algo_cfg.distill.jsd_weight) * distill_tokens
     n = batch.get(steps.COMPLETION_SLOTS, m.shape[1])
     metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
     metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
     return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
+
+
+def _distill_terms(algo_cfg, batch, old, scored, m):
+    """(advantages, JSD tokens or None, metrics) of on-policy distillation: the per-token
+    reverse KL of the pre-update student (``old``) to the teacher as the advantage, mixed with
+    the task advantage (``algo.distill``), and GKD's JSD over the teacher's top-k when the
+    batch carries it (``rljax.algorithms.distill``)."""
+    d = algo_cfg.distill
+    teacher = batch["teacher_logps"]
+    adv = algorithms.distill_advantages(old, teacher, m, batch["advantages"],
+                                        kl_weight=float(d.kl_weight),
+                                        reward_weight=float(d.reward_weight))
+    metrics = {"distill/reverse_kl": _pair(algorithms.reverse_kl_tokens(old, teacher), m)}
+    jsd = None
+    if "teacher_topk_ids" in batch:
+        jsd = algorithms.generalized_jsd_tokens(scored[2], batch["teacher_topk_logps"],
+                                                float(d.jsd_beta))
+        metrics["distill/jsd"] = _pair(jax.lax.stop_gradient(jsd), m)
+    return adv, jsd, metrics
 
 
 def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0,
@@ -179,6 +208,8 @@ def batch_fields(cfg) -> dict:
         fields["temperatures"] = ((n,), f32)
     if cfg.env.name:   # multi-turn episodes: the model's own tokens (rljax.train.agent)
         fields["model_mask"] = ((n,), bool)
+    if a.name == "distill":   # the teacher's scores of the sampled tokens
+        fields.update(teacher_lib.fields(cfg, n))
     return fields
 
 
@@ -212,6 +243,7 @@ class GRPOPhase:
     """``steps`` GRPO iterations at ``optimizer.learning_rate``."""
 
     name = "grpo"
+    rollout_class = Rollout   # the distillation phase's adds the teacher's scores
     prefetch = True   # draw the next prompts while the update runs (results do not change)
 
     def __init__(self, ctx: Context, steps: int):
@@ -221,7 +253,7 @@ class GRPOPhase:
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
-        rollout_cls = Rollout
+        rollout_cls = self.rollout_class
         if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
             from rljax.train.agent import MultiTurnRollout as rollout_cls
         elif cfg.rollout.partial:   # groups carried across iterations

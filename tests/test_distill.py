@@ -1,0 +1,301 @@
+"""On-policy distillation: the per-token reverse-KL advantage and GKD's generalised JSD against
+formulas written out in NumPy (values and gradients), the update exact under micro-batching,
+the teacher read from an rljax workdir (latest or chosen step), the same-tokenizer refusal
+before anything is built, and a stopped-and-resumed run equal to a straight one."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import algorithms, tokenizers
+from rljax import config as config_lib
+from rljax.errors import ConfigError, UserError
+from rljax.train import checkpoint, inputs, run
+from rljax.train import teacher as teacher_lib
+from rljax.train.metrics import read_metrics
+from rljax.train.phases import grpo
+
+from test_train_loop import DEVICES, StopAfter, comparable, final_params, tiny_cfg
+from test_train_steps import MODEL, algo_cfg, fresh_state, make_batch, scanned_grpo_step
+
+# ----------------------------------------------------------------------------- formulas
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def np_jsd(student_logps, teacher_logps, beta):
+    """GKD's generalised JSD over a token subset, written out in float64."""
+    q = np.exp(_log_softmax(np.asarray(student_logps, np.float64)))
+    p = np.exp(_log_softmax(np.asarray(teacher_logps, np.float64)))
+
+    def kl(a, b):
+        return (a * (np.log(a) - np.log(b))).sum(-1)
+
+    if beta == 0:
+        return kl(p, q)
+    if beta == 1:
+        return kl(q, p)
+    m = beta * p + (1 - beta) * q
+    return beta * kl(p, m) + (1 - beta) * kl(q, m)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_generalized_jsd_values_and_gradient_match_numpy(beta):
+    rng = np.random.default_rng(0)
+    s = _log_softmax(rng.normal(size=(3, 4, 6)) * 2).astype(np.float32)
+    t = _log_softmax(rng.normal(size=(3, 4, 6)) * 2).astype(np.float32)
+    got = np.asarray(algorithms.generalized_jsd_tokens(s, t, beta))
+    np.testing.assert_allclose(got, np_jsd(s, t, beta), rtol=1e-5, atol=1e-6)
+    if 0 < beta < 1:   # a divergence: 0 at P = Q, symmetric at beta = 1/2
+        np.testing.assert_allclose(algorithms.generalized_jsd_tokens(t, t, beta), 0, atol=1e-6)
+    # Gradient of the summed JSD with respect to the student's log-probs, against central
+    # differences of the float64 formula.
+    grad = np.asarray(jax.grad(lambda x: algorithms.generalized_jsd_tokens(x, t, beta).sum())(
+        jnp.asarray(s)))
+    s64, eps, want = s.astype(np.float64), 1e-6, np.zeros(s.shape)
+    for idx in np.ndindex(s.shape):
+        up, down = s64.copy(), s64.copy()
+        up[idx] += eps
+        down[idx] -= eps
+        want[idx] = (np_jsd(up, t, beta).sum() - np_jsd(down, t, beta).sum()) / (2 * eps)
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-5)
+    # No gradient reaches the teacher.
+    g_t = jax.grad(lambda x: algorithms.generalized_jsd_tokens(s, x, beta).sum())(jnp.asarray(t))
+    np.testing.assert_array_equal(np.asarray(g_t), 0.0)
+
+
+def test_distill_advantages_are_minus_the_reverse_kl_plus_the_weighted_task_advantage():
+    rng = np.random.default_rng(1)
+    logps = -rng.uniform(0.1, 3, (4, 5)).astype(np.float32)
+    teacher = -rng.uniform(0.1, 3, (4, 5)).astype(np.float32)
+    mask = rng.uniform(size=(4, 5)) < 0.7
+    task = rng.normal(size=4).astype(np.float32)
+    np.testing.assert_allclose(algorithms.reverse_kl_tokens(logps, teacher), logps - teacher)
+    got = algorithms.distill_advantages(logps, teacher, mask, task, kl_weight=0.5,
+                                        reward_weight=2.0)
+    want = np.where(mask, -0.5 * (logps - teacher) + 2.0 * task[:, None], 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    task_tokens = rng.normal(size=(4, 5)).astype(np.float32)   # a token-level estimator
+    got = algorithms.distill_advantages(logps, teacher, mask, task_tokens, reward_weight=1.0)
+    np.testing.assert_allclose(got, np.where(mask, teacher - logps + task_tokens, 0.0),
+                               rtol=1e-6, atol=1e-6)
+    hits, n = algorithms.teacher_agreement(np.array([[1, 2], [3, 4]]), np.array([[1, 0], [3, 4]]),
+                                           np.array([[True, True], [True, False]]))
+    assert (float(hits), float(n)) == (2.0, 3.0)
+
+
+def test_the_distillation_loss_gradient_is_the_reverse_kl_policy_gradient():
+    """One update per rollout (ratio 1, token-mean): d loss / d log pi(y_t) = -A_t / tokens
+    with A_t = log pi_T(y_t) - log pi(y_t) of the pre-update student."""
+    rng = np.random.default_rng(2)
+    logps = jnp.asarray(-rng.uniform(0.1, 3, (3, 4)), jnp.float32)
+    teacher = jnp.asarray(-rng.uniform(0.1, 3, (3, 4)), jnp.float32)
+    mask = jnp.asarray(rng.uniform(size=(3, 4)) < 0.8)
+
+    def loss(lp):
+        old = jax.lax.stop_gradient(lp)
+        adv = algorithms.distill_advantages(old, teacher, mask)
+        pg, _ = algorithms.get_policy_loss("ppo")(lp, old, adv, mask)
+        s, w = algorithms.aggregate(pg, mask, "token-mean")
+        return s / w
+
+    want = np.where(mask, (np.asarray(logps) - np.asarray(teacher)) / float(mask.sum()), 0.0)
+    np.testing.assert_allclose(jax.grad(loss)(logps), want, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+def distill_batch(seed=0, k=3):
+    batch = make_batch(seed)
+    rng = np.random.default_rng(seed + 10)
+    n = batch["loss_mask"].shape[1]
+    batch["teacher_logps"] = (-rng.uniform(0.5, 4.0, (len(batch["tokens"]), n))
+                              * batch["loss_mask"]).astype(np.float32)
+    ids = np.stack([rng.permutation(np.arange(4, MODEL.vocab_size))[:k]
+                    for _ in range(len(batch["tokens"]) * n)])
+    batch["teacher_topk_ids"] = ids.reshape(-1, n, k).astype(np.int32)
+    batch["teacher_topk_logps"] = np.log(rng.dirichlet(np.ones(k), (len(ids),))).reshape(
+        -1, n, k).astype(np.float32) - 0.5
+    return batch
+
+
+@pytest.mark.parametrize("num_micro", [2, 4])
+def test_distill_update_is_exact_under_micro_batching(num_micro):
+    algo = algo_cfg(name="distill", beta=0.0, shared_prompt=False)
+    algo.distill.update(teacher="t", reward_weight=0.5, jsd_weight=0.7, jsd_beta=0.3)
+    batch = distill_batch()
+    del batch["old_logps"]   # one update per rollout: the update's own log-probs are "old"
+    state, opt = fresh_state(lr=1.0, name="sgd")
+    ref_state, ref_m = scanned_grpo_step(MODEL, algo, opt, num_micro=1)(state, batch)
+    assert float(ref_m["distill/jsd"]) > 0 and abs(float(ref_m["distill/reverse_kl"])) > 0
+    for step in (scanned_grpo_step(MODEL, algo, opt, num_micro=num_micro),
+                 grpo.build_update(MODEL, algo, opt, num_micro=num_micro)):
+        new_state, m = step(state, batch)
+        for key in ("loss", "pg_loss", "distill/reverse_kl", "distill/jsd"):
+            np.testing.assert_allclose(float(m[key]), float(ref_m[key]), rtol=2e-5, atol=1e-7,
+                                       err_msg=key)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                             rtol=1e-5, atol=1e-6),
+                     new_state.params, ref_state.params)
+
+
+def test_the_loss_is_the_written_out_one():
+    """loss = token-mean over the batch of -A_t * ratio(=1) + jsd_weight * JSD_t, with the
+    student's log-probs of the teacher's top-k from the same head pass."""
+    from rljax.train import steps
+    algo = algo_cfg(name="distill", beta=0.0, shared_prompt=False)
+    algo.distill.update(teacher="t", jsd_weight=0.7, jsd_beta=0.3)
+    batch = distill_batch(1)
+    del batch["old_logps"]
+    state, _ = fresh_state()
+    logps, _, top = steps.completion_logps(MODEL, state.params, batch,
+                                           extra_ids=batch["teacher_topk_ids"])
+    m = batch["loss_mask"]
+    adv = np.asarray(batch["teacher_logps"]) - np.asarray(logps)
+    jsd = np_jsd(np.asarray(top), batch["teacher_topk_logps"], 0.3)
+    want = np.where(m, -adv + 0.7 * jsd, 0.0).sum() / m.sum()
+    (s, w), _ = grpo.grpo_loss(MODEL, algo, 1.0, state.params, state, batch)
+    np.testing.assert_allclose(float(s / w), want, rtol=1e-5, atol=1e-6)
+    # The extra ids' log-probs are the full log-softmax's at those ids.
+    from rljax import models
+    logits = models.forward(MODEL, state.params, batch["tokens"], attention_mask=batch["mask"])
+    n = m.shape[1]
+    lsm = np.asarray(jax.nn.log_softmax(logits[:, -n - 1:-1]))
+    want_top = np.take_along_axis(lsm, batch["teacher_topk_ids"], axis=-1)
+    np.testing.assert_allclose(np.where(m[..., None], top, 0), np.where(m[..., None], want_top, 0),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the teacher
+
+
+def write_teacher_workdir(path, cfg=None, alphabet=None, steps=(3,), seed=0):
+    """An rljax workdir holding ``params`` checkpoints at ``steps`` (what a run saves, less
+    the optimizer), its config.json and char tokenizer: a teacher without training one."""
+    from rljax import models
+    cfg = cfg or tiny_cfg()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write(config_lib.to_json(cfg))
+    tok = tokenizers.CharTokenizer(alphabet) if alphabet else tokenizers.CharTokenizer()
+    tok.save(str(path))
+    mcfg = teacher_lib.model_config(teacher_lib.Source("workdir", str(path), tok, cfg.model.dtype,
+                                                       cfg))
+    saved = {}
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(str(path)), max_to_keep=5,
+                                      async_save=False) as ckpt:
+        for i, step in enumerate(steps):
+            params = models.init_params(mcfg, jax.random.PRNGKey(seed + i))
+            ckpt.save(step, {"params": params, "step": jnp.asarray(step)}, {"phase": 0},
+                      wait=True)
+            saved[step] = params
+    return saved
+
+
+def final_step(workdir):
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        return ckpt.latest_step()
+
+
+def distill_cfg(teacher, **overrides):
+    return tiny_cfg(**{"algo.name": "distill", "algo.beta": 0.0, "algo.distill.teacher": teacher,
+                       **overrides})
+
+
+def test_teacher_from_a_workdir_latest_or_chosen_step(tmp_path):
+    saved = write_teacher_workdir(tmp_path / "teacher", steps=(2, 5))
+    mesh = jax.sharding.Mesh(np.array(DEVICES), ("data",))
+    for step, want in ((0, 5), (2, 2)):
+        cfg = distill_cfg(str(tmp_path / "teacher"), **{"algo.distill.teacher_step": step})
+        source = teacher_lib.check(cfg)
+        assert source.kind == "workdir" and source.step_dir.endswith(f"/{want}")
+        _, params = teacher_lib.load(source, mesh)
+        jax.tree.map(np.testing.assert_array_equal, params, saved[want])
+    cfg = distill_cfg(str(tmp_path / "teacher"), **{"algo.distill.teacher_step": 4})
+    with pytest.raises(UserError, match=r"teacher_step=4 is not saved .*\[2, 5\]"):
+        teacher_lib.check(cfg)
+
+
+@pytest.mark.parametrize("alphabet, problem", [
+    ("0123456789+-= ", "vocab size 100 \\(student\\) vs 18 \\(teacher\\)"),
+    (tokenizers.DEFAULT_ALPHABET[::-1], "token id 4 is '0' for the student, '\\\\n' for the "
+                                        "teacher"),
+])
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, alphabet, problem):
+    write_teacher_workdir(tmp_path / "teacher", alphabet=alphabet)
+    cfg = distill_cfg(str(tmp_path / "teacher"))
+    with pytest.raises(UserError, match="does not share the student's tokenizer: " + problem) \
+            as e:
+        inputs.check_inputs(cfg, 1)   # before any model is built
+    assert "\n" not in str(e.value)
+
+
+def test_distill_config_needs_a_teacher_and_a_teacher_needs_distill(tmp_path):
+    cfg = tiny_cfg()
+    cfg.algo.name = "distill"
+    with pytest.raises(ConfigError, match="needs algo.distill.teacher"):
+        config_lib.validate(cfg)
+    cfg = tiny_cfg()
+    cfg.algo.distill.teacher = str(tmp_path)
+    with pytest.raises(ConfigError, match="read by algo.name='distill' only"):
+        config_lib.validate(cfg)
+    with pytest.raises(UserError, match="neither an HF checkpoint directory"):
+        teacher_lib.check(distill_cfg(str(tmp_path)))
+
+
+def test_a_lora_distill_run_stops_and_resumes_exactly(tmp_path):
+    """Teacher = a workdir (other weights than the student's); a LoRA student with the JSD
+    term and the task reward mixed in. A run stopped after its first distillation step and
+    resumed (the teacher reloaded from its source) equals the straight run, metrics and
+    adapters; only the adapters train; the student is evaluated without its teacher."""
+    write_teacher_workdir(tmp_path / "teacher", seed=7)
+    overrides = {"algo.distill.jsd_weight": 0.5, "algo.distill.top_k": 4, "steps": 2,
+                 "algo.micro_batch_size": 4, "algo.distill.reward_weight": 0.5,
+                 "model.lora.rank": 4, "optimizer.learning_rate": 1e-2}
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    cfg = lambda: distill_cfg(str(tmp_path / "teacher"), **overrides)   # noqa: E731
+    assert run.train(cfg(), straight, devices=DEVICES) == 0
+    assert run.train(cfg(), split, devices=DEVICES, stop=StopAfter(3)) == 0
+    assert run.train(cfg(), split, devices=DEVICES) == 0
+    records = read_metrics(straight)
+    rl = [r for r in records if "distill/reverse_kl" in r]
+    assert len(rl) == 2 and all(r["distill/reverse_kl"] > 0 and r["distill/jsd"] > 0 and
+                                0 <= r["distill/teacher_agreement"] <= 1 and r["skipped"] == 0
+                                for r in rl)
+    assert comparable(read_metrics(split)) == comparable(records)
+    assert set(final_params(straight)) == {"lora"}   # the base never moves
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+    with open(os.path.join(straight, "config.json")) as f:
+        assert json.load(f)["algo"]["beta"] == 0.0   # distillation's default: no reference
+    # The student is evaluated without its teacher.
+    shutil.rmtree(tmp_path / "teacher")
+    from rljax.train import inference
+    _, _, step = inference.load_for_inference(config_lib.load_config_json(
+        os.path.join(straight, "config.json")), straight, devices=DEVICES)
+    assert step == final_step(straight)
+
+
+@pytest.mark.parametrize("name", ["distill_arithmetic", "distill_smollm2"])
+def test_the_distill_configs_load(name):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config_lib.load_config(os.path.join(root, "configs", name + ".py"))
+    assert cfg.algo.name == "distill" and cfg.algo.beta == 0.0
+    assert cfg.algo.distill.teacher and cfg.algo.distill.reward_weight == 0.0
+
+
+def test_an_hf_teacher_directory_without_tokenizer_files_is_refused(tmp_path):
+    from rljax import models
+    cfg = tiny_cfg()
+    mcfg = teacher_lib.model_config(teacher_lib.Source(
+        "workdir", "", tokenizers.CharTokenizer(), "float32", cfg))
+    models.save_hf(mcfg, models.init_params(mcfg, jax.random.PRNGKey(0)), str(tmp_path / "hf"))
+    with pytest.raises(UserError, match=r"algo.distill.teacher=.*hf.*tokenizer"):
+        teacher_lib.check(distill_cfg(str(tmp_path / "hf")))
