@@ -22,12 +22,12 @@ WINDOW = 4          # smaller than every test prompt, so local layers really dro
 VOCAB = 128
 
 
-def _hf_tiny(kind: str, path):
+def _hf_tiny(kind: str, path, tied: bool = True):
     """A tiny random transformers Gemma 2 / Gemma 3 text model saved at ``path``."""
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                  sliding_window=WINDOW, query_pre_attn_scalar=12, tie_word_embeddings=True,
+                  sliding_window=WINDOW, query_pre_attn_scalar=12, tie_word_embeddings=tied,
                   bos_token_id=2, eos_token_id=1, pad_token_id=0, attn_implementation="eager")
     if kind == "gemma2":
         config = transformers.Gemma2Config(num_hidden_layers=3, attn_logit_softcapping=5.0,
@@ -92,6 +92,15 @@ def test_logits_match_transformers(tiny):
     want = _hf_logits(hf, toks, mask)
     got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_an_untied_head_loads_and_matches_transformers(tmp_path):
+    hf = _hf_tiny("gemma3", tmp_path, tied=False)
+    cfg, params = models.load_hf(str(tmp_path))
+    assert not cfg.tie_word_embeddings and "lm_head" in params
+    toks, mask = _batch()
+    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], _hf_logits(hf, toks, mask)[mask], rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_match_transformers(tiny):
@@ -595,3 +604,28 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
                                 max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                 pad_token_id=0, eos_token_id=None)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, tokens.shape[1]:].numpy())
+
+
+@pytest.mark.slow
+def test_real_gemma3_as_an_hf_directory_gives_the_gguf_logits(gemma_ours, gemma_hf, gemma_prompts,
+                                                             tmp_path):
+    """The same weights through the other path: the GGUF's weights written as an HF directory
+    (``save_hf``: safetensors + config.json) load in rljax to the same config and logits, and
+    in transformers to the logits of transformers' own GGUF load."""
+    cfg, params = gemma_ours
+    models.save_hf(cfg, params, str(tmp_path))
+    hcfg, hparams = models.load_hf(str(tmp_path))
+    assert hcfg == cfg
+    _, (tokens, mask) = gemma_prompts
+    keep = mask[:, -KEEP:]
+    got = np.asarray(tfm.logits_from_hidden(hcfg, hparams, tfm.trunk(
+        hcfg, hparams, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))[0][:, -KEEP:]))
+    ids, am = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    with torch.no_grad():
+        want = gemma_hf(input_ids=ids, attention_mask=am, logits_to_keep=KEEP).logits.numpy()
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path), dtype=torch.float32).eval()
+        from_dir = theirs(input_ids=ids, attention_mask=am, logits_to_keep=KEEP).logits.numpy()
+    scale = np.abs(want[keep]).max()
+    assert np.abs(got[keep] - want[keep]).max() <= 1e-4 * scale
+    assert np.abs(from_dir[keep] - want[keep]).max() <= 1e-4 * scale
