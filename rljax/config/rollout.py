@@ -13,7 +13,8 @@ def rollout() -> dict[str, Any]:
         max_new_tokens=128,
         # Texts that end a completion besides the tokenizer's end-of-sequence token (kept in
         # it, like EOS): each must be one token of the tokenizer (e.g. "\n" for a base model's
-        # few-shot prompts); rollouts, evals and `rljax sample` stop on them.
+        # plain-text prompts); single-turn rollouts, evals and `rljax sample` stop on them
+        # (multi-turn episodes end turns with the environment's own stop texts).
         stop_strings=(),
         temperature=1.0,
         top_k=0,                     # 0 = off
