@@ -1,9 +1,13 @@
-"""Full fine-tuning vs LoRA (rank 8 / 32) in one run: memory per device and seconds per GRPO
-iteration, plus LoRA sampling with unmerged adapters vs merged once per rollout.
+"""Full fine-tuning vs LoRA (rank 8 / 32) vs QLoRA in one run: memory per device and seconds
+per GRPO iteration, plus LoRA sampling with unmerged adapters vs merged once per rollout.
 
     python bench/lora.py                              # small preset (8L-256), ~5 min on CPU
     python bench/lora.py --shapes small,qwen0.5b      # + a larger random-weight preset
     python bench/lora.py --model-path DIR             # a real HF checkpoint (e.g. SmolLM2)
+    python bench/lora.py --variants 16,16-nf4,16-int4,16-int8   # LoRA vs QLoRA, rank 16
+
+A variant is ``full``, a LoRA rank (``16``), or a rank and a ``model.quantize`` type for
+QLoRA (``16-nf4``: rank 16 over an nf4 base; sampled unmerged only).
 
 Each variant runs in its own ``--worker`` subprocess (clean memory accounting) that drives the
 trainer's own GRPO phase (``build_context -> make_phases -> start_phase -> phase.iteration``)
@@ -54,7 +58,10 @@ def overrides(args, variant: str) -> list[str]:
     if args.model_path:
         out += [f"model.path={args.model_path}"]
     if variant != "full":
-        out += [f"model.lora.rank={int(variant)}", f"model.lora.alpha={2 * int(variant)}"]
+        rank, _, qtype = variant.partition("-")
+        out += [f"model.lora.rank={int(rank)}", f"model.lora.alpha={2 * int(rank)}"]
+        if qtype:   # QLoRA: "16-nf4" is rank 16 over an nf4 base
+            out += [f"model.quantize={qtype}"]
     return out
 
 
@@ -117,8 +124,11 @@ def worker(args) -> dict:
 
         unmerged = jax.jit(gen)
         merged = jax.jit(lambda params, key: gen(models.lora.merge(mcfg, params), key))
-        res = {}
-        for name, fn in (("unmerged", unmerged), ("merged", merged)):
+        res = {"merged": None}
+        # A quantized base is never merged for sampling (a float copy of the base).
+        quantized = cfg.model.quantize
+        for name, fn in (("unmerged", unmerged),) + ((("merged", merged),) if not quantized
+                                                     else ()):
             jax.block_until_ready(fn(state.params, jax.random.key(0)))
             ts = []
             for i in range(3):
@@ -127,9 +137,10 @@ def worker(args) -> dict:
                 ts.append(time.perf_counter() - t0)
             res[name] = statistics.median(ts)
         out["sample_unmerged_s"], out["sample_merged_s"] = res["unmerged"], res["merged"]
-        a = np.asarray(unmerged(state.params, jax.random.key(9)))
-        b = np.asarray(merged(state.params, jax.random.key(9)))
-        out["sample_same_tokens_frac"] = float((a == b).mean())
+        if not quantized:
+            a = np.asarray(unmerged(state.params, jax.random.key(9)))
+            b = np.asarray(merged(state.params, jax.random.key(9)))
+            out["sample_same_tokens_frac"] = float((a == b).mean())
     return out
 
 
@@ -186,9 +197,12 @@ def table(rows) -> str:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['variant']} | error: {r['error']} |")
             continue
-        v = "full FT" if r["variant"] == "full" else f"LoRA r={r['variant']}"
-        samp = (f"{r['sample_unmerged_s']:.3f} / {r['sample_merged_s']:.3f}"
-                if "sample_merged_s" in r else "-")
+        rank, _, qtype = r["variant"].partition("-")
+        v = ("full FT" if r["variant"] == "full" else
+             f"QLoRA r={rank}, {qtype} base" if qtype else f"LoRA r={rank}")
+        samp = ("-" if "sample_unmerged_s" not in r else
+                f"{r['sample_unmerged_s']:.3f} / -" if r.get("sample_merged_s") is None else
+                f"{r['sample_unmerged_s']:.3f} / {r['sample_merged_s']:.3f}")
         lines.append(
             f"| {r['shape']} ({r['params_m']:.1f}M) | {v} | {r['trainable_m']:.3g}M | "
             f"{r['plan_resident_mib']:.1f} MiB | {r['plan_peak_mib']:.1f} MiB | "

@@ -262,6 +262,10 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     mcfg = model_config(cfg, tok)
     param_shapes = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
     axes = models.param_logical_axes(mcfg)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes))
+    if cfg.model.get("quantize", ""):   # the frozen base as it is kept (models.quant)
+        param_shapes, axes = models.quant.quantized_shapes(
+            param_shapes, axes, cfg.model.quantize, int(cfg.model.quantize_block))
     lora_rank = _lora_rank(cfg)
     if lora_rank:  # frozen base + float32 adapters; no optimizer state or copy for the base
         lc = cfg.model.lora
@@ -272,7 +276,6 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         axes = {**axes, "lora": models.lora.lora_logical_axes(mcfg, lora_rank, lc.targets)}
     param_sh = shd.logical_to_sharding(axes, mesh, shapes=param_shapes)
     ctx = Context(cfg, "", mesh, tok, mcfg, _abstract(param_shapes, param_sh), param_sh)
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes))
     phases: list[PhaseMemory] = []
     notes: list[str] = []
     residents: list[tuple[str, dict]] = []
@@ -415,7 +418,7 @@ def measure_live_bytes() -> int:
     for x in jax.live_arrays():
         for shard in x.addressable_shards:
             if shard.device == device:
-                total += shard.data.nbytes
+                total += models.quant.nbytes(shard.data.shape, shard.data.dtype)
     return total
 
 

@@ -166,8 +166,11 @@ def logical_to_sharding(axes_tree: Any, mesh: Mesh,
     if shapes is None:
         return jax.tree.map(lambda ax: NamedSharding(mesh, logical_to_spec(ax, mesh, rules)),
                             axes_tree, is_leaf=_is_axes_leaf)
+    # A None in ``shapes`` (an absent optional array, e.g. a quantized weight's zero point)
+    # stays None, so the shardings keep the params' tree structure.
     return jax.tree.map(
-        lambda ax, x: NamedSharding(mesh, logical_to_spec(ax, mesh, rules, np.shape(x))),
+        lambda ax, x: None if x is None else
+        NamedSharding(mesh, logical_to_spec(ax, mesh, rules, np.shape(x))),
         axes_tree, shapes, is_leaf=_is_axes_leaf)
 
 

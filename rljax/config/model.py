@@ -26,6 +26,10 @@ def model() -> dict[str, Any]:
                   # is never merged (rounding would erase small adapter updates).
                   merge_for_sampling=True),
         adapter_path="",             # PEFT adapter dir to start from (implies LoRA)
+        # QLoRA (docs/lora.md): keep the frozen base quantized on device ("" = off; int8,
+        # int4 or nf4, one scale per `quantize_block` inputs); needs LoRA.
+        quantize="",
+        quantize_block=64,
     )
 
 
@@ -41,6 +45,7 @@ SECTIONS = {"model": model, "tokenizer": tokenizer}
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.quantize": ("", "int8", "int4", "nf4"),
     "tokenizer.kind": ("auto", "hf", "sentencepiece", "char"),
 }
 
@@ -57,6 +62,14 @@ def check_lora(cfg) -> None:
                           "probability of dropping an adapter input; 0 = off)")
     if (lora.rank or cfg.model.adapter_path) and lora.alpha <= 0:
         raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0")
+    if cfg.model.quantize and not (lora.rank or cfg.model.adapter_path):
+        raise ConfigError(f"model.quantize={cfg.model.quantize!r} keeps the base frozen and "
+                          "quantized, so only LoRA adapters can train: set model.lora.rank "
+                          "(e.g. 16) or model.adapter_path, or model.quantize='' for full "
+                          "fine-tuning")
+    if cfg.model.quantize and (cfg.model.quantize_block <= 0 or cfg.model.quantize_block % 2):
+        raise ConfigError(f"model.quantize_block={cfg.model.quantize_block} must be a "
+                          "positive even number (inputs sharing one scale)")
     if (lora.rank or cfg.model.adapter_path) and algo.ref_update_every:
         raise ConfigError(f"algo.ref_update_every={algo.ref_update_every} refreshes a copied "
                           "reference; with LoRA (model.lora.rank > 0) the reference is the "

@@ -340,15 +340,17 @@ def _tensor_source(reader, path: str, cfg: ModelConfig):
     return get
 
 
-def load_gguf(path: str, dtype=jnp.float32, shardings=None, **overrides):
+def load_gguf(path: str, dtype=jnp.float32, shardings=None, transform=None, **overrides):
     """Load a GGUF file -> ``(cfg, params)``, like ``models.load_hf`` for a HF directory.
 
     Tensors are dequantized to float32 one at a time and cast to ``dtype``; with ``shardings``
-    each parameter is built shard by shard on its devices (``hf.load_params``).
+    each parameter is built shard by shard on its devices (``hf.load_params``);
+    ``transform``: as ``models.load_hf``.
     """
     cfg = inspect_gguf(path, dtype=dtype, **overrides)
     reader = open_gguf(path)
-    params = load_params(cfg, _tensor_source(reader, os.fspath(path), cfg), shardings)
+    params = load_params(cfg, _tensor_source(reader, os.fspath(path), cfg), shardings,
+                         transform)
     # The header was cached for the checks before loading; loading is its last use in a run,
     # and the cache holds the file mapped.
     _reader.cache_clear()

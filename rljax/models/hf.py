@@ -182,14 +182,15 @@ class _Reader:
         return w
 
 
-def load_hf_checkpoint(path: str, dtype=jnp.float32, shardings=None, **overrides):
+def load_hf_checkpoint(path: str, dtype=jnp.float32, shardings=None, transform=None,
+                       **overrides):
     """Load a HF checkpoint directory (config.json + *.safetensors) -> ``(cfg, params)``.
 
     ``models.load_hf`` takes a GGUF file too (``models.loading``). ``dtype``, ``shardings``,
-    ``overrides``: as ``models.load_hf``.
+    ``transform``, ``overrides``: as ``models.load_hf``.
     """
     cfg = hf_checkpoint_config(path, dtype=dtype, **overrides)
-    return cfg, load_params(cfg, _Reader(path).get, shardings)
+    return cfg, load_params(cfg, _Reader(path).get, shardings, transform)
 
 
 def hf_checkpoint_config(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
@@ -201,13 +202,16 @@ def hf_checkpoint_config(path: str, dtype=jnp.float32, **overrides) -> ModelConf
         return config_from_hf(json.load(f), dtype=dtype, **overrides)
 
 
-def load_params(cfg: ModelConfig, get_tensor: Callable, shardings=None) -> dict:
+def load_params(cfg: ModelConfig, get_tensor: Callable, shardings=None,
+                transform: Callable | None = None) -> dict:
     """The params tree of ``cfg`` from a tensor source in the HF layout.
 
     ``get_tensor(hf_name, hf_shape) -> np.ndarray`` returns the HF tensor ``hf_name`` (e.g.
     ``model.layers.3.self_attn.q_proj.weight``, shape ``[out, in]``) and raises when it is
     missing or has another shape. Stacked layer tensors are converted one layer at a time and,
     with ``shardings``, placed straight into their shards (see ``_build_array``).
+    ``transform(tree_path, array)``, when given, replaces each parameter as soon as it is
+    built (e.g. quantizes it), so the whole float tree never exists at once.
     """
     np_dtype = _NP_DTYPES[cfg.param_dtype]
     params: dict = {}
@@ -227,6 +231,8 @@ def load_params(cfg: ModelConfig, get_tensor: Callable, shardings=None) -> dict:
             sharding = shardings[tree_path[0]] if len(tree_path) == 1 else \
                 shardings[tree_path[0]][tree_path[1]]
         arr = _build_array(shape, stacked, load_layer, sharding, np_dtype)
+        if transform is not None:
+            arr = transform(tuple(tree_path), arr)
         node = params
         for key in tree_path[:-1]:
             node = node.setdefault(key, {})

@@ -22,19 +22,23 @@ def is_gguf_path(path) -> bool:
     return os.fspath(path).lower().endswith(".gguf")
 
 
-def load_hf(path: str, dtype=jnp.float32, shardings=None, **overrides):
+def load_hf(path: str, dtype=jnp.float32, shardings=None, transform=None, **overrides):
     """Load a HF checkpoint directory (config.json + *.safetensors) -> ``(cfg, params)``.
 
     A path ending in ``.gguf`` is a llama.cpp GGUF file and goes to ``models.gguf.load_gguf``.
     ``dtype`` sets both the parameter storage dtype and the compute dtype (for float32 storage
     with bfloat16 compute, load float32 and use ``cfg.replace(dtype="bfloat16")``).
     ``shardings``: optional pytree of ``jax.sharding.Sharding`` matching the params tree; each
-    parameter is then built shard by shard on its devices. Other ``overrides`` (e.g.
+    parameter is then built shard by shard on its devices. ``transform(tree_path, array)``:
+    optional, replaces each parameter as soon as it is built (``models.quant`` quantizes the
+    base this way, one matrix at a time). Other ``overrides`` (e.g.
     ``remat=True``) are applied to the config.
     """
     if is_gguf_path(path):
-        return load_gguf(path, dtype=dtype, shardings=shardings, **overrides)
-    return load_hf_checkpoint(path, dtype=dtype, shardings=shardings, **overrides)
+        return load_gguf(path, dtype=dtype, shardings=shardings, transform=transform,
+                         **overrides)
+    return load_hf_checkpoint(path, dtype=dtype, shardings=shardings, transform=transform,
+                              **overrides)
 
 
 def load_config(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:

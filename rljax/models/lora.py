@@ -31,6 +31,7 @@ from typing import Any, Iterable
 import jax
 import jax.numpy as jnp
 
+from rljax.models import quant
 from rljax.models.config import ModelConfig
 
 # Projection name -> number of leading input axes of its weight (``dense``'s ``n_in``).
@@ -233,10 +234,11 @@ def lora_delta(cfg: ModelConfig, name: str, ad: dict) -> jax.Array:
 def merge(cfg: ModelConfig, params: dict) -> dict:
     """Base tree with every adapter folded in: ``W + scale * A @ B`` (sum in float32, stored in
     the base weight's dtype). A model with adapters and its merge give the same outputs up to
-    rounding."""
+    rounding. A quantized base (``models.quant``) is dequantized first: the merge is a float
+    tree."""
     if not has_lora(params):
         return params
-    out = base_params(params)
+    out = quant.dequantize_params(base_params(params))
     layers = dict(out["layers"])
     for name, ad in params["lora"]["layers"].items():
         w = layers[name]

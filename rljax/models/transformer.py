@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Attention lives in its own module; re-exported here, where callers have always found it.
-from rljax.models import kv_ring
+from rljax.models import kv_ring, quant
 from rljax.models.attention import _MASK_VALUE, attention, window_mask  # noqa: F401
 from rljax.models.config import ModelConfig
 from rljax.models.lora import dropout as lora_dropout, dropout_key as lora_dropout_key
@@ -191,8 +191,13 @@ def _proj(cfg: ModelConfig, p: dict, lp, name: str, x: jax.Array, n_in: int = 1,
     see ``rljax.models.lora``) has an adapter for ``name``; the adapter matmuls run unmerged
     in the compute dtype. ``drop`` = ``(rng, layer)``: the adapter reads
     ``dropout(x)`` (rate ``cfg.lora_dropout``, key ``lora.dropout_key(rng, layer, name)``)
-    instead of ``x``; the base matmul always reads ``x`` itself (PEFT's LoRA dropout)."""
-    y = dense(x, p[name], n_in=n_in)
+    instead of ``x``; the base matmul always reads ``x`` itself (PEFT's LoRA dropout). A
+    quantized base weight (``models.quant``) is dequantized inside its matmul."""
+    w = p[name]
+    if quant.is_quantized(w):
+        y = quant.rematerialised_matmul(functools.partial(dense, n_in=n_in))(x, w)
+    else:
+        y = dense(x, w, n_in=n_in)
     if lp is None or name not in lp:
         return y
     a = lp[name]["a"].astype(x.dtype)
@@ -273,7 +278,7 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array
     with concrete host arrays should reject them first (``check_token_ids``).
     """
     tokens = jnp.clip(tokens, 0, cfg.vocab_size - 1)
-    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+    x = quant.take_rows(params["embed"], tokens).astype(cfg.compute_dtype)
     if cfg.scale_embeddings:
         # HF rounds the normaliser to the activation dtype first; do the same for parity.
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.compute_dtype)
@@ -520,13 +525,18 @@ def logits_from_hidden(cfg: ModelConfig, params: dict, hidden: jax.Array) -> jax
     """[..., D] -> float32 [..., V] (tied models reuse the embedding matrix; gemma2
     soft-caps them: ``c * tanh(logits / c)``)."""
     tied = cfg.tie_word_embeddings
-    w = (params["embed"] if tied else params["lm_head"]).astype(hidden.dtype)
+    w = params["embed"] if tied else params["lm_head"]
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
-    if hidden.dtype == jnp.float32:
-        logits = jax.lax.dot_general(h, w, _head_dims(tied), preferred_element_type=jnp.float32)
-    else:
-        logits = _low_precision_head(h, w, tied)
+
+    def head(h, w):
+        w = w.astype(h.dtype)
+        if h.dtype == jnp.float32:
+            return jax.lax.dot_general(h, w, _head_dims(tied), preferred_element_type=jnp.float32)
+        return _low_precision_head(h, w, tied)
+
+    # A quantized head is dequantized inside the (rematerialised) matmul (``models.quant``).
+    logits = quant.rematerialised_matmul(head)(h, w) if quant.is_quantized(w) else head(h, w)
     if cfg.final_logit_softcapping is not None:
         c = cfg.final_logit_softcapping
         logits = jnp.tanh(logits / c) * c

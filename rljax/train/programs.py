@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from rljax import models, sampling
 from rljax.sampling import tree as tree_sampling
 from rljax import sharding as shd
-from rljax.train import length_groups, state as state_lib, steps
+from rljax.train import length_groups, rollout as rollout_lib, state as state_lib, steps
 from rljax.train.buckets import prompt_buckets
 
 
@@ -46,11 +46,7 @@ def shard_bytes(tree: Any) -> int:
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None and shape:
             shape = tuple(sharding.shard_shape(shape))
-        try:
-            itemsize = jnp.dtype(leaf.dtype).itemsize
-        except TypeError:  # PRNG key dtypes
-            itemsize = 8
-        total += math.prod(shape) * itemsize
+        total += models.quant.nbytes(shape, leaf.dtype)   # 4-bit types: two per byte
     return total
 
 
@@ -120,8 +116,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
     n_sample = sampler_len(cfg)
     chunk = r.micro_batch_size // g if r.micro_batch_size else int(r.batch_size) // g
     tree = tree_sampling.options_from_config(r.tree, g)
-    merge = (models.lora.has_lora(params) and cfg.model.lora.merge_for_sampling
-             and jnp.dtype(mcfg.dtype) == jnp.float32)
+    merge = rollout_lib.merges_for_sampling(cfg, mcfg, params)
     for_sampling = (lambda q: models.lora.merge(mcfg, q)) if merge else (lambda q: q)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated)
 

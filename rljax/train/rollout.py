@@ -94,14 +94,19 @@ def _merged(model_cfg, params):
     return lora_lib.merge(model_cfg, params)
 
 
+def merges_for_sampling(cfg, model_cfg, params) -> bool:
+    """Whether the sampler reads the adapters merged into the base (``sampling_params``)."""
+    return bool(cfg.model.lora.merge_for_sampling and lora_lib.has_lora(params)
+                and jnp.dtype(model_cfg.dtype) == jnp.float32
+                and not cfg.model.get("quantize", ""))
+
+
 def sampling_params(ctx, params):
     """The parameters the sampler reads: ``params`` as they are, or, with LoRA adapters on a
     float32 base and ``model.lora.merge_for_sampling``, the adapters folded in once
     (``lora.merge``). Same model up to float32 rounding; the training step keeps the
-    unmerged tree."""
-    cfg = ctx.cfg.model.lora
-    if (not cfg.merge_for_sampling or not lora_lib.has_lora(params)
-            or jnp.dtype(ctx.model_cfg.dtype) != jnp.float32):
+    unmerged tree. A quantized base is never merged (that would be a float copy of it)."""
+    if not merges_for_sampling(ctx.cfg, ctx.model_cfg, params):
         return params
     return _merged(ctx.model_cfg, params)
 

@@ -165,16 +165,17 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
             raise ConfigError(f"model: {e}") from None
         check_context_length(cfg, model_cfg)
         shardings = _param_shardings(model_cfg, mesh)
+        quantizer, q_shardings = _quantizer(cfg, model_cfg, mesh, shardings)
         try:
             model_cfg, params = models.load_hf(m.path, dtype=jnp.dtype(m.dtype),
-                                               shardings=shardings, remat=bool(m.remat),
-                                               **dict(m.overrides))
+                                               shardings=shardings, transform=quantizer,
+                                               remat=bool(m.remat), **dict(m.overrides))
         except models.HFCheckpointError as e:
             raise UserError(f"model.path={m.path!r}: {e}") from None
         if model_cfg.vocab_size < tokenizer.vocab_size:
             raise UserError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's "
                             f"vocabulary has only {model_cfg.vocab_size}")
-        return model_cfg, params, shardings
+        return model_cfg, params, q_shardings
     overrides = {"vocab_size": tokenizer.vocab_size, "dtype": m.dtype, "param_dtype": m.dtype,
                  "remat": bool(m.remat), "eos_token_id": tokenizer.eos_id,
                  "pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id}
@@ -186,7 +187,34 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     check_context_length(cfg, model_cfg)
     shardings = _param_shardings(model_cfg, mesh)
     params = jax.jit(lambda r: models.init_params(model_cfg, r), out_shardings=shardings)(rng)
-    return model_cfg, params, shardings
+    quantizer, q_shardings = _quantizer(cfg, model_cfg, mesh, shardings)
+    if quantizer is not None:
+        params = {key: ({name: quantizer(("layers", name), w) for name, w in value.items()}
+                        if key == "layers" else quantizer((key,), value))
+                  for key, value in params.items()}
+    return model_cfg, params, q_shardings
+
+
+def _quantizer(cfg, model_cfg, mesh, shardings):
+    """``(transform, shardings)`` for ``model.quantize``: ``transform(tree_path, w)`` quantizes
+    one loaded parameter onto its shardings (``models.quant``), and the shardings are the
+    quantized tree's; ``(None, shardings)`` when the base is not quantized."""
+    qtype, block = cfg.model.get("quantize", ""), int(cfg.model.get("quantize_block", 64))
+    if not qtype:
+        return None, shardings
+    quant = models.quant
+    shapes, axes = quant.quantized_shapes(
+        jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0))),
+        models.param_logical_axes(model_cfg), qtype, block)
+    q_shardings = shd.logical_to_sharding(axes, mesh, shapes=shapes)
+
+    def transform(path, w):
+        target = q_shardings[path[0]] if len(path) == 1 else q_shardings[path[0]][path[1]]
+        if not quant.is_quantized(target):
+            return w
+        return jax.jit(lambda w: quant.quantize_leaf(path, w, qtype, block),
+                       out_shardings=target)(w)
+    return transform, q_shardings
 
 
 def add_lora(cfg, model_cfg, params, shardings, mesh, rng):
