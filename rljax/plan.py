@@ -250,7 +250,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
     """
     from rljax.train import phases as phases_lib, programs as programs_lib
-    from rljax.train.setup import Context, check_inputs
+    from rljax.train.setup import Context, check_inputs, quantized_base
 
     devices = list(jax.devices() if devices is None else devices)
     check_inputs(cfg, len(devices))
@@ -264,8 +264,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     axes = models.param_logical_axes(mcfg)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes))
     if cfg.model.get("quantize", ""):   # the frozen base as it is kept (models.quant)
-        param_shapes, axes = models.quant.quantized_shapes(
-            param_shapes, axes, cfg.model.quantize, int(cfg.model.quantize_block))
+        param_shapes, axes, _ = quantized_base(cfg, mcfg)
     lora_rank = _lora_rank(cfg)
     if lora_rank:  # frozen base + float32 adapters; no optimizer state or copy for the base
         lc = cfg.model.lora

@@ -151,3 +151,45 @@ def test_quantization_without_lora_is_refused_in_one_line():
         qlora_cfg(**{"model.quantize_block": 3})
     with pytest.raises(ConfigError, match="model.quantize"):
         config_lib.load_config(None, ["model.quantize=fp3", "model.lora.rank=4"])
+
+
+# ----------------------------------------------------------------------------- a GGUF's own blocks
+
+def _random_blocks(type_name, rows, cols, rng):
+    """Raw blocks of ``type_name``: the library's quantizer where it has one, else random
+    bytes with finite float16 scale fields (every byte pattern is a valid K-quant block)."""
+    from gguf import GGMLQuantizationType, quants
+    from rljax.models import gguf_blocks
+
+    qtype = GGMLQuantizationType[type_name]
+    try:
+        return quants.quantize(rng.normal(size=(rows, cols)).astype(np.float32), qtype)
+    except NotImplementedError:
+        fmt = gguf_blocks.FORMATS[type_name]
+        per_block = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[type_name]
+        raw = rng.integers(0, 256, size=(rows, cols // 256, per_block), dtype=np.uint8)
+        for field in (fmt.d, fmt.dmin):
+            if field is not None:
+                f16 = rng.uniform(1e-3, 1e-2, size=raw.shape[:2]).astype(np.float16)
+                raw[..., field[0]:field[1]] = f16.view(np.uint8).reshape(*raw.shape[:2], 2)
+        return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K",
+                                       "Q6_K"])
+def test_gguf_blocks_decode_to_the_librarys_dequantization_bit_for_bit(type_name):
+    from gguf import GGMLQuantizationType, quants
+    from rljax.models import gguf_blocks
+
+    raw = _random_blocks(type_name, 3, 512, np.random.default_rng(0))
+    want = np.asarray(quants.dequantize(raw, GGMLQuantizationType[type_name]), np.float32)
+    b = gguf_blocks.decode(raw, type_name, 512)
+    assert b.q.min() >= b.lo and b.q.max() <= b.hi
+    assert b.scale.shape == (3, 512 // b.block)
+    np.testing.assert_array_equal(b.dequantize(), want.reshape(3, 512))
+    # ... and as a kept weight on the device (codes in 4 bits where they fit).
+    kept = quant.from_blocks(b.q, b.scale, b.offset, lo=b.lo, hi=b.hi)
+    assert isinstance(kept, quant.Affine) == (b.offset is not None)   # Q4_1, K-quants
+    qa = kept.q if isinstance(kept, quant.Affine) else kept
+    assert qa.qvalue.dtype == quant.code_dtype(b.lo, b.hi)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(kept)), want.reshape(3, 512))

@@ -27,7 +27,8 @@ def model() -> dict[str, Any]:
                   merge_for_sampling=True),
         adapter_path="",             # PEFT adapter dir to start from (implies LoRA)
         # QLoRA (docs/lora.md): keep the frozen base quantized on device ("" = off; int8,
-        # int4 or nf4, one scale per `quantize_block` inputs); needs LoRA.
+        # int4 or nf4, one scale per `quantize_block` inputs; keep = a GGUF file's own
+        # blocks); needs LoRA.
         quantize="",
         quantize_block=64,
     )
@@ -45,7 +46,7 @@ SECTIONS = {"model": model, "tokenizer": tokenizer}
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.quantize": ("", "int8", "int4", "nf4"),
+    "model.quantize": ("", "int8", "int4", "nf4", "keep"),
     "tokenizer.kind": ("auto", "hf", "sentencepiece", "char"),
 }
 
@@ -67,6 +68,10 @@ def check_lora(cfg) -> None:
                           "quantized, so only LoRA adapters can train: set model.lora.rank "
                           "(e.g. 16) or model.adapter_path, or model.quantize='' for full "
                           "fine-tuning")
+    if cfg.model.quantize == "keep" and not str(cfg.model.path).lower().endswith(".gguf"):
+        raise ConfigError("model.quantize='keep' keeps a GGUF file's own quantized blocks: "
+                          f"model.path={cfg.model.path!r} is not a .gguf file (int8, int4 "
+                          "or nf4 quantize any model at load)")
     if cfg.model.quantize and (cfg.model.quantize_block <= 0 or cfg.model.quantize_block % 2):
         raise ConfigError(f"model.quantize_block={cfg.model.quantize_block} must be a "
                           "positive even number (inputs sharing one scale)")

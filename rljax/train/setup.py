@@ -195,23 +195,41 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     return model_cfg, params, q_shardings
 
 
+def quantized_base(cfg, model_cfg):
+    """``(shapes, logical_axes, keep_plan)`` of the base tree ``model.quantize`` keeps
+    (abstract); ``keep_plan`` is ``gguf_keep.keep_plan``'s for ``keep``, else None."""
+    qtype = cfg.model.quantize
+    shapes = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+    axes = models.param_logical_axes(model_cfg)
+    if qtype == "keep":
+        from rljax.models import gguf_keep
+        plan = gguf_keep.keep_plan(cfg.model.path, model_cfg)
+        shapes = gguf_keep.kept_shapes(model_cfg, plan)
+        return shapes, models.quant.logical_axes(axes, shapes), plan
+    return (*models.quant.quantized_shapes(shapes, axes, qtype, int(cfg.model.quantize_block)),
+            None)
+
+
 def _quantizer(cfg, model_cfg, mesh, shardings):
-    """``(transform, shardings)`` for ``model.quantize``: ``transform(tree_path, w)`` quantizes
-    one loaded parameter onto its shardings (``models.quant``), and the shardings are the
+    """``(transform, shardings)`` for ``model.quantize``: ``transform(tree_path, w)`` turns
+    one loaded parameter into its quantized form on its shardings (``models.quant``; for
+    ``keep``, the file's own blocks, ``models.gguf_keep``), and the shardings are the
     quantized tree's; ``(None, shardings)`` when the base is not quantized."""
     qtype, block = cfg.model.get("quantize", ""), int(cfg.model.get("quantize_block", 64))
     if not qtype:
         return None, shardings
     quant = models.quant
-    shapes, axes = quant.quantized_shapes(
-        jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0))),
-        models.param_logical_axes(model_cfg), qtype, block)
+    shapes, axes, keep = quantized_base(cfg, model_cfg)
     q_shardings = shd.logical_to_sharding(axes, mesh, shapes=shapes)
 
     def transform(path, w):
         target = q_shardings[path[0]] if len(path) == 1 else q_shardings[path[0]][path[1]]
         if not quant.is_quantized(target):
             return w
+        if keep is not None:
+            from rljax.models import gguf_keep
+            return jax.device_put(gguf_keep.kept_weight(cfg.model.path, model_cfg, path,
+                                                        keep[path]), target)
         return jax.jit(lambda w: quant.quantize_leaf(path, w, qtype, block),
                        out_shardings=target)(w)
     return transform, q_shardings
