@@ -248,13 +248,14 @@ def test_export_merged_adapter_and_refusals(straight, tmp_path):
 
 # ----------------------------------------------------------------------------- PPO, RM
 
-@pytest.mark.parametrize("algo", ["ppo", "rm"])
-def test_ppo_and_rm_critic_is_adapters_on_the_shared_base(algo, tmp_path):
+@pytest.mark.parametrize("algo,quantize", [("ppo", ""), ("rm", ""), ("ppo", "int4")])
+def test_ppo_and_rm_critic_is_adapters_on_the_shared_base(algo, quantize, tmp_path):
+    """... also when that base is kept quantized (QLoRA: the critic reads it too)."""
     from rljax import config as config_lib
 
     common = ["rollout.batch_size=8", "eval.num_examples=8", "eval.batch_size=8",
               "checkpoint.async_save=False", "logging.tensorboard=False", "mesh.data=1",
-              "model.lora.rank=4", "model.lora.targets=q,v,down"]
+              "model.lora.rank=4", "model.lora.targets=q,v,down", f"model.quantize={quantize}"]
     extra = (["steps=2", "sft.steps=0", "algo.mini_batch_size=4", "algo.ref_update_every=0"]
              if algo == "ppo" else ["steps=2"])
     cfg = config_lib.load_config(f"configs/{algo}_arithmetic.py", common + extra)

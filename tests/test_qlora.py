@@ -67,6 +67,26 @@ def test_gather_of_quantized_embedding_rows_equals_dequantized_table():
                                   jnp.take(quant.dequantize(q), ids, axis=0))
 
 
+@pytest.mark.parametrize("qtype", ["int4", "nf4"])
+def test_sampler_and_slot_engine_read_the_quantized_base(qtype):
+    """The static sampler and the slot engine (with adapters, unmerged) sample from a
+    quantized base what they sample from its dequantized copy."""
+    from rljax import sampling
+    from rljax.sampling import engine
+
+    cfg = CFG.replace(lora_scale=2.0)
+    p = perturbed(lora_params(cfg, rank=4))
+    q = {**quant.quantize_params(lora.base_params(p), qtype, block=16), "lora": p["lora"]}
+    prompt, pmask = sampling.pad_to_bucket([[1, 2, 3], [4, 5, 6, 7, 8]], pad_id=0)
+    kw = dict(rng=jax.random.key(4), max_new_tokens=6, temperature=1.0, pad_id=0,
+              num_samples=3, eos_id=3)
+    ref = sampling.generate(cfg, quant.dequantize_params(q), prompt, pmask, **kw)
+    for out in (sampling.generate(cfg, q, prompt, pmask, **kw),
+                engine.generate(cfg, q, prompt, pmask, slots=4, chunk_steps=2, **kw)[0]):
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5)
+
+
 def qlora_cfg(**overrides):
     return lora_cfg(**{"model.quantize": "int4", "model.quantize_block": 16, **overrides})
 
