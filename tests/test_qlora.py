@@ -67,8 +67,7 @@ def test_gather_of_quantized_embedding_rows_equals_dequantized_table():
                                   jnp.take(quant.dequantize(q), ids, axis=0))
 
 
-@pytest.mark.parametrize("qtype", ["int4", "nf4"])
-def test_sampler_and_slot_engine_read_the_quantized_base(qtype):
+def test_sampler_and_slot_engine_read_the_quantized_base(qtype="nf4"):
     """The static sampler and the slot engine (with adapters, unmerged) sample from a
     quantized base what they sample from its dequantized copy."""
     from rljax import sampling

@@ -78,11 +78,6 @@ def is_quantized(w: Any) -> bool:
     return isinstance(w, Affine) or (qwix is not None and isinstance(w, qwix.QArray))
 
 
-def is_quantized_tree(params: Any) -> bool:
-    """True when any leaf of ``params`` is a quantized weight."""
-    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
-
-
 def quantize_weight(w: jax.Array, qtype: str, block: int, axis: int):
     """``w`` (any float shape) -> QArray with one scale per ``block`` entries along ``axis``
     (the whole axis when ``block`` does not divide it) and per index of every other axis."""
