@@ -159,7 +159,8 @@ def sft() -> dict[str, Any]:
         env_traces=False,            # with env.name: train on the environment's scripted
                                      # episodes (tool calls, observations as context)
         trace_noise=0.0,             # guess_number traces: chance that a guess is random in
-                                     # the interval left instead of the midpoint
+                                     # the interval left instead of the midpoint; games: that
+                                     # a move is a random legal one, not the scripted player's
     )
 
 

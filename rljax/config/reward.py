@@ -9,7 +9,9 @@ from typing import Any
 from rljax.config.base import ConfigError, opt_float
 
 # Environments with scripted episodes for SFT warm-up (``sft.env_traces``).
-ENV_TRACES = ("tool", "guess_number")
+ENV_TRACES = ("tool", "guess_number", "tictactoe", "kuhn_poker")
+# Environments whose traces take ``sft.trace_noise`` (random moves among the scripted ones).
+NOISY_TRACES = ("guess_number", "tictactoe", "kuhn_poker")
 
 
 def reward() -> dict[str, Any]:
@@ -29,7 +31,8 @@ def reward() -> dict[str, Any]:
 
 def env() -> dict[str, Any]:
     return dict(                     # multi-turn episodes (docs/agents.md); "" = single-turn
-        name="",                     # environment: "tool", "guess_number", path/to/file.py:fn
+        name="",                     # environment: "tool", "guess_number", "tictactoe",
+                                     # "kuhn_poker", path/to/file.py:fn
         tools=(),                    # tool names for the "tool" environment (calculator, ...)
         tool_format="plain",         # how calls are written: "plain" or "json" (chat template)
         max_turns=4,                 # model turns per episode
@@ -79,9 +82,10 @@ def check_env(cfg) -> None:
     reads the live registries and imports user code), an algorithm that samples episodes, and a
     chat template for ``json``."""
     env = cfg.env
-    if cfg.sft.trace_noise and not (cfg.sft.env_traces and env.name == "guess_number"):
+    if cfg.sft.trace_noise and not (cfg.sft.env_traces and env.name in NOISY_TRACES):
         raise ConfigError(f"sft.trace_noise={cfg.sft.trace_noise} applies to "
-                          "env.name='guess_number' with sft.env_traces=True")
+                          f"env.name={' / '.join(map(repr, NOISY_TRACES))} with "
+                          "sft.env_traces=True")
     if not env.name:
         if cfg.sft.env_traces:
             raise ConfigError("sft.env_traces=True needs an environment (env.name)")

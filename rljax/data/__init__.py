@@ -19,6 +19,8 @@ Sources (key ``source``) and their keys, besides the common ones (``template``, 
   ``eval_examples``, ``task_seed``.
 * ``guess_number``: ``low``, ``high``, ``num_examples``, ``eval_examples``, ``task_seed``
   (examples for the multi-turn environment ``guess_number``, see docs/agents.md).
+* ``tictactoe`` / ``kuhn_poker``: ``seat`` ("any" or a seat name), ``num_examples``,
+  ``eval_examples``, ``task_seed`` (games for the environments of the same names).
 * ``jsonl`` / ``parquet``: ``path``, and ``eval_path`` or ``eval_fraction`` (+ ``split_seed``);
   ``fields`` maps example keys to columns. GSM8K files work as they are: ``{question, answer}``.
 * ``tfds``: ``name``, ``data_dir``, ``train_split`` ("train"), ``eval_split`` ("test"), ``fields``.
@@ -47,14 +49,14 @@ from rljax.data.iterator import DataIterator, encode_preference, encode_prompts
 from rljax.data.sources import (PREFERENCE_FIELDS, DataError, RecordsSource, SubsetSource,
                                 TaskSource, TfdsSource, load_records, read_records,
                                 split_indices, where)
-from rljax.data.tasks import (TASKS, ArithmeticTask, CountdownTask, GuessNumberTask,
-                              solve_countdown)
+from rljax.data.tasks import (TASKS, ArithmeticTask, BoardGameTask, CountdownTask,
+                              GuessNumberTask, solve_countdown)
 from rljax.data.templates import DEFAULT_TEMPLATE, PromptTemplate
 
 __all__ = ["make_source", "make_template", "make_iterator", "get_task", "DataIterator",
            "encode_prompts", "encode_preference", "PromptTemplate", "TaskSource", "RecordsSource",
            "SubsetSource", "TfdsSource", "ArithmeticTask", "CountdownTask", "GuessNumberTask",
-           "solve_countdown",
+           "BoardGameTask", "solve_countdown",
            "load_records", "read_records", "split_indices", "TASKS", "PREFERENCE_FIELDS",
            "DataError", "check_source", "identical_pairs"]
 
@@ -62,7 +64,8 @@ _COMMON = {"source", "template", "chat", "system_prompt", "max_prompt_len", "max
            "on_overlong", "shuffle", "add_bos", "kind"}
 _TASK_KEYS = {"arithmetic": {"digits", "operands", "ops", "allow_negative", "steps"},
               "countdown": {"num_numbers", "max_number", "max_target", "use_all"},
-              "guess_number": {"low", "high"}}
+              "guess_number": {"low", "high"},
+              "tictactoe": {"seat"}, "kuhn_poker": {"seat"}}
 _SOURCE_KEYS = {
     **{name: keys | {"num_examples", "eval_examples", "task_seed"} for name, keys in _TASK_KEYS.items()},
     "jsonl": {"path", "eval_path", "eval_fraction", "split_seed", "fields"},

@@ -1,4 +1,5 @@
-"""Built-in synthetic tasks with exact verifiers: ``arithmetic``, ``countdown``, ``guess_number``.
+"""Built-in synthetic tasks with exact verifiers: ``arithmetic``, ``countdown``, ``guess_number``,
+and the board games ``tictactoe`` and ``kuhn_poker`` (``BoardGameTask``).
 
 Examples are a pure function of ``(seed, split, index)``, so a task is a random-access dataset of
 any size: no download, no files, the same example on every host and after every restart.
@@ -15,7 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ArithmeticTask", "CountdownTask", "GuessNumberTask", "solve_countdown", "TASKS"]
+__all__ = ["ArithmeticTask", "CountdownTask", "GuessNumberTask", "BoardGameTask", "solve_countdown",
+           "TASKS"]
 
 _SPLIT_STREAM = {"train": 0, "eval": 1, "test": 1}
 # Share of the problem space reserved for evaluation. Splits are disjoint by construction, so
@@ -226,4 +228,57 @@ class GuessNumberTask:
         return str((int(example["low"]) + int(example["high"])) // 2)
 
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "guess_number": GuessNumberTask}
+class BoardGameTask:
+    """Games for the environments ``tictactoe`` and ``kuhn_poker`` (``rljax.envs.game_env``):
+    the policy's seat, the opponent's random seed and (poker) the deal. Fields: ``question``
+    (``"tictactoe X\\n"``: the game and the seat's name; the environment appends the state),
+    ``game``, ``seat`` (index), ``seat_name``, ``move_help``, ``seed``, ``deal`` (poker: the two
+    cards, 0 = J, 1 = Q, 2 = K) and ``answer`` ("": the environment pays, not an answer).
+    A prompt template can use any field (``"You play {seat_name}; move: {move_help}.\\n"``).
+
+    seat: "any" (drawn per example) or a seat name ("X"/"O", "P1"/"P2"). The splits hold
+    disjoint (seat, deal, seed) games, so held-out episodes face opponent draws training
+    never saw."""
+
+    def __init__(self, game: str = "tictactoe", seat: str = "any", seed: int = 0):
+        from rljax.envs import board_games   # pure Python; the game's seats and deals
+
+        self.game = board_games.get_game(game)
+        self.name = self.game.name
+        if seat != "any" and seat not in self.game.seats:
+            raise ValueError(f"{game}: seat must be 'any' or one of {self.game.seats}, got {seat!r}")
+        self.seat, self.seed = seat, int(seed)
+
+    def example(self, index: int, split: str = "train") -> dict:
+        rng = _rng(self.seed, split, index)
+        game, deals = self.game, self.game.deals()
+        for _ in range(10_000):
+            seat = (int(rng.integers(len(game.seats))) if self.seat == "any"
+                    else game.seats.index(self.seat))
+            deal = deals[int(rng.integers(len(deals)))]
+            seed = int(rng.integers(2 ** 31))
+            if _belongs_to(split, f"{game.name}#{seat}#{deal}#{seed}", self.seed):
+                break
+        ex = {"question": f"{game.name} {game.seats[seat]}\n", "game": game.name, "seat": seat,
+              "seat_name": game.seats[seat], "move_help": game.move_help, "seed": seed,
+              "answer": ""}
+        if deal is not None:
+            ex["deal"] = list(deal)
+        return ex
+
+    def solution(self, example: dict) -> str:
+        """The scripted player's first move. A game is several turns: the whole game for SFT
+        warm-up is ``rljax.envs.game_trace(name, example)``."""
+        from rljax.envs.game_env import game_trace
+
+        return game_trace(self.name, example)[1]["content"]
+
+
+def _game_task(game: str):
+    def make(seat: str = "any", seed: int = 0) -> BoardGameTask:
+        return BoardGameTask(game, seat=seat, seed=seed)
+    return make
+
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "guess_number": GuessNumberTask,
+         "tictactoe": _game_task("tictactoe"), "kuhn_poker": _game_task("kuhn_poker")}

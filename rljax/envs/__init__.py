@@ -1,7 +1,8 @@
 """Environments and tools for multi-turn (agentic) rollouts; the protocol is in ``base``.
 
 Importing this package registers the built-ins: tools ``calculator``, ``python``, ``search``
-(``tools``), environments ``tool`` (``tool_env``) and ``guess_number`` (``games``), and the tool
+(``tools``), environments ``tool`` (``tool_env``), ``guess_number`` (``games``), ``tictactoe`` and
+``kuhn_poker`` (``game_env``, over the pure-Python rules of ``board_games``), and the tool
 formats ``json`` and ``plain`` (``tool_format``). See docs/agents.md.
 """
 from rljax.envs.base import (Environment, Message, StepResult, Tool, ToolError, ToolTimeout,
@@ -13,6 +14,7 @@ from rljax.envs.runner import call_tool, merge_counters, step_all
 from rljax.envs import tools  # noqa: F401  (registers the built-in tools)
 from rljax.envs.tool_env import ToolEnv, trace_messages
 from rljax.envs.games import GuessNumberEnv, guess_trace
+from rljax.envs.game_env import GAME_ENVS, GameEnv, game_trace
 from rljax.envs.checks import check_env_config
 from rljax.envs.metrics import env_metrics
 
@@ -20,4 +22,5 @@ __all__ = ["Environment", "Message", "StepResult", "Tool", "ToolError", "ToolTim
            "env_names", "make_env", "make_tool", "register_env", "register_tool", "tool_names",
            "ToolCall", "ToolCallError", "ToolFormat", "get_tool_format", "tool_format_names",
            "call_tool", "merge_counters", "step_all", "ToolEnv", "trace_messages",
-           "GuessNumberEnv", "guess_trace", "check_env_config", "env_metrics"]
+           "GuessNumberEnv", "guess_trace", "GAME_ENVS", "GameEnv", "game_trace",
+           "check_env_config", "env_metrics"]

@@ -217,7 +217,7 @@ class MultiTurnRewardRollout(MultiTurnRollout, RewardRollout):
 
 def trace_messages(cfg, example: dict, rng: np.random.Generator | None = None) -> list[dict]:
     """The environment's scripted, verified episode for ``example`` (``sft.env_traces``);
-    ``rng`` draws ``guess_number``'s random guesses under ``sft.trace_noise``."""
+    ``rng`` draws the random guesses / moves of ``sft.trace_noise`` (``guess_number``, games)."""
     from rljax import envs
     kw = env_kwargs(cfg)
     if cfg.env.name == "tool":
@@ -225,6 +225,9 @@ def trace_messages(cfg, example: dict, rng: np.random.Generator | None = None) -
         return envs.trace_messages(example, kw.pop("tool_format", cfg.env.tool_format), **kw)
     if cfg.env.name == "guess_number":
         return envs.guess_trace(example, noise=float(cfg.sft.trace_noise), rng=rng, **kw)
+    if cfg.env.name in envs.GAME_ENVS:
+        return envs.game_trace(cfg.env.name, example, noise=float(cfg.sft.trace_noise), rng=rng,
+                               **kw)
     raise ValueError(f"environment {cfg.env.name!r} has no scripted traces")
 
 
