@@ -15,6 +15,9 @@ Registries:
 Multi-turn episodes: ``rljax.algorithms.turn_credit`` (per-turn discounted returns, their
 GRPO-family advantages, turn-end rewards and discounts for GAE; numpy, host side).
 
+Games: ``rljax.algorithms.role_advantages`` (role-conditioned advantages, SPIRAL's RAE: an EMA
+baseline per (game, role) passed in and returned; pure functions, not wired into the trainer).
+
 Losses return (weighted_sum, weight): sum both over micro-batches / shards, divide once.
 Depends on jax and numpy only.
 """
