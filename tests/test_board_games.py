@@ -2,7 +2,6 @@
 (minimax never loses, the Kuhn Nash strategy's value is -1/18 exactly), the environments
 against a scripted opponent (parsing, forfeits, counters), the data tasks, role-conditioned
 advantages (RAE) against their formula, and the TicTacToe config training two iterations."""
-import itertools
 import random
 from fractions import Fraction
 
@@ -241,8 +240,10 @@ def test_kuhn_env_pays_chips_scaled_and_honours_the_example_opponent():
 
 
 def test_env_options_are_checked():
-    with pytest.raises(ValueError):
-        make_env("tictactoe", {"question": "", "seat": "Z"})
+    for seat in ("Z", 2, -1):
+        with pytest.raises(ValueError, match="is not one of"):
+            make_env("tictactoe", {"question": "", "seat": seat})
+    assert make_env("tictactoe", {"question": "", "seat": "1"}).seat == 1
     with pytest.raises(ValueError):
         make_env("tictactoe", {"question": "", "seat": 0}, opponent="genius")
     with pytest.raises(ValueError):

@@ -57,9 +57,13 @@ class GameEnv:
             raise ValueError(f"{game.name}: state_format must contain {{state}}, got {state_format!r}")
         self.game, self.example = game, dict(example)
         seat = self.example.get("seat", 0)
-        self.seat = game.seats.index(seat) if isinstance(seat, str) else int(seat)
-        if not 0 <= self.seat < len(game.seats):
-            raise ValueError(f"{game.name}: seat {seat!r} is not one of {game.seats}")
+        if seat in game.seats:
+            self.seat = game.seats.index(seat)
+        elif str(seat).isdigit() and int(seat) < len(game.seats):   # JSON rows may hold "1"
+            self.seat = int(seat)
+        else:
+            raise ValueError(f"{game.name}: seat {seat!r} is not one of {game.seats} or an "
+                             f"index below {len(game.seats)}")
         self.seed = int(self.example.get("seed", 0))
         self.deal = self.example.get("deal")
         kind = str(self.example.get("opponent", opponent))
