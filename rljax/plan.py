@@ -250,14 +250,11 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
     """
     from rljax.train import phases as phases_lib, programs as programs_lib
-    from rljax.train.setup import Context, check_inputs, quantized_base
+    from rljax.train.setup import Context, check_inputs, make_meshes, quantized_base
 
     devices = list(jax.devices() if devices is None else devices)
     check_inputs(cfg, len(devices))
-    try:
-        mesh = shd.make_mesh(dict(cfg.mesh.items()), devices=devices)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    mesh, rollout_mesh = make_meshes(cfg, devices)
     tok = _tokenizer(cfg)
     mcfg = model_config(cfg, tok)
     param_shapes = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
