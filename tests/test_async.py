@@ -121,3 +121,17 @@ def test_more_rollout_devices_than_there_are_is_refused_before_building():
         check_inputs(cfg, 8)
     with pytest.raises(config.ConfigError, match="does not match the 4 available devices"):
         check_inputs(_cfg(**{"mesh.data": 4}), 8)   # 4 x 2 training devices: only 4 are left
+
+
+def test_the_plan_plans_the_sampler_on_the_rollout_mesh():
+    """Rollout mesh data=4 (the policy's copy replicated there), training data=2 x fsdp=2
+    (sharded): the sample program's resident argument is the whole policy."""
+    from rljax import plan as plan_lib
+    planned = plan_lib.plan(_cfg(**{"mesh.rollout.data": 4, "mesh.rollout.fsdp": 1}),
+                            jax.devices())
+    rows = {p.name: p for p in planned.phases}
+    shard = planned.resident_parts["params"]   # per training device
+    assert rows["sample"].resident_arguments > shard   # replicated: more than a shard
+    assert rows["eval"].resident_arguments == shard   # eval reads the trainer's shards
+    assert any(n.startswith("mesh.rollout_devices=4: the sample programs are planned on the "
+                            "rollout mesh (data=4 fsdp=1 tensor=1)") for n in planned.notes)

@@ -293,6 +293,15 @@ def build_context(cfg, workdir: str, devices=None) -> Context:
                    rollout_mesh=rollout_mesh, rollout_shardings=rollout_shardings)
 
 
+def sampler_context(ctx: Context) -> Context:
+    """The context the sampler of asynchronous RL runs in: the rollout mesh and the shardings
+    of the policy's copy there (``mesh.rollout_devices``), or ``ctx`` itself on one mesh."""
+    if ctx.rollout_mesh is None:
+        return ctx
+    return dataclasses.replace(ctx, mesh=ctx.rollout_mesh, params=None,
+                               param_shardings=ctx.rollout_shardings)
+
+
 def make_meshes(cfg, devices=None):
     """``(training mesh, rollout mesh or None)``: with ``mesh.rollout_devices`` = r > 0 the
     last r devices form the rollout mesh (axes ``mesh.rollout``), the rest the training mesh

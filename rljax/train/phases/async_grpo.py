@@ -47,6 +47,7 @@ from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
+from rljax.train.setup import sampler_context
 from rljax.train.steps import to_host
 
 
@@ -57,15 +58,6 @@ class SamplerState:
     params: Any
     rng: Any
     ref_params: Any = None
-
-
-def sampler_context(ctx):
-    """The context the sampler runs in: the rollout mesh and its shardings, or ``ctx``
-    itself when there is one mesh."""
-    if ctx.rollout_mesh is None:
-        return ctx
-    return dataclasses.replace(ctx, mesh=ctx.rollout_mesh, params=None,
-                               param_shardings=ctx.rollout_shardings)
 
 
 class AsyncGRPOPhase(GRPOPhase):

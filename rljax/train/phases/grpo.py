@@ -28,7 +28,7 @@ from rljax.train import guidance, length_groups, programs as programs_lib, steps
 from rljax.train import teacher as teacher_lib
 from rljax.train.metrics import host_fraction
 from rljax.train.rollout import Rollout
-from rljax.train.setup import Context, rl_iterator, update_sizes
+from rljax.train.setup import Context, rl_iterator, sampler_context, update_sizes
 from rljax.train.steps import to_host
 
 
@@ -288,6 +288,12 @@ class GRPOPhase:
         resident = programs_lib.shard_bytes(state)
         params = programs_lib.shard_bytes(state.params)
         out = programs_lib.sampler_programs(ctx, state.params, params)
+        if ctx.rollout_mesh is not None:   # asynchronous RL: the sampler on its own mesh,
+            # its copy of the policy as its resident state (eval stays on the training mesh)
+            copy = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                state.params, ctx.rollout_shardings)
+            out = [p for p in out if p.name == "eval"] + programs_lib.sampler_programs(
+                sampler_context(ctx), copy, programs_lib.shard_bytes(copy), with_eval=False)
         if not single_update(cfg) or cfg.algo.beta > 0:
             out.append(programs_lib.logps_program(ctx, state.params, params))
         for name, fn, args, copies in update.programs(
