@@ -81,6 +81,16 @@ class AsyncGRPOPhase(GRPOPhase):
         self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
         self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
 
+    def _compiled(self, state):
+        """The GRPO update; ``algo.update_streams`` left at auto runs one stream: concurrent
+        streams block the controller until their gradients are done, and the controller has
+        the sampler to drive meanwhile."""
+        if self._step_fn is None:
+            self._step_fn = super()._compiled(state)
+            if not self.ctx.cfg.algo.update_streams:
+                self._step_fn.streams = 1
+        return self._step_fn
+
     # -- the two meshes ------------------------------------------------------------------------
 
     def publish(self, state, version: int) -> float:
