@@ -23,7 +23,7 @@ The model (every number in ``PARAMS``, printed as one table; docs/internals.md k
   slower side's interconnect, ``weights / (min(r, 64 - r) * ici)``; the best split r in steps
   of ``tp`` is reported.
 
-Calibration (``--check``, the default): the partial-rollout pool's sampling time against the
+Calibration (printed by every run): the partial-rollout pool's sampling time against the
 static sampler's on the toy workload (64 prompts x 8, 128 tokens, measured 2.07x faster on
 this machine, ``bench/results/partial_toy.json``) is re-derived from the same step model; and
 the measured synchronous sample/update split of the demo (``bench/results/async_step.json``)
