@@ -250,14 +250,11 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
     """
     from rljax.train import phases as phases_lib, programs as programs_lib
-    from rljax.train.setup import Context, check_inputs, quantized_base
+    from rljax.train.setup import Context, check_inputs, make_meshes, quantized_base
 
     devices = list(jax.devices() if devices is None else devices)
     check_inputs(cfg, len(devices))
-    try:
-        mesh = shd.make_mesh(dict(cfg.mesh.items()), devices=devices)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    mesh, rollout_mesh = make_meshes(cfg, devices)
     tok = _tokenizer(cfg)
     mcfg = model_config(cfg, tok)
     param_shapes = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
@@ -274,7 +271,10 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
             lambda: models.lora.init_lora(mcfg, lora_rank, lc.targets, jax.random.key(0)))}
         axes = {**axes, "lora": models.lora.lora_logical_axes(mcfg, lora_rank, lc.targets)}
     param_sh = shd.logical_to_sharding(axes, mesh, shapes=param_shapes)
-    ctx = Context(cfg, "", mesh, tok, mcfg, _abstract(param_shapes, param_sh), param_sh)
+    rollout_sh = (None if rollout_mesh is None else
+                  shd.on_mesh(param_sh, param_shapes, rollout_mesh))
+    ctx = Context(cfg, "", mesh, tok, mcfg, _abstract(param_shapes, param_sh), param_sh,
+                  rollout_mesh=rollout_mesh, rollout_shardings=rollout_sh)
     phases: list[PhaseMemory] = []
     notes: list[str] = []
     residents: list[tuple[str, dict]] = []
@@ -284,6 +284,12 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         notes.append(f"episodes: sampling planned as one sampler pass over the multi-turn "
                      f"KV cache ({programs_lib.sampler_len(cfg)} slots after the prompt); "
                      f"training sequences {p_len} + env.max_total_tokens = {p_len + n_new}")
+    if rollout_mesh is not None:
+        notes.append(f"mesh.rollout_devices={rollout_mesh.size}: the sample programs are "
+                     "planned on the rollout mesh ("
+                     + " ".join(f"{k}={v}" for k, v in rollout_mesh.shape.items())
+                     + ") with the sampler's copy of the policy as their resident state; "
+                     "the others on the training mesh")
     if cfg.rollout.engine == "slots" and mesh.size > 1:
         notes.append("rollout.engine='slots': the engine's pages, slots and outputs are "
                      "planned whole on every device (it does not split them over the mesh)")

@@ -241,3 +241,32 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
         return x
     spec = logical_to_spec(logical_axes, mesh, rules, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list, list]:
+    """``(training devices, rollout devices)``: the last ``rollout`` of ``devices`` sample
+    (asynchronous RL, ``mesh.rollout_devices``), the others train; ``rollout=0``: all train."""
+    devices = list(devices)
+    if not 0 <= rollout < len(devices):
+        raise ValueError(f"mesh.rollout_devices={rollout} must leave at least one of the "
+                         f"{len(devices)} devices to train")
+    return devices[:len(devices) - rollout], devices[len(devices) - rollout:]
+
+
+def on_mesh(shardings: Any, shapes: Any, mesh: Mesh) -> Any:
+    """The same partition on another mesh: each ``NamedSharding`` of ``shardings`` keeps its
+    mesh axes by name on ``mesh``, each dimension the longest prefix of them whose sizes there
+    divide it (``shapes``: a tree of the same structure with ``.shape`` leaves; None leaves
+    stay None). How the sampler's copy of the policy is laid out on the rollout mesh."""
+    def one(s, x):
+        if s is None or x is None:
+            return None
+        spec, used = [], set()
+        for dim, axes in enumerate(tuple(s.spec) + (None,) * (np.ndim(x) - len(s.spec))):
+            want = [a for a in _as_tuple(axes) if a in mesh.shape and a not in used]
+            while want and np.shape(x)[dim] % math.prod(mesh.shape[a] for a in want):
+                want.pop()
+            used.update(want)
+            spec.append(None if not want else want[0] if len(want) == 1 else tuple(want))
+        return NamedSharding(mesh, PartitionSpec(*spec))
+    return jax.tree.map(one, shardings, shapes, is_leaf=lambda x: x is None)

@@ -17,7 +17,8 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         saved = json.load(f)
     now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
     # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
-    # import, the static sampler, no partial rollouts, no distillation, no quantized base.
+    # import, the static sampler, no partial rollouts, no distillation, no quantized base,
+    # synchronous RL on one mesh.
     assert now.pop("imports") == []
     added = ("engine", "slots", "chunk_steps", "partial", "max_staleness", "stop_strings")
     assert {k: now["rollout"].pop(k) for k in added} == {
@@ -28,6 +29,10 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         "jsd_weight": 0.0, "jsd_beta": 0.5, "top_k": 16}
     assert {k: now["model"].pop(k) for k in ("quantize", "quantize_block")} == {
         "quantize": "", "quantize_block": 64}   # the base as loaded
+    assert {k: now["algo"].pop(k) for k in ("asynchronous", "async_lag")} == {
+        "asynchronous": False, "async_lag": 1}   # synchronous RL
+    assert {k: now["mesh"].pop(k) for k in ("rollout_devices", "rollout")} == {
+        "rollout_devices": 0, "rollout": {"data": -1, "fsdp": 1, "tensor": 1}}   # one mesh
     assert now == saved
 
 

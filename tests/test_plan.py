@@ -102,7 +102,7 @@ def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-mesh = shd.make_mesh(dict(cfg.mesh.items()))
+mesh = shd.make_mesh(config.mesh.axis_sizes(cfg.mesh))
 tok = plan._tokenizer(cfg)
 mcfg = plan.model_config(cfg, tok)
 shapes = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))

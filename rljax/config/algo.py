@@ -142,6 +142,13 @@ def algo() -> dict[str, Any]:
             jsd_beta=0.5,            # its beta: 0 = forward KL(teacher||student), 1 = reverse
             top_k=16,                # teacher tokens per position the JSD term reads
         ),
+        # Asynchronous RL (GRPO; docs/internals.md): update k trains on the samples drawn by
+        # the policy of version k - async_lag (the first updates on the starting policy's),
+        # sampled while update k - async_lag runs; behaviour log-probs feed the decoupled
+        # loss (as rollout.partial). A fixed schedule: reproducible, resumes exactly. With
+        # mesh.rollout_devices the sampler has devices of its own.
+        asynchronous=False,
+        async_lag=1,
         mixed_policy=False,          # LUFFY-style: the reference solution replaces one sample
                                      # of a group that failed entirely (importance ratio
                                      # pi_theta / 1, so <= 1); an alternative to hints
@@ -223,7 +230,7 @@ REGISTRIES = {
 }
 
 RANGES = (
-    ("algo.update_streams", 0, None),
+    ("algo.update_streams", 0, None), ("algo.async_lag", 1, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
@@ -366,3 +373,27 @@ def check_distill(cfg) -> None:
     if d.kl_weight == 0 and d.reward_weight == 0 and d.jsd_weight == 0:
         raise ConfigError("algo.distill.kl_weight, reward_weight and jsd_weight are all 0: "
                           "nothing would train")
+
+
+def check_async(cfg) -> None:
+    """Asynchronous RL trains GRPO on batches sampled ahead: nothing that needs the update's
+    policy while sampling, or samples in a loop of its own."""
+    a, r = cfg.algo, cfg.rollout
+    if not a.asynchronous:
+        return
+    if a.name != "grpo":
+        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo' (got '{a.name}')")
+    for key, on in (("env.name", bool(cfg.env.name)),
+                    ("rollout.tree.enabled", r.tree.enabled),
+                    ("algo.kl_in_reward", a.kl_in_reward),
+                    ("data.selection.name", cfg.data.selection.name != "uniform"),
+                    ("algo.hint.mode", a.hint.mode != "off"),
+                    ("algo.mixed_policy", a.mixed_policy),
+                    ("algo.relift.every", bool(a.relift.every))):
+        if on:
+            raise ConfigError(f"algo.asynchronous=true cannot be combined with {key} "
+                              "(not supported with batches sampled ahead); turn one of them off")
+    if r.partial and r.max_staleness < a.async_lag:
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
+                          f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "
+                          "trains async_lag versions after it was sampled)")

@@ -276,14 +276,14 @@ class Pool:
 
     def state_dict(self) -> dict:
         """JSON-able host state (arrays as base64 bytes): everything ``run`` continues from."""
-        out = {k: _encode(getattr(self, k)) for k in self._ARRAYS}
+        out = {k: encode_array(getattr(self, k)) for k in self._ARRAYS}
         out.update(prompts=self.prompts, metas=self.metas, next_serial=self.next_serial,
                    clock=self.clock)
         return out
 
     def load_state_dict(self, state: dict) -> None:
         for k in self._ARRAYS:
-            value = _decode(state[k])
+            value = decode_array(state[k])
             if value.shape != getattr(self, k).shape:
                 raise ValueError(f"the saved partial-rollout pool has {k} of shape "
                                  f"{value.shape}, this config makes {getattr(self, k).shape}")
@@ -292,13 +292,15 @@ class Pool:
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
 
 
-def _encode(x: np.ndarray) -> dict:
+def encode_array(x: np.ndarray) -> dict:
+    """A numpy array as JSON-able ``{dtype, shape, data (base64 bytes)}``, exact."""
     x = np.ascontiguousarray(x)
     return {"dtype": x.dtype.str, "shape": list(x.shape),
             "data": base64.b64encode(x.tobytes()).decode("ascii")}
 
 
-def _decode(d: dict) -> np.ndarray:
+def decode_array(d: dict) -> np.ndarray:
+    """The array ``encode_array`` encoded."""
     raw = base64.b64decode(d["data"])
     return np.frombuffer(raw, np.dtype(d["dtype"])).reshape(d["shape"]).copy()
 

@@ -15,6 +15,7 @@ import jax
 
 from rljax import data as data_lib
 from rljax import models, rewards, usercode
+from rljax.config import mesh as mesh_config
 from rljax.errors import ConfigError, UserError
 from rljax.train import teacher as teacher_lib
 from rljax.train.step_mc import check_step_delimiter
@@ -39,6 +40,22 @@ def _template(cfg) -> str:
         raise ConfigError(f"data.template={name!r} is neither a known template "
                           f"({', '.join(TEMPLATES)}) nor a format string like '{{question}}'")
     return name
+
+
+def _check_rollout_devices(cfg, n: int) -> int:
+    """``mesh.rollout_devices`` (the sampler's own devices, asynchronous RL) against the ``n``
+    devices there are (at least one must be left to train); asynchronous RL in one process.
+    Returns the rollout devices."""
+    if cfg.algo.get("asynchronous", False) and jax.process_count() > 1:
+        raise ConfigError("algo.asynchronous=true runs in a single process for now; this run "
+                          f"has {jax.process_count()} processes")
+    r = int(cfg.mesh.get("rollout_devices", 0))
+    if not r:
+        return 0
+    if r >= n:
+        raise ConfigError(f"mesh.rollout_devices={r} leaves no device to train: there are {n} "
+                          "devices (the rollout mesh takes the last ones, training the rest)")
+    return r
 
 
 def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> None:
@@ -83,8 +100,9 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
         value = cfg.data[key.split(".")[1]]
         if usercode.is_spec(value) and not value.startswith("tfds:"):  # tfds:NAME is built in
             usercode.load(value, key)
-    mesh_sizes = dict(cfg.mesh.items())
+    mesh_sizes = mesh_config.axis_sizes(cfg.mesh)
     n = num_devices if num_devices is not None else jax.device_count()
+    n -= _check_rollout_devices(cfg, n)   # the training mesh gets the rest
     fixed = 1
     for v in mesh_sizes.values():
         fixed *= v if v != -1 else 1

@@ -59,15 +59,21 @@ class PartialRollout(Rollout):
             raise UserError("rollout.partial=true runs in a single process for now; use "
                             "rollout.partial=false on several hosts")
         self.pool = make_pool(ctx, self.num_prompts)
-        self._version, self._key, self._taken = 0, None, None
+        self._step = self._version = 0
+        self._key, self._taken = None, None
+        # Asynchronous RL samples ahead: the version of the parameters it passes (step k's
+        # batch drawn by version k - lag); None: ``step`` (the batch trains at once).
+        self.params_version: int | None = None
 
     def __call__(self, state, step: int):
-        self._version = int(step)
+        self._step = int(step)
+        self._version = self._step if self.params_version is None else int(self.params_version)
         self._key = jax.random.fold_in(state.rng, PARTIAL_STREAM)
         batch, metrics = super().__call__(state, step)
         t = self._taken
         versions = t.rows["versions"][t.rows["mask"]]
-        stale = self._version - versions if versions.size else np.zeros(1, np.int64)
+        # Staleness at the update that trains the batch (step ``step``).
+        stale = int(step) - versions if versions.size else np.zeros(1, np.int64)
         metrics.update({"rollout/staleness_mean": float(stale.mean()),
                         "rollout/staleness_max": int(stale.max()),
                         "rollout/dropped_stale": int(t.dropped_stale),
@@ -90,7 +96,7 @@ class PartialRollout(Rollout):
             pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new))
         t0 = time.perf_counter()
         taken = pool.run(sampling_params(self.ctx, params), self._key, version=self._version,
-                         want=self.num_prompts, max_staleness=cfg.rollout.max_staleness)
+                         want=self.num_prompts, max_staleness=self._staleness_bound())
         self._taken = taken
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
         out["decoded"] = out["lengths"].reshape(-1, self.g).sum(axis=1)
@@ -99,6 +105,12 @@ class PartialRollout(Rollout):
             taken.prompts, pad_id=self.ctx.tokenizer.pad_id,
             buckets=prompt_buckets(cfg.data.max_prompt_length))
         return self.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+
+    def _staleness_bound(self) -> int:
+        """``rollout.max_staleness`` counted at the update: a batch drawn by version v trains
+        at ``step``, so the pool may keep tokens up to ``max_staleness - (step - v)`` older
+        than v (config checks keep it >= 0)."""
+        return int(self.cfg.rollout.max_staleness) - (self._step - self._version)
 
     def state_dict(self) -> dict:
         # The groups' examples go into the checkpoint's JSON: numpy values as plain ones.

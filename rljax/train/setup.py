@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rljax import data as data_lib
 from rljax.data import selection
 from rljax import models, rewards, tokenizers
+from rljax.config import mesh as mesh_config
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
 from rljax.train import optim, paths
@@ -69,6 +70,10 @@ class Context:
     params: Any
     param_shardings: Any
     stop: Any = None  # the run's StopSignal (set by the controller): waits on rewards poll it
+    # Asynchronous RL with mesh.rollout_devices: the sampler's own mesh and the shardings of
+    # its copy of the policy (``sharding.on_mesh``); None: the sampler uses ``mesh``.
+    rollout_mesh: Any = None
+    rollout_shardings: Any = None
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -275,17 +280,42 @@ def _param_shardings(model_cfg, mesh):
 
 def build_context(cfg, workdir: str, devices=None) -> Context:
     """Mesh, tokenizer, model and shardings for ``cfg`` (call ``check_inputs`` first)."""
-    try:
-        mesh = shd.make_mesh(dict(cfg.mesh.items()), devices=devices)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    mesh, rollout_mesh = make_meshes(cfg, devices)
     tokenizer = make_tokenizer(cfg, workdir)
     stop_ids(cfg, tokenizer)   # a bad stop string is named before the model loads
     model_cfg, params, shardings = build_model(cfg, tokenizer, mesh,
                                                jax.random.fold_in(jax.random.key(cfg.seed), 1))
     model_cfg, params, shardings = add_lora(cfg, model_cfg, params, shardings, mesh,
                                             jax.random.fold_in(jax.random.key(cfg.seed), 2))
-    return Context(cfg, workdir, mesh, tokenizer, model_cfg, params, shardings)
+    rollout_shardings = (None if rollout_mesh is None else
+                         shd.on_mesh(shardings, params, rollout_mesh))
+    return Context(cfg, workdir, mesh, tokenizer, model_cfg, params, shardings,
+                   rollout_mesh=rollout_mesh, rollout_shardings=rollout_shardings)
+
+
+def sampler_context(ctx: Context) -> Context:
+    """The context the sampler of asynchronous RL runs in: the rollout mesh and the shardings
+    of the policy's copy there (``mesh.rollout_devices``), or ``ctx`` itself on one mesh."""
+    if ctx.rollout_mesh is None:
+        return ctx
+    return dataclasses.replace(ctx, mesh=ctx.rollout_mesh, params=None,
+                               param_shardings=ctx.rollout_shardings)
+
+
+def make_meshes(cfg, devices=None):
+    """``(training mesh, rollout mesh or None)``: with ``mesh.rollout_devices`` = r > 0 the
+    last r devices form the rollout mesh (axes ``mesh.rollout``), the rest the training mesh
+    (``mesh.data/fsdp/tensor``); otherwise one mesh of every device and None."""
+    devices = list(jax.devices() if devices is None else devices)
+    r = int(cfg.mesh.get("rollout_devices", 0))
+    try:
+        train, rollout = shd.split_devices(devices, r)
+        mesh = shd.make_mesh(mesh_config.axis_sizes(cfg.mesh), devices=train)
+        rollout_mesh = (shd.make_mesh(mesh_config.axis_sizes(cfg.mesh.rollout), devices=rollout)
+                        if r else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return mesh, rollout_mesh
 
 
 def update_sizes(cfg) -> tuple[int, int, int]:

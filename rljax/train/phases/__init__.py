@@ -1,7 +1,8 @@
 """Algorithms as phases: each module here is one way to spend training iterations.
 
     sft   SFTPhase   supervised fine-tuning (also the RL warm-up)
-    grpo  GRPOPhase  the GRPO family (Dr. GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++)
+    grpo  GRPOPhase  the GRPO family (Dr. GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++);
+                     AsyncGRPOPhase with algo.asynchronous (batches sampled ahead)
     distill DistillPhase  on-policy distillation from a frozen teacher (GRPO's update)
     ppo   PPOPhase   PPO with a critic and GAE
     dpo   DPOPhase   offline and online (iterative) DPO and its variants
@@ -20,6 +21,7 @@ import dataclasses
 from typing import Callable
 
 from rljax.errors import UserError
+from rljax.train.phases.async_grpo import AsyncGRPOPhase
 from rljax.train.phases.distill import DistillPhase
 from rljax.train.phases.dpo import DPOPhase
 from rljax.train.phases.grpo import GRPOPhase
@@ -28,9 +30,17 @@ from rljax.train.phases.rm import RMPhase
 from rljax.train.phases.sft import SFTPhase
 from rljax.train.setup import Context, Phase
 
+
+def grpo_phase(ctx: Context, steps: int) -> Phase:
+    """The GRPO phase: asynchronous (``algo.asynchronous``) or not."""
+    if ctx.cfg.algo.get("asynchronous", False):
+        return AsyncGRPOPhase(ctx, steps)
+    return GRPOPhase(ctx, steps)
+
+
 # algo.name -> factory(ctx, steps) -> Phase.
 ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
-    "grpo": GRPOPhase,
+    "grpo": grpo_phase,
     "distill": DistillPhase,
     "ppo": PPOPhase,
     "dpo": DPOPhase,

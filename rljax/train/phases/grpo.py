@@ -28,7 +28,7 @@ from rljax.train import guidance, length_groups, programs as programs_lib, steps
 from rljax.train import teacher as teacher_lib
 from rljax.train.metrics import host_fraction
 from rljax.train.rollout import Rollout
-from rljax.train.setup import Context, rl_iterator, update_sizes
+from rljax.train.setup import Context, rl_iterator, sampler_context, update_sizes
 from rljax.train.steps import to_host
 
 
@@ -233,7 +233,8 @@ def _build(ctx: Context, optimizer, state) -> length_groups.GroupedUpdate:
     cfg = ctx.cfg
     return build_update(ctx.model_cfg, cfg.algo, optimizer, temperature=cfg.rollout.temperature,
                         num_micro=update_sizes(cfg)[1], state_shardings=ctx.state_shardings(state),
-                        mesh=ctx.mesh, partial=bool(cfg.rollout.partial))
+                        mesh=ctx.mesh,
+                        partial=bool(cfg.rollout.partial or cfg.algo.get("asynchronous")))
 
 
 # ----------------------------------------------------------------------------- phase
@@ -287,6 +288,12 @@ class GRPOPhase:
         resident = programs_lib.shard_bytes(state)
         params = programs_lib.shard_bytes(state.params)
         out = programs_lib.sampler_programs(ctx, state.params, params)
+        if ctx.rollout_mesh is not None:   # asynchronous RL: the sampler on its own mesh,
+            # its copy of the policy as its resident state (eval stays on the training mesh)
+            copy = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                state.params, ctx.rollout_shardings)
+            out = [p for p in out if p.name == "eval"] + programs_lib.sampler_programs(
+                sampler_context(ctx), copy, programs_lib.shard_bytes(copy), with_eval=False)
         if not single_update(cfg) or cfg.algo.beta > 0:
             out.append(programs_lib.logps_program(ctx, state.params, params))
         for name, fn, args, copies in update.programs(
@@ -299,13 +306,7 @@ class GRPOPhase:
         t0 = time.perf_counter()
         batch, metrics = self.rollout(state, step)
         t1 = time.perf_counter()
-        step_fn = self._compiled(state)
-        updates = []
-        for _ in range(self.ctx.cfg.algo.num_iterations):
-            for start in range(0, self.batch_size, self.mini):
-                mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
-                state, m = step_fn(state, mb)   # plans the host rows itself
-                updates.append(m)
+        state, updates = self.update(state, batch)
         if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
             state, relift_metrics = self.relift.maybe_step(state, step, self.optimizer)
             metrics.update(relift_metrics)
@@ -320,15 +321,25 @@ class GRPOPhase:
         since = self.rollout.pending_since if self.rollout.pending_since is not None else t1
         pending = metrics.get("time/sample", 0.0) + t2 - since
         metrics["time/host_frac"] = host_fraction(t2 - t0, pending)
-        for key in updates[0]:
-            values = [u[key] for u in updates]
-            metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))
+        merge_updates(metrics, updates)
         metrics.update({
             "time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0,
             "tokens_per_s": (metrics["rollout/tokens"] + metrics["rollout/train_tokens"]
                              * self.ctx.cfg.algo.num_iterations) / max(t2 - t0, 1e-9),
         })
         return state, metrics
+
+    def update(self, state, batch):
+        """``algo.num_iterations`` epochs of mini-batch updates on ``batch``, dispatched (not
+        fetched): ``(state, [device metrics of each update])``."""
+        step_fn = self._compiled(state)
+        updates = []
+        for _ in range(self.ctx.cfg.algo.num_iterations):
+            for start in range(0, self.batch_size, self.mini):
+                mb = jax.tree.map(lambda x: x[start:start + self.mini], batch)
+                state, m = step_fn(state, mb)   # plans the host rows itself
+                updates.append(m)
+        return state, updates
 
     def state_dict(self) -> dict:
         out = {"data": self.iterator.state()}
@@ -344,3 +355,11 @@ class GRPOPhase:
             self.rollout.guide.load_state_dict(state["guidance"])
         if self.ctx.cfg.rollout.partial and "partial" in state:
             self.rollout.load_state_dict(state["partial"])
+
+
+def merge_updates(metrics: dict, updates: list) -> None:
+    """The iteration's update metrics (host values of each update) into ``metrics``: the mean
+    of each, the sum of ``skipped``."""
+    for key in updates[0]:
+        values = [u[key] for u in updates]
+        metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))

@@ -1,0 +1,231 @@
+"""Asynchronous GRPO (``algo.asynchronous``): the sampler draws batch k + s while the trainer
+updates on batch k, s = ``algo.async_lag``.
+
+A fixed schedule on the single controller (docs/internals.md, "Asynchronous RL"). Iteration k:
+
+1. **publish** the policy of version k (``state.params`` before update k) to the sampler: a
+   ``jax.device_put`` onto the rollout mesh's shardings (``mesh.rollout_devices``), or a copy
+   on the one mesh (the update donates the state); blocking, timed (``time/weight_transfer``);
+2. **train** on batch k, sampled earlier by version k - s (the first s batches by version 0):
+   the proximal and reference log-prob passes and the updates are dispatched on the training
+   mesh, not fetched;
+3. **sample** batch k + s on the rollout mesh with the version-k copy (rewards, advantages on
+   the host) while the training devices run step 2;
+4. fetch the update's metrics.
+
+Which version samples which batch depends only on the step, so a run is reproducible and a
+resumed run equals an uninterrupted one: the s batches in flight after update k (sampled by
+versions k - s + 1 .. k) are saved with the checkpoint (``state_dict``: host arrays, exact),
+with the data iterator and, with ``rollout.partial``, the pool behind them.
+
+Off-policy correction: every token of batch k was drawn by version k - s (with partial
+rollouts, each token by its own version, recorded by the pool); the update is the decoupled
+loss of partial rollouts (``grpo.grpo_loss(..., partial=True)``: the behaviour weight
+``min(pi_prox / pi_behav, algo.tis_cap or 2)``, pi_prox the version-k policy).
+
+Metrics: ``rollout/sample_version`` (the version that drew the batch; partial: the last one
+that decoded it), ``rollout/staleness_mean`` / ``_max`` (k minus each completion token's
+version), ``time/weight_transfer`` (s), ``time/trainer_idle_frac`` (share of the iteration
+the training devices had no work: from the dispatch of the log-prob passes to the moment a
+watcher thread sees the update's outputs ready is busy), ``time/sampler_idle_frac`` (share
+outside this iteration's sampling calls, ``time/sample`` of the batch drawn now).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import distributed as dist
+from rljax.errors import UserError
+from rljax.models import lora as lora_lib
+from rljax.sampling.partial import decode_array, encode_array
+from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
+from rljax.train.setup import sampler_context
+from rljax.train.steps import to_host
+
+
+@dataclasses.dataclass
+class SamplerState:
+    """What the rollout reads of a train state: the sampler's copy of the policy and the run's
+    base key, both on the sampler's mesh."""
+    params: Any
+    rng: Any
+    ref_params: Any = None
+
+
+class AsyncGRPOPhase(GRPOPhase):
+    """``steps`` GRPO iterations on batches sampled ``algo.async_lag`` versions earlier."""
+
+    prefetch = False   # the sampler itself runs ahead of the update
+
+    def __init__(self, ctx, steps: int):
+        if dist.is_multiprocess():
+            raise UserError("algo.asynchronous=true runs in a single process for now")
+        super().__init__(ctx, steps)
+        cfg = ctx.cfg
+        self.lag = int(cfg.algo.async_lag)
+        # The rollout was built on the training context: its log-prob passes (used here, at
+        # update time, under the proximal policy) run on the training mesh. It samples on
+        # the sampler's context, and computes no log-probs itself.
+        self.rollout.ctx = self.sampler_ctx = sampler_context(ctx)
+        self.rollout.old_logps, self.rollout.needs_ref = False, False
+        self.needs_old = not single_update(cfg)
+        self.needs_ref = cfg.algo.beta > 0
+        self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
+        self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
+
+    def _compiled(self, state):
+        """The GRPO update; ``algo.update_streams`` left at auto runs one stream: concurrent
+        streams block the controller until their gradients are done, and the controller has
+        the sampler to drive meanwhile."""
+        if self._step_fn is None:
+            self._step_fn = super()._compiled(state)
+            if not self.ctx.cfg.algo.update_streams:
+                self._step_fn.streams = 1
+        return self._step_fn
+
+    # -- the two meshes ------------------------------------------------------------------------
+
+    def publish(self, state, version: int) -> float:
+        """Places the policy of ``version`` (``state.params``) where the sampler reads it;
+        returns the seconds it took (blocking). A LoRA run copies its adapters only once the
+        frozen base is there."""
+        t0 = time.perf_counter()
+        params = state.params
+        lora = lora_lib.has_lora(params) and self.sampler_params is not None
+        if lora:   # the base never changes: keep the sampler's copy of it
+            params = {"lora": params["lora"]}
+        sh = self.ctx.rollout_shardings
+        if sh is not None:
+            sh = {"lora": sh["lora"]} if lora else sh
+            params = jax.device_put(params, sh)
+        else:   # one mesh: a copy, since the update donates (deletes) the state's arrays
+            params = jax.tree.map(jnp.copy, params)
+        if lora:
+            params = {**self.sampler_params, "lora": params["lora"]}
+        if self._sampler_rng is None:
+            rep = self.sampler_ctx.replicated
+            self._sampler_rng = jax.device_put(jnp.copy(state.rng), rep)
+        self.sampler_params = jax.block_until_ready(params)
+        self.sampler_version = int(version)
+        return time.perf_counter() - t0
+
+    def sample(self, step: int) -> None:
+        """Samples the batch update ``step`` trains on with the published policy."""
+        if hasattr(self.rollout, "params_version"):   # partial rollouts: tokens' versions
+            self.rollout.params_version = self.sampler_version
+        view = SamplerState(self.sampler_params, self._sampler_rng)
+        batch, metrics = self.rollout(view, step)
+        v = self.sampler_version
+        metrics["rollout/sample_version"] = v
+        if "rollout/staleness_mean" not in metrics:   # every token drawn by version v
+            metrics["rollout/staleness_mean"] = float(step - v)
+            metrics["rollout/staleness_max"] = int(step - v)
+        self.inflight[step] = (batch, metrics, v)
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def iteration(self, state, step: int):
+        t0 = time.perf_counter()
+        transfer, sampled = 0.0, 0.0
+        if step not in self.inflight:   # a fresh start: the first `lag` batches by this policy
+            transfer += self.publish(state, step)
+            for j in range(step, min(step + self.lag, self.steps)):
+                self.sample(j)
+                sampled += self.inflight[j][1]["time/sample"]
+        batch, metrics, _ = self.inflight.pop(step)
+        metrics = dict(metrics)
+        if self.sampler_version != step:
+            transfer += self.publish(state, step)
+        t_train = time.perf_counter()
+        batch = self._logp_passes(state, batch, metrics)
+        state, updates = self.update(state, batch)
+        ready = _Watch((state, updates))
+        t_sample = time.perf_counter()
+        if step + self.lag < self.steps:
+            self.sample(step + self.lag)
+            sampled += self.inflight[step + self.lag][1]["time/sample"]
+        t_wait = time.perf_counter()
+        updates = [to_host(m) for m in updates]
+        t_end = time.perf_counter()
+        wall = t_end - t0
+        merge_updates(metrics, updates)
+        metrics.update({
+            "time/weight_transfer": transfer,
+            "time/trainer_idle_frac": _idle(wall, ready.at(t_end) - t_train),
+            "time/sampler_idle_frac": _idle(wall, sampled),
+            "time/sample": sampled,   # this iteration's sampling (of later batches)
+            "time/rollout": t_wait - t_sample, "time/update": t_sample - t_train,
+            "time/wait_update": t_end - t_wait, "time/step": wall,
+            "tokens_per_s": (metrics["rollout/tokens"] + metrics["rollout/train_tokens"]
+                             * self.ctx.cfg.algo.num_iterations) / max(wall, 1e-9),
+        })
+        return state, metrics
+
+    def _logp_passes(self, state, batch: dict, metrics: dict) -> dict:
+        """Batch k's proximal log-probs (``old_logps``: version k, when the policy moves within
+        the iteration) and reference log-probs, on the training mesh."""
+        batch = dict(batch)
+        mesh = self.ctx.mesh
+        if self.needs_old:
+            batch["old_logps"] = self.rollout.logps_fn(state.params, dist.device_batch(batch, mesh))
+            old, m = np.asarray(batch["old_logps"]), np.asarray(batch["loss_mask"])
+            diff = np.abs(old - np.asarray(batch["sampler_logps"]))[m]
+            metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
+            metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
+        if self.needs_ref:
+            fn, ref = ((self.rollout.logps_fn, state.ref_params) if state.ref_params is not None
+                       else (self.rollout.base_logps_fn, state.params))
+            batch["ref_logps"] = fn(ref, dist.device_batch(batch, mesh))
+        return batch
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["inflight"] = {str(j): {"version": v, "metrics": _plain(m),
+                                    "batch": {k: encode_array(np.asarray(x))
+                                              for k, x in b.items()}}
+                           for j, (b, m, v) in sorted(self.inflight.items())}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.inflight = {int(j): ({k: decode_array(x) for k, x in item["batch"].items()},
+                                  dict(item["metrics"]), int(item["version"]))
+                         for j, item in state.get("inflight", {}).items()}
+
+
+class _Watch:
+    """The time at which ``tree``'s arrays are ready, seen by a thread that waits on them
+    (the controller goes on sampling meanwhile)."""
+
+    def __init__(self, tree):
+        self._t = None
+        self._thread = threading.Thread(target=self._wait, args=(tree,), daemon=True)
+        self._thread.start()
+
+    def _wait(self, tree):
+        jax.block_until_ready(tree)
+        self._t = time.perf_counter()
+
+    def at(self, fallback: float) -> float:
+        self._thread.join()
+        return fallback if self._t is None else self._t
+
+
+def _idle(wall: float, busy: float) -> float:
+    return min(1.0, max(0.0, 1.0 - busy / wall)) if wall > 0 else 0.0
+
+
+def _plain(metrics: dict) -> dict:
+    """Metrics as JSON values (numpy scalars as Python numbers)."""
+    return json.loads(json.dumps(metrics, default=lambda x: x.item() if isinstance(
+        x, np.generic) else x.tolist()))

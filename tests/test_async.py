@@ -1,0 +1,137 @@
+"""Asynchronous GRPO on 8 fake devices split 4/4 (data x fsdp on each mesh): the schedule
+(update k trains on samples of version k - s), the sampler's weights equal to the trainer's
+bit for bit and placed on the rollout devices, exact resume, the one-line refusals."""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from rljax import config
+from rljax.train import checkpoint, run, steps
+from rljax.train.inference import initial_state, start_phase
+from rljax.train.metrics import read_metrics
+from rljax.train.phases import make_phases
+from rljax.train.setup import build_context, check_inputs
+
+from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
+
+SPLIT = {"mesh.rollout_devices": 4, "mesh.data": 2, "mesh.fsdp": 2, "mesh.rollout.data": 2,
+         "mesh.rollout.fsdp": 2}
+
+
+def _cfg(**overrides):
+    # entropy_coef: a gradient whatever the rewards (a tiny model scores 0), so versions differ.
+    return tiny_cfg(**{"sft.steps": 0, "steps": 4, "algo.asynchronous": True,
+                       "algo.entropy_coef": 0.01, "optimizer.learning_rate": 1e-2, **SPLIT,
+                       **overrides})
+
+
+def _devices(tree) -> set:
+    return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
+
+
+def test_schedule_and_the_weights_the_sampler_reads():
+    """Lag 2 over 4 updates: batches 0-2 are drawn by version 0, batch 3 by version 1 (its
+    sampler log-probs are version 1's, not version 0's or 3's); after each iteration the
+    sampler holds a bit-exact copy of the version that update started from, on the rollout
+    devices only."""
+    cfg = _cfg(**{"algo.async_lag": 2})
+    devices = jax.devices()
+    ctx = build_context(cfg, "", devices)
+    phase = make_phases(ctx)[-1]
+    state = start_phase(ctx, phase, initial_state(ctx))
+    trained, update = [], phase.update
+    phase.update = lambda s, b: (trained.append(jax.tree.map(np.asarray, b)), update(s, b))[1]
+    versions, records = [], []
+    for k in range(4):
+        versions.append(jax.tree.map(np.asarray, state.params))
+        state, metrics = phase.iteration(state, k)
+        records.append(metrics)
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray,
+                                                                 phase.sampler_params),
+                     versions[k])
+        assert _devices(phase.sampler_params) == set(devices[4:])
+        assert _devices(state.params) == set(devices[:4])
+    assert [r["rollout/sample_version"] for r in records] == [0, 0, 0, 1]
+    assert [r["rollout/staleness_max"] for r in records] == [0, 1, 2, 2]
+    assert all(r["time/weight_transfer"] > 0 and 0 <= r["time/trainer_idle_frac"] <= 1
+               for r in records)
+
+    def gap(batch, params):   # sampler log-probs vs this version's, on completion tokens
+        n = batch["loss_mask"].shape[1]
+        logps = np.asarray(steps.completion_logps(ctx.model_cfg, params, batch)[0])
+        return np.abs(logps - batch["sampler_logps"])[batch["mask"][:, -n:]].max()
+
+    # Two programs (the sampler's and the scoring pass): float32 rounding apart.
+    assert gap(trained[3], versions[1]) < 1e-4
+    assert gap(trained[2], versions[0]) < 1e-4
+    assert min(gap(trained[3], versions[0]), gap(trained[3], versions[3])) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("async_straight"))
+    assert run.train(_cfg(), workdir, devices=jax.devices()) == 0
+    return workdir
+
+
+def test_stop_and_resume_equals_straight_run(straight, tmp_path):
+    """Stopped after update 2 (batch 3, drawn by version 2, in flight), then resumed."""
+    workdir = str(tmp_path)
+    assert run.train(_cfg(), workdir, devices=jax.devices(), stop=StopAfter(2)) == 0
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        assert ckpt.latest_step() == 2
+    assert run.train(_cfg(), workdir, devices=jax.devices()) == 0
+    records = read_metrics(workdir)
+    assert [r["rollout/sample_version"] for r in records if "reward/mean" in r] == [0, 0, 1, 2]
+    assert comparable(records) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"algo.name": "ppo", "algo.adv_estimator": "gae"},
+     "algo.asynchronous=true needs algo.name='grpo' (got 'ppo')"),
+    ({"algo.kl_in_reward": True}, "algo.asynchronous=true cannot be combined with "
+                                  "algo.kl_in_reward"),
+    ({"algo.hint.mode": "fixed"}, "algo.asynchronous=true cannot be combined with "
+                                  "algo.hint.mode"),
+    ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
+      "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
+    ({"algo.async_lag": 0}, "algo.async_lag"),
+    ({"algo.asynchronous": False}, "mesh.rollout_devices=4 gives the sampler devices of its "
+                                   "own, which only asynchronous RL uses"),
+    ({"mesh.rollout.fsdp": 3}, "mesh.rollout {'data': -1, 'fsdp': 3, 'tensor': 1} does not "
+                               "fit mesh.rollout_devices=4"),
+])
+def test_refusals_are_one_line(change, message):
+    cfg = config.default_config()
+    cfg.update_from_flattened_dict({"algo.asynchronous": True, "mesh.rollout_devices": 4,
+                                    **change})
+    with pytest.raises(config.ConfigError, match=re.escape(message)) as err:
+        config.validate(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_more_rollout_devices_than_there_are_is_refused_before_building():
+    cfg = _cfg(**{"mesh.rollout_devices": 8, "mesh.data": -1, "mesh.fsdp": 1,
+                  "mesh.rollout.data": -1, "mesh.rollout.fsdp": 1})
+    with pytest.raises(config.ConfigError, match=re.escape(
+            "mesh.rollout_devices=8 leaves no device to train: there are 8 devices")):
+        check_inputs(cfg, 8)
+    with pytest.raises(config.ConfigError, match="does not match the 4 available devices"):
+        check_inputs(_cfg(**{"mesh.data": 4}), 8)   # 4 x 2 training devices: only 4 are left
+
+
+def test_the_plan_plans_the_sampler_on_the_rollout_mesh():
+    """Rollout mesh data=4 (the policy's copy replicated there), training data=2 x fsdp=2
+    (sharded): the sample program's resident argument is the whole policy."""
+    from rljax import plan as plan_lib
+    planned = plan_lib.plan(_cfg(**{"mesh.rollout.data": 4, "mesh.rollout.fsdp": 1}),
+                            jax.devices())
+    rows = {p.name: p for p in planned.phases}
+    shard = planned.resident_parts["params"]   # per training device
+    assert rows["sample"].resident_arguments > shard   # replicated: more than a shard
+    assert rows["eval"].resident_arguments == shard   # eval reads the trainer's shards
+    assert any(n.startswith("mesh.rollout_devices=4: the sample programs are planned on the "
+                            "rollout mesh (data=4 fsdp=1 tensor=1)") for n in planned.notes)
