@@ -94,6 +94,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_role_estimator,
     model.check_lora,
     reward.check_env,
+    reward.check_selfplay,
     data.check_selection,
     train.check_eval,
 )

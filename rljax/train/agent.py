@@ -142,6 +142,27 @@ class MultiTurnRollout(Rollout):
     leaves in ``batch["role_baseline"]`` for the phase to put into the state, and the metrics
     add ``rae/baseline_<key>`` for the roles seen."""
 
+    def __init__(self, ctx, iterator, old_logps: bool = True):
+        super().__init__(ctx, iterator, old_logps)
+        self.selfplay = ctx.cfg.env.selfplay.mode != "off"
+        self.template, self.opponent = None, None
+        if self.selfplay:   # other seats played by a model (rljax.train.selfplay)
+            from rljax import data as data_lib
+            from rljax.train import selfplay
+            self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
+            self.opponent = selfplay.load_opponent(ctx)
+
+    def _play(self, params, examples, rng) -> tuple[dict, list[dict]]:
+        """This round's episodes and the example of each group: ``play``, or with
+        ``env.selfplay`` the matches' (``selfplay.play``)."""
+        r = self.cfg.rollout
+        opts = dict(num_samples=self.g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+        if not self.selfplay:
+            return play(self.ctx, params, examples, rng, **opts), examples
+        from rljax.train import selfplay
+        return selfplay.play(self.ctx, params, examples, rng, template=self.template,
+                             opponent=self.opponent, **opts)
+
     def __call__(self, state, step: int):
         self._baseline = getattr(state, "role_baseline", None)
         self._new_baseline = None
@@ -153,12 +174,10 @@ class MultiTurnRollout(Rollout):
         return batch, metrics
 
     def sample_round(self, params, rng) -> dict:
-        cfg, g = self.cfg, self.g
+        g = self.g
         examples = next(self.iterator)
         t0 = time.perf_counter()
-        eps = play(self.ctx, params, examples, rng, num_samples=g,
-                   temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                   top_p=cfg.rollout.top_p)
+        eps, examples = self._play(params, examples, rng)
         t1 = time.perf_counter()
         total, per_turn, result = score(self.reward_fn, eps, examples, g)
         scores = {"env": eps["env_rewards"]}

@@ -262,7 +262,11 @@ class GRPOPhase:
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
-        self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
+        groups = self.batch_size // a.num_generations
+        if cfg.env.name and cfg.env.selfplay.mode == "self":   # a group per seat of a game
+            from rljax.train import selfplay
+            groups = selfplay.examples_per_round(cfg, groups)
+        self.iterator = rl_iterator(ctx, groups)
         rollout_cls = self.rollout_class
         if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
             from rljax.train.agent import MultiTurnRollout as rollout_cls
