@@ -56,22 +56,27 @@ class Opponent:
 
 
 def load_opponent(ctx) -> Opponent | None:
-    """The checkpoint opponent of ``env.selfplay`` (None unless mode is "checkpoint"): the run
-    in ``workdir`` at ``step`` (0 = its latest), verified against its manifest, sharing the
-    policy's tokenizer (one UserError line otherwise)."""
+    """The checkpoint opponent of ``env.selfplay`` (None unless mode is "checkpoint")."""
     sp = ctx.cfg.env.selfplay
     if mode(ctx.cfg) != "checkpoint":
         return None
+    return opponent_from_workdir(ctx, sp.workdir, int(sp.step), float(sp.temperature))
+
+
+def opponent_from_workdir(ctx, workdir: str, step: int = 0, temperature: float = 0.0,
+                          key: str = "env.selfplay") -> Opponent:
+    """The run in ``workdir`` at checkpoint ``step`` (0 = its latest) as a frozen opponent:
+    verified against its manifest, sharing the policy's tokenizer (one UserError line
+    otherwise; ``key`` names the config section in it)."""
     from rljax.train import teacher
-    source = teacher.workdir_source(sp.workdir, int(sp.step),
-                                    f"env.selfplay.workdir={sp.workdir!r}",
-                                    "env.selfplay.step", what="the opponent")
+    source = teacher.workdir_source(workdir, int(step), f"{key}.workdir={workdir!r}",
+                                    f"{key}.step", what="the opponent")
     problem = teacher.tokenizer_mismatch(ctx.tokenizer, source.tokenizer)
     if problem:
-        raise UserError(f"env.selfplay.workdir={sp.workdir!r} does not share the policy's "
-                        f"tokenizer: {problem}")
+        raise UserError(f"{key}.workdir={workdir!r} does not share the policy's tokenizer: "
+                        f"{problem}")
     model_cfg, params = teacher.load(source, ctx.mesh)
-    return Opponent(model_cfg, params, float(sp.temperature))
+    return Opponent(model_cfg, params, float(temperature))
 
 
 def _seat_rows(cfg, examples, template):
