@@ -64,6 +64,12 @@ def limits(cfg) -> ep.EpisodeLimits:
                             prompt_buckets=prompt_buckets(cfg.data.max_prompt_length))
 
 
+def match_options(cfg, ctx) -> dict:
+    """``selfplay.play``'s run options: renderer, limits, env kwargs."""
+    return dict(renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
+                env_kwargs=env_kwargs(cfg))
+
+
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0) -> dict:
     """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
@@ -161,7 +167,7 @@ class MultiTurnRollout(Rollout):
             return play(self.ctx, params, examples, rng, **opts), examples
         from rljax.train import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
-                             opponent=self.opponent, **opts)
+                             opponent=self.opponent, **match_options(self.cfg, self.ctx), **opts)
 
     def __call__(self, state, step: int):
         self._baseline = getattr(state, "role_baseline", None)

@@ -43,7 +43,8 @@ def _checkpoint_counters(ctx, params, examples, opponent, rng, temperature, batc
         chunk = examples[start:start + batch_size]
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))   # static shapes
         eps, _ = selfplay.play(ctx, params, padded, jax.random.fold_in(rng, i), num_samples=1,
-                               temperature=temperature, template=template, opponent=opponent)
+                               temperature=temperature, template=template, opponent=opponent,
+                               **agent.match_options(ctx.cfg, ctx))
         counters += eps["counters"][:len(chunk)]
         truncated.append(eps["truncated"][:len(chunk)])
     return counters, np.concatenate(truncated)

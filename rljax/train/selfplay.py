@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any
 
 from rljax.errors import UserError
-from rljax.train import agent
+from rljax.train.episodes import EpisodeLimits, Renderer
 from rljax.train.matches import Side, run_matches
 
 # SeatEnv options that may come from env.kwargs (the scripted env's opponent options do not).
@@ -101,7 +101,8 @@ def _seat(game, example) -> int:
     return game.seats.index(seat) if seat in game.seats else int(seat)
 
 
-def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
+def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
+         limits: EpisodeLimits, env_kwargs: dict, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0, template=None, opponent: Opponent | None = None
          ) -> tuple[dict, list[dict]]:
     """The policy's episodes of this round's matches and the example of each of its groups:
@@ -109,11 +110,13 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
 
     Self-play: groups ordered (example, seat); with ``opponent``: one group per example (its
     seat), the opponent's rows played and dropped. ``template``: the data template, to render
-    each seat's prompt (None: the examples' ``question``)."""
+    each seat's prompt (None: the examples' ``question``). ``renderer``, ``limits``,
+    ``env_kwargs``: the run's (``agent.make_renderer``, ``agent.limits``, ``agent.env_kwargs``;
+    the seat environments take ``SEAT_OPTIONS`` of the last)."""
     from rljax.envs.selfplay import Match, SeatEnv
     cfg, g = ctx.cfg, int(num_samples)
     game, seat_rows = _seat_rows(cfg, examples, template)
-    kw = {k: v for k, v in agent.env_kwargs(cfg).items() if k in SEAT_OPTIONS}
+    kw = {k: v for k, v in env_kwargs.items() if k in SEAT_OPTIONS}
     kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
     mine, theirs, groups = [], [], []
     for ex, per_seat in zip(examples, seat_rows):
@@ -132,8 +135,6 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
         sides.append(Side(opponent.model_cfg, opponent.params, theirs, g,
                           opponent.temperature, top_k if opponent.temperature else 0,
                           top_p if opponent.temperature else 1.0))
-    limits = agent.limits(cfg)
-    eps = run_matches(sides, ctx.tokenizer, renderer=agent.make_renderer(cfg, ctx.tokenizer),
-                      limits=limits, max_plies=len(game.seats) * limits.max_turns, rng=rng,
-                      mesh=ctx.mesh)[0]
+    eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
+                      max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh)[0]
     return eps, groups
