@@ -17,7 +17,8 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         saved = json.load(f)
     now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
     # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
-    # import, the static sampler, no partial rollouts, no distillation, no quantized base.
+    # import, the static sampler, no partial rollouts, no distillation, no quantized base,
+    # no role baselines, no self-play.
     assert now.pop("imports") == []
     added = ("engine", "slots", "chunk_steps", "partial", "max_staleness", "stop_strings")
     assert {k: now["rollout"].pop(k) for k in added} == {
@@ -28,6 +29,9 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         "jsd_weight": 0.0, "jsd_beta": 0.5, "top_k": 16}
     assert {k: now["model"].pop(k) for k in ("quantize", "quantize_block")} == {
         "quantize": "", "quantize_block": 64}   # the base as loaded
+    assert now["algo"].pop("rae_alpha") == 0.95   # read by algo.adv_estimator='rae' only
+    assert now["env"].pop("selfplay") == {   # mode 'off': the environment's own opponent
+        "mode": "off", "workdir": "", "step": 0, "temperature": 0.0, "forfeit_reward": 0.0}
     assert now == saved
 
 
