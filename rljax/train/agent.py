@@ -148,8 +148,8 @@ class MultiTurnRollout(Rollout):
     leaves in ``batch["role_baseline"]`` for the phase to put into the state, and the metrics
     add ``rae/baseline_<key>`` for the roles seen."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True):
-        super().__init__(ctx, iterator, old_logps)
+    def __init__(self, ctx, iterator, *args, **kwargs):
+        super().__init__(ctx, iterator, *args, **kwargs)
         self.selfplay = ctx.cfg.env.selfplay.mode != "off"
         self.template, self.opponent = None, None
         if self.selfplay:   # other seats played by a model (rljax.train.selfplay)
