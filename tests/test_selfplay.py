@@ -217,3 +217,39 @@ def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tm
             assert m[f"games/{k}_ci95"] == list(wilson_interval(k_games, 4))
     with pytest.raises(ValueError, match="opponent must be one of"):
         game_eval.evaluate_games(ctx, state.params, examples, "minimax", jax.random.key(0))
+
+
+def test_seat_envs_share_a_match_and_each_sees_only_its_seat():
+    """Pure Python: the seats of one match take turns, each sees its own view (Kuhn Poker: its
+    own card only), a finished game pays each seat its return, a forfeit pays the forfeiting
+    seat the penalty and the other ``forfeit_reward``."""
+    from rljax.envs import board_games as bg
+    from rljax.envs.selfplay import Match, SeatEnv, seat_example
+    poker = bg.get_game("kuhn_poker")
+    match = Match(poker, deal=(2, 0))   # P1 holds K, P2 holds J
+    p1 = SeatEnv(match, {"question": "kuhn_poker P1\n"}, 0)
+    p2 = SeatEnv(match, {"question": "kuhn_poker P2\n"}, 1)
+    assert p1.reset() == [{"role": "user", "content": "kuhn_poker P1\ncard K, moves: -\n"}]
+    assert p2.reset() == [{"role": "user", "content": "kuhn_poker P2\n"}]
+    assert p1.to_move() and not p2.to_move() and p1.role_key == 2 and p2.role_key == 3
+    assert p1.step("I bet").reward == 0.0 and not p1.done
+    assert p2.observe() == [{"role": "user", "content": "card J, moves: bet\n"}]   # no K
+    with pytest.raises(ValueError):
+        p1.step("call")                     # not P1's turn
+    last = p2.step("call")
+    assert (last.reward, last.done, last.info["losses"]) == (-2.0, True, 1)
+    won = p1.finish()
+    assert (won.reward, won.done, won.info["wins_P1"]) == (2.0, True, 1)
+    # A forfeit: X names an occupied cell.
+    ttt = bg.get_game("tictactoe")
+    match = Match(ttt)
+    x, o = (SeatEnv(match, seat_example({"question": "tictactoe X\n", "seat": 0}, s, ttt), s,
+                    illegal_penalty=-2.0, forfeit_reward=0.5) for s in (0, 1))
+    assert o.example["question"] == "tictactoe O\n" and o.example["seat_name"] == "O"
+    x.reset(), o.reset()
+    x.step("5"), o.step("1")
+    lost = x.step("1")
+    assert (lost.reward, lost.done, lost.info["illegal_moves"]) == (-2.0, True, 1)
+    assert not o.to_move()
+    other = o.finish()
+    assert (other.reward, other.done, other.info["opponent_forfeits"]) == (0.5, True, 1)
