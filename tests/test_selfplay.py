@@ -1,5 +1,7 @@
 """Self-play in board games: role-conditioned advantages (RAE) in the trainer, one policy in
 every seat, a frozen checkpoint as the opponent, win rates with confidence intervals."""
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -253,3 +255,17 @@ def test_seat_envs_share_a_match_and_each_sees_only_its_seat():
     assert not o.to_move()
     other = o.finish()
     assert (other.reward, other.done, other.info["opponent_forfeits"]) == (0.5, True, 1)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"env.selfplay.mode": "checkpoint"}, "env.selfplay.workdir (the opponent's run) goes"),
+    ({"env.selfplay.workdir": "runs/x"}, "is read with env.selfplay.mode='checkpoint'"),
+    ({"env.selfplay.mode": "self", "rollout.batch_size": 12, "algo.num_generations": 4},
+     "must be divisible by algo.num_generations * seats = 8"),
+    ({"env.selfplay.mode": "self", "env.name": "guess_number"}, "plays board games"),
+    ({"env.selfplay.mode": "best"}, "env.selfplay.mode"),
+])
+def test_selfplay_config_errors_are_one_line(overrides, needle):
+    with pytest.raises(config_lib.ConfigError, match=re.escape(needle)) as e:
+        ttt_cfg(**overrides)
+    assert "\n" not in str(e.value)

@@ -145,6 +145,9 @@ def check_selfplay(cfg) -> None:
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
                           "env.selfplay.mode='checkpoint'")
+    if cfg.data.selection.name != "uniform":
+        raise ConfigError(f"{what} draws games uniformly: data.selection.name must be "
+                          f"'uniform', got {cfg.data.selection.name!r}")
     seats = 2   # both built-in games
     rows = cfg.algo.num_generations * seats
     if sp.mode == "self" and cfg.rollout.batch_size % rows:
