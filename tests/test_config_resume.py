@@ -18,7 +18,7 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
     now = json.loads(config_lib.to_json(config_lib.load_config_json(FIXTURE)))
     # The keys added since, at the values that keep a 0.1.0 run what it was: no user code to
     # import, the static sampler, no partial rollouts, no distillation, no quantized base,
-    # synchronous RL on one mesh.
+    # synchronous RL on one mesh, no role baselines, no self-play.
     assert now.pop("imports") == []
     added = ("engine", "slots", "chunk_steps", "partial", "max_staleness", "stop_strings")
     assert {k: now["rollout"].pop(k) for k in added} == {
@@ -33,6 +33,9 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         "asynchronous": False, "async_lag": 1}   # synchronous RL
     assert {k: now["mesh"].pop(k) for k in ("rollout_devices", "rollout")} == {
         "rollout_devices": 0, "rollout": {"data": -1, "fsdp": 1, "tensor": 1}}   # one mesh
+    assert now["algo"].pop("rae_alpha") == 0.95   # read by algo.adv_estimator='rae' only
+    assert now["env"].pop("selfplay") == {   # mode 'off': the environment's own opponent
+        "mode": "off", "workdir": "", "step": 0, "temperature": 0.0, "forfeit_reward": 0.0}
     assert now == saved
 
 

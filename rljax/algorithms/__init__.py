@@ -5,7 +5,9 @@ Registries:
                                  reinforce_pp_baseline_seq ([N], one per completion);
                                  reinforce_pp, reinforce_pp_baseline ([N, T], token level:
                                  is_token_level(name)); treepo ([N]), rover ([N, T]) over
-                                 a sampled tree (uses_tree(name): take node_ids)
+                                 a sampled tree (uses_tree(name): take node_ids);
+                                 rae ([N], a baseline per role kept across steps:
+                                 uses_roles(name): take roles and baseline)
   get_policy_loss(name)          ppo (vanilla), gspo, cispo
   get_kl_estimator(name)         k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs
   distill_advantages, generalized_jsd_tokens  on-policy distillation (per token)
@@ -16,7 +18,9 @@ Multi-turn episodes: ``rljax.algorithms.turn_credit`` (per-turn discounted retur
 GRPO-family advantages, turn-end rewards and discounts for GAE; numpy, host side).
 
 Games: ``rljax.algorithms.role_advantages`` (role-conditioned advantages, SPIRAL's RAE: an EMA
-baseline per (game, role) passed in and returned; pure functions, not wired into the trainer).
+baseline per (game, role) passed in and returned; registered as the estimator "rae", which
+takes each sample's role and the baseline: ``uses_roles(name)``; the trainer keeps the baseline
+in ``TrainState.role_baseline``).
 
 Losses return (weighted_sum, weight): sum both over micro-batches / shards, divide once.
 Depends on jax and numpy only.
@@ -36,12 +40,21 @@ from rljax.algorithms.advantages import (
     reinforce_pp_baseline_seq_advantages,
     reinforce_pp_seq_advantages,
     rloo_advantages,
+    uses_roles,
     uses_tree,
 )
 from rljax.algorithms.tree_advantages import (  # registers "treepo" and "rover"
     rover_advantages,
     tree_values,
     treepo_advantages,
+)
+from rljax.algorithms.role_advantages import (  # registers "rae"
+    rae_advantages,
+    rae_estimator,
+    rae_step,
+    rae_update,
+    role_keys,
+    role_mean_advantages,
 )
 from rljax.algorithms.aggregation import (
     AGGREGATION_MODES,

@@ -220,6 +220,9 @@ _TOKEN_LEVEL = {"reinforce_pp", "reinforce_pp_baseline"}
 # Estimators that need the sampled tree (``node_ids`` [N, D+1], token level also
 # ``segments`` [T]): ``rljax.algorithms.tree_advantages`` registers them.
 _TREE: set = set()
+# Estimators with a baseline per role kept across steps (``uses_roles``):
+# ``rljax.algorithms.role_advantages`` registers "rae".
+_ROLES: set = set()
 
 
 def get_advantage_estimator(name: str) -> Callable[..., Array]:
@@ -249,12 +252,22 @@ def uses_tree(name: str) -> bool:
     return name in _TREE
 
 
+def uses_roles(name: str) -> bool:
+    """True if estimator ``name`` keeps a baseline per role across steps: it takes
+    ``roles`` int [N] (each sample's role key, ``role_advantages.role_keys``) and
+    ``baseline`` f32 [K] and returns ``(advantages [N], new baseline [K])``; the trainer keeps
+    the baseline in its state (``TrainState.role_baseline``)."""
+    return name in _ROLES
+
+
 def register_advantage_estimator(name: str, fn: Callable[..., Array], *,
-                                 token_level: bool = False, tree: bool = False) -> None:
+                                 token_level: bool = False, tree: bool = False,
+                                 roles: bool = False) -> None:
     """Adds ``fn`` under ``name``; ``token_level=True`` for the [N, T] interface,
-    ``tree=True`` if it takes the tree structure (``uses_tree``)."""
+    ``tree=True`` if it takes the tree structure (``uses_tree``), ``roles=True`` if it takes
+    per-sample roles and a baseline state (``uses_roles``)."""
     _ADVANTAGE_ESTIMATORS[name] = fn
-    for flag, names in ((token_level, _TOKEN_LEVEL), (tree, _TREE)):
+    for flag, names in ((token_level, _TOKEN_LEVEL), (tree, _TREE), (roles, _ROLES)):
         if flag:
             names.add(name)
         else:

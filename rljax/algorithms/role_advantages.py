@@ -14,25 +14,27 @@ once: each role seen in the batch moves towards the *mean* return of its traject
 batch; roles absent from the batch keep their baseline (``rae_update``).
 
 The baseline state is an f32 array [K] over role keys (``role_keys``: game * num_seats + seat)
-passed in and returned, so the functions are pure and jit-able; a trainer would keep it in its
-state beside the optimizer's (and checkpoint it). ``role_mean_advantages`` is the stateless
+passed in and returned, so the functions are pure and jit-able; the trainer keeps it in its
+state beside the optimizer's (and checkpoints it). ``role_mean_advantages`` is the stateless
 variant: the batch's own per-role mean as the baseline.
 
-Not wired into the trainer. The estimator registry (``register_advantage_estimator``) calls
-``fn(rewards [N], group_size, **options)`` and sees neither roles nor any state kept across
-steps, so RAE is not registered there. It is also not needed yet: the built-in game
-environments put the policy in one seat against a scripted opponent, and GRPO's group of G
-episodes of one example shares the game, the seat and the opponent's seed, so the group mean
-already is a per-(game, role, start) baseline. RAE becomes necessary with one policy in every
-seat (one trajectory, a return per seat, no group), which is not built.
+Registered as the advantage estimator ``"rae"`` (``rae_estimator``, flag ``roles``: the
+trainer passes each sample's role key and the baseline from its state, and stores the new
+baseline back into ``TrainState.role_baseline``, so it is checkpointed and a resumed run
+continues with the same baselines). Against a scripted opponent GRPO's group of G episodes of
+one example (same game, seat and opponent seed) already is a per-role baseline; RAE matters
+when one policy plays every seat, and it works with G = 1.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from rljax.algorithms.advantages import register_advantage_estimator
+
 Array = jnp.ndarray
 
-__all__ = ["role_keys", "rae_update", "rae_advantages", "rae_step", "role_mean_advantages"]
+__all__ = ["role_keys", "rae_update", "rae_advantages", "rae_step", "role_mean_advantages",
+           "rae_estimator"]
 
 
 def role_keys(game_ids: Array, seats: Array, num_seats: int) -> Array:
@@ -88,3 +90,17 @@ def role_mean_advantages(returns: Array, roles: Array, num_roles: int) -> Array:
     sums, counts = _role_sums(returns, roles, int(num_roles))
     mean = sums / jnp.maximum(counts, 1.0)
     return rae_advantages(returns, roles, mean)
+
+
+def rae_estimator(rewards: Array, group_size: int, *, roles: Array, baseline: Array,
+                  alpha: float = 0.95) -> tuple[Array, Array]:
+    """The estimator ``"rae"``: ``rae_step`` in the registry's calling convention.
+
+    rewards: f32 [N] (each sample's return for its role); group_size: unused (the baseline is
+    per role, not per group: G may be 1); roles: int [N] in [0, K); baseline: f32 [K].
+    Returns (advantages f32 [N], new baseline f32 [K])."""
+    del group_size
+    return rae_step(baseline, rewards, roles, alpha=alpha)
+
+
+register_advantage_estimator("rae", rae_estimator, roles=True)

@@ -57,7 +57,10 @@ def algo() -> dict[str, Any]:
         adv_estimator="grpo",        # grpo, dr_grpo, rloo (one advantage per completion);
                                      # reinforce_pp, reinforce_pp_baseline (per token, whitened
                                      # over the batch's tokens, as the paper); *_seq variants:
-                                     # one per completion, whitened over completions
+                                     # one per completion, whitened over completions;
+                                     # rae: return minus a baseline per (game, seat) kept
+                                     # across steps (games with env.name; SPIRAL's RAE)
+        rae_alpha=0.95,              # rae: b <- alpha * b + (1 - alpha) * mean return
         kl_estimator="k3",
         kl_in_reward=False,          # subtract beta*KL from the reward instead of the loss:
                                      # per token for token-level estimators (and PPO), the
@@ -236,7 +239,7 @@ RANGES = (
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
     ("algo.entropy_coef", 0.0, None), ("algo.max_sampling_rounds", 0, None),
     ("algo.overlong_buffer", 0, None), ("algo.overlong_penalty_factor", 0.0, None),
-    ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0),
+    ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0), ("algo.rae_alpha", 0.0, 1.0),
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
     ("algo.label_smoothing", 0.0, 0.5), ("algo.ref_update_every", 0, None),
     ("algo.hint.fraction", 0.0, 1.0), ("algo.hint.target", 0.0, 1.0),
@@ -326,6 +329,34 @@ def check_estimator_and_update(cfg) -> None:
     if algo.group_by_length and algo.name not in ("grpo", "distill"):
         raise ConfigError(f"algo.group_by_length=True groups the GRPO update's micro-batches; "
                           f"algo.name='{algo.name}' does not use it (set it to False)")
+
+
+def _uses_roles(estimator: str) -> bool:
+    from rljax.algorithms import uses_roles  # the live registry's flag (user estimators too)
+
+    return uses_roles(estimator)
+
+
+def check_role_estimator(cfg) -> None:
+    """An estimator with role baselines (RAE) needs episodes that name their role (a game
+    environment), the GRPO phase that keeps the baselines, and every sampled row in the
+    batch (no dropped groups, one advantage per episode)."""
+    algo = cfg.algo
+    if not _uses_roles(algo.adv_estimator):
+        return
+    what = f"algo.adv_estimator='{algo.adv_estimator}'"
+    if algo.name != "grpo":
+        raise ConfigError(f"{what} keeps its baselines in the GRPO phase; algo.name="
+                          f"{algo.name!r}")
+    if not cfg.env.name:
+        raise ConfigError(f"{what} needs each episode's role: set env.name to a game "
+                          "environment (tictactoe, kuhn_poker)")
+    if algo.dynamic_sampling or cfg.rollout.partial:
+        raise ConfigError(f"{what} updates its baselines from every sampled episode: "
+                          "algo.dynamic_sampling and rollout.partial are not supported")
+    if cfg.env.turn_discount is not None:
+        raise ConfigError(f"{what} gives one advantage per episode: env.turn_discount "
+                          "(per-turn returns) is not supported")
 
 
 def check_guidance(cfg) -> None:

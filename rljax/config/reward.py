@@ -12,6 +12,8 @@ from rljax.config.base import ConfigError, opt_float
 ENV_TRACES = ("tool", "guess_number", "tictactoe", "kuhn_poker")
 # Environments whose traces take ``sft.trace_noise`` (random moves among the scripted ones).
 NOISY_TRACES = ("guess_number", "tictactoe", "kuhn_poker")
+# Board games with seats (rljax.envs.game_env.GAME_ENVS; config loads without the envs).
+GAME_ENVS = ("tictactoe", "kuhn_poker")
 
 
 def reward() -> dict[str, Any]:
@@ -44,17 +46,29 @@ def env() -> dict[str, Any]:
         turn_discount=opt_float(),   # None = outcome: the episode's summed reward for every
                                      # turn; gamma in [0, 1] = per-turn rewards, turn t judged
                                      # by sum_k gamma^k r_{t+k} (docs/agents.md)
+        selfplay=dict(               # board games (tictactoe, kuhn_poker), GRPO training:
+            mode="off",              # off: the env's scripted opponent (env.kwargs.opponent);
+                                     # self: the policy in every seat, each seat its own
+                                     # episode; checkpoint: a frozen earlier run in the
+                                     # other seats. Eval always plays the scripted opponent
+            workdir="",              # checkpoint: the rljax workdir of the opponent
+            step=0,                  # checkpoint: its checkpoint step; 0 = the latest
+            temperature=0.0,         # checkpoint: the opponent's sampling; 0 = greedy
+            forfeit_reward=0.0,      # what the other seats get when one seat forfeits
+        ),
     )
 
 
 SECTIONS = {"reward": reward, "env": env}
 
-CHOICES = {"reward.isolation": ("thread", "process")}
+CHOICES = {"reward.isolation": ("thread", "process"),
+           "env.selfplay.mode": ("off", "self", "checkpoint")}
 
 RANGES = (
     ("reward.timeout_s", 0.0, None), ("reward.max_consecutive_error_steps", 0, None),
     ("env.max_turns", 1, None), ("env.max_total_tokens", 1, None),
     ("env.max_turn_tokens", 0, None), ("env.max_obs_tokens", 1, None),
+    ("env.selfplay.step", 0, None), ("env.selfplay.temperature", 0.0, None),
 )
 
 
@@ -110,6 +124,36 @@ def check_env(cfg) -> None:
     if cfg.sft.env_traces and env.name not in ENV_TRACES:
         raise ConfigError(f"sft.env_traces: environment {env.name!r} has no scripted traces "
                           f"(known: {', '.join(ENV_TRACES)})")
+
+
+def check_selfplay(cfg) -> None:
+    """``env.selfplay``: a board game, the GRPO phase, plain transcripts, a workdir exactly for
+    the checkpoint opponent, and (self-play) a batch of whole examples: G rows per seat."""
+    sp, env = cfg.env.selfplay, cfg.env
+    if sp.mode == "off":
+        if sp.workdir:
+            raise ConfigError("env.selfplay.workdir is read with env.selfplay.mode='checkpoint'")
+        return
+    what = f"env.selfplay.mode='{sp.mode}'"
+    if env.name not in GAME_ENVS:
+        raise ConfigError(f"{what} plays board games: env.name must be one of {GAME_ENVS}, "
+                          f"got {env.name!r}")
+    if cfg.algo.name != "grpo":
+        raise ConfigError(f"{what} trains with algo.name='grpo', got {cfg.algo.name!r}")
+    if cfg.tokenizer.chat_template:
+        raise ConfigError(f"{what} renders plain transcripts: set tokenizer.chat_template=False")
+    if (sp.mode == "checkpoint") != bool(sp.workdir):
+        raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
+                          "env.selfplay.mode='checkpoint'")
+    if cfg.data.selection.name != "uniform":
+        raise ConfigError(f"{what} draws games uniformly: data.selection.name must be "
+                          f"'uniform', got {cfg.data.selection.name!r}")
+    seats = 2   # both built-in games
+    rows = cfg.algo.num_generations * seats
+    if sp.mode == "self" and cfg.rollout.batch_size % rows:
+        raise ConfigError(f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by "
+                          f"algo.num_generations * seats = {rows} ({what}: G rows per seat "
+                          "of each game)")
 
 
 def _check_turn_discount(cfg) -> None:

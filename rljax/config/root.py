@@ -92,8 +92,10 @@ CHECKS: tuple[Callable[..., None], ...] = (
     data.check_path,
     algo.check_overlong,
     algo.check_distill,
+    algo.check_role_estimator,
     model.check_lora,
     reward.check_env,
+    reward.check_selfplay,
     data.check_selection,
     train.check_eval,
 )

@@ -16,11 +16,11 @@ from rljax.envs.tool_env import ToolEnv, trace_messages
 from rljax.envs.games import GuessNumberEnv, guess_trace
 from rljax.envs.game_env import GAME_ENVS, GameEnv, game_trace
 from rljax.envs.checks import check_env_config
-from rljax.envs.metrics import env_metrics
+from rljax.envs.metrics import env_metrics, wilson_interval
 
 __all__ = ["Environment", "Message", "StepResult", "Tool", "ToolError", "ToolTimeout",
            "env_names", "make_env", "make_tool", "register_env", "register_tool", "tool_names",
            "ToolCall", "ToolCallError", "ToolFormat", "get_tool_format", "tool_format_names",
            "call_tool", "merge_counters", "step_all", "ToolEnv", "trace_messages",
            "GuessNumberEnv", "guess_trace", "GAME_ENVS", "GameEnv", "game_trace",
-           "check_env_config", "env_metrics"]
+           "check_env_config", "env_metrics", "wilson_interval"]

@@ -38,7 +38,7 @@ from rljax.envs import board_games as bg
 from rljax.envs.base import Message, StepResult, register_env
 from rljax.envs.tool_env import example_prompt
 
-__all__ = ["GameEnv", "game_trace", "GAME_ENVS"]
+__all__ = ["GameEnv", "game_trace", "GAME_ENVS", "NUM_ROLES", "role_key"]
 
 
 class GameEnv:
@@ -71,6 +71,11 @@ class GameEnv:
         self.illegal_penalty, self.reward_scale = float(illegal_penalty), float(reward_scale)
         self.system_prompt, self.state_format = system_prompt, state_format
         self.state = None
+
+    @property
+    def role_key(self) -> int:
+        """This episode's (game, seat) as a role key (``role_key``): what RAE keys on."""
+        return role_key(self.game.name, self.seat)
 
     # The opponent's rng restarts at reset from the example's seed: reset is repeatable, and
     # the G episodes of a group face the same opponent wherever their moves agree.
@@ -119,6 +124,18 @@ def _factory(name: str):
 
 
 GAME_ENVS = ("tictactoe", "kuhn_poker")
+MAX_SEATS = 2
+# Role keys of role-conditioned advantages (``algorithms.role_advantages``): one per (game,
+# seat) of the built-in games, ``GAME_ENVS.index(game) * MAX_SEATS + seat``.
+NUM_ROLES = len(GAME_ENVS) * MAX_SEATS
+
+
+def role_key(game: str, seat: int) -> int:
+    """The role key of ``seat`` (index) in ``game`` (a name of ``GAME_ENVS``), in [0, NUM_ROLES)."""
+    if game not in GAME_ENVS or not 0 <= int(seat) < MAX_SEATS:
+        raise ValueError(f"no role key for game {game!r} seat {seat!r}: games {GAME_ENVS}, "
+                         f"seats 0..{MAX_SEATS - 1}")
+    return GAME_ENVS.index(game) * MAX_SEATS + int(seat)
 
 
 def game_trace(name: str, example: Mapping[str, Any], noise: float = 0.0,

@@ -29,6 +29,10 @@ the package stays cheap and does not start a jax backend:
   rollout     also RewardRollout (raw rewards instead of advantages, for PPO and online DPO)
   agent       MultiTurnRollout / MultiTurnRewardRollout: episodes (env.name) for GRPO / PPO,
               SFT on scripted episodes, agentic eval
+  matches     run_matches: board games whose seats are models, one episode per seat, a
+              cache per side (self-play, a frozen opponent)
+  selfplay    env.selfplay rollouts (one policy in every seat, a checkpoint opponent)
+  game_eval   evaluate_games: win/draw/loss against fixed opponents with Wilson intervals
   evaluate    run_eval (greedy accuracy, pass@k), eval_examples
   setup       check_inputs (before compiling), Context (mesh, tokenizer, model), Phase protocol
 

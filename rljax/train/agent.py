@@ -19,7 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from rljax import algorithms
 from rljax.algorithms import turn_credit
+from rljax.errors import UserError
 from rljax.train import episodes as ep
 from rljax.train.verifier import verify
 from rljax.train.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
@@ -62,15 +64,25 @@ def limits(cfg) -> ep.EpisodeLimits:
                             prompt_buckets=prompt_buckets(cfg.data.max_prompt_length))
 
 
+def match_options(cfg, ctx) -> dict:
+    """``selfplay.play``'s run options: renderer, limits, env kwargs."""
+    return dict(renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
+                env_kwargs=env_kwargs(cfg))
+
+
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0) -> dict:
-    """``episodes.run_episodes`` for the run's environment on ``examples``."""
+    """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
+    int32 [R]: each episode's role key (``env.role_key``: game and seat, for RAE), -1 for an
+    environment without one."""
     cfg = ctx.cfg
-    return ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer,
-                           make_envs(cfg, examples, num_samples),
-                           renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
-                           rng=rng, num_samples=num_samples, temperature=temperature,
-                           top_k=top_k, top_p=top_p, mesh=ctx.mesh)
+    envs = make_envs(cfg, examples, num_samples)
+    eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
+                          renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
+                          rng=rng, num_samples=num_samples, temperature=temperature,
+                          top_k=top_k, top_p=top_p, mesh=ctx.mesh)
+    eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)
+    return eps
 
 
 def env_metrics(eps_list: list[dict], prefix: str = "env") -> dict:
@@ -129,15 +141,49 @@ class MultiTurnRollout(Rollout):
     ``model_mask``); dynamic sampling, TIS, KL and exact accumulation are the base class's.
 
     With ``env.turn_discount`` set the advantages are per turn (``turn_credit``), f32 [R, M]:
-    every model token of turn t gets turn t's advantage."""
+    every model token of turn t gets turn t's advantage.
+
+    An estimator with a baseline per role (``algorithms.uses_roles``: ``rae``) gets each
+    episode's role key (``env.role_key``) and ``state.role_baseline``; the new baseline
+    leaves in ``batch["role_baseline"]`` for the phase to put into the state, and the metrics
+    add ``rae/baseline_<key>`` for the roles seen."""
+
+    def __init__(self, ctx, iterator, *args, **kwargs):
+        super().__init__(ctx, iterator, *args, **kwargs)
+        self.selfplay = ctx.cfg.env.selfplay.mode != "off"
+        self.template, self.opponent = None, None
+        if self.selfplay:   # other seats played by a model (rljax.train.selfplay)
+            from rljax import data as data_lib
+            from rljax.train import selfplay
+            self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
+            self.opponent = selfplay.load_opponent(ctx)
+
+    def _play(self, params, examples, rng) -> tuple[dict, list[dict]]:
+        """This round's episodes and the example of each group: ``play``, or with
+        ``env.selfplay`` the matches' (``selfplay.play``)."""
+        r = self.cfg.rollout
+        opts = dict(num_samples=self.g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+        if not self.selfplay:
+            return play(self.ctx, params, examples, rng, **opts), examples
+        from rljax.train import selfplay
+        return selfplay.play(self.ctx, params, examples, rng, template=self.template,
+                             opponent=self.opponent, **match_options(self.cfg, self.ctx), **opts)
+
+    def __call__(self, state, step: int):
+        self._baseline = getattr(state, "role_baseline", None)
+        self._new_baseline = None
+        batch, metrics = super().__call__(state, step)
+        if self._new_baseline is not None:
+            batch["role_baseline"] = self._new_baseline
+            seen = np.unique(self._turn_rows["roles"])
+            metrics.update({f"rae/baseline_{k}": float(self._new_baseline[k]) for k in seen})
+        return batch, metrics
 
     def sample_round(self, params, rng) -> dict:
-        cfg, g = self.cfg, self.g
+        g = self.g
         examples = next(self.iterator)
         t0 = time.perf_counter()
-        eps = play(self.ctx, params, examples, rng, num_samples=g,
-                   temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                   top_p=cfg.rollout.top_p)
+        eps, examples = self._play(params, examples, rng)
         t1 = time.perf_counter()
         total, per_turn, result = score(self.reward_fn, eps, examples, g)
         scores = {"env": eps["env_rewards"]}
@@ -154,6 +200,7 @@ class MultiTurnRollout(Rollout):
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
+                    roles=eps["roles"],
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=t1 - t0 - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1)
@@ -165,7 +212,7 @@ class MultiTurnRollout(Rollout):
     def _assemble(self, rounds, groups):
         batch, rows = super()._assemble(rounds, groups)
         g = self.g
-        for key in ("model_mask", "turn_rewards", "turn_ids", "turns"):
+        for key in ("model_mask", "turn_rewards", "turn_ids", "turns", "roles"):
             rows[key] = np.concatenate([rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
         batch["model_mask"] = rows["model_mask"]
         self._turn_rows = rows   # this batch's turns, for ``advantages``
@@ -176,6 +223,8 @@ class MultiTurnRollout(Rollout):
         f32 [R, M] (``turn_credit.turn_advantages`` spread over each turn's tokens, 0 outside
         ``mask``)."""
         gamma = self.cfg.env.turn_discount
+        if algorithms.uses_roles(self.cfg.algo.adv_estimator):
+            return self._role_advantages(rewards)
         if gamma is None:
             return super().advantages(rewards, mask=mask, token_kl=token_kl)
         rows, a = self._turn_rows, self.cfg.algo
@@ -185,6 +234,30 @@ class MultiTurnRollout(Rollout):
             scale_rewards=a.scale_rewards, outcome=super().advantages(returns[:, 0]))
         adv = turn_credit.spread_over_turns(per_turn, rows["turn_ids"])
         return np.where(mask, adv, 0.0).astype(np.float32)
+
+    def _role_advantages(self, rewards) -> np.ndarray:
+        """The role estimator on this batch's episodes: advantages f32 [R]; keeps the new
+        baseline f32 [K] for ``__call__``."""
+        roles, baseline = self._turn_rows["roles"], self._baseline
+        if baseline is None:
+            raise UserError(f"algo.adv_estimator={self.cfg.algo.adv_estimator!r} needs the "
+                            "role baseline in the train state (the GRPO phase makes it)")
+        k = int(np.shape(baseline)[0])
+        if (roles < 0).any() or (roles >= k).any():
+            raise UserError(f"algo.adv_estimator={self.cfg.algo.adv_estimator!r} needs each "
+                            f"episode's role key in [0, {k}); env {self.cfg.env.name!r} gave "
+                            f"{sorted(set(roles.tolist()))} (a game environment has "
+                            "role_key)")
+        if self._advantages is None:
+            estimator = algorithms.get_advantage_estimator(self.cfg.algo.adv_estimator)
+            name, g = self.cfg.algo.adv_estimator, self.g
+            opts = {"alpha": float(self.cfg.algo.rae_alpha)} if name == "rae" else {}
+            self._advantages = jax.jit(lambda r, ro, b: estimator(r, g, roles=ro, baseline=b,
+                                                                  **opts))
+        adv, new = self._advantages(np.asarray(rewards, np.float32), roles,
+                                    np.asarray(jax.device_get(baseline), np.float32))
+        self._new_baseline = np.asarray(new, np.float32)
+        return np.asarray(adv, np.float32)
 
     def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
         m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)

@@ -78,12 +78,13 @@ def completion_len(cfg) -> int:
 
 def sampler_len(cfg) -> int:
     """Tokens after the prompt in the sampler's KV cache (with an environment: T turns of
-    observation chunk O + turn tokens, ``multiturn.SlotLayout``)."""
+    observation chunk O + turn tokens, ``multiturn.SlotLayout``; a board game whose seats are
+    models, ``env.selfplay``: a turn's slots per ply, T per seat of its 2 seats)."""
     r, env = cfg.rollout, cfg.env
     if not env.name:
         return int(r.max_new_tokens)
-    return int(env.max_turns) * (int(env.max_obs_tokens) + 1
-                                 + int(env.max_turn_tokens or r.max_new_tokens))
+    turns = int(env.max_turns) * (2 if env.selfplay.mode != "off" else 1)
+    return turns * (int(env.max_obs_tokens) + 1 + int(env.max_turn_tokens or r.max_new_tokens))
 
 
 def sequence_batch(ctx, rows: int) -> dict:

@@ -1,8 +1,9 @@
 """TrainState: everything a step reads and writes, as one pytree (principle 1: state is data).
 
 ``step`` counts optimizer updates (int32 scalar), ``rng`` is the run's base key (split per step
-by the trainer). ``critic_*`` exist for PPO and ``ref_params`` for a frozen reference policy;
-unused fields are ``None``, which jax treats as an empty subtree (nothing stored, nothing
+by the trainer). ``critic_*`` exist for PPO, ``ref_params`` for a frozen reference policy and
+``role_baseline`` (f32 [K]) for an advantage estimator with a baseline per role kept across
+steps (``algorithms.uses_roles``: RAE); unused fields are ``None``, which jax treats as an empty subtree (nothing stored, nothing
 checkpointed).
 
 Shardings: params (and ref/critic params) use the caller's shardings; optimizer-state leaves
@@ -32,6 +33,7 @@ class TrainState:
     critic_params: Any = None
     critic_opt_state: Any = None
     ref_params: Any = None
+    role_baseline: Any = None
 
 
 def create_train_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array, *,
@@ -158,6 +160,7 @@ def state_shardings(shape_state: TrainState, param_shardings: Any,
                                            replicated) if has_critic else None),
         ref_params=(lora_lib.base_params(param_shardings) if lora_lib.has_lora(param_shardings)
                     else param_shardings) if shape_state.ref_params is not None else None,
+        role_baseline=None if shape_state.role_baseline is None else replicated,
     )
 
 

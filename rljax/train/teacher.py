@@ -115,17 +115,29 @@ def _run_config(path: str):
 
 
 def _resolve_workdir(cfg, path: str) -> Source:
-    tcfg = _run_config(path)
+    return workdir_source(path, int(cfg.algo.distill.teacher_step), _key(cfg),
+                          "algo.distill.teacher_step", what="the teacher")
+
+
+def workdir_source(path: str, step: int, key: str, step_key: str,
+                   what: str = "the model") -> Source:
+    """An rljax workdir's checkpoint ``step`` (0 = the latest) as a frozen model (a distill
+    teacher, a game opponent); ``key`` (``"name='path'"``) and ``step_key`` name the config
+    keys in the one-line UserError of a workdir whose config.json is unreadable, that trained
+    LoRA adapters, has no checkpoint or lacks ``step``."""
+    try:
+        tcfg = _run_config(path)
+    except ValueError as e:
+        raise UserError(f"{key}: {e}") from None
     if tcfg.model.lora.rank or tcfg.model.adapter_path:
-        raise UserError(f"{_key(cfg)} trained LoRA adapters; export it first (rljax export "
-                        "--workdir ... --out DIR) and pass DIR as the teacher")
+        raise UserError(f"{key} trained LoRA adapters; export it first (rljax export "
+                        f"--workdir ... --out DIR) and pass DIR as {what}")
     saved = _saved_steps(path)
     if not saved:
-        raise UserError(f"{_key(cfg)} has no checkpoint")
-    step = int(cfg.algo.distill.teacher_step) or saved[-1]
+        raise UserError(f"{key} has no checkpoint")
+    step = int(step) or saved[-1]
     if step not in saved:
-        raise UserError(f"algo.distill.teacher_step={step} is not saved in {path} "
-                        f"(saved steps: {saved})")
+        raise UserError(f"{step_key}={step} is not saved in {path} (saved steps: {saved})")
     return Source("workdir", path, workdir_tokenizer(tcfg, path), tcfg.model.dtype, tcfg,
                   os.path.join(ckpt_lib.checkpoint_dir(path), str(step)))
 

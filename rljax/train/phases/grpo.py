@@ -226,7 +226,17 @@ def _init_state(ctx: Context, optimizer, state):
     copy_ref = ctx.cfg.algo.beta > 0 and not lora_lib.has_lora(state.params)
     ref = jax.tree.map(jnp.copy, state.params) if copy_ref else None
     return state.replace(opt_state=optimizer.init(lora_lib.trainable(state.params)),
-                         ref_params=ref)
+                         ref_params=ref, role_baseline=initial_role_baseline(ctx.cfg))
+
+
+def initial_role_baseline(cfg):
+    """f32 [K] zeros (one baseline per role key of the built-in games,
+    ``envs.game_env.NUM_ROLES``) for an estimator with role baselines
+    (``algorithms.uses_roles``: RAE), else None (no state field)."""
+    if not algorithms.uses_roles(cfg.algo.adv_estimator):
+        return None
+    from rljax.envs.game_env import NUM_ROLES
+    return jnp.zeros((NUM_ROLES,), jnp.float32)
 
 
 def _build(ctx: Context, optimizer, state) -> length_groups.GroupedUpdate:
@@ -253,7 +263,11 @@ class GRPOPhase:
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
-        self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
+        groups = self.batch_size // a.num_generations
+        if cfg.env.name and cfg.env.selfplay.mode == "self":   # a group per seat of a game
+            from rljax.train import selfplay
+            groups = selfplay.examples_per_round(cfg, groups)
+        self.iterator = rl_iterator(ctx, groups)
         rollout_cls = self.rollout_class
         if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
             from rljax.train.agent import MultiTurnRollout as rollout_cls
@@ -305,6 +319,9 @@ class GRPOPhase:
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
         batch, metrics = self.rollout(state, step)
+        if "role_baseline" in batch:   # RAE: this batch's baselines, carried in the state
+            state = state.replace(role_baseline=jax.device_put(
+                jnp.asarray(batch.pop("role_baseline"), jnp.float32), self.ctx.replicated))
         t1 = time.perf_counter()
         state, updates = self.update(state, batch)
         if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest

@@ -1,0 +1,234 @@
+"""Multi-seat games on the host: the turn loop of ``episodes.run_episodes`` for matches whose
+seats are played by language models (``rljax.envs.selfplay``: one ``SeatEnv`` per seat, sharing
+a ``Match``), in the game's turn order.
+
+    sides = [Side(model_cfg, params, envs, num_samples=G)]            # self-play: every seat
+    sides = [Side(policy_cfg, params, mine, G), Side(opp_cfg, frozen, theirs, G,
+                                                     temperature=0.0)]  # a frozen opponent
+    eps = run_matches(sides, tokenizer, renderer=..., limits=..., max_plies=9, rng=key)
+
+A *side* is a set of seat episodes sampled by one model (its own parameters, its own KV cache
+over its rows, its own temperature); each of its rows is one seat of one match, laid out as
+``run_episodes`` lays out an episode (prompt-major groups of ``num_samples`` rows with the
+same prompt). Ply k (k = 0 .. max_plies - 1) decodes, on each side, the rows whose seat is to
+move (the others are inactive in that ply: their cache slots for it stay invalid), then steps
+those seats. A row's next chunk is the token its previous turn ended with (not yet in the
+cache) followed by its seat's view after the other seats' moves, so every seat keeps its own
+cache across its turns and sees only what its seat may see.
+
+Returns one dict per side with ``run_episodes``' fields (``tokens``, ``mask``, ``model_mask``,
+``logps``, ``turn_ids``, ``turn_rewards`` over the row's own turns, ``env_rewards``, ``turns``,
+``truncated``, ``counters``, ...) plus ``roles`` int32 [R] (``SeatEnv.role_key``). A row's
+reward is its seat's: the game's return for that seat on its last turn, a forfeit's penalty on
+the forfeiting seat's turn, ``forfeit_reward`` for the others. A seat that runs out of turns,
+tokens or chunk width abandons its match: every seat of it ends truncated, reward 0.
+
+Plain transcripts only (``Renderer(chat=False)``): a seat that does not move first has no
+turn before its first observation, which a chat template cannot render incrementally.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from rljax import sampling
+from rljax.sampling import multiturn
+from rljax.train.episodes import EpisodeLimits, Renderer, _count, _cut_after
+
+
+@dataclasses.dataclass
+class Side:
+    """The rows one model plays: ``envs`` (``SeatEnv``s, prompt-major groups of
+    ``num_samples``), sampled from ``params`` at ``temperature`` (0: greedy)."""
+    model_cfg: Any
+    params: Any
+    envs: Sequence[Any]
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+class _SideRun:
+    """One side's rows during ``run_matches``: their cache, slots and trajectories."""
+
+    def __init__(self, side: Side, tokenizer, renderer: Renderer, limits: EpisodeLimits,
+                 max_plies: int, mesh):
+        envs, g = list(side.envs), int(side.num_samples)
+        r = len(envs)
+        if r % g:
+            raise ValueError(f"{r} seat environments are not groups of {g}")
+        self.side, self.envs, self.tok, self.renderer, self.mesh = side, envs, tokenizer, \
+            renderer, mesh
+        self.n, self.o, self.t_max, self.m_max = (limits.turn_tokens, limits.chunk_tokens,
+                                                  limits.max_turns, limits.max_total_tokens)
+        self.prompts = [renderer.prompt(env.reset()) for env in envs]
+        if any(self.prompts[i] != self.prompts[i - i % g] for i in range(r)):
+            raise ValueError("the seat environments of one group reset to different prompts")
+        # A seat that moves first sees the state in its prompt; the others observe it later.
+        self.seen = np.array([env.to_move() for env in envs], bool)
+        self.prompt_ids = [tokenizer.encode(p) for p in self.prompts]
+        p_tok, p_mask = sampling.pad_to_bucket(self.prompt_ids[::g], pad_id=tokenizer.pad_id,
+                                               buckets=limits.prompt_buckets)
+        self.layout = multiturn.SlotLayout(prompt_len=p_tok.shape[1], turn_len=self.n,
+                                           chunk_len=self.o, max_turns=max_plies)
+        self.cache = multiturn.start(side.model_cfg, side.params, p_tok, p_mask,
+                                     layout=self.layout, num_samples=g, mesh=mesh)
+        pm = np.repeat(np.asarray(p_mask, bool), g, axis=0)
+        self.slot_mask = np.zeros((r, self.layout.num_slots), bool)
+        self.slot_mask[:, :self.layout.prompt_len - 1] = pm[:, :-1]
+        # The token each row has not fed to its cache yet: the prompt's last, then each
+        # turn's last (it leads the row's next chunk).
+        self.carry = np.repeat(np.asarray(p_tok)[:, -1], g).astype(np.int32)
+        self.carry_eos = np.zeros(r, bool)
+        self.tokens = np.full((r, self.m_max), tokenizer.pad_id, np.int32)
+        self.model_mask = np.zeros((r, self.m_max), bool)
+        self.turn_ids = np.full((r, self.m_max), -1, np.int32)
+        self.logps = np.zeros((r, self.m_max), np.float32)
+        self.length = np.zeros(r, np.int64)
+        self.turns = np.zeros(r, np.int32)
+        self.active = np.ones(r, bool)
+        self.done = np.zeros(r, bool)
+        self.env_rewards = np.zeros(r, np.float32)
+        self.turn_rewards = np.zeros((r, self.t_max), np.float32)
+        self.final_turns = [""] * r
+        self.counters: list[dict] = [{} for _ in range(r)]
+        self.options = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
+                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
+                            stop_sequences=multiturn.stop_sequences_of(
+                                tokenizer, [renderer.call_end] if renderer.call_end else []))
+
+    def record(self, i: int, result) -> None:
+        """A step's or ``finish``'s result on row i (on its last turn)."""
+        self.env_rewards[i] += float(result.reward)
+        self.turn_rewards[i, max(self.turns[i] - 1, 0)] += float(result.reward)
+        _count(result.info, self.counters[i])
+        if result.done:
+            self.active[i], self.done[i] = False, True
+
+    def settle(self) -> None:
+        """Rows whose match is over without their move: collect the result (or, for an
+        abandoned match, stop the row truncated)."""
+        for i in np.flatnonzero(self.active):
+            env = self.envs[i]
+            if env.match.over():
+                self.record(i, env.finish())
+                self.active[i] = False
+
+    def _truncate(self, i: int) -> None:
+        self.active[i] = False
+        self.envs[i].match.abandoned = True
+
+    def decode(self, ply: int, rng) -> tuple[list[int], list[str]]:
+        """Builds the chunks of the rows to move, decodes their turn; (rows, texts)."""
+        r, o = len(self.envs), self.o
+        chunk = np.full((r, o), self.tok.pad_id, np.int32)
+        chunk_mask = np.zeros((r, o), bool)
+        rows = []
+        for i in np.flatnonzero(self.active):
+            env = self.envs[i]
+            if not env.to_move():
+                continue
+            obs: list[int] = []
+            if self.turns[i] > 0 or not self.seen[i]:
+                obs = self.tok.encode(self.renderer.observation(env.observe(),
+                                                                bool(self.carry_eos[i])))
+            room = self.m_max - self.length[i] - len(obs)
+            if self.turns[i] >= self.t_max or len(obs) + 1 > o or room < 1:
+                self._truncate(i)
+                continue
+            self.tokens[i, self.length[i]:self.length[i] + len(obs)] = obs
+            self.length[i] += len(obs)
+            ids = [int(self.carry[i])] + obs
+            chunk[i, o - len(ids):] = ids
+            chunk_mask[i, o - len(ids):] = True
+            rows.append(int(i))
+        if not rows:
+            return [], []
+        start = self.layout.chunk_start(ply)
+        self.slot_mask[:, start:start + o] = chunk_mask
+        moving = np.zeros(r, bool)
+        moving[rows] = True
+        budget = np.where(moving, np.minimum(self.n, self.m_max - self.length), 0)
+        side = self.side
+        self.cache, out = multiturn.turn(side.model_cfg, side.params, self.cache, self.slot_mask,
+                                         chunk, chunk_mask, turn=ply, active=moving,
+                                         budget=budget.astype(np.int32), rng=rng,
+                                         layout=self.layout, **self.options)
+        out_tok, out_lp, out_len = (np.asarray(x) for x in jax.device_get(
+            (out.tokens, out.logps, out.lengths)))
+        kept = np.zeros(r, np.int64)
+        texts = []
+        for i in rows:
+            ids = out_tok[i, :out_len[i]].tolist()
+            k = _cut_after(self.tok, ids, self.renderer.call_end)
+            at = slice(self.length[i], self.length[i] + k)
+            self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
+            self.turn_ids[i, at], self.logps[i, at] = self.turns[i], out_lp[i, :k]
+            self.length[i] += k
+            self.carry[i] = ids[k - 1]
+            self.carry_eos[i] = ids[k - 1] == self.tok.eos_id
+            self.turns[i] += 1
+            kept[i] = k
+            texts.append(self.tok.decode(ids[:k]))
+            self.final_turns[i] = texts[-1]
+        self.slot_mask |= multiturn.kept_slots(self.layout, ply, kept)
+        return rows, texts
+
+    def result(self, time_env: float) -> dict:
+        r = len(self.envs)
+        mask = np.arange(self.m_max)[None, :] < self.length[:, None]
+        info: dict[str, float] = {}
+        for c in self.counters:
+            _count(c, info)
+        return dict(
+            tokens=self.tokens, mask=mask, model_mask=self.model_mask, logps=self.logps,
+            lengths=self.length.astype(np.int32),
+            model_tokens=self.model_mask.sum(1).astype(np.int32), truncated=~self.done,
+            turns=self.turns, env_rewards=self.env_rewards, turn_rewards=self.turn_rewards,
+            turn_ids=self.turn_ids, prompt_ids=[list(map(int, p)) for p in self.prompt_ids],
+            prompt_len=int(self.layout.prompt_len), prompts=self.prompts,
+            final_turns=self.final_turns,
+            transcripts=[self.tok.decode(self.tokens[i, :self.length[i]].tolist())
+                         for i in range(r)],
+            counters=self.counters, info=info, time_env=time_env,
+            roles=np.array([env.role_key for env in self.envs], np.int32))
+
+
+def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits: EpisodeLimits,
+                max_plies: int, rng: jax.Array, mesh=None,
+                step_all: Callable | None = None) -> list[dict]:
+    """Plays every match of ``sides``' seat environments to its end (module docstring).
+    ``limits.max_turns`` bounds each seat's turns, ``max_plies`` the plies of a match (the
+    cache of each side has a turn's slots per ply). Returns one dict per side."""
+    if renderer.chat:
+        raise ValueError("multi-seat games render plain transcripts only "
+                         "(tokenizer.chat_template=False)")
+    if step_all is None:
+        from rljax.envs import step_all
+    runs = [_SideRun(s, tokenizer, renderer, limits, max_plies, mesh) for s in sides]
+    time_env = 0.0
+    for ply in range(max_plies):
+        for run in runs:
+            run.settle()
+        moved = [(run, *run.decode(ply, jax.random.fold_in(jax.random.fold_in(rng, k), ply)))
+                 for k, run in enumerate(runs)]
+        envs = [run.envs[i] for run, rows, _ in moved for i in rows]
+        if not envs:
+            break
+        t0 = time.perf_counter()
+        results = step_all(envs, [t for _, _, texts in moved for t in texts])
+        time_env += time.perf_counter() - t0
+        results = iter(results)
+        for run, rows, _ in moved:
+            for i in rows:
+                run.record(i, next(results))
+    for run in runs:
+        run.settle()
+        for i in np.flatnonzero(run.active):   # out of plies: truncated
+            run._truncate(i)
+    return [run.result(time_env) for run in runs]

@@ -1,0 +1,140 @@
+"""Training rollouts of board games whose other seats are language models
+(``env.selfplay.mode``): ``"self"``, one policy in every seat, or ``"checkpoint"``, the policy in
+the example's seat against a frozen earlier checkpoint of a run in the others.
+
+Self-play: each example (a game: deal, seed) gives one group of G rows per seat, all from
+``seat_example``s of it, and G matches: row j of every seat's group plays match j. Every row
+trains; its tokens are only its seat's and its reward is only its seat's return, so with
+``algo.adv_estimator=rae`` each row is judged against its (game, seat) baseline, and with GRPO
+against the G games of its own seat. An iteration therefore draws ``rollout.batch_size /
+(G * seats)`` examples.
+
+Checkpoint opponent: the example's seat is the policy's (G rows, the batch), the other seats
+are the frozen model's (``env.selfplay.workdir``, checkpoint ``env.selfplay.step``, sampled
+at ``env.selfplay.temperature``, 0 = greedy), which is loaded once, keeps its own cache, and
+never trains.
+
+Held-out evaluation is unchanged: the environment's scripted opponent (``env.kwargs``), an
+opponent the policy never trained against.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rljax.errors import UserError
+from rljax.train.episodes import EpisodeLimits, Renderer
+from rljax.train.matches import Side, run_matches
+
+# SeatEnv options that may come from env.kwargs (the scripted env's opponent options do not).
+SEAT_OPTIONS = ("illegal_penalty", "reward_scale", "system_prompt", "state_format")
+
+
+def mode(cfg) -> str:
+    """``env.selfplay.mode``: "off" (the environment's scripted opponent), "self" or
+    "checkpoint"."""
+    return str(cfg.env.selfplay.mode)
+
+
+def num_seats(cfg) -> int:
+    from rljax.envs import board_games
+    return len(board_games.get_game(cfg.env.name).seats)
+
+
+def examples_per_round(cfg, groups: int) -> int:
+    """Examples one rollout round draws for ``groups`` groups of G rows: self-play turns each
+    example into one group per seat."""
+    return groups // num_seats(cfg) if mode(cfg) == "self" else groups
+
+
+@dataclasses.dataclass
+class Opponent:
+    """A frozen model in the other seats."""
+    model_cfg: Any
+    params: Any
+    temperature: float
+
+
+def load_opponent(ctx) -> Opponent | None:
+    """The checkpoint opponent of ``env.selfplay`` (None unless mode is "checkpoint")."""
+    sp = ctx.cfg.env.selfplay
+    if mode(ctx.cfg) != "checkpoint":
+        return None
+    return opponent_from_workdir(ctx, sp.workdir, int(sp.step), float(sp.temperature))
+
+
+def opponent_from_workdir(ctx, workdir: str, step: int = 0, temperature: float = 0.0,
+                          key: str = "env.selfplay") -> Opponent:
+    """The run in ``workdir`` at checkpoint ``step`` (0 = its latest) as a frozen opponent:
+    verified against its manifest, sharing the policy's tokenizer (one UserError line
+    otherwise; ``key`` names the config section in it)."""
+    from rljax.train import teacher
+    source = teacher.workdir_source(workdir, int(step), f"{key}.workdir={workdir!r}",
+                                    f"{key}.step", what="the opponent")
+    problem = teacher.tokenizer_mismatch(ctx.tokenizer, source.tokenizer)
+    if problem:
+        raise UserError(f"{key}.workdir={workdir!r} does not share the policy's tokenizer: "
+                        f"{problem}")
+    model_cfg, params = teacher.load(source, ctx.mesh)
+    return Opponent(model_cfg, params, float(temperature))
+
+
+def _seat_rows(cfg, examples, template):
+    """(game, seat examples by (example, seat)) with prompts rendered for their seat."""
+    from rljax.envs import board_games
+    from rljax.envs.selfplay import seat_example
+    game = board_games.get_game(cfg.env.name)
+    rows = []
+    for ex in examples:
+        per_seat = []
+        for s in range(len(game.seats)):
+            sx = seat_example(ex, s, game)
+            if template is not None:
+                sx["prompt"] = template(sx)
+            per_seat.append(sx)
+        rows.append(per_seat)
+    return game, rows
+
+
+def _seat(game, example) -> int:
+    seat = example.get("seat", 0)
+    return game.seats.index(seat) if seat in game.seats else int(seat)
+
+
+def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
+         limits: EpisodeLimits, env_kwargs: dict, num_samples: int, temperature: float,
+         top_k: int = 0, top_p: float = 1.0, template=None, opponent: Opponent | None = None
+         ) -> tuple[dict, list[dict]]:
+    """The policy's episodes of this round's matches and the example of each of its groups:
+    ``(eps, group examples)``; ``eps`` has ``run_episodes``' fields and ``roles``.
+
+    Self-play: groups ordered (example, seat); with ``opponent``: one group per example (its
+    seat), the opponent's rows played and dropped. ``template``: the data template, to render
+    each seat's prompt (None: the examples' ``question``). ``renderer``, ``limits``,
+    ``env_kwargs``: the run's (``agent.make_renderer``, ``agent.limits``, ``agent.env_kwargs``;
+    the seat environments take ``SEAT_OPTIONS`` of the last)."""
+    from rljax.envs.selfplay import Match, SeatEnv
+    cfg, g = ctx.cfg, int(num_samples)
+    game, seat_rows = _seat_rows(cfg, examples, template)
+    kw = {k: v for k, v in env_kwargs.items() if k in SEAT_OPTIONS}
+    kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
+    mine, theirs, groups = [], [], []
+    for ex, per_seat in zip(examples, seat_rows):
+        deal = ex.get("deal")
+        matches = [Match(game, deal) for _ in range(g)]
+        own = None if opponent is None else _seat(game, ex)
+        for s, sx in enumerate(per_seat):
+            rows = [SeatEnv(m, sx, s, **kw) for m in matches]
+            if own is None or s == own:
+                mine += rows
+                groups.append(sx)
+            else:
+                theirs += rows
+    sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p)]
+    if opponent is not None:
+        sides.append(Side(opponent.model_cfg, opponent.params, theirs, g,
+                          opponent.temperature, top_k if opponent.temperature else 0,
+                          top_p if opponent.temperature else 1.0))
+    eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
+                      max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh)[0]
+    return eps, groups

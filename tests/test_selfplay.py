@@ -1,0 +1,271 @@
+"""Self-play in board games: role-conditioned advantages (RAE) in the trainer, one policy in
+every seat, a frozen checkpoint as the opponent, win rates with confidence intervals."""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from rljax import config as config_lib
+from rljax.train import checkpoint, run, setup
+from rljax.train.metrics import read_metrics
+from rljax.train.phases import grpo
+from rljax.train.state import create_train_state
+from tests.test_train_loop import StopAfter, comparable
+
+DEVICES = jax.devices()[:1]
+
+
+def ttt_cfg(**overrides):
+    """configs/grpo_tictactoe.py with a 1-layer width-32 model and small batches."""
+    cfg = config_lib.load_config("configs/grpo_tictactoe.py", [
+        "steps=2", "sft.steps=0", "rollout.batch_size=8", "algo.num_generations=2",
+        "eval.num_examples=4", "eval.batch_size=4", "eval_every=0", "checkpoint_every=0",
+        "checkpoint.async_save=False", "logging.tensorboard=False", "mesh.data=1",
+        "model.overrides.num_layers=1", "model.overrides.hidden_size=32",
+        "model.overrides.intermediate_size=64"])
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+def _phase(cfg, tmp_path):
+    setup.check_inputs(cfg, num_devices=1)
+    ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
+    phase = grpo.GRPOPhase(ctx, int(cfg.steps))
+    state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
+    return ctx, phase, state
+
+
+# ----------------------------------------------------------------------------- RAE
+
+
+def test_rae_in_the_rollout_is_the_written_out_formula(tmp_path):
+    """The trainer's RAE advantages and new baselines on one batch of episodes equal
+    b_k <- alpha b_k + (1 - alpha) mean(R | role k), A = R - b_role, written out in numpy."""
+    alpha = 0.8
+    cfg = ttt_cfg(**{"algo.adv_estimator": "rae", "algo.rae_alpha": alpha})
+    ctx, phase, state = _phase(cfg, tmp_path)
+    assert state.role_baseline.shape == (4,) and not state.role_baseline.any()
+    start = np.array([0.25, -0.5, 0.125, 1.0], np.float32)
+    state = state.replace(role_baseline=jax.numpy.asarray(start))
+    batch, metrics = phase.rollout(state, 0)
+    rows = phase.rollout._turn_rows
+    roles, rewards = rows["roles"], rows["rewards"]
+    assert set(roles.tolist()) <= {0, 1}   # tictactoe X = 0, O = 1
+    expected = start.copy()
+    for k in range(4):
+        if (roles == k).any():
+            expected[k] = alpha * start[k] + (1 - alpha) * rewards[roles == k].mean()
+    np.testing.assert_allclose(batch["role_baseline"], expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(batch["advantages"], rewards - expected[roles], rtol=1e-6,
+                               atol=1e-6)
+    for k in set(roles.tolist()):
+        assert metrics[f"rae/baseline_{k}"] == pytest.approx(float(expected[k]))
+
+
+def _baseline(workdir):
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        state = ckpt.restore().state
+    return np.asarray(state["role_baseline"]), jax.tree.map(np.asarray, state["params"])
+
+
+RAE_RUN = {"algo.adv_estimator": "rae", "algo.num_generations": 1}
+
+
+@pytest.fixture(scope="module")
+def rae_run(tmp_path_factory):
+    """A 2-iteration RAE run (its checkpoint is also the frozen opponent below)."""
+    workdir = str(tmp_path_factory.mktemp("rae_straight"))
+    assert run.train(ttt_cfg(**RAE_RUN), workdir, devices=DEVICES) == 0
+    return workdir
+
+
+@pytest.mark.slow
+def test_rae_run_checkpoints_its_baselines_and_resumes_exactly(rae_run, tmp_path):
+    """A RAE run stopped after its first iteration and resumed equals the straight run:
+    metrics (the baselines' included), parameters and the checkpointed baselines."""
+    cfg = ttt_cfg(**RAE_RUN)
+    records = read_metrics(rae_run)
+    rl = [r for r in records if "reward/mean" in r]
+    assert len(rl) == 2 and any(k.startswith("rae/baseline_") for k in rl[1])
+    resumed = str(tmp_path / "resumed")
+    assert run.train(cfg, resumed, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert max(r["step"] for r in read_metrics(resumed)) == 1
+    assert run.train(cfg, resumed, devices=DEVICES) == 0
+    assert comparable(read_metrics(resumed)) == comparable(records)
+    (b1, p1), (b2, p2) = _baseline(rae_run), _baseline(resumed)
+    assert b1.shape == (4,) and np.abs(b1).max() > 0
+    np.testing.assert_array_equal(b1, b2)
+    jax.tree.map(np.testing.assert_array_equal, p1, p2)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"env.name": ""}, "needs each episode's role"),
+    ({"algo.dynamic_sampling": True}, "algo.dynamic_sampling and rollout.partial"),
+    ({"env.turn_discount": 0.9}, "env.turn_discount"),
+    ({"algo.rae_alpha": 1.5}, "algo.rae_alpha"),
+])
+def test_rae_config_errors_are_one_line(overrides, needle):
+    with pytest.raises(config_lib.ConfigError, match=needle) as e:
+        ttt_cfg(**{"algo.adv_estimator": "rae", **overrides})
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- self-play
+
+
+@pytest.fixture
+def lowest_cell(monkeypatch):
+    """Every seat's turn, whatever its text, plays the lowest free cell: whole games from an
+    untrained model (X takes 1, 3, 5, 7 and wins on the 3-5-7 diagonal at ply 7)."""
+    from rljax.envs.selfplay import SeatEnv
+    step = SeatEnv.step
+    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(
+        self, self.game.legal_moves(self.match.state)[0]))
+
+
+def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, lowest_cell):
+    """One policy in both seats: each row is one seat of one match, its model tokens are its
+    own moves, its observations the board after the other seat's, its reward its seat's
+    return; the sampler's log-probs (a cache per seat, skipping the other seat's plies) are
+    the trainer's."""
+    from rljax.train.agent import MultiTurnRollout
+    g = 2
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.adv_estimator": "rae",
+                     "algo.num_generations": g})
+    ctx, phase, state = _phase(cfg, tmp_path)
+    rollout = MultiTurnRollout(ctx, setup.rl_iterator(ctx, 2))   # 2 games x 2 seats x G
+    rnd = rollout.sample_round(state.params, jax.random.key(3))
+    eps, tok = rnd["episodes"], ctx.tokenizer
+    n = len(eps["env_rewards"])
+    seat = np.repeat(np.tile([0, 1], 2), g)                      # groups (example, seat)
+    np.testing.assert_array_equal(eps["roles"], seat)
+    np.testing.assert_array_equal(eps["env_rewards"], np.where(seat == 0, 1.0, -1.0))
+    np.testing.assert_array_equal(eps["turns"], np.where(seat == 0, 4, 3))
+    assert not eps["truncated"].any()
+    for i in range(n):
+        text = eps["transcripts"][i]
+        assert eps["prompts"][i] == ("tictactoe X\n123\n456\n789\n" if seat[i] == 0
+                                     else "tictactoe O\n")
+        obs = tok.decode(eps["tokens"][i][eps["mask"][i] & ~eps["model_mask"][i]].tolist())
+        if seat[i] == 0:   # X sees the boards after O's replies
+            assert obs == "XO3\n456\n789\nXOX\nO56\n789\nXOX\nOXO\n789\n", text
+        else:              # O sees the boards after X's moves
+            assert obs == "X23\n456\n789\nXOX\n456\n789\nXOX\nOX6\n789\n", text
+        own = eps["turn_ids"][i][eps["model_mask"][i]]
+        assert sorted(set(own.tolist())) == list(range(eps["turns"][i]))
+        assert eps["counters"][i]["moves"] == eps["turns"][i]
+    # The whole rollout: RAE per seat, sampler == trainer log-probs over each seat's row.
+    batch, metrics = rollout(state, 0)
+    rows = rollout._turn_rows
+    np.testing.assert_array_equal(batch["loss_mask"], batch["model_mask"])
+    np.testing.assert_allclose(batch["advantages"],
+                               rows["rewards"] - batch["role_baseline"][rows["roles"]],
+                               rtol=1e-6, atol=1e-6)
+    assert metrics["rollout/logp_diff_max"] < 1e-4
+    assert metrics["env/wins_X_mean"] == 0.5 and metrics["env/losses_mean"] == 0.5
+
+
+# ----------------------------------------------------------------------------- frozen opponent
+
+
+def test_checkpoint_opponent_plays_the_other_seat_and_never_trains(rae_run, tmp_path,
+                                                                   lowest_cell):
+    """env.selfplay.mode='checkpoint': the policy's rows are the examples' seats (the batch),
+    the frozen run (its checkpoint's parameters, loaded once) plays the other seat, whose
+    moves the policy sees as observations."""
+    from rljax.train import selfplay
+    from rljax.train.agent import MultiTurnRollout
+    cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run})
+    ctx, phase, state = _phase(cfg, tmp_path)
+    rollout = phase.rollout
+    assert isinstance(rollout, MultiTurnRollout) and rollout.opponent is not None
+    jax.tree.map(np.testing.assert_array_equal, rollout.opponent.params,
+                 _baseline(rae_run)[1])
+    batch, metrics = rollout(state, 0)
+    rows = rollout._turn_rows
+    assert len(rows["rewards"]) == cfg.rollout.batch_size
+    seats = rows["roles"]   # tictactoe: role key = seat
+    np.testing.assert_array_equal(rows["rewards"], np.where(seats == 0, 1.0, -1.0))
+    np.testing.assert_array_equal(rows["turns"], np.where(seats == 0, 4, 3))
+    assert metrics["env/games_X_mean"] + metrics["env/games_O_mean"] == 1.0
+    assert batch["loss_mask"].sum() == rows["model_mask"].sum() > 0
+    with pytest.raises(setup.UserError, match="env.selfplay.step=7 is not saved"):
+        selfplay.opponent_from_workdir(ctx, rae_run, 7)
+    with pytest.raises(setup.UserError, match="cannot read the run.s config.json"):
+        selfplay.opponent_from_workdir(ctx, str(tmp_path))
+
+
+def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tmp_path):
+    """Scripted and checkpoint opponents: every game is a win, draw, loss or the opponent's
+    forfeit; rates come with their Wilson intervals."""
+    from rljax.envs import wilson_interval
+    from rljax.train import evaluate, game_eval, selfplay
+    # Published values of the 95% Wilson interval.
+    for k, n, want in ((5, 10, (0.2366, 0.7634)), (0, 10, (0.0, 0.2775)),
+                       (10, 10, (0.7225, 1.0))):
+        np.testing.assert_allclose(wilson_interval(k, n), want, atol=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    ctx, phase, state = _phase(ttt_cfg(), tmp_path)
+    examples = evaluate.eval_examples(ctx)
+    opponent = selfplay.opponent_from_workdir(ctx, rae_run)
+    for opp in ("random", "optimal", opponent):
+        m = game_eval.evaluate_games(ctx, state.params, examples, opp, jax.random.key(0))
+        assert m["games/games"] == len(examples) == 4
+        total = sum(m[f"games/{k}"] for k in ("wins", "draws", "losses", "opponent_forfeits"))
+        assert total + m["games/truncated"] == pytest.approx(1.0)
+        for k in ("wins", "draws", "losses"):
+            k_games = round(m[f"games/{k}"] * 4)
+            assert m[f"games/{k}_ci95"] == list(wilson_interval(k_games, 4))
+    with pytest.raises(ValueError, match="opponent must be one of"):
+        game_eval.evaluate_games(ctx, state.params, examples, "minimax", jax.random.key(0))
+
+
+def test_seat_envs_share_a_match_and_each_sees_only_its_seat():
+    """Pure Python: the seats of one match take turns, each sees its own view (Kuhn Poker: its
+    own card only), a finished game pays each seat its return, a forfeit pays the forfeiting
+    seat the penalty and the other ``forfeit_reward``."""
+    from rljax.envs import board_games as bg
+    from rljax.envs.selfplay import Match, SeatEnv, seat_example
+    poker = bg.get_game("kuhn_poker")
+    match = Match(poker, deal=(2, 0))   # P1 holds K, P2 holds J
+    p1 = SeatEnv(match, {"question": "kuhn_poker P1\n"}, 0)
+    p2 = SeatEnv(match, {"question": "kuhn_poker P2\n"}, 1)
+    assert p1.reset() == [{"role": "user", "content": "kuhn_poker P1\ncard K, moves: -\n"}]
+    assert p2.reset() == [{"role": "user", "content": "kuhn_poker P2\n"}]
+    assert p1.to_move() and not p2.to_move() and p1.role_key == 2 and p2.role_key == 3
+    assert p1.step("I bet").reward == 0.0 and not p1.done
+    assert p2.observe() == [{"role": "user", "content": "card J, moves: bet\n"}]   # no K
+    with pytest.raises(ValueError):
+        p1.step("call")                     # not P1's turn
+    last = p2.step("call")
+    assert (last.reward, last.done, last.info["losses"]) == (-2.0, True, 1)
+    won = p1.finish()
+    assert (won.reward, won.done, won.info["wins_P1"]) == (2.0, True, 1)
+    # A forfeit: X names an occupied cell.
+    ttt = bg.get_game("tictactoe")
+    match = Match(ttt)
+    x, o = (SeatEnv(match, seat_example({"question": "tictactoe X\n", "seat": 0}, s, ttt), s,
+                    illegal_penalty=-2.0, forfeit_reward=0.5) for s in (0, 1))
+    assert o.example["question"] == "tictactoe O\n" and o.example["seat_name"] == "O"
+    x.reset(), o.reset()
+    x.step("5"), o.step("1")
+    lost = x.step("1")
+    assert (lost.reward, lost.done, lost.info["illegal_moves"]) == (-2.0, True, 1)
+    assert not o.to_move()
+    other = o.finish()
+    assert (other.reward, other.done, other.info["opponent_forfeits"]) == (0.5, True, 1)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"env.selfplay.mode": "checkpoint"}, "env.selfplay.workdir (the opponent's run) goes"),
+    ({"env.selfplay.workdir": "runs/x"}, "is read with env.selfplay.mode='checkpoint'"),
+    ({"env.selfplay.mode": "self", "rollout.batch_size": 12, "algo.num_generations": 4},
+     "must be divisible by algo.num_generations * seats = 8"),
+    ({"env.selfplay.mode": "self", "env.name": "guess_number"}, "plays board games"),
+    ({"env.selfplay.mode": "best"}, "env.selfplay.mode"),
+])
+def test_selfplay_config_errors_are_one_line(overrides, needle):
+    with pytest.raises(config_lib.ConfigError, match=re.escape(needle)) as e:
+        ttt_cfg(**overrides)
+    assert "\n" not in str(e.value)
