@@ -19,7 +19,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distill_toy import summarise  # noqa: E402
+from distill_toy import cells, summarise  # noqa: E402
 
 
 def final_accuracy(workdir: str) -> float:
@@ -85,12 +85,7 @@ def main(argv=None) -> None:
         s.update(read_time(w.rstrip("/") + ".time"), teacher_accuracy=teacher_acc,
                  target=target, load=loads.get(name, {}))
         rows.append(s)
-        kl = ("-" if s["reverse_kl"][0] is None
-              else f"{s['reverse_kl'][0]:.2f} -> {s['reverse_kl'][1]:.2f}")
-        ag = ("-" if s["teacher_agreement"][0] is None
-              else f"{s['teacher_agreement'][0]:.2f} -> {s['teacher_agreement'][1]:.2f}")
-        reached = ("not reached" if s["tokens_to_target"] is None
-                   else f"{s['tokens_to_target']:,}")
+        kl, ag, reached = cells(s)
         ld = s["load"]
         load = (f"{ld['start'][1]:.2f} -> {ld['end'][1]:.2f}" if "start" in ld and "end" in ld
                 else "-")

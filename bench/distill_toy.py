@@ -39,6 +39,15 @@ def summarise(workdir: str, target: float) -> dict:
             "reverse_kl": (first_kl, last_kl), "teacher_agreement": (first_agree, last_agree)}
 
 
+def cells(s: dict) -> tuple[str, str, str]:
+    """A summary's reverse-KL, teacher-agreement (first -> last) and tokens-to-target cells."""
+    def first_last(pair):
+        return "-" if pair[0] is None else f"{pair[0]:.2f} -> {pair[1]:.2f}"
+    reached = ("not reached" if s["tokens_to_target"] is None
+               else f"{s['tokens_to_target']:,}")
+    return first_last(s["reverse_kl"]), first_last(s["teacher_agreement"]), reached
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", type=float, required=True)
@@ -49,12 +58,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|")
     for w in args.workdirs:
         s = summarise(w, args.target)
-        kl = ("-" if s["reverse_kl"][0] is None
-              else f"{s['reverse_kl'][0]:.2f} -> {s['reverse_kl'][1]:.2f}")
-        ag = ("-" if s["teacher_agreement"][0] is None
-              else f"{s['teacher_agreement'][0]:.2f} -> {s['teacher_agreement'][1]:.2f}")
-        reached = ("not reached" if s["tokens_to_target"] is None
-                   else f"{s['tokens_to_target']:,}")
+        kl, ag, reached = cells(s)
         print(f"| {s['run']} | {s['start_accuracy']:.3f} | {s['final_accuracy']:.3f} "
               f"({s['best_accuracy']:.3f}) | {s['sampled_tokens']:,} | {reached} | {kl} | {ag} |")
 
