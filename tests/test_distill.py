@@ -224,6 +224,40 @@ def test_teacher_from_a_workdir_latest_or_chosen_step(tmp_path):
         teacher_lib.check(cfg)
 
 
+def test_a_quantized_teacher_scores_close_to_its_float_weights(tmp_path):
+    """``algo.distill.teacher_quantize=int8``: the teacher's projections are held as int8 codes
+    on device (what the plan sizes too), and its per-token log-probs of a batch stay within
+    0.05 nats of the float teacher's; ``keep`` is refused for a teacher that is not a GGUF
+    file, and the key for a run that is not distilling."""
+    from rljax.models import quant
+    write_teacher_workdir(tmp_path / "teacher", seed=3)
+    mesh = jax.sharding.Mesh(np.array(DEVICES), ("data",))
+    batch = make_batch(1)
+    scores, sizes = {}, {}
+    for qtype in ("", "int8"):
+        cfg = distill_cfg(str(tmp_path / "teacher"), **{"algo.distill.teacher_quantize": qtype})
+        config_lib.validate(cfg)
+        source = teacher_lib.check(cfg)
+        mcfg, params = teacher_lib.load(source, mesh)
+        assert quant.is_quantized(params["layers"]["q"]) == bool(qtype)
+        abstract = teacher_lib.abstract_params(mcfg, mesh, source)
+        assert (jax.tree.structure(abstract) == jax.tree.structure(params))
+        sizes[qtype] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        score = teacher_lib.build_score_fn(mcfg, vocab=mcfg.vocab_size, mesh=mesh,
+                                           param_shardings=teacher_lib.shardings(mcfg, mesh,
+                                                                                 source))
+        scores[qtype] = np.asarray(score(params, batch)["teacher_logps"])
+    real = np.asarray(batch["loss_mask"], bool)
+    diff = np.abs(scores["int8"] - scores[""])[real]
+    assert 0 < diff.max() < 0.05, diff.max()
+    assert sizes["int8"] < 0.6 * sizes[""]
+    cfg = distill_cfg(str(tmp_path / "teacher"), **{"algo.distill.teacher_quantize": "keep"})
+    with pytest.raises(ConfigError, match="teacher_quantize='keep' keeps a GGUF file's own"):
+        teacher_lib.check(cfg)
+    with pytest.raises(ConfigError, match="teacher_quantize is read by algo.name='distill'"):
+        config_lib.validate(tiny_cfg(**{"algo.distill.teacher_quantize": "int8"}))
+
+
 @pytest.mark.parametrize("alphabet, problem", [
     ("0123456789+-= ", "vocab size 100 \\(student\\) vs 18 \\(teacher\\)"),
     (tokenizers.DEFAULT_ALPHABET[::-1], "token id 4 is '0' for the student, '\\\\n' for the "

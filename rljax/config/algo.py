@@ -138,6 +138,9 @@ def algo() -> dict[str, Any]:
         distill=dict(
             teacher="",              # an HF checkpoint dir, a GGUF file or an rljax workdir
             teacher_step=0,          # workdir teacher: this checkpoint step; 0 = the latest
+            teacher_quantize="",     # keep the teacher quantized on device: int8, int4, nf4
+                                     # (one scale per model.quantize_block inputs) or keep
+                                     # (a GGUF teacher's own blocks); "" = model.dtype
             kl_weight=1.0,           # weight of -(log pi_student - log pi_teacher) per token
             reward_weight=0.0,       # weight of the task advantage (algo.adv_estimator)
             jsd_weight=0.0,          # weight of GKD's generalised JSD over the teacher's top-k
@@ -177,6 +180,7 @@ def sft() -> dict[str, Any]:
 SECTIONS = {"algo": algo, "sft": sft}
 
 CHOICES = {
+    "algo.distill.teacher_quantize": ("", "int8", "int4", "nf4", "keep"),
     "algo.scale_rewards": ("group", "batch", "none"),
     "algo.importance_sampling_level": ("token", "sequence"),
     "algo.hint.mode": ("off", "fixed", "adaptive"),
@@ -396,8 +400,14 @@ def check_distill(cfg) -> None:
     if algo.name != "distill" and d.teacher:
         raise ConfigError(f"algo.distill.teacher is read by algo.name='distill' only "
                           f"(algo.name={algo.name!r})")
+    if algo.name != "distill" and d.teacher_quantize:
+        raise ConfigError(f"algo.distill.teacher_quantize is read by algo.name='distill' only "
+                          f"(algo.name={algo.name!r})")
     if algo.name != "distill":
         return
+    if d.teacher_quantize and (cfg.model.quantize_block <= 0 or cfg.model.quantize_block % 2):
+        raise ConfigError(f"model.quantize_block={cfg.model.quantize_block} must be a positive "
+                          "even number (the teacher's inputs sharing one scale)")
     if cfg.env.name:
         raise ConfigError(f"algo.name='distill' scores single-turn completions; multi-turn "
                           f"episodes (env.name={cfg.env.name!r}) are not supported")

@@ -25,7 +25,7 @@ from rljax import models, rewards, tokenizers
 from rljax.config import mesh as mesh_config
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
-from rljax.train import optim, paths
+from rljax.train import optim, paths, quantized
 from rljax.train.state import TrainState, state_shardings
 # The input checks and data configs, re-exported: phases, the CLI and user code import them here.
 from rljax.train.inputs import (TEMPLATES, check_context_length, check_data_files,  # noqa: F401
@@ -194,50 +194,22 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     params = jax.jit(lambda r: models.init_params(model_cfg, r), out_shardings=shardings)(rng)
     quantizer, q_shardings = _quantizer(cfg, model_cfg, mesh, shardings)
     if quantizer is not None:
-        params = {key: ({name: quantizer(("layers", name), w) for name, w in value.items()}
-                        if key == "layers" else quantizer((key,), value))
-                  for key, value in params.items()}
+        params = quantized.quantize_tree(quantizer, params)
     return model_cfg, params, q_shardings
 
 
 def quantized_base(cfg, model_cfg):
     """``(shapes, logical_axes, keep_plan)`` of the base tree ``model.quantize`` keeps
     (abstract); ``keep_plan`` is ``gguf_keep.keep_plan``'s for ``keep``, else None."""
-    qtype = cfg.model.quantize
-    shapes = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
-    axes = models.param_logical_axes(model_cfg)
-    if qtype == "keep":
-        from rljax.models import gguf_keep
-        plan = gguf_keep.keep_plan(cfg.model.path, model_cfg)
-        shapes = gguf_keep.kept_shapes(model_cfg, plan)
-        return shapes, models.quant.logical_axes(axes, shapes), plan
-    return (*models.quant.quantized_shapes(shapes, axes, qtype, int(cfg.model.quantize_block)),
-            None)
+    m = cfg.model
+    return quantized.quantized_shapes(model_cfg, m.quantize, int(m.quantize_block), m.path)
 
 
 def _quantizer(cfg, model_cfg, mesh, shardings):
-    """``(transform, shardings)`` for ``model.quantize``: ``transform(tree_path, w)`` turns
-    one loaded parameter into its quantized form on its shardings (``models.quant``; for
-    ``keep``, the file's own blocks, ``models.gguf_keep``), and the shardings are the
-    quantized tree's; ``(None, shardings)`` when the base is not quantized."""
-    qtype, block = cfg.model.get("quantize", ""), int(cfg.model.get("quantize_block", 64))
-    if not qtype:
-        return None, shardings
-    quant = models.quant
-    shapes, axes, keep = quantized_base(cfg, model_cfg)
-    q_shardings = shd.logical_to_sharding(axes, mesh, shapes=shapes)
-
-    def transform(path, w):
-        target = q_shardings[path[0]] if len(path) == 1 else q_shardings[path[0]][path[1]]
-        if not quant.is_quantized(target):
-            return w
-        if keep is not None:
-            from rljax.models import gguf_keep
-            return jax.device_put(gguf_keep.kept_weight(cfg.model.path, model_cfg, path,
-                                                        keep[path]), target)
-        return jax.jit(lambda w: quant.quantize_leaf(path, w, qtype, block),
-                       out_shardings=target)(w)
-    return transform, q_shardings
+    """``make_quantizer`` for ``model.quantize`` (and ``model.quantize_block``, ``model.path``)."""
+    m = cfg.model
+    return quantized.make_quantizer(model_cfg, mesh, shardings, m.get("quantize", ""),
+                                    int(m.get("quantize_block", 64)), m.path)
 
 
 def add_lora(cfg, model_cfg, params, shardings, mesh, rng):

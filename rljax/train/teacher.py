@@ -27,7 +27,7 @@ from rljax import compilation_cache, models, tokenizers
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
 from rljax.train import checkpoint as ckpt_lib
-from rljax.train import steps
+from rljax.train import quantized, steps
 from rljax.train.paths import is_run_dir
 
 
@@ -41,6 +41,8 @@ class Source:
     dtype: str
     cfg: Any = None          # workdir: the teacher run's model and tokenizer sections
     step_dir: str = ""       # workdir: checkpoints/<step>
+    quantize: str = ""       # kept quantized on device: int8 | int4 | nf4 | keep (GGUF)
+    quantize_block: int = 64
 
 
 def _key(cfg) -> str:
@@ -75,7 +77,20 @@ def _saved_steps(workdir: str) -> list[int]:
 
 
 def resolve(cfg) -> Source:
-    """The teacher named by ``algo.distill.teacher``, read without loading any weights."""
+    """The teacher named by ``algo.distill.teacher``, read without loading any weights, kept
+    quantized as ``algo.distill.teacher_quantize`` says (one scale per
+    ``model.quantize_block`` inputs)."""
+    source = _resolve(cfg)
+    qtype = cfg.algo.distill.get("teacher_quantize", "")
+    if qtype == "keep" and source.kind != "gguf":
+        raise ConfigError(f"algo.distill.teacher_quantize='keep' keeps a GGUF file's own "
+                          f"quantized blocks: {_key(cfg)} is not a .gguf file (int8, int4 or "
+                          "nf4 quantize any teacher at load)")
+    return dataclasses.replace(source, quantize=qtype,
+                               quantize_block=int(cfg.model.get("quantize_block", 64)))
+
+
+def _resolve(cfg) -> Source:
     d = cfg.algo.distill
     path = os.fspath(d.teacher)
     if not os.path.exists(path):
@@ -198,17 +213,27 @@ def model_config(source: Source) -> models.ModelConfig:
     return models.get_preset(m.preset, **overrides)
 
 
-def shardings(model_cfg, mesh):
-    """The teacher's parameter shardings: its own logical axes on the student's mesh."""
+def _shapes_and_axes(model_cfg, source: Source | None):
+    if source is not None and source.quantize:
+        shapes, axes, _ = quantized.quantized_shapes(model_cfg, source.quantize,
+                                                     source.quantize_block, source.path)
+        return shapes, axes
     shapes = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
-    return shd.logical_to_sharding(models.param_logical_axes(model_cfg), mesh, shapes=shapes)
+    return shapes, models.param_logical_axes(model_cfg)
 
 
-def abstract_params(model_cfg, mesh):
+def shardings(model_cfg, mesh, source: Source | None = None):
+    """The teacher's parameter shardings: its own logical axes on the student's mesh (of
+    its quantized tree when ``source.quantize`` is set)."""
+    shapes, axes = _shapes_and_axes(model_cfg, source)
+    return shd.logical_to_sharding(axes, mesh, shapes=shapes)
+
+
+def abstract_params(model_cfg, mesh, source: Source | None = None):
     """``ShapeDtypeStruct`` leaves with shardings: the teacher as ``rljax plan`` sees it."""
-    shapes = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+    shapes, _ = _shapes_and_axes(model_cfg, source)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, shardings(model_cfg, mesh))
+                        shapes, shardings(model_cfg, mesh, source))
 
 
 def load(source: Source, mesh) -> tuple[models.ModelConfig, Any]:
@@ -216,9 +241,11 @@ def load(source: Source, mesh) -> tuple[models.ModelConfig, Any]:
     against its manifest and only its ``params`` are read."""
     model_cfg = model_config(source)
     sh = shardings(model_cfg, mesh)
+    transform, _ = quantized.make_quantizer(model_cfg, mesh, sh, source.quantize,
+                                            source.quantize_block, source.path)
     if source.kind != "workdir":
         model_cfg, params = models.load_hf(source.path, dtype=jnp.dtype(source.dtype),
-                                           shardings=sh)
+                                           shardings=sh, transform=transform)
         return model_cfg, params
     problem = ckpt_lib.verify_step_dir(source.step_dir)
     if problem is not None:
@@ -236,6 +263,8 @@ def load(source: Source, mesh) -> tuple[models.ModelConfig, Any]:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise UserError(f"teacher checkpoint {source.step_dir} does not fit its config.json: "
                         f"{first}") from None
+    if transform is not None:
+        return model_cfg, quantized.quantize_tree(transform, out["params"])
     return model_cfg, out["params"]
 
 

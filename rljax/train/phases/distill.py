@@ -40,11 +40,12 @@ def _score_options(ctx: Context) -> dict:
                 top_k=int(a.distill.top_k) if a.distill.jsd_weight > 0 else 0)
 
 
-def score_fn(ctx: Context, teacher_cfg):
+def score_fn(ctx: Context, teacher_cfg, source: teacher_lib.Source):
     """The jitted teacher pass of this run (``teacher.build_score_fn``)."""
     return teacher_lib.build_score_fn(
         teacher_cfg, vocab=min(teacher_cfg.vocab_size, ctx.model_cfg.vocab_size),
-        param_shardings=teacher_lib.shardings(teacher_cfg, ctx.mesh), **_score_options(ctx))
+        param_shardings=teacher_lib.shardings(teacher_cfg, ctx.mesh, source),
+        **_score_options(ctx))
 
 
 class DistillRollout(Rollout):
@@ -61,7 +62,7 @@ class DistillRollout(Rollout):
         if self._teacher is None:
             source = teacher_lib.check(self.cfg, self.ctx.tokenizer)
             model_cfg, params = teacher_lib.load(source, self.ctx.mesh)
-            self._teacher = params, score_fn(self.ctx, model_cfg)
+            self._teacher = params, score_fn(self.ctx, model_cfg, source)
         return self._teacher
 
     def __call__(self, state, step: int):
@@ -93,10 +94,11 @@ class DistillPhase(GRPOPhase):
         Its parameters are that program's (non-resident) arguments: they are not train state
         (never optimised or checkpointed)."""
         state, out = GRPOPhase.programs(ctx, steps_)
-        model_cfg = teacher_lib.model_config(teacher_lib.resolve(ctx.cfg))
-        params = teacher_lib.abstract_params(model_cfg, ctx.mesh)
+        source = teacher_lib.resolve(ctx.cfg)
+        model_cfg = teacher_lib.model_config(source)
+        params = teacher_lib.abstract_params(model_cfg, ctx.mesh, source)
         rows = int(ctx.cfg.rollout.batch_size)
-        out.append(programs_lib.Program("teacher", score_fn(ctx, model_cfg),
+        out.append(programs_lib.Program("teacher", score_fn(ctx, model_cfg, source),
                                         (params, programs_lib.sequence_batch(ctx, rows)), 0))
         return state, out
 
