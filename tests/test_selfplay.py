@@ -11,7 +11,7 @@ from rljax.train import checkpoint, run, setup
 from rljax.train.metrics import read_metrics
 from rljax.train.phases import grpo
 from rljax.train.state import create_train_state
-from tests.test_train_loop import StopAfter, comparable
+from tests.test_train_loop import StopAfter, comparable, final_params
 
 DEVICES = jax.devices()[:1]
 
@@ -164,6 +164,27 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
                                rtol=1e-6, atol=1e-6)
     assert metrics["rollout/logp_diff_max"] < 1e-4
     assert metrics["env/wins_X_mean"] == 0.5 and metrics["env/losses_mean"] == 0.5
+
+
+@pytest.mark.slow
+def test_selfplay_sharded_on_8_devices_equals_unsharded(tmp_path):
+    """One self-play RAE iteration on a data x fsdp x tensor = 2x2x2 mesh of 8 fake devices
+    plays the same games as on one device (same rewards, wins and turns), and its update
+    lands on the same parameters (float32 rounding apart)."""
+    overrides = {"env.selfplay.mode": "self", "algo.adv_estimator": "rae", "steps": 1,
+                 "algo.num_generations": 2}
+    one, eight = str(tmp_path / "one"), str(tmp_path / "eight")
+    assert run.train(ttt_cfg(**overrides), one, devices=DEVICES) == 0
+    sharded = ttt_cfg(**overrides, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    assert run.train(sharded, eight, devices=jax.devices()[:8]) == 0
+    rl = [[r for r in read_metrics(w) if "reward/mean" in r] for w in (one, eight)]
+    assert len(rl[0]) == len(rl[1]) == 1
+    exact = [k for k in rl[0][0] if k.startswith(("reward/", "env/", "rae/"))]
+    assert "env/turns_mean" in exact and any(k.startswith("env/wins") for k in exact), exact
+    assert {k: rl[1][0][k] for k in exact} == {k: rl[0][0][k] for k in exact}
+    assert rl[1][0]["loss"] == pytest.approx(rl[0][0]["loss"], rel=1e-4, abs=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 final_params(eight), final_params(one))
 
 
 # ----------------------------------------------------------------------------- frozen opponent
