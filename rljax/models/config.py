@@ -91,6 +91,10 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, Tuple[int, ...]]] = None
     pad_token_id: Optional[int] = None
+    # Multimodal Gemma 3: the placeholder id whose positions take image embeddings
+    # (``trunk(image_embeds=...)``); a run of them is one image, whose tokens attend to each
+    # other both ways (``models.image_tokens``). None = a text-only model.
+    image_token_id: Optional[int] = None
     lora_scale: float = 1.0  # LoRA alpha / rank, used when the params carry adapters ("lora")
     # LoRA dropout rate p on the adapters' inputs (PEFT's lora_dropout); applied only in passes
     # given a dropout key (training losses), never in sampling, evaluation or old/ref log-probs.

@@ -1,0 +1,216 @@
+"""Gemma 3's vision tower as pure functions: a SigLIP image encoder and the multimodal
+projector that turns each image into ``mm_tokens_per_image`` embeddings of the text model.
+
+Parameter tree (``vision_param_shapes``; per-layer weights stacked on a leading ``layers``
+axis, as in ``rljax.models.transformer``)::
+
+    {"patch": [C*p*p, E], "patch_bias": [E], "pos": [N, E],          # N = (image/p)**2
+     "layers": {"ln1", "ln1_bias", "ln2", "ln2_bias": [L, E],
+                "q", "k", "v": [L, E, H, Dh], "q_bias", "k_bias", "v_bias": [L, H, Dh],
+                "o": [L, H, Dh, E], "o_bias": [L, E],
+                "fc1": [L, E, F], "fc1_bias": [L, F], "fc2": [L, F, E], "fc2_bias": [L, E]},
+     "post_ln", "post_ln_bias": [E],
+     "mm_norm": [E], "mm_proj": [E, D]}                              # D: the text model's width
+
+The encoder attends bidirectionally over the patches (no class token); the projector
+average-pools the patch grid down to ``sqrt(mm_tokens_per_image)`` per side, applies Gemma's
+RMSNorm (``x * (1 + w)``) and projects to the text width. LayerNorms, RMSNorm and softmax
+run in float32; matmuls in ``cfg.dtype``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from rljax.models.attention import attention
+from rljax.models.config import dtype_name
+from rljax.models.transformer import dense, rms_norm
+
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """Static shape of a Gemma 3 vision tower (SigLIP encoder + projector).
+
+    E ``hidden_size``, F ``intermediate_size``, L ``num_layers``, H ``num_heads``, p
+    ``patch_size``; images are ``[num_channels, image_size, image_size]``; each image becomes
+    ``mm_tokens_per_image`` embeddings of width ``text_hidden_size``.
+    """
+
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    image_size: int = 32
+    patch_size: int = 8
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    activation: str = "gelu_pytorch_tanh"
+    mm_tokens_per_image: int = 4
+    text_hidden_size: int = 64
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported vision activation {self.activation!r}; "
+                             f"use one of {ACTIVATIONS}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision hidden_size={self.hidden_size} is not a multiple of "
+                             f"num_heads={self.num_heads}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} is not a multiple of "
+                             f"patch_size={self.patch_size}")
+        side = math.isqrt(self.mm_tokens_per_image)
+        if side * side != self.mm_tokens_per_image or self.patches_per_side % side:
+            raise ValueError(f"mm_tokens_per_image={self.mm_tokens_per_image} must be a square "
+                             f"whose side divides the {self.patches_per_side} patches per side")
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def pool(self) -> int:
+        """Side of the average-pooling window over the patch grid."""
+        return self.patches_per_side // math.isqrt(self.mm_tokens_per_image)
+
+    def replace(self, **kw) -> "VisionConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def vision_param_shapes(cfg: VisionConfig) -> dict:
+    """The tree of ``init_vision_params``; leaves are ``(shape, logical_axes)`` pairs."""
+    e, f, h, dh, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim, \
+        cfg.num_layers
+    cpp = cfg.num_channels * cfg.patch_size ** 2
+    vec = lambda size, ax: ((n, size), ("layers", ax))
+    layers = {
+        "ln1": vec(e, "norm"), "ln1_bias": vec(e, "norm"),
+        "q": ((n, e, h, dh), ("layers", "embed", "heads", "head_dim")),
+        "k": ((n, e, h, dh), ("layers", "embed", "heads", "head_dim")),
+        "v": ((n, e, h, dh), ("layers", "embed", "heads", "head_dim")),
+        "q_bias": ((n, h, dh), ("layers", "heads", "head_dim")),
+        "k_bias": ((n, h, dh), ("layers", "heads", "head_dim")),
+        "v_bias": ((n, h, dh), ("layers", "heads", "head_dim")),
+        "o": ((n, h, dh, e), ("layers", "heads", "head_dim", "embed")),
+        "o_bias": vec(e, "norm"),
+        "ln2": vec(e, "norm"), "ln2_bias": vec(e, "norm"),
+        "fc1": ((n, e, f), ("layers", "embed", "mlp")), "fc1_bias": vec(f, "mlp"),
+        "fc2": ((n, f, e), ("layers", "mlp", "embed")), "fc2_bias": vec(e, "norm"),
+    }
+    return {
+        "patch": ((cpp, e), (None, "embed")), "patch_bias": ((e,), ("norm",)),
+        "pos": ((cfg.num_patches, e), (None, "embed")),
+        "layers": layers,
+        "post_ln": ((e,), ("norm",)), "post_ln_bias": ((e,), ("norm",)),
+        "mm_norm": ((e,), ("norm",)),
+        "mm_proj": ((e, cfg.text_hidden_size), (None, "embed")),
+    }
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def init_vision_params(cfg: VisionConfig, rng: jax.Array) -> dict:
+    """Random tower: normal(init_std) matrices and positions, zero biases, LayerNorm scales 1,
+    the projector's RMSNorm scale 0 (Gemma's ``1 + w`` identity)."""
+    specs = vision_param_shapes(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+    keys = jax.random.split(rng, len(flat))
+    dtype = jnp.dtype(cfg.param_dtype)
+    out = []
+    for key, (path, (shape, _)) in zip(keys, flat):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name or "mm_norm" in name:
+            out.append(jnp.zeros(shape, dtype))
+        elif "ln" in name:
+            out.append(jnp.ones(shape, dtype))
+        else:
+            out.append((cfg.init_std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis in float32, cast back to ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def patchify(pixels: jax.Array, patch: int) -> jax.Array:
+    """[N, C, S, S] -> [N, (S/p)**2, C*p*p]: row-major patches, each flattened channel-major
+    (the order of a ``[E, C, p, p]`` convolution kernel)."""
+    n, c, s, _ = pixels.shape
+    g = s // patch
+    x = pixels.reshape(n, c, g, patch, g, patch).transpose(0, 2, 4, 1, 3, 5)
+    return x.reshape(n, g * g, c * patch * patch)
+
+
+def _encoder_layer(cfg: VisionConfig, x: jax.Array, p: dict) -> jax.Array:
+    """One pre-norm SigLIP layer over x [N, P, E] (bidirectional attention, biased linears)."""
+    dt = x.dtype
+    w = lambda name: p[name].astype(dt)
+    h = layer_norm(x, p["ln1"], p["ln1_bias"], cfg.layer_norm_eps)
+    q = dense(h, w("q")) + w("q_bias")
+    k = dense(h, w("k")) + w("k_bias")
+    v = dense(h, w("v")) + w("v_bias")
+    everything = jnp.ones((x.shape[0], x.shape[1], x.shape[1]), bool)
+    x = x + dense(attention(q, k, v, everything), w("o"), n_in=2) + w("o_bias")
+    h = layer_norm(x, p["ln2"], p["ln2_bias"], cfg.layer_norm_eps)
+    h = dense(h, w("fc1")) + w("fc1_bias")
+    h = jax.nn.gelu(h, approximate=cfg.activation == "gelu_pytorch_tanh")
+    return x + dense(h, w("fc2")) + w("fc2_bias")
+
+
+def encode_patches(cfg: VisionConfig, params: dict, pixels: jax.Array) -> jax.Array:
+    """The SigLIP encoder: pixels float [N, C, S, S] -> last hidden state [N, P, E] in
+    ``cfg.dtype`` (after the final LayerNorm)."""
+    dt = jnp.dtype(cfg.dtype)
+    x = dense(patchify(pixels.astype(dt), cfg.patch_size), params["patch"].astype(dt))
+    x = x + params["patch_bias"].astype(dt) + params["pos"].astype(dt)[None]
+
+    def body(x, p):
+        return _encoder_layer(cfg, x, p), None
+
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    return layer_norm(x, params["post_ln"], params["post_ln_bias"], cfg.layer_norm_eps)
+
+
+def project(cfg: VisionConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """Gemma 3's multimodal projector: [N, P, E] -> [N, M, D] (M = ``mm_tokens_per_image``):
+    average pooling over ``pool x pool`` patch windows, RMSNorm ``(1 + w)``, a linear map."""
+    n, _, e = hidden.shape
+    g, k = cfg.patches_per_side, cfg.pool
+    grid = hidden.astype(jnp.float32).reshape(n, g // k, k, g // k, k, e)
+    pooled = grid.mean(axis=(2, 4)).reshape(n, -1, e).astype(hidden.dtype)
+    normed = rms_norm(pooled, params["mm_norm"], cfg.layer_norm_eps, plus_one=True)
+    return dense(normed, params["mm_proj"].astype(normed.dtype))
+
+
+def encode_images(cfg: VisionConfig, params: dict, pixels: jax.Array) -> jax.Array:
+    """Images float [..., C, S, S] (normalised as the processor does) -> their embeddings in
+    the text model's space, [..., M, D] in ``cfg.dtype``. Leading axes (e.g. [B, I] images
+    per row) are kept."""
+    lead = pixels.shape[:-3]
+    flat = pixels.reshape((-1,) + pixels.shape[-3:])
+    out = project(cfg, params, encode_patches(cfg, params, flat))
+    return out.reshape(lead + out.shape[1:])
