@@ -107,7 +107,7 @@ def test_logits_with_images_match_transformers(tiny):
                                     image_embeds=_embeds(vcfg, params, pixels)))
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # The image tokens see each other both ways: the causal-only text model differs there.
-    text_only = cfg.replace(image_token_id=None)
+    text_only = cfg.replace(image_token_id=None, vision=None)
     causal = np.asarray(models.forward(text_only, params, jnp.asarray(toks), jnp.asarray(mask),
                                        image_embeds=None))
     assert np.abs(causal[mask] - want[mask]).max() > 1e-3

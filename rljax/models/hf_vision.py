@@ -118,14 +118,16 @@ def load_vision_params(vcfg: VisionConfig, reader: _Reader) -> dict:
 def load_hf_vlm(path: str, dtype=jnp.float32, **overrides):
     """A multimodal Gemma 3 checkpoint directory -> ``(cfg, vcfg, params)``: ``cfg`` the text
     model's ``ModelConfig`` with ``image_token_id`` set, ``vcfg`` the tower's ``VisionConfig``,
-    ``params`` the text params plus ``params["vision"]``. ``overrides`` go to ``cfg``."""
+    ``params`` the text params plus ``params["vision"]``; ``cfg.vision`` is ``vcfg``.
+    ``overrides`` go to ``cfg``."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise HFCheckpointError(f"{path!r} is not a HF checkpoint directory (no config.json)")
     with open(config_file) as f:
         hf = json.load(f)
     vcfg = vision_config_from_hf(hf, dtype)
-    cfg = hf_checkpoint_config(path, dtype=dtype, image_token_id=image_token_id(hf), **overrides)
+    cfg = hf_checkpoint_config(path, dtype=dtype, image_token_id=image_token_id(hf),
+                               vision=vcfg, **overrides)
     if vcfg.text_hidden_size != cfg.hidden_size:
         raise HFCheckpointError(f"vision projector width {vcfg.text_hidden_size} != text "
                                 f"hidden_size {cfg.hidden_size}")

@@ -19,79 +19,13 @@ run in float32; matmuls in ``cfg.dtype``.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 
 from rljax.models.attention import attention
-from rljax.models.config import dtype_name
+# The config lives with ModelConfig, which holds a multimodal model's tower config.
+from rljax.models.config import VisionConfig  # noqa: F401
 from rljax.models.transformer import dense, rms_norm
-
-ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    """Static shape of a Gemma 3 vision tower (SigLIP encoder + projector).
-
-    E ``hidden_size``, F ``intermediate_size``, L ``num_layers``, H ``num_heads``, p
-    ``patch_size``; images are ``[num_channels, image_size, image_size]``; each image becomes
-    ``mm_tokens_per_image`` embeddings of width ``text_hidden_size``.
-    """
-
-    hidden_size: int = 32
-    intermediate_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    image_size: int = 32
-    patch_size: int = 8
-    num_channels: int = 3
-    layer_norm_eps: float = 1e-6
-    activation: str = "gelu_pytorch_tanh"
-    mm_tokens_per_image: int = 4
-    text_hidden_size: int = 64
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    init_std: float = 0.02
-
-    def __post_init__(self):
-        object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unsupported vision activation {self.activation!r}; "
-                             f"use one of {ACTIVATIONS}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision hidden_size={self.hidden_size} is not a multiple of "
-                             f"num_heads={self.num_heads}")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size={self.image_size} is not a multiple of "
-                             f"patch_size={self.patch_size}")
-        side = math.isqrt(self.mm_tokens_per_image)
-        if side * side != self.mm_tokens_per_image or self.patches_per_side % side:
-            raise ValueError(f"mm_tokens_per_image={self.mm_tokens_per_image} must be a square "
-                             f"whose side divides the {self.patches_per_side} patches per side")
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def num_patches(self) -> int:
-        return self.patches_per_side ** 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def pool(self) -> int:
-        """Side of the average-pooling window over the patch grid."""
-        return self.patches_per_side // math.isqrt(self.mm_tokens_per_image)
-
-    def replace(self, **kw) -> "VisionConfig":
-        return dataclasses.replace(self, **kw)
 
 
 def vision_param_shapes(cfg: VisionConfig) -> dict:
@@ -214,3 +148,15 @@ def encode_images(cfg: VisionConfig, params: dict, pixels: jax.Array) -> jax.Arr
     flat = pixels.reshape((-1,) + pixels.shape[-3:])
     out = project(cfg, params, encode_patches(cfg, params, flat))
     return out.reshape(lead + out.shape[1:])
+
+
+def image_embeddings(cfg, params: dict, pixels: jax.Array) -> jax.Array:
+    """A multimodal model's image inputs for ``transformer.trunk``: pixels [B, I, C, S, S]
+    (row b's images in order; unused slots any value) -> ``image_embeds`` [B, I*M, D], from
+    ``params["vision"]`` under ``cfg.vision`` (a ``ModelConfig``). Unless ``cfg.train_vision``
+    no gradient reaches the tower (it is frozen)."""
+    tower = params["vision"]
+    if not cfg.train_vision:
+        tower = jax.lax.stop_gradient(tower)
+    out = encode_images(cfg.vision, tower, pixels)
+    return out.reshape(out.shape[0], -1, out.shape[-1])
