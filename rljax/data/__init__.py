@@ -65,7 +65,9 @@ _COMMON = {"source", "template", "chat", "system_prompt", "max_prompt_len", "max
 _TASK_KEYS = {"arithmetic": {"digits", "operands", "ops", "allow_negative", "steps"},
               "countdown": {"num_numbers", "max_number", "max_target", "use_all"},
               "guess_number": {"low", "high"},
-              "tictactoe": {"seat"}, "kuhn_poker": {"seat"}}
+              "tictactoe": {"seat"}, "kuhn_poker": {"seat"},
+              "shapes": {"kinds", "max_shapes", "image_size", "grid", "image_tokens",
+                         "image_token"}}
 _SOURCE_KEYS = {
     **{name: keys | {"num_examples", "eval_examples", "task_seed"} for name, keys in _TASK_KEYS.items()},
     "jsonl": {"path", "eval_path", "eval_fraction", "split_seed", "fields"},

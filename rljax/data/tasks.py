@@ -280,5 +280,11 @@ def _game_task(game: str):
     return make
 
 
+def _shapes_task(**kw):
+    from rljax.data.shapes import ShapesTask   # it builds on this module's split helpers
+    return ShapesTask(**kw)
+
+
 TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "guess_number": GuessNumberTask,
-         "tictactoe": _game_task("tictactoe"), "kuhn_poker": _game_task("kuhn_poker")}
+         "tictactoe": _game_task("tictactoe"), "kuhn_poker": _game_task("kuhn_poker"),
+         "shapes": _shapes_task}

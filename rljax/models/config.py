@@ -186,6 +186,9 @@ class ModelConfig:
             object.__setattr__(self, "vision", VisionConfig(**self.vision))
         if self.vision is not None and self.image_token_id is None:
             raise ValueError("a vision tower needs image_token_id (where its images go)")
+        if self.vision is not None and self.vision.text_hidden_size != self.hidden_size:
+            raise ValueError(f"the vision projector's width {self.vision.text_hidden_size} is "
+                             f"not hidden_size={self.hidden_size}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.num_heads % self.num_kv_heads:
@@ -279,6 +282,16 @@ PRESETS = {
     # Demos / CPU experiments (~7M params with a 256-token vocab).
     "small": dict(_family("llama"), vocab_size=256, hidden_size=256, intermediate_size=768,
                   num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048),
+    # A from-scratch vision-language model for CPU experiments (docs/vision.md): the tiny
+    # Gemma 3 text model and a 2-layer SigLIP tower reading 32x32 images as 4 tokens. The
+    # image token is the character tokenizer's "@" (a run sets it from model.vision).
+    "tiny-vlm": dict(_family("gemma3"), vocab_size=256, hidden_size=64, intermediate_size=128,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     query_pre_attn_scalar=16.0, max_position_embeddings=512,
+                     image_token_id=44,
+                     vision=VisionConfig(hidden_size=32, intermediate_size=64, num_layers=2,
+                                         num_heads=2, image_size=32, patch_size=8,
+                                         mm_tokens_per_image=4, text_hidden_size=64)),
     # Shapes of real checkpoints (weights come from load_hf).
     "qwen2.5-0.5b": dict(_family("qwen2"), vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Attention lives in its own module; re-exported here, where callers have always found it.
-from rljax.models import image_tokens, kv_ring, quant
+from rljax.models import image_tokens, kv_ring, quant, vision_params
 from rljax.models.attention import _MASK_VALUE, attention, window_mask  # noqa: F401
 from rljax.models.config import ModelConfig
 from rljax.models.lora import dropout as lora_dropout, dropout_key as lora_dropout_key
@@ -74,6 +74,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
     }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    if cfg.vision is not None:   # a multimodal model's image tower (models.vision)
+        tree["vision"] = vision_params.vision_param_shapes(cfg.vision)
     return tree
 
 
@@ -87,7 +89,12 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
-    """Random parameters: normal(init_std) matrices, zero biases, identity norm scales."""
+    """Random parameters: normal(init_std) matrices, zero biases, identity norm scales (a
+    vision tower: ``vision_params.init_vision_params``)."""
+    if cfg.vision is not None:
+        text, tower = jax.random.split(rng)
+        return dict(init_params(cfg.replace(vision=None), text),
+                    vision=vision_params.init_vision_params(cfg.vision, tower))
     specs = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     paths = [jax.tree_util.keystr(p) for p, _ in
