@@ -9,13 +9,14 @@ image of coloured squares on black and a question about it whose answer is one n
 The prompt text is ``image_tokens`` copies of ``image_token`` (the model's image placeholder,
 one per embedding of the image), a newline and the question; the question alone does not
 determine the answer. Examples are a pure function of ``(seed, split, index)``; the image is
-a uint8 ``[S, S, 3]`` array in the example's ``images`` field.
+a uint8 ``[S, S, 3]`` array in the example's ``images`` field. ``blank=True`` draws every
+image black: the text-only twin of the task (the same questions and answers).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from rljax.data.tasks import _belongs_to, _rng
+from rljax.data.splits import _belongs_to, _rng
 
 COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 240),
            "yellow": (235, 220, 40)}
@@ -32,7 +33,8 @@ class ShapesTask:
     name = "shapes"
 
     def __init__(self, kinds: str = "count", max_shapes: int = 4, image_size: int = 32,
-                 grid: int = 4, image_tokens: int = 4, image_token: str = "@", seed: int = 0):
+                 grid: int = 4, image_tokens: int = 4, image_token: str = "@",
+                 blank: bool = False, seed: int = 0):
         self.kinds = tuple(k.strip() for k in kinds.split(",") if k.strip())
         if not self.kinds or set(self.kinds) - set(KINDS):
             raise ValueError(f"shapes: kinds must be a subset of {KINDS}, got {kinds!r}")
@@ -41,11 +43,13 @@ class ShapesTask:
                              f"image_size, got {max_shapes}, {grid}, {image_size}")
         self.max_shapes, self.image_size, self.grid = int(max_shapes), int(image_size), int(grid)
         self.prefix = image_token * int(image_tokens) + "\n"
-        self.seed = int(seed)
+        self.seed, self.blank = int(seed), bool(blank)
 
     def _draw(self, cells, colours) -> np.ndarray:
         s, c = self.image_size, self.image_size // self.grid
         image = np.zeros((s, s, 3), np.uint8)
+        if self.blank:   # the text-only twin: the same prompts and answers, nothing to see
+            return image
         pad = max(1, c // 8)
         for cell, colour in zip(cells, colours):
             r, q = divmod(int(cell), self.grid)
