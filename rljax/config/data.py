@@ -16,6 +16,8 @@ def data() -> dict[str, Any]:
         eval_split="test",
         template="plain",            # prompt template name
         max_prompt_length=256,
+        images_field="images",       # column with a row's image(s), for a model with a tower
+        max_images=1,                # most images in one prompt (docs/vision.md)
         shuffle=True,
         kwargs={},                   # free-form options for the source
         pairs="auto",                # DPO pairs: "auto" = the data's (offline) or best vs worst

@@ -31,6 +31,10 @@ def model() -> dict[str, Any]:
         # blocks); needs LoRA.
         quantize="",
         quantize_block=64,
+        # Images in the prompt (docs/vision.md): load a multimodal Gemma 3 checkpoint's vision
+        # tower too (a preset with a tower always has one); train it (full fine-tuning only;
+        # else frozen); the text of the image placeholder token (one token of the tokenizer).
+        vision=dict(load=False, train=False, image_token="<image_soft_token>"),
     )
 
 

@@ -21,6 +21,9 @@ Sources (key ``source``) and their keys, besides the common ones (``template``, 
   (examples for the multi-turn environment ``guess_number``, see docs/agents.md).
 * ``tictactoe`` / ``kuhn_poker``: ``seat`` ("any" or a seat name), ``num_examples``,
   ``eval_examples``, ``task_seed`` (games for the environments of the same names).
+* ``shapes``: ``kinds``, ``max_shapes``, ``image_size``, ``grid``, ``image_tokens``,
+  ``image_token``, ``blank``, ``num_examples``, ``eval_examples``, ``task_seed`` (pictures of
+  coloured squares, for a model with a vision tower, see docs/vision.md).
 * ``jsonl`` / ``parquet``: ``path``, and ``eval_path`` or ``eval_fraction`` (+ ``split_seed``);
   ``fields`` maps example keys to columns. GSM8K files work as they are: ``{question, answer}``.
 * ``tfds``: ``name``, ``data_dir``, ``train_split`` ("train"), ``eval_split`` ("test"), ``fields``.
@@ -65,7 +68,9 @@ _COMMON = {"source", "template", "chat", "system_prompt", "max_prompt_len", "max
 _TASK_KEYS = {"arithmetic": {"digits", "operands", "ops", "allow_negative", "steps"},
               "countdown": {"num_numbers", "max_number", "max_target", "use_all"},
               "guess_number": {"low", "high"},
-              "tictactoe": {"seat"}, "kuhn_poker": {"seat"}}
+              "tictactoe": {"seat"}, "kuhn_poker": {"seat"},
+              "shapes": {"kinds", "max_shapes", "image_size", "grid", "image_tokens",
+                         "image_token", "blank"}}
 _SOURCE_KEYS = {
     **{name: keys | {"num_examples", "eval_examples", "task_seed"} for name, keys in _TASK_KEYS.items()},
     "jsonl": {"path", "eval_path", "eval_fraction", "split_seed", "fields"},

@@ -10,34 +10,17 @@ from __future__ import annotations
 
 import itertools
 import re
-import zlib
 from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
 
+from rljax.data.shapes import ShapesTask
+# The train/eval streams and hold-out buckets every synthetic task shares (re-exported).
+from rljax.data.splits import HOLDOUT_FRACTION, _SPLIT_STREAM, _belongs_to, _rng  # noqa: F401
+
 __all__ = ["ArithmeticTask", "CountdownTask", "GuessNumberTask", "BoardGameTask", "solve_countdown",
            "TASKS"]
-
-_SPLIT_STREAM = {"train": 0, "eval": 1, "test": 1}
-# Share of the problem space reserved for evaluation. Splits are disjoint by construction, so
-# held-out accuracy measures problems the policy never trained on (a small task's train stream
-# would otherwise cover its whole space).
-HOLDOUT_FRACTION = 0.1
-
-
-def _rng(seed: int, split: str, index: int) -> np.random.Generator:
-    """Independent generator per example; train and eval draw from different streams."""
-    if split not in _SPLIT_STREAM:
-        raise ValueError(f"unknown split {split!r}; expected one of {sorted(_SPLIT_STREAM)}")
-    return np.random.default_rng([int(seed), _SPLIT_STREAM[split], int(index)])
-
-
-def _belongs_to(split: str, question: str, seed: int) -> bool:
-    """Whether ``question`` is in ``split``'s part of the problem space (a stable hash bucket)."""
-    held_out = zlib.crc32(f"{seed}:{question}".encode()) % 10_000 < HOLDOUT_FRACTION * 10_000
-    return held_out == (_SPLIT_STREAM[split] == 1)
-
 
 class ArithmeticTask:
     """Short prompts like ``"12+7="``; the answer is the integer result ("19").
@@ -281,4 +264,5 @@ def _game_task(game: str):
 
 
 TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "guess_number": GuessNumberTask,
-         "tictactoe": _game_task("tictactoe"), "kuhn_poker": _game_task("kuhn_poker")}
+         "tictactoe": _game_task("tictactoe"), "kuhn_poker": _game_task("kuhn_poker"),
+         "shapes": ShapesTask}

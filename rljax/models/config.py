@@ -8,6 +8,7 @@ branches beyond reading those flags.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Tuple, Union
 
 import jax.numpy as jnp
@@ -23,6 +24,71 @@ def dtype_name(dtype) -> str:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return name
+
+
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """Static shape of a Gemma 3 vision tower (SigLIP encoder + projector).
+
+    E ``hidden_size``, F ``intermediate_size``, L ``num_layers``, H ``num_heads``, p
+    ``patch_size``; images are ``[num_channels, image_size, image_size]``; each image becomes
+    ``mm_tokens_per_image`` embeddings of width ``text_hidden_size``.
+    """
+
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    image_size: int = 32
+    patch_size: int = 8
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    activation: str = "gelu_pytorch_tanh"
+    mm_tokens_per_image: int = 4
+    text_hidden_size: int = 64
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
+        if self.activation not in VISION_ACTIVATIONS:
+            raise ValueError(f"unsupported vision activation {self.activation!r}; "
+                             f"use one of {VISION_ACTIVATIONS}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision hidden_size={self.hidden_size} is not a multiple of "
+                             f"num_heads={self.num_heads}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} is not a multiple of "
+                             f"patch_size={self.patch_size}")
+        side = math.isqrt(self.mm_tokens_per_image)
+        if side * side != self.mm_tokens_per_image or self.patches_per_side % side:
+            raise ValueError(f"mm_tokens_per_image={self.mm_tokens_per_image} must be a square "
+                             f"whose side divides the {self.patches_per_side} patches per side")
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def pool(self) -> int:
+        """Side of the average-pooling window over the patch grid."""
+        return self.patches_per_side // math.isqrt(self.mm_tokens_per_image)
+
+    def replace(self, **kw) -> "VisionConfig":
+        return dataclasses.replace(self, **kw)
 
 
 ATTENTION_IMPLS = ("xla", "cudnn", "auto")
@@ -91,6 +157,14 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, Tuple[int, ...]]] = None
     pad_token_id: Optional[int] = None
+    # Multimodal Gemma 3: the placeholder id whose positions take image embeddings
+    # (``trunk(image_embeds=...)``); a run of them is one image, whose tokens attend to each
+    # other both ways (``models.image_tokens``). None = a text-only model.
+    image_token_id: Optional[int] = None
+    # Its vision tower (``params["vision"]``, ``models.vision``); None = no tower.
+    vision: Optional[VisionConfig] = None
+    # Train the tower too (full fine-tuning); False: it is frozen (no gradient reaches it).
+    train_vision: bool = False
     lora_scale: float = 1.0  # LoRA alpha / rank, used when the params carry adapters ("lora")
     # LoRA dropout rate p on the adapters' inputs (PEFT's lora_dropout); applied only in passes
     # given a dropout key (training losses), never in sampling, evaluation or old/ref log-probs.
@@ -108,6 +182,13 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"unsupported attention_impl {self.attention_impl!r}; "
                              f"use one of {ATTENTION_IMPLS}")
+        if isinstance(self.vision, dict):   # a config read back from JSON
+            object.__setattr__(self, "vision", VisionConfig(**self.vision))
+        if self.vision is not None and self.image_token_id is None:
+            raise ValueError("a vision tower needs image_token_id (where its images go)")
+        if self.vision is not None and self.vision.text_hidden_size != self.hidden_size:
+            raise ValueError(f"the vision projector's width {self.vision.text_hidden_size} is "
+                             f"not hidden_size={self.hidden_size}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.num_heads % self.num_kv_heads:
@@ -201,6 +282,16 @@ PRESETS = {
     # Demos / CPU experiments (~7M params with a 256-token vocab).
     "small": dict(_family("llama"), vocab_size=256, hidden_size=256, intermediate_size=768,
                   num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048),
+    # A from-scratch vision-language model for CPU experiments (docs/vision.md): the tiny
+    # Gemma 3 text model and a 2-layer SigLIP tower reading 32x32 images as 4 tokens. The
+    # image token is the character tokenizer's "@" (a run sets it from model.vision).
+    "tiny-vlm": dict(_family("gemma3"), vocab_size=256, hidden_size=64, intermediate_size=128,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     query_pre_attn_scalar=16.0, max_position_embeddings=512,
+                     image_token_id=44,
+                     vision=VisionConfig(hidden_size=32, intermediate_size=64, num_layers=2,
+                                         num_heads=2, image_size=32, patch_size=8,
+                                         mm_tokens_per_image=4, text_hidden_size=64)),
     # Shapes of real checkpoints (weights come from load_hf).
     "qwen2.5-0.5b": dict(_family("qwen2"), vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,

@@ -167,7 +167,9 @@ class _Reader:
         self.index = _tensor_index(path)
         self._files = {}
 
-    def get(self, name: str, expected_shape: tuple) -> np.ndarray:
+    def get(self, name: str, expected_shape: Optional[tuple]) -> np.ndarray:
+        """The tensor ``name``; HFCheckpointError when missing or not ``expected_shape``
+        (None: any shape)."""
         if name not in self.index:
             name = _text_tower_name(name, self.index)
         if name not in self.index:
@@ -176,7 +178,7 @@ class _Reader:
         if fname not in self._files:
             self._files[fname] = safe_open(fname, framework="numpy")
         w = self._files[fname].get_tensor(name)
-        if tuple(w.shape) != tuple(expected_shape):
+        if expected_shape is not None and tuple(w.shape) != tuple(expected_shape):
             raise HFCheckpointError(f"shape mismatch for tensor {name!r}: expected "
                                     f"{tuple(expected_shape)}, got {tuple(w.shape)}")
         return w

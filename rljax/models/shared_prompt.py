@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from rljax.models import image_tokens
 from rljax.models import transformer as tfm
 from rljax.models.attention import scale_scores
 from rljax.models.config import ModelConfig
@@ -78,7 +79,8 @@ def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask, scal
 
 
 def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-          tokens: jax.Array, mask: jax.Array, lora_dropout_rng: Optional[jax.Array] = None):
+          tokens: jax.Array, mask: jax.Array, lora_dropout_rng: Optional[jax.Array] = None,
+          image_embeds: Optional[jax.Array] = None):
     """Embeddings + all layers + final norm over shared prompts and their completions.
 
     prompt_tokens: int [Bp, P], left-padded (prompt_mask bool [Bp, P]); tokens: int [Bp*G, N]
@@ -87,7 +89,8 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
     ``(prompt hidden [Bp, P, D], completion hidden [Bp*G, N, D])`` in ``cfg.dtype``; the
     completion rows' equal those of ``transformer.trunk`` on ``[prompt ++ completion]`` up to
     float32 summation order. ``lora_dropout_rng`` as in ``transformer.trunk`` (other masks:
-    the positions are laid out differently).
+    the positions are laid out differently). ``image_embeds`` [Bp, K, D]: the prompts' image
+    embeddings, as ``transformer.trunk`` (the image tokens and their mask are the prompt's).
     """
     bp, p = prompt_tokens.shape
     r, n = tokens.shape
@@ -98,6 +101,10 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
     prompt_mask, mask = prompt_mask.astype(bool), mask.astype(bool)
     causal = jnp.tril(jnp.ones((p, p), bool))
     prompt_attn_mask = causal[None] & prompt_mask[:, None, :]               # [Bp, P, P]
+    if cfg.image_token_id is not None:   # each image's tokens see each other both ways
+        blocks = image_tokens.image_blocks(prompt_tokens, cfg.image_token_id)
+        prompt_attn_mask = prompt_attn_mask | (image_tokens.same_image(blocks, blocks)
+                                               & prompt_mask[:, None, :])
     prompt_pos = tfm.default_positions(prompt_mask)                         # [Bp, P]
     comp_pos = completion_positions(prompt_mask, mask, g)                   # [Bp*G, N]
     positions = jnp.concatenate([prompt_pos.reshape(-1), comp_pos.reshape(-1)])[None]
@@ -117,7 +124,11 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
                  full[2] & tfm.window_mask(cpos, cpos, w))
         rope_local = tfm.local_rope(cfg, positions, rope)
     split = bp * p
-    x = jnp.concatenate([tfm.embed_tokens(cfg, params, prompt_tokens).reshape(split, -1),
+    x_prompt = tfm.embed_tokens(cfg, params, prompt_tokens)
+    if image_embeds is not None:
+        x_prompt = image_tokens.merge_images(x_prompt, prompt_tokens, image_embeds,
+                                             cfg.image_token_id)
+    x = jnp.concatenate([x_prompt.reshape(split, -1),
                          tfm.embed_tokens(cfg, params, tokens).reshape(r * n, -1)])[None]
 
     def attend(q, k, v, masks):
@@ -156,7 +167,8 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
                      prompt_mask: jax.Array, tokens: jax.Array, mask: jax.Array,
                      temperature=1.0, chunk_size: Optional[int] = None,
                      with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
-                     extra_targets: Optional[jax.Array] = None):
+                     extra_targets: Optional[jax.Array] = None,
+                     image_embeds: Optional[jax.Array] = None):
     """Log-probs (and entropies) of completion tokens after shared prompts.
 
     Shapes as ``trunk``; ``temperature`` a scalar or float32 [Bp*G, N] (each token at its own).
@@ -165,10 +177,10 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     ``transformer.token_logps(..., first_scored=P)`` gives for the concatenated rows. Token 0
     is predicted by the prompt's last position (left padding: the last column is real).
     ``extra_targets`` int [Bp*G, N, K]: a third output, those ids' log-probs per column
-    (``transformer.scored_logps``).
+    (``transformer.scored_logps``). ``image_embeds`` [Bp, K, D]: as ``trunk``.
     """
     prompt_hidden, hidden = trunk(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
-                                  lora_dropout_rng)
+                                  lora_dropout_rng, image_embeds)
     g = tokens.shape[0] // prompt_tokens.shape[0]
     last = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)                    # [Bp*G, 1, D]
     before = jnp.concatenate([last, hidden[:, :-1]], axis=1)              # predicts column j

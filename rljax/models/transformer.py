@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Attention lives in its own module; re-exported here, where callers have always found it.
-from rljax.models import kv_ring, quant
+from rljax.models import image_tokens, kv_ring, quant, vision_params
 from rljax.models.attention import _MASK_VALUE, attention, window_mask  # noqa: F401
 from rljax.models.config import ModelConfig
 from rljax.models.lora import dropout as lora_dropout, dropout_key as lora_dropout_key
@@ -74,6 +74,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
     }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    if cfg.vision is not None:   # a multimodal model's image tower (models.vision)
+        tree["vision"] = vision_params.vision_param_shapes(cfg.vision)
     return tree
 
 
@@ -87,7 +89,12 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
-    """Random parameters: normal(init_std) matrices, zero biases, identity norm scales."""
+    """Random parameters: normal(init_std) matrices, zero biases, identity norm scales (a
+    vision tower: ``vision_params.init_vision_params``)."""
+    if cfg.vision is not None:
+        text, tower = jax.random.split(rng)
+        return dict(init_params(cfg.replace(vision=None), text),
+                    vision=vision_params.init_vision_params(cfg.vision, tower))
     specs = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     paths = [jax.tree_util.keystr(p) for p, _ in
@@ -367,7 +374,7 @@ def stack_cache(cache: dict) -> dict:
 
 def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
           positions=None, cache: Optional[dict] = None, cache_index=None,
-          lora_dropout_rng: Optional[jax.Array] = None):
+          lora_dropout_rng: Optional[jax.Array] = None, image_embeds=None):
     """Embeddings + all layers + final norm.
 
     tokens: int [B, T]. Without a cache, ``attention_mask`` is bool [B, T] (True = real token,
@@ -382,6 +389,11 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
     ``lora_dropout_rng``: a key for LoRA dropout (``cfg.lora_dropout`` on the adapters'
     inputs; layer ``i``, projection ``name`` use ``lora.dropout_key(lora_dropout_rng, i,
     name)``). Training passes only; None (the default) = no dropout, the deterministic model.
+
+    ``image_embeds`` [B, K, D] (``models.vision.encode_images``, a row's images one after
+    another): they replace the embeddings of the image tokens (``cfg.image_token_id``), in
+    order. With ``cfg.image_token_id`` set, each image's tokens among ``tokens`` also attend to
+    each other both ways (``models.image_tokens``), with or without ``image_embeds``.
 
     Returns ``(hidden [B, T, D] in cfg.dtype, cache or None)``.
     """
@@ -415,6 +427,9 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             # A valid slot's position is the number of valid slots before it (multi-turn
             # caches have invalid slots between a row's tokens).
             key_positions = default_positions(attention_mask)
+    if cfg.image_token_id is not None:
+        mask = mask | _image_mask(cfg, tokens, attention_mask, mask.shape[-1],
+                                  None if cache is None else cache_index)
     positions = positions.astype(jnp.int32)
     rope = rope_tables(positions, rope_inv_freq(cfg), cfg.compute_dtype)
     kinds = cfg.local_layers   # () unless some layers attend within a sliding window
@@ -423,6 +438,10 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         local_mask = mask & window_mask(positions, key_positions, cfg.sliding_window)
         rope_local = local_rope(cfg, positions, rope)
     x = embed_tokens(cfg, params, tokens)
+    if image_embeds is not None:
+        if cfg.image_token_id is None:
+            raise ValueError("trunk: image_embeds given to a model without image_token_id")
+        x = image_tokens.merge_images(x, tokens, image_embeds, cfg.image_token_id)
 
     def layer(x, p, kv_cache, i, lp=None, is_local=None):
         p = _cast_layer(cfg, p)
@@ -485,6 +504,17 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
         cache = {"k": ck, "v": cv}
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return x, cache
+
+
+def _image_mask(cfg: ModelConfig, tokens, attention_mask, slots: int, cache_index):
+    """bool [B, T, S]: the keys of the same image as each query (``image_tokens``); S =
+    ``slots`` (T without a cache, whose slots ``cache_index + [0, T)`` the tokens fill)."""
+    q = image_tokens.image_blocks(tokens, cfg.image_token_id)
+    k = q if cache_index is None else image_tokens.cache_blocks(q, slots, cache_index)
+    same = image_tokens.same_image(q, k)
+    if attention_mask is not None:
+        same = same & attention_mask.astype(bool)[:, None, :]
+    return same
 
 
 def layer_checkpoint(cfg: ModelConfig, layer):
@@ -579,11 +609,12 @@ _low_precision_head.defvjp(_low_precision_head_fwd, _low_precision_head_bwd)
 
 
 def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
-            positions=None, lora_dropout_rng: Optional[jax.Array] = None) -> jax.Array:
-    """tokens int [B, T] -> float32 logits [B, T, V]. See ``trunk`` for the mask semantics
-    and ``lora_dropout_rng`` (None = no LoRA dropout)."""
+            positions=None, lora_dropout_rng: Optional[jax.Array] = None,
+            image_embeds=None) -> jax.Array:
+    """tokens int [B, T] -> float32 logits [B, T, V]. See ``trunk`` for the mask semantics,
+    ``lora_dropout_rng`` (None = no LoRA dropout) and ``image_embeds``."""
     hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
-                      lora_dropout_rng=lora_dropout_rng)
+                      lora_dropout_rng=lora_dropout_rng, image_embeds=image_embeds)
     return logits_from_hidden(cfg, params, hidden)
 
 
@@ -611,7 +642,8 @@ def scoring_temperature(temperature: float) -> float:
 def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
                 positions=None, temperature=1.0, chunk_size: Optional[int] = None,
                 with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
-                first_scored: int = 1, extra_targets: Optional[jax.Array] = None):
+                first_scored: int = 1, extra_targets: Optional[jax.Array] = None,
+                image_embeds=None):
     """Per-token log-probabilities of ``tokens`` under the model (teacher forcing).
 
     Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
@@ -632,11 +664,11 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
 
     ``extra_targets`` int [B, T - first_scored, K] (optional; ``first_scored`` >= 1): K more
     ids per scored column, whose log-probs come back as a third output f32 [B, T -
-    first_scored, K] (see ``scored_logps``).
+    first_scored, K] (see ``scored_logps``). ``image_embeds``: as ``trunk``.
     """
     b, t = tokens.shape
     hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
-                      lora_dropout_rng=lora_dropout_rng)
+                      lora_dropout_rng=lora_dropout_rng, image_embeds=image_embeds)
     start = min(max(int(first_scored), 1), t)   # column 0 has no prediction
     n = t - start
     if n == 0:

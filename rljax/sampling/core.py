@@ -130,7 +130,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              mesh: jax.sharding.Mesh | None = None,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
              cache_dtype: Any = None, temperatures: Any = None,
-             streams: int = 1) -> SampleOutput:
+             streams: int = 1, image_embeds: Any = None) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt, entirely on device.
 
     Args:
@@ -162,6 +162,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         from threads (``rljax.streams``); 0 = auto (2 on a multi-core CPU, else 1). Each chunk
         reads its rows of the noise drawn for the whole batch, so the tokens are one stream's
         (logps to float32 rounding: a smaller batch's matmuls). ``stream_count``: how many run.
+      image_embeds: optional [B, K, D] image embeddings (``models.vision.encode_images``) for
+        the image tokens of each prompt (``models.trunk``); they are prefilled once per prompt
+        with the rest of it, and the G samples share that KV cache.
 
     Returns:
       ``SampleOutput`` with ``B * num_samples`` rows (see its docstring).
@@ -198,10 +201,10 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     if k == 1 or traced:   # inside a trace: one program
         return (_generate if traced else _generate_program())(
             cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool),
-            rng, temperatures=temperatures, **static)
+            rng, temperatures=temperatures, image_embeds=image_embeds, **static)
     return _generate_streams(cfg, params, np.asarray(prompt_tokens, np.int32),
                              np.asarray(prompt_mask, bool), rng, k, greedy,
-                             temperatures=temperatures, **static)
+                             temperatures=temperatures, image_embeds=image_embeds, **static)
 
 
 def stream_count(streams: int, prompts: int, max_new_tokens: int, vocab: int, greedy: bool,
@@ -238,16 +241,19 @@ def _concat_outputs(outs):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
 
 
-def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy, **kw):
+def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy,
+                      image_embeds=None, **kw):
     """``_generate`` over k equal chunks of prompts, run concurrently; one SampleOutput."""
     rows = prompt_tokens.shape[0] * kw["num_samples"]
     noise = ((None,) * k if greedy else
              _stream_noise(rng, kw["max_new_tokens"], rows, cfg.vocab_size, k))
     tok, mask = np.split(prompt_tokens, k), np.split(prompt_mask, k)
+    images = (None,) * k if image_embeds is None else jnp.split(image_embeds, k)
 
     def stream(i):
         return lambda: jax.block_until_ready(
-            _generate_program()(cfg, params, tok[i], mask[i], rng, noise=noise[i], **kw))
+            _generate_program()(cfg, params, tok[i], mask[i], rng, noise=noise[i],
+                                image_embeds=images[i], **kw))
 
     return _concat_outputs(streams_lib.run([stream(i) for i in range(k)]))
 
@@ -272,9 +278,9 @@ _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids",
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, temperature,
               top_k, top_p, stop_ids, pad_id, num_samples, min_new_tokens, mesh, rules,
-              cache_dtype, temperatures=None, noise=None):
+              cache_dtype, temperatures=None, noise=None, image_embeds=None):
     """``noise``: this call's rows of noise drawn ahead for a larger batch (streams); None =
-    drawn here."""
+    drawn here. ``image_embeds``: [B, K, D] for the prompts' image tokens (``generate``)."""
     b, p = prompt_tokens.shape
     n, g = max_new_tokens, num_samples
     bg = b * g
@@ -320,7 +326,7 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
                          models.init_cache(cfg, b, s, dtype=cache_dtype))
     hidden, cache = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
                                  positions=models.default_positions(prompt_mask),
-                                 cache=cache, cache_index=0)
+                                 cache=cache, cache_index=0, image_embeds=image_embeds)
     # Left padding: every prompt's last token sits in slot P-1.
     logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
 

@@ -21,6 +21,7 @@ import numpy as np
 from rljax import algorithms
 from rljax import data as data_lib
 from rljax.errors import UserError
+from rljax.train import image_inputs
 from rljax.train.metrics import format_duration
 from rljax.train.rollout import encode_prompts, expand_fields, generate
 from rljax.train.verifier import verify
@@ -64,6 +65,7 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
         return run_agent_eval(ctx, params, rng, examples)
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
     correct, lengths, truncated = [], [], []
+    images = image_inputs.image_inputs(ctx)   # None: a text model
     t0 = time.perf_counter()
     last_print = t0
     for i, start in enumerate(range(0, len(examples), bs)):
@@ -85,7 +87,9 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
         out = generate(ctx, params, p_tok, p_mask, jax.random.fold_in(rng, i), num_samples=n,
                        max_new_tokens=max_new, temperature=e.temperature,
                        top_k=cfg.rollout.top_k if e.temperature else 0,
-                       top_p=cfg.rollout.top_p if e.temperature else 1.0)
+                       top_p=cfg.rollout.top_p if e.temperature else 1.0,
+                       pixels=None if images is None else images.pixels(padded),
+                       images=images)
         keep = len(chunk) * n
         texts = ctx.tokenizer.batch_decode(out["tokens"][:keep], out["mask"][:keep])
         prompts = [ex["prompt"] for ex in chunk for _ in range(n)]

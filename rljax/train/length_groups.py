@@ -43,6 +43,7 @@ from rljax.train import steps
 from rljax.train.buckets import prompt_buckets
 
 SEQUENCE_KEYS = ("tokens", "mask")   # [R, P+N]; other 2-D fields of width N are per completion
+PER_ROW_KEYS = ("pixels",)           # [R, ...] whatever their width: one prompt's images per row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ def take(batch: dict, mb: MicroBatch, n: int) -> dict:
         value = value[mb.rows]
         if key in SEQUENCE_KEYS:
             value = value[:, p - mb.prompt_cols:p + mb.completion_cols]
-        elif value.ndim >= 2 and value.shape[1] == n:
+        elif key not in PER_ROW_KEYS and value.ndim >= 2 and value.shape[1] == n:
             value = value[:, :mb.completion_cols]
         out[key] = value
     return out
@@ -141,8 +142,11 @@ def shared_layout(part: dict, completion_cols: int, group_size: int) -> dict | N
         return None
     if not prompt_mask[:, 0, -1].all():   # a prompt must end in its last column (left padding)
         return None
-    return {**part, "prompt_tokens": prompt[:, 0], "prompt_mask": prompt_mask[:, 0],
-            "tokens": tokens[:, p:], "mask": mask[:, p:]}
+    out = {**part, "prompt_tokens": prompt[:, 0], "prompt_mask": prompt_mask[:, 0],
+           "tokens": tokens[:, p:], "mask": mask[:, p:]}
+    if "pixels" in part:   # a group's rows share their prompt's images
+        out["pixels"] = part["pixels"][::group_size]
+    return out
 
 
 def computed_positions(part: dict) -> tuple[int, int]:
@@ -197,6 +201,8 @@ class Planner:
         if g > 1 and p > 0 and m % g == 0 and (m // g) % self._shards() == 0:
             shapes.update(prompt_tokens=((m // g, p), jnp.int32), prompt_mask=((m // g, p), bool),
                           tokens=((m, n), jnp.int32), mask=((m, n), bool))
+            if "pixels" in shapes:
+                shapes["pixels"] = ((m // g, *shapes["pixels"][0][1:]), shapes["pixels"][1])
         else:
             shapes.update(tokens=((m, p + n), jnp.int32), mask=((m, p + n), bool))
         sharding = steps.batch_sharding(self.mesh)

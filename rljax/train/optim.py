@@ -22,7 +22,9 @@ from rljax.errors import ConfigError, TrainingDiverged
 # Parameters whose path contains one of these names get no weight decay (norm scales, biases):
 # decaying them only fights the normalisation. Matched on path names, not ndim, because
 # layer-stacked params make norm scales 2-D.
-NO_DECAY_NAMES = ("norm", "bias", "scale")
+# "vision": a multimodal model's tower, frozen by default: its gradient is zero then, and
+# decoupled weight decay would still shrink it.
+NO_DECAY_NAMES = ("norm", "bias", "scale", "vision")
 
 
 def make_schedule(opt_cfg, total_steps: int) -> Callable[[Any], jax.Array]:

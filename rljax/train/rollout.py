@@ -55,7 +55,7 @@ from rljax.data import selection
 from rljax.models import lora as lora_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
-from rljax.train import guidance, length_groups
+from rljax.train import guidance, image_inputs, length_groups
 # Re-exported: callers import these here.
 from rljax.train.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
 from rljax.train.steps import build_logps_fn
@@ -113,7 +113,8 @@ def sampling_params(ctx, params):
 
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-             micro_prompts: int = 0, temperatures=None, tree: dict | None = None):
+             micro_prompts: int = 0, temperatures=None, tree: dict | None = None,
+             pixels=None, images=None):
     """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
     ``decoded`` int [B]: the tokens decoded per prompt.
 
@@ -121,7 +122,11 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead; its
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
     once. The two are exclusive (config validation).
+    ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
+    images, embedded by the tower and prefilled with the prompt (static sampler only).
     """
+    if pixels is not None and (tree is not None or ctx.cfg.rollout.engine == "slots"):
+        raise UserError("images in the prompt need rollout.engine='static' without a tree")
     params = sampling_params(ctx, params)
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
@@ -137,6 +142,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
                                engine_stats)
         elif tree is None:
+            if pixels is not None:
+                kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temperatures,
                                     streams=ctx.cfg.rollout.streams, **kw)
@@ -210,6 +217,7 @@ class Rollout:
         # Tree sampling (docs/search.md): each prompt's group is the leaves of one tree.
         self.tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
         self.pending_since = None   # see __call__
+        self.images = image_inputs.image_inputs(ctx)   # None: a text model
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -231,12 +239,17 @@ class Rollout:
                 buckets=prompt_buckets(cfg.data.max_prompt_length))
         t0 = time.perf_counter()
         micro = cfg.rollout.micro_batch_size // g if cfg.rollout.micro_batch_size else 0
+        pixels = None if self.images is None else self.images.pixels(examples)
         out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=g,
                        max_new_tokens=cfg.rollout.max_new_tokens,
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                        top_p=cfg.rollout.top_p, micro_prompts=micro,
-                       temperatures=self.temperatures, tree=self.tree)
-        return self.score_round(examples, prompt_tokens, prompt_mask, out, prefixes, t0)
+                       temperatures=self.temperatures, tree=self.tree, pixels=pixels,
+                       images=self.images)
+        rnd = self.score_round(examples, prompt_tokens, prompt_mask, out, prefixes, t0)
+        if pixels is not None:
+            rnd["pixels"] = pixels
+        return rnd
 
     def score_round(self, examples, prompt_tokens, prompt_mask, out, prefixes, t0) -> dict:
         """The round dict of sampled ``out`` (``generate``'s fields) for ``examples``: texts,
@@ -446,6 +459,9 @@ class Rollout:
             buckets=prompt_buckets(self.cfg.data.max_prompt_length))
         tokens, mask = build_sequences(p_tok, p_mask, rows["tokens"], rows["mask"])
         batch = {"tokens": tokens, "mask": mask, "sampler_logps": rows["logps"]}
+        if "pixels" in rounds[0]:   # each row carries its prompt's images
+            batch["pixels"] = np.concatenate([np.repeat(rounds[r]["pixels"][i:i + 1], g, 0)
+                                              for r, i in groups])
         if self.temperatures is not None:   # scored at the temperature each was sampled at
             batch["temperatures"] = np.broadcast_to(
                 self.temperatures, rows["tokens"].shape).astype(np.float32)

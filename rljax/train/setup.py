@@ -162,6 +162,8 @@ def stop_ids(cfg, tokenizer) -> tuple[int, ...]:
 def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any]:
     """(model_cfg, params, param_shardings): a preset from scratch or a HF checkpoint."""
     m = cfg.model
+    if m.path and m.vision.load:
+        return _load_vlm(cfg, tokenizer, mesh)
     if m.path:
         try:
             model_cfg = models.load_config(m.path, dtype=jnp.dtype(m.dtype),
@@ -185,10 +187,17 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
                  "remat": bool(m.remat), "eos_token_id": tokenizer.eos_id,
                  "pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id}
     overrides.update(dict(m.overrides))
+    if models.PRESETS.get(m.preset, {}).get("vision") is not None:
+        overrides.update(image_token_id=image_token_id(cfg, tokenizer),
+                         train_vision=bool(m.vision.train))
     try:
         model_cfg = models.get_preset(m.preset, **overrides)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
+    if model_cfg.vision is not None and (m.quantize or m.lora.rank and m.vision.train):
+        raise ConfigError("model.vision: a vision tower trains only with full fine-tuning "
+                          "and is never quantized (model.quantize='', and model.lora.rank=0 "
+                          "with vision.train=True)")
     check_context_length(cfg, model_cfg)
     shardings = _param_shardings(model_cfg, mesh)
     params = jax.jit(lambda r: models.init_params(model_cfg, r), out_shardings=shardings)(rng)
@@ -196,6 +205,37 @@ def build_model(cfg, tokenizer, mesh, rng) -> tuple[models.ModelConfig, Any, Any
     if quantizer is not None:
         params = quantized.quantize_tree(quantizer, params)
     return model_cfg, params, q_shardings
+
+
+def image_token_id(cfg, tokenizer) -> int:
+    """The id of ``model.vision.image_token`` (ConfigError unless it is one token)."""
+    text = cfg.model.vision.image_token
+    ids = tokenizer.encode(text)
+    if len(ids) != 1 or ids[0] == getattr(tokenizer, "unk_id", None):
+        raise ConfigError(f"model.vision.image_token={text!r} is {ids} in this tokenizer; it "
+                          "must be exactly one known token")
+    return int(ids[0])
+
+
+def _load_vlm(cfg, tokenizer, mesh):
+    """A multimodal Gemma 3 checkpoint with its tower (unsharded, full precision)."""
+    from rljax.models import hf_vision
+    m = cfg.model
+    if m.quantize or (m.lora.rank and m.vision.train):
+        raise ConfigError("model.vision: a vision tower trains only with full fine-tuning "
+                          "and is never quantized")
+    try:
+        model_cfg, _, params = hf_vision.load_hf_vlm(
+            m.path, dtype=jnp.dtype(m.dtype), remat=bool(m.remat),
+            train_vision=bool(m.vision.train), **dict(m.overrides))
+    except models.HFCheckpointError as e:
+        raise UserError(f"model.path={m.path!r}: {e}") from None
+    check_context_length(cfg, model_cfg)
+    if image_token_id(cfg, tokenizer) != model_cfg.image_token_id:
+        raise ConfigError(f"model.vision.image_token={m.vision.image_token!r} is not the "
+                          f"checkpoint's image token id {model_cfg.image_token_id}")
+    shardings = _param_shardings(model_cfg, mesh)
+    return model_cfg, jax.device_put(params, shardings), shardings
 
 
 def quantized_base(cfg, model_cfg):

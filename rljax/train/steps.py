@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import algorithms, compilation_cache, models
-from rljax.models import lora as lora_lib, shared_prompt
+from rljax.models import lora as lora_lib, shared_prompt, vision
 from rljax.sharding import BATCH_AXES
 from rljax.train.optim import apply_if_finite
 from rljax.train.state import TrainState
@@ -199,13 +199,17 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     ``extra_ids`` int [B, N, K] (optional): a third output, the log-probs of those ids at each
     completion column, from the same LM-head pass (a distillation teacher's top-k)."""
     n = batch["loss_mask"].shape[1]
+    # Images (``batch["pixels"]`` [rows or prompts, I, C, S, S]) go through the vision tower
+    # here, inside the loss: frozen unless ``model_cfg.train_vision``.
+    images = (vision.image_embeddings(model_cfg, params, batch["pixels"])
+              if "pixels" in batch else None)
     if "prompt_tokens" in batch:
         temperature = batch.get("temperatures", temperature)
         return shared_prompt.completion_logps(
             model_cfg, params, batch["prompt_tokens"], batch["prompt_mask"],
             batch["tokens"][:, :n], batch["mask"][:, :n], temperature=temperature,
             with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
-            extra_targets=extra_ids)
+            extra_targets=extra_ids, image_embeds=images)
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
         prompt = jnp.ones((per_token.shape[0], batch["tokens"].shape[1] - n), jnp.float32)
@@ -213,7 +217,8 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     out = models.token_logps(model_cfg, params, batch["tokens"],
                              attention_mask=batch["mask"], temperature=temperature,
                              with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
-                             first_scored=batch["tokens"].shape[1] - n, extra_targets=extra_ids)
+                             first_scored=batch["tokens"].shape[1] - n, extra_targets=extra_ids,
+                             image_embeds=images)
     logps, ent = out[:2]
     return (logps[:, -n:], None if ent is None else ent[:, -n:]) + tuple(out[2:])
 
@@ -252,7 +257,8 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
 
 
 # What the log-prob passes read (``prompt_*``: the shared-prompt layout, see completion_logps).
-LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures", "prompt_tokens", "prompt_mask")
+LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures", "prompt_tokens", "prompt_mask",
+              "pixels")
 
 
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,

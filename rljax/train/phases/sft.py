@@ -15,7 +15,7 @@ from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
-from rljax.train import guidance, programs as programs_lib
+from rljax.train import guidance, image_inputs, programs as programs_lib
 from rljax.train import rollout as rollout_lib
 from rljax.train.setup import Context, data_iterator
 from rljax.train.steps import build_sft_step, to_host
@@ -52,6 +52,7 @@ class SFTPhase:
         self.optimizer = ctx.optimizer(learning_rate, self.steps)
         self._step_fn = None
         self.num_too_long = 0
+        self.images = image_inputs.image_inputs(ctx)
 
     def init_state(self, state):
         return _init_state(self.optimizer, state)
@@ -102,6 +103,8 @@ class SFTPhase:
             tok, [ex["prompt"] for ex in examples], [self.solution(ex) for ex in examples],
             self.ctx.cfg.data.max_prompt_length, n)
         self.num_too_long += cut
+        if self.images is not None:   # a model with a vision tower: each row's images
+            batch["pixels"] = self.images.pixels(examples)
         return batch
 
     def _compiled(self, state):

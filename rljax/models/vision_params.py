@@ -1,0 +1,62 @@
+"""Parameter shapes, logical axes and random initialisation of Gemma 3's vision tower (the
+tree ``models.vision`` computes with; see its docstring for the layout). Kept apart from the
+forward so that ``models.transformer`` can include the tower in a multimodal model's tree."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.models.config import VisionConfig
+
+
+def vision_param_shapes(cfg: VisionConfig) -> dict:
+    """The tree of ``init_vision_params``; leaves are ``(shape, logical_axes)`` pairs."""
+    e, f, h, dh, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim, \
+        cfg.num_layers
+    cpp = cfg.num_channels * cfg.patch_size ** 2
+    vec = lambda size, ax: ((n, size), ("layers", ax))
+    layers = {
+        "ln1": vec(e, "norm"), "ln1_bias": vec(e, "norm"),
+        "q": ((n, e, h, dh), ("layers", "embed", "heads", "head_dim")),
+        "k": ((n, e, h, dh), ("layers", "embed", "heads", "head_dim")),
+        "v": ((n, e, h, dh), ("layers", "embed", "heads", "head_dim")),
+        "q_bias": ((n, h, dh), ("layers", "heads", "head_dim")),
+        "k_bias": ((n, h, dh), ("layers", "heads", "head_dim")),
+        "v_bias": ((n, h, dh), ("layers", "heads", "head_dim")),
+        "o": ((n, h, dh, e), ("layers", "heads", "head_dim", "embed")),
+        "o_bias": vec(e, "norm"),
+        "ln2": vec(e, "norm"), "ln2_bias": vec(e, "norm"),
+        "fc1": ((n, e, f), ("layers", "embed", "mlp")), "fc1_bias": vec(f, "mlp"),
+        "fc2": ((n, f, e), ("layers", "mlp", "embed")), "fc2_bias": vec(e, "norm"),
+    }
+    return {
+        "patch": ((cpp, e), ("vision", "embed")), "patch_bias": ((e,), ("norm",)),
+        "pos": ((cfg.num_patches, e), ("vision", "embed")),
+        "layers": layers,
+        "post_ln": ((e,), ("norm",)), "post_ln_bias": ((e,), ("norm",)),
+        "mm_norm": ((e,), ("norm",)),
+        "mm_proj": ((e, cfg.text_hidden_size), ("vision", "embed")),
+    }
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def init_vision_params(cfg: VisionConfig, rng: jax.Array) -> dict:
+    """Random tower: normal(init_std) matrices and positions, zero biases, LayerNorm scales 1,
+    the projector's RMSNorm scale 0 (Gemma's ``1 + w`` identity)."""
+    specs = vision_param_shapes(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+    keys = jax.random.split(rng, len(flat))
+    dtype = jnp.dtype(cfg.param_dtype)
+    out = []
+    for key, (path, (shape, _)) in zip(keys, flat):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name or "mm_norm" in name:
+            out.append(jnp.zeros(shape, dtype))
+        elif "ln" in name:
+            out.append(jnp.ones(shape, dtype))
+        else:
+            out.append((cfg.init_std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,46 @@
+"""A run's image inputs (a model with a vision tower, docs/vision.md): each example's images
+as pixels on the host, and their embeddings for the sampler."""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+
+from rljax.data import images
+from rljax.models import vision
+
+
+class ImageInputs:
+    """Pixels of the examples' ``data.images_field`` column (at most ``data.max_images`` per
+    prompt; paths relative to ``data.path``'s folder) and the tower's embeddings of them."""
+
+    def __init__(self, ctx):
+        cfg, model_cfg = ctx.cfg, ctx.model_cfg
+        self.model_cfg = model_cfg
+        path = cfg.model.path if cfg.model.vision.load else None
+        self.processor = images.ImageProcessor(model_cfg.vision.image_size, path=path)
+        self.max_images = int(cfg.data.max_images)
+        self.field = cfg.data.images_field
+        self.base_dir = os.path.dirname(os.path.abspath(cfg.data.path)) if cfg.data.path else None
+
+    def pixels(self, examples) -> np.ndarray:
+        """float32 [B, I, 3, S, S] of a list of examples (zeros where a row has fewer)."""
+        return images.batch_pixels(examples, self.processor, self.max_images, self.field,
+                                   self.base_dir)[0]
+
+    def embeds(self, params, pixels) -> jax.Array:
+        """The sampler's ``image_embeds`` [B, I*M, D] of ``pixels`` under ``params``."""
+        return _embed_fn(self.model_cfg)(params["vision"], pixels)
+
+
+@functools.cache
+def _embed_fn(model_cfg):
+    return jax.jit(lambda tower, pixels: vision.image_embeddings(
+        model_cfg, {"vision": tower}, pixels))
+
+
+def image_inputs(ctx) -> ImageInputs | None:
+    """The run's ``ImageInputs``, or None for a text model."""
+    return ImageInputs(ctx) if ctx.model_cfg.vision is not None else None

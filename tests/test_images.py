@@ -1,0 +1,116 @@
+"""Image inputs on the host: decoding row values, Gemma 3's preprocessing, batching."""
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rljax.data import images
+from rljax.data.sources import DataError, RecordsSource, load_records
+
+
+def _picture(seed=0, shape=(40, 50, 3)):
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def _by_hand(array, size):
+    """Reference: PIL bilinear resize, x / 255, (x - 0.5) / 0.5, channels first."""
+    x = np.asarray(Image.fromarray(array).resize((size, size), Image.BILINEAR), np.float32)
+    return ((x / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)
+
+
+def test_pixels_match_the_gemma3_processor_and_a_hand_reference(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    arr = _picture()
+    # The processor as a Gemma 3 checkpoint ships it: preprocessor_config.json in the directory.
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(tmp_path)
+    want = transformers.AutoImageProcessor.from_pretrained(str(tmp_path))(
+        images=[Image.fromarray(arr)], return_tensors="np")["pixel_values"]
+    got = images.ImageProcessor(32, path=str(tmp_path))([images.load_image(arr)])
+    assert got.shape == (1, 3, 32, 32) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[0], _by_hand(arr, 32), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="resizes to 32x32"):
+        images.ImageProcessor(16, path=str(tmp_path))
+
+
+def test_preprocessing_runs_without_pytorch():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['torchvision'] = None\n"
+            "import numpy as np\n"
+            "from rljax.data import images\n"
+            "a = np.zeros((20, 30, 3), np.uint8)\n"
+            "print(images.ImageProcessor(16)([images.load_image(a)]).shape)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(1, 3, 16, 16)" in out.stdout
+
+
+def test_every_image_value_kind_decodes_to_the_same_pixels(tmp_path):
+    arr = _picture(1, (24, 24, 3))
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    (tmp_path / "a.png").write_bytes(buf.getvalue())
+    proc = images.ImageProcessor(16)
+    kinds = [arr, buf.getvalue(), {"bytes": buf.getvalue(), "path": None},
+             {"path": "a.png"}, "a.png", str(tmp_path / "a.png"), Image.fromarray(arr)]
+    pixels = [proc([images.load_image(v, str(tmp_path))]) for v in kinds]
+    for p in pixels[1:]:
+        np.testing.assert_array_equal(p, pixels[0])
+    with pytest.raises(DataError, match="does not exist"):
+        images.load_image("missing.png", str(tmp_path))
+    with pytest.raises(DataError, match="could not be decoded"):
+        images.load_image(b"not an image")
+
+
+def test_jsonl_rows_carry_images_into_batch_pixels(tmp_path):
+    for i in range(3):
+        Image.fromarray(_picture(i, (20, 20, 3))).save(tmp_path / f"{i}.png")
+    rows = [{"prompt": "one <boi>", "images": "0.png"},
+            {"prompt": "two <boi> <boi>", "images": ["1.png", "2.png"]},
+            {"prompt": "none"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = RecordsSource(load_records(str(path)))
+    batch = [source[i] for i in range(3)]
+    proc = images.ImageProcessor(16)
+    pixels, counts = images.batch_pixels(batch, proc, max_images=2, base_dir=str(tmp_path))
+    assert pixels.shape == (3, 2, 3, 16, 16)
+    np.testing.assert_array_equal(counts, [1, 2, 0])
+    np.testing.assert_allclose(pixels[1, 1], _by_hand(_picture(2, (20, 20, 3)), 16), atol=1e-6)
+    assert not pixels[0, 1].any() and not pixels[2].any()
+    with pytest.raises(DataError, match="more than max_images=1"):
+        images.batch_pixels(batch, proc, max_images=1, base_dir=str(tmp_path))
+
+
+def test_markers_expand_as_gemma3s_processor():
+    text = images.expand_image_markers("Look: <boi> ok", "<boi>", "<img>", "<eoi>", 3)
+    assert text == "Look: \n\n<boi><img><img><img><eoi>\n\n ok"
+
+
+def test_resumed_iterator_gives_the_same_image_batches(tmp_path):
+    from rljax.data.iterator import DataIterator
+    for i in range(6):
+        Image.fromarray(_picture(10 + i, (18, 22, 3))).save(tmp_path / f"{i}.png")
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "images": f"{i}.png"}) + "\n"
+                            for i in range(6)))
+    source = RecordsSource(load_records(str(path)))
+    proc = images.ImageProcessor(8)
+
+    def pixels(it, n):
+        return [images.batch_pixels(next(it), proc, 1, base_dir=str(tmp_path))[0]
+                for _ in range(n)]
+
+    first = DataIterator(source, 2, seed=3)
+    pixels(first, 2)
+    saved = json.loads(json.dumps(first.state()))
+    want = pixels(first, 3)          # crosses the epoch boundary
+    resumed = DataIterator(source, 2, seed=3)
+    resumed.restore(saved)
+    for a, b in zip(want, pixels(resumed, 3)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(want, want[1:]))

@@ -1,0 +1,123 @@
+"""A run with images in the prompt (the ``tiny-vlm`` preset on the ``shapes`` task): SFT and
+GRPO batches carry each prompt's pixels, the sampler reads them, and a stopped and resumed run
+equals a straight one."""
+import jax
+import numpy as np
+import pytest
+
+from rljax import config as config_lib
+from rljax.data.tasks import TASKS
+from rljax.train import checkpoint, run
+from rljax.train.faults import StopSignal
+from rljax.train.metrics import read_metrics
+from rljax.train.rollout import Rollout
+
+DEVICES = jax.devices()[:1]
+SFT_STEPS, RL_STEPS = 1, 2
+
+
+def vlm_cfg(**overrides):
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": RL_STEPS, "eval_every": 0, "checkpoint_every": 0,
+        "model.preset": "tiny-vlm", "model.vision.image_token": "@", "tokenizer.kind": "char",
+        "data.source": "shapes", "data.max_prompt_length": 48, "rollout.batch_size": 8,
+        "rollout.max_new_tokens": 2, "rollout.temperature": 1.0, "algo.num_generations": 4,
+        "algo.beta": 0.0, "optimizer.learning_rate": 1e-3, "sft.steps": SFT_STEPS,
+        "sft.learning_rate": 1e-3, "sft.batch_size": 4, "sft.max_length": 52,
+        "eval.num_examples": 4, "eval.batch_size": 4, "logging.tensorboard": False,
+        "checkpoint.async_save": False, "reward.names": ("arithmetic",),
+    })
+    cfg.model.overrides = {"num_layers": 1}
+    cfg.data.kwargs = {"kinds": "count,locate", "eval_examples": 4}
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+class StopAfter(StopSignal):
+    def __init__(self, n):
+        super().__init__(quiet=True)
+        self.n = n
+
+    def should_stop(self, sync=False):
+        self.n -= 1
+        if self.n <= 0:
+            self.request_stop()
+        return super().should_stop(sync)
+
+
+def final_params(workdir):
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        state = ckpt.restore().state
+    return jax.tree.map(np.asarray, state["params"])
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+            for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    seen = []
+    original = Rollout._assemble
+
+    def assemble(self, rounds, groups):
+        batch, rows = original(self, rounds, groups)
+        seen.append(batch.get("pixels"))
+        return batch, rows
+
+    Rollout._assemble = assemble
+    try:
+        workdir = str(tmp_path_factory.mktemp("straight"))
+        assert run.train(vlm_cfg(), workdir, devices=DEVICES) == 0
+    finally:
+        Rollout._assemble = original
+    return workdir, seen
+
+
+def test_the_rl_batch_carries_each_prompts_pixels(straight):
+    workdir, seen = straight
+    assert len(seen) == RL_STEPS
+    pixels = seen[0]
+    assert pixels is not None and pixels.shape == (8, 1, 3, 32, 32)
+    # G rows per prompt share its image; different prompts have different images.
+    np.testing.assert_array_equal(pixels[0], pixels[3])
+    assert not np.array_equal(pixels[0], pixels[4])
+    params = final_params(workdir)
+    assert "vision" in params
+    rl = [r for r in read_metrics(workdir) if "reward/mean" in r]
+    assert rl[0]["rollout/logp_diff_max"] < 1e-4   # sampler and trainer saw the same images
+
+
+def test_vision_tower_stays_frozen_by_default(straight):
+    """Full fine-tuning without model.vision.train: the tower after the SFT step is the tower
+    at the end (no gradient, no weight decay)."""
+    workdir, _ = straight
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        first = jax.tree.map(np.asarray, ckpt.restore(SFT_STEPS).state["params"]["vision"])
+    last = final_params(workdir)["vision"]
+    jax.tree.map(np.testing.assert_array_equal, first, last)
+
+
+def test_stop_and_resume_with_images_equals_straight_run(straight, tmp_path):
+    workdir = str(tmp_path)
+    stop_at = SFT_STEPS + 1
+    assert run.train(vlm_cfg(), workdir, devices=DEVICES, stop=StopAfter(stop_at)) == 0
+    assert max(r["step"] for r in read_metrics(workdir)) == stop_at
+    assert run.train(vlm_cfg(), workdir, devices=DEVICES) == 0
+    assert comparable(read_metrics(workdir)) == comparable(read_metrics(straight[0]))
+    jax.tree.map(np.testing.assert_array_equal, final_params(workdir),
+                 final_params(straight[0]))
+
+
+def test_shapes_task_examples_are_deterministic_and_split():
+    task = TASKS["shapes"](kinds="count,compare,locate", seed=3)
+    a, b = task.example(5), task.example(5)
+    assert a["question"] == b["question"] and np.array_equal(a["images"], b["images"])
+    assert a["question"].startswith("@@@@\n") and a["images"].shape == (32, 32, 3)
+    assert {task.example(i)["kind"] for i in range(30)} == {"count", "compare", "locate"}
+    train = {(e["question"], e["images"].tobytes()) for e in map(task.example, range(200))}
+    held = {(e["question"], e["images"].tobytes())
+            for e in (task.example(i, "eval") for i in range(50))}
+    assert not train & held
