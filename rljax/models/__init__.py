@@ -1,4 +1,5 @@
-"""Decoder-only transformer families (llama, qwen2, qwen3, gemma, gemma2, gemma3) as pure functions over
+"""Decoder-only transformer families (llama, qwen2, qwen3, gemma, gemma2, gemma3; the mixtures of
+experts qwen3_moe and olmoe) as pure functions over
 parameter pytrees, a value head, Hugging Face safetensors import/export and llama.cpp GGUF
 import (``load_hf`` of a ``.gguf`` path).
 
