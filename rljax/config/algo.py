@@ -87,6 +87,9 @@ def algo() -> dict[str, Any]:
         overlong_buffer=0,           # DAPO soft overlong penalty over the last N tokens; 0 = off
         overlong_penalty_factor=1.0,  # scale of that penalty (-factor at max_new_tokens)
         entropy_coef=0.0,
+        # Mixture-of-experts policies: weight of the load-balancing loss added to the update's
+        # loss (metric moe/load_balance: its value, num_experts_per_tok when balanced).
+        moe_aux_loss_coef=0.0,
         gamma=1.0,                   # discount of PPO/GAE and the REINFORCE++ return
         lam=0.95,                    # GAE lambda
         vf_coef=0.5,                 # value loss weight (PPO)
@@ -238,6 +241,7 @@ RANGES = (
     ("algo.num_iterations", 1, None),
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
     ("algo.entropy_coef", 0.0, None), ("algo.max_sampling_rounds", 0, None),
+    ("algo.moe_aux_loss_coef", 0.0, None),
     ("algo.overlong_buffer", 0, None), ("algo.overlong_penalty_factor", 0.0, None),
     ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0), ("algo.rae_alpha", 0.0, 1.0),
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),

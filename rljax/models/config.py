@@ -241,6 +241,12 @@ PRESETS = {
     # Tests: fast everywhere.
     "tiny": dict(_family("llama"), vocab_size=256, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=512),
+    # A mixture of experts with `tiny`'s active MLP size: 8 experts of width 64, 2 per token
+    # (2 x 3 x 64 x 64 = tiny's 3 x 64 x 128 per layer, plus a 64 x 8 router).
+    "tiny-moe": dict(_family("qwen3_moe"), vocab_size=256, hidden_size=64,
+                     intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=64),
     # Demos / CPU experiments (~7M params with a 256-token vocab).
     "small": dict(_family("llama"), vocab_size=256, hidden_size=256, intermediate_size=768,
                   num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048),

@@ -661,7 +661,8 @@ def scoring_temperature(temperature: float) -> float:
 def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
                 positions=None, temperature=1.0, chunk_size: Optional[int] = None,
                 with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
-                first_scored: int = 1, extra_targets: Optional[jax.Array] = None):
+                first_scored: int = 1, extra_targets: Optional[jax.Array] = None,
+                routes: Optional[jax.Array] = None, moe_stats: Optional[dict] = None):
     """Per-token log-probabilities of ``tokens`` under the model (teacher forcing).
 
     Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
@@ -683,10 +684,18 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     ``extra_targets`` int [B, T - first_scored, K] (optional; ``first_scored`` >= 1): K more
     ids per scored column, whose log-probs come back as a third output f32 [B, T -
     first_scored, K] (see ``scored_logps``).
+
+    Mixtures of experts: ``routes`` int [L, B, T, k] replays recorded routes (``trunk``);
+    ``moe_stats``, a dict, receives the routing statistics under ``"stats"`` (``trunk``'s
+    ``with_moe_stats``; for ``moe.load_balance``).
     """
     b, t = tokens.shape
-    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
-                      lora_dropout_rng=lora_dropout_rng)
+    out = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
+                lora_dropout_rng=lora_dropout_rng, routes=routes,
+                with_moe_stats=moe_stats is not None)
+    hidden = out[0]
+    if moe_stats is not None:
+        moe_stats["stats"] = out[2]
     start = min(max(int(first_scored), 1), t)   # column 0 has no prediction
     n = t - start
     if n == 0:

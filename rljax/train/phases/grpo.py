@@ -104,9 +104,11 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
     # adapters; old/ref log-probs computed beforehand never do.
     rng = steps.training_dropout_rng(model_cfg, state, batch)
+    moe_stats = {} if model_cfg.is_moe else None
     scored = steps.completion_logps(model_cfg, params, batch, temperature=temperature,
                                     with_entropy=True, lora_dropout_rng=rng,
-                                    extra_ids=batch.get("teacher_topk_ids"))
+                                    extra_ids=batch.get("teacher_topk_ids"),
+                                    moe_stats=moe_stats)
     logps, ent = scored[:2]
     opts = policy_loss_options(algo_cfg, partial)
     if "tis_cap" in opts:
@@ -139,7 +141,23 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     n = batch.get(steps.COMPLETION_SLOTS, m.shape[1])
     metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
     metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
-    return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
+    num, den = algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n)
+    if moe_stats is not None:
+        num = num + _load_balance_term(model_cfg, algo_cfg, moe_stats["stats"], den, metrics)
+    return (num, den), metrics
+
+
+def _load_balance_term(model_cfg, algo_cfg, stats, den, metrics):
+    """``algo.moe_aux_loss_coef * load_balance * den`` (so the update's loss gains
+    ``coef * load_balance``, weighted by each micro-batch's share); adds the metrics
+    ``moe/load_balance`` and ``moe/expert_frac/<e>`` (each expert's share of the
+    micro-batch's top-k assignments) to ``metrics``."""
+    lb, fractions = models.moe.load_balance(model_cfg, stats)
+    one = jnp.ones((), jnp.float32)
+    metrics["moe/load_balance"] = (jax.lax.stop_gradient(lb), one)
+    for e in range(model_cfg.num_experts):
+        metrics[f"moe/expert_frac/{e}"] = (fractions[e], one)
+    return float(algo_cfg.moe_aux_loss_coef) * lb * den
 
 
 def _distill_terms(algo_cfg, batch, old, scored, m):
