@@ -205,7 +205,8 @@ def test_bad_configs_refused(ckpts, tmp_path):
                           moe_intermediate_size=8)
 
 
-def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path):
+@pytest.mark.parametrize("replay", [False, True])
+def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay):
     from rljax import config as config_lib
     from rljax.train import run
     from rljax.train.metrics import read_metrics
@@ -220,6 +221,10 @@ def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path):
     cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "num_heads": 2,
                            "num_kv_heads": 1, "moe_intermediate_size": 16}
     cfg.data.kwargs = {"digits": 1, "eval_examples": 8}
+    if replay:   # routes recorded by the sampler, replayed by the old-logps pass and update
+        cfg.update_from_flattened_dict({"algo.routing_replay": True,
+                                        "algo.shared_prompt": False,
+                                        "algo.mini_batch_size": 4})
     cfg = config_lib.validate(cfg)
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
@@ -250,3 +255,41 @@ def test_shared_prompt_layout_matches_the_plain_forward(loaded):
     np.testing.assert_allclose(shared, np.asarray(plain)[:, T:], atol=2e-5)
     # Each prompt's tokens counted once, each completion's real tokens once.
     assert float(sink["stats"]["tokens"][0]) == pmask.sum() + cmask.sum()
+
+
+def test_sampler_records_the_routes_the_update_replays(loaded):
+    cfg, params = loaded["olmoe"]
+    prompt, pmask = _batch()
+    out = sampling.generate(cfg, params, jnp.asarray(prompt), jnp.asarray(pmask),
+                            rng=jax.random.PRNGKey(3), max_new_tokens=6, temperature=1.0,
+                            num_samples=2, record_routes=True)
+    n = out.tokens.shape[1]
+    assert out.routes.shape == (B * 2, T + n, cfg.num_layers, cfg.num_experts_per_tok)
+    tokens = np.concatenate([np.repeat(prompt, 2, 0), np.asarray(out.tokens)], 1)
+    mask = np.concatenate([np.repeat(pmask, 2, 0), np.asarray(out.mask)], 1)
+    _, _, stats = models.trunk(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                               with_moe_stats=True)
+    own = np.asarray(stats["ids"]).transpose(1, 2, 0, 3)          # [R, P+N, L, k]
+    fed = mask.copy()
+    fed[np.arange(len(fed)), T + np.asarray(out.lengths) - 1] = False   # never fed back
+    # In float32 the sampler routes every fed token as the full forward does (sets of k).
+    np.testing.assert_array_equal(np.sort(np.asarray(out.routes)[fed], -1), np.sort(own[fed], -1))
+    routes = jnp.transpose(out.routes, (2, 0, 1, 3))
+    replayed, _ = models.token_logps(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                                     first_scored=T, routes=routes)
+    np.testing.assert_allclose(np.asarray(replayed)[:, T:][np.asarray(out.mask)],
+                               np.asarray(out.logps)[np.asarray(out.mask)], atol=2e-5)
+    with pytest.raises(ValueError, match="record_routes needs a mixture-of-experts"):
+        sampling.generate(models.get_preset("tiny"), None, jnp.asarray(prompt),
+                          jnp.asarray(pmask), rng=jax.random.PRNGKey(0), max_new_tokens=2,
+                          record_routes=True)
+
+
+def test_routing_replay_refusals():
+    from rljax import config as config_lib
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({"algo.routing_replay": True, "rollout.engine": "slots"})
+    with pytest.raises(config_lib.ConfigError,
+                       match="routing_replay=true is not supported with rollout.engine='slots'"
+                             ".*shared_prompt=true"):
+        config_lib.validate(cfg)

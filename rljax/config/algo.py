@@ -90,6 +90,10 @@ def algo() -> dict[str, Any]:
         # Mixture-of-experts policies: weight of the load-balancing loss added to the update's
         # loss (metric moe/load_balance: its value, num_experts_per_tok when balanced).
         moe_aux_loss_coef=0.0,
+        # Routing replay (GRPO, mixtures of experts): the sampler records each token's experts
+        # and the update's forward sends the token to those (the router still weights them and
+        # gets its gradient), so sampler and trainer agree on the routes.
+        routing_replay=False,
         gamma=1.0,                   # discount of PPO/GAE and the REINFORCE++ return
         lam=0.95,                    # GAE lambda
         vf_coef=0.5,                 # value loss weight (PPO)
@@ -408,6 +412,25 @@ def check_distill(cfg) -> None:
     if d.kl_weight == 0 and d.reward_weight == 0 and d.jsd_weight == 0:
         raise ConfigError("algo.distill.kl_weight, reward_weight and jsd_weight are all 0: "
                           "nothing would train")
+
+
+def check_routing_replay(cfg) -> None:
+    """Routing replay: GRPO with the static sampler on single-turn prompts (the samplers
+    that record routes), one sequence per completion (no shared-prompt layout)."""
+    a, r = cfg.algo, cfg.rollout
+    if not a.routing_replay:
+        return
+    problems = [what for what, bad in (
+        (f"algo.name={a.name!r} (needs 'grpo')", a.name != "grpo"),
+        (f"rollout.engine={r.engine!r} (needs 'static')", r.engine != "static"),
+        ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
+        (f"env.name={cfg.env.name!r} (multi-turn)", bool(cfg.env.name)),
+        ("rollout.partial=true", bool(r.partial)),
+        ("algo.asynchronous=true", bool(a.asynchronous)),
+        ("algo.shared_prompt=true (set it false)", bool(a.shared_prompt))) if bad]
+    if problems:
+        raise ConfigError("algo.routing_replay=true is not supported with " +
+                          "; ".join(problems))
 
 
 def check_async(cfg) -> None:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import algorithms, models, streams as streams_lib
+from rljax.config.base import ConfigError
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train import guidance, length_groups, programs as programs_lib, steps
@@ -211,9 +212,10 @@ def single_update(cfg) -> bool:
             and not a.mixed_policy)
 
 
-def batch_fields(cfg) -> dict:
+def batch_fields(cfg, model_cfg=None) -> dict:
     """The GRPO update batch's fields besides ``tokens``/``mask`` (what the rollout gives):
-    {name: (shape after the row axis, dtype)}."""
+    {name: (shape after the row axis, dtype)}; ``routes`` (routing replay, given
+    ``model_cfg``): (0, L, k), its sequence axis P+N (``length_groups.SEQUENCE_KEYS``)."""
     a, n = cfg.algo, programs_lib.completion_len(cfg)
     f32 = jnp.float32
     fields = {"loss_mask": ((n,), bool), "sampler_logps": ((n,), f32),
@@ -228,6 +230,9 @@ def batch_fields(cfg) -> dict:
         fields["model_mask"] = ((n,), bool)
     if a.name == "distill":   # the teacher's scores of the sampled tokens
         fields.update(teacher_lib.fields(cfg, n))
+    if a.get("routing_replay") and model_cfg is not None:
+        fields["routes"] = ((0, model_cfg.num_layers, model_cfg.num_experts_per_tok),
+                            jnp.int32)
     return fields
 
 
@@ -279,6 +284,9 @@ class GRPOPhase:
         cfg = ctx.cfg
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
+        if a.routing_replay and not ctx.model_cfg.is_moe:
+            raise ConfigError(f"algo.routing_replay=true needs a mixture-of-experts model "
+                              f"(model_type {ctx.model_cfg.model_type!r} is dense)")
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         groups = self.batch_size // a.num_generations
@@ -330,7 +338,7 @@ class GRPOPhase:
             out.append(programs_lib.logps_program(ctx, state.params, params))
         for name, fn, args, copies in update.programs(
                 state, update_sizes(cfg)[0], programs_lib.prompt_len(cfg),
-                programs_lib.completion_len(cfg), batch_fields(cfg)):
+                programs_lib.completion_len(cfg), batch_fields(cfg, ctx.model_cfg)):
             out.append(programs_lib.Program(name, fn, args, resident, copies))
         return state, out
 
