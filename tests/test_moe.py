@@ -293,3 +293,10 @@ def test_routing_replay_refusals():
                        match="routing_replay=true is not supported with rollout.engine='slots'"
                              ".*shared_prompt=true"):
         config_lib.validate(cfg)
+
+
+def test_lora_on_a_moe_covers_attention_only():
+    cfg = models.get_preset("tiny-moe")
+    with pytest.raises(ValueError, match="covers attention only.*'gate'"):
+        models.lora.lora_shapes(cfg, 4, "q|gate")
+    assert set(models.lora.lora_shapes(cfg, 4, "q|v")["layers"]) == {"q", "v"}

@@ -263,6 +263,12 @@ PRESETS = {
                        intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                        rope_theta=1000000.0, max_position_embeddings=131072,
                        bos_token_id=151643, eos_token_id=151643),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token (30.5B parameters, 3.3B active).
+    "qwen3-30b-a3b": dict(_family("qwen3_moe"), vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+                          head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          bos_token_id=151643, eos_token_id=151645),
     "llama-3.2-1b": dict(_family("llama"), vocab_size=128256, hidden_size=2048,
                          intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                          rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
