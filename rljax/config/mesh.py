@@ -1,6 +1,6 @@
-"""Devices: the ``mesh`` section (data, fsdp, expert, tensor axes; the rollout devices of asynchronous
-RL and their own axes) and the ``memory`` section (the pre-flight memory check), with their
-checks."""
+"""Devices: the ``mesh`` section (data, fsdp, expert, tensor axes; the rollout devices of
+asynchronous RL and their own axes) and the ``memory`` section (the pre-flight memory check),
+with their checks."""
 from __future__ import annotations
 
 from typing import Any
