@@ -300,3 +300,15 @@ def test_lora_on_a_moe_covers_attention_only():
     with pytest.raises(ValueError, match="covers attention only.*'gate'"):
         models.lora.lora_shapes(cfg, 4, "q|gate")
     assert set(models.lora.lora_shapes(cfg, 4, "q|v")["layers"]) == {"q", "v"}
+
+
+def test_the_moe_demo_config_has_the_dense_demos_active_mlp():
+    import os
+    from rljax import config as config_lib
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    moe_cfg = config_lib.load_config(os.path.join(root, "configs", "grpo_arithmetic_moe.py"))
+    dense = config_lib.load_config(os.path.join(root, "configs", "grpo_arithmetic.py"))
+    m = models.get_preset(moe_cfg.model.preset, **moe_cfg.model.overrides)
+    d = models.get_preset(dense.model.preset, **dense.model.overrides)
+    assert m.num_experts_per_tok * m.moe_intermediate_size == d.intermediate_size
+    assert m.hidden_size == d.hidden_size and m.num_layers == d.num_layers
