@@ -287,7 +287,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
     if rollout_mesh is not None:
         notes.append(f"mesh.rollout_devices={rollout_mesh.size}: the sample programs are "
                      "planned on the rollout mesh ("
-                     + " ".join(f"{k}={v}" for k, v in rollout_mesh.shape.items())
+                     + _mesh_text(rollout_mesh)
                      + ") with the sampler's copy of the policy as their resident state; "
                      "the others on the training mesh")
     if cfg.rollout.engine == "slots" and mesh.size > 1:
@@ -309,7 +309,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         notes.append("phases not compiled: resident train state only")
     name, parts = max(residents, key=lambda x: sum(x[1].values()), default=("", {}))
     capacity, source = device_capacity(cfg, devices[0])
-    mesh_desc = " ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    mesh_desc = _mesh_text(mesh)
     description = (f"rljax plan: {cfg.algo.name}{' + sft warm-up' if cfg.sft.steps else ''}, "
                    f"model {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.3g}M params, "
                    f"{cfg.model.dtype}), mesh {mesh_desc} ({len(devices)} "
@@ -318,6 +318,11 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
                    f"completions {n_new}")
     return MemoryPlan(description, sum(parts.values()), parts, phases, capacity, source, notes)
 
+
+
+def _mesh_text(mesh) -> str:
+    """``data=8 fsdp=1 tensor=1``: the mesh's axis sizes (``expert`` only when it splits)."""
+    return " ".join(f"{k}={v}" for k, v in mesh.shape.items() if k != "expert" or v > 1)
 
 def explain(p: MemoryPlan) -> str:
     """One line: why the run cannot fit, and what to change."""

@@ -4,7 +4,7 @@ Parameters carry *logical* axis names (``models.param_logical_axes(cfg)``: a pyt
 such as ``("layers", "embed", "mlp")``). One rules table maps each logical name to zero or more
 *mesh* axes; everything else here is plumbing around that table:
 
-    mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    mesh = make_mesh({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
     shardings = logical_to_sharding(models.param_logical_axes(cfg), mesh, shapes=params)
     params = shard_params(params, shardings)
     batch = shard_batch(batch, mesh)
@@ -23,12 +23,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 """Mesh axis names, outermost first. ``data``: pure data parallelism (parameters replicated);
 ``fsdp``: data parallelism with parameters/optimizer state sharded (gathered per layer by XLA);
-``tensor``: heads / MLP / vocab split across devices (Megatron style)."""
+``expert``: expert parallelism: a mixture of experts' experts split across devices, the batch
+too (a dense model treats it as more data parallelism); ``tensor``: heads / MLP / vocab split
+across devices (Megatron style)."""
 
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 """Mesh axes the leading batch dimension of activations and batches is split over."""
 
 # Logical axis -> mesh axes. MaxText-style: the table is the only place that knows the layout.
@@ -46,11 +48,13 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    ("expert", "expert"),        # the experts of a mixture-of-experts layer
+    ("expert_choice", None),     # the router's output (one logit per expert), kept whole
 )
 
 
 def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence[Any] | None = None) -> Mesh:
-    """Builds a ``Mesh`` with axes ``("data", "fsdp", "tensor")``.
+    """Builds a ``Mesh`` with axes ``("data", "fsdp", "expert", "tensor")``.
 
     Args:
       axes: mapping (dict or ConfigDict) from mesh axis name to size. Missing axes have size 1;
@@ -59,7 +63,7 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence[Any] | No
       devices: devices to use (default ``jax.devices()``).
 
     Returns:
-      A ``Mesh`` of shape ``(data, fsdp, tensor)`` whose size equals ``len(devices)``.
+      A ``Mesh`` of shape ``(data, fsdp, expert, tensor)`` whose size equals ``len(devices)``.
 
     Raises:
       ValueError: unknown axis names, several ``-1``, non-positive sizes, or sizes whose product

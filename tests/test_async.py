@@ -101,8 +101,8 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     ({"algo.async_lag": 0}, "algo.async_lag"),
     ({"algo.asynchronous": False}, "mesh.rollout_devices=4 gives the sampler devices of its "
                                    "own, which only asynchronous RL uses"),
-    ({"mesh.rollout.fsdp": 3}, "mesh.rollout {'data': -1, 'fsdp': 3, 'tensor': 1} does not "
-                               "fit mesh.rollout_devices=4"),
+    ({"mesh.rollout.fsdp": 3}, "mesh.rollout {'data': -1, 'fsdp': 3, 'expert': 1, 'tensor': 1} "
+                               "does not fit mesh.rollout_devices=4"),
 ])
 def test_refusals_are_one_line(change, message):
     cfg = config.default_config()

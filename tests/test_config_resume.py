@@ -32,7 +32,10 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
     assert {k: now["algo"].pop(k) for k in ("asynchronous", "async_lag")} == {
         "asynchronous": False, "async_lag": 1}   # synchronous RL
     assert {k: now["mesh"].pop(k) for k in ("rollout_devices", "rollout")} == {
-        "rollout_devices": 0, "rollout": {"data": -1, "fsdp": 1, "tensor": 1}}   # one mesh
+        "rollout_devices": 0, "rollout": {"data": -1, "fsdp": 1, "expert": 1, "tensor": 1}}
+    assert now["mesh"].pop("expert") == 1   # expert parallelism (mixtures of experts)
+    assert now["algo"].pop("moe_aux_loss_coef") == 0.0   # mixtures of experts only
+    assert now["algo"].pop("routing_replay") is False
     assert now["algo"].pop("rae_alpha") == 0.95   # read by algo.adv_estimator='rae' only
     assert now["env"].pop("selfplay") == {   # mode 'off': the environment's own opponent
         "mode": "off", "workdir": "", "step": 0, "temperature": 0.0, "forfeit_reward": 0.0}

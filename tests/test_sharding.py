@@ -13,15 +13,16 @@ def test_eight_fake_devices():
 
 
 @pytest.mark.parametrize("axes,shape", [
-    ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 2)),
-    ({"data": -1}, (8, 1, 1)),
-    ({"data": 2, "fsdp": -1, "tensor": 2}, (2, 2, 2)),
-    ({"fsdp": 4, "tensor": -1}, (1, 4, 2)),
-    (None, (8, 1, 1)),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 1, 2)),
+    ({"data": -1}, (8, 1, 1, 1)),
+    ({"data": 2, "fsdp": -1, "tensor": 2}, (2, 2, 1, 2)),
+    ({"fsdp": 4, "tensor": -1}, (1, 4, 1, 2)),
+    ({"data": 2, "expert": 4}, (2, 1, 4, 1)),
+    (None, (8, 1, 1, 1)),
 ])
 def test_make_mesh_sizes(axes, shape):
     mesh = sharding.make_mesh(axes)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
     assert tuple(mesh.shape[a] for a in mesh.axis_names) == shape
     assert mesh.devices.size == 8
 
@@ -32,7 +33,8 @@ def test_make_mesh_subset_of_devices():
 
 
 @pytest.mark.parametrize("axes,match", [
-    ({"data": 3, "fsdp": 1, "tensor": 1}, r"data=3, fsdp=1, tensor=1.*multiply to 3.*8 devices"),
+    ({"data": 3, "fsdp": 1, "tensor": 1},
+     r"data=3, fsdp=1, expert=1, tensor=1.*multiply to 3.*8 devices"),
     ({"data": 3, "fsdp": -1}, r"not divisible.*data=3.*'fsdp'"),
     ({"data": -1, "fsdp": -1}, r"at most one -1"),
     ({"data": 0}, r"data=0"),
@@ -50,8 +52,8 @@ def test_logical_to_spec_rules_and_fallbacks():
     assert spec(("vocab", "embed"), mesh, shape=(256, 64)) == P("tensor", "fsdp")
     # Not divisible: vocab 255 over tensor=2 -> replicated along that dim only.
     assert spec(("vocab", "embed"), mesh, shape=(255, 64)) == P(None, "fsdp")
-    # Batch keeps the longest dividing prefix of (data, fsdp).
-    assert spec(("batch", "length"), mesh, shape=(8, 5)) == P(("data", "fsdp"), None)
+    # Batch keeps the longest dividing prefix of (data, fsdp, expert).
+    assert spec(("batch", "length"), mesh, shape=(8, 5)) == P(("data", "fsdp", "expert"), None)
     assert spec(("batch", "length"), mesh, shape=(2, 5)) == P("data", None)
     assert spec(("batch", "length"), mesh, shape=(3, 5)) == P(None, None)
     # Without shapes the rule applies as written; unknown names and None replicate.
@@ -85,7 +87,7 @@ def test_shard_batch():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     batch = {"tokens": np.zeros((8, 16), np.int32), "mask": np.ones((6, 3), bool)}
     out = sharding.shard_batch(batch, mesh)
-    assert out["tokens"].sharding.spec == P(("data", "fsdp"), None)
+    assert out["tokens"].sharding.spec == P(("data", "fsdp", "expert"), None)
     assert out["tokens"].addressable_shards[0].data.shape == (2, 16)
     assert out["mask"].sharding.spec == P("data", None)  # 6 is not divisible by 4
 
@@ -113,7 +115,7 @@ def test_constrain_inside_jit():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     f = jax.jit(lambda x: sharding.constrain(x * 2, ("batch", None), mesh))
     y = f(jnp.ones((8, 4)))
-    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), None)), 2)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp", "expert"), None)), 2)
     assert sharding.constrain(jnp.ones(3), ("batch",), None).shape == (3,)
 
 

@@ -87,6 +87,13 @@ def algo() -> dict[str, Any]:
         overlong_buffer=0,           # DAPO soft overlong penalty over the last N tokens; 0 = off
         overlong_penalty_factor=1.0,  # scale of that penalty (-factor at max_new_tokens)
         entropy_coef=0.0,
+        # Mixture-of-experts policies: weight of the load-balancing loss added to the update's
+        # loss (metric moe/load_balance: its value, num_experts_per_tok when balanced).
+        moe_aux_loss_coef=0.0,
+        # Routing replay (GRPO, mixtures of experts): the sampler records each token's experts
+        # and the update's forward sends the token to those (the router still weights them and
+        # gets its gradient), so sampler and trainer agree on the routes.
+        routing_replay=False,
         gamma=1.0,                   # discount of PPO/GAE and the REINFORCE++ return
         lam=0.95,                    # GAE lambda
         vf_coef=0.5,                 # value loss weight (PPO)
@@ -242,6 +249,7 @@ RANGES = (
     ("algo.num_iterations", 1, None),
     ("algo.mini_batch_size", 0, None), ("algo.micro_batch_size", 0, None),
     ("algo.entropy_coef", 0.0, None), ("algo.max_sampling_rounds", 0, None),
+    ("algo.moe_aux_loss_coef", 0.0, None),
     ("algo.overlong_buffer", 0, None), ("algo.overlong_penalty_factor", 0.0, None),
     ("algo.gamma", 0.0, 1.0), ("algo.lam", 0.0, 1.0), ("algo.rae_alpha", 0.0, 1.0),
     ("algo.vf_coef", 0.0, None), ("algo.cliprange_value", 0.0, None),
@@ -414,6 +422,25 @@ def check_distill(cfg) -> None:
     if d.kl_weight == 0 and d.reward_weight == 0 and d.jsd_weight == 0:
         raise ConfigError("algo.distill.kl_weight, reward_weight and jsd_weight are all 0: "
                           "nothing would train")
+
+
+def check_routing_replay(cfg) -> None:
+    """Routing replay: GRPO with the static sampler on single-turn prompts (the samplers
+    that record routes), one sequence per completion (no shared-prompt layout)."""
+    a, r = cfg.algo, cfg.rollout
+    if not a.routing_replay:
+        return
+    problems = [what for what, bad in (
+        (f"algo.name={a.name!r} (needs 'grpo')", a.name != "grpo"),
+        (f"rollout.engine={r.engine!r} (needs 'static')", r.engine != "static"),
+        ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
+        (f"env.name={cfg.env.name!r} (multi-turn)", bool(cfg.env.name)),
+        ("rollout.partial=true", bool(r.partial)),
+        ("algo.asynchronous=true", bool(a.asynchronous)),
+        ("algo.shared_prompt=true (set it false)", bool(a.shared_prompt))) if bad]
+    if problems:
+        raise ConfigError("algo.routing_replay=true is not supported with " +
+                          "; ".join(problems))
 
 
 def check_async(cfg) -> None:

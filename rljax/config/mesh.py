@@ -1,6 +1,6 @@
-"""Devices: the ``mesh`` section (data, fsdp, tensor axes; the rollout devices of asynchronous
-RL and their own axes) and the ``memory`` section (the pre-flight memory check), with their
-checks."""
+"""Devices: the ``mesh`` section (data, fsdp, expert, tensor axes; the rollout devices of
+asynchronous RL and their own axes) and the ``memory`` section (the pre-flight memory check),
+with their checks."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,22 +8,23 @@ from typing import Any
 from rljax.config.base import ConfigError
 
 
-AXES = ("data", "fsdp", "tensor")   # the training mesh's axes (rljax.sharding.MESH_AXES)
+AXES = ("data", "fsdp", "expert", "tensor")   # the training mesh's axes (rljax.sharding.MESH_AXES)
 
 
 def mesh() -> dict[str, Any]:
     return dict(
         data=-1, fsdp=1, tensor=1,   # -1 = the rest of the devices
+        expert=1,                    # expert parallelism (mixtures of experts; the batch too)
         # Asynchronous RL (algo.asynchronous; docs/internals.md): the last `rollout_devices`
         # local devices sample, on a mesh of their own shaped by `rollout`; the others train
         # on data x fsdp x tensor. 0 = one mesh for both.
         rollout_devices=0,
-        rollout=dict(data=-1, fsdp=1, tensor=1),
+        rollout=dict(data=-1, fsdp=1, expert=1, tensor=1),
     )
 
 
 def axis_sizes(mesh_cfg) -> dict[str, int]:
-    """``{data, fsdp, tensor}`` of the training mesh (or of ``mesh.rollout``): the axis keys of
+    """``{data, fsdp, expert, tensor}`` of the training mesh (or of ``mesh.rollout``): the axis keys of
     a mesh section, without the split's own keys."""
     return {k: int(mesh_cfg[k]) for k in AXES}
 

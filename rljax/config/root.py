@@ -92,6 +92,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     data.check_path,
     algo.check_overlong,
     algo.check_distill,
+    algo.check_routing_replay,
     algo.check_role_estimator,
     model.check_lora,
     reward.check_env,

@@ -1,4 +1,5 @@
-"""Decoder-only transformer families (llama, qwen2, qwen3, gemma, gemma2, gemma3) as pure functions over
+"""Decoder-only transformer families (llama, qwen2, qwen3, gemma, gemma2, gemma3; the mixtures of
+experts qwen3_moe and olmoe) as pure functions over
 parameter pytrees, a value head, Hugging Face safetensors import/export and llama.cpp GGUF
 import (``load_hf`` of a ``.gguf`` path).
 
@@ -17,7 +18,7 @@ from rljax.models.transformer import (apply_rope, attention, default_positions, 
                                       param_logical_axes, param_shapes, rms_norm, rope_inv_freq,
                                       scoring_temperature, stack_cache, token_logps, trunk, unstack_cache,
                                       unstack_layers)
-from rljax.models import kv_ring, lora, peft, quant, shared_prompt
+from rljax.models import kv_ring, lora, moe, peft, quant, shared_prompt
 from rljax.models.kv_ring import init_layer_cache, kv_cache_bytes
 from rljax.models.value import init_value_params, value_forward, value_param_logical_axes
 
@@ -30,7 +31,7 @@ __all__ = [
     "unstack_layers", "unstack_cache", "stack_cache",
     "embed_tokens", "default_positions", "rms_norm", "apply_rope", "rope_inv_freq", "attention",
     "init_value_params", "value_forward", "value_param_logical_axes",
-    "lora", "peft", "quant", "shared_prompt", "load_hf", "save_hf", "save_hf_value", "config_from_hf", "config_to_hf",
+    "lora", "moe", "peft", "quant", "shared_prompt", "load_hf", "save_hf", "save_hf_value", "config_from_hf", "config_to_hf",
     "HFCheckpointError",
     "load_config", "is_gguf_path", "load_gguf", "inspect_gguf", "GGUFError",
     "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "packaged_model_path", "smollm2_path",

@@ -1,9 +1,10 @@
 """ModelConfig: the static description of a decoder-only transformer, and named presets.
 
 A ``ModelConfig`` is frozen and hashable so it can be passed to ``jax.jit`` as a static
-argument. Family differences (llama, qwen2, qwen3, gemma, gemma2, gemma3) are expressed as plain fields
-(``attention_bias``, ``qk_norm``, ``activation``, ...) so the forward pass has no per-family
-branches beyond reading those flags.
+argument. Family differences (llama, qwen2, qwen3, gemma, gemma2, gemma3, and the mixture-of-experts
+qwen3_moe and olmoe) are expressed as plain fields (``attention_bias``, ``qk_norm``,
+``activation``, ``num_experts``, ...) so the forward pass has no per-family branches beyond
+reading those flags.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Optional, Tuple, Union
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen3_moe",
+                         "olmoe")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -93,6 +95,7 @@ class VisionConfig:
 
 ATTENTION_IMPLS = ("xla", "cudnn", "auto")
 REMAT_POLICIES = ("dots", "everything")
+QK_NORM_SCOPES = ("head", "projection")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,11 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k before RoPE (qwen3, gemma3, olmoe)
+    # What that RMSNorm normalises over: "head" (each head's Dh values, a [Dh] scale: qwen3,
+    # gemma3) | "projection" (the whole H*Dh query / K*Dh key projection, [H*Dh] / [K*Dh]
+    # scales: olmoe).
+    qk_norm_scope: str = "head"
     activation: str = "silu"  # gated MLP activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
     scale_embeddings: bool = False  # multiply embeddings by sqrt(hidden_size) (gemma)
     norm_plus_one: bool = False  # RMSNorm computes x * (1 + w) (gemma)
@@ -141,6 +148,17 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None  # scores scaled by this ** -0.5 (None: Dh)
     attn_logit_softcapping: Optional[float] = None  # scores -> c * tanh(scores / c) (gemma2)
     final_logit_softcapping: Optional[float] = None  # logits -> c * tanh(logits / c) (gemma2)
+    # Mixture of experts (qwen3_moe, olmoe): every layer's MLP is `num_experts` SwiGLU experts
+    # of width `moe_intermediate_size`, each token sent to the `num_experts_per_tok` (k) with
+    # the highest router probability and their outputs summed with those probabilities as
+    # weights (renormalised to sum to 1 when `norm_topk_prob`). 0 experts = a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # The load-balancing loss's weight in HF training (config.json's router_aux_loss_coef);
+    # kept so an export writes it back. rljax's own weight is `algo.moe_aux_loss_coef`.
+    router_aux_loss_coef: float = 0.001
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False  # jax.checkpoint each layer (recompute activations in the backward pass)
@@ -201,6 +219,17 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {self.activation!r}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"unsupported qk_norm_scope {self.qk_norm_scope!r}; "
+                             f"use one of {QK_NORM_SCOPES}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                 f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size < 1:
+                raise ValueError("a mixture of experts needs moe_intermediate_size >= 1")
+            if self.activation != "silu":
+                raise ValueError("mixture-of-experts layers use SwiGLU experts (activation='silu')")
         if self.rope_scaling_type not in (None, "linear", "llama3"):
             raise ValueError(f"unsupported rope scaling {self.rope_scaling_type!r}")
         if self.layer_types is not None:
@@ -229,6 +258,11 @@ class ModelConfig:
         return float(self.query_pre_attn_scalar) ** -0.5
 
     @property
+    def is_moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
+
+    @property
     def compute_dtype(self):
         return _DTYPES[self.dtype]
 
@@ -239,13 +273,20 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
-    def num_params(self) -> int:
-        """Parameter count (policy model, no value head)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (policy model, no value head). ``active``: of a mixture of
+        experts, only the router and the k experts one token runs through."""
         d, f, h, k, dh, v = (self.hidden_size, self.intermediate_size, self.num_heads,
                              self.num_kv_heads, self.head_dim, self.vocab_size)
-        per_layer = d * (h + 2 * k) * dh + h * dh * d + 3 * d * f + 2 * d
+        if self.is_moe:
+            experts = self.num_experts_per_tok if active else self.num_experts
+            mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        else:
+            mlp = 3 * d * f
+        per_layer = d * (h + 2 * k) * dh + h * dh * d + mlp + 2 * d
         per_layer += (h + 2 * k) * dh if self.attention_bias else 0
-        per_layer += 2 * dh if self.qk_norm else 0
+        if self.qk_norm:
+            per_layer += 2 * dh if self.qk_norm_scope == "head" else (h + k) * dh
         per_layer += 2 * d if self.post_norms else 0
         return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
@@ -264,6 +305,8 @@ def _family(model_type: str) -> dict:
         "gemma3": dict(model_type="gemma3", activation="gelu_tanh", scale_embeddings=True,
                        norm_plus_one=True, tie_word_embeddings=True, post_norms=True,
                        qk_norm=True, rope_theta=1000000.0, rope_local_theta=10000.0),
+        "qwen3_moe": dict(model_type="qwen3_moe", qk_norm=True, norm_topk_prob=True),
+        "olmoe": dict(model_type="olmoe", qk_norm=True, qk_norm_scope="projection"),
     }[model_type]
 
 
@@ -279,6 +322,12 @@ PRESETS = {
     # Tests: fast everywhere.
     "tiny": dict(_family("llama"), vocab_size=256, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=512),
+    # A mixture of experts with `tiny`'s active MLP size: 8 experts of width 64, 2 per token
+    # (2 x 3 x 64 x 64 = tiny's 3 x 64 x 128 per layer, plus a 64 x 8 router).
+    "tiny-moe": dict(_family("qwen3_moe"), vocab_size=256, hidden_size=64,
+                     intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=64),
     # Demos / CPU experiments (~7M params with a 256-token vocab).
     "small": dict(_family("llama"), vocab_size=256, hidden_size=256, intermediate_size=768,
                   num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048),
@@ -305,6 +354,12 @@ PRESETS = {
                        intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                        rope_theta=1000000.0, max_position_embeddings=131072,
                        bos_token_id=151643, eos_token_id=151643),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token (30.5B parameters, 3.3B active).
+    "qwen3-30b-a3b": dict(_family("qwen3_moe"), vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+                          head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          bos_token_id=151643, eos_token_id=151645),
     "llama-3.2-1b": dict(_family("llama"), vocab_size=128256, hidden_size=2048,
                          intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                          rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
@@ -349,7 +404,8 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     fields = dict(PRESETS[name])
     if "model_type" in overrides and overrides["model_type"] != fields["model_type"]:
         # Reset the old family's flags before applying the new family's.
-        for key in ("attention_bias", "qk_norm", "activation", "scale_embeddings",
+        for key in ("attention_bias", "qk_norm", "qk_norm_scope", "norm_topk_prob",
+                    "activation", "scale_embeddings",
                     "norm_plus_one", "tie_word_embeddings", "post_norms",
                     "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping"):
             fields.pop(key, None)

@@ -48,7 +48,16 @@ _LAYER_NAMES = {
     "gate": ("mlp.gate_proj.weight", 1),
     "up": ("mlp.up_proj.weight", 1),
     "down": ("mlp.down_proj.weight", 1),
+    # Mixtures of experts: the router, and each expert's three matrices stored one tensor per
+    # expert ("{e}" = the expert's index; see EXPERTS).
+    "router": ("mlp.gate.weight", 1),
+    "expert_gate": ("mlp.experts.{e}.gate_proj.weight", -2),
+    "expert_up": ("mlp.experts.{e}.up_proj.weight", -2),
+    "expert_down": ("mlp.experts.{e}.down_proj.weight", -2),
 }
+# n_in of a per-layer stack of experts [E, in, out] (ours) stored by HF as E separate
+# [out, in] tensors; converted as one [E, out, in] array whose rows are those tensors.
+EXPERTS = -2
 # Gemma 2/3 name their four layer norms by position: "post_attention_layernorm" is the norm on
 # the attention output there, not the MLP's pre-norm as in the other families.
 _POST_NORM_NAMES = {
@@ -86,6 +95,8 @@ def _umask() -> int:
     return mask
 
 def _hf_shape(shape: tuple, n_in: int) -> tuple:
+    if n_in == EXPERTS:
+        return (shape[0], math.prod(shape[2:]), shape[1])
     if n_in == -1:
         return tuple(shape)
     if n_in == 0:
@@ -94,10 +105,14 @@ def _hf_shape(shape: tuple, n_in: int) -> tuple:
 
 
 def _to_ours(w: np.ndarray, shape: tuple, n_in: int) -> np.ndarray:
+    if n_in == EXPERTS:
+        return np.swapaxes(w, 1, 2).reshape(shape)
     return w.reshape(shape) if n_in <= 0 else w.T.reshape(shape)
 
 
 def _from_ours(w: np.ndarray, n_in: int) -> np.ndarray:
+    if n_in == EXPERTS:
+        return np.ascontiguousarray(np.swapaxes(w.reshape(w.shape[0], w.shape[1], -1), 1, 2))
     if n_in == -1:
         return w
     if n_in == 0:
@@ -122,8 +137,23 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict:
     shapes = {}
     for _, shape, hf_name, n_in, stacked in _entries(cfg):
         for i in (range(shape[0]) if stacked else [None]):
-            shapes[hf_name(i)] = _hf_shape(shape[1:] if stacked else shape, n_in)
+            hf_shape = _hf_shape(shape[1:] if stacked else shape, n_in)
+            if n_in == EXPERTS:
+                for e in range(hf_shape[0]):
+                    shapes[hf_name(i).format(e=e)] = hf_shape[1:]
+            else:
+                shapes[hf_name(i)] = hf_shape
     return shapes
+
+
+def _with_experts(get_tensor: Callable) -> Callable:
+    """``get_tensor`` that also answers an experts name ("...experts.{e}...", shape
+    [E, out, in]) with the E per-expert tensors stacked."""
+    def get(name, shape):
+        if "{e}" not in name:
+            return get_tensor(name, shape)
+        return np.stack([get_tensor(name.format(e=e), tuple(shape[1:])) for e in range(shape[0])])
+    return get
 
 
 # ----------------------------------------------------------------------------- load
@@ -216,6 +246,7 @@ def load_params(cfg: ModelConfig, get_tensor: Callable, shardings=None,
     built (e.g. quantizes it), so the whole float tree never exists at once.
     """
     np_dtype = _NP_DTYPES[cfg.param_dtype]
+    get_tensor = _with_experts(get_tensor)
     params: dict = {}
     for tree_path, shape, hf_name, n_in, stacked in _entries(cfg):
         if stacked:
@@ -302,7 +333,11 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int =
         layer_shape = shape[1:] if stacked else shape
         nbytes = math.prod(layer_shape) * itemsize
         for i in (range(shape[0]) if stacked else [None]):
-            plan.append((hf_name(i), tree_path, i, n_in, nbytes))
+            if n_in == EXPERTS:   # one tensor per expert: (name, tree path, (layer, expert))
+                plan += [(hf_name(i).format(e=e), tree_path, (i, e), n_in,
+                          nbytes // layer_shape[0]) for e in range(layer_shape[0])]
+            else:
+                plan.append((hf_name(i), tree_path, i, n_in, nbytes))
     shards, size = [[]], 0
     for item in plan:
         if shards[-1] and size + item[-1] > max_shard_bytes:
@@ -329,7 +364,11 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int =
         tensors = {}
         for hf_name, tree_path, i, n_in, _ in shard:
             w = fetch(tree_path)
-            tensors[hf_name] = np.ascontiguousarray(_from_ours(w if i is None else w[i], n_in))
+            if n_in == EXPERTS:   # this expert's [in, out] -> HF's [out, in]
+                w, n_in = w[i[0]][i[1]], 1
+            elif i is not None:
+                w = w[i]
+            tensors[hf_name] = np.ascontiguousarray(_from_ours(w, n_in))
             weight_map[hf_name] = fname
         save_file(tensors, os.path.join(out_dir, fname), metadata=meta)
     if len(shards) > 1:

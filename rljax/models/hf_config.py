@@ -12,11 +12,14 @@ from rljax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, dtype_name
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 # Per-family defaults of HF config fields that checkpoints may omit.
 _TIE_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "gemma": True, "gemma2": True,
-                "gemma3": True}
+                "gemma3": True, "qwen3_moe": False, "olmoe": False}
 _GEMMAS = ("gemma", "gemma2", "gemma3")
+_MOES = ("qwen3_moe", "olmoe")
+_QK_NORMED = ("qwen3", "gemma3", "qwen3_moe", "olmoe")
 # The HF model_type each of ours is written as (gemma3: the text-only model).
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
 
@@ -57,7 +60,7 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
                                 "(supported: default, linear, llama3)")
     if hf.get("mlp_bias"):
         raise HFCheckpointError("mlp_bias=True is not supported")
-    if mt in ("llama", "qwen3") and hf.get("attention_bias"):
+    if mt in ("llama", "qwen3") + _MOES and hf.get("attention_bias"):
         # These families then also carry an o_proj bias, which this model does not have.
         raise HFCheckpointError(f"attention_bias=True is not supported for {mt}")
     if hf.get("use_sliding_window"):
@@ -84,7 +87,7 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", _TIE_DEFAULT[mt]),
         attention_bias=mt == "qwen2",
-        qk_norm=mt in ("qwen3", "gemma3"),
+        qk_norm=mt in _QK_NORMED,
         activation=activation,
         scale_embeddings=mt in _GEMMAS,
         norm_plus_one=mt in _GEMMAS,
@@ -96,6 +99,8 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
     )
     if mt in ("gemma2", "gemma3"):
         fields.update(_gemma_fields(hf, mt, local_theta))
+    if mt in _MOES:
+        fields.update(_moe_fields(hf, mt))
     if rope_type != "default":
         fields.update(rope_scaling_type=rope_type, rope_factor=float(rope.get("factor", 1.0)))
     if rope_type == "llama3":
@@ -126,6 +131,34 @@ def _gemma_fields(hf: dict, mt: str, local_theta) -> dict:
                                                30.0 if mt == "gemma2" else None))
 
 
+def _moe_fields(hf: dict, mt: str) -> dict:
+    """The mixture-of-experts ModelConfig fields of a qwen3_moe / olmoe HF config."""
+    if mt == "qwen3_moe":
+        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise HFCheckpointError(
+                f"qwen3_moe with dense layers (decoder_sparse_step={step}, mlp_only_layers="
+                f"{dense}) is not supported: every layer must be a mixture of experts")
+    if mt == "olmoe":
+        if hf.get("clip_qkv") is not None:
+            raise HFCheckpointError("olmoe clip_qkv is not supported")
+        heads = hf["num_attention_heads"]
+        if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+            raise HFCheckpointError("olmoe's head_dim must be hidden_size // num_attention_heads")
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not num_experts:
+        raise HFCheckpointError(f"{mt} config.json gives no num_experts")
+    return dict(num_experts=int(num_experts),
+                num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+                # OLMoE's experts are `intermediate_size` wide (it has no dense MLP).
+                moe_intermediate_size=int(hf["intermediate_size"] if mt == "olmoe"
+                                          else hf.get("moe_intermediate_size", 768)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef",
+                                                  0.001 if mt == "qwen3_moe" else 0.01)),
+                qk_norm_scope="projection" if mt == "olmoe" else "head")
+
+
 def _int_if_whole(x: float):
     return int(x) if float(x).is_integer() else x
 
@@ -142,8 +175,16 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         raise HFCheckpointError(f"{mt} export cannot express gemma-style options")
     if cfg.attention_bias != (mt == "qwen2"):
         raise HFCheckpointError("q/k/v biases are expressible only (and always) for qwen2")
-    if cfg.qk_norm != (mt in ("qwen3", "gemma3")):
-        raise HFCheckpointError("qk_norm is expressible only (and always) for qwen3, gemma3")
+    if cfg.qk_norm != (mt in _QK_NORMED):
+        raise HFCheckpointError(f"qk_norm is expressible only (and always) for {_QK_NORMED}")
+    if cfg.qk_norm and (cfg.qk_norm_scope == "projection") != (mt == "olmoe"):
+        raise HFCheckpointError("qk_norm over the whole projection is expressible only (and "
+                                "always) for olmoe")
+    if cfg.is_moe != (mt in _MOES):
+        raise HFCheckpointError(f"mixtures of experts are expressible only (and always) for "
+                                f"{_MOES}")
+    if mt == "olmoe" and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+        raise HFCheckpointError("olmoe export needs head_dim * num_heads == hidden_size")
     new_gemma = mt in ("gemma2", "gemma3")
     if cfg.post_norms != new_gemma:
         raise HFCheckpointError("post_norms are expressible only (and always) for gemma2/3")
@@ -184,8 +225,17 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "torch_dtype": cfg.param_dtype,
         "initializer_range": cfg.init_std,
     }
-    if cfg.model_type in ("llama", "qwen3"):
+    if cfg.model_type in ("llama", "qwen3") + _MOES:
         hf["attention_bias"] = False
+    if cfg.is_moe:
+        hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                  moe_intermediate_size=cfg.moe_intermediate_size,
+                  norm_topk_prob=cfg.norm_topk_prob,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if mt == "qwen3_moe":
+        hf.update(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
+    if mt == "olmoe":
+        hf.update(clip_qkv=None, intermediate_size=cfg.moe_intermediate_size)
     if gemma:
         hf["hidden_activation"] = "gelu_pytorch_tanh"
     if new_gemma:

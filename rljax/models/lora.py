@@ -84,7 +84,11 @@ def lora_shapes(cfg: ModelConfig, rank: int, targets) -> dict:
     is replicated (``None``); the others follow the base weight's axes."""
     L = cfg.num_layers
     out = {}
-    for name in resolve_targets(targets):
+    chosen = resolve_targets(targets)
+    if cfg.is_moe and {"gate", "up", "down"} & set(chosen):
+        raise ValueError(f"LoRA on a mixture of experts covers attention only (q, k, v, o); "
+                         f"drop {sorted({'gate', 'up', 'down'} & set(chosen))} from the targets")
+    for name in chosen:
         i_shape, i_axes, o_shape, o_axes = _proj_shapes(cfg)[name]
         out[name] = {"a": ((L,) + i_shape + (rank,), ("layers",) + i_axes + (None,)),
                      "b": ((L, rank) + o_shape, ("layers", None) + o_axes)}

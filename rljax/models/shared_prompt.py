@@ -80,7 +80,7 @@ def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask, scal
 
 def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask: jax.Array,
           tokens: jax.Array, mask: jax.Array, lora_dropout_rng: Optional[jax.Array] = None,
-          image_embeds: Optional[jax.Array] = None):
+          image_embeds: Optional[jax.Array] = None, moe_stats: Optional[dict] = None):
     """Embeddings + all layers + final norm over shared prompts and their completions.
 
     prompt_tokens: int [Bp, P], left-padded (prompt_mask bool [Bp, P]); tokens: int [Bp*G, N]
@@ -91,6 +91,9 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
     float32 summation order. ``lora_dropout_rng`` as in ``transformer.trunk`` (other masks:
     the positions are laid out differently). ``image_embeds`` [Bp, K, D]: the prompts' image
     embeddings, as ``transformer.trunk`` (the image tokens and their mask are the prompt's).
+
+    ``moe_stats`` (a dict; mixtures of experts): receives the routing statistics under
+    ``"stats"`` (``moe.moe_mlp``'s, stacked over layers), each prompt's tokens counted once.
     """
     bp, p = prompt_tokens.shape
     r, n = tokens.shape
@@ -143,22 +146,28 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
         return jnp.concatenate([out_prompt.reshape((split,) + out_prompt.shape[2:]),
                                 out.reshape((r * n,) + out.shape[3:])])[None]
 
+    token_mask = jnp.concatenate([prompt_mask.reshape(-1), mask.reshape(-1)])[None]
+
     def layer(x, p, i, lp, is_local=None):
         p = tfm._cast_layer(cfg, p)
         drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
         masks, r = (full, rope) if is_local is None else \
             tfm.pick_layer_kind(is_local, (local, rope_local), (full, rope))
-        return tfm.block(cfg, p, x, r, lambda q, k, v: attend(q, k, v, masks), lp, drop)
+        moe_io = {"token_mask": token_mask, "stats": []} if cfg.is_moe else None
+        x = tfm.block(cfg, p, x, r, lambda q, k, v: attend(q, k, v, masks), lp, drop, moe_io)
+        return x, (moe_io["stats"][0] if moe_io else None)
 
     layer = tfm.layer_checkpoint(cfg, layer)   # as ``transformer.trunk``'s training forward
     lora_layers = params["lora"]["layers"] if "lora" in params else None
 
     def body(x, xs):
-        return layer(x, *xs), None
+        return layer(x, *xs)
 
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     scanned_kinds = jnp.asarray(kinds) if kinds else None
-    x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds))
+    x, stats = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds))
+    if moe_stats is not None:
+        moe_stats["stats"] = stats
     x = tfm.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)[0]
     return x[:split].reshape(bp, p, -1), x[split:].reshape(r, n, -1)
 
@@ -168,7 +177,8 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
                      temperature=1.0, chunk_size: Optional[int] = None,
                      with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
                      extra_targets: Optional[jax.Array] = None,
-                     image_embeds: Optional[jax.Array] = None):
+                     image_embeds: Optional[jax.Array] = None,
+                     moe_stats: Optional[dict] = None):
     """Log-probs (and entropies) of completion tokens after shared prompts.
 
     Shapes as ``trunk``; ``temperature`` a scalar or float32 [Bp*G, N] (each token at its own).
@@ -177,10 +187,11 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     ``transformer.token_logps(..., first_scored=P)`` gives for the concatenated rows. Token 0
     is predicted by the prompt's last position (left padding: the last column is real).
     ``extra_targets`` int [Bp*G, N, K]: a third output, those ids' log-probs per column
-    (``transformer.scored_logps``). ``image_embeds`` [Bp, K, D]: as ``trunk``.
+    (``transformer.scored_logps``). ``image_embeds`` [Bp, K, D] and ``moe_stats``: as
+    ``trunk``'s.
     """
     prompt_hidden, hidden = trunk(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
-                                  lora_dropout_rng, image_embeds)
+                                  lora_dropout_rng, image_embeds, moe_stats)
     g = tokens.shape[0] // prompt_tokens.shape[0]
     last = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)                    # [Bp*G, 1, D]
     before = jnp.concatenate([last, hidden[:, :-1]], axis=1)              # predicts column j

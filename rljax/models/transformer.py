@@ -9,6 +9,9 @@ Parameter tree (per-layer weights stacked on a leading ``layers`` axis, see
                 "down": [L, F, D],
                 # qwen2 (attention_bias): "q_bias": [L, H, Dh], "k_bias"/"v_bias": [L, K, Dh]
                 # qwen3, gemma3 (qk_norm): "q_norm": [L, Dh], "k_norm": [L, Dh]
+                # olmoe (qk_norm over the projection): "q_norm": [L, H*Dh], "k_norm": [L, K*Dh]
+                # qwen3_moe, olmoe (num_experts E): "router": [L, D, E] and "expert_gate",
+                # "expert_up": [L, E, D, F], "expert_down": [L, E, F, D] instead of gate/up/down
                 # gemma2, gemma3 (post_norms): "post_attn_norm", "post_mlp_norm": [L, D]
                },
      "final_norm": [D],
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Attention lives in its own module; re-exported here, where callers have always found it.
-from rljax.models import image_tokens, kv_ring, quant, vision_params
+from rljax.models import image_tokens, kv_ring, moe, quant, vision_params
 from rljax.models.attention import _MASK_VALUE, attention, window_mask  # noqa: F401
 from rljax.models.config import ModelConfig
 from rljax.models.lora import dropout as lora_dropout, dropout_key as lora_dropout_key
@@ -51,13 +54,18 @@ def _layer_shapes(cfg: ModelConfig) -> dict:
         "up": ((d, f), ("embed", "mlp")),
         "down": ((f, d), ("mlp", "embed")),
     }
+    if cfg.is_moe:
+        for name in ("gate", "up", "down"):
+            del shapes[name]
+        shapes.update(moe.layer_shapes(cfg))
     if cfg.attention_bias:
         shapes["q_bias"] = ((h, dh), ("heads", "head_dim"))
         shapes["k_bias"] = ((k, dh), ("kv_heads", "head_dim"))
         shapes["v_bias"] = ((k, dh), ("kv_heads", "head_dim"))
     if cfg.qk_norm:
-        shapes["q_norm"] = ((dh,), ("norm",))
-        shapes["k_norm"] = ((dh,), ("norm",))
+        whole = cfg.qk_norm_scope == "projection"
+        shapes["q_norm"] = ((h * dh if whole else dh,), ("norm",))
+        shapes["k_norm"] = ((k * dh if whole else dh,), ("norm",))
     if cfg.post_norms:
         shapes["post_attn_norm"] = ((d,), ("norm",))
         shapes["post_mlp_norm"] = ((d,), ("norm",))
@@ -232,17 +240,30 @@ def _qkv(cfg: ModelConfig, p: dict, h: jax.Array, rope: tuple, lp=None, drop=Non
     if cfg.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        q = _qk_norm(cfg, q, p["q_norm"])
+        k = _qk_norm(cfg, k, p["k_norm"])
     return rotate(q, rope), rotate(k, rope), v
 
 
+def _qk_norm(cfg: ModelConfig, x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMSNorm of q or k [..., N, Dh]: over each head (scale [Dh]) or, with
+    ``qk_norm_scope="projection"`` (olmoe), over all N*Dh values at once (scale [N*Dh])."""
+    if cfg.qk_norm_scope == "head":
+        return rms_norm(x, scale, cfg.rms_norm_eps, cfg.norm_plus_one)
+    flat = x.reshape(x.shape[:-2] + (-1,))
+    return rms_norm(flat, scale, cfg.rms_norm_eps, cfg.norm_plus_one).reshape(x.shape)
+
+
 def block(cfg: ModelConfig, p: dict, x: jax.Array, rope: tuple, attend, lp=None,
-          drop=None) -> jax.Array:
+          drop=None, moe_io: Optional[dict] = None) -> jax.Array:
     """One decoder layer on x [..., T, D] (p already ``_cast_layer``-ed): pre-norm attention
     and MLP with residual adds; with ``cfg.post_norms`` (gemma2/3) each branch's output is
     normalised again before its add. ``attend(q, k, v)`` maps the rotated [..., T, H|K, Dh]
-    projections to the attention output [..., T, H, Dh] (masks and caches are its business)."""
+    projections to the attention output [..., T, H, Dh] (masks and caches are its business).
+
+    Mixture-of-experts layers read ``moe_io`` (optional): ``"token_mask"`` bool [..., T] and
+    ``"replay"`` int [..., T, k] (``moe.moe_mlp``); the layer's routing statistics are
+    appended to its list ``"stats"`` when there is one."""
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     q, k, v = _qkv(cfg, p, h, rope, lp, drop)
     out = _proj(cfg, p, lp, "o", attend(q, k, v), n_in=2, drop=drop)
@@ -250,7 +271,13 @@ def block(cfg: ModelConfig, p: dict, x: jax.Array, rope: tuple, attend, lp=None,
         out = rms_norm(out, p["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     x = x + out
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-    out = _mlp(cfg, p, h, lp, drop)
+    if cfg.is_moe:
+        io = moe_io or {}
+        out, stats = moe.moe_mlp(cfg, p, h, io.get("token_mask"), io.get("replay"))
+        if "stats" in io:
+            io["stats"].append(stats)
+    else:
+        out = _mlp(cfg, p, h, lp, drop)
     if cfg.post_norms:
         out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     return x + out
@@ -374,7 +401,8 @@ def stack_cache(cache: dict) -> dict:
 
 def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None,
           positions=None, cache: Optional[dict] = None, cache_index=None,
-          lora_dropout_rng: Optional[jax.Array] = None, image_embeds=None):
+          lora_dropout_rng: Optional[jax.Array] = None, image_embeds=None,
+          routes: Optional[jax.Array] = None, with_moe_stats: bool = False):
     """Embeddings + all layers + final norm.
 
     tokens: int [B, T]. Without a cache, ``attention_mask`` is bool [B, T] (True = real token,
@@ -395,8 +423,16 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
     order. With ``cfg.image_token_id`` set, each image's tokens among ``tokens`` also attend to
     each other both ways (``models.image_tokens``), with or without ``image_embeds``.
 
-    Returns ``(hidden [B, T, D] in cfg.dtype, cache or None)``.
+    Mixture of experts: ``routes`` int [L, B, T, k] (routing replay) makes layer l send token
+    (b, t) to experts ``routes[l, b, t]`` instead of its router's top k (the weights still
+    come from the router); ``with_moe_stats`` adds a third output, each layer's routing
+    statistics stacked over layers (``moe.moe_mlp``'s dict, leaves [L, ...]; counted over
+    ``attention_mask``'s real tokens without a cache, over every new token with one).
+
+    Returns ``(hidden [B, T, D] in cfg.dtype, cache or None)`` (+ the statistics).
     """
+    if (routes is not None or with_moe_stats) and not cfg.is_moe:
+        raise ValueError("trunk: routes / with_moe_stats need a mixture-of-experts model")
     b, t = tokens.shape
     if cache is None:
         if attention_mask is None:
@@ -443,8 +479,13 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             raise ValueError("trunk: image_embeds given to a model without image_token_id")
         x = image_tokens.merge_images(x, tokens, image_embeds, cfg.image_token_id)
 
-    def layer(x, p, kv_cache, i, lp=None, is_local=None):
+    token_mask = attention_mask if cache is None else None
+
+    def layer(x, p, kv_cache, i, lp=None, is_local=None, replay=None):
+        """-> (x, this layer's new cache or None, its MoE statistics or None)."""
         p = _cast_layer(cfg, p)
+        moe_io = ({"token_mask": token_mask, "replay": replay, "stats": []}
+                  if cfg.is_moe else None)
         # The layer index is scanned in, so each layer's masks come from its own key.
         drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
         m, r = (mask, rope) if is_local is None else \
@@ -467,8 +508,8 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
             return attention(q, k.astype(q.dtype), v.astype(q.dtype), m, kv_layout="bksd",
                              scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
 
-        x = block(cfg, p, x, r, attend, lp, drop)
-        return x, (new_cache[0] if new_cache else None)
+        x = block(cfg, p, x, r, attend, lp, drop, moe_io)
+        return x, (new_cache[0] if new_cache else None), (moe_io["stats"][0] if moe_io else None)
 
     if cache is None:
         layer = layer_checkpoint(cfg, layer)
@@ -480,29 +521,38 @@ def trunk(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mask=None
     scanned_kinds = jnp.asarray(kinds) if kinds else None
     if cache is None:
         def body(x, xs):
-            return layer(x, xs[0], None, xs[1], xs[2], xs[3])[0], None
+            x, _, stats = layer(x, xs[0], None, xs[1], xs[2], xs[3], xs[4])
+            return x, stats
 
-        x, _ = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds))
+        x, stats = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds,
+                                          routes))
     elif isinstance(cache["k"], tuple):
         # Per-layer caches: the layers unrolled, each reading its own weights and cache buffer.
         layers = unstack_layers(params)
         lora_list = layers["lora"]["layers"] if "lora" in layers else (None,) * len(idx)
         ks, vs = list(cache["k"]), list(cache["v"])
+        per_layer = []
         for i, (p, lp) in enumerate(zip(layers["layers"], lora_list)):
-            x, (ks[i], vs[i]) = layer(x, p, (ks[i], vs[i]), idx[i], lp,
-                                      kinds[i] if kinds else None)
+            x, (ks[i], vs[i]), st = layer(x, p, (ks[i], vs[i]), idx[i], lp,
+                                          kinds[i] if kinds else None,
+                                          None if routes is None else routes[i])
+            per_layer.append(st)
         cache = {"k": tuple(ks), "v": tuple(vs)}
+        stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer) if cfg.is_moe else None
     else:
         # The whole cache is carried (not scanned over) so each layer updates it in place.
         def body(carry, xs):
             x, ck, cv = carry
-            x, (ck, cv) = layer(x, xs[0], (ck, cv), xs[1], xs[2], xs[3])
-            return (x, ck, cv), None
+            x, (ck, cv), st = layer(x, xs[0], (ck, cv), xs[1], xs[2], xs[3], xs[4])
+            return (x, ck, cv), st
 
-        (x, ck, cv), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]),
-                                      (params["layers"], idx, lora_layers, scanned_kinds))
+        (x, ck, cv), stats = jax.lax.scan(
+            body, (x, cache["k"], cache["v"]),
+            (params["layers"], idx, lora_layers, scanned_kinds, routes))
         cache = {"k": ck, "v": cv}
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    if with_moe_stats:
+        return x, cache, stats
     return x, cache
 
 
@@ -643,7 +693,8 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
                 positions=None, temperature=1.0, chunk_size: Optional[int] = None,
                 with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
                 first_scored: int = 1, extra_targets: Optional[jax.Array] = None,
-                image_embeds=None):
+                image_embeds=None, routes: Optional[jax.Array] = None,
+                moe_stats: Optional[dict] = None):
     """Per-token log-probabilities of ``tokens`` under the model (teacher forcing).
 
     Returns ``(logps float32 [B, T], entropy float32 [B, T] or None)`` with
@@ -665,10 +716,18 @@ def token_logps(cfg: ModelConfig, params: dict, tokens: jax.Array, attention_mas
     ``extra_targets`` int [B, T - first_scored, K] (optional; ``first_scored`` >= 1): K more
     ids per scored column, whose log-probs come back as a third output f32 [B, T -
     first_scored, K] (see ``scored_logps``). ``image_embeds``: as ``trunk``.
+
+    Mixtures of experts: ``routes`` int [L, B, T, k] replays recorded routes (``trunk``);
+    ``moe_stats``, a dict, receives the routing statistics under ``"stats"`` (``trunk``'s
+    ``with_moe_stats``; for ``moe.load_balance``).
     """
     b, t = tokens.shape
-    hidden, _ = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
-                      lora_dropout_rng=lora_dropout_rng, image_embeds=image_embeds)
+    out = trunk(cfg, params, tokens, attention_mask=attention_mask, positions=positions,
+                lora_dropout_rng=lora_dropout_rng, image_embeds=image_embeds, routes=routes,
+                with_moe_stats=moe_stats is not None)
+    hidden = out[0]
+    if moe_stats is not None:
+        moe_stats["stats"] = out[2]
     start = min(max(int(first_scored), 1), t)   # column 0 has no prediction
     n = t - start
     if n == 0:

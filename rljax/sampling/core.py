@@ -40,12 +40,16 @@ class SampleOutput:
     mask: bool [B*G, N]; True for real tokens (stop token included).
     lengths: int32 [B*G]; ``mask.sum(-1)``.
     truncated: bool [B*G]; True when N tokens were generated without a stop token.
+    routes: int32 [B*G, P+N, L, k] (``record_routes``, a mixture of experts; else None): the
+      experts each layer sent each prompt and completion token to (the last completion token
+      is never fed back: its entries, and those of padding, are 0).
     """
     tokens: jax.Array
     logps: jax.Array
     mask: jax.Array
     lengths: jax.Array
     truncated: jax.Array
+    routes: Any = None
 
 
 # ----------------------------------------------------------------------------- bucketing
@@ -130,7 +134,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              mesh: jax.sharding.Mesh | None = None,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
              cache_dtype: Any = None, temperatures: Any = None,
-             streams: int = 1, image_embeds: Any = None) -> SampleOutput:
+             streams: int = 1, image_embeds: Any = None,
+             record_routes: bool = False) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt, entirely on device.
 
     Args:
@@ -165,6 +170,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
       image_embeds: optional [B, K, D] image embeddings (``models.vision.encode_images``) for
         the image tokens of each prompt (``models.trunk``); they are prefilled once per prompt
         with the rest of it, and the G samples share that KV cache.
+      record_routes: a mixture of experts: also return each token's experts
+        (``SampleOutput.routes``), for routing replay in the update.
 
     Returns:
       ``SampleOutput`` with ``B * num_samples`` rows (see its docstring).
@@ -177,6 +184,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if record_routes and not cfg.is_moe:
+        raise ValueError("record_routes needs a mixture-of-experts model")
     # Out-of-range ids would be clipped silently inside the program: reject them here.
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="generate: prompt_tokens")
@@ -193,7 +202,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         top_p=float(top_p), stop_ids=merge_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
         num_samples=int(num_samples), min_new_tokens=int(min_new_tokens), mesh=mesh,
         rules=tuple((k, v if isinstance(v, (str, type(None))) else tuple(v)) for k, v in rules),
-        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
+        record_routes=bool(record_routes))
     greedy = temperatures is None and temperature == 0.0
     k = stream_count(streams, np.shape(prompt_tokens)[0], max_new_tokens, cfg.vocab_size, greedy,
                      num_samples, mesh)
@@ -272,13 +282,14 @@ def _generate_with(options: tuple):
 
 
 _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids", "pad_id",
-           "num_samples", "min_new_tokens", "mesh", "rules", "cache_dtype")
+           "num_samples", "min_new_tokens", "mesh", "rules", "cache_dtype", "record_routes")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, temperature,
               top_k, top_p, stop_ids, pad_id, num_samples, min_new_tokens, mesh, rules,
-              cache_dtype, temperatures=None, noise=None, image_embeds=None):
+              cache_dtype, record_routes=False, temperatures=None, noise=None,
+              image_embeds=None):
     """``noise``: this call's rows of noise drawn ahead for a larger batch (streams); None =
     drawn here. ``image_embeds``: [B, K, D] for the prompts' image tokens (``generate``)."""
     b, p = prompt_tokens.shape
@@ -324,9 +335,11 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     cache = constrain_kv(models.init_layer_cache(cfg, b, s, dtype=cache_dtype)
                          if models.kv_ring.ring_size(cfg, s) else
                          models.init_cache(cfg, b, s, dtype=cache_dtype))
-    hidden, cache = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
-                                 positions=models.default_positions(prompt_mask),
-                                 cache=cache, cache_index=0, image_embeds=image_embeds)
+    out = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
+                       positions=models.default_positions(prompt_mask),
+                       cache=cache, cache_index=0, image_embeds=image_embeds,
+                       with_moe_stats=record_routes)
+    hidden, cache = out[:2]
     # Left padding: every prompt's last token sits in slot P-1.
     logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
 
@@ -338,6 +351,11 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
                              for k, v in models.unstack_cache(cache).items()})
     params = models.unstack_layers(params)
     logits, prompt_mask, prompt_len = batch(fan(logits)), batch(fan(prompt_mask)), fan(prompt_len)
+    # Routes [L, B*G, P+N, k]: the prompt's from the prefill, the completion's written as each
+    # token is fed.
+    routes = (jnp.concatenate([fan(out[2]["ids"], 1), jnp.zeros(
+        (cfg.num_layers, bg, n, cfg.num_experts_per_tok), jnp.int32)], axis=2)
+        if record_routes else jnp.zeros((), jnp.int32))
 
     tok, logp = pick(logits, 0)
     tokens = jnp.full((bg, n), pad_id, jnp.int32).at[:, 0].set(tok)
@@ -347,16 +365,20 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     new_slots = jnp.arange(n)
 
     def cond(state):
-        t, _, _, _, done, _, _ = state
+        t, _, _, _, done, _, _, _ = state
         return (t < n) & ~jnp.all(done)
 
     def body(state):
         # Feed token t-1 (slot P+t-1), sample token t.
-        t, cache, prev, lengths, done, tokens, logps = state
+        t, cache, prev, lengths, done, tokens, logps, routes = state
         attn = jnp.concatenate([prompt_mask, jnp.broadcast_to(new_slots < t, (bg, n))], axis=1)
-        hidden, cache = models.trunk(cfg, params, prev[:, None], attention_mask=attn,
-                                     positions=(prompt_len + t - 1)[:, None], cache=cache,
-                                     cache_index=p + t - 1)
+        out = models.trunk(cfg, params, prev[:, None], attention_mask=attn,
+                           positions=(prompt_len + t - 1)[:, None], cache=cache,
+                           cache_index=p + t - 1, with_moe_stats=record_routes)
+        hidden, cache = out[:2]
+        if record_routes:   # token t-1's experts, [L, B*G, 1, k], into slot P+t-1
+            ids = jnp.where(done[None, :, None, None], 0, out[2]["ids"])
+            routes = jax.lax.dynamic_update_slice_in_dim(routes, ids, p + t - 1, axis=2)
         cache = constrain_kv(cache)
         logits = models.logits_from_hidden(cfg, params, hidden[:, 0])
         tok, logp = pick(logits, t)
@@ -366,9 +388,11 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
         tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, t, axis=1)
         logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
         done = done | is_stop(tok)
-        return t + 1, cache, tok, lengths, done, tokens, logps
+        return t + 1, cache, tok, lengths, done, tokens, logps, routes
 
-    state = (jnp.int32(1), cache, tok, lengths, done, batch(tokens), batch(logps))
-    _, _, _, lengths, done, tokens, logps = jax.lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), cache, tok, lengths, done, batch(tokens), batch(logps), routes)
+    _, _, _, lengths, done, tokens, logps, routes = jax.lax.while_loop(cond, body, state)
     mask = new_slots[None, :] < lengths[:, None]
-    return SampleOutput(tokens=tokens, logps=logps, mask=mask, lengths=lengths, truncated=~done)
+    return SampleOutput(tokens=tokens, logps=logps, mask=mask, lengths=lengths, truncated=~done,
+                        routes=(batch(jnp.transpose(routes, (1, 2, 0, 3))) if record_routes
+                                else None))

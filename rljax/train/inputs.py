@@ -108,9 +108,9 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
         fixed *= v if v != -1 else 1
     sizes = {k: (n // fixed if v == -1 else v) for k, v in mesh_sizes.items()}
     if (-1 in mesh_sizes.values() and n % fixed) or \
-            sizes["data"] * sizes["fsdp"] * sizes["tensor"] != n:
+            sizes["data"] * sizes["fsdp"] * sizes["expert"] * sizes["tensor"] != n:
         raise ConfigError(f"mesh {mesh_sizes} does not match the {n} available devices")
-    dp = sizes["data"] * sizes["fsdp"]
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     checks = [("rollout.batch_size", cfg.rollout.batch_size),
               ("algo.mini_batch_size", cfg.algo.mini_batch_size),
               ("algo.micro_batch_size", cfg.algo.micro_batch_size),

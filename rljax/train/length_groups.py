@@ -42,7 +42,9 @@ from rljax.models import lora as lora_lib
 from rljax.train import steps
 from rljax.train.buckets import prompt_buckets
 
-SEQUENCE_KEYS = ("tokens", "mask")   # [R, P+N]; other 2-D fields of width N are per completion
+# [R, P+N, ...] (routes: [R, P+N, L, k], routing replay); other 2-D fields of width N are per
+# completion position.
+SEQUENCE_KEYS = ("tokens", "mask", "routes")
 PER_ROW_KEYS = ("pixels",)           # [R, ...] whatever their width: one prompt's images per row
 
 
@@ -197,7 +199,8 @@ class Planner:
         [m/G, P], completion columns [m, N]). ``fields``: the batch's other fields,
         {name: (shape after the row axis, dtype)}."""
         m, g = rows // self.num_micro, self.group_size
-        shapes = {k: ((m, *tail), dtype) for k, (tail, dtype) in fields.items()}
+        shapes = {k: ((m, p + n, *tail[1:]) if k in SEQUENCE_KEYS else (m, *tail), dtype)
+                  for k, (tail, dtype) in fields.items()}
         if g > 1 and p > 0 and m % g == 0 and (m // g) % self._shards() == 0:
             shapes.update(prompt_tokens=((m // g, p), jnp.int32), prompt_mask=((m // g, p), bool),
                           tokens=((m, n), jnp.int32), mask=((m, n), bool))

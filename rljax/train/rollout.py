@@ -14,6 +14,8 @@
     ref_logps      f32   [R, N]    reference policy (only with a KL-to-reference loss)
     temperatures   f32   [R, N]    each token's sampling temperature (only with a
                                    ``rollout.temperature_schedule``; log-probs use it)
+    routes         int32 [R, P+N, L, k]  each token's experts in every layer, as the sampler
+                                   routed it (``algo.routing_replay``, mixtures of experts)
     advantages     f32   [R]       one per completion (sequence-level estimators), or
                    f32   [R, N]    per token (token-level ones: reinforce_pp, ...;
                                    ``algorithms.is_token_level``), 0 outside ``loss_mask``
@@ -111,6 +113,19 @@ def sampling_params(ctx, params):
     return _merged(ctx.model_cfg, params)
 
 
+def rebucket_routes(routes: np.ndarray, p_from: int, p_to: int) -> np.ndarray:
+    """Routes int [R, p_from + N, L, k] of left-padded prompts, laid out for a prompt bucket of
+    ``p_to`` columns (real prompt tokens end at the bucket's last column either way): left
+    padding added (entries 0) or removed."""
+    prompt, completion = routes[:, :p_from], routes[:, p_from:]
+    if p_to >= p_from:
+        pad = np.zeros((routes.shape[0], p_to - p_from) + routes.shape[2:], routes.dtype)
+        prompt = np.concatenate([pad, prompt], axis=1)
+    else:
+        prompt = prompt[:, p_from - p_to:]
+    return np.concatenate([prompt, completion], axis=1)
+
+
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
              micro_prompts: int = 0, temperatures=None, tree: dict | None = None,
@@ -146,12 +161,16 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                 kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temperatures,
-                                    streams=ctx.cfg.rollout.streams, **kw)
+                                    streams=ctx.cfg.rollout.streams,
+                                    record_routes=bool(ctx.cfg.algo.get("routing_replay")),
+                                    **kw)
         else:
             out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
     result = {k: np.concatenate([getattr(o, k) for o in outs]) for k in
               ("tokens", "logps", "mask", "lengths", "truncated")}
+    if getattr(outs[0], "routes", None) is not None:
+        result["routes"] = np.concatenate([o.routes for o in outs])
     result["decoded"] = (np.concatenate([o.decoded for o in outs]) if tree is not None else
                          result["lengths"].reshape(b, num_samples).sum(axis=1))
     if engine_stats:   # the slot engine's busy and run slot-steps (its utilisation)
@@ -462,6 +481,10 @@ class Rollout:
         if "pixels" in rounds[0]:   # each row carries its prompt's images
             batch["pixels"] = np.concatenate([np.repeat(rounds[r]["pixels"][i:i + 1], g, 0)
                                               for r, i in groups])
+        if "routes" in rounds[0]:   # routing replay: the sampler's routes, on this prompt bucket
+            batch["routes"] = np.concatenate(
+                [rebucket_routes(rounds[r]["routes"][i * g:(i + 1) * g], rounds[r]["prompt_len"],
+                                 p_tok.shape[1]) for r, i in groups])
         if self.temperatures is not None:   # scored at the temperature each was sampled at
             batch["temperatures"] = np.broadcast_to(
                 self.temperatures, rows["tokens"].shape).astype(np.float32)

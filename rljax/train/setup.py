@@ -13,6 +13,7 @@ The ``Phase`` protocol is what ``run.py`` drives; each algorithm file (``sft.py`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import jax
@@ -117,7 +118,7 @@ class Context:
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        return math.prod(self.mesh.shape[a] for a in shd.BATCH_AXES)
 
 
 def make_tokenizer(cfg, workdir: str | None):

@@ -179,7 +179,8 @@ def jit_step(fn: Callable, state_shardings=None, mesh=None) -> Callable:
 # ----------------------------------------------------------------------------- losses
 
 def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
-                     with_entropy: bool = False, lora_dropout_rng=None, extra_ids=None):
+                     with_entropy: bool = False, lora_dropout_rng=None, extra_ids=None,
+                     moe_stats=None):
     """Log-probs (and entropies) of the completion tokens: float32 [B, N] each (N from
     ``batch["loss_mask"]``); the [B, P+N, V] logits are never materialised at once.
     ``lora_dropout_rng``: training passes only (see ``training_dropout_rng``); None = none.
@@ -197,19 +198,29 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     once (``models.shared_prompt``): the same log-probs up to float32 summation order.
 
     ``extra_ids`` int [B, N, K] (optional): a third output, the log-probs of those ids at each
-    completion column, from the same LM-head pass (a distillation teacher's top-k)."""
+    completion column, from the same LM-head pass (a distillation teacher's top-k).
+
+    Mixtures of experts: ``batch["routes"]`` int [B, P+N, L, k] (routing replay) sends each
+    token to its recorded experts (not in the shared-prompt layout); ``moe_stats`` (a dict)
+    receives the routing statistics (``models.token_logps``)."""
     n = batch["loss_mask"].shape[1]
     # Images (``batch["pixels"]`` [rows or prompts, I, C, S, S]) go through the vision tower
     # here, inside the loss: frozen unless ``model_cfg.train_vision``.
     images = (vision.image_embeddings(model_cfg, params, batch["pixels"])
               if "pixels" in batch else None)
+    routes = batch.get("routes")
+    if "prompt_tokens" in batch and routes is not None:
+        raise ValueError("routing replay does not support the shared-prompt layout: set "
+                         "algo.shared_prompt=false")
+    if routes is not None:
+        routes = jnp.transpose(routes, (2, 0, 1, 3))   # [L, B, P+N, k], as the trunk scans
     if "prompt_tokens" in batch:
         temperature = batch.get("temperatures", temperature)
         return shared_prompt.completion_logps(
             model_cfg, params, batch["prompt_tokens"], batch["prompt_mask"],
             batch["tokens"][:, :n], batch["mask"][:, :n], temperature=temperature,
             with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
-            extra_targets=extra_ids, image_embeds=images)
+            extra_targets=extra_ids, image_embeds=images, moe_stats=moe_stats)
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
         prompt = jnp.ones((per_token.shape[0], batch["tokens"].shape[1] - n), jnp.float32)
@@ -218,7 +229,7 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
                              attention_mask=batch["mask"], temperature=temperature,
                              with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
                              first_scored=batch["tokens"].shape[1] - n, extra_targets=extra_ids,
-                             image_embeds=images)
+                             image_embeds=images, routes=routes, moe_stats=moe_stats)
     logps, ent = out[:2]
     return (logps[:, -n:], None if ent is None else ent[:, -n:]) + tuple(out[2:])
 
@@ -258,7 +269,7 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
 
 # What the log-prob passes read (``prompt_*``: the shared-prompt layout, see completion_logps).
 LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures", "prompt_tokens", "prompt_mask",
-              "pixels")
+              "pixels", "routes")
 
 
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,

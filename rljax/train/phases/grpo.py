@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import algorithms, models, streams as streams_lib
+from rljax.config.base import ConfigError
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train import guidance, length_groups, programs as programs_lib, steps
@@ -104,9 +105,11 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
     # adapters; old/ref log-probs computed beforehand never do.
     rng = steps.training_dropout_rng(model_cfg, state, batch)
+    moe_stats = {} if model_cfg.is_moe else None
     scored = steps.completion_logps(model_cfg, params, batch, temperature=temperature,
                                     with_entropy=True, lora_dropout_rng=rng,
-                                    extra_ids=batch.get("teacher_topk_ids"))
+                                    extra_ids=batch.get("teacher_topk_ids"),
+                                    moe_stats=moe_stats)
     logps, ent = scored[:2]
     opts = policy_loss_options(algo_cfg, partial)
     if "tis_cap" in opts:
@@ -139,7 +142,23 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     n = batch.get(steps.COMPLETION_SLOTS, m.shape[1])
     metrics["pg_loss"] = algorithms.aggregate(pg, m, algo_cfg.loss_agg_mode, max_len=n)
     metrics["entropy"] = _pair(jax.lax.stop_gradient(ent), m)
-    return algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n), metrics
+    num, den = algorithms.aggregate(total, m, algo_cfg.loss_agg_mode, max_len=n)
+    if moe_stats is not None:
+        num = num + _load_balance_term(model_cfg, algo_cfg, moe_stats["stats"], den, metrics)
+    return (num, den), metrics
+
+
+def _load_balance_term(model_cfg, algo_cfg, stats, den, metrics):
+    """``algo.moe_aux_loss_coef * load_balance * den`` (so the update's loss gains
+    ``coef * load_balance``, weighted by each micro-batch's share); adds the metrics
+    ``moe/load_balance`` and ``moe/expert_frac/<e>`` (each expert's share of the
+    micro-batch's top-k assignments) to ``metrics``."""
+    lb, fractions = models.moe.load_balance(model_cfg, stats)
+    one = jnp.ones((), jnp.float32)
+    metrics["moe/load_balance"] = (jax.lax.stop_gradient(lb), one)
+    for e in range(model_cfg.num_experts):
+        metrics[f"moe/expert_frac/{e}"] = (fractions[e], one)
+    return float(algo_cfg.moe_aux_loss_coef) * lb * den
 
 
 def _distill_terms(algo_cfg, batch, old, scored, m):
@@ -193,9 +212,10 @@ def single_update(cfg) -> bool:
             and not a.mixed_policy)
 
 
-def batch_fields(cfg) -> dict:
+def batch_fields(cfg, model_cfg=None) -> dict:
     """The GRPO update batch's fields besides ``tokens``/``mask`` (what the rollout gives):
-    {name: (shape after the row axis, dtype)}."""
+    {name: (shape after the row axis, dtype)}; ``routes`` (routing replay, given
+    ``model_cfg``): (0, L, k), its sequence axis P+N (``length_groups.SEQUENCE_KEYS``)."""
     a, n = cfg.algo, programs_lib.completion_len(cfg)
     f32 = jnp.float32
     fields = {"loss_mask": ((n,), bool), "sampler_logps": ((n,), f32),
@@ -210,6 +230,9 @@ def batch_fields(cfg) -> dict:
         fields["model_mask"] = ((n,), bool)
     if a.name == "distill":   # the teacher's scores of the sampled tokens
         fields.update(teacher_lib.fields(cfg, n))
+    if a.get("routing_replay") and model_cfg is not None:
+        fields["routes"] = ((0, model_cfg.num_layers, model_cfg.num_experts_per_tok),
+                            jnp.int32)
     return fields
 
 
@@ -261,6 +284,9 @@ class GRPOPhase:
         cfg = ctx.cfg
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
+        if a.routing_replay and not ctx.model_cfg.is_moe:
+            raise ConfigError(f"algo.routing_replay=true needs a mixture-of-experts model "
+                              f"(model_type {ctx.model_cfg.model_type!r} is dense)")
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         groups = self.batch_size // a.num_generations
@@ -312,7 +338,7 @@ class GRPOPhase:
             out.append(programs_lib.logps_program(ctx, state.params, params))
         for name, fn, args, copies in update.programs(
                 state, update_sizes(cfg)[0], programs_lib.prompt_len(cfg),
-                programs_lib.completion_len(cfg), batch_fields(cfg)):
+                programs_lib.completion_len(cfg), batch_fields(cfg, ctx.model_cfg)):
             out.append(programs_lib.Program(name, fn, args, resident, copies))
         return state, out
 
