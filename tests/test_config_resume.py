@@ -25,8 +25,8 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         "engine": "static", "slots": 0, "chunk_steps": 32, "partial": False, "max_staleness": 2,
         "stop_strings": []}
     assert now["algo"].pop("distill") == {   # read by algo.name='distill' only
-        "teacher": "", "teacher_step": 0, "kl_weight": 1.0, "reward_weight": 0.0,
-        "jsd_weight": 0.0, "jsd_beta": 0.5, "top_k": 16}
+        "teacher": "", "teacher_step": 0, "teacher_quantize": "", "kl_weight": 1.0,
+        "reward_weight": 0.0, "jsd_weight": 0.0, "jsd_beta": 0.5, "top_k": 16}
     assert {k: now["model"].pop(k) for k in ("quantize", "quantize_block")} == {
         "quantize": "", "quantize_block": 64}   # the base as loaded
     assert {k: now["algo"].pop(k) for k in ("asynchronous", "async_lag")} == {
