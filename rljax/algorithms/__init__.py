@@ -40,6 +40,7 @@ from rljax.algorithms.advantages import (
     reinforce_pp_baseline_seq_advantages,
     reinforce_pp_seq_advantages,
     rloo_advantages,
+    takes_group_ids,
     uses_roles,
     uses_tree,
 )
