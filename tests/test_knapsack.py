@@ -139,3 +139,112 @@ def test_batch_level_estimators_on_ragged_groups():
     got = np.asarray(fn("reinforce_pp_baseline")(rewards, 0, group_ids=ids, mask=mask))
     want = np.asarray(fn("reinforce_pp")(c.astype(np.float32), 1, mask=mask))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- in a run
+
+REWARD = '''
+def even_length(prompts, completions, **_):
+    """Varied pass rates from an untrained model: 1 for an even-length completion."""
+    return [float(len(c) % 2 == 0) for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "reward.py"
+    path.write_text(REWARD)
+    return str(path)
+
+
+def tiny_cfg(reward_file, **overrides):
+    from rljax import config as config_lib
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": 3, "eval_every": 0, "checkpoint_every": 0,
+        "model.preset": "tiny", "tokenizer.kind": "char", "data.source": "arithmetic",
+        "data.max_prompt_length": 8, "rollout.batch_size": 16, "rollout.max_new_tokens": 4,
+        "algo.num_generations": 4, "algo.beta": 0.0, "optimizer.learning_rate": 1e-3,
+        "sft.steps": 0, "eval.num_examples": 8, "eval.batch_size": 8,
+        "logging.tensorboard": False, "checkpoint.async_save": False,
+        "rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 1,
+        "rollout.knapsack.max_samples": 8,
+    })
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 3, "eval_examples": 8, "num_examples": 8}
+    cfg.reward.names = (f"{reward_file}:even_length",)
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+def test_knapsack_rollout_batch(reward_file, tmp_path):
+    """Groups of the knapsack's sizes, padded rows that weigh zero, advantages of each
+    group over its own rows, and posteriors that learn (the second step's sizes differ)."""
+    import jax
+    from rljax.train import inference, setup
+    from rljax.train.phases import make_phases
+
+    cfg = tiny_cfg(reward_file, **{"rollout.knapsack.budget": 14})
+    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
+    phase = make_phases(ctx)[-1]
+    rounds = []
+    original = phase.rollout.sample_round
+    phase.rollout.sample_round = lambda *a: rounds.append(original(*a)) or rounds[-1]
+    state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
+    for step in range(2):
+        rounds.clear()
+        batch, metrics = phase.rollout(state, step)
+        (rnd,) = rounds
+        sizes = rnd["group_sizes"]
+        assert sizes.sum() == 14 and sizes.min() >= 1 and sizes.max() <= 8
+        assert batch["tokens"].shape[0] == 16 and not batch["loss_mask"][14:].any()
+        want = _per_group_sizes("grpo", rnd["rewards"], sizes)
+        np.testing.assert_allclose(batch["advantages"][:14], want, rtol=1e-5, atol=1e-6)
+        assert np.all(batch["advantages"][14:] == 0)
+        assert metrics["rollout/group_size_max"] == sizes.max()
+        assert metrics["rollout/effective_samples"] == int((want != 0).sum())
+        if step == 0:   # flat priors: as even as the budget allows
+            assert sizes.max() - sizes.min() <= 1
+            first = sizes
+    assert not np.array_equal(first, sizes) or np.ptp(rnd["pass_rates"]) == 0
+
+
+def _per_group_sizes(name, rewards, sizes):
+    fn = algorithms.get_advantage_estimator(name)
+    out, start = [], 0
+    for g in sizes:
+        out.append(np.asarray(fn(rewards[start:start + g], int(g))))
+        start += g
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("selection_name", ["uniform", "predicted"])
+def test_knapsack_train_run(reward_file, tmp_path, selection_name):
+    """A short run, with this rollout's own pass rates and with MoPPS's posterior."""
+    import jax
+    from rljax.train import run
+    from rljax.train.metrics import read_metrics
+
+    cfg = tiny_cfg(reward_file, **{"data.selection.name": selection_name, "steps": 2})
+    assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+    assert all(1 <= r["rollout/group_size_min"] <= r["rollout/group_size_max"] <= 8
+               and r["rollout/group_size_mean"] == 4.0 for r in rl)
+    assert all(0 <= r["rollout/effective_samples"] <= 16 for r in rl)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.allocation=knapsack", "algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
+    (["rollout.allocation=knapsack", "rollout.knapsack.max_samples=3"], "rollout.knapsack"),
+    (["rollout.allocation=knapsack", "rollout.knapsack.budget=32"], "rollout.knapsack.budget"),
+    (["rollout.allocation=knapsack", "algo.name=ppo", "algo.adv_estimator=gae"],
+     "algo.name"),
+])
+def test_bad_knapsack_config_names_the_key(overrides, key):
+    from rljax import config as config_lib
+    from rljax.errors import ConfigError
+    base = ["rollout.batch_size=16", "algo.num_generations=4"]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_lib.load_config(None, base + overrides)

@@ -86,6 +86,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     rollout.check_tree,
     rollout.check_engine,
     rollout.check_partial,
+    rollout.check_allocation,
     algo.check_async,
     mesh.check_mesh,
     reward.check_rewards,
