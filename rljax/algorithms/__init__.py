@@ -49,6 +49,7 @@ from rljax.algorithms.tree_advantages import (  # registers "treepo" and "rover"
     tree_values,
     treepo_advantages,
 )
+from rljax.algorithms.vine import vineppo_advantages  # registers "vineppo"
 from rljax.algorithms.role_advantages import (  # registers "rae"
     rae_advantages,
     rae_estimator,

@@ -94,6 +94,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_overlong,
     algo.check_distill,
     algo.check_role_estimator,
+    algo.check_vine,
     model.check_lora,
     reward.check_env,
     reward.check_selfplay,

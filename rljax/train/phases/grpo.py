@@ -275,6 +275,8 @@ class GRPOPhase:
             from rljax.train.partial import PartialRollout as rollout_cls
         elif cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
             from rljax.train.allocation import KnapsackRollout as rollout_cls
+        elif a.adv_estimator == "vineppo":   # forked step-prefix values
+            from rljax.train.vine import VineRollout as rollout_cls
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg))
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
