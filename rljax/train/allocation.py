@@ -38,6 +38,7 @@ class KnapsackRollout(Rollout):
         self.predicted = isinstance(self.selector, selection.Predicted)
         self.rates = alloc.PassRates()
         self._group_ids = None   # int [batch_size] of the batch being assembled
+        self._sizes = None       # int [P], the group sizes of the round being reported
 
     # -- sampling --------------------------------------------------------------------------
 
