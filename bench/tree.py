@@ -169,6 +169,9 @@ def _summarize_run(workdir: str) -> dict | None:
         "reward_last10": statistics.mean(r["reward/mean"] for r in rl[-10:]),
         "informative_groups_frac_mean": _mean_of(rl, "rollout/informative_groups_frac"),
         "time_update_mean_s": _mean_of(rl, "time/update"),
+        "effective_samples_mean": _mean_of(rl, "rollout/effective_samples"),
+        "group_size_max_mean": _mean_of(rl, "rollout/group_size_max"),
+        "fork_tokens": int(sum(r.get("vine/fork_tokens", 0) for r in rl)),
     }
 
 

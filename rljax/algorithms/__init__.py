@@ -40,6 +40,7 @@ from rljax.algorithms.advantages import (
     reinforce_pp_baseline_seq_advantages,
     reinforce_pp_seq_advantages,
     rloo_advantages,
+    takes_group_ids,
     uses_roles,
     uses_tree,
 )
@@ -48,6 +49,7 @@ from rljax.algorithms.tree_advantages import (  # registers "treepo" and "rover"
     tree_values,
     treepo_advantages,
 )
+from rljax.algorithms.vine import vineppo_advantages  # registers "vineppo"
 from rljax.algorithms.role_advantages import (  # registers "rae"
     rae_advantages,
     rae_estimator,

@@ -14,6 +14,11 @@ Token level (``reinforce_pp``, ``reinforce_pp_baseline``): also take ``mask`` bo
 per-token KL penalty in the reward) and ``gamma``; they return [N, T], 0 where mask is False.
 Their batch statistics are over tokens, so a completion weighs in proportion to its length.
 
+Ragged groups (``rollout.allocation='knapsack'``: prompt i has its own G_i): the group
+estimators and the batch-level ones also take ``group_ids`` int [N] (rows of a group share
+an id; any ids, any order), and every group statistic is then over the group's own rows
+(``RAGGED``). ``group_size`` is ignored when ``group_ids`` is given.
+
 Tree estimators (``treepo`` [N], ``rover`` [N, T]; ``uses_tree(name)``) also take the sampled
 tree's ``node_ids``: ``rljax.algorithms.tree_advantages``.
 
@@ -49,6 +54,29 @@ def _centered(g: Array) -> Tuple[Array, Array]:
     return jnp.where(constant, 0.0, c), constant
 
 
+def _ragged(rewards: Array, group_ids: Array):
+    """Per-row statistics of each row's own group: (r - group mean, group-is-constant,
+    group sum of squared deviations, group size), all [N]; the centred value and the sum of
+    squares are exactly 0 in a constant group."""
+    r = jnp.asarray(rewards, jnp.float32)
+    ids = jnp.asarray(group_ids, jnp.int32)
+    if r.ndim != 1 or ids.shape != r.shape:
+        raise ValueError(f"rewards [N] and group_ids [N] expected, got {r.shape}, {ids.shape}")
+    n = r.shape[0]
+    # Dense ids 0..n-1 whatever the caller used (segment ops need a static bound).
+    _, dense = jnp.unique(ids, return_inverse=True, size=n)
+    dense = dense.reshape(-1)
+    seg = lambda x: jax.ops.segment_sum(x, dense, num_segments=n)[dense]  # noqa: E731
+    count = seg(jnp.ones_like(r))
+    mean = seg(r) / count
+    hi = jax.ops.segment_max(r, dense, num_segments=n)[dense]
+    lo = jax.ops.segment_min(r, dense, num_segments=n)[dense]
+    constant = hi == lo
+    c = jnp.where(constant, 0.0, r - mean)
+    ss = seg(c ** 2)
+    return c, constant, ss, count
+
+
 def _std(x: Array, axis, ddof: int) -> Array:
     n = x.size if axis is None else x.shape[axis]
     mean = x.mean(axis=axis, keepdims=axis is not None)
@@ -57,7 +85,8 @@ def _std(x: Array, axis, ddof: int) -> Array:
 
 
 def grpo_advantages(rewards: Array, group_size: int, *, scale_rewards: str = "group",
-                    eps: float = 1e-6, std_ddof: int = 1) -> Array:
+                    eps: float = 1e-6, std_ddof: int = 1,
+                    group_ids: Optional[Array] = None) -> Array:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath): (r - mean_group) / (std + eps).
 
     scale_rewards:
@@ -68,32 +97,49 @@ def grpo_advantages(rewards: Array, group_size: int, *, scale_rewards: str = "gr
     std_ddof=1 is the unbiased std (as torch.std in TRL / verl); 0 gives the population std.
     Returns [N].
     """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', "
+                         f"got {scale_rewards!r}")
+    if group_ids is not None:
+        c, constant, ss, count = _ragged(rewards, group_ids)
+        if scale_rewards == "none":
+            return c
+        if scale_rewards == "group":
+            std = safe_sqrt(ss / jnp.maximum(count - std_ddof, 1))
+        else:
+            std = _std(jnp.asarray(rewards, jnp.float32), None, std_ddof)
+        return jnp.where(constant, 0.0, c / (std + eps))
     g = _groups(rewards, group_size)
     c, constant = _centered(g)
     if scale_rewards == "group":
         std = _std(g, 1, std_ddof)
     elif scale_rewards == "batch":
         std = _std(g.reshape(-1), None, std_ddof)
-    elif scale_rewards == "none":
+    else:   # "none"
         return c.reshape(-1)
-    else:
-        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
     return jnp.where(constant, 0.0, c / (std + eps)).reshape(-1)
 
 
-def dr_grpo_advantages(rewards: Array, group_size: int) -> Array:
+def dr_grpo_advantages(rewards: Array, group_size: int, *,
+                       group_ids: Optional[Array] = None) -> Array:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - mean_group,
     no std scaling. Returns [N]."""
+    if group_ids is not None:
+        return _ragged(rewards, group_ids)[0]
     c, _ = _centered(_groups(rewards, group_size))
     return c.reshape(-1)
 
 
-def rloo_advantages(rewards: Array, group_size: int) -> Array:
+def rloo_advantages(rewards: Array, group_size: int, *,
+                    group_ids: Optional[Array] = None) -> Array:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): leave-one-out baseline.
 
     A_i = r_i - 1/(G-1) sum_{j != i} r_j  (= G/(G-1) (r_i - mean)). With G = 1 there is no
     baseline to form and the advantage is 0. Returns [N].
     """
+    if group_ids is not None:
+        c, _, _, count = _ragged(rewards, group_ids)
+        return jnp.where(count > 1, c * count / jnp.maximum(count - 1, 1), 0.0)
     g = _groups(rewards, group_size)
     if group_size == 1:
         return jnp.zeros_like(g).reshape(-1)
@@ -109,7 +155,7 @@ def _whiten(x: Array, eps: float) -> Array:
 
 
 def reinforce_pp_seq_advantages(rewards: Array, group_size: int = 1, *,
-                                eps: float = 1e-6) -> Array:
+                                eps: float = 1e-6, group_ids: Optional[Array] = None) -> Array:
     """Per-sequence REINFORCE++ variant: (r - mean_batch) / std_batch over the N outcome
     rewards, one advantage per completion. Returns [N].
 
@@ -118,12 +164,15 @@ def reinforce_pp_seq_advantages(rewards: Array, group_size: int = 1, *,
     in the batch statistics, whatever its length: long completions do not dominate the mean
     and std. The baseline is the batch mean; ``group_size`` is only checked.
     """
+    if group_ids is not None:   # no group statistic: the groups' sizes do not matter
+        return _whiten(jnp.asarray(rewards, jnp.float32), eps)
     g = _groups(rewards, group_size)
     return _whiten(g.reshape(-1), eps)
 
 
 def reinforce_pp_baseline_seq_advantages(rewards: Array, group_size: int, *,
-                                         eps: float = 1e-6) -> Array:
+                                         eps: float = 1e-6,
+                                         group_ids: Optional[Array] = None) -> Array:
     """Per-sequence REINFORCE++-baseline variant: subtract the group mean, then divide by the
     batch std of the centred values, one advantage per completion. Returns [N].
 
@@ -134,8 +183,10 @@ def reinforce_pp_baseline_seq_advantages(rewards: Array, group_size: int, *,
     batch std ("Lite PPO") up to the population std. The batch mean of group-centred values
     is 0 by construction, so whitening reduces to dividing by their batch std.
     """
-    c, _ = _centered(_groups(rewards, group_size))
-    c = c.reshape(-1)
+    if group_ids is not None:
+        c = _ragged(rewards, group_ids)[0]
+    else:
+        c = _centered(_groups(rewards, group_size))[0].reshape(-1)
     std = _std(c, None, 0)
     return jnp.where(c.max() == c.min(), 0.0, c / (std + eps))
 
@@ -160,7 +211,8 @@ def outcome_token_rewards(rewards: Array, mask: Array, token_kl: Optional[Array]
 
 def reinforce_pp_advantages(rewards: Array, group_size: int = 1, *, mask: Array,
                             token_kl: Optional[Array] = None, kl_coef: float = 0.0,
-                            gamma: float = 1.0, eps: float = 1e-8) -> Array:
+                            gamma: float = 1.0, eps: float = 1e-8,
+                            group_ids: Optional[Array] = None) -> Array:
     """REINFORCE++ (Hu et al. 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
     Large Language Models"), token level, as in the paper, OpenRLHF and verl.
 
@@ -184,7 +236,8 @@ def reinforce_pp_advantages(rewards: Array, group_size: int = 1, *, mask: Array,
     With no KL and gamma = 1, G_{i,t} = rewards_i at every token, and the whitening weighs
     completion i by its number of tokens. If all returns are equal the result is exactly 0.
     """
-    _groups(rewards, group_size)
+    if group_ids is None:   # no group statistic: only the layout is checked
+        _groups(rewards, group_size)
     m = jnp.asarray(mask).astype(bool)
     r = outcome_token_rewards(rewards, m, token_kl, kl_coef)
     return masked_whiten(discounted_returns(r, m, gamma), m, eps=eps)
@@ -192,7 +245,8 @@ def reinforce_pp_advantages(rewards: Array, group_size: int = 1, *, mask: Array,
 
 def reinforce_pp_baseline_advantages(rewards: Array, group_size: int, *, mask: Array,
                                      token_kl: Optional[Array] = None, kl_coef: float = 0.0,
-                                     gamma: float = 1.0, eps: float = 1e-8) -> Array:
+                                     gamma: float = 1.0, eps: float = 1e-8,
+                                     group_ids: Optional[Array] = None) -> Array:
     """REINFORCE++-baseline (Hu et al. 2025), token level: the outcome rewards minus their
     group mean (r_i - mean_group(r), exactly 0 in a constant group), then as
     ``reinforce_pp``: per-token KL penalty, return-to-go, whitening over every real token of
@@ -201,8 +255,11 @@ def reinforce_pp_baseline_advantages(rewards: Array, group_size: int, *, mask: A
     A constant group's completions still get -mean / std of the batch whitening (the
     token-weighted mean of the centred returns is not 0 when lengths differ), as in the paper.
     """
-    c, _ = _centered(_groups(rewards, group_size))
-    return reinforce_pp_advantages(c.reshape(-1), 1, mask=mask, token_kl=token_kl,
+    if group_ids is not None:
+        c = _ragged(rewards, group_ids)[0]
+    else:
+        c = _centered(_groups(rewards, group_size))[0].reshape(-1)
+    return reinforce_pp_advantages(c, 1, mask=mask, token_kl=token_kl,
                                    kl_coef=kl_coef, gamma=gamma, eps=eps)
 
 
@@ -217,6 +274,9 @@ _ADVANTAGE_ESTIMATORS: Dict[str, Callable[..., Array]] = {
 }
 # Estimators that take mask [N, T] (and token_kl, kl_coef, gamma) and return [N, T].
 _TOKEN_LEVEL = {"reinforce_pp", "reinforce_pp_baseline"}
+# Estimators that take ``group_ids`` [N] (ragged groups, ``uses_group_ids``).
+RAGGED = {"grpo", "dr_grpo", "rloo", "reinforce_pp_seq", "reinforce_pp_baseline_seq",
+          "reinforce_pp", "reinforce_pp_baseline"}
 # Estimators that need the sampled tree (``node_ids`` [N, D+1], token level also
 # ``segments`` [T]): ``rljax.algorithms.tree_advantages`` registers them.
 _TREE: set = set()
@@ -244,6 +304,12 @@ def is_token_level(name: str) -> bool:
     """True if estimator ``name`` takes ``mask`` (and ``token_kl``, ``kl_coef``, ``gamma``) and
     returns [N, T] advantages; False for the per-completion ones (and unknown names)."""
     return name in _TOKEN_LEVEL
+
+
+def takes_group_ids(name: str) -> bool:
+    """True if estimator ``name`` takes ``group_ids`` int [N] for groups of different sizes
+    (``rollout.allocation='knapsack'``)."""
+    return name in RAGGED
 
 
 def uses_tree(name: str) -> bool:

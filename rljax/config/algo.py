@@ -110,6 +110,12 @@ def algo() -> dict[str, Any]:
         # reward values the candidate next steps; the best and worst next step at a prefix
         # form a pair when their values differ by more than min_value_gap.
         step_mc=dict(max_steps=4, min_value_gap=0.0),
+        # adv_estimator="vineppo" (GRPO phase; docs/search.md): each completion is cut into
+        # steps (splitter "newline", or "regex": a step ends where `regex` matches the text's
+        # end); `forks` continuations are sampled from every step prefix (the first
+        # max_steps - 1 boundaries; later steps join the last), V(prefix) = their mean
+        # reward, and the tokens of step t get V(s_t+1) - V(s_t) (the last: R - V(s_last)).
+        vine=dict(forks=4, max_steps=4, splitter="newline", regex=""),
         # Guidance for prompts the policy fails (GRPO; docs/guidance.md). Reference solutions:
         # built-in tasks' task.solution; files: this column ("" = the first of completion,
         # solution, answer).
@@ -193,6 +199,7 @@ CHOICES = {
     "algo.hint.mode": ("off", "fixed", "adaptive"),
     "algo.hint.source": ("reference", "replay"),
     "algo.relift.prompts": ("failed", "any"),
+    "algo.vine.splitter": ("newline", "regex"),
 }
 
 
@@ -244,6 +251,7 @@ REGISTRIES = {
 }
 
 RANGES = (
+    ("algo.vine.forks", 1, None), ("algo.vine.max_steps", 1, None),
     ("algo.update_streams", 0, None), ("algo.async_lag", 1, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),
@@ -369,6 +377,42 @@ def check_role_estimator(cfg) -> None:
     if cfg.env.turn_discount is not None:
         raise ConfigError(f"{what} gives one advantage per episode: env.turn_discount "
                           "(per-turn returns) is not supported")
+
+
+def check_vine(cfg) -> None:
+    """VinePPO: the GRPO phase, every sampled completion in the batch in order, values of the
+    task reward only (no KL in the reward, gamma 1), and a regex that compiles."""
+    algo, r = cfg.algo, cfg.rollout
+    if algo.adv_estimator != "vineppo":
+        return
+    if algo.name != "grpo":
+        raise ConfigError(f"algo.adv_estimator='vineppo' runs in the GRPO phase; algo.name="
+                          f"{algo.name!r}")
+    for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0),
+                    ("algo.dynamic_sampling", algo.dynamic_sampling),
+                    ("data.selection.name", cfg.data.selection.name != "uniform"),
+                    ("rollout.allocation", r.allocation != "uniform"),
+                    ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
+                    ("rollout.partial", r.partial), ("rollout.engine", r.engine != "static"),
+                    ("rollout.micro_batch_size", bool(r.micro_batch_size)),
+                    ("rollout.temperature_schedule.name",
+                     r.temperature_schedule.name != "constant"),
+                    ("algo.hint.mode", algo.hint.mode != "off"),
+                    ("algo.mixed_policy", algo.mixed_policy),
+                    ("algo.relift.every", bool(algo.relift.every)),
+                    ("algo.asynchronous", bool(algo.get("asynchronous", False)))):
+        if on:
+            raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
+                              "(its values are the task reward's, over every sampled "
+                              "completion in order)")
+    if algo.vine.splitter == "regex":
+        import re
+        try:
+            re.compile(algo.vine.regex)
+        except re.error as e:
+            raise ConfigError(f"algo.vine.regex={algo.vine.regex!r} does not compile: {e}")
+        if not algo.vine.regex:
+            raise ConfigError("algo.vine.splitter='regex' needs algo.vine.regex")
 
 
 def check_guidance(cfg) -> None:

@@ -44,6 +44,14 @@ def rollout() -> dict[str, Any]:
         # otherwise it replaces rollout.temperature for rollouts, and training log-probs and
         # ratios use each token's own temperature. GRPO and online DPO only.
         temperature_schedule=dict(name="constant", start=1.0, end=1.0, tokens=0),
+        # Samples per prompt (docs/curricula.md): "uniform" = algo.num_generations each;
+        # "knapsack" = per-prompt group sizes from a knapsack over estimated pass rates
+        # (Knapsack RL), `budget` samples in all (0 = rollout.batch_size; the update's rows
+        # stay rollout.batch_size, unused rows weigh zero), each between `min_samples` and
+        # `max_samples` (0 = the budget). Pass rates: the MoPPS posterior with
+        # data.selection.name='predicted', else a Beta(1, 1) posterior per prompt.
+        allocation="uniform",
+        knapsack=dict(budget=0, min_samples=2, max_samples=0),
         # Tree sampling (docs/search.md): each prompt's group of algo.num_generations
         # completions is the leaves of one tree: `roots` paths decode `segment_tokens` tokens,
         # then every path forks into `branching` children sharing its KV cache, depth times,
@@ -64,14 +72,16 @@ SECTIONS = {"rollout": rollout}
 # The sampler's schedules (the same tuple as the sampling code's TEMPERATURE_SCHEDULES; a
 # closed set: each is a formula in the decode loop).
 CHOICES = {"rollout.temperature_schedule.name": ("constant", "linear", "cosine", "exp"),
-           "rollout.engine": ("static", "slots")}
+           "rollout.engine": ("static", "slots"),
+           "rollout.allocation": ("uniform", "knapsack")}
 
 RANGES = (
     ("rollout.batch_size", 1, None), ("rollout.max_new_tokens", 1, None),
     ("rollout.temperature", 0.0, None), ("rollout.top_k", 0, None), ("rollout.top_p", 1e-9, 1.0),
     ("rollout.micro_batch_size", 0, None), ("rollout.streams", 0, None),
     ("rollout.slots", 0, None), ("rollout.chunk_steps", 1, None),
-    ("rollout.max_staleness", 0, None),
+    ("rollout.max_staleness", 0, None), ("rollout.knapsack.budget", 0, None),
+    ("rollout.knapsack.min_samples", 1, None), ("rollout.knapsack.max_samples", 0, None),
     ("rollout.tree.segment_tokens", 1, None), ("rollout.tree.branching", 1, None),
     ("rollout.tree.roots", 1, None), ("rollout.tree.max_leaves", 0, None),
 )
@@ -146,6 +156,52 @@ def check_partial(cfg) -> None:
         if on:
             raise ConfigError(f"rollout.partial=true cannot be combined with {key} (it "
                               "samples or picks groups per round); turn one of them off")
+
+
+def knapsack_limits(cfg) -> tuple[int, int, int]:
+    """(budget, min samples, max samples) of ``rollout.allocation='knapsack'``, defaults
+    filled in."""
+    k = cfg.rollout.knapsack
+    budget = int(k.budget or cfg.rollout.batch_size)
+    return budget, int(k.min_samples), int(k.max_samples or budget)
+
+
+def check_allocation(cfg) -> None:
+    """Knapsack allocation: GRPO with an estimator that takes ragged groups, a budget the
+    prompts can share, and nothing else that samples or picks groups its own way."""
+    r, a = cfg.rollout, cfg.algo
+    if r.allocation == "uniform":
+        return
+    from rljax.algorithms import takes_group_ids   # the live registry's flag
+
+    if a.name != "grpo":
+        raise ConfigError(f"rollout.allocation='knapsack' needs algo.name='grpo' (got "
+                          f"'{a.name}')")
+    if not takes_group_ids(a.adv_estimator):
+        raise ConfigError(f"rollout.allocation='knapsack' needs a group estimator that takes "
+                          f"groups of different sizes, not algo.adv_estimator="
+                          f"'{a.adv_estimator}'")
+    for key, on in (("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
+                    ("rollout.partial", r.partial), ("rollout.engine", r.engine != "static"),
+                    ("rollout.micro_batch_size", bool(r.micro_batch_size)),
+                    ("algo.dynamic_sampling", a.dynamic_sampling),
+                    ("data.selection.name", cfg.data.selection.name
+                     not in ("uniform", "predicted")),
+                    ("algo.hint.mode", a.hint.mode != "off"),
+                    ("algo.mixed_policy", a.mixed_policy),
+                    ("algo.relift.every", bool(a.relift.every)),
+                    ("algo.asynchronous", bool(a.get("asynchronous", False)))):
+        if on:
+            raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
+                              "(it samples or picks groups its own way)")
+    budget, lo, hi = knapsack_limits(cfg)
+    prompts = r.batch_size // a.num_generations
+    if budget > r.batch_size:
+        raise ConfigError(f"rollout.knapsack.budget={budget} must be <= rollout.batch_size="
+                          f"{r.batch_size} (the update's rows)")
+    if prompts * lo > budget or prompts * hi < budget or hi < lo:
+        raise ConfigError(f"rollout.knapsack: {prompts} prompts cannot share a budget of "
+                          f"{budget} samples with min_samples={lo}, max_samples={hi}")
 
 
 def check_tree(cfg) -> None:

@@ -46,15 +46,19 @@ _THOMPSON_STREAM = 7  # rng stream of the Thompson draws: default_rng([seed, str
 
 # ----------------------------------------------------------------------------- pure pieces
 
-def group_successes(rewards, group_size: int, threshold: float = 1.0,
+def group_successes(rewards, group_size, threshold: float = 1.0,
                     fractional: bool = False) -> np.ndarray:
-    """Successes per group: float [B] from rewards [B*G] (prompt-major groups of G).
+    """Successes per group: float [B] from rewards [B*G] (prompt-major groups of G), or,
+    with ``group_size`` a sequence of B sizes, from consecutive groups of those sizes.
 
     A sample counts 1 if its reward >= ``threshold``, or with ``fractional`` its reward
     clipped to [0, 1]."""
-    r = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    r = np.asarray(rewards, np.float64)
     hits = np.clip(r, 0.0, 1.0) if fractional else (r >= threshold).astype(np.float64)
-    return hits.sum(axis=1)
+    if np.ndim(group_size) == 0:
+        return hits.reshape(-1, int(group_size)).sum(axis=1)
+    starts = np.concatenate([[0], np.cumsum(group_size)[:-1]]).astype(np.int64)
+    return np.add.reduceat(hits, starts)
 
 
 def in_band(pass_rates, low: float, high: float) -> np.ndarray:
@@ -218,10 +222,11 @@ class Predicted(Selector):
 
     def observe(self, rewards, group_size):
         wins = self.successes(rewards, group_size)
-        for index, s in zip(self.last_indices, wins):
+        trials = np.broadcast_to(np.asarray(group_size, np.float64), wins.shape)
+        for index, s, n in zip(self.last_indices, wins, trials):
             a, b = self.posterior(index)
             self.posteriors.pop(index, None)  # re-insert: most recent last
-            self.posteriors[index] = beta_update(a, b, float(s), float(group_size),
+            self.posteriors[index] = beta_update(a, b, float(s), float(n),
                                                  decay=self.decay, prior_a=self.prior[0],
                                                  prior_b=self.prior[1])
         while len(self.posteriors) > self.max_tracked:

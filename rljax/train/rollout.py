@@ -270,10 +270,12 @@ class Rollout:
             rnd["pixels"] = pixels
         return rnd
 
-    def score_round(self, examples, prompt_tokens, prompt_mask, out, prefixes, t0) -> dict:
+    def score_round(self, examples, prompt_tokens, prompt_mask, out, prefixes, t0,
+                    g: int | None = None) -> dict:
         """The round dict of sampled ``out`` (``generate``'s fields) for ``examples``: texts,
-        rewards (every reward function), per-function counts; sampling timed from ``t0``."""
-        cfg, g = self.cfg, self.g
+        rewards (every reward function), per-function counts; sampling timed from ``t0``.
+        ``g``: samples per prompt row (default ``algo.num_generations``)."""
+        cfg, g = self.cfg, self.g if g is None else g
         t1 = time.perf_counter()
         # Multi-host: each process scores its own rows, then every process gets all rewards.
         n = len(out["tokens"])
@@ -335,13 +337,12 @@ class Rollout:
         max_rounds = 1 + (cfg.algo.max_sampling_rounds if keep_fn is not None else 0)
         for r in range(max_rounds):
             rnd = self.sample_round(state.params, jax.random.fold_in(rng, r))
-            if self.selector is not None:  # prompt selection learns from every round
-                self.selector.observe(rnd["rewards"], g)  # (the policy's own, before hints)
+            self.observe_round(rnd)  # (the policy's own rewards, before hints)
             if self.guide is not None:  # hints for failed groups, ReLIFT visit counts
                 rnd = self.guide.after_round(self, state.params, rnd, jax.random.fold_in(
                     jax.random.fold_in(rng, r), guidance.HINT_STREAM))
             rounds.append(rnd)
-            keep = (np.ones(len(rnd["rewards"]) // g, bool) if keep_fn is None
+            keep = (np.ones(self.round_groups(rnd), bool) if keep_fn is None
                     else keep_fn(rnd["rewards"]))
             for i, ok in enumerate(keep):
                 (kept if ok else dropped).append((r, i))
@@ -358,6 +359,8 @@ class Rollout:
         loss_mask = model_mask & np.repeat(train, g)[:, None]
         if cfg.algo.mask_truncated_completions:
             loss_mask &= ~rows["truncated"][:, None]
+        if "real" in rows:   # rows that only pad the batch to its fixed size weigh zero
+            loss_mask &= rows["real"][:, None]
         batch["loss_mask"] = loss_mask
 
         t0 = time.perf_counter()
@@ -404,6 +407,15 @@ class Rollout:
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0
         return batch, metrics
+
+    def round_groups(self, rnd: dict) -> int:
+        """The number of groups (prompts) a sampling round holds."""
+        return len(rnd["rewards"]) // self.g
+
+    def observe_round(self, rnd: dict) -> None:
+        """Prompt selection learns from every sampling round's rewards."""
+        if self.selector is not None:
+            self.selector.observe(rnd["rewards"], self.g)
 
     def _check_reward_failures(self, rounds, step: int) -> None:
         """Stops the run (RewardFunctionFailed) when a function failed on every sample of
@@ -465,9 +477,10 @@ class Rollout:
         """bool [R / G]: groups whose rewards are not all equal."""
         return np.asarray(self._informative(np.asarray(rewards, np.float32)), bool)
 
-    def _assemble(self, rounds, groups):
-        """Stacks the selected groups' rows into the batch layout (re-bucketing prompts)."""
-        g = self.g
+    def _assemble(self, rounds, groups, g: int | None = None):
+        """Stacks the selected groups' rows into the batch layout (re-bucketing prompts);
+        ``g`` rows per group (default ``algo.num_generations``)."""
+        g = self.g if g is None else g
         pick = lambda key: np.concatenate(  # noqa: E731
             [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
         rows = {k: pick(k) for k in ("tokens", "logps", "mask", "lengths", "truncated",
@@ -503,6 +516,10 @@ class Rollout:
             m[f"reward/{name}/timeouts"] = float(sum(r["reward_counts"][name][1] for r in rounds))
         lengths = np.concatenate([r["lengths"] for r in rounds])
         truncated = np.concatenate([r["truncated"] for r in rounds])
+        trains = loss_mask.any(axis=1)
+        # Samples that carry a gradient: they train and their advantage is not 0.
+        moving = (adv != 0).any(axis=1) if adv.ndim == 2 else adv != 0
+        m["rollout/effective_samples"] = int((trains & moving).sum())
         if adv.ndim == 2:  # token-level: statistics over the tokens that train
             adv = adv[loss_mask] if loss_mask.any() else np.zeros(1, np.float32)
         m.update({

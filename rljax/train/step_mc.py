@@ -41,16 +41,20 @@ from rljax.train.rollout import RL_STREAM, expand_fields, generate, prompt_bucke
 # ----------------------------------------------------------------------------- pure host helpers
 
 def step_ends(ids: Sequence[int], decode: Callable[[list[int]], str], delimiter: str,
-              stop_ids: Sequence[int] = ()) -> list[int]:
+              stop_ids: Sequence[int] = (), pattern=None) -> list[int]:
     """Token counts at which the steps of a completion end: a step ends right after the token
-    that completes ``delimiter`` in the decoded text, or at a stop token; the last step ends at
-    ``len(ids)``. Returns an increasing list whose last element is ``len(ids)`` ([] if empty).
+    that completes ``delimiter`` in the decoded text (or, with ``pattern``, a compiled regex
+    anchored at the end, ``\\Z``, once it matches the text), or at a stop token; the last
+    step ends at ``len(ids)``. Returns an increasing list whose last element is ``len(ids)``
+    ([] if empty).
     """
     ends, prev = [], ""
+    at_end = ((lambda t: t.endswith(delimiter)) if pattern is None else
+              (lambda t: pattern.search(t) is not None))
     for k in range(1, len(ids) + 1):
         text = decode(list(ids[:k]))
         # This token completed a delimiter (it changed the text, which now ends with it).
-        if int(ids[k - 1]) in stop_ids or (text != prev and text.endswith(delimiter)):
+        if int(ids[k - 1]) in stop_ids or (text != prev and at_end(text)):
             ends.append(k)
         prev = text
     if ids and (not ends or ends[-1] != len(ids)):

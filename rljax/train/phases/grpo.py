@@ -299,6 +299,10 @@ class GRPOPhase:
             from rljax.train.agent import MultiTurnRollout as rollout_cls
         elif cfg.rollout.partial:   # groups carried across iterations
             from rljax.train.partial import PartialRollout as rollout_cls
+        elif cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
+            from rljax.train.allocation import KnapsackRollout as rollout_cls
+        elif a.adv_estimator == "vineppo":   # forked step-prefix values
+            from rljax.train.vine import VineRollout as rollout_cls
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg))
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
@@ -390,6 +394,8 @@ class GRPOPhase:
             out["guidance"] = self.rollout.guide.state_dict()
         if self.ctx.cfg.rollout.partial:   # the groups in flight
             out["partial"] = self.rollout.state_dict()
+        if self.ctx.cfg.rollout.allocation == "knapsack":   # the pass-rate posteriors
+            out["allocation"] = self.rollout.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -398,6 +404,8 @@ class GRPOPhase:
             self.rollout.guide.load_state_dict(state["guidance"])
         if self.ctx.cfg.rollout.partial and "partial" in state:
             self.rollout.load_state_dict(state["partial"])
+        if self.ctx.cfg.rollout.allocation == "knapsack" and "allocation" in state:
+            self.rollout.load_state_dict(state["allocation"])
 
 
 def merge_updates(metrics: dict, updates: list) -> None:

@@ -1,0 +1,142 @@
+"""The GRPO rollout of ``algo.adv_estimator='vineppo'``: Monte-Carlo values of step prefixes.
+
+After the usual round (G completions per prompt, rewards), each completion is cut into steps
+(``algo.vine.splitter``: a newline, or a regex matched at the text's end; a stop token also
+ends a step; steps past ``algo.vine.max_steps`` join the last one). For every step t of every
+completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled once and its
+KV cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the step-MC
+machinery of ``rljax.train.step_mc``); a continuation is cut to the completion budget
+(``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by the
+reward functions. V(s_t) is the mean of the K rewards, and the advantages are
+``algorithms.vine.vineppo_advantages``. Fork rows are padded (repeating a real one) to a
+multiple of the completion count, so at most ``max_steps`` fork programs are compiled.
+
+Metrics: ``vine/fork_tokens`` (continuation tokens decoded for values, padding rows excluded),
+``vine/fork_padding_tokens``, ``vine/prefixes``, ``vine/steps_mean``, ``vine/value_mean``;
+``rollout/tokens`` and ``rollout/decoded_tokens`` include every decoded fork token (the
+method's whole sampling cost).
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+
+from rljax import algorithms, sampling
+from rljax.train.rollout import Rollout, expand_fields, generate
+from rljax.train.step_mc import step_ends
+
+FORK_STREAM = 11   # rng stream of the value forks (fold_in of the round's key)
+
+
+def step_pattern(vine_cfg):
+    """The compiled end-of-step regex (anchored at the text's end)."""
+    text = r"\n" if vine_cfg.splitter == "newline" else vine_cfg.regex
+    return re.compile(f"(?:{text})\\Z")
+
+
+def cap_steps(ends: list[int], max_steps: int) -> list[int]:
+    """Step ends with the steps past ``max_steps`` joined into the last one."""
+    return ends if len(ends) <= max_steps else ends[:max_steps - 1] + [ends[-1]]
+
+
+class VineRollout(Rollout):
+    """``Rollout`` whose token-level advantages come from forked step-prefix values."""
+
+    def __init__(self, ctx, iterator, old_logps: bool = False):
+        super().__init__(ctx, iterator, old_logps=old_logps)
+        v = ctx.cfg.algo.vine
+        self.k, self.max_steps = int(v.forks), int(v.max_steps)
+        self.pattern = step_pattern(v)
+        self.n = int(ctx.cfg.rollout.max_new_tokens)
+        self.prefix_bucket = int(ctx.cfg.data.max_prompt_length) + self.n
+        self.decode = ctx.tokenizer.decode
+        self.stop_ids = tuple(ctx.stop_ids)
+        self._vine_fn = jax.jit(algorithms.vine.vineppo_advantages)
+        self._last = None   # the last round's step layout and values
+
+    def sample_round(self, params, rng, examples=None, prefixes=None) -> dict:
+        rnd = super().sample_round(params, rng, examples, prefixes)
+        rnd.update(self.step_values(params, rnd, jax.random.fold_in(rng, FORK_STREAM)))
+        rnd["extra_tokens"] = rnd.get("extra_tokens", 0) + rnd["fork_tokens"]
+        self._last = rnd
+        return rnd
+
+    def step_values(self, params, rnd: dict, rng) -> dict:
+        """The round's step layout and MC values: ``step_ids`` int [R, N], ``step_values``
+        f32 [R, max_steps], ``num_steps`` int [R], the forks (``fork_rows``: (completion,
+        step) of each real prefix; ``fork_rewards`` f32 [prefixes, K]; ``fork_texts``) and
+        their token counts."""
+        g, n, k = self.g, self.n, self.k
+        tokens, mask = rnd["tokens"], rnd["mask"]
+        r = len(tokens)
+        comps = [tokens[i][mask[i]].tolist() for i in range(r)]
+        ends = [cap_steps(step_ends(c, self.decode, "", self.stop_ids, self.pattern),
+                          self.max_steps) for c in comps]
+        step_ids = np.full((r, mask.shape[1]), -1, np.int32)
+        fork_rows, prefix_ids = [], []
+        for i, e in enumerate(ends):
+            cols = np.flatnonzero(mask[i])
+            for t, (start, end) in enumerate(zip([0] + e[:-1], e)):
+                step_ids[i, cols[start:end]] = t
+                fork_rows.append((i, t, start))
+                prefix_ids.append(list(rnd["prompt_ids"][i // g]) + comps[i][:start])
+        real = len(fork_rows)
+        if not real:   # no completion has a token: nothing to value
+            prefix_ids = [list(rnd["prompt_ids"][0])]
+        rows = max(1, -(-real // r)) * r   # a multiple of the completions: few programs
+        prefix_ids += [prefix_ids[-1]] * (rows - real)
+        p_tok, p_mask = sampling.pad_to_bucket(prefix_ids, pad_id=self.ctx.tokenizer.pad_id,
+                                               buckets=(self.prefix_bucket,))
+        cfg = self.cfg
+        out = generate(self.ctx, params, p_tok, p_mask, rng, num_samples=k, max_new_tokens=n,
+                       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                       top_p=cfg.rollout.top_p)
+        texts, prompts, lengths, owners = [], [], [], []
+        for j, (i, _, start) in enumerate(fork_rows):
+            for q in range(k):
+                row = j * k + q
+                cont = out["tokens"][row][out["mask"][row]].tolist()[:n - start]
+                texts.append(self.decode(comps[i][:start] + cont))
+                lengths.append(start + len(cont))
+                owners.append(rnd["examples"][i // g])
+                prompts.append(owners[-1]["prompt"])
+        result = self.reward_fn(prompts, texts, completion_lengths=lengths,
+                                **expand_fields(owners, 1))
+        self.monitor.observe(result)
+        fork_rewards = np.asarray(result.total, np.float32)[:real * k].reshape(real, k)
+        values = np.zeros((r, self.max_steps), np.float32)
+        for (i, t, _), rs in zip(fork_rows, fork_rewards):
+            values[i, t] = rs.mean()
+        decoded = int(out["lengths"].sum())
+        fork_tokens = int(out["lengths"][:real * k].sum())
+        return {"step_ids": step_ids, "step_values": values,
+                "num_steps": np.asarray([len(e) for e in ends], np.int32),
+                "fork_rows": fork_rows, "fork_rewards": fork_rewards, "fork_texts": texts,
+                "fork_tokens": fork_tokens, "fork_padding_tokens": decoded - fork_tokens}
+
+    def advantages(self, rewards, mask=None, token_kl=None) -> np.ndarray:
+        """Per-token VinePPO advantages of the last round's completions (the batch is that
+        round's rows in order: config validation refuses anything that drops or re-orders)."""
+        v = self._last
+        if len(rewards) != len(v["num_steps"]):
+            raise RuntimeError("vineppo: the batch is not the last round's completions")
+        return np.asarray(self._vine_fn(np.asarray(rewards, np.float32), 1,
+                                        mask=np.asarray(mask, bool), step_ids=v["step_ids"],
+                                        step_values=v["step_values"],
+                                        num_steps=v["num_steps"]), np.float32)
+
+    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
+        m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)
+        fork, pad = (sum(r[key] for r in rounds) for key in ("fork_tokens",
+                                                             "fork_padding_tokens"))
+        m["rollout/decoded_tokens"] += fork + pad
+        m["rollout/tokens"] += pad   # the real fork tokens came in as extra_tokens
+        m.update({"vine/fork_tokens": fork, "vine/fork_padding_tokens": pad,
+                  "vine/prefixes": sum(len(r["fork_rows"]) for r in rounds),
+                  "vine/steps_mean": float(np.mean(np.concatenate(
+                      [r["num_steps"] for r in rounds]))),
+                  "vine/value_mean": float(np.mean(np.concatenate(
+                      [r["fork_rewards"].reshape(-1) for r in rounds])))})
+        return m

@@ -1,0 +1,250 @@
+"""Knapsack allocation of per-prompt samples (rollout.allocation='knapsack') and the group
+estimators on groups of different sizes."""
+import itertools
+
+import numpy as np
+import pytest
+
+from rljax import algorithms
+from rljax.data import allocation
+
+
+def _brute_force(p, budget, lo, hi):
+    best, arg = -np.inf, None
+    for sizes in itertools.product(range(lo, hi + 1), repeat=len(p)):
+        if sum(sizes) != budget:
+            continue
+        v = allocation.task_value(np.array(sizes), p).sum()
+        if v > best:
+            best, arg = v, sizes
+    return best, arg
+
+
+def test_task_value_formula():
+    # (1 - p^G - (1-p)^G) * p (1-p)^2, written out for one case
+    p, g = 0.3, 4
+    want = (1 - 0.3 ** 4 - 0.7 ** 4) * 0.3 * 0.7 ** 2
+    assert allocation.task_value(g, p) == pytest.approx(want, rel=1e-12)
+    assert allocation.task_value(8, 0.0) == 0.0 and allocation.task_value(8, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_knapsack_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 5))
+    lo, hi = int(rng.integers(1, 3)), int(rng.integers(3, 7))
+    budget = int(rng.integers(n * lo, n * hi + 1))
+    p = rng.uniform(0.01, 0.99, n)
+    if seed % 2:   # some very easy / very hard prompts
+        p[0], p[-1] = 0.98, 0.02
+    sizes = allocation.knapsack_allocate(p, budget, lo, hi)
+    best, _ = _brute_force(p, budget, lo, hi)
+    assert sizes.sum() == budget and sizes.min() >= lo and sizes.max() <= hi
+    assert allocation.task_value(sizes, p).sum() == pytest.approx(best, rel=1e-12, abs=1e-15)
+
+
+def test_knapsack_moves_samples_to_uncertain_prompts():
+    sizes = allocation.knapsack_allocate([0.97, 0.5, 0.03, 0.5], 16, 2, 8)
+    assert sizes.sum() == 16
+    assert sizes[0] == 2 and sizes[1] > 2 and sizes[3] > 2
+
+
+def test_knapsack_refuses_impossible_budget():
+    with pytest.raises(ValueError, match="cannot share"):
+        allocation.knapsack_allocate([0.5, 0.5], 20, 2, 8)
+
+
+def test_expand_groups_pads_with_singletons():
+    prompt, group, real = allocation.expand_groups([2, 3], 7)
+    np.testing.assert_array_equal(prompt, [0, 0, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(group, [0, 0, 1, 1, 1, 2, 3])
+    np.testing.assert_array_equal(real, [1, 1, 1, 1, 1, 0, 0])
+
+
+def test_pass_rates_posterior():
+    rates = allocation.PassRates()
+    rates.observe([7], [3], [4])
+    assert rates.means([7, 8]) == pytest.approx([4 / 6, 0.5])
+    again = allocation.PassRates()
+    again.restore(rates.state())
+    assert again.means([7]) == pytest.approx([4 / 6])
+
+
+# ----------------------------------------------------------------------------- ragged groups
+
+SIZES = [3, 1, 5, 2, 4]
+
+
+def _ragged_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    rewards = rng.integers(0, 2, sum(SIZES)).astype(np.float32)
+    rewards[3] = 0.5                      # the one-row group
+    rewards[4:9] = 1.0                    # a constant group
+    rewards += rng.normal(0, 0.1, rewards.shape).astype(np.float32) * (np.arange(15) >= 9)
+    ids = np.repeat(np.arange(len(SIZES)), SIZES)
+    return rewards, ids
+
+
+def _per_group(name, rewards, **opts):
+    fn = algorithms.get_advantage_estimator(name)
+    out, start = [], 0
+    for g in SIZES:
+        out.append(np.asarray(fn(rewards[start:start + g], g, **opts)))
+        start += g
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("name,opts", [
+    ("grpo", {}), ("grpo", {"scale_rewards": "none"}), ("grpo", {"std_ddof": 0}),
+    ("dr_grpo", {}), ("rloo", {})])
+def test_group_local_estimators_equal_per_group(name, opts):
+    rewards, ids = _ragged_batch()
+    got = algorithms.get_advantage_estimator(name)(rewards, 0, group_ids=ids, **opts)
+    np.testing.assert_allclose(np.asarray(got), _per_group(name, rewards, **opts),
+                               rtol=1e-6, atol=1e-7)
+    assert np.all(np.asarray(got)[3:9] == 0.0)   # one-row and constant groups: exactly 0
+
+
+def test_group_ids_order_free():
+    rewards, ids = _ragged_batch(1)
+    perm = np.random.default_rng(0).permutation(len(ids))
+    fn = algorithms.get_advantage_estimator("grpo")
+    a = np.asarray(fn(rewards, 0, group_ids=ids))
+    b = np.asarray(fn(rewards[perm], 0, group_ids=ids[perm] * 7 + 3))
+    np.testing.assert_allclose(b, a[perm], rtol=1e-6, atol=1e-7)
+
+
+def _centred(rewards, ids):
+    return np.concatenate([rewards[ids == k] - rewards[ids == k].mean()
+                           if np.ptp(rewards[ids == k]) else np.zeros((ids == k).sum())
+                           for k in range(len(SIZES))])
+
+
+def test_batch_level_estimators_on_ragged_groups():
+    rewards, ids = _ragged_batch(2)
+    fn = algorithms.get_advantage_estimator
+    c = _centred(rewards, ids)
+    np.testing.assert_allclose(
+        np.asarray(fn("reinforce_pp_baseline_seq")(rewards, 0, group_ids=ids)),
+        c / (c.std() + 1e-6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(fn("grpo")(rewards, 0, group_ids=ids, scale_rewards="batch")),
+        c / (rewards.std(ddof=1) + 1e-6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(fn("reinforce_pp_seq")(rewards, 0, group_ids=ids)),
+        (rewards - rewards.mean()) / (rewards.std() + 1e-6), rtol=1e-5, atol=1e-6)
+    mask = np.zeros((len(rewards), 4), bool)
+    for i in range(len(rewards)):
+        mask[i, :1 + i % 4] = True
+    got = np.asarray(fn("reinforce_pp_baseline")(rewards, 0, group_ids=ids, mask=mask))
+    want = np.asarray(fn("reinforce_pp")(c.astype(np.float32), 1, mask=mask))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- in a run
+
+REWARD = '''
+def even_length(prompts, completions, **_):
+    """Varied pass rates from an untrained model: 1 for an even-length completion."""
+    return [float(len(c) % 2 == 0) for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "reward.py"
+    path.write_text(REWARD)
+    return str(path)
+
+
+def tiny_cfg(reward_file, **overrides):
+    from rljax import config as config_lib
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": 3, "eval_every": 0, "checkpoint_every": 0,
+        "model.preset": "tiny", "tokenizer.kind": "char", "data.source": "arithmetic",
+        "data.max_prompt_length": 8, "rollout.batch_size": 16, "rollout.max_new_tokens": 4,
+        "algo.num_generations": 4, "algo.beta": 0.0, "optimizer.learning_rate": 1e-3,
+        "sft.steps": 0, "eval.num_examples": 8, "eval.batch_size": 8,
+        "logging.tensorboard": False, "checkpoint.async_save": False,
+        "rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 1,
+        "rollout.knapsack.max_samples": 8,
+    })
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 3, "eval_examples": 8, "num_examples": 8}
+    cfg.reward.names = (f"{reward_file}:even_length",)
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+def test_knapsack_rollout_batch(reward_file, tmp_path):
+    """Groups of the knapsack's sizes, padded rows that weigh zero, advantages of each
+    group over its own rows, and posteriors that learn (the second step's sizes differ)."""
+    import jax
+    from rljax.train import inference, setup
+    from rljax.train.phases import make_phases
+
+    cfg = tiny_cfg(reward_file, **{"rollout.knapsack.budget": 14})
+    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
+    phase = make_phases(ctx)[-1]
+    rounds = []
+    original = phase.rollout.sample_round
+    phase.rollout.sample_round = lambda *a: rounds.append(original(*a)) or rounds[-1]
+    state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
+    for step in range(2):
+        rounds.clear()
+        batch, metrics = phase.rollout(state, step)
+        (rnd,) = rounds
+        sizes = rnd["group_sizes"]
+        assert sizes.sum() == 14 and sizes.min() >= 1 and sizes.max() <= 8
+        assert batch["tokens"].shape[0] == 16 and not batch["loss_mask"][14:].any()
+        want = _per_group_sizes("grpo", rnd["rewards"], sizes)
+        np.testing.assert_allclose(batch["advantages"][:14], want, rtol=1e-5, atol=1e-6)
+        assert np.all(batch["advantages"][14:] == 0)
+        assert metrics["rollout/group_size_max"] == sizes.max()
+        assert metrics["rollout/effective_samples"] == int((want != 0).sum())
+        if step == 0:   # flat priors: as even as the budget allows
+            assert sizes.max() - sizes.min() <= 1
+            first = sizes
+    assert not np.array_equal(first, sizes) or np.ptp(rnd["pass_rates"]) == 0
+
+
+def _per_group_sizes(name, rewards, sizes):
+    fn = algorithms.get_advantage_estimator(name)
+    out, start = [], 0
+    for g in sizes:
+        out.append(np.asarray(fn(rewards[start:start + g], int(g))))
+        start += g
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("selection_name", ["uniform", "predicted"])
+def test_knapsack_train_run(reward_file, tmp_path, selection_name):
+    """A short run, with this rollout's own pass rates and with MoPPS's posterior."""
+    import jax
+    from rljax.train import run
+    from rljax.train.metrics import read_metrics
+
+    cfg = tiny_cfg(reward_file, **{"data.selection.name": selection_name, "steps": 2})
+    assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+    assert all(1 <= r["rollout/group_size_min"] <= r["rollout/group_size_max"] <= 8
+               and r["rollout/group_size_mean"] == 4.0 for r in rl)
+    assert all(0 <= r["rollout/effective_samples"] <= 16 for r in rl)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.allocation=knapsack", "algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
+    (["rollout.allocation=knapsack", "rollout.knapsack.max_samples=3"], "rollout.knapsack"),
+    (["rollout.allocation=knapsack", "rollout.knapsack.budget=32"], "rollout.knapsack.budget"),
+    (["rollout.allocation=knapsack", "algo.name=ppo", "algo.adv_estimator=gae"],
+     "algo.name"),
+])
+def test_bad_knapsack_config_names_the_key(overrides, key):
+    from rljax import config as config_lib
+    from rljax.errors import ConfigError
+    base = ["rollout.batch_size=16", "algo.num_generations=4"]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_lib.load_config(None, base + overrides)

@@ -1,0 +1,135 @@
+"""VinePPO (algo.adv_estimator='vineppo'): step advantages from the mean reward of forks
+sampled at every step prefix, checked against written-out Monte-Carlo averages."""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from rljax import algorithms
+from rljax.train.step_mc import step_ends
+from rljax.train.vine import cap_steps
+
+
+def test_vineppo_advantages_written_out():
+    # Completion 0: 3 steps (tokens 0-1 | 2 | 3-4), V = [0.5, 0.25, 1.0], R = 1
+    #   A = [0.25 - 0.5, 1.0 - 0.25, 1 - 1.0] = [-0.25, 0.75, 0.0]
+    # Completion 1: 1 step (tokens 0-2), V = [0.75], R = 0: A = -0.75 on each of its tokens.
+    step_ids = np.array([[0, 0, 1, 2, 2, -1], [0, 0, 0, -1, -1, -1]])
+    mask = step_ids >= 0
+    values = np.array([[0.5, 0.25, 1.0, 0.0], [0.75, 9.0, 9.0, 9.0]], np.float32)
+    adv = algorithms.get_advantage_estimator("vineppo")(
+        np.array([1.0, 0.0]), 1, mask=mask, step_ids=step_ids, step_values=values,
+        num_steps=np.array([3, 1]))
+    np.testing.assert_allclose(np.asarray(adv), [[-0.25, -0.25, 0.75, 0.0, 0.0, 0.0],
+                                                 [-0.75, -0.75, -0.75, 0, 0, 0]], atol=1e-7)
+
+
+def test_step_splitters():
+    text = "3+4=7\n7-2=5\n"
+    ids = list(range(len(text)))
+    decode = lambda xs: "".join(text[i] for i in xs)  # noqa: E731
+    assert step_ends(ids, decode, "\n") == [6, 12]
+    assert step_ends(ids, decode, "", pattern=re.compile(r"(?:=\d)\Z")) == [5, 11, 12]
+    assert cap_steps([5, 11, 12], 2) == [5, 12] and cap_steps([5, 12], 4) == [5, 12]
+
+
+# ----------------------------------------------------------------------------- in a run
+
+REWARD = '''
+def even_length(prompts, completions, **_):
+    return [float(len(c) % 2 == 0) for c in completions]
+'''
+
+
+def even_length(completions):
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "reward.py"
+    path.write_text(REWARD)
+    return str(path)
+
+
+def tiny_cfg(reward_file, **overrides):
+    from rljax import config as config_lib
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": 2, "eval_every": 0, "checkpoint_every": 0,
+        "model.preset": "tiny", "tokenizer.kind": "char", "data.source": "arithmetic",
+        "data.max_prompt_length": 8, "rollout.batch_size": 8, "rollout.max_new_tokens": 6,
+        "algo.num_generations": 2, "algo.beta": 0.0, "optimizer.learning_rate": 1e-3,
+        "sft.steps": 0, "eval.num_examples": 8, "eval.batch_size": 8,
+        "logging.tensorboard": False, "checkpoint.async_save": False,
+        "algo.adv_estimator": "vineppo", "algo.vine.forks": 3, "algo.vine.max_steps": 3,
+        "algo.vine.splitter": "regex", "algo.vine.regex": r"[0-9]",
+    })
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 1, "eval_examples": 8, "num_examples": 8}
+    cfg.reward.names = (f"{reward_file}:even_length",)
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path):
+    """Each prefix's value is the mean reward of its K forks, each fork continues that exact
+    prefix, and every token's advantage is V(next prefix) - V(its prefix) (R at the end)."""
+    from rljax.train import inference, setup
+    from rljax.train.phases import make_phases
+
+    cfg = tiny_cfg(reward_file)
+    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
+    phase = make_phases(ctx)[-1]
+    state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
+    batch, metrics = phase.rollout(state, 0)
+    rnd = phase.rollout._last
+    decode, k = ctx.tokenizer.decode, 3
+    texts, rewards = rnd["fork_texts"], rnd["fork_rewards"]
+    assert rewards.shape == (len(rnd["fork_rows"]), k)
+    multi = 0
+    for j, (i, t, start) in enumerate(rnd["fork_rows"]):
+        comp = rnd["tokens"][i][rnd["mask"][i]].tolist()
+        prefix = decode(comp[:start])
+        forks = texts[j * k:(j + 1) * k]
+        assert all(f.startswith(prefix) for f in forks)
+        assert rnd["step_values"][i, t] == pytest.approx(np.mean(even_length(forks)), abs=1e-7)
+        multi += t > 0
+    assert multi > 0, "no completion had a second step"
+    n = batch["loss_mask"].shape[1]
+    for i in range(len(rnd["rewards"])):
+        s, v, ids = rnd["num_steps"][i], rnd["step_values"][i], rnd["step_ids"][i]
+        nxt = [v[t + 1] if t + 1 < s else rnd["rewards"][i] for t in range(s)]
+        want = np.where(ids >= 0, np.asarray(nxt)[np.clip(ids, 0, None)] - v[np.clip(ids, 0, None)],
+                        0.0)
+        np.testing.assert_allclose(batch["advantages"][i, -n:], want * batch["loss_mask"][i],
+                                   atol=1e-6)
+    assert metrics["vine/fork_tokens"] > 0 and metrics["vine/prefixes"] == len(rnd["fork_rows"])
+    assert metrics["rollout/decoded_tokens"] >= metrics["vine/fork_tokens"] + \
+        int(rnd["lengths"].sum())
+
+
+def test_vineppo_train_run(reward_file, tmp_path):
+    from rljax.train import run
+    from rljax.train.metrics import read_metrics
+
+    assert run.train(tiny_cfg(reward_file, **{"algo.vine.splitter": "newline"}),
+                     str(tmp_path), devices=jax.devices()[:1]) == 0
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["loss"]) and r["vine/fork_tokens"] > 0
+                                for r in rl)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["algo.kl_in_reward=true", "algo.beta=0.01"], "algo.kl_in_reward"),
+    (["algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
+    (["algo.vine.splitter=regex", "algo.vine.regex=("], "algo.vine.regex"),
+    (["algo.name=ppo"], "algo"),
+])
+def test_bad_vine_config_names_the_key(overrides, key):
+    from rljax import config as config_lib
+    from rljax.errors import ConfigError
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_lib.load_config(None, ["algo.adv_estimator=vineppo"] + overrides)
