@@ -43,6 +43,11 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         "images_field": "images", "max_images": 1}   # read only where rows carry images
     assert now["model"].pop("vision") == {   # a text model: no vision tower loaded
         "image_token": "<image_soft_token>", "load": False, "train": False}
+    assert {k: now["rollout"].pop(k) for k in ("allocation", "knapsack")} == {
+        "allocation": "uniform",   # the same G for every prompt
+        "knapsack": {"budget": 0, "max_samples": 0, "min_samples": 2}}
+    assert now["algo"].pop("vine") == {   # read by algo.adv_estimator='vineppo' only
+        "forks": 4, "max_steps": 4, "regex": "", "splitter": "newline"}
     assert now == saved
 
 
