@@ -113,7 +113,7 @@ def test_qwen3moe_gguf_logits_match_transformers(qwen3moe):
 
 def test_qwen3moe_gguf_params_are_hf_params(qwen3moe):
     """The stacked expert tensors land where the per-expert HF tensors do."""
-    path, _, tensors, _ = qwen3moe
+    path = qwen3moe[0]
     _, from_gguf = models.gguf.load_gguf(path)
     _, from_hf = models.load_hf(os.path.join(os.path.dirname(path), "hf"))
     for name in ("router", "expert_gate", "expert_up", "expert_down"):
