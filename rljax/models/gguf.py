@@ -7,7 +7,7 @@ with the ``gguf`` package's numpy code, renamed to their Hugging Face names and 
 as for a safetensors checkpoint.
 
 Supported: architectures ``SUPPORTED_ARCHITECTURES`` (dense llama, qwen2, qwen3, gemma2, gemma3
--- the text model -- and the mixture of experts qwen3moe) and tensor
+-- the text model -- and the mixtures of experts qwen3moe and olmoe) and tensor
 types ``SUPPORTED_TENSOR_TYPES`` (float, the legacy block quants and the K-quants). Quantized
 weights become plain float32 (or ``dtype``) parameters: rljax trains the dequantized model.
 Everything else (another architecture, another mixture of experts, an i-quant, llama3-style
@@ -19,11 +19,14 @@ which rotates interleaved pairs, computes what HF's rotate-half rope computes; l
 that permutation (``_unpermute_rope``). qwen2/qwen3 use GGML's rotate-half ("neox") rope and are
 stored unpermuted.
 
-A qwen3moe file stores each layer's experts stacked: ``ffn_gate_exps``/``ffn_up_exps`` [E, F, D] and
+A qwen3moe or olmoe file stores each layer's experts stacked: ``ffn_gate_exps``/``ffn_up_exps`` [E, F, D] and
 ``ffn_down_exps`` [E, D, F] (numpy order; HF's per-expert [out, in] matrices, expert first), the
 router as ``ffn_gate_inp`` [E, D]. Its metadata has no top-k normalisation flag: llama.cpp's
 qwen3moe graph always renormalises the k weights (and transformers' GGUF loader sets
-``norm_topk_prob=True`` for it), so the loaded config does too. Gemma's converter stores every RMSNorm scale as ``1 + w`` (GGML multiplies
+``norm_topk_prob=True`` for it), so the loaded config does too. llama.cpp's olmoe uses the k
+probabilities as they are (as HF's OLMoE does), normalises q and k over the whole projection
+(``attn_q_norm`` [D]) and its converter writes no ``expert_feed_forward_length``: the experts
+are ``feed_forward_length`` wide. Gemma's converter stores every RMSNorm scale as ``1 + w`` (GGML multiplies
 by the scale itself); loading subtracts the 1 again, as transformers' GGUF loader does.
 
 Gemma 2/3 files do not say everything the model computes; what they leave out is taken from
@@ -47,11 +50,11 @@ from rljax.models.gguf_file import GGUFFile
 from rljax.models.hf import hf_tensor_shapes, load_params
 from rljax.models.transformer import param_shapes
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "olmoe")
 # GGUF architecture -> rljax model_type, where they differ.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 # Architectures whose layers are mixtures of experts (every layer; no shared experts).
-_MOE_ARCHITECTURES = ("qwen3moe",)
+_MOE_ARCHITECTURES = ("qwen3moe", "olmoe")
 _GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}   # one global layer per period, last in it
 # Types gguf's numpy code dequantizes exactly and that llama.cpp's common quantizations use.
 # The i-quants (IQ*), ternary (TQ*) and FP4 types are left out: no test file of ours has them.
@@ -225,7 +228,7 @@ def _config_fields(reader, path: str, arch: str) -> dict:
         max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "qwen3moe"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "olmoe"),
         bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
@@ -234,17 +237,24 @@ def _config_fields(reader, path: str, arch: str) -> dict:
     if arch in _GEMMA_SWA_PERIOD:
         fields.update(_gemma_fields(reader, arch, fields, head_dim))
     if arch in _MOE_ARCHITECTURES:
-        fields.update(_moe_fields(reader, arch))
+        fields.update(_moe_fields(reader, path, arch))
     return fields
 
 
-def _moe_fields(reader, arch: str) -> dict:
+def _moe_fields(reader, path: str, arch: str) -> dict:
     """Mixture-of-experts ModelConfig fields from ``<arch>.expert_*`` (qwen3moe: top-k weights
-    renormalised, as llama.cpp computes it; see the module docstring)."""
+    renormalised, olmoe: not, as llama.cpp computes them; see the module docstring)."""
+    if arch == "olmoe" and _meta(reader, f"{arch}.attention.clamp_kqv", None) is not None:
+        raise GGUFError(f"{path}: olmoe clamp_kqv (clip_qkv) is not supported")
+    width = _meta(reader, f"{arch}.expert_feed_forward_length",
+                  _meta(reader, f"{arch}.feed_forward_length") if arch == "olmoe" else KeyError)
     return dict(num_experts=int(_meta(reader, f"{arch}.expert_count")),
                 num_experts_per_tok=int(_meta(reader, f"{arch}.expert_used_count")),
-                moe_intermediate_size=int(_meta(reader, f"{arch}.expert_feed_forward_length")),
-                norm_topk_prob=True)
+                moe_intermediate_size=int(width),
+                norm_topk_prob=arch == "qwen3moe",
+                # HF's defaults (the GGUF does not say; only an export writes it back).
+                router_aux_loss_coef=0.001 if arch == "qwen3moe" else 0.01,
+                qk_norm_scope="projection" if arch == "olmoe" else "head")
 
 
 def _gemma_fields(reader, arch: str, fields: dict, head_dim: int) -> dict:
