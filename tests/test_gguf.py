@@ -273,7 +273,7 @@ def _one_line_error(path, needle):
 
 def test_unsupported_architectures(tiny, tmp_path):
     cfg, _, tensors = tiny["llama"]
-    for arch in ("phi3", "qwen3moe"):
+    for arch in ("phi3", "qwen2moe"):
         path = str(tmp_path / f"{arch}.gguf")
         write_gguf(path, cfg, tensors, arch=arch, permute=False)
         _one_line_error(path, f"unsupported GGUF architecture '{arch}'")

@@ -7,17 +7,26 @@ with the ``gguf`` package's numpy code, renamed to their Hugging Face names and 
 as for a safetensors checkpoint.
 
 Supported: architectures ``SUPPORTED_ARCHITECTURES`` (dense llama, qwen2, qwen3, gemma2, gemma3
--- the text model) and tensor
+-- the text model -- and the mixtures of experts qwen3moe and olmoe) and tensor
 types ``SUPPORTED_TENSOR_TYPES`` (float, the legacy block quants and the K-quants). Quantized
 weights become plain float32 (or ``dtype``) parameters: rljax trains the dequantized model.
-Everything else (another architecture, a mixture of experts, an i-quant, llama3-style
+Everything else (another architecture, another mixture of experts, an i-quant, llama3-style
 ``rope_freqs`` factors, a truncated file) raises :class:`GGUFError` with one line naming the
 problem, from ``inspect_gguf`` before any tensor is read.
 
 llama.cpp's converter permutes the rows of llama's q and k projections so that GGML's rope,
 which rotates interleaved pairs, computes what HF's rotate-half rope computes; loading undoes
 that permutation (``_unpermute_rope``). qwen2/qwen3 use GGML's rotate-half ("neox") rope and are
-stored unpermuted. Gemma's converter stores every RMSNorm scale as ``1 + w`` (GGML multiplies
+stored unpermuted.
+
+A qwen3moe or olmoe file stores each layer's experts stacked: ``ffn_gate_exps``/``ffn_up_exps`` [E, F, D] and
+``ffn_down_exps`` [E, D, F] (numpy order; HF's per-expert [out, in] matrices, expert first), the
+router as ``ffn_gate_inp`` [E, D]. Its metadata has no top-k normalisation flag: llama.cpp's
+qwen3moe graph always renormalises the k weights (and transformers' GGUF loader sets
+``norm_topk_prob=True`` for it), so the loaded config does too. llama.cpp's olmoe uses the k
+probabilities as they are (as HF's OLMoE does), normalises q and k over the whole projection
+(``attn_q_norm`` [D]) and its converter writes no ``expert_feed_forward_length``: the experts
+are ``feed_forward_length`` wide. Gemma's converter stores every RMSNorm scale as ``1 + w`` (GGML multiplies
 by the scale itself); loading subtracts the 1 again, as transformers' GGUF loader does.
 
 Gemma 2/3 files do not say everything the model computes; what they leave out is taken from
@@ -41,7 +50,11 @@ from rljax.models.gguf_file import GGUFFile
 from rljax.models.hf import hf_tensor_shapes, load_params
 from rljax.models.transformer import param_shapes
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "olmoe")
+# GGUF architecture -> rljax model_type, where they differ.
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+# Architectures whose layers are mixtures of experts (every layer; no shared experts).
+_MOE_ARCHITECTURES = ("qwen3moe", "olmoe")
 _GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}   # one global layer per period, last in it
 # Types gguf's numpy code dequantizes exactly and that llama.cpp's common quantizations use.
 # The i-quants (IQ*), ternary (TQ*) and FP4 types are left out: no test file of ours has them.
@@ -64,7 +77,11 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",   # the MoE router
 }
+# One expert's matrix in HF ("mlp.experts.{e}.<w>_proj.weight") -> the GGUF tensor that stacks
+# all the layer's experts on its first numpy axis.
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 # Gemma 2/3 norm names (their HF "post_attention_layernorm" is the attention output's norm).
 _POST_NORM_NAMES = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -97,6 +114,9 @@ class GGUFError(UserError):
 def gguf_name(hf_name: str, post_norms: bool = False) -> str:
     """The GGUF tensor name of HF tensor ``hf_name`` (``model.layers.3.mlp.up_proj.weight`` ->
     ``blk.3.ffn_up.weight``); ``post_norms``: Gemma 2/3's layer-norm names."""
+    m = _EXPERT_RE.fullmatch(hf_name)
+    if m:
+        return f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight"
     m = _LAYER_RE.fullmatch(hf_name)
     if m:
         names = dict(_LAYER_NAMES, **_POST_NORM_NAMES) if post_norms else _LAYER_NAMES
@@ -170,9 +190,12 @@ def _architecture(reader, path: str) -> str:
         raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r} "
                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     experts = _meta(reader, f"{arch}.expert_count", 0)
-    if experts:
+    if experts and arch not in _MOE_ARCHITECTURES:
         raise GGUFError(f"{path}: mixture-of-experts GGUF ({arch}.expert_count={experts}) "
-                        "is not supported")
+                        f"is not supported (supported: {', '.join(_MOE_ARCHITECTURES)})")
+    if not experts and arch in _MOE_ARCHITECTURES:
+        raise GGUFError(f"{path}: {arch} GGUF without experts ({arch}.expert_count missing "
+                        "or 0)")
     return arch
 
 
@@ -190,11 +213,12 @@ def _config_fields(reader, path: str, arch: str) -> dict:
         raise GGUFError(f"{path}: key_length={head_dim}, value_length={value_dim}, "
                         f"rope.dimension_count={rope_dim} differ (partial rope is not supported)")
     fields = dict(
-        model_type=arch,
+        model_type=_MODEL_TYPES.get(arch, arch),
         # The embedding's rows are the model's vocabulary (the token list may be shorter).
         vocab_size=int(np.asarray(tensors["token_embd.weight"].shape)[-1]),
         hidden_size=hidden,
-        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length",
+                                    _meta(reader, f"{arch}.expert_feed_forward_length", None))),
         num_layers=int(_meta(reader, f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
@@ -204,7 +228,7 @@ def _config_fields(reader, path: str, arch: str) -> dict:
         max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe", "olmoe"),
         bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=_meta(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", None),
@@ -212,7 +236,25 @@ def _config_fields(reader, path: str, arch: str) -> dict:
     fields.update(_rope_scaling(reader, path, arch))
     if arch in _GEMMA_SWA_PERIOD:
         fields.update(_gemma_fields(reader, arch, fields, head_dim))
+    if arch in _MOE_ARCHITECTURES:
+        fields.update(_moe_fields(reader, path, arch))
     return fields
+
+
+def _moe_fields(reader, path: str, arch: str) -> dict:
+    """Mixture-of-experts ModelConfig fields from ``<arch>.expert_*`` (qwen3moe: top-k weights
+    renormalised, olmoe: not, as llama.cpp computes them; see the module docstring)."""
+    if arch == "olmoe" and _meta(reader, f"{arch}.attention.clamp_kqv", None) is not None:
+        raise GGUFError(f"{path}: olmoe clamp_kqv (clip_qkv) is not supported")
+    width = _meta(reader, f"{arch}.expert_feed_forward_length",
+                  _meta(reader, f"{arch}.feed_forward_length") if arch == "olmoe" else KeyError)
+    return dict(num_experts=int(_meta(reader, f"{arch}.expert_count")),
+                num_experts_per_tok=int(_meta(reader, f"{arch}.expert_used_count")),
+                moe_intermediate_size=int(width),
+                norm_topk_prob=arch == "qwen3moe",
+                # HF's defaults (the GGUF does not say; only an export writes it back).
+                router_aux_loss_coef=0.001 if arch == "qwen3moe" else 0.01,
+                qk_norm_scope="projection" if arch == "olmoe" else "head")
 
 
 def _gemma_fields(reader, arch: str, fields: dict, head_dim: int) -> dict:
@@ -245,8 +287,7 @@ def _rope_scaling(reader, path: str, arch: str) -> dict:
 
 def _check_tensors(reader, path: str, cfg: ModelConfig) -> None:
     """Every tensor the model needs is there, with its shape and a supported type; no others."""
-    expected = {gguf_name(n, cfg.post_norms): shape
-                for n, shape in hf_tensor_shapes(cfg).items()}
+    expected = gguf_tensor_shapes(cfg)
     found = {t.name: t for t in reader.tensors}
     missing = sorted(set(expected) - set(found))
     if missing:
@@ -268,6 +309,17 @@ def _check_tensors(reader, path: str, cfg: ModelConfig) -> None:
         if shape_in_file != tuple(shape):
             raise GGUFError(f"{path}: tensor {name} has shape {shape_in_file}, expected "
                             f"{tuple(shape)} from the metadata")
+
+
+def gguf_tensor_shapes(cfg: ModelConfig) -> dict:
+    """GGUF tensor name -> numpy shape (HF's) of every tensor a file of ``cfg`` holds; a
+    layer's experts are one tensor [E, ...] (``hf_tensor_shapes`` lists one per expert)."""
+    shapes = {}
+    for name, shape in hf_tensor_shapes(cfg).items():
+        if _EXPERT_RE.fullmatch(name):
+            shape = (cfg.num_experts, *shape)
+        shapes[gguf_name(name, cfg.post_norms)] = tuple(shape)
+    return shapes
 
 
 def inspect_gguf(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
@@ -319,9 +371,19 @@ def _tensor_source(reader, path: str, cfg: ModelConfig):
         permute_heads = {"attn_q.weight": cfg.num_heads, "attn_k.weight": cfg.num_kv_heads}
 
     gemma = cfg.norm_plus_one
+    stacked = {}   # the last experts tensor read: its E per-expert requests come in a row
 
     def get(hf_name: str, hf_shape: tuple) -> np.ndarray:
         name = gguf_name(hf_name, cfg.post_norms)
+        expert = _EXPERT_RE.fullmatch(hf_name)
+        if expert:
+            if name not in stacked:
+                stacked.clear()
+                stacked[name] = read(name, (cfg.num_experts, *hf_shape))
+            return stacked[name][int(expert.group(2))]
+        return read(name, hf_shape)
+
+    def read(name: str, hf_shape: tuple) -> np.ndarray:
         t = tensors[name]  # presence, shape and type were checked by inspect_gguf
         try:
             # A plain-ndarray view of the memmap: numpy's memmap subclass hooks would otherwise

@@ -22,7 +22,7 @@ import numpy as np
 
 from rljax.models import gguf_blocks, quant
 from rljax.models.config import ModelConfig
-from rljax.models.gguf import _unpermute_rope, gguf_name, open_gguf
+from rljax.models.gguf import GGUFError, _unpermute_rope, gguf_name, open_gguf
 from rljax.models.hf import _entries, _hf_shape, _to_ours
 from rljax.models.transformer import init_params
 
@@ -48,6 +48,12 @@ def _matrices(cfg: ModelConfig):
 def keep_plan(path: str, cfg: ModelConfig) -> dict:
     """tree path -> ``Kept`` for each matrix whose every layer is stored in a block type
     ``gguf_blocks`` reads and whose block axis the block divides (headers only)."""
+    if cfg.is_moe:
+        # Experts are [E, in, out] stacks that models.quant has no block layout for; loading
+        # them dequantized would silently hold the largest tensors in float.
+        raise GGUFError(f"{path}: model.quantize='keep' cannot keep a mixture of experts' "
+                        "expert tensors in their GGUF blocks; load it with model.quantize='' "
+                        "(dequantized)")
     tensors = {t.name: t for t in open_gguf(path).tensors}
     plan = {}
     for tree_path, shape, names, _ in _matrices(cfg):
