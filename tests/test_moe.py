@@ -12,6 +12,8 @@ from rljax.models import moe
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_models import _hf_logits   # noqa: E402  (transformers' logits at our positions)
+
 FAMILIES = ("qwen3_moe", "olmoe")
 B, T = 3, 12
 PADS = (0, 3, 5)
@@ -53,15 +55,6 @@ def _batch():
         mask[i, :pad] = False
         tokens[i, :pad] = 0
     return tokens, mask
-
-
-def _hf_logits(model, tokens, mask):
-    pos = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
-                    attention_mask=torch.tensor(mask, dtype=torch.long),
-                    position_ids=torch.tensor(pos, dtype=torch.long))
-    return out.logits.float().numpy()
 
 
 @pytest.fixture(scope="module")
