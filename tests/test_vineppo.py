@@ -36,21 +36,12 @@ def test_step_splitters():
 
 # ----------------------------------------------------------------------------- in a run
 
-REWARD = '''
-def even_length(prompts, completions, **_):
-    return [float(len(c) % 2 == 0) for c in completions]
-'''
+# The knapsack tests' user reward file (1 for an even-length completion) and its rule here.
+from test_knapsack import reward_file  # noqa: E402,F401  (a pytest fixture)
 
 
 def even_length(completions):
     return [float(len(c) % 2 == 0) for c in completions]
-
-
-@pytest.fixture(scope="module")
-def reward_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("reward") / "reward.py"
-    path.write_text(REWARD)
-    return str(path)
 
 
 def tiny_cfg(reward_file, **overrides):

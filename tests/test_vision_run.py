@@ -8,9 +8,10 @@ import pytest
 from rljax import config as config_lib
 from rljax.data.tasks import TASKS
 from rljax.train import checkpoint, run
-from rljax.train.faults import StopSignal
 from rljax.train.metrics import read_metrics
 from rljax.train.rollout import Rollout
+
+from test_train_loop import StopAfter, comparable, final_params
 
 DEVICES = jax.devices()[:1]
 SFT_STEPS, RL_STEPS = 1, 2
@@ -32,29 +33,6 @@ def vlm_cfg(**overrides):
     cfg.data.kwargs = {"kinds": "count,locate", "eval_examples": 4}
     cfg.update_from_flattened_dict(overrides)
     return config_lib.validate(cfg)
-
-
-class StopAfter(StopSignal):
-    def __init__(self, n):
-        super().__init__(quiet=True)
-        self.n = n
-
-    def should_stop(self, sync=False):
-        self.n -= 1
-        if self.n <= 0:
-            self.request_stop()
-        return super().should_stop(sync)
-
-
-def final_params(workdir):
-    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
-        state = ckpt.restore().state
-    return jax.tree.map(np.asarray, state["params"])
-
-
-def comparable(records):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
-            for r in records]
 
 
 @pytest.fixture(scope="module")
