@@ -29,7 +29,10 @@ jobs; the earlier LoRA recipe (``grpo_smollm2_lora.py``) learned as fast as full
     rljax train --config configs/agent_smollm2_calculator.py --workdir runs/smollm2_calc
     rljax sample --workdir runs/smollm2_calc --prompt "512*308="
 
-Numbers (3 seeds, both arms): docs/agents.md.
+Measured (seed 0, 2-core CPU shared with another job, load 5-8): held-out greedy accuracy 16%
+for the shipped model (no calls), 100% after the warm-up, 100% after GRPO; in GRPO's sampled
+episodes the failed-call rate fell 0.24 -> 0.09 and the reward rose 0.78 -> 0.94; 19 min 17 s
+wall (without the step-0 eval). Details and the no-tool twin: docs/agents.md.
 """
 import os
 

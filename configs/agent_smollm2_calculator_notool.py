@@ -11,6 +11,8 @@ gives the no-tool arm that format too, so the comparison is about the tool alone
 
     rljax train --config configs/agent_smollm2_calculator_notool.py --workdir runs/smollm2_notool
 
+Measured (seed 0, 2-core CPU shared with another job): held-out greedy accuracy 12% for the
+shipped model, 8% after the warm-up, 16% after GRPO (the tool run: 100%); 6 min 40 s wall.
 Numbers: docs/agents.md.
 """
 import os
