@@ -171,8 +171,10 @@ def test_merge_counters_and_env_metrics():
                 {"tool_calls": 0, "solved": 1}, {"tool_calls": 1, "tool:calculator": 1}]
     assert env_metrics(episodes) == {
         "env/tool_calls_mean": 4 / 3, "env/tool_errors": 1.0, "env/tool_timeouts": 0.0,
-        "env/tool:python": 3.0, "env/tool:calculator": 1.0, "env/solved_mean": 1 / 3}
+        "env/tool:python": 3.0, "env/tool:calculator": 1.0, "env/solved_mean": 1 / 3,
+        "env/tool_error_rate": 1 / 4}
     assert env_metrics([]) == {}
+    assert "env/tool_error_rate" not in env_metrics([{"tool_calls": 0, "tool_errors": 0}])
 
 
 # ----------------------------------------------------------------------------- step_all

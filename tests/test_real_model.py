@@ -383,3 +383,58 @@ def test_smollm2_gsm8k_recipe_reads_chat_templated_gsm8k_prompts(gguf_path, tok,
         assert x["prompt"].endswith("Question: " + x["question"] + "\nAnswer:<|im_end|>\n"
                                     "<|im_start|>assistant\n"), x["prompt"]
         assert tok.encode(x["prompt"])[0] == tok.encode("<|im_start|>")[0]
+
+
+# ----------------------------------------------------------------------------- tool traces
+
+def _model_turns(model_mask):
+    """(start, end) of each run of model tokens in a trace's model mask (one run per turn)."""
+    runs, start = [], None
+    for i, m in enumerate(list(model_mask) + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+@pytest.mark.parametrize("question, answer", [("123*456=", "56088"), ("7*508=", "3556"),
+                                              ("999*999=", "998001")])
+def test_calculator_sft_traces_are_what_a_rollout_lays_out(tok, question, answer):
+    """``configs/agent_smollm2_calculator.py``'s warm-up traces in SmolLM2's chat template with
+    json tool calls, checked against the rollout's own pieces: the prompt ids are the rollout's;
+    the call turn ends with the sampler's stop ids for ``</tool_call>`` and, decoded, is the
+    calculator call the environment parses; the observation ids are what the rollout appends
+    after that turn; the answer turn is the bare number + EOS, scored 1; everything fits the
+    config's prompt, turn, observation and trajectory limits."""
+    from rljax import config as config_lib, rewards
+    from rljax.sampling import multiturn
+    from rljax.train import agent, episodes
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config_lib.load_config(os.path.join(root, "configs", "agent_smollm2_calculator.py"))
+    renderer = agent.make_renderer(cfg, tok)
+    example = {"question": question, "answer": answer, "prompt": "What is " + question}
+    prompt, ids, model = episodes.trace_tokens(tok, renderer, agent.trace_messages(cfg, example))
+    env = agent.make_envs(cfg, [example], 1)[0]
+    assert prompt == tok.encode(renderer.prompt(env.reset()))
+    assert len(prompt) <= cfg.data.max_prompt_length
+    assert len(ids) <= min(cfg.env.max_total_tokens, cfg.sft.max_length - cfg.data.max_prompt_length)
+    (c0, c1), (a0, a1) = _model_turns(model)
+
+    call = ids[c0:c1]
+    (stop,) = multiturn.stop_sequences_of(tok, [renderer.call_end])
+    assert tuple(call[-len(stop):]) == stop and len(call) <= agent.turn_tokens(cfg)
+    step = env.step(tok.decode(call))
+    assert not step.done and step.info["tool_calls"] == 1 and not step.info["tool_errors"]
+    assert step.observation == [{"role": "tool", "content": answer}]
+    obs = ids[c1:a0]
+    assert obs == tok.encode(renderer.observation(step.observation, False))
+    assert len(obs) <= cfg.env.max_obs_tokens   # longer would end the episode, truncated
+
+    reply = ids[a0:a1]
+    assert reply[-1] == tok.eos_id and tok.decode(reply[:-1]) == answer
+    assert len(reply) <= agent.turn_tokens(cfg) and env.step(tok.decode(reply)).done
+    score = rewards.get("arithmetic")([prompt], [tok.decode(reply)], answer=[answer])
+    assert list(score) == [1.0]

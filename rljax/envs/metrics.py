@@ -6,6 +6,9 @@ Each step's ``StepResult.info`` holds counters; summed over an episode's steps
 * ``env/tool_calls_mean``: tool calls per episode;
 * ``env/tool_errors``, ``env/tool_timeouts`` and ``env/tool:<name>``: totals over the batch (rare
   events are easier to read as counts);
+* ``env/tool_error_rate``: the share of the batch's tool calls that failed (malformed, unknown
+  tool, bad arguments, the tool's own error, over the call limit), when there were calls: a
+  count of errors alone rises with the number of calls;
 * any other counter an environment reports (``guess_number``: ``guesses``, ``solved``,
   ``invalid_guesses``): ``env/<key>_mean``, the mean per episode.
 
@@ -42,6 +45,10 @@ def env_metrics(episodes: Sequence[Mapping[str, float]], prefix: str = "env") ->
             out[f"{prefix}/{key}"] = total
         else:
             out[f"{prefix}/{key}_mean"] = total / len(episodes)
+    calls = sum(counters.get("tool_calls", 0) for counters in episodes)
+    if calls:
+        errors = sum(counters.get("tool_errors", 0) for counters in episodes)
+        out[f"{prefix}/tool_error_rate"] = float(errors) / calls
     if any(k in OUTCOMES or k.startswith("games_") for k in keys):
         n = len(episodes)
         for key in OUTCOMES:
