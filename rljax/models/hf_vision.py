@@ -14,6 +14,7 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -135,11 +136,9 @@ def load_vision_params(vcfg: VisionConfig, reader: _Reader) -> dict:
     return out
 
 
-def load_hf_vlm(path: str, dtype=jnp.float32, **overrides):
-    """A multimodal Gemma 3 checkpoint directory -> ``(cfg, vcfg, params)``: ``cfg`` the text
-    model's ``ModelConfig`` with ``image_token_id`` set, ``vcfg`` the tower's ``VisionConfig``,
-    ``params`` the text params plus ``params["vision"]``; ``cfg.vision`` is ``vcfg``.
-    ``overrides`` go to ``cfg``."""
+def vlm_config(path: str, dtype=jnp.float32, **overrides):
+    """``(cfg, vcfg)`` of a multimodal Gemma 3 checkpoint directory, without reading weights
+    (as ``load_hf_vlm``)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise HFCheckpointError(f"{path!r} is not a HF checkpoint directory (no config.json)")
@@ -151,9 +150,22 @@ def load_hf_vlm(path: str, dtype=jnp.float32, **overrides):
     if vcfg.text_hidden_size != cfg.hidden_size:
         raise HFCheckpointError(f"vision projector width {vcfg.text_hidden_size} != text "
                                 f"hidden_size {cfg.hidden_size}")
+    return cfg, vcfg
+
+
+def load_hf_vlm(path: str, dtype=jnp.float32, shardings=None, **overrides):
+    """A multimodal Gemma 3 checkpoint directory -> ``(cfg, vcfg, params)``: ``cfg`` the text
+    model's ``ModelConfig`` with ``image_token_id`` set, ``vcfg`` the tower's ``VisionConfig``,
+    ``params`` the text params plus ``params["vision"]``; ``cfg.vision`` is ``vcfg``.
+    ``shardings`` (a tree like ``params``): the text model's tensors go straight into their
+    shards as ``models.load_hf`` places them, then the (small) tower into its own.
+    ``overrides`` go to ``cfg``."""
+    cfg, vcfg = vlm_config(path, dtype, **overrides)
     reader = _Reader(path)
-    params = load_params(cfg, reader.get)
+    params = load_params(cfg, reader.get, shardings)
     params["vision"] = load_vision_params(vcfg, reader)
+    if shardings is not None:
+        params["vision"] = jax.device_put(params["vision"], shardings["vision"])
     return cfg, vcfg, params
 
 
