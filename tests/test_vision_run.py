@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rljax import config as config_lib
+from rljax.config import ConfigError
 from rljax.data.tasks import TASKS
 from rljax.train import checkpoint, run
 from rljax.train.metrics import read_metrics
@@ -113,3 +114,16 @@ def test_export_writes_the_whole_vlm(straight, tmp_path):
     _, vcfg, params = load_hf_vlm(str(out))
     assert vcfg.num_layers == 2
     jax.tree.map(np.testing.assert_array_equal, params, final_params(straight[0]))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"rollout.engine": "slots"}, "rollout.engine"),
+    ({"rollout.engine": "slots", "rollout.partial": True}, "rollout.partial"),
+    ({"rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
+      "rollout.tree.segment_tokens": 1}, "rollout.tree.enabled"),
+    ({"env.name": "calculator"}, "env.name"),
+    ({"algo.asynchronous": True}, "algo.asynchronous"),
+])
+def test_samplers_that_drop_images_are_refused(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}=.*does not carry images"):
+        vlm_cfg(**overrides)
