@@ -117,8 +117,9 @@ def test_planned_update_programs_are_the_ones_a_step_runs(algo, tmp_path):
     assert bool(image_calls) == (algo == "vlm")
     for call in image_calls:
         row, stats = rows[call["name"]], call["stats"]
-        assert (stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes) \
-            == (row.arguments, row.outputs, row.temps), (call, row)
+        real = (stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                stats.temp_size_in_bytes)
+        assert real == (row.arguments, row.outputs, row.temps), (call, row)
         assert call["growth"] == row.outputs - row.aliased, (call, row)   # one array out
     for call in calls:
         row, stats = rows[call["name"]], call["stats"]
