@@ -103,3 +103,22 @@ def test_a_vlm_checkpoint_loads_into_its_shards(tmp_path):
     assert loaded["vision"]["layers"]["fc1"].sharding.spec == P(None, "fsdp", "tensor")
     assert loaded["layers"]["q"].sharding.spec == P(None, "fsdp", "tensor", None)
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_the_plan_counts_the_tower_in_its_shards():
+    """``rljax plan``'s resident state holds the tower (a tiny-vlm run), split over fsdp x
+    tensor like the text model: per device, less than on one device."""
+    from rljax import plan as plan_lib
+    from rljax.train.programs import shard_bytes
+    from test_vision_run import vlm_cfg
+    one = plan_lib.plan(vlm_cfg(**{"mesh.data": 1}), jax.devices()[:1], compile_phases=False)
+    cfg = vlm_cfg(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    eight = plan_lib.plan(cfg, jax.devices(), compile_phases=False)
+    text = vlm_cfg(**{"mesh.data": 1, "model.preset": "tiny", "model.overrides": {
+        "num_layers": 1, "model_type": "gemma3", "hidden_size": 64, "intermediate_size": 128,
+        "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16.0}})
+    tower = jax.eval_shape(lambda: vision.init_vision_params(
+        models.get_preset("tiny-vlm").vision, jax.random.key(0)))
+    text_only = plan_lib.plan(text, jax.devices()[:1], compile_phases=False)
+    assert one.resident_parts["params"] == text_only.resident_parts["params"] + shard_bytes(tower)
+    assert eight.resident_parts["params"] < one.resident_parts["params"] / 2
