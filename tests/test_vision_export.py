@@ -49,3 +49,11 @@ def test_exported_vlm_loads_in_transformers_and_back(tmp_path):
     cfg2, vcfg2, back = load_hf_vlm(str(out))
     assert (cfg2, vcfg2) == (cfg, vcfg)
     jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_image_marker_ids_come_from_the_checkpoint(tmp_path):
+    from rljax.models.hf_vision import image_marker_ids
+    (tmp_path / "config.json").write_text(json.dumps({"boi_token_index": 7,
+                                                      "eoi_token_index": 8, "x": 1}))
+    assert image_marker_ids(str(tmp_path)) == {"boi_token_index": 7, "eoi_token_index": 8}
+    assert image_marker_ids(None) == {}

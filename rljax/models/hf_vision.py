@@ -210,6 +210,17 @@ def config_to_hf_vlm(cfg: ModelConfig, extra: dict | None = None) -> dict:
     return hf
 
 
+def image_marker_ids(path: str | None) -> dict:
+    """The ``boi_token_index``/``eoi_token_index`` (the processor's image markers) of the
+    multimodal checkpoint directory ``path``, to carry into an export; {} without one (a
+    tower trained from scratch)."""
+    if not path or not os.path.isdir(path):
+        return {}
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    return {k: hf[k] for k in ("boi_token_index", "eoi_token_index") if k in hf}
+
+
 def save_hf_vlm(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int = 2 << 30,
                 extra_config: dict | None = None) -> None:
     """Write the whole multimodal model (text model, tower, projector) as a HF

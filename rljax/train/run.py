@@ -425,17 +425,6 @@ def render_prompts(cfg, tok, prompts: list[str], ctx=None) -> list[str]:
     return [template({template.fields[0]: p}) for p in prompts]
 
 
-def _image_marker_ids(cfg) -> dict:
-    """The loaded multimodal checkpoint's ``boi_token_index``/``eoi_token_index`` (its
-    processor's image markers), to carry into an export; none for a tower from scratch."""
-    path = cfg.model.path
-    if not (cfg.model.vision.load and path and os.path.isdir(path)):
-        return {}
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    return {k: hf[k] for k in ("boi_token_index", "eoi_token_index") if k in hf}
-
-
 def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=None,
            overwrite: bool = False, adapter: bool = False) -> int:
     """``rljax export``: the checkpoint's policy as a Hugging Face model directory ``out``:
@@ -484,7 +473,8 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
     elif ctx.model_cfg.vision is not None:   # the whole VLM: text model, tower, projector
         what = "policy (Gemma3ForConditionalGeneration, with its vision tower)"
         hf_vision.save_hf_vlm(ctx.model_cfg, models.lora.merge(ctx.model_cfg, state.params),
-                              out, extra_config=_image_marker_ids(cfg))
+                              out, extra_config=hf_vision.image_marker_ids(
+                                  cfg.model.path if cfg.model.vision.load else None))
     else:
         models.save_hf(ctx.model_cfg, models.lora.merge(ctx.model_cfg, state.params), out)
     save = getattr(ctx.tokenizer, "save", None)
