@@ -108,11 +108,11 @@ class MemoryPlan:
 
     def format(self) -> str:
         lines = [self.description, "per-device memory (MiB):",
-                 f"  {'phase':<12}{'arguments':>11}{'outputs':>10}{'aliased':>10}{'temps':>10}"
+                 f"  {'phase':<15}{'arguments':>11}{'outputs':>10}{'aliased':>10}{'temps':>10}"
                  f"{'peak':>10}   (compile)"]
         for p in self.phases:
             name = p.name if p.copies == 1 else f"{p.name} x{p.copies}"
-            lines.append(f"  {name:<12}{p.arguments / MiB:>11.1f}{p.outputs / MiB:>10.1f}"
+            lines.append(f"  {name:<15}{p.arguments / MiB:>11.1f}{p.outputs / MiB:>10.1f}"
                          f"{p.aliased / MiB:>10.1f}{p.temps / MiB:>10.1f}"
                          f"{p.peak(self.resident) / MiB:>10.1f}   ({p.compile_s:.1f}s)")
         parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in self.resident_parts.items())
@@ -207,12 +207,20 @@ def _lora_rank(cfg) -> int:
 def model_config(cfg, tokenizer) -> models.ModelConfig:
     """The run's ModelConfig without loading or creating weights (as ``setup.build_model``)."""
     m = cfg.model
+    if m.path and m.vision.load:   # the text model and its vision tower
+        from rljax.models import hf_vision
+        return hf_vision.vlm_config(m.path, dtype=jnp.dtype(m.dtype), remat=bool(m.remat),
+                                    train_vision=bool(m.vision.train), **dict(m.overrides))[0]
     if m.path:
         return models.load_config(m.path, dtype=jnp.dtype(m.dtype), remat=bool(m.remat),
                                   **dict(m.overrides))
     overrides = {"vocab_size": tokenizer.vocab_size, "dtype": m.dtype, "param_dtype": m.dtype,
                  "remat": bool(m.remat), "eos_token_id": tokenizer.eos_id,
                  "pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id}
+    if models.PRESETS.get(m.preset, {}).get("vision") is not None:
+        from rljax.train.setup import image_token_id
+        overrides.update(image_token_id=image_token_id(cfg, tokenizer),
+                         train_vision=bool(m.vision.train))
     overrides.update(dict(m.overrides))
     try:
         return models.get_preset(m.preset, **overrides)

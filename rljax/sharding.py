@@ -50,6 +50,11 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("expert", "expert"),        # the experts of a mixture-of-experts layer
     ("expert_choice", None),     # the router's output (one logit per expert), kept whole
+    # A vision tower (models.vision_params) shares embed/heads/mlp with the text model; its
+    # patch and position axes are small and stay whole; the projector's input (the tower's
+    # width) goes over tensor, as its output (the text's embed) takes fsdp.
+    ("patch", None),
+    ("vision_embed", "tensor"),
 )
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rljax import plan as plan_lib
-from rljax.train import inference, setup
+from rljax.train import image_inputs, inference, setup
 from rljax.train.phases import make_phases
 
 from test_train_loop import tiny_cfg
@@ -31,6 +31,12 @@ ALGORITHMS = {
     # LoRA over a base kept in int4 (two entries a byte), one scale per 16 inputs.
     "qlora": {"algo.micro_batch_size": 4, "model.lora.rank": 4, "model.lora.alpha": 8.0,
               "model.quantize": "int4", "model.quantize_block": 16},
+    # Images in the prompt: the tower in the train state, pixels in the update's batch (one
+    # per group in the shared-prompt layout), the tower's pass for the sampler.
+    "vlm": {"algo.micro_batch_size": 4, "model.preset": "tiny-vlm",
+            "model.vision.image_token": "@", "model.overrides": {"num_layers": 1},
+            "data.source": "shapes", "data.kwargs": {"kinds": "count", "eval_examples": 8},
+            "data.max_prompt_length": 32, "reward.names": ("arithmetic",)},
 }
 
 
@@ -97,13 +103,24 @@ def test_planned_update_programs_are_the_ones_a_step_runs(algo, tmp_path):
         # measurement would otherwise count as its own.
         phase.rollout.teacher()
         plan_lib.measure_live_bytes()
-    calls = []
+    calls, image_calls = [], []
     capture(phase, state, calls)
+    if algo == "vlm":   # the tower's pass that embeds each rollout's images for the sampler
+        embed = image_inputs.embed_fn(ctx.model_cfg)
+        tower = Recorder("sample/images", embed, image_calls)
+        phase.rollout.images.embeds = lambda params, pixels: tower(params["vision"], pixels)
     state, _ = phase.iteration(state, 0)
     jax.block_until_ready(state)
 
     names = {c["name"] for c in calls}
     assert names == {n for n in ("prepare", "update", "apply") if n in rows}, (names, rows)
+    assert bool(image_calls) == (algo == "vlm")
+    for call in image_calls:
+        row, stats = rows[call["name"]], call["stats"]
+        real = (stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                stats.temp_size_in_bytes)
+        assert real == (row.arguments, row.outputs, row.temps), (call, row)
+        assert call["growth"] == row.outputs - row.aliased, (call, row)   # one array out
     for call in calls:
         row, stats = rows[call["name"]], call["stats"]
         real = (stats.argument_size_in_bytes, stats.output_size_in_bytes,

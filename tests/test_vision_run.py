@@ -1,11 +1,14 @@
 """A run with images in the prompt (the ``tiny-vlm`` preset on the ``shapes`` task): SFT and
 GRPO batches carry each prompt's pixels, the sampler reads them, and a stopped and resumed run
 equals a straight one."""
+import json
+
 import jax
 import numpy as np
 import pytest
 
 from rljax import config as config_lib
+from rljax.config import ConfigError
 from rljax.data.tasks import TASKS
 from rljax.train import checkpoint, run
 from rljax.train.metrics import read_metrics
@@ -99,3 +102,28 @@ def test_shapes_task_examples_are_deterministic_and_split():
     held = {(e["question"], e["images"].tobytes())
             for e in (task.example(i, "eval") for i in range(50))}
     assert not train & held
+
+
+def test_export_writes_the_whole_vlm(straight, tmp_path):
+    """``rljax export`` of the run: text model, tower and projector, read back equal."""
+    from rljax.models.hf_vision import load_hf_vlm
+    out = tmp_path / "export"
+    assert run.export(vlm_cfg(), straight[0], str(out), devices=DEVICES) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "Gemma3ForConditionalGeneration"]
+    _, vcfg, params = load_hf_vlm(str(out))
+    assert vcfg.num_layers == 2
+    jax.tree.map(np.testing.assert_array_equal, params, final_params(straight[0]))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"rollout.engine": "slots"}, "rollout.engine"),
+    ({"rollout.engine": "slots", "rollout.partial": True}, "rollout.partial"),
+    ({"rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
+      "rollout.tree.segment_tokens": 1}, "rollout.tree.enabled"),
+    ({"env.name": "calculator"}, "env.name"),
+    ({"algo.asynchronous": True}, "algo.asynchronous"),
+])
+def test_samplers_that_drop_images_are_refused(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}=.*does not carry images"):
+        vlm_cfg(**overrides)

@@ -83,3 +83,31 @@ def check_lora(cfg) -> None:
         raise ConfigError(f"algo.ref_update_every={algo.ref_update_every} refreshes a copied "
                           "reference; with LoRA (model.lora.rank > 0) the reference is the "
                           "frozen base model: set it to 0")
+
+
+def has_vision_tower(cfg) -> bool:
+    """The run's model reads images: a checkpoint loaded with ``model.vision.load``, or a
+    preset with a tower (``tiny-vlm``)."""
+    if cfg.model.path:
+        return bool(cfg.model.vision.load)
+    from rljax.models.config import PRESETS   # the model registry, imported when needed
+    return PRESETS.get(cfg.model.preset, {}).get("vision") is not None
+
+
+def check_images(cfg) -> None:
+    """Images in the prompt go through the static sampler's single-turn, synchronous rollouts
+    only (docs/vision.md): refuse, naming the key, each sampler that would drop them."""
+    if not has_vision_tower(cfg):
+        return
+    r, a = cfg.rollout, cfg.algo
+    for key, value, on in (
+            ("rollout.partial", r.partial, r.partial),
+            ("rollout.engine", r.engine, r.engine != "static"),
+            ("rollout.tree.enabled", r.tree.enabled, r.tree.enabled),
+            ("env.name", cfg.env.name, bool(cfg.env.name)),
+            ("algo.asynchronous", a.get("asynchronous", False),
+             bool(a.get("asynchronous", False)))):
+        if on:
+            raise ConfigError(f"{key}={value!r} does not carry images in the prompt (a model "
+                              "with a vision tower); use the static sampler's single-turn, "
+                              "synchronous rollouts")

@@ -97,6 +97,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_role_estimator,
     algo.check_vine,
     model.check_lora,
+    model.check_images,
     reward.check_env,
     reward.check_selfplay,
     data.check_selection,

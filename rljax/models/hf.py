@@ -317,11 +317,18 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int =
     Shards are converted and written one at a time, so host memory holds about one shard plus
     one parameter, not the whole model.
     """
-    os.makedirs(out_dir, exist_ok=True)
-    hf_config = config_to_hf(cfg)
-    np_dtype = _NP_DTYPES[cfg.param_dtype]
-    itemsize = np.dtype(np_dtype).itemsize
-    # Plan: (HF name, tree path, layer index or None, n_in, bytes), grouped into shards.
+    write_tensors(text_tensor_plan(cfg, params), params, out_dir, cfg.param_dtype,
+                  max_shard_bytes)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_to_hf(cfg), f, indent=2)
+
+
+def text_tensor_plan(cfg: ModelConfig, params: dict, rename: Callable = lambda n: n) -> list:
+    """The text model's tensors to write: ``(HF name, tree path, layer index | (layer,
+    expert) | None, n_in, HF shape or None, bytes)`` items (HF names passed through
+    ``rename``); checks each parameter's shape against ``cfg``."""
+    itemsize = np.dtype(_NP_DTYPES[cfg.param_dtype]).itemsize
+    config_to_hf(cfg)   # refuse what the HF layout cannot express before writing anything
     plan = []
     for tree_path, shape, hf_name, n_in, stacked in _entries(cfg):
         node = params
@@ -334,10 +341,19 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int =
         nbytes = math.prod(layer_shape) * itemsize
         for i in (range(shape[0]) if stacked else [None]):
             if n_in == EXPERTS:   # one tensor per expert: (name, tree path, (layer, expert))
-                plan += [(hf_name(i).format(e=e), tree_path, (i, e), n_in,
+                plan += [(rename(hf_name(i).format(e=e)), tree_path, (i, e), n_in, None,
                           nbytes // layer_shape[0]) for e in range(layer_shape[0])]
             else:
-                plan.append((hf_name(i), tree_path, i, n_in, nbytes))
+                plan.append((rename(hf_name(i)), tree_path, i, n_in, None, nbytes))
+    return plan
+
+
+def write_tensors(plan: list, params: dict, out_dir: str, param_dtype: str,
+                  max_shard_bytes: int = 2 << 30) -> None:
+    """Write the ``plan``'s tensors (``text_tensor_plan`` items) of ``params`` to ``out_dir``
+    as ``model.safetensors`` or an index and shards of at most about ``max_shard_bytes``."""
+    os.makedirs(out_dir, exist_ok=True)
+    np_dtype = _NP_DTYPES[param_dtype]
     shards, size = [[]], 0
     for item in plan:
         if shards[-1] and size + item[-1] > max_shard_bytes:
@@ -362,21 +378,21 @@ def save_hf(cfg: ModelConfig, params: dict, out_dir: str, max_shard_bytes: int =
     weight_map = {}
     for fname, shard in zip(names, shards):
         tensors = {}
-        for hf_name, tree_path, i, n_in, _ in shard:
+        for hf_name, tree_path, i, n_in, hf_shape, _ in shard:
             w = fetch(tree_path)
             if n_in == EXPERTS:   # this expert's [in, out] -> HF's [out, in]
                 w, n_in = w[i[0]][i[1]], 1
             elif i is not None:
                 w = w[i]
-            tensors[hf_name] = np.ascontiguousarray(_from_ours(w, n_in))
+            w = _from_ours(w, n_in)
+            tensors[hf_name] = np.ascontiguousarray(w if hf_shape is None else
+                                                    w.reshape(hf_shape))
             weight_map[hf_name] = fname
         save_file(tensors, os.path.join(out_dir, fname), metadata=meta)
     if len(shards) > 1:
         total = sum(item[-1] for item in plan)
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
 
 
 def save_hf_value(cfg: ModelConfig, value_params: dict, out_dir: str,

@@ -30,12 +30,14 @@ def vision_param_shapes(cfg: VisionConfig) -> dict:
         "fc2": ((n, f, e), ("layers", "mlp", "embed")), "fc2_bias": vec(e, "norm"),
     }
     return {
-        "patch": ((cpp, e), ("vision", "embed")), "patch_bias": ((e,), ("norm",)),
-        "pos": ((cfg.num_patches, e), ("vision", "embed")),
+        "patch": ((cpp, e), ("patch", "embed")), "patch_bias": ((e,), ("norm",)),
+        "pos": ((cfg.num_patches, e), ("patch", "embed")),
         "layers": layers,
         "post_ln": ((e,), ("norm",)), "post_ln_bias": ((e,), ("norm",)),
         "mm_norm": ((e,), ("norm",)),
-        "mm_proj": ((e, cfg.text_hidden_size), ("vision", "embed")),
+        # The tower's width E is its own "embed"; the text's D takes fsdp, so E goes over
+        # tensor here (one mesh axis per array).
+        "mm_proj": ((e, cfg.text_hidden_size), ("vision_embed", "embed")),
     }
 
 

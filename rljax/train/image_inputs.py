@@ -32,11 +32,14 @@ class ImageInputs:
 
     def embeds(self, params, pixels) -> jax.Array:
         """The sampler's ``image_embeds`` [B, I*M, D] of ``pixels`` under ``params``."""
-        return _embed_fn(self.model_cfg)(params["vision"], pixels)
+        return embed_fn(self.model_cfg)(params["vision"], pixels)
 
 
 @functools.cache
-def _embed_fn(model_cfg):
+def embed_fn(model_cfg):
+    """The jitted tower pass ``(params["vision"], pixels [B, I, C, S, S]) -> image_embeds
+    [B, I*M, D]`` the sampler's inputs come from (one per model config; ``rljax plan``
+    compiles it too)."""
     return jax.jit(lambda tower, pixels: vision.image_embeddings(
         model_cfg, {"vision": tower}, pixels))
 

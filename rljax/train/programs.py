@@ -87,12 +87,30 @@ def sampler_len(cfg) -> int:
     return turns * (int(env.max_obs_tokens) + 1 + int(env.max_turn_tokens or r.max_new_tokens))
 
 
+def image_fields(cfg, model_cfg) -> dict:
+    """A model with a vision tower: ``{"pixels": ((I, C, S, S), float32)}``, each row's
+    ``data.max_images`` images at the tower's size (``image_inputs.ImageInputs.pixels``);
+    a text model: {}."""
+    v = model_cfg.vision
+    if v is None:
+        return {}
+    return {"pixels": ((int(cfg.data.max_images), v.num_channels, v.image_size,
+                        v.image_size), jnp.float32)}
+
+
+def with_images(ctx, batch: dict, rows: int) -> dict:
+    """``batch`` plus its abstract ``pixels`` [rows, I, C, S, S] when the model reads images."""
+    return {**batch, **{k: batch_struct(ctx.mesh, (rows, *tail), dtype)
+                        for k, (tail, dtype) in image_fields(ctx.cfg, ctx.model_cfg).items()}}
+
+
 def sequence_batch(ctx, rows: int) -> dict:
-    """Abstract ``tokens``/``mask`` [rows, P+N] and ``loss_mask`` [rows, N] (rollout layout)."""
+    """Abstract ``tokens``/``mask`` [rows, P+N] and ``loss_mask`` [rows, N] (rollout layout),
+    and ``pixels`` for a model with a vision tower."""
     p, n, mesh = prompt_len(ctx.cfg), completion_len(ctx.cfg), ctx.mesh
-    return {"tokens": batch_struct(mesh, (rows, p + n), jnp.int32),
-            "mask": batch_struct(mesh, (rows, p + n), bool),
-            "loss_mask": batch_struct(mesh, (rows, n), bool)}
+    return with_images(ctx, {"tokens": batch_struct(mesh, (rows, p + n), jnp.int32),
+                             "mask": batch_struct(mesh, (rows, p + n), bool),
+                             "loss_mask": batch_struct(mesh, (rows, n), bool)}, rows)
 
 
 def pair_batch(ctx, pairs: int) -> dict:
@@ -121,17 +139,22 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
     for_sampling = (lambda q: models.lora.merge(mcfg, q)) if merge else (lambda q: q)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated)
 
-    def sample_fn(params, prompt_tokens, prompt_mask, key):
+    def sample_fn(params, prompt_tokens, prompt_mask, key, image_embeds=None):
         kw = dict(rng=key, max_new_tokens=n_sample, temperature=r.temperature, top_k=r.top_k,
                   top_p=r.top_p, eos_id=ctx.stop_ids, pad_id=tok.pad_id, mesh=mesh)
         if tree is not None:
             return tree_sampling.generate(mcfg, for_sampling(params), prompt_tokens,
                                           prompt_mask, **tree, **kw)
+        if image_embeds is not None:
+            kw["image_embeds"] = image_embeds
         return sampling.generate(mcfg, for_sampling(params), prompt_tokens, prompt_mask,
                                  num_samples=g, **kw)
 
     def prompts(b):
-        return (batch_struct(mesh, (b, p), jnp.int32), batch_struct(mesh, (b, p), bool))
+        """The sampler's inputs for b prompts: tokens, mask (and, with a vision tower, the
+        ``image_embeds`` the tower's own program makes of their pixels)."""
+        out = (batch_struct(mesh, (b, p), jnp.int32), batch_struct(mesh, (b, p), bool))
+        return out if mcfg.vision is None else out + (image_embeds_struct(ctx, b),)
     sampled = jax.eval_shape(for_sampling, params) if merge else params
     if r.engine == "slots" and r.partial:   # the partial-rollout pool's two programs
         from rljax.sampling import partial as partial_lib
@@ -146,19 +169,44 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                # (a merged LoRA copy is planned at its shapes, without the base's sharding)
                sampling.engine.programs(mcfg, sampled, *prompts(chunk), rng, **kw)]
     else:
-        out = [Program("sample", jax.jit(sample_fn), (params, *prompts(chunk), rng), resident)]
+        p_tok, p_mask, *embeds = prompts(chunk)
+        out = [Program("sample", jax.jit(sample_fn), (params, p_tok, p_mask, rng, *embeds),
+                       resident)]
+    if mcfg.vision is not None:
+        out.append(image_embed_program(ctx, params, "sample/images", chunk))
     if with_eval:
         e = cfg.eval
 
-        def eval_fn(params, prompt_tokens, prompt_mask, key):
+        def eval_fn(params, prompt_tokens, prompt_mask, key, image_embeds=None):
             return sampling.generate(
                 mcfg, for_sampling(params), prompt_tokens, prompt_mask, rng=key,
                 max_new_tokens=e.max_new_tokens or n_sample, temperature=e.temperature,
                 top_k=r.top_k if e.temperature else 0, top_p=r.top_p if e.temperature else 1.0,
-                eos_id=ctx.stop_ids, pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh)
-        out.append(Program("eval", jax.jit(eval_fn), (params, *prompts(e.batch_size), rng),
+                eos_id=ctx.stop_ids, pad_id=tok.pad_id, num_samples=e.num_samples, mesh=mesh,
+                image_embeds=image_embeds)
+        p_tok, p_mask, *embeds = prompts(e.batch_size)
+        out.append(Program("eval", jax.jit(eval_fn), (params, p_tok, p_mask, rng, *embeds),
                            resident))
+        if mcfg.vision is not None:
+            out.append(image_embed_program(ctx, params, "eval/images", int(e.batch_size)))
     return out
+
+
+def image_embed_program(ctx, params, name: str, prompts: int) -> Program:
+    """The vision tower's pass over ``prompts`` prompts' pixels [prompts, I, C, S, S] that
+    gives the sampler its ``image_embeds`` (``image_inputs.ImageInputs.embeds``); its
+    resident argument: the tower."""
+    from rljax.train import image_inputs
+    fn = image_inputs.embed_fn(ctx.model_cfg)
+    pixels = with_images(ctx, {}, prompts)["pixels"]
+    return Program(name, fn, (params["vision"], pixels), shard_bytes(params["vision"]))
+
+
+def image_embeds_struct(ctx, prompts: int) -> jax.ShapeDtypeStruct:
+    """Abstract ``image_embeds`` [prompts, I*M, D] (the tower's output for the sampler)."""
+    v, mcfg = ctx.model_cfg.vision, ctx.model_cfg
+    k = int(ctx.cfg.data.max_images) * v.mm_tokens_per_image
+    return batch_struct(ctx.mesh, (prompts, k, mcfg.hidden_size), mcfg.compute_dtype)
 
 
 def kv_cache_note(ctx, human: Callable[[int], str]) -> str:
@@ -199,15 +247,16 @@ def logps_program(ctx, params, resident: int) -> Program:
         return Program("logps", steps.build_logps_fn(ctx.model_cfg, **opts),
                        (params, sequence_batch(ctx, total)), resident)
     grouped = length_groups.build_logps_fn(ctx.model_cfg, algo_cfg=a, **opts)
-    fn, part = grouped.program(total, prompt_len(cfg), completion_len(cfg), _logps_fields(cfg))
+    fn, part = grouped.program(total, prompt_len(cfg), completion_len(cfg), _logps_fields(ctx))
     return Program("logps", fn, (params, part), resident, copies=grouped.copies(total))
 
 
-def _logps_fields(cfg) -> dict:
-    """Per-completion fields the log-prob pass reads besides the sequence layout."""
-    if cfg.rollout.temperature_schedule.name != "constant":
-        return {"temperatures": ((completion_len(cfg),), jnp.float32)}
-    return {}
+def _logps_fields(ctx) -> dict:
+    """Per-row fields the log-prob pass reads besides the sequence layout."""
+    fields = image_fields(ctx.cfg, ctx.model_cfg)
+    if ctx.cfg.rollout.temperature_schedule.name != "constant":
+        fields["temperatures"] = ((completion_len(ctx.cfg),), jnp.float32)
+    return fields
 
 
 def with_shardings(tree, shardings):

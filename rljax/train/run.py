@@ -30,6 +30,7 @@ from rljax import config as config_lib
 from rljax import distributed, models, sampling, tokenizers
 from rljax import plan as plan_lib
 from rljax.errors import TrainingDiverged, UserError, WorkdirInUse
+from rljax.models import hf_vision
 from rljax.train import evaluate as eval_lib
 from rljax.train import paths
 from rljax.train import workdir as workdir_lib
@@ -469,6 +470,11 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
             print(f"rljax: note: the value head's bias {bias:.4g} is not in HF's score layer "
                   "(config.json: rljax_value_head_bias); add it to get rljax's scores",
                   file=sys.stderr, flush=True)
+    elif ctx.model_cfg.vision is not None:   # the whole VLM: text model, tower, projector
+        what = "policy (Gemma3ForConditionalGeneration, with its vision tower)"
+        hf_vision.save_hf_vlm(ctx.model_cfg, models.lora.merge(ctx.model_cfg, state.params),
+                              out, extra_config=hf_vision.image_marker_ids(
+                                  cfg.model.path if cfg.model.vision.load else None))
     else:
         models.save_hf(ctx.model_cfg, models.lora.merge(ctx.model_cfg, state.params), out)
     save = getattr(ctx.tokenizer, "save", None)

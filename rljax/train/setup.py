@@ -219,24 +219,27 @@ def image_token_id(cfg, tokenizer) -> int:
 
 
 def _load_vlm(cfg, tokenizer, mesh):
-    """A multimodal Gemma 3 checkpoint with its tower (unsharded, full precision)."""
+    """A multimodal Gemma 3 checkpoint with its tower (full precision), each tensor placed
+    in its sharding as it is read."""
     from rljax.models import hf_vision
     m = cfg.model
     if m.quantize or (m.lora.rank and m.vision.train):
         raise ConfigError("model.vision: a vision tower trains only with full fine-tuning "
                           "and is never quantized")
+    kwargs = dict(dtype=jnp.dtype(m.dtype), remat=bool(m.remat),
+                  train_vision=bool(m.vision.train), **dict(m.overrides))
     try:
-        model_cfg, _, params = hf_vision.load_hf_vlm(
-            m.path, dtype=jnp.dtype(m.dtype), remat=bool(m.remat),
-            train_vision=bool(m.vision.train), **dict(m.overrides))
+        vlm = hf_vision.vlm_config(m.path, **kwargs)
+        model_cfg = vlm[0]
+        check_context_length(cfg, model_cfg)
+        if image_token_id(cfg, tokenizer) != model_cfg.image_token_id:
+            raise ConfigError(f"model.vision.image_token={m.vision.image_token!r} is not the "
+                              f"checkpoint's image token id {model_cfg.image_token_id}")
+        shardings = _param_shardings(model_cfg, mesh)
+        model_cfg, _, params = hf_vision.load_hf_vlm(m.path, shardings=shardings, **kwargs)
     except models.HFCheckpointError as e:
         raise UserError(f"model.path={m.path!r}: {e}") from None
-    check_context_length(cfg, model_cfg)
-    if image_token_id(cfg, tokenizer) != model_cfg.image_token_id:
-        raise ConfigError(f"model.vision.image_token={m.vision.image_token!r} is not the "
-                          f"checkpoint's image token id {model_cfg.image_token_id}")
-    shardings = _param_shardings(model_cfg, mesh)
-    return model_cfg, jax.device_put(params, shardings), shardings
+    return model_cfg, params, shardings
 
 
 def quantized_base(cfg, model_cfg):

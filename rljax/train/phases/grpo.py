@@ -215,7 +215,8 @@ def single_update(cfg) -> bool:
 def batch_fields(cfg, model_cfg=None) -> dict:
     """The GRPO update batch's fields besides ``tokens``/``mask`` (what the rollout gives):
     {name: (shape after the row axis, dtype)}; ``routes`` (routing replay, given
-    ``model_cfg``): (0, L, k), its sequence axis P+N (``length_groups.SEQUENCE_KEYS``)."""
+    ``model_cfg``): (0, L, k), its sequence axis P+N (``length_groups.SEQUENCE_KEYS``);
+    ``pixels`` (a model with a vision tower): (I, C, S, S)."""
     a, n = cfg.algo, programs_lib.completion_len(cfg)
     f32 = jnp.float32
     fields = {"loss_mask": ((n,), bool), "sampler_logps": ((n,), f32),
@@ -230,6 +231,8 @@ def batch_fields(cfg, model_cfg=None) -> dict:
         fields["model_mask"] = ((n,), bool)
     if a.name == "distill":   # the teacher's scores of the sampled tokens
         fields.update(teacher_lib.fields(cfg, n))
+    if model_cfg is not None:   # a model with a vision tower: each row's prompt's images
+        fields.update(programs_lib.image_fields(cfg, model_cfg))
     if a.get("routing_replay") and model_cfg is not None:
         fields["routes"] = ((0, model_cfg.num_layers, model_cfg.num_experts_per_tok),
                             jnp.int32)

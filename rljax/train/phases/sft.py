@@ -67,9 +67,10 @@ class SFTPhase:
         state = programs_lib.phase_state(ctx, lambda s: _init_state(optimizer, s))
         bs, n = int(cfg.sft.batch_size), int(cfg.sft.max_length - cfg.data.max_prompt_length)
         p = programs_lib.prompt_len(cfg)
-        batch = {"tokens": programs_lib.batch_struct(ctx.mesh, (bs, p + n), jnp.int32),
-                 "mask": programs_lib.batch_struct(ctx.mesh, (bs, p + n), bool),
-                 "loss_mask": programs_lib.batch_struct(ctx.mesh, (bs, n), bool)}
+        batch = programs_lib.with_images(ctx, {
+            "tokens": programs_lib.batch_struct(ctx.mesh, (bs, p + n), jnp.int32),
+            "mask": programs_lib.batch_struct(ctx.mesh, (bs, p + n), bool),
+            "loss_mask": programs_lib.batch_struct(ctx.mesh, (bs, n), bool)}, bs)
         return state, [programs_lib.Program("update", _build(ctx, optimizer, state),
                                             (state, batch), programs_lib.shard_bytes(state))]
 
