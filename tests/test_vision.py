@@ -98,14 +98,22 @@ def test_image_features_match_transformers(tiny):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_logits_with_images_match_transformers(tiny):
-    _, hf, cfg, vcfg, params = tiny
+def logits_against_transformers(hf, cfg, vcfg, params):
+    """``(ours, transformers', mask)``: both models' logits [B, T, V] on ``_batch()``, after
+    checking they agree on real tokens (1e-5 relative to the largest logit)."""
     toks, mask, pixels = _batch()
     with torch.no_grad():
         want = hf(**_hf_inputs(toks, mask, pixels)).logits.numpy()
     got = np.asarray(models.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
                                     image_embeds=_embeds(vcfg, params, pixels)))
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    return got, want, mask
+
+
+def test_logits_with_images_match_transformers(tiny):
+    _, hf, cfg, vcfg, params = tiny
+    _, want, mask = logits_against_transformers(hf, cfg, vcfg, params)
+    toks = _batch()[0]
     # The image tokens see each other both ways: the causal-only text model differs there.
     text_only = cfg.replace(image_token_id=None, vision=None)
     causal = np.asarray(models.forward(text_only, params, jnp.asarray(toks), jnp.asarray(mask),

@@ -4,14 +4,12 @@ same logits for a prompt with images, and that ``load_hf_vlm`` reads back equal.
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax import models
 from rljax.models.hf_vision import load_hf_vlm, save_hf_vlm
 
-from test_vision import _batch, _embeds, _hf_inputs, _hf_tiny_vlm
+from test_vision import _hf_tiny_vlm, logits_against_transformers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -39,12 +37,7 @@ def test_exported_vlm_loads_in_transformers_and_back(tmp_path):
 
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
         str(out), attn_implementation="eager", dtype=torch.float32).eval()
-    toks, mask, pixels = _batch()
-    with torch.no_grad():
-        want = model(**_hf_inputs(toks, mask, pixels)).logits.numpy()
-    got = np.asarray(models.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
-                                    image_embeds=_embeds(vcfg, params, pixels)))
-    np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    logits_against_transformers(model, cfg, vcfg, params)
 
     cfg2, vcfg2, back = load_hf_vlm(str(out))
     assert (cfg2, vcfg2) == (cfg, vcfg)
