@@ -2,7 +2,8 @@
 model with a 2-layer SigLIP tower, both trained) on the ``shapes`` task -- count the squares
 in a 32x32 picture, or say which quadrant the square is in; the question alone does not
 tell. A short SFT warm-up teaches the answer format, then GRPO learns to read the picture
-(``eval/accuracy`` after the warm-up and at the end; docs/vision.md).
+(``eval/accuracy`` after the warm-up and at the end; docs/vision.md). Seed 0: 14.5% -> 61.0%
+held-out; seeds 1 and 2 stayed near chance (docs/vision.md has every run).
 
     rljax train --config configs/grpo_vlm_shapes.py --workdir runs/vlm_shapes
 
