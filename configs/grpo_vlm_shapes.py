@@ -18,7 +18,7 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 300                      # GRPO iterations
+    c.steps = 900                      # GRPO iterations
     c.eval_every = 0                   # held-out accuracy after the warm-up and at the end
     c.checkpoint_every = 100
     c.model = dict(preset="tiny-vlm", vision=dict(train=True, image_token="@"))
@@ -28,7 +28,7 @@ def get_config():
     c.rollout = dict(batch_size=256, max_new_tokens=2, temperature=1.0)
     c.algo = dict(name="grpo", num_generations=8, beta=0.0, loss_agg_mode="token-mean",
                   adv_estimator="grpo")
-    c.optimizer = dict(learning_rate=1e-3, max_grad_norm=1.0)
+    c.optimizer = dict(learning_rate=3e-4, max_grad_norm=1.0)
     c.reward = dict(names=("arithmetic",))
     c.sft = dict(steps=60, learning_rate=1e-3, batch_size=32, max_length=52)
     c.eval = dict(num_examples=400, batch_size=200)

@@ -3,6 +3,8 @@ tree ``models.vision`` computes with; see its docstring for the layout). Kept ap
 forward so that ``models.transformer`` can include the tower in a multimodal model's tree."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -45,9 +47,28 @@ def _is_spec(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
 
 
+def _fans(name: str, shape: tuple) -> tuple:
+    """(fan_in, fan_out) of a tower matrix named by its path; layer leaves carry a leading
+    layer axis, attention leaves split heads x head_dim."""
+    if "'layers'" in name:
+        shape = shape[1:]
+    if name.endswith("['o']"):
+        return shape[0] * shape[1], shape[2]
+    if any(name.endswith(f"['{k}']") for k in ("q", "k", "v")):
+        return shape[0], shape[1] * shape[2]
+    return shape[0], shape[-1]
+
+
 def init_vision_params(cfg: VisionConfig, rng: jax.Array) -> dict:
-    """Random tower: normal(init_std) matrices and positions, zero biases, LayerNorm scales 1,
-    the projector's RMSNorm scale 0 (Gemma's ``1 + w`` identity)."""
+    """Random tower, initialised as SigLIP initialises its own: the patch embedding
+    LeCun-normal (std 1 / sqrt(fan_in)), attention and MLP matrices Xavier-uniform, positions
+    normal(1 / sqrt(E)); zero biases, LayerNorm scales 1, the projector's RMSNorm scale 0
+    (Gemma's ``1 + w`` identity) and its matrix normal(``init_std``). A GPT-style
+    normal(0.02) tower maps every mostly-black picture to nearly the same embeddings (their
+    spread across pictures was under 10% of their size), and the tiny-vlm model then could
+    not learn the shapes task from its pictures even by supervised training; SigLIP's init
+    learns it. (Gemma 3 zeroes the projector, which would give the tower no gradient in the
+    first step.)"""
     specs = vision_param_shapes(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
     keys = jax.random.split(rng, len(flat))
@@ -56,9 +77,18 @@ def init_vision_params(cfg: VisionConfig, rng: jax.Array) -> dict:
     for key, (path, (shape, _)) in zip(keys, flat):
         name = jax.tree_util.keystr(path)
         if "bias" in name or "mm_norm" in name:
-            out.append(jnp.zeros(shape, dtype))
+            value = jnp.zeros(shape, jnp.float32)
         elif "ln" in name:
-            out.append(jnp.ones(shape, dtype))
+            value = jnp.ones(shape, jnp.float32)
+        elif name == "['mm_proj']":
+            value = cfg.init_std * jax.random.normal(key, shape, jnp.float32)
+        elif name == "['pos']":
+            value = jax.random.normal(key, shape, jnp.float32) / math.sqrt(cfg.hidden_size)
+        elif name == "['patch']":
+            value = jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])
         else:
-            out.append((cfg.init_std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+            fan_in, fan_out = _fans(name, shape)
+            limit = math.sqrt(6.0 / (fan_in + fan_out))
+            value = jax.random.uniform(key, shape, jnp.float32, -limit, limit)
+        out.append(value.astype(dtype))
     return jax.tree.unflatten(treedef, out)
