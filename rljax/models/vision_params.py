@@ -63,12 +63,12 @@ def init_vision_params(cfg: VisionConfig, rng: jax.Array) -> dict:
     """Random tower, initialised as SigLIP initialises its own: the patch embedding
     LeCun-normal (std 1 / sqrt(fan_in)), attention and MLP matrices Xavier-uniform, positions
     normal(1 / sqrt(E)); zero biases, LayerNorm scales 1, the projector's RMSNorm scale 0
-    (Gemma's ``1 + w`` identity) and its matrix normal(``init_std``). A GPT-style
-    normal(0.02) tower maps every mostly-black picture to nearly the same embeddings (their
-    spread across pictures was under 10% of their size), and the tiny-vlm model then could
-    not learn the shapes task from its pictures even by supervised training; SigLIP's init
-    learns it. (Gemma 3 zeroes the projector, which would give the tower no gradient in the
-    first step.)"""
+    (Gemma's ``1 + w`` identity) and its matrix normal(``init_std``). From a GPT-style
+    normal(0.02) tower the tiny-vlm model did not learn the shapes task from its pictures
+    even by supervised training (600 steps at chance; the gradient reaching the tower was
+    10-100x smaller than from this init), while from this init supervised training learns
+    ``locate`` in 200-300 steps. (Gemma 3 zeroes the projector, which would give the tower
+    no gradient in the first step.)"""
     specs = vision_param_shapes(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
     keys = jax.random.split(rng, len(flat))
