@@ -87,3 +87,24 @@ def test_the_tower_is_frozen_unless_train_vision():
     trained = _grads(cfg_t, params)
     assert np.abs(np.asarray(trained["vision"]["mm_proj"])).max() > 0
     assert np.abs(np.asarray(trained["vision"]["patch"])).max() > 0
+
+
+def test_a_random_tower_starts_as_siglip_starts():
+    """LeCun-normal patch embedding, Xavier-uniform attention and MLP matrices (o's fan-in is
+    heads x head_dim), positions normal(1/sqrt(width)), the projector normal(init_std)."""
+    vcfg = VisionConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        image_size=32, patch_size=8, mm_tokens_per_image=4, text_hidden_size=48)
+    tower = vision.init_vision_params(vcfg, jax.random.PRNGKey(0))
+    e, f, cpp = 64, 128, 3 * 8 * 8
+    xavier = lambda fan_in, fan_out: np.sqrt(2.0 / (fan_in + fan_out))   # uniform's std
+    expected = {"patch": 1 / np.sqrt(cpp), "pos": 1 / np.sqrt(e), "mm_proj": vcfg.init_std}
+    layers = {"q": xavier(e, e), "k": xavier(e, e), "v": xavier(e, e), "o": xavier(e, e),
+              "fc1": xavier(e, f), "fc2": xavier(f, e)}
+    for name, std in expected.items():
+        np.testing.assert_allclose(np.std(np.asarray(tower[name])), std, rtol=0.1, err_msg=name)
+    for name, std in layers.items():
+        x = np.asarray(tower["layers"][name])
+        np.testing.assert_allclose(np.std(x), std, rtol=0.1, err_msg=name)
+        assert np.abs(x).max() <= np.sqrt(3) * std * (1 + 1e-6), name   # uniform's bound
+    assert not np.asarray(tower["layers"]["q_bias"]).any()
+    np.testing.assert_array_equal(np.asarray(tower["post_ln"]), 1.0)
