@@ -53,7 +53,7 @@ class VisionConfig:
     text_hidden_size: int = 64
     dtype: str = "float32"
     param_dtype: str = "float32"
-    init_std: float = 0.02
+    init_std: float = 0.02   # the random projector's std (the tower's own scales are SigLIP's)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype))

@@ -60,9 +60,9 @@ def _fans(name: str, shape: tuple) -> tuple:
 
 
 def init_vision_params(cfg: VisionConfig, rng: jax.Array) -> dict:
-    """Random tower, initialised as SigLIP initialises its own: the patch embedding
-    LeCun-normal (std 1 / sqrt(fan_in)), attention and MLP matrices Xavier-uniform, positions
-    normal(1 / sqrt(E)); zero biases, LayerNorm scales 1, the projector's RMSNorm scale 0
+    """Random tower at the scales SigLIP initialises its own with: the patch embedding
+    normal(1 / sqrt(fan_in)) (LeCun's; SigLIP truncates it at two std), attention and MLP
+    matrices Xavier-uniform, positions normal(1 / sqrt(E)); zero biases, LayerNorm scales 1, the projector's RMSNorm scale 0
     (Gemma's ``1 + w`` identity) and its matrix normal(``init_std``). From a GPT-style
     normal(0.02) tower the tiny-vlm model did not learn the shapes task from its pictures
     even by supervised training (600 steps at chance; the gradient reaching the tower was
