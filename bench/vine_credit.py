@@ -43,7 +43,7 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
     return float((x * y).sum() / np.sqrt((x * x).sum() * (y * y).sum()))
 
 
-def vine_rollout(cfg_ppo, args):
+def vine_rollout(args):
     """A GRPO phase with the VinePPO rollout over the PPO run's data and rewards."""
     cfg = workdir_lib.load_workdir_config(args.workdir, [
         "--config.algo.name=grpo", "--config.algo.adv_estimator=vineppo",
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
                                                         jax.devices()[:1])
     if state.critic_params is None:   # the warm-up's checkpoint: PPO's starting critic
         state = inference.start_phase(ctx_ppo, make_phases(ctx_ppo)[-1], state)
-    rollout = vine_rollout(cfg_ppo, args)
+    rollout = vine_rollout(args)
     rng = jax.random.PRNGKey(args.seed)
     rnd = rollout.sample_round(state.params, jax.random.fold_in(rng, 0))
     rewards = np.asarray(rnd["rewards"], np.float32)
