@@ -69,6 +69,60 @@ def test_schedule_and_the_weights_the_sampler_reads():
     assert min(gap(trained[3], versions[0]), gap(trained[3], versions[3])) > 1e-3
 
 
+def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
+    """``algo.inflight_updates``: update k - 1 (made ready at the sampler's second poll) is
+    published between two decode chunks of batch k, so the batch mixes versions k - 1 and k.
+    Tokens drawn before the swap carry version k - 1's log-probs; those after it were drawn
+    by the new weights (their log-probs are not version k - 1's)."""
+    from rljax.train import rollout as rollout_lib
+    from rljax.train.phases import async_grpo
+
+    def done(watch):   # deterministic: not ready at the first poll, ready from the second
+        watch.polls = getattr(watch, "polls", 0) + 1
+        if watch.polls < 2:
+            return False
+        watch._thread.join()
+        return True
+    monkeypatch.setattr(async_grpo._Watch, "done", done)
+    sampled, generate = [], rollout_lib.generate
+    monkeypatch.setattr(rollout_lib, "generate",
+                        lambda *a, **kw: (sampled.append(generate(*a, **kw)), sampled[-1])[1])
+    cfg = _cfg(**{"rollout.engine": "slots", "rollout.chunk_steps": 1, "rollout.slots": 4,
+                  "algo.inflight_updates": True, "steps": 3})
+    ctx = build_context(cfg, "", jax.devices())
+    phase = make_phases(ctx)[-1]
+    state = start_phase(ctx, phase, initial_state(ctx))
+    trained, update = [], phase.update
+    phase.update = lambda s, b: (trained.append(jax.tree.map(np.asarray, b)), update(s, b))[1]
+    versions, records = [], []
+    for k in range(3):
+        versions.append(jax.tree.map(np.asarray, state.params))
+        state, metrics = phase.iteration(state, k)
+        records.append(metrics)
+    # sampled[0]: batch 0, before any update (no in-flight weights); sampled[k]: batch k, drawn
+    # while update k - 1 ran, swapped to version k after its first decode chunk.
+    assert [o.get("swaps") for o in sampled] == [None, 1, 1]
+    assert [r["rollout/sample_version"] for r in records] == [0, 1, 2]
+    assert [r["rollout/weight_swaps"] for r in records[1:]] == [1, 1]
+    for k in (1, 2):
+        out, batch, r = sampled[k], trained[k], records[k]
+        mask = out["mask"]
+        drawn = out["versions"][mask]
+        assert set(np.unique(drawn)) == {k - 1, k}
+        assert r["rollout/staleness_frac_0"] == pytest.approx(np.mean(drawn == k))
+        assert r["rollout/staleness_frac_1"] == pytest.approx(np.mean(drawn == k - 1))
+        assert r["rollout/staleness_max"] == 1 and 0 < r["rollout/staleness_mean"] < 1
+        np.testing.assert_array_equal(batch["sampler_logps"], out["logps"])
+        n = out["tokens"].shape[1]
+        own = np.asarray(steps.completion_logps(ctx.model_cfg, versions[k - 1], batch)[0])
+        before = mask & (out["versions"] == k - 1)
+        after = mask & (out["versions"] == k)
+        assert np.abs(own - out["logps"])[before].max() < 1e-4
+        assert np.abs(own - out["logps"])[after].max() > 1e-3
+        assert batch["mask"][:, -n:].sum() == mask.sum()
+    assert records[1]["time/weight_transfer"] > 0
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("async_straight"))
@@ -99,6 +153,10 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),
+    ({"algo.inflight_updates": True}, "algo.inflight_updates=true needs "
+                                      "rollout.engine='slots' without rollout.partial"),
+    ({"algo.inflight_updates": True, "algo.asynchronous": False, "mesh.rollout_devices": 0},
+     "algo.inflight_updates=true needs algo.asynchronous=true"),
     ({"algo.asynchronous": False}, "mesh.rollout_devices=4 gives the sampler devices of its "
                                    "own, which only asynchronous RL uses"),
     ({"mesh.rollout.fsdp": 3}, "mesh.rollout {'data': -1, 'fsdp': 3, 'expert': 1, 'tensor': 1} "

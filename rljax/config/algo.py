@@ -168,6 +168,11 @@ def algo() -> dict[str, Any]:
         # mesh.rollout_devices the sampler has devices of its own.
         asynchronous=False,
         async_lag=1,
+        # In-flight weight updates (asynchronous RL with rollout.engine='slots'): a finished
+        # update reaches the sampler between decode chunks, so a completion may span two
+        # versions (each token records its own). Fresher samples; not reproducible (when
+        # the update finishes decides which tokens the new weights draw).
+        inflight_updates=False,
         mixed_policy=False,          # LUFFY-style: the reference solution replaces one sample
                                      # of a group that failed entirely (importance ratio
                                      # pi_theta / 1, so <= 1); an alternative to hints
@@ -491,8 +496,15 @@ def check_async(cfg) -> None:
     """Asynchronous RL trains GRPO on batches sampled ahead: nothing that needs the update's
     policy while sampling, or samples in a loop of its own."""
     a, r = cfg.algo, cfg.rollout
+    if a.inflight_updates and not a.asynchronous:
+        raise ConfigError("algo.inflight_updates=true needs algo.asynchronous=true (weights "
+                          "change mid-batch only while an update runs beside the sampler)")
     if not a.asynchronous:
         return
+    if a.inflight_updates and (r.engine != "slots" or r.partial):
+        raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' without "
+                          "rollout.partial (new weights enter between the engine's decode "
+                          f"chunks; got rollout.engine={r.engine!r}, rollout.partial={r.partial})")
     if a.name != "grpo":
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo' (got '{a.name}')")
     for key, on in (("env.name", bool(cfg.env.name)),

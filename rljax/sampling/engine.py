@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,10 @@ class EngineStats:
     chunks: int
     decode_steps: int
     useful_steps: int
+    # With ``weights``: int32 [B*G, N], the version of the weights that drew each token
+    # (positions past a row's length hold the first), and how often they changed.
+    versions: np.ndarray | None = None
+    swaps: int = 0
 
     @property
     def slot_utilisation(self) -> float:
@@ -74,7 +78,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              num_samples: int = 1, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
              slots: int = 64, chunk_steps: int = 16, cache_dtype: Any = None,
-             temperatures: Any = None) -> tuple[SampleOutput, EngineStats]:
+             temperatures: Any = None,
+             weights: Callable[[], tuple[Any, int]] | None = None
+             ) -> tuple[SampleOutput, EngineStats]:
     """Samples ``num_samples`` completions per prompt with ``slots`` refilled decode slots.
 
     Arguments as ``sampling.generate`` (prompt_tokens int32 [B, P] left-padded, prompt_mask
@@ -82,6 +88,12 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
       slots: S, decode slots (at most B*G are used).
       chunk_steps: decode steps per program run (refills happen inside it; the host only
         relaunches the program until every row stopped, one small read-back per run).
+      weights: in-flight weight updates: called before the prefill and between decode chunks,
+        returns ``(params, version)`` (``params`` of the same structure and shardings); the
+        next chunk decodes with them. Slots keep the keys and values their row computed
+        under earlier weights (as PipelineRL does: nothing is recomputed), and the logps
+        recorded are those the drawing weights gave, i.e. the behaviour policy's.
+        ``EngineStats.versions`` says which version drew each token. ``params`` is unused.
 
     Returns ``(SampleOutput with B*G rows, EngineStats)``.
     """
@@ -117,6 +129,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         raise ValueError(f"the slot engine draws all noise ahead; {n} tokens x {rows} rows x "
                          f"vocabulary {cfg.vocab_size} exceed NOISE_AHEAD_MAX_ELEMENTS")
 
+    version = 0
+    if weights is not None:
+        params, version = weights()
     pages, first, first_logp, first_done = _prefill(
         cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng, noise,
         temperatures, num_samples=g, cache_dtype=_dtype_name(cache_dtype), **draw)
@@ -133,21 +148,32 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     queue = jnp.asarray(np.pad(waiting, (0, rows - waiting.size)))
     slot_state = (jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32),
                   jnp.zeros(s, bool), jnp.int32(0))
-    chunks = steps = 0
+    chunks = steps = swaps = 0
     busy = waiting.size > 0
+    versions = None
+    if weights is not None:   # each token's version, filled chunk by chunk on the host
+        versions, written = np.full((rows, n), version, np.int32), np.ones(rows, np.int32)
     while busy:
+        if weights is not None and chunks:
+            params, now = weights()
+            swaps, version = swaps + (now != version), now
         cache, out, slot_state, ran, busy = decode_chunk(
             cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
             jnp.int32(waiting.size), noise, temperatures, max_new_tokens=n, num_samples=g,
             chunk_steps=int(chunk_steps), **draw)
         chunks, steps, busy = chunks + 1, steps + int(ran), bool(busy)
+        if versions is not None:
+            length = np.asarray(out["lengths"])
+            pos = np.arange(n)[None, :]
+            versions[(pos >= written[:, None]) & (pos < length[:, None])] = version
+            written = length
     lengths = out["lengths"]
     mask = jnp.arange(n)[None, :] < lengths[:, None]
     result = SampleOutput(tokens=out["tokens"], logps=out["logps"], mask=mask, lengths=lengths,
                           truncated=~out["done"])
     useful = int(np.asarray(lengths).sum()) - rows
     return result, EngineStats(rows=rows, slots=s, chunks=chunks, decode_steps=steps,
-                               useful_steps=useful)
+                               useful_steps=useful, versions=versions, swaps=swaps)
 
 
 def _dtype_name(dtype) -> str | None:

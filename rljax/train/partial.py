@@ -33,7 +33,8 @@ from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import partial as partial_lib
 from rljax.train.buckets import encode_prompts, prompt_buckets
-from rljax.train.rollout import Rollout, rollout_temperatures, sampling_params
+from rljax.train.rollout import (Rollout, rollout_temperatures, sampling_params,
+                                 staleness_metrics)
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
 
@@ -74,9 +75,8 @@ class PartialRollout(Rollout):
         versions = t.rows["versions"][t.rows["mask"]]
         # Staleness at the update that trains the batch (step ``step``).
         stale = int(step) - versions if versions.size else np.zeros(1, np.int64)
-        metrics.update({"rollout/staleness_mean": float(stale.mean()),
-                        "rollout/staleness_max": int(stale.max()),
-                        "rollout/dropped_stale": int(t.dropped_stale),
+        metrics.update(staleness_metrics(stale))
+        metrics.update({"rollout/dropped_stale": int(t.dropped_stale),
                         "rollout/carried_groups": int(self.pool.c - self.pool.free),
                         # this iteration's sampling work (carried groups' tokens included)
                         "rollout/decoded_tokens": int(t.drawn)})

@@ -129,7 +129,7 @@ def rebucket_routes(routes: np.ndarray, p_from: int, p_to: int) -> np.ndarray:
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
              micro_prompts: int = 0, temperatures=None, tree: dict | None = None,
-             pixels=None, images=None):
+             pixels=None, images=None, weights=None):
     """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
     ``decoded`` int [B]: the tokens decoded per prompt.
 
@@ -139,10 +139,15 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     once. The two are exclusive (config validation).
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
     images, embedded by the tower and prefilled with the prompt (static sampler only).
+    ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
+    polled between decode chunks (``sampling.engine.generate``); adds ``versions`` int [R, N]
+    (the version that drew each token) and ``swaps`` (how often the weights changed).
     """
     if pixels is not None and (tree is not None or ctx.cfg.rollout.engine == "slots"):
         raise UserError("images in the prompt need rollout.engine='static' without a tree")
     params = sampling_params(ctx, params)
+    if weights is not None:
+        weights = _sampling_weights(ctx, weights)
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     outs, engine_stats = [], []
@@ -155,7 +160,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                   eos_id=ctx.stop_ids, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
         if tree is None and ctx.cfg.rollout.engine == "slots":
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
-                               engine_stats)
+                               engine_stats, weights)
         elif tree is None:
             if pixels is not None:
                 kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
@@ -176,11 +181,39 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     if engine_stats:   # the slot engine's busy and run slot-steps (its utilisation)
         result["slot_steps"] = (sum(st.useful_steps for st in engine_stats),
                                 sum(st.slots * st.decode_steps for st in engine_stats))
+    if weights is not None:
+        result["versions"] = np.concatenate([st.versions for st in engine_stats])
+        result["swaps"] = sum(st.swaps for st in engine_stats)
     return result
 
 
+def staleness_metrics(stale: np.ndarray) -> dict:
+    """Staleness of a batch's tokens (int [T]: the training version minus each token's): mean,
+    max and a histogram, the share of tokens 0, 1, 2 and 3 or more versions old."""
+    stale = np.asarray(stale).reshape(-1)
+    if not stale.size:
+        stale = np.zeros(1, np.int64)
+    hist = {f"rollout/staleness_frac_{k}": float(np.mean(stale == k)) for k in range(3)}
+    hist["rollout/staleness_frac_3plus"] = float(np.mean(stale >= 3))
+    return {"rollout/staleness_mean": float(stale.mean()),
+            "rollout/staleness_max": int(stale.max()), **hist}
+
+
+def _sampling_weights(ctx, weights):
+    """``weights`` with ``sampling_params`` applied once per version."""
+    seen = {}
+
+    def current():
+        params, version = weights()
+        if version not in seen:
+            seen.clear()
+            seen[version] = sampling_params(ctx, params)
+        return seen[version], version
+    return current
+
+
 def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatures, kw,
-                 stats: list):
+                 stats: list, weights=None):
     """``sampling.engine.generate`` for one chunk of prompts (appends its EngineStats)."""
     if dist.is_multiprocess():
         raise UserError("rollout.engine='slots' runs in a single process for now; use "
@@ -191,7 +224,7 @@ def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatu
         ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask),
         num_samples=num_samples, temperatures=temperatures,
         slots=ctx.cfg.rollout.slots or max(1, rows // 4),
-        chunk_steps=ctx.cfg.rollout.chunk_steps, **kw)
+        chunk_steps=ctx.cfg.rollout.chunk_steps, weights=weights, **kw)
     stats.append(st)
     return out
 
@@ -237,6 +270,9 @@ class Rollout:
         self.tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
         self.pending_since = None   # see __call__
         self.images = image_inputs.image_inputs(ctx)   # None: a text model
+        # In-flight weight updates (asynchronous RL sets it while a batch is sampled):
+        # ``() -> (params, version)``, polled between the slot engine's decode chunks.
+        self.weights = None
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -264,7 +300,7 @@ class Rollout:
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                        top_p=cfg.rollout.top_p, micro_prompts=micro,
                        temperatures=self.temperatures, tree=self.tree, pixels=pixels,
-                       images=self.images)
+                       images=self.images, weights=self.weights)
         rnd = self.score_round(examples, prompt_tokens, prompt_mask, out, prefixes, t0)
         if pixels is not None:
             rnd["pixels"] = pixels
@@ -393,6 +429,9 @@ class Rollout:
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
         if self.selector is not None:
             metrics.update(self.selector.metrics())
+        if "versions" in rows:   # in-flight weight updates: each token's own version
+            metrics.update(staleness_metrics(step - rows["versions"][loss_mask]))
+            metrics["rollout/weight_swaps"] = sum(r["swaps"] for r in rounds)
         # Padding: real tokens / positions the training forward/backward computes ([R, P+N]),
         # and real prompt tokens / prompt slots the sampler prefilled ([B, P] per round).
         metrics["rollout/seq_len"] = int(batch["mask"].shape[1])
@@ -484,7 +523,7 @@ class Rollout:
         pick = lambda key: np.concatenate(  # noqa: E731
             [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
         rows = {k: pick(k) for k in ("tokens", "logps", "mask", "lengths", "truncated",
-                                     "rewards") + (("demo",) if "demo" in rounds[0] else ())}
+                                     "rewards", "demo", "versions") if k in rounds[0]}
         prompt_ids = [rounds[r]["prompt_ids"][i] for r, i in groups for _ in range(g)]
         p_tok, p_mask = sampling.pad_to_bucket(
             prompt_ids, pad_id=self.ctx.tokenizer.pad_id,

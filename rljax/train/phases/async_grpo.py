@@ -13,8 +13,14 @@ A fixed schedule on the single controller (docs/internals.md, "Asynchronous RL")
    the host) while the training devices run step 2;
 4. fetch the update's metrics.
 
-Which version samples which batch depends only on the step, so a run is reproducible and a
-resumed run equals an uninterrupted one: the s batches in flight after update k (sampled by
+With ``algo.inflight_updates`` the sampler does not wait for iteration k + 1 to see version
+k + 1: between the slot engine's decode chunks of batch k + s it asks whether update k has
+finished, and if so publishes its result and decodes the rest of the batch with it (a
+completion may then span versions k and k + 1; each token records its own). Which tokens the
+new weights draw depends on when the update finishes: such a run is not reproducible.
+
+Otherwise which version samples which batch depends only on the step, so a run is
+reproducible and a resumed run equals an uninterrupted one: the s batches in flight after update k (sampled by
 versions k - s + 1 .. k) are saved with the checkpoint (``state_dict``: host arrays, exact),
 with the data iterator and, with ``rollout.partial``, the pool behind them.
 
@@ -47,6 +53,7 @@ from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
+from rljax.train.rollout import staleness_metrics
 from rljax.train.setup import sampler_context
 from rljax.train.steps import to_host
 
@@ -80,6 +87,7 @@ class AsyncGRPOPhase(GRPOPhase):
         self.needs_ref = cfg.algo.beta > 0
         self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
         self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
+        self.inflight_updates = bool(cfg.algo.inflight_updates)
 
     def _compiled(self, state):
         """The GRPO update; ``algo.update_streams`` left at auto runs one stream: concurrent
@@ -126,9 +134,17 @@ class AsyncGRPOPhase(GRPOPhase):
         v = self.sampler_version
         metrics["rollout/sample_version"] = v
         if "rollout/staleness_mean" not in metrics:   # every token drawn by version v
-            metrics["rollout/staleness_mean"] = float(step - v)
-            metrics["rollout/staleness_max"] = int(step - v)
+            metrics.update(staleness_metrics(np.full(1, step - v)))
         self.inflight[step] = (batch, metrics, v)
+
+    def _new_weights(self, state, ready: "_Watch", version: int, transfer: list):
+        """In-flight weight updates: the sampler's ``() -> (params, version)``, publishing
+        ``state`` (the result of the update being watched) as ``version`` once it is ready."""
+        def current():
+            if self.sampler_version < version and ready.done():
+                transfer.append(self.publish(state, version))
+            return self.sampler_params, self.sampler_version
+        return current
 
     # -- one iteration -------------------------------------------------------------------------
 
@@ -150,8 +166,15 @@ class AsyncGRPOPhase(GRPOPhase):
         ready = _Watch((state, updates))
         t_sample = time.perf_counter()
         if step + self.lag < self.steps:
-            self.sample(step + self.lag)
+            swapped = []
+            if self.inflight_updates:
+                self.rollout.weights = self._new_weights(state, ready, step + 1, swapped)
+            try:
+                self.sample(step + self.lag)
+            finally:
+                self.rollout.weights = None
             sampled += self.inflight[step + self.lag][1]["time/sample"]
+            transfer += sum(swapped)
         t_wait = time.perf_counter()
         updates = [to_host(m) for m in updates]
         t_end = time.perf_counter()
@@ -215,6 +238,10 @@ class _Watch:
     def _wait(self, tree):
         jax.block_until_ready(tree)
         self._t = time.perf_counter()
+
+    def done(self) -> bool:
+        """Whether the arrays are ready (without waiting)."""
+        return self._t is not None
 
     def at(self, fallback: float) -> float:
         self._thread.join()
