@@ -221,7 +221,8 @@ def _per_group_sizes(name, rewards, sizes):
 
 @pytest.mark.parametrize("selection_name", ["uniform", "predicted"])
 def test_knapsack_train_run(reward_file, tmp_path, selection_name):
-    """A short run, with this rollout's own pass rates and with MoPPS's posterior."""
+    """A short run, with this rollout's own pass rates and with MoPPS's posterior; the
+    update computes each prompt once (the ragged shared-prompt layout)."""
     import jax
     from rljax.train import run
     from rljax.train.metrics import read_metrics
@@ -233,6 +234,8 @@ def test_knapsack_train_run(reward_file, tmp_path, selection_name):
     assert all(1 <= r["rollout/group_size_min"] <= r["rollout/group_size_max"] <= 8
                and r["rollout/group_size_mean"] == 4.0 for r in rl)
     assert all(0 <= r["rollout/effective_samples"] <= 16 for r in rl)
+    # Groups of any sizes still compute each prompt once in the update.
+    assert all(r["update/shared_prompt"] == 1.0 for r in rl)
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -64,14 +64,15 @@ def test_plan_keeps_every_real_token_and_trims_padding():
         length_groups.plan(batch["mask"], N, 3)   # 8 rows do not split in 3
 
 
-def assert_planned_update_equals_scanned(algo, batch) -> dict:
+def assert_planned_update_equals_scanned(algo, batch, prompts: int = 0) -> dict:
     """The host-planned update (``grpo.build_update``, 2 micro-batches) gives the
     same loss, metrics and parameters (SGD: linear in the gradient) as ``steps.update`` over
     the padded micro-batches. Returns its own ``update/*`` metrics."""
     state, opt = fresh_state(lr=1.0, name="sgd", with_ref=True)
     ref_state, ref_m = scanned_grpo_step(MODEL, algo, opt, num_micro=2)(state, batch)
     state, _ = fresh_state(lr=1.0, name="sgd", with_ref=True)
-    new_state, m = grpo.build_update(MODEL, algo, opt, num_micro=2)(state, batch)
+    new_state, m = grpo.build_update(MODEL, algo, opt, num_micro=2, prompts=prompts)(state,
+                                                                                     batch)
     own = {k: m.pop(k) for k in list(m) if k.startswith("update/")}
     assert set(m) == set(ref_m)
     for key in ref_m:

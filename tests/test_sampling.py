@@ -276,6 +276,28 @@ def test_fan_out_equals_repeated_prompts_and_prefills_once():
     assert (b * g, p) not in lead
 
 
+@pytest.mark.parametrize("streams", [1, 2])
+def test_groups_of_any_sizes_equal_repeated_prompts(streams):
+    """``prompt_index`` (knapsack allocation): rows of 1, 3, 0 and 2 samples of the four
+    prompts, in any order, sample what the prompts repeated row by row sample with the same
+    key, in one or two streams."""
+    cfg = _cfg()
+    params = models.init_params(cfg, jax.random.key(0))
+    prompt, pmask = _prompts()
+    index = np.asarray([3, 0, 1, 3, 1, 1], np.int32)
+    kw = dict(rng=jax.random.key(9), max_new_tokens=5, temperature=1.0, pad_id=0, eos_id=1,
+              num_samples=1, streams=streams)
+    ragged = sampling.generate(cfg, params, prompt, pmask, prompt_index=index, **kw)
+    rep = sampling.generate(cfg, params, np.asarray(prompt)[index], np.asarray(pmask)[index],
+                            **kw)
+    assert len(set(np.asarray(rep.tokens).ravel().tolist())) > 3   # really sampled
+    for field in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(ragged, field), getattr(rep, field), err_msg=field)
+    np.testing.assert_allclose(ragged.logps, rep.logps, atol=1e-5)
+    with pytest.raises(ValueError, match="prompt_index must be int"):
+        sampling.generate(cfg, params, prompt, pmask, prompt_index=np.asarray([4]), **kw)
+
+
 @pytest.mark.parametrize("draw", ["gumbel", "inverse_cdf", "greedy"])
 def test_streams_sample_what_one_stream_samples(draw, monkeypatch):
     """generate(streams=k): k concurrent chunks of prompts, each reading its rows of the whole

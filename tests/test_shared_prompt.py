@@ -59,6 +59,66 @@ def test_logps_entropies_and_gradients_equal_the_plain_forward():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6), *grads)
 
 
+def knapsack_batch(sizes=(1, 4, 2, 3), seed=0):
+    """Groups of the given sizes (knapsack allocation), rows shuffled: the rollout layout."""
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes)
+    owner = rng.permutation(np.repeat(np.arange(sizes.size), sizes))
+    prompt_len = rng.integers(3, P + 1, sizes.size)[owner]
+    prompt_len[owner == 0] = P   # one prompt without padding
+    prompts = rng.integers(4, V, (sizes.size, P))[owner]
+    tokens = np.concatenate([prompts, rng.integers(4, V, (owner.size, N))], axis=1)
+    return rollout_batch(tokens, prompt_len, rng.integers(1, N + 1, owner.size), rng, P), owner
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_ragged_groups_equal_the_plain_forward(local):
+    """Groups of 1-4 rows in shuffled order, one padding prompt (5 prompt rows for 4), and
+    sliding-window layers: log-probs, entropies and gradients of the plain forward."""
+    cfg = models.get_preset("tiny")
+    if local:
+        cfg = cfg.replace(sliding_window=6, layer_types=("sliding_attention",) * cfg.num_layers)
+    params = models.init_params(cfg, jax.random.key(0))
+    batch, owner = knapsack_batch(seed=1)
+    layout = length_groups.ragged_layout(batch, N, prompts=5)
+    r = owner.size
+    assert layout["prompt_tokens"].shape == (5, P) and layout["tokens"].shape == (r, N)
+    np.testing.assert_array_equal(layout["prompt_tokens"][layout["prompt_index"]],
+                                  batch["tokens"][:, :P])
+    assert np.unique(layout["prompt_index"]).size == 4
+    weights = jnp.asarray(np.random.default_rng(3).normal(size=(r, N)), jnp.float32)
+
+    def plain(p):
+        lp, ent = models.token_logps(cfg, p, batch["tokens"], batch["mask"],
+                                     with_entropy=True, first_scored=P)
+        return lp[:, P:], ent[:, P:]
+
+    def ragged(p):
+        return shared_prompt.completion_logps(
+            cfg, p, layout["prompt_tokens"], layout["prompt_mask"], layout["tokens"],
+            layout["mask"], with_entropy=True, prompt_index=layout["prompt_index"])
+
+    (lp_a, ent_a), (lp_b, ent_b) = plain(params), ragged(params)
+    np.testing.assert_allclose(lp_b, lp_a, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(ent_b, ent_a, rtol=1e-5, atol=2e-6)
+    grads = [jax.grad(lambda p, f=f: (f(p)[0] * weights).sum())(params) for f in (plain, ragged)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6), *grads)
+
+
+def test_ragged_layout_refuses_more_prompts_than_it_has_rows_for():
+    batch, _ = knapsack_batch()
+    assert length_groups.ragged_layout(batch, N, prompts=3) is None   # 4 distinct prompts
+
+
+def test_ragged_update_equals_scanned_update():
+    """The knapsack's update (``prompts``: each micro-batch's prompts once) equals the
+    scanned one over the plain rows."""
+    algo = algo_cfg(beta=0.04, num_generations=G, shared_prompt=True)
+    batch, _ = knapsack_batch(sizes=(3, 1, 2, 4, 2, 4), seed=5)   # 16 rows, 2 micro-batches
+    own = assert_planned_update_equals_scanned(algo, batch, prompts=6)
+    assert own["update/shared_prompt"] == 1.0
+
+
 def test_shared_layout_needs_equal_prompts_in_each_group():
     batch = group_batch(2)
     layout = length_groups.shared_layout(batch, N, G)

@@ -10,6 +10,10 @@ gradient reaching the prompt's keys and values is the sum over the G completions
 forward's would be: the same log-probs and gradients up to float32 summation order, at
 ``Bp*P + Bp*G*N`` positions instead of ``Bp*G*(P+N)``.
 
+Groups of different sizes (``prompt_index`` int [R]: the prompt each completion row continues,
+as knapsack allocation gives them) take the same path with each row's prompt keys and values
+gathered: the prompt positions still run once, and the gather's gradient sums the rows'.
+
 The projections and MLP run over the prompt and completion positions as one flattened row
 axis (one matmul per weight); only attention treats the two parts apart.
 """
@@ -26,10 +30,14 @@ from rljax.models.attention import scale_scores
 from rljax.models.config import ModelConfig
 
 
-def completion_positions(prompt_mask: jax.Array, mask: jax.Array, group_size: int) -> jax.Array:
+def completion_positions(prompt_mask: jax.Array, mask: jax.Array, group_size: int,
+                         prompt_index: Optional[jax.Array] = None) -> jax.Array:
     """int32 [Bp*G, N]: the positions ``default_positions`` gives the completion columns of
-    ``[prompt ++ completion]`` rows (prompt_mask bool [Bp, P]; mask bool [Bp*G, N])."""
-    prompt_len = jnp.repeat(prompt_mask.astype(jnp.int32).sum(-1), group_size)   # [Bp*G]
+    ``[prompt ++ completion]`` rows (prompt_mask bool [Bp, P]; mask bool [Bp*G, N]; or
+    ``prompt_index`` int [R]: row r continues prompt ``prompt_index[r]``)."""
+    prompt_len = prompt_mask.astype(jnp.int32).sum(-1)
+    prompt_len = (jnp.repeat(prompt_len, group_size) if prompt_index is None
+                  else prompt_len[prompt_index])                                   # [R]
     return jnp.maximum(prompt_len[:, None] + jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
 
 
@@ -80,7 +88,8 @@ def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask, scal
 
 def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask: jax.Array,
           tokens: jax.Array, mask: jax.Array, lora_dropout_rng: Optional[jax.Array] = None,
-          image_embeds: Optional[jax.Array] = None, moe_stats: Optional[dict] = None):
+          image_embeds: Optional[jax.Array] = None, moe_stats: Optional[dict] = None,
+          prompt_index: Optional[jax.Array] = None):
     """Embeddings + all layers + final norm over shared prompts and their completions.
 
     prompt_tokens: int [Bp, P], left-padded (prompt_mask bool [Bp, P]); tokens: int [Bp*G, N]
@@ -94,13 +103,21 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
 
     ``moe_stats`` (a dict; mixtures of experts): receives the routing statistics under
     ``"stats"`` (``moe.moe_mlp``'s, stacked over layers), each prompt's tokens counted once.
+    ``prompt_index`` int [R] (groups of any sizes, rows in any order): row r continues
+    prompt ``prompt_index[r]`` instead of prompt ``r // G``.
     """
     bp, p = prompt_tokens.shape
     r, n = tokens.shape
-    if r % bp:
+    ragged = prompt_index is not None
+    if ragged and image_embeds is not None:
+        raise ValueError("shared_prompt.trunk: prompt_index does not take images")
+    if not ragged and r % bp:
         raise ValueError(f"shared_prompt.trunk: {r} completion rows are not a multiple of "
                          f"{bp} prompts")
-    g = r // bp
+    # The completions' attention view: [groups, G, N]; ragged rows are groups of one, each
+    # reading its own prompt's keys and values (gathered per layer).
+    g, groups = (1, r) if ragged else (r // bp, bp)
+    rows_of = (lambda a: a[prompt_index]) if ragged else (lambda a: a)
     prompt_mask, mask = prompt_mask.astype(bool), mask.astype(bool)
     causal = jnp.tril(jnp.ones((p, p), bool))
     prompt_attn_mask = causal[None] & prompt_mask[:, None, :]               # [Bp, P, P]
@@ -109,21 +126,21 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
         prompt_attn_mask = prompt_attn_mask | (image_tokens.same_image(blocks, blocks)
                                                & prompt_mask[:, None, :])
     prompt_pos = tfm.default_positions(prompt_mask)                         # [Bp, P]
-    comp_pos = completion_positions(prompt_mask, mask, g)                   # [Bp*G, N]
+    comp_pos = completion_positions(prompt_mask, mask, g, prompt_index)     # [R, N]
     positions = jnp.concatenate([prompt_pos.reshape(-1), comp_pos.reshape(-1)])[None]
     rope = tfm.rope_tables(positions, tfm.rope_inv_freq(cfg), cfg.compute_dtype)
-    full = (prompt_attn_mask, prompt_mask, mask.reshape(bp, g, n))
+    full = (prompt_attn_mask, rows_of(prompt_mask), mask.reshape(groups, g, n))
     kinds = cfg.local_layers
     if kinds:
         # Sliding-window layers: each query sees keys less than `sliding_window` positions back.
         w = cfg.sliding_window
-        cpos = comp_pos.reshape(bp, g, n)
+        cpos = comp_pos.reshape(groups, g, n)
         # Both kinds' masks in the per-query form, so a scanned layer selects between them.
         full = (prompt_attn_mask,
-                jnp.broadcast_to(prompt_mask[:, None, None, :], (bp, g, n, p)),
+                jnp.broadcast_to(full[1][:, None, None, :], (groups, g, n, p)),
                 jnp.tril(jnp.ones((n, n), bool)) & full[2][:, :, None, :])
         local = (prompt_attn_mask & tfm.window_mask(prompt_pos, prompt_pos, w),
-                 full[1] & tfm.window_mask(cpos, prompt_pos[:, None], w),
+                 full[1] & tfm.window_mask(cpos, rows_of(prompt_pos)[:, None], w),
                  full[2] & tfm.window_mask(cpos, cpos, w))
         rope_local = tfm.local_rope(cfg, positions, rope)
     split = bp * p
@@ -135,14 +152,14 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
                          tfm.embed_tokens(cfg, params, tokens).reshape(r * n, -1)])[None]
 
     def attend(q, k, v, masks):
-        def parts(a):   # [1, Bp*P + R*N, heads, Dh] -> prompt [Bp, P, ...], completion [Bp, G, N, ...]
+        def parts(a):   # [1, Bp*P + R*N, heads, Dh] -> prompt [Bp, P, ...], completion [groups, G, N, ...]
             return (a[0, :split].reshape((bp, p) + a.shape[2:]),
-                    a[0, split:].reshape((bp, g, n) + a.shape[2:]))
+                    a[0, split:].reshape((groups, g, n) + a.shape[2:]))
         (qp, qc), (kp, kc), (vp, vc) = parts(q), parts(k), parts(v)
         out_prompt = tfm.attention(qp, kp, vp, masks[0], impl=cfg.attention_impl,
                                    scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
-        out = shared_prompt_attention(qc, kp, vp, kc, vc, masks[1], masks[2], cfg.attn_scale,
-                                      cfg.attn_logit_softcapping)
+        out = shared_prompt_attention(qc, rows_of(kp), rows_of(vp), kc, vc, masks[1], masks[2],
+                                      cfg.attn_scale, cfg.attn_logit_softcapping)
         return jnp.concatenate([out_prompt.reshape((split,) + out_prompt.shape[2:]),
                                 out.reshape((r * n,) + out.shape[3:])])[None]
 
@@ -178,7 +195,8 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
                      with_entropy: bool = False, lora_dropout_rng: Optional[jax.Array] = None,
                      extra_targets: Optional[jax.Array] = None,
                      image_embeds: Optional[jax.Array] = None,
-                     moe_stats: Optional[dict] = None):
+                     moe_stats: Optional[dict] = None,
+                     prompt_index: Optional[jax.Array] = None):
     """Log-probs (and entropies) of completion tokens after shared prompts.
 
     Shapes as ``trunk``; ``temperature`` a scalar or float32 [Bp*G, N] (each token at its own).
@@ -188,12 +206,15 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     is predicted by the prompt's last position (left padding: the last column is real).
     ``extra_targets`` int [Bp*G, N, K]: a third output, those ids' log-probs per column
     (``transformer.scored_logps``). ``image_embeds`` [Bp, K, D] and ``moe_stats``: as
-    ``trunk``'s.
+    ``trunk``'s; ``prompt_index`` int [R] as ``trunk``'s (groups of any sizes).
     """
     prompt_hidden, hidden = trunk(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
-                                  lora_dropout_rng, image_embeds, moe_stats)
-    g = tokens.shape[0] // prompt_tokens.shape[0]
-    last = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)                    # [Bp*G, 1, D]
+                                  lora_dropout_rng, image_embeds, moe_stats, prompt_index)
+    if prompt_index is None:
+        g = tokens.shape[0] // prompt_tokens.shape[0]
+        last = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)                # [Bp*G, 1, D]
+    else:
+        last = prompt_hidden[prompt_index, -1:]                            # [R, 1, D]
     before = jnp.concatenate([last, hidden[:, :-1]], axis=1)              # predicts column j
     scored = tfm.scored_logps(cfg, params, before, tokens, temperature, chunk_size,
                               with_entropy, extra_targets)

@@ -135,7 +135,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
              cache_dtype: Any = None, temperatures: Any = None,
              streams: int = 1, image_embeds: Any = None,
-             record_routes: bool = False) -> SampleOutput:
+             record_routes: bool = False, prompt_index: Any = None) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt, entirely on device.
 
     Args:
@@ -172,9 +172,13 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         with the rest of it, and the G samples share that KV cache.
       record_routes: a mixture of experts: also return each token's experts
         (``SampleOutput.routes``), for routing replay in the update.
+      prompt_index: optional int32 [R]: groups of any sizes (knapsack allocation): output row
+        r continues prompt ``prompt_index[r]``, whose prefill it shares (``num_samples`` must
+        be 1; not with images or routes).
 
     Returns:
-      ``SampleOutput`` with ``B * num_samples`` rows (see its docstring).
+      ``SampleOutput`` with ``B * num_samples`` rows, or R with ``prompt_index`` (see its
+      docstring).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -186,6 +190,13 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if record_routes and not cfg.is_moe:
         raise ValueError("record_routes needs a mixture-of-experts model")
+    if prompt_index is not None:
+        prompt_index = np.asarray(prompt_index, np.int32)
+        if (num_samples != 1 or image_embeds is not None or record_routes
+                or prompt_index.ndim != 1 or prompt_index.min(initial=0) < 0
+                or prompt_index.max(initial=0) >= np.shape(prompt_tokens)[0]):
+            raise ValueError("prompt_index must be int [R] of prompt rows, with num_samples=1, "
+                             "no images and no routes")
     # Out-of-range ids would be clipped silently inside the program: reject them here.
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="generate: prompt_tokens")
@@ -205,16 +216,19 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
         record_routes=bool(record_routes))
     greedy = temperatures is None and temperature == 0.0
-    k = stream_count(streams, np.shape(prompt_tokens)[0], max_new_tokens, cfg.vocab_size, greedy,
-                     num_samples, mesh)
+    # With prompt_index the streams split the rows (each prefills every prompt: a few).
+    units = np.shape(prompt_tokens)[0] if prompt_index is None else prompt_index.size
+    k = stream_count(streams, units, max_new_tokens, cfg.vocab_size, greedy, num_samples, mesh)
     traced = isinstance(prompt_tokens, jax.core.Tracer)
     if k == 1 or traced:   # inside a trace: one program
         return (_generate if traced else _generate_program())(
             cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool),
-            rng, temperatures=temperatures, image_embeds=image_embeds, **static)
+            rng, temperatures=temperatures, image_embeds=image_embeds,
+            prompt_index=None if prompt_index is None else jnp.asarray(prompt_index), **static)
     return _generate_streams(cfg, params, np.asarray(prompt_tokens, np.int32),
                              np.asarray(prompt_mask, bool), rng, k, greedy,
-                             temperatures=temperatures, image_embeds=image_embeds, **static)
+                             temperatures=temperatures, image_embeds=image_embeds,
+                             prompt_index=prompt_index, **static)
 
 
 def stream_count(streams: int, prompts: int, max_new_tokens: int, vocab: int, greedy: bool,
@@ -252,18 +266,25 @@ def _concat_outputs(outs):
 
 
 def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy,
-                      image_embeds=None, **kw):
-    """``_generate`` over k equal chunks of prompts, run concurrently; one SampleOutput."""
-    rows = prompt_tokens.shape[0] * kw["num_samples"]
+                      image_embeds=None, prompt_index=None, **kw):
+    """``_generate`` over k equal chunks of prompts (or of ``prompt_index``'s rows, each
+    chunk with every prompt), run concurrently; one SampleOutput."""
+    rows = (prompt_tokens.shape[0] * kw["num_samples"] if prompt_index is None
+            else prompt_index.size)
     noise = ((None,) * k if greedy else
              _stream_noise(rng, kw["max_new_tokens"], rows, cfg.vocab_size, k))
-    tok, mask = np.split(prompt_tokens, k), np.split(prompt_mask, k)
+    if prompt_index is None:
+        tok, mask = np.split(prompt_tokens, k), np.split(prompt_mask, k)
+        index = (None,) * k
+    else:
+        tok, mask = (prompt_tokens,) * k, (prompt_mask,) * k
+        index = [jnp.asarray(i) for i in np.split(prompt_index, k)]
     images = (None,) * k if image_embeds is None else jnp.split(image_embeds, k)
 
     def stream(i):
         return lambda: jax.block_until_ready(
             _generate_program()(cfg, params, tok[i], mask[i], rng, noise=noise[i],
-                                image_embeds=images[i], **kw))
+                                image_embeds=images[i], prompt_index=index[i], **kw))
 
     return _concat_outputs(streams_lib.run([stream(i) for i in range(k)]))
 
@@ -289,12 +310,13 @@ _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids",
 def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, temperature,
               top_k, top_p, stop_ids, pad_id, num_samples, min_new_tokens, mesh, rules,
               cache_dtype, record_routes=False, temperatures=None, noise=None,
-              image_embeds=None):
+              image_embeds=None, prompt_index=None):
     """``noise``: this call's rows of noise drawn ahead for a larger batch (streams); None =
-    drawn here. ``image_embeds``: [B, K, D] for the prompts' image tokens (``generate``)."""
+    drawn here. ``image_embeds``: [B, K, D] for the prompts' image tokens (``generate``).
+    ``prompt_index`` int32 [R]: row r continues prompt ``prompt_index[r]`` (``generate``)."""
     b, p = prompt_tokens.shape
     n, g = max_new_tokens, num_samples
-    bg = b * g
+    bg = b * g if prompt_index is None else prompt_index.shape[0]
     s = p + n  # cache slots: the prompt bucket plus the completion, nothing more
     batch = lambda x: shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)
     constrain_kv = functools.partial(constrain_cache, mesh=mesh, rules=rules)
@@ -346,7 +368,10 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     # ---- fan out to G rows per prompt (prompt-major), sharing the prefill. The decode loop
     # reads per-layer weights and cache buffers (see models.unstack_layers / unstack_cache):
     # sliced out of the stacks once here, not at every step.
-    fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis) if g > 1 else x
+    if prompt_index is not None:   # groups of any sizes: each row gathers its prompt's
+        fan = lambda x, axis=0: jnp.take(x, prompt_index, axis=axis)   # noqa: E731
+    else:
+        fan = lambda x, axis=0: jnp.repeat(x, g, axis=axis) if g > 1 else x   # noqa: E731
     cache = constrain_kv({k: tuple(fan(c) for c in v)
                              for k, v in models.unstack_cache(cache).items()})
     params = models.unstack_layers(params)

@@ -3,11 +3,12 @@
 Each step: the prompts' pass rates (posterior means: the MoPPS posterior of
 ``data.selection.name='predicted'``, else this rollout's own Beta posteriors,
 ``rljax.data.allocation.PassRates``) -> group sizes G_i by the knapsack
-(``allocation.knapsack_allocate``, sum G_i = the budget) -> prompt i's row repeated G_i times
-and sampled once per row (one sampler program: always ``budget`` rows) -> rewards -> the
+(``allocation.knapsack_allocate``, sum G_i = the budget) -> each prompt prefilled once and
+its G_i rows sampled from it (one sampler program: always ``budget`` rows) -> rewards -> the
 posteriors learn the groups' successes. The update batch is ``rollout.batch_size`` rows, the
 groups contiguous; rows past the budget repeat the last sample and weigh zero. Advantages are
-the configured GRPO-family estimator over each group's own rows (``group_ids``).
+the configured GRPO-family estimator over each group's own rows (``group_ids``). The update
+computes each prompt once too (``length_groups.ragged_layout``).
 
 Metrics: ``rollout/group_size_min``/``_mean``/``_max``, ``rollout/pass_rate_est_mean``,
 and (every rollout) ``rollout/effective_samples``: samples that train with a non-zero
@@ -55,15 +56,18 @@ class KnapsackRollout(Rollout):
         indices = list(self.iterator.last_indices)
         p = self.pass_rates(indices)
         sizes = alloc.knapsack_allocate(p, self.budget, self.lo, self.hi)
-        rows = [examples[i] for i in np.repeat(np.arange(len(examples)), sizes)]
+        owner = np.repeat(np.arange(len(examples)), sizes).astype(np.int32)   # row -> prompt
+        rows = [examples[i] for i in owner]
         prompt_tokens, prompt_mask = encode_prompts(
-            self.ctx.tokenizer, [ex["prompt"] for ex in rows], cfg.data.max_prompt_length)
+            self.ctx.tokenizer, [ex["prompt"] for ex in examples], cfg.data.max_prompt_length)
         t0 = time.perf_counter()
         out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=1,
                        max_new_tokens=cfg.rollout.max_new_tokens,
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                       top_p=cfg.rollout.top_p, temperatures=self.temperatures)
-        rnd = self.score_round(rows, prompt_tokens, prompt_mask, out, None, t0, g=1)
+                       top_p=cfg.rollout.top_p, temperatures=self.temperatures,
+                       prompt_index=owner)
+        rnd = self.score_round(rows, prompt_tokens[owner], prompt_mask[owner], out, None, t0,
+                               g=1)
         rnd.update(group_sizes=sizes, indices=indices, pass_rates=p)
         return rnd
 

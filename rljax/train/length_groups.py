@@ -151,6 +151,27 @@ def shared_layout(part: dict, completion_cols: int, group_size: int) -> dict | N
     return out
 
 
+def ragged_layout(part: dict, completion_cols: int, prompts: int) -> dict | None:
+    """A micro-batch whose rows come from at most ``prompts`` distinct prompts, in any order
+    and groups of any sizes (knapsack allocation), in the shared-prompt layout:
+    ``prompt_tokens``/``prompt_mask`` [prompts, P'] (each distinct prompt once, the last one
+    repeated to fill), ``prompt_index`` int32 [R] (each row's prompt), ``tokens``/``mask`` [R,
+    N']; None when there are more distinct prompts or a prompt does not end in its last
+    column."""
+    tokens, mask = part["tokens"], np.asarray(part["mask"], bool)
+    p = tokens.shape[1] - completion_cols
+    if p == 0 or "pixels" in part or not mask[:, p - 1].all():
+        return None
+    key = np.concatenate([np.where(mask[:, :p], tokens[:, :p], -1), mask[:, :p]], axis=1)
+    _, first, index = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    if first.size > prompts:
+        return None
+    first = np.concatenate([first, np.full(prompts - first.size, first[-1])])
+    return {**part, "prompt_tokens": tokens[first, :p], "prompt_mask": mask[first, :p],
+            "prompt_index": index.reshape(-1).astype(np.int32),
+            "tokens": tokens[:, p:], "mask": mask[:, p:]}
+
+
 def computed_positions(part: dict) -> tuple[int, int]:
     """(real tokens, positions) the forward over one micro-batch computes."""
     real = int(np.asarray(part["mask"], bool).sum())
@@ -172,12 +193,16 @@ class Planner:
     """How a host batch is cut into micro-batches: ``num_micro`` of them; ``by_length``
     (``algo.group_by_length``: sorted and trimmed, see ``plan``); ``group_size`` G > 1
     (``algo.shared_prompt``): groups of G rows kept together and, where their prompt columns
-    are equal, each group's prompt computed once (``shared_layout``). ``mesh``: a shared
-    micro-batch's prompt rows must split over the batch axes too."""
+    are equal, each group's prompt computed once (``shared_layout``). ``prompts`` P > 0
+    (knapsack allocation's groups of any sizes, with ``algo.shared_prompt``): the batch
+    holds P prompts, and each micro-batch computes each of its distinct prompts once
+    (``ragged_layout``; on one batch shard). ``mesh``: a shared micro-batch's prompt rows
+    must split over the batch axes too."""
     num_micro: int = 1
     by_length: bool = True
     group_size: int = 1
     mesh: object = None
+    prompts: int = 0
 
     def parts(self, batch: dict, n: int) -> list[tuple[MicroBatch, dict]]:
         """[(micro-batch, its host arrays in the layout the step computes)] of a host batch
@@ -188,8 +213,18 @@ class Planner:
             shared = shared_layout(part, mb.completion_cols, self.group_size)
             if shared is not None and len(mb.rows) // self.group_size % self._shards() == 0:
                 part = shared
+            elif self._ragged_prompts(len(mb.rows)):
+                part = ragged_layout(part, mb.completion_cols,
+                                     self._ragged_prompts(len(mb.rows))) or part
             out.append((mb, part))
         return out
+
+    def _ragged_prompts(self, rows: int) -> int:
+        """The prompt rows of a ``rows``-row micro-batch in the ragged layout; 0 = not used
+        (no ``prompts``, or several batch shards: a row's prompt may live on another)."""
+        if not self.prompts or self._shards() != 1:
+            return 0
+        return min(self.prompts, rows)
 
     def abstract_part(self, rows: int, p: int, n: int, fields: dict) -> dict:
         """The inputs (``jax.ShapeDtypeStruct``; with a mesh split over its batch axes, as the
@@ -206,6 +241,11 @@ class Planner:
                           tokens=((m, n), jnp.int32), mask=((m, n), bool))
             if "pixels" in shapes:
                 shapes["pixels"] = ((m // g, *shapes["pixels"][0][1:]), shapes["pixels"][1])
+        elif p > 0 and self._ragged_prompts(m) and "pixels" not in shapes:
+            u = self._ragged_prompts(m)
+            shapes.update(prompt_tokens=((u, p), jnp.int32), prompt_mask=((u, p), bool),
+                          prompt_index=((m,), jnp.int32), tokens=((m, n), jnp.int32),
+                          mask=((m, n), bool))
         else:
             shapes.update(tokens=((m, p + n), jnp.int32), mask=((m, p + n), bool))
         sharding = steps.batch_sharding(self.mesh)
@@ -432,14 +472,17 @@ def host_planned(algo_cfg) -> bool:
     return bool(algo_cfg.group_by_length or algo_cfg.get("shared_prompt", False))
 
 
-def planner(algo_cfg=None, num_micro: int = 1, mesh=None) -> Planner:
+def planner(algo_cfg=None, num_micro: int = 1, mesh=None, prompts: int = 0) -> Planner:
     """The ``Planner`` of the configured ``algo.group_by_length`` / ``algo.shared_prompt``
     (``algo_cfg`` None: grouped by length, no shared prompts). With neither, micro-batches
-    are the batch's rows in order, untrimmed."""
+    are the batch's rows in order, untrimmed. ``prompts``: the batch's prompt count when its
+    groups have different sizes (knapsack allocation; used with ``algo.shared_prompt``)."""
     if algo_cfg is None:
         return Planner(int(num_micro), True, 1, mesh)
-    g = int(algo_cfg.num_generations) if algo_cfg.get("shared_prompt", False) else 1
-    return Planner(int(num_micro), bool(algo_cfg.group_by_length), g, mesh)
+    shared = bool(algo_cfg.get("shared_prompt", False))
+    g = int(algo_cfg.num_generations) if shared and not prompts else 1
+    return Planner(int(num_micro), bool(algo_cfg.group_by_length), g, mesh,
+                   int(prompts) if shared else 0)
 
 
 def build_logps_fn(model_cfg, *, algo_cfg=None, num_micro: int = 1, mesh=None,

@@ -129,7 +129,7 @@ def rebucket_routes(routes: np.ndarray, p_from: int, p_to: int) -> np.ndarray:
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
              micro_prompts: int = 0, temperatures=None, tree: dict | None = None,
-             pixels=None, images=None, weights=None):
+             pixels=None, images=None, weights=None, prompt_index=None):
     """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
     ``decoded`` int [B]: the tokens decoded per prompt.
 
@@ -142,6 +142,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
     polled between decode chunks (``sampling.engine.generate``); adds ``versions`` int [R, N]
     (the version that drew each token) and ``swaps`` (how often the weights changed).
+    ``prompt_index`` int [R] (static sampler, one chunk; ``num_samples`` 1): row r continues
+    prompt ``prompt_index[r]`` (groups of any sizes, ``sampling.generate``).
     """
     if pixels is not None and (tree is not None or ctx.cfg.rollout.engine == "slots"):
         raise UserError("images in the prompt need rollout.engine='static' without a tree")
@@ -168,7 +170,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                                     num_samples=num_samples, temperatures=temperatures,
                                     streams=ctx.cfg.rollout.streams,
                                     record_routes=bool(ctx.cfg.algo.get("routing_replay")),
-                                    **kw)
+                                    prompt_index=prompt_index, **kw)
         else:
             out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
@@ -177,7 +179,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     if getattr(outs[0], "routes", None) is not None:
         result["routes"] = np.concatenate([o.routes for o in outs])
     result["decoded"] = (np.concatenate([o.decoded for o in outs]) if tree is not None else
-                         result["lengths"].reshape(b, num_samples).sum(axis=1))
+                         result["lengths"].reshape(-1, num_samples).sum(axis=1))
     if engine_stats:   # the slot engine's busy and run slot-steps (its utilisation)
         result["slot_steps"] = (sum(st.useful_steps for st in engine_stats),
                                 sum(st.slots * st.decode_steps for st in engine_stats))

@@ -195,7 +195,9 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     Shared-prompt layout (``length_groups.shared_layout``, ``algo.shared_prompt``): with
     ``batch["prompt_tokens"]``/``["prompt_mask"]`` [R/G, P] once per group of G rows,
     ``tokens``/``mask`` are the completion columns [R, N] only, and each prompt is computed
-    once (``models.shared_prompt``): the same log-probs up to float32 summation order.
+    once (``models.shared_prompt``): the same log-probs up to float32 summation order. With
+    ``batch["prompt_index"]`` int [R] (groups of any sizes, ``length_groups.ragged_layout``)
+    row r continues prompt ``prompt_index[r]``.
 
     ``extra_ids`` int [B, N, K] (optional): a third output, the log-probs of those ids at each
     completion column, from the same LM-head pass (a distillation teacher's top-k).
@@ -220,7 +222,8 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
             model_cfg, params, batch["prompt_tokens"], batch["prompt_mask"],
             batch["tokens"][:, :n], batch["mask"][:, :n], temperature=temperature,
             with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
-            extra_targets=extra_ids, image_embeds=images, moe_stats=moe_stats)
+            extra_targets=extra_ids, image_embeds=images, moe_stats=moe_stats,
+            prompt_index=batch.get("prompt_index"))
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
         prompt = jnp.ones((per_token.shape[0], batch["tokens"].shape[1] - n), jnp.float32)

@@ -188,18 +188,20 @@ def grpo_loss_fn(model_cfg, algo_cfg, temperature: float = 1.0,
 
 
 def build_update(model_cfg, algo_cfg, optimizer, *, temperature: float = 1.0,
-                 num_micro: int = 1, state_shardings=None, mesh=None, partial: bool = False
-                 ) -> length_groups.GroupedUpdate:
+                 num_micro: int = 1, state_shardings=None, mesh=None, partial: bool = False,
+                 prompts: int = 0) -> length_groups.GroupedUpdate:
     """The GRPO update: ``update(state, host batch) -> (state, metrics)``, one exact optimizer
     step of ``grpo_loss`` (see it for the batch) over the host-planned micro-batches of
     ``length_groups.planner`` (``algo.shared_prompt``, ``algo.group_by_length``; with neither,
     the batch's rows in order), in ``algo.update_streams`` concurrent streams. Metrics: loss,
     pg_loss, clipfrac_low/high/dual, approx_kl, kl_ref (beta > 0), entropy, tis_weight
     (tis_cap or ``partial``), grad_norm, skipped, update/token_efficiency,
-    update/shared_prompt. ``partial``: partial rollouts' behaviour weight (``grpo_loss``)."""
+    update/shared_prompt. ``partial``: partial rollouts' behaviour weight (``grpo_loss``).
+    ``prompts``: the batch's prompt count when its groups have different sizes (knapsack
+    allocation: ``length_groups.planner``)."""
     return length_groups.GroupedUpdate(
         optimizer, grpo_loss_fn(model_cfg, algo_cfg, temperature, partial),
-        length_groups.planner(algo_cfg, num_micro, mesh), state_shardings,
+        length_groups.planner(algo_cfg, num_micro, mesh, prompts), state_shardings,
         streams=streams_lib.resolve(int(algo_cfg.get("update_streams", 1)), mesh))
 
 
@@ -270,7 +272,9 @@ def _build(ctx: Context, optimizer, state) -> length_groups.GroupedUpdate:
     return build_update(ctx.model_cfg, cfg.algo, optimizer, temperature=cfg.rollout.temperature,
                         num_micro=update_sizes(cfg)[1], state_shardings=ctx.state_shardings(state),
                         mesh=ctx.mesh,
-                        partial=bool(cfg.rollout.partial or cfg.algo.get("asynchronous")))
+                        partial=bool(cfg.rollout.partial or cfg.algo.get("asynchronous")),
+                        prompts=(cfg.rollout.batch_size // cfg.algo.num_generations
+                                 if cfg.rollout.allocation == "knapsack" else 0))
 
 
 # ----------------------------------------------------------------------------- phase
