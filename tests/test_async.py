@@ -31,28 +31,40 @@ def _devices(tree) -> set:
     return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
 
 
-def test_schedule_and_the_weights_the_sampler_reads():
-    """Lag 2 over 4 updates: batches 0-2 are drawn by version 0, batch 3 by version 1 (its
-    sampler log-probs are version 1's, not version 0's or 3's); after each iteration the
-    sampler holds a bit-exact copy of the version that update started from, on the rollout
-    devices only."""
-    cfg = _cfg(**{"algo.async_lag": 2})
-    devices = jax.devices()
-    ctx = build_context(cfg, "", devices)
+def _iterations(cfg, steps: int, after=None):
+    """Runs ``steps`` async iterations of ``cfg``'s GRPO phase by hand. Returns (ctx, the
+    parameters each iteration started from, its metrics, the batches the updates trained on);
+    ``after(phase, state, started_from)`` runs after each iteration."""
+    ctx = build_context(cfg, "", jax.devices())
     phase = make_phases(ctx)[-1]
     state = start_phase(ctx, phase, initial_state(ctx))
     trained, update = [], phase.update
     phase.update = lambda s, b: (trained.append(jax.tree.map(np.asarray, b)), update(s, b))[1]
     versions, records = [], []
-    for k in range(4):
+    for k in range(steps):
         versions.append(jax.tree.map(np.asarray, state.params))
         state, metrics = phase.iteration(state, k)
         records.append(metrics)
+        if after is not None:
+            after(phase, state, versions[-1])
+    return ctx, versions, records, trained
+
+
+def test_schedule_and_the_weights_the_sampler_reads():
+    """Lag 2 over 4 updates: batches 0-2 are drawn by version 0, batch 3 by version 1 (its
+    sampler log-probs are version 1's, not version 0's or 3's); after each iteration the
+    sampler holds a bit-exact copy of the version that update started from, on the rollout
+    devices only."""
+    devices = jax.devices()
+
+    def check(phase, state, started_from):
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray,
                                                                  phase.sampler_params),
-                     versions[k])
+                     started_from)
         assert _devices(phase.sampler_params) == set(devices[4:])
         assert _devices(state.params) == set(devices[:4])
+
+    ctx, versions, records, trained = _iterations(_cfg(**{"algo.async_lag": 2}), 4, check)
     assert [r["rollout/sample_version"] for r in records] == [0, 0, 0, 1]
     assert [r["rollout/staleness_max"] for r in records] == [0, 1, 2, 2]
     assert all(r["time/weight_transfer"] > 0 and 0 <= r["time/trainer_idle_frac"] <= 1
@@ -89,16 +101,7 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
                         lambda *a, **kw: (sampled.append(generate(*a, **kw)), sampled[-1])[1])
     cfg = _cfg(**{"rollout.engine": "slots", "rollout.chunk_steps": 1, "rollout.slots": 4,
                   "algo.inflight_updates": True, "steps": 3})
-    ctx = build_context(cfg, "", jax.devices())
-    phase = make_phases(ctx)[-1]
-    state = start_phase(ctx, phase, initial_state(ctx))
-    trained, update = [], phase.update
-    phase.update = lambda s, b: (trained.append(jax.tree.map(np.asarray, b)), update(s, b))[1]
-    versions, records = [], []
-    for k in range(3):
-        versions.append(jax.tree.map(np.asarray, state.params))
-        state, metrics = phase.iteration(state, k)
-        records.append(metrics)
+    ctx, versions, records, trained = _iterations(cfg, 3)
     # sampled[0]: batch 0, before any update (no in-flight weights); sampled[k]: batch k, drawn
     # while update k - 1 ran, swapped to version k after its first decode chunk.
     assert [o.get("swaps") for o in sampled] == [None, 1, 1]
