@@ -480,7 +480,9 @@ def planner(algo_cfg=None, num_micro: int = 1, mesh=None, prompts: int = 0) -> P
     if algo_cfg is None:
         return Planner(int(num_micro), True, 1, mesh)
     shared = bool(algo_cfg.get("shared_prompt", False))
-    g = int(algo_cfg.num_generations) if shared and not prompts else 1
+    g = int(algo_cfg.num_generations) if shared else 1
+    # Ragged groups try the G-row layout first: where a micro-batch's rows happen to form
+    # G-row groups (the knapsack gave every prompt G), it needs no gather.
     return Planner(int(num_micro), bool(algo_cfg.group_by_length), g, mesh,
                    int(prompts) if shared else 0)
 
