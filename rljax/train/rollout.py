@@ -152,6 +152,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         weights = _sampling_weights(ctx, weights)
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
+    if prompt_index is not None and (chunk < b or tree is not None):
+        raise ValueError("prompt_index needs one chunk of prompts and no tree")
     outs, engine_stats = [], []
     for i, start in enumerate(range(0, b, chunk)):
         # Multi-host: every process holds the same prompts and feeds its own rows.
