@@ -48,6 +48,7 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         "knapsack": {"budget": 0, "max_samples": 0, "min_samples": 2}}
     assert now["algo"].pop("vine") == {   # read by algo.adv_estimator='vineppo' only
         "forks": 4, "max_steps": 4, "regex": "", "splitter": "newline"}
+    assert now["algo"].pop("inflight_updates") is False   # weights swap between iterations only
     assert now == saved
 
 
