@@ -20,6 +20,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -254,12 +255,28 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
 
 def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list, list]:
     """``(training devices, rollout devices)``: the last ``rollout`` of ``devices`` sample
-    (asynchronous RL, ``mesh.rollout_devices``), the others train; ``rollout=0``: all train."""
+    (asynchronous RL, ``mesh.rollout_devices``), the others train; ``rollout=0``: all train.
+
+    Devices of several processes split host by host: each process gives its last
+    ``rollout / processes`` devices to the sampler, so both meshes span every process (each
+    runs the same programs on both) and a host's rows of a batch stay on that host."""
     devices = list(devices)
     if not 0 <= rollout < len(devices):
         raise ValueError(f"mesh.rollout_devices={rollout} must leave at least one of the "
                          f"{len(devices)} devices to train")
-    return devices[:len(devices) - rollout], devices[len(devices) - rollout:]
+    hosts: dict[int, list] = {}
+    for d in devices:
+        hosts.setdefault(getattr(d, "process_index", 0), []).append(d)
+    if rollout % len(hosts):
+        raise ValueError(f"mesh.rollout_devices={rollout} does not split evenly over the "
+                         f"{len(hosts)} processes (each gives the sampler the same number)")
+    per_host = rollout // len(hosts)
+    if per_host and any(len(h) <= per_host for h in hosts.values()):
+        raise ValueError(f"mesh.rollout_devices={rollout} leaves a process with "
+                         f"{min(len(h) for h in hosts.values())} device(s) none to train")
+    cut = {p: len(h) - per_host for p, h in hosts.items()}
+    train = [d for p, h in hosts.items() for d in h[:cut[p]]]
+    return train, [d for p, h in hosts.items() for d in h[cut[p]:]]
 
 
 def on_mesh(shardings: Any, shapes: Any, mesh: Mesh) -> Any:
@@ -279,3 +296,81 @@ def on_mesh(shardings: Any, shapes: Any, mesh: Mesh) -> Any:
             spec.append(None if not want else want[0] if len(want) == 1 else tuple(want))
         return NamedSharding(mesh, PartitionSpec(*spec))
     return jax.tree.map(one, shardings, shapes, is_leaf=lambda x: x is None)
+
+
+def transfer(tree: Any, shardings: Any) -> Any:
+    """``tree``'s arrays placed as ``shardings``, which may be on other devices (the copy of
+    the policy the sampler reads, asynchronous RL).
+
+    One process: ``jax.device_put``. Several: jax reshards across processes only within one
+    set of devices, so each process assembles its own devices' shards from the source shards
+    it holds (device-to-device copies); an array whose target shards are not all held on their
+    own process is first replicated over its source devices (a collective among them, one leaf
+    at a time: the transient cost is one replicated leaf)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(_transfer_leaf, tree, shardings)
+
+
+def _boxes(sharding, shape) -> dict:
+    """device -> its shard's box, a tuple of (start, stop) per dimension."""
+    return {d: tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+            for d, idx in sharding.devices_indices_map(tuple(shape)).items()}
+
+
+def _overlap(a: tuple, b: tuple) -> tuple | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _volume(box: tuple) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def _within(box: tuple, outer: tuple) -> tuple:
+    """``box`` as slices of the shard ``outer``."""
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, outer))
+
+
+def _held_on_own_process(src: dict, dst: dict) -> bool:
+    """Whether every target box is tiled by the source boxes of its device's process (source
+    replicas have equal boxes: each box counted once). The same answer on every process."""
+    by_process: dict[int, set] = {}
+    for d, box in src.items():
+        by_process.setdefault(d.process_index, set()).add(box)
+    for d, box in dst.items():
+        covered = 0
+        for b in by_process.get(d.process_index, ()):
+            o = _overlap(box, b)
+            covered += 0 if o is None else _volume(o)
+        if covered != _volume(box):
+            return False
+    return True
+
+
+def _transfer_leaf(x: jax.Array, dst: Any) -> jax.Array:
+    shape = tuple(x.shape)
+    dst_boxes = _boxes(dst, shape)
+    if not _held_on_own_process(_boxes(x.sharding, shape), dst_boxes):
+        devices = sorted(x.sharding.device_set, key=lambda d: d.id)
+        everywhere = NamedSharding(Mesh(np.array(devices), ("all",)), PartitionSpec())
+        x = jax.device_put(x, everywhere)
+    local = {}   # box -> one local shard holding it
+    for s in x.addressable_shards:
+        local.setdefault(tuple(i.indices(n)[:2] for i, n in zip(s.index, shape)), s.data)
+    pieces = []
+    for d in dst.addressable_devices:
+        box, piece = dst_boxes[d], None
+        for src_box, data in local.items():
+            o = _overlap(box, src_box)
+            if o is None:
+                continue
+            part = jax.device_put(data[_within(o, src_box)], d)
+            if o == box:
+                piece = part
+                break
+            if piece is None:
+                piece = jnp.zeros(tuple(hi - lo for lo, hi in box), x.dtype, device=d)
+            piece = piece.at[_within(o, box)].set(part)
+        pieces.append(piece)
+    return jax.make_array_from_single_device_arrays(shape, dst, pieces)

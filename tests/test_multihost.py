@@ -6,6 +6,7 @@ side by side; the 2-process one goes through ``launch/local.py``, exactly as a u
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,11 +57,7 @@ def test_two_processes_match_one(tmp_path):
              os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES]
     one = subprocess.Popen(train + ["--workdir", str(tmp_path / "one")], env=_env(8),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    two = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "local.py"), "-n", "2",
-                            "-d", "4", "--log_dir", str(tmp_path / "logs"), "--timeout", "900",
-                            "--", *train, "--workdir", str(tmp_path / "two")],
-                           env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+    two = _launch(tmp_path, 4, *train, "--workdir", str(tmp_path / "two"))
     # Three jax processes compile side by side: a busy machine took more than the earlier
     # 300 s. The bounds only stop a hang (a collective waiting for a dead peer).
     out_two, _ = two.communicate(timeout=1000)
@@ -69,17 +66,9 @@ def test_two_processes_match_one(tmp_path):
     assert two.returncode == 0, out_two[-3000:]
 
     a, b = _read(tmp_path / "one"), _read(tmp_path / "two")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 2]
+    assert [r["step"] for r in a] == [1, 2, 2]
     assert a[0]["reward/std"] > 0 and a[0]["loss"] != 0   # a run that could differ
-    for ra, rb in zip(a, b):
-        keys = {k for k in ra if not any(v in k for v in VOLATILE)}
-        assert keys == {k for k in rb if not any(v in k for v in VOLATILE)}
-        for k in sorted(keys):
-            x, y = ra[k], rb[k]
-            if isinstance(x, float) or isinstance(y, float):
-                assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6), (ra["step"], k, x, y)
-            else:
-                assert x == y, (ra["step"], k, x, y)
+    _compare(a, b)
     # Only process 0 logs; both processes wrote their shards of the collective checkpoint.
     assert "step 2/2" in out_two
     assert "step 2/2" not in (tmp_path / "logs" / "process_1.log").read_text()
@@ -93,6 +82,68 @@ def test_two_processes_match_one(tmp_path):
     assert verify_step_dir(ckpt) is None
     meta = json.loads((ckpt / "meta" / "metadata").read_text())
     assert meta["host"]["process_count"] == 2 and meta["host"]["device_count"] == 8
+
+
+def _compare(a: list[dict], b: list[dict]) -> None:
+    """Two runs' metrics rows: the same steps and keys, the same values (floats to 1e-5)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not any(v in k for v in VOLATILE)}
+        assert keys == {k for k in rb if not any(v in k for v in VOLATILE)}
+        for k in sorted(keys):
+            x, y = ra[k], rb[k]
+            if isinstance(x, float) or isinstance(y, float):
+                assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6), (ra["step"], k, x, y)
+            else:
+                assert x == y, (ra["step"], k, x, y)
+
+
+def _launch(tmp_path, devices: int, *command) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "local.py"), "-n", "2",
+                             "-d", str(devices), "--log_dir", str(tmp_path / "logs"),
+                             "--timeout", "900", "--", *command],
+                            env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def test_transfer_between_meshes_across_processes(tmp_path):
+    """The sampler's copy of the policy on 2 processes: bit for bit, on the rollout devices."""
+    p = _launch(tmp_path, 4, sys.executable, os.path.join(ROOT, "tests", "transfer_worker.py"))
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and "transfer ok" in out, out[-3000:]
+
+
+# Asynchronous GRPO on 8 devices split 4/4 (data x fsdp on both meshes), checkpoint every step.
+ASYNC = ["--config.steps=3", "--config.checkpoint_every=1", "--config.algo.asynchronous=true",
+         "--config.algo.entropy_coef=0.01", "--config.mesh.rollout_devices=4",
+         "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.rollout.data=2",
+         "--config.mesh.rollout.fsdp=2"]
+
+
+@pytest.mark.slow
+def test_async_split_across_two_processes_matches_one_and_resumes(tmp_path):
+    """Each process gives two of its four devices to the sampler; the run equals the one on
+    8 devices of one process, and resuming from step 2 redoes step 3 exactly."""
+    train = [sys.executable, "-m", "rljax.cli", "train", "--config",
+             os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES, *ASYNC]
+    one = subprocess.Popen(train + ["--workdir", str(tmp_path / "one")], env=_env(8),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    two = _launch(tmp_path, 4, *train, "--workdir", str(tmp_path / "two"))
+    out_two, _ = two.communicate(timeout=1000)
+    out_one, _ = one.communicate(timeout=1000)
+    assert one.returncode == 0, out_one[-3000:]
+    assert two.returncode == 0, out_two[-3000:]
+    first = _read(tmp_path / "two")
+    assert [r.get("rollout/sample_version") for r in first] == [0, 0, 1, None]   # + eval row
+    _compare(_read(tmp_path / "one"), first)
+
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "3")   # as if killed before saving it
+    again = _launch(tmp_path, 4, *train, "--workdir", str(tmp_path / "two"))
+    out, _ = again.communicate(timeout=1000)
+    assert again.returncode == 0 and "resumed at step 2" in out, out[-3000:]
+    resumed = _read(tmp_path / "two")
+    assert [{k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in resumed] \
+        == [{k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in first]
 
 
 # ----------------------------------------------------------------------------- detection

@@ -163,3 +163,17 @@ def test_sharded_forward_equals_unsharded():
     assert batch["tokens"].addressable_shards[0].data.shape == (2, 12)
     assert sparams["layers"]["q"].addressable_shards[0].data.shape[2] == cfg.num_heads // 2
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_split_devices_takes_the_last_of_each_process():
+    from types import SimpleNamespace
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    train, rollout = sharding.split_devices(devices, 4)
+    assert [d.id for d in train] == [0, 1, 4, 5] and [d.id for d in rollout] == [2, 3, 6, 7]
+    assert sharding.split_devices(devices, 0) == (devices, [])
+    with pytest.raises(ValueError, match="does not split evenly over the 2 processes"):
+        sharding.split_devices(devices, 3)
+    with pytest.raises(ValueError, match="leaves a process with 1 device\(s\) none to train"):
+        sharding.split_devices([*devices[:4], *devices[4:5]], 4)
+    one = jax.devices()   # one process: the last ones, as listed
+    assert sharding.split_devices(one, 3) == (one[:-3], one[-3:])

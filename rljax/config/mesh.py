@@ -16,8 +16,9 @@ def mesh() -> dict[str, Any]:
         data=-1, fsdp=1, tensor=1,   # -1 = the rest of the devices
         expert=1,                    # expert parallelism (mixtures of experts; the batch too)
         # Asynchronous RL (algo.asynchronous; docs/internals.md): the last `rollout_devices`
-        # local devices sample, on a mesh of their own shaped by `rollout`; the others train
-        # on data x fsdp x tensor. 0 = one mesh for both.
+        # devices sample (several processes: the last rollout_devices / processes of each),
+        # on a mesh of their own shaped by `rollout`; the others train on
+        # data x fsdp x tensor. 0 = one mesh for both.
         rollout_devices=0,
         rollout=dict(data=-1, fsdp=1, expert=1, tensor=1),
     )

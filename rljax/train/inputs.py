@@ -44,17 +44,19 @@ def _template(cfg) -> str:
 
 def _check_rollout_devices(cfg, n: int) -> int:
     """``mesh.rollout_devices`` (the sampler's own devices, asynchronous RL) against the ``n``
-    devices there are (at least one must be left to train); asynchronous RL in one process.
-    Returns the rollout devices."""
-    if cfg.algo.get("asynchronous", False) and jax.process_count() > 1:
-        raise ConfigError("algo.asynchronous=true runs in a single process for now; this run "
-                          f"has {jax.process_count()} processes")
+    devices there are (at least one must be left to train; several processes give the sampler
+    the same number each). Returns the rollout devices."""
     r = int(cfg.mesh.get("rollout_devices", 0))
     if not r:
         return 0
     if r >= n:
         raise ConfigError(f"mesh.rollout_devices={r} leaves no device to train: there are {n} "
                           "devices (the rollout mesh takes the last ones, training the rest)")
+    procs = jax.process_count()
+    if r % procs or r // procs >= n // procs:
+        raise ConfigError(f"mesh.rollout_devices={r} must give the sampler the same number of "
+                          f"each of the {procs} processes' {n // procs} devices and leave each "
+                          "some to train")
     return r
 
 

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import distributed as dist
-from rljax.errors import UserError
+from rljax import sharding as shd
 from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
@@ -73,8 +73,6 @@ class AsyncGRPOPhase(GRPOPhase):
     prefetch = False   # the sampler itself runs ahead of the update
 
     def __init__(self, ctx, steps: int):
-        if dist.is_multiprocess():
-            raise UserError("algo.asynchronous=true runs in a single process for now")
         super().__init__(ctx, steps)
         cfg = ctx.cfg
         self.lag = int(cfg.algo.async_lag)
@@ -113,14 +111,15 @@ class AsyncGRPOPhase(GRPOPhase):
         sh = self.ctx.rollout_shardings
         if sh is not None:
             sh = {"lora": sh["lora"]} if lora else sh
-            params = jax.device_put(params, sh)
+            params = shd.transfer(params, sh)
         else:   # one mesh: a copy, since the update donates (deletes) the state's arrays
             params = jax.tree.map(jnp.copy, params)
         if lora:
             params = {**self.sampler_params, "lora": params["lora"]}
         if self._sampler_rng is None:
             rep = self.sampler_ctx.replicated
-            self._sampler_rng = jax.device_put(jnp.copy(state.rng), rep)
+            self._sampler_rng = (shd.transfer(state.rng, rep) if sh is not None
+                                 else jax.device_put(jnp.copy(state.rng), rep))
         self.sampler_params = jax.block_until_ready(params)
         self.sampler_version = int(version)
         return time.perf_counter() - t0
