@@ -5,6 +5,7 @@ Wilson intervals (``rljax.train.game_eval``).
         --opponents random,optimal,checkpoint:runs/tictactoe@150
 
 Opponents: ``random`` (uniform legal moves), ``optimal`` (TicTacToe minimax, Kuhn Poker Nash),
+``fair`` (Negotiation's fixed negotiator),
 ``checkpoint:WORKDIR[@STEP]`` (a frozen run, greedy unless ``--opponent-temperature``). The
 policy plays the held-out games of its run (``eval`` split, the first ``--games``; the seat
 of each as the task drew it, or ``--seat``), greedily unless ``--temperature``. Prints a
@@ -36,16 +37,16 @@ def _parse(argv):
 
 def _opponents(ctx, spec: str, temperature: float):
     from rljax.errors import UserError
-    from rljax.train import selfplay
+    from rljax.train import game_eval, selfplay
     for name in [s for s in spec.split(",") if s]:
-        if name in ("random", "optimal"):
+        if name in game_eval.SCRIPTED:
             yield name, name
         elif name.startswith("checkpoint:"):
             path, _, step = name[len("checkpoint:"):].partition("@")
             yield name, selfplay.opponent_from_workdir(ctx, path, int(step or 0), temperature,
                                                        key="--opponents")
         else:
-            raise UserError(f"--opponents: {name!r} is not random, optimal or "
+            raise UserError(f"--opponents: {name!r} is not {', '.join(game_eval.SCRIPTED)} or "
                             "checkpoint:WORKDIR[@STEP]")
 
 

@@ -1,5 +1,6 @@
-"""Board games: TicTacToe and Kuhn Poker rules against written-out cases, the scripted players
-(minimax never loses, the Kuhn Nash strategy's value is -1/18 exactly), the environments
+"""Board games: TicTacToe, Kuhn Poker and Negotiation rules against written-out cases, the
+scripted players (minimax never loses, the Kuhn Nash strategy's value is -1/18 exactly, the
+fair negotiator stays legal), the environments
 against a scripted opponent (parsing, forfeits, counters), the data tasks, role-conditioned
 advantages (RAE) against their formula, and the TicTacToe config training two iterations."""
 import random
@@ -271,15 +272,107 @@ def test_traces_are_legal_games_and_optimal_ones_never_lose():
     assert msgs[1]["content"] in ("check", "bet", "call", "fold")
 
 
+# ----------------------------------------------------------------------------- Negotiation
+
+NEGO = bg.Negotiation()
+
+
+def test_negotiation_values_deals_and_legal_moves():
+    pool = NEGO.COUNTS
+    valuations = {v for deal in NEGO.deals() for v in deal}
+    assert len(valuations) == 14 and len(NEGO.deals()) == 14 * 13
+    assert all(sum(x * c for x, c in zip(v, pool)) == 10 and min(v) >= 0 for v in valuations)
+    s = NEGO.initial(((2, 1, 2), (0, 2, 2)))
+    proposals = NEGO.legal_moves(s)
+    assert len(proposals) == 2 * 3 * 4 and "accept" not in proposals   # nothing to accept
+    assert proposals[0] == "propose 0 0 0" and proposals[-1] == "propose 1 2 3"
+    for bad in ("accept", "propose 2 0 0", "propose 0 0 4", "fold"):
+        with pytest.raises(bg.IllegalMove):
+            NEGO.apply(s, bad)
+    t = NEGO.apply(s, "propose 1 0 3")
+    assert NEGO.to_move(t) == 1 and NEGO.legal_moves(t)[-1] == "accept"
+    with pytest.raises(ValueError):
+        NEGO.initial(((2, 1, 2), (1, 1, 1)))   # worth 6, not 10
+
+
+def test_negotiation_payoffs_written_out():
+    deal = ((2, 1, 2), (0, 2, 2))
+    # P1 keeps the book and the balls (2 + 3*2 = 8), P2 takes the hats (2*2 = 4).
+    s = play(NEGO, ["propose 1 0 3", "accept"], deal)
+    assert NEGO.is_terminal(s) and NEGO.returns(s) == (0.8, 0.4)
+    # P2 counters keeping the balls (6); P1 accepts the book and the hats (2 + 2 = 4).
+    s = play(NEGO, ["propose 1 2 0", "propose 0 0 3", "accept"], deal)
+    assert NEGO.returns(s) == (0.4, 0.6)
+    # Six proposals and no acceptance: no deal, nothing for anyone; the game is over.
+    s = play(NEGO, ["propose 1 2 3"] * NEGO.MAX_MOVES, deal)
+    assert NEGO.is_terminal(s) and NEGO.returns(s) == (0.0, 0.0) and NEGO.legal_moves(s) == ()
+    with pytest.raises(ValueError):
+        NEGO.returns(play(NEGO, ["propose 1 2 3"], deal))
+
+
+def test_negotiation_views_hide_the_other_values_and_show_the_offer_to_the_mover():
+    s = NEGO.apply(NEGO.initial(((2, 1, 2), (0, 2, 2))), "propose 1 0 3")
+    assert NEGO.render(s, 1) == "pool 1 2 3, values 0 2 2, offer 0 2 0, left 5\n"
+    assert NEGO.render(s, 0) == "pool 1 2 3, values 2 1 2, offer -, left 5\n"
+
+
+@pytest.mark.parametrize("text, move", [
+    ("I propose 1 2 0.", "propose 1 2 0"), ("Accept", "accept"), ("PROPOSE  0 0  3", "propose 0 0 3"),
+    ("propose 1 0 0, no wait: accept", "accept"), ("propose 1 2", None), ("deal", None),
+    ("propose 10 0 0", "propose 10 0 0"),   # read, then refused as illegal
+])
+def test_negotiation_parses_the_last_move_named(text, move):
+    assert NEGO.parse_move(text) == move
+
+
+def test_negotiation_fair_player_is_legal_and_accepts_half():
+    s = NEGO.initial(((2, 1, 2), (0, 2, 2)))
+    assert bg.negotiation_fair(NEGO, s) == "propose 0 0 3"   # the fewest items worth >= 6
+    offered = NEGO.apply(s, "propose 1 0 1")                  # P2 is offered 2 hats, 2 balls
+    assert bg.negotiation_fair(NEGO, offered) == "accept"     # worth 8 >= 5
+    stingy = NEGO.apply(s, "propose 1 2 2")                   # 1 ball: worth 2
+    assert bg.negotiation_fair(NEGO, stingy) != "accept"
+    last = play(NEGO, ["propose 1 2 2"] * (NEGO.MAX_MOVES - 1), s.values)
+    assert bg.negotiation_fair(NEGO, last) == "accept"        # something beats nothing
+    rng, fair = random.Random(0), bg.make_player(NEGO, "fair")
+    for i in range(200):   # against random legal moves, from either seat: always legal
+        deal = NEGO.deals()[i % len(NEGO.deals())]
+        state, seat = NEGO.initial(deal), i % 2
+        while not NEGO.is_terminal(state):
+            player = fair if NEGO.to_move(state) == seat else bg.random_player
+            state = NEGO.apply(state, player(NEGO, state, rng))
+        assert all(0.0 <= r <= 1.0 for r in NEGO.returns(state))
+    with pytest.raises(ValueError, match="known: random, fair"):
+        bg.make_player(NEGO, "optimal")
+
+
+def test_negotiation_env_pays_the_share_and_traces_are_legal():
+    task = data.BoardGameTask("negotiation")
+    ex = {**task.example(0), "seat": 0, "deal": [(2, 1, 2), (0, 2, 2)]}
+    env = make_env("negotiation", ex, opponent="fair")
+    assert env.reset()[-1]["content"].endswith("values 2 1 2, offer -, left 6\n")
+    r = env.step("propose 1 0 1")   # fair P2 is offered 2 hats and 2 balls (8): accepts
+    assert r.done and r.reward == pytest.approx(0.4) and r.info["wins_P1"] == 1
+    for i in range(20):
+        ex = task.example(i)
+        msgs = game_trace("negotiation", ex, noise=1.0, rng=np.random.default_rng(i))
+        env = make_env("negotiation", ex)
+        env.reset()
+        for m in msgs[1:]:
+            if m["role"] == "assistant":
+                r = env.step(m["content"])
+        assert r.done and "illegal_moves" not in r.info
+
+
 # ----------------------------------------------------------------------------- data tasks
 
-@pytest.mark.parametrize("game", ["tictactoe", "kuhn_poker"])
+@pytest.mark.parametrize("game", ["tictactoe", "kuhn_poker", "negotiation"])
 def test_task_is_deterministic_and_its_splits_disjoint(game):
     train = data.make_source({"source": game}, "train")
     again = data.make_source({"source": game}, "train")
     held = data.make_source({"source": game, "eval_examples": 300}, "eval")
     assert [train[i] for i in range(50)] == [again[i] for i in range(50)]
-    key = lambda ex: (ex["seat"], tuple(ex.get("deal", ())), ex["seed"])
+    key = lambda ex: (ex["seat"], str(ex.get("deal", ())), ex["seed"])
     train_keys = {key(train[i]) for i in range(300)}
     assert not train_keys & {key(held[i]) for i in range(300)}
     assert {train[i]["seat"] for i in range(50)} == {0, 1}

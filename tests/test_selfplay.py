@@ -45,15 +45,15 @@ def test_rae_in_the_rollout_is_the_written_out_formula(tmp_path):
     alpha = 0.8
     cfg = ttt_cfg(**{"algo.adv_estimator": "rae", "algo.rae_alpha": alpha})
     ctx, phase, state = _phase(cfg, tmp_path)
-    assert state.role_baseline.shape == (4,) and not state.role_baseline.any()
-    start = np.array([0.25, -0.5, 0.125, 1.0], np.float32)
+    assert state.role_baseline.shape == (6,) and not state.role_baseline.any()
+    start = np.array([0.25, -0.5, 0.125, 1.0, 0.5, -0.25], np.float32)
     state = state.replace(role_baseline=jax.numpy.asarray(start))
     batch, metrics = phase.rollout(state, 0)
     rows = phase.rollout._turn_rows
     roles, rewards = rows["roles"], rows["rewards"]
     assert set(roles.tolist()) <= {0, 1}   # tictactoe X = 0, O = 1
     expected = start.copy()
-    for k in range(4):
+    for k in range(6):
         if (roles == k).any():
             expected[k] = alpha * start[k] + (1 - alpha) * rewards[roles == k].mean()
     np.testing.assert_allclose(batch["role_baseline"], expected, rtol=1e-6, atol=1e-7)
@@ -94,7 +94,7 @@ def test_rae_run_checkpoints_its_baselines_and_resumes_exactly(rae_run, tmp_path
     assert run.train(cfg, resumed, devices=DEVICES) == 0
     assert comparable(read_metrics(resumed)) == comparable(records)
     (b1, p1), (b2, p2) = _baseline(rae_run), _baseline(resumed)
-    assert b1.shape == (4,) and np.abs(b1).max() > 0
+    assert b1.shape == (6,) and np.abs(b1).max() > 0
     np.testing.assert_array_equal(b1, b2)
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
 
@@ -164,6 +164,39 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
                                rtol=1e-6, atol=1e-6)
     assert metrics["rollout/logp_diff_max"] < 1e-4
     assert metrics["env/wins_X_mean"] == 0.5 and metrics["env/losses_mean"] == 0.5
+
+
+def test_negotiation_selfplay_pays_each_seat_its_share(tmp_path, monkeypatch):
+    """Negotiation (not zero-sum) with one policy in both seats: every turn plays the fair
+    negotiator's move, so each row's reward is its seat's share of the deal the two fair
+    seats reach, read from the values each seat's prompt shows; role keys 4 (P1), 5 (P2)."""
+    from rljax.envs import board_games as bg
+    from rljax.envs.selfplay import SeatEnv
+    from rljax.train.agent import MultiTurnRollout
+    step = SeatEnv.step
+    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(
+        self, bg.negotiation_fair(self.game, self.match.state)))
+    g = 2
+    cfg = config_lib.load_config("configs/grpo_negotiation_selfplay.py", [
+        "sft.steps=0", "rollout.batch_size=8", f"algo.num_generations={g}", "mesh.data=1",
+        "model.overrides.num_layers=1", "model.overrides.hidden_size=32",
+        "model.overrides.intermediate_size=64", "logging.tensorboard=False"])
+    ctx, phase, state = _phase(config_lib.validate(cfg), tmp_path)
+    eps = MultiTurnRollout(ctx, setup.rl_iterator(ctx, 2)).sample_round(
+        state.params, jax.random.key(0))["episodes"]
+    seat = np.repeat(np.tile([0, 1], 2), g)
+    np.testing.assert_array_equal(eps["roles"], 4 + seat)
+    assert (eps["env_rewards"] > 0).all()   # the fair seats strike a deal in every match
+    game = bg.Negotiation()
+    for i in range(0, len(seat), 2 * g):   # one match per example: P1's rows, then P2's
+        views = [eps["prompts"][k] + eps["transcripts"][k] for k in (i, i + g)]
+        deal = tuple(tuple(int(x) for x in re.search(r"values (\d) (\d) (\d)", v).groups())
+                     for v in views)
+        state_ = game.initial(deal)
+        while not game.is_terminal(state_):
+            state_ = game.apply(state_, bg.negotiation_fair(game, state_))
+        for j in range(2 * g):
+            assert eps["env_rewards"][i + j] == pytest.approx(game.returns(state_)[seat[i + j]])
 
 
 @pytest.mark.slow

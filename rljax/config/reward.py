@@ -9,11 +9,11 @@ from typing import Any
 from rljax.config.base import ConfigError, opt_float
 
 # Environments with scripted episodes for SFT warm-up (``sft.env_traces``).
-ENV_TRACES = ("tool", "guess_number", "tictactoe", "kuhn_poker")
+ENV_TRACES = ("tool", "guess_number", "tictactoe", "kuhn_poker", "negotiation")
 # Environments whose traces take ``sft.trace_noise`` (random moves among the scripted ones).
-NOISY_TRACES = ("guess_number", "tictactoe", "kuhn_poker")
+NOISY_TRACES = ("guess_number", "tictactoe", "kuhn_poker", "negotiation")
 # Board games with seats (rljax.envs.game_env.GAME_ENVS; config loads without the envs).
-GAME_ENVS = ("tictactoe", "kuhn_poker")
+GAME_ENVS = ("tictactoe", "kuhn_poker", "negotiation")
 
 
 def reward() -> dict[str, Any]:
@@ -34,7 +34,7 @@ def reward() -> dict[str, Any]:
 def env() -> dict[str, Any]:
     return dict(                     # multi-turn episodes (docs/agents.md); "" = single-turn
         name="",                     # environment: "tool", "guess_number", "tictactoe",
-                                     # "kuhn_poker", path/to/file.py:fn
+                                     # "kuhn_poker", "negotiation", path/to/file.py:fn
         tools=(),                    # tool names for the "tool" environment (calculator, ...)
         tool_format="plain",         # how calls are written: "plain" or "json" (chat template)
         max_turns=4,                 # model turns per episode
@@ -46,7 +46,7 @@ def env() -> dict[str, Any]:
         turn_discount=opt_float(),   # None = outcome: the episode's summed reward for every
                                      # turn; gamma in [0, 1] = per-turn rewards, turn t judged
                                      # by sum_k gamma^k r_{t+k} (docs/agents.md)
-        selfplay=dict(               # board games (tictactoe, kuhn_poker), GRPO training:
+        selfplay=dict(               # games with seats (GAME_ENVS), GRPO training:
             mode="off",              # off: the env's scripted opponent (env.kwargs.opponent);
                                      # self: the policy in every seat, each seat its own
                                      # episode; checkpoint: a frozen earlier run in the

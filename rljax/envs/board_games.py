@@ -1,6 +1,6 @@
 """Turn-based games with verifiable outcomes, in pure Python (no jax): a small ``Game``
-protocol, TicTacToe, Kuhn Poker, and scripted players (random legal, TicTacToe minimax, Kuhn
-Poker's Nash equilibrium).
+protocol, TicTacToe, Kuhn Poker, a two-seat negotiation, and scripted players (random legal,
+TicTacToe minimax, Kuhn Poker's Nash equilibrium, a fixed negotiator).
 
 A game object holds the rules; states are immutable values, so a state can be shared, hashed
 (minimax memoises on it) and replayed. The ``rljax.envs.game_env`` environments put one policy
@@ -25,9 +25,9 @@ import re
 from fractions import Fraction
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
-__all__ = ["Game", "IllegalMove", "TicTacToe", "KuhnPoker", "GAMES", "get_game",
-           "random_player", "tictactoe_minimax", "kuhn_nash_policy", "make_player",
-           "Player"]
+__all__ = ["Game", "IllegalMove", "TicTacToe", "KuhnPoker", "Negotiation", "GAMES", "get_game",
+           "random_player", "tictactoe_minimax", "kuhn_nash_policy", "negotiation_fair",
+           "make_player", "Player"]
 
 
 class IllegalMove(ValueError):
@@ -35,14 +35,15 @@ class IllegalMove(ValueError):
 
 
 class Game(Protocol):
-    """The rules of a turn-based game of ``len(seats)`` players (zero-sum for the built-ins).
+    """The rules of a turn-based game of ``len(seats)`` players (TicTacToe and Kuhn Poker are
+    zero-sum, Negotiation is not).
 
     seats: seat names, in seat order (index 0 moves first).
     deals(): the chance outcomes a game can start from (``(None,)`` without chance), each with
       equal probability; ``initial(deal)`` is the state after it.
     to_move(s): the seat index to move; legal_moves(s): its moves (strings, fixed order);
     apply(s, move) -> new state (``IllegalMove`` if not legal); is_terminal(s);
-    returns(s): per-seat payoffs of a terminal state (tuple of floats, summing to 0);
+    returns(s): per-seat payoffs of a terminal state (tuple of floats);
     render(s, seat): the state as ``seat`` sees it (hidden information left out), a short text;
     parse_move(text): the move a text names (None if none), legal or not.
     """
@@ -261,6 +262,137 @@ def kuhn_nash_policy(state: KuhnState, alpha: float | Fraction = Fraction(1, 6)
     raise IllegalMove(f"kuhn_poker: no move after {h!r}")
 
 
+# ----------------------------------------------------------------------------- Negotiation
+
+@dataclasses.dataclass(frozen=True)
+class NegotiationState:
+    """values: each seat's private value of one item of each type; history: the moves so far
+    ("propose a b c": what the mover keeps, or "accept")."""
+    values: tuple[tuple[int, ...], tuple[int, ...]]
+    history: tuple[str, ...] = ()
+
+
+class Negotiation:
+    """Split a pool of items between two seats with private values (after Lewis et al. 2017's
+    Deal or No Deal, cut down): 1 book, 2 hats and 3 balls; each seat values one item of each
+    type at an integer, so that the whole pool is worth 10 to it. The seats alternate, P1
+    first: "propose a b c" keeps a books, b hats and c balls for the mover and offers the other
+    seat the rest; "accept" takes the standing offer and ends the game. Each seat gets its
+    share's value / 10 (in [0, 1]); no agreement after ``MAX_MOVES`` moves pays both 0.
+
+    Not zero-sum: both gain from a deal that gives each seat the items it values more.
+    ``wins`` in the game counters is a deal worth something to the seat."""
+
+    name = "negotiation"
+    seats = ("P1", "P2")
+    move_help = "propose <books> <hats> <balls> to keep, or accept"
+    COUNTS = (1, 2, 3)
+    MAX_MOVES = 6
+    scripted = "fair"   # the scripted player of SFT traces (no optimal player here)
+    _MOVE = re.compile(r"\b(accept|propose\s+(\d+)\s+(\d+)\s+(\d+))\b", re.IGNORECASE)
+
+    @functools.cached_property
+    def _valuations(self) -> tuple[tuple[int, ...], ...]:
+        """Every value vector worth 10 for the whole pool."""
+        return tuple(v for v in itertools.product(*(range(10 // c + 1) for c in self.COUNTS))
+                     if sum(x * c for x, c in zip(v, self.COUNTS)) == 10)
+
+    @functools.cached_property
+    def _proposals(self) -> tuple[str, ...]:
+        return tuple("propose " + " ".join(map(str, k))
+                     for k in itertools.product(*(range(c + 1) for c in self.COUNTS)))
+
+    def deals(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """(P1's values, P2's values): every ordered pair of different valuations (182)."""
+        return tuple((a, b) for a in self._valuations for b in self._valuations if a != b)
+
+    def initial(self, deal=None) -> NegotiationState:
+        deal = self.deals()[0] if deal is None else deal
+        values = tuple(tuple(int(x) for x in v) for v in deal)
+        if len(values) != 2 or any(v not in self._valuations for v in values):
+            raise ValueError(f"negotiation: a deal is two value vectors worth 10 for the pool "
+                             f"{self.COUNTS}; got {deal!r}")
+        return NegotiationState(values)
+
+    def to_move(self, state: NegotiationState) -> int:
+        return len(state.history) % 2
+
+    def is_terminal(self, state: NegotiationState) -> bool:
+        return state.history[-1:] == ("accept",) or len(state.history) >= self.MAX_MOVES
+
+    def legal_moves(self, state: NegotiationState) -> tuple[str, ...]:
+        if self.is_terminal(state):
+            return ()
+        return self._proposals + (("accept",) if state.history else ())
+
+    def apply(self, state: NegotiationState, move: str) -> NegotiationState:
+        if move not in self.legal_moves(state):
+            raise IllegalMove(f"negotiation: {move!r} is not legal after {state.history!r}")
+        return NegotiationState(state.values, state.history + (move,))
+
+    def offer(self, state: NegotiationState) -> tuple[int, ...] | None:
+        """What the standing proposal gives the seat to move (None before the first)."""
+        if not state.history or state.history[-1] == "accept":
+            return None
+        kept = tuple(int(x) for x in state.history[-1].split()[1:])
+        return tuple(c - k for c, k in zip(self.COUNTS, kept))
+
+    def value(self, state: NegotiationState, seat: int, items: Sequence[int]) -> int:
+        """``seat``'s value of ``items`` (a count per type), out of 10."""
+        return sum(v * n for v, n in zip(state.values[seat], items))
+
+    def returns(self, state: NegotiationState) -> tuple[float, float]:
+        if not self.is_terminal(state):
+            raise ValueError(f"negotiation: {state.history!r} is not over")
+        if state.history[-1] != "accept":
+            return (0.0, 0.0)
+        accepter = (len(state.history) - 1) % 2
+        got = self.offer(NegotiationState(state.values, state.history[:-1]))
+        kept = tuple(c - g for c, g in zip(self.COUNTS, got))
+        shares = {accepter: got, 1 - accepter: kept}
+        return tuple(self.value(state, s, shares[s]) / 10 for s in (0, 1))
+
+    def render(self, state: NegotiationState, seat: int) -> str:
+        """The pool, ``seat``'s own values (the other's stay hidden), the standing offer to the
+        seat to move and the moves left: ``"pool 1 2 3, values 4 0 2, offer 0 1 3, left 5\n"``
+        (``offer -`` before the first proposal)."""
+        offer = self.offer(state) if self.to_move(state) == seat else None
+        return (f"pool {' '.join(map(str, self.COUNTS))}, values "
+                f"{' '.join(map(str, state.values[seat]))}, offer "
+                f"{' '.join(map(str, offer)) if offer else '-'}, "
+                f"left {self.MAX_MOVES - len(state.history)}\n")
+
+    def parse_move(self, text: str) -> str | None:
+        """The last "accept" or "propose a b c" in ``text`` (any case, any spacing)."""
+        found = self._MOVE.findall(text)
+        if not found:
+            return None
+        word, *counts = found[-1]
+        return "accept" if word.lower() == "accept" else "propose " + " ".join(
+            str(int(c)) for c in counts)
+
+
+def negotiation_fair(game: Negotiation, state: NegotiationState,
+                     rng: random.Random | None = None) -> str:
+    """A fixed, reasonable negotiator (not optimal: the game has none without the other's
+    values): accepts an offer worth at least 5 of its 10, or any offer on the last move;
+    otherwise proposes to keep the fewest items worth at least 6 to it (ties to the first in
+    order). Deterministic (``rng`` is unused)."""
+    seat = game.to_move(state)
+    offer = game.offer(state)
+    last = len(state.history) == game.MAX_MOVES - 1
+    if offer is not None and (game.value(state, seat, offer) >= 5 or last):
+        return "accept"
+    best = None
+    for move in game._proposals:
+        kept = [int(x) for x in move.split()[1:]]
+        v = game.value(state, seat, kept)
+        key = (v < 6, sum(kept), -v)
+        if best is None or key < best[0]:
+            best = (key, move)
+    return best[1]
+
+
 # ----------------------------------------------------------------------------- players
 
 Player = Callable[[Any, Any, random.Random], str]
@@ -282,23 +414,28 @@ def _sample(policy: Mapping[str, Fraction], rng: random.Random) -> str:
 
 def make_player(game: Game, kind: str, **options) -> Player:
     """The scripted player ``kind``: "random" (uniform legal moves) or "optimal" (TicTacToe:
-    minimax; Kuhn Poker: the Nash strategy, option ``alpha`` (default 1/6))."""
+    minimax; Kuhn Poker: the Nash strategy, option ``alpha`` (default 1/6)); Negotiation has
+    "fair" (``negotiation_fair``) instead of an optimal player."""
     if kind == "random":
         return random_player
     if kind == "optimal" and game.name == "tictactoe":
         return tictactoe_minimax
+    if kind == "fair" and game.name == "negotiation":
+        return negotiation_fair
     if kind == "optimal" and game.name == "kuhn_poker":
         alpha = options.get("alpha", Fraction(1, 6))
         kuhn_nash_policy(KuhnState((0, 1)), alpha)   # checks alpha now, not mid-episode
         return lambda g, s, rng: _sample(kuhn_nash_policy(s, alpha), rng)
-    raise ValueError(f"{game.name}: unknown player {kind!r}; known: random, optimal")
+    known = "random, fair" if game.name == "negotiation" else "random, optimal"
+    raise ValueError(f"{game.name}: unknown player {kind!r}; known: {known}")
 
 
-GAMES: dict[str, Callable[[], Game]] = {"tictactoe": TicTacToe, "kuhn_poker": KuhnPoker}
+GAMES: dict[str, Callable[[], Game]] = {"tictactoe": TicTacToe, "kuhn_poker": KuhnPoker,
+                                        "negotiation": Negotiation}
 
 
 def get_game(name: str) -> Game:
-    """A built-in game by name ("tictactoe", "kuhn_poker")."""
+    """A built-in game by name ("tictactoe", "kuhn_poker", "negotiation")."""
     if name not in GAMES:
         raise KeyError(f"unknown game {name!r}; known: {', '.join(sorted(GAMES))}")
     return GAMES[name]()

@@ -1,4 +1,4 @@
-"""Environments ``tictactoe`` and ``kuhn_poker``: the policy plays one seat of a board game
+"""Environments ``tictactoe``, ``kuhn_poker`` and ``negotiation``: the policy plays one seat of a game
 (``rljax.envs.board_games``), a scripted opponent plays the other inside ``step``.
 
     env = make_env("tictactoe", {"question": "tictactoe X\\n", "seat": 0, "seed": 7},
@@ -9,9 +9,10 @@
 
 Example fields: ``seat`` (index or name), ``seed`` (int: the opponent's random choices, so an
 episode is a pure function of the example and the model's turns, and the G environments of a
-group reset alike), ``deal`` (Kuhn Poker: the two cards, 0 = J .. 2 = K), ``prompt`` or
+group reset alike), ``deal`` (Kuhn Poker: the two cards, 0 = J .. 2 = K; Negotiation: the two
+seats' value vectors), ``prompt`` or
 ``question`` (text before the first state), optional ``opponent`` (overrides the option).
-Examples come from the tasks ``data.source="tictactoe"`` / ``"kuhn_poker"``
+Examples come from the tasks ``data.source="tictactoe"`` / ``"kuhn_poker"`` / ``"negotiation"``
 (``rljax.data.tasks.BoardGameTask``).
 
 Each observation is the state rendered from the policy's seat after the opponent's reply
@@ -22,10 +23,13 @@ seat times ``reward_scale`` (poker: chips) on the last step.
 
 Counters (``info``, summed per episode, ``env/<key>_mean`` in metrics): ``moves`` (model moves),
 ``plies`` (moves of both seats, on the last step: the game's length), ``wins``, ``draws``,
-``losses`` (games played to the end), ``illegal_moves`` (forfeits; ``unparsable`` the part that
-named no move), ``payoff`` (the seat's unscaled return; poker: chips), and per seat
+``losses`` (games played to the end; by the sign of the seat's return, so in Negotiation a
+win is a deal worth something to the seat), ``illegal_moves`` (forfeits; ``unparsable`` the
+part that named no move), ``payoff`` (the seat's unscaled return; poker: chips; Negotiation:
+its share's value / 10), and per seat
 ``games_<seat>`` / ``wins_<seat>`` (e.g. ``wins_O``; the win rate as O is their ratio).
-``game_trace`` plays the scripted player in the model's seat, for SFT warm-up.
+``game_trace`` plays the scripted player in the model's seat (the game's ``scripted`` kind,
+"optimal" by default), for SFT warm-up.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ __all__ = ["GameEnv", "game_trace", "GAME_ENVS", "NUM_ROLES", "role_key"]
 class GameEnv:
     """One game of ``game`` (a ``board_games.Game``) with the policy in ``example["seat"]``.
 
-    opponent: "random" or "optimal" (``board_games.make_player``; ``example["opponent"]``
+    opponent: "random", "optimal" or "fair" (``board_games.make_player``; ``example["opponent"]``
     wins); opponent_options: its options (Kuhn Poker's ``alpha``); illegal_penalty: the reward
     of a forfeit (float, default -1); reward_scale: multiplies the game's return;
     state_format: how a rendered state becomes message text (must contain ``{state}``)."""
@@ -123,7 +127,7 @@ def _factory(name: str):
     return make
 
 
-GAME_ENVS = ("tictactoe", "kuhn_poker")
+GAME_ENVS = ("tictactoe", "kuhn_poker", "negotiation")
 MAX_SEATS = 2
 # Role keys of role-conditioned advantages (``algorithms.role_advantages``): one per (game,
 # seat) of the built-in games, ``GAME_ENVS.index(game) * MAX_SEATS + seat``.
@@ -140,8 +144,8 @@ def role_key(game: str, seat: int) -> int:
 
 def game_trace(name: str, example: Mapping[str, Any], noise: float = 0.0,
                rng: np.random.Generator | None = None, **env_kwargs) -> list[Message]:
-    """A whole game of environment ``name`` with the scripted "optimal" player in the model's
-    seat, played on the real environment (so SFT rows are what a rollout shows):
+    """A whole game of environment ``name`` with the game's scripted player (``scripted``,
+    "optimal" unless the game names another) in the model's seat, played on the real environment (so SFT rows are what a rollout shows):
     ``[user, assistant: move, user: state, ..., assistant: last move]``.
 
     ``noise`` in [0, 1]: each of the model seat's moves is, with this probability, a uniformly
@@ -154,7 +158,8 @@ def game_trace(name: str, example: Mapping[str, Any], noise: float = 0.0,
         raise ValueError("game_trace: noise > 0 needs an rng (numpy Generator)")
     env = _factory(name)(example, **env_kwargs)
     game = env.game
-    scripted = bg.make_player(game, "optimal", **dict(env_kwargs.get("opponent_options") or {}))
+    scripted = bg.make_player(game, getattr(game, "scripted", "optimal"),
+                              **dict(env_kwargs.get("opponent_options") or {}))
     mine = random.Random(int(rng.integers(2 ** 62)) if rng is not None else env.seed + 1)
     messages = env.reset()
     while True:

@@ -22,7 +22,7 @@ import numpy as np
 from rljax.envs import env_metrics, wilson_interval
 from rljax.train import agent, selfplay
 
-SCRIPTED = ("random", "optimal")
+SCRIPTED = ("random", "optimal", "fair")   # fair: Negotiation's
 
 
 def _scripted_counters(ctx, params, examples, kind, rng, temperature, batch_size):
