@@ -25,9 +25,9 @@ def get_config():
     c.data = dict(source="kuhn_poker", template="plain", max_prompt_length=48,
                   kwargs=dict(seat="any", eval_examples=200))
     # A seat moves at most twice (a word + EOS each) and sees at most one more state.
-    c.env = dict(name="kuhn_poker", max_turns=2, max_total_tokens=96, max_turn_tokens=6,
+    c.env = dict(name="kuhn_poker", max_turns=2, max_total_tokens=64, max_turn_tokens=6,
                  max_obs_tokens=28, kwargs=dict(opponent="random", illegal_penalty=-2.0),
                  selfplay=dict(mode="self"))
     c.rollout.max_new_tokens = 6
-    c.sft.max_length = 96
+    c.sft.max_length = 112
     return c
