@@ -51,10 +51,20 @@ def _read(workdir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+def _launch(tmp_path, devices: int, *command) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "local.py"), "-n", "2",
+                             "-d", str(devices), "--log_dir", str(tmp_path / "logs"),
+                             "--timeout", "900", "--", *command],
+                            env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _one_and_two(tmp_path, overrides) -> tuple[list, str]:
+    """``rljax train`` of grpo_arithmetic.py with ``overrides`` as 1 process of 8 devices
+    (workdir ``one``) and, side by side, 2 processes of 4 (``two``). Returns (the train
+    command, the 2-process run's output)."""
     train = [sys.executable, "-m", "rljax.cli", "train", "--config",
-             os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES]
+             os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *overrides]
     one = subprocess.Popen(train + ["--workdir", str(tmp_path / "one")], env=_env(8),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     two = _launch(tmp_path, 4, *train, "--workdir", str(tmp_path / "two"))
@@ -64,7 +74,12 @@ def test_two_processes_match_one(tmp_path):
     out_one, _ = one.communicate(timeout=1000)
     assert one.returncode == 0, out_one[-3000:]
     assert two.returncode == 0, out_two[-3000:]
+    return train, out_two
 
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    train, out_two = _one_and_two(tmp_path, OVERRIDES)
     a, b = _read(tmp_path / "one"), _read(tmp_path / "two")
     assert [r["step"] for r in a] == [1, 2, 2]
     assert a[0]["reward/std"] > 0 and a[0]["loss"] != 0   # a run that could differ
@@ -98,14 +113,6 @@ def _compare(a: list[dict], b: list[dict]) -> None:
                 assert x == y, (ra["step"], k, x, y)
 
 
-def _launch(tmp_path, devices: int, *command) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "local.py"), "-n", "2",
-                             "-d", str(devices), "--log_dir", str(tmp_path / "logs"),
-                             "--timeout", "900", "--", *command],
-                            env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
 def test_transfer_between_meshes_across_processes(tmp_path):
     """The sampler's copy of the policy on 2 processes: bit for bit, on the rollout devices."""
     p = _launch(tmp_path, 4, sys.executable, os.path.join(ROOT, "tests", "transfer_worker.py"))
@@ -124,15 +131,7 @@ ASYNC = ["--config.steps=3", "--config.checkpoint_every=1", "--config.algo.async
 def test_async_split_across_two_processes_matches_one_and_resumes(tmp_path):
     """Each process gives two of its four devices to the sampler; the run equals the one on
     8 devices of one process, and resuming from step 2 redoes step 3 exactly."""
-    train = [sys.executable, "-m", "rljax.cli", "train", "--config",
-             os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES, *ASYNC]
-    one = subprocess.Popen(train + ["--workdir", str(tmp_path / "one")], env=_env(8),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    two = _launch(tmp_path, 4, *train, "--workdir", str(tmp_path / "two"))
-    out_two, _ = two.communicate(timeout=1000)
-    out_one, _ = one.communicate(timeout=1000)
-    assert one.returncode == 0, out_one[-3000:]
-    assert two.returncode == 0, out_two[-3000:]
+    train, _ = _one_and_two(tmp_path, [*OVERRIDES, *ASYNC])
     first = _read(tmp_path / "two")
     assert [r.get("rollout/sample_version") for r in first] == [0, 0, 1, None]   # + eval row
     _compare(_read(tmp_path / "one"), first)
