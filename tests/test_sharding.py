@@ -173,7 +173,7 @@ def test_split_devices_takes_the_last_of_each_process():
     assert sharding.split_devices(devices, 0) == (devices, [])
     with pytest.raises(ValueError, match="does not split evenly over the 2 processes"):
         sharding.split_devices(devices, 3)
-    with pytest.raises(ValueError, match="leaves a process with 1 device\(s\) none to train"):
+    with pytest.raises(ValueError, match=r"leaves a process with 1 device\(s\) none to train"):
         sharding.split_devices([*devices[:4], *devices[4:5]], 4)
     one = jax.devices()   # one process: the last ones, as listed
     assert sharding.split_devices(one, 3) == (one[:-3], one[-3:])
