@@ -5,6 +5,7 @@ Unsharded tests simply use device 0.
 """
 import gc
 import os
+import signal
 import tempfile
 
 import pytest
@@ -32,6 +33,11 @@ os.environ["XLA_FLAGS"] = (_flags + " " + _compiler).strip()
 # within the session (later modules load what earlier ones compiled), in a directory of its own
 # (one per process: each pytest-xdist worker of .ci/run has its own).
 os.environ["RLJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-cache-")
+
+# A suite started as a background job of a non-interactive shell inherits SIGINT ignored, and
+# Python then keeps it ignored; the tests of Ctrl-C handling expect Python's own handler.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _memory_mappings() -> int:
