@@ -375,7 +375,7 @@ def check_role_estimator(cfg) -> None:
                           f"{algo.name!r}")
     if not cfg.env.name:
         raise ConfigError(f"{what} needs each episode's role: set env.name to a game "
-                          "environment (tictactoe, kuhn_poker, negotiation)")
+                          "environment (tictactoe, kuhn_poker, negotiation, propose_solve)")
     if algo.dynamic_sampling or cfg.rollout.partial:
         raise ConfigError(f"{what} updates its baselines from every sampled episode: "
                           "algo.dynamic_sampling and rollout.partial are not supported")

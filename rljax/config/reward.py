@@ -9,11 +9,13 @@ from typing import Any
 from rljax.config.base import ConfigError, opt_float
 
 # Environments with scripted episodes for SFT warm-up (``sft.env_traces``).
-ENV_TRACES = ("tool", "guess_number", "tictactoe", "kuhn_poker", "negotiation")
+ENV_TRACES = ("tool", "guess_number", "tictactoe", "kuhn_poker", "negotiation", "propose_solve")
 # Environments whose traces take ``sft.trace_noise`` (random moves among the scripted ones).
-NOISY_TRACES = ("guess_number", "tictactoe", "kuhn_poker", "negotiation")
-# Board games with seats (rljax.envs.game_env.GAME_ENVS; config loads without the envs).
-GAME_ENVS = ("tictactoe", "kuhn_poker", "negotiation")
+NOISY_TRACES = ("guess_number", "tictactoe", "kuhn_poker", "negotiation", "propose_solve")
+# Board games with seats and their seat counts (rljax.envs.game_env.GAME_ENVS, the games'
+# ``seats``; config loads without the envs).
+GAME_SEATS = {"tictactoe": 2, "kuhn_poker": 2, "negotiation": 2, "propose_solve": 5}
+GAME_ENVS = tuple(GAME_SEATS)
 
 
 def reward() -> dict[str, Any]:
@@ -34,7 +36,8 @@ def reward() -> dict[str, Any]:
 def env() -> dict[str, Any]:
     return dict(                     # multi-turn episodes (docs/agents.md); "" = single-turn
         name="",                     # environment: "tool", "guess_number", "tictactoe",
-                                     # "kuhn_poker", "negotiation", path/to/file.py:fn
+                                     # "kuhn_poker", "negotiation", "propose_solve",
+                                     # path/to/file.py:fn
         tools=(),                    # tool names for the "tool" environment (calculator, ...)
         tool_format="plain",         # how calls are written: "plain" or "json" (chat template)
         max_turns=4,                 # model turns per episode
@@ -148,7 +151,7 @@ def check_selfplay(cfg) -> None:
     if cfg.data.selection.name != "uniform":
         raise ConfigError(f"{what} draws games uniformly: data.selection.name must be "
                           f"'uniform', got {cfg.data.selection.name!r}")
-    seats = 2   # both built-in games
+    seats = GAME_SEATS[env.name]
     rows = cfg.algo.num_generations * seats
     if sp.mode == "self" and cfg.rollout.batch_size % rows:
         raise ConfigError(f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by "

@@ -19,7 +19,7 @@ Sources (key ``source``) and their keys, besides the common ones (``template``, 
   ``eval_examples``, ``task_seed``.
 * ``guess_number``: ``low``, ``high``, ``num_examples``, ``eval_examples``, ``task_seed``
   (examples for the multi-turn environment ``guess_number``, see docs/agents.md).
-* ``tictactoe`` / ``kuhn_poker`` / ``negotiation``: ``seat`` ("any" or a seat name), ``num_examples``,
+* ``tictactoe`` / ``kuhn_poker`` / ``negotiation`` / ``propose_solve``: ``seat`` ("any" or a seat name), ``num_examples``,
   ``eval_examples``, ``task_seed`` (games for the environments of the same names).
 * ``shapes``: ``kinds``, ``max_shapes``, ``image_size``, ``grid``, ``image_tokens``,
   ``image_token``, ``blank``, ``num_examples``, ``eval_examples``, ``task_seed`` (pictures of
@@ -69,6 +69,7 @@ _TASK_KEYS = {"arithmetic": {"digits", "operands", "ops", "allow_negative", "ste
               "countdown": {"num_numbers", "max_number", "max_target", "use_all"},
               "guess_number": {"low", "high"},
               "tictactoe": {"seat"}, "kuhn_poker": {"seat"}, "negotiation": {"seat"},
+              "propose_solve": {"seat"},
               "shapes": {"kinds", "max_shapes", "image_size", "grid", "image_tokens",
                          "image_token", "blank"}}
 _SOURCE_KEYS = {

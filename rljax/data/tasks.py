@@ -265,5 +265,5 @@ def _game_task(game: str):
 
 TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "guess_number": GuessNumberTask,
          "tictactoe": _game_task("tictactoe"), "kuhn_poker": _game_task("kuhn_poker"),
-         "negotiation": _game_task("negotiation"),
+         "negotiation": _game_task("negotiation"), "propose_solve": _game_task("propose_solve"),
          "shapes": ShapesTask}

@@ -415,7 +415,13 @@ def _sample(policy: Mapping[str, Fraction], rng: random.Random) -> str:
 def make_player(game: Game, kind: str, **options) -> Player:
     """The scripted player ``kind``: "random" (uniform legal moves) or "optimal" (TicTacToe:
     minimax; Kuhn Poker: the Nash strategy, option ``alpha`` (default 1/6)); Negotiation has
-    "fair" (``negotiation_fair``) instead of an optimal player."""
+    "fair" (``negotiation_fair``) instead of an optimal player. A game may bring its own
+    players as a ``players`` mapping of kind -> player."""
+    own = getattr(game, "players", None)
+    if own is not None:
+        if kind not in own:
+            raise ValueError(f"{game.name}: unknown player {kind!r}; known: {', '.join(own)}")
+        return own[kind]
     if kind == "random":
         return random_player
     if kind == "optimal" and game.name == "tictactoe":
@@ -435,7 +441,8 @@ GAMES: dict[str, Callable[[], Game]] = {"tictactoe": TicTacToe, "kuhn_poker": Ku
 
 
 def get_game(name: str) -> Game:
-    """A built-in game by name ("tictactoe", "kuhn_poker", "negotiation")."""
+    """A built-in game by name ("tictactoe", "kuhn_poker", "negotiation", and
+    "propose_solve" once ``rljax.envs`` is imported)."""
     if name not in GAMES:
         raise KeyError(f"unknown game {name!r}; known: {', '.join(sorted(GAMES))}")
     return GAMES[name]()

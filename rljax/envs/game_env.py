@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from rljax.envs import board_games as bg
+from rljax.envs import propose_solve  # noqa: F401  (registers the game)
 from rljax.envs.base import Message, StepResult, register_env
 from rljax.envs.tool_env import example_prompt
 
@@ -127,19 +128,23 @@ def _factory(name: str):
     return make
 
 
-GAME_ENVS = ("tictactoe", "kuhn_poker", "negotiation")
-MAX_SEATS = 2
+GAME_ENVS = ("tictactoe", "kuhn_poker", "negotiation", "propose_solve")
+MAX_ROLES = 2
 # Role keys of role-conditioned advantages (``algorithms.role_advantages``): one per (game,
-# seat) of the built-in games, ``GAME_ENVS.index(game) * MAX_SEATS + seat``.
-NUM_ROLES = len(GAME_ENVS) * MAX_SEATS
+# role) of the built-in games, ``GAME_ENVS.index(game) * MAX_ROLES + role``. A seat's role is
+# the seat itself unless the game maps seats to roles (``roles``: propose_solve's solvers
+# share one).
+NUM_ROLES = len(GAME_ENVS) * MAX_ROLES
 
 
 def role_key(game: str, seat: int) -> int:
     """The role key of ``seat`` (index) in ``game`` (a name of ``GAME_ENVS``), in [0, NUM_ROLES)."""
-    if game not in GAME_ENVS or not 0 <= int(seat) < MAX_SEATS:
+    roles = getattr(bg.GAMES.get(game), "roles", None)
+    role = int(seat) if roles is None or not 0 <= int(seat) < len(roles) else roles[int(seat)]
+    if game not in GAME_ENVS or not 0 <= role < MAX_ROLES:
         raise ValueError(f"no role key for game {game!r} seat {seat!r}: games {GAME_ENVS}, "
-                         f"seats 0..{MAX_SEATS - 1}")
-    return GAME_ENVS.index(game) * MAX_SEATS + int(seat)
+                         f"roles 0..{MAX_ROLES - 1}")
+    return GAME_ENVS.index(game) * MAX_ROLES + role
 
 
 def game_trace(name: str, example: Mapping[str, Any], noise: float = 0.0,
