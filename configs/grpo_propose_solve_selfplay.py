@@ -1,10 +1,10 @@
 """Proposer/solver self-play from scratch: the tiny llama of the built-in demo writes its own
 arithmetic tasks and solves them, one policy in every seat of ``propose_solve``
 (rljax.envs.propose_solve): a proposer and four solvers per game. The proposer is given an
-answer (0-198) and writes ``a+b=`` or ``a-b=`` with that value (operands under 100); a solver
-sees the task alone and is paid 1 for the right answer; the proposer is paid for a task that
-some but not all of the four solve (``1 - solved / 4``, Absolute Zero's learnability), and
-forfeits (-1) a task without the given answer.
+operand (0-99) and writes ``a+b=`` or ``a-b=`` starting with it (operands under 100, result
+not negative; the game computes the answer); a solver sees the task and is paid 1 for the
+right answer; the proposer is paid for a task that some but not all of the four solve
+(``1 - solved / 4``, Absolute Zero's learnability), and forfeits (-1) any other text.
 
 An SFT warm-up on scripted games (random valid tasks for the proposer, right answers for the
 solvers) teaches both formats; then GRPO with every seat trained (``env.selfplay.mode='self'``,

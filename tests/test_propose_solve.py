@@ -14,32 +14,30 @@ from rljax.config.reward import GAME_SEATS
 from rljax.envs import board_games as bg
 from rljax.envs import game_trace, make_env
 from rljax.envs.game_env import GAME_ENVS, NUM_ROLES, role_key
-from rljax.envs.propose_solve import ProposeSolve, learnability
+from rljax.envs.propose_solve import ProposeSolve, learnability, value
 
 GAME = ProposeSolve()
 
 
-def play(moves, answer=46):
-    state = GAME.initial((answer,))
+def play(moves, first=12):
+    state = GAME.initial((first,))
     for m in moves:
         state = GAME.apply(state, m)
     return state
 
 
-def test_deals_are_answers_and_legal_tasks_have_the_deals_value():
-    assert GAME.deals() == tuple((v,) for v in range(199))
-    every = [t for (v,) in GAME.deals() for t in GAME.legal_moves(GAME.initial((v,)))]
+def test_deals_are_first_operands_and_legal_tasks_start_with_them():
+    assert GAME.deals() == tuple((a,) for a in range(100))
+    every = [t for (a,) in GAME.deals() for t in GAME.legal_moves(GAME.initial((a,)))]
     assert len(every) == len(set(every)) == 100 * 100 + 100 * 101 // 2   # a+b; a-b, a >= b
-    for v in (0, 1, 46, 99, 100, 198):
-        tasks = GAME.legal_moves(GAME.initial((v,)))
-        written_out = {f"{a}+{v - a}=" for a in range(100) if 0 <= v - a < 100} | {
-            f"{a}-{a - v}=" for a in range(100) if a - v >= 0}
-        assert set(tasks) == written_out and (v > 99 or f"{v}+0=" in tasks)
-    for bad in ("12+33=", "50-3=", "146-100=", "2*23=", "12+34=46", "46"):
+    for a in (0, 1, 12, 99):
+        written_out = {f"{a}+{b}=" for b in range(100)} | {f"{a}-{b}=" for b in range(a + 1)}
+        assert set(GAME.legal_moves(GAME.initial((a,)))) == written_out
+    for bad in ("34+12=", "12-13=", "12+100=", "12*2=", "12+34=46", "12"):
         with pytest.raises(bg.IllegalMove):
-            GAME.apply(GAME.initial((46,)), bad)
+            GAME.apply(GAME.initial((12,)), bad)
     with pytest.raises(ValueError):
-        GAME.initial((199,))
+        GAME.initial((100,))
 
 
 @pytest.mark.parametrize("text,move", [
@@ -52,8 +50,8 @@ def test_parse_move_reads_the_last_task_else_the_last_number(text, move):
 
 def test_turns_views_and_solver_moves():
     s = play(["12+34="])
-    assert GAME.to_move(GAME.initial((46,))) == 0 and GAME.to_move(s) == 1
-    assert GAME.render(GAME.initial((46,)), 0) == "answer 46, task:"
+    assert GAME.to_move(GAME.initial((12,))) == 0 and GAME.to_move(s) == 1
+    assert GAME.render(GAME.initial((12,)), 0) == "first 12, task:"
     assert [GAME.render(s, k) for k in range(1, 5)] == ["12+34=\n"] * 4   # no answer shown
     assert GAME.legal_moves(s) == tuple(str(i) for i in range(199))
     for bad in ("199", "-3", "12+34=", "046"):
@@ -73,7 +71,7 @@ def test_turns_views_and_solver_moves():
     (["46", "46", "46", "3"], (0.25, 1, 1, 1, 0))])
 def test_returns_pay_solvers_right_answers_and_the_proposer_learnability(answers, expected):
     assert GAME.returns(play(["12+34=", *answers])) == pytest.approx(expected)
-    assert GAME.returns(play(["46-12=", *answers], answer=34))[1:] == pytest.approx(
+    assert GAME.returns(play(["46-12=", *answers], first=46))[1:] == pytest.approx(
         [float(a == "34") for a in answers])
 
 
@@ -95,19 +93,19 @@ def test_env_against_scripted_players_and_its_traces():
     solver = {"question": "propose_solve solver1\n", "seat": 1, "seed": 3, "deal": [57]}
     env = make_env("propose_solve", solver, opponent="random")
     prompt = env.reset()[0]["content"]
-    question = prompt.splitlines()[1]          # a random task with the answer 57
+    question = prompt.splitlines()[1]          # a random task starting with 57
     assert question in GAME.legal_moves(GAME.initial((57,)))
-    answer = "57"
+    answer = str(eval(question.rstrip("=")))
     result = env.step(f"it is {answer}")
     assert result.done and result.reward == 1.0 and result.info["wins_solver1"] == 1
     env.reset()
     assert env.step("no idea").reward == -1.0   # no number: a forfeit
     proposer = {"question": "propose_solve proposer\n", "seat": 0, "seed": 3, "deal": [7]}
     env = make_env("propose_solve", proposer, opponent="optimal")   # solvers always right
-    assert env.reset()[0]["content"] == "propose_solve proposer\nanswer 7, task:"
-    assert env.step("I say 3 + 4").reward == 0.0
+    assert env.reset()[0]["content"] == "propose_solve proposer\nfirst 7, task:"
+    assert env.step("I say 7 + 4").reward == 0.0
     env.reset()
-    assert env.step("3+5=").reward == -1.0   # not the deal's answer: an illegal task
+    assert env.step("4+7=").reward == -1.0   # not the deal's operand: an illegal task
     for ex in (solver, proposer):
         trace = game_trace("propose_solve", ex)
         assert [m["role"] for m in trace] == ["user", "assistant"]
@@ -138,7 +136,7 @@ def _cfg(*overrides):
 def test_selfplay_rows_carry_their_own_seats_reward(tmp_path, monkeypatch):
     """Whatever they wrote, every proposer turn plays the first task for its deal, solvers 1
     and 2 answer right, 3 and 4 wrong: the proposer's rows get 0.5, the solvers' 1, 1, 0, 0;
-    a proposer's row saw its answer, a solver's only the task."""
+    a proposer's row saw its operand, a solver's the task."""
     from rljax.envs.selfplay import SeatEnv
     from rljax.train import setup
     from rljax.train.agent import MultiTurnRollout
@@ -149,7 +147,8 @@ def test_selfplay_rows_carry_their_own_seats_reward(tmp_path, monkeypatch):
         state = self.match.state
         if self.seat == 0:
             return step(self, self.game.legal_moves(state)[0])
-        return step(self, str(state.answer if self.seat <= 2 else (state.answer + 1) % 199))
+        right = value(state.task)
+        return step(self, str(right if self.seat <= 2 else (right + 1) % 199))
     monkeypatch.setattr(SeatEnv, "step", scripted)
     g = 2
     cfg = config_lib.validate(_cfg("sft.steps=0"))
@@ -170,11 +169,11 @@ def test_selfplay_rows_carry_their_own_seats_reward(tmp_path, monkeypatch):
         prompt = eps["prompts"][i]
         assert prompt.startswith(f"propose_solve {GAME.seats[seat[i]]}\n")
         if seat[i] == 0:
-            answer = int(prompt.split("answer ")[1].split(",")[0])
-            assert obs == "" and prompt.endswith(f"answer {answer}, task:")
-            tasks = [GAME.legal_moves(GAME.initial((answer,)))[0]]
-        else:   # the task of the same match (row j of each seat's group), never the answer
-            assert "answer" not in prompt + obs and obs == tasks[0] + "\n"
+            first = int(prompt.split("first ")[1].split(",")[0])
+            assert obs == "" and prompt.endswith(f"first {first}, task:")
+            tasks = [GAME.legal_moves(GAME.initial((first,)))[0]]
+        else:   # the task of the same match (row j of each seat's group)
+            assert obs == tasks[0] + "\n"
     batch, metrics = rollout(state, 0)
     assert metrics["rollout/logp_diff_max"] < 1e-4
 

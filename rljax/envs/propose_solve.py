@@ -1,24 +1,24 @@
-"""A proposer/solver game: one seat writes an arithmetic task for a given answer, the other
-seats solve it. In self-play the same policy sits in every seat, so it makes its own
-curriculum.
+"""A proposer/solver game: one seat writes an arithmetic task, the other seats solve it. In
+self-play the same policy sits in every seat, so it makes its own curriculum.
 
     game = ProposeSolve()
-    s = game.initial((46,))                      # the deal: the answer the task must have
-    game.render(s, 0)                            # "answer 46, task:"
+    s = game.initial((12,))                      # the deal: the task's first operand
+    game.render(s, 0)                            # "first 12, task:"
     s = game.apply(s, "12+34=")                  # the proposer's task
-    game.render(s, 1)                            # "12+34=\\n": all a solver sees
+    game.render(s, 1)                            # "12+34=\\n": what every solver sees
     for _ in range(4):
         s = game.apply(s, "46")                  # each solver answers
     game.returns(s)                              # (0.0, 1.0, 1.0, 1.0, 1.0): solved by all
 
-As in Search Self-play (arXiv 2510.18821), where the proposer is given the ground-truth answer
-and writes a question that has it, the deal fixes the answer and the proposer chooses the
-task: ``a+b=`` or ``a-b=`` with operands of at most ``DIGITS`` digits whose value is the
-deal's. Any other task is an illegal move (the proposer forfeits). So the answers stay
-spread over their whole range whatever the proposer prefers, the proposer needs no arithmetic
-it could get wrong to stay legal (``46+0=`` always is), and what it controls is the
-difficulty. A solver's move is a number in ``[0, 2 * (10**DIGITS - 1)]``; a wrong number is a
-legal, unrewarded answer.
+A task is ``a+b=`` or ``a-b=`` with operands of at most ``DIGITS`` digits, a non-negative
+result, and ``a`` the deal's operand; any other is an illegal move (the proposer forfeits).
+The deal keeps the tasks spread over their range whatever the proposer prefers, and what the
+proposer chooses is the difficulty (``12+0=`` or ``12+89=``). The game computes the answer,
+as Absolute Zero's executor runs a proposed program: a small model is not asked to solve its
+own task to pose it. (A deal fixing the answer instead, as Search Self-play gives its proposer
+the ground truth, asks the proposer to decompose a number: after a short warm-up the demo's
+tiny model wrote no legal task.) A solver's move is a number in ``[0, 2 * (10**DIGITS - 1)]``;
+a wrong number is a legal, unrewarded answer.
 
 Returns: each solver 1.0 if its answer is right, else 0.0. The proposer is paid for a task
 that is solvable but not trivial, Absolute Zero's learnability reward (arXiv 2505.03335):
@@ -27,7 +27,7 @@ that is solvable but not trivial, Absolute Zero's learnability reward (arXiv 250
 
 Roles (``roles``): the proposer is role 0 and every solver role 1, so role-conditioned
 advantages keep one baseline for proposing and one for solving. Scripted players: "random"
-(a uniformly random task for the answer; a uniformly random number) and "optimal" (the same
+(a uniformly random task for the deal; a uniformly random number) and "optimal" (the same
 proposer, there being no best task; the right answer), the latter for SFT traces.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ import re
 
 from rljax.envs import board_games as bg
 
-__all__ = ["ProposeSolve", "ProposeSolveState", "learnability"]
+__all__ = ["ProposeSolve", "ProposeSolveState", "learnability", "value"]
 
 _TASK = re.compile(r"(\d+)\s*([+-])\s*(\d+)")
 _NUMBER = re.compile(r"\d+")
@@ -56,31 +56,32 @@ def learnability(solved: int, solvers: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class ProposeSolveState:
-    """``answer``: the deal, the value the task must have; ``task``: the proposer's move
+    """``first``: the deal, the task's first operand; ``task``: the proposer's move
     ("12+34=", "" before it); ``answers``: the solvers' moves so far, in seat order."""
-    answer: int
+    first: int
     task: str = ""
     answers: tuple[str, ...] = ()
 
 
+def value(task: str) -> int:
+    """The value of a task ("12+34=" -> 46)."""
+    a, op, b = _TASK.fullmatch(task.rstrip("=")).groups()
+    return int(a) + int(b) if op == "+" else int(a) - int(b)
+
+
 @functools.lru_cache(maxsize=None)
-def _tasks_by_answer(digits: int, ops: str) -> dict[int, tuple[str, ...]]:
-    """Every task for operands below 10**digits, by value (non-negative values only); once
-    per process, not per environment."""
-    top, out = 10 ** digits, {}
-    for a in range(top):
-        for b in range(top):
-            for op in ops:
-                value = a + b if op == "+" else a - b
-                if value >= 0:
-                    out.setdefault(value, []).append(f"{a}{op}{b}=")
-    return {v: tuple(t) for v, t in sorted(out.items())}
+def _tasks_by_first(digits: int, ops: str) -> dict[int, tuple[str, ...]]:
+    """Every task for operands below 10**digits (non-negative results), by first operand;
+    once per process, not per environment."""
+    top = 10 ** digits
+    return {a: tuple(f"{a}{op}{b}=" for op in ops for b in range(top) if op == "+" or b <= a)
+            for a in range(top)}
 
 
 def _optimal(game: "ProposeSolve", state: ProposeSolveState, rng: random.Random) -> str:
     if not state.task:
         return rng.choice(game.legal_moves(state))
-    return str(state.answer)
+    return str(value(state.task))
 
 
 class ProposeSolve:
@@ -92,24 +93,24 @@ class ProposeSolve:
     SOLVERS = 4
     seats = ("proposer",) + tuple(f"solver{i + 1}" for i in range(SOLVERS))
     roles = (0,) + (1,) * SOLVERS
-    move_help = "a task such as 12+34= with the answer given (proposer), its answer (solver)"
+    move_help = "a task such as 12+34= starting with the given number (proposer), its answer (solver)"
     scripted = "optimal"
     players = {"random": bg.random_player, "optimal": _optimal}
 
     @property
     def _tasks(self) -> dict[int, tuple[str, ...]]:
-        return _tasks_by_answer(self.DIGITS, self.OPS)
+        return _tasks_by_first(self.DIGITS, self.OPS)
 
     def deals(self) -> tuple[tuple[int], ...]:
-        """The answers a task can have, each as a one-number deal: (0,) .. (198,)."""
-        return tuple((v,) for v in self._tasks)
+        """The first operands, each as a one-number deal: (0,) .. (99,)."""
+        return tuple((a,) for a in self._tasks)
 
     def initial(self, deal=None) -> ProposeSolveState:
-        answer = int((deal or self.deals()[0])[0])
-        if answer not in self._tasks:
-            raise ValueError(f"propose_solve: a deal is one answer in 0..{max(self._tasks)}, "
+        first = int((deal or self.deals()[0])[0])
+        if first not in self._tasks:
+            raise ValueError(f"propose_solve: a deal is one operand in 0..{max(self._tasks)}, "
                              f"got {deal!r}")
-        return ProposeSolveState(answer)
+        return ProposeSolveState(first)
 
     def to_move(self, state: ProposeSolveState) -> int:
         return 1 + len(state.answers) if state.task else 0
@@ -121,27 +122,27 @@ class ProposeSolve:
         if self.is_terminal(state):
             return ()
         if not state.task:
-            return self._tasks[state.answer]
-        return tuple(str(v) for v in range(max(self._tasks) + 1))
+            return self._tasks[state.first]
+        return tuple(str(v) for v in range(2 * max(self._tasks) + 1))
 
     def apply(self, state: ProposeSolveState, move: str) -> ProposeSolveState:
         if move not in self.legal_moves(state):
             raise bg.IllegalMove(f"propose_solve: {move!r} is not legal in {state!r}")
         if not state.task:
-            return ProposeSolveState(state.answer, move)
-        return ProposeSolveState(state.answer, state.task, state.answers + (move,))
+            return ProposeSolveState(state.first, move)
+        return ProposeSolveState(state.first, state.task, state.answers + (move,))
 
     def returns(self, state: ProposeSolveState) -> tuple[float, ...]:
         if not self.is_terminal(state):
             raise ValueError(f"propose_solve: {state!r} is not over")
-        right = [float(a == str(state.answer)) for a in state.answers]
+        right = [float(a == str(value(state.task))) for a in state.answers]
         return (learnability(int(sum(right)), self.SOLVERS), *right)
 
     def render(self, state: ProposeSolveState, seat: int) -> str:
-        """The proposer sees the answer its task must have, ``"answer 46, task:"`` (its move
-        follows on the same line); a solver sees the task alone, ``"12+34=\\n"``."""
+        """The proposer sees the operand its task must start with, ``"first 12, task:"`` (its
+        move follows on the same line); a solver sees the task, ``"12+34=\\n"``."""
         if seat == 0:
-            return f"answer {state.answer}, task:"
+            return f"first {state.first}, task:"
         return state.task + "\n" if state.task else "wait\n"
 
     def parse_move(self, text: str) -> str | None:
