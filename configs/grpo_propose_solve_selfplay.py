@@ -16,30 +16,25 @@ random tasks, ``eval/win_rate_proposer`` how often its task is learnable for ran
 
     rljax train --config configs/grpo_propose_solve_selfplay.py --workdir runs/propose_solve
 """
-import ml_collections
+import os
+
+from rljax.config import config_from_file
 
 
 def get_config():
-    c = ml_collections.ConfigDict()
-    c.seed = 0
+    c = config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      "grpo_arithmetic.py"))   # the demo's model and optimizer
     c.steps = 1000                     # self-play iterations (4 games x 5 seats x G=8 each)
     c.eval_every = 250
     c.checkpoint_every = 250
-    c.model = dict(preset="tiny", overrides=dict(
-        num_layers=2, hidden_size=96, intermediate_size=256, num_heads=4, num_kv_heads=2,
-        max_position_embeddings=96))
-    c.tokenizer = dict(kind="char")
+    c.model.overrides.max_position_embeddings = 96
     c.data = dict(source="propose_solve", template="plain", max_prompt_length=48,
                   kwargs=dict(seat="any", eval_examples=500))
     c.env = dict(name="propose_solve", max_turns=1, max_total_tokens=24, max_turn_tokens=10,
                  max_obs_tokens=8, kwargs=dict(opponent="random", illegal_penalty=-1.0),
                  selfplay=dict(mode="self"))
     c.rollout = dict(batch_size=160, max_new_tokens=10, temperature=1.0)
-    c.algo = dict(name="grpo", num_generations=8, beta=0.0, loss_agg_mode="token-mean",
-                  adv_estimator="rae")
-    c.optimizer = dict(learning_rate=3e-4, max_grad_norm=1.0)
+    c.algo.adv_estimator = "rae"
     c.reward = dict(names=())          # the game's returns only
     c.sft = dict(steps=400, learning_rate=1e-3, batch_size=64, max_length=72, env_traces=True)
-    c.eval = dict(num_examples=500, batch_size=250)
-    c.logging = dict(console_every_s=15.0)
     return c

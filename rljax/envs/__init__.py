@@ -1,9 +1,10 @@
 """Environments and tools for multi-turn (agentic) rollouts; the protocol is in ``base``.
 
 Importing this package registers the built-ins: tools ``calculator``, ``python``, ``search``
-(``tools``), environments ``tool`` (``tool_env``), ``guess_number`` (``games``), ``tictactoe`` and
-``kuhn_poker`` (``game_env``, over the pure-Python rules of ``board_games``), and the tool
-formats ``json`` and ``plain`` (``tool_format``). See docs/agents.md.
+(``tools``), environments ``tool`` (``tool_env``), ``guess_number`` (``games``), ``tictactoe``,
+``kuhn_poker``, ``negotiation`` and ``propose_solve`` (``game_env``, over the pure-Python rules
+of ``board_games`` and ``propose_solve``), and the tool formats ``json`` and ``plain``
+(``tool_format``). See docs/agents.md.
 """
 from rljax.envs.base import (Environment, Message, StepResult, Tool, ToolError, ToolTimeout,
                              env_names, make_env, make_tool, register_env, register_tool,
