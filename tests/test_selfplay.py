@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from rljax import config as config_lib
+from rljax.envs.game_env import NUM_ROLES
 from rljax.train import checkpoint, run, setup
 from rljax.train.metrics import read_metrics
 from rljax.train.phases import grpo
@@ -45,7 +46,7 @@ def test_rae_in_the_rollout_is_the_written_out_formula(tmp_path):
     alpha = 0.8
     cfg = ttt_cfg(**{"algo.adv_estimator": "rae", "algo.rae_alpha": alpha})
     ctx, phase, state = _phase(cfg, tmp_path)
-    assert state.role_baseline.shape == (6,) and not state.role_baseline.any()
+    assert state.role_baseline.shape == (NUM_ROLES,) and not state.role_baseline.any()
     start = np.array([0.25, -0.5, 0.125, 1.0, 0.5, -0.25], np.float32)
     state = state.replace(role_baseline=jax.numpy.asarray(start))
     batch, metrics = phase.rollout(state, 0)
@@ -94,7 +95,7 @@ def test_rae_run_checkpoints_its_baselines_and_resumes_exactly(rae_run, tmp_path
     assert run.train(cfg, resumed, devices=DEVICES) == 0
     assert comparable(read_metrics(resumed)) == comparable(records)
     (b1, p1), (b2, p2) = _baseline(rae_run), _baseline(resumed)
-    assert b1.shape == (6,) and np.abs(b1).max() > 0
+    assert b1.shape == (NUM_ROLES,) and np.abs(b1).max() > 0
     np.testing.assert_array_equal(b1, b2)
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
 
