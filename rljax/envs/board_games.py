@@ -441,8 +441,8 @@ GAMES: dict[str, Callable[[], Game]] = {"tictactoe": TicTacToe, "kuhn_poker": Ku
 
 
 def get_game(name: str) -> Game:
-    """A built-in game by name ("tictactoe", "kuhn_poker", "negotiation", and
-    "propose_solve" once ``rljax.envs`` is imported)."""
+    """A built-in game by name ("tictactoe", "kuhn_poker", "negotiation", "propose_solve":
+    ``rljax.envs``, imported before this module, registers the last)."""
     if name not in GAMES:
         raise KeyError(f"unknown game {name!r}; known: {', '.join(sorted(GAMES))}")
     return GAMES[name]()
