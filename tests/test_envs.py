@@ -266,6 +266,21 @@ def test_tool_env_max_tool_calls():
     assert "limit (1) reached" in r.observation[0]["content"] and r.info["tool_errors"] == 1
 
 
+def test_tool_env_call_reward_pays_the_first_call_that_runs_once():
+    env = make_env("tool", {"prompt": "p"}, tool_format="plain", call_reward=0.25)
+    env.reset()
+    assert env.step("<call calculator>1+</call>").reward == 0.0       # a failed call: nothing
+    assert env.step("<call calculator>1+1</call>").reward == 0.25     # the first that runs
+    assert env.step("<call calculator>2+2</call>").reward == 0.0      # paid once an episode
+    assert env.step("2").reward == 0.0                                # the answer: reward fns
+    env.reset()                                                       # a new episode pays again
+    assert env.step("<call calculator>3*3</call>").reward == 0.25
+    assert make_env("tool", {"prompt": "p"}, tool_format="plain").step(
+        "<call calculator>1+1</call>").reward == 0.0                  # off by default
+    with pytest.raises(ValueError, match="call_reward must be in"):
+        make_env("tool", {"prompt": "p"}, call_reward=1.0)
+
+
 def test_tool_env_passes_tool_kwargs():
     env = make_env("tool", {"prompt": "p"}, tools=("search",), tool_format="plain",
                    tool_kwargs={"search": {"docs": ["alpha beta", "gamma delta"], "k": 1}})
@@ -477,3 +492,15 @@ def test_the_docs_example_runs(monkeypatch):
     text, counters = call_tool(make_tool("convert"), ToolCall("convert", {
         "value": 1, "source": "km", "target": "km"}))
     assert text == "Error: cannot convert km to km" and counters["tool_errors"] == 1
+
+
+def test_config_rejects_a_call_reward_that_would_count_a_wrong_answer_correct():
+    from rljax.config import default_config
+    from rljax.config.reward import check_env
+    cfg = default_config()
+    cfg.env.name, cfg.env.tools, cfg.env.tool_format = "tool", ("calculator",), "plain"
+    cfg.env.kwargs = {"call_reward": 0.2}
+    check_env(cfg)
+    cfg.env.kwargs = {"call_reward": 1.0}
+    with pytest.raises(ConfigError, match=r"^env.kwargs.call_reward: must be a number in \[0, 1\)"):
+        check_env(cfg)

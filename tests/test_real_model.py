@@ -428,6 +428,7 @@ def test_calculator_sft_traces_are_what_a_rollout_lays_out(tok, question, answer
     assert tuple(call[-len(stop):]) == stop and len(call) <= agent.turn_tokens(cfg)
     step = env.step(tok.decode(call))
     assert not step.done and step.info["tool_calls"] == 1 and not step.info["tool_errors"]
+    assert step.reward == cfg.env.kwargs.call_reward > 0   # the config pays a call that runs
     assert step.observation == [{"role": "tool", "content": answer}]
     obs = ids[c1:a0]
     assert obs == tok.encode(renderer.observation(step.observation, False))

@@ -116,6 +116,11 @@ def check_env(cfg) -> None:
                           f"episodes (env.name={env.name!r}): set its name='constant'")
 
     check_env_config(env.name, tuple(env.tools), env.tool_format)
+    call_reward = dict(env.kwargs).get("call_reward", 0.0)
+    if env.name == "tool" and not (isinstance(call_reward, (int, float))
+                                   and 0.0 <= call_reward < 1.0):
+        raise ConfigError(f"env.kwargs.call_reward: must be a number in [0, 1) (an episode is "
+                          f"correct when its total reward is >= 1), got {call_reward!r}")
     if cfg.algo.name not in ("grpo", "ppo"):
         raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
                           f"algo.name='grpo' or 'ppo' (got {cfg.algo.name!r})")

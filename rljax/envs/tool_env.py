@@ -6,7 +6,8 @@
     env.step("56088")    # no tool call: the final answer; done, reward 0.0
 
 The outcome is scored by the run's reward functions (``reward.names``) on the final model turn,
-as for single-turn tasks, so the environment itself gives reward 0.0. ``info`` carries the
+as for single-turn tasks, so the environment itself gives reward 0.0, unless ``call_reward``
+pays a well-formed call (shaping for a model that has only begun to call). ``info`` carries the
 turn's tool counters (``runner.call_tool``). ``trace_messages`` writes a complete, verified
 episode for SFT warm-up on tool use.
 """
@@ -72,12 +73,18 @@ class ToolEnv:
       when there is nothing to say.
     max_tool_calls: calls allowed per episode (None: no limit); a call past it is not run and
       its observation says so (counted as a tool error).
+    call_reward: environment reward on the turn of the episode's first call that ran without
+      error (once per episode, so calling again earns nothing). Shaping for a policy that
+      calls too rarely, or too often malformed, for the answer's reward alone to teach the
+      call. Below 1, so that an episode counts as correct (total reward >= 1) only when its
+      answer is right.
     """
 
     def __init__(self, example: Mapping[str, Any], tools: Sequence[str | Tool] = ("calculator",),
                  tool_format: str | ToolFormat = "json", system_prompt: str | None = None,
                  describe_tools: bool = True, max_tool_calls: int | None = None,
-                 tool_kwargs: Mapping[str, Mapping[str, Any]] | None = None):
+                 tool_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+                 call_reward: float = 0.0):
         self.example = dict(example)
         kwargs = dict(tool_kwargs or {})
         self.tools = [t if isinstance(t, Tool) else shared_tool(t, **dict(kwargs.get(t, {})))
@@ -87,6 +94,10 @@ class ToolEnv:
         if max_tool_calls is not None and max_tool_calls < 0:
             raise ValueError(f"max_tool_calls must be >= 0 or None, got {max_tool_calls}")
         self.max_tool_calls = max_tool_calls
+        if not 0.0 <= call_reward < 1.0:
+            raise ValueError(f"call_reward must be in [0, 1) (a correct episode is one with total "
+                             f"reward >= 1, the answer's), got {call_reward}")
+        self.call_reward = float(call_reward)
         self.counters: collections.Counter = collections.Counter()  # the episode's totals
         self.turns = 0
 
@@ -108,6 +119,8 @@ class ToolEnv:
         if not calls:  # a final answer: scored by the run's reward functions
             return StepResult((), 0.0, True, dict(_ZERO))
         results, turn_counters = [], collections.Counter(_ZERO)
+        paid_before = self.counters["tool_calls"] > self.counters["tool_errors"] + \
+            self.counters["tool_timeouts"]
         for call in calls:
             if self.max_tool_calls is not None and self.counters["tool_calls"] >= self.max_tool_calls:
                 text = f"Error: tool call limit ({self.max_tool_calls}) reached; answer now"
@@ -117,7 +130,10 @@ class ToolEnv:
             results.append(text)
             turn_counters.update(counters)
             self.counters.update(counters)
-        return StepResult(self.format.render_results(results), 0.0, False, dict(turn_counters))
+        succeeded = turn_counters["tool_calls"] > turn_counters["tool_errors"] + \
+            turn_counters["tool_timeouts"]
+        reward = self.call_reward if succeeded and not paid_before else 0.0
+        return StepResult(self.format.render_results(results), reward, False, dict(turn_counters))
 
 
 def trace_messages(example: Mapping[str, Any], tool_format: str | ToolFormat = "plain",
