@@ -167,6 +167,78 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
     assert metrics["env/wins_X_mean"] == 0.5 and metrics["env/losses_mean"] == 0.5
 
 
+def test_selfplay_in_a_chat_template_opens_the_second_seat_on_its_first_observation(
+        tmp_path, lowest_cell):
+    """In a chat template the seat that moves second has no turn before it first sees the
+    board: its prompt ends with its user message (no assistant header) and its first chunk is
+    the board as a user message, then the header. Each row is what the template renders for
+    its seat's messages, and the sampler's log-probs are the trainer's."""
+    from rljax.train.agent import MultiTurnRollout
+    g = 2
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.num_generations": g,
+                     "tokenizer.chat_template": True, "data.max_prompt_length": 48,
+                     "env.max_obs_tokens": 40, "env.max_total_tokens": 224,
+                     "model.overrides.max_position_embeddings": 288})
+    ctx, phase, state = _phase(cfg, tmp_path)
+    rollout = MultiTurnRollout(ctx, setup.rl_iterator(ctx, 2))
+    rnd = rollout.sample_round(state.params, jax.random.key(3))
+    eps, tok = rnd["episodes"], ctx.tokenizer
+    seat = np.repeat(np.tile([0, 1], 2), g)
+    np.testing.assert_array_equal(eps["env_rewards"], np.where(seat == 0, 1.0, -1.0))
+    assert not eps["truncated"].any()
+    boards = {0: ["XO3\n456\n789\n", "XOX\nO56\n789\n", "XOX\nOXO\n789\n"],
+              1: ["X23\n456\n789\n", "XOX\n456\n789\n", "XOX\nOX6\n789\n"]}
+    for i in range(len(seat)):
+        s = int(seat[i])
+        user = ("tictactoe X\n123\n456\n789\n", "tictactoe O\n")[s]
+        assert eps["prompts"][i] == tok.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=s == 0)
+        # The row as turns: the model's own moves between the observations.
+        ids, model = eps["tokens"][i][eps["mask"][i]], eps["model_mask"][i][eps["mask"][i]]
+        runs, start = [], 0
+        for k in range(1, len(ids) + 1):
+            if k == len(ids) or model[k] != model[start]:
+                runs.append((bool(model[start]), tok.decode(ids[start:k].tolist())))
+                start = k
+        moves = [text for is_model, text in runs if is_model]
+        messages = [{"role": "user", "content": user}]
+        for k, board in enumerate(boards[s]):
+            if s == 1:
+                messages.append({"role": "user", "content": board})
+            messages.append({"role": "assistant", "content": moves[k]})
+            if s == 0 and k < len(boards[s]):
+                messages.append({"role": "user", "content": board})
+        messages.append({"role": "assistant", "content": moves[-1]}) if s == 0 else None
+        assert len(moves) == (4, 3)[s]
+        assert eps["prompts"][i] + "".join(text for _, text in runs) + "\n" == \
+            tok.apply_chat_template(messages, add_generation_prompt=False), runs
+    batch, metrics = rollout(state, 0)
+    assert metrics["rollout/logp_diff_max"] < 1e-4
+
+
+def test_a_scripted_trace_of_the_second_seat_is_laid_out_as_its_rollout():
+    """``trace_tokens`` on ``[user, user: board, assistant, ...]``: the prompt ends with the
+    first user message (no header), the board is the first observation, as in a rollout."""
+    from rljax.tokenizers import CharTokenizer
+    from rljax.train.episodes import Renderer, trace_tokens
+    tok = CharTokenizer()
+    renderer = Renderer(tok, chat=True)
+    messages = [{"role": "user", "content": "tictactoe O\n"},
+                {"role": "user", "content": "X23\n456\n789\n"},
+                {"role": "assistant", "content": "5"},
+                {"role": "user", "content": "XOX\n456\n789\n"},
+                {"role": "assistant", "content": "4"}]
+    prompt, ids, model = trace_tokens(tok, renderer, messages)
+    assert tok.decode(prompt) == "User: tictactoe O\n\n"
+    first = [k for k in range(len(ids)) if model[k]][0]
+    assert tok.decode(ids[:first]) == "User: X23\n456\n789\n\nAssistant: "
+    assert tok.decode(prompt + ids, skip_special=True) + "\n" == \
+        tok.apply_chat_template(messages, add_generation_prompt=False)
+    # The seat that moves first: one user message, the prompt ends with the header.
+    prompt, ids, model = trace_tokens(tok, renderer, messages[1:])
+    assert tok.decode(prompt) == "User: X23\n456\n789\n\nAssistant: " and model[0]
+
+
 def test_negotiation_selfplay_pays_each_seat_its_share(tmp_path, monkeypatch):
     """Negotiation (not zero-sum) with one policy in both seats: every turn plays the fair
     negotiator's move, so each row's reward is its seat's share of the deal the two fair

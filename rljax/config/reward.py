@@ -135,7 +135,7 @@ def check_env(cfg) -> None:
 
 
 def check_selfplay(cfg) -> None:
-    """``env.selfplay``: a board game, the GRPO phase, plain transcripts, a workdir exactly for
+    """``env.selfplay``: a board game, the GRPO phase, a workdir exactly for
     the checkpoint opponent, and (self-play) a batch of whole examples: G rows per seat."""
     sp, env = cfg.env.selfplay, cfg.env
     if sp.mode == "off":
@@ -148,8 +148,6 @@ def check_selfplay(cfg) -> None:
                           f"got {env.name!r}")
     if cfg.algo.name != "grpo":
         raise ConfigError(f"{what} trains with algo.name='grpo', got {cfg.algo.name!r}")
-    if cfg.tokenizer.chat_template:
-        raise ConfigError(f"{what} renders plain transcripts: set tokenizer.chat_template=False")
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
                           "env.selfplay.mode='checkpoint'")

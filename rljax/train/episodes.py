@@ -48,22 +48,32 @@ class Renderer:
                 add_generation_prompt=False)
             self._closer = t[t.index(_SENTINEL) + len(_SENTINEL):]
 
-    def prompt(self, messages: Sequence[dict]) -> str:
+    def prompt(self, messages: Sequence[dict], model_turn: bool = True) -> str:
+        """The prompt text. ``model_turn=False``: the model does not answer it directly (a
+        seat that moves second): no assistant header, its first observation follows."""
         if self.chat:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(list(messages),
+                                                      add_generation_prompt=model_turn)
         return "".join(m["content"] for m in messages)
 
-    def observation(self, messages: Sequence[dict], turn_ended_with_eos: bool) -> str:
-        """Text appended after a model turn: (closing of the turn +) messages (+ next header)."""
+    def observation(self, messages: Sequence[dict], turn_ended_with_eos: bool,
+                    after_prompt: bool = False) -> str:
+        """Text appended after a model turn: (closing of the turn +) messages (+ next header).
+        ``after_prompt``: appended to a ``prompt(..., model_turn=False)`` instead, which has
+        no turn to close."""
         if not self.chat:
             return "".join(m["content"] for m in messages)
-        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        head = [{"role": "user", "content": "x"}]
+        if not after_prompt:
+            head.append({"role": "assistant", "content": "y"})
         before = self.tokenizer.apply_chat_template(head, add_generation_prompt=False)
         after = self.tokenizer.apply_chat_template(head + list(messages),
                                                    add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("chat template: rendering more messages changed the earlier text; "
                              "cannot render observations incrementally")
+        if after_prompt:
+            return after[len(before):]
         closer = self._closer
         eos = self.tokenizer.decode([self.tokenizer.eos_id], skip_special=False)
         if turn_ended_with_eos and eos and closer.startswith(eos):
@@ -233,14 +243,22 @@ def trace_tokens(tokenizer, renderer: Renderer, messages: Sequence[dict]):
 
     A model turn that ends with the tool call's closing text ends there (as the sampler stops
     it); any other model turn ends with EOS. Observation messages after a turn are rendered as
-    the rollout renders them (context: not in the model mask).
+    the rollout renders them (context: not in the model mask). Messages after the first user
+    message and before the first assistant one are a first observation (a game seat that
+    moves second): the prompt ends with that user message, as the rollout's does.
     """
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
         raise ValueError("a trace needs at least one assistant message")
-    prompt = tokenizer.encode(renderer.prompt(messages[:first]))
+    user = next((i for i, m in enumerate(messages[:first]) if m["role"] == "user"), first - 1)
+    waits = user + 1 < first
+    prompt = tokenizer.encode(renderer.prompt(messages[:user + 1], model_turn=not waits))
     ids: list[int] = []
     model: list[bool] = []
+    if waits:
+        ids = tokenizer.encode(renderer.observation(messages[user + 1:first], False,
+                                                    after_prompt=True))
+        model = [False] * len(ids)
     i = first
     while i < len(messages):
         text = messages[i]["content"]

@@ -23,8 +23,10 @@ reward is its seat's: the game's return for that seat on its last turn, a forfei
 the forfeiting seat's turn, ``forfeit_reward`` for the others. A seat that runs out of turns,
 tokens or chunk width abandons its match: every seat of it ends truncated, reward 0.
 
-Plain transcripts only (``Renderer(chat=False)``): a seat that does not move first has no
-turn before its first observation, which a chat template cannot render incrementally.
+A seat that does not move first has no turn before its first observation: its prompt ends
+with its user message, without the assistant header (``Renderer.prompt(model_turn=False)``),
+and its first chunk is the state as a second user message, then the header (in a chat
+template; a plain transcript simply continues).
 """
 from __future__ import annotations
 
@@ -66,11 +68,12 @@ class _SideRun:
             renderer, mesh
         self.n, self.o, self.t_max, self.m_max = (limits.turn_tokens, limits.chunk_tokens,
                                                   limits.max_turns, limits.max_total_tokens)
-        self.prompts = [renderer.prompt(env.reset()) for env in envs]
-        if any(self.prompts[i] != self.prompts[i - i % g] for i in range(r)):
-            raise ValueError("the seat environments of one group reset to different prompts")
+        first = [env.reset() for env in envs]
         # A seat that moves first sees the state in its prompt; the others observe it later.
         self.seen = np.array([env.to_move() for env in envs], bool)
+        self.prompts = [renderer.prompt(m, model_turn=bool(s)) for m, s in zip(first, self.seen)]
+        if any(self.prompts[i] != self.prompts[i - i % g] for i in range(r)):
+            raise ValueError("the seat environments of one group reset to different prompts")
         self.prompt_ids = [tokenizer.encode(p) for p in self.prompts]
         p_tok, p_mask = sampling.pad_to_bucket(self.prompt_ids[::g], pad_id=tokenizer.pad_id,
                                                buckets=limits.prompt_buckets)
@@ -135,8 +138,8 @@ class _SideRun:
                 continue
             obs: list[int] = []
             if self.turns[i] > 0 or not self.seen[i]:
-                obs = self.tok.encode(self.renderer.observation(env.observe(),
-                                                                bool(self.carry_eos[i])))
+                obs = self.tok.encode(self.renderer.observation(
+                    env.observe(), bool(self.carry_eos[i]), after_prompt=not self.turns[i]))
             room = self.m_max - self.length[i] - len(obs)
             if self.turns[i] >= self.t_max or len(obs) + 1 > o or room < 1:
                 self._truncate(i)
@@ -205,9 +208,6 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
     """Plays every match of ``sides``' seat environments to its end (module docstring).
     ``limits.max_turns`` bounds each seat's turns, ``max_plies`` the plies of a match (the
     cache of each side has a turn's slots per ply). Returns one dict per side."""
-    if renderer.chat:
-        raise ValueError("multi-seat games render plain transcripts only "
-                         "(tokenizer.chat_template=False)")
     if step_all is None:
         from rljax.envs import step_all
     runs = [_SideRun(s, tokenizer, renderer, limits, max_plies, mesh) for s in sides]
