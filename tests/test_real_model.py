@@ -439,3 +439,56 @@ def test_calculator_sft_traces_are_what_a_rollout_lays_out(tok, question, answer
     assert len(reply) <= agent.turn_tokens(cfg) and env.step(tok.decode(reply)).done
     score = rewards.get("arithmetic")([prompt], [tok.decode(reply)], answer=[answer])
     assert list(score) == [1.0]
+
+
+def test_smollm2_tictactoe_selfplay_games_fit_the_configs_limits(tok):
+    """``configs/grpo_smollm2_tictactoe_selfplay.py`` in SmolLM2's chat template: over random
+    whole games, every seat's prompt, observation chunk, trajectory and SFT trace fit the
+    config's limits (a longer one would cut games short, truncated)."""
+    import random
+    from rljax import config as config_lib
+    from rljax.envs import board_games as bg
+    from rljax.envs.selfplay import Match, SeatEnv
+    from rljax.train import agent, episodes
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config_lib.load_config(os.path.join(root, "configs",
+                                              "grpo_smollm2_tictactoe_selfplay.py"))
+    renderer, game, e = agent.make_renderer(cfg, tok), bg.get_game("tictactoe"), cfg.env
+    rng = random.Random(0)
+    longest = 0
+    for _ in range(50):
+        match = Match(game)
+        seats = [SeatEnv(match, {"prompt": cfg.data.template.format(seat_name=name)}, s,
+                         system_prompt=e.kwargs.system_prompt)
+                 for s, name in enumerate(game.seats)]
+        firsts = [env.reset() for env in seats]
+        rows = []
+        for env, first in zip(seats, firsts):
+            prompt = tok.encode(renderer.prompt(first, model_turn=env.to_move()))
+            assert len(prompt) <= cfg.data.max_prompt_length
+            rows.append(dict(turns=0, length=0))
+        while not match.over():
+            s = match.to_move()
+            env, row = seats[s], rows[s]
+            if row["turns"] or s:   # X sees the first board in its prompt
+                obs = tok.encode(renderer.observation(env.observe(), True,
+                                                      after_prompt=not row["turns"]))
+                assert len(obs) <= e.max_obs_tokens
+                row["length"] += len(obs)
+            move = rng.choice(game.legal_moves(match.state))
+            row["length"] += len(tok.encode(move)) + 1           # the cell, then EOS
+            assert len(tok.encode(move)) + 1 <= e.max_turn_tokens
+            row["turns"] += 1
+            env.step(move)
+        longest = max(longest, *(r["length"] for r in rows))
+        assert all(r["turns"] <= e.max_turns for r in rows)
+    assert longest <= e.max_total_tokens, longest
+    assert longest > e.max_total_tokens - 24   # the limit is tight: no room wasted per row
+    for seat in (0, 1):   # the warm-up's scripted games
+        example = {"prompt": cfg.data.template.format(seat_name=game.seats[seat]),
+                   "seat": seat, "seed": 3}
+        trace = agent.trace_messages(cfg, example, np.random.default_rng(0))
+        prompt, ids, _ = episodes.trace_tokens(tok, renderer, trace)
+        assert len(prompt) <= cfg.data.max_prompt_length
+        assert len(prompt) + len(ids) <= cfg.sft.max_length
