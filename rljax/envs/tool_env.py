@@ -28,6 +28,11 @@ __all__ = ["ToolEnv", "trace_messages", "example_prompt", "shared_tool"]
 _ZERO = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
 
 
+def _some_call_ran(counters: Mapping[str, int]) -> bool:
+    """Some call counted in ``counters`` ran without an error or a timeout."""
+    return counters["tool_calls"] > counters["tool_errors"] + counters["tool_timeouts"]
+
+
 _TOOL_CACHE: dict[tuple, Tool] = {}
 _TOOL_CACHE_LOCK = threading.Lock()
 
@@ -119,8 +124,7 @@ class ToolEnv:
         if not calls:  # a final answer: scored by the run's reward functions
             return StepResult((), 0.0, True, dict(_ZERO))
         results, turn_counters = [], collections.Counter(_ZERO)
-        paid_before = self.counters["tool_calls"] > self.counters["tool_errors"] + \
-            self.counters["tool_timeouts"]
+        paid_before = _some_call_ran(self.counters)
         for call in calls:
             if self.max_tool_calls is not None and self.counters["tool_calls"] >= self.max_tool_calls:
                 text = f"Error: tool call limit ({self.max_tool_calls}) reached; answer now"
@@ -130,9 +134,7 @@ class ToolEnv:
             results.append(text)
             turn_counters.update(counters)
             self.counters.update(counters)
-        succeeded = turn_counters["tool_calls"] > turn_counters["tool_errors"] + \
-            turn_counters["tool_timeouts"]
-        reward = self.call_reward if succeeded and not paid_before else 0.0
+        reward = self.call_reward if _some_call_ran(turn_counters) and not paid_before else 0.0
         return StepResult(self.format.render_results(results), reward, False, dict(turn_counters))
 
 
