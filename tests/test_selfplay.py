@@ -396,3 +396,51 @@ def test_selfplay_config_errors_are_one_line(overrides, needle):
     with pytest.raises(config_lib.ConfigError, match=re.escape(needle)) as e:
         ttt_cfg(**overrides)
     assert "\n" not in str(e.value)
+
+
+def test_kuhn_strategy_scores_each_information_set_as_its_rollout_row_lays_it_out(tmp_path):
+    """``bench/kuhn_strategy.py``: the 12 information sets, each as the chat template renders
+    that seat's messages (the second seat's prompt without a header), and each legal move's
+    probability the model's own softmax over the reply's tokens."""
+    import importlib.util
+    import os
+
+    import jax.numpy as jnp
+
+    from rljax import models
+    spec = importlib.util.spec_from_file_location(
+        "kuhn_strategy", os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench",
+                                      "kuhn_strategy.py"))
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    cfg = config_lib.load_config("configs/grpo_kuhn_selfplay.py", [
+        "steps=1", "sft.steps=0", "tokenizer.chat_template=True", "logging.tensorboard=False",
+        "model.overrides.num_layers=1", "model.overrides.hidden_size=32",
+        "model.overrides.intermediate_size=64"])
+    ctx, _, state = _phase(config_lib.validate(cfg), tmp_path)
+    tok = ctx.tokenizer
+    contexts = ks.infoset_contexts(cfg, tok)
+    assert [(s, c, " ".join(h)) for s, c, h, _, _ in contexts][:4] == [
+        ("P1", "J", ""), ("P1", "Q", ""), ("P1", "K", ""), ("P2", "J", "check")]
+    _, card, history, moves, ids = contexts[-1]      # P1 with K, after check bet
+    assert (card, history, moves) == ("K", ("check", "bet"), ("call", "fold"))
+    assert tok.decode(ids, skip_special=True) == tok.apply_chat_template(
+        [{"role": "user", "content": "kuhn_poker P1\ncard K, moves: -\n"},
+         {"role": "assistant", "content": "check"},
+         {"role": "user", "content": "card K, moves: check bet\n"}], add_generation_prompt=True)
+    assert tok.decode(contexts[3][4], skip_special=True) == tok.apply_chat_template(
+        [{"role": "user", "content": "kuhn_poker P2\n"},
+         {"role": "user", "content": "card J, moves: check\n"}], add_generation_prompt=True)
+
+    def reply_probability(move):   # written out: a float64 log-softmax of the logits
+        reply = tok.encode(move) + [tok.eos_id]
+        logits = np.asarray(models.forward(ctx.model_cfg, state.params,
+                                           jnp.asarray([ids + reply])), np.float64)[0]
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        return np.exp(sum(logp[len(ids) - 1 + k, t] for k, t in enumerate(reply)))
+
+    rows = ks.strategy(ctx, state.params, contexts[-1:])
+    p_call, p_fold = reply_probability("call"), reply_probability("fold")
+    assert rows[0]["p_first"] == pytest.approx(p_call / (p_call + p_fold), rel=1e-4)
+    assert rows[0]["legal_mass"] == pytest.approx(p_call + p_fold, rel=1e-4)

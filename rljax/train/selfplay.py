@@ -79,7 +79,7 @@ def opponent_from_workdir(ctx, workdir: str, step: int = 0, temperature: float =
     return Opponent(model_cfg, params, float(temperature))
 
 
-def _seat_rows(cfg, examples, template):
+def seat_examples(cfg, examples, template):
     """(game, seat examples by (example, seat)) with prompts rendered for their seat."""
     from rljax.envs import board_games
     from rljax.envs.selfplay import seat_example
@@ -115,7 +115,7 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     the seat environments take ``SEAT_OPTIONS`` of the last)."""
     from rljax.envs.selfplay import Match, SeatEnv
     cfg, g = ctx.cfg, int(num_samples)
-    game, seat_rows = _seat_rows(cfg, examples, template)
+    game, seat_rows = seat_examples(cfg, examples, template)
     kw = {k: v for k, v in env_kwargs.items() if k in SEAT_OPTIONS}
     kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
     mine, theirs, groups = [], [], []
