@@ -115,33 +115,41 @@ def test_the_pool_state_round_trips(small_vocab):
         _pool(cfg).admit([[1]], [None])
 
 
-def test_the_decoupled_loss_equals_its_formula():
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_the_decoupled_loss_equals_its_formula(cap):
     """l_t = min(pi_prox / pi_behav, C) * max(-A u, -A clip(u, 1 - eps, 1 + eps_high)),
-    u = pi_theta / pi_prox: GRPO's options under rollout.partial, the loss by hand."""
-    cfg = config.validate(config.default_config())
+    u = pi_theta / pi_prox: GRPO's options under rollout.partial, the loss by hand. Without
+    ``algo.tis_cap`` the weight is uncapped (C = inf); with it, the cap binds."""
+    cfg = config.default_config()
+    cfg.algo.tis_cap = cap
+    cfg = config.validate(cfg)
     opts = grpo.policy_loss_options(cfg.algo, partial=True)
     assert opts.get("clip_ratio_c") is None and opts.get("ratio_level") == "token"
-    assert opts["tis_cap"] == grpo.PARTIAL_BEHAVIOUR_CAP and "tis_cap" not in \
-        grpo.policy_loss_options(cfg.algo)
+    assert opts["tis_cap"] == (cap or np.inf)
+    if cap is None:
+        assert "tis_cap" not in grpo.policy_loss_options(cfg.algo)
     rng = np.random.default_rng(0)
     logps = rng.normal(-1.5, 0.5, (3, 5)).astype(np.float32)
     prox = logps + rng.normal(0, 0.3, (3, 5)).astype(np.float32)
     behav = prox + rng.normal(0, 1.0, (3, 5)).astype(np.float32)
     adv = np.asarray([1.0, -0.5, 2.0], np.float32)
     mask = rng.random((3, 5)) > 0.2
-    eps, eps_high, cap = opts["epsilon"], opts.get("epsilon_high", opts["epsilon"]), 2.0
+    eps, eps_high, c = opts["epsilon"], opts.get("epsilon_high", opts["epsilon"]), cap or np.inf
     loss, metrics = algorithms.get_policy_loss("ppo")(
         jnp.asarray(logps), jnp.asarray(prox), jnp.asarray(adv), jnp.asarray(mask),
         sampler_logps=jnp.asarray(behav), **opts)
     u = np.exp(logps - prox)
     a = adv[:, None]
-    want = np.minimum(np.exp(prox - behav), cap) * np.maximum(
+    want = np.minimum(np.exp(prox - behav), c) * np.maximum(
         -a * u, -a * np.clip(u, 1 - eps, 1 + eps_high))
     np.testing.assert_allclose(np.asarray(loss), np.where(mask, want, 0.0), rtol=1e-5,
                                atol=1e-6)
-    w = np.minimum(np.exp(prox - behav), cap)[mask]
+    w = np.minimum(np.exp(prox - behav), c)[mask]
     np.testing.assert_allclose(float(metrics["tis_weight"][0]), w.sum(), rtol=1e-5)
-    assert (w == cap).any() and (w < cap).any()   # the cap binds somewhere, not everywhere
+    if cap is None:
+        assert (w > 2.0).any()                    # no truncation at the old default of 2
+    else:
+        assert (w == cap).any() and (w < cap).any()   # the cap binds somewhere, not everywhere
 
 
 def test_grpo_loss_applies_the_behaviour_weight_only_under_partial_rollouts():

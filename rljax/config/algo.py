@@ -52,6 +52,7 @@ def algo() -> dict[str, Any]:
                                      # default: = epsilon (ppo), 4e-4 (gspo), 0.28 (cispo)
         clip_ratio_c=opt_float(),    # dual-clip bound (> 1) for negative advantages; None = off
         tis_cap=opt_float(),         # truncated importance sampling vs sampler logps; None = off
+                                     # (partial/async: None = the weight uncapped)
         policy_loss="ppo",
         loss_agg_mode="token-mean",
         adv_estimator="grpo",        # grpo, dr_grpo, rloo (one advantage per completion);

@@ -27,7 +27,8 @@ with the data iterator and, with ``rollout.partial``, the pool behind them.
 Off-policy correction: every token of batch k was drawn by version k - s (with partial
 rollouts, each token by its own version, recorded by the pool); the update is the decoupled
 loss of partial rollouts (``grpo.grpo_loss(..., partial=True)``: the behaviour weight
-``min(pi_prox / pi_behav, algo.tis_cap or 2)``, pi_prox the version-k policy).
+``min(pi_prox / pi_behav, C)``, C = ``algo.tis_cap`` or no cap; pi_prox the version-k
+policy).
 
 Metrics: ``rollout/sample_version`` (the version that drew the batch; partial: the last one
 that decoded it), ``rollout/staleness_mean`` / ``_max`` (k minus each completion token's

@@ -40,9 +40,13 @@ def _pair(x, m):
     return jnp.where(m > 0, x, 0.0).sum(), m.sum()
 
 
-# Partial rollouts without an ``algo.tis_cap``: the behaviour weight's cap (TIS's C = 2,
-# Yao et al. 2025).
-PARTIAL_BEHAVIOUR_CAP = 2.0
+# Partial and asynchronous rollouts without an ``algo.tis_cap``: no cap on the behaviour
+# weight. A cap of 2 (TIS's C, Yao et al. 2025) was the default until measured: on the demo
+# recipe the tokens it truncates are mostly those the last update raised most, the ones being
+# learned, and the capped runs ended 4-11 points below the synchronous loop where the uncapped
+# ones stayed within 3 (docs/internals.md, "Does the rollout mode change what is learned?").
+# Gradient clipping (``optimizer.max_grad_norm``) still bounds a step.
+PARTIAL_BEHAVIOUR_CAP = float("inf")
 
 
 def policy_loss_options(algo_cfg, partial: bool = False) -> dict:
@@ -50,7 +54,7 @@ def policy_loss_options(algo_cfg, partial: bool = False) -> dict:
     is None is left out, so the loss's own default applies (``config.validate`` has already
     filled the unset ones with the same per-loss defaults, ``config.POLICY_LOSS_DEFAULTS``).
     ``partial`` (``rollout.partial``): the behaviour weight is always on, capped at
-    ``algo.tis_cap`` or ``PARTIAL_BEHAVIOUR_CAP`` (see ``grpo_loss``)."""
+    ``algo.tis_cap`` if set, else uncapped (``PARTIAL_BEHAVIOUR_CAP``; see ``grpo_loss``)."""
     name = algo_cfg.policy_loss
     opts: dict = {}
     for key in ("epsilon", "epsilon_high"):
@@ -84,8 +88,8 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
 
     Partial rollouts (``partial``; ``rljax.train.partial``): a completion's tokens come from
     several policy versions, ``sampler_logps`` holding each token's behaviour log-prob. The
-    loss is AReaL's decoupled objective (Fu et al. 2025, arXiv 2505.24298) with the
-    behaviour weight truncated as in TIS::
+    loss is AReaL's decoupled objective (Fu et al. 2025, arXiv 2505.24298), the behaviour
+    weight truncated as in TIS when a cap is set::
 
         l_t = min(pi_prox / pi_behav, C) * max(-A u_t, -A clip(u_t, 1 - eps, 1 + eps_high)),
         u_t = pi_theta / pi_prox
@@ -96,10 +100,11 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     is a trust region around the policy being improved; anchored at a behaviour policy two
     versions back it would clip most tokens of carried samples (their ratio is already far
     from 1 before any update) and their gradient with them, while a weight pi_prox/pi_behav
-    outside the clip keeps the estimate unbiased for the mixture (up to the cap). With one
+    outside the clip keeps the estimate unbiased for the mixture (when uncapped). With one
     update per rollout u_t = 1, the clip is inactive and the two coincide: the gradient is
-    ``min(pi_prox / pi_behav, C) * A * grad log pi``. The cap C is ``algo.tis_cap`` or
-    ``PARTIAL_BEHAVIOUR_CAP``; AReaL masks tokens above its cap instead of truncating them.
+    ``min(pi_prox / pi_behav, C) * A * grad log pi``. The cap C is ``algo.tis_cap``, or
+    none (``PARTIAL_BEHAVIOUR_CAP``); AReaL masks tokens above its cap instead of truncating
+    them.
     """
     m = batch["loss_mask"]
     # With LoRA dropout, this pass (and ``old`` below when taken from it) sees the dropped
