@@ -76,16 +76,26 @@ def _decode_attention_cpu(q, k, v, mask, scale=None, softcap=None):
     SmolLM2's decode shape one layer's attention took 3.7 ms that way and 0.9 ms this way
     (a microbenchmark; in place, ``bench/decode_step.py``; both in bench/RESULTS.md).
     """
-    # One matrix-vector product per query head of a group: faster than the batched [G, Dh] x
-    # [Dh, S] products (0.52 vs 0.69 ms per layer at SmolLM2's decode shape, G = 3).
-    scores = jnp.stack([jnp.einsum("bkd,bksd->bks", q[:, 0, :, i], k,
-                                   preferred_element_type=jnp.float32)
-                        for i in range(q.shape[3])], axis=2)
+    scores = decode_scores(q[:, 0], k)
     scores = scale_scores(scores, q.shape[-1], scale, softcap)
     scores = jnp.where(mask[:, :, None, :], scores, _MASK_VALUE)   # mask [B, 1, S] -> [B, 1, 1, S]
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, None], axis=-2)
     return out[:, None].astype(q.dtype)
+
+
+def decode_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """float32 scores of one query per row: q [B, K, G, Dh], k [B, K, S, Dh] -> [B, K, G, S].
+
+    On XLA:CPU one matrix-vector product per query head of a group: faster there than the
+    batched [G, Dh] x [Dh, S] products (0.52 vs 0.69 ms per layer at SmolLM2's decode shape,
+    G = 3). Elsewhere one batched einsum.
+    """
+    if jax.default_backend() != "cpu":
+        return jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32)
+    return jnp.stack([jnp.einsum("bkd,bksd->bks", q[:, :, i], k,
+                                 preferred_element_type=jnp.float32)
+                      for i in range(q.shape[2])], axis=2)
 
 
 def _use_cudnn(impl: str, dtype) -> bool:
