@@ -2,6 +2,7 @@
 
     python bench/engine.py --workload toy                    # long-tailed lengths, toy model
     python bench/engine.py --workload smollm2 --new-tokens 256 [--skip transformers]
+    python bench/engine.py --workload toy --per-step     # cost of a decode step, no stops
 
 Same weights, prompts, seed and lengths for every contender, run interleaved (one warm-up call
 each, then ``--runs`` rounds; medians). Both rljax samplers stop rows at EOS and return the same
@@ -22,7 +23,12 @@ Workloads:
   questions in its chat template, temperature 1; transformers ``generate`` on the same weights
   (needs torch; ``--skip transformers`` leaves it out).
 
-Writes ``bench/results/engine_<workload>.json`` and prints one markdown table.
+``--per-step`` runs every row to N new tokens (no stop token) and reports seconds per row-step:
+the static sampler at B*G rows and at S rows, the engine at S slots (prefill included). What
+a refilling engine gains on a given length distribution is its utilisation gain times the
+ratio of these costs.
+
+Writes ``bench/results/engine_<workload>[_per_step].json`` and prints one markdown table.
 """
 from __future__ import annotations
 
@@ -108,6 +114,36 @@ def transformers_runner(model_dir, ids, pad, eos, g, n, key):
     return run, lengths
 
 
+def per_step(args, cfg, params, prompt, mask, pad, n, g, s):
+    """Seconds per row-step with no row stopping: static at B*G and at S rows, engine at S."""
+    kw = dict(max_new_tokens=n, temperature=1.0, eos_id=None, pad_id=pad, num_samples=g)
+    small = max(1, s // g)   # prompts whose G rows fill S static rows
+    steps = {}
+
+    def static(b):
+        return lambda: jax.block_until_ready(sampling.generate(
+            cfg, params, prompt[:b], mask[:b], rng=jax.random.key(1), **kw).tokens)
+
+    def run_engine():
+        out, st = engine.generate(cfg, params, prompt, mask, rng=jax.random.key(1), slots=s,
+                                  chunk_steps=args.chunk_steps, **kw)
+        jax.block_until_ready(out.tokens)
+        steps["engine"] = st.decode_steps
+    fns = {f"static {args.prompts * g} rows": static(args.prompts),
+           f"static {small * g} rows": static(small), f"engine {s} slots": run_engine}
+    load = os.getloadavg()[0]
+    _, times = _interleaved_times(fns, args.runs)
+    row_steps = {f"static {args.prompts * g} rows": args.prompts * g * n,
+                 f"static {small * g} rows": small * g * n,
+                 f"engine {s} slots": s * steps["engine"]}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "workload": args.workload, "new_tokens": n, "runs": args.runs,
+            "times_s": times, "row_steps": row_steps,
+            "us_per_row_step": {k: 1e6 * med[k] / row_steps[k] for k in med},
+            "load_average_before": load, "load_average_after": os.getloadavg()[0]}
+
+
 def kv_bytes(cfg, rows_or_pages: int, slots: int, dtype_bytes: int = 4) -> int:
     return 2 * cfg.num_layers * rows_or_pages * cfg.num_kv_heads * slots * cfg.head_dim * dtype_bytes
 
@@ -122,6 +158,7 @@ def main() -> None:
     ap.add_argument("--chunk-steps", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma list: transformers")
+    ap.add_argument("--per-step", action="store_true", help="cost per row-step, no stops")
     ap.add_argument("--model-dir", default=os.path.expanduser(
         "~/.cache/rljax/bench/smollm2-135m-instruct"))
     ap.add_argument("--out", default=None)
@@ -133,6 +170,15 @@ def main() -> None:
     rows = args.prompts * g
     s = args.slots or max(1, rows // 4)
     cfg, params, prompt, mask, eos, pad, real = (toy_workload if toy else smollm2_workload)(args)
+    if args.per_step:
+        result = per_step(args, cfg, params, prompt, mask, pad, n, g, s)
+        out = args.out or os.path.join(ROOT, "bench", "results",
+                                       f"engine_{args.workload}_per_step.json")
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result["us_per_row_step"]), f"load {result['load_average_before']:.1f}",
+              f"-> {result['load_average_after']:.1f}; {out}")
+        return
     kw = dict(max_new_tokens=n, temperature=1.0, eos_id=eos, pad_id=pad, num_samples=g)
     # Each round's contenders share its seed (the static sampler runs first and moves it on),
     # so the two rljax samplers return the same completions.
