@@ -629,3 +629,32 @@ def test_real_gemma3_as_an_hf_directory_gives_the_gguf_logits(gemma_ours, gemma_
     scale = np.abs(want[keep]).max()
     assert np.abs(got[keep] - want[keep]).max() <= 1e-4 * scale
     assert np.abs(from_dir[keep] - want[keep]).max() <= 1e-4 * scale
+
+
+def test_gemma3_recipes_validate_and_end_the_prompt_with_the_sum(gemma_path, tmp_path):
+    """``configs/grpo_gemma3_270m.py`` finds the packaged model and validates; its prompts are
+    plain text that start with one BOS and end with the restated sum, so the completion is the
+    result. The LoRA recipe is the same run with adapters and their learning rate only."""
+    import os
+
+    from rljax import config as config_lib
+    from rljax import data as data_lib
+    from rljax.train import inputs, setup
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full, lora = (config_lib.load_config(os.path.join(root, "configs", name + ".py"))
+                  for name in ("grpo_gemma3_270m", "grpo_gemma3_270m_lora"))
+    assert full.model.path == gemma_path and not full.tokenizer.chat_template
+    inputs.check_inputs(full, num_devices=1)
+    tokenizer = setup.make_tokenizer(full, str(tmp_path / "run"))
+    batch = next(data_lib.make_iterator(inputs.data_config(full), batch_size=4, seed=0,
+                                        split="train", tokenizer=tokenizer))
+    bos = tokenizer.encode("<bos>")
+    for x in batch:
+        assert x["prompt"] == f"<bos>Question: What is {x['question']}?\nAnswer: {x['question']}"
+        ids = tokenizer.encode(x["prompt"])
+        assert len(bos) == 1 and ids[0] == bos[0] and ids.count(bos[0]) == 1
+    assert lora.model.lora.rank == 16 and not full.model.lora.rank
+    lora.model.lora = full.model.lora
+    lora.optimizer.learning_rate = full.optimizer.learning_rate
+    assert lora.to_dict() == full.to_dict()
