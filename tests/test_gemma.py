@@ -259,6 +259,42 @@ def test_greedy_decoding_matches_transformers_and_the_slot_engine(tiny):
     np.testing.assert_array_equal(np.asarray(slot_out.tokens), want)
 
 
+def test_lora_adapters_match_peft_with_sliding_windows(tiny, tmp_path):
+    """LoRA on every projection of a Gemma 2 / 3 with prompts longer than the window: rljax's
+    adapted logits and greedy tokens (unmerged, as training runs) equal transformers + PEFT
+    loading the exported adapter."""
+    peft = pytest.importorskip("peft")
+    from rljax.models import lora
+
+    kind, path, _, cfg, params = tiny
+    cfg = cfg.replace(lora_scale=8.0 / 4)
+    adapters = lora.init_lora(cfg, 4, lora.ALL_TARGETS, jax.random.key(1))
+    leaves, tree = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    adapters = jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
+                                         for x, k in zip(leaves, keys)])
+    adapted = {**params, "lora": adapters}
+    models.peft.save_adapter(cfg, adapters, str(tmp_path), base_model_name_or_path=str(path))
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager")
+    hf = peft.PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    toks, mask = _batch(4)
+    ours = np.asarray(tfm.forward(cfg, adapted, jnp.asarray(toks), jnp.asarray(mask)))
+    plain = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    want = _hf_logits(hf, toks, mask)
+    assert np.abs(ours - plain)[mask].max() > 1e-2, kind   # the adapters change the logits
+    np.testing.assert_allclose(ours[mask], want[mask], atol=2e-5, rtol=1e-4)
+    new = 6
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor(toks, dtype=torch.long),
+                          attention_mask=torch.tensor(mask, dtype=torch.long),
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    out = sampling.generate(cfg, adapted, jnp.asarray(toks), jnp.asarray(mask),
+                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, toks.shape[1]:].numpy())
+
+
 def test_save_hf_round_trip_loads_in_transformers(tiny, tmp_path):
     kind, _, hf, cfg, params = tiny
     models.save_hf(cfg, params, str(tmp_path))
@@ -611,7 +647,8 @@ def test_real_gemma3_as_an_hf_directory_gives_the_gguf_logits(gemma_ours, gemma_
                                                              tmp_path):
     """The same weights through the other path: the GGUF's weights written as an HF directory
     (``save_hf``: safetensors + config.json) load in rljax to the same config and logits, and
-    in transformers to the logits of transformers' own GGUF load."""
+    in transformers to the logits of transformers' own GGUF load; greedy decoding from the
+    directory gives transformers' tokens from it, the long prompt past the window included."""
     cfg, params = gemma_ours
     models.save_hf(cfg, params, str(tmp_path))
     hcfg, hparams = models.load_hf(str(tmp_path))
@@ -629,6 +666,14 @@ def test_real_gemma3_as_an_hf_directory_gives_the_gguf_logits(gemma_ours, gemma_
     scale = np.abs(want[keep]).max()
     assert np.abs(got[keep] - want[keep]).max() <= 1e-4 * scale
     assert np.abs(from_dir[keep] - want[keep]).max() <= 1e-4 * scale
+    new = 8
+    out = sampling.generate(hcfg, hparams, jnp.asarray(tokens), jnp.asarray(mask),
+                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
+    with torch.no_grad():
+        ref = theirs.generate(input_ids=ids, attention_mask=am, max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, tokens.shape[1]:].numpy())
 
 
 def test_gemma3_recipes_validate_and_end_the_prompt_with_the_sum(gemma_path, tmp_path):
