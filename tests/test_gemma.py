@@ -67,6 +67,21 @@ def _batch(rng=0, lengths=(11, 7, 9), total=11):
     return toks, mask
 
 
+def _assert_greedy_as_transformers(hf, cfg, params, toks, mask, new):
+    """rljax's greedy sampler continues left-padded ``toks``/``mask`` (int32/bool [B, P]) with
+    transformers' greedy tokens; returns them (int [B, new])."""
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor(toks, dtype=torch.long),
+                          attention_mask=torch.tensor(mask, dtype=torch.long),
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    want = ref[:, toks.shape[1]:].numpy()
+    out = sampling.generate(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
+                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    return want
+
+
 def _hf_logits(hf, toks, mask):
     with torch.no_grad():
         out = hf(input_ids=torch.tensor(toks, dtype=torch.long),
@@ -244,18 +259,9 @@ def test_window_counts_positions_across_invalid_cache_slots(tiny):
 def test_greedy_decoding_matches_transformers_and_the_slot_engine(tiny):
     _, _, hf, cfg, params = tiny
     toks, mask = _batch(3, lengths=(10, 6, 8), total=10)
-    new = 8
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor(toks, dtype=torch.long),
-                          attention_mask=torch.tensor(mask, dtype=torch.long),
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    want = out[:, toks.shape[1]:].numpy()
-    ours = sampling.generate(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
-                             rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
-    np.testing.assert_array_equal(np.asarray(ours.tokens), want)
+    want = _assert_greedy_as_transformers(hf, cfg, params, toks, mask, new=8)
     slot_out, _ = engine.generate(cfg, params, toks, mask, rng=jax.random.PRNGKey(0),
-                                  max_new_tokens=new, temperature=0.0, slots=2, chunk_steps=3)
+                                  max_new_tokens=8, temperature=0.0, slots=2, chunk_steps=3)
     np.testing.assert_array_equal(np.asarray(slot_out.tokens), want)
 
 
@@ -284,15 +290,7 @@ def test_lora_adapters_match_peft_with_sliding_windows(tiny, tmp_path):
     want = _hf_logits(hf, toks, mask)
     assert np.abs(ours - plain)[mask].max() > 1e-2, kind   # the adapters change the logits
     np.testing.assert_allclose(ours[mask], want[mask], atol=2e-5, rtol=1e-4)
-    new = 6
-    with torch.no_grad():
-        ref = hf.generate(input_ids=torch.tensor(toks, dtype=torch.long),
-                          attention_mask=torch.tensor(mask, dtype=torch.long),
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    out = sampling.generate(cfg, adapted, jnp.asarray(toks), jnp.asarray(mask),
-                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
-    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, toks.shape[1]:].numpy())
+    _assert_greedy_as_transformers(hf, cfg, adapted, toks, mask, new=6)
 
 
 def test_save_hf_round_trip_loads_in_transformers(tiny, tmp_path):
@@ -631,15 +629,7 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
         print(f"\nprompt {i} ({mask[i].sum()} tokens): max |diff| {np.abs(g - w).max():.3g}, "
               f"relative {rel:.3g}")
         assert rel <= 1e-4
-    new = 8
-    out = sampling.generate(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
-                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
-    with torch.no_grad():
-        ref = gemma_hf.generate(input_ids=torch.tensor(tokens, dtype=torch.long),
-                                attention_mask=torch.tensor(mask, dtype=torch.long),
-                                max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                pad_token_id=0, eos_token_id=None)
-    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, tokens.shape[1]:].numpy())
+    _assert_greedy_as_transformers(gemma_hf, cfg, params, tokens, mask, new=8)
 
 
 @pytest.mark.slow
@@ -666,14 +656,7 @@ def test_real_gemma3_as_an_hf_directory_gives_the_gguf_logits(gemma_ours, gemma_
     scale = np.abs(want[keep]).max()
     assert np.abs(got[keep] - want[keep]).max() <= 1e-4 * scale
     assert np.abs(from_dir[keep] - want[keep]).max() <= 1e-4 * scale
-    new = 8
-    out = sampling.generate(hcfg, hparams, jnp.asarray(tokens), jnp.asarray(mask),
-                            rng=jax.random.PRNGKey(0), max_new_tokens=new, temperature=0.0)
-    with torch.no_grad():
-        ref = theirs.generate(input_ids=ids, attention_mask=am, max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False, pad_token_id=0,
-                              eos_token_id=None)
-    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, tokens.shape[1]:].numpy())
+    _assert_greedy_as_transformers(theirs, hcfg, hparams, tokens, mask, new=8)
 
 
 def test_gemma3_recipes_validate_and_end_the_prompt_with_the_sum(gemma_path, tmp_path):
