@@ -44,7 +44,7 @@ def main() -> None:
 
     from rljax import config as config_lib
     from rljax.train import run
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
 
     half = args.devices // 2
     contenders = {

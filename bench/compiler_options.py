@@ -31,9 +31,9 @@ import optax  # noqa: E402
 import update_step  # noqa: E402  (its rollout batch)
 from streams import UPDATE_SHAPES as SHAPES, interleaved  # noqa: E402
 from rljax import compilation_cache, config as config_lib, models  # noqa: E402
-from rljax.train import steps  # noqa: E402
+from rljax.train.core import steps  # noqa: E402
 from rljax.train.phases import grpo  # noqa: E402
-from rljax.train.state import create_train_state  # noqa: E402
+from rljax.train.core.state import create_train_state  # noqa: E402
 
 
 def main() -> None:

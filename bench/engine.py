@@ -81,7 +81,7 @@ def toy_workload(args):
 
 def smollm2_workload(args):
     import real_model
-    from rljax.train.rollout import prompt_buckets
+    from rljax.train.core.rollout import prompt_buckets
     model_dir, tok, cfg, params = smollm2_model(args.model_dir)
     ids = [tok.encode(p) for p in real_model.chat_prompts(model_dir, args.prompts)]
     pad = tok.pad_id if tok.pad_id is not None else 0

@@ -1,5 +1,5 @@
 """Win, draw and loss rates of a trained board-game policy against fixed opponents, with 95%
-Wilson intervals (``rljax.train.game_eval``).
+Wilson intervals (``rljax.train.methods.game_eval``).
 
     python bench/games_eval.py --workdir runs/tictactoe --games 200 \\
         --opponents random,optimal,checkpoint:runs/tictactoe@150
@@ -37,7 +37,7 @@ def _parse(argv):
 
 def _opponents(ctx, spec: str, temperature: float):
     from rljax.errors import UserError
-    from rljax.train import game_eval, selfplay
+    from rljax.train.methods import game_eval, selfplay
     for name in [s for s in spec.split(",") if s]:
         if name in game_eval.SCRIPTED:
             yield name, name
@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     args = _parse(argv)
     import jax
 
-    from rljax.train import evaluate, game_eval, inference, workdir as wd
+    from rljax.train import inference
+    from rljax.train.core import evaluate, workdir as wd
+    from rljax.train.methods import game_eval
 
     overrides = [f"--config.eval.num_examples={args.games}", f"--config.eval.batch_size={args.games}"]
     if args.seat:

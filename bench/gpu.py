@@ -44,9 +44,9 @@ import numpy as np  # noqa: E402
 from bench.grpo_step import forward_flops  # noqa: E402
 from rljax import config as config_lib  # noqa: E402
 from rljax import models, sampling  # noqa: E402
-from rljax.train import optim, steps  # noqa: E402
+from rljax.train.core import optim, steps  # noqa: E402
 from rljax.train.phases import grpo  # noqa: E402
-from rljax.train.state import create_train_state  # noqa: E402
+from rljax.train.core.state import create_train_state  # noqa: E402
 
 DEFAULT_CHUNK = dict(models.transformer.LOGITS_CHUNK_ELEMENTS)
 DATASHEET = {"H100": {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12},

@@ -180,12 +180,12 @@ def rljax_worker(spec: dict) -> dict:
     from rljax import rewards
     from rljax.train import inference
     from rljax.train import phases as phases_lib
-    from rljax.train.setup import build_context, check_inputs
+    from rljax.train.core.setup import build_context, check_inputs
 
     char = spec["reward_char"]
     if spec.get("prompt_buckets") == "pow2":   # the trainer's buckets before quarter steps
         from rljax import sampling
-        from rljax.train import rollout
+        from rljax.train.core import rollout
         rollout.prompt_buckets = lambda m: tuple(  # noqa: E731
             x for x in sampling.DEFAULT_BUCKETS if x < m) + (int(m),)
 
@@ -226,7 +226,7 @@ def rljax_worker(spec: dict) -> dict:
     cfg.optimizer.weight_decay = 0.0
     cfg.optimizer.max_grad_norm = 1.0
     cfg.algo.micro_batch_size = int(spec.get("micro_batch", 0))
-    if "group_by_length" in spec:   # length-grouped micro-batches (rljax.train.length_groups)
+    if "group_by_length" in spec:   # length-grouped micro-batches (rljax.train.core.length_groups)
         cfg.algo.group_by_length = bool(spec["group_by_length"])
     if "shared_prompt" in spec:   # each group's prompt computed once (rljax.models.shared_prompt)
         cfg.algo.shared_prompt = bool(spec["shared_prompt"])

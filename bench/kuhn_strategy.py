@@ -28,10 +28,11 @@ INFOSETS = ((0, ()), (1, ("check",)), (1, ("bet",)), (0, ("check", "bet")))
 def infoset_contexts(cfg, tok):
     """[(seat name, card letter, history, legal moves, context token ids)] for the 12
     information sets of ``cfg``'s Kuhn Poker self-play rows: held-out examples rendered by the
-    run's data template and seat environments (``rljax.train.selfplay``)."""
+    run's data template and seat environments (``rljax.train.methods.selfplay``)."""
     from rljax import data as data_lib
     from rljax.envs.selfplay import Match, SeatEnv
-    from rljax.train import agent, inputs, selfplay
+    from rljax.train.core import inputs
+    from rljax.train.methods import agent, selfplay
 
     data_cfg = inputs.data_config(cfg)
     template = data_lib.make_template(data_cfg, tok)
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
 
-    from rljax.train import inference, workdir as wd
+    from rljax.train import inference
+    from rljax.train.core import workdir as wd
 
     cfg = wd.load_workdir_config(args.workdir)
     results = []

@@ -73,7 +73,7 @@ def worker(args) -> dict:
     from rljax import models, plan as plan_lib, sampling
     from rljax.train.inference import initial_state, start_phase
     from rljax.train.phases import make_phases
-    from rljax.train.setup import build_context, check_inputs
+    from rljax.train.core.setup import build_context, check_inputs
 
     cfg = config_lib.load_config(None, overrides(args, args.variant))
     if not args.model_path:

@@ -28,7 +28,7 @@ import optax  # noqa: E402
 
 import update_step  # noqa: E402  (the model shapes)
 from rljax import compilation_cache, config as config_lib, models  # noqa: E402
-from rljax.train import optim  # noqa: E402
+from rljax.train.core import optim  # noqa: E402
 
 
 def before(optimizer):

@@ -53,7 +53,7 @@ def toy_batches(count: int, b: int):
 def smollm2_batches(count: int, b: int, model_dir: str):
     """The same for SmolLM2 on GSM8K: ``count * b`` questions in the chat template."""
     import real_model   # bench/real_model.py
-    from rljax.train.rollout import prompt_buckets
+    from rljax.train.core.rollout import prompt_buckets
     model_dir, tok, cfg, params = bench_engine.smollm2_model(model_dir)
     ids = [tok.encode(p) for p in real_model.chat_prompts(model_dir, count * b)]
     bucket = min(x for x in prompt_buckets(512) if x >= max(map(len, ids)))

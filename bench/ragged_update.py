@@ -25,9 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rljax import config as config_lib, models  # noqa: E402
-from rljax.train import optim  # noqa: E402
+from rljax.train.core import optim  # noqa: E402
 from rljax.train.phases import grpo  # noqa: E402
-from rljax.train.state import create_train_state  # noqa: E402
+from rljax.train.core.state import create_train_state  # noqa: E402
 
 
 def batch_of(sizes, p: int, n: int, vocab: int, seed: int = 0) -> dict:

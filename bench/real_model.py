@@ -163,7 +163,7 @@ def bench_sampler(model_dir: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rljax import models, sampling, tokenizers
-    from rljax.train.rollout import prompt_buckets
+    from rljax.train.core.rollout import prompt_buckets
     import sampler as sampler_bench  # bench/sampler.py: interleaved timing
 
     torch.set_num_threads(os.cpu_count())

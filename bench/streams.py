@@ -32,9 +32,9 @@ import optax  # noqa: E402
 
 import update_step  # noqa: E402  (its shapes and rollout batch)
 from rljax import config as config_lib, models, sampling  # noqa: E402
-from rljax.train import steps  # noqa: E402
+from rljax.train.core import steps  # noqa: E402
 from rljax.train.phases import grpo  # noqa: E402
-from rljax.train.state import create_train_state  # noqa: E402
+from rljax.train.core.state import create_train_state  # noqa: E402
 
 SAMPLER_SHAPES = {"toy": [(32, 1, 32, 64), (8, 8, 32, 64)], "real": [(8, 4, 160, 64)]}
 # The update's shapes: update_step.py's, and small: an 8L-256 llama (vocab 2,048, ~7M params),

@@ -54,8 +54,8 @@ def sampler_bench(args) -> dict:
     from rljax import sampling
     from rljax.sampling import tree as tree_sampling
     from rljax.train.inference import load_for_inference
-    from rljax.train.rollout import encode_prompts
-    from rljax.train.setup import data_iterator
+    from rljax.train.core.rollout import encode_prompts
+    from rljax.train.core.setup import data_iterator
 
     cfg = config_lib.load_config_json(os.path.join(args.workdir, "config.json"))
     ctx, state, step = load_for_inference(cfg, args.workdir, args.checkpoint)

@@ -36,9 +36,9 @@ import numpy as np
 import optax
 
 from rljax import config as config_lib, models
-from rljax.train import steps
+from rljax.train.core import steps
 from rljax.train.phases import grpo
-from rljax.train.state import create_train_state
+from rljax.train.core.state import create_train_state
 
 SHAPES = {   # model overrides of preset "tiny"; prompts, G, bucket, N, prompt lengths, micro
     "real": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

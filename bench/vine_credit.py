@@ -33,7 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rljax import algorithms  # noqa: E402
-from rljax.train import inference, setup, workdir as workdir_lib  # noqa: E402
+from rljax.train import inference
+from rljax.train.core import setup, workdir as workdir_lib  # noqa: E402
 from rljax.train.phases import make_phases  # noqa: E402
 from rljax.train.phases import ppo as ppo_lib  # noqa: E402
 

@@ -59,8 +59,8 @@ def show_samples(model_cfg, params, tokenizer, examples, reward="arithmetic", ma
 
 CURVES = '''\
 from IPython.display import Image, display
-from rljax.train.metrics import read_metrics
-from rljax.train.plot import plot_metrics
+from rljax.train.core.metrics import read_metrics
+from rljax.train.core.plot import plot_metrics
 
 display(Image(filename=plot_metrics(WORKDIR)))
 evals = [r for r in read_metrics(os.path.join(WORKDIR, "metrics.jsonl")) if "eval/accuracy" in r]
@@ -129,10 +129,10 @@ print(config_lib.to_json(cfg)[:400], "...")'''),
                           "evaluates on:"),
         new_code_cell(SAMPLE_HELPER + '''
 
-from rljax.train.evaluate import eval_examples
-from rljax.train.setup import build_context
+from rljax.train.core.evaluate import eval_examples
+from rljax.train.core.setup import build_context
 
-from rljax.train.evaluate import EVAL_STREAM, run_eval
+from rljax.train.core.evaluate import EVAL_STREAM, run_eval
 
 ctx = build_context(cfg, WORKDIR)
 examples = eval_examples(ctx)[:8]
@@ -215,7 +215,7 @@ config_lib.validate(cfg)'''),
         new_markdown_cell("## A few training pairs"),
         new_code_cell('''\
 from rljax.train.phases.dpo import PreferenceData
-from rljax.train.setup import build_context
+from rljax.train.core.setup import build_context
 
 ctx = build_context(cfg, WORKDIR)
 pairs = PreferenceData(ctx, 16)
@@ -235,7 +235,7 @@ assert train(cfg, WORKDIR) == 0'''),
         new_code_cell(CURVES),
         new_code_cell(SAMPLE_HELPER + '''
 
-from rljax.train.evaluate import eval_examples
+from rljax.train.core.evaluate import eval_examples
 from rljax.train.inference import load_for_inference
 
 ctx, state, step = load_for_inference(cfg, WORKDIR)

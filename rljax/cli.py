@@ -132,7 +132,7 @@ def _run_function(name: str, command: str) -> Callable:
 # ----------------------------------------------------------------------------- commands
 
 def cmd_train(args, overrides) -> int | None:
-    from rljax.train import workdir as wd
+    from rljax.train.core import workdir as wd
 
     # Compared with the workdir's config.json before anything is written (refused: one line).
     cfg, resuming, changes = wd.resolve_train_config(args.config, args.workdir, overrides,
@@ -164,7 +164,7 @@ def cmd_train(args, overrides) -> int | None:
 
 
 def cmd_eval(args, overrides) -> int | None:
-    from rljax.train import workdir as wd
+    from rljax.train.core import workdir as wd
 
     cfg = wd.load_workdir_config(args.workdir, overrides)
     return _run_function("evaluate", "eval")(cfg, args.workdir, checkpoint=args.checkpoint)
@@ -172,7 +172,7 @@ def cmd_eval(args, overrides) -> int | None:
 
 def cmd_sample(args, overrides) -> int | None:
     from rljax import config as config_lib
-    from rljax.train import workdir as wd
+    from rljax.train.core import workdir as wd
 
     if not args.workdir and not args.checkpoint:
         raise UserError("sample needs --workdir or --checkpoint")
@@ -185,7 +185,7 @@ def cmd_sample(args, overrides) -> int | None:
 
 
 def cmd_export(args, overrides) -> int | None:
-    from rljax.train import workdir as wd
+    from rljax.train.core import workdir as wd
 
     wd.check_export_target(args.workdir, args.out, args.overwrite)  # before loading anything
     cfg = wd.load_workdir_config(args.workdir, overrides)
@@ -198,7 +198,7 @@ def cmd_export(args, overrides) -> int | None:
 def cmd_plot(args, overrides) -> int | None:
     if overrides:
         raise UserError("plot takes no --config overrides")
-    from rljax.train.plot import plot_metrics
+    from rljax.train.core.plot import plot_metrics
 
     print(plot_metrics(args.dir, args.out))
     return 0

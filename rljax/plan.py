@@ -3,7 +3,7 @@
     rljax plan --config configs/grpo_arithmetic.py [--config.KEY=VALUE ...]
 
 Each phase states the programs its iterations run (``programs(ctx, steps)``,
-``rljax.train.programs``), built by the builders training uses: ``sample`` (the on-device
+``rljax.train.core.programs``), built by the builders training uses: ``sample`` (the on-device
 sampler), ``eval`` (the held-out evaluation's sampler at ``eval.batch_size`` /
 ``eval.max_new_tokens``), ``logps`` (old / reference log-probs), ``prepare`` (PPO: values and
 GAE), ``update`` (one optimizer step on a mini-batch; GRPO: one micro-batch's gradients per
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from rljax import models
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
-from rljax.train.programs import shard_bytes
+from rljax.train.core.programs import shard_bytes
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -218,7 +218,7 @@ def model_config(cfg, tokenizer) -> models.ModelConfig:
                  "remat": bool(m.remat), "eos_token_id": tokenizer.eos_id,
                  "pad_token_id": tokenizer.pad_id, "bos_token_id": tokenizer.bos_id}
     if models.PRESETS.get(m.preset, {}).get("vision") is not None:
-        from rljax.train.setup import image_token_id
+        from rljax.train.core.setup import image_token_id
         overrides.update(image_token_id=image_token_id(cfg, tokenizer),
                          train_vision=bool(m.vision.train))
     overrides.update(dict(m.overrides))
@@ -229,7 +229,7 @@ def model_config(cfg, tokenizer) -> models.ModelConfig:
 
 
 def _tokenizer(cfg):
-    from rljax.train.setup import make_tokenizer
+    from rljax.train.core.setup import make_tokenizer
     return make_tokenizer(cfg, None)
 
 
@@ -257,8 +257,9 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
 
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
     """
-    from rljax.train import phases as phases_lib, programs as programs_lib
-    from rljax.train.setup import Context, check_inputs, make_meshes, quantized_base
+    from rljax.train import phases as phases_lib
+    from rljax.train.core import programs as programs_lib
+    from rljax.train.core.setup import Context, check_inputs, make_meshes, quantized_base
 
     devices = list(jax.devices() if devices is None else devices)
     check_inputs(cfg, len(devices))

@@ -12,11 +12,12 @@ from rljax import algorithms
 from rljax import config as config_lib
 from rljax.algorithms import turn_credit
 from rljax.envs import StepResult, register_env
-from rljax.train import checkpoint, run, setup
-from rljax.train.agent import MultiTurnRollout
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import checkpoint, setup
+from rljax.train.methods.agent import MultiTurnRollout
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import ppo
-from rljax.train.state import create_train_state
+from rljax.train.core.state import create_train_state
 from tests.test_agent_train import DEVICES, agent_cfg, assert_one_line_config_error
 from tests.test_train_loop import StopAfter, comparable
 

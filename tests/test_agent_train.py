@@ -12,10 +12,11 @@ import pytest
 from rljax import cli
 from rljax.envs import StepResult, register_env
 from rljax import config as config_lib
-from rljax.train import run, setup
-from rljax.train.agent import MultiTurnRollout
-from rljax.train.state import create_train_state
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import setup
+from rljax.train.methods.agent import MultiTurnRollout
+from rljax.train.core.state import create_train_state
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases.grpo import grpo_loss
 from tests.test_train_loop import StopAfter, comparable, final_params
 
@@ -198,7 +199,7 @@ def test_sample_prints_whole_episodes(straight, capsys):
 def test_games_count_solved_episodes_as_correct_and_report_turns_to_solve():
     """A game solved on its 3rd guess under a turn penalty (reward 0.9) is correct; turns to
     solve average the solved episodes only (the unsolved one played 10 turns)."""
-    from rljax.train.agent import env_metrics, episode_correct
+    from rljax.train.methods.agent import env_metrics, episode_correct
     counters = [{"solved": 1, "guesses": 3}, {"solved": 0, "guesses": 10}, {"solved": 1,
                                                                             "guesses": 5}]
     ok = episode_correct(np.array([0.9, 0.0, 0.8], np.float32), counters)

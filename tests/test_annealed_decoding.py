@@ -13,10 +13,10 @@ from rljax import config as config_lib
 from rljax import models, sampling
 from rljax.errors import ConfigError
 from rljax.train import run
-from rljax.train.metrics import read_metrics
-from rljax.train.state import create_train_state
+from rljax.train.core.metrics import read_metrics
+from rljax.train.core.state import create_train_state
 from rljax.train.phases.grpo import build_update
-from rljax.train.steps import build_logps_fn, completion_logps
+from rljax.train.core.steps import build_logps_fn, completion_logps
 
 N = 8
 

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from rljax import config
-from rljax.train import checkpoint, run, steps
+from rljax.train import run
+from rljax.train.core import checkpoint, steps
 from rljax.train.inference import initial_state, start_phase
-from rljax.train.metrics import read_metrics
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import make_phases
-from rljax.train.setup import build_context, check_inputs
+from rljax.train.core.setup import build_context, check_inputs
 
 from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
 
@@ -86,7 +87,7 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
     published between two decode chunks of batch k, so the batch mixes versions k - 1 and k.
     Tokens drawn before the swap carry version k - 1's log-probs; those after it were drawn
     by the new weights (their log-probs are not version k - 1's)."""
-    from rljax.train import rollout as rollout_lib
+    from rljax.train.core import rollout as rollout_lib
     from rljax.train.phases import async_grpo
 
     def done(watch):   # deterministic: not ready at the first poll, ready from the second

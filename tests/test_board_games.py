@@ -423,7 +423,8 @@ def tiny_overrides():
 @pytest.mark.slow
 def test_tictactoe_config_trains_two_iterations(tmp_path):
     from rljax import config
-    from rljax.train import metrics, run
+    from rljax.train import run
+    from rljax.train.core import metrics
 
     cfg = config.load_config("configs/grpo_tictactoe.py", tiny_overrides())
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0

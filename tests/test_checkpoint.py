@@ -14,8 +14,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from rljax.train import state as state_lib
-from rljax.train.checkpoint import CheckpointManager, checkpoint_dir, has_checkpoint
+from rljax.train.core import state as state_lib
+from rljax.train.core.checkpoint import CheckpointManager, checkpoint_dir, has_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,7 +138,7 @@ def test_sigkill_during_async_save_keeps_previous_latest(tmp_path):
         import json, os, sys, threading
         sys.path.insert(0, {ROOT!r})
         import jax.numpy as jnp
-        from rljax.train.checkpoint import CheckpointManager
+        from rljax.train.core.checkpoint import CheckpointManager
 
         rename = os.rename
         def held_rename(src, dst, *args, **kwargs):

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from rljax.errors import TrainingDiverged
-from rljax.train import checkpoint, run
-from rljax.train.checkpoint import CheckpointManager
-from rljax.train.faults import StopSignal
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import checkpoint
+from rljax.train.core.checkpoint import CheckpointManager
+from rljax.train.core.faults import StopSignal
+from rljax.train.core.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_train_loop import (DEVICES, RL_STEPS, SFT_STEPS, StopAfter, comparable,  # noqa: E402
@@ -169,7 +170,8 @@ STOP_THEN_SLOW_CLOSE = textwrap.dedent(f"""
     import sys, time
     sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
     from test_train_loop import DEVICES, StopAfter, tiny_cfg
-    from rljax.train import checkpoint, run
+    from rljax.train import run
+    from rljax.train.core import checkpoint
     original = checkpoint.CheckpointManager.close
     def close(self):
         print("closing", file=sys.stderr, flush=True)
@@ -202,7 +204,7 @@ def test_second_signal_while_closing_exits_130(tmp_path):
 
 HOLD_LOCK = textwrap.dedent("""
     import sys, time
-    from rljax.train import workdir
+    from rljax.train.core import workdir
     workdir.lock(sys.argv[1])
     print("locked", flush=True)
     time.sleep(600)
@@ -228,7 +230,7 @@ def test_second_train_on_a_workdir_in_use_refuses_and_kill_frees_it(tiny_config,
     finally:
         holder.kill()  # SIGKILL: the kernel drops the flock with the process
         holder.wait(timeout=60)
-    from rljax.train import workdir as wd
+    from rljax.train.core import workdir as wd
 
     release = wd.lock(workdir)  # a killed holder never leaves the lock stuck
     release()

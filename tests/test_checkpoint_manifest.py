@@ -2,7 +2,7 @@
 workdir's checkpoints are written with one, a loud warning for an older rljax's."""
 import jax.numpy as jnp
 
-from rljax.train import checkpoint as ckpt_lib
+from rljax.train.core import checkpoint as ckpt_lib
 
 
 def _save_two(directory):

@@ -11,7 +11,7 @@ from rljax import config as config_lib
 from rljax import rewards
 from rljax.config import imports
 from rljax.errors import ConfigError
-from rljax.train import workdir as workdir_lib
+from rljax.train.core import workdir as workdir_lib
 from tiny_config import tiny_config_source
 
 # Registers one estimator (the group-mean baseline without std scaling), one policy loss (PPO's

@@ -7,7 +7,7 @@ import shutil
 
 from rljax import cli
 from rljax import config as config_lib
-from rljax.train import workdir as workdir_lib
+from rljax.train.core import workdir as workdir_lib
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "config_0.1.0.json")
 

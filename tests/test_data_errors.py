@@ -127,7 +127,7 @@ def test_a_tfds_source_is_not_taken_for_user_code():
     """``data.source='tfds:gsm8k'`` (the notebooks' fallback without a local copy) passed for
     a ``module:function`` spec and was refused as "no module named 'tfds'"."""
     from rljax import config as config_lib
-    from rljax.train import setup
+    from rljax.train.core import setup
     cfg = config_lib.default_config()
     config_lib.merge_into(cfg, dict(data=dict(source="tfds:gsm8k", path="", eval_path="",
                                               template="gsm8k"), reward=dict(names=("gsm8k",))))

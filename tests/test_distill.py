@@ -14,9 +14,10 @@ import pytest
 from rljax import algorithms, tokenizers
 from rljax import config as config_lib
 from rljax.errors import ConfigError, UserError
-from rljax.train import checkpoint, inputs, run
-from rljax.train import teacher as teacher_lib
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import checkpoint, inputs
+from rljax.train.core import teacher as teacher_lib
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import grpo
 
 from test_train_loop import DEVICES, StopAfter, comparable, final_params, tiny_cfg
@@ -150,7 +151,7 @@ def test_distill_update_is_exact_under_micro_batching(num_micro):
 def test_the_loss_is_the_written_out_one():
     """loss = token-mean over the batch of -A_t * ratio(=1) + jsd_weight * JSD_t, with the
     student's log-probs of the teacher's top-k from the same head pass."""
-    from rljax.train import steps
+    from rljax.train.core import steps
     algo = algo_cfg(name="distill", beta=0.0, shared_prompt=False)
     algo.distill.update(teacher="t", jsd_weight=0.7, jsd_beta=0.3)
     batch = distill_batch(1)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rljax.train.faults import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignal
+from rljax.train.core.faults import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopSignal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,8 +17,8 @@ LOOP = textwrap.dedent(f"""
     import sys, time
     sys.path.insert(0, {ROOT!r})
     import jax.numpy as jnp
-    from rljax.train.checkpoint import CheckpointManager
-    from rljax.train.faults import StopSignal
+    from rljax.train.core.checkpoint import CheckpointManager
+    from rljax.train.core.faults import StopSignal
 
     directory, step_time, last_step_time = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
     with StopSignal() as stop, CheckpointManager(directory) as ckpt:
@@ -70,7 +70,7 @@ def start_loop(directory, step_time, last_step_time=None):
 
 
 def restore(directory):
-    from rljax.train.checkpoint import CheckpointManager
+    from rljax.train.core.checkpoint import CheckpointManager
 
     with CheckpointManager(directory) as ckpt:
         return ckpt.restore()

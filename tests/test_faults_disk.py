@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rljax.errors import UserError
-from rljax.train import workdir as workdir_lib
+from rljax.train.core import workdir as workdir_lib
 from tiny_config import tiny_config_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +88,7 @@ def _in_thread(fn, limit_s=60):
 
 
 def test_a_tensorboard_write_on_a_full_disk_fails_in_one_line_instead_of_blocking(tmp_path):
-    from rljax.train.metrics import MetricsWriteError, MetricsWriter
+    from rljax.train.core.metrics import MetricsWriteError, MetricsWriter
     writer = MetricsWriter(str(tmp_path), tensorboard=True, enabled=True, stream=open(os.devnull, "w"))
     writer._tb.file_writer.event_writer._ev_writer.write_event = _no_space
     # tensorboardX's writer thread died on its first event; its 10-slot queue then filled
@@ -100,7 +100,7 @@ def test_a_tensorboard_write_on_a_full_disk_fails_in_one_line_instead_of_blockin
 
 
 def test_metrics_jsonl_on_a_full_disk_is_one_line(tmp_path):
-    from rljax.train.metrics import MetricsWriteError, MetricsWriter
+    from rljax.train.core.metrics import MetricsWriteError, MetricsWriter
 
     class Full:
         def write(self, *text):
@@ -118,7 +118,7 @@ def test_metrics_jsonl_on_a_full_disk_is_one_line(tmp_path):
 
 
 def test_a_failing_wandb_is_one_warning_and_logging_goes_on(tmp_path, capsys):
-    from rljax.train.metrics import MetricsWriter
+    from rljax.train.core.metrics import MetricsWriter
 
     class Run:
         def log(self, *a, **kw):
@@ -151,7 +151,7 @@ def small_disk(tmp_path):
 
 def test_training_onto_a_full_disk_stops_in_one_line_and_keeps_good_checkpoints(
         tmp_path, small_disk):
-    from rljax.train.checkpoint import CheckpointManager
+    from rljax.train.core.checkpoint import CheckpointManager
     config = tmp_path / "tiny.py"
     config.write_text(tiny_config_source(steps=40, checkpoint_every=2,
                                          logging=dict(tensorboard=True)))
@@ -188,7 +188,7 @@ def test_any_command_that_hits_a_full_disk_ends_in_one_line():
 def test_a_closed_save_loop_drops_late_completions_quietly():
     import asyncio
 
-    from rljax.train import checkpoint
+    from rljax.train.core import checkpoint
     checkpoint._quiet_orbax_errors()   # as every CheckpointManager does
     loop = asyncio.new_event_loop()
     ran = []

@@ -8,7 +8,8 @@ import pytest
 
 from rljax import config as config_lib
 from rljax.errors import ConfigError, TrainingDiverged
-from rljax.train import checkpoint, run
+from rljax.train import run
+from rljax.train.core import checkpoint
 from rljax.train.phases.grpo import GRPOPhase
 
 DEVICES = jax.devices()[:1]
@@ -47,7 +48,7 @@ def test_non_finite_overrides_are_refused():
 
 
 def test_nonfinite_fields_names_the_field():
-    from rljax.train.state import TrainState, nonfinite_fields
+    from rljax.train.core.state import TrainState, nonfinite_fields
     state = TrainState(step=jnp.int32(0), params={"w": jnp.ones(3)},
                        opt_state=({"mu": jnp.array([0.0, jnp.inf])},), rng=jax.random.PRNGKey(0))
     assert nonfinite_fields(state) == ["opt_state"]

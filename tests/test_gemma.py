@@ -667,7 +667,7 @@ def test_gemma3_recipes_validate_and_end_the_prompt_with_the_sum(gemma_path, tmp
 
     from rljax import config as config_lib
     from rljax import data as data_lib
-    from rljax.train import inputs, setup
+    from rljax.train.core import inputs, setup
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full, lora = (config_lib.load_config(os.path.join(root, "configs", name + ".py"))

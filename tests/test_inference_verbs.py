@@ -13,8 +13,8 @@ from rljax import cli
 from rljax import config as config_lib
 from rljax import models
 from rljax.train import run
-from rljax.train.evaluate import eval_examples
-from rljax.train.setup import build_context
+from rljax.train.core.evaluate import eval_examples
+from rljax.train.core.setup import build_context
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"

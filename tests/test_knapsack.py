@@ -182,7 +182,8 @@ def test_knapsack_rollout_batch(reward_file, tmp_path):
     """Groups of the knapsack's sizes, padded rows that weigh zero, advantages of each
     group over its own rows, and posteriors that learn (the second step's sizes differ)."""
     import jax
-    from rljax.train import inference, setup
+    from rljax.train import inference
+    from rljax.train.core import setup
     from rljax.train.phases import make_phases
 
     cfg = tiny_cfg(reward_file, **{"rollout.knapsack.budget": 14})
@@ -225,7 +226,7 @@ def test_knapsack_train_run(reward_file, tmp_path, selection_name):
     update computes each prompt once (the ragged shared-prompt layout)."""
     import jax
     from rljax.train import run
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
 
     cfg = tiny_cfg(reward_file, **{"data.selection.name": selection_name, "steps": 2})
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0

@@ -1,16 +1,20 @@
-"""Imports flow one way: no circles anywhere in rljax; inside rljax.train, machinery <- phases <-
-inference <- run; rljax.sampling's modules use each other's public names only."""
+"""Imports flow one way: no circles anywhere in rljax; inside rljax.train, the machinery
+(``core``) <- ``methods`` <- ``phases`` <- the controller (``inference``, ``hooks``, ``run``);
+rljax.sampling's modules use each other's public names only."""
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.join(REPO, "rljax", "train")
-LEVELS = {"phases": 1, "inference": 2, "run": 3}  # every other module is machinery (level 0)
+# rljax.train.<first part> -> level; a module may import its own level and those below.
+LEVELS = {"core": 0, "methods": 1, "phases": 2, "inference": 3, "hooks": 3, "run": 4}
 
 
 def _level(module: str) -> int:
     parts = module.split(".")
-    return LEVELS.get(parts[2], 0) if len(parts) > 2 and parts[:2] == ["rljax", "train"] else -1
+    if len(parts) <= 2 or parts[:2] != ["rljax", "train"]:
+        return -1   # outside rljax.train (or the package itself)
+    return LEVELS.get(parts[2], 99)   # an unknown place in rljax.train fails the test below
 
 
 def _imports(path: str) -> set[str]:
@@ -24,28 +28,44 @@ def _imports(path: str) -> set[str]:
     return found
 
 
+def _train_modules():
+    for dirpath, _, files in os.walk(ROOT):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, os.path.dirname(os.path.dirname(ROOT)))
+                yield rel[:-3].replace(os.sep, ".").removesuffix(".__init__"), path
+
+
+def test_every_train_module_has_a_level():
+    """rljax.train holds only the four levels: a new module goes in one of them."""
+    stray = [m for m, _ in _train_modules() if m != "rljax.train" and _level(m) == 99]
+    assert not stray, stray
+
+
 def test_train_imports_flow_one_way():
     offenders = []
-    for dirpath, _, files in os.walk(ROOT):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, os.path.dirname(os.path.dirname(ROOT)))
-            module = rel[:-3].replace(os.sep, ".").removesuffix(".__init__")
-            own = _level(module)
-            for imported in _imports(path):
-                if _level(imported) > own:
-                    offenders.append(f"{module} imports {imported}")
+    for module, path in _train_modules():
+        own = _level(module)
+        for imported in _imports(path):
+            if _level(imported) > own:
+                offenders.append(f"{module} imports {imported}")
     assert not offenders, offenders
 
 
-def test_phases_have_their_own_folder():
+def test_level_check_catches_an_upward_import():
+    assert _level("rljax.train.core.rollout") < _level("rljax.train.methods.guidance")
+    assert _level("rljax.train.methods.agent") < _level("rljax.train.phases.grpo")
+    assert _level("rljax.train.phases") < _level("rljax.train.run")
+    assert _level("rljax.train.rollout") == 99   # the old flat place is no level
+
+
+def test_phases_and_methods_have_their_own_folders():
     assert sorted(f for f in os.listdir(os.path.join(ROOT, "phases")) if f.endswith(".py")) == [
         "__init__.py", "async_grpo.py", "distill.py", "dpo.py", "grpo.py", "ppo.py", "rm.py",
         "sft.py"]
-    assert not any(os.path.exists(os.path.join(ROOT, f"{p}.py"))
-                   for p in ("sft", "grpo", "ppo", "dpo", "rm", "distill"))
+    top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert top == ["__init__.py", "hooks.py", "inference.py", "run.py"], top
 
 
 # ----------------------------------------------------------------------------- the whole package

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rljax import distributed as dist
-from rljax.train import length_groups, steps
+from rljax.train.core import length_groups, steps
 from rljax.train.phases import grpo
 
 from test_train_steps import (MODEL, V, algo_cfg, assert_same_sharded_update, fresh_state,
@@ -185,7 +185,7 @@ def test_grouped_training_run_resumes_exactly(tmp_path):
     straight run (the grouping is a function of the batch alone)."""
     from test_train_loop import DEVICES, StopAfter, comparable, final_params, tiny_cfg
     from rljax.train import run
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
     overrides = {"algo.group_by_length": True, "algo.micro_batch_size": 4, "sft.steps": 0,
                  "steps": 2}
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")

@@ -9,10 +9,11 @@ import pytest
 
 from rljax import models
 from rljax.models import lora
-from rljax.train import checkpoint, run
-from rljax.train.metrics import read_metrics
-from rljax.train.state import create_train_state
-from rljax.train import steps as steps_lib
+from rljax.train import run
+from rljax.train.core import checkpoint
+from rljax.train.core.metrics import read_metrics
+from rljax.train.core.state import create_train_state
+from rljax.train.core import steps as steps_lib
 from rljax.train.phases import grpo
 
 from test_train_loop import DEVICES, RL_STEPS, SFT_STEPS, StopAfter, comparable, tiny_cfg
@@ -155,10 +156,10 @@ def test_peft_adapter_round_trip_matches_rljax_logits(tmp_path):
 
 def test_lora_grpo_step_sharded_on_8_devices_equals_unsharded():
     from rljax import sharding as shd
-    from rljax.train.state import eval_state_shape, state_shardings
+    from rljax.train.core.state import eval_state_shape, state_shardings
     from test_train_steps import MODEL, algo_cfg, make_batch
     from rljax import config as config_lib
-    from rljax.train import optim
+    from rljax.train.core import optim
 
     assert jax.device_count() == 8
     cfg = MODEL.replace(lora_scale=2.0)
@@ -197,7 +198,8 @@ def test_lora_grpo_step_sharded_on_8_devices_equals_unsharded():
 
 def test_dpo_with_lora_holds_no_reference_copy(tmp_path):
     from rljax import config as config_lib
-    from rljax.train import inference, setup
+    from rljax.train import inference
+    from rljax.train.core import setup
     from rljax.train.phases import make_phases
 
     cfg = config_lib.load_config("configs/dpo_arithmetic.py", [
@@ -272,7 +274,7 @@ def test_ppo_and_rm_critic_is_adapters_on_the_shared_base(algo, quantize, tmp_pa
 def test_bad_lora_input_is_one_line_before_compiling(tmp_path):
     from rljax import config as config_lib
     from rljax.errors import ConfigError, UserError
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     with pytest.raises(ConfigError, match="model.lora.targets: LoRA target 'qq' matches no"):
         setup.check_inputs(tiny_cfg(**{"model.lora.rank": 4, "model.lora.targets": ("qq",)}),
@@ -284,7 +286,7 @@ def test_bad_lora_input_is_one_line_before_compiling(tmp_path):
 
 
 def test_adapter_path_starts_from_a_peft_adapter(tmp_path):
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     cfg = CFG.replace(lora_scale=8.0 / 4, vocab_size=128)  # >= the char tokenizer's
     p = perturbed(lora_params(cfg, rank=4, targets=("q", "down")), scale=0.2)
@@ -310,7 +312,7 @@ def test_sampler_reads_merged_adapters_on_a_float32_base_only():
     import ml_collections
 
     from rljax import sampling
-    from rljax.train import rollout
+    from rljax.train.core import rollout
 
     params = perturbed(lora_params())
     ctx = lambda merge, dtype=jnp.float32: SimpleNamespace(  # noqa: E731

@@ -16,10 +16,10 @@ import pytest
 from rljax import models, sampling
 from rljax.models import lora
 from rljax.train import run
-from rljax.train import steps as steps_lib
+from rljax.train.core import steps as steps_lib
 from rljax.train.phases import grpo
-from rljax.train.metrics import read_metrics
-from rljax.train.state import create_train_state
+from rljax.train.core.metrics import read_metrics
+from rljax.train.core.state import create_train_state
 
 from test_lora import lora_cfg, perturbed, saved_state
 from test_train_loop import DEVICES, SFT_STEPS, RL_STEPS, StopAfter, comparable
@@ -328,7 +328,7 @@ def straight_drop(tmp_path_factory):
 
 
 def test_run_with_dropout_stops_and_resumes_exactly(straight_drop, tmp_path):
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     ctx = setup.build_context(drop_cfg(), str(tmp_path / "ctx"), devices=DEVICES)
     assert ctx.model_cfg.lora_dropout == RATE          # the run trains with dropout on
@@ -346,7 +346,7 @@ def test_run_with_dropout_stops_and_resumes_exactly(straight_drop, tmp_path):
 
 
 def test_peft_export_writes_the_rate_and_adapter_path_reads_it(straight_drop, tmp_path):
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     out = str(tmp_path / "ad")
     assert run.export(drop_cfg(), straight_drop, out, devices=DEVICES, adapter=True) == 0

@@ -7,9 +7,9 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.train.metrics import (MetricsWriter, format_duration, host_fraction, read_metrics,
+from rljax.train.core.metrics import (MetricsWriter, format_duration, host_fraction, read_metrics,
                                  to_python)
-from rljax.train.plot import panels, plot_metrics
+from rljax.train.core.plot import panels, plot_metrics
 
 
 def test_jsonl_content_and_conversions(tmp_path):
@@ -87,7 +87,7 @@ def test_plot_leaves_out_flat_series(tmp_path):
             writer.write(step, {"loss": 1.0 / step, "train/skipped_total": 0,
                                 "clip/frac": 0.25, "kl": 0.0})
         writer.write(10, {"eval/accuracy": 0.5})  # one eval point: drawn
-    from rljax.train.metrics import numeric_series
+    from rljax.train.core.metrics import numeric_series
 
     keys, flat = panels(numeric_series(read_metrics(tmp_path)))
     assert keys == ["eval/accuracy", "loss"]

@@ -202,7 +202,7 @@ def test_bad_configs_refused(ckpts, tmp_path):
 def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay):
     from rljax import config as config_lib
     from rljax.train import run
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
     cfg = config_lib.default_config()
     cfg.update_from_flattened_dict({
         "steps": 2, "eval_every": 0, "checkpoint_every": 0, "model.preset": "tiny-moe",

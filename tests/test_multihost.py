@@ -93,7 +93,7 @@ def test_two_processes_match_one(tmp_path):
     # Process 0 hashed every host's files after the commit barrier; they verify.
     files = json.loads((ckpt / "rljax_manifest.json").read_text())["files"]
     assert any(name.startswith("state/ocdbt.process_1/") for name in files)
-    from rljax.train.checkpoint import verify_step_dir
+    from rljax.train.core.checkpoint import verify_step_dir
     assert verify_step_dir(ckpt) is None
     meta = json.loads((ckpt / "meta" / "metadata").read_text())
     assert meta["host"]["process_count"] == 2 and meta["host"]["device_count"] == 8

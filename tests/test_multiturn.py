@@ -10,7 +10,7 @@ import pytest
 from rljax import models, sampling, tokenizers
 from rljax.sampling import multiturn
 from rljax.envs.base import StepResult
-from rljax.train import episodes
+from rljax.train.core import episodes
 
 
 def _full_logps(cfg, params, prompt_tok, prompt_mask, traj, traj_mask):

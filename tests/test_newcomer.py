@@ -9,7 +9,7 @@ import pytest
 
 from rljax import config as config_lib
 from rljax.errors import UserError
-from rljax.train import run
+from rljax.train import hooks, run
 
 DEVICES = jax.devices()[:1]
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
@@ -96,7 +96,7 @@ def test_exported_weights_have_the_mode_of_the_other_files(close_enough_run, tmp
 
 
 def test_rerunning_a_finished_run_says_so_and_does_not_evaluate_again(close_enough_run, capsys):
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
 
     cfg, workdir = close_enough_run
     before = read_metrics(workdir)
@@ -132,7 +132,7 @@ def test_eta_is_measured_on_the_current_phase_only(tmp_path):
     import io
     import re
 
-    from rljax.train.metrics import MetricsWriter
+    from rljax.train.core.metrics import MetricsWriter
 
     now = [0.0]
     out = io.StringIO()
@@ -153,9 +153,9 @@ def test_eta_is_measured_on_the_current_phase_only(tmp_path):
 def test_slow_start_up_work_says_what_it_is_doing(capsys):
     import time
 
-    with run.announced_if_slow("loading the model (x)", after_s=0.05):
+    with hooks.announced_if_slow("loading the model (x)", after_s=0.05):
         time.sleep(0.3)
-    with run.announced_if_slow("compiling the grpo iteration", after_s=5.0):
+    with hooks.announced_if_slow("compiling the grpo iteration", after_s=5.0):
         pass  # quick: silent
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "rljax: loading the model (x) ..."
@@ -165,7 +165,7 @@ def test_slow_start_up_work_says_what_it_is_doing(capsys):
 def test_summary_says_which_evals_it_compares_and_keeps_them_over_a_resume(tmp_path):
     import io
 
-    from rljax.train.metrics import MetricsWriter, run_summary
+    from rljax.train.core.metrics import MetricsWriter, run_summary
 
     labels = {0: "before training", 400: "end of the SFT warm-up", 1200: "end of grpo"}
     with MetricsWriter(tmp_path, tensorboard=False, stream=io.StringIO()) as writer:
@@ -194,7 +194,7 @@ def test_a_run_without_learning_signal_says_so_once(tmp_path, capsys):
 
 
 def test_the_learning_signal_streak_restarts_on_an_informative_iteration():
-    from rljax.train.learning_signal import NoSignalHint
+    from rljax.train.core.learning_signal import NoSignalHint
 
     hint = NoSignalHint(1.0, 8, after=3, enabled=False)
     fracs = [0, 0, 0.5, 0, 0, 0.0, 0, 0]
@@ -219,7 +219,7 @@ def test_the_example_data_files_load_through_the_run_data_path(algo):
     compiles (fields, reward fields) and yields a batch from the run's own iterator."""
     from rljax import data as data_lib
     from rljax import tokenizers
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     path = os.path.join(EXAMPLE_DATA, f"{algo}.jsonl")
     overrides = {"data.source": "jsonl", "data.path": path, "data.eval_path": path,

@@ -7,7 +7,7 @@ import pytest
 
 from rljax.config import default_config
 from rljax.errors import TrainingDiverged
-from rljax.train.optim import (NonFiniteGuard, apply_if_finite, decay_mask, make_optimizer,
+from rljax.train.core.optim import (NonFiniteGuard, apply_if_finite, decay_mask, make_optimizer,
                                make_schedule)
 
 
@@ -110,7 +110,7 @@ def test_guard_counts_consecutive_skips():
 def test_clip_reuses_a_given_norm_and_matches_optax():
     """rljax's clip equals optax.clip_by_global_norm bit for bit, with its own norm or the one
     apply_if_finite passes, and keeps optax's (empty) state, so checkpoints still restore."""
-    from rljax.train.optim import clip_by_global_norm
+    from rljax.train.core.optim import clip_by_global_norm
     g = {"a": jax.random.normal(jax.random.key(0), (5, 3)) * 3,
          "b": jax.random.normal(jax.random.key(1), (4,))}
     norm = optax.tree.norm(g)

@@ -9,8 +9,9 @@ import pytest
 
 from rljax import algorithms, config, models, sampling
 from rljax.sampling import engine, partial
-from rljax.train import checkpoint, run
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import checkpoint
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import grpo
 
 from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
@@ -156,7 +157,7 @@ def test_grpo_loss_applies_the_behaviour_weight_only_under_partial_rollouts():
     """grpo_loss(partial=True) on a tiny model: pg_loss is the token mean of the formula above
     with pi_theta the model's own log-probs, pi_prox = old_logps, pi_behav = sampler_logps."""
     from test_train_steps import MODEL, algo_cfg, fresh_state, make_batch
-    from rljax.train import steps
+    from rljax.train.core import steps
     state, _ = fresh_state()
     batch = make_batch()
     m = batch["loss_mask"]

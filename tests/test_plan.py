@@ -91,9 +91,9 @@ MEASURE = r"""
 import ctypes, json, sys
 import jax, numpy as np
 from rljax import config, models, plan, sharding as shd
-from rljax.train import optim
+from rljax.train.core import optim
 from rljax.train.phases import grpo
-from rljax.train.state import create_train_state, eval_state_shape, state_shardings
+from rljax.train.core.state import create_train_state, eval_state_shape, state_shardings
 
 cfg = config.load_config(sys.argv[1], sys.argv[2:])
 p = plan.plan(cfg)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from rljax import plan as plan_lib
-from rljax.train import image_inputs, inference, setup
+from rljax.train import inference
+from rljax.train.core import image_inputs, setup
 from rljax.train.phases import make_phases
 
 from test_train_loop import tiny_cfg

@@ -138,10 +138,10 @@ def test_selfplay_rows_carry_their_own_seats_reward(tmp_path, monkeypatch):
     and 2 answer right, 3 and 4 wrong: the proposer's rows get 0.5, the solvers' 1, 1, 0, 0;
     a proposer's row saw its operand, a solver's the task."""
     from rljax.envs.selfplay import SeatEnv
-    from rljax.train import setup
-    from rljax.train.agent import MultiTurnRollout
+    from rljax.train.core import setup
+    from rljax.train.methods.agent import MultiTurnRollout
     from rljax.train.phases import grpo
-    from rljax.train.state import create_train_state
+    from rljax.train.core.state import create_train_state
     step = SeatEnv.step
     def scripted(self, text):
         state = self.match.state
@@ -187,7 +187,8 @@ def test_batch_must_hold_whole_games(override, needle):
 
 @pytest.mark.slow
 def test_config_trains_two_iterations(tmp_path):
-    from rljax.train import metrics, run
+    from rljax.train import run
+    from rljax.train.core import metrics
     assert run.train(_cfg(), str(tmp_path), devices=jax.devices()[:1]) == 0
     records = metrics.read_metrics(str(tmp_path / "metrics.jsonl"))
     rl = [r for r in records if "reward/mean" in r]

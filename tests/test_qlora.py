@@ -13,7 +13,7 @@ import pytest
 from rljax import models
 from rljax.models import lora, quant
 from rljax.train import run
-from rljax.train.metrics import read_metrics
+from rljax.train.core.metrics import read_metrics
 
 from test_lora import CFG, lora_cfg, lora_params, perturbed, saved_state, tokens
 from test_train_loop import DEVICES, RL_STEPS, SFT_STEPS, StopAfter, comparable, tiny_cfg
@@ -114,7 +114,7 @@ def test_qlora_run_trains_adapters_only_and_resumes_exactly(straight, tmp_path):
 def test_qlora_context_holds_the_quantized_base_sharded_on_8_devices(tmp_path):
     """The base as built by the trainer: quantized leaves on their shardings; the same
     forward on 8 devices (data x fsdp x tensor) as on one."""
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     assert jax.device_count() == 8
     cfg = qlora_cfg(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})

@@ -179,7 +179,7 @@ def test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache(gguf_path, 
 
 def test_chat_template_required_but_missing_is_one_config_error(tok, tmp_path):
     from rljax import config as config_lib
-    from rljax.train import setup
+    from rljax.train.core import setup
 
     tok.save(str(tmp_path))
     with open(tmp_path / "tokenizer_config.json") as f:
@@ -309,7 +309,7 @@ def _recipe(name: str, overrides: list[str]):
 def _run_tiny(cfg, workdir: str, evals: list[int]) -> list[dict]:
     """Trains ``cfg`` on one device and checks it evaluated at steps ``evals``; its metrics."""
     from rljax.train import run
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
 
     assert run.train(cfg, workdir, devices=jax.devices()[:1]) == 0
     records = read_metrics(workdir)
@@ -365,7 +365,7 @@ def test_smollm2_gsm8k_recipe_reads_chat_templated_gsm8k_prompts(gguf_path, tok,
     packaged model (its training step is the grpo_smollm2 recipe's, run above; the GSM8K
     reward trains end to end in tests/test_train_hf.py)."""
     from rljax import data as data_lib
-    from rljax.train import inputs, setup
+    from rljax.train.core import inputs, setup
 
     lines = [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
               "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in [(3, 4), (5, 6)]]
@@ -410,7 +410,8 @@ def test_calculator_sft_traces_are_what_a_rollout_lays_out(tok, question, answer
     config's prompt, turn, observation and trajectory limits."""
     from rljax import config as config_lib, rewards
     from rljax.sampling import multiturn
-    from rljax.train import agent, episodes
+    from rljax.train.core import episodes
+    from rljax.train.methods import agent
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = config_lib.load_config(os.path.join(root, "configs", "agent_smollm2_calculator.py"))
@@ -452,7 +453,8 @@ def test_smollm2_selfplay_games_fit_the_configs_limits(tok, config_name, slack):
     from rljax import config as config_lib
     from rljax.envs import board_games as bg
     from rljax.envs.selfplay import Match, SeatEnv
-    from rljax.train import agent, episodes
+    from rljax.train.core import episodes
+    from rljax.train.methods import agent
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = config_lib.load_config(os.path.join(root, "configs", config_name))

@@ -52,7 +52,7 @@ def test_a_keyboard_interrupt_from_the_function_under_the_trainers_handler_is_it
         timeout_s):
     import signal
 
-    from rljax.train.faults import StopSignal
+    from rljax.train.core.faults import StopSignal
     with StopSignal(quiet=True):   # as during training: Ctrl-C only requests a stop
         result = combine([(interrupts, 1.0)], timeout_s=timeout_s)(["q"], ["a"])
     assert result.errors == {"interrupts": 1}

@@ -13,8 +13,9 @@ from rljax import config as config_lib
 from rljax import data as data_lib
 from rljax.data import selection
 from rljax.errors import ConfigError
-from rljax.train import inference, run, setup
-from rljax.train.metrics import read_metrics
+from rljax.train import inference, run
+from rljax.train.core import setup
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import make_phases
 
 from test_train_loop import StopAfter, comparable

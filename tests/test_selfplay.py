@@ -8,10 +8,11 @@ import pytest
 
 from rljax import config as config_lib
 from rljax.envs.game_env import NUM_ROLES
-from rljax.train import checkpoint, run, setup
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import checkpoint, setup
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import grpo
-from rljax.train.state import create_train_state
+from rljax.train.core.state import create_train_state
 from tests.test_train_loop import StopAfter, comparable, final_params
 
 DEVICES = jax.devices()[:1]
@@ -130,7 +131,7 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
     own moves, its observations the board after the other seat's, its reward its seat's
     return; the sampler's log-probs (a cache per seat, skipping the other seat's plies) are
     the trainer's."""
-    from rljax.train.agent import MultiTurnRollout
+    from rljax.train.methods.agent import MultiTurnRollout
     g = 2
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.adv_estimator": "rae",
                      "algo.num_generations": g})
@@ -173,7 +174,7 @@ def test_selfplay_in_a_chat_template_opens_the_second_seat_on_its_first_observat
     board: its prompt ends with its user message (no assistant header) and its first chunk is
     the board as a user message, then the header. Each row is what the template renders for
     its seat's messages, and the sampler's log-probs are the trainer's."""
-    from rljax.train.agent import MultiTurnRollout
+    from rljax.train.methods.agent import MultiTurnRollout
     g = 2
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.num_generations": g,
                      "tokenizer.chat_template": True, "data.max_prompt_length": 48,
@@ -220,7 +221,7 @@ def test_a_scripted_trace_of_the_second_seat_is_laid_out_as_its_rollout():
     """``trace_tokens`` on ``[user, user: board, assistant, ...]``: the prompt ends with the
     first user message (no header), the board is the first observation, as in a rollout."""
     from rljax.tokenizers import CharTokenizer
-    from rljax.train.episodes import Renderer, trace_tokens
+    from rljax.train.core.episodes import Renderer, trace_tokens
     tok = CharTokenizer()
     renderer = Renderer(tok, chat=True)
     messages = [{"role": "user", "content": "tictactoe O\n"},
@@ -245,7 +246,7 @@ def test_negotiation_selfplay_pays_each_seat_its_share(tmp_path, monkeypatch):
     seats reach, read from the values each seat's prompt shows; role keys 4 (P1), 5 (P2)."""
     from rljax.envs import board_games as bg
     from rljax.envs.selfplay import SeatEnv
-    from rljax.train.agent import MultiTurnRollout
+    from rljax.train.methods.agent import MultiTurnRollout
     step = SeatEnv.step
     monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(
         self, bg.negotiation_fair(self.game, self.match.state)))
@@ -301,8 +302,8 @@ def test_checkpoint_opponent_plays_the_other_seat_and_never_trains(rae_run, tmp_
     """env.selfplay.mode='checkpoint': the policy's rows are the examples' seats (the batch),
     the frozen run (its checkpoint's parameters, loaded once) plays the other seat, whose
     moves the policy sees as observations."""
-    from rljax.train import selfplay
-    from rljax.train.agent import MultiTurnRollout
+    from rljax.train.methods import selfplay
+    from rljax.train.methods.agent import MultiTurnRollout
     cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run})
     ctx, phase, state = _phase(cfg, tmp_path)
     rollout = phase.rollout
@@ -327,7 +328,8 @@ def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tm
     """Scripted and checkpoint opponents: every game is a win, draw, loss or the opponent's
     forfeit; rates come with their Wilson intervals."""
     from rljax.envs import wilson_interval
-    from rljax.train import evaluate, game_eval, selfplay
+    from rljax.train.core import evaluate
+    from rljax.train.methods import game_eval, selfplay
     # Published values of the 95% Wilson interval.
     for k, n, want in ((5, 10, (0.2366, 0.7634)), (0, 10, (0.0, 0.2775)),
                        (10, 10, (0.7225, 1.0))):

@@ -8,7 +8,7 @@ import pytest
 
 from rljax import models
 from rljax.models import shared_prompt
-from rljax.train import length_groups, steps
+from rljax.train.core import length_groups, steps
 from rljax.train.phases import grpo
 
 from test_length_groups import assert_planned_update_equals_scanned, rollout_batch
@@ -169,7 +169,7 @@ def test_shared_prompt_training_run_resumes_exactly(tmp_path):
     and a run stopped midway and resumed equals a straight run."""
     from test_train_loop import DEVICES, StopAfter, comparable, final_params, tiny_cfg
     from rljax.train import run
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
     overrides = {"algo.shared_prompt": True, "algo.micro_batch_size": 8, "sft.steps": 0,
                  "steps": 2}
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")

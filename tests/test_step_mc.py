@@ -14,7 +14,7 @@ from rljax import models, rewards
 from rljax.data.tasks import ArithmeticTask
 from rljax.rewards.combine import RewardResult
 from rljax.tokenizers import CharTokenizer
-from rljax.train import step_mc
+from rljax.train.methods import step_mc
 from rljax.train.phases import dpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,8 +208,9 @@ def test_step_mc_run_resumes_exactly(tmp_path):
     """Same seed: a run stopped after its first DPO round and resumed logs the same metrics
     and ends with the same parameters as a straight run (the sampling keys come from the train
     state, the data position from the phase's state_dict)."""
-    from rljax.train import checkpoint, run
-    from rljax.train.metrics import read_metrics
+    from rljax.train import run
+    from rljax.train.core import checkpoint
+    from rljax.train.core.metrics import read_metrics
 
     from test_train_loop import StopAfter
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rljax.errors import ConfigError
-from rljax.train import setup
+from rljax.train.core import setup
 from rljax.train.phases.grpo import GRPOPhase
 from test_train_loop import tiny_cfg
 

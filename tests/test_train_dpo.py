@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, config, data, models, sharding, tokenizers
-from rljax.train import optim
+from rljax.train.core import optim
 from rljax.train.phases import dpo
-from rljax.train.state import create_train_state, eval_state_shape, state_shardings
+from rljax.train.core.state import create_train_state, eval_state_shape, state_shardings
 
 TOK = tokenizers.CharTokenizer()
 PAIRS = [
@@ -232,7 +232,8 @@ def test_best_worst_pairs():
 @pytest.mark.parametrize("online", [False, True])
 def test_config_runs_two_steps(tmp_path, online):
     from rljax import config
-    from rljax.train import metrics, run
+    from rljax.train import run
+    from rljax.train.core import metrics
 
     cfg = config.load_config("configs/dpo_arithmetic.py", [
         "steps=2", "sft.steps=0", "rollout.batch_size=8", "eval.num_examples=8",
@@ -258,7 +259,8 @@ def test_hf_example_config_runs_two_steps(tmp_path):
     import json
 
     from rljax import config
-    from rljax.train import metrics, run
+    from rljax.train import run
+    from rljax.train.core import metrics
 
     model_dir = tmp_path / "model"
     cfg_small = _cfg()

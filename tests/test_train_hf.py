@@ -9,7 +9,7 @@ import pytest
 from rljax import config as config_lib
 from rljax import models
 from rljax.train import run
-from rljax.train.metrics import read_metrics
+from rljax.train.core.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "grpo_gsm8k_qwen2_5.py")

@@ -9,11 +9,12 @@ import pytest
 
 from rljax import config as config_lib
 from rljax.errors import TrainingDiverged
-from rljax.train import checkpoint, run
-from rljax.train.faults import StopSignal
-from rljax.train.metrics import read_metrics
+from rljax.train import run
+from rljax.train.core import checkpoint
+from rljax.train.core.faults import StopSignal
+from rljax.train.core.metrics import read_metrics
 from rljax.train.phases.grpo import GRPOPhase
-from rljax.train.rollout import Rollout
+from rljax.train.core.rollout import Rollout
 
 DEVICES = jax.devices()[:1]   # the loop itself; sharding is covered by test_train_steps
 SFT_STEPS, RL_STEPS = 2, 4

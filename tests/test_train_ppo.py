@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, config, models, sharding
-from rljax.train import optim
+from rljax.train.core import optim
 from rljax.train.phases import ppo
-from rljax.train.state import create_train_state, eval_state_shape, state_shardings
+from rljax.train.core.state import create_train_state, eval_state_shape, state_shardings
 
 P, N, B, V = 4, 5, 8, 24
 
@@ -183,7 +183,8 @@ def test_sharded_step_matches_unsharded():
 
 @pytest.mark.slow
 def test_config_runs_two_steps(tmp_path):
-    from rljax.train import metrics, run
+    from rljax.train import run
+    from rljax.train.core import metrics
 
     cfg = config.load_config("configs/ppo_arithmetic.py", [
         "steps=2", "sft.steps=1", "sft.batch_size=8", "rollout.batch_size=8",

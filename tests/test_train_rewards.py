@@ -13,8 +13,8 @@ import pytest
 
 from rljax import rewards
 from rljax.train import run
-from rljax.train.faults import StopSignal
-from rljax.train.metrics import read_metrics
+from rljax.train.core.faults import StopSignal
+from rljax.train.core.metrics import read_metrics
 
 from test_train_loop import DEVICES, tiny_cfg
 
@@ -97,7 +97,7 @@ def failing_run(user_file, tmp_path_factory):
 def test_run_freezes_its_setup_objects_and_compiles_for_startup(user_file, tmp_path,
                                                                  monkeypatch):
     """The training loop runs with the setup's objects out of the cyclic collector's view
-    (``run.setup_objects_frozen``) and hands them back at the end; ``compile_for="startup"``
+    (``hooks.setup_objects_frozen``) and hands them back at the end; ``compile_for="startup"``
     trains (its options themselves: test_compilation_cache, test_sampling)."""
     from rljax import compilation_cache
     marker = tmp_path / "freeze"

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, config, data, models, sharding, tokenizers
-from rljax.train import optim
+from rljax.train.core import optim
 from rljax.train.phases import rm
-from rljax.train.state import create_train_state, eval_state_shape, state_shardings
+from rljax.train.core.state import create_train_state, eval_state_shape, state_shardings
 
 TOK = tokenizers.CharTokenizer()
 PAIRS = [
@@ -118,7 +118,8 @@ def test_micro_batches_and_sharding_are_exact():
 
 @pytest.mark.slow
 def test_config_runs_two_steps(tmp_path):
-    from rljax.train import metrics, run
+    from rljax.train import run
+    from rljax.train.core import metrics
 
     cfg = config.load_config("configs/rm_arithmetic.py", [
         "steps=2", "rollout.batch_size=8", "eval.num_examples=16", "eval.batch_size=8",
@@ -137,7 +138,8 @@ def test_eval_and_export_act_on_the_reward_model(tmp_path, capsys):
     import json
     import os
 
-    from rljax.train import checkpoint, run
+    from rljax.train import run
+    from rljax.train.core import checkpoint
 
     cfg = config.load_config("configs/rm_arithmetic.py", [
         "steps=2", "rollout.batch_size=8", "eval.num_examples=16", "eval.batch_size=8",

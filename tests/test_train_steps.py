@@ -9,9 +9,9 @@ import pytest
 from rljax import compilation_cache, config as config_lib
 from rljax import algorithms, models
 from rljax import sharding as shd
-from rljax.train import optim, steps
+from rljax.train.core import optim, steps
 from rljax.train.phases import grpo
-from rljax.train.state import create_train_state, eval_state_shape, state_shardings
+from rljax.train.core.state import create_train_state, eval_state_shape, state_shardings
 
 B, P, N, V = 8, 6, 5, 40
 MODEL = models.get_preset("tiny", num_layers=1, hidden_size=32, intermediate_size=64,

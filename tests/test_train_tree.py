@@ -13,8 +13,8 @@ from rljax import config as config_lib
 from rljax.sampling import tree as tree_sampling
 from rljax.errors import ConfigError
 from rljax.train import run
-from rljax.train.metrics import read_metrics
-from rljax.train.rollout import Rollout
+from rljax.train.core.metrics import read_metrics
+from rljax.train.core.rollout import Rollout
 
 from test_train_loop import StopAfter, comparable
 

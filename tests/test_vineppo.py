@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from rljax import algorithms
-from rljax.train.step_mc import step_ends
-from rljax.train.vine import cap_steps
+from rljax.train.methods.step_mc import step_ends
+from rljax.train.methods.vine import cap_steps
 
 
 def test_vineppo_advantages_written_out():
@@ -68,7 +68,8 @@ def tiny_cfg(reward_file, **overrides):
 def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path):
     """Each prefix's value is the mean reward of its K forks, each fork continues that exact
     prefix, and every token's advantage is V(next prefix) - V(its prefix) (R at the end)."""
-    from rljax.train import inference, setup
+    from rljax.train import inference
+    from rljax.train.core import setup
     from rljax.train.phases import make_phases
 
     cfg = tiny_cfg(reward_file)
@@ -104,7 +105,7 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path):
 
 def test_vineppo_train_run(reward_file, tmp_path):
     from rljax.train import run
-    from rljax.train.metrics import read_metrics
+    from rljax.train.core.metrics import read_metrics
 
     assert run.train(tiny_cfg(reward_file, **{"algo.vine.splitter": "newline"}),
                      str(tmp_path), devices=jax.devices()[:1]) == 0

@@ -10,9 +10,10 @@ import pytest
 from rljax import config as config_lib
 from rljax.config import ConfigError
 from rljax.data.tasks import TASKS
-from rljax.train import checkpoint, run
-from rljax.train.metrics import read_metrics
-from rljax.train.rollout import Rollout
+from rljax.train import run
+from rljax.train.core import checkpoint
+from rljax.train.core.metrics import read_metrics
+from rljax.train.core.rollout import Rollout
 
 from test_train_loop import StopAfter, comparable, final_params
 

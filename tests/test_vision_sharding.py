@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from rljax import models, sharding
 from rljax.models.config import VisionConfig
 from rljax.models import vision
-from rljax.train import steps
+from rljax.train.core import steps
 
 IMG, MM = 60, 4
 
@@ -91,7 +91,7 @@ def test_a_vlm_checkpoint_loads_into_its_shards(tmp_path):
     onto the fsdp x tensor mesh, equal to what was written."""
     from rljax import config as config_lib
     from rljax.models.hf_vision import save_hf_vlm
-    from rljax.train import setup
+    from rljax.train.core import setup
     cfg, params = _model()
     save_hf_vlm(cfg, params, str(tmp_path))
     run_cfg = config_lib.default_config()
@@ -109,7 +109,7 @@ def test_the_plan_counts_the_tower_in_its_shards():
     """``rljax plan``'s resident state holds the tower (a tiny-vlm run), split over fsdp x
     tensor like the text model: per device, less than on one device."""
     from rljax import plan as plan_lib
-    from rljax.train.programs import shard_bytes
+    from rljax.train.core.programs import shard_bytes
     from test_vision_run import vlm_cfg
     one = plan_lib.plan(vlm_cfg(**{"mesh.data": 1}), jax.devices()[:1], compile_phases=False)
     cfg = vlm_cfg(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})

@@ -7,7 +7,7 @@ import numpy as np
 from rljax import models, sampling
 from rljax.models import shared_prompt, vision
 from rljax.models.config import VisionConfig
-from rljax.train import steps
+from rljax.train.core import steps
 
 IMG, MM = 60, 4
 

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("wandb")
 
 from rljax.train import run  # noqa: E402
-from rljax.train.metrics import MetricsWriter  # noqa: E402
+from rljax.train.core.metrics import MetricsWriter  # noqa: E402
 
 from test_train_loop import DEVICES, tiny_cfg  # noqa: E402
 

@@ -4,7 +4,7 @@ import os
 
 from rljax import cli
 from rljax import config as config_lib
-from rljax.train import workdir as workdir_lib
+from rljax.train.core import workdir as workdir_lib
 from tiny_config import tiny_config_source
 
 REWARD = "def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"

@@ -88,7 +88,7 @@ def test_check_reuse_key_classes(tmp_path):
     """Without training: which differences are free, need the flag, or are never accepted."""
     from rljax import config as config_lib
     from rljax.errors import UserError
-    from rljax.train import workdir as wd
+    from rljax.train.core import workdir as wd
 
     cfg = config_lib.default_config()
     wd.write_config(str(tmp_path), cfg)

@@ -17,8 +17,8 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from rljax import cli, tokenizers
-from rljax.train import metrics as metrics_lib
-from rljax.train import paths, workdir as workdir_lib
+from rljax.train.core import metrics as metrics_lib
+from rljax.train.core import paths, workdir as workdir_lib
 
 from tiny_config import tiny_config_source
 

@@ -12,7 +12,7 @@ value is their mean reward, V(s_t) = 1/K sum_k R(s_t ++ eta_k). Each token of st
 
 (gamma = 1, as in the paper). The continuations only estimate values; they do not train.
 Registered as the token-level estimator ``vineppo``; the rollout that samples the forks is
-``rljax.train.vine``.
+``rljax.train.methods.vine``.
 """
 from __future__ import annotations
 

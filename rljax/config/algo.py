@@ -72,7 +72,7 @@ def algo() -> dict[str, Any]:
         micro_batch_size=0,          # completions per forward/backward; 0 = mini batch
         group_by_length=False,       # GRPO: micro-batches of rows of similar length, each
                                      # computed on its own real columns only (exact up to
-                                     # float32 order; rljax.train.length_groups)
+                                     # float32 order; rljax.train.core.length_groups)
         shared_prompt=True,          # GRPO: the update computes each group's prompt once, its
                                      # G completions attending to it (exact up to float32
                                      # order; rljax.models.shared_prompt); other algorithms

@@ -57,7 +57,7 @@ def _check_axes(sizes: dict, prefix: str) -> None:
 def check_mesh(cfg) -> None:
     """Axis sizes of both meshes; the split only for asynchronous RL, with a rollout mesh
     whose fixed axes divide its devices (the device count itself is checked by
-    ``rljax.train.inputs.check_inputs``, which knows it)."""
+    ``rljax.train.core.inputs.check_inputs``, which knows it)."""
     _check_axes(axis_sizes(cfg.mesh), "mesh")
     n = int(cfg.mesh.rollout_devices)
     if not n:

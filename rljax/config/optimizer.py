@@ -27,7 +27,7 @@ def optimizer() -> dict[str, Any]:
 
 SECTIONS = {"optimizer": optimizer}
 
-# Closed sets: each name is a branch of rljax.train.optim.
+# Closed sets: each name is a branch of rljax.train.core.optim.
 CHOICES = {
     "optimizer.name": ("adamw", "adam", "sgd"),
     "optimizer.schedule": ("constant", "linear", "cosine"),

@@ -6,7 +6,7 @@ the other seats) are both a match whose seats are played by language models. Eac
 own multi-turn episode: its prompt, its own moves as model turns, and the state after the other
 seats' moves as observations. So each seat keeps its own KV cache, sees only what its seat may
 see (Kuhn Poker: its own card), and a token's reward is only its seat's return: there is no
-trajectory that holds two seats' tokens. The rollout (``rljax.train.matches``) steps the seat
+trajectory that holds two seats' tokens. The rollout (``rljax.train.methods.matches``) steps the seat
 envs of a match in the game's turn order:
 
     match = Match(game, deal=None)

@@ -183,7 +183,7 @@ def _exit_codes(workers) -> str:
 
 def _ctrl_c_raises() -> bool:
     """True when a Ctrl-C would raise KeyboardInterrupt here (Python's default SIGINT handler);
-    under the trainer's handler (``rljax.train.faults``) it only requests a stop."""
+    under the trainer's handler (``rljax.train.core.faults``) it only requests a stop."""
     import signal
 
     return signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from rljax import compilation_cache
 from rljax import config as config_lib
 from rljax.errors import RljaxError, UserError
-from rljax.train.checkpoint import CheckpointDamaged, CheckpointManager, checkpoint_dir
+from rljax.train.core.checkpoint import CheckpointDamaged, CheckpointManager, checkpoint_dir
 from rljax.train.phases import make_phases
-from rljax.train.setup import Context, Phase, build_context, check_inputs
-from rljax.train.state import (TrainState, abstract_train_state, for_checkpoint,
+from rljax.train.core.setup import Context, Phase, build_context, check_inputs
+from rljax.train.core.state import (TrainState, abstract_train_state, for_checkpoint,
                                 from_checkpoint)
 
 

@@ -5,9 +5,10 @@
 reads top to bottom: check inputs (before anything compiles), build mesh / tokenizer / model,
 restore the latest checkpoint if there is one, then run the phases: the SFT warm-up
 (``sft.steps``), then ``steps`` iterations of ``algo.name``. Every iteration is
-``rollout -> reward -> advantage -> update`` inside the phase, then ``log -> eval -> checkpoint``
-here. SIGTERM / SIGINT finish the current iteration (or stop an eval between chunks), save,
-and return (0 / 130). A step's checkpoint is written before its eval.
+``rollout -> reward -> advantage -> update`` inside the phase, then the hooks
+(``rljax.train.hooks``): ``log -> checkpoint -> eval``. SIGTERM / SIGINT finish the current
+iteration (or stop an eval between chunks), save, and return (0 / 130). A step's checkpoint is
+written before its eval.
 
 Algorithms plug in as phases (``rljax.train.phases.ALGORITHMS``: ``name -> factory(ctx, steps)
 -> Phase``). Global step numbers (metrics, checkpoints) count iterations over all phases: the
@@ -16,12 +17,9 @@ warm-up's ``1..sft.steps``, then the RL iterations.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import sys
-import threading
-import time
 
 import jax
 
@@ -29,22 +27,23 @@ from rljax import compilation_cache
 from rljax import config as config_lib
 from rljax import distributed, models, sampling, tokenizers
 from rljax import plan as plan_lib
-from rljax.errors import TrainingDiverged, UserError, WorkdirInUse
+from rljax.errors import UserError, WorkdirInUse
 from rljax.models import hf_vision
-from rljax.train import evaluate as eval_lib
-from rljax.train import paths
-from rljax.train import workdir as workdir_lib
-from rljax.train.checkpoint import CheckpointManager, checkpoint_dir
-from rljax.train.faults import StopSignal
+from rljax.train.core import evaluate as eval_lib
+from rljax.train.core import paths
+from rljax.train.core import workdir as workdir_lib
+from rljax.train.core.checkpoint import CheckpointManager, checkpoint_dir
+from rljax.train.core.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets,
                                    restore_for_training, start_phase)
-from rljax.train.learning_signal import NoSignalHint
-from rljax.train.metrics import MetricsWriter, read_metrics, run_summary
-from rljax.train.optim import NonFiniteGuard
+from rljax.train.core.metrics import MetricsWriter, read_metrics, run_summary
+from rljax.train.core.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
-from rljax.train.rollout import print_completions
-from rljax.train.setup import build_context, check_inputs, stop_ids
-from rljax.train.state import for_checkpoint, nonfinite_fields
+from rljax.train.core.rollout import print_completions
+from rljax.train.core.setup import build_context, check_inputs, stop_ids
+from rljax.train.hooks import (Run, announced_if_slow, default_hooks, run_phases,
+                               setup_objects_frozen)
+from rljax.train.methods import agent
 
 # ----------------------------------------------------------------------------- train
 
@@ -99,88 +98,15 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                 if any(not hasattr(p, "evaluate") for p in phases) else None)
     offsets = phase_offsets(phases)
     total = offsets[-1] + phases[-1].steps
-    guard = NonFiniteGuard(cfg.optimizer.max_consecutive_nonfinite)
     ctx.stop = stop  # a reward call still running when a stop is requested is abandoned
     ckpt = CheckpointManager(checkpoint_dir(workdir), max_to_keep=cfg.checkpoint.max_to_keep,
                              async_save=cfg.checkpoint.async_save)
+    guard = NonFiniteGuard(cfg.optimizer.max_consecutive_nonfinite)
     try:
-        ckpt.check_writable()  # a read-only folder fails now, not after the first steps
-        if checkpoint is not None:
-            if int(checkpoint) not in ckpt.all_steps():
-                raise UserError(f"--checkpoint {checkpoint}: no such checkpoint in "
-                                f"{ckpt.directory}; saved steps: {ckpt.all_steps()}")
-            later = [s for s in ckpt.all_steps() if s > int(checkpoint)]
-            for s in later:
-                ckpt.move_aside(s, "discarded")
-            if later:
-                print(f"rljax: resuming from checkpoint {checkpoint}: moved the later "
-                      f"checkpoints {later} aside to <step>.discarded", file=sys.stderr,
-                      flush=True)
-        # Position: the next iteration to run is `start` of phase `index`.
-        index, start, gstep, state, eval_pending = 0, 0, 0, None, False
-        restored = restore_for_training(ctx, phases, ckpt, checkpoint,
-                                        fallback=cfg.checkpoint.fallback_on_damage)
-        if restored is not None:
-            state, meta, gstep = restored
-            index, start = int(meta["phase"]), int(meta["phase_step"])
-            phases[index].load_state_dict(meta["phase_state"])
-            guard.load_state_dict(meta["guard"])
-            eval_pending = bool(meta.get("eval_pending", False))
-            print(f"rljax: resumed at step {gstep} ({phases[index].name} {start}/"
-                  f"{phases[index].steps})", file=sys.stderr, flush=True)
-            if gstep >= total and finished(workdir, gstep, eval_pending):
-                print(f"rljax: the run in {workdir} is already complete (step {gstep} of "
-                      f"{total}, final eval logged): nothing to do; raise `steps` to train "
-                      "further", file=sys.stderr, flush=True)
-                ckpt.close()
-                return 0
-            if gstep >= total:
-                print(f"rljax: nothing to train: the checkpoint is at step {gstep} of {total}; "
-                      f"only its final eval is owed", file=sys.stderr, flush=True)
-        workdir_lib.write_config(workdir, cfg)  # after a successful restore: never a config
-        #                                         the workdir's checkpoint does not fit
-        # A run killed after committing a step but before deleting an old one keeps one too
-        # many (safe to prune: the workdir lock says no other run is writing here).
-        ckpt.prune()
-    except BaseException:
-        ckpt.close()
-        raise
-
-    def save(phase_index: int, phase_step: int, step: int, wait: bool = False,
-             eval_pending: bool = False):
-        bad = nonfinite_fields(state)
-        if bad:  # never rotate good checkpoints out for a NaN one
-            raise TrainingDiverged(
-                f"{' and '.join(bad)} became non-finite (NaN/inf) by step {step}: not saving "
-                f"checkpoint {step}; the last good one is {ckpt.latest_step()} in "
-                f"{ckpt.directory}. Lower {guard.learning_rate_key} (or check "
-                "optimizer.max_grad_norm, the data and the rewards), then resume")
-        meta = {"phase": phase_index, "phase_name": phases[phase_index].name,
-                "phase_step": phase_step, "phase_state": phases[phase_index].state_dict(),
-                "guard": guard.state_dict(), "eval_pending": eval_pending}
-        ckpt.save(step, for_checkpoint(state), meta, wait=wait)  # LoRA: adapters, no base
-
-    evals_run: list[int] = []  # steps evaluated by this process (the first one compiles)
-
-    def run_eval(step: int) -> bool:
-        """Evaluates at ``step``; False if a stop request interrupted it (nothing written)."""
-        rng = jax.random.fold_in(jax.random.fold_in(state.rng, eval_lib.EVAL_STREAM), step)
-        if hasattr(phases[index], "evaluate"):  # a phase with its own held-out metrics (dpo, rm)
-            writer.write(step, phases[index].evaluate(state, rng))
-            return True
-        first = not evals_run
-        evals_run.append(step)
-        with (announced_if_slow(f"evaluating step {step} on {len(examples)} held-out examples "
-                                "(the first eval compiles the sampler)") if first
-              else contextlib.nullcontext()):
-            metrics = eval_lib.run_eval(ctx, state.params, rng, examples, stop=stop,
-                                        progress_every_s=cfg.logging.console_every_s)
-        if metrics is None:
-            return False
-        writer.write(step, metrics)
-        return True
-
-    try:
+        position = _restore(cfg, workdir, ctx, phases, ckpt, guard, checkpoint, total)
+        if position is None:
+            ckpt.close()
+            return 0
         # Rows after the checkpoint (or all rows, starting from scratch) belong to an
         # interrupted run that is redone now; an eval the checkpoint still owes is redone too.
         writer = MetricsWriter(workdir, total_steps=total, phases=[
@@ -188,62 +114,33 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                                    for i, p in enumerate(phases)],
                                console_every_s=cfg.logging.console_every_s,
                                tensorboard=cfg.logging.tensorboard,
-                               resume_step=gstep if state is not None else 0,
-                               drop_eval_at_resume=eval_pending,
-                               wandb=cfg.logging.wandb.to_dict(), config=cfg.to_dict())
+                               resume_step=position["gstep"], wandb=cfg.logging.wandb.to_dict(),
+                               drop_eval_at_resume=position["eval_pending"],
+                               config=cfg.to_dict())
     except BaseException:
         ckpt.close()
         raise
 
-    def stopped(step: int) -> int:
-        print(f"rljax: stopped by {stop.reason} at step {step}; checkpoint in "
-              f"{ckpt.directory}", file=sys.stderr, flush=True)
-        return stop.exit_code
+    def evaluate_fn(params, rng, stop):
+        return eval_lib.run_eval(ctx, params, rng, examples, stop=stop,
+                                 progress_every_s=cfg.logging.console_every_s,
+                                 episodes=agent.run_agent_eval)
 
-    hint = NoSignalHint(cfg.rollout.temperature, cfg.algo.num_generations,
-                        enabled=jax.process_index() == 0)
+    run = Run(cfg=cfg, ctx=ctx, phases=phases, offsets=offsets, ckpt=ckpt, writer=writer,
+              guard=guard, stop=stop, evaluate_fn=evaluate_fn,
+              eval_size=len(examples) if examples else 0, state=position["state"],
+              index=position["index"], start=position["start"], gstep=position["gstep"])
     cache_note = (" (slow on the first run of a config only: the compilation cache keeps it)"
                   if compilation_cache.resolve_dir(cfg.compilation_cache_dir) else "")
     # handlers stay installed until the checkpoint is closed (2nd signal: 130)
     with stop, setup_objects_frozen():
         try:
-            if eval_pending and not run_eval(gstep):
-                return stopped(gstep)
-            for index in range(index, len(phases)):
-                phase = phases[index]
-                guard.learning_rate_key = getattr(phase, "learning_rate_key",
-                                                  "optimizer.learning_rate")
-                if state is None or start == 0:
-                    state = start_phase(ctx, phase, state if state is not None
-                                        else initial_state(ctx))
-                if gstep == 0 and start == 0 and cfg.eval_at_start and not run_eval(0):
-                    return stopped(0)  # eval of the starting policy, before any update
-                for step in range(start, phase.steps):
-                    with (announced_if_slow(f"compiling the {phase.name} iteration"
-                                            f"{cache_note}") if step == start
-                          else contextlib.nullcontext()):  # the first one compiles
-                        state, metrics = phase.iteration(state, step)
-                    gstep = offsets[index] + step + 1
-                    hint.observe(gstep, metrics)  # all groups equal for a while: say so, once
-                    last = step + 1 == phase.steps
-                    guard.update(metrics.get("skipped", 0) > 0, gstep)
-                    metrics["train/skipped_total"] = guard.total
-                    if gstep % cfg.logging.log_every == 0 or last:
-                        writer.write(gstep, metrics)
-                    do_eval = last or bool(cfg.eval_every and gstep % cfg.eval_every == 0)
-                    # The checkpoint comes before the (possibly long) eval: a stop during
-                    # the eval loses no trained step; the eval it owes is redone on resume.
-                    if last or (cfg.checkpoint_every and gstep % cfg.checkpoint_every == 0):
-                        save(index, step + 1, gstep, eval_pending=do_eval)
-                    if do_eval and not run_eval(gstep):  # always after warm-up and at end
-                        if cfg.checkpoint.save_on_stop:
-                            save(index, step + 1, gstep, wait=True, eval_pending=True)
-                        return stopped(gstep)
-                    if stop.should_stop(sync=True):
-                        if cfg.checkpoint.save_on_stop:
-                            save(index, step + 1, gstep, wait=True)
-                        return stopped(gstep)
-                start = 0
+            code = run_phases(run, default_hooks(cfg),
+                              start_phase=lambda phase, state: start_phase(ctx, phase, state),
+                              initial_state=lambda: initial_state(ctx),
+                              eval_pending=position["eval_pending"], cache_note=cache_note)
+            if code is not None:
+                return code
             ckpt.wait_until_finished()
             summary = run_summary(workdir, writer.evals, ckpt.all_steps(), ckpt.directory,
                                   cfg.checkpoint.max_to_keep, cfg.logging.tensorboard,
@@ -258,36 +155,54 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
     return 0
 
 
-ANNOUNCE_AFTER_S = 3.0  # start-up work that takes longer says what it is doing
+def _restore(cfg, workdir: str, ctx, phases, ckpt, guard, checkpoint: int | None,
+             total: int) -> dict | None:
+    """Where the run starts: ``{state, index, start, gstep, eval_pending}`` from the newest
+    checkpoint (or ``checkpoint``), or from scratch; None when the run is already complete.
+    Writes ``config.json`` once the checkpoint has restored."""
+    ckpt.check_writable()  # a read-only folder fails now, not after the first steps
+    if checkpoint is not None:
+        _discard_after(ckpt, int(checkpoint))
+    position = dict(state=None, index=0, start=0, gstep=0, eval_pending=False)
+    restored = restore_for_training(ctx, phases, ckpt, checkpoint,
+                                    fallback=cfg.checkpoint.fallback_on_damage)
+    if restored is not None:
+        state, meta, gstep = restored
+        index, start = int(meta["phase"]), int(meta["phase_step"])
+        phases[index].load_state_dict(meta["phase_state"])
+        guard.load_state_dict(meta["guard"])
+        eval_pending = bool(meta.get("eval_pending", False))
+        position = dict(state=state, index=index, start=start, gstep=gstep,
+                        eval_pending=eval_pending)
+        print(f"rljax: resumed at step {gstep} ({phases[index].name} {start}/"
+              f"{phases[index].steps})", file=sys.stderr, flush=True)
+        if gstep >= total and finished(workdir, gstep, eval_pending):
+            print(f"rljax: the run in {workdir} is already complete (step {gstep} of "
+                  f"{total}, final eval logged): nothing to do; raise `steps` to train "
+                  "further", file=sys.stderr, flush=True)
+            return None
+        if gstep >= total:
+            print(f"rljax: nothing to train: the checkpoint is at step {gstep} of {total}; "
+                  f"only its final eval is owed", file=sys.stderr, flush=True)
+    workdir_lib.write_config(workdir, cfg)  # after a successful restore: never a config
+    #                                         the workdir's checkpoint does not fit
+    # A run killed after committing a step but before deleting an old one keeps one too
+    # many (safe to prune: the workdir lock says no other run is writing here).
+    ckpt.prune()
+    return position
 
 
-@contextlib.contextmanager
-def announced_if_slow(what: str, after_s: float | None = None, stream=None):
-    """Prints ``rljax: WHAT ...`` on stderr (process 0) once the block has run ``after_s``
-    seconds (``ANNOUNCE_AFTER_S``), and then ``rljax: WHAT: done in N s`` when it ends: a
-    model that loads for a minute, or a first iteration that compiles for one, is not a
-    silent console; quick blocks (and refusals, which stay one line) print nothing."""
-    if jax.process_index() != 0:
-        yield
-        return
-    stream = stream or sys.stderr
-    t0, said = time.perf_counter(), threading.Event()
-
-    def announce():
-        said.set()
-        print(f"rljax: {what} ...", file=stream, flush=True)
-
-    timer = threading.Timer(ANNOUNCE_AFTER_S if after_s is None else after_s, announce)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-        timer.join()  # an announcement being printed now finishes first
-    if said.is_set():  # (not after a failure: its own message says what happened)
-        print(f"rljax: {what}: done in {time.perf_counter() - t0:.0f} s", file=stream,
-              flush=True)
+def _discard_after(ckpt, checkpoint: int) -> None:
+    """``--checkpoint N``: checkpoints after N belong to the abandoned continuation."""
+    if checkpoint not in ckpt.all_steps():
+        raise UserError(f"--checkpoint {checkpoint}: no such checkpoint in "
+                        f"{ckpt.directory}; saved steps: {ckpt.all_steps()}")
+    later = [s for s in ckpt.all_steps() if s > checkpoint]
+    for s in later:
+        ckpt.move_aside(s, "discarded")
+    if later:
+        print(f"rljax: resuming from checkpoint {checkpoint}: moved the later "
+              f"checkpoints {later} aside to <step>.discarded", file=sys.stderr, flush=True)
 
 
 def eval_labels(phases, offsets) -> dict[int, str]:
@@ -314,22 +229,6 @@ def finished(workdir: str, step: int, eval_pending: bool) -> bool:
                for r in records)
 
 
-@contextlib.contextmanager
-def setup_objects_frozen():
-    """Moves every object that exists now (modules, tokenizer, data, config, model state) out
-    of the cyclic garbage collector's view until the block ends (``gc.freeze``).
-
-    They live for the whole run, and tracing the first iteration's programs allocates enough
-    to set off full collections, each of which rescanned them all: ~0.2 s per collection over
-    ~520k objects at the toy GRPO benchmark (``bench/RESULTS.md``). Reference
-    counting still frees frozen objects; on exit they are handed back to the collector."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 # ----------------------------------------------------------------------------- inference
 
 def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> int:
@@ -339,7 +238,7 @@ def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> 
     if _is_reward_model(cfg, state):  # held-out pair accuracy of the reward model
         metrics = make_phases(ctx)[-1].evaluate(state, rng)
     else:
-        metrics = eval_lib.run_eval(ctx, state.params, rng)
+        metrics = eval_lib.run_eval(ctx, state.params, rng, episodes=agent.run_agent_eval)
     print(json.dumps({"step": step, **metrics}), file=sys.stdout, flush=True)
     return 0
 
@@ -393,7 +292,6 @@ def _sample_episodes(ctx, params, questions: list[str], texts: list[str]) -> int
     """One episode per prompt in the run's environment (eval temperature); prints each
     episode's rendered first messages and its whole transcript (model turns and
     observations)."""
-    from rljax.train import agent
     cfg = ctx.cfg
     examples = [{"prompt": t, "question": q} for q, t in zip(questions, texts)]
     eps = agent.play(ctx, params, examples, jax.random.PRNGKey(cfg.seed), num_samples=1,
@@ -410,7 +308,7 @@ def render_prompts(cfg, tok, prompts: list[str], ctx=None) -> list[str]:
     """``prompts`` as the run's data pipeline renders a question: ``data.template`` (its one
     field filled with the text), then the chat template when ``tokenizer.chat_template``."""
     from rljax import data as data_lib
-    from rljax.train.inputs import _template
+    from rljax.train.core.inputs import _template
 
     spec = ctx.data_config() if ctx is not None else {
         "template": _template(cfg), "chat": bool(cfg.tokenizer.chat_template),

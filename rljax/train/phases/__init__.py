@@ -8,12 +8,12 @@
     dpo   DPOPhase   offline and online (iterative) DPO and its variants
     rm    RMPhase    Bradley-Terry reward model
 
-A phase is ``factory(ctx, steps) -> Phase`` (the protocol is ``rljax.train.setup.Phase``); it
+A phase is ``factory(ctx, steps) -> Phase`` (the protocol is ``rljax.train.core.setup.Phase``); it
 builds on the machinery one level up (``rljax.train``: state, steps, rollout, evaluate, ...) and
 never imports the controller. ``ALGORITHMS`` maps ``algo.name`` to a factory;
 ``register_algorithm`` adds one from outside the package. ``PROGRAMS`` maps it to the phase's
 ``programs(ctx, steps) -> (abstract state, [Program])``: the jitted programs its iterations run,
-with abstract inputs (``rljax.train.programs``), which ``rljax plan`` compiles.
+with abstract inputs (``rljax.train.core.programs``), which ``rljax plan`` compiles.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.phases.ppo import PPOPhase
 from rljax.train.phases.rm import RMPhase
 from rljax.train.phases.sft import SFTPhase
-from rljax.train.setup import Context, Phase
+from rljax.train.core.setup import Context, Phase
 
 
 def grpo_phase(ctx: Context, steps: int) -> Phase:

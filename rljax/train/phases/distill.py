@@ -24,11 +24,11 @@ import time
 import numpy as np
 
 from rljax import distributed as dist
-from rljax.train import programs as programs_lib
-from rljax.train import teacher as teacher_lib
+from rljax.train.core import programs as programs_lib
+from rljax.train.core import teacher as teacher_lib
 from rljax.train.phases.grpo import GRPOPhase
-from rljax.train.rollout import Rollout
-from rljax.train.setup import Context
+from rljax.train.core.rollout import Rollout
+from rljax.train.core.setup import Context
 
 
 def _score_options(ctx: Context) -> dict:
@@ -54,8 +54,8 @@ class DistillRollout(Rollout):
     k]). The teacher is loaded at the first rollout, not when the phase is built, so that
     ``rljax eval`` / ``sample`` of a distilled workdir never read it."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True):
-        super().__init__(ctx, iterator, old_logps)
+    def __init__(self, ctx, iterator, old_logps: bool = True, stages=()):
+        super().__init__(ctx, iterator, old_logps, stages=stages)
         self._teacher = None   # (params, score fn)
 
     def teacher(self):

@@ -28,13 +28,13 @@ from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
-from rljax.train import evaluate as eval_lib
-from rljax.train import programs as programs_lib, steps
-from rljax.train.rollout import RewardRollout
-from rljax.train.setup import check_lengths, data_iterator, preference_config
-from rljax.train.step_mc import StepMCPairs
-from rljax.train.state import reference_params
-from rljax.train.steps import to_host
+from rljax.train.core import evaluate as eval_lib
+from rljax.train.core import programs as programs_lib, steps
+from rljax.train.core.rollout import RewardRollout
+from rljax.train.core.setup import check_lengths, data_iterator, preference_config
+from rljax.train.methods.step_mc import StepMCPairs
+from rljax.train.core.state import reference_params
+from rljax.train.core.steps import to_host
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
@@ -411,7 +411,7 @@ class DPOPhase:
     @staticmethod
     def programs(ctx, steps: int):
         """``(abstract state, [Program])``: online, the rollout's sampler and log-prob passes
-        (``rljax.train.programs``); the evaluation sampler when the policy is evaluated on
+        (``rljax.train.core.programs``); the evaluation sampler when the policy is evaluated on
         prompts; the update on the step's pairs (``programs.pair_batch``)."""
         cfg, optimizer = ctx.cfg, _optimizer(ctx, steps)
         state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))

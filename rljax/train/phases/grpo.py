@@ -25,12 +25,13 @@ from rljax import algorithms, models, streams as streams_lib
 from rljax.config.base import ConfigError
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
-from rljax.train import guidance, length_groups, programs as programs_lib, steps
-from rljax.train import teacher as teacher_lib
-from rljax.train.metrics import host_fraction
-from rljax.train.rollout import Rollout
-from rljax.train.setup import Context, rl_iterator, sampler_context, update_sizes
-from rljax.train.steps import to_host
+from rljax.train.core import length_groups, programs as programs_lib, steps
+from rljax.train.methods import guidance
+from rljax.train.core import teacher as teacher_lib
+from rljax.train.core.metrics import host_fraction
+from rljax.train.core.rollout import Rollout
+from rljax.train.core.setup import Context, rl_iterator, sampler_context, update_sizes
+from rljax.train.core.steps import to_host
 
 
 # ----------------------------------------------------------------------------- loss
@@ -86,7 +87,7 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
     ``teacher_topk_logps`` f32 / ``teacher_topk_ids`` i32 [B, N, k]. Returns
     ``((weighted_sum, weight), metric pairs)`` aggregated by ``algo.loss_agg_mode``.
 
-    Partial rollouts (``partial``; ``rljax.train.partial``): a completion's tokens come from
+    Partial rollouts (``partial``; ``rljax.train.core.partial``): a completion's tokens come from
     several policy versions, ``sampler_logps`` holding each token's behaviour log-prob. The
     loss is AReaL's decoupled objective (Fu et al. 2025, arXiv 2505.24298), the behaviour
     weight truncated as in TIS when a cap is set::
@@ -234,7 +235,7 @@ def batch_fields(cfg, model_cfg=None) -> dict:
         fields["ref_logps"] = ((n,), f32)
     if cfg.rollout.temperature_schedule.name != "constant":
         fields["temperatures"] = ((n,), f32)
-    if cfg.env.name:   # multi-turn episodes: the model's own tokens (rljax.train.agent)
+    if cfg.env.name:   # multi-turn episodes: the model's own tokens (rljax.train.methods.agent)
         fields["model_mask"] = ((n,), bool)
     if a.name == "distill":   # the teacher's scores of the sampled tokens
         fields.update(teacher_lib.fields(cfg, n))
@@ -303,22 +304,25 @@ class GRPOPhase:
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         groups = self.batch_size // a.num_generations
         if cfg.env.name and cfg.env.selfplay.mode == "self":   # a group per seat of a game
-            from rljax.train import selfplay
+            from rljax.train.methods import selfplay
             groups = selfplay.examples_per_round(cfg, groups)
         self.iterator = rl_iterator(ctx, groups)
         rollout_cls = self.rollout_class
-        if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
-            from rljax.train.agent import MultiTurnRollout as rollout_cls
+        if cfg.env.name:   # multi-turn episodes (rljax.train.methods.agent)
+            from rljax.train.methods.agent import MultiTurnRollout as rollout_cls
         elif cfg.rollout.partial:   # groups carried across iterations
-            from rljax.train.partial import PartialRollout as rollout_cls
+            from rljax.train.core.partial import PartialRollout as rollout_cls
         elif cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
-            from rljax.train.allocation import KnapsackRollout as rollout_cls
+            from rljax.train.methods.allocation import KnapsackRollout as rollout_cls
         elif a.adv_estimator == "vineppo":   # forked step-prefix values
-            from rljax.train.vine import VineRollout as rollout_cls
-        self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg))
+            from rljax.train.methods.vine import VineRollout as rollout_cls
+        # Method features the rollout runs after each round, each owning its state.
+        self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
+        self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg),
+                                   stages=[self.guide] if self.guide is not None else [])
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
-        self.relift = guidance.Relift(ctx, self.rollout.guide) if a.relift.every else None
+        self.relift = guidance.Relift(ctx, self.guide) if a.relift.every else None
         self.optimizer = _optimizer(ctx, self.steps)
         self._step_fn = None
 
@@ -336,7 +340,7 @@ class GRPOPhase:
     def programs(ctx: Context, steps_: int):
         """``(abstract state, [Program])``: the rollout's sampler and log-prob passes and the
         update's programs (``GroupedUpdate.programs``) at the config's largest shapes
-        (``rljax.train.programs``; ``ctx.params`` may be abstract)."""
+        (``rljax.train.core.programs``; ``ctx.params`` may be abstract)."""
         cfg = ctx.cfg
         optimizer = _optimizer(ctx, steps_)
         state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
@@ -402,8 +406,8 @@ class GRPOPhase:
 
     def state_dict(self) -> dict:
         out = {"data": self.iterator.state()}
-        if self.rollout.guide is not None:
-            out["guidance"] = self.rollout.guide.state_dict()
+        for stage in self.rollout.stages:
+            out[stage.name] = stage.state_dict()
         if self.ctx.cfg.rollout.partial:   # the groups in flight
             out["partial"] = self.rollout.state_dict()
         if self.ctx.cfg.rollout.allocation == "knapsack":   # the pass-rate posteriors
@@ -412,8 +416,9 @@ class GRPOPhase:
 
     def load_state_dict(self, state: dict) -> None:
         self.iterator.restore(state["data"])
-        if self.rollout.guide is not None and "guidance" in state:
-            self.rollout.guide.load_state_dict(state["guidance"])
+        for stage in self.rollout.stages:
+            if stage.name in state:
+                stage.load_state_dict(state[stage.name])
         if self.ctx.cfg.rollout.partial and "partial" in state:
             self.rollout.load_state_dict(state["partial"])
         if self.ctx.cfg.rollout.allocation == "knapsack" and "allocation" in state:

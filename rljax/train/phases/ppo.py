@@ -4,7 +4,7 @@ One iteration: sample completions -> score them (host reward functions) -> ``ppo
 (old log-probs, reference log-probs, critic values, token-level rewards, GAE, whitened
 advantages; no gradients) -> K epochs x minibatches of ``ppo_step`` updating policy and critic.
 
-Batches use the sequence layout of ``rljax.train.steps`` (prompt bucket P, completion slot N)::
+Batches use the sequence layout of ``rljax.train.core.steps`` (prompt bucket P, completion slot N)::
 
     tokens     int32 [B, P+N]   mask bool [B, P+N]   loss_mask bool [B, N]
     rewards    f32   [B]        sequence scores from the reward functions
@@ -41,14 +41,14 @@ import numpy as np
 from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib
-from rljax.train import programs as programs_lib, steps
+from rljax.train.core import programs as programs_lib, steps
 from rljax.train.phases.grpo import policy_loss_options
-from rljax.train.optim import all_finite, apply_if_finite
-from rljax.train.rollout import RewardRollout
-from rljax.train.setup import Context, rl_iterator, update_sizes
-from rljax.train.state import reference_params
-from rljax.train.metrics import host_fraction
-from rljax.train.steps import to_host
+from rljax.train.core.optim import all_finite, apply_if_finite
+from rljax.train.core.rollout import RewardRollout
+from rljax.train.core.setup import Context, rl_iterator, update_sizes
+from rljax.train.core.state import reference_params
+from rljax.train.core.metrics import host_fraction
+from rljax.train.core.steps import to_host
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
@@ -286,7 +286,7 @@ def batch_fields(cfg, prepared: bool) -> dict:
         fields["ref_logps"] = ((n,), f32)
     if cfg.rollout.temperature_schedule.name != "constant":
         fields["temperatures"] = ((n,), f32)
-    if cfg.env.name:   # multi-turn episodes (rljax.train.agent)
+    if cfg.env.name:   # multi-turn episodes (rljax.train.methods.agent)
         fields["model_mask"] = ((n,), bool)
         if cfg.env.turn_discount:
             fields.update(token_rewards=((n,), f32), next_discount=((n,), f32))
@@ -322,7 +322,7 @@ class PPOPhase:
         self.mini = update_sizes(cfg)[0]
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
-            from rljax.train.agent import MultiTurnRewardRollout
+            from rljax.train.methods.agent import MultiTurnRewardRollout
             self.rollout = MultiTurnRewardRollout(ctx, self.iterator)
         else:
             self.rollout = RewardRollout(ctx, self.iterator)
@@ -344,7 +344,7 @@ class PPOPhase:
     @staticmethod
     def programs(ctx: Context, steps_: int):
         """``(abstract state, [Program])``: the rollout's sampler and log-prob passes
-        (``rljax.train.programs``), ``prepare`` (values, reference log-probs, GAE) over the
+        (``rljax.train.core.programs``), ``prepare`` (values, reference log-probs, GAE) over the
         whole batch and the update of policy and critic on a mini-batch."""
         cfg = ctx.cfg
         optimizer, critic_optimizer = _optimizers(ctx, steps_)

@@ -25,9 +25,9 @@ from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
-from rljax.train import programs as programs_lib, steps
+from rljax.train.core import programs as programs_lib, steps
 from rljax.train.phases import dpo as dpo_lib
-from rljax.train.steps import to_host
+from rljax.train.core.steps import to_host
 
 Array = jax.Array
 

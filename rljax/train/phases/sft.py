@@ -15,10 +15,11 @@ from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
-from rljax.train import guidance, image_inputs, programs as programs_lib
-from rljax.train import rollout as rollout_lib
-from rljax.train.setup import Context, data_iterator
-from rljax.train.steps import build_sft_step, to_host
+from rljax.train.core import image_inputs, programs as programs_lib
+from rljax.train.methods import guidance
+from rljax.train.core import rollout as rollout_lib
+from rljax.train.core.setup import Context, data_iterator
+from rljax.train.core.steps import build_sft_step, to_host
 
 SFT_SEED_OFFSET = 1  # the SFT iterator's order differs from the RL prompts' order
 
@@ -61,7 +62,7 @@ class SFTPhase:
     def programs(ctx: Context, steps: int, learning_rate: float):
         """``(abstract state, [Program])``: the update on ``sft.batch_size`` rows of the longest
         prompt bucket + ``sft.max_length - data.max_prompt_length`` completion columns
-        (``rljax.train.programs``)."""
+        (``rljax.train.core.programs``)."""
         cfg = ctx.cfg
         optimizer = ctx.optimizer(learning_rate, int(steps))
         state = programs_lib.phase_state(ctx, lambda s: _init_state(optimizer, s))
@@ -90,7 +91,7 @@ class SFTPhase:
         if self.ctx.cfg.sft.env_traces:
             import numpy as np
             from rljax.sampling import pad_to_bucket
-            from rljax.train.agent import trace_batch
+            from rljax.train.methods.agent import trace_batch
             rng = np.random.default_rng([int(self.ctx.cfg.seed), SFT_SEED_OFFSET, int(step)])
             prompts, c_tok, c_mask, model, cut = trace_batch(self.ctx.cfg, tok, examples, n,
                                                              rng)

@@ -12,7 +12,7 @@ import math
 import os
 
 from rljax.errors import UserError
-from rljax.train.metrics import METRICS_FILE, numeric_series, read_metrics
+from rljax.train.core.metrics import METRICS_FILE, numeric_series, read_metrics
 
 # Key substrings in display order; keys matching none come after, alphabetically.
 ORDER = ("reward", "eval/", "loss", "kl", "entropy", "clip", "length", "grad_norm", "lr")

@@ -32,8 +32,8 @@ import numpy as np
 from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import partial as partial_lib
-from rljax.train.buckets import encode_prompts, prompt_buckets
-from rljax.train.rollout import (Rollout, rollout_temperatures, sampling_params,
+from rljax.train.core.buckets import encode_prompts, prompt_buckets
+from rljax.train.core.rollout import (Rollout, rollout_temperatures, sampling_params,
                                  staleness_metrics)
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
@@ -54,8 +54,8 @@ def make_pool(ctx, num_prompts: int) -> partial_lib.Pool:
 class PartialRollout(Rollout):
     """``Rollout`` whose rounds come from a pool of groups in flight (module docstring)."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True):
-        super().__init__(ctx, iterator, old_logps=old_logps)
+    def __init__(self, ctx, iterator, old_logps: bool = True, stages=()):
+        super().__init__(ctx, iterator, old_logps=old_logps, stages=stages)
         if dist.is_multiprocess():
             raise UserError("rollout.partial=true runs in a single process for now; use "
                             "rollout.partial=false on several hosts")

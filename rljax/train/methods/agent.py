@@ -22,9 +22,10 @@ import numpy as np
 from rljax import algorithms
 from rljax.algorithms import turn_credit
 from rljax.errors import UserError
-from rljax.train import episodes as ep
-from rljax.train.verifier import verify
-from rljax.train.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
+from rljax.train.core import episodes as ep
+from rljax.train.core import evaluate
+from rljax.train.core.verifier import verify
+from rljax.train.core.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
 
 
 def turn_tokens(cfg) -> int:
@@ -152,9 +153,9 @@ class MultiTurnRollout(Rollout):
         super().__init__(ctx, iterator, *args, **kwargs)
         self.selfplay = ctx.cfg.env.selfplay.mode != "off"
         self.template, self.opponent = None, None
-        if self.selfplay:   # other seats played by a model (rljax.train.selfplay)
+        if self.selfplay:   # other seats played by a model (rljax.train.methods.selfplay)
             from rljax import data as data_lib
-            from rljax.train import selfplay
+            from rljax.train.methods import selfplay
             self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
             self.opponent = selfplay.load_opponent(ctx)
 
@@ -165,7 +166,7 @@ class MultiTurnRollout(Rollout):
         opts = dict(num_samples=self.g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
         if not self.selfplay:
             return play(self.ctx, params, examples, rng, **opts), examples
-        from rljax.train import selfplay
+        from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
                              opponent=self.opponent, **match_options(self.cfg, self.ctx), **opts)
 
@@ -356,3 +357,22 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
     return {"correct": np.concatenate(correct).reshape(-1, num_samples),
             "lengths": np.concatenate(lengths), "truncated": np.concatenate(truncated),
             "episodes": eps_list}
+
+
+def run_agent_eval(ctx, params, rng, examples: list[dict]) -> dict:
+    """Held-out episodes (``env.name`` set): ``eval/accuracy`` (episode reward >= 1: the
+    environment's rewards plus the first reward function on the final model turn; or the
+    environment reported the episode ``solved``: ``agent.episode_correct``), pass@k,
+    trajectory lengths, and the episodes' ``eval/turns_mean``, tool counts, ..."""
+    e, t0 = ctx.cfg.eval, time.perf_counter()
+    out = run_eval_batches(ctx, params, rng, examples, num_samples=e.num_samples,
+                                 temperature=e.temperature, batch_size=e.batch_size)
+    ok = out["correct"]
+    m = {"eval/accuracy": float(ok.mean()), "eval/num_examples": int(ok.shape[0]),
+         "eval/length_mean": float(out["lengths"].mean()),
+         "eval/truncated_frac": float(out["truncated"].mean())}
+    m.update({k: v for k, v in env_metrics(out["episodes"], prefix="eval").items()
+              if k != "eval/truncated_frac"})
+    m.update(evaluate.pass_at_k_metrics(ok))
+    m["time/eval"] = time.perf_counter() - t0
+    return m

@@ -1,6 +1,6 @@
 """Everything a run needs before its first step: mesh, tokenizer, model, data.
 
-``check_inputs(cfg)`` (``rljax.train.inputs``) runs first and touches no accelerator: it turns
+``check_inputs(cfg)`` (``rljax.train.core.inputs``) runs first and touches no accelerator: it turns
 every problem a user can fix (files that do not exist, an unsupported checkpoint, a batch that
 does not split over G or the mesh) into one ``UserError`` line. ``build_context(cfg, workdir)``
 then creates the
@@ -26,10 +26,10 @@ from rljax import models, rewards, tokenizers
 from rljax.config import mesh as mesh_config
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
-from rljax.train import optim, paths, quantized
-from rljax.train.state import TrainState, state_shardings
+from rljax.train.core import optim, paths, quantized
+from rljax.train.core.state import TrainState, state_shardings
 # The input checks and data configs, re-exported: phases, the CLI and user code import them here.
-from rljax.train.inputs import (TEMPLATES, check_context_length, check_data_files,  # noqa: F401
+from rljax.train.core.inputs import (TEMPLATES, check_context_length, check_data_files,  # noqa: F401
                                 check_inputs, check_lengths, data_config, preference_config,
                                 reward_fields, reward_kwargs, uses_preference_data)
 

@@ -32,10 +32,8 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from rljax import data as data_lib
 from rljax import rewards, sampling
-from rljax.errors import UserError
-from rljax.train.rollout import RL_STREAM, expand_fields, generate, prompt_buckets
+from rljax.train.core.rollout import RL_STREAM, expand_fields, generate, prompt_buckets
 
 
 # ----------------------------------------------------------------------------- pure host helpers
@@ -98,22 +96,6 @@ def best_worst_steps(values: dict[tuple, tuple[float, int]], min_gap: float = 0.
     if gap <= min_gap or best[0] == worst[0]:
         return None
     return best[0], worst[0], gap
-
-
-def check_step_delimiter(cfg) -> None:
-    """``data.pairs="step_mc"`` on a built-in task: the task's reference solutions must contain
-    ``data.step_delimiter`` (else every solution is one step and no step pairs exist): UserError
-    naming the key, before anything compiles. Other sources have no reference solutions; their
-    samples are counted at run time (``step_mc/single_step_frac``)."""
-    if cfg.data.pairs != "step_mc" or cfg.data.source not in data_lib.TASKS:
-        return
-    task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
-    solutions = [task.solution(task.example(i)) for i in range(8)]
-    if not any(cfg.data.step_delimiter in s for s in solutions):
-        raise UserError(f"data.step_delimiter={cfg.data.step_delimiter!r} never occurs in the "
-                        f"{cfg.data.source} task's solutions (e.g. {solutions[0]!r}): every "
-                        "solution would be one step (arithmetic: data.kwargs.steps=True with "
-                        "operands >= 3)")
 
 
 # ----------------------------------------------------------------------------- the source

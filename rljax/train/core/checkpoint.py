@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from rljax.errors import RljaxError
-from rljax.train import paths
+from rljax.train.core import paths
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -424,7 +424,7 @@ class CheckpointManager:
         """Restores ``step`` (default: latest) into ``abstract_state``'s shapes and shardings.
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set (see
-        ``rljax.train.state.abstract_train_state``); arrays are resharded as needed. Without
+        ``rljax.train.core.state.abstract_train_state``); arrays are resharded as needed. Without
         it, arrays come back as saved (only safe on the same topology).
         """
         step = self.latest_step() if step is None else int(step)

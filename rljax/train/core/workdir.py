@@ -27,9 +27,9 @@ from typing import Sequence
 
 from rljax import config as config_lib
 from rljax.errors import ConfigError, UserError, WorkdirInUse
-from rljax.train import paths
-from rljax.train.paths import is_run_dir  # noqa: F401 - callers import it here
-from rljax.train.checkpoint import checkpoint_dir, has_checkpoint
+from rljax.train.core import paths
+from rljax.train.core.paths import is_run_dir  # noqa: F401 - callers import it here
+from rljax.train.core.checkpoint import checkpoint_dir, has_checkpoint
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = ".rljax.lock"

@@ -39,7 +39,7 @@ import numpy as np
 
 from rljax import sampling
 from rljax.sampling import multiturn
-from rljax.train.episodes import EpisodeLimits, Renderer, _count, _cut_after
+from rljax.train.core.episodes import EpisodeLimits, Renderer, _count, _cut_after
 
 
 @dataclasses.dataclass

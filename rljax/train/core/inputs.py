@@ -17,8 +17,7 @@ from rljax import data as data_lib
 from rljax import models, rewards, usercode
 from rljax.config import mesh as mesh_config
 from rljax.errors import ConfigError, UserError
-from rljax.train import teacher as teacher_lib
-from rljax.train.step_mc import check_step_delimiter
+from rljax.train.core import teacher as teacher_lib
 
 
 # Named prompt templates (``data.template``); anything else containing "{" is a format string.
@@ -130,6 +129,22 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
     check_step_delimiter(cfg)
     if cfg.algo.name == "distill" and teacher:   # its files and tokenizer, before any model
         teacher_lib.check(cfg)
+
+
+def check_step_delimiter(cfg) -> None:
+    """``data.pairs="step_mc"`` on a built-in task: the task's reference solutions must contain
+    ``data.step_delimiter`` (else every solution is one step and no step pairs exist): UserError
+    naming the key, before anything compiles. Other sources have no reference solutions; their
+    samples are counted at run time (``step_mc/single_step_frac``)."""
+    if cfg.data.pairs != "step_mc" or cfg.data.source not in data_lib.TASKS:
+        return
+    task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
+    solutions = [task.solution(task.example(i)) for i in range(8)]
+    if not any(cfg.data.step_delimiter in s for s in solutions):
+        raise UserError(f"data.step_delimiter={cfg.data.step_delimiter!r} never occurs in the "
+                        f"{cfg.data.source} task's solutions (e.g. {solutions[0]!r}): every "
+                        "solution would be one step (arithmetic: data.kwargs.steps=True with "
+                        "operands >= 3)")
 
 
 def _check_reward_kwargs(cfg) -> None:

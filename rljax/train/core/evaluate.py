@@ -21,10 +21,10 @@ import numpy as np
 from rljax import algorithms
 from rljax import data as data_lib
 from rljax.errors import UserError
-from rljax.train import image_inputs
-from rljax.train.metrics import format_duration
-from rljax.train.rollout import encode_prompts, expand_fields, generate
-from rljax.train.verifier import verify
+from rljax.train.core import image_inputs
+from rljax.train.core.metrics import format_duration
+from rljax.train.core.rollout import encode_prompts, expand_fields, generate
+from rljax.train.core.verifier import verify
 
 EVAL_STREAM = 3  # rng stream of evaluation sampling (never advances the training rng)
 
@@ -50,19 +50,24 @@ def eval_examples(ctx) -> list[dict]:
 
 
 def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
-             progress_every_s: float | None = None) -> dict | None:
+             progress_every_s: float | None = None, episodes=None) -> dict | None:
     """Evaluates ``params``; returns ``eval/*`` metrics (accuracy, pass@k, lengths).
 
     ``stop`` (a ``StopSignal``) is checked between batches (on every host together): once a stop
     was requested the eval is abandoned and None is returned. ``progress_every_s``: print
     ``eval: done/total examples | ETA`` to stderr at most that often (process 0; None = quiet).
+    ``episodes``: ``(ctx, params, rng, examples) -> metrics``, the evaluator of multi-turn
+    episodes (``env.name`` set; ``methods.agent.run_agent_eval``), which the caller supplies.
     """
     cfg = ctx.cfg
     e = cfg.eval
     examples = eval_examples(ctx) if examples is None else examples
     n, bs = e.num_samples, e.batch_size
     if cfg.env.name:
-        return run_agent_eval(ctx, params, rng, examples)
+        if episodes is None:
+            raise ValueError("env.name is set: run_eval needs the episode evaluator "
+                             "(episodes=rljax.train.methods.agent.run_agent_eval)")
+        return episodes(ctx, params, rng, examples)
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
     correct, lengths, truncated = [], [], []
     images = image_inputs.image_inputs(ctx)   # None: a text model
@@ -102,34 +107,14 @@ def run_eval(ctx, params, rng, examples: list[dict] | None = None, *, stop=None,
          "eval/length_mean": float(np.concatenate(lengths).mean()),
          "eval/truncated_frac": float(np.concatenate(truncated).mean()),
          "time/eval": time.perf_counter() - t0}
-    m.update(_pass_at_k(ok))
+    m.update(pass_at_k_metrics(ok))
     return m
 
 
-def _pass_at_k(ok: np.ndarray) -> dict:
+def pass_at_k_metrics(ok: np.ndarray) -> dict:
     """``eval/pass@k`` for every power of two k <= n from correctness bool [E, n]."""
     n, m, k = ok.shape[1], {}, 2
     while k <= n:
         m[f"eval/pass@{k}"] = float(np.mean(algorithms.pass_at_k(n, ok.sum(axis=1), k)))
         k *= 2
-    return m
-
-
-def run_agent_eval(ctx, params, rng, examples: list[dict]) -> dict:
-    """Held-out episodes (``env.name`` set): ``eval/accuracy`` (episode reward >= 1: the
-    environment's rewards plus the first reward function on the final model turn; or the
-    environment reported the episode ``solved``: ``agent.episode_correct``), pass@k,
-    trajectory lengths, and the episodes' ``eval/turns_mean``, tool counts, ..."""
-    from rljax.train import agent
-    e, t0 = ctx.cfg.eval, time.perf_counter()
-    out = agent.run_eval_batches(ctx, params, rng, examples, num_samples=e.num_samples,
-                                 temperature=e.temperature, batch_size=e.batch_size)
-    ok = out["correct"]
-    m = {"eval/accuracy": float(ok.mean()), "eval/num_examples": int(ok.shape[0]),
-         "eval/length_mean": float(out["lengths"].mean()),
-         "eval/truncated_frac": float(out["truncated"].mean())}
-    m.update({k: v for k, v in agent.env_metrics(out["episodes"], prefix="eval").items()
-              if k != "eval/truncated_frac"})
-    m.update(_pass_at_k(ok))
-    m["time/eval"] = time.perf_counter() - t0
     return m

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from rljax import models, sampling
 from rljax.sampling import tree as tree_sampling
 from rljax import sharding as shd
-from rljax.train import length_groups, rollout as rollout_lib, state as state_lib, steps
-from rljax.train.buckets import prompt_buckets
+from rljax.train.core import length_groups, rollout as rollout_lib, state as state_lib, steps
+from rljax.train.core.buckets import prompt_buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +158,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
     sampled = jax.eval_shape(for_sampling, params) if merge else params
     if r.engine == "slots" and r.partial:   # the partial-rollout pool's two programs
         from rljax.sampling import partial as partial_lib
-        from rljax.train.partial import make_pool
+        from rljax.train.core.partial import make_pool
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                partial_lib.programs(make_pool(ctx, chunk), sampled, rng)]
     elif r.engine == "slots" and tree is None and not cfg.env.name:   # the slot engine's two
@@ -196,7 +196,7 @@ def image_embed_program(ctx, params, name: str, prompts: int) -> Program:
     """The vision tower's pass over ``prompts`` prompts' pixels [prompts, I, C, S, S] that
     gives the sampler its ``image_embeds`` (``image_inputs.ImageInputs.embeds``); its
     resident argument: the tower."""
-    from rljax.train import image_inputs
+    from rljax.train.core import image_inputs
     fn = image_inputs.embed_fn(ctx.model_cfg)
     pixels = with_images(ctx, {}, prompts)["pixels"]
     return Program(name, fn, (params["vision"], pixels), shard_bytes(params["vision"]))

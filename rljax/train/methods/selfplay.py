@@ -23,8 +23,8 @@ import dataclasses
 from typing import Any
 
 from rljax.errors import UserError
-from rljax.train.episodes import EpisodeLimits, Renderer
-from rljax.train.matches import Side, run_matches
+from rljax.train.core.episodes import EpisodeLimits, Renderer
+from rljax.train.methods.matches import Side, run_matches
 
 # SeatEnv options that may come from env.kwargs (the scripted env's opponent options do not).
 SEAT_OPTIONS = ("illegal_penalty", "reward_scale", "system_prompt", "state_format")
@@ -68,7 +68,7 @@ def opponent_from_workdir(ctx, workdir: str, step: int = 0, temperature: float =
     """The run in ``workdir`` at checkpoint ``step`` (0 = its latest) as a frozen opponent:
     verified against its manifest, sharing the policy's tokenizer (one UserError line
     otherwise; ``key`` names the config section in it)."""
-    from rljax.train import teacher
+    from rljax.train.core import teacher
     source = teacher.workdir_source(workdir, int(step), f"{key}.workdir={workdir!r}",
                                     f"{key}.step", what="the opponent")
     problem = teacher.tokenizer_mismatch(ctx.tokenizer, source.tokenizer)

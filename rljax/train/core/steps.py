@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rljax import algorithms, compilation_cache, models
 from rljax.models import lora as lora_lib, shared_prompt, vision
 from rljax.sharding import BATCH_AXES
-from rljax.train.optim import apply_if_finite
-from rljax.train.state import TrainState
+from rljax.train.core.optim import apply_if_finite
+from rljax.train.core.state import TrainState
 
 # loss_fn(params, state, micro_batch) -> ((weighted_sum, weight), {name: (sum, count)})
 LossFn = Callable[[Any, TrainState, Mapping[str, jax.Array]], tuple]

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from rljax import rewards
-from rljax.train.inputs import reward_kwargs
+from rljax.train.core.inputs import reward_kwargs
 
 
 def verifier(ctx):

@@ -35,6 +35,7 @@ import math
 from collections import OrderedDict
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,8 +43,8 @@ from rljax import algorithms
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import ConfigError, UserError
-from rljax.train.buckets import build_sequences, encode_prompts
-from rljax.train.steps import build_sft_step, to_host
+from rljax.train.core.buckets import build_sequences, encode_prompts
+from rljax.train.core.steps import build_sft_step, to_host
 
 SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
 HINT_STREAM = 1 << 16  # rng: fold_in(round rng, HINT_STREAM) samples the hinted groups
@@ -327,8 +328,11 @@ def demo_old_logps(old_logps, demo: np.ndarray):
 
 
 class Guide:
-    """What the rollout calls after each sampling round (``after_round``): records visits
-    (ReLIFT streaks, replay successes) and replaces failed groups by hinted ones."""
+    """The rollout stage of hints, ReLIFT and mixed-policy demonstrations
+    (``core.rollout.RolloutStage``): after each sampling round it records visits (ReLIFT
+    streaks, replay successes) and replaces failed groups by hinted ones."""
+
+    name = "guidance"   # the key of its state in the phase's checkpoint
 
     def __init__(self, ctx, g: int):
         cfg = ctx.cfg
@@ -382,7 +386,7 @@ class Guide:
         n = hint_rows(len(examples), len(failed), self.multiple)
         pad = n - len(failed)  # repeats of the first hinted prompt; sampled, then discarded
         sub = [examples[i] for i in failed] + [examples[failed[0]]] * pad
-        hinted = rollout.sample_round(params, rng, examples=sub,
+        hinted = rollout.sample_round(params, jax.random.fold_in(rng, HINT_STREAM), examples=sub,
                                      prefixes=prefixes + [prefixes[0]] * pad)
         h_rates = group_success(hinted["rewards"], g, self.threshold)
         rnd["extra_tokens"] = rnd.get("extra_tokens", 0)
@@ -417,6 +421,17 @@ class Guide:
         row = group * g + int(ok[0])
         ids = list(prefix) + completion_ids(rnd["tokens"][row], rnd["mask"][row], self.eos_id)
         self.hints.remember_success(example["prompt"], ids)
+
+    def finish_batch(self, batch: dict, rows: dict) -> None:
+        """Mixed-policy demonstrations train with ratio pi_theta / 1 (old log-probs 0)."""
+        if "demo" in rows:
+            batch["old_logps"] = demo_old_logps(batch["old_logps"], rows["demo"])
+
+    def metrics(self, rounds: Sequence[dict], rows: dict) -> dict:
+        m = hint_metrics(rounds) if self.hints is not None else {}
+        if "demo" in rows:
+            m["mixed/demos"] = int(rows["demo"].sum())
+        return m
 
     def state_dict(self) -> dict:
         return {"hints": None if self.hints is None else self.hints.state_dict(),

@@ -25,14 +25,14 @@ from rljax import algorithms
 from rljax.config.rollout import knapsack_limits
 from rljax.data import allocation as alloc
 from rljax.data import selection
-from rljax.train.rollout import Rollout, encode_prompts, generate
+from rljax.train.core.rollout import Rollout, encode_prompts, generate
 
 
 class KnapsackRollout(Rollout):
     """``Rollout`` whose groups have the knapsack's sizes (see the module docstring)."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = False):
-        super().__init__(ctx, iterator, old_logps=old_logps)
+    def __init__(self, ctx, iterator, old_logps: bool = False, stages=()):
+        super().__init__(ctx, iterator, old_logps=old_logps, stages=stages)
         self.budget, self.lo, self.hi = knapsack_limits(ctx.cfg)
         sel = ctx.cfg.data.selection
         self.threshold, self.fractional = float(sel.threshold), bool(sel.fractional)

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from rljax.errors import RljaxError
-from rljax.train import paths
+from rljax.train.core import paths
 
 METRICS_FILE = "metrics.jsonl"
 # Shown first on the console line when present (then other keys, up to CONSOLE_KEYS in all).

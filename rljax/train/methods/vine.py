@@ -5,7 +5,7 @@ After the usual round (G completions per prompt, rewards), each completion is cu
 ends a step; steps past ``algo.vine.max_steps`` join the last one). For every step t of every
 completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled once and its
 KV cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the step-MC
-machinery of ``rljax.train.step_mc``); a continuation is cut to the completion budget
+machinery of ``rljax.train.methods.step_mc``); a continuation is cut to the completion budget
 (``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by the
 reward functions. V(s_t) is the mean of the K rewards, and the advantages are
 ``algorithms.vine.vineppo_advantages``. Fork rows are padded (repeating a real one) to a
@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from rljax import algorithms, sampling
-from rljax.train.rollout import Rollout, expand_fields, generate
-from rljax.train.step_mc import step_ends
+from rljax.train.core.rollout import Rollout, expand_fields, generate
+from rljax.train.methods.step_mc import step_ends
 
 FORK_STREAM = 11   # rng stream of the value forks (fold_in of the round's key)
 
@@ -44,8 +44,8 @@ def cap_steps(ends: list[int], max_steps: int) -> list[int]:
 class VineRollout(Rollout):
     """``Rollout`` whose token-level advantages come from forked step-prefix values."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = False):
-        super().__init__(ctx, iterator, old_logps=old_logps)
+    def __init__(self, ctx, iterator, old_logps: bool = False, stages=()):
+        super().__init__(ctx, iterator, old_logps=old_logps, stages=stages)
         v = ctx.cfg.algo.vine
         self.k, self.max_steps = int(v.forks), int(v.max_steps)
         self.pattern = step_pattern(v)

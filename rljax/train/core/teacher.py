@@ -26,9 +26,9 @@ import ml_collections
 from rljax import compilation_cache, models, tokenizers
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
-from rljax.train import checkpoint as ckpt_lib
-from rljax.train import quantized, steps
-from rljax.train.paths import is_run_dir
+from rljax.train.core import checkpoint as ckpt_lib
+from rljax.train.core import quantized, steps
+from rljax.train.core.paths import is_run_dir
 
 
 @dataclasses.dataclass(frozen=True)

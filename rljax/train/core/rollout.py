@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +57,10 @@ from rljax.data import selection
 from rljax.models import lora as lora_lib
 from rljax import distributed as dist
 from rljax.errors import UserError
-from rljax.train import guidance, image_inputs, length_groups
+from rljax.train.core import image_inputs, length_groups
 # Re-exported: callers import these here.
-from rljax.train.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
-from rljax.train.steps import build_logps_fn
+from rljax.train.core.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
+from rljax.train.core.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
 
@@ -233,10 +233,35 @@ def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatu
     return out
 
 
+class RolloutStage(Protocol):
+    """A method feature the rollout runs at fixed points of every call, composed by the phase
+    (``Rollout(ctx, iterator, stages=[...])``) instead of a subclass per feature. A stage owns
+    its host state; the phase checkpoints it under ``name``."""
+
+    name: str
+
+    def check(self, example: dict) -> None:
+        """Before the first step, with the first training example (one ConfigError line)."""
+
+    def after_round(self, rollout: "Rollout", params, rnd: dict, rng) -> dict:
+        """A sampling round's dict after scoring -> the round the batch is built from;
+        ``rng`` is the round's key (a stage folds in its own stream)."""
+
+    def finish_batch(self, batch: dict, rows: dict) -> None:
+        """Edits the assembled training batch in place, before advantages."""
+
+    def metrics(self, rounds: Sequence[dict], rows: dict) -> dict:
+        """The stage's metrics over one call's rounds."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class Rollout:
     """Collects one training batch per call; host state is the data iterator's."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True):
+    def __init__(self, ctx, iterator, old_logps: bool = True, stages: Sequence = ()):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
         # Prompt selection (data.selection): the iterator is a selector to report rounds to.
@@ -267,9 +292,10 @@ class Rollout:
         self.old_logps = bool(old_logps) or (self.needs_ref and bool(a.kl_in_reward))
         self.temperatures = rollout_temperatures(cfg)   # None: rollout.temperature
         self._printed_at = None   # time of the last logging.num_completions_to_print output
-        self.guide = guidance.Guide(ctx, g) if guidance.enabled(cfg) else None
-        if self.guide is not None:
-            self.guide.check(iterator.render(0))
+        # Method features composed by the phase (``RolloutStage``): hints, ReLIFT, demos.
+        self.stages = list(stages)
+        for stage in self.stages:
+            stage.check(iterator.render(0))
         # Tree sampling (docs/search.md): each prompt's group is the leaves of one tree.
         self.tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
         self.pending_since = None   # see __call__
@@ -378,9 +404,8 @@ class Rollout:
         for r in range(max_rounds):
             rnd = self.sample_round(state.params, jax.random.fold_in(rng, r))
             self.observe_round(rnd)  # (the policy's own rewards, before hints)
-            if self.guide is not None:  # hints for failed groups, ReLIFT visit counts
-                rnd = self.guide.after_round(self, state.params, rnd, jax.random.fold_in(
-                    jax.random.fold_in(rng, r), guidance.HINT_STREAM))
+            for stage in self.stages:  # e.g. hints for failed groups, ReLIFT visit counts
+                rnd = stage.after_round(self, state.params, rnd, jax.random.fold_in(rng, r))
             rounds.append(rnd)
             keep = (np.ones(self.round_groups(rnd), bool) if keep_fn is None
                     else keep_fn(rnd["rewards"]))
@@ -426,8 +451,8 @@ class Rollout:
                     rewards = rewards - cfg.algo.beta * kl_seq
                 metrics["kl_ref_seq"] = float(kl_seq.mean())
                 del batch["ref_logps"]
-        if "demo" in rows:  # mixed-policy demonstrations: ratio pi_theta / 1 (guidance)
-            batch["old_logps"] = guidance.demo_old_logps(batch["old_logps"], rows["demo"])
+        for stage in self.stages:  # e.g. mixed-policy demonstrations: ratio pi_theta / 1
+            stage.finish_batch(batch, rows)
         adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl)
         batch["advantages"] = adv
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
@@ -590,10 +615,8 @@ class Rollout:
             m["rollout/static_utilisation"] = float(np.mean([
                 r["lengths"].sum() / max(1, r["lengths"].size * r["lengths"].max())
                 for r in rounds]))
-        if self.guide is not None and self.guide.hints is not None:
-            m.update(guidance.hint_metrics(rounds))
-        if "demo" in rows:
-            m["mixed/demos"] = int(rows["demo"].sum())
+        for stage in self.stages:
+            m.update(stage.metrics(rounds, rows))
         return m
 
 

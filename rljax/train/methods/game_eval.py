@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from rljax.envs import env_metrics, wilson_interval
-from rljax.train import agent, selfplay
+from rljax.train.methods import agent, selfplay
 
 SCRIPTED = ("random", "optimal", "fair")   # fair: Negotiation's
 

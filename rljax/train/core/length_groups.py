@@ -39,8 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import compilation_cache, distributed as dist, streams as streams_lib
 from rljax.models import lora as lora_lib
-from rljax.train import steps
-from rljax.train.buckets import prompt_buckets
+from rljax.train.core import steps
+from rljax.train.core.buckets import prompt_buckets
 
 # [R, P+N, ...] (routes: [R, P+N, L, k], routing replay); other 2-D fields of width N are per
 # completion position.

@@ -1,0 +1,16 @@
+"""rljax.train.methods: training methods built on ``rljax.train.core``, used by the phases.
+
+Each module is one method (or one workload) and may use the machinery and other methods, never
+a phase or the controller (``tests/test_layout.py``). A method that changes what a rollout does
+is a ``core.rollout.RolloutStage`` the phase composes, or (for now) a ``Rollout`` subclass.
+
+  agent       multi-turn episodes (env.name): GRPO / PPO rollouts, SFT on scripted episodes,
+              held-out evaluation of episodes (run_agent_eval)
+  matches     board games whose seats are language models: the turn loop per seat
+  selfplay    env.selfplay rollouts: one policy in every seat, or a checkpoint opponent
+  game_eval   win / draw / loss against fixed opponents, with Wilson intervals
+  guidance    hints, ReLIFT and mixed-policy demonstrations (the Guide stage)
+  allocation  knapsack per-prompt group sizes (rollout.allocation='knapsack')
+  vine        VinePPO: Monte-Carlo values of step prefixes
+  step_mc     step-level DPO pairs from Monte-Carlo step values
+"""
