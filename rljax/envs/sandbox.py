@@ -96,6 +96,7 @@ sys.argv = ["main.py"]
 runpy.run_path("main.py", run_name="__main__")
 """
 
+
 class SandboxLimits:
     """Limits of one run. ``memory_mb`` bounds the address space (the interpreter itself takes
     ~30 MB of it; numpy ~300 MB more on import). ``file_mb`` bounds each file, ``disk_mb`` and
@@ -237,7 +238,10 @@ def _interpreter_view() -> tuple[str, tuple, tuple]:
         if any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
             continue  # already seen through an entry above it
         kept.append(path)
-        (links.append([path, target]) if target is not None else read_only.append(path))
+        if target is None:
+            read_only.append(path)
+        else:
+            links.append([path, target])
     return python, tuple(map(tuple, links)), tuple(read_only)
 
 

@@ -22,7 +22,7 @@ instead of slipping past the numbers). It refuses, with EPERM:
 
 ``clone3`` passes its flags in memory, where a filter cannot read them, so it fails with ENOSYS:
 the C library then falls back to ``clone`` (as under Docker's and systemd's filters), whose
-flags are checked. Threads, ``fork``, ``subprocess`` and ``multiprocessing`` work as before.
+flags are checked. Threads, ``fork`` and ``subprocess`` work as before.
 
 Why a filter and not ``user.max_user_namespaces = 0`` inside: that limit lives in a user
 namespace, and a root trainer's sandbox has none of its own (setting it there would change the
