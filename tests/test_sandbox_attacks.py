@@ -335,6 +335,12 @@ def test_a_failing_cleanup_is_a_tool_error_not_a_crash(tmp_path, monkeypatch):
         remove(os.path.join(tmp_path, name))
 
 
+def test_a_failure_of_the_sandbox_itself_is_a_tool_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # mkdtemp fails
+    with pytest.raises(ToolError, match="the sandbox failed: FileNotFoundError"):
+        run_python("print(1)", LIMITS, sandbox="process")
+
+
 # ------------------------------------------------------------- kernel surface: the syscall filter
 
 @needs_namespace
