@@ -4,6 +4,7 @@ runs) must stop every one. The last tests cover choosing the backend."""
 import os
 import signal
 import socket
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -14,7 +15,7 @@ import uuid
 import pytest
 
 import rljax
-from rljax.envs import make_tool
+from rljax.envs import ToolError, make_tool
 from rljax.envs import sandbox as sb
 from rljax.envs.sandbox import SandboxLimits, run_python
 
@@ -200,17 +201,22 @@ def test_a_fork_bomb_hits_a_process_limit():
     assert out[0] == "stopped" and int(out[1]) < LIMITS.max_procs, out
 
 
-@needs_namespace
+@pytest.mark.parametrize("backend", [
+    pytest.param("namespace", marks=needs_namespace), "process"])
 def test_a_fifo_in_place_of_the_output_files_neither_blocks_nor_leaves_the_temp_dir(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, backend):
+    # The process backend's code sees its output files; the namespace backend's does not (its
+    # working directory is a tmpfs of its own), so there the FIFOs are made at the same names.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code = ("import os\n"
             "for name in ('.stdout', '.stderr'):\n"
-            "    os.remove(name)\n"
+            "    if os.path.exists(name):\n"
+            "        os.remove(name)\n"
             "    os.mkfifo(name)\n"
             "print('done')\n")
     result = []
-    worker = threading.Thread(target=lambda: result.append(run_python(code, LIMITS)), daemon=True)
+    worker = threading.Thread(target=lambda: result.append(run_python(code, LIMITS, backend)),
+                              daemon=True)
     worker.start()
     worker.join(timeout=30)
     assert not worker.is_alive(), "the trainer's thread is blocked on a FIFO"
@@ -229,6 +235,187 @@ def test_the_namespace_sandbox_still_runs_ordinary_programs():
             "    f.write('ok')\n"
             "print(int(np.arange(10).sum()), r.stdout.strip(), json.dumps([1]))\n")
     assert run_python(code, LIMITS, sandbox="namespace").splitlines() == ["thread", "45 4 [1]"]
+
+
+# ------------------------------------------------------------------ disk: caps and cleanup
+
+def _snapshot(folder) -> dict:
+    """Every path under ``folder`` with its size: the tool's temp space, before and after."""
+    out = {}
+    for dirpath, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, folder)] = os.lstat(path).st_size
+    return out
+
+
+_NEST = ("import os\n"
+         "for _ in range(3000):\n"
+         "    os.mkdir('d')\n"
+         "    os.chdir('d')\n"
+         "with open('leaf', 'wb') as f:\n"
+         "    f.write(b'x' * 4096)\n"
+         "print('nested')\n")
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("namespace", marks=needs_namespace), "process"])
+def test_deeply_nested_directories_leave_nothing_behind(tmp_path, monkeypatch, backend):
+    # Recursive deletion hit RecursionError at this depth, and the temp dirs stayed for good.
+    (tmp_path / "someone-elses.txt").write_text("kept")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = _snapshot(tmp_path)
+    assert run_python(_NEST, LIMITS, sandbox=backend) == "nested\n"
+    assert _snapshot(tmp_path) == before
+
+
+def test_the_cleanup_follows_no_link_and_undoes_removed_permissions(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("kept")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "link").symlink_to(outside / "keep.txt")
+    fd = os.open(tree, os.O_RDONLY)
+    for depth in range(300):  # 6,000 characters deep: longer than any path may be
+        os.mkdir("d" * 20, dir_fd=fd)
+        os.chmod("d" * 20, 0o500 if depth == 0 else 0o700, dir_fd=fd)
+        fd, parent = os.open("d" * 20, os.O_RDONLY, dir_fd=fd), fd
+        os.close(parent)
+    with open(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+        f.write("x")
+    os.symlink(str(outside), "link", dir_fd=fd)
+    os.fchmod(fd, 0)
+    os.close(fd)
+    sb._remove_tree(str(tree))
+    assert not os.path.lexists(tree)
+    assert (outside / "keep.txt").read_text() == "kept"
+
+
+@needs_namespace
+def test_writes_past_the_total_cap_fail_inside_and_never_reach_the_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    limits = SandboxLimits(wall_s=20, cpu_s=5, memory_mb=512, file_mb=2, disk_mb=4)
+    code = ("import os\n"
+            "s = os.statvfs('.')\n"
+            "print('capacity', s.f_blocks * s.f_frsize)\n"
+            "for i in range(64):\n"  # 64 files of 1 MB, each under file_mb
+            "    with open(f'f{i}', 'wb') as f:\n"
+            "        f.write(b'x' * (1 << 20))\n"
+            "    print('wrote', i + 1, flush=True)\n")
+    with pytest.raises(ToolError, match="No space left on device") as info:
+        run_python(code, limits)
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"capacity {4 << 20}", lines  # its working directory is the capped space
+    assert max(int(line.split()[1]) for line in lines if line.startswith("wrote")) <= 4
+    assert os.listdir(tmp_path) == []
+
+
+@needs_namespace
+def test_files_past_the_inode_cap_fail_inside():
+    tool = make_tool("python", wall_s=20, cpu_s=5, memory_mb=512, max_files=50)
+    code = ("import os\n"
+            "for i in range(500):\n"
+            "    os.mkdir(f'd{i}')\n"
+            "print('made all')\n")
+    with pytest.raises(ToolError, match="No space left on device"):
+        tool.fn(code=code)
+
+
+def test_a_failing_cleanup_is_a_tool_error_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    remove = sb._remove_tree
+
+    def broken(path):
+        raise OSError(16, "Device or resource busy", path)
+    monkeypatch.setattr(sb, "_remove_tree", broken)
+    with pytest.raises(ToolError, match="could not remove its temporary directory"):
+        run_python("print(1)", LIMITS, sandbox="process")
+    for name in os.listdir(tmp_path):
+        remove(os.path.join(tmp_path, name))
+
+
+def test_a_failure_of_the_sandbox_itself_is_a_tool_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # mkdtemp fails
+    with pytest.raises(ToolError, match="the sandbox failed: FileNotFoundError"):
+        run_python("print(1)", LIMITS, sandbox="process")
+
+
+# ------------------------------------------------------------- kernel surface: the syscall filter
+
+@needs_namespace
+def test_new_user_namespaces_and_mounts_are_refused():
+    # With a new user namespace the code had every capability again, then a mount namespace and
+    # mounts of its own: the way into most namespace escapes.
+    code = ("import ctypes, os, subprocess, sys, threading\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "def attempt(name, call):\n"
+            "    if call() == 0:\n"
+            "        print('ALLOWED', name)\n"
+            "    else:\n"
+            "        print('refused', name, os.strerror(ctypes.get_errno()))\n"
+            "attempt('unshare user', lambda: libc.unshare(0x10000000))\n"  # CLONE_NEWUSER
+            "attempt('unshare user+mount', lambda: libc.unshare(0x10020000))\n"
+            "attempt('unshare mount', lambda: libc.unshare(0x00020000))\n"
+            "os.mkdir('m')\n"
+            "attempt('mount', lambda: libc.mount(b'none', b'm', b'tmpfs', 0, None))\n"
+            "fd = os.open('/proc/self/ns/mnt', os.O_RDONLY)\n"
+            "attempt('setns', lambda: libc.setns(fd, 0))\n"
+            "print([line.split()[1] for line in open('/proc/self/status')"
+            " if line.startswith('Seccomp:')])\n"
+            # ordinary programs are untouched: threads, fork, a python subprocess
+            "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    os._exit(7)\n"
+            "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+            "print(subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True,"
+            " text=True).stdout.strip())\n")
+    lines = run_python(code, LIMITS).splitlines()
+    assert not [line for line in lines if line.startswith("ALLOWED")], lines
+    assert sum(line.startswith("refused") for line in lines) == 5, lines
+    assert lines[5:] == ["['2']", "thread", "fork 7", "42"], lines
+
+
+def test_the_filter_checks_the_architecture_first():
+    from rljax.envs import sandbox_launcher as sl
+    for machine, arch in (("x86_64", 0xC000003E), ("aarch64", 0xC00000B7)):
+        program = sl.seccomp_filter(machine)
+        assert program[0] == (0x20, 0, 0, 4) and program[1][3] == arch  # load arch, compare
+        assert all(code != 0x06 or k in (sl.ALLOW, sl.EPERM, sl.ENOSYS)
+                   for code, _, _, k in program)
+        assert all(i + 1 + max(jt, jf) < len(program)  # every jump lands inside the program
+                   for i, (code, jt, jf, _) in enumerate(program) if code & 0x07 == 0x05)
+    assert sl.seccomp_filter("riscv64") is None
+
+
+# ----------------------------------------------------------- what the namespace backend binds
+
+@needs_namespace
+def test_an_interpreter_started_through_a_link_in_a_home_directory_does_not_expose_it(tmp_path):
+    home = tmp_path / "home" / "someone"
+    (home / "bin").mkdir(parents=True)
+    (home / ".ssh").mkdir()
+    decoy = home / ".ssh" / "id_ed25519"
+    decoy.write_text("DECOY-PRIVATE-KEY-5e1d")
+    link = home / "bin" / "python3"
+    link.symlink_to(os.path.realpath(sys.executable))
+    code = (_TRY + f"attempt('READ', {str(decoy)!r}, lambda p: print(open(p).read()))\n"
+            f"attempt('LISTED', {str(home)!r}, lambda p: print(os.listdir(p)))\n"
+            "print('ran')\n")
+    trainer = ("import sys\n"
+               "from rljax.envs.sandbox import SandboxLimits, run_python\n"
+               "print(sys.executable)\n"
+               f"print(run_python({code!r}, SandboxLimits(wall_s=20, cpu_s=5, memory_mb=512),"
+               " sandbox='namespace'))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([str(link), "-c", trainer], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.splitlines()[0] == str(link)  # the trainer really ran as the link
+    assert "ran" in out and "DECOY" not in out and "READ" not in out and "LISTED" not in out, out
+    assert out.count("blocked") == 2, out
 
 
 # ----------------------------------------------------------------------------- the backend choice

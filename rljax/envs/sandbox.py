@@ -1,62 +1,77 @@
 """Running model-written Python in a separate, limited process: the ``python`` tool's engine.
 
-Each call gets a fresh temporary working directory (removed afterwards) and a new process (a
-new session, so the whole process group can be killed) running ``python -I`` (isolated mode: no
-user site-packages, no ``PYTHON*`` environment variables) with a minimal environment. Before the
-code runs, the child lowers its own resource limits (hard limits, which the code cannot raise
-again):
+Each call gets a fresh temporary directory and a new process (a new session, so the whole
+process group can be killed) running ``python -I`` (isolated mode: no user site-packages, no
+``PYTHON*`` environment variables) with a minimal environment. Before the code runs, the child
+lowers its own resource limits (hard limits, which the code cannot raise again):
 
 * ``RLIMIT_CPU``    CPU seconds (SIGXCPU at ``cpu_s``, SIGKILL a second later if the code
                     ignores SIGXCPU),
 * ``RLIMIT_AS``     address space (a large allocation fails with MemoryError; not enforced by
                     macOS, where only the wall-clock limit bounds a runaway allocation),
-* ``RLIMIT_FSIZE``  largest file it may write (stdout/stderr go to files, so a print loop
-                    cannot fill the parent's memory), ``RLIMIT_CORE`` 0,
+* ``RLIMIT_FSIZE``  largest file it may write (``file_mb``; stdout/stderr go to files, so a
+                    print loop cannot fill the parent's memory), ``RLIMIT_CORE`` 0,
 * ``RLIMIT_NPROC``  processes and threads (``max_procs``; namespace backend only, where it
                     counts the sandbox's own processes).
 
 The parent kills the process group after ``wall_s`` seconds of wall-clock time (a ``sleep``
 does not use CPU), and after every run. It reads stdout/stderr back through its own file
 descriptors, never by reopening a path the code could replace (a FIFO there cannot block it).
+Afterwards it deletes its temp dirs without recursion and without following links (any depth,
+any path length; ``_remove_tree``), and every failure of the call, clean-up included, is a
+ToolError: nothing escapes to the caller, and nothing stays in the temp space.
 
 Two backends (``sandbox=`` of ``run_python`` / the python tool):
 
-``"namespace"`` (Linux; the default where it works, see ``namespace_available()``): util-linux
-``unshare`` puts the code in new mount, PID, network, IPC and UTS namespaces (plus a user
-namespace when the trainer is not root). A small launcher (``_LAUNCHER``) builds a minimal root
-file system on a tmpfs -- read-only binds of ``/usr`` (and ``/lib*``, ``/bin``, ``/sbin`` where
-they are not links into it), the Python prefixes, ``/etc/ld.so.cache`` and a few ``/dev``
-nodes, a fresh ``/proc``, and the working directory (the only writable path) -- pivots into
-it, drops every capability (bounding set cleared, ``no_new_privs``; as root it also switches to
-an unused uid, so ``RLIMIT_NPROC`` applies), then runs the code as PID 2 under its own PID 1.
+``"namespace"`` (Linux x86_64 and aarch64; the default where it works, see
+``namespace_available()``): util-linux ``unshare`` puts the code in new mount, PID, network,
+IPC and UTS namespaces (plus a user namespace when the trainer is not root). A small launcher
+(``sandbox_launcher.LAUNCHER``) builds a minimal root file system on a tmpfs -- read-only binds
+of ``/usr`` (and ``/lib*``, ``/bin``, ``/sbin`` where they are not links into it), of Python
+only what it runs on (the interpreter's real file, libpython, the standard library and the
+site-packages, links resolved: never a home directory or the folder above a link to the
+interpreter), ``/etc/ld.so.cache`` and a few ``/dev`` nodes, a fresh ``/proc``, and as the
+working directory (the only writable path) a tmpfs of its own capped at ``disk_mb`` bytes and
+``max_files`` inodes, holding a copy of ``main.py`` (a write past the cap fails with ENOSPC
+inside; nothing the code writes reaches the host's disk, and it is gone with the namespace) --
+pivots into it, drops every capability (bounding set cleared, ``no_new_privs``; as root it
+also switches to an unused uid, so ``RLIMIT_NPROC`` applies), installs a system-call filter
+that refuses new namespaces, mounts, ``ptrace`` and other kernel surface no program needs
+(``sandbox_launcher.seccomp_filter``), then runs the code as PID 2 under its own PID 1.
 So the code sees no home directory, no host ``/tmp``, ``/run`` or sockets, no run workdir or
-checkpoints, no rljax source tree, and can write nothing outside its working directory; it
-has no network (no interfaces) and cannot reach host abstract Unix sockets; it can signal no
-process outside; and when PID 1 exits (the code finished, or the parent killed ``unshare``,
-whose death kills PID 1) the kernel kills every process left in the namespace, ``setsid``
-daemons included. This is a namespace sandbox, not a VM: the kernel is shared, so for
-untrusted code at scale run the whole rollout in a container or VM as well (docs/agents.md).
+checkpoints, no rljax source tree, not even its own output files, and can write nothing outside
+its working directory; it cannot make a user namespace (where it would hold capabilities
+again) or mount anything; it has no network (no interfaces) and cannot reach host abstract Unix
+sockets; it can signal no process outside; and when PID 1 exits (the code finished, or the
+parent killed ``unshare``, whose death kills PID 1) the kernel kills every process left in the
+namespace, ``setsid`` daemons included. This is a namespace sandbox, not a VM: the kernel is
+shared, so for untrusted code at scale run the whole rollout in a container or VM as well
+(docs/agents.md).
 
 ``"process"`` (the fallback elsewhere, e.g. macOS): the limits above without ``RLIMIT_NPROC``,
-and, where ``unshare -rn`` works, a new network namespace (``network_isolated()``). It does
-NOT isolate the file system (the code reads what the user can read and writes where the user
-can write), other processes of the user, or ``setsid`` children (they outlive the kill).
+``disk_mb`` and ``max_files`` (it writes to the host's temp dir; only ``file_mb`` bounds each
+file), and, where ``unshare -rn`` works, a new network namespace (``network_isolated()``). It
+does NOT isolate the file system (the code reads what the user can read and writes where the
+user can write), other processes of the user, or ``setsid`` children (they outlive the kill).
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
+import platform
 import random
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 
 from rljax.envs.base import ToolError, ToolTimeout
+from rljax.envs.sandbox_launcher import LAUNCHER, seccomp_filter
 
 __all__ = ["run_python", "network_isolated", "namespace_available", "resolve_backend",
            "SandboxLimits", "BACKENDS"]
@@ -81,126 +96,21 @@ sys.argv = ["main.py"]
 runpy.run_path("main.py", run_name="__main__")
 """
 
-# PID 1 of the namespace backend, run by the trainer's Python (``-I -S``) inside the new
-# namespaces, before any model code: builds the minimal root, pivots into it, starts the code
-# as its child without capabilities, reaps, and reports the child's status on a pipe.
-_LAUNCHER = r"""
-import ctypes, json, os, platform, sys
-spec = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
-KEEP = {1: 1, 2: 2, 4: 4, 8: 8, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # statvfs -> mount flags
-
-def check(rc, what):
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, "%s: %s" % (what, os.strerror(e)))
-
-def mount(src, dst, fstype, flags, data=None):
-    enc = lambda x: None if x is None else x.encode()
-    check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-          "mount %s on %s" % (src, dst))
-
-def locked_flags(path):
-    f = os.statvfs(path).f_flag
-    return sum(v for k, v in KEEP.items() if f & k)
-
-new = spec["root"]
-mount(None, "/", None, REC | PRIVATE)
-mount("tmpfs", new, "tmpfs", NOSUID | NODEV, "size=1m,mode=0755")
-
-def inside(path):
-    return new + path
-
-def bind(src, writable=False, device=False):
-    dst = inside(src)
-    if os.path.isdir(src):
-        os.makedirs(dst, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        open(dst, "a").close()
-    mount(src, dst, None, BIND | REC)
-    flags = locked_flags(src) | NOSUID | (0 if device else NODEV) | (0 if writable else RDONLY)
-    mount(None, dst, None, REMOUNT | BIND | flags)
-
-for path in spec["ro"]:
-    if os.path.islink(path):
-        os.makedirs(os.path.dirname(inside(path)), exist_ok=True)
-        os.symlink(os.readlink(path), inside(path))
-    elif os.path.exists(path):
-        bind(path)
-bind(spec["workdir"], writable=True)
-for name in ("null", "zero", "full", "random", "urandom"):
-    if os.path.exists("/dev/" + name):
-        bind("/dev/" + name, writable=True, device=True)  # writable: the device, not a file
-for fd, name in enumerate(("stdin", "stdout", "stderr")):
-    os.symlink("/proc/self/fd/%d" % fd, inside("/dev/" + name))
-os.symlink("/proc/self/fd", inside("/dev/fd"))
-os.makedirs(inside("/proc"))
-try:
-    mount("proc", inside("/proc"), "proc", NOSUID | NODEV | NOEXEC)
-except OSError:
-    pass  # e.g. a container that masks parts of /proc: the code runs without /proc
-
-os.chdir(new)
-numbers = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
-number = numbers.get(platform.machine())
-if number is not None:
-    check(libc.syscall(number, b".", b"."), "pivot_root")
-    check(libc.umount2(b".", 2), "umount old root")  # MNT_DETACH
-else:
-    mount(new, "/", None, 8192)  # MS_MOVE
-    os.chroot(".")
-os.chdir("/")
-mount(None, "/", None, REMOUNT | BIND | RDONLY | NOSUID | NODEV)
-
-def drop_privileges():
-    for cap in range(64):
-        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
-    if spec["uid"] is not None:  # as root: an unused uid (no capabilities left after it)
-        os.setgroups([])
-        os.setresgid(spec["uid"], spec["uid"], spec["uid"])
-        os.setresuid(spec["uid"], spec["uid"], spec["uid"])
-    check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
-
-status_fd = spec["status_fd"]
-os.set_inheritable(status_fd, False)
-pid = os.fork()
-if pid == 0:
-    try:
-        drop_privileges()
-        os.chdir(spec["workdir"])
-        os.execve(spec["python"], spec["argv"], dict(os.environ))
-    except BaseException as e:
-        os.write(2, ("sandbox setup failed: %r\n" % (e,)).encode())
-        os._exit(127)
-try:
-    drop_privileges()  # PID 1 only waits: it needs no privileges either
-except OSError:
-    pass
-libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the code cannot ptrace or read PID 1
-while True:
-    done, status = os.waitpid(-1, 0)
-    if done == pid:
-        break
-os.write(status_fd, ("signal %d" % os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                     else "exit %d" % os.WEXITSTATUS(status)).encode())
-os._exit(0)  # PID 1 exits: the kernel kills whatever the code left running
-"""
-
 
 class SandboxLimits:
     """Limits of one run. ``memory_mb`` bounds the address space (the interpreter itself takes
-    ~30 MB of it; numpy ~300 MB more on import). ``max_procs`` bounds processes plus threads
-    (namespace backend)."""
+    ~30 MB of it; numpy ~300 MB more on import). ``file_mb`` bounds each file, ``disk_mb`` and
+    ``max_files`` everything the code writes together (bytes; files plus directories), and
+    ``max_procs`` processes plus threads (these three: namespace backend)."""
 
     def __init__(self, wall_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024,
-                 file_mb: int = 16, max_output_chars: int = 2000, max_procs: int = 64):
-        if wall_s <= 0 or cpu_s <= 0 or memory_mb <= 0 or file_mb <= 0 or max_procs <= 0:
+                 file_mb: int = 16, max_output_chars: int = 2000, max_procs: int = 64,
+                 disk_mb: int = 64, max_files: int = 4096):
+        if min(wall_s, cpu_s, memory_mb, file_mb, max_procs, disk_mb, max_files) <= 0:
             raise ValueError("sandbox limits must be positive")
         self.wall_s, self.cpu_s, self.memory_mb = float(wall_s), int(cpu_s), int(memory_mb)
         self.file_mb, self.max_output_chars = int(file_mb), int(max_output_chars)
-        self.max_procs = int(max_procs)
+        self.max_procs, self.disk_mb, self.max_files = int(max_procs), int(disk_mb), int(max_files)
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,6 +132,8 @@ def _namespace_problem() -> str | None:
         return f"needs Linux (this is {sys.platform})"
     if shutil.which("unshare") is None:
         return "util-linux 'unshare' is not on PATH"
+    if seccomp_filter(platform.machine()) is None:
+        return f"no system-call filter for {platform.machine()} (x86_64 and aarch64 only)"
     try:
         out = run_python("print(6 * 7)", SandboxLimits(wall_s=30, cpu_s=10), sandbox="namespace")
     except Exception as e:  # noqa: BLE001 - any failure means: not available
@@ -258,37 +170,95 @@ def resolve_backend(sandbox: str = "auto") -> str:
     return "process"
 
 
-def _read_only_paths() -> list[str]:
-    """What the namespace sandbox sees read-only: the system's programs and libraries, and the
-    Python prefixes (a venv and the interpreter it points to), nothing under them twice."""
-    paths = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache",
-             "/etc/localtime"]
-    prefixes = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
-                os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))]
-    # Each as named (a venv's bin/python is reached through it) and with links resolved.
-    for prefix in prefixes + [os.path.realpath(p) for p in prefixes]:
-        prefix = os.path.abspath(prefix)
-        if prefix != "/" and prefix not in paths:
-            paths.append(prefix)
-    out: list[str] = []
-    for path in sorted(paths, key=len):
-        if not any(path.startswith(p.rstrip("/") + "/") for p in out if not os.path.islink(p)):
-            out.append(path)
-    return out
+def _link_chain(path: str) -> tuple[list[list[str]], str]:
+    """The symbolic links from ``path`` to the file it names, each with an absolute target,
+    and that file."""
+    links = []
+    for _ in range(40):  # the kernel's own limit
+        if not os.path.islink(path):
+            break
+        target = os.path.normpath(os.path.join(os.path.realpath(os.path.dirname(path)),
+                                               os.readlink(path)))
+        links.append([path, target])
+        path = target
+    return links, path
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_view() -> tuple[str, tuple, tuple]:
+    """``(python, links, read_only)``: the interpreter the sandbox runs, the links to recreate
+    and the paths to bind read-only. The system's programs and libraries, and of Python only
+    what it runs on: the interpreter file, libpython, the standard library and the
+    site-packages, each with links resolved (and as named). Never a whole prefix, a home
+    directory, or the folder above the interpreter's name: started as ``~/bin/python3`` (a
+    link), the interpreter's real file is run and ``~`` stays out of sight. A venv's
+    ``bin/python`` is run as named (its ``pyvenv.cfg`` next to it makes it the venv), with the
+    links it goes through recreated."""
+    system = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache",
+              "/etc/localtime"]
+    exe = os.path.abspath(sys.executable)
+    venv_cfg = os.path.join(sys.prefix, "pyvenv.cfg")
+    in_venv = (sys.prefix != sys.base_prefix and os.path.isfile(venv_cfg)
+               and exe.startswith(os.path.join(sys.prefix, "")))
+    python = exe if in_venv else os.path.realpath(exe)
+    chain, final = _link_chain(python)
+    needed = [final, os.path.realpath(final)] + ([venv_cfg] if in_venv else [])
+    for prefix, platbase in ((sys.prefix, sys.exec_prefix),
+                             (sys.base_prefix, sys.base_exec_prefix)):
+        paths = sysconfig.get_paths(vars={"base": prefix, "platbase": platbase,
+                                          "installed_base": prefix, "installed_platbase": platbase})
+        needed += [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+        needed.append(os.path.join(prefix, "lib"))  # libpython, and a conda prefix's libraries
+    needed += [p for p in sys.path if os.path.basename(p) == "lib-dynload"]
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and soname:
+        needed.append(os.path.join(libdir, soname))
+    homes = {os.path.expanduser("~"), os.environ.get("HOME") or "/"}
+    try:
+        import pwd
+        homes |= {entry.pw_dir for entry in pwd.getpwall()}
+    except (ImportError, KeyError, OSError):
+        pass
+    homes = {os.path.realpath(h) for h in homes if h}
+    entries = [(p, target) for p, target in chain]
+    for path in system:
+        if os.path.islink(path):
+            entries.append((path, os.readlink(path)))
+        elif os.path.exists(path):
+            entries.append((path, None))
+    for path in needed:
+        for path in (os.path.abspath(path), os.path.realpath(path)):
+            if os.path.isdir(path) and any(h == path or h.startswith(path.rstrip("/") + "/")
+                                           for h in homes):
+                continue  # a home directory, or one holding homes: never as a whole
+            if os.path.exists(path) and path != "/":
+                entries.append((path, None))
+    links, read_only, kept = [], [], []
+    for path, target in sorted(set(entries), key=lambda e: len(e[0])):
+        if any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
+            continue  # already seen through an entry above it
+        kept.append(path)
+        if target is None:
+            read_only.append(path)
+        else:
+            links.append([path, target])
+    return python, tuple(map(tuple, links)), tuple(read_only)
 
 
 def _namespace_command(limits: SandboxLimits, workdir: str, rootdir: str, status_fd: int,
                        uid: int | None) -> list[str]:
     bootstrap = _BOOTSTRAP.format(cpu_s=limits.cpu_s, memory_bytes=limits.memory_mb << 20,
                                   file_bytes=limits.file_mb << 20, nproc=limits.max_procs)
-    python = os.path.abspath(sys.executable)  # not resolved: a venv's python finds its venv
-    spec = {"root": rootdir, "workdir": workdir, "ro": _read_only_paths(), "uid": uid,
-            "status_fd": status_fd, "python": python, "argv": [python, "-I", "-c", bootstrap]}
-    unshare = [shutil.which("unshare") or "unshare", "--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc",
-               "--uts", "--propagation", "private"]
+    python, links, read_only = _interpreter_view()
+    spec = {"root": rootdir, "workdir": workdir, "links": links, "ro": read_only, "uid": uid,
+            "status_fd": status_fd, "python": python, "argv": [python, "-I", "-c", bootstrap],
+            "disk_bytes": limits.disk_mb << 20, "max_files": limits.max_files,
+            "seccomp": seccomp_filter(platform.machine())}
+    unshare = [shutil.which("unshare") or "unshare", "--mount", "--pid", "--fork",
+               "--kill-child", "--net", "--ipc", "--uts", "--propagation", "private"]
     if os.geteuid() != 0:
         unshare[1:1] = ["--user", "--map-root-user"]
-    return unshare + ["--", python, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)]
+    return unshare + ["--", python, "-I", "-S", "-c", LAUNCHER, json.dumps(spec)]
 
 
 def _process_command(limits: SandboxLimits) -> list[str]:
@@ -335,19 +305,62 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _open_dir(name: str, dir_fd: int | None) -> int:
+    """Opens a directory to empty it, never through a link; gives back the permissions the
+    code took away from it where it must."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except PermissionError:
+        if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise
+        os.chmod(name, stat.S_IRWXU, dir_fd=dir_fd)
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    os.fchmod(fd, stat.S_IRWXU)
+    return fd
+
+
 def _remove_tree(path: str) -> None:
-    """Removes a directory the code wrote into, even where it took away its own permissions."""
-    def retry(function, failed, _):
-        try:
-            for path in (os.path.dirname(failed), failed):
-                if os.path.isdir(path) and not os.path.islink(path):  # never through a link
-                    os.chmod(path, stat.S_IRWXU)
-            function(failed)
-        except OSError:
-            pass
-    shutil.rmtree(path, onerror=retry)
-    if os.path.lexists(path):
-        shutil.rmtree(path, ignore_errors=True)
+    """Removes a directory the code wrote into: without recursion (any depth) and with two
+    descriptors open at a time (any path length). Each directory's files are removed and its
+    subdirectories moved up to the top one, which is emptied the same way; links are removed,
+    never followed."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+        return
+    top, pending, moved = _open_dir(path, None), [None], 0
+    try:
+        while pending:
+            name = pending.pop()
+            fd = top if name is None else _open_dir(name, top)
+            try:
+                with os.scandir(fd) as entries:
+                    children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+                for child, is_dir in children:
+                    if not is_dir:
+                        os.unlink(child, dir_fd=fd)
+                    elif name is None:
+                        pending.append(child)
+                    else:  # moved up: the tree gets flatter, never deeper
+                        while True:
+                            moved += 1
+                            flat = f".rljax-rm-{moved}"
+                            try:
+                                os.stat(flat, dir_fd=top, follow_symlinks=False)
+                            except FileNotFoundError:
+                                break
+                        os.rename(child, flat, src_dir_fd=fd, dst_dir_fd=top)
+                        pending.append(flat)
+            finally:
+                if fd != top:
+                    os.close(fd)
+            if name is not None:
+                os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    os.rmdir(path)
 
 
 def run_python(code: str, limits: SandboxLimits | None = None, sandbox: str = "auto") -> str:
@@ -355,14 +368,41 @@ def run_python(code: str, limits: SandboxLimits | None = None, sandbox: str = "a
     ``"namespace"``, ``"process"`` or ``"auto"`` (see the module's docstring).
 
     Raises ToolError (with stdout so far and the last line of the traceback) when the code
-    fails, ToolTimeout when it is killed for time (wall clock or CPU).
+    fails, ToolTimeout when it is killed for time (wall clock or CPU), and ToolError for any
+    failure of the call itself, its clean-up included (the temp dirs are removed either way).
     """
     if not isinstance(code, str):
         raise ToolError(f"code must be a string, got {type(code).__name__}")
     limits = limits or SandboxLimits()
     backend = sandbox if sandbox in ("namespace", "process") else resolve_backend(sandbox)
+    made: list[str] = []
+    try:
+        try:
+            return _run(code, limits, backend, made)
+        finally:
+            failed = []
+            for path in made:
+                try:
+                    _remove_tree(path)
+                except Exception as e:  # noqa: BLE001 - reported below, after trying all
+                    failed.append(f"{path}: {type(e).__name__}: {e}")
+            if failed:
+                raise ToolError("python: could not remove its temporary directory "
+                                + "; ".join(failed))
+    except ToolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a failure of the sandbox, not of the code
+        raise ToolError(f"python: the sandbox failed: {type(e).__name__}: {e}") from e
+
+
+def _run(code: str, limits: SandboxLimits, backend: str, made: list[str]) -> str:
+    """One call of ``run_python``; every temp dir it makes is listed in ``made`` at once."""
     workdir = tempfile.mkdtemp(prefix="rljax-python-")
-    rootdir = tempfile.mkdtemp(prefix="rljax-root-") if backend == "namespace" else None
+    made.append(workdir)
+    rootdir = None
+    if backend == "namespace":
+        rootdir = tempfile.mkdtemp(prefix="rljax-root-")
+        made.append(rootdir)
     status_r = status_w = None
     try:
         with open(os.path.join(workdir, "main.py"), "w") as f:
@@ -373,7 +413,9 @@ def run_python(code: str, limits: SandboxLimits | None = None, sandbox: str = "a
                # One BLAS/OpenMP thread: the CPU limit counts every thread, and the rollout
                # runs many programs at once.
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        # The outputs are opened here, and read back through these descriptors.
+        # The outputs are opened here, and read back through these descriptors. In the
+        # namespace backend they stay outside what the code sees (its working directory there
+        # is a tmpfs of its own, with a copy of main.py).
         with open(os.path.join(workdir, ".stdout"), "w+b") as out, \
                 open(os.path.join(workdir, ".stderr"), "w+b") as err:
             pass_fds: tuple = ()
@@ -382,9 +424,6 @@ def run_python(code: str, limits: SandboxLimits | None = None, sandbox: str = "a
                 # (which never applies to uid 0) counts only its own processes.
                 uid = random.SystemRandom().randrange(1 << 30, (1 << 31) - 2) \
                     if os.geteuid() == 0 else None
-                if uid is not None:
-                    for path in (workdir, os.path.join(workdir, "main.py")):
-                        os.chown(path, uid, uid)
                 status_r, status_w = os.pipe()
                 os.set_blocking(status_r, False)
                 command, pass_fds = _namespace_command(limits, workdir, rootdir, status_w,
@@ -426,6 +465,3 @@ def run_python(code: str, limits: SandboxLimits | None = None, sandbox: str = "a
         for fd in (status_r, status_w):
             if fd is not None:
                 os.close(fd)
-        _remove_tree(workdir)
-        if rootdir is not None:
-            _remove_tree(rootdir)

@@ -39,13 +39,16 @@ def calculator_tool(timeout_s: float = 5.0) -> Tool:
 
 
 def python_tool(wall_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024, file_mb: int = 16,
-                max_output_chars: int = 2000, max_procs: int = 64, sandbox: str = "auto") -> Tool:
+                max_output_chars: int = 2000, max_procs: int = 64, sandbox: str = "auto",
+                disk_mb: int = 64, max_files: int = 4096) -> Tool:
     """Runs Python code in a limited child process (see ``sandbox``); returns its stdout.
-    ``sandbox``: ``"namespace"`` (Linux namespaces: minimal read-only file system, no network,
-    own PIDs; an error where it cannot run), ``"process"`` (limits only) or ``"auto"`` (the
+    ``sandbox``: ``"namespace"`` (Linux namespaces: minimal read-only file system, a working
+    directory capped at ``disk_mb`` and ``max_files``, no network, own PIDs, a system-call
+    filter; an error where it cannot run), ``"process"`` (limits only) or ``"auto"`` (the
     namespace backend where it works, else ``"process"`` with one warning line)."""
     limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, file_mb=file_mb,
-                           max_output_chars=max_output_chars, max_procs=max_procs)
+                           max_output_chars=max_output_chars, max_procs=max_procs,
+                           disk_mb=disk_mb, max_files=max_files)
     backend = resolve_backend(sandbox)  # decided (and any warning printed) once, here
 
     def python(code: str) -> str:
