@@ -199,3 +199,37 @@ def test_sampling_uses_no_private_names_of_other_modules():
                         and any(a.startswith("_") and not a.startswith("__") for a in chain)):
                     offenders.append(f"{module}: {root.id}.{'.'.join(reversed(chain))}")
     assert not offenders, offenders
+
+
+def test_the_sampler_is_chosen_in_one_place():
+    """Only ``core.sampler.sampler_kind`` reads ``rollout.engine`` inside rljax.train: the
+    rollout, the programs rljax plan compiles and the pools ask it, so they cannot disagree."""
+    readers = [m for m, path in _train_modules() if m != "rljax.train.core.sampler"
+               and any(s in open(path).read() for s in ("engine ==", "engine !="))]
+    assert not readers, readers
+    from types import SimpleNamespace
+
+    from rljax.train.core.sampler import sampler_kind
+
+    def cfg(engine, partial=False):
+        return SimpleNamespace(rollout=SimpleNamespace(engine=engine, partial=partial))
+    assert [sampler_kind(cfg("static")), sampler_kind(cfg("slots")),
+            sampler_kind(cfg("slots", True)), sampler_kind(cfg("static"), tree=True),
+            sampler_kind(cfg("slots"), tree=True)] == ["static", "slots", "partial", "tree",
+                                                        "tree"]
+
+
+def test_the_design_module_map_names_every_package_and_train_module():
+    """docs/design.md's module map is the code's: every package and top-level module of
+    rljax, and every module of rljax.train, is named there."""
+    text = open(os.path.join(REPO, "docs", "design.md")).read()
+    section = text[text.index("## Module map"):text.index("## Public API")]
+    top = os.path.join(REPO, "rljax")
+    names = [f"{n}/" if os.path.isdir(os.path.join(top, n)) else n for n in os.listdir(top)
+             if (n.endswith(".py") and n != "__init__.py")
+             or os.path.isfile(os.path.join(top, n, "__init__.py"))]
+    missing = [n for n in names if n not in section]
+    for level in ("core", "methods", "phases"):
+        missing += [f"train/{level}/{f[:-3]}" for f in os.listdir(os.path.join(ROOT, level))
+                    if f.endswith(".py") and f != "__init__.py" and f[:-3] not in section]
+    assert not missing, f"not in docs/design.md's module map: {missing}"

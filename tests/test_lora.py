@@ -305,25 +305,25 @@ def test_adapter_path_starts_from_a_peft_adapter(tmp_path):
 
 
 def test_sampler_reads_merged_adapters_on_a_float32_base_only():
-    """``rollout.sampling_params``: adapters folded in once for sampling (float32 base, the
+    """``sampler.sampling_params``: adapters folded in once for sampling (float32 base, the
     default), the tree as it is otherwise; merged and unmerged sample the same tokens."""
     from types import SimpleNamespace
 
     import ml_collections
 
     from rljax import sampling
-    from rljax.train.core import rollout
+    from rljax.train.core import sampler
 
     params = perturbed(lora_params())
     ctx = lambda merge, dtype=jnp.float32: SimpleNamespace(  # noqa: E731
         cfg=ml_collections.ConfigDict({"model": {"lora": {"merge_for_sampling": merge}}}),
         model_cfg=CFG.replace(dtype=dtype))
-    merged = rollout.sampling_params(ctx(True), params)
+    merged = sampler.sampling_params(ctx(True), params)
     assert "lora" not in merged and "lora" in params
-    assert rollout.sampling_params(ctx(False), params) is params
-    assert rollout.sampling_params(ctx(True, jnp.bfloat16), params) is params
+    assert sampler.sampling_params(ctx(False), params) is params
+    assert sampler.sampling_params(ctx(True, jnp.bfloat16), params) is params
     base = lora.base_params(params)
-    assert rollout.sampling_params(ctx(True), base) is base
+    assert sampler.sampling_params(ctx(True), base) is base
     toks = tokens()
     mask = jnp.ones(toks.shape, bool)
     kw = dict(rng=jax.random.PRNGKey(0), max_new_tokens=6, temperature=1.0, num_samples=2)

@@ -23,7 +23,8 @@ from rljax import data as data_lib
 from rljax.errors import UserError
 from rljax.train.core import image_inputs
 from rljax.train.core.metrics import format_duration
-from rljax.train.core.rollout import encode_prompts, expand_fields, generate
+from rljax.train.core.rollout import encode_prompts, expand_fields
+from rljax.train.core.sampler import generate
 from rljax.train.core.verifier import verify
 
 EVAL_STREAM = 3  # rng stream of evaluation sampling (never advances the training rng)

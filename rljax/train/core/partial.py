@@ -33,8 +33,8 @@ from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import partial as partial_lib
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
-from rljax.train.core.rollout import (Rollout, rollout_temperatures, sampling_params,
-                                 staleness_metrics)
+from rljax.train.core.rollout import Rollout, rollout_temperatures, staleness_metrics
+from rljax.train.core.sampler import engine_slots, sampling_params
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
 
@@ -46,7 +46,7 @@ def make_pool(ctx, num_prompts: int) -> partial_lib.Pool:
     return partial_lib.Pool(
         ctx.model_cfg, num_samples=g, max_new_tokens=r.max_new_tokens, groups=2 * num_prompts,
         prompt_len=prompt_buckets(cfg.data.max_prompt_length)[-1],
-        slots=r.slots or max(1, num_prompts * g // 4), chunk_steps=r.chunk_steps,
+        slots=engine_slots(ctx.cfg, num_prompts * g), chunk_steps=r.chunk_steps,
         temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id,
         pad_id=tok.pad_id, temperatures=rollout_temperatures(cfg))
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from rljax import models, sampling
 from rljax.sampling import tree as tree_sampling
 from rljax import sharding as shd
-from rljax.train.core import length_groups, rollout as rollout_lib, state as state_lib, steps
+from rljax.train.core import length_groups, sampler as sampler_lib, state as state_lib, steps
 from rljax.train.core.buckets import prompt_buckets
 
 
@@ -129,13 +129,13 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
     """``sample`` (``rollout.micro_batch_size / G`` prompts of the longest bucket, G samples
     each, or G tree leaves) and ``eval`` (the held-out generation at ``eval.batch_size`` /
     ``eval.max_new_tokens``). LoRA on a float32 base samples from a merged copy
-    (``rollout.sampling_params``): the merge runs inside these programs so the copy counts."""
+    (``sampler.sampling_params``): the merge runs inside these programs so the copy counts."""
     cfg, mcfg, mesh, tok = ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.tokenizer
     r, g, p = cfg.rollout, int(cfg.algo.num_generations), prompt_len(cfg)
     n_sample = sampler_len(cfg)
     chunk = r.micro_batch_size // g if r.micro_batch_size else int(r.batch_size) // g
     tree = tree_sampling.options_from_config(r.tree, g)
-    merge = rollout_lib.merges_for_sampling(cfg, mcfg, params)
+    merge = sampler_lib.merges_for_sampling(cfg, mcfg, params)
     for_sampling = (lambda q: models.lora.merge(mcfg, q)) if merge else (lambda q: q)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated)
 
@@ -156,14 +156,15 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         out = (batch_struct(mesh, (b, p), jnp.int32), batch_struct(mesh, (b, p), bool))
         return out if mcfg.vision is None else out + (image_embeds_struct(ctx, b),)
     sampled = jax.eval_shape(for_sampling, params) if merge else params
-    if r.engine == "slots" and r.partial:   # the partial-rollout pool's two programs
+    kind = sampler_lib.sampler_kind(cfg, tree is not None)
+    if kind == "partial":   # the partial-rollout pool's two programs
         from rljax.sampling import partial as partial_lib
         from rljax.train.core.partial import make_pool
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                partial_lib.programs(make_pool(ctx, chunk), sampled, rng)]
-    elif r.engine == "slots" and tree is None and not cfg.env.name:   # the slot engine's two
+    elif kind == "slots":   # the slot engine's two
         kw = dict(max_new_tokens=n_sample, num_samples=g, chunk_steps=r.chunk_steps,
-                  slots=r.slots or max(1, chunk * g // 4), temperature=r.temperature,
+                  slots=sampler_lib.engine_slots(cfg, chunk * g), temperature=r.temperature,
                   top_k=r.top_k, top_p=r.top_p, eos_id=ctx.stop_ids, pad_id=tok.pad_id)
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                # (a merged LoRA copy is planned at its shapes, without the base's sharding)
@@ -218,8 +219,8 @@ def kv_cache_note(ctx, human: Callable[[int], str]) -> str:
     r, g, p, n = cfg.rollout, int(cfg.algo.num_generations), prompt_len(cfg), sampler_len(cfg)
     prompts = (r.micro_batch_size or r.batch_size) // g
     ringed = not cfg.env.name and tree_sampling.options_from_config(r.tree, g) is None
-    if r.engine == "slots" and ringed:
-        slots = r.slots or max(1, prompts * g // 4)
+    if sampler_lib.sampler_kind(cfg) in ("slots", "partial") and ringed:
+        slots = sampler_lib.engine_slots(cfg, prompts * g)
         what = f"{prompts} prompt pages x {p} + {slots} slots x {n}"
         size = lambda ring: (models.kv_cache_bytes(mcfg, prompts, p, ring=False)
                              + models.kv_cache_bytes(mcfg, slots, n, ring=ring))

@@ -25,7 +25,8 @@ from rljax import algorithms
 from rljax.config.rollout import knapsack_limits
 from rljax.data import allocation as alloc
 from rljax.data import selection
-from rljax.train.core.rollout import Rollout, encode_prompts, generate
+from rljax.train.core.rollout import Rollout, encode_prompts
+from rljax.train.core.sampler import generate
 
 
 class KnapsackRollout(Rollout):

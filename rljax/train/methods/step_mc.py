@@ -33,7 +33,8 @@ import jax
 import numpy as np
 
 from rljax import rewards, sampling
-from rljax.train.core.rollout import RL_STREAM, expand_fields, generate, prompt_buckets
+from rljax.train.core.rollout import RL_STREAM, expand_fields, prompt_buckets
+from rljax.train.core.sampler import generate
 
 
 # ----------------------------------------------------------------------------- pure host helpers

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from rljax import algorithms, sampling
-from rljax.train.core.rollout import Rollout, expand_fields, generate
+from rljax.train.core.rollout import Rollout, expand_fields
+from rljax.train.core.sampler import generate
 from rljax.train.methods.step_mc import step_ends
 
 FORK_STREAM = 11   # rng stream of the value forks (fold_in of the round's key)

@@ -1,0 +1,172 @@
+"""The rollout's sampler, chosen in one place (``sampler_kind``): the static batch sampler
+(``sampling.generate``: prefill once per prompt, fan out G samples), the slot engine
+(``sampling.engine``: continuous batching over ``rollout.slots`` slots), its partial-rollout
+pool (``sampling.partial``, groups carried across iterations), or tree sampling
+(``sampling.tree``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
+arrays; ``core.programs`` plans the same choice's programs for ``rljax plan``.
+
+The parameters the sampler reads are the update's own arrays (``sampling_params``: with LoRA
+on a float32 base, the adapters folded in once per version).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import distributed as dist
+from rljax import sampling
+from rljax.errors import UserError
+from rljax.models import lora as lora_lib
+from rljax.sampling import tree as tree_sampling
+
+KINDS = ("static", "slots", "partial", "tree")
+
+
+def sampler_kind(cfg, tree: bool = False) -> str:
+    """Which sampler a rollout of ``cfg`` runs: "tree" (``tree``: a tree-sampled group),
+    "partial" (the slot engine's pool, ``rollout.partial``), "slots" (``rollout.engine``) or
+    "static". Config validation refuses the combinations that have no meaning."""
+    if tree:
+        return "tree"
+    if cfg.rollout.engine == "slots":
+        return "partial" if cfg.rollout.partial else "slots"
+    return "static"
+
+
+def engine_slots(cfg, rows: int) -> int:
+    """The slot engine's slots: ``rollout.slots``, or a quarter of the rows it samples."""
+    return int(cfg.rollout.slots or max(1, rows // 4))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _merged(model_cfg, params):
+    return lora_lib.merge(model_cfg, params)
+
+
+def merges_for_sampling(cfg, model_cfg, params) -> bool:
+    """Whether the sampler reads the adapters merged into the base (``sampling_params``)."""
+    return bool(cfg.model.lora.merge_for_sampling and lora_lib.has_lora(params)
+                and jnp.dtype(model_cfg.dtype) == jnp.float32
+                and not cfg.model.get("quantize", ""))
+
+
+def sampling_params(ctx, params):
+    """The parameters the sampler reads: ``params`` as they are, or, with LoRA adapters on a
+    float32 base and ``model.lora.merge_for_sampling``, the adapters folded in once
+    (``lora.merge``). Same model up to float32 rounding; the training step keeps the
+    unmerged tree. A quantized base is never merged (that would be a float copy of it)."""
+    if not merges_for_sampling(ctx.cfg, ctx.model_cfg, params):
+        return params
+    return _merged(ctx.model_cfg, params)
+
+
+def rebucket_routes(routes: np.ndarray, p_from: int, p_to: int) -> np.ndarray:
+    """Routes int [R, p_from + N, L, k] of left-padded prompts, laid out for a prompt bucket of
+    ``p_to`` columns (real prompt tokens end at the bucket's last column either way): left
+    padding added (entries 0) or removed."""
+    prompt, completion = routes[:, :p_from], routes[:, p_from:]
+    if p_to >= p_from:
+        pad = np.zeros((routes.shape[0], p_to - p_from) + routes.shape[2:], routes.dtype)
+        prompt = np.concatenate([pad, prompt], axis=1)
+    else:
+        prompt = prompt[:, p_from - p_to:]
+    return np.concatenate([prompt, completion], axis=1)
+
+
+def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
+             max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
+             micro_prompts: int = 0, temperatures=None, tree: dict | None = None,
+             pixels=None, images=None, weights=None, prompt_index=None):
+    """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
+    ``decoded`` int [B]: the tokens decoded per prompt.
+
+    ``temperatures``: optional per-position schedule f32 [max_new_tokens].
+    ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead; its
+    ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
+    once. The two are exclusive (config validation).
+    ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
+    images, embedded by the tower and prefilled with the prompt (static sampler only).
+    ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
+    polled between decode chunks (``sampling.engine.generate``); adds ``versions`` int [R, N]
+    (the version that drew each token) and ``swaps`` (how often the weights changed).
+    ``prompt_index`` int [R] (static sampler, one chunk; ``num_samples`` 1): row r continues
+    prompt ``prompt_index[r]`` (groups of any sizes, ``sampling.generate``).
+    """
+    kind = sampler_kind(ctx.cfg, tree is not None)
+    if pixels is not None and kind != "static":
+        raise UserError("images in the prompt need rollout.engine='static' without a tree")
+    params = sampling_params(ctx, params)
+    if weights is not None:
+        weights = _sampling_weights(ctx, weights)
+    b = prompt_tokens.shape[0]
+    chunk = micro_prompts or b
+    if prompt_index is not None and (chunk < b or tree is not None):
+        raise ValueError("prompt_index needs one chunk of prompts and no tree")
+    outs, engine_stats = [], []
+    for i, start in enumerate(range(0, b, chunk)):
+        # Multi-host: every process holds the same prompts and feeds its own rows.
+        p_tok, p_mask = dist.device_batch(
+            (prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]), ctx.mesh)
+        kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_k=top_k, top_p=top_p,
+                  eos_id=ctx.stop_ids, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
+        if kind in ("slots", "partial"):   # (the partial pool itself is PartialRollout's)
+            out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
+                               engine_stats, weights)
+        elif kind == "static":
+            if pixels is not None:
+                kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
+            out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
+                                    num_samples=num_samples, temperatures=temperatures,
+                                    streams=ctx.cfg.rollout.streams,
+                                    record_routes=bool(ctx.cfg.algo.get("routing_replay")),
+                                    prompt_index=prompt_index, **kw)
+        else:
+            out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
+        outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
+    result = {k: np.concatenate([getattr(o, k) for o in outs]) for k in
+              ("tokens", "logps", "mask", "lengths", "truncated")}
+    if getattr(outs[0], "routes", None) is not None:
+        result["routes"] = np.concatenate([o.routes for o in outs])
+    result["decoded"] = (np.concatenate([o.decoded for o in outs]) if tree is not None else
+                         result["lengths"].reshape(-1, num_samples).sum(axis=1))
+    if engine_stats:   # the slot engine's busy and run slot-steps (its utilisation)
+        result["slot_steps"] = (sum(st.useful_steps for st in engine_stats),
+                                sum(st.slots * st.decode_steps for st in engine_stats))
+    if weights is not None:
+        result["versions"] = np.concatenate([st.versions for st in engine_stats])
+        result["swaps"] = sum(st.swaps for st in engine_stats)
+    return result
+
+
+def _sampling_weights(ctx, weights):
+    """``weights`` with ``sampling_params`` applied once per version."""
+    seen = {}
+
+    def current():
+        params, version = weights()
+        if version not in seen:
+            seen.clear()
+            seen[version] = sampling_params(ctx, params)
+        return seen[version], version
+    return current
+
+
+def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatures, kw,
+                 stats: list, weights=None):
+    """``sampling.engine.generate`` for one chunk of prompts (appends its EngineStats)."""
+    if dist.is_multiprocess():
+        raise UserError("rollout.engine='slots' runs in a single process for now; use "
+                        "rollout.engine='static' on several hosts")
+    rows = int(np.shape(prompt_tokens)[0]) * num_samples
+    kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
+    out, st = sampling.engine.generate(
+        ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask),
+        num_samples=num_samples, temperatures=temperatures,
+        slots=engine_slots(ctx.cfg, rows),
+        chunk_steps=ctx.cfg.rollout.chunk_steps, weights=weights, **kw)
+    stats.append(st)
+    return out
