@@ -80,3 +80,37 @@ def test_nothing_points_outside_the_repository():
                 continue
     assert not hits, "read data from a documented path (docs/data.md), not ../shared:\n" + (
         "\n".join(hits))
+
+
+def _page_anchors(path):
+    found, fence = set(), False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("```"):
+                fence = not fence
+            elif not fence and re.match(r"#+ ", line):
+                found.add(_anchor(re.sub(r"^#+ ", "", line.rstrip("\n"))))
+    return found
+
+
+def test_relative_links_and_anchors_resolve():
+    # What a docs site built with --strict would catch: a link to a moved page or section.
+    pages = ["README.md"] + [os.path.join(d, n) for d in ("docs", "bench", "colab", "launch")
+                             if os.path.isdir(os.path.join(ROOT, d))
+                             for n in sorted(os.listdir(os.path.join(ROOT, d))) if n.endswith(".md")]
+    broken = []
+    for rel in pages:
+        text = "\n".join(_lines(rel))
+        links = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[\w-]+\]: (\S+)", text,
+                                                                   re.MULTILINE)
+        for link in links:
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, fragment = link.partition("#")
+            target = os.path.normpath(os.path.join(ROOT, os.path.dirname(rel), path)) if path \
+                else os.path.join(ROOT, rel)
+            if not os.path.exists(target):
+                broken.append(f"{rel}: {link}")
+            elif fragment and target.endswith(".md") and fragment not in _page_anchors(target):
+                broken.append(f"{rel}: {link} (no such section)")
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
