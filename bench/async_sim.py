@@ -4,7 +4,7 @@ this machine measured.
 
     python bench/async_sim.py [--set KEY=VALUE ...] [--iterations 200]
 
-The model (every number in ``PARAMS``, printed as one table; docs/internals.md keeps it):
+The model (every number in ``PARAMS``, printed as one table; docs/scaling.md keeps it):
 
 * **Decode** is memory-bound: one decode step of a sampler replica (``tp`` chips) reads its
   weight shard and the live rows' KV cache, ``(weights + kv_live) / (tp * hbm * hbm_eff)``.

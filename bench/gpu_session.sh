@@ -12,7 +12,7 @@
 #
 # Wheels the GPU image lacks (ml_collections; trl, datasets, dill, multiprocess for TRL) are
 # installed from .whl/ when present (bench/README.md, "GPU"); GSM8K prompts are read from
-# $RLJAX_SHARED (a folder holding data/gsm8k/train.jsonl). SMOKE=1 runs tiny shapes (a CPU
+# $RLJAX_GSM8K (a folder holding train.jsonl; default data/gsm8k, docs/data.md). SMOKE=1 runs tiny shapes (a CPU
 # check of the script; TRL_PY names an interpreter with TRL when python3 has none).
 set -u
 OUT=${1:-${OUT:-/tmp/rljax_gpu}}

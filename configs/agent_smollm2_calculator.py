@@ -33,7 +33,7 @@ jobs; the earlier LoRA recipe (``grpo_smollm2_lora.py``) learned as fast as full
 Measured (seeds 0, 1, 2 on the 2-core CPU, one run at a time): held-out greedy accuracy 16%
 for the shipped model (no calls), 24% / 34% / 14% after the warm-up, 98% / 100% / 96% after
 GRPO (the no-tool twin: 10% / 6% / 4%); in GRPO's sampled episodes the failed-call rate fell
-on every seed; 7 min 42 s to 8 min 31 s per run. Details: docs/agents.md.
+on every seed; 7 min 42 s to 8 min 31 s per run. Details: bench/RESULTS.md, bench/LOG.md.
 """
 import os
 
@@ -66,7 +66,7 @@ def get_config():
     # call_reward paying a call that runs, makes it the habit. Without call_reward and at
     # temperature 1.0, sampled calls were mostly malformed, the few rewarded episodes were
     # guessed answers, and GRPO taught the model to stop calling; 12 steps make greedy play
-    # perfect before GRPO starts (docs/agents.md).
+    # perfect before GRPO starts (bench/LOG.md, 2026-11-28).
     c.sft = dict(steps=7, learning_rate=5e-4, batch_size=16, max_length=40 + 64,
                  env_traces=True)
     c.eval = dict(num_examples=50, batch_size=50)

@@ -13,7 +13,7 @@ gives the no-tool arm that format too, so the comparison is about the tool alone
 
 Measured (seeds 0, 1, 2 on the 2-core CPU): held-out greedy accuracy 12% for the shipped
 model, 4% / 0% / 2% after the warm-up, 10% / 6% / 4% after GRPO (the tool run: 98% / 100% /
-96%); about 2 min 20 s per run. Numbers: docs/agents.md.
+96%); about 2 min 20 s per run. Numbers: bench/RESULTS.md, bench/LOG.md.
 """
 import os
 

@@ -7,7 +7,7 @@ best as the trajectory, cuts it into steps, samples K continuations from every s
 prefill per prefix, the KV cache forked K ways), values each candidate next step by the mean
 reward of the continuations that start with it, and pairs the best with the worst next step at
 each prefix (chosen/rejected = the two steps, the prompt and shared prefix as context). See
-docs/search.md for how it compares with outcome-level online DPO at equal sampled tokens.
+bench/RESULTS.md for how it compares with outcome-level online DPO at equal sampled tokens.
 
     rljax train --config configs/dpo_arithmetic_step_mc.py --workdir runs/step_dpo
 """

@@ -6,7 +6,7 @@ temperature of ``rollout.temperature_schedule`` (here the "Let it Calm" exponent
 the first tokens and annealed towards the end); the trainer scores every token at the
 temperature it was sampled at, so the first update's importance ratio is exactly 1. Set
 ``--config.rollout.temperature_schedule.name=constant`` for the fixed-temperature baseline
-(``rollout.temperature``). Measured against it in docs/search.md.
+(``rollout.temperature``). Measured against it: bench/RESULTS.md.
 
     rljax train --config configs/grpo_arithmetic_annealed.py --workdir runs/annealed
 """

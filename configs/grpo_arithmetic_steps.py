@@ -1,5 +1,5 @@
 """GRPO on multi-step arithmetic (tiny llama, CPU): the baseline for tree sampling on longer
-completions (docs/search.md, "Tree sampling on longer completions").
+completions (docs/search.md, "Measured"; the runs: bench/LOG.md).
 
 The task prints its work one operation per line ("3+4=7\n7-2=5"), so completions are ~12
 tokens (stop token included) instead of the demo's ~3: a shared first segment is a small part

@@ -6,7 +6,7 @@ per extra guess, so GRPO favours solving, and solving in fewer guesses.
 Held-out games (secrets training never draws) are evaluated greedily after the warm-up (step
 150), every 50 steps and at the end: ``eval/solved_mean`` (= ``eval/accuracy``: solved within
 ``env.max_turns``), ``eval/turns_mean`` (all games; an unsolved one counts 10) and
-``eval/solved_turns_mean`` (solved games only). Greedy play hardly moves (docs/agents.md says
+``eval/solved_turns_mean`` (solved games only). Greedy play hardly moves (bench/LOG.md, 2026-11-23, says
 why); sampled play does, measured on the checkpoints after the warm-up and at the end:
 
     rljax train --config configs/grpo_guess_number.py --workdir runs/guess

@@ -5,7 +5,7 @@ A short SFT warm-up on scripted tool-use episodes (``sft.env_traces``: the promp
 ``<call calculator>123*456</call>``, the result ``<result>56088</result>`` as context, the
 answer) teaches the format; GRPO then trains on the model's own episodes, the loss on its own
 tokens only. ``configs/grpo_tool_arithmetic_notool.py`` is the same model and budget without
-the tool. Numbers: docs/agents.md.
+the tool. Numbers: bench/RESULTS.md.
 
     rljax train --config configs/grpo_tool_arithmetic.py --workdir runs/tools
 """

@@ -1,6 +1,6 @@
 """Baseline of ``configs/grpo_tool_arithmetic.py``: the same model, task, seeds and budget (SFT
 warm-up steps, GRPO iterations, batch) without the calculator: SFT on answer-only solutions,
-then single-turn GRPO. Numbers: docs/agents.md.
+then single-turn GRPO. Numbers: bench/RESULTS.md.
 
     rljax train --config configs/grpo_tool_arithmetic_notool.py --workdir runs/notool
 """

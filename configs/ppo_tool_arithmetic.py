@@ -7,7 +7,7 @@ the rewards and GAE live on the model's own tokens only (tool results are contex
 the recursion), the reward (``arithmetic`` on the final answer) sits on the episode's last model
 token. One sample per prompt (no groups: the critic is the baseline), 2 epochs x 2 minibatches
 per rollout, whitened advantages, clipped policy and value losses, no KL (as the GRPO run).
-Numbers: docs/agents.md.
+Numbers: bench/LOG.md (2026-11-23, the agent demos).
 
     rljax train --config configs/ppo_tool_arithmetic.py --workdir runs/ppo_tools
 """

@@ -584,27 +584,24 @@ def test_real_gemma3_tokenizer_built_from_metadata_matches_transformers(gemma_pr
 
 
 @pytest.mark.slow
-def test_real_gemma3_tokenizer_builds_in_seconds_where_torch_cannot_be_imported(
+def test_real_gemma3_tokenizer_builds_where_torch_cannot_be_imported(
         gemma_path, gemma_ref_tokenizer, tmp_path):
     import os
     import subprocess
     import sys
 
-    code = ("import sys, json, time; sys.modules['torch'] = None\n"  # as if not installed
+    # How long the build takes is measured by bench/gemma3_tokenizer.py, not asserted here.
+    code = ("import sys, json; sys.modules['torch'] = None\n"  # as if not installed
             "from rljax import tokenizers\n"
-            "start = time.perf_counter()\n"
             f"tok = tokenizers.load({gemma_path!r})\n"
-            "took = time.perf_counter() - start\n"
-            f"print(json.dumps([took, [tok.encode(t, add_bos=True) for t in {GEMMA_TEXTS!r}]]))\n")
+            f"print(json.dumps([tok.encode(t, add_bos=True) for t in {GEMMA_TEXTS!r}]))\n")
     env = dict(os.environ, RLJAX_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr
-    took, ids = json.loads(out.stdout.splitlines()[-1])
-    print(f"\nGemma 3 tokenizer (262,144 tokens) built from the file without torch: {took:.1f} s")
+    ids = json.loads(out.stdout.splitlines()[-1])
     assert ids == [gemma_ref_tokenizer(t)["input_ids"] for t in GEMMA_TEXTS]
     assert os.listdir(tmp_path / "cache" / "tokenizers")   # kept for the next process
-    assert took < 60   # seconds even on a busy machine (transformers' conversion: ~40 s)
 
 
 @pytest.mark.slow

@@ -47,6 +47,12 @@ def test_notebooks_are_built_from_the_script():
 def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    # bring_your_own_model reads GSM8K from $RLJAX_GSM8K (docs/data.md): the test data's copy
+    # beside the checkout (or beside the folder of a git worktree).
+    for up in (("..",), ("..", "..")):
+        gsm8k = os.path.join(ROOT, *up, "shared", "data", "gsm8k")
+        if os.path.isfile(os.path.join(gsm8k, "train.jsonl")) and "RLJAX_GSM8K" not in os.environ:
+            monkeypatch.setenv("RLJAX_GSM8K", os.path.abspath(gsm8k))
     nb = nbformat.read(os.path.join(COLAB, name), as_version=4)
     index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     workdir = str(tmp_path / "run")

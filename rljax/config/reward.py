@@ -48,7 +48,7 @@ def env() -> dict[str, Any]:
         kwargs={},                   # free-form options of the environment's factory
         turn_discount=opt_float(),   # None = outcome: the episode's summed reward for every
                                      # turn; gamma in [0, 1] = per-turn rewards, turn t judged
-                                     # by sum_k gamma^k r_{t+k} (docs/agents.md)
+                                     # by sum_k gamma^k r_{t+k} (docs/multiturn.md)
         selfplay=dict(               # games with seats (GAME_ENVS), GRPO training:
             mode="off",              # off: the env's scripted opponent (env.kwargs.opponent);
                                      # self: the policy in every seat, each seat its own
