@@ -82,3 +82,20 @@ SLOW_FILES_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: order kept within
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The ten test files that took longest (setup, call and teardown of their tests, summed;
+    under pytest-xdist each file runs in one worker, so this is that worker's time on it)."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                name = report.nodeid.split("::")[0]
+                per_file[name] = per_file.get(name, 0.0) + float(report.duration)
+    if not per_file:
+        return
+    terminalreporter.write_sep("=", "slowest 10 test files")
+    for name, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:10]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {name}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.1f}s in all {len(per_file)} files")
