@@ -198,8 +198,8 @@ def test_bad_configs_refused(ckpts, tmp_path):
                           moe_intermediate_size=8)
 
 
-@pytest.mark.parametrize("replay", [False, True])
-def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay):
+@pytest.mark.parametrize("replay,shared", [(False, True), (True, True), (True, False)])
+def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, shared):
     from rljax import config as config_lib
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
@@ -216,7 +216,7 @@ def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay):
     cfg.data.kwargs = {"digits": 1, "eval_examples": 8}
     if replay:   # routes recorded by the sampler, replayed by the old-logps pass and update
         cfg.update_from_flattened_dict({"algo.routing_replay": True,
-                                        "algo.shared_prompt": False,
+                                        "algo.shared_prompt": shared,
                                         "algo.mini_batch_size": 4})
     cfg = config_lib.validate(cfg)
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
@@ -248,6 +248,50 @@ def test_shared_prompt_layout_matches_the_plain_forward(loaded):
     np.testing.assert_allclose(shared, np.asarray(plain)[:, T:], atol=2e-5)
     # Each prompt's tokens counted once, each completion's real tokens once.
     assert float(sink["stats"]["tokens"][0]) == pmask.sum() + cmask.sum()
+
+
+def test_shared_prompt_layout_replays_the_given_routes(loaded):
+    """Routing replay in the shared-prompt layout: each prompt's routes given once, each
+    completion's per row, equal to the plain forward replaying the same routes row by row. The
+    routes are random (not the router's choice), so a forward that ignored them would differ."""
+    cfg, params = loaded["olmoe"]
+    rng = np.random.default_rng(2)
+    g, n, L, k = 2, 5, cfg.num_layers, cfg.num_experts_per_tok
+    prompt, pmask = _batch()
+    comp = rng.integers(2, 128, size=(B * g, n)).astype(np.int32)
+    cmask = np.ones((B * g, n), bool)
+    experts = lambda *shape: np.argsort(rng.random(shape + (cfg.num_experts,)), -1)[..., :k]
+    prompt_routes = experts(L, B, T).astype(np.int32)              # [L, B, P, k]
+    routes = experts(L, B * g, n).astype(np.int32)                 # [L, R, N, k]
+    shared, _ = models.shared_prompt.completion_logps(
+        cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jnp.asarray(comp),
+        jnp.asarray(cmask), routes=jnp.asarray(routes), prompt_routes=jnp.asarray(prompt_routes))
+    full = np.concatenate([np.repeat(prompt, g, 0), comp], 1)
+    fmask = np.concatenate([np.repeat(pmask, g, 0), cmask], 1)
+    full_routes = np.concatenate([np.repeat(prompt_routes, g, 1), routes], 2)
+    plain, _ = models.token_logps(cfg, params, jnp.asarray(full), jnp.asarray(fmask),
+                                  first_scored=T, routes=jnp.asarray(full_routes))
+    np.testing.assert_allclose(shared, np.asarray(plain)[:, T:], atol=2e-5)
+    routed, _ = models.shared_prompt.completion_logps(
+        cfg, params, jnp.asarray(prompt), jnp.asarray(pmask), jnp.asarray(comp),
+        jnp.asarray(cmask))
+    assert np.abs(np.asarray(routed) - np.asarray(shared)).max() > 1e-3   # the routes mattered
+
+
+def test_shared_layout_keeps_a_groups_routes_once():
+    from rljax.train.core import length_groups
+    g, p, n, L, k = 2, 3, 2, 1, 2
+    tokens = np.array([[0, 5, 6, 7, 8], [0, 5, 6, 9, 9]], np.int32)
+    mask = np.array([[False, True, True, True, True]] * 2)
+    routes = np.arange(2 * (p + n) * L * k, dtype=np.int32).reshape(2, p + n, L, k)
+    routes[1, :p] = routes[0, :p]                          # one prefill: the same prompt routes
+    routes[1, 0] = 99                                      # (a padded column may differ)
+    part = {"tokens": tokens, "mask": mask, "routes": routes}
+    out = length_groups.shared_layout(part, n, g)
+    np.testing.assert_array_equal(out["prompt_routes"][0, 1:], routes[0, 1:p])
+    np.testing.assert_array_equal(out["routes"], routes[:, p:])
+    routes[1, 2] = 42                                      # rows disagree on a real column:
+    assert length_groups.shared_layout(part, n, g) is None  # each row computes its own prompt
 
 
 def test_sampler_records_the_routes_the_update_replays(loaded):
@@ -284,8 +328,11 @@ def test_routing_replay_refusals():
     cfg.update_from_flattened_dict({"algo.routing_replay": True, "rollout.engine": "slots"})
     with pytest.raises(config_lib.ConfigError,
                        match="routing_replay=true is not supported with rollout.engine='slots'"
-                             ".*shared_prompt=true"):
+                       ) as refused:
         config_lib.validate(cfg)
+    assert "shared_prompt" not in str(refused.value)   # the default layout replays routes too
+    cfg.rollout.engine = "static"
+    assert config_lib.validate(cfg).algo.shared_prompt   # the default layout is accepted
 
 
 def test_lora_on_a_moe_covers_attention_only():

@@ -486,8 +486,7 @@ def check_routing_replay(cfg) -> None:
         ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
         (f"env.name={cfg.env.name!r} (multi-turn)", bool(cfg.env.name)),
         ("rollout.partial=true", bool(r.partial)),
-        ("algo.asynchronous=true", bool(a.asynchronous)),
-        ("algo.shared_prompt=true (set it false)", bool(a.shared_prompt))) if bad]
+        ("algo.asynchronous=true", bool(a.asynchronous))) if bad]
     if problems:
         raise ConfigError("algo.routing_replay=true is not supported with " +
                           "; ".join(problems))

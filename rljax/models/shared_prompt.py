@@ -89,7 +89,8 @@ def shared_prompt_attention(q, k_prompt, v_prompt, k, v, prompt_mask, mask, scal
 def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask: jax.Array,
           tokens: jax.Array, mask: jax.Array, lora_dropout_rng: Optional[jax.Array] = None,
           image_embeds: Optional[jax.Array] = None, moe_stats: Optional[dict] = None,
-          prompt_index: Optional[jax.Array] = None):
+          prompt_index: Optional[jax.Array] = None, routes: Optional[jax.Array] = None,
+          prompt_routes: Optional[jax.Array] = None):
     """Embeddings + all layers + final norm over shared prompts and their completions.
 
     prompt_tokens: int [Bp, P], left-padded (prompt_mask bool [Bp, P]); tokens: int [Bp*G, N]
@@ -105,12 +106,22 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
     ``"stats"`` (``moe.moe_mlp``'s, stacked over layers), each prompt's tokens counted once.
     ``prompt_index`` int [R] (groups of any sizes, rows in any order): row r continues
     prompt ``prompt_index[r]`` instead of prompt ``r // G``.
+    ``routes`` int [L, R, N, k] and ``prompt_routes`` int [L, Bp, P, k] (routing replay,
+    both or neither): each completion token's and each prompt token's recorded experts.
     """
     bp, p = prompt_tokens.shape
     r, n = tokens.shape
     ragged = prompt_index is not None
     if ragged and image_embeds is not None:
         raise ValueError("shared_prompt.trunk: prompt_index does not take images")
+    if (routes is None) != (prompt_routes is None) or (ragged and routes is not None):
+        raise ValueError("shared_prompt.trunk: routes and prompt_routes go together, "
+                         "without prompt_index")
+    replay = None
+    if routes is not None:   # [L, 1, Bp*P + R*N, k]: the layers' tokens in x's order
+        nl, k = routes.shape[0], routes.shape[-1]
+        replay = jnp.concatenate([prompt_routes.reshape(nl, bp * p, k),
+                                  routes.reshape(nl, r * n, k)], axis=1)[:, None]
     if not ragged and r % bp:
         raise ValueError(f"shared_prompt.trunk: {r} completion rows are not a multiple of "
                          f"{bp} prompts")
@@ -165,12 +176,13 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
 
     token_mask = jnp.concatenate([prompt_mask.reshape(-1), mask.reshape(-1)])[None]
 
-    def layer(x, p, i, lp, is_local=None):
+    def layer(x, p, i, lp, is_local=None, replay=None):
         p = tfm._cast_layer(cfg, p)
         drop = None if lora_dropout_rng is None or lp is None else (lora_dropout_rng, i)
         masks, r = (full, rope) if is_local is None else \
             tfm.pick_layer_kind(is_local, (local, rope_local), (full, rope))
-        moe_io = {"token_mask": token_mask, "stats": []} if cfg.is_moe else None
+        moe_io = ({"token_mask": token_mask, "replay": replay, "stats": []} if cfg.is_moe
+                  else None)
         x = tfm.block(cfg, p, x, r, lambda q, k, v: attend(q, k, v, masks), lp, drop, moe_io)
         return x, (moe_io["stats"][0] if moe_io else None)
 
@@ -182,7 +194,8 @@ def trunk(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array, prompt_mask:
 
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     scanned_kinds = jnp.asarray(kinds) if kinds else None
-    x, stats = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds))
+    x, stats = jax.lax.scan(body, x, (params["layers"], idx, lora_layers, scanned_kinds,
+                                      replay))
     if moe_stats is not None:
         moe_stats["stats"] = stats
     x = tfm.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)[0]
@@ -196,7 +209,9 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
                      extra_targets: Optional[jax.Array] = None,
                      image_embeds: Optional[jax.Array] = None,
                      moe_stats: Optional[dict] = None,
-                     prompt_index: Optional[jax.Array] = None):
+                     prompt_index: Optional[jax.Array] = None,
+                     routes: Optional[jax.Array] = None,
+                     prompt_routes: Optional[jax.Array] = None):
     """Log-probs (and entropies) of completion tokens after shared prompts.
 
     Shapes as ``trunk``; ``temperature`` a scalar or float32 [Bp*G, N] (each token at its own).
@@ -206,10 +221,11 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     is predicted by the prompt's last position (left padding: the last column is real).
     ``extra_targets`` int [Bp*G, N, K]: a third output, those ids' log-probs per column
     (``transformer.scored_logps``). ``image_embeds`` [Bp, K, D] and ``moe_stats``: as
-    ``trunk``'s; ``prompt_index`` int [R] as ``trunk``'s (groups of any sizes).
+    ``trunk``'s; ``prompt_index`` int [R], ``routes`` and ``prompt_routes`` as ``trunk``'s.
     """
     prompt_hidden, hidden = trunk(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
-                                  lora_dropout_rng, image_embeds, moe_stats, prompt_index)
+                                  lora_dropout_rng, image_embeds, moe_stats, prompt_index,
+                                  routes, prompt_routes)
     if prompt_index is None:
         g = tokens.shape[0] // prompt_tokens.shape[0]
         last = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)                # [Bp*G, 1, D]

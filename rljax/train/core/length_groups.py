@@ -148,6 +148,15 @@ def shared_layout(part: dict, completion_cols: int, group_size: int) -> dict | N
            "tokens": tokens[:, p:], "mask": mask[:, p:]}
     if "pixels" in part:   # a group's rows share their prompt's images
         out["pixels"] = part["pixels"][::group_size]
+    if "routes" in part:   # routing replay: the prompt's routes once per group (the sampler
+        #                    prefilled it once, so a group's rows recorded the same ones)
+        routes = np.asarray(part["routes"])
+        prompt_routes = routes[:, :p].reshape((-1, group_size, p) + routes.shape[2:])
+        prompt_routes = np.where(prompt_mask[..., None, None], prompt_routes, 0)
+        if not (prompt_routes == prompt_routes[:, :1]).all():
+            return None
+        out["prompt_routes"] = prompt_routes[:, 0]
+        out["routes"] = routes[:, p:]
     return out
 
 
@@ -160,7 +169,7 @@ def ragged_layout(part: dict, completion_cols: int, prompts: int) -> dict | None
     column."""
     tokens, mask = part["tokens"], np.asarray(part["mask"], bool)
     p = tokens.shape[1] - completion_cols
-    if p == 0 or "pixels" in part or not mask[:, p - 1].all():
+    if p == 0 or "pixels" in part or "routes" in part or not mask[:, p - 1].all():
         return None
     key = np.concatenate([np.where(mask[:, :p], tokens[:, :p], -1), mask[:, :p]], axis=1)
     _, first, index = np.unique(key, axis=0, return_index=True, return_inverse=True)
@@ -241,7 +250,12 @@ class Planner:
                           tokens=((m, n), jnp.int32), mask=((m, n), bool))
             if "pixels" in shapes:
                 shapes["pixels"] = ((m // g, *shapes["pixels"][0][1:]), shapes["pixels"][1])
-        elif p > 0 and self._ragged_prompts(m) and "pixels" not in shapes:
+            if "routes" in shapes:
+                (_, _, *tail), dtype = shapes["routes"]
+                shapes.update(prompt_routes=((m // g, p, *tail), dtype),
+                              routes=((m, n, *tail), dtype))
+        elif (p > 0 and self._ragged_prompts(m) and "pixels" not in shapes
+              and "routes" not in shapes):
             u = self._ragged_prompts(m)
             shapes.update(prompt_tokens=((u, p), jnp.int32), prompt_mask=((u, p), bool),
                           prompt_index=((m,), jnp.int32), tokens=((m, n), jnp.int32),

@@ -203,19 +203,17 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
     completion column, from the same LM-head pass (a distillation teacher's top-k).
 
     Mixtures of experts: ``batch["routes"]`` int [B, P+N, L, k] (routing replay) sends each
-    token to its recorded experts (not in the shared-prompt layout); ``moe_stats`` (a dict)
-    receives the routing statistics (``models.token_logps``)."""
+    token to its recorded experts (in the shared-prompt layout ``routes`` [B, N, L, k] are the
+    completion columns' and ``prompt_routes`` [B/G, P, L, k] each prompt's); ``moe_stats`` (a
+    dict) receives the routing statistics (``models.token_logps``)."""
     n = batch["loss_mask"].shape[1]
     # Images (``batch["pixels"]`` [rows or prompts, I, C, S, S]) go through the vision tower
     # here, inside the loss: frozen unless ``model_cfg.train_vision``.
     images = (vision.image_embeddings(model_cfg, params, batch["pixels"])
               if "pixels" in batch else None)
     routes = batch.get("routes")
-    if "prompt_tokens" in batch and routes is not None:
-        raise ValueError("routing replay does not support the shared-prompt layout: set "
-                         "algo.shared_prompt=false")
-    if routes is not None:
-        routes = jnp.transpose(routes, (2, 0, 1, 3))   # [L, B, P+N, k], as the trunk scans
+    if routes is not None:   # [L, B, T, k], as the trunks scan
+        routes = jnp.transpose(routes, (2, 0, 1, 3))
     if "prompt_tokens" in batch:
         temperature = batch.get("temperatures", temperature)
         return shared_prompt.completion_logps(
@@ -223,7 +221,9 @@ def completion_logps(model_cfg, params, batch, *, temperature: float = 1.0,
             batch["tokens"][:, :n], batch["mask"][:, :n], temperature=temperature,
             with_entropy=with_entropy, lora_dropout_rng=lora_dropout_rng,
             extra_targets=extra_ids, image_embeds=images, moe_stats=moe_stats,
-            prompt_index=batch.get("prompt_index"))
+            prompt_index=batch.get("prompt_index"), routes=routes,
+            prompt_routes=(None if routes is None
+                           else jnp.transpose(batch["prompt_routes"], (2, 0, 1, 3))))
     if "temperatures" in batch:
         per_token = jnp.asarray(batch["temperatures"], jnp.float32)
         prompt = jnp.ones((per_token.shape[0], batch["tokens"].shape[1] - n), jnp.float32)
@@ -272,7 +272,7 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
 
 # What the log-prob passes read (``prompt_*``: the shared-prompt layout, see completion_logps).
 LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures", "prompt_tokens", "prompt_mask",
-              "pixels", "routes")
+              "pixels", "routes", "prompt_routes")
 
 
 def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, mesh=None,
