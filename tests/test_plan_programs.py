@@ -38,6 +38,11 @@ ALGORITHMS = {
             "model.vision.image_token": "@", "model.overrides": {"num_layers": 1},
             "data.source": "shapes", "data.kwargs": {"kinds": "count", "eval_examples": 8},
             "data.max_prompt_length": 32, "reward.names": ("arithmetic",)},
+    # A mixture of experts replaying the sampler's routes in the shared-prompt layout: each
+    # group's prompt routes once, the completion columns' per row.
+    "moe_replay": {"algo.micro_batch_size": 4, "model.preset": "tiny-moe",
+                   "model.overrides": {"num_layers": 1, "moe_intermediate_size": 16},
+                   "algo.routing_replay": True},
 }
 
 
