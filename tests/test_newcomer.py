@@ -150,6 +150,44 @@ def test_eta_is_measured_on_the_current_phase_only(tmp_path):
     assert eta and 770 <= int(eta[1]) * 60 + int(eta[2]) <= 800, lines[419]
 
 
+def test_eta_counts_the_evaluations_still_to_come(tmp_path):
+    """Evaluations after steps 10, 15 and 20: before any has run they are counted, then each
+    costs the last one's time/eval (30 s); later phases name theirs."""
+    import io
+
+    from rljax.train.core.metrics import MetricsWriter
+
+    now, out = [0.0], io.StringIO()
+    with MetricsWriter(tmp_path, total_steps=20, console_every_s=0, tensorboard=False,
+                       stream=out, phases=[("sft_warmup", 0, 10), ("grpo", 10, 20)],
+                       clock=lambda: now[0], eval_steps=[10, 15, 20]) as writer:
+        for step in range(1, 21):
+            now[0] += 1.0
+            writer.write(step, {"loss": 1.0})
+            if step == 10:
+                writer.write(10, {"eval/accuracy": 0.5, "time/eval": 30.0})
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert "ETA 5s + 1 eval (sft_warmup; then 10 grpo steps, 2 evals)" in lines[4], lines[4]
+    assert "ETA 1m08s |" in lines[11], lines[11]    # 8 steps at 1 step/s + 2 evals of 30 s
+    assert "ETA 30s |" in lines[19], lines[19]      # the last step: its eval is still to come
+
+
+def test_every_evaluation_says_so_before_it_runs(capsys):
+    from types import SimpleNamespace
+
+    written = []
+    run = hooks.Run(cfg=None, ctx=None, phases=[SimpleNamespace()], offsets=[0], ckpt=None,
+                    writer=SimpleNamespace(write=lambda step, m: written.append(step)),
+                    guard=None, stop=None, eval_size=7,
+                    evaluate_fn=lambda params, rng, stop: {"eval/accuracy": 1.0},
+                    state=SimpleNamespace(rng=jax.random.PRNGKey(0), params=None))
+    assert run.evaluate(5) and run.evaluate(10)
+    assert capsys.readouterr().err.splitlines() == [
+        "rljax: evaluating step 5 on 7 held-out examples (the first compiles the sampler) ...",
+        "rljax: evaluating step 10 on 7 held-out examples ..."]
+    assert written == [5, 10]
+
+
 def test_slow_start_up_work_says_what_it_is_doing(capsys):
     import time
 

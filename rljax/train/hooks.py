@@ -75,28 +75,41 @@ class Run:
         rng = jax.random.fold_in(jax.random.fold_in(self.state.rng, eval_lib.EVAL_STREAM),
                                  step)
         phase = self.phases[self.index]
-        if hasattr(phase, "evaluate"):  # a phase with its own held-out metrics (dpo, rm)
+        own = hasattr(phase, "evaluate")   # a phase with its own held-out metrics (dpo, rm)
+        if jax.process_index() == 0:   # an eval may take a while: never a silent console
+            first = "" if self.evals_run or own else " (the first compiles the sampler)"
+            size = "" if own else f" on {self.eval_size} held-out examples"
+            print(f"rljax: evaluating step {step}{size}{first} ...", file=sys.stderr,
+                  flush=True)
+        self.evals_run.append(step)
+        if own:
             self.writer.write(step, phase.evaluate(self.state, rng))
             return True
-        first = not self.evals_run
-        self.evals_run.append(step)
-        with (announced_if_slow(f"evaluating step {step} on {self.eval_size} held-out "
-                                "examples (the first eval compiles the sampler)") if first
-              else contextlib.nullcontext()):
-            metrics = self.evaluate_fn(self.state.params, rng, self.stop)
+        metrics = self.evaluate_fn(self.state.params, rng, self.stop)
         if metrics is None:
             return False
         self.writer.write(step, metrics)
         return True
 
     def eval_due(self, last: bool) -> bool:
-        every = self.cfg.eval_every
-        return last or bool(every and self.gstep % every == 0)
+        return eval_due(self.cfg, self.gstep, last)
 
     def stopped(self) -> int:
         print(f"rljax: stopped by {self.stop.reason} at step {self.gstep}; checkpoint in "
               f"{self.ckpt.directory}", file=sys.stderr, flush=True)
         return self.stop.exit_code
+
+
+def eval_due(cfg, gstep: int, last: bool) -> bool:
+    """Whether an evaluation follows global step ``gstep`` (``last``: a phase's last step)."""
+    return last or bool(cfg.eval_every and gstep % cfg.eval_every == 0)
+
+
+def eval_schedule(cfg, phases, offsets) -> list[int]:
+    """The global steps an evaluation follows, over all phases (for the ETA)."""
+    return [offset + s for phase, offset in zip(phases, offsets)
+            for s in range(1, phase.steps + 1)
+            if eval_due(cfg, offset + s, s == phase.steps)]
 
 
 @dataclasses.dataclass

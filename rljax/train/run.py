@@ -41,8 +41,8 @@ from rljax.train.core.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
 from rljax.train.core.rollout import print_completions
 from rljax.train.core.setup import build_context, check_inputs, stop_ids
-from rljax.train.hooks import (Run, announced_if_slow, default_hooks, run_phases,
-                               setup_objects_frozen)
+from rljax.train.hooks import (Run, announced_if_slow, default_hooks, eval_schedule,
+                               run_phases, setup_objects_frozen)
 from rljax.train.methods import agent
 
 # ----------------------------------------------------------------------------- train
@@ -116,7 +116,8 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
                                tensorboard=cfg.logging.tensorboard,
                                resume_step=position["gstep"], wandb=cfg.logging.wandb.to_dict(),
                                drop_eval_at_resume=position["eval_pending"],
-                               config=cfg.to_dict())
+                               config=cfg.to_dict(),
+                               eval_steps=eval_schedule(cfg, phases, offsets))
     except BaseException:
         ckpt.close()
         raise

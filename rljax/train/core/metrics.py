@@ -127,6 +127,8 @@ class MetricsWriter:
         ``RATE_WINDOW`` logged steps only (an SFT warm-up's fast steps say nothing about GRPO's
         pace), and the ETA covers the current phase. Default: one phase of ``total_steps``.
       clock: the console's time source (``time.monotonic``).
+      eval_steps: the global steps after which an evaluation runs; the ETA adds the ones still
+        to come at the last evaluation's ``time/eval`` (and counts them while none has run).
       console_every_s: minimum seconds between console lines (0 = every call).
       tensorboard: also write TensorBoard event files into ``workdir``.
       resume_step: when resuming from a checkpoint at this step, drop lines logged after it by
@@ -144,10 +146,13 @@ class MetricsWriter:
                  resume_step: int | None = None, stream=None, enabled: bool | None = None,
                  sync_every_s: float = 30.0, wandb: Mapping | None = None,
                  config: Mapping | None = None, drop_eval_at_resume: bool = False,
-                 phases: Iterable[tuple[str, int, int]] | None = None, clock=time.monotonic):
+                 phases: Iterable[tuple[str, int, int]] | None = None, clock=time.monotonic,
+                 eval_steps: Iterable[int] = ()):
         self.workdir = os.fspath(workdir)
         self.clock = clock  # seconds, for steps/s and the ETA
         self.phases = [tuple(p) for p in phases or ()]
+        self.eval_steps = sorted(int(s) for s in eval_steps)
+        self._eval_s: float | None = None   # the last evaluation's time/eval
         self.sync_every_s = sync_every_s
         self.total_steps = total_steps
         self.console_every_s = console_every_s
@@ -244,6 +249,8 @@ class MetricsWriter:
         evals = {k: v for k, v in record.items() if str(k).startswith("eval/")}
         if evals:  # held-out results are rare and wanted: never throttled
             self.evals.append((step, evals))
+            if isinstance(record.get("time/eval"), (int, float)):
+                self._eval_s = float(record["time/eval"])
             if all(str(k).startswith(("eval/", "time/")) for k in record if k != "step"):
                 print(eval_line(step, record), file=self.stream, flush=True)
                 return
@@ -281,14 +288,28 @@ class MetricsWriter:
         return " | ".join(parts)
 
     def eta(self, step: int, rate: float) -> str:
-        """Time left in the current phase at ``rate`` steps/s; later phases (whose pace is not
-        known yet) are named with their step counts: ``12s (sft; then 800 grpo steps)``."""
+        """Time left in the current phase at ``rate`` steps/s, its evaluations included (at
+        the last one's duration; counted while none has run: ``1m10s + 2 evals``); later
+        phases, whose pace is not known yet, are named with their step and evaluation counts:
+        ``12s (sft; then 800 grpo steps, 8 evals)``."""
         i = self._phase_index(step)
-        if i is None or i == len(self.phases) - 1:
-            return format_duration((self.total_steps - step) / rate)
-        name, _, last = self.phases[i]
+        final = i is None or i == len(self.phases) - 1
+        last = self.total_steps if final else self.phases[i][2]
+        seconds = (last - step) / rate
+        evals = sum(step <= s <= last for s in self.eval_steps)   # (step's own eval follows it)
+        if evals and self._eval_s is not None:
+            seconds += evals * self._eval_s
+        text = format_duration(seconds)
+        if evals and self._eval_s is None:
+            text += f" + {evals} eval" + ("s" if evals > 1 else "")
+        if final:
+            return text
+        name = self.phases[i][0]
         later = ", ".join(f"{b - a} {n} steps" for n, a, b in self.phases[i + 1:])
-        return f"{format_duration((last - step) / rate)} ({name}; then {later})"
+        later_evals = sum(last < s <= self.total_steps for s in self.eval_steps)
+        if later_evals:
+            later += f", {later_evals} eval" + ("s" if later_evals > 1 else "")
+        return f"{text} ({name}; then {later})"
 
     def flush(self) -> None:
         try:
