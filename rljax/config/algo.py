@@ -151,6 +151,7 @@ def algo() -> dict[str, Any]:
         # per-token reverse KL to the teacher as the advantage (discount 0).
         distill=dict(
             teacher="",              # an HF checkpoint dir, a GGUF file or an rljax workdir
+                                     # (relative: to the working directory)
             teacher_step=0,          # workdir teacher: this checkpoint step; 0 = the latest
             teacher_quantize="",     # keep the teacher quantized on device: int8, int4, nf4
                                      # (one scale per model.quantize_block inputs) or keep
