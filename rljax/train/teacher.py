@@ -141,7 +141,9 @@ def workdir_source(path: str, step: int, key: str, step_key: str,
     """An rljax workdir's checkpoint ``step`` (0 = the latest) as a frozen model (a distill
     teacher, a game opponent); ``key`` (``"name='path'"``) and ``step_key`` name the config
     keys in the one-line UserError of a workdir whose config.json is unreadable, that trained
-    LoRA adapters, has no checkpoint or lacks ``step``."""
+    LoRA adapters, has no checkpoint or lacks ``step``. A relative ``path`` is the working
+    directory's."""
+    path = os.path.abspath(path)   # orbax restores absolute paths only
     try:
         tcfg = _run_config(path)
     except ValueError as e:
