@@ -378,3 +378,40 @@ def test_a_teacher_checkpoint_that_does_not_fit_its_config_is_refused_before_the
         run.train(cfg, str(tmp_path / "student"), devices=DEVICES)
     assert not os.path.isdir(checkpoint.checkpoint_dir(str(tmp_path / "student"))) or \
         not os.listdir(checkpoint.checkpoint_dir(str(tmp_path / "student")))
+
+
+@pytest.mark.parametrize("teacher_temperature", [1.0, 0.5])
+def test_the_teacher_is_scored_at_its_own_temperature_not_the_rollouts(tmp_path,
+                                                                        teacher_temperature):
+    """``algo.distill.teacher_temperature`` (default 1, the published form) is the temperature
+    of the teacher's log-probs, whatever the rollout samples at: they equal
+    log_softmax(logits / T) written out, for the sampled tokens and the top-k."""
+    import types
+
+    from rljax import models
+    from rljax.train.phases import distill
+    write_teacher_workdir(tmp_path / "teacher", seed=5)
+    overrides = {"rollout.temperature": 0.7, "algo.distill.jsd_weight": 0.5,
+                 "algo.distill.top_k": 3}
+    if teacher_temperature != 1.0:
+        overrides["algo.distill.teacher_temperature"] = teacher_temperature
+    cfg = distill_cfg(str(tmp_path / "teacher"), **overrides)
+    assert cfg.algo.distill.teacher_temperature == teacher_temperature
+    source = teacher_lib.check(cfg)
+    mesh = jax.sharding.Mesh(np.array(DEVICES), ("data",))
+    mcfg, params = teacher_lib.load(source, mesh)
+    ctx = types.SimpleNamespace(cfg=cfg, mesh=mesh, model_cfg=mcfg)
+    batch = make_batch(1)
+    out = distill.score_fn(ctx, mcfg, source)(params, batch)
+    m = np.asarray(batch["mask"])
+    n = batch["loss_mask"].shape[1]
+    logits = np.asarray(models.forward(mcfg, params, batch["tokens"],
+                                       attention_mask=batch["mask"]), np.float64)
+    want_all = _log_softmax(logits[:, -n - 1:-1] / teacher_temperature)
+    tok = np.asarray(batch["tokens"])[:, -n:]
+    want = np.take_along_axis(want_all, tok[..., None], axis=-1)[..., 0]
+    real = m[:, -n:].astype(bool)
+    np.testing.assert_allclose(np.asarray(out["teacher_logps"])[real], want[real], rtol=1e-4,
+                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out["teacher_topk_logps"]),
+                               -np.sort(-want_all, axis=-1)[..., :3], rtol=1e-4, atol=1e-4)

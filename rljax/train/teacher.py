@@ -345,9 +345,9 @@ def build_score_fn(model_cfg, *, vocab: int, temperature: float = 1.0, top_k: in
         teacher_topk_logps f32 [B, N, k]  with ``top_k``: its k most likely tokens' log-probs
         teacher_topk_ids   i32 [B, N, k]  and their ids
 
-    Scored at the student's scoring ``temperature`` over the first ``vocab`` ids (the ids the
-    student's head has too: a larger teacher head's padding never enters), ``num_micro``
-    row-chunks at a time to bound the [B, N, V] logits."""
+    Scored at ``temperature`` (``algo.distill.teacher_temperature``) over the first ``vocab``
+    ids (the ids the student's head has too: a larger teacher head's padding never enters),
+    ``num_micro`` row-chunks at a time to bound the [B, N, V] logits."""
     temperature = models.scoring_temperature(temperature)
 
     def one(params, mb):
