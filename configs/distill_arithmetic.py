@@ -8,6 +8,10 @@ the layers after the same SFT warm-up:
     rljax train --config configs/distill_arithmetic.py --workdir runs/distill \\
         [--config.algo.distill.teacher=runs/demo]
 
+The teacher path, like every path of a config, is relative to the working directory: run both
+commands from the same one. It is checked (its config, tokenizer and checkpoint) before the
+warm-up starts.
+
 The student samples 1024 completions per step (128 prompts x 8), the teacher scores every
 sampled token, and the advantage of each token is minus its reverse KL to the teacher
 (docs/algorithms.md, "On-policy distillation"). ``--config.algo.name=grpo`` (with

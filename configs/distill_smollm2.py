@@ -8,6 +8,8 @@ Train the teacher first, then distill into the shipped model (same GGUF, same to
     rljax train --config configs/distill_smollm2.py --workdir runs/distill_smollm2 \\
         [--config.algo.distill.teacher=runs/smollm2]
 
+(``runs/smollm2`` is relative to the working directory: run both commands from the same one.)
+
 A LoRA student: ``--config.model.lora.rank=16 --config.model.lora.alpha=32
 --config.optimizer.learning_rate=2e-4``. Same prompts, rollout and optimizer as the GRPO
 config, so sampled tokens compare one to one; the task reward is logged (``reward/mean``,

@@ -16,8 +16,9 @@ others (starting accuracy): ``bench/gemma3_prompts.py`` and bench/RESULTS.md.
     rljax train --config configs/grpo_gemma3_270m.py --workdir runs/gemma3
 
 Measured on a 2-vCPU AMD EPYC (bench/RESULTS.md, registered before the runs, every run
-listed): 24.5% -> 41.5%, 52.0% and 48.5% held-out over seeds 6, 7 and 8 (+22.8 points on
-average), 7 to 8 minutes a run alone, peak memory 9.7 GB. At lr 3e-6 the policy's entropy
+listed, 2026-12-01): 24.5% -> 41.5%, 52.0% and 48.5% held-out over seeds 6, 7 and 8 (+22.8
+points on average), 7 to 8 minutes a run alone, peak memory 9.7 GB. The default seed is 8
+(``--config.seed=6`` or ``7`` for the other registered runs). At lr 3e-6 the policy's entropy
 collapsed and accuracy fell.
 """
 import ml_collections
@@ -38,7 +39,7 @@ def _model_path() -> str:
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.seed = 0
+    c.seed = 8                         # one of the registered seeds 6-8 (48.5% on the EPYC)
     c.steps = 36                       # GRPO iterations
     c.eval_every = 0                   # held-out eval at step 0 and at the end only
     c.eval_at_start = True

@@ -7,6 +7,7 @@ rank-16 adapters on every projection train, with the larger learning rate LoRA n
 Measured (bench/RESULTS.md, registered before the runs, every run listed): 24.5% -> 53.5%,
 49.0% and 51.0% held-out over seeds 6, 7 and 8 on a 2-vCPU Intel Xeon, a run alone 4 min 50 s;
 on a 2-vCPU AMD EPYC seed 8 gave 24.5% -> 46.5% in 5 min 30 s alone, peak memory 6.1 GB.
+The default seed is the base recipe's, 8 (``--config.seed=6`` or ``7`` for the other runs).
 """
 import os
 

@@ -89,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="run directory (latest checkpoint)")
     p.add_argument("--checkpoint", help="checkpoint step/path or HF model dir")
     p.add_argument("--prompt", required=True, action="append",
-                   help="prompt text (repeat for several); rendered with the run's data "
-                   "template and chat template, as in training")
+                   help="prompt text: the question as in the data set, e.g. '23+45=' "
+                   "(repeat for several); rendered with the run's data template and chat "
+                   "template, as in training; a prompt that already holds the data "
+                   "template's text is used as it is")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt text to the model as it is (no templates)")
 

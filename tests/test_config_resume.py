@@ -26,6 +26,7 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
         "stop_strings": []}
     assert now["algo"].pop("distill") == {   # read by algo.name='distill' only
         "teacher": "", "teacher_step": 0, "teacher_quantize": "", "kl_weight": 1.0,
+        "teacher_temperature": 1.0,   # the rollout's, as the teacher was scored then
         "reward_weight": 0.0, "jsd_weight": 0.0, "jsd_beta": 0.5, "top_k": 16}
     assert {k: now["model"].pop(k) for k in ("quantize", "quantize_block")} == {
         "quantize": "", "quantize_block": 64}   # the base as loaded
@@ -75,3 +76,22 @@ def test_a_config_json_with_a_key_this_version_lacks_is_one_line(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         "rljax: error: unknown config key 'algo.clip_mode'"), err
+
+
+def test_a_distillation_config_json_from_before_teacher_temperature_keeps_its_scoring(tmp_path):
+    """A distillation run's config.json written before ``algo.distill.teacher_temperature``
+    existed scored its teacher at the rollout's temperature: it loads with that temperature
+    (resuming it changes nothing); a config.json that has the key keeps its value."""
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({"algo.name": "distill", "algo.beta": 0.0,
+                                    "algo.distill.teacher": "runs/demo",
+                                    "rollout.temperature": 0.7})
+    data = json.loads(config_lib.to_json(config_lib.validate(cfg)))
+    assert data["algo"]["distill"].pop("teacher_temperature") == 1.0
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    assert config_lib.load_config_json(str(old)).algo.distill.teacher_temperature == 0.7
+    data["algo"]["distill"]["teacher_temperature"] = 1.0
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(data))
+    assert config_lib.load_config_json(str(new)).algo.distill.teacher_temperature == 1.0

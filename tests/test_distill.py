@@ -334,3 +334,85 @@ def test_an_hf_teacher_directory_without_tokenizer_files_is_refused(tmp_path):
     models.save_hf(mcfg, models.init_params(mcfg, jax.random.PRNGKey(0)), str(tmp_path / "hf"))
     with pytest.raises(UserError, match=r"algo.distill.teacher=.*hf.*tokenizer"):
         teacher_lib.check(distill_cfg(str(tmp_path / "hf")))
+
+
+# The demo's two configs made fast: a few steps and examples, no evals or TensorBoard.
+FAST_DEMO = ("steps=1", "eval_every=0", "checkpoint_every=0", "sft.steps=2", "sft.batch_size=8",
+             "rollout.batch_size=16", "algo.num_generations=4", "eval.num_examples=8",
+             "eval.batch_size=8", "data.kwargs.eval_examples=8", "logging.tensorboard=false",
+             "checkpoint.async_save=false")
+
+
+def test_the_shipped_distill_config_reads_its_teacher_by_a_relative_path(tmp_path, monkeypatch):
+    """configs/distill_arithmetic.py names its teacher ``runs/demo``, relative to the working
+    directory: the demo trained there (made fast) is the teacher of the distillation run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(tmp_path)
+    teacher = config_lib.load_config(os.path.join(root, "configs", "grpo_arithmetic.py"),
+                                     FAST_DEMO)
+    assert run.train(teacher, "runs/demo", devices=DEVICES) == 0
+    student = config_lib.load_config(os.path.join(root, "configs", "distill_arithmetic.py"),
+                                     FAST_DEMO)
+    assert student.algo.distill.teacher == "runs/demo"
+    assert run.train(student, "runs/distill", devices=DEVICES) == 0
+    assert [r for r in read_metrics("runs/distill") if "distill/reverse_kl" in r]
+
+
+def test_a_teacher_checkpoint_that_does_not_fit_its_config_is_refused_before_the_warm_up(
+        tmp_path, capsys):
+    """A workdir teacher whose config.json describes another model than its checkpoint holds:
+    one line naming the parameter, from the input checks, before the SFT warm-up (no student
+    checkpoint is written)."""
+    write_teacher_workdir(tmp_path / "teacher")
+    with open(tmp_path / "teacher" / "config.json") as f:
+        data = json.load(f)
+    data["model"]["overrides"]["hidden_size"] = 48
+    with open(tmp_path / "teacher" / "config.json", "w") as f:
+        json.dump(data, f)
+    cfg = distill_cfg(str(tmp_path / "teacher"))
+    with pytest.raises(UserError, match=r"does not fit .*config.json: params\['embed'\] is "
+                                        r"\(100, 32\) in the checkpoint, \(100, 48\) by the "
+                                        r"config") as e:
+        inputs.check_inputs(cfg, 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="does not fit"):
+        run.train(cfg, str(tmp_path / "student"), devices=DEVICES)
+    assert not os.path.isdir(checkpoint.checkpoint_dir(str(tmp_path / "student"))) or \
+        not os.listdir(checkpoint.checkpoint_dir(str(tmp_path / "student")))
+
+
+@pytest.mark.parametrize("teacher_temperature", [1.0, 0.5])
+def test_the_teacher_is_scored_at_its_own_temperature_not_the_rollouts(tmp_path,
+                                                                        teacher_temperature):
+    """``algo.distill.teacher_temperature`` (default 1, the published form) is the temperature
+    of the teacher's log-probs, whatever the rollout samples at: they equal
+    log_softmax(logits / T) written out, for the sampled tokens and the top-k."""
+    import types
+
+    from rljax import models
+    from rljax.train.phases import distill
+    write_teacher_workdir(tmp_path / "teacher", seed=5)
+    overrides = {"rollout.temperature": 0.7, "algo.distill.jsd_weight": 0.5,
+                 "algo.distill.top_k": 3}
+    if teacher_temperature != 1.0:
+        overrides["algo.distill.teacher_temperature"] = teacher_temperature
+    cfg = distill_cfg(str(tmp_path / "teacher"), **overrides)
+    assert cfg.algo.distill.teacher_temperature == teacher_temperature
+    source = teacher_lib.check(cfg)
+    mesh = jax.sharding.Mesh(np.array(DEVICES), ("data",))
+    mcfg, params = teacher_lib.load(source, mesh)
+    ctx = types.SimpleNamespace(cfg=cfg, mesh=mesh, model_cfg=mcfg)
+    batch = make_batch(1)
+    out = distill.score_fn(ctx, mcfg, source)(params, batch)
+    m = np.asarray(batch["mask"])
+    n = batch["loss_mask"].shape[1]
+    logits = np.asarray(models.forward(mcfg, params, batch["tokens"],
+                                       attention_mask=batch["mask"]), np.float64)
+    want_all = _log_softmax(logits[:, -n - 1:-1] / teacher_temperature)
+    tok = np.asarray(batch["tokens"])[:, -n:]
+    want = np.take_along_axis(want_all, tok[..., None], axis=-1)[..., 0]
+    real = m[:, -n:].astype(bool)
+    np.testing.assert_allclose(np.asarray(out["teacher_logps"])[real], want[real], rtol=1e-4,
+                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out["teacher_topk_logps"]),
+                               -np.sort(-want_all, axis=-1)[..., :3], rtol=1e-4, atol=1e-4)

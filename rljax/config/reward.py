@@ -92,6 +92,15 @@ def check_rewards(cfg) -> None:
         raise ConfigError(f"reward.names: unknown reward {name!r}; known: {', '.join(known)} "
                           "(or your own function as path/to/file.py:function or "
                           f"package.module:function){hint}")
+    kwargs = dict(cfg.reward.kwargs)
+    for name in cfg.reward.names:   # a factory's missing options, before anything is built
+        if name not in known:
+            continue
+        options = kwargs.get(name, {})
+        options = options.to_dict() if hasattr(options, "to_dict") else options
+        problem = rewards.option_problem(name, options) if isinstance(options, dict) else None
+        if problem:
+            raise ConfigError(problem)
 
 
 def check_env(cfg) -> None:

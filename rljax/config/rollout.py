@@ -144,7 +144,7 @@ def check_partial(cfg) -> None:
         return
     if r.engine != "slots":
         raise ConfigError(f"rollout.partial=true needs rollout.engine='slots' (got "
-                          f"'{r.engine}')")
+                          f"'{r.engine}'): add --config.rollout.engine=slots")
     if a.name != "grpo":
         raise ConfigError(f"rollout.partial=true needs algo.name='grpo' (got '{a.name}')")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),

@@ -28,7 +28,8 @@ from rljax.rewards import shaping, verifiers  # noqa: F401  (modules of the pack
 from rljax.rewards.combine import (CombinedReward, RewardResult, call_reward, combine,
                                    required_fields)
 from rljax.rewards.monitor import RewardFunctionFailed, RewardMonitor
-from rljax.rewards.registry import check, display_name, get, names, register
+from rljax.rewards.registry import (check, display_name, get, names, option_problem,
+                                    register)
 
 __all__ = ["get", "register", "names", "combine", "from_config", "CombinedReward", "RewardResult",
            "RewardModelScorer", "RewardMonitor", "RewardFunctionFailed", "display_name", "check",

@@ -6,6 +6,7 @@ importing the package's ``__init__``, which imports ``combine``.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from rljax import usercode
@@ -59,6 +60,30 @@ def _from_user_code(spec: str, kwargs: dict, key: str) -> Callable:
     if not callable(obj):
         raise UserError(f"{key}: {spec} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def option_problem(name: str, kwargs: dict) -> str | None:
+    """What is wrong with ``kwargs`` as the options of the registered reward ``name``, naming
+    the config keys (``reward.kwargs.NAME.OPTION``): a required option missing or an option
+    its factory does not take. None when they fit (or the factory takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(_REGISTRY[name]).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None   # _plain: "takes no options" when called
+    key = f"reward.kwargs.{name}"
+    named = {n: p for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                            p.KEYWORD_ONLY)}
+    unknown = sorted(set(kwargs) - set(named))
+    if unknown:   # first: a misspelt option also leaves the right one missing
+        return (f"{key}.{unknown[0]} is not an option of reward {name!r} (its options: "
+                f"{', '.join(named)})")
+    missing = [n for n, p in named.items() if p.default is p.empty and n not in kwargs]
+    if missing:
+        return (f"reward {name!r} needs {' and '.join(f'{key}.{n}' for n in missing)} "
+                f"(e.g. --config.{key}.{missing[0]}=...)")
+    return None
 
 
 def get(name: str, *, _key: str = "reward.names", **kwargs) -> Callable:

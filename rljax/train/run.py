@@ -305,9 +305,26 @@ def _sample_episodes(ctx, params, questions: list[str], texts: list[str]) -> int
     return 0
 
 
+def holds_template(template: str, text: str) -> bool:
+    """Whether ``text`` is already ``template`` filled in: it starts with the text before the
+    template's one field and ends with the text after it (not both empty, as ``{question}``)."""
+    import string
+    parts = list(string.Formatter().parse(template))
+    at = [i for i, (_, name, _, _) in enumerate(parts) if name is not None]
+    if len(at) != 1:
+        return False
+    prefix = "".join(lit for lit, _, _, _ in parts[:at[0] + 1])
+    suffix = "".join(lit for lit, _, _, _ in parts[at[0] + 1:]).rstrip()
+    body = text.rstrip()
+    return (bool(prefix.strip() or suffix) and len(body) >= len(prefix) + len(suffix)
+            and body.startswith(prefix) and body.endswith(suffix))
+
+
 def render_prompts(cfg, tok, prompts: list[str], ctx=None) -> list[str]:
     """``prompts`` as the run's data pipeline renders a question: ``data.template`` (its one
-    field filled with the text), then the chat template when ``tokenizer.chat_template``."""
+    field filled with the text), then the chat template when ``tokenizer.chat_template``. A
+    prompt that already holds the data template's text (``What is 23+45=`` for ``What is
+    {question}``) is taken as the filled-in template, with one line saying so."""
     from rljax import data as data_lib
     from rljax.train.core.inputs import _template
 
@@ -321,7 +338,18 @@ def render_prompts(cfg, tok, prompts: list[str], ctx=None) -> list[str]:
     if len(template.fields) != 1:
         raise UserError(f"data.template {template.template!r} has fields {template.fields}, "
                         f"not one for the prompt text; pass --raw to send the prompt as it is")
-    return [template({template.fields[0]: p}) for p in prompts]
+    field = template.fields[0]
+    as_is = data_lib.make_template({**spec, "template": "{" + field + "}"}, tok)
+    out = []
+    for i, p in enumerate(prompts):
+        if holds_template(template.template, p):
+            print(f"rljax: prompt {i + 1} already holds data.template {template.template!r}: "
+                  "used as it is (the chat template still applies; --raw sends it untouched)",
+                  file=sys.stderr, flush=True)
+            out.append(as_is({field: p}))
+        else:
+            out.append(template({field: p}))
+    return out
 
 
 def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=None,

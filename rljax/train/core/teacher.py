@@ -92,9 +92,11 @@ def resolve(cfg) -> Source:
 
 def _resolve(cfg) -> Source:
     d = cfg.algo.distill
-    path = os.fspath(d.teacher)
+    # A relative path is the working directory's (as every other path of a config); absolute
+    # from here on, since orbax restores absolute paths only.
+    path = os.path.abspath(os.path.expanduser(os.fspath(d.teacher)))
     if not os.path.exists(path):
-        raise UserError(f"{_key(cfg)} does not exist")
+        raise UserError(f"{_key(cfg)} does not exist (looked for {path})")
     if d.teacher_step and not (os.path.isdir(path) and is_run_dir(path)):
         raise ConfigError(f"algo.distill.teacher_step={d.teacher_step} picks a checkpoint of "
                           f"an rljax workdir; {_key(cfg)} is not one")
@@ -139,7 +141,9 @@ def workdir_source(path: str, step: int, key: str, step_key: str,
     """An rljax workdir's checkpoint ``step`` (0 = the latest) as a frozen model (a distill
     teacher, a game opponent); ``key`` (``"name='path'"``) and ``step_key`` name the config
     keys in the one-line UserError of a workdir whose config.json is unreadable, that trained
-    LoRA adapters, has no checkpoint or lacks ``step``."""
+    LoRA adapters, has no checkpoint or lacks ``step``. A relative ``path`` is the working
+    directory's."""
+    path = os.path.abspath(path)   # orbax restores absolute paths only
     try:
         tcfg = _run_config(path)
     except ValueError as e:
@@ -187,14 +191,65 @@ def tokenizer_mismatch(student, teacher) -> str | None:
 
 
 def check(cfg, student=None) -> Source:
-    """``resolve`` plus the same-tokenizer check: one UserError line naming the mismatch,
-    before any model is built. Returns the source."""
+    """``resolve`` plus the same-tokenizer check and ``check_fits``: one UserError line naming
+    the problem, before any model is built (and before an SFT warm-up is paid for). Returns
+    the source."""
     source = resolve(cfg)
     student = student_tokenizer(cfg) if student is None else student
     problem = tokenizer_mismatch(student, source.tokenizer)
     if problem:
         raise UserError(f"{_key(cfg)} does not share the student's tokenizer: {problem}")
+    check_fits(source, _key(cfg))
     return source
+
+
+def _saved_param_shapes(step_dir: str) -> dict:
+    """{key path: shape} of the ``params`` a workdir checkpoint holds, from orbax's metadata
+    (no array is read)."""
+    import logging
+
+    import orbax.checkpoint as ocp
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)   # "_CHECKPOINT_METADATA does not exist" for the item dir
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, ckpt_lib.STATE_ITEM))
+    finally:
+        absl.setLevel(level)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return {jax.tree_util.keystr(k): tuple(v.shape)
+            for k, v in jax.tree_util.tree_flatten_with_path(tree["params"])[0]}
+
+
+def check_fits(source: Source, key: str) -> None:
+    """The teacher's architecture is readable, its head covers its tokenizer's ids and (an
+    rljax workdir) the checkpoint's parameters have the shapes its config.json describes:
+    what ``load`` would otherwise find out only after the warm-up. Reads metadata only."""
+    try:
+        model_cfg = model_config(source)
+    except (ValueError, OSError, TypeError, KeyError) as e:
+        raise UserError(f"{key}: its model config cannot be read ({e})") from None
+    if model_cfg.vocab_size < source.tokenizer.vocab_size:
+        raise UserError(f"{key}: its model's vocab_size {model_cfg.vocab_size} is smaller than "
+                        f"its tokenizer's {source.tokenizer.vocab_size}")
+    if source.kind != "workdir":
+        return
+    try:
+        saved = _saved_param_shapes(source.step_dir)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise UserError(f"teacher checkpoint {source.step_dir} cannot be read: {first}") from None
+    shapes = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+    want = {jax.tree_util.keystr(k): tuple(v.shape)
+            for k, v in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    for name in sorted(set(saved) | set(want)):
+        if saved.get(name) != want.get(name):
+            raise UserError(
+                f"teacher checkpoint {source.step_dir} does not fit "
+                f"{os.path.join(source.path, 'config.json')}: params{name} is "
+                f"{saved.get(name, 'missing')} in the checkpoint, "
+                f"{want.get(name, 'absent')} by the config")
 
 
 # ----------------------------------------------------------------------------- weights
@@ -261,7 +316,7 @@ def load(source: Source, mesh) -> tuple[models.ModelConfig, Any]:
                                         partial_restore=True))
     except (ValueError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise UserError(f"teacher checkpoint {source.step_dir} does not fit its config.json: "
+        raise UserError(f"teacher checkpoint {source.step_dir} cannot be restored: "
                         f"{first}") from None
     if transform is not None:
         return model_cfg, quantized.quantize_tree(transform, out["params"])
@@ -290,9 +345,9 @@ def build_score_fn(model_cfg, *, vocab: int, temperature: float = 1.0, top_k: in
         teacher_topk_logps f32 [B, N, k]  with ``top_k``: its k most likely tokens' log-probs
         teacher_topk_ids   i32 [B, N, k]  and their ids
 
-    Scored at the student's scoring ``temperature`` over the first ``vocab`` ids (the ids the
-    student's head has too: a larger teacher head's padding never enters), ``num_micro``
-    row-chunks at a time to bound the [B, N, V] logits."""
+    Scored at ``temperature`` (``algo.distill.teacher_temperature``) over the first ``vocab``
+    ids (the ids the student's head has too: a larger teacher head's padding never enters),
+    ``num_micro`` row-chunks at a time to bound the [B, N, V] logits."""
     temperature = models.scoring_temperature(temperature)
 
     def one(params, mb):

@@ -32,11 +32,14 @@ from rljax.train.core.setup import Context
 
 
 def _score_options(ctx: Context) -> dict:
-    """How the teacher pass chunks the rollout batch: as the old/reference log-prob pass."""
+    """How the teacher pass chunks the rollout batch (as the old/reference log-prob pass) and
+    the temperature it scores at: ``algo.distill.teacher_temperature``, not the rollout's (the
+    teacher's own distribution at the default 1, as the published on-policy distillation)."""
     cfg = ctx.cfg
     a, total = cfg.algo, int(cfg.rollout.batch_size)
     micro = a.micro_batch_size or a.mini_batch_size or total
-    return dict(temperature=cfg.rollout.temperature, num_micro=total // micro, mesh=ctx.mesh,
+    return dict(temperature=float(a.distill.teacher_temperature), num_micro=total // micro,
+                mesh=ctx.mesh,
                 top_k=int(a.distill.top_k) if a.distill.jsd_weight > 0 else 0)
 
 
