@@ -137,6 +137,33 @@ def test_greedy_decoding_with_images_matches_transformers(tiny):
     np.testing.assert_array_equal(np.asarray(ours.tokens), want)
 
 
+def test_the_slot_engine_prefills_the_images_into_its_pages(tiny):
+    """The slot engine with images (fewer slots than rows, so rows refill): greedy, it decodes
+    transformers' tokens; sampled, the static sampler's tokens with its log-probs up to float32
+    rounding (the two programs draw the same noise per row and step)."""
+    _, hf, cfg, vcfg, params = tiny
+    toks, mask, pixels = _batch()
+    embeds = _embeds(vcfg, params, pixels)
+    inputs = _hf_inputs(toks, mask, pixels)
+    inputs.pop("position_ids")
+    with torch.no_grad():
+        want = hf.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)[:, toks.shape[1]:].numpy()
+    greedy, _ = sampling.engine.generate(cfg, params, toks, mask, rng=jax.random.PRNGKey(0),
+                                         max_new_tokens=6, temperature=0.0, slots=1,
+                                         chunk_steps=2, image_embeds=embeds)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), want)
+    kw = dict(rng=jax.random.PRNGKey(3), max_new_tokens=6, temperature=1.0, num_samples=2)
+    ref = sampling.generate(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
+                            image_embeds=embeds, **kw)
+    out, stats = sampling.engine.generate(cfg, params, toks, mask, slots=2, chunk_steps=2,
+                                          image_embeds=embeds, **kw)
+    assert stats.rows == 4 and stats.slots == 2
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    m = np.asarray(ref.mask)
+    np.testing.assert_allclose(np.asarray(out.logps)[m], np.asarray(ref.logps)[m], atol=2e-5)
+
+
 def test_image_blocks_and_merge():
     toks = jnp.asarray([[5, IMG, IMG, 6, IMG, IMG, 0]])
     blocks = image_tokens.image_blocks(toks, IMG)

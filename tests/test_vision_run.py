@@ -117,8 +117,18 @@ def test_export_writes_the_whole_vlm(straight, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params, final_params(straight[0]))
 
 
+def test_the_slot_engine_samples_with_the_images(tmp_path):
+    """GRPO on the slot engine with images: the engine prefills each prompt's images into its
+    page; the run trains, reports the engine's utilisation and evaluates (also on the engine)."""
+    cfg = vlm_cfg(**{"rollout.engine": "slots", "rollout.slots": 4, "sft.steps": 0})
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    records = read_metrics(str(tmp_path))
+    rl = [r for r in records if "reward/mean" in r]
+    assert len(rl) == RL_STEPS and all(0 < r["rollout/slot_utilisation"] <= 1 for r in rl)
+    assert any("eval/accuracy" in r for r in records)
+
+
 @pytest.mark.parametrize("overrides, key", [
-    ({"rollout.engine": "slots"}, "rollout.engine"),
     ({"rollout.engine": "slots", "rollout.partial": True}, "rollout.partial"),
     ({"rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
       "rollout.tree.segment_tokens": 1}, "rollout.tree.enabled"),

@@ -95,19 +95,19 @@ def has_vision_tower(cfg) -> bool:
 
 
 def check_images(cfg) -> None:
-    """Images in the prompt go through the static sampler's single-turn, synchronous rollouts
-    only (docs/vision.md): refuse, naming the key, each sampler that would drop them."""
+    """Images in the prompt go through single-turn, synchronous rollouts on the static sampler
+    or the slot engine (docs/vision.md): refuse, naming the key, each sampler that would drop
+    them."""
     if not has_vision_tower(cfg):
         return
     r, a = cfg.rollout, cfg.algo
     for key, value, on in (
             ("rollout.partial", r.partial, r.partial),
-            ("rollout.engine", r.engine, r.engine != "static"),
             ("rollout.tree.enabled", r.tree.enabled, r.tree.enabled),
             ("env.name", cfg.env.name, bool(cfg.env.name)),
             ("algo.asynchronous", a.get("asynchronous", False),
              bool(a.get("asynchronous", False)))):
         if on:
             raise ConfigError(f"{key}={value!r} does not carry images in the prompt (a model "
-                              "with a vision tower); use the static sampler's single-turn, "
-                              "synchronous rollouts")
+                              "with a vision tower) yet; use single-turn, synchronous "
+                              "rollouts (rollout.engine='static' or 'slots')")

@@ -28,10 +28,13 @@ from rljax.models.config import ModelConfig
 
 
 def prefill_pages(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
-                  prompt_mask: jax.Array, cache_dtype=None) -> tuple[dict, jax.Array]:
+                  prompt_mask: jax.Array, cache_dtype=None,
+                  image_embeds=None) -> tuple[dict, jax.Array]:
     """Runs the prompts once and keeps their keys/values as pages.
 
-    prompt_tokens: int32 [B, P], left-padded (prompt_mask bool [B, P]). Returns
+    prompt_tokens: int32 [B, P], left-padded (prompt_mask bool [B, P]); ``image_embeds``
+    [B, K, D] (optional): the prompts' image tokens, as ``transformer.trunk`` takes them (the
+    decode steps after the prefill attend to the pages as to any keys). Returns
     ``(pages {"k", "v": tuple of L [B, K, P, Dh]}, logits float32 [B, V] at each prompt's last
     token)``.
     """
@@ -39,7 +42,7 @@ def prefill_pages(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     cache = tfm.init_cache(cfg, b, p, dtype=cache_dtype)
     hidden, cache = tfm.trunk(cfg, params, prompt_tokens, attention_mask=prompt_mask,
                               positions=tfm.default_positions(prompt_mask), cache=cache,
-                              cache_index=0)
+                              cache_index=0, image_embeds=image_embeds)
     return tfm.unstack_cache(cache), tfm.logits_from_hidden(cfg, params, hidden[:, -1])
 
 

@@ -79,8 +79,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              num_samples: int = 1, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
              slots: int = 64, chunk_steps: int = 16, cache_dtype: Any = None,
              temperatures: Any = None,
-             weights: Callable[[], tuple[Any, int]] | None = None
-             ) -> tuple[SampleOutput, EngineStats]:
+             weights: Callable[[], tuple[Any, int]] | None = None,
+             image_embeds: Any = None) -> tuple[SampleOutput, EngineStats]:
     """Samples ``num_samples`` completions per prompt with ``slots`` refilled decode slots.
 
     Arguments as ``sampling.generate`` (prompt_tokens int32 [B, P] left-padded, prompt_mask
@@ -94,6 +94,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         under earlier weights (as PipelineRL does: nothing is recomputed), and the logps
         recorded are those the drawing weights gave, i.e. the behaviour policy's.
         ``EngineStats.versions`` says which version drew each token. ``params`` is unused.
+      image_embeds: [B, K, D] (optional): each prompt's image embeddings, prefilled with it
+        into its page (``sampling.generate``'s argument).
 
     Returns ``(SampleOutput with B*G rows, EngineStats)``.
     """
@@ -134,7 +136,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         params, version = weights()
     pages, first, first_logp, first_done = _prefill(
         cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng, noise,
-        temperatures, num_samples=g, cache_dtype=_dtype_name(cache_dtype), **draw)
+        temperatures, image_embeds, num_samples=g, cache_dtype=_dtype_name(cache_dtype),
+        **draw)
     out = dict(tokens=jnp.full((rows, n), draw["pad_id"], jnp.int32).at[:, 0].set(first),
                logps=jnp.zeros((rows, n), jnp.float32).at[:, 0].set(first_logp),
                lengths=jnp.ones((rows,), jnp.int32), done=first_done)
@@ -221,10 +224,12 @@ DRAW_ARGS = ("temperature", "top_k", "top_p", "stop_ids", "pad_id", "min_new_tok
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "cache_dtype") + DRAW_ARGS)
-def _prefill(cfg, params, prompt_tokens, prompt_mask, rng, noise, temperatures, *, num_samples,
-             cache_dtype, temperature, top_k, top_p, stop_ids, pad_id, min_new_tokens):
+def _prefill(cfg, params, prompt_tokens, prompt_mask, rng, noise, temperatures,
+             image_embeds=None, *, num_samples, cache_dtype, temperature, top_k, top_p, stop_ids,
+             pad_id, min_new_tokens):
     """Pages of the B prompts and each of the B*G rows' first token (prompt-major rows)."""
-    pages, logits = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask, cache_dtype)
+    pages, logits = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask, cache_dtype,
+                                        image_embeds)
     logits = jnp.repeat(logits, num_samples, axis=0)
     rows = logits.shape[0]
     pick, is_stop = picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
@@ -296,7 +301,7 @@ def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
-             cache_dtype: Any = None) -> list[tuple[str, Any, tuple]]:
+             cache_dtype: Any = None, image_embeds: Any = None) -> list[tuple[str, Any, tuple]]:
     """The engine's two programs for a memory plan: ``[(name, jitted fn, abstract args)]``,
     ``fn.lower(*args)`` compiling what ``generate`` runs for prompts of this shape
     (``prefill``: the pages and first tokens; ``decode``: one chunk over the pages, the slot
@@ -313,11 +318,13 @@ def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     if temperature != 0.0:
         noise = jax.eval_shape(lambda key: noise_ahead(key, n, rows, cfg.vocab_size, False), rng)
 
-    def prefill(params, tokens, mask, key, noise):
-        return _prefill(cfg, params, tokens, mask, key, noise, None, num_samples=g,
-                        cache_dtype=dtype, **static)
+    def prefill(params, tokens, mask, key, noise, image_embeds=None):
+        return _prefill(cfg, params, tokens, mask, key, noise, None, image_embeds,
+                        num_samples=g, cache_dtype=dtype, **static)
 
-    pages, first, _, _ = jax.eval_shape(prefill, params, prompt_tokens, prompt_mask, rng, noise)
+    images = () if image_embeds is None else (image_embeds,)
+    pages, first, _, _ = jax.eval_shape(prefill, params, prompt_tokens, prompt_mask, rng, noise,
+                                        *images)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     out = dict(tokens=i32(rows, n), logps=jax.ShapeDtypeStruct((rows, n), jnp.float32),
                lengths=i32(rows), done=jax.ShapeDtypeStruct((rows,), bool))
@@ -330,7 +337,8 @@ def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                              first, queue, queued, noise, None, max_new_tokens=n,
                              num_samples=g, chunk_steps=int(chunk_steps), **static)
 
-    return [("prefill", jax.jit(prefill), (params, prompt_tokens, prompt_mask, rng, noise)),
+    return [("prefill", jax.jit(prefill), (params, prompt_tokens, prompt_mask, rng, noise,
+                                           *images)),
             ("decode", jax.jit(decode, donate_argnums=(4, 5)),
              (params, pages, prompt_mask, i32(b), cache, out, slot_state, first, i32(rows), i32(),
               noise))]

@@ -163,12 +163,14 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                partial_lib.programs(make_pool(ctx, chunk), sampled, rng)]
     elif kind == "slots":   # the slot engine's two
+        p_tok, p_mask, *embeds = prompts(chunk)
         kw = dict(max_new_tokens=n_sample, num_samples=g, chunk_steps=r.chunk_steps,
                   slots=sampler_lib.engine_slots(cfg, chunk * g), temperature=r.temperature,
                   top_k=r.top_k, top_p=r.top_p, eos_id=ctx.stop_ids, pad_id=tok.pad_id)
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                # (a merged LoRA copy is planned at its shapes, without the base's sharding)
-               sampling.engine.programs(mcfg, sampled, *prompts(chunk), rng, **kw)]
+               sampling.engine.programs(mcfg, sampled, p_tok, p_mask, rng, **kw,
+                                        image_embeds=embeds[0] if embeds else None)]
     else:
         p_tok, p_mask, *embeds = prompts(chunk)
         out = [Program("sample", jax.jit(sample_fn), (params, p_tok, p_mask, rng, *embeds),

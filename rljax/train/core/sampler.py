@@ -96,8 +96,9 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     prompt ``prompt_index[r]`` (groups of any sizes, ``sampling.generate``).
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
-    if pixels is not None and kind != "static":
-        raise UserError("images in the prompt need rollout.engine='static' without a tree")
+    if pixels is not None and kind not in ("static", "slots"):
+        raise UserError(f"images in the prompt are not sampled by the {kind} sampler yet; use "
+                        "rollout.engine='static' or 'slots' without a tree or partial rollouts")
     params = sampling_params(ctx, params)
     if weights is not None:
         weights = _sampling_weights(ctx, weights)
@@ -113,12 +114,12 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
                   temperature=temperature, top_k=top_k, top_p=top_p,
                   eos_id=ctx.stop_ids, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
+        if pixels is not None and kind in ("slots", "static"):
+            kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
         if kind in ("slots", "partial"):   # (the partial pool itself is PartialRollout's)
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
                                engine_stats, weights)
         elif kind == "static":
-            if pixels is not None:
-                kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temperatures,
                                     streams=ctx.cfg.rollout.streams,
