@@ -548,10 +548,11 @@ class Rollout:
 
     def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
         """Reward (every sampled completion of this step), advantage, length metrics."""
-        total = np.concatenate([r["rewards"] for r in rounds])
+        # float64: statistics of float32 rewards near their limits stay finite
+        total = np.concatenate([r["rewards"] for r in rounds]).astype(np.float64)
         m = {"reward/mean": float(total.mean()), "reward/std": float(total.std())}
         for name in rounds[0]["scores"]:
-            s = np.concatenate([r["scores"][name] for r in rounds])
+            s = np.concatenate([r["scores"][name] for r in rounds]).astype(np.float64)
             m[f"reward/{name}/mean"], m[f"reward/{name}/std"] = float(s.mean()), float(s.std())
         m["reward/errors"] = float(sum(r["errors"] for r in rounds))
         for name in rounds[0]["reward_counts"]:  # failed samples (timeouts included), timeouts
