@@ -144,6 +144,27 @@ def test_a_corrupt_or_huge_image_costs_its_example_not_the_run(tmp_path):
         assert "data.max_image_pixels" in lines[1] and f"{path}:3" in lines[1]
 
 
+def test_run_image_inputs_mark_the_examples_whose_images_were_skipped(tmp_path):
+    """``ImageInputs``: the count the rollout logs as data/skipped_images, and the rows it
+    takes out of the loss (an example with no images at all still trains)."""
+    import types
+
+    from rljax import config as config_lib
+    from rljax.models.config import VisionConfig
+    from rljax.train.image_inputs import ImageInputs
+    Image.fromarray(_picture(0, (20, 20, 3))).save(tmp_path / "ok.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    cfg = config_lib.default_config()
+    cfg.data.path = str(tmp_path / "data.jsonl")
+    ctx = types.SimpleNamespace(cfg=cfg, model_cfg=types.SimpleNamespace(
+        vision=VisionConfig(image_size=16, patch_size=8)))
+    inputs = ImageInputs(ctx)
+    examples = [{"images": "ok.png"}, {"images": "bad.png"}, {"prompt": "no image"}]
+    pixels = inputs.pixels(examples, [f"data.jsonl:{i + 1}" for i in range(3)])
+    assert pixels.shape[0] == 3 and inputs.skipped == 1
+    assert inputs.usable.tolist() == [True, False, True]
+
+
 def test_markers_expand_as_gemma3s_processor():
     text = images.expand_image_markers("Look: <boi> ok", "<boi>", "<img>", "<eoi>", 3)
     assert text == "Look: \n\n<boi><img><img><img><eoi>\n\n ok"

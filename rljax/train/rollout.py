@@ -311,6 +311,7 @@ class Rollout:
         if pixels is not None:
             rnd["pixels"] = pixels
             rnd["skipped_images"] = self.images.skipped
+            rnd["image_ok"] = self.images.usable
         return rnd
 
     def _locations(self, examples) -> list[str] | None:
@@ -413,6 +414,9 @@ class Rollout:
             loss_mask &= ~rows["truncated"][:, None]
         if "real" in rows:   # rows that only pad the batch to its fixed size weigh zero
             loss_mask &= rows["real"][:, None]
+        if "image_ok" in rounds[0]:   # a prompt whose image was skipped costs its example
+            loss_mask &= np.concatenate([np.repeat(rounds[r]["image_ok"][i:i + 1], g)
+                                         for r, i in groups])[:, None]
         batch["loss_mask"] = loss_mask
 
         t0 = time.perf_counter()
