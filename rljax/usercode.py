@@ -10,13 +10,16 @@ naming the config key, the file and, for errors inside the file, its line.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -52,6 +55,56 @@ def _where_in(exc: BaseException, path: str) -> str:
     return f" ({_short(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
 
 
+class _ExitCalled(BaseException):
+    """``os._exit(code)`` called by user code while rljax imports it (it would end the run at
+    once, with no line and the code it chose, 0 included)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _guarded_import():
+    """While user code is imported: ``os._exit`` raises ``_ExitCalled`` instead of ending the
+    process, and a real Ctrl-C is told from a KeyboardInterrupt the code raises itself (the
+    yielded dict's ``"sigint"`` is set by a SIGINT that arrived; main thread only, else it
+    stays None: unknown)."""
+    seen = {"sigint": None}
+    real_exit = os._exit
+
+    def refuse_exit(code=0):
+        raise _ExitCalled(code)
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is signal.default_int_handler:
+                seen["sigint"] = False
+
+                def on_sigint(signum, frame):
+                    seen["sigint"] = True
+                    raise KeyboardInterrupt
+                signal.signal(signal.SIGINT, on_sigint)
+            else:
+                previous = None
+        except (ValueError, OSError):
+            previous = None
+    os._exit = refuse_exit
+    try:
+        yield seen
+    finally:
+        os._exit = real_exit
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _raised_by_code(e: BaseException, seen: dict) -> bool:
+    """Whether KeyboardInterrupt ``e`` was raised by the imported code, not by Ctrl-C."""
+    return isinstance(e, KeyboardInterrupt) and seen["sigint"] is False
+
+
 def _import_file(path: str, key: str):
     full = os.path.abspath(path)
     if full in _LOADED:
@@ -71,8 +124,18 @@ def _import_file(path: str, key: str):
     if added:
         sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
-    except KeyboardInterrupt:  # may be the user's Ctrl-C: stays one
+        with _guarded_import() as seen:
+            try:
+                spec.loader.exec_module(module)
+            except KeyboardInterrupt as e:  # the user's Ctrl-C stays one; the file's own not
+                if not _raised_by_code(e, seen):
+                    raise
+                raise UserError(f"{key}: importing {path} failed: it raised KeyboardInterrupt "
+                                f"(not Ctrl-C){_where_in(e, full)}") from e
+    except KeyboardInterrupt:
+        sys.modules.pop(name, None)
+        raise
+    except UserError:
         sys.modules.pop(name, None)
         raise
     except BaseException as e:  # noqa: BLE001 - any error in the user's file, sys.exit included
@@ -90,6 +153,8 @@ def _exception_text(e: BaseException) -> str:
     """``"ValueError: bad"``; ``sys.exit(4)`` reads ``"it called sys.exit(4)"``."""
     if isinstance(e, SystemExit):
         return f"it called sys.exit({e.code!r})"
+    if isinstance(e, _ExitCalled):
+        return f"it called os._exit({e.code!r})"
     return f"{type(e).__name__}: {e}"
 
 
@@ -100,7 +165,16 @@ def import_module(where: str, key: str, spec: str | None = None):
     if where.endswith(".py"):
         return _import_file(where, key)
     try:
-        return importlib.import_module(where)
+        with _guarded_import() as seen:
+            try:
+                return importlib.import_module(where)
+            except KeyboardInterrupt as e:
+                if not _raised_by_code(e, seen):
+                    raise
+                raise UserError(f"{key}: importing {where} failed: it raised "
+                                "KeyboardInterrupt (not Ctrl-C)") from e
+    except UserError:
+        raise
     except ModuleNotFoundError as e:
         if e.name and where.startswith(e.name):
             what = f" (for {spec!r}; is it" if spec else " (is it"

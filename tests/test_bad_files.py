@@ -123,6 +123,39 @@ def test_a_chat_template_that_renders_hundreds_of_megabytes_is_one_line(tmp_path
     assert "\n" not in str(err.value) and "chat template" in str(err.value)
 
 
+@pytest.mark.parametrize("template", [
+    "{{ 'a'|center(100000000) }}",                             # a filter's width
+    "{{ '%100000000s'|format('a') }}",                         # a printf width
+    "{{ '%100000000s' % 'a' }}",
+    "{{ 'a'.center(100000000) }}",                             # a string method's width
+    "{{ '{:>100000000}'.format('a') }}",
+    "{{ (['a' * 1000000] * 5)|join('x') }}",                   # a join of allowed pieces
+    "{% set ns = namespace(s='ab') %}{% for i in range(27) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s|length }}",                           # doubled 27 times: 268M
+    "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% else %}{{ s|length }}{% endif %}"
+    "{% endmacro %}{{ f('ab', 27) }}",                         # the same by recursion
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+])
+def test_a_chat_template_is_refused_before_it_builds_a_huge_string_or_runs_forever(
+        template, monkeypatch):
+    """Each of these was refused only after building 100-400 MB, passed with a 134M-char
+    value, or never finished; now one line, at most a few times the limit allocated."""
+    import tracemalloc
+
+    from rljax import chat_limits
+    monkeypatch.setattr(chat_limits, "MAX_RENDER_SECONDS", 0.5, raising=False)
+    tracemalloc.start()
+    try:
+        with pytest.raises(chat_limits.TemplateTooLarge) as err:
+            chat_limits.check_chat_template(template)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "\n" not in str(err.value) and "chat template" in str(err.value)
+    assert peak < 12 * chat_limits.MAX_OUTPUT_CHARS, peak
+    chat_limits.check_chat_template(CHATML)   # an ordinary template still passes
+
+
 def test_an_ordinary_chat_template_renders_as_transformers_renders_it(tmp_path):
     tok = _hf_tokenizer(tmp_path, CHATML)
     messages = [{"role": "user", "content": "a a"}]

@@ -364,6 +364,23 @@ def test_negotiation_env_pays_the_share_and_traces_are_legal():
         assert r.done and "illegal_moves" not in r.info
 
 
+def test_model_text_that_cannot_be_read_is_an_illegal_move_not_the_runs_end():
+    huge = "9" * 5000   # int() refuses more than 4300 digits
+    assert NEGO.parse_move(f"propose {huge} 0 0") == f"propose {huge} 0 0"
+    assert NEGO.parse_move("propose 007 0 0") == "propose 7 0 0"
+    ex = {**data.BoardGameTask("negotiation").example(0), "seat": 0,
+          "deal": [(2, 1, 2), (0, 2, 2)]}
+    env = make_env("negotiation", ex, opponent="fair")
+    env.reset()
+    r = env.step(f"propose {huge} 0 0")
+    assert r.done and r.reward == -1.0 and r.info["illegal_moves"] == 1
+
+    class Broken(bg.TicTacToe):   # a parser that fails on some text: the turn forfeits
+        def parse_move(self, text):
+            raise ValueError("cannot read")
+    assert bg.read_move(Broken(), "5") is None and bg.read_move(TTT, "5") == "5"
+
+
 # ----------------------------------------------------------------------------- data tasks
 
 @pytest.mark.parametrize("game", ["tictactoe", "kuhn_poker", "negotiation"])

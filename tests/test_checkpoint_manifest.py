@@ -32,6 +32,19 @@ def test_a_deleted_manifest_is_damage_where_manifests_are_in_use(tmp_path):
         assert ckpt.verify(1) is None
 
 
+def test_a_deleted_manifest_is_damage_even_with_the_marker_deleted_too(tmp_path):
+    """Marker and manifest both deleted: an earlier step's manifest still says this workdir's
+    checkpoints are written with one, so the bit-flipped step is refused, not restored."""
+    directory = tmp_path / "checkpoints"
+    with _save_two(str(directory)) as ckpt:
+        (directory / ckpt_lib.MANIFESTS_SINCE_FILE).unlink()
+        (directory / "2" / ckpt_lib.MANIFEST_FILE).unlink()
+        _flip_a_bit(directory / "2")
+        problem = ckpt.verify(2)
+        assert problem is not None and "rljax_manifest.json is missing" in problem
+        assert ckpt.verify(1) is None
+
+
 def test_an_older_rljaxs_checkpoint_without_a_manifest_loads_with_a_warning(tmp_path, capsys):
     directory = tmp_path / "checkpoints"
     with _save_two(str(directory)) as ckpt:

@@ -139,10 +139,17 @@ def test_a_module_name_is_imported_too(tmp_path, monkeypatch, registries):
     ("no_such_package.module", "imports: no module named 'no_such_package.module'"),
     ("broken.py", "imports: importing broken.py failed: ZeroDivisionError"),
     ("not a module", "imports: 'not a module' is neither a Python file"),
+    # os._exit(0) ended the run with rc 0 and no line; a KeyboardInterrupt the file raises
+    # read as the user's Ctrl-C
+    ("exits.py", "imports: importing exits.py failed: it called os._exit(0) (exits.py:2)"),
+    ("interrupts.py", "imports: importing interrupts.py failed: it raised KeyboardInterrupt "
+                      "(not Ctrl-C) (interrupts.py:1)"),
 ])
 def test_a_bad_import_is_one_line_naming_it(tmp_path, capsys, monkeypatch, entry, needle):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "broken.py").write_text("x = 1 / 0\n")
+    (tmp_path / "exits.py").write_text("import os\nos._exit(0)\n")
+    (tmp_path / "interrupts.py").write_text("raise KeyboardInterrupt\n")
     config = tmp_path / "tiny.py"
     config.write_text(tiny_config_source())
     assert cli.main(["train", "--config", str(config), "--workdir", str(tmp_path / "run"),

@@ -273,6 +273,21 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, alpha
     assert "\n" not in str(e.value)
 
 
+def test_a_teacher_whose_padded_vocab_differs_is_refused_in_one_line(tmp_path):
+    """Same tokenizer, padded heads of different sizes (as between Qwen2.5 sizes): refused
+    before any model is built, not a run whose every update is skipped."""
+    teacher_cfg = tiny_cfg()
+    teacher_cfg.model.overrides = {**dict(teacher_cfg.model.overrides), "vocab_size": 128}
+    write_teacher_workdir(tmp_path / "teacher", cfg=teacher_cfg)
+    cfg = distill_cfg(str(tmp_path / "teacher"))
+    with pytest.raises(UserError, match="the teacher's head has 128 rows, the student's 100") \
+            as e:
+        inputs.check_inputs(cfg, 1)
+    assert "\n" not in str(e.value)
+    cfg.model.overrides = {**dict(cfg.model.overrides), "vocab_size": 128}
+    inputs.check_inputs(cfg, 1)   # padded alike: accepted
+
+
 def test_distill_config_needs_a_teacher_and_a_teacher_needs_distill(tmp_path):
     cfg = tiny_cfg()
     cfg.algo.name = "distill"

@@ -197,3 +197,24 @@ def test_a_closed_save_loop_drops_late_completions_quietly():
     loop.close()
     assert loop.call_soon_threadsafe(ran.append, 2) is None   # no RuntimeError
     assert ran == [1]
+
+
+def test_a_failed_async_save_is_named_by_its_own_step_not_the_next(tmp_path):
+    """Step 3's background write fails (disk full); the error surfaces when step 4 starts:
+    the line names checkpoint 3, the one left uncommitted."""
+    import jax.numpy as jnp
+
+    from rljax.train.checkpoint import CheckpointManager, CheckpointWriteError
+    ckpt = CheckpointManager(str(tmp_path / "checkpoints"), async_save=True)
+    ckpt.save(3, {"w": jnp.arange(8.0)}, {"phase": 0})
+    real_wait = ckpt._manager.wait_until_finished
+
+    def full_disk():
+        real_wait()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "checkpoints"))
+    ckpt._manager.wait_until_finished = full_disk
+    with pytest.raises(CheckpointWriteError) as e:
+        ckpt.save(4, {"w": jnp.arange(8.0)}, {"phase": 0})
+    assert "(step 3)" in str(e.value) and "No space left on device" in str(e.value)
+    ckpt._manager.wait_until_finished = real_wait
+    ckpt.close()

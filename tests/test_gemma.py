@@ -265,6 +265,34 @@ def test_greedy_decoding_matches_transformers_and_the_slot_engine(tiny):
     np.testing.assert_array_equal(np.asarray(slot_out.tokens), want)
 
 
+def test_every_layer_local_with_a_prompt_longer_than_the_window():
+    """A gemma3 of fewer layers than its local:global period (every layer sliding, as a GGUF
+    of under 6 blocks reads) decodes a prompt longer than its window: the samplers' greedy
+    tokens are the forward's argmax, one token at a time."""
+    cfg = models.get_preset("tiny", model_type="gemma3", vocab_size=VOCAB, hidden_size=32,
+                            num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                            intermediate_size=64, sliding_window=WINDOW,
+                            layer_types=("sliding_attention",) * 2, post_norms=True,
+                            qk_norm=True, activation="gelu_tanh", scale_embeddings=True,
+                            norm_plus_one=True, rope_local_theta=10000.0)
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    toks, mask = _batch(8, lengths=(10, 6), total=10)
+    want = []
+    seq, smask = toks, mask
+    for _ in range(3):
+        logits = np.asarray(tfm.forward(cfg, params, jnp.asarray(seq), jnp.asarray(smask)))
+        nxt = logits[:, -1].argmax(-1).astype(np.int32)[:, None]
+        want.append(nxt)
+        seq, smask = np.concatenate([seq, nxt], 1), np.concatenate([smask, np.ones_like(nxt, bool)], 1)
+    want = np.concatenate(want, 1)
+    out = sampling.generate(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
+                            rng=jax.random.PRNGKey(0), max_new_tokens=3, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    slot_out, _ = engine.generate(cfg, params, toks, mask, rng=jax.random.PRNGKey(0),
+                                  max_new_tokens=3, temperature=0.0, slots=2, chunk_steps=2)
+    np.testing.assert_array_equal(np.asarray(slot_out.tokens), want)
+
+
 def test_lora_adapters_match_peft_with_sliding_windows(tiny, tmp_path):
     """LoRA on every projection of a Gemma 2 / 3 with prompts longer than the window: rljax's
     adapted logits and greedy tokens (unmerged, as training runs) equal transformers + PEFT

@@ -311,13 +311,55 @@ def test_missing_or_malformed_metadata(tiny, tmp_path):
     cases = [({"llama.embedding_length": ("uint32", None)},
               "GGUF metadata has no 'llama.embedding_length'"),
              ({"llama.block_count": ("string", "two")},
-              "unusable GGUF metadata: invalid literal for int()"),
+              "unusable GGUF metadata: llama.block_count='two' must be an integer in [1, 4096]"),
              ({"llama.attention.head_count_kv": ("uint32", 3)},
               "unusable GGUF metadata: num_heads=4 is not a multiple of num_kv_heads=3")]
     for i, (meta, needle) in enumerate(cases):
         path = str(tmp_path / f"meta{i}.gguf")
         write_gguf(path, cfg, tensors, meta=meta)
         _one_line_error(path, needle)
+
+
+@pytest.mark.parametrize("key, kind, value, needle", [
+    ("block_count", "uint64", 2 ** 40, "gemma3.block_count=1099511627776 must be an integer"),
+    ("attention.head_count", "uint32", 0, "gemma3.attention.head_count=0 must be an integer"),
+    ("attention.head_count_kv", "uint32", 0, "gemma3.attention.head_count_kv=0 must be an"),
+    ("attention.head_count_kv", "uint32", 8, "gemma3.attention.head_count_kv=8 must be an"),
+    ("attention.layer_norm_rms_epsilon", "float32", float("nan"),
+     "gemma3.attention.layer_norm_rms_epsilon=nan must be a finite number in (0, 1)"),
+    ("rope.freq_base", "float32", float("nan"), "gemma3.rope.freq_base=nan must be a finite"),
+    ("rope.freq_base_swa", "float32", float("inf"), "gemma3.rope.freq_base_swa=inf must be"),
+    ("final_logit_softcapping", "float32", float("nan"),
+     "gemma3.final_logit_softcapping=nan must be a finite number > 0"),
+    ("attention.sliding_window", "uint32", 0, "gemma3.attention.sliding_window=0 must be an"),
+])
+def test_gemma_metadata_counts_and_floats_are_checked_before_use(tiny, tmp_path, key, kind,
+                                                                 value, needle):
+    """A count out of range (a 2**40-layer list, a division by zero heads) or a NaN/inf float
+    (every update skipped later) is one line naming the key, before anything is built."""
+    cfg, _, tensors = tiny["llama"]
+    path = str(tmp_path / "gemma3.gguf")
+    write_gguf(path, cfg, tensors, arch="gemma3", permute=False,
+               meta={"gemma3.attention.sliding_window": ("uint32", 4), f"gemma3.{key}": (kind, value)})
+    _one_line_error(path, needle)
+
+
+def test_hf_config_counts_and_floats_are_checked_before_use():
+    base = dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                sliding_window=4)
+    assert models.config_from_hf(base).num_layers == 2
+    for key, value, needle in [
+            ("num_hidden_layers", 2 ** 40, "num_hidden_layers=1099511627776 must be an integer"),
+            ("num_attention_heads", 0, "num_attention_heads=0 must be an integer"),
+            ("rms_norm_eps", float("nan"), "rms_norm_eps=nan must be a finite number"),
+            ("rope_theta", float("inf"), "rope_theta=inf must be a finite number > 0"),
+            ("final_logit_softcapping", float("nan"), "final_logit_softcapping=nan must be"),
+            ("vocab_size", "x" * 10 ** 6, "vocab_size='xxxx")]:
+        with pytest.raises(models.HFCheckpointError) as e:
+            models.config_from_hf({**base, key: value})
+        msg = str(e.value)
+        assert msg.startswith("config.json: ") and needle in msg and len(msg) < 200, msg
 
 
 def test_unsupported_rope_scaling(tiny, tmp_path):

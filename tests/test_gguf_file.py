@@ -92,6 +92,19 @@ def test_truncated_and_corrupt_headers_raise_format_errors(tmp_path):
         GGUFFile(str(bad))
 
 
+def test_tensor_dimensions_whose_product_overflows_int64_are_a_format_error(tmp_path):
+    data = bytearray(open(write(tmp_path / "t.gguf"), "rb").read())
+    first = GGUFFile(str(tmp_path / "t.gguf")).tensors[0]
+    name = first.name.encode()
+    at = bytes(data).index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4
+    for i in range(len(first.shape)):   # every dimension 2**40: the product wraps int64
+        data[at + 8 * i:at + 8 * i + 8] = (2 ** 40).to_bytes(8, "little")
+    bad = tmp_path / "dims.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFFormatError, match="ends past the end of the file"):
+        GGUFFile(str(bad))
+
+
 def test_the_real_smollm2_file_reads_as_gguf_reader_reads_it():
     """A 49k-token vocabulary and merges (~150k metadata array elements) and 272 Q4_1, Q8_0 and
     F32 tensors: GGUFReader takes seconds to parse it, GGUFFile milliseconds."""

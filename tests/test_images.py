@@ -86,6 +86,85 @@ def test_jsonl_rows_carry_images_into_batch_pixels(tmp_path):
         images.batch_pixels(batch, proc, max_images=1, base_dir=str(tmp_path))
 
 
+def _png_header(width, height):
+    """A few dozen bytes of PNG whose IHDR claims ``width`` x ``height`` (no real pixels)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+
+
+def test_an_image_over_the_pixel_cap_or_not_a_regular_file_is_refused_before_decoding(
+        tmp_path):
+    import os
+    from rljax import config as config_lib
+    assert config_lib.default_config().data.max_image_pixels == images.DEFAULT_MAX_IMAGE_PIXELS
+    huge = _png_header(12000, 12000)   # under PIL's own bomb limit; ~1.9 GB decoded
+    (tmp_path / "huge.png").write_bytes(huge)
+    for value in (huge, "huge.png", {"bytes": huge}):
+        with pytest.raises(DataError, match="12000x12000 = 144,000,000 pixels, more than "
+                                            "data.max_image_pixels=50,000,000"):
+            images.load_image(value, str(tmp_path))
+    with pytest.raises(DataError, match="more than data.max_image_pixels=100"):
+        images.load_image(_picture(0, (20, 20, 3)), max_pixels=100)
+    os.mkfifo(tmp_path / "fifo.png")   # opening it for reading would wait for a writer
+    with pytest.raises(DataError, match="is not a regular file"):
+        images.load_image("fifo.png", str(tmp_path))
+
+
+def test_a_corrupt_or_huge_image_costs_its_example_not_the_run(tmp_path):
+    """One warning naming file:line, the row's images zero, the others decoded; the same
+    batch drawn again (a resume) does the same."""
+    Image.fromarray(_picture(0, (20, 20, 3))).save(tmp_path / "ok.png")
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    (tmp_path / "huge.png").write_bytes(_png_header(12000, 12000))
+    rows = [{"prompt": "a", "images": "ok.png"}, {"prompt": "b", "images": "bad.png"},
+            {"prompt": "c", "images": "huge.png"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = RecordsSource(load_records(str(path)))
+    batch = [source[i] for i in range(3)]
+    where = [f"{path}:{i + 1}" for i in range(3)]
+    proc = images.ImageProcessor(16)
+    with pytest.raises(DataError, match="could not be decoded"):   # strict without a list
+        images.batch_pixels(batch, proc, 1, base_dir=str(tmp_path))
+    for _ in range(2):   # the run, then its resume on the same batch
+        skipped, stream = [], io.StringIO()
+        pixels, counts = images.batch_pixels(batch, proc, 1, base_dir=str(tmp_path),
+                                             skipped=skipped, locations=where, stream=stream)
+        assert skipped == where[1:] and counts.tolist() == [1, 0, 0]
+        assert pixels[0].any() and not pixels[1:].any()
+        lines = stream.getvalue().splitlines()
+        assert len(lines) == 2 and lines[0].startswith(f"rljax: warning: {path}:2: ")
+        assert "data.max_image_pixels" in lines[1] and f"{path}:3" in lines[1]
+
+
+def test_run_image_inputs_mark_the_examples_whose_images_were_skipped(tmp_path):
+    """``ImageInputs``: the count the rollout logs as data/skipped_images, and the rows it
+    takes out of the loss (an example with no images at all still trains)."""
+    import types
+
+    from rljax import config as config_lib
+    from rljax.models.config import VisionConfig
+    from rljax.train.image_inputs import ImageInputs
+    Image.fromarray(_picture(0, (20, 20, 3))).save(tmp_path / "ok.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    cfg = config_lib.default_config()
+    cfg.data.path = str(tmp_path / "data.jsonl")
+    ctx = types.SimpleNamespace(cfg=cfg, model_cfg=types.SimpleNamespace(
+        vision=VisionConfig(image_size=16, patch_size=8)))
+    inputs = ImageInputs(ctx)
+    examples = [{"images": "ok.png"}, {"images": "bad.png"}, {"prompt": "no image"}]
+    pixels = inputs.pixels(examples, [f"data.jsonl:{i + 1}" for i in range(3)])
+    assert pixels.shape[0] == 3 and inputs.skipped == 1
+    assert inputs.usable.tolist() == [True, False, True]
+
+
 def test_markers_expand_as_gemma3s_processor():
     text = images.expand_image_markers("Look: <boi> ok", "<boi>", "<img>", "<eoi>", 3)
     assert text == "Look: \n\n<boi><img><img><img><eoi>\n\n ok"

@@ -116,6 +116,23 @@ def test_env_against_scripted_players_and_its_traces():
             assert move in GAME.legal_moves(GAME.initial((7,)))
 
 
+def test_a_number_too_long_for_int_is_an_illegal_move():
+    huge = "1" * 5000   # int() refuses more than 4300 digits
+    assert GAME.parse_move(f"it is {huge}") == huge
+    assert GAME.parse_move(f"{huge}+0") == f"{huge}+0="
+    assert GAME.parse_move("the answer is 046") == "46"
+    solver = {"question": "propose_solve solver1\n", "seat": 1, "seed": 3, "deal": [57]}
+    env = make_env("propose_solve", solver, opponent="random")
+    env.reset()
+    r = env.step(f"it is {huge}")
+    assert r.done and r.reward == -1.0 and r.info["illegal_moves"] == 1
+    proposer = {"question": "propose_solve proposer\n", "seat": 0, "seed": 3, "deal": [7]}
+    env = make_env("propose_solve", proposer, opponent="optimal")
+    env.reset()
+    r = env.step(f"7+{huge}")
+    assert r.done and r.reward == -1.0 and r.info["illegal_moves"] == 1
+
+
 def test_task_examples_cycle_seats_and_splits_are_disjoint():
     train = data.make_source({"source": "propose_solve"}, "train")
     held = data.make_source({"source": "propose_solve", "eval_examples": 200}, "eval")

@@ -37,8 +37,36 @@ def test_scores_whose_weighted_sum_overflows_float32_fail_too():
     result = combine([(big, 1.0), (big2, 1.0)])(["p"], ["a"])
     assert result.errors == {"big": 1, "big2": 1}
     assert np.isfinite(np.asarray(result.total, np.float32)).all()
-    fine = combine([(big, 1.0)])(["p"], ["a"])   # alone, 3e38 fits float32
-    assert fine.errors == {"big": 0}
+    alone = combine([(big, 1.0)])(["p"], ["a"])   # fits float32, but its statistics do not
+    assert alone.errors == {"big": 1} and "float32 reward statistics" in alone.messages["big"]
+    fine = combine([(lambda p, c: [1e14] * len(c), 1.0)])(["p"], ["a"])
+    assert sum(fine.errors.values()) == 0 and fine.total == [1e14]
+
+
+def test_reward_statistics_of_extreme_scores_stay_finite_or_are_said():
+    """+-3e38 passed the float32 check, then every group std was inf, every advantage NaN and
+    every step trained nothing, silently. Now such scores fail as the function's error, the
+    GRPO advantages of the largest allowed rewards are finite, and a step whose statistics
+    are not finite is said in one line."""
+    from rljax.algorithms import advantages
+    from rljax.train.learning_signal import NoSignalHint
+
+    def extreme(prompts, completions):
+        return [3e38, -3e38, 3e38, -3e38][:len(completions)]
+
+    result = combine([(extreme, 1.0)])(["p"] * 4, ["a", "b", "c", "d"])
+    assert result.errors == {"extreme": 4} and result.total == [0.0] * 4
+    limit = 1e15
+    adv = np.asarray(advantages.grpo_advantages(
+        np.asarray([limit, -limit, limit, -limit] * 64, np.float32), 4, scale_rewards="batch"))
+    assert np.isfinite(adv).all() and np.abs(adv).max() > 0.5
+    stream = io.StringIO()
+    hint = NoSignalHint(1.0, 4, stream=stream)
+    assert hint.observe(3, {"reward/mean": 0.0, "reward/std": 1.0, "adv/abs_mean": 0.8}) is None
+    line = hint.observe(4, {"reward/mean": 0.0, "reward/std": float("inf"),
+                            "adv/abs_mean": float("nan")})
+    assert "step 4" in line and "reward/std=inf" in line and "no learning signal" in line
+    assert stream.getvalue().splitlines() == [line]
 
 
 # ---- KeyboardInterrupt / sys.exit from the reward's own code ---------------------------------

@@ -18,6 +18,7 @@ def data() -> dict[str, Any]:
         max_prompt_length=256,
         images_field="images",       # column with a row's image(s), for a model with a tower
         max_images=1,                # most images in one prompt (docs/vision.md)
+        max_image_pixels=50_000_000,  # most pixels of one image, from its header (0: no cap)
         shuffle=True,
         kwargs={},                   # free-form options for the source
         pairs="auto",                # DPO pairs: "auto" = the data's (offline) or best vs worst

@@ -25,9 +25,24 @@ import re
 from fractions import Fraction
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
-__all__ = ["Game", "IllegalMove", "TicTacToe", "KuhnPoker", "Negotiation", "GAMES", "get_game",
+__all__ = ["Game", "IllegalMove", "read_move", "TicTacToe", "KuhnPoker", "Negotiation", "GAMES", "get_game",
            "random_player", "tictactoe_minimax", "kuhn_nash_policy", "negotiation_fair",
            "make_player", "Player"]
+
+
+def _digits(number: str) -> str:
+    """A run of digits without its leading zeros ("007" -> "7"), as ``str(int(number))``
+    but for any length (``int`` refuses more than 4300 digits)."""
+    return number.lstrip("0") or "0"
+
+
+def read_move(game: "Game", text: str) -> str | None:
+    """``game.parse_move(text)``, or None when parsing the model's text fails in any way:
+    model text that cannot be read is an illegal move, never the run's end."""
+    try:
+        return game.parse_move(text)
+    except Exception:  # noqa: BLE001 - any failure to read a turn is the turn's forfeit
+        return None
 
 
 class IllegalMove(ValueError):
@@ -369,7 +384,7 @@ class Negotiation:
             return None
         word, *counts = found[-1]
         return "accept" if word.lower() == "accept" else "propose " + " ".join(
-            str(int(c)) for c in counts)
+            _digits(c) for c in counts)
 
 
 def negotiation_fair(game: Negotiation, state: NegotiationState,

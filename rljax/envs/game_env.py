@@ -103,7 +103,7 @@ class GameEnv:
 
     def step(self, model_turn: str) -> StepResult:
         game, seat_name = self.game, self.game.seats[self.seat]
-        move = game.parse_move(model_turn)
+        move = bg.read_move(game, model_turn)
         info = {"moves": 1}
         if move is None or move not in game.legal_moves(self.state):
             info.update(illegal_moves=1, unparsable=int(move is None), plies=self.plies,

@@ -151,9 +151,9 @@ class ProposeSolve:
         tasks = _TASK.findall(text)
         if tasks:
             a, op, b = tasks[-1]
-            return f"{int(a)}{op}{int(b)}="
+            return f"{bg._digits(a)}{op}{bg._digits(b)}="
         numbers = _NUMBER.findall(text)
-        return str(int(numbers[-1])) if numbers else None
+        return bg._digits(numbers[-1]) if numbers else None
 
 
 bg.GAMES[ProposeSolve.name] = ProposeSolve

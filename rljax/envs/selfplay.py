@@ -130,7 +130,7 @@ class SeatEnv:
         match, game, name = self.match, self.game, self.game.seats[self.seat]
         if not self.to_move():
             raise ValueError(f"{game.name}: seat {name} is not to move")
-        move = game.parse_move(model_turn)
+        move = bg.read_move(game, model_turn)
         info = {"moves": 1}
         if move is None or move not in game.legal_moves(match.state):
             match.forfeit = self.seat

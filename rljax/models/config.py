@@ -13,6 +13,7 @@ import math
 from typing import Optional, Tuple, Union
 
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen3_moe",
                          "olmoe")
@@ -26,6 +27,38 @@ def dtype_name(dtype) -> str:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return name
+
+
+# Upper bounds of a model's counts: far above any real model, low enough that a corrupt or
+# hostile config (block_count=2**40) is refused before anything is built from it.
+COUNT_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+                "num_layers": 1 << 12, "num_heads": 1 << 12, "num_kv_heads": 1 << 12,
+                "head_dim": 1 << 16, "max_position_embeddings": 1 << 30,
+                "sliding_window": 1 << 30, "num_experts": 1 << 14,
+                "moe_intermediate_size": 1 << 22, "rope_original_max_position": 1 << 30}
+
+
+def check_count(name: str, value, low: int = 1, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]`` (``high`` defaults to ``COUNT_LIMITS[name]``, or
+    2**31); ValueError naming ``name`` otherwise (a bool, a float, a string, NaN)."""
+    high = COUNT_LIMITS.get(name, 1 << 31) if high is None else high
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not low <= int(value) <= high:
+        raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}]")
+    return int(value)
+
+
+def check_positive(name: str, value, optional: bool = False, below: float | None = None):
+    """``value`` as a finite float > 0 (and < ``below``); None passes when ``optional``;
+    ValueError naming ``name`` otherwise (NaN, inf, 0, a negative, a string)."""
+    if value is None and optional:
+        return None
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+          and math.isfinite(value) and value > 0 and (below is None or value < below))
+    if not ok:
+        bound = f"in (0, {below:g})" if below is not None else "> 0"
+        raise ValueError(f"{name}={value!r} must be a finite number {bound}")
+    return float(value)
 
 
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
@@ -195,6 +228,7 @@ class ModelConfig:
         # Normalise dtype-likes (jnp.bfloat16, np.dtype) to strings so equality/hash are stable.
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
+        self._check_numbers()
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -240,6 +274,29 @@ class ModelConfig:
                                  f"({self.num_layers}), got {self.layer_types}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a sliding_window")
+
+    def _check_numbers(self) -> None:
+        """Every count positive and in range, every float finite and positive: a corrupt
+        config is refused here, naming the field, not later as a division by zero or a
+        NaN loss."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "max_position_embeddings",
+                     "rope_original_max_position"):
+            check_count(name, getattr(self, name))
+        if self.head_dim is not None:
+            check_count("head_dim", self.head_dim)
+        if self.sliding_window is not None:
+            check_count("sliding_window", self.sliding_window)
+        if self.num_experts:
+            check_count("num_experts", self.num_experts)
+            check_count("moe_intermediate_size", self.moe_intermediate_size)
+        check_positive("rms_norm_eps", self.rms_norm_eps, below=1.0)
+        for name in ("rope_theta", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor"):
+            check_positive(name, getattr(self, name))
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping"):
+            check_positive(name, getattr(self, name), optional=True)
 
     @property
     def local_layers(self) -> Tuple[bool, ...]:

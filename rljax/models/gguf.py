@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.errors import UserError
-from rljax.models.config import ModelConfig, dtype_name
+from rljax.models.config import (COUNT_LIMITS, ModelConfig, check_count, check_positive,
+                                 dtype_name)
 from rljax.models.gguf_file import GGUFFile
 from rljax.models.hf import hf_tensor_shapes, load_params
 from rljax.models.transformer import param_shapes
@@ -165,6 +166,38 @@ def _meta(reader: GGUFFile, key: str, default=KeyError):
     return reader.value(key, default)
 
 
+def _count(reader: GGUFFile, key: str, field: str, default=KeyError, low: int = 1,
+           high: int | None = None) -> int:
+    """Metadata ``key`` as a count for ModelConfig ``field``, checked (an integer, in range:
+    ``config.check_count``) before anything is built from it; GGUFError naming the key."""
+    value = _meta(reader, key, default)
+    try:
+        return check_count(field, value, low, high)
+    except ValueError:
+        bound = COUNT_LIMITS.get(field, 1 << 31) if high is None else high
+        raise GGUFError(f"{reader.path}: unusable GGUF metadata: {key}={_short(value)} must "
+                        f"be an integer in [{low}, {bound}]") from None
+
+
+def _positive(reader: GGUFFile, key: str, default=KeyError, optional: bool = False,
+              below: float | None = None):
+    """Metadata ``key`` as a finite float > 0 (None passes when ``optional``); GGUFError
+    naming the key for NaN, inf, 0 or a negative."""
+    value = _meta(reader, key, default)
+    try:
+        return check_positive(key, value, optional=optional, below=below)
+    except ValueError:
+        bound = f"in (0, {below:g})" if below is not None else "> 0"
+        raise GGUFError(f"{reader.path}: unusable GGUF metadata: {key}={_short(value)} must "
+                        f"be a finite number {bound}") from None
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to 40 characters (a hostile string may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _decimal(x: float) -> float:
     """The shortest decimal that rounds to the same float32: the converter stored e.g.
     ``rms_norm_eps=1e-5`` as float32, and config.json should say 1e-05 again, not 9.99e-06."""
@@ -204,11 +237,11 @@ def _config_fields(reader, path: str, arch: str) -> dict:
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: GGUF file has no token_embd.weight tensor")
-    hidden = int(_meta(reader, f"{arch}.embedding_length"))
-    heads = int(_meta(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
-    value_dim = int(_meta(reader, f"{arch}.attention.value_length", head_dim))
-    rope_dim = int(_meta(reader, f"{arch}.rope.dimension_count", head_dim))
+    hidden = _count(reader, f"{arch}.embedding_length", "hidden_size")
+    heads = _count(reader, f"{arch}.attention.head_count", "num_heads")
+    head_dim = _count(reader, f"{arch}.attention.key_length", "head_dim", max(hidden // heads, 1))
+    value_dim = _count(reader, f"{arch}.attention.value_length", "head_dim", head_dim)
+    rope_dim = _count(reader, f"{arch}.rope.dimension_count", "head_dim", head_dim)
     if value_dim != head_dim or rope_dim != head_dim:
         raise GGUFError(f"{path}: key_length={head_dim}, value_length={value_dim}, "
                         f"rope.dimension_count={rope_dim} differ (partial rope is not supported)")
@@ -217,15 +250,18 @@ def _config_fields(reader, path: str, arch: str) -> dict:
         # The embedding's rows are the model's vocabulary (the token list may be shorter).
         vocab_size=int(np.asarray(tensors["token_embd.weight"].shape)[-1]),
         hidden_size=hidden,
-        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length",
-                                    _meta(reader, f"{arch}.expert_feed_forward_length", None))),
-        num_layers=int(_meta(reader, f"{arch}.block_count")),
+        intermediate_size=_count(reader, f"{arch}.feed_forward_length", "intermediate_size",
+                                 _meta(reader, f"{arch}.expert_feed_forward_length", None)),
+        num_layers=_count(reader, f"{arch}.block_count", "num_layers"),
         num_heads=heads,
-        num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=_count(reader, f"{arch}.attention.head_count_kv", "num_kv_heads", heads,
+                            high=heads),
         head_dim=head_dim,
-        rms_norm_eps=_decimal(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_decimal(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=_decimal(_positive(reader, f"{arch}.attention.layer_norm_rms_epsilon",
+                                        below=1.0)),
+        rope_theta=_decimal(_positive(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=_count(reader, f"{arch}.context_length",
+                                       "max_position_embeddings", 2048),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "qwen3moe", "olmoe"),
@@ -246,11 +282,14 @@ def _moe_fields(reader, path: str, arch: str) -> dict:
     renormalised, olmoe: not, as llama.cpp computes them; see the module docstring)."""
     if arch == "olmoe" and _meta(reader, f"{arch}.attention.clamp_kqv", None) is not None:
         raise GGUFError(f"{path}: olmoe clamp_kqv (clip_qkv) is not supported")
-    width = _meta(reader, f"{arch}.expert_feed_forward_length",
-                  _meta(reader, f"{arch}.feed_forward_length") if arch == "olmoe" else KeyError)
-    return dict(num_experts=int(_meta(reader, f"{arch}.expert_count")),
-                num_experts_per_tok=int(_meta(reader, f"{arch}.expert_used_count")),
-                moe_intermediate_size=int(width),
+    width_key = f"{arch}.expert_feed_forward_length"
+    if arch == "olmoe" and width_key not in reader.fields:
+        width_key = f"{arch}.feed_forward_length"
+    experts = _count(reader, f"{arch}.expert_count", "num_experts")
+    return dict(num_experts=experts,
+                num_experts_per_tok=_count(reader, f"{arch}.expert_used_count",
+                                           "num_experts_per_tok", high=experts),
+                moe_intermediate_size=_count(reader, width_key, "moe_intermediate_size"),
                 norm_topk_prob=arch == "qwen3moe",
                 # HF's defaults (the GGUF does not say; only an export writes it back).
                 router_aux_loss_coef=0.001 if arch == "qwen3moe" else 0.01,
@@ -265,12 +304,16 @@ def _gemma_fields(reader, arch: str, fields: dict, head_dim: int) -> dict:
              for i in range(layers)]
     out = dict(activation="gelu_tanh", scale_embeddings=True, norm_plus_one=True,
                post_norms=True, qk_norm=arch == "gemma3",
-               sliding_window=int(_meta(reader, f"{arch}.attention.sliding_window")),
+               sliding_window=_count(reader, f"{arch}.attention.sliding_window",
+                                     "sliding_window"),
                layer_types=tuple(kinds), query_pre_attn_scalar=float(head_dim),
-               attn_logit_softcapping=_meta(reader, f"{arch}.attn_logit_softcapping", None),
-               final_logit_softcapping=_meta(reader, f"{arch}.final_logit_softcapping", None))
+               attn_logit_softcapping=_positive(reader, f"{arch}.attn_logit_softcapping", None,
+                                                optional=True),
+               final_logit_softcapping=_positive(reader, f"{arch}.final_logit_softcapping",
+                                                 None, optional=True))
     if arch == "gemma3":
-        out["rope_local_theta"] = _decimal(_meta(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+        out["rope_local_theta"] = _decimal(_positive(reader, f"{arch}.rope.freq_base_swa",
+                                                     10000.0))
     return out
 
 
@@ -281,7 +324,7 @@ def _rope_scaling(reader, path: str, arch: str) -> dict:
         return {}
     if kind == "linear":
         return dict(rope_scaling_type="linear",
-                    rope_factor=_decimal(_meta(reader, f"{arch}.rope.scaling.factor")))
+                    rope_factor=_decimal(_positive(reader, f"{arch}.rope.scaling.factor")))
     raise GGUFError(f"{path}: unsupported rope scaling type {kind!r} (supported: none, linear)")
 
 

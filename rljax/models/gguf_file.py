@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import struct
 from typing import Any
@@ -203,7 +204,7 @@ class GGUFFile:
             block_size, type_size = g.GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
             raise GGUFFormatError(f"tensor {name}: unknown tensor type {raw_type}") from None
-        n_elements = int(np.prod(dims, dtype=np.int64))
+        n_elements = math.prod(dims)   # Python ints: huge dims cannot wrap around int64
         n_bytes = n_elements * type_size // block_size
         np_dims = tuple(reversed(dims))
         item_type = _PLAIN_TYPES.get(ggml_type.name)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from rljax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, dtype_name
+from rljax.models.config import (COUNT_LIMITS, SUPPORTED_MODEL_TYPES, ModelConfig, check_count,
+                                 check_positive, dtype_name)
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
@@ -72,6 +73,7 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
         if act != "silu":
             raise HFCheckpointError(f"unsupported hidden_act {act!r} for {mt} (expected 'silu')")
         activation = "silu"
+    _check_numbers(hf, mt)
     heads = hf["num_attention_heads"]
     fields = dict(
         model_type=mt,
@@ -108,7 +110,58 @@ def config_from_hf(hf: dict, dtype=jnp.float32, **overrides) -> ModelConfig:
                       rope_high_freq_factor=float(rope["high_freq_factor"]),
                       rope_original_max_position=int(rope["original_max_position_embeddings"]))
     fields.update(overrides)
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**fields)
+    except (TypeError, ValueError) as e:   # an impossible combination (heads vs kv heads)
+        raise HFCheckpointError(f"config.json: {' '.join(str(e).split())}") from None
+
+
+# config.json key -> the ModelConfig field whose bounds it takes (config.COUNT_LIMITS).
+_HF_COUNTS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+              "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+              "num_attention_heads": "num_heads"}
+_HF_OPTIONAL_COUNTS = {"num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                       "max_position_embeddings": "max_position_embeddings",
+                       "sliding_window": "sliding_window", "num_experts": "num_experts",
+                       "num_local_experts": "num_experts",
+                       "moe_intermediate_size": "moe_intermediate_size",
+                       "sliding_window_pattern": "num_layers"}
+_HF_FLOATS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
+              "attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _check_numbers(hf: dict, mt: str) -> None:
+    """Every count of ``hf`` an integer in range and every float finite and positive, before
+    anything is built from them (a per-layer list, a division by the head count); one
+    HFCheckpointError naming the key."""
+    for key, field in {**_HF_COUNTS, **_HF_OPTIONAL_COUNTS}.items():
+        if key not in hf and key in _HF_COUNTS:
+            raise HFCheckpointError(f"config.json has no {key!r}")
+        value = hf.get(key)
+        if value is None or (key in ("num_key_value_heads", "head_dim") and value == 0):
+            continue   # 0 there means "the default" (num_attention_heads, hidden // heads)
+        try:
+            check_count(field, value)
+        except ValueError:
+            raise HFCheckpointError(f"config.json: {key}={_short(value)} must be an integer "
+                                    f"in [1, {COUNT_LIMITS.get(field, 1 << 31)}]") from None
+    for key in _HF_FLOATS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        try:
+            check_positive(key, value, below=1.0 if key == "rms_norm_eps" else None)
+        except ValueError as e:
+            raise HFCheckpointError(f"config.json: {_short_message(e)}") from None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _short_message(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]
 
 
 def _gemma_fields(hf: dict, mt: str, local_theta) -> dict:

@@ -29,9 +29,12 @@ import jax.numpy as jnp
 
 def ring_size(cfg, slots: int) -> Optional[int]:
     """Ring slots of ``cfg``'s local layers in a cache of ``slots`` global slots: the window,
-    or None where no layer is local or the whole cache fits in the window anyway."""
+    or None where no layer is local, every layer is (a model of fewer layers than its
+    local:global period: ``trunk`` reads the global slot count off a full-length layer's
+    cache, so one must stay), or the whole cache fits in the window anyway."""
     window = cfg.sliding_window
-    if not any(cfg.local_layers) or window is None or window >= slots:
+    local = cfg.local_layers
+    if not any(local) or all(local) or window is None or window >= slots:
         return None
     return int(window)
 

@@ -10,9 +10,9 @@ per failed function saying why (``messages``). What counts as a failure:
   it may be the user's Ctrl-C: a call on the main thread under Python's default SIGINT
   handler), returns something that is not a list of numbers, or a list of the wrong length:
   every sample of the call gets ``default_score``;
-* a NaN or infinite score, or one too large for float32 (weighted and summed over the
-  functions, as the trainer casts it): that sample gets ``default_score``, the others keep
-  theirs;
+* a NaN or infinite score, or one too large for float32 reward statistics (|weighted
+  total| above ``MAX_REWARD``, 1e15, so that group means and stds stay finite): that sample
+  gets ``default_score``, the others keep theirs;
 * the call does not finish within ``timeout_s``: every sample gets ``default_score``.
 
 The message names the exception type and text and, for an exception, the last line of the
@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a wait checks ``should_abort``
 FLOAT32_MAX = 3.4028234663852886e38  # rewards are float32 on the device
+# Largest |weighted total reward|: far beyond any real reward, small enough that a group's
+# mean, deviations and their squares (the advantages' std) stay finite in float32 (3e38,
+# which fits float32 itself, made every std inf and every update train nothing).
+MAX_REWARD = 1e15
 
 
 @dataclasses.dataclass
@@ -305,7 +309,7 @@ class CombinedReward:
         """Largest |score| a function with ``weight`` may return: the trainer casts scores and
         their weighted total to float32, so each weighted score stays below float32's maximum
         divided by the number of functions (a finite 1e308 would become inf there)."""
-        return FLOAT32_MAX / len(self.fns) / max(abs(weight), 1.0)
+        return MAX_REWARD / len(self.fns) / max(abs(weight), 1.0)
 
     def _validate(self, status: str, value, n: int, fn, limit: float = math.inf
                   ) -> tuple[list[float], int, str | None]:
@@ -336,8 +340,8 @@ class CombinedReward:
         kinds = sorted({"NaN" if math.isnan(scores[i]) else "inf" for i in bad
                         if not math.isfinite(scores[i])})
         if huge:  # finite in Python, inf once cast to float32
-            kinds.append(f"{huge[0]:.3g} (too large for float32 rewards: |score| must be <= "
-                         f"{limit:.3g})")
+            kinds.append(f"{huge[0]:.3g} (too large for float32 reward statistics: |score| "
+                         f"must be <= {limit:.3g})")
         for i in bad:
             scores[i] = self.default_score
         return scores, len(bad), (f"returned {'/'.join(kinds)} for {len(bad)} of {n} samples "

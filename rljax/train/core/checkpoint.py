@@ -181,6 +181,18 @@ def _mark_manifests_since(step_dir: epath.Path) -> None:
         marker.write_text(json.dumps({"since_step": int(step_dir.name)}) + "\n")
 
 
+def _first_manifested_step(directory: str | os.PathLike) -> int | None:
+    """The earliest step of ``directory`` that holds a manifest (None: none does). Steps from
+    it on were written by an rljax that writes manifests, so one of them without its
+    manifest had it deleted, whether or not the marker file is still there."""
+    try:
+        steps = [int(p.name) for p in epath.Path(os.fspath(directory)).iterdir()
+                 if p.name.isdigit() and (p / MANIFEST_FILE).exists()]
+    except OSError:
+        return None
+    return min(steps) if steps else None
+
+
 def verify_step_dir(step_dir: str | os.PathLike, required: bool = False) -> str | None:
     """None if every file recorded in the manifest is there with its size and CRC, else the
     first problem found (one line, naming the file). No manifest: the problem if ``required``,
@@ -310,6 +322,9 @@ class CheckpointManager:
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=(STATE_ITEM, META_ITEM))
+        # The step of an async save not known to be committed yet: a failure that surfaces
+        # later (in the next save, or at the final wait) is that step's, and is named so.
+        self._pending: int | None = None
 
     # -- queries -------------------------------------------------------------------------
 
@@ -338,6 +353,8 @@ class CheckpointManager:
                 self.wait_until_finished()
             return False
         meta = {**dict(meta or {}), "host": host_metadata()}
+        if self._pending is not None:   # the previous async save first: its failure is its own
+            self.wait_until_finished()
         try:
             saved = self._manager.save(
                 int(step),
@@ -349,6 +366,7 @@ class CheckpointManager:
             )
         except Exception as e:  # noqa: BLE001 - a previous async save may surface here
             raise self._write_error(e, step) from e
+        self._pending = int(step) if saved else None
         if wait:
             self.wait_until_finished()
         return bool(saved)
@@ -386,6 +404,8 @@ class CheckpointManager:
         written with one from an earlier step on; otherwise (an older rljax's checkpoint) it
         is restored unverified, with a warning."""
         since = manifests_since(self.directory)
+        if since is None:   # the marker deleted too: an earlier step's manifest says the same
+            since = _first_manifested_step(self.directory)
         required = since is not None and int(step) >= since
         try:
             problem = verify_step_dir(self.step_dir(step), required=required)
@@ -463,10 +483,11 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Blocks until pending async saves are committed (call before exiting)."""
+        pending, self._pending = self._pending, None
         try:
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise self._write_error(e) from e
+            raise self._write_error(e, pending) from e
 
     def close(self) -> None:
         """Waits for pending saves, then releases orbax's background resources (also when

@@ -24,11 +24,23 @@ class ImageInputs:
         self.max_images = int(cfg.data.max_images)
         self.field = cfg.data.images_field
         self.base_dir = os.path.dirname(os.path.abspath(cfg.data.path)) if cfg.data.path else None
+        self.max_pixels = int(cfg.data.get("max_image_pixels", images.DEFAULT_MAX_IMAGE_PIXELS))
+        self.skipped = 0   # examples whose images could not be used, in the last call
+        self.usable = None
 
-    def pixels(self, examples) -> np.ndarray:
-        """float32 [B, I, 3, S, S] of a list of examples (zeros where a row has fewer)."""
-        return images.batch_pixels(examples, self.processor, self.max_images, self.field,
-                                   self.base_dir)[0]
+    def pixels(self, examples, locations=None) -> np.ndarray:
+        """float32 [B, I, 3, S, S] of a list of examples (zeros where a row has fewer). A row
+        whose image is corrupt or over ``data.max_image_pixels`` keeps zero pixels, with one
+        warning naming ``locations[i]`` (``file:line``); ``self.skipped`` counts them."""
+        skipped: list = []
+        out, counts = images.batch_pixels(examples, self.processor, self.max_images,
+                                          self.field, self.base_dir, self.max_pixels, skipped,
+                                          locations)
+        self.skipped = len(skipped)
+        # bool [B]: False where a row's images were skipped (its rows then do not train)
+        self.usable = np.array([counts[i] > 0 or not images.row_images(ex, self.field)
+                                for i, ex in enumerate(examples)], bool)
+        return out
 
     def embeds(self, params, pixels) -> jax.Array:
         """The sampler's ``image_embeds`` [B, I*M, D] of ``pixels`` under ``params``."""

@@ -6,15 +6,28 @@ nothing changes: ``rollout/informative_groups_frac`` is 0 and so is ``adv/abs_me
 G=1, or advantages that are not 0 anyway, e.g. a critic's, there is no hint.) ``NoSignalHint.observe(step,
 metrics)`` counts such iterations in a row and, at ``after`` of them, prints one console line
 saying so and what to check. Once per run: a run that keeps going is the user's choice.
+A batch whose reward or advantage statistics are not finite (NaN: nothing trains) is said at
+once, one line per such step.
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import Mapping
 
 KEY = "rollout/informative_groups_frac"
 ADV = "adv/abs_mean"
 AFTER = 5  # consecutive iterations without one informative group before the hint
+
+
+def non_finite(metrics: Mapping) -> str | None:
+    """The first reward or advantage statistic of ``metrics`` that is NaN or infinite, as
+    ``key=value``; None when all are finite."""
+    for key in ("reward/mean", "reward/std", "adv/mean", "adv/std", ADV):
+        value = metrics.get(key)
+        if value is not None and not math.isfinite(float(value)):
+            return f"{key}={float(value)}"
+    return None
 
 
 class NoSignalHint:
@@ -32,6 +45,13 @@ class NoSignalHint:
     def observe(self, step: int, metrics: Mapping) -> str | None:
         """Updates the streak from one iteration's metrics (phases without ``KEY``, such as
         SFT, leave it as it is); returns the line when it is printed now."""
+        bad = non_finite(metrics)
+        if bad:   # a NaN advantage trains nothing: said at once, every time
+            line = (f"rljax: warning: step {step}: {bad} is not finite: this batch has no "
+                    "learning signal (check the reward's scale)")
+            if self.enabled:
+                print(line, file=self.stream or sys.stderr, flush=True)
+            return line
         frac = metrics.get(KEY)
         if frac is None or self.g < 2:  # G=1 (PPO's critic): groups say nothing
             return None

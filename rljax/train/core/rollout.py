@@ -179,6 +179,7 @@ class Rollout:
         and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
         i.e. placed at the start of the assistant turn; the reward judges prefix + completion."""
         cfg, g = self.cfg, self.g
+        drawn = examples is None
         examples = next(self.iterator) if examples is None else examples
         if prefixes is None:
             prompt_tokens, prompt_mask = encode_prompts(self.ctx.tokenizer,
@@ -192,7 +193,8 @@ class Rollout:
                 buckets=prompt_buckets(cfg.data.max_prompt_length))
         t0 = time.perf_counter()
         micro = cfg.rollout.micro_batch_size // g if cfg.rollout.micro_batch_size else 0
-        pixels = None if self.images is None else self.images.pixels(examples)
+        pixels = None if self.images is None else self.images.pixels(
+            examples, self._locations(examples) if drawn else None)
         out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=g,
                        max_new_tokens=cfg.rollout.max_new_tokens,
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
@@ -202,7 +204,18 @@ class Rollout:
         rnd = self.score_round(examples, prompt_tokens, prompt_mask, out, prefixes, t0)
         if pixels is not None:
             rnd["pixels"] = pixels
+            rnd["skipped_images"] = self.images.skipped
+            rnd["image_ok"] = self.images.usable
         return rnd
+
+    def _locations(self, examples) -> list[str] | None:
+        """``file:line`` of each example the iterator just drew (None when it cannot say)."""
+        from rljax.data.sources import where
+        it = self.iterator
+        indices, source = getattr(it, "last_indices", None), getattr(it, "source", None)
+        if indices is None or source is None or len(indices) != len(examples):
+            return None
+        return [where(source, i) for i in indices]
 
     def score_round(self, examples, prompt_tokens, prompt_mask, out, prefixes, t0,
                     g: int | None = None) -> dict:
@@ -294,6 +307,9 @@ class Rollout:
             loss_mask &= ~rows["truncated"][:, None]
         if "real" in rows:   # rows that only pad the batch to its fixed size weigh zero
             loss_mask &= rows["real"][:, None]
+        if "image_ok" in rounds[0]:   # a prompt whose image was skipped costs its example
+            loss_mask &= np.concatenate([np.repeat(rounds[r]["image_ok"][i:i + 1], g)
+                                         for r, i in groups])[:, None]
         batch["loss_mask"] = loss_mask
 
         t0 = time.perf_counter()
@@ -441,12 +457,15 @@ class Rollout:
 
     def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
         """Reward (every sampled completion of this step), advantage, length metrics."""
-        total = np.concatenate([r["rewards"] for r in rounds])
+        # float64: statistics of float32 rewards near their limits stay finite
+        total = np.concatenate([r["rewards"] for r in rounds]).astype(np.float64)
         m = {"reward/mean": float(total.mean()), "reward/std": float(total.std())}
         for name in rounds[0]["scores"]:
-            s = np.concatenate([r["scores"][name] for r in rounds])
+            s = np.concatenate([r["scores"][name] for r in rounds]).astype(np.float64)
             m[f"reward/{name}/mean"], m[f"reward/{name}/std"] = float(s.mean()), float(s.std())
         m["reward/errors"] = float(sum(r["errors"] for r in rounds))
+        if "skipped_images" in rounds[0]:   # examples whose images were corrupt or too large
+            m["data/skipped_images"] = int(sum(r["skipped_images"] for r in rounds))
         for name in rounds[0]["reward_counts"]:  # failed samples (timeouts included), timeouts
             m[f"reward/{name}/errors"] = float(sum(r["reward_counts"][name][0] for r in rounds))
             m[f"reward/{name}/timeouts"] = float(sum(r["reward_counts"][name][1] for r in rounds))

@@ -200,6 +200,15 @@ def check(cfg, student=None) -> Source:
     if problem:
         raise UserError(f"{_key(cfg)} does not share the student's tokenizer: {problem}")
     check_fits(source, _key(cfg))
+    student_rows = _student_vocab(cfg, student)
+    teacher_rows = model_config(source).vocab_size
+    if student_rows is not None and student_rows != teacher_rows:
+        # Padded embeddings (Qwen2.5 sizes): ids past the tokenizer that one head has and the
+        # other not would score NaN, and every update would then be skipped.
+        raise UserError(f"{_key(cfg)}: the teacher's head has {teacher_rows} rows, the "
+                        f"student's {student_rows} (their shared tokenizer has "
+                        f"{student.vocab_size} tokens); distillation needs the same vocab_size "
+                        "(set model.overrides.vocab_size of the student to the teacher's)")
     return source
 
 
@@ -250,6 +259,18 @@ def check_fits(source: Source, key: str) -> None:
                 f"{os.path.join(source.path, 'config.json')}: params{name} is "
                 f"{saved.get(name, 'missing')} in the checkpoint, "
                 f"{want.get(name, 'absent')} by the config")
+
+
+def _student_vocab(cfg, tok) -> int | None:
+    """The student's head rows as a fresh run builds it (its config only; None when that
+    cannot be read here: the student's own checks report it)."""
+    m = cfg.model
+    try:
+        if m.path:
+            return int(models.load_config(m.path, **dict(m.overrides)).vocab_size)
+        return int(dict(m.overrides).get("vocab_size", tok.vocab_size))
+    except Exception:  # noqa: BLE001 - a broken student path is reported by its own check
+        return None
 
 
 # ----------------------------------------------------------------------------- weights
