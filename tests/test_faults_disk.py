@@ -204,7 +204,7 @@ def test_a_failed_async_save_is_named_by_its_own_step_not_the_next(tmp_path):
     the line names checkpoint 3, the one left uncommitted."""
     import jax.numpy as jnp
 
-    from rljax.train.checkpoint import CheckpointManager, CheckpointWriteError
+    from rljax.train.core.checkpoint import CheckpointManager, CheckpointWriteError
     ckpt = CheckpointManager(str(tmp_path / "checkpoints"), async_save=True)
     ckpt.save(3, {"w": jnp.arange(8.0)}, {"phase": 0})
     real_wait = ckpt._manager.wait_until_finished

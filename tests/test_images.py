@@ -151,7 +151,7 @@ def test_run_image_inputs_mark_the_examples_whose_images_were_skipped(tmp_path):
 
     from rljax import config as config_lib
     from rljax.models.config import VisionConfig
-    from rljax.train.image_inputs import ImageInputs
+    from rljax.train.core.image_inputs import ImageInputs
     Image.fromarray(_picture(0, (20, 20, 3))).save(tmp_path / "ok.png")
     (tmp_path / "bad.png").write_bytes(b"not a png")
     cfg = config_lib.default_config()

@@ -49,7 +49,7 @@ def test_reward_statistics_of_extreme_scores_stay_finite_or_are_said():
     GRPO advantages of the largest allowed rewards are finite, and a step whose statistics
     are not finite is said in one line."""
     from rljax.algorithms import advantages
-    from rljax.train.learning_signal import NoSignalHint
+    from rljax.train.core.learning_signal import NoSignalHint
 
     def extreme(prompts, completions):
         return [3e38, -3e38, 3e38, -3e38][:len(completions)]
