@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="compile the steps and report memory/shapes, no training",
                        epilog=overrides)
     p.add_argument("--config", required=True)
+    p.add_argument("--cost", metavar="CHIP", default=None,
+                   help="also each program's FLOPs, HBM and collective bytes per device and "
+                        "its roofline time on CHIP (v4, v5e, v5p, v6e, h100, h200)")
     return parser
 
 
@@ -211,7 +214,7 @@ def cmd_plan(args, overrides) -> int | None:
     from rljax import plan as plan_lib
 
     cfg = config_lib.load_config(args.config, overrides)
-    return plan_lib.run(cfg)
+    return plan_lib.run(cfg, chip=args.cost)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample,

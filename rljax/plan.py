@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from rljax import cost as cost_lib
 from rljax import models
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
@@ -65,6 +66,7 @@ class PhaseMemory:
     resident_arguments: int      # part of ``arguments`` that is resident train state
     compile_s: float = 0.0
     copies: int = 1              # instances running at once (update streams)
+    cost: Any = None             # cost.ProgramCost of one call (``plan(..., cost=True)``)
 
     def peak(self, resident: int) -> int:
         return (resident + self.copies * (self.arguments - self.resident_arguments
@@ -83,6 +85,7 @@ class MemoryPlan:
     capacity: int | None         # per-device bytes available, None = unknown
     capacity_source: str
     notes: list = dataclasses.field(default_factory=list)
+    chip: str | None = None      # ``rljax plan --cost CHIP``: the roofline's chip
 
     @property
     def peak(self) -> int:
@@ -103,8 +106,14 @@ class MemoryPlan:
                 "resident_parts": self.resident_parts, "peak_bytes": self.peak,
                 "peak_phase": self.peak_phase, "capacity_bytes": self.capacity,
                 "capacity_source": self.capacity_source, "fits": self.fits,
-                "phases": [dict(dataclasses.asdict(p), peak=p.peak(self.resident))
-                           for p in self.phases], "notes": self.notes}
+                "phases": [self._phase_dict(p) for p in self.phases], "notes": self.notes,
+                "chip": self.chip}
+
+    def _phase_dict(self, p: PhaseMemory) -> dict:
+        out = dict(dataclasses.asdict(p), peak=p.peak(self.resident))
+        if self.chip is not None and p.cost is not None:
+            out["roofline_s"], out["bound"] = cost_lib.roofline(p.cost, self.chip)
+        return out
 
     def format(self) -> str:
         lines = [self.description, "per-device memory (MiB):",
@@ -120,6 +129,9 @@ class MemoryPlan:
         lines.append("  peak = resident state + the phase's other arguments + outputs - aliased "
                      "+ temporaries (x N: N at once)")
         lines += [f"  note: {n}" for n in self.notes]
+        if self.chip is not None:
+            lines.append(cost_lib.format_costs(
+                [(p.name, p.cost) for p in self.phases if p.cost is not None], self.chip))
         if self.capacity is None:
             lines.append(f"device memory unknown ({self.capacity_source}): peak "
                          f"{human(self.peak)} in {self.peak_phase}")
@@ -146,8 +158,9 @@ def _abstract(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
-def _compile_phase(program) -> PhaseMemory:
-    """Lowers and compiles one ``programs.Program``; XLA's memory analysis of it."""
+def _compile_phase(program, cost: bool = False) -> PhaseMemory:
+    """Lowers and compiles one ``programs.Program``; XLA's memory analysis of it (and with
+    ``cost``, its cost analysis: ``cost.program_cost``)."""
     t0 = time.perf_counter()
     compiled = program.fn.lower(*program.args).compile()
     stats = compiled.memory_analysis()
@@ -159,7 +172,8 @@ def _compile_phase(program) -> PhaseMemory:
         name=program.name, arguments=int(stats.argument_size_in_bytes),
         outputs=int(stats.output_size_in_bytes), aliased=int(stats.alias_size_in_bytes),
         temps=int(stats.temp_size_in_bytes), code=int(stats.generated_code_size_in_bytes),
-        resident_arguments=program.resident, compile_s=dt, copies=program.copies)
+        resident_arguments=program.resident, compile_s=dt, copies=program.copies,
+        cost=cost_lib.program_cost(compiled) if cost else None)
 
 
 def host_memory_bytes() -> int | None:
@@ -251,12 +265,17 @@ def resident_parts(state) -> dict:
     return parts
 
 
-def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
+def plan(cfg, devices=None, *, compile_phases: bool = True,
+         chip: str | None = None) -> MemoryPlan:
     """Compiles the programs of the run's phases abstractly (each phase states its own:
     ``rljax.train.phases.phase_programs``) and returns their per-device memory.
 
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
+    ``chip`` (a ``cost.CHIPS`` name): also each program's per-device cost and its roofline
+    time on that chip.
     """
+    if chip is not None and chip not in cost_lib.CHIPS:
+        raise UserError(f"--cost {chip}: unknown chip; one of {', '.join(cost_lib.CHIPS)}")
     from rljax.train import phases as phases_lib
     from rljax.train.core import programs as programs_lib
     from rljax.train.core.setup import Context, check_inputs, make_meshes, quantized_base
@@ -311,7 +330,7 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
         if any(p.name.split("/")[0] == "sample" for p in programs):
             samples = True
         if compile_phases:
-            phases += [_compile_phase(p) for p in programs]
+            phases += [_compile_phase(p, cost=chip is not None) for p in programs]
     if samples:
         notes.append(programs_lib.kv_cache_note(ctx, human))
     if not compile_phases:
@@ -325,7 +344,8 @@ def plan(cfg, devices=None, *, compile_phases: bool = True) -> MemoryPlan:
                    f"{devices[0].platform} devices, {jax.process_count()} process"
                    f"{'es' if jax.process_count() > 1 else ''}); prompts <= {p_len} tokens, "
                    f"completions {n_new}")
-    return MemoryPlan(description, sum(parts.values()), parts, phases, capacity, source, notes)
+    return MemoryPlan(description, sum(parts.values()), parts, phases, capacity, source, notes,
+                      chip=chip)
 
 
 
@@ -417,12 +437,13 @@ def check(cfg, devices=None, *, verbose: bool = False) -> MemoryPlan | None:
     return p
 
 
-def run(cfg, devices=None, *, as_json: bool = False) -> int:
-    """``rljax plan``: prints the plan; exit code 0 if it fits, 1 if not."""
+def run(cfg, devices=None, *, as_json: bool = False, chip: str | None = None) -> int:
+    """``rljax plan``: prints the plan; exit code 0 if it fits, 1 if not. ``chip``: also the
+    programs' costs and roofline times on that chip (``rljax plan --cost CHIP``)."""
     from rljax import compilation_cache, distributed
     distributed.initialize()  # on a pod, plan for the global mesh
     compilation_cache.from_config(cfg)
-    p = plan(cfg, devices)
+    p = plan(cfg, devices, chip=chip)
     if jax.process_index() == 0:
         print(json.dumps(p.to_dict(), indent=2) if as_json else p.format(), flush=True)
         if not p.fits:
