@@ -39,6 +39,26 @@ def test_a_tensor_parallel_split_divides_the_flops_and_adds_its_all_reduce():
     assert split.collective_bytes == 64 * 32 * 4    # the f32 [64, 32] partial sums, summed
 
 
+def test_a_scan_over_layers_costs_what_the_unrolled_layers_cost():
+    """XLA's cost analysis counts a while loop's body once; the known trip count puts the other
+    layers back: FLOPs as the unrolled program's, bytes within 10% (XLA fuses them otherwise)."""
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    ws = jax.ShapeDtypeStruct((6, 128, 128), jnp.float32)
+
+    def scanned(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    def unrolled(x, ws):
+        for i in range(6):
+            x = jnp.tanh(x @ ws[i])
+        return x
+    loop = cost_lib.program_cost(jax.jit(scanned).lower(x, ws).compile())
+    flat = cost_lib.program_cost(jax.jit(unrolled).lower(x, ws).compile())
+    assert flat.flops == 6 * 2 * 64 * 128 * 128
+    assert flat.flops <= loop.flops <= flat.flops + 16     # (+ the loop counter's adds)
+    assert abs(loop.bytes_accessed - flat.bytes_accessed) <= 0.1 * flat.bytes_accessed
+
+
 def test_collectives_are_read_from_the_hlo_once_each():
     hlo = "\n".join([
         "%a = f32[64,32]{1,0} all-reduce(%x), replica_groups={}",
