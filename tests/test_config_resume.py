@@ -40,8 +40,10 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
     assert now["algo"].pop("rae_alpha") == 0.95   # read by algo.adv_estimator='rae' only
     assert now["env"].pop("selfplay") == {   # mode 'off': the environment's own opponent
         "mode": "off", "workdir": "", "step": 0, "temperature": 0.0, "forfeit_reward": 0.0}
-    assert {k: now["data"].pop(k) for k in ("images_field", "max_images")} == {
-        "images_field": "images", "max_images": 1}   # read only where rows carry images
+    image_keys = ("images_field", "max_images", "max_image_pixels")
+    assert {k: now["data"].pop(k) for k in image_keys} == {
+        "images_field": "images", "max_images": 1,   # read only where rows carry images
+        "max_image_pixels": 50_000_000}
     assert now["model"].pop("vision") == {   # a text model: no vision tower loaded
         "image_token": "<image_soft_token>", "load": False, "train": False}
     assert {k: now["rollout"].pop(k) for k in ("allocation", "knapsack")} == {

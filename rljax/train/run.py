@@ -107,17 +107,7 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
         if position is None:
             ckpt.close()
             return 0
-        # Rows after the checkpoint (or all rows, starting from scratch) belong to an
-        # interrupted run that is redone now; an eval the checkpoint still owes is redone too.
-        writer = MetricsWriter(workdir, total_steps=total, phases=[
-                                   (p.name, offsets[i], offsets[i] + p.steps)
-                                   for i, p in enumerate(phases)],
-                               console_every_s=cfg.logging.console_every_s,
-                               tensorboard=cfg.logging.tensorboard,
-                               resume_step=position["gstep"], wandb=cfg.logging.wandb.to_dict(),
-                               drop_eval_at_resume=position["eval_pending"],
-                               config=cfg.to_dict(),
-                               eval_steps=eval_schedule(cfg, phases, offsets))
+        writer = _metrics_writer(cfg, workdir, phases, offsets, position)
     except BaseException:
         ckpt.close()
         raise
@@ -154,6 +144,20 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
     if writer.enabled:
         print(summary, flush=True)  # where the results are, and what to do with them
     return 0
+
+
+def _metrics_writer(cfg, workdir: str, phases, offsets, position: dict) -> MetricsWriter:
+    """The run's metrics writer. Rows after the checkpoint (or all rows, starting from
+    scratch) belong to an interrupted run that is redone now; an eval the checkpoint still
+    owes is redone too."""
+    return MetricsWriter(workdir, total_steps=offsets[-1] + phases[-1].steps,
+                         phases=[(p.name, offsets[i], offsets[i] + p.steps)
+                                 for i, p in enumerate(phases)],
+                         console_every_s=cfg.logging.console_every_s,
+                         tensorboard=cfg.logging.tensorboard, resume_step=position["gstep"],
+                         wandb=cfg.logging.wandb.to_dict(),
+                         drop_eval_at_resume=position["eval_pending"], config=cfg.to_dict(),
+                         eval_steps=eval_schedule(cfg, phases, offsets))
 
 
 def _restore(cfg, workdir: str, ctx, phases, ckpt, guard, checkpoint: int | None,
