@@ -125,12 +125,13 @@ def _uses_tree(estimator: str) -> bool:
 
 
 def check_engine(cfg) -> None:
-    """The slot engine samples GRPO-style batches of prompts; tree rollouts and multi-turn
-    episodes have samplers of their own."""
+    """The slot engine samples batches of prompts and multi-turn tool episodes; tree rollouts
+    and self-play matches (whose seats wait for each other's moves) have samplers of their
+    own."""
     if cfg.rollout.engine == "static":
         return
     for key, on in (("rollout.tree.enabled", cfg.rollout.tree.enabled),
-                    ("env.name", bool(cfg.env.name))):
+                    ("env.selfplay.mode", cfg.env.name and cfg.env.selfplay.mode != "off")):
         if on:
             raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
                               f"{key} (it has its own sampler); use rollout.engine='static'")

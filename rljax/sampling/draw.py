@@ -88,6 +88,14 @@ def draw_noise(rng: jax.Array, batch: int, vocab: int) -> jax.Array:
     return jax.random.gumbel(rng, (batch, vocab), jnp.float32)
 
 
+def row_draw(key: jax.Array, row: jax.Array, vocab: int) -> jax.Array:
+    """Row ``row``'s own draw, float32 [W] (W = 1 or vocab): ``draw_noise(fold_in(key, row), 1,
+    vocab)[0]``. Multi-turn sampling draws each row from its own key, so a row's tokens do not
+    depend on which other rows share its batch (the static turn batch or the episode engine's
+    slots)."""
+    return draw_noise(jax.random.fold_in(key, row), 1, vocab)[0]
+
+
 def categorical_inverse_cdf(rng: jax.Array | None, logits: jax.Array,
                             block: int | None = None,
                             uniform: jax.Array | None = None) -> jax.Array:

@@ -2,7 +2,8 @@
 (``sampling.generate``: prefill once per prompt, fan out G samples), the slot engine
 (``sampling.engine``: continuous batching over ``rollout.slots`` slots), its partial-rollout
 pool (``sampling.partial``, groups carried across iterations), or tree sampling
-(``sampling.tree``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
+(``sampling.tree``); for multi-turn episodes, the static turn batches or the episode engine
+(``episode_engine``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
 arrays; ``core.programs`` plans the same choice's programs for ``rljax plan``.
 
 The parameters the sampler reads are the update's own arrays (``sampling_params``: with LoRA
@@ -39,6 +40,19 @@ def sampler_kind(cfg, tree: bool = False) -> str:
 def engine_slots(cfg, rows: int) -> int:
     """The slot engine's slots: ``rollout.slots``, or a quarter of the rows it samples."""
     return int(cfg.rollout.slots or max(1, rows // 4))
+
+
+def episode_engine(cfg, rows: int):
+    """Multi-turn episodes' sampler: ``episodes.EngineOptions`` with ``rollout.engine='slots'``
+    (each episode on a slot of its own, ``sampling.episode_engine``), None for the static turn
+    batches."""
+    if sampler_kind(cfg) != "slots":
+        return None
+    if dist.is_multiprocess():
+        raise UserError("rollout.engine='slots' runs in a single process for now; use "
+                        "rollout.engine='static' on several hosts")
+    from rljax.train.core.episodes import EngineOptions
+    return EngineOptions(slots=engine_slots(cfg, rows), chunk_steps=int(cfg.rollout.chunk_steps))
 
 
 @functools.partial(jax.jit, static_argnums=0)
