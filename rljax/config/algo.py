@@ -512,8 +512,10 @@ def check_async(cfg) -> None:
                           f"chunks; got rollout.engine={r.engine!r}, rollout.partial={r.partial})")
     if a.name != "grpo":
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo' (got '{a.name}')")
-    for key, on in (("env.name", bool(cfg.env.name)),
-                    ("rollout.tree.enabled", r.tree.enabled),
+    if a.inflight_updates and cfg.env.name:
+        raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
+                          "episode engine does not take new weights between chunks yet)")
+    for key, on in (("rollout.tree.enabled", r.tree.enabled),
                     ("algo.kl_in_reward", a.kl_in_reward),
                     ("data.selection.name", cfg.data.selection.name != "uniform"),
                     ("algo.hint.mode", a.hint.mode != "off"),

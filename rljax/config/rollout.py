@@ -148,6 +148,11 @@ def check_partial(cfg) -> None:
                           f"'{r.engine}'): add --config.rollout.engine=slots")
     if a.name != "grpo":
         raise ConfigError(f"rollout.partial=true needs algo.name='grpo' (got '{a.name}')")
+    if cfg.env.name:
+        raise ConfigError(f"rollout.partial=true cannot be combined with env.name="
+                          f"{cfg.env.name!r} yet (an episode carried to the next iteration "
+                          "would need its environment's state in the checkpoint); use "
+                          "rollout.engine='slots' without rollout.partial")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
                     ("data.selection.name", cfg.data.selection.name != "uniform"),

@@ -1,0 +1,70 @@
+"""The workload x rollout-mode matrix: which combinations a config may ask for, and the one
+line that refuses the others (docs/design.md lists them with the reason). The cells that train
+are trained in their workloads' own files (test_agent_train.py: episodes on the slot engine
+and asynchronous episodes resumed exactly; test_async.py, test_partial.py, test_vision_run.py,
+test_moe.py, test_train_ppo.py, test_distill.py, test_selfplay.py)."""
+import os
+import re
+
+import pytest
+
+from rljax import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOADS = {
+    "text": ("grpo_arithmetic.py", []),
+    "tool agent": ("grpo_tool_arithmetic.py", []),
+    "self-play": ("grpo_tictactoe_selfplay.py", []),
+    "images": ("grpo_vlm_shapes.py", []),
+    "moe + routing replay": ("grpo_arithmetic_moe.py", ["--config.algo.routing_replay=true"]),
+    "ppo": ("ppo_arithmetic.py", []),
+    "distillation": ("distill_arithmetic.py", []),
+}
+MODES = {
+    "static": [],
+    "slots": ["--config.rollout.engine=slots"],
+    "slots + partial": ["--config.rollout.engine=slots", "--config.rollout.partial=true"],
+    "asynchronous": ["--config.algo.asynchronous=true"],
+}
+# None: the cell validates. Otherwise a fragment of its one-line refusal.
+REFUSED = {
+    ("tool agent", "slots + partial"): "rollout.partial=true cannot be combined with env.name",
+    ("self-play", "slots"): "cannot be combined with env.selfplay.mode",
+    ("self-play", "slots + partial"): "cannot be combined with env.selfplay.mode",
+    ("images", "slots + partial"): "rollout.partial=True does not carry images",
+    ("images", "asynchronous"): "algo.asynchronous=True does not carry images",
+    ("moe + routing replay", "slots"): "routing_replay=true is not supported with "
+                                       "rollout.engine='slots'",
+    ("moe + routing replay", "slots + partial"): "routing_replay=true is not supported",
+    ("moe + routing replay", "asynchronous"): "routing_replay=true is not supported with "
+                                              "algo.asynchronous=true",
+    ("ppo", "slots + partial"): "rollout.partial=true needs algo.name='grpo' (got 'ppo')",
+    ("ppo", "asynchronous"): "algo.asynchronous=true needs algo.name='grpo' (got 'ppo')",
+    ("distillation", "slots + partial"): "rollout.partial=true needs algo.name='grpo'",
+    ("distillation", "asynchronous"): "algo.asynchronous=true needs algo.name='grpo'",
+}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_matrix_cells_validate_or_are_refused_in_one_line(workload):
+    path, extra = WORKLOADS[workload]
+    for mode, overrides in MODES.items():
+        load = lambda: config.validate(config.load_config(  # noqa: E731
+            os.path.join(ROOT, "configs", path), extra + overrides))
+        expected = REFUSED.get((workload, mode))
+        if expected is None:
+            load()
+            continue
+        with pytest.raises(config.ConfigError, match=re.escape(expected)) as err:
+            load()
+        assert "\n" not in str(err.value), (workload, mode)
+
+
+def test_refused_cells_are_the_documented_few():
+    assert len(REFUSED) == 12   # of 28; docs/design.md says why for each
+    with open(os.path.join(ROOT, "docs", "design.md")) as f:
+        design = f.read()
+    for needle in ("16 of 28 cells", "self-play on the slot engine",
+                   "tool agents with partial rollouts", "images with partial rollouts",
+                   "routing replay on the slot engine", "PPO and distillation with partial"):
+        assert needle in design, needle
