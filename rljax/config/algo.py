@@ -480,8 +480,8 @@ def check_distill(cfg) -> None:
 
 
 def check_routing_replay(cfg) -> None:
-    """Routing replay: GRPO with the static sampler on single-turn prompts (the samplers
-    that record routes), one sequence per completion (no shared-prompt layout)."""
+    """Routing replay: GRPO, synchronous or asynchronous, with the static sampler on
+    single-turn prompts (the sampler that records routes)."""
     a, r = cfg.algo, cfg.rollout
     if not a.routing_replay:
         return
@@ -490,8 +490,7 @@ def check_routing_replay(cfg) -> None:
         (f"rollout.engine={r.engine!r} (needs 'static')", r.engine != "static"),
         ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
         (f"env.name={cfg.env.name!r} (multi-turn)", bool(cfg.env.name)),
-        ("rollout.partial=true", bool(r.partial)),
-        ("algo.asynchronous=true", bool(a.asynchronous))) if bad]
+        ("rollout.partial=true", bool(r.partial))) if bad]
     if problems:
         raise ConfigError("algo.routing_replay=true is not supported with " +
                           "; ".join(problems))
