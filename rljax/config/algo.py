@@ -509,8 +509,9 @@ def check_async(cfg) -> None:
         raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' without "
                           "rollout.partial (new weights enter between the engine's decode "
                           f"chunks; got rollout.engine={r.engine!r}, rollout.partial={r.partial})")
-    if a.name != "grpo":
-        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo' (got '{a.name}')")
+    if a.name not in ("grpo", "distill"):
+        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo' or 'distill' (got "
+                          f"'{a.name}')")
     if a.inflight_updates and cfg.env.name:
         raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
                           "episode engine does not take new weights between chunks yet)")

@@ -31,6 +31,11 @@ from rljax.train.phases.sft import SFTPhase
 from rljax.train.core.setup import Context, Phase
 
 
+class AsyncDistillPhase(AsyncGRPOPhase, DistillPhase):
+    """Distillation on batches sampled ``algo.async_lag`` versions earlier: the teacher
+    scores each batch where it is sampled; the update is distillation's."""
+
+
 def grpo_phase(ctx: Context, steps: int) -> Phase:
     """The GRPO phase: asynchronous (``algo.asynchronous``) or not."""
     if ctx.cfg.algo.get("asynchronous", False):
@@ -38,10 +43,17 @@ def grpo_phase(ctx: Context, steps: int) -> Phase:
     return GRPOPhase(ctx, steps)
 
 
+def distill_phase(ctx: Context, steps: int) -> Phase:
+    """The distillation phase: asynchronous (``algo.asynchronous``) or not."""
+    if ctx.cfg.algo.get("asynchronous", False):
+        return AsyncDistillPhase(ctx, steps)
+    return DistillPhase(ctx, steps)
+
+
 # algo.name -> factory(ctx, steps) -> Phase.
 ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
     "grpo": grpo_phase,
-    "distill": DistillPhase,
+    "distill": distill_phase,
     "ppo": PPOPhase,
     "dpo": DPOPhase,
     "rm": RMPhase,
