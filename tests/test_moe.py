@@ -198,10 +198,11 @@ def test_bad_configs_refused(ckpts, tmp_path):
                           moe_intermediate_size=8)
 
 
-@pytest.mark.parametrize("replay,shared,asynchronous", [
-    (False, True, False), (True, True, False), (True, False, False), (True, True, True)])
+@pytest.mark.parametrize("replay,shared,asynchronous,engine", [
+    (False, True, False, "static"), (True, True, False, "static"),
+    (True, False, False, "static"), (True, True, True, "static"), (True, True, False, "slots")])
 def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, shared,
-                                                              asynchronous):
+                                                              asynchronous, engine):
     from rljax import config as config_lib
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
@@ -221,7 +222,9 @@ def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, s
                                         "algo.shared_prompt": shared,
                                         "algo.mini_batch_size": 4,
                                         # batches sampled a version ahead keep their routes
-                                        "algo.asynchronous": asynchronous})
+                                        "algo.asynchronous": asynchronous,
+                                        # the slot engine records routes too
+                                        "rollout.engine": engine, "rollout.slots": 4})
     cfg = config_lib.validate(cfg)
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
@@ -333,13 +336,14 @@ def test_sampler_records_the_routes_the_update_replays(loaded):
 def test_routing_replay_refusals():
     from rljax import config as config_lib
     cfg = config_lib.default_config()
-    cfg.update_from_flattened_dict({"algo.routing_replay": True, "rollout.engine": "slots"})
+    cfg.update_from_flattened_dict({"algo.routing_replay": True, "rollout.engine": "slots",
+                                    "rollout.partial": True})
     with pytest.raises(config_lib.ConfigError,
-                       match="routing_replay=true is not supported with rollout.engine='slots'"
+                       match="routing_replay=true is not supported with rollout.partial=true"
                        ) as refused:
         config_lib.validate(cfg)
     assert "shared_prompt" not in str(refused.value)   # the default layout replays routes too
-    cfg.rollout.engine = "static"
+    cfg.rollout.partial = False
     assert config_lib.validate(cfg).algo.shared_prompt   # the default layout is accepted
 
 

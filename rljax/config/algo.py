@@ -480,14 +480,13 @@ def check_distill(cfg) -> None:
 
 
 def check_routing_replay(cfg) -> None:
-    """Routing replay: GRPO, synchronous or asynchronous, with the static sampler on
-    single-turn prompts (the sampler that records routes)."""
+    """Routing replay: GRPO, synchronous or asynchronous, on single-turn prompts sampled by
+    the static sampler or the slot engine (the samplers that record routes)."""
     a, r = cfg.algo, cfg.rollout
     if not a.routing_replay:
         return
     problems = [what for what, bad in (
         (f"algo.name={a.name!r} (needs 'grpo')", a.name != "grpo"),
-        (f"rollout.engine={r.engine!r} (needs 'static')", r.engine != "static"),
         ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
         (f"env.name={cfg.env.name!r} (multi-turn)", bool(cfg.env.name)),
         ("rollout.partial=true", bool(r.partial))) if bad]

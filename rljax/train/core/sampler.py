@@ -182,6 +182,7 @@ def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatu
         ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask),
         num_samples=num_samples, temperatures=temperatures,
         slots=engine_slots(ctx.cfg, rows),
-        chunk_steps=ctx.cfg.rollout.chunk_steps, weights=weights, **kw)
+        chunk_steps=ctx.cfg.rollout.chunk_steps, weights=weights,
+        record_routes=bool(ctx.cfg.algo.get("routing_replay")), **kw)
     stats.append(st)
     return out
