@@ -171,6 +171,9 @@ def eval_batches(ctx) -> list[dict]:
                                                       cfg.data.step_delimiter)]
         enc = [stepwise.encode_solution(tok, r["prompt"], r["completions"], r["labels"],
                                         cfg.data.step_delimiter) for r in rows]
+        # A wrong result can be a digit longer than the budget allows: such rows are left out.
+        enc = [e for e in enc if len(e[0]) <= cfg.data.max_prompt_length
+               and len(e[1]) <= cfg.rollout.max_new_tokens]
         return [stepwise.stepwise_batch(enc[i:i + b], b, int(cfg.data.max_prompt_length),
                                         int(cfg.rollout.max_new_tokens), tok.pad_id)
                 for i in range(0, len(enc), b)]
