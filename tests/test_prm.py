@@ -304,3 +304,37 @@ def test_prm_learns_a_stepwise_file(tmp_path):
     assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]
     final = [r for r in records if "eval/step_accuracy" in r][-1]
     assert final["eval/step_accuracy"] == 1.0 and final["eval/steps"] == 5
+
+
+def test_eval_and_export_act_on_the_process_reward_model(tmp_path, capsys):
+    """``rljax eval`` reports the PRM's held-out step metrics; ``rljax export`` writes an HF
+    token classifier whose class-1 probability is sigmoid of rljax's logit at every token."""
+    from rljax.train import run
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = tiny_prm_cfg(2, **{"data.source": "jsonl", "data.path": str(path),
+                             "data.eval_path": str(path), "sft.steps": 0,
+                             "rollout.batch_size": 3, "algo.num_generations": 1})
+    devices, workdir = jax.devices()[:1], str(tmp_path / "w")
+    assert run.train(cfg, workdir, devices=devices) == 0
+    capsys.readouterr()
+    assert run.evaluate(cfg, workdir, devices=devices) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 2 and out["eval/steps"] == 5 and "eval/step_auroc" in out
+
+    export_dir = str(tmp_path / "hf")
+    assert run.export(cfg, workdir, export_dir, devices=devices) == 0
+    assert "process reward model" in capsys.readouterr().err
+    hf_cfg = json.load(open(os.path.join(export_dir, "config.json")))
+    assert hf_cfg["architectures"] == ["LlamaForTokenClassification"]
+    value = _critic(workdir)
+    model_cfg = models.config_from_hf(hf_cfg)
+    tokens = np.asarray([TOK.encode("1+2+3=1+2=3\n3+3=6\n")], np.int32)
+    expected = jax.nn.sigmoid(models.value_forward(model_cfg, value, tokens))
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(export_dir).eval()
+    with torch.no_grad():
+        probs = hf(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.softmax(-1)
+    np.testing.assert_allclose(probs[0, :, 1].numpy(), np.asarray(expected)[0], atol=1e-5)

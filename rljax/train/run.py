@@ -395,8 +395,10 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
         # LoRA: the reward model's adapters on the policy's base, merged.
         value = models.lora.value_on_base(state.params, state.critic_params)
         value = {**value, "trunk": models.lora.merge(ctx.model_cfg, value["trunk"])}
-        bias = models.save_hf_value(ctx.model_cfg, value, out)
-        what = "reward model (AutoModelForSequenceClassification, num_labels=1)"
+        process = cfg.algo.name == "prm"
+        bias = models.save_hf_value(ctx.model_cfg, value, out, token_classification=process)
+        what = ("process reward model (AutoModelForTokenClassification, num_labels=2)"
+                if process else "reward model (AutoModelForSequenceClassification, num_labels=1)")
         if bias:
             print(f"rljax: note: the value head's bias {bias:.4g} is not in HF's score layer "
                   "(config.json: rljax_value_head_bias); add it to get rljax's scores",
@@ -419,5 +421,5 @@ GGUF_BASE_DIR = "base"  # export --adapter of a GGUF run: the base as HF weights
 
 
 def _is_reward_model(cfg, state) -> bool:
-    """A reward-model run past its warm-up: eval/export act on the reward model."""
-    return cfg.algo.name == "rm" and state.critic_params is not None
+    """A (process) reward-model run past its warm-up: eval/export act on the reward model."""
+    return cfg.algo.name in ("rm", "prm") and state.critic_params is not None

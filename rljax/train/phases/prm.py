@@ -245,6 +245,11 @@ class PRMPhase:
     def init_state(self, state):
         return rm_lib._init_state(self.ctx, self.optimizer, state)
 
+    def _compiled(self, state):
+        if self._step_fn is None:
+            self._step_fn = _build(self.ctx, self.optimizer, state)
+        return self._step_fn
+
     @staticmethod
     def programs(ctx, steps: int):
         """``(abstract state, [Program])``: the update on one stepwise batch."""
@@ -261,9 +266,7 @@ class PRMPhase:
         else:
             batch, metrics = next(self.iterator), {}
         t1 = time.perf_counter()
-        if self._step_fn is None:
-            self._step_fn = _build(self.ctx, self.optimizer, state)
-        state, m = self._step_fn(state, dist.device_batch(batch, self.ctx.mesh))
+        state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))
         metrics.update(to_host(m))
         metrics.update({"prm/rows": int(batch["row_mask"].sum()), "time/rollout": t1 - t0,
                         "time/step": time.perf_counter() - t0})
