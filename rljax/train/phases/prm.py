@@ -39,22 +39,10 @@ from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.setup import data_iterator
 from rljax.train.core.steps import to_host
 from rljax.train.methods.prm_labels import StepMCLabels
+from rljax.train.methods.prm_rerank import step_logits
 from rljax.train.phases import rm as rm_lib
 
 Array = jax.Array
-
-
-def step_logits(model_cfg: models.ModelConfig, value_params: Any, batch: dict,
-                lora_dropout_rng=None) -> Array:
-    """PRM logits [B, C] at the completion positions of a stepwise batch (prompt [B, P] and
-    completion [B, C] read as one sequence; padding masked out of attention)."""
-    p = batch["prompt_tokens"].shape[1]
-    tokens = jnp.concatenate([batch["prompt_tokens"], batch["completion_tokens"]], axis=1)
-    mask = jnp.concatenate([batch["prompt_mask"], batch["completion_mask"]], axis=1)
-    values = models.value_forward(model_cfg, value_params, tokens.astype(jnp.int32),
-                                  attention_mask=mask.astype(bool),
-                                  lora_dropout_rng=lora_dropout_rng)
-    return values[:, p:]
 
 
 def label_mask(batch: dict) -> Array:
