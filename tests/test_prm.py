@@ -338,3 +338,58 @@ def test_eval_and_export_act_on_the_process_reward_model(tmp_path, capsys):
     with torch.no_grad():
         probs = hf(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.softmax(-1)
     np.testing.assert_allclose(probs[0, :, 1].numpy(), np.asarray(expected)[0], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- inference
+
+def test_step_rows_and_completion_scores_read_the_step_ends():
+    from rljax.train.methods import prm_rerank
+
+    comps = [TOK.encode("1+2=3\n3+3=6") + [TOK.eos_id], TOK.encode("1+2=4")]
+    rows = prm_rerank.step_rows([TOK.encode("1+2+3=")] * 2, comps, TOK.decode, "\n",
+                                (TOK.eos_id,))
+    assert [r[2] for r in rows] == [[5, 11], [4]]
+
+    def logits_fn(batch):   # the logit of a token is its id / 10 - 3: scores known in advance
+        return jnp.asarray(batch["completion_tokens"], jnp.float32) / 10 - 3
+
+    sig = lambda ids: 1 / (1 + np.exp(-(np.asarray(ids, float) / 10 - 3)))  # noqa: E731
+    got = prm_rerank.completion_scores(logits_fn, rows, 4, 8, 16, TOK.pad_id, "min")
+    want = [min(sig([comps[0][5], comps[0][11]])), sig([comps[1][4]])[0]]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    last = prm_rerank.completion_scores(logits_fn, rows, 4, 8, 16, TOK.pad_id, "last")
+    np.testing.assert_allclose(last, [sig([TOK.eos_id])[0], want[1]], rtol=1e-6)
+
+
+def test_pair_accuracy_counts_right_over_wrong_within_a_prompt():
+    from rljax.train.methods import prm_rerank
+
+    scores = np.array([[0.9, 0.1, 0.5], [0.2, 0.2, 0.7]])
+    correct = np.array([[True, False, False], [True, False, True]])
+    # prompt 0: 0.9 beats 0.1 and 0.5 (2 of 2); prompt 1: 0.2 ties 0.2 (0.5), 0.7 > 0.2 (1)
+    assert prm_rerank.pair_accuracy(scores, correct) == pytest.approx(3.5 / 4)
+    assert np.isnan(prm_rerank.pair_accuracy(scores[:1], np.ones((1, 3), bool)))
+
+
+def test_eval_best_of_n_guided_by_a_prm_run(tmp_path, capsys):
+    """``rljax eval --prm``: the policy samples N per held-out problem, the PRM picks; the
+    picked sample's accuracy lies between none and the oracle's (pass@N)."""
+    from rljax.train import run
+
+    devices, workdir = jax.devices()[:1], str(tmp_path / "w")
+    cfg = tiny_prm_cfg(1)
+    assert run.train(cfg, workdir, devices=devices) == 0
+    capsys.readouterr()
+    assert run.evaluate_best_of_n(cfg, workdir, workdir, n=2, devices=devices) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["eval/best_of_n/num_examples"] == 4
+    assert 0.0 <= out["eval/best_of_n/accuracy"] <= out["eval/best_of_n/pass@2"] <= 1.0
+    assert {"eval/best_of_n/auroc", "eval/best_of_n/pair_accuracy",
+            "eval/best_of_n/sample_accuracy"} <= set(out)
+    from rljax.errors import UserError
+    other = tiny_prm_cfg(1, **{"algo.name": "rm", "algo.num_generations": 1})
+    (tmp_path / "rm").mkdir()
+    from rljax.train.core import workdir as wd
+    wd.write_config(str(tmp_path / "rm"), other)
+    with pytest.raises(UserError, match="not a process reward model"):
+        run.evaluate_best_of_n(cfg, workdir, str(tmp_path / "rm"), n=2, devices=devices)

@@ -35,7 +35,7 @@ from rljax.train.core import workdir as workdir_lib
 from rljax.train.core.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.core.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets,
-                                   restore_for_training, start_phase)
+                                   prm_best_of_n, restore_for_training, start_phase)
 from rljax.train.core.metrics import MetricsWriter, read_metrics, run_summary
 from rljax.train.core.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
@@ -245,6 +245,15 @@ def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> 
     else:
         metrics = eval_lib.run_eval(ctx, state.params, rng, episodes=agent.run_agent_eval)
     print(json.dumps({"step": step, **metrics}), file=sys.stdout, flush=True)
+    return 0
+
+
+def evaluate_best_of_n(cfg, workdir: str, prm_workdir: str, n: int = 8, mode: str | None = None,
+                       checkpoint: str | None = None, devices=None) -> int:
+    """``rljax eval --workdir DIR --prm PRM_DIR``: best-of-``n`` guided by a process reward
+    model (``rljax.train.inference.prm_best_of_n``); prints JSON."""
+    metrics = prm_best_of_n(cfg, workdir, prm_workdir, n, mode, checkpoint, devices)
+    print(json.dumps(metrics), file=sys.stdout, flush=True)
     return 0
 
 
