@@ -71,9 +71,7 @@ def load(workdir: str, overrides: list[str]):
 
 def evaluate(prm_dir, prm_over, orm_dir, orm_over, n: int, seed: int) -> dict:
     import jax
-    import numpy as np
 
-    from rljax import algorithms
     from rljax.models import lora as lora_lib
     from rljax.train.core import evaluate as eval_lib
     from rljax.train.methods import prm_rerank
@@ -97,7 +95,6 @@ def evaluate(prm_dir, prm_over, orm_dir, orm_over, n: int, seed: int) -> dict:
     out["samples"] = prm_rerank.best_of_n(ctx, prm_state.params, scorers, examples, rng, n=n,
                                           temperature=1.0, prompts_per_batch=25)
     out["samples"]["seconds"] = round(out["samples"]["seconds"], 1)
-    del np, algorithms
     return out
 
 
@@ -109,8 +106,6 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides for both runs")
     args = ap.parse_args()
-    import ml_collections  # noqa: F401  (the config's import, checked before any run)
-
     from rljax import config as config_lib
     base = config_lib.load_config(os.path.join(ROOT, CONFIG), [])
     rows = 2 * (base.rollout.batch_size // base.algo.num_generations)

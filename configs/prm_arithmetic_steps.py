@@ -20,9 +20,9 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 100                      # PRM updates (after the warm-up)
+    c.steps = 400                      # PRM updates (after the warm-up)
     c.eval_every = 0                   # evaluated after the warm-up and at the end
-    c.checkpoint_every = 50
+    c.checkpoint_every = 200
     c.model = dict(preset="tiny", overrides=dict(
         num_layers=2, hidden_size=96, intermediate_size=256, num_heads=4, num_kv_heads=2,
         max_position_embeddings=64))

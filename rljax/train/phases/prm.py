@@ -42,10 +42,9 @@ from rljax.train.methods.prm_labels import StepMCLabels
 from rljax.train.methods.prm_rerank import step_logits
 from rljax.train.phases import rm as rm_lib
 
-Array = jax.Array
 
 
-def label_mask(batch: dict) -> Array:
+def label_mask(batch: dict) -> jax.Array:
     """Labelled tokens of real rows, bool [B, C]."""
     return batch["label_mask"].astype(bool) & batch["row_mask"].astype(bool)[:, None]
 
