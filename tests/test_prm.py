@@ -393,3 +393,22 @@ def test_eval_best_of_n_guided_by_a_prm_run(tmp_path, capsys):
     wd.write_config(str(tmp_path / "rm"), other)
     with pytest.raises(UserError, match="not a process reward model"):
         run.evaluate_best_of_n(cfg, workdir, str(tmp_path / "rm"), n=2, devices=devices)
+
+
+def test_the_example_stepwise_file_passes_the_checks_and_encodes():
+    """examples/data/prm.jsonl (docs/data.md): the checks a run makes before it compiles,
+    then one batch with a label at the end of every step."""
+    from rljax.train.core import setup
+
+    path = os.path.join(ROOT, "examples", "data", "prm.jsonl")
+    cfg = tiny_prm_cfg(1, **{"data.source": "jsonl", "data.path": path, "sft.steps": 0,
+                             "data.max_prompt_length": 24, "rollout.max_new_tokens": 32,
+                             "rollout.batch_size": 8, "algo.num_generations": 1})
+    cfg.data.kwargs = {}
+    setup.check_inputs(cfg, num_devices=1)
+    rows = prm.read_rows(cfg, TOK, path)
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=TOK)
+    batch = prm.encode_rows(ctx, rows, 8)
+    assert batch["label_mask"].sum() == sum(len(r["labels"]) for r in rows) == 16
+    ends = batch["completion_tokens"][batch["label_mask"]]
+    assert set(TOK.decode([int(t)]) for t in ends) == {"\n"}   # each step's delimiter
