@@ -412,3 +412,11 @@ def test_the_example_stepwise_file_passes_the_checks_and_encodes():
     assert batch["label_mask"].sum() == sum(len(r["labels"]) for r in rows) == 16
     ends = batch["completion_tokens"][batch["label_mask"]]
     assert set(TOK.decode([int(t)]) for t in ends) == {"\n"}   # each step's delimiter
+
+
+def test_rows_that_do_not_fit_are_counted_in_one_line():
+    rows = ROWS + [{"prompt": "1+1=", "completions": ["1+1=2" * 5], "labels": [True]}]
+    with pytest.raises(ValueError, match=r"^f.jsonl: 1 of 4 rows do not fit \(row 4: 4 prompt "
+                                         r"tokens, 26 step tokens"):
+        stepwise.check_lengths(rows, TOK, "\n", 8, 16, "f.jsonl")
+    stepwise.check_lengths(ROWS, TOK, "\n", 8, 16, "f.jsonl")

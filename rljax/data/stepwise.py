@@ -126,8 +126,8 @@ def check_lengths(rows: list[dict], tokenizer, separator: str, max_prompt: int,
             bad.append((i, len(p), len(c)))
     if bad:
         i, p, c = bad[0]
-        raise ValueError(f"{what}: {len(bad)} of {len(rows)} rows do not fit (row {i}: {p} prompt "
-                         f"tokens, {c} step tokens with separators; data.max_prompt_length="
+        raise ValueError(f"{what}: {len(bad)} of {len(rows)} rows do not fit (row {i + 1}: {p} "
+                         f"prompt tokens, {c} step tokens with separators; data.max_prompt_length="
                          f"{max_prompt}, rollout.max_new_tokens={max_completion})")
 
 
