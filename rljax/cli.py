@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "'prm') picks the one whose steps score best")
     p.add_argument("--best-of", type=int, default=8, metavar="N",
                    help="with --prm: samples per problem (default 8)")
+    p.add_argument("--prm-beam", type=int, default=0, metavar="B",
+                   help="with --prm: step-level beam search instead of best-of-N: B prefixes "
+                   "kept, --best-of continuations of each per step (default 0: best-of-N)")
     p.add_argument("--prm-score", choices=("min", "last", "mean", "prod"),
                    help="with --prm: how a sample's step scores combine (default: the PRM "
                    "run's algo.prm.step_score)")
@@ -183,7 +186,8 @@ def cmd_eval(args, overrides) -> int | None:
     cfg = wd.load_workdir_config(args.workdir, overrides)
     if args.prm:
         return _run_function("evaluate_best_of_n", "eval")(
-            cfg, args.workdir, args.prm, args.best_of, args.prm_score, checkpoint=args.checkpoint)
+            cfg, args.workdir, args.prm, args.best_of, args.prm_score, checkpoint=args.checkpoint,
+            beams=args.prm_beam)
     return _run_function("evaluate", "eval")(cfg, args.workdir, checkpoint=args.checkpoint)
 
 

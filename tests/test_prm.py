@@ -373,7 +373,8 @@ def test_pair_accuracy_counts_right_over_wrong_within_a_prompt():
 
 def test_eval_best_of_n_guided_by_a_prm_run(tmp_path, capsys):
     """``rljax eval --prm``: the policy samples N per held-out problem, the PRM picks; the
-    picked sample's accuracy lies between none and the oracle's (pass@N)."""
+    picked sample's accuracy lies between none and the oracle's (pass@N). ``--prm-beam``:
+    the step-level beam search runs on the same run."""
     from rljax.train import run
 
     devices, workdir = jax.devices()[:1], str(tmp_path / "w")
@@ -386,6 +387,9 @@ def test_eval_best_of_n_guided_by_a_prm_run(tmp_path, capsys):
     assert 0.0 <= out["eval/best_of_n/accuracy"] <= out["eval/best_of_n/pass@2"] <= 1.0
     assert {"eval/best_of_n/auroc", "eval/best_of_n/pair_accuracy",
             "eval/best_of_n/sample_accuracy"} <= set(out)
+    assert run.evaluate_best_of_n(cfg, workdir, workdir, n=2, devices=devices, beams=2) == 0
+    beam = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert beam["eval/beam/num_examples"] == 4 and 0.0 <= beam["eval/beam/accuracy"] <= 1.0
     from rljax.errors import UserError
     other = tiny_prm_cfg(1, **{"algo.name": "rm", "algo.num_generations": 1})
     (tmp_path / "rm").mkdir()
@@ -420,3 +424,50 @@ def test_rows_that_do_not_fit_are_counted_in_one_line():
                                          r"tokens, 26 step tokens"):
         stepwise.check_lengths(rows, TOK, "\n", 8, 16, "f.jsonl")
     stepwise.check_lengths(ROWS, TOK, "\n", 8, 16, "f.jsonl")
+
+
+BEAM_SAMPLES = {   # prompt text fed to the sampler -> its 2 continuations
+    PROMPT: ["1+2=4\n4+3=7", "1+2=3\n3+3=6"],
+    PROMPT + "1+2=3\n": ["3+3=7", "3+3=6"],
+    PROMPT + "1+2=4\n": ["4+3=7", "4+3=8"],
+}
+EOS = [TOK.eos_id]
+BEAM_LOGITS = {   # completion prefix (ending at a step end) -> the scorer's logit there
+    tuple(TOK.encode("1+2=3\n")): 2.0, tuple(TOK.encode("1+2=4\n")): -1.0,
+    tuple(TOK.encode("1+2=3\n3+3=6") + EOS): 1.0, tuple(TOK.encode("1+2=3\n3+3=7") + EOS): -2.0}
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_beam_search_keeps_the_best_scoring_prefixes(monkeypatch, beams):
+    from rljax.train.methods import prm_rerank
+
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({"rollout.max_new_tokens": 16, "data.max_prompt_length": 8})
+    calls = []
+
+    def fake_generate(ctx, params, p_tok, p_mask, rng, *, num_samples, max_new_tokens, **kw):
+        prompts = TOK.batch_decode(p_tok, p_mask)
+        calls.append(prompts)
+        rows = [TOK.encode(c) + EOS for p in prompts for c in BEAM_SAMPLES[p]]
+        tokens = np.zeros((len(rows), max_new_tokens), np.int32)
+        mask = np.zeros(tokens.shape, bool)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r)], mask[i, :len(r)] = r, True
+        return {"tokens": tokens, "mask": mask}
+
+    def logits_fn(batch):
+        out = np.zeros(batch["completion_tokens"].shape, np.float32)
+        for r, (t, m) in enumerate(zip(batch["completion_tokens"], batch["completion_mask"])):
+            ids = t[m].tolist()
+            for k in range(len(ids)):
+                out[r, k] = BEAM_LOGITS.get(tuple(ids[:k + 1]), 0.0)
+        return jnp.asarray(out)
+
+    monkeypatch.setattr(prm_rerank, "generate", fake_generate)
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=TOK, mesh=None)
+    best = prm_rerank.beam_search(ctx, None, (logits_fn, "min"), [{"prompt": PROMPT}],
+                                  jax.random.PRNGKey(0), beams=beams, expand=2, temperature=1.0)
+    assert best == [TOK.encode("1+2=3\n3+3=6") + EOS]
+    # Depth 0 from the prompt; depth 1 from the kept prefixes, best first (static: `beams` rows).
+    kept = [PROMPT + "1+2=3\n", PROMPT + "1+2=4\n"][:beams]
+    assert calls == [[PROMPT] * beams, kept]

@@ -249,10 +249,11 @@ def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> 
 
 
 def evaluate_best_of_n(cfg, workdir: str, prm_workdir: str, n: int = 8, mode: str | None = None,
-                       checkpoint: str | None = None, devices=None) -> int:
-    """``rljax eval --workdir DIR --prm PRM_DIR``: best-of-``n`` guided by a process reward
-    model (``rljax.train.inference.prm_best_of_n``); prints JSON."""
-    metrics = prm_best_of_n(cfg, workdir, prm_workdir, n, mode, checkpoint, devices)
+                       checkpoint: str | None = None, devices=None, beams: int = 0) -> int:
+    """``rljax eval --workdir DIR --prm PRM_DIR``: best-of-``n`` (or with ``beams``, a
+    step-level beam search) guided by a process reward model
+    (``rljax.train.inference.prm_best_of_n``); prints JSON."""
+    metrics = prm_best_of_n(cfg, workdir, prm_workdir, n, mode, checkpoint, devices, beams)
     print(json.dumps(metrics), file=sys.stdout, flush=True)
     return 0
 

@@ -5,7 +5,8 @@ ends after its delimiter, or at the stop token); the PRM's logit at each step's 
 the step's log-odds, ``sigmoid`` its score, and a completion's score combines its step scores
 (``algorithms.aggregate_step_scores``: the weakest step, ``min``, by default; ``last``
 reads the score after the whole solution, which is how an outcome reward model scores).
-Best-of-N samples N completions per prompt and keeps the highest-scoring one.
+Best-of-N samples N completions per prompt and keeps the highest-scoring one; step-level beam
+search (``beam_search``) grows solutions one step at a time, keeping the best-scoring prefixes.
 
 The scorer is any value head over a trunk (``models.value_forward``): a PRM, or an outcome
 reward model read at the same step ends, so the two are compared on the same tokens.
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import algorithms, models
+from rljax import algorithms, models, sampling
 from rljax.data import stepwise
 from rljax.data.iterator import encode_prompts
 from rljax.train.core.rollout import expand_fields
@@ -120,6 +121,83 @@ def best_of_n(ctx, policy_params, scorers: dict, examples: list[dict], rng, *, n
                         "auroc": algorithms.auroc(s.reshape(-1), ok.reshape(-1)),
                         "pair_accuracy": pair_accuracy(s, ok)}
     return result
+
+
+def _first_step(cont: list[int], decode: Callable, delimiter: str, stop_ids) -> tuple[list, bool]:
+    """The first step of a continuation and whether it ends the solution (no delimiter after
+    it: the stop token, or the continuation's end)."""
+    ends = step_ends(cont, decode, delimiter, stop_ids)
+    if not ends:
+        return [], True
+    return cont[:ends[0]], len(ends) == 1
+
+
+def beam_search(ctx, policy_params, scorer: tuple, examples: list[dict], rng, *, beams: int,
+                expand: int, temperature: float, max_depth: int = 8) -> list[list[int]]:
+    """Step-level beam search: each live prefix of each example samples ``expand``
+    continuations, their first steps extend it, the PRM scores the candidates (``scorer =
+    (logits_fn, mode)``: step scores combined by ``mode``) and the best ``beams`` stay
+    (a finished candidate leaves the beam). Returns each example's best finished solution
+    (token ids). Shapes are static per depth: every example keeps ``beams`` prefix rows
+    (repeats of a live one)."""
+    cfg, tok = ctx.cfg, ctx.tokenizer
+    p_len, n = int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
+    stop_ids = tuple(i for i in (tok.eos_id,) if i is not None)
+    delim, (logits_fn, mode) = cfg.data.step_delimiter, scorer
+    prompts = [tok.encode(ex["prompt"]) for ex in examples]
+    live: list[list[tuple]] = [[((), 1.0)] for _ in examples]      # (tokens, score)
+    done: list[list[tuple]] = [[] for _ in examples]
+    for depth in range(max_depth):
+        active = [i for i, beam in enumerate(live) if beam]
+        if not active:
+            break
+        # Static shapes: every example keeps `beams` rows (a finished one, its prompt alone).
+        rows = [(i, (live[i][k % len(live[i])][0] if live[i] else ()))
+                for i in range(len(examples)) for k in range(beams)]
+        p_tok, p_mask = sampling.pad_to_bucket([prompts[i] + list(t) for i, t in rows],
+                                               pad_id=tok.pad_id, buckets=(p_len + n,))
+        out = generate(ctx, policy_params, p_tok, p_mask, jax.random.fold_in(rng, depth),
+                       num_samples=expand, max_new_tokens=n, temperature=temperature)
+        cands: dict[int, dict[tuple, bool]] = {i: {} for i in active}
+        for r, (i, prefix) in enumerate(rows):
+            if i not in cands:
+                continue
+            for j in range(expand):
+                cont = out["tokens"][r * expand + j][out["mask"][r * expand + j]].tolist()
+                step, last = _first_step(cont[:n - len(prefix)], tok.decode, delim, stop_ids)
+                cand = prefix + tuple(step)
+                cands[i][cand] = cands[i].get(cand, False) or last or len(cand) >= n
+        flat = [(i, c, fin) for i in active for c, fin in cands[i].items()]
+        scores = completion_scores(
+            logits_fn, step_rows([prompts[i] for i, _, _ in flat], [list(c) for _, c, _ in flat],
+                                 tok.decode, delim, stop_ids),
+            len(rows), p_len, n, tok.pad_id, mode)
+        for i in active:
+            ranked = sorted(((float(s), c, fin) for (k, c, fin), s in zip(flat, scores)
+                             if k == i), key=lambda x: -x[0])[:beams]
+            done[i] += [(c, s) for s, c, fin in ranked if fin]
+            live[i] = [(c, s) for s, c, fin in ranked if not fin]
+    for i in range(len(examples)):   # depth exhausted: the live prefixes count as they are
+        done[i] += live[i]
+    return [list(max(d, key=lambda cs: cs[1])[0]) if d else [] for d in done]
+
+
+def beam_search_accuracy(ctx, policy_params, scorer: tuple, examples: list[dict], rng, *,
+                         beams: int, expand: int, temperature: float,
+                         prompts_per_batch: int) -> dict:
+    """``beam_search`` over ``examples`` in chunks (the last one padded: one compile per
+    depth's shapes); ``{"accuracy": of the chosen solutions, "num_examples"}``."""
+    tok, ok = ctx.tokenizer, []
+    for c, start in enumerate(range(0, len(examples), prompts_per_batch)):
+        chunk = examples[start:start + prompts_per_batch]
+        padded = chunk + [chunk[-1]] * (prompts_per_batch - len(chunk))
+        sols = beam_search(ctx, policy_params, scorer, padded, jax.random.fold_in(rng, c),
+                           beams=beams, expand=expand, temperature=temperature)[:len(chunk)]
+        texts = [tok.decode(t) for t in sols]
+        ok.append(verify(ctx, [ex["prompt"] for ex in chunk], texts, expand_fields(chunk, 1),
+                         [len(t) for t in sols]) >= 1.0)
+    ok = np.concatenate(ok)
+    return {"accuracy": float(ok.mean()), "num_examples": int(len(ok))}
 
 
 def value_logits_fn(model_cfg, value_params) -> Callable:
