@@ -111,6 +111,12 @@ def algo() -> dict[str, Any]:
         # reward values the candidate next steps; the best and worst next step at a prefix
         # form a pair when their values differ by more than min_value_gap.
         step_mc=dict(max_steps=4, min_value_gap=0.0),
+        # algo.name='prm' (process reward model; docs/search.md): labels from a stepwise file,
+        # or on a built-in task sampled as Math-Shepherd's (num_generations continuations of
+        # each step prefix, step_mc.max_steps - 1 prefixes per solution). soft_labels: train
+        # on the fraction of continuations with reward >= correct_reward (else on fraction >
+        # 0); step_score: how a solution's step scores combine (min, last, mean, prod).
+        prm=dict(soft_labels=False, correct_reward=1.0, step_score="min"),
         # adv_estimator="vineppo" (GRPO phase; docs/search.md): each completion is cut into
         # steps (splitter "newline", or "regex": a step ends where `regex` matches the text's
         # end); `forks` continuations are sampled from every step prefix (the first
@@ -210,6 +216,7 @@ CHOICES = {
     "algo.hint.source": ("reference", "replay"),
     "algo.relift.prompts": ("failed", "any"),
     "algo.vine.splitter": ("newline", "regex"),
+    "algo.prm.step_score": ("min", "last", "mean", "prod"),
 }
 
 

@@ -97,6 +97,22 @@ def check_step_mc(cfg) -> None:
                           "set rollout.temperature_schedule.name='constant'")
 
 
+def check_prm(cfg) -> None:
+    """The process reward model reads stepwise JSONL rows or samples labels on a task (the
+    task check is at run time: ``check_step_delimiter``), with a step delimiter; its labels
+    sit at step ends, so a step needs a delimiter token."""
+    if cfg.algo.name != "prm":
+        return
+    if cfg.data.source == "parquet" or cfg.data.source.startswith("tfds:"):
+        raise ConfigError(f"algo.name='prm' reads stepwise rows from data.source='jsonl' (or "
+                          f"samples them on a built-in task), not {cfg.data.source!r}")
+    if not cfg.data.step_delimiter:
+        raise ConfigError("data.step_delimiter must not be empty with algo.name='prm' (the "
+                          "token that ends each step carries its label)")
+    if cfg.data.pairs != "auto":
+        raise ConfigError("data.pairs is for DPO; algo.name='prm' takes stepwise labels")
+
+
 def check_selection(cfg) -> None:
     """``data.selection``: a band with low <= high, an RL rollout to select for, and for
     ``curriculum`` a built-in task with the named difficulty knob."""

@@ -80,6 +80,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_batch_sizes,
     algo.check_groups_and_clip,   # takes the keys resolve() filled (its message names them)
     data.check_step_mc,
+    data.check_prm,
     rollout.check_temperature_schedule,
     algo.check_estimator_and_update,
     algo.check_guidance,

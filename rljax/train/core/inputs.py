@@ -132,11 +132,12 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
 
 
 def check_step_delimiter(cfg) -> None:
-    """``data.pairs="step_mc"`` on a built-in task: the task's reference solutions must contain
+    """``data.pairs="step_mc"`` (or ``algo.name="prm"``) on a built-in task: the task's reference solutions must contain
     ``data.step_delimiter`` (else every solution is one step and no step pairs exist): UserError
     naming the key, before anything compiles. Other sources have no reference solutions; their
     samples are counted at run time (``step_mc/single_step_frac``)."""
-    if cfg.data.pairs != "step_mc" or cfg.data.source not in data_lib.TASKS:
+    on = cfg.data.pairs == "step_mc" or cfg.algo.name == "prm"
+    if not on or cfg.data.source not in data_lib.TASKS:
         return
     task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
     solutions = [task.solution(task.example(i)) for i in range(8)]
@@ -195,7 +196,7 @@ def _files_read(cfg) -> list[tuple[str, dict, str, tuple, dict]]:
     out = []
     files = ("jsonl", "parquet")
     has_eval = bool(cfg.data.eval_path) or "eval_fraction" in dict(cfg.data.kwargs)
-    if cfg.data.source in files:
+    if cfg.data.source in files and cfg.algo.name != "prm":  # stepwise rows: check_prm_files
         if uses_preference_data(cfg):
             config = preference_config(cfg)
         else:
@@ -242,6 +243,24 @@ def check_data_files(cfg) -> None:
             data_lib.check_source(config, split, one_of=one_of, needs=needs)
         except (ValueError, KeyError) as e:
             raise UserError(f"{what}: {e}") from None
+    check_prm_files(cfg)
+
+
+def check_prm_files(cfg) -> None:
+    """``algo.name="prm"`` on a JSONL file: every row of ``data.path`` (and ``data.eval_path``)
+    is a stepwise row, with one label per step (``rljax.data.stepwise``), or one UserError
+    naming the file and line."""
+    if cfg.algo.name != "prm" or cfg.data.source != "jsonl":
+        return
+    from rljax.data import stepwise
+    for key in ("path", "eval_path"):
+        path = cfg.data[key]
+        if not path:
+            continue
+        try:
+            stepwise.read_jsonl(path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"PRM data (data.{key}): {e}") from None
 
 
 def data_config(cfg, source: str | None = None, path: str | None = None) -> dict:

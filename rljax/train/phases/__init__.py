@@ -7,6 +7,7 @@
     ppo   PPOPhase   PPO with a critic and GAE
     dpo   DPOPhase   offline and online (iterative) DPO and its variants
     rm    RMPhase    Bradley-Terry reward model
+    prm   PRMPhase   process reward model (per-step labels at step-end tokens)
 
 A phase is ``factory(ctx, steps) -> Phase`` (the protocol is ``rljax.train.core.setup.Phase``); it
 builds on the machinery one level up (``rljax.train``: state, steps, rollout, evaluate, ...) and
@@ -26,6 +27,7 @@ from rljax.train.phases.distill import DistillPhase
 from rljax.train.phases.dpo import DPOPhase
 from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.phases.ppo import PPOPhase
+from rljax.train.phases.prm import PRMPhase
 from rljax.train.phases.rm import RMPhase
 from rljax.train.phases.sft import SFTPhase
 from rljax.train.core.setup import Context, Phase
@@ -57,6 +59,7 @@ ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
     "ppo": PPOPhase,
     "dpo": DPOPhase,
     "rm": RMPhase,
+    "prm": PRMPhase,
     "sft": lambda ctx, steps: SFTPhase(ctx, steps, ctx.cfg.optimizer.learning_rate),
 }
 
@@ -68,6 +71,7 @@ PROGRAMS: dict[str, Callable] = {
     "ppo": PPOPhase.programs,
     "dpo": DPOPhase.programs,
     "rm": RMPhase.programs,
+    "prm": PRMPhase.programs,
     "sft": lambda ctx, steps: SFTPhase.programs(ctx, steps, ctx.cfg.optimizer.learning_rate),
 }
 
