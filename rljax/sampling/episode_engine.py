@@ -203,3 +203,36 @@ def run_chunk(cfg: models.ModelConfig, params: Any, pages: dict, page_mask, page
         stop_seqs=tuple(tuple(int(i) for i in q) for q in stop_sequences if len(q)))
     out, steps = jax.device_get((out, steps))
     return cache, {k: np.array(v) for k, v in out.items()}, int(steps)
+
+
+def programs(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, rng, *,
+             num_samples: int, slots: int, chunk_len: int, turn_len: int, length: int,
+             chunk_steps: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             stop_ids=(), stop_sequences=()) -> list[tuple[str, Any, tuple]]:
+    """The episode engine's two programs for a memory plan: ``[(name, jitted fn, abstract
+    args)]`` (``prefill``: the prompt pages; ``decode``: one chunk over S slots of ``length``
+    cache entries), as ``prefill`` and ``run_chunk`` compile them for prompts of this shape.
+    Inputs may be ``jax.ShapeDtypeStruct``s."""
+    b, p = prompt_tokens.shape
+    s = min(int(slots), b * int(num_samples))
+    static = dict(num_samples=int(num_samples), chunk_steps=int(chunk_steps),
+                  temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                  stop_ids=tuple(int(i) for i in stop_ids),
+                  stop_seqs=tuple(tuple(int(i) for i in q) for q in stop_sequences if len(q)))
+
+    def prefill_fn(params, tokens, mask):
+        return _prefill(cfg, params, tokens, mask, None)
+
+    pages = jax.eval_shape(prefill_fn, params, prompt_tokens, prompt_mask)
+    state = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+             for k, v in empty_state(s, chunk_len, turn_len).items()}
+    cache = jax.eval_shape(lambda: paged.init_slot_cache(cfg, s, int(length)))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+
+    def decode(params, pages, page_mask, page_len, cache, state, rng):
+        return _chunk(cfg, params, pages, page_mask, page_len, cache, state, rng, **static)
+
+    return [("prefill", jax.jit(prefill_fn), (params, prompt_tokens, prompt_mask)),
+            ("decode", jax.jit(decode, donate_argnums=(4,)),
+             (params, pages, jax.ShapeDtypeStruct((b, p - 1), bool), i32(b), cache, state,
+              rng))]
