@@ -61,5 +61,6 @@ def test_refused_cells_are_the_documented_few():
         design = f.read()
     for needle in ("21 of 28 cells", "self-play on the slot engine",
                    "tool agents with partial rollouts", "images with partial rollouts",
-                   "routing replay with partial rollouts has no meaning", "PPO with partial rollouts or asynchronous RL"):
+                   "routing replay with partial rollouts has no meaning",
+                   "PPO with partial rollouts or asynchronous RL"):
         assert needle in design, needle
