@@ -125,13 +125,14 @@ def _uses_tree(estimator: str) -> bool:
 
 
 def check_engine(cfg) -> None:
-    """The slot engine samples batches of prompts and multi-turn tool episodes; tree rollouts
-    and self-play matches (whose seats wait for each other's moves) have samplers of their
-    own."""
+    """The slot engine samples batches of prompts, multi-turn tool episodes and self-play
+    matches; tree rollouts and matches against a checkpoint (two models in one match) have
+    samplers of their own."""
     if cfg.rollout.engine == "static":
         return
     for key, on in (("rollout.tree.enabled", cfg.rollout.tree.enabled),
-                    ("env.selfplay.mode", cfg.env.name and cfg.env.selfplay.mode != "off")):
+                    ("env.selfplay.mode='checkpoint'",
+                     cfg.env.name and cfg.env.selfplay.mode == "checkpoint")):
         if on:
             raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
                               f"{key} (it has its own sampler); use rollout.engine='static'")
