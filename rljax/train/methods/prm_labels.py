@@ -29,7 +29,6 @@ import jax
 import numpy as np
 
 from rljax.data import stepwise
-from rljax.train.core.rollout import RL_STREAM
 from rljax.train.methods.step_mc import StepMCPairs, step_ends
 
 
@@ -61,14 +60,8 @@ class StepMCLabels(StepMCPairs):
     def __call__(self, state, step: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         k, tok, cfg = self.k, self.ctx.tokenizer, self.cfg
-        rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
-        examples = next(self.iterator)
+        rng, examples, prompt_ids, out0, r0, conts0 = self.first_level(state, step)
         b = len(examples)
-        prompt_ids = [tok.encode(ex["prompt"]) for ex in examples]
-
-        out0 = self._sample(state.params, prompt_ids, jax.random.fold_in(rng, 0))
-        r0, conts0 = self._score(examples, list(range(b)), [[] for _ in range(b)], out0)
-        r0 = r0.reshape(b, k)
         rows = [(i, j) for i in range(b) for j in labelled_pair(r0[i])]   # (prompt, sample)
         trajs = [conts0[i * k + j] for i, j in rows]
         ends = [step_ends(t, self.decode, cfg.data.step_delimiter, self.stop_ids) for t in trajs]
