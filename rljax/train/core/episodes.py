@@ -1,6 +1,7 @@
 """Multi-turn episodes on the host: render messages to text, run the turn loop around the
-on-device sampler (``rljax.sampling.multiturn``), step the environments, and lay the trajectories
-out for training.
+on-device sampler (static turn batches, ``rljax.sampling.multiturn``, or with ``engine`` each
+episode on a slot, ``rljax.sampling.episode_engine``), step the environments, and lay the
+trajectories out for training.
 
     eps = run_episodes(model_cfg, params, tokenizer, envs, renderer=Renderer(tok, chat=False,
                        call_end="</call>"), limits=EpisodeLimits(...), rng=key, num_samples=G)
