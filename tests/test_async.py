@@ -148,8 +148,8 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"algo.name": "ppo", "algo.adv_estimator": "gae"},
-     "algo.asynchronous=true needs algo.name='grpo' or 'distill' (got 'ppo')"),
+    ({"algo.name": "dpo"},
+     "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
     ({"algo.kl_in_reward": True}, "algo.asynchronous=true cannot be combined with "
                                   "algo.kl_in_reward"),
     ({"algo.hint.mode": "fixed"}, "algo.asynchronous=true cannot be combined with "

@@ -2,7 +2,7 @@
 line that refuses the others (docs/design.md lists them with the reason). The cells that train
 are trained in their workloads' own files (test_agent_train.py: episodes on the slot engine
 and asynchronous episodes resumed exactly; test_async.py, test_partial.py, test_vision_run.py (asynchronous with images resumed exactly),
-test_moe.py (routing replay, also on the slot engine and asynchronous), test_train_ppo.py, test_distill.py (also asynchronous and with partial rollouts, resumed exactly), test_selfplay.py: self-play on the slot engine plays the static plies' games)."""
+test_moe.py (routing replay, also on the slot engine and asynchronous), test_train_ppo.py (also asynchronous, resumed exactly), test_distill.py (also asynchronous and with partial rollouts, resumed exactly), test_selfplay.py: self-play on the slot engine plays the static plies' games)."""
 import os
 import re
 
@@ -34,8 +34,6 @@ REFUSED = {
     ("moe + routing replay", "slots + partial"): "routing_replay=true is not supported",
     ("ppo", "slots + partial"): "rollout.partial=true needs algo.name='grpo' or 'distill' (got "
                                    "'ppo')",
-    ("ppo", "asynchronous"): "algo.asynchronous=true needs algo.name='grpo' or 'distill' (got "
-                                "'ppo')",
 }
 
 
@@ -55,11 +53,11 @@ def test_matrix_cells_validate_or_are_refused_in_one_line(workload):
 
 
 def test_refused_cells_are_the_documented_few():
-    assert len(REFUSED) == 6   # of 28; docs/design.md says why for each
+    assert len(REFUSED) == 5   # of 28; docs/design.md says why for each
     with open(os.path.join(ROOT, "docs", "design.md")) as f:
         design = f.read()
-    for needle in ("22 of 28 cells", "episodes with partial rollouts",
+    for needle in ("23 of 28 cells", "episodes with partial rollouts",
                    "images with partial rollouts",
                    "routing replay with partial rollouts has no meaning",
-                   "PPO with partial rollouts or asynchronous RL"):
+                   "PPO with partial rollouts"):
         assert needle in design, needle

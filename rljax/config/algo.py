@@ -515,9 +515,9 @@ def check_async(cfg) -> None:
         raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' without "
                           "rollout.partial (new weights enter between the engine's decode "
                           f"chunks; got rollout.engine={r.engine!r}, rollout.partial={r.partial})")
-    if a.name not in ("grpo", "distill"):
-        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo' or 'distill' (got "
-                          f"'{a.name}')")
+    if a.name not in ("grpo", "distill", "ppo"):
+        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
+                          f"'ppo' (got '{a.name}')")
     from rljax.algorithms import uses_roles   # the live registry's flag
     if uses_roles(a.adv_estimator):
         raise ConfigError(f"algo.asynchronous=true cannot be combined with algo.adv_estimator="
@@ -528,7 +528,9 @@ def check_async(cfg) -> None:
         raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
                           "episode engine does not take new weights between chunks yet)")
     for key, on in (("rollout.tree.enabled", r.tree.enabled),
-                    ("algo.kl_in_reward", a.kl_in_reward),
+                    # PPO shapes its token rewards with the KL at update time (``prepare``);
+                    # GRPO does it in the rollout, with the update's policy.
+                    ("algo.kl_in_reward", a.kl_in_reward and a.name != "ppo"),
                     ("data.selection.name", cfg.data.selection.name != "uniform"),
                     ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy),

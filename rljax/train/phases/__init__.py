@@ -22,7 +22,7 @@ import dataclasses
 from typing import Callable
 
 from rljax.errors import UserError
-from rljax.train.phases.async_grpo import AsyncGRPOPhase
+from rljax.train.phases.async_grpo import AsyncGRPOPhase, AsyncSchedule
 from rljax.train.phases.distill import DistillPhase
 from rljax.train.phases.dpo import DPOPhase
 from rljax.train.phases.grpo import GRPOPhase
@@ -31,6 +31,12 @@ from rljax.train.phases.prm import PRMPhase
 from rljax.train.phases.rm import RMPhase
 from rljax.train.phases.sft import SFTPhase
 from rljax.train.core.setup import Context, Phase
+
+
+class AsyncPPOPhase(AsyncSchedule, PPOPhase):
+    """PPO on batches sampled ``algo.async_lag`` versions earlier: values, GAE and the
+    proximal log-probs are computed at update time (``prepare``), and the loss weighs each
+    token by its behaviour ratio (``algo.tis_cap``, uncapped by default)."""
 
 
 class AsyncDistillPhase(AsyncGRPOPhase, DistillPhase):
@@ -45,6 +51,13 @@ def grpo_phase(ctx: Context, steps: int) -> Phase:
     return GRPOPhase(ctx, steps)
 
 
+def ppo_phase(ctx: Context, steps: int) -> Phase:
+    """The PPO phase: asynchronous (``algo.asynchronous``) or not."""
+    if ctx.cfg.algo.get("asynchronous", False):
+        return AsyncPPOPhase(ctx, steps)
+    return PPOPhase(ctx, steps)
+
+
 def distill_phase(ctx: Context, steps: int) -> Phase:
     """The distillation phase: asynchronous (``algo.asynchronous``) or not."""
     if ctx.cfg.algo.get("asynchronous", False):
@@ -56,7 +69,7 @@ def distill_phase(ctx: Context, steps: int) -> Phase:
 ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
     "grpo": grpo_phase,
     "distill": distill_phase,
-    "ppo": PPOPhase,
+    "ppo": ppo_phase,
     "dpo": DPOPhase,
     "rm": RMPhase,
     "prm": PRMPhase,
