@@ -1,8 +1,14 @@
 """The workload x rollout-mode matrix: which combinations a config may ask for, and the one
-line that refuses the others (docs/design.md lists them with the reason). The cells that train
-are trained in their workloads' own files (test_agent_train.py: episodes on the slot engine
-and asynchronous episodes resumed exactly; test_async.py, test_partial.py, test_vision_run.py (asynchronous with images resumed exactly),
-test_moe.py (routing replay, also on the slot engine and asynchronous), test_train_ppo.py (also asynchronous, resumed exactly), test_distill.py (also asynchronous and with partial rollouts, resumed exactly), test_selfplay.py: self-play on the slot engine plays the static plies' games)."""
+line that refuses the others (docs/design.md lists them with the reason).
+
+Where the 23 cells that run are trained: text in test_train_loop.py, test_engine.py,
+test_partial.py and test_async.py; tool agents in test_agent_train.py (static, slot engine,
+asynchronous on the engine, resumed exactly); self-play in test_selfplay.py (static, slot
+engine) and below (asynchronous); images in test_vision_run.py (static, slot engine,
+asynchronous resumed exactly); routing replay in test_moe.py (static, slot engine,
+asynchronous); PPO in test_train_ppo.py (static, asynchronous resumed exactly) and below (slot
+engine); distillation in test_distill.py (static, partial rollouts on the engine's pool,
+asynchronous, each resumed exactly)."""
 import os
 import re
 
@@ -61,3 +67,34 @@ def test_refused_cells_are_the_documented_few():
                    "routing replay with partial rollouts has no meaning",
                    "PPO with partial rollouts"):
         assert needle in design, needle
+
+
+TINY = ["--config.steps=2", "--config.sft.steps=0", "--config.rollout.batch_size=8",
+        "--config.eval.num_examples=4", "--config.eval.batch_size=4", "--config.eval_every=0",
+        "--config.checkpoint_every=0", "--config.checkpoint.async_save=False",
+        "--config.logging.tensorboard=False", "--config.mesh.data=1",
+        "--config.model.overrides.num_layers=1", "--config.model.overrides.hidden_size=32",
+        "--config.model.overrides.intermediate_size=64"]
+
+
+@pytest.mark.parametrize("workload, mode, extra", [
+    # The cells no workload's own file trains: two iterations each.
+    ("ppo", "slots", ["--config.algo.mini_batch_size=4"]),
+    ("self-play", "asynchronous", ["--config.algo.num_generations=2",
+                                   "--config.rollout.max_new_tokens=8"]),
+])
+def test_cells_not_trained_elsewhere_train_two_iterations(workload, mode, extra, tmp_path):
+    import jax
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+
+    path, overrides = WORKLOADS[workload]
+    cfg = config.load_config(os.path.join(ROOT, "configs", path),
+                             overrides + MODES[mode] + TINY + extra)
+    assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 2
+    if mode == "slots":
+        assert all(0 < r["rollout/slot_utilisation"] <= 1 for r in rl)
+    if mode == "asynchronous":
+        assert [r["rollout/sample_version"] for r in rl] == [0, 0]
