@@ -351,6 +351,16 @@ def test_distillation_with_partial_rollouts_scores_the_carried_groups(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 
 
+def test_distillation_on_the_slot_engine(tmp_path):
+    write_teacher_workdir(tmp_path / "teacher", seed=7)
+    cfg = distill_cfg(str(tmp_path / "teacher"), **{
+        "rollout.engine": "slots", "rollout.slots": 4, "steps": 2, "sft.steps": 0})
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    rl = [r for r in read_metrics(str(tmp_path / "run")) if "distill/reverse_kl" in r]
+    assert len(rl) == 2 and all(0 <= r["distill/teacher_agreement"] <= 1 and
+                                0 < r["rollout/slot_utilisation"] <= 1 for r in rl)
+
+
 def test_asynchronous_distillation_resumes_exactly(tmp_path):
     """algo.asynchronous: the teacher scores each batch where it is sampled, a version ahead;
     the batch in flight (with its teacher log-probs) is saved with the checkpoint, so a run

@@ -7,8 +7,8 @@ asynchronous on the engine, resumed exactly); self-play in test_selfplay.py (sta
 engine) and below (asynchronous); images in test_vision_run.py (static, slot engine,
 asynchronous resumed exactly); routing replay in test_moe.py (static, slot engine,
 asynchronous); PPO in test_train_ppo.py (static, asynchronous resumed exactly) and below (slot
-engine); distillation in test_distill.py (static, partial rollouts on the engine's pool,
-asynchronous, each resumed exactly)."""
+engine); distillation in test_distill.py (static, slot engine, partial rollouts and asynchronous,
+the last two resumed exactly)."""
 import os
 import re
 
