@@ -1,0 +1,175 @@
+"""MCTS over steps inside the rollout (rljax.train.methods.mcts_search) on a tiny model: the
+search is reproducible and each prompt's tree is the same alone or with others; one sampler
+call per wave; the self-training batch holds the trees' best verified traces; a tiny
+self-training run resumes exactly."""
+import jax
+import numpy as np
+import pytest
+
+from rljax import config as config_lib
+from rljax.algorithms import mcts
+from rljax.train.core import setup
+from rljax.train.methods import mcts_search
+
+DEVICES = jax.devices()[:1]
+
+
+def tiny_cfg(steps=2, **extra):
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": steps, "eval_every": 0, "checkpoint_every": 0, "tokenizer.kind": "char",
+        "data.max_prompt_length": 8, "data.step_delimiter": "\n", "algo.name": "sft",
+        "sft.traces": "mcts", "sft.steps": 0, "sft.batch_size": 3, "sft.max_length": 20,
+        "sft.learning_rate": 1e-3, "optimizer.learning_rate": 1e-3,
+        "rollout.max_new_tokens": 12, "rollout.temperature": 1.0,
+        "algo.mcts.simulations": 4, "algo.mcts.children": 2, "algo.mcts.rollouts": 2,
+        "algo.mcts.max_nodes": 9, "algo.mcts.correct_reward": 0.0,
+        "eval.num_examples": 3, "eval.batch_size": 3,
+        "logging.tensorboard": False, "checkpoint.async_save": False, **extra})
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 1, "operands": 3, "steps": True, "eval_examples": 3}
+    return config_lib.validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    cfg = tiny_cfg()
+    setup.check_inputs(cfg, num_devices=1)
+    return setup.build_context(cfg, str(tmp_path_factory.mktemp("mcts")), devices=DEVICES)
+
+
+EXAMPLES = [{"prompt": "3+4-2=", "answer": 5}, {"prompt": "1+1+1=", "answer": 3},
+            {"prompt": "9-3+2=", "answer": 8}]
+
+
+def flat(tree):
+    """A tree as comparable data: every node's steps, prior, visits, value, terminal."""
+    return [(n.steps, round(n.prior, 6), n.visits, round(n.value_sum, 6), n.terminal)
+            for n in mcts_search.walk(tree.root)]
+
+
+def test_search_is_reproducible_and_a_prompts_tree_is_the_same_alone(ctx):
+    key = jax.random.key(7)
+    search = mcts_search.MCTSSearch(ctx, rows=3)
+    together = [flat(t) for t in search.search(ctx.params, EXAMPLES, key)]
+    assert [flat(t) for t in search.search(ctx.params, EXAMPLES, key)] == together
+    alone = flat(search.search(ctx.params, EXAMPLES[1:2], key)[0])
+    assert alone == together[1]
+    reordered = [flat(t) for t in search.search(ctx.params, EXAMPLES[::-1], key)]
+    assert reordered == together[::-1]
+    other = [flat(t) for t in search.search(ctx.params, EXAMPLES, jax.random.key(8))]
+    assert other != together
+    assert all(len(t) > 1 for t in together)          # the roots were expanded
+    assert all(t[0][2] == 4 for t in together)        # 4 simulations backed up at the root
+
+
+def test_expansion_samples_once_per_wave(ctx, monkeypatch):
+    calls = []
+    real = mcts_search.generate
+
+    def counting(*args, **kw):
+        calls.append(int(np.shape(args[2])[0]))
+        return real(*args, **kw)
+    monkeypatch.setattr(mcts_search, "generate", counting)
+    search = mcts_search.MCTSSearch(ctx, rows=3)
+    trees = search.search(ctx.params, EXAMPLES, jax.random.key(0))
+    # A wave expands at most one leaf per prompt, all in one call of `rows` prefix rows.
+    assert 1 <= len(calls) <= 4 and set(calls) == {3}
+    expanded = sum(n.expanded and n.children != [] for t in trees
+                   for n in mcts_search.walk(t.root))
+    assert len(calls) < expanded                      # not one call per node
+
+
+def test_the_self_training_batch_holds_the_best_verified_traces(ctx):
+    trees = mcts_search.MCTSSearch(ctx, rows=3).search(ctx.params, EXAMPLES,
+                                                       jax.random.key(3))
+    threshold = 1.0
+    batch, traces = mcts_search.trace_batch(ctx, trees, threshold, 8)
+    # A scripted reward on the tree: mark one terminal node of the first tree verified.
+    t0 = trees[0]
+    terminals = [n for n in mcts_search.walk(t0.root) if n.terminal]
+    assert terminals
+    for n in terminals:
+        t0.info[n.steps]["reward"] = 0.0
+    pick = terminals[-1]
+    t0.info[pick.steps]["reward"] = 1.0
+    for t in trees[1:]:   # the others: no verified trace
+        for n in mcts_search.walk(t.root):
+            if n.terminal:
+                t.info[n.steps]["reward"] = 0.0
+    batch, traces = mcts_search.trace_batch(ctx, trees, threshold, 8)
+    want = t0.tokens(pick)[:8]
+    assert traces == [t0.tokens(pick), None, None]
+    c = batch["loss_mask"]
+    assert c.shape == (3, 8) and not c[1:].any()
+    completion = batch["tokens"][:, -8:]
+    assert completion[0][c[0]].tolist() == want
+    # The most visited verified terminal wins; with every terminal verified, check by hand.
+    for t in trees:
+        for n in mcts_search.walk(t.root):
+            if n.terminal:
+                t.info[n.steps]["reward"] = 1.0
+    _, traces = mcts_search.trace_batch(ctx, trees, threshold, 8)
+    for t, tr in zip(trees, traces):
+        best = max((n.visits for n in mcts_search.walk(t.root) if n.terminal))
+        node = mcts_search.best_verified(t, threshold)
+        assert node.terminal and node.visits == best and tr == t.tokens(node)
+
+
+def test_priors_are_the_step_probabilities_normalised(ctx, monkeypatch):
+    """A child's prior is exp(sum of its step's token log-probs) over its siblings'."""
+    seen = []
+    real = mcts.expand
+
+    def spy(node, proposals):
+        seen.append(list(proposals))
+        return real(node, proposals)
+    monkeypatch.setattr(mcts, "expand", spy)
+    trees = mcts_search.MCTSSearch(ctx, rows=3).search(ctx.params, EXAMPLES[:1],
+                                                       jax.random.key(1))
+    root = trees[0].root
+    props = seen[0]
+    firsts = {}
+    for step, p, _ in props:
+        firsts.setdefault(step, p)
+    total = sum(firsts.values())
+    assert [c.prior for c in root.children] == pytest.approx(
+        [firsts[c.steps[-1]] / total for c in root.children])
+    assert all(0 < p <= 1 for _, p, _ in props)
+
+
+def test_config_refuses_bad_mcts_settings():
+    with pytest.raises(config_lib.ConfigError, match="algo.mcts.prm"):
+        tiny_cfg(**{"algo.mcts.value": "prm"})
+    with pytest.raises(config_lib.ConfigError, match="algo.name='sft'"):
+        tiny_cfg(**{"algo.name": "grpo"})
+    with pytest.raises(config_lib.ConfigError, match="max_nodes"):
+        tiny_cfg(**{"algo.mcts.max_nodes": 2})
+
+
+def _comparable(workdir):
+    from rljax.train.core.metrics import read_metrics
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+            for r in read_metrics(workdir)]
+
+
+def test_self_training_runs_two_rounds_and_resumes_exactly(tmp_path):
+    from rljax.train import run
+    from rljax.train.core import checkpoint
+
+    from test_train_loop import StopAfter
+
+    straight, parts = str(tmp_path / "a"), str(tmp_path / "b")
+    assert run.train(tiny_cfg(2), straight, devices=DEVICES) == 0
+    assert run.train(tiny_cfg(2), parts, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert run.train(tiny_cfg(2), parts, devices=DEVICES) == 0
+    rounds = [r for r in _comparable(straight) if "mcts/solved_frac" in r]
+    assert len(rounds) == 2
+    assert {"mcts/nodes_mean", "mcts/depth_mean", "mcts/value_root_mean"} <= set(rounds[0])
+    assert _comparable(parts) == _comparable(straight)
+
+    def params(w):
+        with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(w)) as ckpt:
+            return jax.tree.map(np.asarray, ckpt.restore().state["params"])
+    jax.tree.map(np.testing.assert_array_equal, params(parts), params(straight))
