@@ -173,3 +173,84 @@ def test_self_training_runs_two_rounds_and_resumes_exactly(tmp_path):
         with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(w)) as ckpt:
             return jax.tree.map(np.asarray, ckpt.restore().state["params"])
     jax.tree.map(np.testing.assert_array_equal, params(parts), params(straight))
+
+
+def test_row_keys_make_a_rows_tokens_independent_of_its_batch(ctx):
+    from rljax import sampling
+
+    tok = ctx.tokenizer
+    prompts = [tok.encode("3+4-2="), tok.encode("1+1+1=")]
+    keys = jax.random.split(jax.random.key(5), 4)   # 2 prompts x 2 samples
+
+    def draw(ids, row_keys):
+        p_tok, p_mask = sampling.pad_to_bucket(ids, pad_id=tok.pad_id, buckets=(8,))
+        out = sampling.generate(ctx.model_cfg, ctx.params, p_tok, p_mask,
+                                rng=jax.random.key(0), max_new_tokens=10, num_samples=2,
+                                eos_id=tok.eos_id, pad_id=tok.pad_id, row_keys=row_keys)
+        return np.asarray(out.tokens)
+    both = draw(prompts, keys)
+    np.testing.assert_array_equal(draw(prompts[1:], keys[2:]), both[2:])
+    np.testing.assert_array_equal(draw(prompts[::-1], jax.numpy.concatenate([keys[2:], keys[:2]])),
+                                  np.concatenate([both[2:], both[:2]]))
+    with pytest.raises(ValueError, match="one key per output row"):
+        draw(prompts, keys[:3])
+
+
+def test_prm_values_are_backed_up(ctx):
+    """Value 'prm': a non-root leaf backs up its PRM score (computed when it was created), the
+    root its rollouts' mean, a terminal its reward; so every expanded node's value sum is its
+    own evaluation plus its children's sums."""
+    import dataclasses
+
+    cfg = tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": "unused"})
+    scored = []
+
+    def scorer(prompt_ids, prefixes):
+        scored.extend(zip(map(tuple, prompt_ids), map(tuple, prefixes)))
+        return [0.1 * (len(p) % 7) for p in prefixes]
+    search = mcts_search.MCTSSearch(dataclasses.replace(ctx, cfg=cfg), rows=3,
+                                    prm_scorer=scorer)
+    trees = search.search(ctx.params, EXAMPLES, jax.random.key(2))
+    for t in trees:
+        for n in mcts_search.walk(t.root):
+            info = t.info[n.steps]
+            kids = sum(c.value_sum for c in n.children)
+            if n.terminal:
+                assert n.value_sum == pytest.approx(n.visits * info["reward"])
+            elif n.steps and n.expanded:
+                assert (t.prompt_ids and (tuple(t.prompt_ids), tuple(t.tokens(n))) in scored)
+                assert n.value_sum == pytest.approx(info["score"] + kids)
+                assert info["score"] == pytest.approx(0.1 * (len(t.tokens(n)) % 7))
+            elif not n.steps:
+                assert n.visits == 4 and n.visits == 1 + sum(c.visits for c in n.children)
+
+
+def test_a_prm_workdir_that_is_not_a_prm_run_is_refused(tmp_path):
+    from rljax.errors import UserError
+    from rljax.train.core import inputs
+    from rljax.train.core import workdir as wd
+
+    other = tmp_path / "rm"
+    other.mkdir()
+    rm_cfg = tiny_cfg()
+    rm_cfg.algo.name, rm_cfg.sft.traces = "rm", ""
+    wd.write_config(str(other), rm_cfg)
+    cfg = tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": str(other)})
+    with pytest.raises(UserError, match="not a process reward model"):
+        inputs.check_inputs(cfg, num_devices=1)
+    prm_dir = tmp_path / "prm"
+    prm_dir.mkdir()
+    prm_cfg = tiny_cfg()
+    prm_cfg.algo.name, prm_cfg.sft.traces = "prm", ""
+    wd.write_config(str(prm_dir), prm_cfg)
+    inputs.check_inputs(tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": str(prm_dir)}),
+                        num_devices=1)   # a PRM run with this model: accepted
+    prm_cfg.model.overrides = {"num_layers": 2}
+    wd.write_config(str(prm_dir), prm_cfg)
+    with pytest.raises(UserError, match="model section differs"):
+        inputs.check_inputs(tiny_cfg(**{"algo.mcts.value": "prm",
+                                        "algo.mcts.prm": str(prm_dir)}), num_devices=1)
+    with pytest.raises(UserError, match="no config.json"):
+        inputs.check_inputs(tiny_cfg(**{"algo.mcts.value": "prm",
+                                        "algo.mcts.prm": str(tmp_path / "none")}),
+                            num_devices=1)

@@ -567,6 +567,10 @@ def check_mcts(cfg) -> None:
     if m.value == "prm" and not m.prm:
         raise ConfigError("algo.mcts.value='prm' needs algo.mcts.prm=<workdir of a "
                           "algo.name='prm' run>")
+    if cfg.sft.max_length <= cfg.data.max_prompt_length:
+        raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
+                          f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
+                          "train in the columns after the prompt)")
     if m.max_nodes < 1 + m.children:
         raise ConfigError(f"algo.mcts.max_nodes={m.max_nodes} holds no expansion of "
                           f"algo.mcts.children={m.children} (needs >= {1 + m.children})")

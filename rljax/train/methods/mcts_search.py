@@ -267,22 +267,16 @@ class MCTSSearch:
 def load_prm_scorer(ctx):
     """``(prompt ids, prefix ids) -> scores [R]`` of the PRM trained in ``algo.mcts.prm``
     (its latest checkpoint; the score at each prefix's last step end). The PRM run must share
-    the policy's model and tokenizer sections (its trunk is read with the policy's config)."""
+    the policy's model and tokenizer sections (its trunk is read with the policy's config:
+    ``inputs.check_mcts_prm``)."""
     from rljax.errors import UserError
     from rljax.models import lora as lora_lib
     from rljax.train.core import checkpoint as ckpt_lib
-    from rljax.train.core import workdir as wd
+    from rljax.train.core.inputs import check_mcts_prm
     from rljax.train.methods import prm_rerank
 
     cfg, where = ctx.cfg, ctx.cfg.algo.mcts.prm
-    prm_cfg = wd.load_workdir_config(where)
-    if prm_cfg.algo.name != "prm":
-        raise UserError(f"algo.mcts.prm={where}: its run trains algo.name="
-                        f"{prm_cfg.algo.name!r}, not a process reward model ('prm')")
-    for section in ("model", "tokenizer"):
-        if prm_cfg[section].to_dict() != cfg[section].to_dict():
-            raise UserError(f"algo.mcts.prm={where}: its {section} section differs from this "
-                            "run's (the PRM is read with the policy's model config)")
+    check_mcts_prm(cfg)   # (also run by check_inputs, before the model loads)
     with ckpt_lib.CheckpointManager(ckpt_lib.checkpoint_dir(where)) as ckpt:
         if ckpt.latest_step() is None:
             raise UserError(f"algo.mcts.prm={where} has no checkpoint")
