@@ -254,3 +254,59 @@ def test_a_prm_workdir_that_is_not_a_prm_run_is_refused(tmp_path):
         inputs.check_inputs(tiny_cfg(**{"algo.mcts.value": "prm",
                                         "algo.mcts.prm": str(tmp_path / "none")}),
                             num_devices=1)
+
+
+def test_sibling_pairs_are_the_best_and_worst_valued_children(ctx):
+    """data.pairs='mcts': at each expanded node, chosen/rejected = its highest/lowest-valued
+    children (visited: Q; terminal: reward), recomputed here from the tree."""
+    trees = mcts_search.MCTSSearch(ctx, rows=3).search(ctx.params, EXAMPLES,
+                                                       jax.random.key(4))
+    found = 0
+    for t in trees:
+        for n in mcts_search.walk(t.root):   # children's values by their index
+            for i, c in enumerate(n.children):
+                if c.terminal:
+                    t.info[c.steps]["reward"] = 0.1 * i
+                else:
+                    c.value_sum = 0.37 * i * c.visits
+        pairs = mcts_search.sibling_pairs(t, 0.0, 100)
+        want = []
+        for n in mcts_search.walk(t.root):
+            vals = [(c.value if c.visits else t.info[c.steps]["reward"], c) for c in n.children
+                    if c.visits or c.terminal]
+            if len(vals) < 2:
+                continue
+            hi, lo = max(vals, key=lambda v: v[0]), min(vals, key=lambda v: v[0])
+            if hi[0] > lo[0]:
+                want.append((t.prompt_ids + t.tokens(n), list(hi[1].steps[-1]),
+                             list(lo[1].steps[-1]), pytest.approx(hi[0] - lo[0]),
+                             len(n.steps)))
+        assert pairs == want
+        found += len(want)
+        assert mcts_search.sibling_pairs(t, 0.0, 1) == want[:1]
+        assert mcts_search.sibling_pairs(t, 1e9, 100) == []
+    assert found
+
+
+def test_online_dpo_takes_sibling_pairs_from_the_search(ctx):
+    """data.pairs='mcts': the DPO phase's source searches rollout.batch_size /
+    num_generations prompts and encodes the trees' sibling pairs (pair_mask marks them)."""
+    import dataclasses
+    import types
+
+    from rljax.train.phases.dpo import DPOPhase
+
+    cfg = tiny_cfg(1, **{"algo.name": "dpo", "algo.online": True, "sft.traces": "",
+                         "data.pairs": "mcts", "rollout.batch_size": 6,
+                         "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
+                         "algo.mcts.simulations": 3})
+    phase = DPOPhase(dataclasses.replace(ctx, cfg=cfg), 1)
+    assert isinstance(phase.source, mcts_search.MCTSPairs) and phase.num_pairs == 6
+    state = types.SimpleNamespace(rng=jax.random.key(9), params=ctx.params)
+    batch, m = phase.source(state, 0)
+    pairs = [p for t in phase.source.last for p in mcts_search.sibling_pairs(t, 0.0, 2)]
+    assert m["mcts/pairs"] == len(pairs) == int(batch["pair_mask"].sum())
+    assert batch["chosen_tokens"].shape == (6, 12) and batch["prompt_tokens"].shape == (6, 20)
+    for row, (_, chosen, rejected, _, _) in enumerate(pairs):
+        assert batch["chosen_tokens"][row][batch["chosen_mask"][row]].tolist() == chosen
+        assert batch["rejected_tokens"][row][batch["rejected_mask"][row]].tolist() == rejected

@@ -553,21 +553,24 @@ def check_async(cfg) -> None:
 
 
 def check_mcts(cfg) -> None:
-    """MCTS traces (``sft.traces='mcts'``): the main SFT phase, steps cut at a delimiter, the
-    static sampler (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
-    if cfg.sft.traces != "mcts":
+    """MCTS over steps (``sft.traces='mcts'``: the main SFT phase; ``data.pairs='mcts'``:
+    online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
+    (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
+    traces = cfg.sft.traces == "mcts"
+    if not traces and cfg.data.pairs != "mcts":
         return
     m, r = cfg.algo.mcts, cfg.rollout
-    if cfg.algo.name != "sft":
+    what = "sft.traces='mcts'" if traces else "data.pairs='mcts'"
+    if traces and cfg.algo.name != "sft":
         raise ConfigError(f"sft.traces='mcts' trains the SFT phase on the search's traces; "
                           f"algo.name={cfg.algo.name!r} (set algo.name='sft')")
     if not cfg.data.step_delimiter:
-        raise ConfigError("data.step_delimiter must not be empty with sft.traces='mcts' (the "
+        raise ConfigError(f"data.step_delimiter must not be empty with {what} (the "
                           "search's nodes are step prefixes)")
     if m.value == "prm" and not m.prm:
         raise ConfigError("algo.mcts.value='prm' needs algo.mcts.prm=<workdir of a "
                           "algo.name='prm' run>")
-    if cfg.sft.max_length <= cfg.data.max_prompt_length:
+    if traces and cfg.sft.max_length <= cfg.data.max_prompt_length:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
                           "train in the columns after the prompt)")
@@ -580,5 +583,5 @@ def check_mcts(cfg) -> None:
                     ("rollout.temperature_schedule.name",
                      r.temperature_schedule.name != "constant")):
         if on:
-            raise ConfigError(f"sft.traces='mcts' cannot be combined with {key} (the search "
-                              "samples steps with the static sampler at rollout.temperature)")
+            raise ConfigError(f"{what} cannot be combined with {key} (the search samples "
+                              "steps with the static sampler at rollout.temperature)")

@@ -137,7 +137,8 @@ def check_step_delimiter(cfg) -> None:
     ``data.step_delimiter`` (else every solution is one step and no step pairs exist): UserError
     naming the key, before anything compiles. Other sources have no reference solutions; their
     samples are counted at run time (``step_mc/single_step_frac``)."""
-    on = cfg.data.pairs == "step_mc" or cfg.algo.name == "prm" or cfg.sft.traces == "mcts"
+    on = (cfg.data.pairs in ("step_mc", "mcts") or cfg.algo.name == "prm"
+          or cfg.sft.traces == "mcts")
     if not on or cfg.data.source not in data_lib.TASKS:
         return
     task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
@@ -153,7 +154,7 @@ def check_mcts_prm(cfg) -> None:
     """``algo.mcts.value='prm'``: ``algo.mcts.prm`` is the workdir of a process reward model
     run with the policy's model and tokenizer sections (its checkpoint is read later)."""
     m = cfg.algo.mcts
-    if cfg.sft.traces != "mcts" or m.value != "prm":
+    if (cfg.sft.traces != "mcts" and cfg.data.pairs != "mcts") or m.value != "prm":
         return
     # The run's config.json read as plain JSON (rljax.config's loader would import this
     # module back through the phases).

@@ -264,9 +264,10 @@ class MCTSSearch:
                                           [t.tokens(c) for t, c in nodes]), np.float32)
 
 
-def load_prm_scorer(ctx):
+def load_prm_scorer(ctx, rows: int):
     """``(prompt ids, prefix ids) -> scores [R]`` of the PRM trained in ``algo.mcts.prm``
-    (its latest checkpoint; the score at each prefix's last step end). The PRM run must share
+    (its latest checkpoint; the score at each prefix's last step end; ``rows`` prefixes per
+    scoring batch, static). The PRM run must share
     the policy's model and tokenizer sections (its trunk is read with the policy's config:
     ``inputs.check_mcts_prm``)."""
     from rljax.errors import UserError
@@ -287,7 +288,6 @@ def load_prm_scorer(ctx):
     logits_fn = prm_rerank.value_logits_fn(
         ctx.model_cfg, lora_lib.value_on_base(saved["params"], saved["critic_params"]))
     tok, p_len, n = ctx.tokenizer, int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
-    rows = int(cfg.sft.batch_size) * int(cfg.algo.mcts.children)
 
     def score(prompt_ids, prefixes):
         step_rows = prm_rerank.step_rows(prompt_ids, prefixes, tok.decode,
@@ -295,6 +295,13 @@ def load_prm_scorer(ctx):
         return prm_rerank.completion_scores(logits_fn, step_rows, rows, p_len, n, tok.pad_id,
                                             "last")
     return score
+
+
+def searcher(ctx, prompts: int) -> MCTSSearch:
+    """The run's search over ``prompts`` prompts per round (its PRM loaded for value 'prm')."""
+    m = ctx.cfg.algo.mcts
+    scorer = load_prm_scorer(ctx, prompts * int(m.children)) if m.value == "prm" else None
+    return MCTSSearch(ctx, prompts, scorer)
 
 
 # ----------------------------------------------------------------------------- self-training
@@ -325,9 +332,9 @@ class MCTSTraces:
     with the current policy and returns their best verified traces (``trace_batch``); its only
     host state is the iterator's (keys derive from ``state.rng`` and ``step``)."""
 
-    def __init__(self, ctx, iterator, completion_len: int, prm_scorer=None):
+    def __init__(self, ctx, iterator, completion_len: int):
         self.ctx, self.iterator, self.completion_len = ctx, iterator, int(completion_len)
-        self.searcher = MCTSSearch(ctx, ctx.cfg.sft.batch_size, prm_scorer)
+        self.searcher = searcher(ctx, int(ctx.cfg.sft.batch_size))
         self.last = None   # the last round's trees (for inspection and tests)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
@@ -345,3 +352,61 @@ class MCTSTraces:
                   "rollout/tokens": self.searcher.tokens - tokens,
                   "time/search": time.perf_counter() - t0})
         return batch, m
+
+
+# ----------------------------------------------------------------------------- step pairs
+
+def sibling_pairs(tree: Tree, min_gap: float, max_pairs: int) -> list[tuple]:
+    """Step-DPO pairs from sibling nodes: at each expanded node (``walk`` order), among its
+    children with a value (visited: Q; terminal and unvisited: its reward), chosen = the
+    highest, rejected = the lowest (first of ties), when they differ by more than
+    ``min_gap``. Returns up to ``max_pairs`` of ``(context ids = prompt ++ prefix, chosen
+    step ids, rejected step ids, value gap, depth)``."""
+    pairs = []
+    for node in walk(tree.root):
+        valued = [(c.value if c.visits else tree.info[c.steps]["reward"], c)
+                  for c in node.children if c.visits or c.terminal]
+        if len(valued) < 2:
+            continue
+        best = max(valued, key=lambda v: v[0])
+        worst = min(valued, key=lambda v: v[0])
+        if best[0] - worst[0] > min_gap:
+            pairs.append((tree.prompt_ids + tree.tokens(node), list(best[1].steps[-1]),
+                          list(worst[1].steps[-1]), best[0] - worst[0], len(node.steps)))
+        if len(pairs) == max_pairs:
+            break
+    return pairs
+
+
+class MCTSPairs:
+    """Callable ``(state, step) -> (preference batch, metrics)`` for online DPO with
+    ``data.pairs='mcts'``: searches ``rollout.batch_size / algo.num_generations`` prompts and
+    pairs sibling steps (``sibling_pairs``; ``algo.step_mc.max_steps`` pairs per prompt at
+    most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``)."""
+
+    def __init__(self, ctx, iterator):
+        from rljax.train.methods.step_mc import StepMCPairs
+
+        cfg = ctx.cfg
+        self.ctx, self.iterator = ctx, iterator
+        self.num_prompts = cfg.rollout.batch_size // int(cfg.algo.num_generations)
+        self.layout = StepMCPairs(ctx, iterator)   # its pair encoding (static shapes)
+        self.searcher = searcher(ctx, self.num_prompts)
+        self.last = None
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        t0 = time.perf_counter()
+        cfg = self.ctx.cfg
+        round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
+        calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
+        trees = self.searcher.search(state.params, next(self.iterator), round_key)
+        gap, most = float(cfg.algo.step_mc.min_value_gap), int(cfg.algo.step_mc.max_steps)
+        pairs = [p for t in trees for p in sibling_pairs(t, gap, most)]
+        self.last = trees
+        m = tree_stats(trees, float(cfg.algo.mcts.correct_reward))
+        m.update({"mcts/sampler_calls": self.searcher.sampler_calls - calls,
+                  "mcts/pairs": len(pairs),
+                  "mcts/value_gap_mean": float(np.mean([p[3] for p in pairs])) if pairs else 0.0,
+                  "rollout/tokens": self.searcher.tokens - tokens,
+                  "time/search": time.perf_counter() - t0})
+        return self.layout.encode_pairs(pairs), m

@@ -58,11 +58,8 @@ class SFTPhase:
         self.images = image_inputs.image_inputs(ctx)
         self.traces = None
         if cfg.sft.traces == "mcts" and name == "sft":   # the main phase (not the warm-up)
-            scorer = (mcts_search.load_prm_scorer(ctx) if cfg.algo.mcts.value == "prm"
-                      else None)
             self.iterator = data_iterator(ctx, cfg.sft.batch_size)   # the RL prompts' order
-            self.traces = mcts_search.MCTSTraces(ctx, self.iterator, self.completion_len,
-                                                 scorer)
+            self.traces = mcts_search.MCTSTraces(ctx, self.iterator, self.completion_len)
 
     def init_state(self, state):
         return _init_state(self.optimizer, state)
