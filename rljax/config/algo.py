@@ -117,6 +117,13 @@ def algo() -> dict[str, Any]:
         # on the fraction of continuations with reward >= correct_reward (else on fraction >
         # 0); step_score: how a solution's step scores combine (min, last, mean, prod).
         prm=dict(soft_labels=False, correct_reward=1.0, step_score="min"),
+        # MCTS over steps (sft.traces='mcts'; docs/search.md): per prompt, `simulations`
+        # select/expand/evaluate/backup rounds; an expansion samples `children` next steps
+        # (priors: their probabilities); a leaf is valued by `rollouts` continuations to the
+        # end (value 'mc') or by the PRM run in workdir `prm` (value 'prm'); a terminal node by
+        # its reward (>= correct_reward: verified). No expansion once a tree holds `max_nodes`.
+        mcts=dict(simulations=8, children=4, rollouts=4, max_nodes=64, c_puct=1.0,
+                  unvisited_value=0.0, value="mc", prm="", correct_reward=1.0),
         # adv_estimator="vineppo" (GRPO phase; docs/search.md): each completion is cut into
         # steps (splitter "newline", or "regex": a step ends where `regex` matches the text's
         # end); `forks` continuations are sampled from every step prefix (the first
@@ -198,6 +205,10 @@ def sft() -> dict[str, Any]:
         max_length=512,
         source="",                   # "" = data.source
         path="",
+        traces="",                   # algo.name='sft': "" = the data's solutions; "mcts" =
+                                     # each step searches sft.batch_size prompts and trains on
+                                     # the best verified trace per prompt (algo.mcts; the
+                                     # warm-up keeps the data's solutions)
         env_traces=False,            # with env.name: train on the environment's scripted
                                      # episodes (tool calls, observations as context)
         trace_noise=0.0,             # guess_number traces: chance that a guess is random in
@@ -217,6 +228,8 @@ CHOICES = {
     "algo.relift.prompts": ("failed", "any"),
     "algo.vine.splitter": ("newline", "regex"),
     "algo.prm.step_score": ("min", "last", "mean", "prod"),
+    "algo.mcts.value": ("mc", "prm"),
+    "sft.traces": ("", "mcts"),
 }
 
 
@@ -269,6 +282,9 @@ REGISTRIES = {
 
 RANGES = (
     ("algo.vine.forks", 1, None), ("algo.vine.max_steps", 1, None),
+    ("algo.mcts.simulations", 1, None), ("algo.mcts.children", 1, None),
+    ("algo.mcts.rollouts", 1, None), ("algo.mcts.max_nodes", 2, None),
+    ("algo.mcts.c_puct", 0.0, None),
     ("algo.update_streams", 0, None), ("algo.async_lag", 1, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),
@@ -542,3 +558,38 @@ def check_async(cfg) -> None:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
                           f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "
                           "trains async_lag versions after it was sampled)")
+
+
+def check_mcts(cfg) -> None:
+    """MCTS over steps (``sft.traces='mcts'``: the main SFT phase; ``data.pairs='mcts'``:
+    online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
+    (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
+    traces = cfg.sft.traces == "mcts"
+    if not traces and cfg.data.pairs != "mcts":
+        return
+    m, r = cfg.algo.mcts, cfg.rollout
+    what = "sft.traces='mcts'" if traces else "data.pairs='mcts'"
+    if traces and cfg.algo.name != "sft":
+        raise ConfigError(f"sft.traces='mcts' trains the SFT phase on the search's traces; "
+                          f"algo.name={cfg.algo.name!r} (set algo.name='sft')")
+    if not cfg.data.step_delimiter:
+        raise ConfigError(f"data.step_delimiter must not be empty with {what} (the "
+                          "search's nodes are step prefixes)")
+    if m.value == "prm" and not m.prm:
+        raise ConfigError("algo.mcts.value='prm' needs algo.mcts.prm=<workdir of a "
+                          "algo.name='prm' run>")
+    if traces and cfg.sft.max_length <= cfg.data.max_prompt_length:
+        raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
+                          f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
+                          "train in the columns after the prompt)")
+    if m.max_nodes < 1 + m.children:
+        raise ConfigError(f"algo.mcts.max_nodes={m.max_nodes} holds no expansion of "
+                          f"algo.mcts.children={m.children} (needs >= {1 + m.children})")
+    for key, on in (("rollout.engine", r.engine != "static"), ("rollout.tree.enabled",
+                                                                r.tree.enabled),
+                    ("rollout.partial", r.partial), ("env.name", bool(cfg.env.name)),
+                    ("rollout.temperature_schedule.name",
+                     r.temperature_schedule.name != "constant")):
+        if on:
+            raise ConfigError(f"{what} cannot be combined with {key} (the search samples "
+                              "steps with the static sampler at rollout.temperature)")

@@ -97,6 +97,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_routing_replay,
     algo.check_role_estimator,
     algo.check_vine,
+    algo.check_mcts,
     model.check_lora,
     model.check_images,
     reward.check_env,

@@ -127,6 +127,7 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
                           f"data.max_prompt_length={cfg.data.max_prompt_length}")
     check_data_files(cfg)
     check_step_delimiter(cfg)
+    check_mcts_prm(cfg)
     if cfg.algo.name == "distill" and teacher:   # its files and tokenizer, before any model
         teacher_lib.check(cfg)
 
@@ -136,7 +137,8 @@ def check_step_delimiter(cfg) -> None:
     ``data.step_delimiter`` (else every solution is one step and no step pairs exist): UserError
     naming the key, before anything compiles. Other sources have no reference solutions; their
     samples are counted at run time (``step_mc/single_step_frac``)."""
-    on = cfg.data.pairs == "step_mc" or cfg.algo.name == "prm"
+    on = (cfg.data.pairs in ("step_mc", "mcts") or cfg.algo.name == "prm"
+          or cfg.sft.traces == "mcts")
     if not on or cfg.data.source not in data_lib.TASKS:
         return
     task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
@@ -146,6 +148,32 @@ def check_step_delimiter(cfg) -> None:
                         f"{cfg.data.source} task's solutions (e.g. {solutions[0]!r}): every "
                         "solution would be one step (arithmetic: data.kwargs.steps=True with "
                         "operands >= 3)")
+
+
+def check_mcts_prm(cfg) -> None:
+    """``algo.mcts.value='prm'``: ``algo.mcts.prm`` is the workdir of a process reward model
+    run with the policy's model and tokenizer sections (its checkpoint is read later)."""
+    m = cfg.algo.mcts
+    if (cfg.sft.traces != "mcts" and cfg.data.pairs != "mcts") or m.value != "prm":
+        return
+    # The run's config.json read as plain JSON (rljax.config's loader would import this
+    # module back through the phases).
+    path = os.path.join(m.prm, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"algo.mcts.prm={m.prm} has no config.json; is it a run directory?")
+    with open(path) as f:
+        prm_cfg = json.load(f)
+    name = prm_cfg.get("algo", {}).get("name")
+    if name != "prm":
+        raise UserError(f"algo.mcts.prm={m.prm}: its run trains algo.name={name!r}, not a "
+                        "process reward model ('prm')")
+    for section in ("model", "tokenizer"):
+        same = [json.dumps(c, sort_keys=True, default=str) for c in
+                (prm_cfg.get(section), json.loads(json.dumps(cfg[section].to_dict(),
+                                                             default=str)))]
+        if same[0] != same[1]:
+            raise UserError(f"algo.mcts.prm={m.prm}: its {section} section differs from this "
+                            "run's (the PRM is read with the policy's model config)")
 
 
 def _check_reward_kwargs(cfg) -> None:

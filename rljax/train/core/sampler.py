@@ -93,7 +93,7 @@ def rebucket_routes(routes: np.ndarray, p_from: int, p_to: int) -> np.ndarray:
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
              micro_prompts: int = 0, temperatures=None, tree: dict | None = None,
-             pixels=None, images=None, weights=None, prompt_index=None):
+             pixels=None, images=None, weights=None, prompt_index=None, row_keys=None):
     """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
     ``decoded`` int [B]: the tokens decoded per prompt.
 
@@ -108,6 +108,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     (the version that drew each token) and ``swaps`` (how often the weights changed).
     ``prompt_index`` int [R] (static sampler, one chunk; ``num_samples`` 1): row r continues
     prompt ``prompt_index[r]`` (groups of any sizes, ``sampling.generate``).
+    ``row_keys`` [B * num_samples] (static sampler): each output row draws from its own key
+    (``sampling.generate``), whatever rows share its batch.
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
     if pixels is not None and kind not in ("static", "slots"):
@@ -120,6 +122,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     chunk = micro_prompts or b
     if prompt_index is not None and (chunk < b or tree is not None):
         raise ValueError("prompt_index needs one chunk of prompts and no tree")
+    if row_keys is not None and kind != "static":
+        raise ValueError(f"row_keys needs the static sampler, not the {kind} one")
     outs, engine_stats = [], []
     for i, start in enumerate(range(0, b, chunk)):
         # Multi-host: every process holds the same prompts and feeds its own rows.
@@ -138,7 +142,10 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                                     num_samples=num_samples, temperatures=temperatures,
                                     streams=ctx.cfg.rollout.streams,
                                     record_routes=bool(ctx.cfg.algo.get("routing_replay")),
-                                    prompt_index=prompt_index, **kw)
+                                    prompt_index=prompt_index,
+                                    row_keys=None if row_keys is None else
+                                    row_keys[start * num_samples:(start + chunk) * num_samples],
+                                    **kw)
         else:
             out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
