@@ -52,6 +52,13 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
     assert now["algo"].pop("vine") == {   # read by algo.adv_estimator='vineppo' only
         "forks": 4, "max_steps": 4, "regex": "", "splitter": "newline"}
     assert now["algo"].pop("inflight_updates") is False   # weights swap between iterations only
+    # read by algo.name='prm' / the tree search only; SFT on the data's solutions
+    assert now["algo"].pop("prm") == {"correct_reward": 1.0, "soft_labels": False,
+                                      "step_score": "min"}
+    assert now["algo"].pop("mcts") == {
+        "c_puct": 1.0, "children": 4, "correct_reward": 1.0, "max_nodes": 64, "prm": "",
+        "rollouts": 4, "simulations": 8, "unvisited_value": 0.0, "value": "mc"}
+    assert now["sft"].pop("traces") == ""
     assert now == saved
 
 
