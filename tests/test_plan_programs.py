@@ -110,7 +110,7 @@ def test_planned_update_programs_are_the_ones_a_step_runs(algo, tmp_path):
         # shards listed once: listing a checkpoint-restored array's shards the first time adds
         # views of its buffers to the live arrays (no memory), which the first update's
         # measurement would otherwise count as its own.
-        phase.rollout.teacher()
+        next(s for s in phase.rollout.stages if s.name == "teacher").teacher()
         plan_lib.measure_live_bytes()
     calls, image_calls = [], []
     capture(phase, state, calls)
