@@ -158,7 +158,8 @@ def _forward_program(cfg, axes, rows=32, length=32):
 
 def _update_programs(cfg, axes, rows=32):
     """The compiled GRPO update (gradients of ``rows`` rows of 16 prompt + 16 completion
-    tokens, and the optimizer step) on ``axes`` (None: one device)."""
+    tokens, and the optimizer step) on ``axes`` (None: one device): ``[(compiled, copies)]``,
+    copies = how many calls one update makes (concurrent streams each take a share)."""
     from rljax.train.core import optim
     from rljax.train.core.state import eval_state_shape, state_shardings
     from rljax.train.phases import grpo
@@ -180,12 +181,16 @@ def _update_programs(cfg, axes, rows=32):
     ssh = state_shardings(state, psh)
     update = grpo.build_update(cfg, run_cfg.algo, opt, state_shardings=ssh, mesh=mesh)
     fields = grpo.batch_fields(run_cfg, cfg)
-    return [fn.lower(*args).compile() for _, fn, args, _ in
+    return [(fn.lower(*args).compile(), copies) for _, fn, args, copies in
             update.programs(_abstract(state, ssh), rows, 16, 16, fields)]
 
 
 def _flops(compiled) -> float:
     return cost_lib.program_cost(compiled).flops
+
+
+def _update_flops(programs) -> float:
+    return sum(_flops(compiled) * copies for compiled, copies in programs)
 
 
 MESHES = [{"data": 8}, {"fsdp": 8}, {"data": 2, "expert": 4}, {"expert": 8}]
@@ -198,7 +203,7 @@ def test_each_device_does_an_eighth_of_the_forward_and_the_update():
     rows x local experts on every mesh alike; see docs/scaling.md.)"""
     cfg = _cost_model()
     whole_fwd = _flops(_forward_program(cfg, None))
-    whole_upd = sum(map(_flops, _update_programs(cfg, None)))
+    whole_upd = _update_flops(_update_programs(cfg, None))
     ratios = {}
     for axes in MESHES:
         fwd = _forward_program(cfg, axes)
@@ -206,7 +211,7 @@ def test_each_device_does_an_eighth_of_the_forward_and_the_update():
         assert not _gathered_assignments(hlo, cfg.num_experts_per_tok), axes
         assert ("all-to-all" in hlo) == ("expert" in axes), axes
         ratios[str(axes)] = (_flops(fwd) / whole_fwd,
-                             sum(map(_flops, _update_programs(cfg, axes))) / whole_upd)
+                             _update_flops(_update_programs(cfg, axes)) / whole_upd)
     print(ratios)
     for name, (fwd, upd) in ratios.items():
         assert 1 / 8 / 1.3 <= fwd <= 1.3 / 8, (name, fwd)
