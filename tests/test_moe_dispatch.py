@@ -97,6 +97,25 @@ def test_replayed_routes_through_the_dispatch_are_the_recorded_forward():
     assert np.abs(np.asarray(other - hidden)).max() > 1e-3
 
 
+def test_decode_with_fewer_tokens_than_devices_samples_what_one_device_does():
+    """The sampler traced on data 2 x expert 4: each decode step has 3 prompts x 2 samples =
+    6 tokens for 8 devices (the dispatch pads them); greedy tokens and the recorded routes
+    are one device's."""
+    from rljax import sampling
+    cfg, params, tokens, mask = _small()
+    prompts, prompt_mask = tokens[:3, :6], np.ones((3, 6), bool)
+    kw = dict(rng=jax.random.PRNGKey(0), max_new_tokens=4, temperature=0.0, num_samples=2,
+              record_routes=True)
+    one = sampling.generate(cfg, params, prompts, prompt_mask, **kw)
+    mesh, sharded, _ = _on_mesh(cfg, params, {}, {"data": 2, "expert": 4})
+    rep = NamedSharding(mesh, P())
+    split = sampling.generate(cfg, sharded, jax.device_put(prompts, rep),
+                              jax.device_put(prompt_mask, rep), mesh=mesh, **kw)
+    np.testing.assert_array_equal(np.asarray(split.tokens), np.asarray(one.tokens))
+    np.testing.assert_array_equal(np.asarray(split.routes), np.asarray(one.routes))
+    np.testing.assert_allclose(np.asarray(split.logps), np.asarray(one.logps), atol=1e-5)
+
+
 def test_capacity_factor_drops_and_counts_what_does_not_fit():
     """Dropless by default; a capacity factor caps each device's rows per expert device, the
     dropped assignments contribute nothing and are counted."""
