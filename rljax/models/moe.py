@@ -61,16 +61,6 @@ def route(cfg: ModelConfig, router: jax.Array, x: jax.Array,
     return ids.astype(jnp.int32), weights, probs
 
 
-def grouped_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                    capacity_factor: float = 0.0) -> jax.Array:
-    """The experts' output x [N, D], ids int [N, k], weights [N, k] -> [N, D] =
-    ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` (weights applied in ``x.dtype``), through
-    ``moe_dispatch.dispatch`` (expert-parallel under a traced mesh; dropless unless
-    ``capacity_factor`` > 0)."""
-    return moe_dispatch.dispatch(p, x, ids.astype(jnp.int32), weights,
-                                 capacity_factor=capacity_factor)[0]
-
-
 def moe_mlp(cfg: ModelConfig, p: dict, h: jax.Array, token_mask: Optional[jax.Array] = None,
             replay: Optional[jax.Array] = None) -> tuple:
     """The MoE MLP on h [..., D] -> ``(out [..., D], stats)``.
