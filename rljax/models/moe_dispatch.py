@@ -48,7 +48,7 @@ BATCH_AXES = ("data", "fsdp", "expert")   # the mesh axes tokens are split over 
 def capacity(n: int, k: int, local: int, x: int, factor: float = 0.0) -> int:
     """Rows one device sends to each of the X expert devices: the dropless worst case
     ``n * min(k, L)``, or with ``factor`` > 0 at most ``ceil(factor * n * k / X)``."""
-    worst = n * min(k, local)
+    worst = n * min(k, local)   # a token's k experts are distinct: <= min(k, L) per device
     return worst if factor <= 0 else max(1, min(worst, math.ceil(factor * n * k / x)))
 
 
@@ -66,7 +66,8 @@ def _send_plan(ids: jax.Array, valid: jax.Array, local: int, x: int, cap: int) -
     ``order`` [n*k] (assignments sorted by expert, invalid ones last), ``dest`` [n*k] (the
     sorted assignments' expert devices; X = nowhere), ``pos`` [n*k] (their slot there),
     ``keep`` bool [n*k] (sent: valid and within capacity), ``slot_src`` [X, C] (the sorted
-    assignment each send slot holds), ``slot_full`` bool [X, C]."""
+    assignment each send slot holds), ``slot_full`` bool [X, C] (whether it holds one),
+    ``experts`` [n*k] (the sorted assignments' global experts; E for invalid ones)."""
     n, k = ids.shape
     flat = jnp.where(valid[:, None], ids, local * x).reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -113,6 +114,7 @@ def local_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.A
         y = jnp.zeros_like(y).at[regroup].set(y)
     else:        # one source: already grouped, empty slots last
         y = expert_ffn(rows, sizes, gate, up, down)
+    # Empty slots' rows are in no group; zero them rather than trust a backend's filler.
     y = jnp.where((row_ids < local)[:, None], y, 0).reshape(xs, cap, -1)
     if xs > 1:
         y = jax.lax.all_to_all(y, expert_axis, 0, 0)
