@@ -118,15 +118,16 @@ def test_decode_with_fewer_tokens_than_devices_samples_what_one_device_does():
 
 def test_the_slot_engine_decodes_a_sharded_moe_as_the_static_sampler_does():
     """The slot engine (3 slots: 3 tokens a decode step) on parameters split over data 2 x
-    expert 4, traced without a mesh: the same dispatch as one program; greedy tokens are the
-    static sampler's."""
+    expert 4, traced on their mesh (the dispatch pads the 3 tokens to the 8 devices): greedy
+    tokens are the static sampler's on one device."""
     from rljax import sampling
     from rljax.sampling import engine
     cfg, params, tokens, _ = _small()
     prompts, prompt_mask = tokens[:2, :6], np.ones((2, 6), bool)
     kw = dict(rng=jax.random.PRNGKey(0), max_new_tokens=5, temperature=0.0, num_samples=2)
     ref = sampling.generate(cfg, params, prompts, prompt_mask, **kw)
-    _, sharded, _ = _on_mesh(cfg, params, {}, {"data": 2, "expert": 4})
+    mesh, sharded, _ = _on_mesh(cfg, params, {}, {"data": 2, "expert": 4})
+    assert engine.params_mesh(sharded) is mesh and engine.params_mesh(params) is None
     out, _ = engine.generate(cfg, sharded, prompts, prompt_mask, slots=3, chunk_steps=2, **kw)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
 
