@@ -3,6 +3,7 @@
     python bench/engine.py --workload toy                    # long-tailed lengths, toy model
     python bench/engine.py --workload smollm2 --new-tokens 256 [--skip transformers]
     python bench/engine.py --workload toy --per-step     # cost of a decode step, no stops
+    python bench/engine.py --workload agent              # tool episodes (bench/engine_agent.py)
 
 Same weights, prompts, seed and lengths for every contender, run interleaved (one warm-up call
 each, then ``--runs`` rounds; medians). Both rljax samplers stop rows at EOS and return the same
@@ -150,7 +151,8 @@ def kv_bytes(cfg, rows_or_pages: int, slots: int, dtype_bytes: int = 4) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=("toy", "smollm2"), default="toy")
+    ap.add_argument("--workload", choices=("toy", "smollm2", "agent"), default="toy")
+    ap.add_argument("--agents", default="tiny,smollm2", help="agent workload: tiny,smollm2")
     ap.add_argument("--prompts", type=int, default=None, help="B (toy 64, smollm2 16)")
     ap.add_argument("--generations", type=int, default=8, help="G")
     ap.add_argument("--new-tokens", type=int, default=None, help="N (toy 128, smollm2 256)")
@@ -163,6 +165,17 @@ def main() -> None:
         "~/.cache/rljax/bench/smollm2-135m-instruct"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.workload == "agent":   # multi-turn tool episodes (bench/engine_agent.py)
+        import engine_agent
+        args.prompts, args.slots = args.prompts or 16, args.slots or 64
+        rows = engine_agent.main(args)
+        out = args.out or os.path.join(ROOT, "bench", "results", "engine_agent.json")
+        with open(out, "w") as f:
+            json.dump(dict(date=time.strftime("%Y-%m-%d"), cpus=os.cpu_count(),
+                           machine=platform.processor() or platform.machine(),
+                           load_average_after=os.getloadavg()[0], runs=args.runs,
+                           results=rows), f, indent=1)
+        return
     toy = args.workload == "toy"
     args.prompts = args.prompts or (64 if toy else 16)
     n = args.new_tokens or (128 if toy else 256)

@@ -83,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=overrides)
     p.add_argument("--workdir", required=True)
     p.add_argument("--checkpoint", help="checkpoint step or path (default: latest)")
+    p.add_argument("--prm", metavar="PRM_WORKDIR",
+                   help="best-of-N instead: the policy samples --best-of completions per "
+                   "held-out problem and the process reward model of this run (algo.name="
+                   "'prm') picks the one whose steps score best")
+    p.add_argument("--best-of", type=int, default=8, metavar="N",
+                   help="with --prm: samples per problem (default 8)")
+    p.add_argument("--prm-beam", type=int, default=0, metavar="B",
+                   help="with --prm: step-level beam search instead of best-of-N: B prefixes "
+                   "kept, --best-of continuations of each per step (default 0: best-of-N)")
+    p.add_argument("--prm-score", choices=("min", "last", "mean", "prod"),
+                   help="with --prm: how a sample's step scores combine (default: the PRM "
+                   "run's algo.prm.step_score)")
 
     p = sub.add_parser("sample", help="generate completions for a prompt",
                        epilog=overrides)
@@ -172,6 +184,10 @@ def cmd_eval(args, overrides) -> int | None:
     from rljax.train.core import workdir as wd
 
     cfg = wd.load_workdir_config(args.workdir, overrides)
+    if args.prm:
+        return _run_function("evaluate_best_of_n", "eval")(
+            cfg, args.workdir, args.prm, args.best_of, args.prm_score, checkpoint=args.checkpoint,
+            beams=args.prm_beam)
     return _run_function("evaluate", "eval")(cfg, args.workdir, checkpoint=args.checkpoint)
 
 

@@ -152,7 +152,7 @@ def test_training_with_the_slot_engine_samples_what_the_static_sampler_samples(t
         assert "rollout/slot_utilisation" not in a
 
 
-def test_the_slot_engine_refuses_a_tree_or_an_environment_in_one_line():
+def test_the_slot_engine_refuses_a_tree_in_one_line():
     from rljax import config
     cfg = config.default_config()
     cfg.rollout.engine = "slots"
@@ -160,3 +160,25 @@ def test_the_slot_engine_refuses_a_tree_or_an_environment_in_one_line():
     with pytest.raises(config.ConfigError, match="rollout.engine='slots' cannot be combined "
                                                  "with rollout.tree.enabled"):
         config.check(cfg)
+
+
+def test_routes_recorded_by_the_engine_equal_the_static_samplers():
+    """Routing replay on the engine: every token's experts in every layer, in the static
+    sampler's layout (prompt slots, then each completion token fed), whatever the slots."""
+    cfg = models.get_preset("tiny-moe", num_layers=2, hidden_size=32, num_heads=2,
+                            num_kv_heads=1, moe_intermediate_size=16, init_std=0.1)
+    params = models.init_params(cfg, jax.random.key(5))
+    prompt, pmask = _prompts()
+    kw = dict(rng=jax.random.key(6), max_new_tokens=6, temperature=1.0, pad_id=0,
+              num_samples=3, eos_id=3, record_routes=True)
+    ref = sampling.generate(cfg, params, prompt, pmask, **kw)
+    out, _ = engine.generate(cfg, params, prompt, pmask, slots=5, chunk_steps=2, **kw)
+    _assert_same(out, ref)
+    routes, want = np.asarray(out.routes), np.asarray(ref.routes)
+    assert routes.shape == want.shape == (12, 8 + 6, 2, cfg.num_experts_per_tok)
+    p = prompt.shape[1]
+    np.testing.assert_array_equal(routes[:, :p][np.repeat(pmask, 3, 0)],
+                                  want[:, :p][np.repeat(pmask, 3, 0)])
+    fed = np.arange(6)[None, :] < np.asarray(ref.lengths)[:, None] - 1   # tokens fed back
+    np.testing.assert_array_equal(routes[:, p:][fed], want[:, p:][fed])
+    assert len(np.unique(want[:, p:][fed])) > 2   # tokens go to several experts

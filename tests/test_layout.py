@@ -62,7 +62,7 @@ def test_level_check_catches_an_upward_import():
 
 def test_phases_and_methods_have_their_own_folders():
     assert sorted(f for f in os.listdir(os.path.join(ROOT, "phases")) if f.endswith(".py")) == [
-        "__init__.py", "async_grpo.py", "distill.py", "dpo.py", "grpo.py", "ppo.py", "rm.py",
+        "__init__.py", "async_grpo.py", "distill.py", "dpo.py", "grpo.py", "ppo.py", "prm.py", "rm.py",
         "sft.py"]
     top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
     assert top == ["__init__.py", "hooks.py", "inference.py", "run.py"], top

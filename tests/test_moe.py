@@ -199,8 +199,11 @@ def test_bad_configs_refused(ckpts, tmp_path):
                           moe_intermediate_size=8)
 
 
-@pytest.mark.parametrize("replay,shared", [(False, True), (True, True), (True, False)])
-def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, shared):
+@pytest.mark.parametrize("replay,shared,asynchronous,engine", [
+    (False, True, False, "static"), (True, True, False, "static"),
+    (True, False, False, "static"), (True, True, True, "static"), (True, True, False, "slots")])
+def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, shared,
+                                                              asynchronous, engine):
     from rljax import config as config_lib
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
@@ -218,15 +221,23 @@ def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, s
     if replay:   # routes recorded by the sampler, replayed by the old-logps pass and update
         cfg.update_from_flattened_dict({"algo.routing_replay": True,
                                         "algo.shared_prompt": shared,
-                                        "algo.mini_batch_size": 4})
+                                        "algo.mini_batch_size": 4,
+                                        # batches sampled a version ahead keep their routes
+                                        "algo.asynchronous": asynchronous,
+                                        # the slot engine records routes too
+                                        "rollout.engine": engine, "rollout.slots": 4})
     cfg = config_lib.validate(cfg)
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2
     for r in rl:
-        assert r["moe/load_balance"] >= 2.0 - 1e-4   # k when perfectly balanced, more otherwise
         fractions = [r[f"moe/expert_frac/{e}"] for e in range(8)]
         np.testing.assert_allclose(sum(fractions), 1.0, rtol=1e-5)
+    # Asynchronous: batch 1 was drawn by version 0 and trains under version 1, whose router
+    # would choose other experts; the first batch is drawn and trained by version 0.
+    for r in (rl[:1] if asynchronous else rl):
+        # k when perfectly balanced, more otherwise (routes the router's own choice)
+        assert r["moe/load_balance"] >= 2.0 - 1e-4
         assert r["rollout/logp_diff_max"] < 1e-4
 
 
@@ -326,13 +337,14 @@ def test_sampler_records_the_routes_the_update_replays(loaded):
 def test_routing_replay_refusals():
     from rljax import config as config_lib
     cfg = config_lib.default_config()
-    cfg.update_from_flattened_dict({"algo.routing_replay": True, "rollout.engine": "slots"})
+    cfg.update_from_flattened_dict({"algo.routing_replay": True, "rollout.engine": "slots",
+                                    "rollout.partial": True})
     with pytest.raises(config_lib.ConfigError,
-                       match="routing_replay=true is not supported with rollout.engine='slots'"
+                       match="routing_replay=true is not supported with rollout.partial=true"
                        ) as refused:
         config_lib.validate(cfg)
     assert "shared_prompt" not in str(refused.value)   # the default layout replays routes too
-    cfg.rollout.engine = "static"
+    cfg.rollout.partial = False
     assert config_lib.validate(cfg).algo.shared_prompt   # the default layout is accepted
 
 

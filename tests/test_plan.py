@@ -185,6 +185,24 @@ def test_episode_runs_are_planned_at_their_trajectory_length():
     assert any("env.max_total_tokens" in n and "slots after the prompt" in n for n in p.notes)
 
 
+def test_episodes_on_the_slot_engine_are_planned_as_the_episode_engines_programs():
+    """Tool episodes with rollout.engine=slots: the plan compiles the episode engine's prefill
+    and decode chunk (S slots of env.max_total_tokens + 1 entries), not the single-turn
+    engine's; with fewer slots than rows the decode program holds less than the static
+    sampler's."""
+    path = os.path.join(ROOT, "configs", "grpo_tool_arithmetic.py")
+    base = [*TINY, "--config.rollout.micro_batch_size=0", "--config.mesh.data=1"]
+    one = jax.devices()[:1]
+    static = plan.plan(config.load_config(path, base), devices=one)
+    slots = plan.plan(config.load_config(path, [*base, "--config.rollout.engine=slots",
+                                                "--config.rollout.slots=2"]), devices=one)
+    names = {ph.name: ph.peak(slots.resident) for ph in slots.phases}
+    assert {"sample/episode_prefill", "sample/episode_decode"} <= set(names)
+    assert "sample/decode" not in names
+    assert names["sample/episode_decode"] < {ph.name: ph.peak(static.resident)
+                                             for ph in static.phases}["sample"]
+
+
 def test_the_slot_engine_is_planned_as_its_two_programs():
     long = ["--config.rollout.max_new_tokens=64", "--config.algo.num_generations=8"]
     one = jax.devices()[:1]   # the engine does not split its slots over a mesh (a note says so)

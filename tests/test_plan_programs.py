@@ -29,6 +29,9 @@ ALGORITHMS = {
     "dpo": {"algo.name": "dpo", "algo.beta": 0.1, "algo.mini_batch_size": 0},
     "sft": {"algo.name": "sft", "algo.beta": 0.0, "algo.mini_batch_size": 0},
     "rm": {"algo.name": "rm", "algo.beta": 0.0, "algo.mini_batch_size": 0},
+    # Labels sampled on the task (the sampler is not planned): the update on stepwise rows.
+    "prm": {"algo.name": "prm", "algo.beta": 0.0, "algo.mini_batch_size": 0,
+            "data.kwargs": {"digits": 1, "operands": 3, "steps": True, "eval_examples": 8}},
     # LoRA over a base kept in int4 (two entries a byte), one scale per 16 inputs.
     "qlora": {"algo.micro_batch_size": 4, "model.lora.rank": 4, "model.lora.alpha": 8.0,
               "model.quantize": "int4", "model.quantize_block": 16},

@@ -446,3 +446,23 @@ def test_kuhn_strategy_scores_each_information_set_as_its_rollout_row_lays_it_ou
     p_call, p_fold = reply_probability("call"), reply_probability("fold")
     assert rows[0]["p_first"] == pytest.approx(p_call / (p_call + p_fold), rel=1e-4)
     assert rows[0]["legal_mass"] == pytest.approx(p_call + p_fold, rel=1e-4)
+
+
+def test_selfplay_on_the_slot_engine_plays_the_static_plies_games(tmp_path):
+    """env.selfplay.mode='self' with rollout.engine='slots': every seat on a slot of its own,
+    a seat's turn starting as soon as the other seat moved; each row draws the static plies'
+    noise, so the games, rewards and updates are the static loop's."""
+    overrides = {"env.selfplay.mode": "self", "algo.adv_estimator": "rae", "steps": 2,
+                 "algo.num_generations": 2}
+    static, slots = str(tmp_path / "static"), str(tmp_path / "slots")
+    assert run.train(ttt_cfg(**overrides), static, devices=DEVICES) == 0
+    assert run.train(ttt_cfg(**overrides, **{"rollout.engine": "slots",
+                                              "rollout.chunk_steps": 3}),
+                     slots, devices=DEVICES) == 0
+    rl = [[r for r in read_metrics(w) if "reward/mean" in r] for w in (static, slots)]
+    exact = [k for k in rl[0][0] if k.startswith(("reward/", "env/", "rae/"))]
+    assert "env/turns_mean" in exact and any(k.startswith("env/wins") for k in exact), exact
+    for a, b in zip(*rl):
+        assert {k: b[k] for k in exact} == {k: a[k] for k in exact}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 final_params(slots), final_params(static))

@@ -14,6 +14,10 @@ Registries:
   aggregate(loss_tokens, mask, mode)  token-mean, seq-mean-token-mean, seq-mean-token-sum,
                                       seq-mean-token-sum-norm
 
+Process reward models: ``process_reward_loss`` (BCE at step-end tokens, TRL PRMTrainer's
+two-class cross-entropy written with one logit) and ``aggregate_step_scores`` (min, last,
+mean, prod of a completion's step scores).
+
 Multi-turn episodes: ``rljax.algorithms.turn_credit`` (per-turn discounted returns, their
 GRPO-family advantages, turn-end rewards and discounts for GAE; numpy, host side).
 
@@ -102,6 +106,14 @@ from rljax.algorithms.preference import (
     dpo_loss,
     preference_accuracy,
     reward_model_loss,
+)
+from rljax.algorithms.prm import (
+    STEP_SCORE_MODES,
+    aggregate_step_scores,
+    auroc,
+    process_reward_loss,
+    process_reward_loss_tokens,
+    step_accuracy,
 )
 from rljax.algorithms.shaping import (
     is_truncated,

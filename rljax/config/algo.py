@@ -111,6 +111,19 @@ def algo() -> dict[str, Any]:
         # reward values the candidate next steps; the best and worst next step at a prefix
         # form a pair when their values differ by more than min_value_gap.
         step_mc=dict(max_steps=4, min_value_gap=0.0),
+        # algo.name='prm' (process reward model; docs/search.md): labels from a stepwise file,
+        # or on a built-in task sampled as Math-Shepherd's (num_generations continuations of
+        # each step prefix, step_mc.max_steps - 1 prefixes per solution). soft_labels: train
+        # on the fraction of continuations with reward >= correct_reward (else on fraction >
+        # 0); step_score: how a solution's step scores combine (min, last, mean, prod).
+        prm=dict(soft_labels=False, correct_reward=1.0, step_score="min"),
+        # MCTS over steps (sft.traces='mcts'; docs/search.md): per prompt, `simulations`
+        # select/expand/evaluate/backup rounds; an expansion samples `children` next steps
+        # (priors: their probabilities); a leaf is valued by `rollouts` continuations to the
+        # end (value 'mc') or by the PRM run in workdir `prm` (value 'prm'); a terminal node by
+        # its reward (>= correct_reward: verified). No expansion once a tree holds `max_nodes`.
+        mcts=dict(simulations=8, children=4, rollouts=4, max_nodes=64, c_puct=1.0,
+                  unvisited_value=0.0, value="mc", prm="", correct_reward=1.0),
         # adv_estimator="vineppo" (GRPO phase; docs/search.md): each completion is cut into
         # steps (splitter "newline", or "regex": a step ends where `regex` matches the text's
         # end); `forks` continuations are sampled from every step prefix (the first
@@ -192,6 +205,10 @@ def sft() -> dict[str, Any]:
         max_length=512,
         source="",                   # "" = data.source
         path="",
+        traces="",                   # algo.name='sft': "" = the data's solutions; "mcts" =
+                                     # each step searches sft.batch_size prompts and trains on
+                                     # the best verified trace per prompt (algo.mcts; the
+                                     # warm-up keeps the data's solutions)
         env_traces=False,            # with env.name: train on the environment's scripted
                                      # episodes (tool calls, observations as context)
         trace_noise=0.0,             # guess_number traces: chance that a guess is random in
@@ -210,6 +227,9 @@ CHOICES = {
     "algo.hint.source": ("reference", "replay"),
     "algo.relift.prompts": ("failed", "any"),
     "algo.vine.splitter": ("newline", "regex"),
+    "algo.prm.step_score": ("min", "last", "mean", "prod"),
+    "algo.mcts.value": ("mc", "prm"),
+    "sft.traces": ("", "mcts"),
 }
 
 
@@ -262,6 +282,9 @@ REGISTRIES = {
 
 RANGES = (
     ("algo.vine.forks", 1, None), ("algo.vine.max_steps", 1, None),
+    ("algo.mcts.simulations", 1, None), ("algo.mcts.children", 1, None),
+    ("algo.mcts.rollouts", 1, None), ("algo.mcts.max_nodes", 2, None),
+    ("algo.mcts.c_puct", 0.0, None),
     ("algo.update_streams", 0, None), ("algo.async_lag", 1, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),
@@ -480,18 +503,16 @@ def check_distill(cfg) -> None:
 
 
 def check_routing_replay(cfg) -> None:
-    """Routing replay: GRPO with the static sampler on single-turn prompts (the samplers
-    that record routes), one sequence per completion (no shared-prompt layout)."""
+    """Routing replay: GRPO, synchronous or asynchronous, on single-turn prompts sampled by
+    the static sampler or the slot engine (the samplers that record routes)."""
     a, r = cfg.algo, cfg.rollout
     if not a.routing_replay:
         return
     problems = [what for what, bad in (
         (f"algo.name={a.name!r} (needs 'grpo')", a.name != "grpo"),
-        (f"rollout.engine={r.engine!r} (needs 'static')", r.engine != "static"),
         ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
         (f"env.name={cfg.env.name!r} (multi-turn)", bool(cfg.env.name)),
-        ("rollout.partial=true", bool(r.partial)),
-        ("algo.asynchronous=true", bool(a.asynchronous))) if bad]
+        ("rollout.partial=true", bool(r.partial))) if bad]
     if problems:
         raise ConfigError("algo.routing_replay=true is not supported with " +
                           "; ".join(problems))
@@ -510,11 +531,22 @@ def check_async(cfg) -> None:
         raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' without "
                           "rollout.partial (new weights enter between the engine's decode "
                           f"chunks; got rollout.engine={r.engine!r}, rollout.partial={r.partial})")
-    if a.name != "grpo":
-        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo' (got '{a.name}')")
-    for key, on in (("env.name", bool(cfg.env.name)),
-                    ("rollout.tree.enabled", r.tree.enabled),
-                    ("algo.kl_in_reward", a.kl_in_reward),
+    if a.name not in ("grpo", "distill", "ppo"):
+        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
+                          f"'ppo' (got '{a.name}')")
+    from rljax.algorithms import uses_roles   # the live registry's flag
+    if uses_roles(a.adv_estimator):
+        raise ConfigError(f"algo.asynchronous=true cannot be combined with algo.adv_estimator="
+                          f"{a.adv_estimator!r} yet (its per-role baselines are carried from "
+                          "one update to the next, and a batch sampled ahead would read a "
+                          "stale one)")
+    if a.inflight_updates and cfg.env.name:
+        raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
+                          "episode engine does not take new weights between chunks yet)")
+    for key, on in (("rollout.tree.enabled", r.tree.enabled),
+                    # PPO shapes its token rewards with the KL at update time (``prepare``);
+                    # GRPO does it in the rollout, with the update's policy.
+                    ("algo.kl_in_reward", a.kl_in_reward and a.name != "ppo"),
                     ("data.selection.name", cfg.data.selection.name != "uniform"),
                     ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy),
@@ -526,3 +558,38 @@ def check_async(cfg) -> None:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
                           f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "
                           "trains async_lag versions after it was sampled)")
+
+
+def check_mcts(cfg) -> None:
+    """MCTS over steps (``sft.traces='mcts'``: the main SFT phase; ``data.pairs='mcts'``:
+    online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
+    (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
+    traces = cfg.sft.traces == "mcts"
+    if not traces and cfg.data.pairs != "mcts":
+        return
+    m, r = cfg.algo.mcts, cfg.rollout
+    what = "sft.traces='mcts'" if traces else "data.pairs='mcts'"
+    if traces and cfg.algo.name != "sft":
+        raise ConfigError(f"sft.traces='mcts' trains the SFT phase on the search's traces; "
+                          f"algo.name={cfg.algo.name!r} (set algo.name='sft')")
+    if not cfg.data.step_delimiter:
+        raise ConfigError(f"data.step_delimiter must not be empty with {what} (the "
+                          "search's nodes are step prefixes)")
+    if m.value == "prm" and not m.prm:
+        raise ConfigError("algo.mcts.value='prm' needs algo.mcts.prm=<workdir of a "
+                          "algo.name='prm' run>")
+    if traces and cfg.sft.max_length <= cfg.data.max_prompt_length:
+        raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
+                          f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
+                          "train in the columns after the prompt)")
+    if m.max_nodes < 1 + m.children:
+        raise ConfigError(f"algo.mcts.max_nodes={m.max_nodes} holds no expansion of "
+                          f"algo.mcts.children={m.children} (needs >= {1 + m.children})")
+    for key, on in (("rollout.engine", r.engine != "static"), ("rollout.tree.enabled",
+                                                                r.tree.enabled),
+                    ("rollout.partial", r.partial), ("env.name", bool(cfg.env.name)),
+                    ("rollout.temperature_schedule.name",
+                     r.temperature_schedule.name != "constant")):
+        if on:
+            raise ConfigError(f"{what} cannot be combined with {key} (the search samples "
+                              "steps with the static sampler at rollout.temperature)")

@@ -23,7 +23,8 @@ def data() -> dict[str, Any]:
         kwargs={},                   # free-form options for the source
         pairs="auto",                # DPO pairs: "auto" = the data's (offline) or best vs worst
                                      # of num_generations (algo.online); "step_mc" = step-level
-                                     # pairs from Monte-Carlo step values (docs/search.md)
+                                     # pairs from Monte-Carlo step values; "mcts" = sibling
+                                     # steps of an MCTS over steps (docs/search.md)
         step_delimiter="\n",         # step_mc: a solution's steps end with this text
         # Which prompts an RL step trains on (rljax.data.selection, docs/curricula.md):
         # uniform (as drawn), online_filter (groups with pass rate in [low, high]; more
@@ -52,7 +53,7 @@ def data() -> dict[str, Any]:
 
 SECTIONS = {"data": data}
 
-CHOICES = {"data.pairs": ("auto", "step_mc")}
+CHOICES = {"data.pairs": ("auto", "step_mc", "mcts")}
 
 
 def _selectors():
@@ -85,16 +86,34 @@ def check_step_mc(cfg) -> None:
         raise ConfigError(f"algo.step_mc.max_steps={algo.step_mc.max_steps} must be >= 1")
     if algo.step_mc.min_value_gap < 0:
         raise ConfigError(f"algo.step_mc.min_value_gap={algo.step_mc.min_value_gap} must be >= 0")
-    if cfg.data.pairs != "step_mc":
+    pairs = cfg.data.pairs
+    if pairs not in ("step_mc", "mcts"):
         return
     if algo.name != "dpo" or not algo.online:
-        raise ConfigError("data.pairs='step_mc' samples its pairs: set algo.name='dpo' and "
+        raise ConfigError(f"data.pairs='{pairs}' samples its pairs: set algo.name='dpo' and "
                           "algo.online=True")
     if not cfg.data.step_delimiter:
-        raise ConfigError("data.step_delimiter must not be empty with data.pairs='step_mc'")
+        raise ConfigError(f"data.step_delimiter must not be empty with data.pairs='{pairs}'")
     if cfg.rollout.temperature_schedule.name != "constant":
-        raise ConfigError("data.pairs='step_mc' samples continuations at rollout.temperature; "
-                          "set rollout.temperature_schedule.name='constant'")
+        raise ConfigError(f"data.pairs='{pairs}' samples continuations at "
+                          "rollout.temperature; set rollout.temperature_schedule.name="
+                          "'constant'")
+
+
+def check_prm(cfg) -> None:
+    """The process reward model reads stepwise JSONL rows or samples labels on a task (the
+    task check is at run time: ``check_step_delimiter``), with a step delimiter; its labels
+    sit at step ends, so a step needs a delimiter token."""
+    if cfg.algo.name != "prm":
+        return
+    if cfg.data.source == "parquet" or cfg.data.source.startswith("tfds:"):
+        raise ConfigError(f"algo.name='prm' reads stepwise rows from data.source='jsonl' (or "
+                          f"samples them on a built-in task), not {cfg.data.source!r}")
+    if not cfg.data.step_delimiter:
+        raise ConfigError("data.step_delimiter must not be empty with algo.name='prm' (the "
+                          "token that ends each step carries its label)")
+    if cfg.data.pairs != "auto":
+        raise ConfigError("data.pairs is for DPO; algo.name='prm' takes stepwise labels")
 
 
 def check_selection(cfg) -> None:

@@ -95,19 +95,17 @@ def has_vision_tower(cfg) -> bool:
 
 
 def check_images(cfg) -> None:
-    """Images in the prompt go through single-turn, synchronous rollouts on the static sampler
-    or the slot engine (docs/vision.md): refuse, naming the key, each sampler that would drop
-    them."""
+    """Images in the prompt go through single-turn rollouts on the static sampler or the slot
+    engine, synchronous or not (docs/vision.md): refuse, naming the key, each sampler that
+    would drop them."""
     if not has_vision_tower(cfg):
         return
     r, a = cfg.rollout, cfg.algo
     for key, value, on in (
             ("rollout.partial", r.partial, r.partial),
             ("rollout.tree.enabled", r.tree.enabled, r.tree.enabled),
-            ("env.name", cfg.env.name, bool(cfg.env.name)),
-            ("algo.asynchronous", a.get("asynchronous", False),
-             bool(a.get("asynchronous", False)))):
+            ("env.name", cfg.env.name, bool(cfg.env.name))):
         if on:
             raise ConfigError(f"{key}={value!r} does not carry images in the prompt (a model "
-                              "with a vision tower) yet; use single-turn, synchronous "
-                              "rollouts (rollout.engine='static' or 'slots')")
+                              "with a vision tower) yet; use single-turn rollouts "
+                              "(rollout.engine='static' or 'slots')")

@@ -125,12 +125,14 @@ def _uses_tree(estimator: str) -> bool:
 
 
 def check_engine(cfg) -> None:
-    """The slot engine samples GRPO-style batches of prompts; tree rollouts and multi-turn
-    episodes have samplers of their own."""
+    """The slot engine samples batches of prompts, multi-turn tool episodes and self-play
+    matches; tree rollouts and matches against a checkpoint (two models in one match) have
+    samplers of their own."""
     if cfg.rollout.engine == "static":
         return
     for key, on in (("rollout.tree.enabled", cfg.rollout.tree.enabled),
-                    ("env.name", bool(cfg.env.name))):
+                    ("env.selfplay.mode='checkpoint'",
+                     cfg.env.name and cfg.env.selfplay.mode == "checkpoint")):
         if on:
             raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
                               f"{key} (it has its own sampler); use rollout.engine='static'")
@@ -145,8 +147,14 @@ def check_partial(cfg) -> None:
     if r.engine != "slots":
         raise ConfigError(f"rollout.partial=true needs rollout.engine='slots' (got "
                           f"'{r.engine}'): add --config.rollout.engine=slots")
-    if a.name != "grpo":
-        raise ConfigError(f"rollout.partial=true needs algo.name='grpo' (got '{a.name}')")
+    if a.name not in ("grpo", "distill"):
+        raise ConfigError(f"rollout.partial=true needs algo.name='grpo' or 'distill' (got "
+                          f"'{a.name}')")
+    if cfg.env.name:
+        raise ConfigError(f"rollout.partial=true cannot be combined with env.name="
+                          f"{cfg.env.name!r} yet (an episode carried to the next iteration "
+                          "would need its environment's state in the checkpoint); use "
+                          "rollout.engine='slots' without rollout.partial")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
                     ("data.selection.name", cfg.data.selection.name != "uniform"),

@@ -80,6 +80,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_batch_sizes,
     algo.check_groups_and_clip,   # takes the keys resolve() filled (its message names them)
     data.check_step_mc,
+    data.check_prm,
     rollout.check_temperature_schedule,
     algo.check_estimator_and_update,
     algo.check_guidance,
@@ -96,6 +97,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_routing_replay,
     algo.check_role_estimator,
     algo.check_vine,
+    algo.check_mcts,
     model.check_lora,
     model.check_images,
     reward.check_env,

@@ -396,7 +396,7 @@ def write_tensors(plan: list, params: dict, out_dir: str, param_dtype: str,
 
 
 def save_hf_value(cfg: ModelConfig, value_params: dict, out_dir: str,
-                  max_shard_bytes: int = 2 << 30) -> float:
+                  max_shard_bytes: int = 2 << 30, token_classification: bool = False) -> float:
     """Write a value-head model (a reward model, a critic) in the HF sequence-classification
     layout with one label, loadable by ``transformers.AutoModelForSequenceClassification``:
     the trunk as ``model.*``, the head's kernel as ``score.weight [1, D]``. HF scores a
@@ -405,6 +405,12 @@ def save_hf_value(cfg: ModelConfig, value_params: dict, out_dir: str,
     HF's ``score`` layer has no bias; the head's bias (a constant that cancels in
     Bradley-Terry pairs, so reward-model training leaves it at its initial 0) is stored in
     ``config.json`` as ``rljax_value_head_bias`` and returned.
+
+    ``token_classification`` (a process reward model): the two-label token-classification
+    layout of ``transformers.AutoModelForTokenClassification`` instead, which scores every
+    token: ``score.weight [2, D] = [0; kernel]`` and ``score.bias [2] = [0, bias]``, so the
+    class-1 probability ``softmax(logits)[..., 1]`` is ``sigmoid(value)`` exactly (the bias
+    is in the layer; 0.0 is returned).
     """
     trunk_cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # no lm_head to write
     save_hf(trunk_cfg, value_params["trunk"], out_dir, max_shard_bytes)
@@ -422,19 +428,31 @@ def save_hf_value(cfg: ModelConfig, value_params: dict, out_dir: str,
         os.replace(os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, first))
         with safe_open(os.path.join(out_dir, first), framework="numpy") as f:
             index = {"metadata": {}, "weight_map": {k: first for k in f.keys()}}
-    save_file({"score.weight": np.ascontiguousarray(kernel[None, :])},
-              os.path.join(out_dir, score_file), metadata=meta)
-    index["weight_map"]["score.weight"] = score_file
-    index["metadata"]["total_size"] = index["metadata"].get("total_size", 0) + kernel.nbytes
+    if token_classification:  # class logits (0, value): class 1's probability = sigmoid(value)
+        score = {"score.weight": np.stack([np.zeros_like(kernel), kernel]),
+                 "score.bias": np.asarray([0.0, bias], kernel.dtype)}
+    else:
+        score = {"score.weight": np.ascontiguousarray(kernel[None, :])}
+    save_file(score, os.path.join(out_dir, score_file), metadata=meta)
+    for name, array in score.items():
+        index["weight_map"][name] = score_file
+        index["metadata"]["total_size"] = index["metadata"].get("total_size", 0) + array.nbytes
     with open(index_path, "w") as f:
         json.dump(index, f, indent=2)
     config_path = os.path.join(out_dir, "config.json")
     with open(config_path) as f:
         hf = json.load(f)
-    hf.update(architectures=[_ARCHITECTURES[cfg.model_type].replace(
-        "ForCausalLM", "ForSequenceClassification")], id2label={"0": "LABEL_0"},
-        label2id={"LABEL_0": 0}, tie_word_embeddings=cfg.tie_word_embeddings,
-        rljax_value_head_bias=bias)
+    if token_classification:
+        hf.update(architectures=[_ARCHITECTURES[cfg.model_type].replace(
+            "ForCausalLM", "ForTokenClassification")], id2label={"0": "bad", "1": "good"},
+            label2id={"bad": 0, "good": 1}, tie_word_embeddings=cfg.tie_word_embeddings,
+            classifier_dropout=0.0)
+        bias = 0.0
+    else:
+        hf.update(architectures=[_ARCHITECTURES[cfg.model_type].replace(
+            "ForCausalLM", "ForSequenceClassification")], id2label={"0": "LABEL_0"},
+            label2id={"LABEL_0": 0}, tie_word_embeddings=cfg.tie_word_embeddings,
+            rljax_value_head_bias=bias)
     with open(config_path, "w") as f:
         json.dump(hf, f, indent=2)
     return bias

@@ -28,22 +28,25 @@ from rljax.models.config import ModelConfig
 
 
 def prefill_pages(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
-                  prompt_mask: jax.Array, cache_dtype=None,
-                  image_embeds=None) -> tuple[dict, jax.Array]:
+                  prompt_mask: jax.Array, cache_dtype=None, image_embeds=None,
+                  with_routes: bool = False) -> tuple:
     """Runs the prompts once and keeps their keys/values as pages.
 
     prompt_tokens: int32 [B, P], left-padded (prompt_mask bool [B, P]); ``image_embeds``
     [B, K, D] (optional): the prompts' image tokens, as ``transformer.trunk`` takes them (the
     decode steps after the prefill attend to the pages as to any keys). Returns
     ``(pages {"k", "v": tuple of L [B, K, P, Dh]}, logits float32 [B, V] at each prompt's last
-    token)``.
+    token)``, and with ``with_routes`` (a mixture of experts) each prompt token's experts in
+    every layer, int32 [L, B, P, k].
     """
     b, p = prompt_tokens.shape
     cache = tfm.init_cache(cfg, b, p, dtype=cache_dtype)
-    hidden, cache = tfm.trunk(cfg, params, prompt_tokens, attention_mask=prompt_mask,
-                              positions=tfm.default_positions(prompt_mask), cache=cache,
-                              cache_index=0, image_embeds=image_embeds)
-    return tfm.unstack_cache(cache), tfm.logits_from_hidden(cfg, params, hidden[:, -1])
+    out = tfm.trunk(cfg, params, prompt_tokens, attention_mask=prompt_mask,
+                    positions=tfm.default_positions(prompt_mask), cache=cache, cache_index=0,
+                    image_embeds=image_embeds, with_moe_stats=with_routes)
+    hidden, cache = out[:2]
+    result = (tfm.unstack_cache(cache), tfm.logits_from_hidden(cfg, params, hidden[:, -1]))
+    return result + (out[2]["ids"],) if with_routes else result
 
 
 def init_slot_cache(cfg: ModelConfig, slots: int, length: int, dtype=None) -> dict:
@@ -90,14 +93,15 @@ def slot_attention(q: jax.Array, k_page: jax.Array, v_page: jax.Array, page_mask
 
 def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
                 index: jax.Array, pages: dict, page_mask: jax.Array, page_of: jax.Array,
-                cache: dict) -> tuple[jax.Array, dict]:
+                cache: dict, with_routes: bool = False) -> tuple:
     """Feeds one token per slot.
 
     tokens, positions, index, page_of: int32 [S] (the token, its position in the sequence, the
     slot-cache index it is written at, the slot's page); pages from ``prefill_pages``;
     page_mask: bool [pages, P]; cache from ``init_slot_cache``. ``params`` unstacked
     (``transformer.unstack_layers``). Slots whose index is out of range write nothing (idle
-    slots pass N). Returns ``(hidden [S, D] in cfg.dtype, cache)``.
+    slots pass N). Returns ``(hidden [S, D] in cfg.dtype, cache)``, and with ``with_routes``
+    (a mixture of experts) the fed tokens' experts in every layer, int32 [S, L, k].
     """
     n = max(c.shape[2] for c in cache["k"])
     own_mask = jnp.arange(n)[None, :] <= index[:, None]
@@ -128,6 +132,7 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
     lora_list = (params["lora"]["layers"] if "lora" in params
                  else (None,) * len(params["layers"]))
     ks, vs = list(cache["k"]), list(cache["v"])
+    moe_io = {"stats": []} if with_routes else None
     for i, (p, lp) in enumerate(zip(params["layers"], lora_list)):
         masks, r = (slot_page_mask, own_mask), rope
         if kinds and kinds[i]:
@@ -143,6 +148,9 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
                                   cfg.attn_scale, cfg.attn_logit_softcapping)
             return attn[:, None]
 
-        x = tfm.block(cfg, tfm._cast_layer(cfg, p), x, r, attend, lp)
+        x = tfm.block(cfg, tfm._cast_layer(cfg, p), x, r, attend, lp, moe_io=moe_io)
     x = tfm.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-    return x[:, 0], {"k": tuple(ks), "v": tuple(vs)}
+    out = (x[:, 0], {"k": tuple(ks), "v": tuple(vs)})
+    if with_routes:   # per layer [S, 1, k] -> [S, L, k]
+        out += (jnp.stack([st["ids"][:, 0] for st in moe_io["stats"]], axis=1),)
+    return out

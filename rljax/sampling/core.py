@@ -135,7 +135,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
              cache_dtype: Any = None, temperatures: Any = None,
              streams: int = 1, image_embeds: Any = None,
-             record_routes: bool = False, prompt_index: Any = None) -> SampleOutput:
+             record_routes: bool = False, prompt_index: Any = None,
+             row_keys: Any = None) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt, entirely on device.
 
     Args:
@@ -175,6 +176,10 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
       prompt_index: optional int32 [R]: groups of any sizes (knapsack allocation): output row
         r continues prompt ``prompt_index[r]``, whose prefill it shares (``num_samples`` must
         be 1; not with images or routes).
+      row_keys: optional PRNG keys [B * num_samples], one per output row: row r draws token t
+        from ``draw.row_draw(row_keys[r], t, vocab)`` (``draw.row_noise_ahead``) instead of
+        the batch's draw from ``rng``, so its tokens do not depend on the other rows (to
+        float32 rounding of the batch's matmuls). Not with ``prompt_index``.
 
     Returns:
       ``SampleOutput`` with ``B * num_samples`` rows, or R with ``prompt_index`` (see its
@@ -216,6 +221,14 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
         record_routes=bool(record_routes))
     greedy = temperatures is None and temperature == 0.0
+    noise = None
+    if row_keys is not None:
+        rows = np.shape(prompt_tokens)[0] * num_samples
+        if prompt_index is not None or np.shape(row_keys)[0] != rows:
+            raise ValueError(f"row_keys must hold one key per output row ({rows}), without "
+                             "prompt_index")
+        if not greedy:
+            noise = _row_noise(jnp.asarray(row_keys), int(max_new_tokens), cfg.vocab_size)
     # With prompt_index the streams split the rows (each prefills every prompt: a few).
     units = np.shape(prompt_tokens)[0] if prompt_index is None else prompt_index.size
     k = stream_count(streams, units, max_new_tokens, cfg.vocab_size, greedy, num_samples, mesh)
@@ -223,12 +236,17 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     if k == 1 or traced:   # inside a trace: one program
         return (_generate if traced else _generate_program())(
             cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool),
-            rng, temperatures=temperatures, image_embeds=image_embeds,
+            rng, temperatures=temperatures, image_embeds=image_embeds, noise=noise,
             prompt_index=None if prompt_index is None else jnp.asarray(prompt_index), **static)
     return _generate_streams(cfg, params, np.asarray(prompt_tokens, np.int32),
                              np.asarray(prompt_mask, bool), rng, k, greedy,
                              temperatures=temperatures, image_embeds=image_embeds,
-                             prompt_index=prompt_index, **static)
+                             prompt_index=prompt_index, row_noise=noise, **static)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _row_noise(keys, n, vocab):
+    return draw_lib.row_noise_ahead(keys, n, vocab)
 
 
 def stream_count(streams: int, prompts: int, max_new_tokens: int, vocab: int, greedy: bool,
@@ -266,13 +284,17 @@ def _concat_outputs(outs):
 
 
 def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy,
-                      image_embeds=None, prompt_index=None, **kw):
+                      image_embeds=None, prompt_index=None, row_noise=None, **kw):
     """``_generate`` over k equal chunks of prompts (or of ``prompt_index``'s rows, each
-    chunk with every prompt), run concurrently; one SampleOutput."""
+    chunk with every prompt), run concurrently; one SampleOutput. ``row_noise``: the rows'
+    own noise (``row_keys``), split with the rows."""
     rows = (prompt_tokens.shape[0] * kw["num_samples"] if prompt_index is None
             else prompt_index.size)
-    noise = ((None,) * k if greedy else
-             _stream_noise(rng, kw["max_new_tokens"], rows, cfg.vocab_size, k))
+    if row_noise is not None:
+        noise = tuple(jnp.split(row_noise, k, axis=1))
+    else:
+        noise = ((None,) * k if greedy else
+                 _stream_noise(rng, kw["max_new_tokens"], rows, cfg.vocab_size, k))
     if prompt_index is None:
         tok, mask = np.split(prompt_tokens, k), np.split(prompt_mask, k)
         index = (None,) * k

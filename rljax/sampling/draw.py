@@ -88,6 +88,14 @@ def draw_noise(rng: jax.Array, batch: int, vocab: int) -> jax.Array:
     return jax.random.gumbel(rng, (batch, vocab), jnp.float32)
 
 
+def row_draw(key: jax.Array, row: jax.Array, vocab: int) -> jax.Array:
+    """Row ``row``'s own draw, float32 [W] (W = 1 or vocab): ``draw_noise(fold_in(key, row), 1,
+    vocab)[0]``. Multi-turn sampling draws each row from its own key, so a row's tokens do not
+    depend on which other rows share its batch (the static turn batch or the episode engine's
+    slots)."""
+    return draw_noise(jax.random.fold_in(key, row), 1, vocab)[0]
+
+
 def categorical_inverse_cdf(rng: jax.Array | None, logits: jax.Array,
                             block: int | None = None,
                             uniform: jax.Array | None = None) -> jax.Array:
@@ -254,3 +262,11 @@ def noise_ahead(rng: jax.Array, n: int, rows: int, vocab: int, greedy: bool):
     if greedy or noise_ahead_size(n, rows, vocab) > NOISE_AHEAD_MAX_ELEMENTS:
         return None
     return jax.vmap(lambda t: draw_noise(jax.random.fold_in(rng, t), rows, vocab))(jnp.arange(n))
+
+
+def row_noise_ahead(keys: jax.Array, n: int, vocab: int) -> jax.Array:
+    """float32 [n, R, W]: row r's noise for token t is ``row_draw(keys[r], t, vocab)``, drawn
+    from that row's own key ``keys`` [R] (W = 1 or vocab). A row's tokens then do not depend on
+    which rows share its batch, nor where it sits (a search's node samples the same steps
+    alone or with other prompts' nodes)."""
+    return jax.vmap(lambda t: jax.vmap(lambda k: row_draw(k, t, vocab))(keys))(jnp.arange(n))

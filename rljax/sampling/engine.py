@@ -81,7 +81,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              slots: int = 64, chunk_steps: int = 16, cache_dtype: Any = None,
              temperatures: Any = None,
              weights: Callable[[], tuple[Any, int]] | None = None,
-             image_embeds: Any = None) -> tuple[SampleOutput, EngineStats]:
+             image_embeds: Any = None,
+             record_routes: bool = False) -> tuple[SampleOutput, EngineStats]:
     """Samples ``num_samples`` completions per prompt with ``slots`` refilled decode slots.
 
     Arguments as ``sampling.generate`` (prompt_tokens int32 [B, P] left-padded, prompt_mask
@@ -97,6 +98,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         ``EngineStats.versions`` says which version drew each token. ``params`` is unused.
       image_embeds: [B, K, D] (optional): each prompt's image embeddings, prefilled with it
         into its page (``sampling.generate``'s argument).
+      record_routes: a mixture of experts: also return every token's experts
+        (``SampleOutput.routes`` int32 [B*G, P+N, L, k], ``sampling.generate``'s layout), for
+        routing replay in the update.
 
     Returns ``(SampleOutput with B*G rows, EngineStats)``.
     """
@@ -105,6 +109,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                          f"{max_new_tokens}, {num_samples}, {slots}, {chunk_steps}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if record_routes and not cfg.is_moe:
+        raise ValueError("record_routes needs a mixture-of-experts model")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
@@ -138,13 +144,16 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     # Traced on the parameters' mesh: the MoE dispatch splits the experts' work over it.
     mesh = params_mesh(params)
     with shd.tracing_mesh(mesh):
-        pages, first, first_logp, first_done = _prefill(
+        pages, first, first_logp, first_done, prompt_routes = _prefill(
             cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng, noise,
             temperatures, image_embeds, num_samples=g, cache_dtype=_dtype_name(cache_dtype),
-            **draw)
+            record_routes=bool(record_routes), **draw)
     out = dict(tokens=jnp.full((rows, n), draw["pad_id"], jnp.int32).at[:, 0].set(first),
                logps=jnp.zeros((rows, n), jnp.float32).at[:, 0].set(first_logp),
                lengths=jnp.ones((rows,), jnp.int32), done=first_done)
+    if record_routes:   # each fed token's experts, written by the decode chunks
+        out["routes"] = jnp.zeros((rows, n, cfg.num_layers, cfg.num_experts_per_tok),
+                                  jnp.int32)
     page_mask = jnp.asarray(prompt_mask)
     page_len = jnp.asarray(prompt_mask.sum(-1).astype(np.int32))
     cache = paged.init_slot_cache(cfg, s, n, dtype=cache_dtype)
@@ -177,8 +186,12 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
             written = length
     lengths = out["lengths"]
     mask = jnp.arange(n)[None, :] < lengths[:, None]
+    routes = None
+    if record_routes:   # the prompts' [L, B, P, k] fanned out to rows, then the completions'
+        routes = jnp.concatenate([jnp.repeat(jnp.transpose(prompt_routes, (1, 2, 0, 3)), g, 0),
+                                  out["routes"]], axis=1)
     result = SampleOutput(tokens=out["tokens"], logps=out["logps"], mask=mask, lengths=lengths,
-                          truncated=~out["done"])
+                          truncated=~out["done"], routes=routes)
     useful = int(np.asarray(lengths).sum()) - rows
     return result, EngineStats(rows=rows, slots=s, chunks=chunks, decode_steps=steps,
                                useful_steps=useful, versions=versions, swaps=swaps)
@@ -238,19 +251,21 @@ def picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise, temperatu
 DRAW_ARGS = ("temperature", "top_k", "top_p", "stop_ids", "pad_id", "min_new_tokens")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "cache_dtype") + DRAW_ARGS)
+@functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "cache_dtype",
+                                             "record_routes") + DRAW_ARGS)
 def _prefill(cfg, params, prompt_tokens, prompt_mask, rng, noise, temperatures,
              image_embeds=None, *, num_samples, cache_dtype, temperature, top_k, top_p, stop_ids,
-             pad_id, min_new_tokens):
-    """Pages of the B prompts and each of the B*G rows' first token (prompt-major rows)."""
-    pages, logits = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask, cache_dtype,
-                                        image_embeds)
+             pad_id, min_new_tokens, record_routes=False):
+    """Pages of the B prompts and each of the B*G rows' first token (prompt-major rows), and
+    with ``record_routes`` the prompts' experts [L, B, P, k] (else None)."""
+    pages, logits, *routes = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask,
+                                                 cache_dtype, image_embeds, record_routes)
     logits = jnp.repeat(logits, num_samples, axis=0)
     rows = logits.shape[0]
     pick, is_stop = picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
                             temperatures, jax.random.fold_in(rng, 0))
     tok, logp = pick(logits, jnp.zeros((rows,), jnp.int32), jnp.arange(rows))
-    return pages, tok, logp, is_stop(tok)
+    return pages, tok, logp, is_stop(tok), (routes[0] if routes else None)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "out"),
@@ -266,7 +281,8 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
     (the token fed next), active bool [S], taken int32 (rows of the queue already given out)).
     first: int32 [R], each row's first token; queue: int32 [R], the rows to decode in order
     (the first ``queued``). out: tokens/logps [R, N], lengths [R], done [R], written at each
-    busy slot's (row, step). Returns ``(cache, out, slot_state, steps run, busy)``. The
+    busy slot's (row, step); with ``out["routes"]`` int32 [R, N, L, k], each fed token's
+    experts too. Returns ``(cache, out, slot_state, steps run, busy)``. The
     partial-rollout pool (``sampling.partial``) runs it too, with slots already holding rows.
     """
     n, g = max_new_tokens, num_samples
@@ -291,17 +307,20 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
         page = row // g
         # Feed token t-1 (slot-cache index t-1, position prompt_len + t - 1), sample token t.
         index = jnp.where(active, t - 1, n)   # idle slots write nothing
-        hidden, cache = paged.slot_decode(cfg, params, prev, page_len[page] + t - 1, index,
-                                          pages, page_mask, page, cache)
+        hidden, cache, *routes = paged.slot_decode(cfg, params, prev, page_len[page] + t - 1,
+                                                   index, pages, page_mask, page, cache,
+                                                   "routes" in out)
         logits = models.logits_from_hidden(cfg, params, hidden)
         tok, logp = pick(logits, jnp.minimum(t, n - 1), row)
         stop = is_stop(tok)
         at = jnp.where(active, row, rows)     # idle slots write out of range: dropped
         out = dict(
-            tokens=out["tokens"].at[at, t].set(tok, mode="drop"),
+            out, tokens=out["tokens"].at[at, t].set(tok, mode="drop"),
             logps=out["logps"].at[at, t].set(logp, mode="drop"),
             lengths=out["lengths"].at[at].add(1, mode="drop"),
             done=out["done"].at[at].set(stop, mode="drop"))
+        if routes:   # token t-1's experts (the one fed this step)
+            out["routes"] = out["routes"].at[at, t - 1].set(routes[0], mode="drop")
         active = active & ~stop & (t + 1 < n)
         return i + 1, cache, out, (row, t + 1, tok, active, taken)
 
@@ -338,8 +357,8 @@ def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                         num_samples=g, cache_dtype=dtype, **static)
 
     images = () if image_embeds is None else (image_embeds,)
-    pages, first, _, _ = jax.eval_shape(prefill, params, prompt_tokens, prompt_mask, rng, noise,
-                                        *images)
+    pages, first, *_ = jax.eval_shape(prefill, params, prompt_tokens, prompt_mask, rng, noise,
+                                      *images)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     out = dict(tokens=i32(rows, n), logps=jax.ShapeDtypeStruct((rows, n), jnp.float32),
                lengths=i32(rows), done=jax.ShapeDtypeStruct((rows,), bool))

@@ -44,7 +44,7 @@ import numpy as np
 from rljax import models
 from rljax import sharding as shd
 from rljax.sampling.core import constrain_cache, merge_stop_ids
-from rljax.sampling.draw import sample_logits
+from rljax.sampling.draw import row_draw, sample_logits
 
 
 @flax.struct.dataclass(frozen=True)
@@ -160,7 +160,12 @@ def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget
         return hit
 
     def pick(key, logits, live):
-        tok, logp = sample_logits(key, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        # Each row draws from its own key (``draw.row_draw``), as the episode engine does.
+        noise = None
+        if temperature != 0.0:
+            noise = jax.vmap(lambda row: row_draw(key, row, logits.shape[-1]))(jnp.arange(r))
+        tok, logp = sample_logits(key, logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  noise=noise)
         return jnp.where(live, tok, pad_id), jnp.where(live, logp, 0.0)
 
     live = active & (budget > 0)

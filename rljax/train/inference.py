@@ -130,3 +130,55 @@ def load_for_inference(cfg, workdir: str, checkpoint: str | None = None, devices
             step = int(checkpoint)
         state, _, step = restore(ctx, phases, ckpt, step)
     return ctx, state, step
+
+
+def prm_best_of_n(cfg, workdir: str, prm_workdir: str, n: int, mode: str | None = None,
+                  checkpoint: str | None = None, devices=None, beams: int = 0) -> dict:
+    """``rljax eval --prm DIR``: best-of-``n`` on the run's held-out problems, the policy of
+    ``workdir`` sampling and the process reward model of the run in ``prm_workdir`` picking
+    (each sample's ``mode`` step score: the PRM run's ``algo.prm.step_score`` by default).
+    Returns ``eval/best_of_n/*`` metrics: accuracy of the picked sample, sample_accuracy (of
+    all samples: a random pick), pass@n (an oracle pick), auroc and pair_accuracy of the
+    scores against correctness (``methods.prm_rerank.best_of_n``). ``beams`` > 0: step-level
+    beam search instead (``beams`` prefixes kept, ``n`` continuations of each per step):
+    ``eval/beam/accuracy`` of the solutions it chooses."""
+    from rljax.models import lora as lora_lib
+    from rljax.train.core import evaluate as eval_lib
+    from rljax.train.core import workdir as wd
+    from rljax.train.methods import prm_rerank
+
+    prm_cfg = wd.load_workdir_config(prm_workdir)
+    if prm_cfg.algo.name != "prm":
+        raise UserError(f"--prm {prm_workdir}: its run trains algo.name="
+                        f"{prm_cfg.algo.name!r}, not a process reward model ('prm')")
+    if n < 1 or beams < 0:
+        raise UserError(f"--best-of {n} --prm-beam {beams}: needs at least one sample per "
+                        "problem (or step) and no negative beam width")
+    ctx, state, step = load_for_inference(cfg, workdir, checkpoint, devices)
+    prm_ctx, prm_state, _ = load_for_inference(prm_cfg, prm_workdir, None, devices)
+    if prm_state.critic_params is None:
+        raise UserError(f"--prm {prm_workdir}: its latest checkpoint is from the SFT warm-up, "
+                        "before the PRM was trained")
+    if prm_ctx.model_cfg.vocab_size != ctx.model_cfg.vocab_size:
+        raise UserError(f"--prm {prm_workdir}: its vocabulary ({prm_ctx.model_cfg.vocab_size}) "
+                        f"is not the policy's ({ctx.model_cfg.vocab_size})")
+    value = lora_lib.value_on_base(prm_state.params, prm_state.critic_params)
+    scorer = (prm_rerank.value_logits_fn(prm_ctx.model_cfg, value),
+              mode or prm_cfg.algo.prm.step_score)
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, eval_lib.EVAL_STREAM), step)
+    e = cfg.eval
+    if beams > 0:
+        out = prm_rerank.beam_search_accuracy(
+            ctx, state.params, scorer, eval_lib.eval_examples(ctx), rng, beams=beams, expand=n,
+            temperature=e.temperature or 1.0, prompts_per_batch=max(1, e.batch_size // beams))
+        return {"step": step, "eval/beam/accuracy": out["accuracy"],
+                "eval/beam/num_examples": out["num_examples"]}
+    out = prm_rerank.best_of_n(ctx, state.params, {"prm": scorer}, eval_lib.eval_examples(ctx),
+                               rng, n=n, temperature=e.temperature or 1.0,
+                               prompts_per_batch=max(1, e.batch_size // n))
+    return {"step": step, "eval/best_of_n/accuracy": out["prm"]["accuracy"],
+            "eval/best_of_n/sample_accuracy": out["accuracy"],
+            f"eval/best_of_n/pass@{n}": out["pass@n"],
+            "eval/best_of_n/auroc": out["prm"]["auroc"],
+            "eval/best_of_n/pair_accuracy": out["prm"]["pair_accuracy"],
+            "eval/best_of_n/num_examples": out["num_examples"]}

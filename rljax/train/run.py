@@ -35,7 +35,7 @@ from rljax.train.core import workdir as workdir_lib
 from rljax.train.core.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.core.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets,
-                                   restore_for_training, start_phase)
+                                   prm_best_of_n, restore_for_training, start_phase)
 from rljax.train.core.metrics import MetricsWriter, read_metrics, run_summary
 from rljax.train.core.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
@@ -248,6 +248,16 @@ def evaluate(cfg, workdir: str, checkpoint: str | None = None, devices=None) -> 
     return 0
 
 
+def evaluate_best_of_n(cfg, workdir: str, prm_workdir: str, n: int = 8, mode: str | None = None,
+                       checkpoint: str | None = None, devices=None, beams: int = 0) -> int:
+    """``rljax eval --workdir DIR --prm PRM_DIR``: best-of-``n`` (or with ``beams``, a
+    step-level beam search) guided by a process reward model
+    (``rljax.train.inference.prm_best_of_n``); prints JSON."""
+    metrics = prm_best_of_n(cfg, workdir, prm_workdir, n, mode, checkpoint, devices, beams)
+    print(json.dumps(metrics), file=sys.stdout, flush=True)
+    return 0
+
+
 def sample(cfg, workdir: str | None, prompts: list[str], checkpoint: str | None = None,
            devices=None, raw: bool = False) -> int:
     """``rljax sample``: completions of ``prompts`` (eval temperature; greedy by default).
@@ -395,8 +405,10 @@ def export(cfg, workdir: str, out: str, checkpoint: str | None = None, devices=N
         # LoRA: the reward model's adapters on the policy's base, merged.
         value = models.lora.value_on_base(state.params, state.critic_params)
         value = {**value, "trunk": models.lora.merge(ctx.model_cfg, value["trunk"])}
-        bias = models.save_hf_value(ctx.model_cfg, value, out)
-        what = "reward model (AutoModelForSequenceClassification, num_labels=1)"
+        process = cfg.algo.name == "prm"
+        bias = models.save_hf_value(ctx.model_cfg, value, out, token_classification=process)
+        what = ("process reward model (AutoModelForTokenClassification, num_labels=2)"
+                if process else "reward model (AutoModelForSequenceClassification, num_labels=1)")
         if bias:
             print(f"rljax: note: the value head's bias {bias:.4g} is not in HF's score layer "
                   "(config.json: rljax_value_head_bias); add it to get rljax's scores",
@@ -419,5 +431,5 @@ GGUF_BASE_DIR = "base"  # export --adapter of a GGUF run: the base as HF weights
 
 
 def _is_reward_model(cfg, state) -> bool:
-    """A reward-model run past its warm-up: eval/export act on the reward model."""
-    return cfg.algo.name == "rm" and state.critic_params is not None
+    """A (process) reward-model run past its warm-up: eval/export act on the reward model."""
+    return cfg.algo.name in ("rm", "prm") and state.critic_params is not None

@@ -1,6 +1,7 @@
 """Multi-turn episodes on the host: render messages to text, run the turn loop around the
-on-device sampler (``rljax.sampling.multiturn``), step the environments, and lay the trajectories
-out for training.
+on-device sampler (static turn batches, ``rljax.sampling.multiturn``, or with ``engine`` each
+episode on a slot, ``rljax.sampling.episode_engine``), step the environments, and lay the
+trajectories out for training.
 
     eps = run_episodes(model_cfg, params, tokenizer, envs, renderer=Renderer(tok, chat=False,
                        call_end="</call>"), limits=EpisodeLimits(...), rng=key, num_samples=G)
@@ -116,10 +117,103 @@ def _count(info: Any, totals: dict) -> None:
             totals[k] = totals.get(k, 0) + v
 
 
+class _Trajectories:
+    """The host's record of R episodes while they run: their trajectories (compact, right-
+    padded to M), what each turn kept, the environments' rewards and counters. Both samplers
+    (the static turn batch and the episode engine) report turns to it and step through it."""
+
+    def __init__(self, tokenizer, envs, renderer: Renderer, limits: EpisodeLimits, step_all):
+        r, m = len(envs), limits.max_total_tokens
+        self.tokenizer, self.envs, self.renderer, self.limits = tokenizer, envs, renderer, limits
+        self.step_all = step_all
+        self.tokens = np.full((r, m), tokenizer.pad_id, np.int32)
+        self.model_mask = np.zeros((r, m), bool)
+        self.turn_ids = np.full((r, m), -1, np.int32)
+        self.logps = np.zeros((r, m), np.float32)
+        self.length = np.zeros(r, np.int64)                  # trajectory tokens so far
+        self.done = np.zeros(r, bool)                        # the environment ended it
+        self.turns = np.zeros(r, np.int32)
+        self.env_rewards = np.zeros(r, np.float32)
+        self.turn_rewards = np.zeros((r, limits.max_turns), np.float32)
+        self.final_turns = [""] * r
+        self.counters: list[dict] = [{} for _ in range(r)]
+        self.time_env = 0.0
+
+    def budget(self, i: int) -> int:
+        """Tokens row ``i``'s next turn may sample."""
+        return int(min(self.limits.turn_tokens, self.limits.max_total_tokens - self.length[i]))
+
+    def turn_ended(self, rows, turn_of, tokens, logps, lengths) -> tuple[list[int], list[int]]:
+        """Records the turn each row of ``rows`` just sampled (``tokens``/``logps`` [.., N],
+        ``lengths``: one entry per row of ``rows``), cut after the tool call's closing text,
+        then steps their environments. Returns ``(kept tokens per row, observation ids per
+        row or None where the episode ended)``."""
+        tok, texts, kept = self.tokenizer, [], []
+        for j, i in enumerate(rows):
+            ids = [int(x) for x in tokens[j][:lengths[j]]]
+            k = _cut_after(tok, ids, self.renderer.call_end)
+            at = slice(self.length[i], self.length[i] + k)
+            self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
+            self.turn_ids[i, at], self.logps[i, at] = turn_of[j], logps[j][:k]
+            texts.append(tok.decode(ids[:k]))
+            self.final_turns[i] = texts[-1]
+            self.length[i] += k
+            self.turns[i] += 1
+            kept.append(k)
+        t0 = time.perf_counter()
+        results = self.step_all([self.envs[i] for i in rows], texts)
+        self.time_env += time.perf_counter() - t0
+        observations = []
+        for j, (i, res) in enumerate(zip(rows, results)):
+            self.env_rewards[i] += float(res.reward)
+            self.turn_rewards[i, turn_of[j]] = float(res.reward)
+            _count(res.info, self.counters[i])
+            observations.append(None)
+            if res.done:
+                self.done[i] = True
+                continue
+            last = int(tokens[j][kept[j] - 1])
+            ids = tok.encode(self.renderer.observation(res.observation, last == tok.eos_id))
+            room = self.limits.max_total_tokens - self.length[i] - len(ids)
+            if (turn_of[j] + 1 >= self.limits.max_turns or not ids
+                    or len(ids) >= self.limits.chunk_tokens or room < 1):
+                continue          # out of turns / chunk width / tokens: truncated
+            self.tokens[i, self.length[i]:self.length[i] + len(ids)] = ids
+            self.length[i] += len(ids)
+            observations[j] = ids
+        return kept, observations
+
+    def result(self, prompts, prompt_ids, prompt_len: int) -> dict:
+        r, m = self.tokens.shape
+        mask = np.arange(m)[None, :] < self.length[:, None]
+        info: dict[str, float] = {}
+        for c in self.counters:
+            _count(c, info)
+        return dict(tokens=self.tokens, mask=mask, model_mask=self.model_mask, logps=self.logps,
+                    lengths=self.length.astype(np.int32),
+                    model_tokens=self.model_mask.sum(1).astype(np.int32),
+                    truncated=~self.done, turns=self.turns, env_rewards=self.env_rewards,
+                    turn_rewards=self.turn_rewards, turn_ids=self.turn_ids,
+                    prompt_ids=[list(map(int, ids)) for ids in prompt_ids],
+                    prompt_len=int(prompt_len), prompts=prompts, final_turns=self.final_turns,
+                    transcripts=[self.tokenizer.decode(self.tokens[i, :self.length[i]].tolist())
+                                 for i in range(r)],
+                    counters=self.counters, info=info, time_env=self.time_env)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Episodes on the slot engine (``sampling.episode_engine``): ``slots`` episodes decode at
+    once, the host relaunches the decode program every ``chunk_steps`` steps (and steps the
+    environments of the turns that ended in it)."""
+    slots: int
+    chunk_steps: int = 16
+
+
 def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer: Renderer,
                  limits: EpisodeLimits, rng: jax.Array, num_samples: int = 1,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mesh=None,
-                 step_all: Callable | None = None) -> dict:
+                 step_all: Callable | None = None, engine: EngineOptions | None = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -131,110 +225,127 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     module docstring),
     ``prompt_ids`` (list of id lists, one per row), ``prompt_len`` (bucket P), ``prompts`` /
     ``final_turns`` / ``transcripts`` (lists of str), ``counters`` (one dict per episode: the
-    sum of its steps' ``info`` counters), ``info`` (their totals), ``time_env``.
+    sum of its steps' ``info`` counters), ``info`` (their totals), ``time_env``; with
+    ``engine``, ``slot_steps`` (busy, run) slot-steps.
 
     ``step_all(envs, turns) -> results`` steps the active episodes (default
-    ``rljax.envs.step_all``: concurrently, in threads).
+    ``rljax.envs.step_all``: concurrently, in threads). ``engine``: decode on slots
+    (``EngineOptions``) instead of one static batch per turn; a row draws the same noise
+    either way, so where both programs compute equal logits the episodes are equal.
     """
     if step_all is None:
         from rljax.envs import step_all
     r, g = len(envs), int(num_samples)
     if r % g:
         raise ValueError(f"{r} environments are not groups of {g}")
-    n, o, t_max, m_max = (limits.turn_tokens, limits.chunk_tokens, limits.max_turns,
-                          limits.max_total_tokens)
     prompts = [renderer.prompt(env.reset()) for env in envs]
     if any(prompts[i] != prompts[i - i % g] for i in range(r)):
         raise ValueError("the environments of one group reset to different prompts")
     prompt_ids = [tokenizer.encode(p) for p in prompts]
     p_tok, p_mask = sampling.pad_to_bucket(prompt_ids[::g], pad_id=tokenizer.pad_id,
                                            buckets=limits.prompt_buckets)
-    layout = multiturn.SlotLayout(prompt_len=p_tok.shape[1], turn_len=n, chunk_len=o,
-                                  max_turns=t_max)
-    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id,
-                   pad_id=tokenizer.pad_id, mesh=mesh,
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                    stop_sequences=multiturn.stop_sequences_of(
                        tokenizer, [renderer.call_end] if renderer.call_end else []))
+    record = _Trajectories(tokenizer, envs, renderer, limits, step_all)
+    if engine is None:
+        _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g, mesh,
+                      options)
+        return record.result(prompts, prompt_ids, p_tok.shape[1])
+    slot_steps = _engine_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g,
+                               engine, options)
+    return dict(record.result(prompts, prompt_ids, p_tok.shape[1]), slot_steps=slot_steps)
 
-    tokens = np.full((r, m_max), tokenizer.pad_id, np.int32)
-    model_mask = np.zeros((r, m_max), bool)
-    turn_ids = np.full((r, m_max), -1, np.int32)
-    logps = np.zeros((r, m_max), np.float32)
-    length = np.zeros(r, np.int64)                      # trajectory tokens so far
+
+def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_mask, rng, g,
+                  mesh, options) -> None:
+    """Turn k of every live episode as one batch (``sampling.multiturn``)."""
+    lim = record.limits
+    r, o = len(record.envs), lim.chunk_tokens
+    layout = multiturn.SlotLayout(prompt_len=p_tok.shape[1], turn_len=lim.turn_tokens,
+                                  chunk_len=o, max_turns=lim.max_turns)
     cache = multiturn.start(model_cfg, params, p_tok, p_mask, layout=layout, num_samples=g,
                             mesh=mesh)
     chunk, chunk_mask, slot_mask = multiturn.first_chunk(p_tok, p_mask, layout, g)
     active = np.ones(r, bool)
-    done = np.zeros(r, bool)                            # the environment ended the episode
-    turns = np.zeros(r, np.int32)
-    env_rewards = np.zeros(r, np.float32)
-    turn_rewards = np.zeros((r, t_max), np.float32)
-    final_turns = [""] * r
-    counters: list[dict] = [{} for _ in range(r)]
-    time_env = 0.0
-    for turn in range(t_max):
-        budget = np.where(active, np.minimum(n, m_max - length), 0).astype(np.int32)
+    for turn in range(lim.max_turns):
+        budget = np.array([record.budget(i) if active[i] else 0 for i in range(r)], np.int32)
         cache, out = multiturn.turn(model_cfg, params, cache, slot_mask, chunk, chunk_mask,
                                     turn=turn, active=active, budget=budget,
-                                    rng=jax.random.fold_in(rng, turn), layout=layout, **options)
+                                    rng=jax.random.fold_in(rng, turn), layout=layout,
+                                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
+                                    **options)
         out_tok, out_lp, out_len = (np.asarray(x) for x in jax.device_get(
             (out.tokens, out.logps, out.lengths)))
         rows = np.flatnonzero(active)
-        texts, kept = [], np.zeros(r, np.int64)
-        for i in rows:
-            ids = out_tok[i, :out_len[i]].tolist()
-            k = _cut_after(tokenizer, ids, renderer.call_end)
-            kept[i] = k
-            tokens[i, length[i]:length[i] + k] = ids[:k]
-            model_mask[i, length[i]:length[i] + k] = True
-            turn_ids[i, length[i]:length[i] + k] = turn
-            logps[i, length[i]:length[i] + k] = out_lp[i, :k]
-            texts.append(tokenizer.decode(ids[:k]))
-            final_turns[i] = texts[-1]
-        length += kept
-        turns[rows] += 1
-        slot_mask |= multiturn.kept_slots(layout, turn, kept)
-        t0 = time.perf_counter()
-        results = step_all([envs[i] for i in rows], texts)
-        time_env += time.perf_counter() - t0
+        kept, observations = record.turn_ended(rows, [turn] * len(rows), out_tok[rows],
+                                               out_lp[rows], out_len[rows])
+        kept_all = np.zeros(r, np.int64)
+        kept_all[rows] = kept
+        slot_mask |= multiturn.kept_slots(layout, turn, kept_all)
         chunk = np.full((r, o), tokenizer.pad_id, np.int32)
         chunk_mask = np.zeros((r, o), bool)
-        for i, res in zip(rows, results):
-            env_rewards[i] += float(res.reward)
-            turn_rewards[i, turn] = float(res.reward)
-            _count(res.info, counters[i])
-            if res.done:
-                active[i], done[i] = False, True
-                continue
-            last = int(out_tok[i, kept[i] - 1])
-            ids = tokenizer.encode(renderer.observation(res.observation,
-                                                        last == tokenizer.eos_id))
-            room = m_max - length[i] - len(ids)
-            if turn + 1 >= t_max or not ids or len(ids) >= o or room < 1:
-                active[i] = False          # out of turns / chunk width / tokens: truncated
+        for j, (i, ids) in enumerate(zip(rows, observations)):
+            if ids is None:
+                active[i] = False
                 continue
             # The turn's last token has no keys/values yet: it leads the chunk.
-            chunk[i, o - len(ids) - 1:] = [last] + ids
+            chunk[i, o - len(ids) - 1:] = [int(out_tok[i, kept[j] - 1])] + ids
             chunk_mask[i, o - len(ids) - 1:] = True
-            tokens[i, length[i]:length[i] + len(ids)] = ids
-            length[i] += len(ids)
         if not active.any():
             break
-        if turn + 1 < t_max:
+        if turn + 1 < lim.max_turns:
             start = layout.chunk_start(turn + 1)
             slot_mask[:, start:start + o] = chunk_mask
-    mask = np.arange(m_max)[None, :] < length[:, None]
-    transcripts = [tokenizer.decode(tokens[i, :length[i]].tolist()) for i in range(r)]
-    info: dict[str, float] = {}
-    for c in counters:
-        _count(c, info)
-    return dict(tokens=tokens, mask=mask, model_mask=model_mask, logps=logps,
-                lengths=length.astype(np.int32), model_tokens=model_mask.sum(1).astype(np.int32),
-                truncated=~done, turns=turns, env_rewards=env_rewards,
-                turn_rewards=turn_rewards, turn_ids=turn_ids,
-                prompt_ids=[list(map(int, ids)) for ids in prompt_ids],
-                prompt_len=int(layout.prompt_len), prompts=prompts, final_turns=final_turns,
-                transcripts=transcripts, counters=counters, info=info, time_env=time_env)
+
+
+def _engine_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_mask, rng, g,
+                  engine: EngineOptions, options) -> tuple[int, int]:
+    """Each episode on a slot of its own (``sampling.episode_engine``); free slots take the
+    next episode. Returns (busy, run) slot-steps."""
+    from rljax.models import paged
+    from rljax.sampling import episode_engine as ee
+
+    lim = record.limits
+    r = len(record.envs)
+    s = max(1, min(int(engine.slots), r))
+    pages, page_mask, page_len = ee.prefill(model_cfg, params, p_tok, p_mask)
+    cache = paged.init_slot_cache(model_cfg, s, lim.max_total_tokens + 1)
+    state = ee.empty_state(s, lim.chunk_tokens, lim.turn_tokens, tokenizer.pad_id)
+    last_prompt_token = np.repeat(np.asarray(p_tok)[:, -1], g)
+    waiting = list(range(r))[::-1]          # episodes not started, next last
+    stop_ids = sampling.merge_stop_ids(tokenizer.eos_id, ())
+    busy = run = 0
+    while True:
+        for slot in np.flatnonzero(state["row"] < 0):
+            if not waiting:
+                break
+            i = waiting.pop()
+            ee.start(state, slot, i, int(last_prompt_token[i]), record.budget(i))
+        if not state["live"].any():
+            break
+        before = state["cursor"].copy()
+        cache, state, steps = ee.run_chunk(
+            model_cfg, params, pages, page_mask, page_len, cache, state, rng, num_samples=g,
+            chunk_steps=engine.chunk_steps, stop_ids=stop_ids, **options)
+        busy, run = busy + int((state["cursor"] - before).sum()), run + s * steps
+        ended = np.flatnonzero((state["row"] >= 0) & ~state["live"])
+        if not ended.size:
+            continue
+        rows = state["row"][ended]
+        kept, observations = record.turn_ended(rows, state["turn"][ended],
+                                               state["tokens"][ended], state["logps"][ended],
+                                               state["t"][ended])
+        for j, slot in enumerate(ended):
+            i, ids = int(rows[j]), observations[j]
+            if ids is None:
+                ee.free(state, slot)
+                continue
+            cursor = int(record.length[i]) - len(ids)   # the kept turn's last token goes here
+            ee.resume(state, slot, row=i, lead=int(state["tokens"][slot, kept[j] - 1]),
+                      observation=ids, cursor=cursor, turn=int(state["turn"][slot]) + 1,
+                      budget=record.budget(i))
+    return busy, run
 
 
 def trace_tokens(tokenizer, renderer: Renderer, messages: Sequence[dict]):

@@ -127,16 +127,19 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
                           f"data.max_prompt_length={cfg.data.max_prompt_length}")
     check_data_files(cfg)
     check_step_delimiter(cfg)
+    check_mcts_prm(cfg)
     if cfg.algo.name == "distill" and teacher:   # its files and tokenizer, before any model
         teacher_lib.check(cfg)
 
 
 def check_step_delimiter(cfg) -> None:
-    """``data.pairs="step_mc"`` on a built-in task: the task's reference solutions must contain
+    """``data.pairs="step_mc"`` (or ``algo.name="prm"``) on a built-in task: the task's reference solutions must contain
     ``data.step_delimiter`` (else every solution is one step and no step pairs exist): UserError
     naming the key, before anything compiles. Other sources have no reference solutions; their
     samples are counted at run time (``step_mc/single_step_frac``)."""
-    if cfg.data.pairs != "step_mc" or cfg.data.source not in data_lib.TASKS:
+    on = (cfg.data.pairs in ("step_mc", "mcts") or cfg.algo.name == "prm"
+          or cfg.sft.traces == "mcts")
+    if not on or cfg.data.source not in data_lib.TASKS:
         return
     task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
     solutions = [task.solution(task.example(i)) for i in range(8)]
@@ -145,6 +148,32 @@ def check_step_delimiter(cfg) -> None:
                         f"{cfg.data.source} task's solutions (e.g. {solutions[0]!r}): every "
                         "solution would be one step (arithmetic: data.kwargs.steps=True with "
                         "operands >= 3)")
+
+
+def check_mcts_prm(cfg) -> None:
+    """``algo.mcts.value='prm'``: ``algo.mcts.prm`` is the workdir of a process reward model
+    run with the policy's model and tokenizer sections (its checkpoint is read later)."""
+    m = cfg.algo.mcts
+    if (cfg.sft.traces != "mcts" and cfg.data.pairs != "mcts") or m.value != "prm":
+        return
+    # The run's config.json read as plain JSON (rljax.config's loader would import this
+    # module back through the phases).
+    path = os.path.join(m.prm, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"algo.mcts.prm={m.prm} has no config.json; is it a run directory?")
+    with open(path) as f:
+        prm_cfg = json.load(f)
+    name = prm_cfg.get("algo", {}).get("name")
+    if name != "prm":
+        raise UserError(f"algo.mcts.prm={m.prm}: its run trains algo.name={name!r}, not a "
+                        "process reward model ('prm')")
+    for section in ("model", "tokenizer"):
+        same = [json.dumps(c, sort_keys=True, default=str) for c in
+                (prm_cfg.get(section), json.loads(json.dumps(cfg[section].to_dict(),
+                                                             default=str)))]
+        if same[0] != same[1]:
+            raise UserError(f"algo.mcts.prm={m.prm}: its {section} section differs from this "
+                            "run's (the PRM is read with the policy's model config)")
 
 
 def _check_reward_kwargs(cfg) -> None:
@@ -195,7 +224,7 @@ def _files_read(cfg) -> list[tuple[str, dict, str, tuple, dict]]:
     out = []
     files = ("jsonl", "parquet")
     has_eval = bool(cfg.data.eval_path) or "eval_fraction" in dict(cfg.data.kwargs)
-    if cfg.data.source in files:
+    if cfg.data.source in files and cfg.algo.name != "prm":  # stepwise rows: check_prm_files
         if uses_preference_data(cfg):
             config = preference_config(cfg)
         else:
@@ -242,6 +271,24 @@ def check_data_files(cfg) -> None:
             data_lib.check_source(config, split, one_of=one_of, needs=needs)
         except (ValueError, KeyError) as e:
             raise UserError(f"{what}: {e}") from None
+    check_prm_files(cfg)
+
+
+def check_prm_files(cfg) -> None:
+    """``algo.name="prm"`` on a JSONL file: every row of ``data.path`` (and ``data.eval_path``)
+    is a stepwise row, with one label per step (``rljax.data.stepwise``), or one UserError
+    naming the file and line."""
+    if cfg.algo.name != "prm" or cfg.data.source != "jsonl":
+        return
+    from rljax.data import stepwise
+    for key in ("path", "eval_path"):
+        path = cfg.data[key]
+        if not path:
+            continue
+        try:
+            stepwise.read_jsonl(path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"PRM data (data.{key}): {e}") from None
 
 
 def data_config(cfg, source: str | None = None, path: str | None = None) -> dict:

@@ -162,6 +162,19 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         from rljax.train.core.partial import make_pool
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                partial_lib.programs(make_pool(ctx, chunk), sampled, rng)]
+    elif kind == "slots" and cfg.env.name:   # tool episodes on the episode engine
+        from rljax.sampling import episode_engine
+        e = cfg.env
+        p_tok, p_mask, *_ = prompts(chunk)
+        out = [Program(f"sample/episode_{name}", fn, args, resident) for name, fn, args in
+               episode_engine.programs(
+                   mcfg, sampled, p_tok, p_mask, rng, num_samples=g,
+                   slots=sampler_lib.engine_slots(cfg, chunk * g),
+                   chunk_len=int(e.max_obs_tokens) + 1,
+                   turn_len=int(e.max_turn_tokens or r.max_new_tokens),
+                   length=int(e.max_total_tokens) + 1,
+                   chunk_steps=r.chunk_steps, temperature=r.temperature, top_k=r.top_k,
+                   top_p=r.top_p, stop_ids=sampling.merge_stop_ids(tok.eos_id, ()))]
     elif kind == "slots":   # the slot engine's two
         p_tok, p_mask, *embeds = prompts(chunk)
         kw = dict(max_new_tokens=n_sample, num_samples=g, chunk_steps=r.chunk_steps,

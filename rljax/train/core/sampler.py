@@ -2,7 +2,8 @@
 (``sampling.generate``: prefill once per prompt, fan out G samples), the slot engine
 (``sampling.engine``: continuous batching over ``rollout.slots`` slots), its partial-rollout
 pool (``sampling.partial``, groups carried across iterations), or tree sampling
-(``sampling.tree``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
+(``sampling.tree``); for multi-turn episodes, the static turn batches or the episode engine
+(``episode_engine``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
 arrays; ``core.programs`` plans the same choice's programs for ``rljax plan``.
 
 The parameters the sampler reads are the update's own arrays (``sampling_params``: with LoRA
@@ -39,6 +40,19 @@ def sampler_kind(cfg, tree: bool = False) -> str:
 def engine_slots(cfg, rows: int) -> int:
     """The slot engine's slots: ``rollout.slots``, or a quarter of the rows it samples."""
     return int(cfg.rollout.slots or max(1, rows // 4))
+
+
+def episode_engine(cfg, rows: int):
+    """Multi-turn episodes' sampler: ``episodes.EngineOptions`` with ``rollout.engine='slots'``
+    (each episode on a slot of its own, ``sampling.episode_engine``), None for the static turn
+    batches."""
+    if sampler_kind(cfg) != "slots":
+        return None
+    if dist.is_multiprocess():
+        raise UserError("rollout.engine='slots' runs in a single process for now; use "
+                        "rollout.engine='static' on several hosts")
+    from rljax.train.core.episodes import EngineOptions
+    return EngineOptions(slots=engine_slots(cfg, rows), chunk_steps=int(cfg.rollout.chunk_steps))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -79,7 +93,7 @@ def rebucket_routes(routes: np.ndarray, p_from: int, p_to: int) -> np.ndarray:
 def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
              max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
              micro_prompts: int = 0, temperatures=None, tree: dict | None = None,
-             pixels=None, images=None, weights=None, prompt_index=None):
+             pixels=None, images=None, weights=None, prompt_index=None, row_keys=None):
     """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
     ``decoded`` int [B]: the tokens decoded per prompt.
 
@@ -94,6 +108,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     (the version that drew each token) and ``swaps`` (how often the weights changed).
     ``prompt_index`` int [R] (static sampler, one chunk; ``num_samples`` 1): row r continues
     prompt ``prompt_index[r]`` (groups of any sizes, ``sampling.generate``).
+    ``row_keys`` [B * num_samples] (static sampler): each output row draws from its own key
+    (``sampling.generate``), whatever rows share its batch.
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
     if pixels is not None and kind not in ("static", "slots"):
@@ -106,6 +122,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     chunk = micro_prompts or b
     if prompt_index is not None and (chunk < b or tree is not None):
         raise ValueError("prompt_index needs one chunk of prompts and no tree")
+    if row_keys is not None and kind != "static":
+        raise ValueError(f"row_keys needs the static sampler, not the {kind} one")
     outs, engine_stats = [], []
     for i, start in enumerate(range(0, b, chunk)):
         # Multi-host: every process holds the same prompts and feeds its own rows.
@@ -124,7 +142,10 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                                     num_samples=num_samples, temperatures=temperatures,
                                     streams=ctx.cfg.rollout.streams,
                                     record_routes=bool(ctx.cfg.algo.get("routing_replay")),
-                                    prompt_index=prompt_index, **kw)
+                                    prompt_index=prompt_index,
+                                    row_keys=None if row_keys is None else
+                                    row_keys[start * num_samples:(start + chunk) * num_samples],
+                                    **kw)
         else:
             out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
@@ -168,6 +189,7 @@ def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatu
         ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask),
         num_samples=num_samples, temperatures=temperatures,
         slots=engine_slots(ctx.cfg, rows),
-        chunk_steps=ctx.cfg.rollout.chunk_steps, weights=weights, **kw)
+        chunk_steps=ctx.cfg.rollout.chunk_steps, weights=weights,
+        record_routes=bool(ctx.cfg.algo.get("routing_replay")), **kw)
     stats.append(st)
     return out

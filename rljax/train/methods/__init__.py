@@ -13,4 +13,6 @@ is a ``core.rollout.RolloutStage`` the phase composes, or (for now) a ``Rollout`
   allocation  knapsack per-prompt group sizes (rollout.allocation='knapsack')
   vine        VinePPO: Monte-Carlo values of step prefixes
   step_mc     step-level DPO pairs from Monte-Carlo step values
+  prm_labels  Math-Shepherd step labels (fraction of correct continuations) for the PRM
+  prm_rerank  a PRM at inference: step scores of sampled solutions, best-of-N
 """

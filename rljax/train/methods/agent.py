@@ -23,7 +23,7 @@ from rljax import algorithms
 from rljax.algorithms import turn_credit
 from rljax.errors import UserError
 from rljax.train.core import episodes as ep
-from rljax.train.core import evaluate
+from rljax.train.core import evaluate, sampler
 from rljax.train.core.verifier import verify
 from rljax.train.core.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
 
@@ -81,7 +81,8 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
     eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
                           renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
                           rng=rng, num_samples=num_samples, temperature=temperature,
-                          top_k=top_k, top_p=top_p, mesh=ctx.mesh)
+                          top_k=top_k, top_p=top_p, mesh=ctx.mesh,
+                          engine=sampler.episode_engine(cfg, len(envs)))
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)
     return eps
 
@@ -204,7 +205,8 @@ class MultiTurnRollout(Rollout):
                     roles=eps["roles"],
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=t1 - t0 - eps["time_env"],
-                    time_env=eps["time_env"], time_reward=time.perf_counter() - t1)
+                    time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
+                    **({"slot_steps": eps["slot_steps"]} if "slot_steps" in eps else {}))
 
     def _check_reward_failures(self, rounds, step: int) -> None:
         if self.reward_fn is not None:

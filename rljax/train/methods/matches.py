@@ -77,10 +77,10 @@ class _SideRun:
         self.prompt_ids = [tokenizer.encode(p) for p in self.prompts]
         p_tok, p_mask = sampling.pad_to_bucket(self.prompt_ids[::g], pad_id=tokenizer.pad_id,
                                                buckets=limits.prompt_buckets)
+        self.p_tok, self.p_mask, self.g = p_tok, p_mask, g
         self.layout = multiturn.SlotLayout(prompt_len=p_tok.shape[1], turn_len=self.n,
                                            chunk_len=self.o, max_turns=max_plies)
-        self.cache = multiturn.start(side.model_cfg, side.params, p_tok, p_mask,
-                                     layout=self.layout, num_samples=g, mesh=mesh)
+        self.cache = None   # the static turn batches' cache, started by the first ``decode``
         pm = np.repeat(np.asarray(p_mask, bool), g, axis=0)
         self.slot_mask = np.zeros((r, self.layout.num_slots), bool)
         self.slot_mask[:, :self.layout.prompt_len - 1] = pm[:, :-1]
@@ -126,26 +126,53 @@ class _SideRun:
         self.active[i] = False
         self.envs[i].match.abandoned = True
 
+    def next_observation(self, i: int) -> list[int] | None:
+        """Row i is to move: its observation's ids (after the other seats' moves; none for
+        a first mover's first turn), appended to its trajectory; None when the row runs out
+        of turns, chunk width or tokens (its match is abandoned)."""
+        env = self.envs[i]
+        obs: list[int] = []
+        if self.turns[i] > 0 or not self.seen[i]:
+            obs = self.tok.encode(self.renderer.observation(
+                env.observe(), bool(self.carry_eos[i]), after_prompt=not self.turns[i]))
+        room = self.m_max - self.length[i] - len(obs)
+        if self.turns[i] >= self.t_max or len(obs) + 1 > self.o or room < 1:
+            self._truncate(i)
+            return None
+        self.tokens[i, self.length[i]:self.length[i] + len(obs)] = obs
+        self.length[i] += len(obs)
+        return obs
+
+    def turn_ended(self, i: int, ids: list[int], logps) -> tuple[int, str]:
+        """Records row i's turn (cut after the tool call's closing text); (kept, text)."""
+        k = _cut_after(self.tok, ids, self.renderer.call_end)
+        at = slice(self.length[i], self.length[i] + k)
+        self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
+        self.turn_ids[i, at], self.logps[i, at] = self.turns[i], logps[:k]
+        self.length[i] += k
+        self.carry[i] = ids[k - 1]
+        self.carry_eos[i] = ids[k - 1] == self.tok.eos_id
+        self.turns[i] += 1
+        self.final_turns[i] = self.tok.decode(ids[:k])
+        return k, self.final_turns[i]
+
     def decode(self, ply: int, rng) -> tuple[list[int], list[str]]:
         """Builds the chunks of the rows to move, decodes their turn; (rows, texts)."""
         r, o = len(self.envs), self.o
+        if self.cache is None:
+            side = self.side
+            self.cache = multiturn.start(side.model_cfg, side.params, self.p_tok, self.p_mask,
+                                         layout=self.layout, num_samples=self.g,
+                                         mesh=self.mesh)
         chunk = np.full((r, o), self.tok.pad_id, np.int32)
         chunk_mask = np.zeros((r, o), bool)
         rows = []
         for i in np.flatnonzero(self.active):
-            env = self.envs[i]
-            if not env.to_move():
+            if not self.envs[i].to_move():
                 continue
-            obs: list[int] = []
-            if self.turns[i] > 0 or not self.seen[i]:
-                obs = self.tok.encode(self.renderer.observation(
-                    env.observe(), bool(self.carry_eos[i]), after_prompt=not self.turns[i]))
-            room = self.m_max - self.length[i] - len(obs)
-            if self.turns[i] >= self.t_max or len(obs) + 1 > o or room < 1:
-                self._truncate(i)
+            obs = self.next_observation(i)
+            if obs is None:
                 continue
-            self.tokens[i, self.length[i]:self.length[i] + len(obs)] = obs
-            self.length[i] += len(obs)
             ids = [int(self.carry[i])] + obs
             chunk[i, o - len(ids):] = ids
             chunk_mask[i, o - len(ids):] = True
@@ -167,18 +194,8 @@ class _SideRun:
         kept = np.zeros(r, np.int64)
         texts = []
         for i in rows:
-            ids = out_tok[i, :out_len[i]].tolist()
-            k = _cut_after(self.tok, ids, self.renderer.call_end)
-            at = slice(self.length[i], self.length[i] + k)
-            self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
-            self.turn_ids[i, at], self.logps[i, at] = self.turns[i], out_lp[i, :k]
-            self.length[i] += k
-            self.carry[i] = ids[k - 1]
-            self.carry_eos[i] = ids[k - 1] == self.tok.eos_id
-            self.turns[i] += 1
-            kept[i] = k
-            texts.append(self.tok.decode(ids[:k]))
-            self.final_turns[i] = texts[-1]
+            kept[i], text = self.turn_ended(i, out_tok[i, :out_len[i]].tolist(), out_lp[i])
+            texts.append(text)
         self.slot_mask |= multiturn.kept_slots(self.layout, ply, kept)
         return rows, texts
 
@@ -204,13 +221,23 @@ class _SideRun:
 
 def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits: EpisodeLimits,
                 max_plies: int, rng: jax.Array, mesh=None,
-                step_all: Callable | None = None) -> list[dict]:
+                step_all: Callable | None = None, engine=None) -> list[dict]:
     """Plays every match of ``sides``' seat environments to its end (module docstring).
     ``limits.max_turns`` bounds each seat's turns, ``max_plies`` the plies of a match (the
-    cache of each side has a turn's slots per ply). Returns one dict per side."""
+    cache of each side has a turn's slots per ply). Returns one dict per side.
+
+    ``engine`` (``episodes.EngineOptions``; one side: self-play): every seat on a slot of its
+    own (``sampling.episode_engine``), a seat's turn starting as soon as the seat before it
+    moved, not when the ply's slowest turn stopped. Its noise is the static plies' (turn =
+    the match's ply), so where both compute equal logits the matches are equal."""
     if step_all is None:
         from rljax.envs import step_all
     runs = [_SideRun(s, tokenizer, renderer, limits, max_plies, mesh) for s in sides]
+    if engine is not None:
+        if len(runs) != 1:
+            raise ValueError("matches on the slot engine take one side (self-play)")
+        return [_engine_matches(runs[0], jax.random.fold_in(rng, 0), max_plies, step_all,
+                                engine)]
     time_env = 0.0
     for ply in range(max_plies):
         for run in runs:
@@ -232,3 +259,59 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
         for i in np.flatnonzero(run.active):   # out of plies: truncated
             run._truncate(i)
     return [run.result(time_env) for run in runs]
+
+
+def _engine_matches(run: _SideRun, rng, max_plies: int, step_all, engine) -> dict:
+    """Self-play on the episode engine: each seat holds a slot (all seats at once, so a seat
+    waiting for the other's move never waits for a free slot); after every decode chunk the
+    seats whose turn ended step their match, then every waiting seat whose match is over
+    settles and every seat now to move is fed its observation."""
+    from rljax.models import paged
+    from rljax.sampling import episode_engine as ee
+
+    side, r = run.side, len(run.envs)
+    pages, page_mask, page_len = ee.prefill(side.model_cfg, side.params, run.p_tok, run.p_mask)
+    cache = paged.init_slot_cache(side.model_cfg, r, run.m_max + 1)
+    state = ee.empty_state(r, run.o, run.n, run.tok.pad_id)
+    state["row"][:] = np.arange(r)          # slot i holds row i for its whole match
+    decoding = np.zeros(r, bool)
+    stop_ids = sampling.merge_stop_ids(run.tok.eos_id, ())
+    opts = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
+                stop_ids=stop_ids, stop_sequences=run.options["stop_sequences"])
+    time_env = 0.0
+    while True:
+        run.settle()
+        for i in np.flatnonzero(run.active & ~decoding):
+            env = run.envs[i]
+            if not env.to_move():
+                continue
+            if env.match.plies >= max_plies:
+                run._truncate(i)
+                continue
+            # Feed the observation (cursor: the trajectory before it, the carried token
+            # first), then sample; the noise key's turn is the match's ply.
+            before = int(run.length[i])
+            obs = run.next_observation(i)
+            if obs is None:
+                continue
+            ee.resume(state, i, row=i, lead=int(run.carry[i]), observation=obs, cursor=before,
+                      turn=env.match.plies, budget=min(run.n, run.m_max - int(run.length[i])))
+            decoding[i] = True
+        if not decoding.any():
+            break
+        cache, state, _ = ee.run_chunk(side.model_cfg, side.params, pages, page_mask, page_len,
+                                       cache, state, rng, num_samples=run.g,
+                                       chunk_steps=engine.chunk_steps, **opts)
+        ended = np.flatnonzero(decoding & ~state["live"])
+        decoding[ended] = False
+        texts = [run.turn_ended(i, state["tokens"][i, :state["t"][i]].tolist(),
+                                state["logps"][i])[1] for i in ended]
+        if len(ended):
+            t0 = time.perf_counter()
+            results = step_all([run.envs[i] for i in ended], texts)
+            time_env += time.perf_counter() - t0
+            for i, res in zip(ended, results):
+                run.record(i, res)
+    for i in np.flatnonzero(run.active):   # out of plies: truncated
+        run._truncate(i)
+    return run.result(time_env)

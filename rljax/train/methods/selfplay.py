@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from rljax.errors import UserError
+from rljax.train.core import sampler
 from rljax.train.core.episodes import EpisodeLimits, Renderer
 from rljax.train.methods.matches import Side, run_matches
 
@@ -135,6 +136,8 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
         sides.append(Side(opponent.model_cfg, opponent.params, theirs, g,
                           opponent.temperature, top_k if opponent.temperature else 0,
                           top_p if opponent.temperature else 1.0))
+    engine = sampler.episode_engine(cfg, len(mine)) if opponent is None else None
     eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
-                      max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh)[0]
+                      max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
+                      engine=engine)[0]
     return eps, groups

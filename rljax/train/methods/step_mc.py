@@ -154,18 +154,24 @@ class StepMCPairs:
 
     # -- one batch -------------------------------------------------------------------------------
 
-    def __call__(self, state, step: int) -> tuple[dict, dict]:
-        t0 = time.perf_counter()
-        k, tok = self.k, self.ctx.tokenizer
+    def first_level(self, state, step: int):
+        """Level 0 of step ``step``: the next prompts' K samples each, scored. Returns
+        ``(rng, examples, prompt ids, the sampler's output, rewards f32 [B, K], completions
+        (B*K id lists))``."""
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
         examples = next(self.iterator)
         b = len(examples)
-        prompt_ids = [tok.encode(ex["prompt"]) for ex in examples]
-
-        # Level 0: K samples per prompt; the best one is the trajectory.
+        prompt_ids = [self.ctx.tokenizer.encode(ex["prompt"]) for ex in examples]
         out0 = self._sample(state.params, prompt_ids, jax.random.fold_in(rng, 0))
         r0, conts0 = self._score(examples, list(range(b)), [[] for _ in range(b)], out0)
-        r0 = r0.reshape(b, k)
+        return rng, examples, prompt_ids, out0, r0.reshape(b, self.k), conts0
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        t0 = time.perf_counter()
+        k = self.k
+        rng, examples, prompt_ids, out0, r0, conts0 = self.first_level(state, step)
+        b = len(examples)
+        # Level 0's best sample per prompt is the trajectory.
         trajectories = [conts0[i * k + int(np.argmax(r0[i]))] for i in range(b)]
         ends = [step_ends(t, self.decode, self.cfg.data.step_delimiter, self.stop_ids)
                 for t in trajectories]

@@ -7,6 +7,7 @@
     ppo   PPOPhase   PPO with a critic and GAE
     dpo   DPOPhase   offline and online (iterative) DPO and its variants
     rm    RMPhase    Bradley-Terry reward model
+    prm   PRMPhase   process reward model (per-step labels at step-end tokens)
 
 A phase is ``factory(ctx, steps) -> Phase`` (the protocol is ``rljax.train.core.setup.Phase``); it
 builds on the machinery one level up (``rljax.train``: state, steps, rollout, evaluate, ...) and
@@ -21,14 +22,26 @@ import dataclasses
 from typing import Callable
 
 from rljax.errors import UserError
-from rljax.train.phases.async_grpo import AsyncGRPOPhase
+from rljax.train.phases.async_grpo import AsyncGRPOPhase, AsyncSchedule
 from rljax.train.phases.distill import DistillPhase
 from rljax.train.phases.dpo import DPOPhase
 from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.phases.ppo import PPOPhase
+from rljax.train.phases.prm import PRMPhase
 from rljax.train.phases.rm import RMPhase
 from rljax.train.phases.sft import SFTPhase
 from rljax.train.core.setup import Context, Phase
+
+
+class AsyncPPOPhase(AsyncSchedule, PPOPhase):
+    """PPO on batches sampled ``algo.async_lag`` versions earlier: values, GAE and the
+    proximal log-probs are computed at update time (``prepare``), and the loss weighs each
+    token by its behaviour ratio (``algo.tis_cap``, uncapped by default)."""
+
+
+class AsyncDistillPhase(AsyncGRPOPhase, DistillPhase):
+    """Distillation on batches sampled ``algo.async_lag`` versions earlier: the teacher
+    scores each batch where it is sampled; the update is distillation's."""
 
 
 def grpo_phase(ctx: Context, steps: int) -> Phase:
@@ -38,13 +51,28 @@ def grpo_phase(ctx: Context, steps: int) -> Phase:
     return GRPOPhase(ctx, steps)
 
 
+def ppo_phase(ctx: Context, steps: int) -> Phase:
+    """The PPO phase: asynchronous (``algo.asynchronous``) or not."""
+    if ctx.cfg.algo.get("asynchronous", False):
+        return AsyncPPOPhase(ctx, steps)
+    return PPOPhase(ctx, steps)
+
+
+def distill_phase(ctx: Context, steps: int) -> Phase:
+    """The distillation phase: asynchronous (``algo.asynchronous``) or not."""
+    if ctx.cfg.algo.get("asynchronous", False):
+        return AsyncDistillPhase(ctx, steps)
+    return DistillPhase(ctx, steps)
+
+
 # algo.name -> factory(ctx, steps) -> Phase.
 ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
     "grpo": grpo_phase,
-    "distill": DistillPhase,
-    "ppo": PPOPhase,
+    "distill": distill_phase,
+    "ppo": ppo_phase,
     "dpo": DPOPhase,
     "rm": RMPhase,
+    "prm": PRMPhase,
     "sft": lambda ctx, steps: SFTPhase(ctx, steps, ctx.cfg.optimizer.learning_rate),
 }
 
@@ -56,6 +84,7 @@ PROGRAMS: dict[str, Callable] = {
     "ppo": PPOPhase.programs,
     "dpo": DPOPhase.programs,
     "rm": RMPhase.programs,
+    "prm": PRMPhase.programs,
     "sft": lambda ctx, steps: SFTPhase.programs(ctx, steps, ctx.cfg.optimizer.learning_rate),
 }
 

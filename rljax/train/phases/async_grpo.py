@@ -68,8 +68,11 @@ class SamplerState:
     ref_params: Any = None
 
 
-class AsyncGRPOPhase(GRPOPhase):
-    """``steps`` GRPO iterations on batches sampled ``algo.async_lag`` versions earlier."""
+class AsyncSchedule:
+    """The asynchronous schedule over a phase with a ``rollout`` (module docstring): mixed in
+    before the phase (``class AsyncXPhase(AsyncSchedule, XPhase)``), which supplies
+    ``train_on(state, batch, metrics, step) -> (state, updates)``: the update of one batch,
+    its device work dispatched, its metrics not fetched."""
 
     prefetch = False   # the sampler itself runs ahead of the update
 
@@ -77,26 +80,14 @@ class AsyncGRPOPhase(GRPOPhase):
         super().__init__(ctx, steps)
         cfg = ctx.cfg
         self.lag = int(cfg.algo.async_lag)
-        # The rollout was built on the training context: its log-prob passes (used here, at
-        # update time, under the proximal policy) run on the training mesh. It samples on
-        # the sampler's context, and computes no log-probs itself.
+        # The rollout was built on the training context: its log-prob passes (used at update
+        # time, under the proximal policy) run on the training mesh. It samples on the
+        # sampler's context, and computes no log-probs itself.
         self.rollout.ctx = self.sampler_ctx = sampler_context(ctx)
         self.rollout.old_logps, self.rollout.needs_ref = False, False
-        self.needs_old = not single_update(cfg)
-        self.needs_ref = cfg.algo.beta > 0
         self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
         self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
         self.inflight_updates = bool(cfg.algo.inflight_updates)
-
-    def _compiled(self, state):
-        """The GRPO update; ``algo.update_streams`` left at auto runs one stream: concurrent
-        streams block the controller until their gradients are done, and the controller has
-        the sampler to drive meanwhile."""
-        if self._step_fn is None:
-            self._step_fn = super()._compiled(state)
-            if not self.ctx.cfg.algo.update_streams:
-                self._step_fn.streams = 1
-        return self._step_fn
 
     # -- the two meshes ------------------------------------------------------------------------
 
@@ -161,8 +152,7 @@ class AsyncGRPOPhase(GRPOPhase):
         if self.sampler_version != step:
             transfer += self.publish(state, step)
         t_train = time.perf_counter()
-        batch = self._logp_passes(state, batch, metrics)
-        state, updates = self.update(state, batch)
+        state, updates = self.train_on(state, batch, metrics, step)
         ready = _Watch((state, updates))
         t_sample = time.perf_counter()
         if step + self.lag < self.steps:
@@ -180,6 +170,7 @@ class AsyncGRPOPhase(GRPOPhase):
         t_end = time.perf_counter()
         wall = t_end - t0
         merge_updates(metrics, updates)
+        rollout_tokens = metrics.get("rollout/tokens", 0)
         metrics.update({
             "time/weight_transfer": transfer,
             "time/trainer_idle_frac": _idle(wall, ready.at(t_end) - t_train),
@@ -187,10 +178,49 @@ class AsyncGRPOPhase(GRPOPhase):
             "time/sample": sampled,   # this iteration's sampling (of later batches)
             "time/rollout": t_wait - t_sample, "time/update": t_sample - t_train,
             "time/wait_update": t_end - t_wait, "time/step": wall,
-            "tokens_per_s": (metrics["rollout/tokens"] + metrics["rollout/train_tokens"]
+            "tokens_per_s": (rollout_tokens + metrics.get("rollout/train_tokens", 0)
                              * self.ctx.cfg.algo.num_iterations) / max(wall, 1e-9),
         })
         return state, metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["inflight"] = {str(j): {"version": v, "metrics": _plain(m),
+                                    "batch": {k: encode_array(np.asarray(x))
+                                              for k, x in b.items()}}
+                           for j, (b, m, v) in sorted(self.inflight.items())}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.inflight = {int(j): ({k: decode_array(x) for k, x in item["batch"].items()},
+                                  dict(item["metrics"]), int(item["version"]))
+                         for j, item in state.get("inflight", {}).items()}
+
+
+class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
+    """``steps`` GRPO iterations on batches sampled ``algo.async_lag`` versions earlier."""
+
+    def __init__(self, ctx, steps: int):
+        super().__init__(ctx, steps)
+        self.needs_old = not single_update(ctx.cfg)
+        self.needs_ref = ctx.cfg.algo.beta > 0
+
+    def _compiled(self, state):
+        """The GRPO update; ``algo.update_streams`` left at auto runs one stream: concurrent
+        streams block the controller until their gradients are done, and the controller has
+        the sampler to drive meanwhile."""
+        if self._step_fn is None:
+            self._step_fn = super()._compiled(state)
+            if not self.ctx.cfg.algo.update_streams:
+                self._step_fn.streams = 1
+        return self._step_fn
+
+    def train_on(self, state, batch: dict, metrics: dict, step: int):
+        """Batch k's log-prob passes, then the update (dispatched, not fetched)."""
+        return self.update(state, self._logp_passes(state, batch, metrics))
 
     def _logp_passes(self, state, batch: dict, metrics: dict) -> dict:
         """Batch k's proximal log-probs (``old_logps``: version k, when the policy moves within
@@ -209,21 +239,6 @@ class AsyncGRPOPhase(GRPOPhase):
             batch["ref_logps"] = fn(ref, dist.device_batch(batch, mesh))
         return batch
 
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        out = super().state_dict()
-        out["inflight"] = {str(j): {"version": v, "metrics": _plain(m),
-                                    "batch": {k: encode_array(np.asarray(x))
-                                              for k, x in b.items()}}
-                           for j, (b, m, v) in sorted(self.inflight.items())}
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.inflight = {int(j): ({k: decode_array(x) for k, x in item["batch"].items()},
-                                  dict(item["metrics"]), int(item["version"]))
-                         for j, item in state.get("inflight", {}).items()}
 
 
 class _Watch:

@@ -7,7 +7,7 @@ flag: the update is the GRPO one (``GroupedUpdate`` over ``grpo_loss``: the same
 planning, shared prompts, streams, clipping, LoRA, exact accumulation), and distillation is a
 choice of per-token advantage -- ``-(log pi - log pi_T)`` with discount 0 -- which ``grpo_loss``
 forms from the batch's ``teacher_logps``, mixed with the task advantage by
-``algo.distill.reward_weight``. What differs is only the rollout, which also runs the teacher,
+``algo.distill.reward_weight``. What differs is only the rollout, which also runs the teacher (the ``TeacherScores`` stage),
 and the defaults (no reference model, G = 1 allowed when no task reward is mixed in); a name
 makes those defaults and the teacher's required presence explicit in configs, the plan and the
 metrics, while every GRPO option (estimators, mini-batches, epochs) keeps working.
@@ -27,7 +27,6 @@ from rljax import distributed as dist
 from rljax.train.core import programs as programs_lib
 from rljax.train.core import teacher as teacher_lib
 from rljax.train.phases.grpo import GRPOPhase
-from rljax.train.core.rollout import Rollout
 from rljax.train.core.setup import Context
 
 
@@ -51,15 +50,21 @@ def score_fn(ctx: Context, teacher_cfg, source: teacher_lib.Source):
         **_score_options(ctx))
 
 
-class DistillRollout(Rollout):
-    """The GRPO rollout plus the teacher's scores of every sampled token: ``teacher_logps``
-    f32 [R, N] (and, with the JSD term, ``teacher_topk_logps`` / ``teacher_topk_ids`` [R, N,
-    k]). The teacher is loaded at the first rollout, not when the phase is built, so that
-    ``rljax eval`` / ``sample`` of a distilled workdir never read it."""
+class TeacherScores:
+    """Rollout stage (``core.rollout.RolloutStage``): the teacher's scores of every sampled
+    token in the assembled batch, ``teacher_logps`` f32 [R, N] (and, with the JSD term,
+    ``teacher_topk_logps`` / ``teacher_topk_ids`` [R, N, k]). A stage rather than a rollout
+    subclass, so any sampler composes with it (static, slot engine, partial rollouts,
+    asynchronous). The teacher is loaded at the first batch, not when the phase is built, so
+    that ``rljax eval`` / ``sample`` of a distilled workdir never read it. Stateless: a resumed
+    run reloads it from its source."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True, stages=()):
-        super().__init__(ctx, iterator, old_logps, stages=stages)
+    name = "teacher"
+
+    def __init__(self, ctx: Context):
+        self.ctx, self.cfg = ctx, ctx.cfg
         self._teacher = None   # (params, score fn)
+        self._agreement, self._time = 0.0, 0.0
 
     def teacher(self):
         if self._teacher is None:
@@ -68,8 +73,13 @@ class DistillRollout(Rollout):
             self._teacher = params, score_fn(self.ctx, model_cfg, source)
         return self._teacher
 
-    def __call__(self, state, step: int):
-        batch, metrics = super().__call__(state, step)
+    def check(self, example: dict) -> None:
+        pass
+
+    def after_round(self, rollout, params, rnd: dict, rng) -> dict:
+        return rnd
+
+    def finish_batch(self, batch: dict, rows: dict) -> None:
         params, score = self.teacher()
         t0 = time.perf_counter()
         seqs = {k: batch[k] for k in ("tokens", "mask", "loss_mask")}
@@ -80,16 +90,26 @@ class DistillRollout(Rollout):
         sampled = np.asarray(batch["loss_mask"], bool)
         argmax = dist.to_host(out["teacher_argmax"])
         hits = (argmax == np.asarray(batch["tokens"])[:, -n:])[sampled]
-        metrics["distill/teacher_agreement"] = float(hits.mean()) if hits.size else 0.0
-        metrics["time/teacher"] = time.perf_counter() - t0
-        return batch, metrics
+        self._agreement = float(hits.mean()) if hits.size else 0.0
+        self._time = time.perf_counter() - t0
+
+    def metrics(self, rounds, rows) -> dict:
+        return {"distill/teacher_agreement": self._agreement, "time/teacher": self._time}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class DistillPhase(GRPOPhase):
     """``steps`` distillation iterations: GRPO's loop and update, the teacher in the rollout."""
 
     name = "distill"
-    rollout_class = DistillRollout
+
+    def rollout_stages(self) -> list:
+        return super().rollout_stages() + [TeacherScores(self.ctx)]
 
     @staticmethod
     def programs(ctx: Context, steps_: int):

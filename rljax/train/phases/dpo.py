@@ -32,6 +32,7 @@ from rljax.train.core import evaluate as eval_lib
 from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.setup import check_lengths, data_iterator, preference_config
+from rljax.train.methods import mcts_search
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
 from rljax.train.core.steps import to_host
@@ -333,7 +334,7 @@ def num_pairs(cfg) -> int:
     (``algo.step_mc.max_steps`` per prompt with step-level pairs)."""
     a, b = cfg.algo, int(cfg.rollout.batch_size)
     pairs = b // int(a.num_generations) if a.online else b
-    return pairs * int(a.step_mc.max_steps) if cfg.data.pairs == "step_mc" else pairs
+    return pairs * int(a.step_mc.max_steps) if cfg.data.pairs in ("step_mc", "mcts") else pairs
 
 
 def _optimizer(ctx, steps: int):   # online: algo.num_iterations updates per step
@@ -364,7 +365,9 @@ class DPOPhase:
     for each of ``rollout.batch_size / num_generations`` prompts, rank them with the reward
     functions, pair the best with the worst (ties are skipped), then update on those pairs.
     With ``data.pairs="step_mc"`` the pairs are step-level instead (``train.step_mc``: steps
-    valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most).
+    valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most);
+    with ``data.pairs="mcts"`` they are sibling steps of an MCTS over steps
+    (``methods.mcts_search.MCTSPairs``: the best- and worst-valued children of a node).
     The reference starts as a copy of the phase's starting policy and is refreshed every
     ``algo.ref_update_every`` steps (0 = frozen; 1 = every round, iterative DPO).
     Evaluation: the policy's task accuracy (as for GRPO, when the data has prompts with
@@ -379,14 +382,15 @@ class DPOPhase:
         a = cfg.algo
         self.ctx, self.steps, self.online = ctx, int(steps), bool(a.online)
         self.g = int(a.num_generations)
-        self.step_mc = cfg.data.pairs == "step_mc"
+        self.step_mc = cfg.data.pairs in ("step_mc", "mcts")   # step-level pairs, sampled
         self.num_pairs = num_pairs(cfg)
         if self.num_pairs % ctx.dp_size:
             raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
                             f"split over the data-parallel mesh size {ctx.dp_size}")
         if self.step_mc:
             self.iterator = data_iterator(ctx, cfg.rollout.batch_size // self.g)
-            self.source = StepMCPairs(ctx, self.iterator)
+            self.source = (mcts_search.MCTSPairs(ctx, self.iterator)
+                           if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
         elif self.online:
             self.iterator = data_iterator(ctx, self.num_pairs)
             self.source = RewardRollout(ctx, self.iterator)

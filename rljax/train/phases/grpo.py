@@ -295,7 +295,6 @@ class GRPOPhase:
     """``steps`` GRPO iterations at ``optimizer.learning_rate``."""
 
     name = "grpo"
-    rollout_class = Rollout   # the distillation phase's adds the teacher's scores
     prefetch = True   # draw the next prompts while the update runs (results do not change)
 
     def __init__(self, ctx: Context, steps: int):
@@ -312,7 +311,7 @@ class GRPOPhase:
             from rljax.train.methods import selfplay
             groups = selfplay.examples_per_round(cfg, groups)
         self.iterator = rl_iterator(ctx, groups)
-        rollout_cls = self.rollout_class
+        rollout_cls = Rollout
         if cfg.env.name:   # multi-turn episodes (rljax.train.methods.agent)
             from rljax.train.methods.agent import MultiTurnRollout as rollout_cls
         elif cfg.rollout.partial:   # groups carried across iterations
@@ -321,15 +320,20 @@ class GRPOPhase:
             from rljax.train.methods.allocation import KnapsackRollout as rollout_cls
         elif a.adv_estimator == "vineppo":   # forked step-prefix values
             from rljax.train.methods.vine import VineRollout as rollout_cls
-        # Method features the rollout runs after each round, each owning its state.
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg),
-                                   stages=[self.guide] if self.guide is not None else [])
+                                   stages=self.rollout_stages())
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
         self.relift = guidance.Relift(ctx, self.guide) if a.relift.every else None
         self.optimizer = _optimizer(ctx, self.steps)
         self._step_fn = None
+
+    def rollout_stages(self) -> list:
+        """Method features the rollout runs at fixed points of every call, each owning its
+        state (``core.rollout.RolloutStage``): hints/ReLIFT/demonstrations when configured; a
+        phase built on this one adds its own (distillation: the teacher's scores)."""
+        return [self.guide] if self.guide is not None else []
 
     def init_state(self, state):
         """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0),

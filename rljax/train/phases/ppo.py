@@ -173,7 +173,8 @@ def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     logps, ent = steps.completion_logps(model_cfg, params["policy"], batch,
                                         temperature=temperature, with_entropy=entropy_coef > 0,
                                         lora_dropout_rng=policy_rng)
-    opts = policy_loss_options(algo_cfg)
+    # Asynchronous: every token was drawn by an earlier version; the behaviour weight is on.
+    opts = policy_loss_options(algo_cfg, partial=bool(algo_cfg.get("asynchronous")))
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]
     pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
@@ -362,15 +363,14 @@ class PPOPhase:
             (state, _batch(ctx, update_sizes(cfg)[0], True)), resident))
         return state, out
 
-    def iteration(self, state, step: int):
+    def train_on(self, state, batch: dict, metrics: dict, step: int):
+        """``prepare`` (values, GAE; fetched) and the epochs of minibatch updates on one
+        batch, dispatched; returns ``(state, updates)`` (the updates' metrics not fetched)."""
         cfg, mesh = self.ctx.cfg, self.ctx.mesh
-        t0 = time.perf_counter()
-        batch, metrics = self.rollout(state, step)
-        t_prepare = time.perf_counter()
         prepared, pm = self.prepare(state, dist.device_batch(batch, mesh))
         prepared = {k: dist.to_host(v) for k, v in prepared.items()}
         metrics.update({k: float(dist.to_host(v)) for k, v in pm.items()})
-        t1 = time.perf_counter()
+        self._prepared_at = time.perf_counter()
         step_fn = self._compiled(state)
         # Shuffled minibatches, reproducible from (seed, step, epoch) so a resume replays them.
         rng = np.random.default_rng([cfg.seed, step])
@@ -383,10 +383,18 @@ class PPOPhase:
                 mb = {k: v[rows] for k, v in prepared.items()}
                 state, m = step_fn(state, dist.device_batch(mb, mesh))
                 updates.append(m)
-        updates = [to_host(m) for m in updates]
         every = cfg.algo.ref_update_every
         if state.ref_params is not None and every and (step + 1) % every == 0:
             state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+        return state, updates
+
+    def iteration(self, state, step: int):
+        t0 = time.perf_counter()
+        batch, metrics = self.rollout(state, step)
+        t_prepare = time.perf_counter()
+        state, updates = self.train_on(state, batch, metrics, step)
+        t1 = self._prepared_at
+        updates = [to_host(m) for m in updates]
         t2 = time.perf_counter()
         # Device work pending (see the GRPO phase): sampling, the rollout's own passes, the
         # critic/GAE pass until its fetch, and the updates until their metrics' fetch.

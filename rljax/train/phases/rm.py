@@ -100,11 +100,13 @@ RM_STREAM = 5  # rng stream of the value head's initialisation
 
 
 def build_rm_phase_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
-                        mesh=None) -> Callable:
+                        mesh=None, loss=rm_loss) -> Callable:
     """Jitted ``rm_step`` on a phase state whose reward model lives in ``critic_params`` /
     ``critic_opt_state`` (so the run's sharding and checkpoint machinery handle it like a
-    critic); ``params`` (the policy it was initialised from) is carried unchanged."""
-    loss_fn = functools.partial(rm_loss, model_cfg)
+    critic); ``params`` (the policy it was initialised from) is carried unchanged.
+    ``loss(model_cfg, value params, state, batch)``: the Bradley-Terry loss, or another
+    value-head loss in the same convention (the process reward model's)."""
+    loss_fn = functools.partial(loss, model_cfg)
 
     def rm_step(state, batch):
         # With LoRA the reward model is adapters + head on the policy's frozen base.

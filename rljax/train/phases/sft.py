@@ -1,6 +1,8 @@
 """Supervised fine-tuning phase: the SFT warm-up before RL (``sft.steps``) or ``algo.name='sft'``.
 
-Examples come from ``sft.source`` (default ``data.source``). Synthetic tasks provide verified
+Examples come from ``sft.source`` (default ``data.source``); with ``sft.traces='mcts'`` the
+main phase (not the warm-up) trains on the best verified traces of an MCTS over steps
+instead (``methods.mcts_search``: ReST-MCTS*-style self-training). Synthetic tasks provide verified
 solutions (``task.solution``); file sources use a ``completion`` (or ``solution`` /
 ``answer``) field. Each example becomes prompt ++ solution ++ EOS in the shared sequence layout
 (see ``steps``), with the loss on the solution and EOS only.
@@ -16,7 +18,7 @@ from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
 from rljax.train.core import image_inputs, programs as programs_lib
-from rljax.train.methods import guidance
+from rljax.train.methods import guidance, mcts_search
 from rljax.train.core import rollout as rollout_lib
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
@@ -54,6 +56,10 @@ class SFTPhase:
         self._step_fn = None
         self.num_too_long = 0
         self.images = image_inputs.image_inputs(ctx)
+        self.traces = None
+        if cfg.sft.traces == "mcts" and name == "sft":   # the main phase (not the warm-up)
+            self.iterator = data_iterator(ctx, cfg.sft.batch_size)   # the RL prompts' order
+            self.traces = mcts_search.MCTSTraces(ctx, self.iterator, self.completion_len)
 
     def init_state(self, state):
         return _init_state(self.optimizer, state)
@@ -116,14 +122,18 @@ class SFTPhase:
 
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
-        batch = self.make_batch(next(self.iterator), step)
+        extra = {}
+        if self.traces is not None:   # the search's best verified traces (sft.traces='mcts')
+            batch, extra = self.traces(state, step)
+        else:
+            batch = self.make_batch(next(self.iterator), step)
         state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))
         m = to_host(m)
         dt = time.perf_counter() - t0
         ntok = int(batch["loss_mask"].sum())
         m = {f"sft/{k}" if k not in ("skipped", "grad_norm") else k: v for k, v in m.items()}
         m.update({"sft/tokens": ntok, "time/update": dt, "tokens_per_s": ntok / max(dt, 1e-9),
-                  "sft/too_long": self.num_too_long})
+                  "sft/too_long": self.num_too_long, **extra})
         return state, m
 
     def state_dict(self) -> dict:

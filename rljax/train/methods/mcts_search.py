@@ -1,0 +1,412 @@
+"""MCTS over reasoning steps in the rollout, and ReST-MCTS*-style self-training on its traces.
+
+Each prompt gets a search (``rljax.algorithms.mcts``) whose nodes are step prefixes: a
+completion's steps end at ``data.step_delimiter`` (``step_mc.step_ends``; a stop token ends the
+last step). The searches of all the round's prompts advance in lockstep, one simulation each
+per *wave*:
+
+1. select: each tree follows PUCT (``mcts.select_child``) from its root to a leaf. A terminal
+   leaf is valued by its reward (known since it was created) and backed up at once.
+2. expand: every other leaf, of every prompt, is one prefix row of ONE batched sampler call
+   (prompt ++ prefix left-padded to ``data.max_prompt_length + rollout.max_new_tokens``,
+   prefilled once and forked ``max(children, rollouts)`` ways). The first step of each of
+   the first ``algo.mcts.children`` continuations is a child; its prior is the policy's
+   probability of the step (exp of the sum of its tokens' log-probs), normalised over the
+   siblings by ``mcts.expand``. A child whose step ends the continuation (stop token or the
+   completion budget, ``rollout.max_new_tokens`` tokens in all) is terminal, with that
+   continuation's reward (``reward.names``; verified when >= ``algo.mcts.correct_reward``).
+3. evaluate: the leaf's value is the mean reward of its first ``algo.mcts.rollouts``
+   continuations (value 'mc': rollouts to the end, step_mc's prefix value), or the score of
+   the PRM of ``algo.mcts.prm`` at the prefix's last step end (value 'prm'; Math-Shepherd's
+   label there is the chance of reaching the right answer; the root, with no step, is valued
+   by its rollouts). Children's PRM scores are computed in the wave that creates them.
+4. backup: ``mcts.backup`` along the path.
+
+A tree stops after ``algo.mcts.simulations`` simulations, or when a leaf would need expanding
+and the tree already holds ``algo.mcts.max_nodes`` nodes.
+
+Determinism: the sampler draws each row from its own key (``sampling.generate(row_keys)``);
+the key of a node's fork j is ``fold_in(fold_in(fold_in(round key, hash(prompt)),
+hash(node path)), j)``, so a prompt's tree does not depend on which other prompts share the
+round, nor their order (identical prompts get identical trees). The round key is
+``fold_in(fold_in(state.rng, MCTS_STREAM), step)``: a resumed run searches the same trees.
+
+Self-training (``sft.traces='mcts'``): the best verified trace per prompt (``best_verified``:
+the most visited verified terminal node; ties: its higher value, then the first found) is
+prompt ++ trace, the loss on the trace; prompts without one get a row that counts for nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import rewards, sampling
+from rljax.algorithms import mcts
+from rljax.train.core.buckets import build_sequences, encode_prompts
+from rljax.train.core.rollout import expand_fields
+from rljax.train.core.sampler import generate
+from rljax.train.methods.step_mc import step_ends
+
+MCTS_STREAM = 13   # rng stream of the search (fold_in of the train state's key)
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+def stable_hash(ids) -> int:
+    """A 31-bit hash of a sequence of ints (crc32; the same in every process and run)."""
+    return zlib.crc32(np.asarray(list(ids), np.int64).tobytes()) & 0x7FFFFFFF
+
+
+@jax.jit
+def _fork_keys(round_key, prompt_hash, path_hash, forks):
+    """Keys [R * S] of rows: prefix row r's fork j = fold_in(fold_in(fold_in(round_key,
+    prompt_hash[r]), path_hash[r]), j); ``forks`` int [S] = arange(S)."""
+    def row(p, q):
+        base = jax.random.fold_in(jax.random.fold_in(round_key, p), q)
+        return jax.vmap(lambda j: jax.random.fold_in(base, j))(forks)
+    return jax.vmap(row)(prompt_hash, path_hash).reshape((-1,) + round_key.shape)
+
+
+def first_step(cont: list[int], decode, delimiter: str, stop_ids) -> tuple[tuple, bool]:
+    """The first step of a continuation (token tuple) and whether it is all of it (the
+    continuation ends there: a stop token or the budget; no delimiter before its end)."""
+    ends = step_ends(cont, decode, delimiter, stop_ids)
+    if not ends:
+        return (), True
+    return tuple(cont[:ends[0]]), len(ends) == 1
+
+
+@dataclasses.dataclass
+class Tree:
+    """One prompt's search. ``info[node.steps]``: ``path`` (child indices from the root),
+    ``reward`` (terminal nodes) and ``score`` (value 'prm': the PRM's, non-terminal nodes)."""
+    example: dict
+    prompt_ids: list
+    root: mcts.Node = dataclasses.field(default_factory=mcts.Node)
+    info: dict = dataclasses.field(default_factory=lambda: {(): {"path": ()}})
+    nodes: int = 1
+    simulations: int = 0
+    done: bool = False
+
+    def tokens(self, node: mcts.Node) -> list[int]:
+        """The prefix's tokens (its steps joined)."""
+        return [t for step in node.steps for t in step]
+
+
+def walk(root: mcts.Node):
+    """Every node of a tree, depth first in expansion order (root first)."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(node.children))
+
+
+def best_verified(tree: Tree, correct_reward: float):
+    """The tree's best verified terminal node: reward >= ``correct_reward``; the most visited,
+    ties to the higher mean value, then the first in ``walk`` order. None if there is none."""
+    found = [(n.visits, n.value, -i, n) for i, n in enumerate(walk(tree.root))
+             if n.terminal and tree.info[n.steps].get("reward", -np.inf) >= correct_reward]
+    return max(found, key=lambda f: f[:3])[3] if found else None
+
+
+def tree_stats(trees: list[Tree], correct_reward: float) -> dict:
+    """``mcts/*`` metrics of a round's trees: solved_frac (a verified trace found),
+    nodes_mean, depth_mean (deepest node, in steps), value_root_mean (root Q),
+    simulations_mean."""
+    return {
+        "mcts/solved_frac": float(np.mean([best_verified(t, correct_reward) is not None
+                                           for t in trees])),
+        "mcts/nodes_mean": float(np.mean([t.nodes for t in trees])),
+        "mcts/depth_mean": float(np.mean([max(len(n.steps) for n in walk(t.root))
+                                          for t in trees])),
+        "mcts/value_root_mean": float(np.mean([t.root.value for t in trees])),
+        "mcts/simulations_mean": float(np.mean([t.simulations for t in trees])),
+    }
+
+
+# ----------------------------------------------------------------------------- the search
+
+class MCTSSearch:
+    """``search(params, examples, round_key) -> [Tree]``: one tree per example, built in
+    waves of one sampler call each (``algo.mcts``; ``rows`` prefix rows per call, static)."""
+
+    def __init__(self, ctx, rows: int, prm_scorer=None):
+        cfg = ctx.cfg
+        m = cfg.algo.mcts
+        self.ctx, self.cfg, self.m, self.rows = ctx, cfg, m, int(rows)
+        self.k, self.m_rollouts = int(m.children), int(m.rollouts)
+        self.forks = max(self.k, self.m_rollouts)
+        self.n = int(cfg.rollout.max_new_tokens)
+        self.prefix_bucket = int(cfg.data.max_prompt_length) + self.n
+        self.reward_fn = ctx.reward_fn()
+        self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
+        self.decode = ctx.tokenizer.decode
+        self.stop_ids = tuple(ctx.stop_ids)
+        self.prm_scorer = prm_scorer   # (prompt ids, prefix ids) lists -> scores [R]
+        self.sampler_calls = 0
+        self.tokens = 0
+
+    def search(self, params, examples: list[dict], round_key) -> list[Tree]:
+        tok = self.ctx.tokenizer
+        trees = [Tree(ex, tok.encode(ex["prompt"])) for ex in examples]
+        for _ in range(int(self.m.simulations)):
+            leaves = []
+            for t in trees:
+                if t.done:
+                    continue
+                path = [t.root]
+                while path[-1].expanded and path[-1].children and not path[-1].terminal:
+                    path.append(mcts.select_child(path[-1], float(self.m.c_puct),
+                                                  float(self.m.unvisited_value)))
+                leaf = path[-1]
+                if leaf.terminal:
+                    mcts.backup(path, t.info[leaf.steps]["reward"])
+                    t.simulations += 1
+                elif t.nodes >= int(self.m.max_nodes):
+                    t.done = True
+                else:
+                    leaves.append((t, path))
+            if leaves:
+                self._wave(params, leaves, round_key)
+        return trees
+
+    def _wave(self, params, leaves: list[tuple[Tree, list]], round_key) -> None:
+        """Expands and evaluates every leaf (one sampler call), then backs up."""
+        tok, s, n = self.ctx.tokenizer, self.forks, self.n
+        prefixes = [t.tokens(path[-1]) for t, path in leaves]
+        rows = [t.prompt_ids + p for (t, _), p in zip(leaves, prefixes)]
+        hashes = [(stable_hash(t.prompt_ids), stable_hash(t.info[path[-1].steps]["path"]))
+                  for t, path in leaves]
+        for start in range(0, len(rows), self.rows):   # static: `rows` prefixes per call
+            part = slice(start, start + self.rows)
+            pad = self.rows - len(rows[part])
+            p_tok, p_mask = sampling.pad_to_bucket(rows[part] + [rows[part][-1]] * pad,
+                                                   pad_id=tok.pad_id,
+                                                   buckets=(self.prefix_bucket,))
+            h = np.asarray(hashes[part] + [hashes[part][-1]] * pad, np.uint32)
+            keys = _fork_keys(round_key, jnp.asarray(h[:, 0]), jnp.asarray(h[:, 1]),
+                              jnp.arange(s, dtype=jnp.uint32))
+            cfg = self.cfg
+            out = generate(self.ctx, params, p_tok, p_mask, round_key, num_samples=s,
+                           max_new_tokens=n, temperature=cfg.rollout.temperature,
+                           top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                           row_keys=keys)
+            self.sampler_calls += 1
+            real = len(rows[part]) * s
+            self.tokens += int(out["lengths"][:real].sum())
+            self._expand_part(leaves[part], prefixes[part], out)
+
+    def _expand_part(self, leaves, prefixes, out) -> None:
+        s, n = self.forks, self.n
+        conts, logps, texts, prompts, owners, lengths = [], [], [], [], [], []
+        for (t, _), prefix in zip(leaves, prefixes):
+            room = n - len(prefix)
+            for j in range(s):
+                i = len(conts)
+                keep = out["mask"][i]
+                conts.append(out["tokens"][i][keep].tolist()[:room])
+                logps.append(out["logps"][i][keep][:room])
+                texts.append(self.decode(prefix + conts[-1]))
+                prompts.append(t.example["prompt"])
+                owners.append(t.example)
+                lengths.append(len(prefix) + len(conts[-1]))
+        result = self.reward_fn(prompts, texts, completion_lengths=lengths,
+                                **expand_fields(owners, 1))
+        self.monitor.observe(result)
+        reward = np.asarray(result.total, np.float32)
+        new_children = []
+        for li, ((t, path), prefix) in enumerate(zip(leaves, prefixes)):
+            leaf, proposals, terminal_reward = path[-1], [], {}
+            for j in range(self.k):
+                i = li * s + j
+                step, last = first_step(conts[i], self.decode, self.ctx.cfg.data.step_delimiter,
+                                        self.stop_ids)
+                if not step:
+                    continue
+                prior = float(np.exp(np.sum(logps[i][:len(step)], dtype=np.float64)))
+                proposals.append((step, prior, last))
+                if last:
+                    terminal_reward.setdefault(step, float(reward[i]))
+            if proposals:
+                mcts.expand(leaf, proposals)
+            else:   # nothing sampled (cannot happen with N >= 1 tokens): a dead end
+                leaf.expanded, leaf.terminal = True, True
+                t.info[leaf.steps]["reward"] = float(np.mean(reward[li * s:(li + 1) * s]))
+            base = t.info[leaf.steps]["path"]
+            for c, child in enumerate(leaf.children):
+                t.info[child.steps] = {"path": base + (c,)}
+                if child.terminal:
+                    t.info[child.steps]["reward"] = terminal_reward[child.steps[-1]]
+                else:
+                    new_children.append((t, child))
+            t.nodes += len(leaf.children)
+        scores = self._prm_scores(new_children)
+        for (t, child), sc in zip(new_children, scores):
+            t.info[child.steps]["score"] = float(sc)
+        for li, (t, path) in enumerate(leaves):
+            leaf = path[-1]
+            mc = float(np.mean(reward[li * s:li * s + self.m_rollouts]))
+            value = mc if self.m.value == "mc" or not leaf.steps else t.info[leaf.steps]["score"]
+            mcts.backup(path, value)
+            t.simulations += 1
+
+    def _prm_scores(self, nodes: list[tuple[Tree, mcts.Node]]) -> np.ndarray:
+        """PRM scores of new non-terminal children (value 'prm'; else zeros)."""
+        if self.m.value != "prm" or not nodes:
+            return np.zeros(len(nodes), np.float32)
+        return np.asarray(self.prm_scorer([t.prompt_ids for t, _ in nodes],
+                                          [t.tokens(c) for t, c in nodes]), np.float32)
+
+
+def load_prm_scorer(ctx, rows: int):
+    """``(prompt ids, prefix ids) -> scores [R]`` of the PRM trained in ``algo.mcts.prm``
+    (its latest checkpoint; the score at each prefix's last step end; ``rows`` prefixes per
+    scoring batch, static). The PRM run must share
+    the policy's model and tokenizer sections (its trunk is read with the policy's config:
+    ``inputs.check_mcts_prm``)."""
+    from rljax.errors import UserError
+    from rljax.models import lora as lora_lib
+    from rljax.train.core import checkpoint as ckpt_lib
+    from rljax.train.core.inputs import check_mcts_prm
+    from rljax.train.methods import prm_rerank
+
+    cfg, where = ctx.cfg, ctx.cfg.algo.mcts.prm
+    check_mcts_prm(cfg)   # (also run by check_inputs, before the model loads)
+    with ckpt_lib.CheckpointManager(ckpt_lib.checkpoint_dir(where)) as ckpt:
+        if ckpt.latest_step() is None:
+            raise UserError(f"algo.mcts.prm={where} has no checkpoint")
+        saved = ckpt.restore().state
+    if saved.get("critic_params") is None:
+        raise UserError(f"algo.mcts.prm={where}: its latest checkpoint is from the SFT "
+                        "warm-up, before the PRM was trained")
+    logits_fn = prm_rerank.value_logits_fn(
+        ctx.model_cfg, lora_lib.value_on_base(saved["params"], saved["critic_params"]))
+    tok, p_len, n = ctx.tokenizer, int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
+
+    def score(prompt_ids, prefixes):
+        step_rows = prm_rerank.step_rows(prompt_ids, prefixes, tok.decode,
+                                         cfg.data.step_delimiter, tuple(ctx.stop_ids))
+        return prm_rerank.completion_scores(logits_fn, step_rows, rows, p_len, n, tok.pad_id,
+                                            "last")
+    return score
+
+
+def searcher(ctx, prompts: int) -> MCTSSearch:
+    """The run's search over ``prompts`` prompts per round (its PRM loaded for value 'prm')."""
+    m = ctx.cfg.algo.mcts
+    scorer = load_prm_scorer(ctx, prompts * int(m.children)) if m.value == "prm" else None
+    return MCTSSearch(ctx, prompts, scorer)
+
+
+# ----------------------------------------------------------------------------- self-training
+
+def trace_batch(ctx, trees: list[Tree], correct_reward: float, completion_len: int):
+    """The SFT batch of the best verified traces: ``(batch, traces)`` with one row per tree
+    (prompt ++ trace, the trace cut to ``completion_len``; ``loss_mask`` on the trace, all
+    False for a tree without a verified trace) and ``traces[i]`` the token list or None."""
+    tok = ctx.tokenizer
+    traces = []
+    for t in trees:
+        node = best_verified(t, correct_reward)
+        traces.append(None if node is None else t.tokens(node))
+    p_tok, p_mask = encode_prompts(tok, [t.example["prompt"] for t in trees],
+                                   ctx.cfg.data.max_prompt_length)
+    c_tok = np.full((len(trees), completion_len), tok.pad_id, np.int32)
+    c_mask = np.zeros((len(trees), completion_len), bool)
+    for i, ids in enumerate(traces):
+        if ids:
+            ids = ids[:completion_len]
+            c_tok[i, :len(ids)], c_mask[i, :len(ids)] = ids, True
+    tokens, mask = build_sequences(p_tok, p_mask, c_tok, c_mask)
+    return {"tokens": tokens, "mask": mask, "loss_mask": c_mask}, traces
+
+
+class MCTSTraces:
+    """Callable ``(state, step) -> (SFT batch, metrics)``: searches the next batch of prompts
+    with the current policy and returns their best verified traces (``trace_batch``); its only
+    host state is the iterator's (keys derive from ``state.rng`` and ``step``)."""
+
+    def __init__(self, ctx, iterator, completion_len: int):
+        self.ctx, self.iterator, self.completion_len = ctx, iterator, int(completion_len)
+        self.searcher = searcher(ctx, int(ctx.cfg.sft.batch_size))
+        self.last = None   # the last round's trees (for inspection and tests)
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        t0 = time.perf_counter()
+        round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
+        examples = next(self.iterator)
+        calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
+        trees = self.searcher.search(state.params, examples, round_key)
+        correct = float(self.ctx.cfg.algo.mcts.correct_reward)
+        batch, traces = trace_batch(self.ctx, trees, correct, self.completion_len)
+        self.last = trees
+        m = tree_stats(trees, correct)
+        m.update({"mcts/sampler_calls": self.searcher.sampler_calls - calls,
+                  "mcts/traces": sum(tr is not None for tr in traces),
+                  "rollout/tokens": self.searcher.tokens - tokens,
+                  "time/search": time.perf_counter() - t0})
+        return batch, m
+
+
+# ----------------------------------------------------------------------------- step pairs
+
+def sibling_pairs(tree: Tree, min_gap: float, max_pairs: int) -> list[tuple]:
+    """Step-DPO pairs from sibling nodes: at each expanded node (``walk`` order), among its
+    children with a value (visited: Q; terminal and unvisited: its reward), chosen = the
+    highest, rejected = the lowest (first of ties), when they differ by more than
+    ``min_gap``. Returns up to ``max_pairs`` of ``(context ids = prompt ++ prefix, chosen
+    step ids, rejected step ids, value gap, depth)``."""
+    pairs = []
+    for node in walk(tree.root):
+        valued = [(c.value if c.visits else tree.info[c.steps]["reward"], c)
+                  for c in node.children if c.visits or c.terminal]
+        if len(valued) < 2:
+            continue
+        best = max(valued, key=lambda v: v[0])
+        worst = min(valued, key=lambda v: v[0])
+        if best[0] - worst[0] > min_gap:
+            pairs.append((tree.prompt_ids + tree.tokens(node), list(best[1].steps[-1]),
+                          list(worst[1].steps[-1]), best[0] - worst[0], len(node.steps)))
+        if len(pairs) == max_pairs:
+            break
+    return pairs
+
+
+class MCTSPairs:
+    """Callable ``(state, step) -> (preference batch, metrics)`` for online DPO with
+    ``data.pairs='mcts'``: searches ``rollout.batch_size / algo.num_generations`` prompts and
+    pairs sibling steps (``sibling_pairs``; ``algo.step_mc.max_steps`` pairs per prompt at
+    most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``)."""
+
+    def __init__(self, ctx, iterator):
+        from rljax.train.methods.step_mc import StepMCPairs
+
+        cfg = ctx.cfg
+        self.ctx, self.iterator = ctx, iterator
+        self.num_prompts = cfg.rollout.batch_size // int(cfg.algo.num_generations)
+        self.layout = StepMCPairs(ctx, iterator)   # its pair encoding (static shapes)
+        self.searcher = searcher(ctx, self.num_prompts)
+        self.last = None
+
+    def __call__(self, state, step: int) -> tuple[dict, dict]:
+        t0 = time.perf_counter()
+        cfg = self.ctx.cfg
+        round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
+        calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
+        trees = self.searcher.search(state.params, next(self.iterator), round_key)
+        gap, most = float(cfg.algo.step_mc.min_value_gap), int(cfg.algo.step_mc.max_steps)
+        pairs = [p for t in trees for p in sibling_pairs(t, gap, most)]
+        self.last = trees
+        m = tree_stats(trees, float(cfg.algo.mcts.correct_reward))
+        m.update({"mcts/sampler_calls": self.searcher.sampler_calls - calls,
+                  "mcts/pairs": len(pairs),
+                  "mcts/value_gap_mean": float(np.mean([p[3] for p in pairs])) if pairs else 0.0,
+                  "rollout/tokens": self.searcher.tokens - tokens,
+                  "time/search": time.perf_counter() - t0})
+        return self.layout.encode_pairs(pairs), m

@@ -1,0 +1,312 @@
+"""MCTS over steps inside the rollout (rljax.train.methods.mcts_search) on a tiny model: the
+search is reproducible and each prompt's tree is the same alone or with others; one sampler
+call per wave; the self-training batch holds the trees' best verified traces; a tiny
+self-training run resumes exactly."""
+import jax
+import numpy as np
+import pytest
+
+from rljax import config as config_lib
+from rljax.algorithms import mcts
+from rljax.train.core import setup
+from rljax.train.methods import mcts_search
+
+DEVICES = jax.devices()[:1]
+
+
+def tiny_cfg(steps=2, **extra):
+    cfg = config_lib.default_config()
+    cfg.update_from_flattened_dict({
+        "steps": steps, "eval_every": 0, "checkpoint_every": 0, "tokenizer.kind": "char",
+        "data.max_prompt_length": 8, "data.step_delimiter": "\n", "algo.name": "sft",
+        "sft.traces": "mcts", "sft.steps": 0, "sft.batch_size": 3, "sft.max_length": 20,
+        "sft.learning_rate": 1e-3, "optimizer.learning_rate": 1e-3,
+        "rollout.max_new_tokens": 12, "rollout.temperature": 1.0,
+        "algo.mcts.simulations": 4, "algo.mcts.children": 2, "algo.mcts.rollouts": 2,
+        "algo.mcts.max_nodes": 9, "algo.mcts.correct_reward": 0.0,
+        "eval.num_examples": 3, "eval.batch_size": 3,
+        "logging.tensorboard": False, "checkpoint.async_save": False, **extra})
+    cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "num_kv_heads": 1}
+    cfg.data.kwargs = {"digits": 1, "operands": 3, "steps": True, "eval_examples": 3}
+    return config_lib.validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    cfg = tiny_cfg()
+    setup.check_inputs(cfg, num_devices=1)
+    return setup.build_context(cfg, str(tmp_path_factory.mktemp("mcts")), devices=DEVICES)
+
+
+EXAMPLES = [{"prompt": "3+4-2=", "answer": 5}, {"prompt": "1+1+1=", "answer": 3},
+            {"prompt": "9-3+2=", "answer": 8}]
+
+
+def flat(tree):
+    """A tree as comparable data: every node's steps, prior, visits, value, terminal."""
+    return [(n.steps, round(n.prior, 6), n.visits, round(n.value_sum, 6), n.terminal)
+            for n in mcts_search.walk(tree.root)]
+
+
+def test_search_is_reproducible_and_a_prompts_tree_is_the_same_alone(ctx):
+    key = jax.random.key(7)
+    search = mcts_search.MCTSSearch(ctx, rows=3)
+    together = [flat(t) for t in search.search(ctx.params, EXAMPLES, key)]
+    assert [flat(t) for t in search.search(ctx.params, EXAMPLES, key)] == together
+    alone = flat(search.search(ctx.params, EXAMPLES[1:2], key)[0])
+    assert alone == together[1]
+    reordered = [flat(t) for t in search.search(ctx.params, EXAMPLES[::-1], key)]
+    assert reordered == together[::-1]
+    other = [flat(t) for t in search.search(ctx.params, EXAMPLES, jax.random.key(8))]
+    assert other != together
+    assert all(len(t) > 1 for t in together)          # the roots were expanded
+    assert all(t[0][2] == 4 for t in together)        # 4 simulations backed up at the root
+
+
+def test_expansion_samples_once_per_wave(ctx, monkeypatch):
+    calls = []
+    real = mcts_search.generate
+
+    def counting(*args, **kw):
+        calls.append(int(np.shape(args[2])[0]))
+        return real(*args, **kw)
+    monkeypatch.setattr(mcts_search, "generate", counting)
+    search = mcts_search.MCTSSearch(ctx, rows=3)
+    trees = search.search(ctx.params, EXAMPLES, jax.random.key(0))
+    # A wave expands at most one leaf per prompt, all in one call of `rows` prefix rows.
+    assert 1 <= len(calls) <= 4 and set(calls) == {3}
+    expanded = sum(n.expanded and n.children != [] for t in trees
+                   for n in mcts_search.walk(t.root))
+    assert len(calls) < expanded                      # not one call per node
+
+
+def test_the_self_training_batch_holds_the_best_verified_traces(ctx):
+    trees = mcts_search.MCTSSearch(ctx, rows=3).search(ctx.params, EXAMPLES,
+                                                       jax.random.key(3))
+    threshold = 1.0
+    batch, traces = mcts_search.trace_batch(ctx, trees, threshold, 8)
+    # A scripted reward on the tree: mark one terminal node of the first tree verified.
+    t0 = trees[0]
+    terminals = [n for n in mcts_search.walk(t0.root) if n.terminal]
+    assert terminals
+    for n in terminals:
+        t0.info[n.steps]["reward"] = 0.0
+    pick = terminals[-1]
+    t0.info[pick.steps]["reward"] = 1.0
+    for t in trees[1:]:   # the others: no verified trace
+        for n in mcts_search.walk(t.root):
+            if n.terminal:
+                t.info[n.steps]["reward"] = 0.0
+    batch, traces = mcts_search.trace_batch(ctx, trees, threshold, 8)
+    want = t0.tokens(pick)[:8]
+    assert traces == [t0.tokens(pick), None, None]
+    c = batch["loss_mask"]
+    assert c.shape == (3, 8) and not c[1:].any()
+    completion = batch["tokens"][:, -8:]
+    assert completion[0][c[0]].tolist() == want
+    # The most visited verified terminal wins; with every terminal verified, check by hand.
+    for t in trees:
+        for n in mcts_search.walk(t.root):
+            if n.terminal:
+                t.info[n.steps]["reward"] = 1.0
+    _, traces = mcts_search.trace_batch(ctx, trees, threshold, 8)
+    for t, tr in zip(trees, traces):
+        best = max((n.visits for n in mcts_search.walk(t.root) if n.terminal))
+        node = mcts_search.best_verified(t, threshold)
+        assert node.terminal and node.visits == best and tr == t.tokens(node)
+
+
+def test_priors_are_the_step_probabilities_normalised(ctx, monkeypatch):
+    """A child's prior is exp(sum of its step's token log-probs) over its siblings'."""
+    seen = []
+    real = mcts.expand
+
+    def spy(node, proposals):
+        seen.append(list(proposals))
+        return real(node, proposals)
+    monkeypatch.setattr(mcts, "expand", spy)
+    trees = mcts_search.MCTSSearch(ctx, rows=3).search(ctx.params, EXAMPLES[:1],
+                                                       jax.random.key(1))
+    root = trees[0].root
+    props = seen[0]
+    firsts = {}
+    for step, p, _ in props:
+        firsts.setdefault(step, p)
+    total = sum(firsts.values())
+    assert [c.prior for c in root.children] == pytest.approx(
+        [firsts[c.steps[-1]] / total for c in root.children])
+    assert all(0 < p <= 1 for _, p, _ in props)
+
+
+def test_config_refuses_bad_mcts_settings():
+    with pytest.raises(config_lib.ConfigError, match="algo.mcts.prm"):
+        tiny_cfg(**{"algo.mcts.value": "prm"})
+    with pytest.raises(config_lib.ConfigError, match="algo.name='sft'"):
+        tiny_cfg(**{"algo.name": "grpo"})
+    with pytest.raises(config_lib.ConfigError, match="max_nodes"):
+        tiny_cfg(**{"algo.mcts.max_nodes": 2})
+
+
+def _comparable(workdir):
+    from rljax.train.core.metrics import read_metrics
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+            for r in read_metrics(workdir)]
+
+
+def test_self_training_runs_two_rounds_and_resumes_exactly(tmp_path):
+    from rljax.train import run
+    from rljax.train.core import checkpoint
+
+    from test_train_loop import StopAfter
+
+    straight, parts = str(tmp_path / "a"), str(tmp_path / "b")
+    assert run.train(tiny_cfg(2), straight, devices=DEVICES) == 0
+    assert run.train(tiny_cfg(2), parts, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert run.train(tiny_cfg(2), parts, devices=DEVICES) == 0
+    rounds = [r for r in _comparable(straight) if "mcts/solved_frac" in r]
+    assert len(rounds) == 2
+    assert {"mcts/nodes_mean", "mcts/depth_mean", "mcts/value_root_mean"} <= set(rounds[0])
+    assert _comparable(parts) == _comparable(straight)
+
+    def params(w):
+        with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(w)) as ckpt:
+            return jax.tree.map(np.asarray, ckpt.restore().state["params"])
+    jax.tree.map(np.testing.assert_array_equal, params(parts), params(straight))
+
+
+def test_row_keys_make_a_rows_tokens_independent_of_its_batch(ctx):
+    from rljax import sampling
+
+    tok = ctx.tokenizer
+    prompts = [tok.encode("3+4-2="), tok.encode("1+1+1=")]
+    keys = jax.random.split(jax.random.key(5), 4)   # 2 prompts x 2 samples
+
+    def draw(ids, row_keys):
+        p_tok, p_mask = sampling.pad_to_bucket(ids, pad_id=tok.pad_id, buckets=(8,))
+        out = sampling.generate(ctx.model_cfg, ctx.params, p_tok, p_mask,
+                                rng=jax.random.key(0), max_new_tokens=10, num_samples=2,
+                                eos_id=tok.eos_id, pad_id=tok.pad_id, row_keys=row_keys)
+        return np.asarray(out.tokens)
+    both = draw(prompts, keys)
+    np.testing.assert_array_equal(draw(prompts[1:], keys[2:]), both[2:])
+    np.testing.assert_array_equal(draw(prompts[::-1], jax.numpy.concatenate([keys[2:], keys[:2]])),
+                                  np.concatenate([both[2:], both[:2]]))
+    with pytest.raises(ValueError, match="one key per output row"):
+        draw(prompts, keys[:3])
+
+
+def test_prm_values_are_backed_up(ctx):
+    """Value 'prm': a non-root leaf backs up its PRM score (computed when it was created), the
+    root its rollouts' mean, a terminal its reward; so every expanded node's value sum is its
+    own evaluation plus its children's sums."""
+    import dataclasses
+
+    cfg = tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": "unused"})
+    scored = []
+
+    def scorer(prompt_ids, prefixes):
+        scored.extend(zip(map(tuple, prompt_ids), map(tuple, prefixes)))
+        return [0.1 * (len(p) % 7) for p in prefixes]
+    search = mcts_search.MCTSSearch(dataclasses.replace(ctx, cfg=cfg), rows=3,
+                                    prm_scorer=scorer)
+    trees = search.search(ctx.params, EXAMPLES, jax.random.key(2))
+    for t in trees:
+        for n in mcts_search.walk(t.root):
+            info = t.info[n.steps]
+            kids = sum(c.value_sum for c in n.children)
+            if n.terminal:
+                assert n.value_sum == pytest.approx(n.visits * info["reward"])
+            elif n.steps and n.expanded:
+                assert (t.prompt_ids and (tuple(t.prompt_ids), tuple(t.tokens(n))) in scored)
+                assert n.value_sum == pytest.approx(info["score"] + kids)
+                assert info["score"] == pytest.approx(0.1 * (len(t.tokens(n)) % 7))
+            elif not n.steps:
+                assert n.visits == 4 and n.visits == 1 + sum(c.visits for c in n.children)
+
+
+def test_a_prm_workdir_that_is_not_a_prm_run_is_refused(tmp_path):
+    from rljax.errors import UserError
+    from rljax.train.core import inputs
+    from rljax.train.core import workdir as wd
+
+    other = tmp_path / "rm"
+    other.mkdir()
+    rm_cfg = tiny_cfg()
+    rm_cfg.algo.name, rm_cfg.sft.traces = "rm", ""
+    wd.write_config(str(other), rm_cfg)
+    cfg = tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": str(other)})
+    with pytest.raises(UserError, match="not a process reward model"):
+        inputs.check_inputs(cfg, num_devices=1)
+    prm_dir = tmp_path / "prm"
+    prm_dir.mkdir()
+    prm_cfg = tiny_cfg()
+    prm_cfg.algo.name, prm_cfg.sft.traces = "prm", ""
+    wd.write_config(str(prm_dir), prm_cfg)
+    inputs.check_inputs(tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": str(prm_dir)}),
+                        num_devices=1)   # a PRM run with this model: accepted
+    prm_cfg.model.overrides = {"num_layers": 2}
+    wd.write_config(str(prm_dir), prm_cfg)
+    with pytest.raises(UserError, match="model section differs"):
+        inputs.check_inputs(tiny_cfg(**{"algo.mcts.value": "prm",
+                                        "algo.mcts.prm": str(prm_dir)}), num_devices=1)
+    with pytest.raises(UserError, match="no config.json"):
+        inputs.check_inputs(tiny_cfg(**{"algo.mcts.value": "prm",
+                                        "algo.mcts.prm": str(tmp_path / "none")}),
+                            num_devices=1)
+
+
+def test_sibling_pairs_are_the_best_and_worst_valued_children(ctx):
+    """data.pairs='mcts': at each expanded node, chosen/rejected = its highest/lowest-valued
+    children (visited: Q; terminal: reward), recomputed here from the tree."""
+    trees = mcts_search.MCTSSearch(ctx, rows=3).search(ctx.params, EXAMPLES,
+                                                       jax.random.key(4))
+    found = 0
+    for t in trees:
+        for n in mcts_search.walk(t.root):   # children's values by their index
+            for i, c in enumerate(n.children):
+                if c.terminal:
+                    t.info[c.steps]["reward"] = 0.1 * i
+                else:
+                    c.value_sum = 0.37 * i * c.visits
+        pairs = mcts_search.sibling_pairs(t, 0.0, 100)
+        want = []
+        for n in mcts_search.walk(t.root):
+            vals = [(c.value if c.visits else t.info[c.steps]["reward"], c) for c in n.children
+                    if c.visits or c.terminal]
+            if len(vals) < 2:
+                continue
+            hi, lo = max(vals, key=lambda v: v[0]), min(vals, key=lambda v: v[0])
+            if hi[0] > lo[0]:
+                want.append((t.prompt_ids + t.tokens(n), list(hi[1].steps[-1]),
+                             list(lo[1].steps[-1]), pytest.approx(hi[0] - lo[0]),
+                             len(n.steps)))
+        assert pairs == want
+        found += len(want)
+        assert mcts_search.sibling_pairs(t, 0.0, 1) == want[:1]
+        assert mcts_search.sibling_pairs(t, 1e9, 100) == []
+    assert found
+
+
+def test_online_dpo_takes_sibling_pairs_from_the_search(ctx):
+    """data.pairs='mcts': the DPO phase's source searches rollout.batch_size /
+    num_generations prompts and encodes the trees' sibling pairs (pair_mask marks them)."""
+    import dataclasses
+    import types
+
+    from rljax.train.phases.dpo import DPOPhase
+
+    cfg = tiny_cfg(1, **{"algo.name": "dpo", "algo.online": True, "sft.traces": "",
+                         "data.pairs": "mcts", "rollout.batch_size": 6,
+                         "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
+                         "algo.mcts.simulations": 3})
+    phase = DPOPhase(dataclasses.replace(ctx, cfg=cfg), 1)
+    assert isinstance(phase.source, mcts_search.MCTSPairs) and phase.num_pairs == 6
+    state = types.SimpleNamespace(rng=jax.random.key(9), params=ctx.params)
+    batch, m = phase.source(state, 0)
+    pairs = [p for t in phase.source.last for p in mcts_search.sibling_pairs(t, 0.0, 2)]
+    assert m["mcts/pairs"] == len(pairs) == int(batch["pair_mask"].sum())
+    assert batch["chosen_tokens"].shape == (6, 12) and batch["prompt_tokens"].shape == (6, 20)
+    for row, (_, chosen, rejected, _, _) in enumerate(pairs):
+        assert batch["chosen_tokens"][row][batch["chosen_mask"][row]].tolist() == chosen
+        assert batch["rejected_tokens"][row][batch["rejected_mask"][row]].tolist() == rejected
