@@ -16,6 +16,8 @@ that maps to an axis already taken is replicated (a PartitionSpec may not repeat
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -251,6 +253,37 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
         return x
     spec = logical_to_spec(logical_axes, mesh, rules, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def tracing_mesh(mesh: Mesh | None):
+    """A context in which code traced under ``jax.jit`` sees ``mesh`` as
+    ``jax.sharding.get_abstract_mesh()`` (how the mixture-of-experts dispatch,
+    ``models.moe_dispatch``, learns the mesh it runs on); a no-op for None. The jit must place
+    its arguments on ``mesh`` (in_shardings or sharded arguments)."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def traced_on(fn, mesh: Mesh | None):
+    """``fn`` traced inside ``tracing_mesh(mesh)`` (``fn`` itself when ``mesh`` is None)."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with tracing_mesh(mesh):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def traced_on_mesh_kwarg(fn):
+    """``fn`` traced inside ``tracing_mesh(mesh)`` for its keyword argument ``mesh``."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with tracing_mesh(kwargs.get("mesh")):
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def split_devices(devices: Sequence[Any], rollout: int) -> tuple[list, list]:

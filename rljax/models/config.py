@@ -192,6 +192,10 @@ class ModelConfig:
     # The load-balancing loss's weight in HF training (config.json's router_aux_loss_coef);
     # kept so an export writes it back. rljax's own weight is `algo.moe_aux_loss_coef`.
     router_aux_loss_coef: float = 0.001
+    # Expert-parallel dispatch (models.moe_dispatch): 0 = dropless (each device's buffers hold
+    # the worst case); f > 0 = each device sends at most ceil(f * its tokens * k / expert
+    # devices) rows to each expert device and drops the rest (counted: moe/dropped_frac).
+    moe_capacity_factor: float = 0.0
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False  # jax.checkpoint each layer (recompute activations in the backward pass)
@@ -262,6 +266,9 @@ class ModelConfig:
                                  f"[1, num_experts={self.num_experts}]")
             if self.moe_intermediate_size < 1:
                 raise ValueError("a mixture of experts needs moe_intermediate_size >= 1")
+            if self.moe_capacity_factor < 0:
+                raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0 "
+                                 "(0 = dropless)")
             if self.activation != "silu":
                 raise ValueError("mixture-of-experts layers use SwiGLU experts (activation='silu')")
         if self.rope_scaling_type not in (None, "linear", "llama3"):

@@ -7,11 +7,11 @@ Shapes: N tokens (the flattened leading axes), D ``hidden_size``, E ``num_expert
     "expert_gate", "expert_up": [E, D, F]     # expert e: down(silu(x @ gate_e) * (x @ up_e))
     "expert_down": [E, F, D]
 
-Dispatch is dropless (no capacity, no token is ever dropped): the N*k (token, expert)
-assignments are sorted by expert so each expert's rows are contiguous, and the three expert
-matmuls are grouped matmuls (``jax.lax.ragged_dot``: group e multiplies its rows by expert e's
-weights) over those N*k rows. The outputs are put back in token order, weighted and summed.
-Work is N*k rows whatever the routing, unlike a dense one-hot dispatch (N*E rows).
+Dispatch (``moe_dispatch``): each device sorts its own tokens' (token, expert) assignments by
+expert, sends the rows to the devices that hold those experts (``all_to_all`` over the mesh's
+``expert`` axis, none without one), which run the three expert matmuls as grouped matmuls
+(``jax.lax.ragged_dot``) on the rows they received; the outputs come back, are weighted and
+summed. Dropless by default; ``cfg.moe_capacity_factor`` caps the rows per device.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from rljax.models import moe_dispatch
 from rljax.models.config import ModelConfig
 
 
@@ -60,23 +61,6 @@ def route(cfg: ModelConfig, router: jax.Array, x: jax.Array,
     return ids.astype(jnp.int32), weights, probs
 
 
-def grouped_experts(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-    """Dropless expert computation: x [N, D], ids int [N, k], weights [N, k] -> [N, D] =
-    ``sum_j weights[:, j] * expert_{ids[:, j]}(x)`` (weights applied in ``x.dtype``)."""
-    n, k = ids.shape
-    num_experts = p["expert_gate"].shape[0]
-    flat = ids.reshape(-1)                                   # [N*k], assignment a = token*k + j
-    order = jnp.argsort(flat, stable=True)                   # assignments grouped by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)   # rows per expert [E]
-    rows = x[order // k]                                     # [N*k, D], each row its token
-    gate = jax.lax.ragged_dot(rows, p["expert_gate"], sizes)
-    up = jax.lax.ragged_dot(rows, p["expert_up"], sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["expert_down"], sizes)   # [N*k, D]
-    # Back to assignment order (the inverse permutation), then weight and sum each token's k.
-    out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
-    return jnp.sum(out * weights.astype(x.dtype)[..., None], axis=1)
-
-
 def moe_mlp(cfg: ModelConfig, p: dict, h: jax.Array, token_mask: Optional[jax.Array] = None,
             replay: Optional[jax.Array] = None) -> tuple:
     """The MoE MLP on h [..., D] -> ``(out [..., D], stats)``.
@@ -84,21 +68,23 @@ def moe_mlp(cfg: ModelConfig, p: dict, h: jax.Array, token_mask: Optional[jax.Ar
     ``token_mask`` bool [...] (None = all real): which tokens count in the statistics.
     ``replay`` int [..., k]: routing replay (see ``route``).
     ``stats``: ``{"ids": int32 [..., k], "assigned": f32 [E] (real tokens' assignments per
-    expert), "prob": f32 [E] (summed router probabilities of real tokens), "tokens": f32 []}``,
-    what ``load_balance`` and the per-expert metrics are computed from.
+    expert), "prob": f32 [E] (summed router probabilities of real tokens), "tokens": f32 [],
+    "dropped": f32 [] (real tokens' assignments past ``cfg.moe_capacity_factor``'s capacity,
+    0 when dropless)}``, what ``load_balance`` and the per-expert metrics are computed from.
     """
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
     ids, weights, probs = route(cfg, p["router"], x,
                                 None if replay is None else replay.reshape(x.shape[0], -1))
-    out = grouped_experts(p, x, ids, weights).reshape(h.shape)
     real = (jnp.ones(x.shape[0], jnp.float32) if token_mask is None
             else token_mask.reshape(-1).astype(jnp.float32))
+    out, dropped = moe_dispatch.dispatch(p, x, ids, weights, real, cfg.moe_capacity_factor)
+    out = out.reshape(h.shape)
     one_hot = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32)   # [N, k, E]
     stats = {"ids": ids.reshape(lead + (ids.shape[-1],)),
              "assigned": jnp.einsum("n,nke->e", real, one_hot),
              "prob": jnp.einsum("n,ne->e", real, probs),
-             "tokens": jnp.sum(real)}
+             "tokens": jnp.sum(real), "dropped": dropped}
     return out, stats
 
 

@@ -329,6 +329,7 @@ _STATIC = ("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "stop_ids",
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
+@shd.traced_on_mesh_kwarg   # the MoE dispatch splits the experts' work over the mesh
 def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, temperature,
               top_k, top_p, stop_ids, pad_id, num_samples, min_new_tokens, mesh, rules,
               cache_dtype, record_routes=False, temperatures=None, noise=None,

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import models
+from rljax import sharding as shd
 from rljax.models import paged
 from rljax.sampling.core import SampleOutput, merge_stop_ids
 from rljax.sampling.draw import (NOISE_AHEAD_MAX_ELEMENTS, noise_ahead, noise_ahead_size,
@@ -140,10 +141,13 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     version = 0
     if weights is not None:
         params, version = weights()
-    pages, first, first_logp, first_done, prompt_routes = _prefill(
-        cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng, noise,
-        temperatures, image_embeds, num_samples=g, cache_dtype=_dtype_name(cache_dtype),
-        record_routes=bool(record_routes), **draw)
+    # Traced on the parameters' mesh: the MoE dispatch splits the experts' work over it.
+    mesh = params_mesh(params)
+    with shd.tracing_mesh(mesh):
+        pages, first, first_logp, first_done, prompt_routes = _prefill(
+            cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng, noise,
+            temperatures, image_embeds, num_samples=g, cache_dtype=_dtype_name(cache_dtype),
+            record_routes=bool(record_routes), **draw)
     out = dict(tokens=jnp.full((rows, n), draw["pad_id"], jnp.int32).at[:, 0].set(first),
                logps=jnp.zeros((rows, n), jnp.float32).at[:, 0].set(first_logp),
                lengths=jnp.ones((rows,), jnp.int32), done=first_done)
@@ -169,10 +173,11 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         if weights is not None and chunks:
             params, now = weights()
             swaps, version = swaps + (now != version), now
-        cache, out, slot_state, ran, busy = decode_chunk(
-            cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
-            jnp.int32(waiting.size), noise, temperatures, max_new_tokens=n, num_samples=g,
-            chunk_steps=int(chunk_steps), **draw)
+        with shd.tracing_mesh(mesh):
+            cache, out, slot_state, ran, busy = decode_chunk(
+                cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
+                jnp.int32(waiting.size), noise, temperatures, max_new_tokens=n, num_samples=g,
+                chunk_steps=int(chunk_steps), **draw)
         chunks, steps, busy = chunks + 1, steps + int(ran), bool(busy)
         if versions is not None:
             length = np.asarray(out["lengths"])
@@ -190,6 +195,16 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     useful = int(np.asarray(lengths).sum()) - rows
     return result, EngineStats(rows=rows, slots=s, chunks=chunks, decode_steps=steps,
                                useful_steps=useful, versions=versions, swaps=swaps)
+
+
+def params_mesh(params: Any):
+    """The mesh ``params`` are laid out on (their first leaf's ``NamedSharding`` over more
+    than one device), or None: what the engine's programs are traced on."""
+    for leaf in jax.tree.leaves(params):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
+            return mesh
+    return None
 
 
 def _dtype_name(dtype) -> str | None:
@@ -356,8 +371,9 @@ def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                              first, queue, queued, noise, None, max_new_tokens=n,
                              num_samples=g, chunk_steps=int(chunk_steps), **static)
 
-    return [("prefill", jax.jit(prefill), (params, prompt_tokens, prompt_mask, rng, noise,
-                                           *images)),
-            ("decode", jax.jit(decode, donate_argnums=(4, 5)),
+    mesh = params_mesh(params)
+    return [("prefill", jax.jit(shd.traced_on(prefill, mesh)),
+             (params, prompt_tokens, prompt_mask, rng, noise, *images)),
+            ("decode", jax.jit(shd.traced_on(decode, mesh), donate_argnums=(4, 5)),
              (params, pages, prompt_mask, i32(b), cache, out, slot_state, first, i32(rows), i32(),
               noise))]

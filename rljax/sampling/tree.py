@@ -153,6 +153,7 @@ _STATIC = ("cfg", "max_new_tokens", "segment_tokens", "branching", "depth", "roo
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
+@shd.traced_on_mesh_kwarg   # the MoE dispatch splits the experts' work over the mesh
 def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens,
                    segment_tokens, branching, depth, roots, temperature, top_k, top_p,
                    stop_ids, pad_id, mesh, rules, cache_dtype):

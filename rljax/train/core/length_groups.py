@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import compilation_cache, distributed as dist, streams as streams_lib
+from rljax import sharding as shd
 from rljax.models import lora as lora_lib
 from rljax.train.core import steps
 from rljax.train.core.buckets import prompt_buckets
@@ -334,10 +335,12 @@ class GroupedUpdate:
         # micro-batch (no zero total to make, no adds to compile). Also jitted bare to be
         # called inside ``_micro_step``, whose trace then reuses the one ``_zeros`` took for
         # its shapes (a second trace of the forward and backward cost ~0.3 s at the toy).
-        self._grads = jax.jit(self._micro_grads, static_argnums=3,
+        # Traced on the mesh: the MoE dispatch splits the experts' work over it.
+        grads, micro = shd.traced_on(self._micro_grads, mesh), shd.traced_on(self._micro_step, mesh)
+        self._grads = jax.jit(grads, static_argnums=3,
                               compiler_options=self._options, **grads_shardings)
-        self._grads_inner = jax.jit(self._micro_grads, static_argnums=3)
-        self._micro = jax.jit(self._micro_step, donate_argnums=1, static_argnums=4,
+        self._grads_inner = jax.jit(grads, static_argnums=3)
+        self._micro = jax.jit(micro, donate_argnums=1, static_argnums=4,
                               compiler_options=self._options, **micro_shardings)
 
     def _apply(self, state, totals: tuple):

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax import algorithms, compilation_cache, models
+from rljax import sharding as shd
 from rljax.models import lora as lora_lib, shared_prompt, vision
 from rljax.sharding import BATCH_AXES
 from rljax.train.core.optim import apply_if_finite
@@ -172,7 +173,9 @@ def jit_step(fn: Callable, state_shardings=None, mesh=None) -> Callable:
     if mesh is None:
         return jax.jit(fn, donate_argnums=0, compiler_options=options)
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(fn, donate_argnums=0, in_shardings=(state_shardings, batch_sharding(mesh)),
+    # Traced on the mesh: the MoE dispatch splits the experts' work over it.
+    return jax.jit(shd.traced_on(fn, mesh), donate_argnums=0,
+                   in_shardings=(state_shardings, batch_sharding(mesh)),
                    out_shardings=(state_shardings, replicated), compiler_options=options)
 
 
@@ -298,7 +301,8 @@ def build_logps_fn(model_cfg, *, temperature: float = 1.0, num_micro: int = 1, m
     options = compilation_cache.training_compiler_options()
     if mesh is None:
         return jax.jit(logps_fn, compiler_options=options)
-    return jax.jit(logps_fn, in_shardings=(param_shardings, batch_sharding(mesh)),
+    return jax.jit(shd.traced_on(logps_fn, mesh),
+                   in_shardings=(param_shardings, batch_sharding(mesh)),
                    out_shardings=batch_sharding(mesh), compiler_options=options)
 
 

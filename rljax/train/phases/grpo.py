@@ -157,11 +157,16 @@ def grpo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial
 def _load_balance_term(model_cfg, algo_cfg, stats, den, metrics):
     """``algo.moe_aux_loss_coef * load_balance * den`` (so the update's loss gains
     ``coef * load_balance``, weighted by each micro-batch's share); adds the metrics
-    ``moe/load_balance`` and ``moe/expert_frac/<e>`` (each expert's share of the
-    micro-batch's top-k assignments) to ``metrics``."""
+    ``moe/load_balance``, ``moe/expert_frac/<e>`` (each expert's share of the
+    micro-batch's top-k assignments) and ``moe/dropped_frac`` (the share of its real tokens'
+    assignments past ``model.moe_capacity_factor``'s capacity; 0 when dropless) to
+    ``metrics``."""
     lb, fractions = models.moe.load_balance(model_cfg, stats)
     one = jnp.ones((), jnp.float32)
     metrics["moe/load_balance"] = (jax.lax.stop_gradient(lb), one)
+    assignments = jnp.sum(stats["tokens"]) * model_cfg.num_experts_per_tok
+    metrics["moe/dropped_frac"] = (jax.lax.stop_gradient(jnp.sum(stats["dropped"])),
+                                   jnp.maximum(assignments, 1.0))
     for e in range(model_cfg.num_experts):
         metrics[f"moe/expert_frac/{e}"] = (fractions[e], one)
     return float(algo_cfg.moe_aux_loss_coef) * lb * den
