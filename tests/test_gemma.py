@@ -559,6 +559,17 @@ def gemma_prompts(gemma_path):
 
 
 @pytest.fixture(scope="session")
+def gemma_hf_logits(gemma_hf, gemma_prompts):
+    """transformers' logits (GGUF load) at each row's last KEEP positions (float32 [3, KEEP,
+    V]): computed once for the two tests that compare with them."""
+    _, (tokens, mask) = gemma_prompts
+    with torch.no_grad():
+        return gemma_hf(input_ids=torch.tensor(tokens, dtype=torch.long),
+                        attention_mask=torch.tensor(mask, dtype=torch.long),
+                        logits_to_keep=KEEP).logits.numpy()
+
+
+@pytest.fixture(scope="session")
 def gemma_ref_tokenizer(gemma_path):
     """transformers' own GGUF conversion of the file's tokenizer (most of a minute)."""
     import os
@@ -634,7 +645,7 @@ def test_real_gemma3_tokenizer_builds_where_torch_cannot_be_imported(
 
 @pytest.mark.slow
 def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gemma_hf,
-                                                                 gemma_prompts):
+                                                                 gemma_hf_logits, gemma_prompts):
     cfg, params = gemma_ours
     assert (cfg.model_type, cfg.num_layers, cfg.sliding_window, cfg.vocab_size) == \
         ("gemma3", 18, 512, 262144)
@@ -643,10 +654,7 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
     _, (tokens, mask) = gemma_prompts
     hidden, _ = tfm.trunk(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
     got = np.asarray(tfm.logits_from_hidden(cfg, params, hidden[:, -KEEP:]))
-    with torch.no_grad():
-        want = gemma_hf(input_ids=torch.tensor(tokens, dtype=torch.long),
-                        attention_mask=torch.tensor(mask, dtype=torch.long),
-                        logits_to_keep=KEEP).logits.numpy()
+    want = gemma_hf_logits
     keep = mask[:, -KEEP:]
     for i in range(len(REAL_PROMPTS)):
         g, w = got[i][keep[i]], want[i][keep[i]]
@@ -658,29 +666,33 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
 
 
 @pytest.mark.slow
-def test_real_gemma3_as_an_hf_directory_gives_the_gguf_logits(gemma_ours, gemma_hf, gemma_prompts,
+def test_real_gemma3_as_an_hf_directory_gives_the_gguf_logits(gemma_ours, gemma_hf,
+                                                             gemma_hf_logits, gemma_prompts,
                                                              tmp_path):
     """The same weights through the other path: the GGUF's weights written as an HF directory
-    (``save_hf``: safetensors + config.json) load in rljax to the same config and logits, and
-    in transformers to the logits of transformers' own GGUF load; greedy decoding from the
-    directory gives transformers' tokens from it, the long prompt past the window included."""
+    (``save_hf``: safetensors + config.json) load in rljax to the same config and weights, bit
+    for bit (so to the GGUF load's logits, checked against transformers above), and in
+    transformers to the tensors and logits of transformers' own GGUF load; greedy decoding from
+    the directory gives transformers' tokens from it, the long prompt past the window included."""
     cfg, params = gemma_ours
     models.save_hf(cfg, params, str(tmp_path))
     hcfg, hparams = models.load_hf(str(tmp_path))
     assert hcfg == cfg
+    assert jax.tree.structure(hparams) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(hparams), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _, (tokens, mask) = gemma_prompts
     keep = mask[:, -KEEP:]
-    got = np.asarray(tfm.logits_from_hidden(hcfg, hparams, tfm.trunk(
-        hcfg, hparams, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))[0][:, -KEEP:]))
     ids, am = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32).eval()
+    reference = gemma_hf.state_dict()
+    for name, w in theirs.state_dict().items():
+        np.testing.assert_array_equal(w.numpy(), reference[name].numpy(), err_msg=name)
     with torch.no_grad():
-        want = gemma_hf(input_ids=ids, attention_mask=am, logits_to_keep=KEEP).logits.numpy()
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tmp_path), dtype=torch.float32).eval()
         from_dir = theirs(input_ids=ids, attention_mask=am, logits_to_keep=KEEP).logits.numpy()
-    scale = np.abs(want[keep]).max()
-    assert np.abs(got[keep] - want[keep]).max() <= 1e-4 * scale
-    assert np.abs(from_dir[keep] - want[keep]).max() <= 1e-4 * scale
+    want = gemma_hf_logits
+    assert np.abs(from_dir[keep] - want[keep]).max() <= 1e-4 * np.abs(want[keep]).max()
     _assert_greedy_as_transformers(theirs, hcfg, hparams, tokens, mask, new=8)
 
 
