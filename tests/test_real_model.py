@@ -215,7 +215,7 @@ def test_a_quantized_base_keeps_the_files_weights_or_stays_near_them(gguf_path, 
                                                                      prompts):
     """``model.quantize=keep``: the file's Q4_1 / Q8_0 blocks as they are give the float32
     model's logits exactly. Quantized again from those weights (``bench/qlora_parity.py``),
-    int8 stays close; a 4-bit type moves a 135M model's outputs much more."""
+    int8 stays close; a 4-bit type (int4) moves a 135M model's outputs much more."""
     from rljax.models import gguf_keep, quant
 
     cfg, params, _ = ours
@@ -232,14 +232,19 @@ def test_a_quantized_base_keeps_the_files_weights_or_stays_near_them(gguf_path, 
     assert isinstance(kept["layers"]["down"], quant.Affine)
     np.testing.assert_array_equal(np.asarray(fwd(kept))[real], want)
 
+    # Quantized in one program: op by op, the 135M model's int8 took ~10 s. int4 rather than
+    # nf4, which moves it alike (bench/qlora_parity.py) but whose codebook search took over a
+    # minute here; nf4's error bounds are tests/test_qlora.py's, on small models.
+    quantize = jax.jit(quant.quantize_params, static_argnums=(1, 2))
+
     def kl(qtype):
-        got = np.asarray(fwd(quant.quantize_params(params, qtype, 64)))[real]
+        got = np.asarray(fwd(quantize(params, qtype, 64)))[real]
         lp, lq = jax.nn.log_softmax(want, -1), jax.nn.log_softmax(got, -1)
         return float(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - lq), -1)))
 
-    k8, nf4 = kl("int8"), kl("nf4")   # int4 moves it like nf4 (bench/qlora_parity.py)
-    print(f"\nKL(float || quantized), nats: int8 {k8:.4f}, nf4 {nf4:.3f}")
-    assert k8 < 0.02 and 10 * k8 < nf4
+    k8, k4 = kl("int8"), kl("int4")
+    print(f"\nKL(float || quantized), nats: int8 {k8:.4f}, int4 {k4:.3f}")
+    assert k8 < 0.02 and 10 * k8 < k4
 
 
 @pytest.mark.slow
