@@ -20,16 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _small():
-    """tiny-moe narrowed, with a router sharp enough that every expert gets tokens."""
-    cfg = models.get_preset("tiny-moe", hidden_size=32, num_heads=4, num_kv_heads=2,
-                            moe_intermediate_size=16)
-    params = models.init_params(cfg, jax.random.PRNGKey(0))
-    params["layers"]["router"] = params["layers"]["router"] * 40
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, size=(8, 16)).astype(np.int32)
-    mask = np.ones((8, 16), bool)
-    mask[1, :5] = False
-    return cfg, params, tokens, mask
+    """tiny-moe narrowed, with a router sharp enough that every expert gets tokens (the
+    sharding tests' model)."""
+    from test_moe_sharding import _model
+    return _model()
 
 
 def _on_mesh(cfg, params, batch, axes):
