@@ -17,14 +17,15 @@ def test_demo_config_pipeline(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "rljax.cli", "train", "--config", "configs/grpo_arithmetic.py",
          "--workdir", str(workdir), "--config.sft.steps=30", "--config.steps=3",
-         "--config.rollout.batch_size=128", "--config.eval.num_examples=100",
+         "--config.rollout.batch_size=32", "--config.eval.num_examples=24",
+         "--config.eval.batch_size=24",
          "--config.eval_every=0"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [30, 33]
-    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/num_examples"] == 100 for r in evals)
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/num_examples"] == 24 for r in evals)
     rl = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in rl] == [31, 32, 33]
     sft = [r for r in records if "sft/loss" in r]
