@@ -30,17 +30,9 @@ os.environ["XLA_FLAGS"] = (_flags + " " + _compiler).strip()
 
 # Tests keep out of the user's cache directory: a developer's old entries must not change what a
 # test runs, and a test run must not fill ~/.cache. The persistent compilation cache still works
-# within the run (later modules load what earlier ones compiled), in a directory of its own that
-# the pytest-xdist workers of one run share: most tiny-model programs are the same in every
-# worker, so each is compiled once per run rather than once per worker. Sharing is safe: rljax
-# writes its own entries by rename, and JAX treats an entry it cannot read as a miss.
-_run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
-if _run.isalnum():
-    os.environ["RLJAX_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
-                                                 f"rljax-tests-cache-{_run}")
-    os.makedirs(os.environ["RLJAX_CACHE_DIR"], exist_ok=True)
-else:
-    os.environ["RLJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-cache-")
+# within the session (later modules load what earlier ones compiled), in a directory of its own
+# (one per process: each pytest-xdist worker of .ci/run has its own).
+os.environ["RLJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-cache-")
 
 # A suite started as a background job of a non-interactive shell inherits SIGINT ignored, and
 # Python then keeps it ignored; the tests of Ctrl-C handling expect Python's own handler.
