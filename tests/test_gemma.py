@@ -666,7 +666,8 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
 
 
 @pytest.mark.slow
-def test_real_gemma3_as_an_hf_directory_is_transformers_gguf_model(gemma_ours, gemma_hf, tmp_path):
+def test_real_gemma3_as_an_hf_directory_is_transformers_gguf_model(gemma_ours, gemma_hf,
+                                                                    tmp_path):
     """The same weights through the other path: the GGUF's weights written as an HF directory
     (``save_hf``: safetensors + config.json) load in rljax to the same config and weights, bit
     for bit (so to the GGUF load's logits, checked against transformers above), and in
