@@ -7,7 +7,9 @@ Registries:
                                  is_token_level(name)); treepo ([N]), rover ([N, T]) over
                                  a sampled tree (uses_tree(name): take node_ids);
                                  rae ([N], a baseline per role kept across steps:
-                                 uses_roles(name): take roles and baseline)
+                                 uses_roles(name): take roles and baseline);
+                                 grpo_process ([N, T]: GRPO plus a PRM's step rewards,
+                                 process_advantages)
   get_policy_loss(name)          ppo (vanilla), gspo, cispo
   get_kl_estimator(name)         k1 (kl), k2 (mse), k3 (low_var_kl), k3+ (k3_st), abs
   distill_advantages, generalized_jsd_tokens  on-policy distillation (per token)
@@ -54,6 +56,10 @@ from rljax.algorithms.tree_advantages import (  # registers "treepo" and "rover"
     treepo_advantages,
 )
 from rljax.algorithms.vine import vineppo_advantages  # registers "vineppo"
+from rljax.algorithms.process_advantages import (  # registers "grpo_process"
+    grpo_process_advantages,
+    process_advantages,
+)
 from rljax.algorithms.role_advantages import (  # registers "rae"
     rae_advantages,
     rae_estimator,

@@ -29,7 +29,7 @@ BETA_DEFAULT = 0.04
 
 # Advantage estimators that normalise within a prompt's group, so they need G >= 2.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline",
-                    "reinforce_pp_baseline_seq", "treepo", "rover")
+                    "reinforce_pp_baseline_seq", "treepo", "rover", "grpo_process")
 # Outcome estimators that per-turn returns plug into (env.turn_discount; the same tuple as
 # rljax.algorithms.turn_credit.TURN_ESTIMATORS, not imported: config loads without jax).
 TURN_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -124,6 +124,11 @@ def algo() -> dict[str, Any]:
         # its reward (>= correct_reward: verified). No expansion once a tree holds `max_nodes`.
         mcts=dict(simulations=8, children=4, rollouts=4, max_nodes=64, c_puct=1.0,
                   unvisited_value=0.0, value="mc", prm="", correct_reward=1.0),
+        # adv_estimator="grpo_process" (docs/search.md): the PRM of the algo.name='prm' run in
+        # workdir `prm` scores every step of every sample; the tokens' process advantages
+        # (step scores normalised over the group, summed from the token's step on) are added,
+        # times `weight`, to GRPO's outcome advantage.
+        process_reward=dict(prm="", weight=1.0),
         # adv_estimator="vineppo" (GRPO phase; docs/search.md): each completion is cut into
         # steps (splitter "newline", or "regex": a step ends where `regex` matches the text's
         # end); `forks` continuations are sampled from every step prefix (the first
@@ -284,7 +289,7 @@ RANGES = (
     ("algo.vine.forks", 1, None), ("algo.vine.max_steps", 1, None),
     ("algo.mcts.simulations", 1, None), ("algo.mcts.children", 1, None),
     ("algo.mcts.rollouts", 1, None), ("algo.mcts.max_nodes", 2, None),
-    ("algo.mcts.c_puct", 0.0, None),
+    ("algo.mcts.c_puct", 0.0, None), ("algo.process_reward.weight", 0.0, None),
     ("algo.update_streams", 0, None), ("algo.async_lag", 1, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),

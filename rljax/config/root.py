@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import ml_collections
 
-from rljax.config import algo, data, mesh, model, optimizer, reward, rollout, train
+from rljax.config import algo, data, mesh, model, optimizer, reward, rollout, search, train
 from rljax.config.base import check_choice, check_ranges, check_schema, get, merged
 from rljax.config.imports import import_user_modules
 from rljax.errors import ConfigError
@@ -98,6 +98,7 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_role_estimator,
     algo.check_vine,
     algo.check_mcts,
+    search.check_process_reward,
     model.check_lora,
     model.check_images,
     reward.check_env,

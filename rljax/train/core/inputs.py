@@ -128,6 +128,8 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
     check_data_files(cfg)
     check_step_delimiter(cfg)
     check_mcts_prm(cfg)
+    if cfg.algo.adv_estimator == "grpo_process":
+        check_prm_run(cfg, "algo.process_reward.prm", cfg.algo.process_reward.prm)
     if cfg.algo.name == "distill" and teacher:   # its files and tokenizer, before any model
         teacher_lib.check(cfg)
 
@@ -156,23 +158,29 @@ def check_mcts_prm(cfg) -> None:
     m = cfg.algo.mcts
     if (cfg.sft.traces != "mcts" and cfg.data.pairs != "mcts") or m.value != "prm":
         return
+    check_prm_run(cfg, "algo.mcts.prm", m.prm)
+
+
+def check_prm_run(cfg, key: str, where: str) -> None:
+    """``key=where`` is the workdir of a process reward model run with this run's model and
+    tokenizer sections (its checkpoint is read later)."""
     # The run's config.json read as plain JSON (rljax.config's loader would import this
     # module back through the phases).
-    path = os.path.join(m.prm, "config.json")
+    path = os.path.join(where, "config.json")
     if not os.path.isfile(path):
-        raise UserError(f"algo.mcts.prm={m.prm} has no config.json; is it a run directory?")
+        raise UserError(f"{key}={where} has no config.json; is it a run directory?")
     with open(path) as f:
         prm_cfg = json.load(f)
     name = prm_cfg.get("algo", {}).get("name")
     if name != "prm":
-        raise UserError(f"algo.mcts.prm={m.prm}: its run trains algo.name={name!r}, not a "
+        raise UserError(f"{key}={where}: its run trains algo.name={name!r}, not a "
                         "process reward model ('prm')")
     for section in ("model", "tokenizer"):
         same = [json.dumps(c, sort_keys=True, default=str) for c in
                 (prm_cfg.get(section), json.loads(json.dumps(cfg[section].to_dict(),
                                                              default=str)))]
         if same[0] != same[1]:
-            raise UserError(f"algo.mcts.prm={m.prm}: its {section} section differs from this "
+            raise UserError(f"{key}={where}: its {section} section differs from this "
                             "run's (the PRM is read with the policy's model config)")
 
 

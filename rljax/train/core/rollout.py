@@ -337,7 +337,10 @@ class Rollout:
                 del batch["ref_logps"]
         for stage in self.stages:  # e.g. mixed-policy demonstrations: ratio pi_theta / 1
             stage.finish_batch(batch, rows)
-        adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl)
+        # A stage may give the estimator more per-row inputs (process rewards: step scores).
+        inputs = rows.get("estimator_inputs")
+        adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl,
+                              **({"inputs": inputs} if inputs else {}))
         batch["advantages"] = adv
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
         if self.selector is not None:
@@ -378,13 +381,18 @@ class Rollout:
             {k: sum(r["reward_counts"][k][2] for r in rounds) for k in names})
 
     def advantages(self, rewards: np.ndarray, mask: np.ndarray | None = None,
-                   token_kl: np.ndarray | None = None) -> np.ndarray:
+                   token_kl: np.ndarray | None = None, inputs: dict | None = None) -> np.ndarray:
         """Advantages with the configured estimator from rewards [R]: [R], or [R, N] for a
-        token-level estimator, which also takes ``mask`` [R, N] (the tokens that train) and
-        the per-token KL [R, N] to put in the reward (``algo.kl_in_reward``, else None)."""
+        token-level estimator, which also takes ``mask`` [R, N] (the tokens that train), the
+        per-token KL [R, N] to put in the reward (``algo.kl_in_reward``, else None) and
+        ``inputs``, arrays [R, N] a rollout stage made for it (``grpo_process``: the step
+        rewards, ``methods.process_rewards``)."""
         a, g = self.cfg.algo, self.g
         if self._advantages is None:
-            opts = {"scale_rewards": a.scale_rewards} if a.adv_estimator == "grpo" else {}
+            opts = ({"scale_rewards": a.scale_rewards}
+                    if a.adv_estimator in ("grpo", "grpo_process") else {})
+            if a.adv_estimator == "grpo_process":
+                opts["process_weight"] = float(a.process_reward.weight)
             estimator = algorithms.get_advantage_estimator(a.adv_estimator)
             if algorithms.uses_tree(a.adv_estimator):  # every group has the same tree layout
                 opts.update(self.tree_structure(len(rewards) // g))
@@ -393,7 +401,8 @@ class Rollout:
                 opts.update(kl_coef=float(a.beta) if a.kl_in_reward else 0.0,
                             gamma=float(a.gamma))
                 self._advantages = jax.jit(
-                    lambda r, m, kl: estimator(r, g, mask=m, token_kl=kl, **opts))
+                    lambda r, m, kl, extra: estimator(r, g, mask=m, token_kl=kl, **extra,
+                                                      **opts))
             else:
                 self._advantages = jax.jit(lambda r: estimator(r, g, **opts))
         rewards = np.asarray(rewards, np.float32)
@@ -401,8 +410,8 @@ class Rollout:
             return np.asarray(self._advantages(rewards), np.float32)
         if token_kl is None:
             token_kl = np.zeros(mask.shape, np.float32)
-        return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl),
-                          np.float32)
+        return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl,
+                                           dict(inputs or {})), np.float32)
 
     def _group_filter(self):
         """The function ``rewards [B*G] -> bool [B]`` of groups that may train, or None to

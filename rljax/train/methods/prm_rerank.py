@@ -54,19 +54,35 @@ def step_rows(prompt_ids: list[list[int]], completions: list[list[int]], decode:
     return rows
 
 
+def step_probabilities(logits_fn: Callable, rows: list[tuple], batch_rows: int,
+                       max_prompt: int, max_completion: int,
+                       pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The PRM's step scores of R ``step_rows``: ``(probs f32 [R, C], step_ends bool [R, C])``
+    with ``C = max_completion``, the sigmoid of the logit at each step's last completion
+    position (``logits_fn(batch) -> [batch_rows, C]``; batches of ``batch_rows``, static)."""
+    probs, ends = [], []
+    for i in range(0, len(rows), batch_rows):
+        chunk = rows[i:i + batch_rows]
+        b = stepwise.stepwise_batch(chunk, batch_rows, max_prompt, max_completion, pad_id)
+        m = b["label_mask"] & b["row_mask"][:, None]
+        p = np.asarray(jax.nn.sigmoid(logits_fn(b)), np.float32)
+        probs.append(np.where(m, p, 0.0)[:len(chunk)])
+        ends.append(m[:len(chunk)])
+    if not probs:
+        return np.zeros((0, max_completion), np.float32), np.zeros((0, max_completion), bool)
+    return np.concatenate(probs), np.concatenate(ends)
+
+
 def completion_scores(logits_fn: Callable, rows: list[tuple], batch_rows: int,
                       max_prompt: int, max_completion: int, pad_id: int,
                       mode: str = "min") -> np.ndarray:
     """Scores [R] of R ``step_rows``: ``mode`` over the sigmoid of the logits at each step's
-    end (``logits_fn(batch) -> [batch_rows, C]``); batches of ``batch_rows`` (static)."""
-    out = []
-    for i in range(0, len(rows), batch_rows):
-        chunk = rows[i:i + batch_rows]
-        b = stepwise.stepwise_batch(chunk, batch_rows, max_prompt, max_completion, pad_id)
-        probs = jax.nn.sigmoid(logits_fn(b))
-        m = b["label_mask"] & b["row_mask"][:, None]
-        out.append(np.asarray(algorithms.aggregate_step_scores(probs, m, mode))[:len(chunk)])
-    return np.concatenate(out) if out else np.zeros(0, np.float32)
+    end (``step_probabilities``)."""
+    probs, ends = step_probabilities(logits_fn, rows, batch_rows, max_prompt, max_completion,
+                                     pad_id)
+    if not len(rows):
+        return np.zeros(0, np.float32)
+    return np.asarray(algorithms.aggregate_step_scores(probs, ends, mode), np.float32)
 
 
 def pair_accuracy(scores: np.ndarray, correct: np.ndarray) -> float:
@@ -204,3 +220,25 @@ def value_logits_fn(model_cfg, value_params) -> Callable:
     """``batch -> logits [B, C]`` of a value head (jitted, no LoRA dropout)."""
     fn = jax.jit(functools.partial(step_logits, model_cfg.replace(lora_dropout=0.0)))
     return lambda batch: fn(value_params, batch)
+
+
+def load_prm_logits_fn(ctx, key: str, where: str) -> Callable:
+    """``value_logits_fn`` of the process reward model trained in workdir ``where`` (its
+    latest checkpoint; config key ``key`` names it in errors). The PRM run shares the
+    policy's model and tokenizer sections (``inputs.check_prm_run``): its trunk is read with
+    the policy's model config."""
+    from rljax.errors import UserError
+    from rljax.models import lora as lora_lib
+    from rljax.train.core import checkpoint as ckpt_lib
+    from rljax.train.core.inputs import check_prm_run
+
+    check_prm_run(ctx.cfg, key, where)   # (also run by check_inputs, before the model loads)
+    with ckpt_lib.CheckpointManager(ckpt_lib.checkpoint_dir(where)) as ckpt:
+        if ckpt.latest_step() is None:
+            raise UserError(f"{key}={where} has no checkpoint")
+        saved = ckpt.restore().state
+    if saved.get("critic_params") is None:
+        raise UserError(f"{key}={where}: its latest checkpoint is from the SFT warm-up, "
+                        "before the PRM was trained")
+    return value_logits_fn(ctx.model_cfg,
+                           lora_lib.value_on_base(saved["params"], saved["critic_params"]))

@@ -26,7 +26,7 @@ from rljax.config.base import ConfigError
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train.core import length_groups, programs as programs_lib, steps
-from rljax.train.methods import guidance
+from rljax.train.methods import guidance, process_rewards
 from rljax.train.core import teacher as teacher_lib
 from rljax.train.core.metrics import host_fraction
 from rljax.train.core.rollout import Rollout
@@ -332,8 +332,12 @@ class GRPOPhase:
     def rollout_stages(self) -> list:
         """Method features the rollout runs at fixed points of every call, each owning its
         state (``core.rollout.RolloutStage``): hints/ReLIFT/demonstrations when configured; a
-        phase built on this one adds its own (distillation: the teacher's scores)."""
-        return [self.guide] if self.guide is not None else []
+        phase built on this one adds its own (distillation: the teacher's scores). With
+        ``algo.adv_estimator='grpo_process'``, a process reward model's step scores."""
+        stages = [self.guide] if self.guide is not None else []
+        if self.ctx.cfg.algo.adv_estimator == "grpo_process":
+            stages.append(process_rewards.ProcessRewards(self.ctx))
+        return stages
 
     def init_state(self, state):
         """Fresh optimizer; the reference policy is a copy of the starting policy (beta > 0),

@@ -1,0 +1,75 @@
+"""PRM-shaped GRPO: a process reward model scores every step of every sampled completion, and
+the estimator ``grpo_process`` adds the steps' process advantages to GRPO's outcome advantage
+(``rljax.algorithms.process_advantages``; DeepSeekMath's process supervision).
+
+A rollout stage (``core.rollout.RolloutStage``), so it composes with the samplers and modes the
+GRPO rollout has (static, slot engine, partial and asynchronous rollouts). Each completion is
+cut into steps at ``data.step_delimiter`` (``step_mc.step_ends``: a step ends with the token
+that completes the delimiter; the stop token, or the completion's end, ends the last), and the
+PRM of ``algo.process_reward.prm`` (an ``algo.name='prm'`` run with this run's model and
+tokenizer) reads prompt ++ completion once; the sigmoid of its logit at each step's last
+token is that step's reward. The PRM is frozen and not checkpointed (a resumed run reloads it).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rljax.train.methods import prm_rerank
+
+
+class ProcessRewards:
+    """Rollout stage: the step rewards [R, N] of the assembled batch's completions, given to
+    the estimator (``rows["estimator_inputs"]``: ``step_rewards`` f32 and ``step_ends``
+    bool, [R, N])."""
+
+    name = "process_rewards"
+
+    def __init__(self, ctx):
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self._logits_fn = None     # loaded at the first batch, not when the phase is built
+        self._metrics: dict = {}
+
+    def logits_fn(self):
+        if self._logits_fn is None:
+            self._logits_fn = prm_rerank.load_prm_logits_fn(
+                self.ctx, "algo.process_reward.prm", self.cfg.algo.process_reward.prm)
+        return self._logits_fn
+
+    def check(self, example: dict) -> None:
+        pass
+
+    def after_round(self, rollout, params, rnd: dict, rng) -> dict:
+        return rnd
+
+    def finish_batch(self, batch: dict, rows: dict) -> None:
+        t0 = time.perf_counter()
+        cfg, tok = self.cfg, self.ctx.tokenizer
+        comp_tok, comp_mask = np.asarray(rows["tokens"]), np.asarray(rows["mask"], bool)
+        n = comp_tok.shape[1]
+        seqs, seq_mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"], bool)
+        p = seqs.shape[1] - n   # the batch's prompt bucket (left-padded prompts)
+        prompts = [t[:p][m[:p]].tolist() for t, m in zip(seqs, seq_mask)]
+        comps = [t[m].tolist() for t, m in zip(comp_tok, comp_mask)]
+        step_rows = prm_rerank.step_rows(prompts, comps, tok.decode, cfg.data.step_delimiter,
+                                         tuple(self.ctx.stop_ids))
+        a = cfg.algo
+        chunk = a.micro_batch_size or a.mini_batch_size or len(comps)
+        probs, ends = prm_rerank.step_probabilities(self.logits_fn(), step_rows, chunk, p, n,
+                                                    tok.pad_id)
+        rows["estimator_inputs"] = {"step_rewards": probs, "step_ends": ends}
+        steps = ends.sum(axis=1)
+        self._metrics = {"process/step_score_mean": float(probs[ends].mean()) if ends.any()
+                         else 0.0,
+                         "process/steps_mean": float(steps.mean()) if len(steps) else 0.0,
+                         "time/prm": time.perf_counter() - t0}
+
+    def metrics(self, rounds, rows) -> dict:
+        return dict(self._metrics)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,0 +1,142 @@
+"""PRM-shaped GRPO (algo.adv_estimator='grpo_process'): the process advantage against
+DeepSeekMath's formula written out, the rollout stage's step rewards at each step's last token,
+the config's one-line refusals, and a tiny run on a PRM run's checkpoint that resumes exactly."""
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from rljax import algorithms
+from rljax import config as config_lib
+from rljax.tokenizers import CharTokenizer
+from rljax.train.methods import process_rewards
+
+TOK = CharTokenizer()
+
+
+def written_out(step_rewards, step_ends, g, eps=1e-6):
+    """DeepSeekMath 4.1.3 restated with loops: each group's step rewards normalised by their
+    mean and (unbiased) std over the whole group, each token's advantage the sum of the
+    normalised rewards of the steps that end at or after it."""
+    n, t = step_ends.shape
+    out = np.zeros((n, t))
+    for start in range(0, n, g):
+        rows = range(start, start + g)
+        r = [step_rewards[i, j] for i in rows for j in range(t) if step_ends[i, j]]
+        if len(r) < 2 or max(r) == min(r):
+            continue
+        mean, std = np.mean(r), np.std(r, ddof=1)
+        for i in rows:
+            for s in range(t):
+                out[i, s] = sum((step_rewards[i, j] - mean) / (std + eps)
+                                for j in range(s, t) if step_ends[i, j])
+    return out
+
+
+def test_process_advantages_equal_the_written_out_formula():
+    rng = np.random.default_rng(0)
+    n, t, g = 12, 7, 4
+    ends = rng.random((n, t)) < 0.35
+    ends[8:12] = False
+    ends[8, 3] = True              # group 3: one step in all -> no process term
+    ends[4:8, 2] = True            # group 2: all its steps score the same -> 0
+    rewards = rng.random((n, t)).astype(np.float32)
+    rewards[4:8] = 0.25
+    got = np.asarray(algorithms.process_advantages(rewards, ends, g))
+    np.testing.assert_allclose(got, written_out(rewards, ends, g), rtol=1e-5, atol=1e-6)
+    assert not got[4:12].any()
+
+    outcome = rng.integers(0, 2, n).astype(np.float32)
+    mask = np.arange(t)[None, :] < rng.integers(1, t + 1, n)[:, None]
+    est = algorithms.get_advantage_estimator("grpo_process")
+    assert algorithms.is_token_level("grpo_process")
+    adv = np.asarray(est(outcome, g, mask=mask, step_rewards=rewards, step_ends=ends,
+                         process_weight=0.5))
+    grpo = np.asarray(algorithms.grpo_advantages(outcome, g))
+    np.testing.assert_allclose(adv, np.where(mask, grpo[:, None] + 0.5 * got, 0.0),
+                               rtol=1e-5, atol=1e-6)
+    plain = est(outcome, g, mask=mask, step_rewards=rewards, step_ends=ends, process_weight=0.0)
+    np.testing.assert_array_equal(np.asarray(plain), np.where(mask, grpo[:, None], 0.0))
+    with pytest.raises(ValueError, match="gamma"):
+        est(outcome, g, mask=mask, step_rewards=rewards, step_ends=ends, gamma=0.9)
+
+
+def test_the_stage_puts_each_steps_score_on_its_last_token():
+    """Steps end at the token that completes the delimiter, and the last step at the
+    completion's end; the reward there is the sigmoid of the PRM's logit at that token."""
+    cfg = config_lib.default_config()
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=TOK, stop_ids=(TOK.eos_id,))
+    stage = process_rewards.ProcessRewards(ctx)
+    seen = {}
+
+    def logits_fn(batch):   # the logit at a token is its id / 10 - 3: known in advance
+        seen["prompt"] = np.asarray(batch["prompt_tokens"])
+        return np.asarray(batch["completion_tokens"], np.float32) / 10 - 3
+    stage._logits_fn = logits_fn
+    prompts, comps = ["3+4-2=", "1+1="], ["3+4=7\n7-2=5", "1+1=2"]
+    n = 14
+    comp_tok = np.full((2, n), TOK.pad_id, np.int32)
+    comp_mask = np.zeros((2, n), bool)
+    seqs = np.full((2, 8 + n), TOK.pad_id, np.int32)
+    seq_mask = np.zeros((2, 8 + n), bool)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        ids, pid = TOK.encode(c) + [TOK.eos_id], TOK.encode(p)
+        comp_tok[i, :len(ids)], comp_mask[i, :len(ids)] = ids, True
+        seqs[i, 8 - len(pid):8], seq_mask[i, 8 - len(pid):8] = pid, True
+        seqs[i, 8:], seq_mask[i, 8:] = comp_tok[i], comp_mask[i]
+    rows = {"tokens": comp_tok, "mask": comp_mask}
+    stage.finish_batch({"tokens": seqs, "mask": seq_mask}, rows)
+    got = rows["estimator_inputs"]
+    want_ends = np.zeros((2, n), bool)
+    want_ends[0, [5, 11]] = True      # "...7\n" ends step 1; the stop token ends step 2
+    want_ends[1, 5] = True
+    np.testing.assert_array_equal(got["step_ends"], want_ends)
+    score = 1 / (1 + np.exp(-(comp_tok / 10 - 3)))
+    np.testing.assert_allclose(got["step_rewards"], np.where(want_ends, score, 0.0), rtol=1e-6)
+    assert TOK.decode(seen["prompt"][0][-6:].tolist()) == "3+4-2="
+    assert stage.metrics([], rows)["process/steps_mean"] == 1.5
+
+
+def _cfg(**extra):
+    from test_prm import tiny_prm_cfg
+    cfg = tiny_prm_cfg(2).copy_and_resolve_references()
+    cfg.update_from_flattened_dict({
+        "algo.name": "grpo", "algo.adv_estimator": "grpo_process", "algo.beta": 0.0,
+        "algo.num_generations": 2, "rollout.batch_size": 4, "sft.steps": 0,
+        "algo.process_reward.weight": 0.5, **extra})
+    return config_lib.validate(cfg)
+
+
+def test_config_refuses_what_grpo_process_cannot_read():
+    with pytest.raises(config_lib.ConfigError, match="needs algo.process_reward.prm"):
+        _cfg()
+    with pytest.raises(config_lib.ConfigError, match="read only with"):
+        _cfg(**{"algo.adv_estimator": "grpo", "algo.process_reward.prm": "runs/prm"})
+    with pytest.raises(config_lib.ConfigError, match="algo.gamma"):
+        _cfg(**{"algo.process_reward.prm": "runs/prm", "algo.gamma": 0.9})
+    with pytest.raises(config_lib.ConfigError, match="data.step_delimiter"):
+        _cfg(**{"algo.process_reward.prm": "runs/prm", "data.step_delimiter": ""})
+
+
+def test_a_prm_shaped_run_trains_on_a_prm_runs_scores_and_resumes_exactly(tmp_path):
+    """A PRM run, then GRPO with its step scores: the scores are the PRM's (in (0, 1), every
+    completion has a step), and a run stopped after one update and resumed equals a straight
+    one (the PRM is reloaded from its run, the sampling keys come from the train state)."""
+    from rljax.train import run
+    from test_prm import _comparable, tiny_prm_cfg
+    from test_train_loop import StopAfter
+
+    devices = jax.devices()[:1]
+    prm_dir = str(tmp_path / "prm")
+    assert run.train(tiny_prm_cfg(1, **{"sft.steps": 0}), prm_dir, devices=devices) == 0
+    straight, parts = str(tmp_path / "a"), str(tmp_path / "b")
+    cfg = _cfg(**{"algo.process_reward.prm": prm_dir})
+    assert run.train(cfg, straight, devices=devices) == 0
+    assert run.train(cfg, parts, devices=devices, stop=StopAfter(1)) == 0
+    assert run.train(cfg, parts, devices=devices) == 0
+    steps = [r for r in _comparable(straight) if "process/step_score_mean" in r]
+    assert len(steps) == 2
+    assert all(0 < r["process/step_score_mean"] < 1 and r["process/steps_mean"] >= 1
+               for r in steps)
+    assert _comparable(parts) == _comparable(straight)
