@@ -2,7 +2,7 @@
 with ``algo.adv_estimator='grpo_process'``. A process reward model trained by
 ``configs/prm_arithmetic_steps.py`` (the same model and warm-up) scores every step of every
 sample; each token's advantage is GRPO's outcome advantage plus the group-normalised step
-scores from its step on (docs/search.md, "PRM-shaped GRPO").
+scores from its step on (docs/tree_search.md, "PRM-shaped GRPO").
 
     rljax train --config configs/prm_arithmetic_steps.py --workdir runs/prm
     rljax train --config configs/grpo_prm_arithmetic_steps.py --workdir runs/grpo_prm \

@@ -9,7 +9,7 @@ continuations to the end, backup), all prompts' leaves sampled in one batched ca
 the best verified trace of each prompt (the most visited terminal node whose reward reaches
 ``algo.mcts.correct_reward``) is an SFT row, prompts without one train nothing. Logs
 ``mcts/solved_frac``, ``mcts/nodes_mean``, ``mcts/depth_mean``, ``mcts/value_root_mean``
-(docs/search.md). With a PRM run (``configs/prm_arithmetic_steps.py``) as the leaf value:
+(docs/tree_search.md). With a PRM run (``configs/prm_arithmetic_steps.py``) as the leaf value:
 ``--config.algo.mcts.value=prm --config.algo.mcts.prm=runs/prm``.
 
     rljax train --config configs/sft_mcts_arithmetic_steps.py --workdir runs/rest_mcts

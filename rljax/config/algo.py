@@ -111,20 +111,20 @@ def algo() -> dict[str, Any]:
         # reward values the candidate next steps; the best and worst next step at a prefix
         # form a pair when their values differ by more than min_value_gap.
         step_mc=dict(max_steps=4, min_value_gap=0.0),
-        # algo.name='prm' (process reward model; docs/search.md): labels from a stepwise file,
+        # algo.name='prm' (process reward model; docs/tree_search.md): labels from a stepwise file,
         # or on a built-in task sampled as Math-Shepherd's (num_generations continuations of
         # each step prefix, step_mc.max_steps - 1 prefixes per solution). soft_labels: train
         # on the fraction of continuations with reward >= correct_reward (else on fraction >
         # 0); step_score: how a solution's step scores combine (min, last, mean, prod).
         prm=dict(soft_labels=False, correct_reward=1.0, step_score="min"),
-        # MCTS over steps (sft.traces='mcts'; docs/search.md): per prompt, `simulations`
+        # MCTS over steps (sft.traces='mcts'; docs/tree_search.md): per prompt, `simulations`
         # select/expand/evaluate/backup rounds; an expansion samples `children` next steps
         # (priors: their probabilities); a leaf is valued by `rollouts` continuations to the
         # end (value 'mc') or by the PRM run in workdir `prm` (value 'prm'); a terminal node by
         # its reward (>= correct_reward: verified). No expansion once a tree holds `max_nodes`.
         mcts=dict(simulations=8, children=4, rollouts=4, max_nodes=64, c_puct=1.0,
                   unvisited_value=0.0, value="mc", prm="", correct_reward=1.0),
-        # adv_estimator="grpo_process" (docs/search.md): the PRM of the algo.name='prm' run in
+        # adv_estimator="grpo_process" (docs/tree_search.md): the PRM of the algo.name='prm' run in
         # workdir `prm` scores every step of every sample; the tokens' process advantages
         # (step scores normalised over the group, summed from the token's step on) are added,
         # times `weight`, to GRPO's outcome advantage.

@@ -24,7 +24,7 @@ def data() -> dict[str, Any]:
         pairs="auto",                # DPO pairs: "auto" = the data's (offline) or best vs worst
                                      # of num_generations (algo.online); "step_mc" = step-level
                                      # pairs from Monte-Carlo step values; "mcts" = sibling
-                                     # steps of an MCTS over steps (docs/search.md)
+                                     # steps of an MCTS over steps (docs/tree_search.md)
         step_delimiter="\n",         # step_mc: a solution's steps end with this text
         # Which prompts an RL step trains on (rljax.data.selection, docs/curricula.md):
         # uniform (as drawn), online_filter (groups with pass rate in [low, high]; more
