@@ -23,10 +23,14 @@ ARCH = "qwen3moe"
 ARCHS = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 
-def _write_moe_gguf(path, hf_cfg, tensors, arch=ARCH, expert_count=None):
+def _write_moe_gguf(path, hf_cfg, tensors, arch=ARCH, expert_count=None, expert_types=None):
     """``tensors`` (HF names, one per expert) as a float32 GGUF of ``arch`` with the keys
     llama.cpp's converter writes, experts stacked [E, out, in] into
-    ``blk.N.ffn_{gate,up,down}_exps`` (olmoe: no expert_feed_forward_length, no key_length)."""
+    ``blk.N.ffn_{gate,up,down}_exps`` (olmoe: no expert_feed_forward_length, no key_length).
+    ``expert_types``: {"gate"|"up"|"down": K-quant type} writes those stacks as random blocks
+    of that type instead (gguf has no numpy K-quantizer). Returns {GGUF name: the float32
+    array the file stores} of the expert stacks."""
+    from test_gguf import random_kquant_bytes
     olmoe = arch == "olmoe"
     head_dim = hf_cfg.hidden_size // hf_cfg.num_attention_heads if olmoe else hf_cfg.head_dim
     w = gguf.GGUFWriter(str(path), arch)
@@ -52,6 +56,7 @@ def _write_moe_gguf(path, hf_cfg, tensors, arch=ARCH, expert_count=None):
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
              "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
              "mlp.gate": "ffn_gate_inp"}
+    rng, stored = np.random.default_rng(0), {}
     w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
     w.add_tensor("output.weight", tensors["lm_head.weight"])
@@ -60,13 +65,23 @@ def _write_moe_gguf(path, hf_cfg, tensors, arch=ARCH, expert_count=None):
         for hf, name in names.items():
             w.add_tensor(f"blk.{i}.{name}.weight", tensors[f"{pre}{hf}.weight"])
         for proj in ("gate", "up", "down"):
-            w.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", np.stack(
-                [tensors[f"{pre}mlp.experts.{e}.{proj}_proj.weight"]
-                 for e in range(hf_cfg.num_experts)]))
+            name = f"blk.{i}.ffn_{proj}_exps.weight"
+            stack = np.stack([tensors[f"{pre}mlp.experts.{e}.{proj}_proj.weight"]
+                              for e in range(hf_cfg.num_experts)])
+            qtype = (expert_types or {}).get(proj)
+            if qtype is None:
+                w.add_tensor(name, stack)
+                stored[name] = stack
+                continue
+            e, rows, cols = stack.shape
+            data = random_kquant_bytes(qtype, (e * rows, cols), rng).reshape(e, rows, -1)
+            w.add_tensor(name, data, raw_dtype=qtype)
+            stored[name] = gguf.quants.dequantize(data, qtype).reshape(stack.shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return stored
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -172,3 +187,45 @@ def test_keep_refuses_moe_experts(qwen3moe):
     cfg = models.gguf.inspect_gguf(path)
     with pytest.raises(GGUFError, match=r"cannot keep a mixture of experts' expert tensors"):
         gguf_keep.keep_plan(path, cfg)
+
+
+def test_k_quant_expert_stacks_load_as_gguf_dequantizes_them(tmp_path):
+    """Expert stacks in llama.cpp's Q4_K_M types (Q4_K gate/up, Q6_K down; K-quant rows of
+    256) load to the values gguf dequantizes, in the layout of the float32 file holding those
+    values, and to transformers' logits of the quantized file."""
+    Q = gguf.GGMLQuantizationType
+    hf_cfg = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+        rms_norm_eps=1e-6, attn_implementation="eager", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    _randomise(model)
+    model.save_pretrained(str(tmp_path / "hf"))   # per-expert tensors, as the converter reads
+    tensors = safetensors_numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    quantized = tmp_path / "q4_k_m.gguf"
+    stored = _write_moe_gguf(quantized, hf_cfg, tensors,
+                             expert_types={"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K})
+    # The same values as float32 stacks (HF per-expert tensors are [out, in]).
+    as_float = dict(tensors)
+    for name, stack in stored.items():
+        i, proj = name.split(".")[1], name.split("_")[1]
+        for e in range(hf_cfg.num_experts):
+            as_float[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] = stack[e]
+    floats = tmp_path / "f32.gguf"
+    _write_moe_gguf(floats, hf_cfg, as_float)
+    cfg, params = models.gguf.load_gguf(str(quantized))
+    _, reference = models.gguf.load_gguf(str(floats))
+    for name in ("expert_gate", "expert_up", "expert_down"):
+        got = np.asarray(params["layers"][name])
+        assert np.abs(got).max() > 0
+        np.testing.assert_array_equal(got, np.asarray(reference["layers"][name]))
+    tokens, mask = _batch()
+    ours = np.asarray(models.forward(cfg, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=quantized.name, dtype=torch.float32,
+        attn_implementation="eager", moe_intermediate_size=256).eval()
+    ref = _hf_logits(from_gguf, tokens, mask)
+    scale = np.abs(ref[mask]).max()
+    assert np.abs(ours - ref)[mask].max() / scale <= 1e-5
