@@ -69,6 +69,50 @@ def test_expert_parallel_forward_loss_and_grads_equal_unsharded(axes):
     assert "all-to-all" in hlo and not _gathered_assignments(hlo, cfg.num_experts_per_tok)
 
 
+def test_lora_on_attention_of_an_expert_parallel_moe_updates_as_unsharded():
+    """A GRPO update of LoRA adapters (q, v) on the MoE, data 2 x expert 4 (the experts'
+    tokens exchanged by the dispatch, the adapters replicated over the expert axis) gives the
+    unsharded update's loss and adapters; the base stays frozen."""
+    from rljax.models import lora
+    from rljax.train.core import optim
+    from rljax.train.core.state import create_train_state, eval_state_shape, state_shardings
+    from rljax.train.phases import grpo
+    from test_train_steps import algo_cfg, make_batch
+
+    cfg, params, _, _ = _small()
+    params = jax.tree.map(np.asarray, params)   # the update donates its state: fresh copies
+    cfg = cfg.replace(lora_scale=2.0)
+    opt_cfg = config.default_config().optimizer
+    opt_cfg.name = "sgd"
+    opt = optim.make_optimizer(opt_cfg, 100, learning_rate=1.0)
+
+    def fresh():
+        adapters = lora.init_lora(cfg, 4, "q|v", jax.random.key(1))
+        adapters = jax.tree.map(lambda x: x + 0.05, adapters)   # B != 0: a live adapter
+        return create_train_state({**jax.tree.map(jnp.asarray, params), "lora": adapters},
+                                  opt, jax.random.key(2))
+
+    algo, batch = algo_cfg(beta=0.0), make_batch(2)
+    want_state, want = grpo.build_update(cfg, algo, opt)(fresh(), batch)
+    mesh = sharding.make_mesh({"data": 2, "expert": 4})
+    state = fresh()
+    pshard = sharding.logical_to_sharding(
+        {**models.param_logical_axes(cfg), "lora": lora.lora_logical_axes(cfg, 4, "q|v")},
+        mesh, shapes=state.params)
+    sshard = state_shardings(eval_state_shape(state.params, opt, state.rng), pshard)
+    step = grpo.build_update(cfg, algo, opt, state_shardings=sshard, mesh=mesh)
+    new_state, got = step(jax.device_put(state, sshard), batch)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5, atol=1e-7)
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()),
+                         want_state.params["lora"], fresh().params["lora"])
+    assert max(jax.tree.leaves(moved)) > 1e-4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=1e-5, atol=1e-6),
+                 new_state.params, want_state.params)
+    np.testing.assert_array_equal(np.asarray(new_state.params["layers"]["expert_up"]),
+                                  np.asarray(params["layers"]["expert_up"]))
+
+
 def test_replayed_routes_through_the_dispatch_are_the_recorded_forward():
     cfg, params, tokens, mask = _small()
     mesh, sharded, batch = _on_mesh(cfg, params, {"tokens": tokens, "mask": mask},
