@@ -310,3 +310,45 @@ def test_online_dpo_takes_sibling_pairs_from_the_search(ctx):
     for row, (_, chosen, rejected, _, _) in enumerate(pairs):
         assert batch["chosen_tokens"][row][batch["chosen_mask"][row]].tolist() == chosen
         assert batch["rejected_tokens"][row][batch["rejected_mask"][row]].tolist() == rejected
+
+
+def test_a_search_sharded_on_8_devices_equals_unsharded(ctx, tmp_path, monkeypatch):
+    """Value 'prm' on a data=8 mesh (3 prompts padded to 8 prefix rows, their keys and the
+    PRM's batches split over the devices) grows the trees one device grows: same nodes,
+    visits and best traces; priors, values and PRM scores to float32 rounding."""
+    import dataclasses
+
+    from rljax import models
+    from rljax.train.methods import mcts_programs
+
+    cfg = tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": "unused"})
+    eight = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:8])
+    assert eight.dp_size == 8
+    value = models.init_value_params(ctx.model_cfg, jax.random.key(3), from_params=ctx.params)
+    calls = []
+    real = mcts_search.generate
+
+    def spy(c, params, p_tok, p_mask, rng, **kw):
+        calls.append((p_tok.shape, kw["row_keys"].sharding.spec))
+        return real(c, params, p_tok, p_mask, rng, **kw)
+    monkeypatch.setattr(mcts_search, "generate", spy)
+
+    def search(c, params):
+        rows = mcts_programs.search_rows(3, c.dp_size)
+        scorer = mcts_programs.prm_scorer(c, value, rows * 2)
+        return mcts_search.MCTSSearch(c, 3, scorer).search(params, EXAMPLES, jax.random.key(7))
+    one = search(dataclasses.replace(ctx, cfg=cfg), ctx.params)
+    calls.clear()
+    sharded = search(eight, jax.device_put(ctx.params, eight.param_shardings))
+    assert calls and all(c == ((8, 20), jax.sharding.PartitionSpec("data")) for c in calls)
+    for a, b in zip(one, sharded):
+        na, nb = list(mcts_search.walk(a.root)), list(mcts_search.walk(b.root))
+        assert [(n.steps, n.visits, n.terminal) for n in na] == \
+            [(n.steps, n.visits, n.terminal) for n in nb]
+        for x, y in zip(na, nb):
+            assert (x.prior, x.value_sum) == pytest.approx((y.prior, y.value_sum), abs=1e-5)
+            assert a.info[x.steps] == pytest.approx(b.info[y.steps], abs=1e-5)
+    assert sum(len(list(mcts_search.walk(t.root))) for t in one) > 6
+    assert any("score" in info for t in one for info in t.info.values())
+    assert (mcts_search.trace_batch(ctx, one, 0.0, 8)[1]
+            == mcts_search.trace_batch(ctx, sharded, 0.0, 8)[1])
