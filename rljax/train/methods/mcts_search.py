@@ -280,7 +280,8 @@ def searcher(ctx, prompts: int) -> MCTSSearch:
     scoring ``search_rows x children`` rows a batch: a wave's new children at most)."""
     m = ctx.cfg.algo.mcts
     rows = mcts_programs.search_rows(prompts, ctx.dp_size)
-    scorer = mcts_programs.load_prm_scorer(ctx, rows * int(m.children)) if m.value == "prm" else None
+    scorer = (mcts_programs.load_prm_scorer(ctx, rows * int(m.children))
+              if m.value == "prm" else None)
     return MCTSSearch(ctx, rows, scorer)
 
 
