@@ -265,22 +265,12 @@ def resident_parts(state) -> dict:
     return parts
 
 
-def plan(cfg, devices=None, *, compile_phases: bool = True,
-         chip: str | None = None) -> MemoryPlan:
-    """Compiles the programs of the run's phases abstractly (each phase states its own:
-    ``rljax.train.phases.phase_programs``) and returns their per-device memory.
-
-    ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
-    ``chip`` (a ``cost.CHIPS`` name): also each program's per-device cost and its roofline
-    time on that chip.
-    """
-    if chip is not None and chip not in cost_lib.CHIPS:
-        raise UserError(f"--cost {chip}: unknown chip; one of {', '.join(cost_lib.CHIPS)}")
-    from rljax.train import phases as phases_lib
-    from rljax.train.core import programs as programs_lib
+def abstract_context(cfg, devices) -> tuple[Any, int]:
+    """``(setup.Context, parameter count)`` of the run on ``devices`` (after ``check_inputs``)
+    with abstract parameters (``ShapeDtypeStruct`` leaves carrying the run's shardings): what
+    the phases' ``programs`` take. Nothing is loaded or allocated."""
     from rljax.train.core.setup import Context, check_inputs, make_meshes, quantized_base
 
-    devices = list(jax.devices() if devices is None else devices)
     check_inputs(cfg, len(devices))
     mesh, rollout_mesh = make_meshes(cfg, devices)
     tok = _tokenizer(cfg)
@@ -301,8 +291,27 @@ def plan(cfg, devices=None, *, compile_phases: bool = True,
     param_sh = shd.logical_to_sharding(axes, mesh, shapes=param_shapes)
     rollout_sh = (None if rollout_mesh is None else
                   shd.on_mesh(param_sh, param_shapes, rollout_mesh))
-    ctx = Context(cfg, "", mesh, tok, mcfg, _abstract(param_shapes, param_sh), param_sh,
-                  rollout_mesh=rollout_mesh, rollout_shardings=rollout_sh)
+    return Context(cfg, "", mesh, tok, mcfg, _abstract(param_shapes, param_sh), param_sh,
+                   rollout_mesh=rollout_mesh, rollout_shardings=rollout_sh), n_params
+
+
+def plan(cfg, devices=None, *, compile_phases: bool = True,
+         chip: str | None = None) -> MemoryPlan:
+    """Compiles the programs of the run's phases abstractly (each phase states its own:
+    ``rljax.train.phases.phase_programs``) and returns their per-device memory.
+
+    ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
+    ``chip`` (a ``cost.CHIPS`` name): also each program's per-device cost and its roofline
+    time on that chip.
+    """
+    if chip is not None and chip not in cost_lib.CHIPS:
+        raise UserError(f"--cost {chip}: unknown chip; one of {', '.join(cost_lib.CHIPS)}")
+    from rljax.train import phases as phases_lib
+    from rljax.train.core import programs as programs_lib
+
+    devices = list(jax.devices() if devices is None else devices)
+    ctx, n_params = abstract_context(cfg, devices)
+    mesh, rollout_mesh = ctx.mesh, ctx.rollout_mesh
     phases: list[PhaseMemory] = []
     notes: list[str] = []
     residents: list[tuple[str, dict]] = []
@@ -462,5 +471,5 @@ def measure_live_bytes() -> int:
     return total
 
 
-__all__ = ["plan", "check", "run", "explain", "MemoryPlan", "PhaseMemory", "DoesNotFit",
-           "device_capacity", "shard_bytes", "model_config", "measure_live_bytes"]
+__all__ = ["plan", "abstract_context", "check", "run", "explain", "MemoryPlan", "PhaseMemory",
+           "DoesNotFit", "device_capacity", "shard_bytes", "model_config", "measure_live_bytes"]

@@ -310,3 +310,123 @@ def test_online_dpo_takes_sibling_pairs_from_the_search(ctx):
     for row, (_, chosen, rejected, _, _) in enumerate(pairs):
         assert batch["chosen_tokens"][row][batch["chosen_mask"][row]].tolist() == chosen
         assert batch["rejected_tokens"][row][batch["rejected_mask"][row]].tolist() == rejected
+
+
+def test_a_search_sharded_on_8_devices_equals_unsharded(ctx, tmp_path, monkeypatch):
+    """Value 'prm' on a data=8 mesh (3 prompts padded to 8 prefix rows, their keys and the
+    PRM's batches split over the devices) grows the trees one device grows: same nodes,
+    visits and best traces; priors, values and PRM scores to float32 rounding."""
+    import dataclasses
+
+    from rljax import models
+    from rljax.train.methods import mcts_programs
+
+    cfg = tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": "unused"})
+    eight = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:8])
+    assert eight.dp_size == 8
+    value = models.init_value_params(ctx.model_cfg, jax.random.key(3), from_params=ctx.params)
+    calls = []
+    real = mcts_search.generate
+
+    def spy(c, params, p_tok, p_mask, rng, **kw):
+        calls.append((p_tok.shape, kw["row_keys"].sharding.spec))
+        return real(c, params, p_tok, p_mask, rng, **kw)
+    monkeypatch.setattr(mcts_search, "generate", spy)
+
+    def search(c, params):
+        rows = mcts_programs.search_rows(3, c.dp_size)
+        scorer = mcts_programs.prm_scorer(c, value, rows * 2)
+        return mcts_search.MCTSSearch(c, 3, scorer).search(params, EXAMPLES, jax.random.key(7))
+    one = search(dataclasses.replace(ctx, cfg=cfg), ctx.params)
+    calls.clear()
+    sharded = search(eight, jax.device_put(ctx.params, eight.param_shardings))
+    assert calls and all(c == ((8, 20), jax.sharding.PartitionSpec("data")) for c in calls)
+    for a, b in zip(one, sharded):
+        na, nb = list(mcts_search.walk(a.root)), list(mcts_search.walk(b.root))
+        assert [(n.steps, n.visits, n.terminal) for n in na] == \
+            [(n.steps, n.visits, n.terminal) for n in nb]
+        for x, y in zip(na, nb):
+            assert (x.prior, x.value_sum) == pytest.approx((y.prior, y.value_sum), abs=1e-5)
+            assert a.info[x.steps] == pytest.approx(b.info[y.steps], abs=1e-5)
+    assert sum(len(list(mcts_search.walk(t.root))) for t in one) > 6
+    assert any("score" in info for t in one for info in t.info.values())
+    assert (mcts_search.trace_batch(ctx, one, 0.0, 8)[1]
+            == mcts_search.trace_batch(ctx, sharded, 0.0, 8)[1])
+
+
+def test_the_plan_lists_the_search_programs_at_the_shapes_a_round_calls(ctx, tmp_path,
+                                                                         monkeypatch):
+    """rljax plan of sft.traces='mcts' with value 'prm' on a data=8 mesh: mcts/sample is one
+    wave's sampler call (8 prefix rows of 8 + 12 columns, a key per fork) and mcts/prm the
+    PRM's pass over 8 x 2 stepwise rows, at the shapes and shardings of the calls a round
+    makes; both compile. Online DPO with data.pairs='mcts' plans the same search (4 prompts
+    padded to 8 rows) instead of the rollout's sampler."""
+    from rljax import models
+    from rljax import plan as plan_lib
+    from rljax.train import phases
+    from rljax.train.core import workdir as wd
+    from rljax.train.methods import mcts_programs, prm_rerank
+
+    prm_cfg = tiny_cfg()
+    prm_cfg.algo.name, prm_cfg.sft.traces = "prm", ""
+    wd.write_config(str(tmp_path), prm_cfg)
+    cfg = tiny_cfg(**{"algo.mcts.value": "prm", "algo.mcts.prm": str(tmp_path),
+                      "sft.batch_size": 8})
+    devices = jax.devices()[:8]
+    abstract, _ = plan_lib.abstract_context(cfg, devices)
+    planned = {p.name: p for _, _, ps in phases.phase_programs(abstract) for p in ps}
+    assert set(planned) == {"update", "mcts/sample", "mcts/prm"}
+    _, p_tok, p_mask, _, keys = planned["mcts/sample"].args
+    assert (p_tok.shape, p_mask.shape, keys.shape) == ((8, 20), (8, 20), (16, 2))
+    value, batch = planned["mcts/prm"].args
+    assert batch["prompt_tokens"].shape == (16, 8) and batch["labels"].shape == (16, 12)
+    for name in ("mcts/sample", "mcts/prm"):
+        p = planned[name]
+        assert p.fn.lower(*p.args).compile().memory_analysis() is not None
+
+    # A round of the run's search on the same mesh, its PRM a fresh value head.
+    eight = setup.build_context(cfg, str(tmp_path / "run"), devices=devices)
+    head = models.init_value_params(ctx.model_cfg, jax.random.key(3), from_params=ctx.params)
+    monkeypatch.setattr(mcts_programs, "load_prm_scorer",
+                        lambda c, rows: mcts_programs.prm_scorer(c, head, rows))
+    sampled, scored = [], []
+    real_generate, real_program = mcts_search.generate, prm_rerank.value_logits_program
+
+    def generate(c, params, p_tok, p_mask, rng, **kw):
+        sampled.append((p_tok.shape, p_mask.shape, kw["num_samples"], kw["row_keys"]))
+        return real_generate(c, params, p_tok, p_mask, rng, **kw)
+
+    def program(model_cfg):
+        fn = real_program(model_cfg)
+
+        def run(v, b):
+            scored.append((v, b))
+            return fn(v, b)
+        return run
+    monkeypatch.setattr(mcts_search, "generate", generate)
+    monkeypatch.setattr(prm_rerank, "value_logits_program", program)
+    search = mcts_search.searcher(eight, int(cfg.sft.batch_size))
+    # A raw key, as the train state's; seed 24: trees that grow past their roots' children.
+    round_key = jax.random.fold_in(jax.random.PRNGKey(24), mcts_search.MCTS_STREAM)
+    search.search(jax.device_put(ctx.params, eight.param_shardings), EXAMPLES, round_key)
+    assert len(sampled) > 1 and scored
+
+    def same(real, abstract):   # shape, dtype and placement
+        return (real.shape == abstract.shape and real.dtype == abstract.dtype
+                and real.sharding.is_equivalent_to(abstract.sharding, len(real.shape)))
+    for shape, mask_shape, forks, row_keys in sampled:
+        assert (shape, mask_shape, forks) == (p_tok.shape, p_mask.shape, 2)
+        assert same(row_keys, keys)
+    for v, b in scored:
+        assert jax.tree.all(jax.tree.map(same, v, value))
+        assert jax.tree.all(jax.tree.map(same, b, batch))
+
+    dpo = tiny_cfg(1, **{"algo.name": "dpo", "algo.online": True, "sft.traces": "",
+                         "data.pairs": "mcts", "rollout.batch_size": 8,
+                         "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
+                         "eval.batch_size": 8})
+    abstract, _ = plan_lib.abstract_context(dpo, devices)
+    planned = {p.name: p for _, _, ps in phases.phase_programs(abstract) for p in ps}
+    assert set(planned) == {"eval", "mcts/sample", "update"}
+    assert [a.shape for a in planned["mcts/sample"].args[1:]] == [(8, 20), (8, 20), (2,),
+                                                                 (16, 2)]

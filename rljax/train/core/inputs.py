@@ -115,7 +115,8 @@ def check_inputs(cfg, num_devices: int | None = None, teacher: bool = True) -> N
     checks = [("rollout.batch_size", cfg.rollout.batch_size),
               ("algo.mini_batch_size", cfg.algo.mini_batch_size),
               ("algo.micro_batch_size", cfg.algo.micro_batch_size),
-              ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
+              ("sft.batch_size", cfg.sft.batch_size
+               if cfg.sft.steps or cfg.algo.name == "sft" else 0),
               ("algo.relift.batch_size",
                cfg.algo.relift.batch_size if cfg.algo.relift.every else 0)]
     problems = [f"{key}={value} is not divisible by the data-parallel mesh size {dp} "

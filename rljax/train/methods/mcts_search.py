@@ -25,6 +25,10 @@ per *wave*:
 A tree stops after ``algo.mcts.simulations`` simulations, or when a leaf would need expanding
 and the tree already holds ``algo.mcts.max_nodes`` nodes.
 
+On a mesh the wave's rows are split over the data-parallel axes (``mcts_programs``: rows
+padded to a multiple of their size, keys and PRM batches split alike); each row draws from its
+own key, so the trees are the ones one device grows (to float32 rounding of the logits).
+
 Determinism: the sampler draws each row from its own key (``sampling.generate(row_keys)``);
 the key of a node's fork j is ``fold_in(fold_in(fold_in(round key, hash(prompt)),
 hash(node path)), j)``, so a prompt's tree does not depend on which other prompts share the
@@ -38,6 +42,7 @@ prompt ++ trace, the loss on the trace; prompts without one get a row that count
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import zlib
 
@@ -49,7 +54,9 @@ from rljax import rewards, sampling
 from rljax.algorithms import mcts
 from rljax.train.core.buckets import build_sequences, encode_prompts
 from rljax.train.core.rollout import expand_fields
+from rljax import sharding as shd
 from rljax.train.core.sampler import generate
+from rljax.train.methods import mcts_programs
 from rljax.train.methods.step_mc import step_ends
 
 MCTS_STREAM = 13   # rng stream of the search (fold_in of the train state's key)
@@ -62,14 +69,16 @@ def stable_hash(ids) -> int:
     return zlib.crc32(np.asarray(list(ids), np.int64).tobytes()) & 0x7FFFFFFF
 
 
-@jax.jit
-def _fork_keys(round_key, prompt_hash, path_hash, forks):
+@functools.partial(jax.jit, static_argnums=4)
+def _fork_keys(round_key, prompt_hash, path_hash, forks, mesh=None):
     """Keys [R * S] of rows: prefix row r's fork j = fold_in(fold_in(fold_in(round_key,
-    prompt_hash[r]), path_hash[r]), j); ``forks`` int [S] = arange(S)."""
+    prompt_hash[r]), path_hash[r]), j); ``forks`` int [S] = arange(S). With ``mesh``, split
+    over its data-parallel axes as the sampler's rows are (each device draws its rows' noise)."""
     def row(p, q):
         base = jax.random.fold_in(jax.random.fold_in(round_key, p), q)
         return jax.vmap(lambda j: jax.random.fold_in(base, j))(forks)
-    return jax.vmap(row)(prompt_hash, path_hash).reshape((-1,) + round_key.shape)
+    keys = jax.vmap(row)(prompt_hash, path_hash).reshape((-1,) + round_key.shape)
+    return shd.constrain(keys, ("batch",) + (None,) * (keys.ndim - 1), mesh)
 
 
 def first_step(cont: list[int], decode, delimiter: str, stop_ids) -> tuple[tuple, bool]:
@@ -134,16 +143,18 @@ def tree_stats(trees: list[Tree], correct_reward: float) -> dict:
 
 class MCTSSearch:
     """``search(params, examples, round_key) -> [Tree]``: one tree per example, built in
-    waves of one sampler call each (``algo.mcts``; ``rows`` prefix rows per call, static)."""
+    waves of one sampler call each (``algo.mcts``; ``rows`` prefix rows per call, static,
+    rounded up to a multiple of the data-parallel size: ``mcts_programs.search_rows``)."""
 
     def __init__(self, ctx, rows: int, prm_scorer=None):
         cfg = ctx.cfg
         m = cfg.algo.mcts
-        self.ctx, self.cfg, self.m, self.rows = ctx, cfg, m, int(rows)
+        self.ctx, self.cfg, self.m = ctx, cfg, m
+        self.rows = mcts_programs.search_rows(rows, ctx.dp_size)
         self.k, self.m_rollouts = int(m.children), int(m.rollouts)
-        self.forks = max(self.k, self.m_rollouts)
+        self.forks = mcts_programs.forks(cfg)
         self.n = int(cfg.rollout.max_new_tokens)
-        self.prefix_bucket = int(cfg.data.max_prompt_length) + self.n
+        self.prefix_bucket = mcts_programs.prefix_len(cfg)
         self.reward_fn = ctx.reward_fn()
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         self.decode = ctx.tokenizer.decode
@@ -191,7 +202,7 @@ class MCTSSearch:
                                                    buckets=(self.prefix_bucket,))
             h = np.asarray(hashes[part] + [hashes[part][-1]] * pad, np.uint32)
             keys = _fork_keys(round_key, jnp.asarray(h[:, 0]), jnp.asarray(h[:, 1]),
-                              jnp.arange(s, dtype=jnp.uint32))
+                              jnp.arange(s, dtype=jnp.uint32), self.ctx.mesh)
             cfg = self.cfg
             out = generate(self.ctx, params, p_tok, p_mask, round_key, num_samples=s,
                            max_new_tokens=n, temperature=cfg.rollout.temperature,
@@ -264,44 +275,14 @@ class MCTSSearch:
                                           [t.tokens(c) for t, c in nodes]), np.float32)
 
 
-def load_prm_scorer(ctx, rows: int):
-    """``(prompt ids, prefix ids) -> scores [R]`` of the PRM trained in ``algo.mcts.prm``
-    (its latest checkpoint; the score at each prefix's last step end; ``rows`` prefixes per
-    scoring batch, static). The PRM run must share
-    the policy's model and tokenizer sections (its trunk is read with the policy's config:
-    ``inputs.check_mcts_prm``)."""
-    from rljax.errors import UserError
-    from rljax.models import lora as lora_lib
-    from rljax.train.core import checkpoint as ckpt_lib
-    from rljax.train.core.inputs import check_mcts_prm
-    from rljax.train.methods import prm_rerank
-
-    cfg, where = ctx.cfg, ctx.cfg.algo.mcts.prm
-    check_mcts_prm(cfg)   # (also run by check_inputs, before the model loads)
-    with ckpt_lib.CheckpointManager(ckpt_lib.checkpoint_dir(where)) as ckpt:
-        if ckpt.latest_step() is None:
-            raise UserError(f"algo.mcts.prm={where} has no checkpoint")
-        saved = ckpt.restore().state
-    if saved.get("critic_params") is None:
-        raise UserError(f"algo.mcts.prm={where}: its latest checkpoint is from the SFT "
-                        "warm-up, before the PRM was trained")
-    logits_fn = prm_rerank.value_logits_fn(
-        ctx.model_cfg, lora_lib.value_on_base(saved["params"], saved["critic_params"]))
-    tok, p_len, n = ctx.tokenizer, int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
-
-    def score(prompt_ids, prefixes):
-        step_rows = prm_rerank.step_rows(prompt_ids, prefixes, tok.decode,
-                                         cfg.data.step_delimiter, tuple(ctx.stop_ids))
-        return prm_rerank.completion_scores(logits_fn, step_rows, rows, p_len, n, tok.pad_id,
-                                            "last")
-    return score
-
-
 def searcher(ctx, prompts: int) -> MCTSSearch:
-    """The run's search over ``prompts`` prompts per round (its PRM loaded for value 'prm')."""
+    """The run's search over ``prompts`` prompts per round (its PRM loaded for value 'prm',
+    scoring ``search_rows x children`` rows a batch: a wave's new children at most)."""
     m = ctx.cfg.algo.mcts
-    scorer = load_prm_scorer(ctx, prompts * int(m.children)) if m.value == "prm" else None
-    return MCTSSearch(ctx, prompts, scorer)
+    rows = mcts_programs.search_rows(prompts, ctx.dp_size)
+    scorer = (mcts_programs.load_prm_scorer(ctx, rows * int(m.children))
+              if m.value == "prm" else None)
+    return MCTSSearch(ctx, rows, scorer)
 
 
 # ----------------------------------------------------------------------------- self-training

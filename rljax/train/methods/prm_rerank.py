@@ -216,9 +216,16 @@ def beam_search_accuracy(ctx, policy_params, scorer: tuple, examples: list[dict]
     return {"accuracy": float(ok.mean()), "num_examples": int(len(ok))}
 
 
+@functools.cache
+def value_logits_program(model_cfg) -> Callable:
+    """``(value params, batch) -> logits [B, C]`` of a value head: ``step_logits`` jitted,
+    without LoRA dropout (one per model config)."""
+    return jax.jit(functools.partial(step_logits, model_cfg.replace(lora_dropout=0.0)))
+
+
 def value_logits_fn(model_cfg, value_params) -> Callable:
     """``batch -> logits [B, C]`` of a value head (jitted, no LoRA dropout)."""
-    fn = jax.jit(functools.partial(step_logits, model_cfg.replace(lora_dropout=0.0)))
+    fn = value_logits_program(model_cfg)
     return lambda batch: fn(value_params, batch)
 
 

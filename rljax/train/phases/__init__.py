@@ -107,7 +107,8 @@ def phase_programs(ctx: Context) -> list[tuple[str, object, list | None]]:
     cfg = ctx.cfg
     out: list = []
     if cfg.sft.steps:
-        state, progs = SFTPhase.programs(ctx, cfg.sft.steps, cfg.sft.learning_rate)
+        state, progs = SFTPhase.programs(ctx, cfg.sft.steps, cfg.sft.learning_rate,
+                                         name="sft_warmup")
         out.append(("sft_warmup", state, [dataclasses.replace(p, name=f"sft_{p.name}")
                                           for p in progs]))
     name = cfg.algo.name

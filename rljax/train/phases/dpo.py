@@ -32,7 +32,7 @@ from rljax.train.core import evaluate as eval_lib
 from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.setup import check_lengths, data_iterator, preference_config
-from rljax.train.methods import mcts_search
+from rljax.train.methods import mcts_programs, mcts_search
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
 from rljax.train.core.steps import to_host
@@ -415,12 +415,17 @@ class DPOPhase:
     @staticmethod
     def programs(ctx, steps: int):
         """``(abstract state, [Program])``: online, the rollout's sampler and log-prob passes
-        (``rljax.train.core.programs``); the evaluation sampler when the policy is evaluated on
-        prompts; the update on the step's pairs (``programs.pair_batch``)."""
+        (``core.programs``; ``data.pairs='mcts'``: the search's, ``mcts_programs``); the eval
+        sampler when the policy is evaluated on prompts; the update (``programs.pair_batch``)."""
         cfg, optimizer = ctx.cfg, _optimizer(ctx, steps)
         state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
         params, out = programs_lib.shard_bytes(state.params), []
-        if cfg.algo.online:
+        if cfg.algo.online and cfg.data.pairs == "mcts":   # the search samples the pairs
+            out += [p for p in programs_lib.sampler_programs(ctx, state.params, params)
+                    if p.name.startswith("eval")]
+            out += mcts_programs.programs(ctx, state.params, params,
+                                          cfg.rollout.batch_size // cfg.algo.num_generations)
+        elif cfg.algo.online:
             out += programs_lib.sampler_programs(ctx, state.params, params)
             out.append(programs_lib.logps_program(ctx, state.params, params))
         elif cfg.data.source in data_lib.TASKS:   # evaluated on prompts: the eval sampler

@@ -18,7 +18,7 @@ from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
 from rljax.train.core import image_inputs, programs as programs_lib
-from rljax.train.methods import guidance, mcts_search
+from rljax.train.methods import guidance, mcts_programs, mcts_search
 from rljax.train.core import rollout as rollout_lib
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
@@ -65,10 +65,11 @@ class SFTPhase:
         return _init_state(self.optimizer, state)
 
     @staticmethod
-    def programs(ctx: Context, steps: int, learning_rate: float):
+    def programs(ctx: Context, steps: int, learning_rate: float, name: str = "sft"):
         """``(abstract state, [Program])``: the update on ``sft.batch_size`` rows of the longest
         prompt bucket + ``sft.max_length - data.max_prompt_length`` completion columns
-        (``rljax.train.core.programs``)."""
+        (``rljax.train.core.programs``); the main phase (``name`` 'sft') with
+        ``sft.traces='mcts'`` also runs the search's (``mcts_programs.programs``)."""
         cfg = ctx.cfg
         optimizer = ctx.optimizer(learning_rate, int(steps))
         state = programs_lib.phase_state(ctx, lambda s: _init_state(optimizer, s))
@@ -78,8 +79,13 @@ class SFTPhase:
             "tokens": programs_lib.batch_struct(ctx.mesh, (bs, p + n), jnp.int32),
             "mask": programs_lib.batch_struct(ctx.mesh, (bs, p + n), bool),
             "loss_mask": programs_lib.batch_struct(ctx.mesh, (bs, n), bool)}, bs)
-        return state, [programs_lib.Program("update", _build(ctx, optimizer, state),
-                                            (state, batch), programs_lib.shard_bytes(state))]
+        resident = programs_lib.shard_bytes(state)
+        out = [programs_lib.Program("update", _build(ctx, optimizer, state), (state, batch),
+                                    resident)]
+        if cfg.sft.traces == "mcts" and name == "sft":   # as __init__: not the warm-up
+            out += mcts_programs.programs(ctx, state.params, programs_lib.shard_bytes(
+                state.params), bs)
+        return state, out
 
     def solution(self, example: dict) -> str:
         try:
