@@ -38,6 +38,7 @@ prompt ++ trace, the loss on the trace; prompts without one get a row that count
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import zlib
 
@@ -50,6 +51,7 @@ from rljax.algorithms import mcts
 from rljax.train.core.buckets import build_sequences, encode_prompts
 from rljax.train.core.rollout import expand_fields
 from rljax.train.core.sampler import generate
+from rljax.train.methods import prm_rerank
 from rljax.train.methods.step_mc import step_ends
 
 MCTS_STREAM = 13   # rng stream of the search (fold_in of the train state's key)
@@ -264,20 +266,17 @@ class MCTSSearch:
                                           [t.tokens(c) for t, c in nodes]), np.float32)
 
 
-def load_prm_scorer(ctx, rows: int):
-    """``(prompt ids, prefix ids) -> scores [R]`` of the PRM trained in ``algo.mcts.prm``
-    (its latest checkpoint; the score at each prefix's last step end; ``rows`` prefixes per
-    scoring batch, static). The PRM run must share
-    the policy's model and tokenizer sections (its trunk is read with the policy's config:
+def load_prm(ctx) -> dict:
+    """The latest checkpoint state of the PRM run in ``algo.mcts.prm`` (``params``: its
+    policy, ``critic_params``: its value model). The PRM run must share the policy's model
+    and tokenizer sections (its trunk is read with the policy's config:
     ``inputs.check_mcts_prm``)."""
     from rljax.errors import UserError
-    from rljax.models import lora as lora_lib
     from rljax.train.core import checkpoint as ckpt_lib
     from rljax.train.core.inputs import check_mcts_prm
-    from rljax.train.methods import prm_rerank
 
-    cfg, where = ctx.cfg, ctx.cfg.algo.mcts.prm
-    check_mcts_prm(cfg)   # (also run by check_inputs, before the model loads)
+    where = ctx.cfg.algo.mcts.prm
+    check_mcts_prm(ctx.cfg)   # (also run by check_inputs, before the model loads)
     with ckpt_lib.CheckpointManager(ckpt_lib.checkpoint_dir(where)) as ckpt:
         if ckpt.latest_step() is None:
             raise UserError(f"algo.mcts.prm={where} has no checkpoint")
@@ -285,23 +284,49 @@ def load_prm_scorer(ctx, rows: int):
     if saved.get("critic_params") is None:
         raise UserError(f"algo.mcts.prm={where}: its latest checkpoint is from the SFT "
                         "warm-up, before the PRM was trained")
-    logits_fn = prm_rerank.value_logits_fn(
-        ctx.model_cfg, lora_lib.value_on_base(saved["params"], saved["critic_params"]))
-    tok, p_len, n = ctx.tokenizer, int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
+    return saved
 
-    def score(prompt_ids, prefixes):
+
+class PRMScorer:
+    """``(prompt ids, prefix ids) lists -> scores [R]``: the value model ``value`` (full
+    value-model params, settable between rounds) at each prefix's last step end; ``rows``
+    prefixes per scoring batch (static: one compilation whatever ``value`` holds)."""
+
+    def __init__(self, ctx, rows: int, value=None):
+        self.ctx, self.rows, self.value = ctx, int(rows), value
+        self._logits = jax.jit(functools.partial(prm_rerank.step_logits,
+                                                 ctx.model_cfg.replace(lora_dropout=0.0)))
+
+    def __call__(self, prompt_ids, prefixes) -> np.ndarray:
+        cfg, tok = self.ctx.cfg, self.ctx.tokenizer
         step_rows = prm_rerank.step_rows(prompt_ids, prefixes, tok.decode,
-                                         cfg.data.step_delimiter, tuple(ctx.stop_ids))
-        return prm_rerank.completion_scores(logits_fn, step_rows, rows, p_len, n, tok.pad_id,
-                                            "last")
-    return score
+                                         cfg.data.step_delimiter, tuple(self.ctx.stop_ids))
+        return prm_rerank.completion_scores(
+            lambda b: self._logits(self.value, b), step_rows, self.rows,
+            int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens),
+            tok.pad_id, "last")
 
 
-def searcher(ctx, prompts: int) -> MCTSSearch:
-    """The run's search over ``prompts`` prompts per round (its PRM loaded for value 'prm')."""
+def load_prm_scorer(ctx, rows: int) -> PRMScorer:
+    """The frozen PRM of ``algo.mcts.prm`` (``load_prm``) as a ``PRMScorer``."""
+    from rljax.models import lora as lora_lib
+
+    saved = load_prm(ctx)
+    return PRMScorer(ctx, rows, lora_lib.value_on_base(saved["params"], saved["critic_params"]))
+
+
+def searcher(ctx, prompts: int, prm_scorer=None) -> MCTSSearch:
+    """The run's search over ``prompts`` prompts per round (value 'prm': ``prm_scorer``, by
+    default the frozen PRM of ``algo.mcts.prm``)."""
     m = ctx.cfg.algo.mcts
-    scorer = load_prm_scorer(ctx, prompts * int(m.children)) if m.value == "prm" else None
-    return MCTSSearch(ctx, prompts, scorer)
+    if m.value == "prm" and prm_scorer is None:
+        prm_scorer = load_prm_scorer(ctx, scorer_rows(ctx.cfg, prompts))
+    return MCTSSearch(ctx, prompts, prm_scorer)
+
+
+def scorer_rows(cfg, prompts: int) -> int:
+    """Prefixes per PRM scoring batch: a wave's new children (``children`` per prompt)."""
+    return prompts * int(cfg.algo.mcts.children)
 
 
 # ----------------------------------------------------------------------------- self-training
@@ -330,11 +355,14 @@ def trace_batch(ctx, trees: list[Tree], correct_reward: float, completion_len: i
 class MCTSTraces:
     """Callable ``(state, step) -> (SFT batch, metrics)``: searches the next batch of prompts
     with the current policy and returns their best verified traces (``trace_batch``); its only
-    host state is the iterator's (keys derive from ``state.rng`` and ``step``)."""
+    host state is the iterator's (keys derive from ``state.rng`` and ``step``). With
+    ``refit_scorer`` (``algo.mcts.refit_prm``) the leaves are valued by the PRM in
+    ``state.critic_params``, as refitted so far."""
 
-    def __init__(self, ctx, iterator, completion_len: int):
+    def __init__(self, ctx, iterator, completion_len: int, refit_scorer=None):
         self.ctx, self.iterator, self.completion_len = ctx, iterator, int(completion_len)
-        self.searcher = searcher(ctx, int(ctx.cfg.sft.batch_size))
+        self.refit_scorer = refit_scorer
+        self.searcher = searcher(ctx, int(ctx.cfg.sft.batch_size), refit_scorer)
         self.last = None   # the last round's trees (for inspection and tests)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
@@ -342,7 +370,11 @@ class MCTSTraces:
         round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
         examples = next(self.iterator)
         calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
+        if self.refit_scorer is not None:
+            self.refit_scorer.value = state.critic_params
         trees = self.searcher.search(state.params, examples, round_key)
+        if self.refit_scorer is not None:   # the next update donates the state's buffers
+            self.refit_scorer.value = None
         correct = float(self.ctx.cfg.algo.mcts.correct_reward)
         batch, traces = trace_batch(self.ctx, trees, correct, self.completion_len)
         self.last = trees

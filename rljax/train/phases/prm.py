@@ -206,6 +206,17 @@ def _build(ctx, optimizer, state):
                                       loss=prm_loss)
 
 
+def build_refit_step(ctx, optimizer, state, rows: int):
+    """The PRM update of ``algo.mcts.refit_prm`` (``methods.prm_refit``): this phase's loss on
+    a stepwise batch of ``rows`` rows, the PRM in ``critic_params``; ``state.step`` stays (the
+    SFT update of the same iteration counts it)."""
+    micro = ctx.cfg.algo.micro_batch_size
+    num_micro = rows // micro if micro and rows % micro == 0 else 1
+    return rm_lib.build_rm_phase_step(ctx.model_cfg, optimizer, num_micro=num_micro,
+                                      state_shardings=ctx.state_shardings(state), mesh=ctx.mesh,
+                                      loss=prm_loss, count_steps=False)
+
+
 class PRMPhase:
     """``steps`` PRM updates; each on one batch of labelled solutions (a stepwise file's
     ``rollout.batch_size`` rows, or Math-Shepherd labels sampled from the policy).

@@ -9,6 +9,7 @@ solutions (``task.solution``); file sources use a ``completion`` (or ``solution`
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from rljax import data as data_lib
@@ -18,10 +19,11 @@ from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
 from rljax.train.core import image_inputs, programs as programs_lib
-from rljax.train.methods import guidance, mcts_search
+from rljax.train.methods import guidance, mcts_search, prm_refit
 from rljax.train.core import rollout as rollout_lib
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
+from rljax.train.phases import prm as prm_lib
 
 SFT_SEED_OFFSET = 1  # the SFT iterator's order differs from the RL prompts' order
 
@@ -56,13 +58,19 @@ class SFTPhase:
         self._step_fn = None
         self.num_too_long = 0
         self.images = image_inputs.image_inputs(ctx)
-        self.traces = None
+        self.traces = self.refit = None
         if cfg.sft.traces == "mcts" and name == "sft":   # the main phase (not the warm-up)
             self.iterator = data_iterator(ctx, cfg.sft.batch_size)   # the RL prompts' order
-            self.traces = mcts_search.MCTSTraces(ctx, self.iterator, self.completion_len)
+            if cfg.algo.mcts.refit_prm:   # the search's PRM, refitted each round
+                self.refit = prm_refit.PRMRefit(ctx, int(cfg.sft.batch_size), self.steps,
+                                                functools.partial(prm_lib.build_refit_step, ctx))
+            self.traces = mcts_search.MCTSTraces(
+                ctx, self.iterator, self.completion_len,
+                refit_scorer=None if self.refit is None else self.refit.scorer)
 
     def init_state(self, state):
-        return _init_state(self.optimizer, state)
+        state = _init_state(self.optimizer, state)
+        return state if self.refit is None else self.refit.init_state(state)
 
     @staticmethod
     def programs(ctx: Context, steps: int, learning_rate: float):
@@ -125,6 +133,9 @@ class SFTPhase:
         extra = {}
         if self.traces is not None:   # the search's best verified traces (sft.traces='mcts')
             batch, extra = self.traces(state, step)
+            if self.refit is not None:   # the PRM on the search's values, for the next round
+                state, refit_metrics = self.refit(state, self.traces.last)
+                extra.update(refit_metrics)
         else:
             batch = self.make_batch(next(self.iterator), step)
         state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))
