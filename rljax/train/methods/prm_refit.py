@@ -76,6 +76,20 @@ def refit_batch(trees: list[Tree], rows: int, max_prompt: int, max_completion: i
     return stepwise.stepwise_batch(enc, rows, max_prompt, max_completion, pad_id), len(enc)
 
 
+def refit_optimizer(ctx, steps: int):
+    """The PRM's optimizer over ``steps`` rounds of ``algo.mcts.refit_updates`` updates, at
+    ``algo.mcts.refit_learning_rate`` (0: ``optimizer.critic_learning_rate``, else
+    ``optimizer.learning_rate``)."""
+    m, o = ctx.cfg.algo.mcts, ctx.cfg.optimizer
+    lr = float(m.refit_learning_rate) or o.critic_learning_rate or o.learning_rate
+    return ctx.optimizer(lr, int(steps) * int(m.refit_updates))
+
+
+def with_prm(optimizer, state, critic):
+    """``state`` with the value model ``critic`` and a fresh optimizer state for it."""
+    return state.replace(critic_params=critic, critic_opt_state=optimizer.init(critic))
+
+
 class PRMRefit:
     """The refit of ``algo.mcts.refit_prm`` for a search over ``prompts`` prompts per round,
     over ``steps`` rounds. ``build(optimizer, state, rows)`` -> the jitted PRM update
@@ -84,19 +98,16 @@ class PRMRefit:
 
     def __init__(self, ctx, prompts: int, steps: int, build: Callable):
         cfg = ctx.cfg
-        m, o = cfg.algo.mcts, cfg.optimizer
-        self.ctx, self.updates = ctx, int(m.refit_updates)
+        self.ctx, self.updates = ctx, int(cfg.algo.mcts.refit_updates)
         self.rows = refit_rows(cfg, prompts)
-        lr = float(m.refit_learning_rate) or o.critic_learning_rate or o.learning_rate
-        self.optimizer = ctx.optimizer(lr, int(steps) * self.updates)
+        self.optimizer = refit_optimizer(ctx, steps)
         self.initial = load_prm(ctx)["critic_params"]
         self.scorer = PRMScorer(ctx, scorer_rows(cfg, prompts))
         self._build, self._step_fn = build, None
 
     def init_state(self, state):
         """``state`` with the PRM run's value model and a fresh optimizer state for it."""
-        critic = jax.tree.map(jnp.asarray, self.initial)
-        return state.replace(critic_params=critic, critic_opt_state=self.optimizer.init(critic))
+        return with_prm(self.optimizer, state, jax.tree.map(jnp.asarray, self.initial))
 
     def __call__(self, state, trees: list[Tree]) -> tuple[object, dict]:
         """The round's refit: ``(state with the refitted PRM, mcts/prm_* metrics)``:

@@ -85,7 +85,8 @@ PROGRAMS: dict[str, Callable] = {
     "dpo": DPOPhase.programs,
     "rm": RMPhase.programs,
     "prm": PRMPhase.programs,
-    "sft": lambda ctx, steps: SFTPhase.programs(ctx, steps, ctx.cfg.optimizer.learning_rate),
+    "sft": lambda ctx, steps: SFTPhase.programs(ctx, steps, ctx.cfg.optimizer.learning_rate,
+                                                main=True),
 }
 
 

@@ -79,10 +79,12 @@ def num_rows(cfg) -> int:
     return int(cfg.rollout.batch_size)
 
 
-def batch_spec(ctx) -> dict:
-    """Abstract stepwise batch of one update (``programs.batch_struct``), for ``rljax plan``."""
+def batch_spec(ctx, rows: int | None = None) -> dict:
+    """Abstract stepwise batch of one update (``programs.batch_struct``; ``rows`` rows, by
+    default this phase's), for ``rljax plan``."""
     cfg, mesh = ctx.cfg, ctx.mesh
-    b, p, c = num_rows(cfg), int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
+    b = num_rows(cfg) if rows is None else int(rows)
+    p, c = int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
     s = functools.partial(programs_lib.batch_struct, mesh)
     return {"prompt_tokens": s((b, p), jnp.int32), "prompt_mask": s((b, p), bool),
             "completion_tokens": s((b, c), jnp.int32), "completion_mask": s((b, c), bool),

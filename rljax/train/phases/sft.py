@@ -14,6 +14,7 @@ import time
 
 from rljax import data as data_lib
 from rljax import distributed as dist
+from rljax import models
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 import jax.numpy as jnp
@@ -73,21 +74,38 @@ class SFTPhase:
         return state if self.refit is None else self.refit.init_state(state)
 
     @staticmethod
-    def programs(ctx: Context, steps: int, learning_rate: float):
+    def programs(ctx: Context, steps: int, learning_rate: float, main: bool = False):
         """``(abstract state, [Program])``: the update on ``sft.batch_size`` rows of the longest
         prompt bucket + ``sft.max_length - data.max_prompt_length`` completion columns
-        (``rljax.train.core.programs``)."""
+        (``rljax.train.core.programs``); ``main`` (not the warm-up) with
+        ``algo.mcts.refit_prm``: the state holds the PRM, refitted by a second update."""
         cfg = ctx.cfg
         optimizer = ctx.optimizer(learning_rate, int(steps))
-        state = programs_lib.phase_state(ctx, lambda s: _init_state(optimizer, s))
+        refit = main and cfg.sft.traces == "mcts" and cfg.algo.mcts.refit_prm
+        refit_opt = prm_refit.refit_optimizer(ctx, steps) if refit else None
+
+        def init(s):
+            s = _init_state(optimizer, s)
+            if not refit:
+                return s
+            # The PRM run's value model has this run's model config: its shapes, no load.
+            return prm_refit.with_prm(refit_opt, s, models.init_value_params(
+                ctx.model_cfg, s.rng, from_params=s.params))
+        state = programs_lib.phase_state(ctx, init)
         bs, n = int(cfg.sft.batch_size), int(cfg.sft.max_length - cfg.data.max_prompt_length)
         p = programs_lib.prompt_len(cfg)
         batch = programs_lib.with_images(ctx, {
             "tokens": programs_lib.batch_struct(ctx.mesh, (bs, p + n), jnp.int32),
             "mask": programs_lib.batch_struct(ctx.mesh, (bs, p + n), bool),
             "loss_mask": programs_lib.batch_struct(ctx.mesh, (bs, n), bool)}, bs)
-        return state, [programs_lib.Program("update", _build(ctx, optimizer, state),
-                                            (state, batch), programs_lib.shard_bytes(state))]
+        out = [programs_lib.Program("update", _build(ctx, optimizer, state), (state, batch),
+                                    programs_lib.shard_bytes(state))]
+        if refit:
+            rows = prm_refit.refit_rows(cfg, bs)
+            out.append(programs_lib.Program(
+                "prm_refit", prm_lib.build_refit_step(ctx, refit_opt, state, rows),
+                (state, prm_lib.batch_spec(ctx, rows)), programs_lib.shard_bytes(state)))
+        return state, out
 
     def solution(self, example: dict) -> str:
         try:
