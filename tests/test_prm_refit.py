@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from rljax import config as config_lib
-from rljax.train.core import setup
 from rljax.train.methods import mcts_search, prm_refit, prm_rerank
 
 from test_mcts_rollout import DEVICES, EXAMPLES, _comparable, ctx, tiny_cfg  # noqa: F401

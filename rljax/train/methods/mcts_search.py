@@ -17,7 +17,8 @@ per *wave*:
    continuation's reward (``reward.names``; verified when >= ``algo.mcts.correct_reward``).
 3. evaluate: the leaf's value is the mean reward of its first ``algo.mcts.rollouts``
    continuations (value 'mc': rollouts to the end, step_mc's prefix value), or the score of
-   the PRM of ``algo.mcts.prm`` at the prefix's last step end (value 'prm'; Math-Shepherd's
+   the PRM of ``algo.mcts.prm`` at the prefix's last step end (value 'prm'; with
+   ``algo.mcts.refit_prm`` the PRM in the train state, ``methods.prm_refit``; Math-Shepherd's
    label there is the chance of reaching the right answer; the root, with no step, is valued
    by its rollouts). Children's PRM scores are computed in the wave that creates them.
 4. backup: ``mcts.backup`` along the path.

@@ -2,9 +2,10 @@
 
 Examples come from ``sft.source`` (default ``data.source``); with ``sft.traces='mcts'`` the
 main phase (not the warm-up) trains on the best verified traces of an MCTS over steps
-instead (``methods.mcts_search``: ReST-MCTS*-style self-training). Synthetic tasks provide verified
-solutions (``task.solution``); file sources use a ``completion`` (or ``solution`` /
-``answer``) field. Each example becomes prompt ++ solution ++ EOS in the shared sequence layout
+instead (``methods.mcts_search``: ReST-MCTS*-style self-training; with ``algo.mcts.refit_prm``
+the search's PRM is refitted on its values before each SFT update, ``methods.prm_refit``).
+Synthetic tasks provide verified solutions (``task.solution``); file sources use a
+``completion`` (or ``solution`` / ``answer``) field. Each example becomes prompt ++ solution ++ EOS in the shared sequence layout
 (see ``steps``), with the loss on the solution and EOS only.
 """
 from __future__ import annotations
