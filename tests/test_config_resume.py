@@ -57,7 +57,8 @@ def test_a_0_1_0_config_json_loads_to_the_same_config():
                                       "step_score": "min"}
     assert now["algo"].pop("mcts") == {
         "c_puct": 1.0, "children": 4, "correct_reward": 1.0, "max_nodes": 64, "prm": "",
-        "rollouts": 4, "simulations": 8, "unvisited_value": 0.0, "value": "mc"}
+        "rollouts": 4, "simulations": 8, "unvisited_value": 0.0, "value": "mc",
+        "refit_prm": False, "refit_updates": 1, "refit_learning_rate": 0.0}
     # read by algo.adv_estimator='grpo_process' only
     assert now["algo"].pop("process_reward") == {"prm": "", "weight": 1.0}
     assert now["sft"].pop("traces") == ""

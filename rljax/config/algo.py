@@ -122,9 +122,13 @@ def algo() -> dict[str, Any]:
         # (priors: their probabilities); a leaf is valued by `rollouts` continuations to the
         # end (value 'mc') or by the PRM run in workdir `prm` (value 'prm'); a terminal node by
         # its reward (>= correct_reward: verified). No expansion once a tree holds `max_nodes`.
+        # refit_prm (value 'prm'): after each round's search the PRM takes `refit_updates`
+        # updates on the search's per-step values (each visited node's Q at its step end), at
+        # `refit_learning_rate` (0 = optimizer.critic_learning_rate, else learning_rate).
         mcts=dict(simulations=8, children=4, rollouts=4, max_nodes=64, c_puct=1.0,
-                  unvisited_value=0.0, value="mc", prm="", correct_reward=1.0),
-        # adv_estimator="grpo_process" (docs/tree_search.md): the PRM of the algo.name='prm' run in
+                  unvisited_value=0.0, value="mc", prm="", correct_reward=1.0,
+                  refit_prm=False, refit_updates=1, refit_learning_rate=0.0),
+        # adv_estimator="grpo_process" (docs/tree_search.md): the PRM of the algo.name="prm" run in
         # workdir `prm` scores every step of every sample; the tokens' process advantages
         # (step scores normalised over the group, summed from the token's step on) are added,
         # times `weight`, to GRPO's outcome advantage.
@@ -289,7 +293,8 @@ RANGES = (
     ("algo.vine.forks", 1, None), ("algo.vine.max_steps", 1, None),
     ("algo.mcts.simulations", 1, None), ("algo.mcts.children", 1, None),
     ("algo.mcts.rollouts", 1, None), ("algo.mcts.max_nodes", 2, None),
-    ("algo.mcts.c_puct", 0.0, None), ("algo.process_reward.weight", 0.0, None),
+    ("algo.mcts.c_puct", 0.0, None), ("algo.mcts.refit_updates", 1, None),
+    ("algo.mcts.refit_learning_rate", 0.0, None), ("algo.process_reward.weight", 0.0, None),
     ("algo.update_streams", 0, None), ("algo.async_lag", 1, None),
     ("algo.num_generations", 1, None), ("algo.beta", 0.0, None),
     ("algo.num_iterations", 1, None),
@@ -570,6 +575,9 @@ def check_mcts(cfg) -> None:
     online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
     (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
     traces = cfg.sft.traces == "mcts"
+    if cfg.algo.mcts.refit_prm and not traces:
+        raise ConfigError("algo.mcts.refit_prm=true refits the PRM of the search in the SFT "
+                          "phase; it needs sft.traces='mcts' (not data.pairs='mcts')")
     if not traces and cfg.data.pairs != "mcts":
         return
     m, r = cfg.algo.mcts, cfg.rollout
@@ -583,6 +591,13 @@ def check_mcts(cfg) -> None:
     if m.value == "prm" and not m.prm:
         raise ConfigError("algo.mcts.value='prm' needs algo.mcts.prm=<workdir of a "
                           "algo.name='prm' run>")
+    if m.refit_prm and m.value != "prm":
+        raise ConfigError(f"algo.mcts.refit_prm=true refits the PRM that values the leaves; "
+                          f"algo.mcts.value={m.value!r} has none (set algo.mcts.value='prm')")
+    if m.refit_prm and cfg.model.lora.rank:
+        raise ConfigError(f"algo.mcts.refit_prm=true is not supported with LoRA "
+                          f"(model.lora.rank={cfg.model.lora.rank}): the refit trains a "
+                          "full-weight PRM")
     if traces and cfg.sft.max_length <= cfg.data.max_prompt_length:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "

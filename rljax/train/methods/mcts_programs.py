@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rljax import distributed as dist
 from rljax import models, sampling
@@ -77,46 +78,48 @@ def prm_batch_struct(ctx, rows: int) -> dict:
             "row_mask": s((rows,), bool)}
 
 
-def prm_scorer(ctx, value, rows: int):
-    """``(prompt ids, prefix ids) lists -> scores [R]``: the value tree's sigmoid score at each
-    prefix's last step end, in stepwise batches of ``rows`` rows (static) split over the
-    mesh's data-parallel axes, the tree placed by ``value_shardings``."""
-    cfg, tok, mesh = ctx.cfg, ctx.tokenizer, ctx.mesh
-    fn = prm_rerank.value_logits_program(ctx.model_cfg)
-    value = jax.device_put(value, value_shardings(ctx, value))
-    p_len, n = int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
+class PRMScorer:
+    """``(prompt ids, prefix ids) lists -> scores [R]``: the value tree ``value`` (settable
+    between rounds: a refitted PRM) at each prefix's last step end, its sigmoid, in stepwise
+    batches of ``rows`` rows (static: one compilation whatever ``value`` holds) split over the
+    mesh's data-parallel axes."""
 
-    def logits(batch):
-        out = fn(value, shd.shard_batch(dist.device_batch(batch, mesh), mesh))
+    def __init__(self, ctx, rows: int, value=None):
+        self.ctx, self.rows, self.value = ctx, int(rows), value
+        self._fn = prm_rerank.value_logits_program(ctx.model_cfg)
+
+    def _logits(self, batch):
+        mesh = self.ctx.mesh
+        out = self._fn(self.value, shd.shard_batch(dist.device_batch(batch, mesh), mesh))
         return dist.to_host(out) if dist.is_multiprocess() else out
 
-    def score(prompt_ids, prefixes):
+    def __call__(self, prompt_ids, prefixes) -> np.ndarray:
+        cfg, tok = self.ctx.cfg, self.ctx.tokenizer
         step_rows = prm_rerank.step_rows(prompt_ids, prefixes, tok.decode,
-                                         cfg.data.step_delimiter, tuple(ctx.stop_ids))
-        return prm_rerank.completion_scores(logits, step_rows, rows, p_len, n, tok.pad_id,
-                                            "last")
-    return score
+                                         cfg.data.step_delimiter, tuple(self.ctx.stop_ids))
+        return prm_rerank.completion_scores(
+            self._logits, step_rows, self.rows, int(cfg.data.max_prompt_length),
+            int(cfg.rollout.max_new_tokens), tok.pad_id, "last")
 
 
-def load_prm_scorer(ctx, rows: int):
-    """``prm_scorer`` of the PRM trained in ``algo.mcts.prm`` (its latest checkpoint). The PRM
-    run must share the policy's model and tokenizer sections (its trunk is read with the
-    policy's config: ``inputs.check_mcts_prm``)."""
-    from rljax.errors import UserError
-    from rljax.train.core import checkpoint as ckpt_lib
-    from rljax.train.core.inputs import check_mcts_prm
+def load_prm(ctx) -> dict:
+    """The latest checkpoint state of the PRM run in ``algo.mcts.prm``."""
+    return prm_rerank.load_prm_checkpoint(ctx, "algo.mcts.prm", ctx.cfg.algo.mcts.prm)
 
-    where = ctx.cfg.algo.mcts.prm
-    check_mcts_prm(ctx.cfg)   # (also run by check_inputs, before the model loads)
-    with ckpt_lib.CheckpointManager(ckpt_lib.checkpoint_dir(where)) as ckpt:
-        if ckpt.latest_step() is None:
-            raise UserError(f"algo.mcts.prm={where} has no checkpoint")
-        saved = ckpt.restore().state
-    if saved.get("critic_params") is None:
-        raise UserError(f"algo.mcts.prm={where}: its latest checkpoint is from the SFT "
-                        "warm-up, before the PRM was trained")
-    return prm_scorer(ctx, lora_lib.value_on_base(saved["params"], saved["critic_params"]),
-                      rows)
+
+def scorer_rows(ctx, prompts: int) -> int:
+    """Prefixes per PRM scoring batch: a wave's new children (``children`` per prefix row)."""
+    return search_rows(prompts, ctx.dp_size) * int(ctx.cfg.algo.mcts.children)
+
+
+def prm_scorer(ctx, value, rows: int) -> PRMScorer:
+    """A ``PRMScorer`` of the frozen value tree ``value``, placed by ``value_shardings``."""
+    return PRMScorer(ctx, rows, jax.device_put(value, value_shardings(ctx, value)))
+
+
+def load_prm_scorer(ctx, rows: int) -> PRMScorer:
+    """``prm_scorer`` of the PRM trained in ``algo.mcts.prm`` (its latest checkpoint)."""
+    return prm_scorer(ctx, prm_rerank.prm_value(load_prm(ctx)), rows)
 
 
 # ----------------------------------------------------------------------------- the plan

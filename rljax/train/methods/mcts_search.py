@@ -17,7 +17,8 @@ per *wave*:
    continuation's reward (``reward.names``; verified when >= ``algo.mcts.correct_reward``).
 3. evaluate: the leaf's value is the mean reward of its first ``algo.mcts.rollouts``
    continuations (value 'mc': rollouts to the end, step_mc's prefix value), or the score of
-   the PRM of ``algo.mcts.prm`` at the prefix's last step end (value 'prm'; Math-Shepherd's
+   the PRM of ``algo.mcts.prm`` at the prefix's last step end (value 'prm'; with
+   ``algo.mcts.refit_prm`` the PRM in the train state, ``methods.prm_refit``; Math-Shepherd's
    label there is the chance of reaching the right answer; the root, with no step, is valued
    by its rollouts). Children's PRM scores are computed in the wave that creates them.
 4. backup: ``mcts.backup`` along the path.
@@ -275,14 +276,14 @@ class MCTSSearch:
                                           [t.tokens(c) for t, c in nodes]), np.float32)
 
 
-def searcher(ctx, prompts: int) -> MCTSSearch:
-    """The run's search over ``prompts`` prompts per round (its PRM loaded for value 'prm',
-    scoring ``search_rows x children`` rows a batch: a wave's new children at most)."""
+def searcher(ctx, prompts: int, prm_scorer=None) -> MCTSSearch:
+    """The run's search over ``prompts`` prompts per round (value 'prm': ``prm_scorer``, by
+    default the frozen PRM of ``algo.mcts.prm``, scoring ``scorer_rows`` rows a batch: a
+    wave's new children at most)."""
     m = ctx.cfg.algo.mcts
-    rows = mcts_programs.search_rows(prompts, ctx.dp_size)
-    scorer = (mcts_programs.load_prm_scorer(ctx, rows * int(m.children))
-              if m.value == "prm" else None)
-    return MCTSSearch(ctx, rows, scorer)
+    if m.value == "prm" and prm_scorer is None:
+        prm_scorer = mcts_programs.load_prm_scorer(ctx, mcts_programs.scorer_rows(ctx, prompts))
+    return MCTSSearch(ctx, mcts_programs.search_rows(prompts, ctx.dp_size), prm_scorer)
 
 
 # ----------------------------------------------------------------------------- self-training
@@ -311,11 +312,14 @@ def trace_batch(ctx, trees: list[Tree], correct_reward: float, completion_len: i
 class MCTSTraces:
     """Callable ``(state, step) -> (SFT batch, metrics)``: searches the next batch of prompts
     with the current policy and returns their best verified traces (``trace_batch``); its only
-    host state is the iterator's (keys derive from ``state.rng`` and ``step``)."""
+    host state is the iterator's (keys derive from ``state.rng`` and ``step``). With
+    ``refit_scorer`` (``algo.mcts.refit_prm``) the leaves are valued by the PRM in
+    ``state.critic_params``, as refitted so far."""
 
-    def __init__(self, ctx, iterator, completion_len: int):
+    def __init__(self, ctx, iterator, completion_len: int, refit_scorer=None):
         self.ctx, self.iterator, self.completion_len = ctx, iterator, int(completion_len)
-        self.searcher = searcher(ctx, int(ctx.cfg.sft.batch_size))
+        self.refit_scorer = refit_scorer
+        self.searcher = searcher(ctx, int(ctx.cfg.sft.batch_size), refit_scorer)
         self.last = None   # the last round's trees (for inspection and tests)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
@@ -323,7 +327,11 @@ class MCTSTraces:
         round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
         examples = next(self.iterator)
         calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
+        if self.refit_scorer is not None:
+            self.refit_scorer.value = state.critic_params
         trees = self.searcher.search(state.params, examples, round_key)
+        if self.refit_scorer is not None:   # the next update donates the state's buffers
+            self.refit_scorer.value = None
         correct = float(self.ctx.cfg.algo.mcts.correct_reward)
         batch, traces = trace_batch(self.ctx, trees, correct, self.completion_len)
         self.last = trees

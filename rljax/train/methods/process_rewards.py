@@ -33,8 +33,10 @@ class ProcessRewards:
 
     def logits_fn(self):
         if self._logits_fn is None:
-            self._logits_fn = prm_rerank.load_prm_logits_fn(
-                self.ctx, "algo.process_reward.prm", self.cfg.algo.process_reward.prm)
+            saved = prm_rerank.load_prm_checkpoint(self.ctx, "algo.process_reward.prm",
+                                                   self.cfg.algo.process_reward.prm)
+            self._logits_fn = prm_rerank.value_logits_fn(self.ctx.model_cfg,
+                                                         prm_rerank.prm_value(saved))
         return self._logits_fn
 
     def check(self, example: dict) -> None:

@@ -85,7 +85,8 @@ PROGRAMS: dict[str, Callable] = {
     "dpo": DPOPhase.programs,
     "rm": RMPhase.programs,
     "prm": PRMPhase.programs,
-    "sft": lambda ctx, steps: SFTPhase.programs(ctx, steps, ctx.cfg.optimizer.learning_rate),
+    "sft": lambda ctx, steps: SFTPhase.programs(ctx, steps, ctx.cfg.optimizer.learning_rate,
+                                                main=True),
 }
 
 
@@ -107,8 +108,7 @@ def phase_programs(ctx: Context) -> list[tuple[str, object, list | None]]:
     cfg = ctx.cfg
     out: list = []
     if cfg.sft.steps:
-        state, progs = SFTPhase.programs(ctx, cfg.sft.steps, cfg.sft.learning_rate,
-                                         name="sft_warmup")
+        state, progs = SFTPhase.programs(ctx, cfg.sft.steps, cfg.sft.learning_rate)
         out.append(("sft_warmup", state, [dataclasses.replace(p, name=f"sft_{p.name}")
                                           for p in progs]))
     name = cfg.algo.name

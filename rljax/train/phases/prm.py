@@ -79,10 +79,12 @@ def num_rows(cfg) -> int:
     return int(cfg.rollout.batch_size)
 
 
-def batch_spec(ctx) -> dict:
-    """Abstract stepwise batch of one update (``programs.batch_struct``), for ``rljax plan``."""
+def batch_spec(ctx, rows: int | None = None) -> dict:
+    """Abstract stepwise batch of one update (``programs.batch_struct``; ``rows`` rows, by
+    default this phase's), for ``rljax plan``."""
     cfg, mesh = ctx.cfg, ctx.mesh
-    b, p, c = num_rows(cfg), int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
+    b = num_rows(cfg) if rows is None else int(rows)
+    p, c = int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
     s = functools.partial(programs_lib.batch_struct, mesh)
     return {"prompt_tokens": s((b, p), jnp.int32), "prompt_mask": s((b, p), bool),
             "completion_tokens": s((b, c), jnp.int32), "completion_mask": s((b, c), bool),
@@ -204,6 +206,17 @@ def _build(ctx, optimizer, state):
     return rm_lib.build_rm_phase_step(ctx.model_cfg, optimizer, num_micro=num_micro,
                                       state_shardings=ctx.state_shardings(state), mesh=ctx.mesh,
                                       loss=prm_loss)
+
+
+def build_refit_step(ctx, optimizer, state, rows: int):
+    """The PRM update of ``algo.mcts.refit_prm`` (``methods.prm_refit``): this phase's loss on
+    a stepwise batch of ``rows`` rows, the PRM in ``critic_params``; ``state.step`` stays (the
+    SFT update of the same iteration counts it)."""
+    micro = ctx.cfg.algo.micro_batch_size
+    num_micro = rows // micro if micro and rows % micro == 0 else 1
+    return rm_lib.build_rm_phase_step(ctx.model_cfg, optimizer, num_micro=num_micro,
+                                      state_shardings=ctx.state_shardings(state), mesh=ctx.mesh,
+                                      loss=prm_loss, count_steps=False)
 
 
 class PRMPhase:

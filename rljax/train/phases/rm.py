@@ -100,12 +100,14 @@ RM_STREAM = 5  # rng stream of the value head's initialisation
 
 
 def build_rm_phase_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
-                        mesh=None, loss=rm_loss) -> Callable:
+                        mesh=None, loss=rm_loss, count_steps: bool = True) -> Callable:
     """Jitted ``rm_step`` on a phase state whose reward model lives in ``critic_params`` /
     ``critic_opt_state`` (so the run's sharding and checkpoint machinery handle it like a
     critic); ``params`` (the policy it was initialised from) is carried unchanged.
     ``loss(model_cfg, value params, state, batch)``: the Bradley-Terry loss, or another
-    value-head loss in the same convention (the process reward model's)."""
+    value-head loss in the same convention (the process reward model's). ``count_steps``
+    False: ``state.step`` stays (a value-model update inside another phase's iteration, whose
+    own update counts the step)."""
     loss_fn = functools.partial(loss, model_cfg)
 
     def rm_step(state, batch):
@@ -113,7 +115,8 @@ def build_rm_phase_step(model_cfg, optimizer, *, num_micro: int = 1, state_shard
         view = state.replace(params=lora_lib.value_on_base(state.params, state.critic_params),
                              opt_state=state.critic_opt_state)
         new, metrics = steps.update(optimizer, loss_fn, view, batch, num_micro)
-        return state.replace(step=new.step, critic_params=lora_lib.trainable(new.params),
+        return state.replace(step=new.step if count_steps else state.step,
+                             critic_params=lora_lib.trainable(new.params),
                              critic_opt_state=new.opt_state), metrics
     return steps.jit_step(rm_step, state_shardings, mesh)
 

@@ -2,26 +2,30 @@
 
 Examples come from ``sft.source`` (default ``data.source``); with ``sft.traces='mcts'`` the
 main phase (not the warm-up) trains on the best verified traces of an MCTS over steps
-instead (``methods.mcts_search``: ReST-MCTS*-style self-training). Synthetic tasks provide verified
-solutions (``task.solution``); file sources use a ``completion`` (or ``solution`` /
-``answer``) field. Each example becomes prompt ++ solution ++ EOS in the shared sequence layout
+instead (``methods.mcts_search``: ReST-MCTS*-style self-training; with ``algo.mcts.refit_prm``
+the search's PRM is refitted on its values before each SFT update, ``methods.prm_refit``).
+Synthetic tasks provide verified solutions (``task.solution``); file sources use a
+``completion`` (or ``solution`` / ``answer``) field. Each example becomes prompt ++ solution ++ EOS in the shared sequence layout
 (see ``steps``), with the loss on the solution and EOS only.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from rljax import data as data_lib
 from rljax import distributed as dist
+from rljax import models
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
 from rljax.train.core import image_inputs, programs as programs_lib
-from rljax.train.methods import guidance, mcts_programs, mcts_search
+from rljax.train.methods import guidance, mcts_programs, mcts_search, prm_refit
 from rljax.train.core import rollout as rollout_lib
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
+from rljax.train.phases import prm as prm_lib
 
 SFT_SEED_OFFSET = 1  # the SFT iterator's order differs from the RL prompts' order
 
@@ -56,35 +60,56 @@ class SFTPhase:
         self._step_fn = None
         self.num_too_long = 0
         self.images = image_inputs.image_inputs(ctx)
-        self.traces = None
+        self.traces = self.refit = None
         if cfg.sft.traces == "mcts" and name == "sft":   # the main phase (not the warm-up)
             self.iterator = data_iterator(ctx, cfg.sft.batch_size)   # the RL prompts' order
-            self.traces = mcts_search.MCTSTraces(ctx, self.iterator, self.completion_len)
+            if cfg.algo.mcts.refit_prm:   # the search's PRM, refitted each round
+                self.refit = prm_refit.PRMRefit(ctx, int(cfg.sft.batch_size), self.steps,
+                                                functools.partial(prm_lib.build_refit_step, ctx))
+            self.traces = mcts_search.MCTSTraces(
+                ctx, self.iterator, self.completion_len,
+                refit_scorer=None if self.refit is None else self.refit.scorer)
 
     def init_state(self, state):
-        return _init_state(self.optimizer, state)
+        state = _init_state(self.optimizer, state)
+        return state if self.refit is None else self.refit.init_state(state)
 
     @staticmethod
-    def programs(ctx: Context, steps: int, learning_rate: float, name: str = "sft"):
+    def programs(ctx: Context, steps: int, learning_rate: float, main: bool = False):
         """``(abstract state, [Program])``: the update on ``sft.batch_size`` rows of the longest
         prompt bucket + ``sft.max_length - data.max_prompt_length`` completion columns
-        (``rljax.train.core.programs``); the main phase (``name`` 'sft') with
-        ``sft.traces='mcts'`` also runs the search's (``mcts_programs.programs``)."""
+        (``rljax.train.core.programs``). ``main`` (not the warm-up) with ``sft.traces='mcts'``
+        also runs the search's (``mcts_programs.programs``), and with ``algo.mcts.refit_prm``
+        the state holds the PRM, refitted by a second update."""
         cfg = ctx.cfg
         optimizer = ctx.optimizer(learning_rate, int(steps))
-        state = programs_lib.phase_state(ctx, lambda s: _init_state(optimizer, s))
+        refit = main and cfg.sft.traces == "mcts" and cfg.algo.mcts.refit_prm
+        refit_opt = prm_refit.refit_optimizer(ctx, steps) if refit else None
+
+        def init(s):
+            s = _init_state(optimizer, s)
+            if not refit:
+                return s
+            # The PRM run's value model has this run's model config: its shapes, no load.
+            return prm_refit.with_prm(refit_opt, s, models.init_value_params(
+                ctx.model_cfg, s.rng, from_params=s.params))
+        state = programs_lib.phase_state(ctx, init)
         bs, n = int(cfg.sft.batch_size), int(cfg.sft.max_length - cfg.data.max_prompt_length)
         p = programs_lib.prompt_len(cfg)
         batch = programs_lib.with_images(ctx, {
             "tokens": programs_lib.batch_struct(ctx.mesh, (bs, p + n), jnp.int32),
             "mask": programs_lib.batch_struct(ctx.mesh, (bs, p + n), bool),
             "loss_mask": programs_lib.batch_struct(ctx.mesh, (bs, n), bool)}, bs)
-        resident = programs_lib.shard_bytes(state)
         out = [programs_lib.Program("update", _build(ctx, optimizer, state), (state, batch),
-                                    resident)]
-        if cfg.sft.traces == "mcts" and name == "sft":   # as __init__: not the warm-up
+                                    programs_lib.shard_bytes(state))]
+        if main and cfg.sft.traces == "mcts":
             out += mcts_programs.programs(ctx, state.params, programs_lib.shard_bytes(
                 state.params), bs)
+        if refit:
+            rows = prm_refit.refit_rows(cfg, bs)
+            out.append(programs_lib.Program(
+                "prm_refit", prm_lib.build_refit_step(ctx, refit_opt, state, rows),
+                (state, prm_lib.batch_spec(ctx, rows)), programs_lib.shard_bytes(state)))
         return state, out
 
     def solution(self, example: dict) -> str:
@@ -131,6 +156,9 @@ class SFTPhase:
         extra = {}
         if self.traces is not None:   # the search's best verified traces (sft.traces='mcts')
             batch, extra = self.traces(state, step)
+            if self.refit is not None:   # the PRM on the search's values, for the next round
+                state, refit_metrics = self.refit(state, self.traces.last)
+                extra.update(refit_metrics)
         else:
             batch = self.make_batch(next(self.iterator), step)
         state, m = self._compiled(state)(state, dist.device_batch(batch, self.ctx.mesh))

@@ -1,0 +1,139 @@
+"""ReST-MCTS*'s value-model half: the PRM of the search refitted on the search's per-step values
+each round (``algo.mcts.refit_prm``, with ``algo.mcts.value='prm'``).
+
+After a round's search (``methods.mcts_search``), every non-root node the search valued
+(visits >= 1) gives one PRM training row: prompt ++ the node's steps, in the PRM phase's
+stepwise layout (``data.stepwise``): step k of the path is labelled on its last token with the
+mean value Q of the path's node at depth k, clipped to [0, 1] (a soft label; a terminal node's
+Q is the mean of its reward). The PRM then takes ``algo.mcts.refit_updates`` updates with the
+PRM phase's loss (``phases.prm.prm_loss``: binary cross-entropy at the labelled step ends) on
+those rows, padded to a fixed number (``refit_rows``; padded rows weigh nothing), and the next
+round's search values its leaves with the refitted PRM.
+
+The PRM lives in the train state (``critic_params`` and ``critic_opt_state``, as the PRM
+phase keeps it), initialised from the latest checkpoint of the PRM run in ``algo.mcts.prm``:
+the run's checkpoints hold it, and a resumed run continues with the same PRM and optimizer
+state.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import distributed as dist
+from rljax.data import stepwise
+from rljax.train.core.steps import to_host
+from rljax.train.methods.mcts_programs import PRMScorer, load_prm, scorer_rows
+from rljax.train.methods.mcts_search import Tree, walk
+
+
+def q_label(node) -> float:
+    """A node's soft label: its mean backed-up value Q, clipped to [0, 1]."""
+    return float(np.clip(node.value, 0.0, 1.0))
+
+
+def path_nodes(tree: Tree, node) -> list:
+    """The nodes from the root's child down to ``node`` (one per step of ``node``)."""
+    out, cur = [], tree.root
+    for i in tree.info[node.steps]["path"]:
+        cur = cur.children[i]
+        out.append(cur)
+    return out
+
+
+def label_rows(tree: Tree) -> list[tuple]:
+    """One stepwise row per non-root node with visits >= 1 (``walk`` order): ``(prompt ids,
+    completion ids = the node's steps joined, step-end positions [depth], labels [depth])``,
+    step k's label (on its last token) being the Q of the path's node at depth k."""
+    rows = []
+    for node in walk(tree.root):
+        if not node.steps or node.visits < 1:
+            continue
+        ends = np.cumsum([len(step) for step in node.steps]) - 1
+        rows.append((list(tree.prompt_ids), tree.tokens(node), ends.tolist(),
+                     [q_label(n) for n in path_nodes(tree, node)]))
+    return rows
+
+
+def refit_rows(cfg, prompts: int) -> int:
+    """Rows of a refit batch (static): each simulation values at most one node not valued
+    before, the first one the root, so a tree has at most ``min(simulations, max_nodes) - 1``
+    valued non-root nodes."""
+    m = cfg.algo.mcts
+    return int(prompts) * max(1, min(int(m.simulations), int(m.max_nodes)) - 1)
+
+
+def refit_batch(trees: list[Tree], rows: int, max_prompt: int, max_completion: int,
+                pad_id: int) -> tuple[dict | None, int]:
+    """``(stepwise batch of ``rows`` rows, real rows)`` of the trees' ``label_rows`` (the
+    first ``rows`` of them); ``(None, 0)`` when no node was valued."""
+    enc = [r for t in trees for r in label_rows(t)][:rows]
+    if not enc:
+        return None, 0
+    return stepwise.stepwise_batch(enc, rows, max_prompt, max_completion, pad_id), len(enc)
+
+
+def refit_optimizer(ctx, steps: int):
+    """The PRM's optimizer over ``steps`` rounds of ``algo.mcts.refit_updates`` updates, at
+    ``algo.mcts.refit_learning_rate`` (0: ``optimizer.critic_learning_rate``, else
+    ``optimizer.learning_rate``)."""
+    m, o = ctx.cfg.algo.mcts, ctx.cfg.optimizer
+    lr = float(m.refit_learning_rate) or o.critic_learning_rate or o.learning_rate
+    return ctx.optimizer(lr, int(steps) * int(m.refit_updates))
+
+
+def with_prm(optimizer, state, critic):
+    """``state`` with the value model ``critic`` and a fresh optimizer state for it."""
+    return state.replace(critic_params=critic, critic_opt_state=optimizer.init(critic))
+
+
+class PRMRefit:
+    """The refit of ``algo.mcts.refit_prm`` for a search over ``prompts`` prompts per round,
+    over ``steps`` rounds. ``build(optimizer, state, rows)`` -> the jitted PRM update
+    ``(state, stepwise batch) -> (state, metrics)`` (``phases.prm.build_refit_step``).
+    ``scorer``: the search's PRM scorer, pointed at the state's PRM each round."""
+
+    def __init__(self, ctx, prompts: int, steps: int, build: Callable):
+        cfg = ctx.cfg
+        self.ctx, self.updates = ctx, int(cfg.algo.mcts.refit_updates)
+        self.rows = refit_rows(cfg, prompts)
+        self.optimizer = refit_optimizer(ctx, steps)
+        self.initial = load_prm(ctx)["critic_params"]
+        self.scorer = PRMScorer(ctx, scorer_rows(ctx, prompts))
+        self._build, self._step_fn = build, None
+
+    def init_state(self, state):
+        """``state`` with the PRM run's value model and a fresh optimizer state for it."""
+        return with_prm(self.optimizer, state, jax.tree.map(jnp.asarray, self.initial))
+
+    def __call__(self, state, trees: list[Tree]) -> tuple[object, dict]:
+        """The round's refit: ``(state with the refitted PRM, mcts/prm_* metrics)``:
+        prm_rows (rows trained), prm_labels (step ends labelled), prm_loss (the first update's
+        loss: the PRM before this round's refit against the round's values), prm_loss_last
+        (the last update's), prm_grad_norm, prm_skipped."""
+        t0 = time.perf_counter()
+        cfg, tok = self.ctx.cfg, self.ctx.tokenizer
+        batch, count = refit_batch(trees, self.rows, int(cfg.data.max_prompt_length),
+                                   int(cfg.rollout.max_new_tokens), tok.pad_id)
+        metrics = {"mcts/prm_rows": count, "mcts/prm_labels": 0}
+        if batch is None:   # nothing valued: no update (Adam would still move on zero grads)
+            return state, metrics
+        metrics["mcts/prm_labels"] = int((batch["label_mask"] & batch["row_mask"][:, None]).sum())
+        if self._step_fn is None:
+            self._step_fn = self._build(self.optimizer, state, self.rows)
+        device_batch = dist.device_batch(batch, self.ctx.mesh)
+        losses, skipped, grad_norm = [], 0, 0.0
+        for i in range(self.updates):
+            state, m = self._step_fn(state, device_batch)
+            m = to_host(m)
+            losses.append(float(m["loss"]))
+            skipped += int(m["skipped"])
+            grad_norm = float(m["grad_norm"]) if i == 0 else grad_norm
+        metrics.update({"mcts/prm_loss": losses[0], "mcts/prm_loss_last": losses[-1],
+                        "mcts/prm_grad_norm": grad_norm, "mcts/prm_skipped": skipped,
+                        "time/prm_refit": time.perf_counter() - t0})
+        return state, metrics
