@@ -227,8 +227,8 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"rollout.engine": "static"},
      "rollout.partial=true needs rollout.engine='slots' (got 'static')"),
-    ({"algo.name": "ppo", "algo.adv_estimator": "gae"},
-     "rollout.partial=true needs algo.name='grpo' or 'distill' (got 'ppo')"),
+    ({"algo.name": "dpo"},
+     "rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
     ({"algo.dynamic_sampling": True},
      "rollout.partial=true cannot be combined with algo.dynamic_sampling"),
     ({"rollout.micro_batch_size": 8},

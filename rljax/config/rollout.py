@@ -147,9 +147,9 @@ def check_partial(cfg) -> None:
     if r.engine != "slots":
         raise ConfigError(f"rollout.partial=true needs rollout.engine='slots' (got "
                           f"'{r.engine}'): add --config.rollout.engine=slots")
-    if a.name not in ("grpo", "distill"):
-        raise ConfigError(f"rollout.partial=true needs algo.name='grpo' or 'distill' (got "
-                          f"'{a.name}')")
+    if a.name not in ("grpo", "distill", "ppo"):
+        raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' "
+                          f"(got '{a.name}')")
     if cfg.env.name:
         raise ConfigError(f"rollout.partial=true cannot be combined with env.name="
                           f"{cfg.env.name!r} yet (an episode carried to the next iteration "

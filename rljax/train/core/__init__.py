@@ -13,7 +13,8 @@ Nothing here knows a method (``rljax.train.methods``) or a phase (``rljax.train.
                  compiles); the rollout's sampler and log-prob programs
   rollout        Rollout: prompts -> G samples -> rewards -> advantages -> batch, with the
                  RolloutStage protocol that method features plug into; RewardRollout (PPO, DPO)
-  partial        PartialRollout: groups carried across iterations on the slot engine
+  partial        PartialRounds: groups carried across iterations on the slot engine (a
+                 rollout's round source)
   episodes       multi-turn episodes on the host: the turn loop around the sampler
   image_inputs   a vision model's pixels and embeddings for the sampler
   teacher        a frozen second model (distillation's teacher): loading, checks, scoring

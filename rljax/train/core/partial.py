@@ -1,7 +1,8 @@
-"""The GRPO rollout with partial rollouts (``rollout.partial``): groups carried across iterations.
+"""Partial rollouts (``rollout.partial``): groups carried across iterations, as a rollout's round
+source.
 
-    rollout = PartialRollout(ctx, iterator, old_logps=...)
-    batch, metrics = rollout(state, step)      # as ``Rollout``, plus staleness metrics
+    rollout = Rollout(ctx, iterator, rounds=PartialRounds(ctx, num_prompts))
+    batch, metrics = rollout(state, step)      # as before, plus staleness metrics
 
 A ``sampling.partial.Pool`` of two prompt batches stays in flight: each iteration admits the
 iterator's next batch into the places freed by the last one (the first iteration admits two),
@@ -51,14 +52,16 @@ def make_pool(ctx, num_prompts: int) -> partial_lib.Pool:
         pad_id=tok.pad_id, temperatures=rollout_temperatures(cfg))
 
 
-class PartialRollout(Rollout):
-    """``Rollout`` whose rounds come from a pool of groups in flight (module docstring)."""
+class PartialRounds:
+    """A rollout's round source (``Rollout(..., rounds=PartialRounds(ctx, num_prompts))``):
+    its rounds come from a pool of groups in flight (module docstring). Any rollout takes it,
+    so GRPO, distillation and PPO's reward rollout get partial rollouts alike."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True, stages=()):
-        super().__init__(ctx, iterator, old_logps=old_logps, stages=stages)
+    def __init__(self, ctx, num_prompts: int):
         if dist.is_multiprocess():
             raise UserError("rollout.partial=true runs in a single process for now; use "
                             "rollout.partial=false on several hosts")
+        self.ctx, self.num_prompts = ctx, int(num_prompts)
         self.pool = make_pool(ctx, self.num_prompts)
         self._step = self._version = 0
         self._key, self._taken = None, None
@@ -66,31 +69,30 @@ class PartialRollout(Rollout):
         # batch drawn by version k - lag); None: ``step`` (the batch trains at once).
         self.params_version: int | None = None
 
-    def __call__(self, state, step: int):
+    def begin(self, state, step: int) -> None:
+        """Before a rollout call at ``step``: the version drawing and the pool's key."""
         self._step = int(step)
         self._version = self._step if self.params_version is None else int(self.params_version)
         self._key = jax.random.fold_in(state.rng, PARTIAL_STREAM)
-        batch, metrics = super().__call__(state, step)
+
+    def metrics(self, step: int) -> dict:
+        """Staleness of the batch's tokens at the update that trains it (step ``step``),
+        stale drops, groups carried, tokens drawn this iteration."""
         t = self._taken
         versions = t.rows["versions"][t.rows["mask"]]
-        # Staleness at the update that trains the batch (step ``step``).
         stale = int(step) - versions if versions.size else np.zeros(1, np.int64)
-        metrics.update(staleness_metrics(stale))
-        metrics.update({"rollout/dropped_stale": int(t.dropped_stale),
-                        "rollout/carried_groups": int(self.pool.c - self.pool.free),
-                        # this iteration's sampling work (carried groups' tokens included)
-                        "rollout/decoded_tokens": int(t.drawn)})
-        return batch, metrics
+        return {**staleness_metrics(stale),
+                "rollout/dropped_stale": int(t.dropped_stale),
+                "rollout/carried_groups": int(self.pool.c - self.pool.free),
+                # this iteration's sampling work (carried groups' tokens included)
+                "rollout/decoded_tokens": int(t.drawn)}
 
-    def sample_round(self, params, rng, examples=None, prefixes=None) -> dict:
-        """The next ``num_prompts`` groups to complete (``rng`` unused: the pool's randomness
-        is keyed by each group's admission, ``sampling.partial``)."""
-        del rng
-        if examples is not None or prefixes is not None:
-            raise ValueError("partial rollouts sample the iterator's prompts only")
-        cfg, pool = self.cfg, self.pool
+    def sample_round(self, rollout: Rollout, params) -> dict:
+        """The next ``num_prompts`` groups to complete, scored by ``rollout`` (the pool's
+        randomness is keyed by each group's admission, ``sampling.partial``)."""
+        cfg, pool, g = self.ctx.cfg, self.pool, rollout.g
         while pool.free >= self.num_prompts:   # the first iteration fills both batches
-            new = next(self.iterator)
+            new = next(rollout.iterator)
             tok, mask = encode_prompts(self.ctx.tokenizer, [ex["prompt"] for ex in new],
                                        cfg.data.max_prompt_length)
             pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new))
@@ -99,18 +101,18 @@ class PartialRollout(Rollout):
                          want=self.num_prompts, max_staleness=self._staleness_bound())
         self._taken = taken
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
-        out["decoded"] = out["lengths"].reshape(-1, self.g).sum(axis=1)
+        out["decoded"] = out["lengths"].reshape(-1, g).sum(axis=1)
         out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps)
         prompt_tokens, prompt_mask = sampling.pad_to_bucket(
             taken.prompts, pad_id=self.ctx.tokenizer.pad_id,
             buckets=prompt_buckets(cfg.data.max_prompt_length))
-        return self.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+        return rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
 
     def _staleness_bound(self) -> int:
         """``rollout.max_staleness`` counted at the update: a batch drawn by version v trains
         at ``step``, so the pool may keep tokens up to ``max_staleness - (step - v)`` older
         than v (config checks keep it >= 0)."""
-        return int(self.cfg.rollout.max_staleness) - (self._step - self._version)
+        return int(self.ctx.cfg.rollout.max_staleness) - (self._step - self._version)
 
     def state_dict(self) -> dict:
         # The groups' examples go into the checkpoint's JSON: numpy values as plain ones.
@@ -118,6 +120,12 @@ class PartialRollout(Rollout):
 
     def load_state_dict(self, state: dict) -> None:
         self.pool.load_state_dict(state)
+
+
+def rounds_of(ctx, num_prompts: int) -> PartialRounds | None:
+    """The round source of a config: ``PartialRounds`` with ``rollout.partial``, else None
+    (the rollout samples each round itself)."""
+    return PartialRounds(ctx, num_prompts) if ctx.cfg.rollout.partial else None
 
 
 def _plain(x):

@@ -129,7 +129,8 @@ class RolloutStage(Protocol):
 class Rollout:
     """Collects one training batch per call; host state is the data iterator's."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = True, stages: Sequence = ()):
+    def __init__(self, ctx, iterator, old_logps: bool = True, stages: Sequence = (),
+                 rounds=None):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.iterator = ctx, cfg, iterator
         # Prompt selection (data.selection): the iterator is a selector to report rounds to.
@@ -171,6 +172,9 @@ class Rollout:
         # In-flight weight updates (asynchronous RL sets it while a batch is sampled):
         # ``() -> (params, version)``, polled between the slot engine's decode chunks.
         self.weights = None
+        # Where rounds come from when not sampled here: partial rollouts' pool of groups in
+        # flight (``core.partial.PartialRounds``: begin, sample_round, metrics, state_dict).
+        self.rounds = rounds
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
 
@@ -178,6 +182,10 @@ class Rollout:
         """Samples G completions of each prompt (the iterator's next batch, or ``examples``)
         and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
         i.e. placed at the start of the assistant turn; the reward judges prefix + completion."""
+        if self.rounds is not None:
+            if examples is not None or prefixes is not None:
+                raise ValueError("partial rollouts sample the iterator's prompts only")
+            return self.rounds.sample_round(self, params)
         cfg, g = self.cfg, self.g
         drawn = examples is None
         examples = next(self.iterator) if examples is None else examples
@@ -278,6 +286,8 @@ class Rollout:
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
         cfg, g, want = self.cfg, self.g, self.num_prompts
+        if self.rounds is not None:
+            self.rounds.begin(state, step)
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
         rounds, kept, dropped = [], [], []   # kept/dropped: (round, group) pairs
         keep_fn = self._group_filter()
@@ -361,6 +371,8 @@ class Rollout:
             metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0
+        if self.rounds is not None:
+            metrics.update(self.rounds.metrics(step))
         return batch, metrics
 
     def round_groups(self, rnd: dict) -> int:
@@ -522,8 +534,8 @@ class RewardRollout(Rollout):
     computes token-level advantages itself and online DPO ranks samples by reward. The
     reference (and any KL) is handled per token by the caller, so the rollout skips it."""
 
-    def __init__(self, ctx, iterator):
-        super().__init__(ctx, iterator)
+    def __init__(self, ctx, iterator, rounds=None):
+        super().__init__(ctx, iterator, rounds=rounds)
         self.needs_ref = False
 
     def advantages(self, rewards: np.ndarray, mask=None, token_kl=None) -> np.ndarray:

@@ -134,7 +134,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                   eos_id=ctx.stop_ids, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
         if pixels is not None and kind in ("slots", "static"):
             kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
-        if kind in ("slots", "partial"):   # (the partial pool itself is PartialRollout's)
+        if kind in ("slots", "partial"):   # (the partial pool itself is PartialRounds')
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
                                engine_stats, weights)
         elif kind == "static":

@@ -118,8 +118,8 @@ class AsyncSchedule:
 
     def sample(self, step: int) -> None:
         """Samples the batch update ``step`` trains on with the published policy."""
-        if hasattr(self.rollout, "params_version"):   # partial rollouts: tokens' versions
-            self.rollout.params_version = self.sampler_version
+        if self.rollout.rounds is not None:   # partial rollouts: tokens' versions
+            self.rollout.rounds.params_version = self.sampler_version
         view = SamplerState(self.sampler_params, self._sampler_rng)
         batch, metrics = self.rollout(view, step)
         v = self.sampler_version

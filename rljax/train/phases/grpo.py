@@ -26,6 +26,7 @@ from rljax.config.base import ConfigError
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train.core import length_groups, programs as programs_lib, steps
+from rljax.train.core import partial as partial_lib
 from rljax.train.methods import guidance, process_rewards
 from rljax.train.core import teacher as teacher_lib
 from rljax.train.core.metrics import host_fraction
@@ -314,15 +315,16 @@ class GRPOPhase:
         rollout_cls = Rollout
         if cfg.env.name:   # multi-turn episodes (rljax.train.methods.agent)
             from rljax.train.methods.agent import MultiTurnRollout as rollout_cls
-        elif cfg.rollout.partial:   # groups carried across iterations
-            from rljax.train.core.partial import PartialRollout as rollout_cls
         elif cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
             from rljax.train.methods.allocation import KnapsackRollout as rollout_cls
         elif a.adv_estimator == "vineppo":   # forked step-prefix values
             from rljax.train.methods.vine import VineRollout as rollout_cls
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
+        # Partial rollouts: groups carried across iterations, the round source of any rollout.
+        rounds = partial_lib.rounds_of(ctx, self.batch_size // a.num_generations)
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg),
-                                   stages=self.rollout_stages())
+                                   stages=self.rollout_stages(),
+                                   **({"rounds": rounds} if rounds is not None else {}))
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
         self.relift = guidance.Relift(ctx, self.guide) if a.relift.every else None
@@ -421,8 +423,8 @@ class GRPOPhase:
         out = {"data": self.iterator.state()}
         for stage in self.rollout.stages:
             out[stage.name] = stage.state_dict()
-        if self.ctx.cfg.rollout.partial:   # the groups in flight
-            out["partial"] = self.rollout.state_dict()
+        if self.rollout.rounds is not None:   # the groups in flight
+            out["partial"] = self.rollout.rounds.state_dict()
         if self.ctx.cfg.rollout.allocation == "knapsack":   # the pass-rate posteriors
             out["allocation"] = self.rollout.state_dict()
         return out
@@ -432,8 +434,8 @@ class GRPOPhase:
         for stage in self.rollout.stages:
             if stage.name in state:
                 stage.load_state_dict(state[stage.name])
-        if self.ctx.cfg.rollout.partial and "partial" in state:
-            self.rollout.load_state_dict(state["partial"])
+        if self.rollout.rounds is not None and "partial" in state:
+            self.rollout.rounds.load_state_dict(state["partial"])
         if self.ctx.cfg.rollout.allocation == "knapsack" and "allocation" in state:
             self.rollout.load_state_dict(state["allocation"])
 

@@ -41,7 +41,7 @@ import numpy as np
 from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib
-from rljax.train.core import programs as programs_lib, steps
+from rljax.train.core import partial as partial_lib, programs as programs_lib, steps
 from rljax.train.phases.grpo import policy_loss_options
 from rljax.train.core.optim import all_finite, apply_if_finite
 from rljax.train.core.rollout import RewardRollout
@@ -158,11 +158,13 @@ def _pair(x, m):
     return jnp.where(m > 0, sg(x), 0.0).astype(jnp.float32).sum(), m.sum()
 
 
-def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
+def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch, *, partial=False):
     """Micro-batch PPO loss; ``params = {"policy": ..., "critic": ...}`` (both differentiated).
 
     ``policy loss + vf_coef * value loss``, both aggregated by ``algo.loss_agg_mode`` over the
-    same mask, so they share one weight. Returns ``((weighted_sum, weight), metric pairs)``.
+    same mask, so they share one weight. ``partial``: samples drawn by earlier versions
+    (partial or asynchronous rollouts), the behaviour weight on as in ``grpo_loss``. Returns
+    ``((weighted_sum, weight), metric pairs)``.
     """
     m = batch["loss_mask"].astype(bool)
     n = m.shape[1]
@@ -173,8 +175,9 @@ def ppo_loss(model_cfg, algo_cfg, temperature, params, state, batch):
     logps, ent = steps.completion_logps(model_cfg, params["policy"], batch,
                                         temperature=temperature, with_entropy=entropy_coef > 0,
                                         lora_dropout_rng=policy_rng)
-    # Asynchronous: every token was drawn by an earlier version; the behaviour weight is on.
-    opts = policy_loss_options(algo_cfg, partial=bool(algo_cfg.get("asynchronous")))
+    # Tokens drawn by earlier versions (asynchronous, or carried by partial rollouts): the
+    # behaviour weight is on.
+    opts = policy_loss_options(algo_cfg, partial=partial)
     if "tis_cap" in opts:
         opts["sampler_logps"] = batch["sampler_logps"]
     pg, metrics = algorithms.get_policy_loss(algo_cfg.policy_loss)(
@@ -231,13 +234,14 @@ def ppo_update(optimizer, critic_optimizer, loss_fn, state, batch, num_micro: in
 
 
 def build_ppo_step(model_cfg, algo_cfg, optimizer, critic_optimizer, *, temperature: float = 1.0,
-                   num_micro: int = 1, state_shardings=None, mesh=None) -> Callable:
+                   num_micro: int = 1, state_shardings=None, mesh=None,
+                   partial: bool = False) -> Callable:
     """Jitted ``ppo_step(state, batch) -> (state, metrics)`` on a prepared minibatch
     (``ppo_prepare`` fields). Metrics: loss, pg_loss, vf_loss, vf_clipfrac, clipfrac_*,
     approx_kl, values/pred_mean, entropy (entropy_coef > 0), kl_loss (KL as a loss term),
-    grad_norm, critic_grad_norm, skipped."""
+    grad_norm, critic_grad_norm, skipped. ``partial``: see ``ppo_loss``."""
     temperature = models.scoring_temperature(temperature)
-    loss_fn = functools.partial(ppo_loss, model_cfg, algo_cfg, temperature)
+    loss_fn = functools.partial(ppo_loss, model_cfg, algo_cfg, temperature, partial=partial)
 
     def ppo_step(state, batch):
         return ppo_update(optimizer, critic_optimizer, loss_fn, state, batch, num_micro)
@@ -274,7 +278,8 @@ def _build(ctx: Context, optimizer, critic_optimizer, state):
     cfg = ctx.cfg
     return build_ppo_step(ctx.model_cfg, cfg.algo, optimizer, critic_optimizer,
                           temperature=cfg.rollout.temperature, num_micro=update_sizes(cfg)[1],
-                          state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
+                          state_shardings=ctx.state_shardings(state), mesh=ctx.mesh,
+                          partial=bool(cfg.rollout.partial or cfg.algo.get("asynchronous")))
 
 
 def batch_fields(cfg, prepared: bool) -> dict:
@@ -325,8 +330,9 @@ class PPOPhase:
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
             from rljax.train.methods.agent import MultiTurnRewardRollout
             self.rollout = MultiTurnRewardRollout(ctx, self.iterator)
-        else:
-            self.rollout = RewardRollout(ctx, self.iterator)
+        else:   # partial rollouts: the pool of groups in flight is the round source
+            self.rollout = RewardRollout(ctx, self.iterator, rounds=partial_lib.rounds_of(
+                ctx, self.batch_size // a.num_generations))
         self.optimizer, self.critic_optimizer = _optimizers(ctx, self.steps)
         self.prepare = build_prepare(ctx.model_cfg, a, temperature=cfg.rollout.temperature)
         self._step_fn = None
@@ -409,7 +415,12 @@ class PPOPhase:
         return state, metrics
 
     def state_dict(self) -> dict:
-        return {"data": self.iterator.state()}
+        out = {"data": self.iterator.state()}
+        if self.rollout.rounds is not None:   # the groups in flight
+            out["partial"] = self.rollout.rounds.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.iterator.restore(state["data"])
+        if self.rollout.rounds is not None and "partial" in state:
+            self.rollout.rounds.load_state_dict(state["partial"])
