@@ -77,7 +77,7 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path):
     phase = make_phases(ctx)[-1]
     state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
     batch, metrics = phase.rollout(state, 0)
-    rnd = phase.rollout._last
+    rnd = next(s for s in phase.rollout.stages if s.name == "vine")._last
     decode, k = ctx.tokenizer.decode, 3
     texts, rewards = rnd["fork_texts"], rnd["fork_rewards"]
     assert rewards.shape == (len(rnd["fork_rows"]), k)

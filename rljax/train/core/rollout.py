@@ -512,7 +512,8 @@ class Rollout:
             # Sampled tokens, failed groups that hints replaced included.
             "rollout/tokens": int(lengths.sum()) + sum(r.get("extra_tokens", 0) for r in rounds),
             # Tokens the sampler decoded (a tree's shared segments once): the sampling cost.
-            "rollout/decoded_tokens": int(sum(r["decoded"].sum() for r in rounds)),
+            "rollout/decoded_tokens": int(sum(r["decoded"].sum() + r.get("extra_decoded", 0)
+                                              for r in rounds)),
             "time/sample": sum(r["time_sample"] for r in rounds),
             "time/reward": sum(r["time_reward"] for r in rounds),
         })

@@ -1,4 +1,4 @@
-"""The GRPO rollout of ``algo.adv_estimator='vineppo'``: Monte-Carlo values of step prefixes.
+"""The rollout stage of ``algo.adv_estimator='vineppo'``: Monte-Carlo values of step prefixes.
 
 After the usual round (G completions per prompt, rewards), each completion is cut into steps
 (``algo.vine.splitter``: a newline, or a regex matched at the text's end; a stop token also
@@ -8,7 +8,8 @@ KV cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the s
 machinery of ``rljax.train.methods.step_mc``); a continuation is cut to the completion budget
 (``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by the
 reward functions. V(s_t) is the mean of the K rewards, and the advantages are
-``algorithms.vine.vineppo_advantages``. Fork rows are padded (repeating a real one) to a
+``algorithms.vine.vineppo_advantages``, which the rollout's estimator call receives as
+``rows["estimator_inputs"]`` (``step_ids``, ``step_values``, ``num_steps``). Fork rows are padded (repeating a real one) to a
 multiple of the completion count, so at most ``max_steps`` fork programs are compiled.
 
 Metrics: ``vine/fork_tokens`` (continuation tokens decoded for values, padding rows excluded),
@@ -23,8 +24,8 @@ import re
 import jax
 import numpy as np
 
-from rljax import algorithms, sampling
-from rljax.train.core.rollout import Rollout, expand_fields
+from rljax import sampling
+from rljax.train.core.rollout import expand_fields
 from rljax.train.core.sampler import generate
 from rljax.train.methods.step_mc import step_ends
 
@@ -42,11 +43,14 @@ def cap_steps(ends: list[int], max_steps: int) -> list[int]:
     return ends if len(ends) <= max_steps else ends[:max_steps - 1] + [ends[-1]]
 
 
-class VineRollout(Rollout):
-    """``Rollout`` whose token-level advantages come from forked step-prefix values."""
+class VineValues:
+    """Rollout stage (``core.rollout.RolloutStage``): each round's step layout and forked
+    step-prefix values, given to the ``vineppo`` estimator."""
 
-    def __init__(self, ctx, iterator, old_logps: bool = False, stages=()):
-        super().__init__(ctx, iterator, old_logps=old_logps, stages=stages)
+    name = "vine"
+
+    def __init__(self, ctx):
+        self.ctx, self.cfg = ctx, ctx.cfg
         v = ctx.cfg.algo.vine
         self.k, self.max_steps = int(v.forks), int(v.max_steps)
         self.pattern = step_pattern(v)
@@ -54,22 +58,52 @@ class VineRollout(Rollout):
         self.prefix_bucket = int(ctx.cfg.data.max_prompt_length) + self.n
         self.decode = ctx.tokenizer.decode
         self.stop_ids = tuple(ctx.stop_ids)
-        self._vine_fn = jax.jit(algorithms.vine.vineppo_advantages)
-        self._last = None   # the last round's step layout and values
+        self.rollout = None   # the rollout whose rounds it values (its reward functions)
+        self._last = None     # the last round's step layout and values
 
-    def sample_round(self, params, rng, examples=None, prefixes=None) -> dict:
-        rnd = super().sample_round(params, rng, examples, prefixes)
+    def check(self, example: dict) -> None:
+        pass
+
+    def after_round(self, rollout, params, rnd: dict, rng) -> dict:
+        self.rollout = rollout
         rnd.update(self.step_values(params, rnd, jax.random.fold_in(rng, FORK_STREAM)))
-        rnd["extra_tokens"] = rnd.get("extra_tokens", 0) + rnd["fork_tokens"]
+        # Every decoded fork token is sampling work: in rollout/tokens and decoded_tokens.
+        spent = rnd["fork_tokens"] + rnd["fork_padding_tokens"]
+        rnd["extra_tokens"] = rnd.get("extra_tokens", 0) + spent
+        rnd["extra_decoded"] = rnd.get("extra_decoded", 0) + spent
         self._last = rnd
         return rnd
+
+    def finish_batch(self, batch: dict, rows: dict) -> None:
+        """The batch is the last round's rows in order (config validation refuses anything
+        that drops or re-orders them): its step layout and values go to the estimator."""
+        v = self._last
+        if len(rows["tokens"]) != len(v["num_steps"]):
+            raise RuntimeError("vineppo: the batch is not the last round's completions")
+        rows["estimator_inputs"] = {k: v[k] for k in ("step_ids", "step_values", "num_steps")}
+
+    def metrics(self, rounds, rows) -> dict:
+        fork, pad = (sum(r[key] for r in rounds) for key in ("fork_tokens",
+                                                             "fork_padding_tokens"))
+        return {"vine/fork_tokens": fork, "vine/fork_padding_tokens": pad,
+                "vine/prefixes": sum(len(r["fork_rows"]) for r in rounds),
+                "vine/steps_mean": float(np.mean(np.concatenate(
+                    [r["num_steps"] for r in rounds]))),
+                "vine/value_mean": float(np.mean(np.concatenate(
+                    [r["fork_rewards"].reshape(-1) for r in rounds])))}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
     def step_values(self, params, rnd: dict, rng) -> dict:
         """The round's step layout and MC values: ``step_ids`` int [R, N], ``step_values``
         f32 [R, max_steps], ``num_steps`` int [R], the forks (``fork_rows``: (completion,
         step) of each real prefix; ``fork_rewards`` f32 [prefixes, K]; ``fork_texts``) and
         their token counts."""
-        g, n, k = self.g, self.n, self.k
+        g, n, k = self.rollout.g, self.n, self.k
         tokens, mask = rnd["tokens"], rnd["mask"]
         r = len(tokens)
         comps = [tokens[i][mask[i]].tolist() for i in range(r)]
@@ -103,9 +137,9 @@ class VineRollout(Rollout):
                 lengths.append(start + len(cont))
                 owners.append(rnd["examples"][i // g])
                 prompts.append(owners[-1]["prompt"])
-        result = self.reward_fn(prompts, texts, completion_lengths=lengths,
-                                **expand_fields(owners, 1))
-        self.monitor.observe(result)
+        result = self.rollout.reward_fn(prompts, texts, completion_lengths=lengths,
+                                        **expand_fields(owners, 1))
+        self.rollout.monitor.observe(result)
         fork_rewards = np.asarray(result.total, np.float32)[:real * k].reshape(real, k)
         values = np.zeros((r, self.max_steps), np.float32)
         for (i, t, _), rs in zip(fork_rows, fork_rewards):
@@ -116,28 +150,3 @@ class VineRollout(Rollout):
                 "num_steps": np.asarray([len(e) for e in ends], np.int32),
                 "fork_rows": fork_rows, "fork_rewards": fork_rewards, "fork_texts": texts,
                 "fork_tokens": fork_tokens, "fork_padding_tokens": decoded - fork_tokens}
-
-    def advantages(self, rewards, mask=None, token_kl=None) -> np.ndarray:
-        """Per-token VinePPO advantages of the last round's completions (the batch is that
-        round's rows in order: config validation refuses anything that drops or re-orders)."""
-        v = self._last
-        if len(rewards) != len(v["num_steps"]):
-            raise RuntimeError("vineppo: the batch is not the last round's completions")
-        return np.asarray(self._vine_fn(np.asarray(rewards, np.float32), 1,
-                                        mask=np.asarray(mask, bool), step_ids=v["step_ids"],
-                                        step_values=v["step_values"],
-                                        num_steps=v["num_steps"]), np.float32)
-
-    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
-        m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)
-        fork, pad = (sum(r[key] for r in rounds) for key in ("fork_tokens",
-                                                             "fork_padding_tokens"))
-        m["rollout/decoded_tokens"] += fork + pad
-        m["rollout/tokens"] += pad   # the real fork tokens came in as extra_tokens
-        m.update({"vine/fork_tokens": fork, "vine/fork_padding_tokens": pad,
-                  "vine/prefixes": sum(len(r["fork_rows"]) for r in rounds),
-                  "vine/steps_mean": float(np.mean(np.concatenate(
-                      [r["num_steps"] for r in rounds]))),
-                  "vine/value_mean": float(np.mean(np.concatenate(
-                      [r["fork_rewards"].reshape(-1) for r in rounds])))})
-        return m

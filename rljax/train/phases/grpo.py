@@ -27,7 +27,7 @@ from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train.core import length_groups, programs as programs_lib, steps
 from rljax.train.core import partial as partial_lib
-from rljax.train.methods import guidance, process_rewards
+from rljax.train.methods import guidance, process_rewards, vine
 from rljax.train.core import teacher as teacher_lib
 from rljax.train.core.metrics import host_fraction
 from rljax.train.core.rollout import Rollout
@@ -317,8 +317,6 @@ class GRPOPhase:
             from rljax.train.methods.agent import MultiTurnRollout as rollout_cls
         elif cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
             from rljax.train.methods.allocation import KnapsackRollout as rollout_cls
-        elif a.adv_estimator == "vineppo":   # forked step-prefix values
-            from rljax.train.methods.vine import VineRollout as rollout_cls
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
         # Partial rollouts: groups carried across iterations, the round source of any rollout.
         rounds = partial_lib.rounds_of(ctx, self.batch_size // a.num_generations)
@@ -334,11 +332,15 @@ class GRPOPhase:
     def rollout_stages(self) -> list:
         """Method features the rollout runs at fixed points of every call, each owning its
         state (``core.rollout.RolloutStage``): hints/ReLIFT/demonstrations when configured; a
-        phase built on this one adds its own (distillation: the teacher's scores). With
-        ``algo.adv_estimator='grpo_process'``, a process reward model's step scores."""
+        phase built on this one adds its own (distillation: the teacher's scores). The
+        estimators ``grpo_process`` and ``vineppo`` get their per-token inputs from a stage: a
+        process reward model's step scores, forked step-prefix values."""
         stages = [self.guide] if self.guide is not None else []
-        if self.ctx.cfg.algo.adv_estimator == "grpo_process":
+        estimator = self.ctx.cfg.algo.adv_estimator
+        if estimator == "grpo_process":
             stages.append(process_rewards.ProcessRewards(self.ctx))
+        elif estimator == "vineppo":   # forked step-prefix values (VinePPO)
+            stages.append(vine.VineValues(self.ctx))
         return stages
 
     def init_state(self, state):
