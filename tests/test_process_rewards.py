@@ -117,6 +117,11 @@ def test_config_refuses_what_grpo_process_cannot_read():
         _cfg(**{"algo.process_reward.prm": "runs/prm", "algo.gamma": 0.9})
     with pytest.raises(config_lib.ConfigError, match="data.step_delimiter"):
         _cfg(**{"algo.process_reward.prm": "runs/prm", "data.step_delimiter": ""})
+    # A rollout stage: every sampler and mode takes it.
+    for mode in ({"rollout.engine": "slots"},
+                 {"rollout.engine": "slots", "rollout.partial": True},
+                 {"algo.asynchronous": True}):
+        _cfg(**{"algo.process_reward.prm": "runs/prm", **mode})
 
 
 def test_a_prm_shaped_run_trains_on_a_prm_runs_scores_and_resumes_exactly(tmp_path):
