@@ -200,10 +200,10 @@ def test_config_runs_two_steps(tmp_path):
     assert any("eval/accuracy" in r for r in records)
 
 
-def test_asynchronous_ppo_resumes_exactly(tmp_path):
-    """algo.asynchronous with PPO: batches sampled a version ahead, values/GAE and proximal
-    log-probs at update time, the behaviour ratio in the loss; stopped after the first update
-    and resumed (the batch in flight saved with the checkpoint), equal to the straight run."""
+def _stopped_and_resumed(tmp_path, *overrides) -> list[dict]:
+    """A 3-iteration PPO run of the shipped config with ``overrides``, straight and stopped
+    after the first update then resumed: asserts the two give the same metrics and final
+    parameters, returns the straight run's training records."""
     from rljax.train import run
     from rljax.train.core import metrics
     from tests.test_train_loop import StopAfter, comparable, final_params
@@ -211,18 +211,25 @@ def test_asynchronous_ppo_resumes_exactly(tmp_path):
     cfg = lambda: config.load_config("configs/ppo_arithmetic.py", [  # noqa: E731
         "steps=3", "sft.steps=0", "rollout.batch_size=8", "algo.mini_batch_size=4",
         "eval.num_examples=8", "eval.batch_size=8", "checkpoint.async_save=False",
-        "logging.tensorboard=False", "mesh.data=1", "algo.asynchronous=True"])
+        "logging.tensorboard=False", "mesh.data=1", *overrides])
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     devices = jax.devices()[:1]
     assert run.train(cfg(), straight, devices=devices) == 0
     assert run.train(cfg(), split, devices=devices, stop=StopAfter(1)) == 0
     assert run.train(cfg(), split, devices=devices) == 0
     records = metrics.read_metrics(straight)
-    train = [r for r in records if "vf_loss" in r]
-    assert [r["rollout/sample_version"] for r in train] == [0, 0, 1]
-    assert all(np.isfinite(r["vf_loss"]) and np.isfinite(r["pg_loss"]) for r in train)
     assert comparable(metrics.read_metrics(split)) == comparable(records)
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+    return [r for r in records if "vf_loss" in r]
+
+
+def test_asynchronous_ppo_resumes_exactly(tmp_path):
+    """algo.asynchronous with PPO: batches sampled a version ahead, values/GAE and proximal
+    log-probs at update time, the behaviour ratio in the loss; stopped after the first update
+    and resumed (the batch in flight saved with the checkpoint), equal to the straight run."""
+    train = _stopped_and_resumed(tmp_path, "algo.asynchronous=True")
+    assert [r["rollout/sample_version"] for r in train] == [0, 0, 1]
+    assert all(np.isfinite(r["vf_loss"]) and np.isfinite(r["pg_loss"]) for r in train)
 
 
 def test_ppo_with_partial_rollouts_trains_carried_samples_and_resumes_exactly(tmp_path):
@@ -230,23 +237,8 @@ def test_ppo_with_partial_rollouts_trains_carried_samples_and_resumes_exactly(tm
     pool is the reward rollout's round source), values/GAE and proximal log-probs at update
     time, the behaviour weight in the loss; stopped after one update and resumed (the groups
     in flight saved with the checkpoint), equal to the straight run."""
-    from rljax.train import run
-    from rljax.train.core import metrics
-    from tests.test_train_loop import StopAfter, comparable, final_params
-
-    cfg = lambda: config.load_config("configs/ppo_arithmetic.py", [  # noqa: E731
-        "steps=3", "sft.steps=0", "rollout.batch_size=8", "algo.mini_batch_size=4",
-        "rollout.engine=slots", "rollout.partial=True", "rollout.slots=8",
-        "rollout.chunk_steps=2", "eval.num_examples=8", "eval.batch_size=8",
-        "checkpoint.async_save=False", "logging.tensorboard=False", "mesh.data=1"])
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    devices = jax.devices()[:1]
-    assert run.train(cfg(), straight, devices=devices) == 0
-    assert run.train(cfg(), split, devices=devices, stop=StopAfter(1)) == 0
-    assert run.train(cfg(), split, devices=devices) == 0
-    train = [r for r in metrics.read_metrics(straight) if "vf_loss" in r]
+    train = _stopped_and_resumed(tmp_path, "rollout.engine=slots", "rollout.partial=True",
+                                 "rollout.slots=8", "rollout.chunk_steps=2")
     assert len(train) == 3 and train[0]["rollout/carried_groups"] > 0
     assert max(r["rollout/staleness_max"] for r in train) >= 1   # carried samples trained
     assert all("tis_weight" in r and np.isfinite(r["pg_loss"]) for r in train)
-    assert comparable(metrics.read_metrics(split)) == comparable(metrics.read_metrics(straight))
-    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
