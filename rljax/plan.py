@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -296,13 +296,14 @@ def abstract_context(cfg, devices) -> tuple[Any, int]:
 
 
 def plan(cfg, devices=None, *, compile_phases: bool = True,
-         chip: str | None = None) -> MemoryPlan:
+         chip: str | None = None, programs: Callable[[str], bool] | None = None) -> MemoryPlan:
     """Compiles the programs of the run's phases abstractly (each phase states its own:
     ``rljax.train.phases.phase_programs``) and returns their per-device memory.
 
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
     ``chip`` (a ``cost.CHIPS`` name): also each program's per-device cost and its roofline
-    time on that chip.
+    time on that chip. ``programs``: compile only the programs whose name it accepts (e.g.
+    the updates alone); the others are left out of the plan.
     """
     if chip is not None and chip not in cost_lib.CHIPS:
         raise UserError(f"--cost {chip}: unknown chip; one of {', '.join(cost_lib.CHIPS)}")
@@ -330,16 +331,17 @@ def plan(cfg, devices=None, *, compile_phases: bool = True,
     if cfg.rollout.engine == "slots" and mesh.size > 1:
         notes.append("rollout.engine='slots': the engine's pages, slots and outputs are "
                      "planned whole on every device (it does not split them over the mesh)")
-    for name, state, programs in phases_lib.phase_programs(ctx):
-        if programs is None:
+    for name, state, progs in phases_lib.phase_programs(ctx):
+        if progs is None:
             notes.append(f"the {name} phase states no programs (register_algorithm(..., "
                          f"programs=...)): not planned")
             continue
         residents.append((name, resident_parts(state)))
-        if any(p.name.split("/")[0] == "sample" for p in programs):
+        if any(p.name.split("/")[0] == "sample" for p in progs):
             samples = True
         if compile_phases:
-            phases += [_compile_phase(p, cost=chip is not None) for p in programs]
+            phases += [_compile_phase(p, cost=chip is not None) for p in progs
+                       if programs is None or programs(p.name)]
     if samples:
         notes.append(programs_lib.kv_cache_note(ctx, human))
     if not compile_phases:
