@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from rljax import algorithms
+from rljax import algorithms, models
 from rljax import config as config_lib
 from rljax.tokenizers import CharTokenizer
-from rljax.train.methods import process_rewards
+from rljax.train.methods import process_rewards, prm_scoring
 
 TOK = CharTokenizer()
 
@@ -66,14 +66,17 @@ def test_the_stage_puts_each_steps_score_on_its_last_token():
     """Steps end at the token that completes the delimiter, and the last step at the
     completion's end; the reward there is the sigmoid of the PRM's logit at that token."""
     cfg = config_lib.default_config()
-    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=TOK, stop_ids=(TOK.eos_id,))
+    cfg.rollout.max_new_tokens = 14
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=TOK, stop_ids=(TOK.eos_id,),
+                                model_cfg=models.get_preset("tiny"))
     stage = process_rewards.ProcessRewards(ctx)
+    stage._scorer = prm_scoring.PRMScorer(ctx, rows=2)
     seen = {}
 
-    def logits_fn(batch):   # the logit at a token is its id / 10 - 3: known in advance
+    def logits(batch):   # the logit at a token is its id / 10 - 3: known in advance
         seen["prompt"] = np.asarray(batch["prompt_tokens"])
         return np.asarray(batch["completion_tokens"], np.float32) / 10 - 3
-    stage._logits_fn = logits_fn
+    stage._scorer.logits = logits
     prompts, comps = ["3+4-2=", "1+1="], ["3+4=7\n7-2=5", "1+1=2"]
     n = 14
     comp_tok = np.full((2, n), TOK.pad_id, np.int32)
@@ -145,3 +148,23 @@ def test_a_prm_shaped_run_trains_on_a_prm_runs_scores_and_resumes_exactly(tmp_pa
     assert all(0 < r["process/step_score_mean"] < 1 and r["process/steps_mean"] >= 1
                for r in steps)
     assert _comparable(parts) == _comparable(straight)
+
+
+def test_the_plan_holds_the_prms_pass_at_the_stages_shape(tmp_path):
+    """``rljax plan`` of a PRM-shaped GRPO run plans ``process/prm``: the PRM's pass over a
+    micro-batch of rows at the longest prompt bucket, its weights an argument."""
+    from rljax import plan as plan_lib
+    from rljax.train.core import programs as programs_lib
+    from rljax.train.core import workdir as wd
+    from test_prm import tiny_prm_cfg
+
+    wd.write_config(str(tmp_path), tiny_prm_cfg(1))   # a PRM run (its checkpoint is not read)
+    cfg = _cfg(**{"algo.process_reward.prm": str(tmp_path), "algo.micro_batch_size": 2})
+    ctx, _ = plan_lib.abstract_context(cfg, jax.devices()[:1])
+    program = process_rewards.program(ctx)
+    value, batch = program.args
+    assert program.name == "process/prm" and program.resident == 0
+    assert batch["prompt_tokens"].shape == (2, programs_lib.prompt_len(cfg))
+    assert batch["completion_tokens"].shape == (2, cfg.rollout.max_new_tokens)
+    assert set(value) == {"trunk", "head"}
+    assert program.fn.lower(*program.args).compile().memory_analysis() is not None

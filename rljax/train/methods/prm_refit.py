@@ -27,7 +27,8 @@ import numpy as np
 from rljax import distributed as dist
 from rljax.data import stepwise
 from rljax.train.core.steps import to_host
-from rljax.train.methods.mcts_programs import PRMScorer, load_prm, scorer_rows
+from rljax.train.methods.mcts_programs import load_prm, scorer_rows
+from rljax.train.methods.prm_scoring import PRMScorer
 from rljax.train.methods.mcts_search import Tree, walk
 
 

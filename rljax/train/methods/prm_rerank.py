@@ -227,29 +227,3 @@ def value_logits_fn(model_cfg, value_params) -> Callable:
     """``batch -> logits [B, C]`` of a value head (jitted, no LoRA dropout)."""
     fn = value_logits_program(model_cfg)
     return lambda batch: fn(value_params, batch)
-
-
-def load_prm_checkpoint(ctx, key: str, where: str) -> dict:
-    """The latest checkpoint state of the process reward model run in workdir ``where``
-    (``params``: its policy, ``critic_params``: its value model; config key ``key`` names it in
-    errors). The PRM run shares the policy's model and tokenizer sections
-    (``inputs.check_prm_run``): its trunk is read with the policy's model config."""
-    from rljax.errors import UserError
-    from rljax.train.core import checkpoint as ckpt_lib
-    from rljax.train.core.inputs import check_prm_run
-
-    check_prm_run(ctx.cfg, key, where)   # (also run by check_inputs, before the model loads)
-    with ckpt_lib.CheckpointManager(ckpt_lib.checkpoint_dir(where)) as ckpt:
-        if ckpt.latest_step() is None:
-            raise UserError(f"{key}={where} has no checkpoint")
-        saved = ckpt.restore().state
-    if saved.get("critic_params") is None:
-        raise UserError(f"{key}={where}: its latest checkpoint is from the SFT warm-up, "
-                        "before the PRM was trained")
-    return saved
-
-
-def prm_value(saved: dict):
-    """The full value model (trunk and head) of a PRM run's checkpoint state."""
-    from rljax.models import lora as lora_lib
-    return lora_lib.value_on_base(saved["params"], saved["critic_params"])

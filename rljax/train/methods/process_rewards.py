@@ -7,8 +7,10 @@ GRPO rollout has (static, slot engine, partial and asynchronous rollouts). Each 
 cut into steps at ``data.step_delimiter`` (``step_mc.step_ends``: a step ends with the token
 that completes the delimiter; the stop token, or the completion's end, ends the last), and the
 PRM of ``algo.process_reward.prm`` (an ``algo.name='prm'`` run with this run's model and
-tokenizer) reads prompt ++ completion once; the sigmoid of its logit at each step's last
-token is that step's reward. The PRM is frozen and not checkpointed (a resumed run reloads it).
+tokenizer) reads prompt ++ completion once, in batches of the update's micro-batch rows
+placed on the run's mesh (``prm_scoring``); the sigmoid of its logit at each step's last token
+is that step's reward. The PRM is frozen and not checkpointed (a resumed run reloads it).
+``rljax plan`` plans its pass as ``process/prm``.
 """
 from __future__ import annotations
 
@@ -16,7 +18,21 @@ import time
 
 import numpy as np
 
-from rljax.train.methods import prm_rerank
+from rljax.train.core import programs as programs_lib
+from rljax.train.methods import prm_scoring
+
+
+def scoring_rows(cfg) -> int:
+    """Rows of one PRM scoring batch: the update's micro-batch (as the log-prob passes)."""
+    a = cfg.algo
+    return int(a.micro_batch_size or a.mini_batch_size or cfg.rollout.batch_size)
+
+
+def program(ctx):
+    """The PRM's scoring pass for ``rljax plan``: ``scoring_rows`` rows at the longest prompt
+    bucket."""
+    return prm_scoring.program(ctx, "process/prm", scoring_rows(ctx.cfg),
+                               programs_lib.prompt_len(ctx.cfg))
 
 
 class ProcessRewards:
@@ -28,16 +44,16 @@ class ProcessRewards:
 
     def __init__(self, ctx):
         self.ctx, self.cfg = ctx, ctx.cfg
-        self._logits_fn = None     # loaded at the first batch, not when the phase is built
+        self._scorer = None     # loaded at the first batch, not when the phase is built
         self._metrics: dict = {}
 
-    def logits_fn(self):
-        if self._logits_fn is None:
-            saved = prm_rerank.load_prm_checkpoint(self.ctx, "algo.process_reward.prm",
-                                                   self.cfg.algo.process_reward.prm)
-            self._logits_fn = prm_rerank.value_logits_fn(self.ctx.model_cfg,
-                                                         prm_rerank.prm_value(saved))
-        return self._logits_fn
+    def scorer(self) -> prm_scoring.PRMScorer:
+        if self._scorer is None:
+            saved = prm_scoring.load_prm_checkpoint(self.ctx, "algo.process_reward.prm",
+                                                    self.cfg.algo.process_reward.prm)
+            self._scorer = prm_scoring.prm_scorer(self.ctx, prm_scoring.prm_value(saved),
+                                                  scoring_rows(self.cfg))
+        return self._scorer
 
     def check(self, example: dict) -> None:
         pass
@@ -47,19 +63,13 @@ class ProcessRewards:
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
         t0 = time.perf_counter()
-        cfg, tok = self.cfg, self.ctx.tokenizer
         comp_tok, comp_mask = np.asarray(rows["tokens"]), np.asarray(rows["mask"], bool)
         n = comp_tok.shape[1]
         seqs, seq_mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"], bool)
         p = seqs.shape[1] - n   # the batch's prompt bucket (left-padded prompts)
         prompts = [t[:p][m[:p]].tolist() for t, m in zip(seqs, seq_mask)]
         comps = [t[m].tolist() for t, m in zip(comp_tok, comp_mask)]
-        step_rows = prm_rerank.step_rows(prompts, comps, tok.decode, cfg.data.step_delimiter,
-                                         tuple(self.ctx.stop_ids))
-        a = cfg.algo
-        chunk = a.micro_batch_size or a.mini_batch_size or len(comps)
-        probs, ends = prm_rerank.step_probabilities(self.logits_fn(), step_rows, chunk, p, n,
-                                                    tok.pad_id)
+        probs, ends = self.scorer().step_probabilities(prompts, comps, p)
         rows["estimator_inputs"] = {"step_rewards": probs, "step_ends": ends}
         steps = ends.sum(axis=1)
         self._metrics = {"process/step_score_mean": float(probs[ends].mean()) if ends.any()

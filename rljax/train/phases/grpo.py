@@ -355,8 +355,9 @@ class GRPOPhase:
 
     @staticmethod
     def programs(ctx: Context, steps_: int):
-        """``(abstract state, [Program])``: the rollout's sampler and log-prob passes and the
-        update's programs (``GroupedUpdate.programs``) at the config's largest shapes
+        """``(abstract state, [Program])``: the rollout's sampler and log-prob passes (and with
+        ``grpo_process`` the PRM's, ``process/prm``) and the update's programs
+        (``GroupedUpdate.programs``) at the config's largest shapes
         (``rljax.train.core.programs``; ``ctx.params`` may be abstract)."""
         cfg = ctx.cfg
         optimizer = _optimizer(ctx, steps_)
@@ -373,6 +374,8 @@ class GRPOPhase:
                 sampler_context(ctx), copy, programs_lib.shard_bytes(copy), with_eval=False)
         if not single_update(cfg) or cfg.algo.beta > 0:
             out.append(programs_lib.logps_program(ctx, state.params, params))
+        if cfg.algo.adv_estimator == "grpo_process":   # the PRM's pass over the samples
+            out.append(process_rewards.program(ctx))
         for name, fn, args, copies in update.programs(
                 state, update_sizes(cfg)[0], programs_lib.prompt_len(cfg),
                 programs_lib.completion_len(cfg), batch_fields(cfg, ctx.model_cfg)):
