@@ -295,15 +295,18 @@ def abstract_context(cfg, devices) -> tuple[Any, int]:
                    rollout_mesh=rollout_mesh, rollout_shardings=rollout_sh), n_params
 
 
-def plan(cfg, devices=None, *, compile_phases: bool = True,
-         chip: str | None = None, programs: Callable[[str], bool] | None = None) -> MemoryPlan:
+def plan(cfg, devices=None, *, compile_phases: bool = True, chip: str | None = None,
+         moe_balanced: bool = True, programs: Callable[[str], bool] | None = None) -> MemoryPlan:
     """Compiles the programs of the run's phases abstractly (each phase states its own:
     ``rljax.train.phases.phase_programs``) and returns their per-device memory.
 
     ``compile_phases=False`` only sizes the resident train state (no compile; seconds faster).
     ``chip`` (a ``cost.CHIPS`` name): also each program's per-device cost and its roofline
-    time on that chip. ``programs``: compile only the programs whose name it accepts (e.g.
-    the updates alone); the others are left out of the plan.
+    time on that chip. ``moe_balanced``: a mixture of experts' grouped matmuls are compiled
+    as ``moe_dispatch.bucketed_ffn``, at a grouped matmul's cost for a balanced load
+    (``ModelConfig.moe_plan_balanced``); False (``check``): as training compiles them.
+    ``programs``: compile only the programs whose name it accepts (e.g. the updates alone);
+    the others are left out of the plan.
     """
     if chip is not None and chip not in cost_lib.CHIPS:
         raise UserError(f"--cost {chip}: unknown chip; one of {', '.join(cost_lib.CHIPS)}")
@@ -318,6 +321,9 @@ def plan(cfg, devices=None, *, compile_phases: bool = True,
     residents: list[tuple[str, dict]] = []
     samples = False
     p_len, n_new = programs_lib.prompt_len(cfg), programs_lib.completion_len(cfg)
+    if moe_balanced and ctx.model_cfg.num_experts:
+        ctx = dataclasses.replace(ctx, model_cfg=ctx.model_cfg.replace(moe_plan_balanced=True))
+        notes.append(_moe_note(ctx.model_cfg))
     if cfg.env.name:
         notes.append(f"episodes: sampling planned as one sampler pass over the multi-turn "
                      f"KV cache ({programs_lib.sampler_len(cfg)} slots after the prompt); "
@@ -358,6 +364,17 @@ def plan(cfg, devices=None, *, compile_phases: bool = True,
     return MemoryPlan(description, sum(parts.values()), parts, phases, capacity, source, notes,
                       chip=chip)
 
+
+def _moe_note(mcfg) -> str:
+    """The plan's note on how a mixture of experts' expert matmuls and dispatch are planned."""
+    f = mcfg.moe_capacity_factor
+    buffers = (f"at moe_capacity_factor={f:g}" if f > 0 else
+               "dropless, sized for the worst case (n x min(k, experts per device) rows per "
+               "destination)")
+    return ("MoE expert matmuls planned at a balanced load: each device's experts run as "
+            "grouped matmuls over the n x k rows a balanced batch sends them (n tokens per "
+            "device, k experts per token; capacity factor 1 per expert), not XLA:CPU's masked "
+            f"dense ragged_dot; the dispatch's buffers and all-to-all as run: {buffers}")
 
 
 def _mesh_text(mesh) -> str:
@@ -438,9 +455,10 @@ def check(cfg, devices=None, *, verbose: bool = False) -> MemoryPlan | None:
     devices = list(jax.devices() if devices is None else devices)
     explicit = float(_memory_cfg(cfg).get("device_memory_gb", 0.0) or 0.0) > 0
     full = mode == "full" or explicit or devices[0].platform != "cpu"
-    p = plan(cfg, devices, compile_phases=False)  # seconds: is the resident state too big?
+    # The programs as this run compiles them (moe_balanced=False: the real grouped matmuls).
+    p = plan(cfg, devices, compile_phases=False, moe_balanced=False)  # seconds: state too big?
     if p.fits and full:
-        p = plan(cfg, devices)
+        p = plan(cfg, devices, moe_balanced=False)
     if verbose and jax.process_index() == 0:
         print(p.format(), file=sys.stderr, flush=True)
     if not p.fits:

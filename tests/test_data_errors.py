@@ -116,6 +116,8 @@ def test_dpo_pairs_all_identical_are_refused_and_some_warned(tmp_path, capsys):
                                              "did you mean 'num_layers'"),
     ("--config.model.overrides.hidden_size=big", "model.overrides.hidden_size: expected int"),
     ("--config.model.overrides.rope_theta=fast", "model.overrides.rope_theta='fast': expected float"),
+    ("--config.model.overrides.moe_plan_balanced=true",
+     "model.overrides.moe_plan_balanced: set by `rljax plan`"),
     ("--config.reward.kwargs.arithmetic.tolerance=1", "reward.kwargs.arithmetic"),
     ("--config.reward.kwargs.format.pattern=1", "reward.kwargs.format"),
 ])

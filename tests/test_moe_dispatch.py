@@ -330,3 +330,71 @@ def test_qwen3_30b_a3b_compiles_on_64_devices_expert_parallel():
     assert result["all_to_all"], result
     gathered = [g for g in result["int_gathers"] if re.search(r"s32\[[\d,]*,8\]|s32\[\d+\]", g)]
     assert not gathered, gathered   # no token assignments [..., k=8] gathered
+
+
+# ------------------------------------------------------------------ the plan's stand-in
+
+def test_the_plans_stand_in_counts_a_grouped_matmul_by_its_rows():
+    """``bucketed_ffn`` (``rljax plan``'s stand-in) computes ``expert_ffn`` when every group
+    fits its bucket, and XLA counts its FLOPs as 2 x 3 x rows x D x F (rows = L x bucket),
+    where XLA:CPU's ragged_dot counts every row against every local expert: L times that."""
+    num, d, f, r, bucket = 16, 32, 256, 512, 32
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(r - 40, [1 / num] * num), jnp.int32)   # 40 empty
+    rows = jnp.asarray(rng.normal(size=(r, d)), jnp.float32)
+    gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32)
+                      for s in [(num, d, f), (num, d, f), (num, f, d)])
+    want = moe_dispatch.expert_ffn(rows, sizes, gate, up, down)
+    got = moe_dispatch.bucketed_ffn(rows, sizes, gate, up, down, int(sizes.max()))
+    np.testing.assert_allclose(np.asarray(got[:r - 40]), np.asarray(want[:r - 40]),
+                               rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got[r - 40:]).any()
+    grouped = 2 * 3 * num * bucket * d * f
+    stand_in = _flops(jax.jit(lambda *a: moe_dispatch.bucketed_ffn(*a, bucket)).lower(
+        rows, sizes, gate, up, down).compile())
+    ragged = _flops(jax.jit(moe_dispatch.expert_ffn).lower(rows, sizes, gate, up, down)
+                    .compile())
+    assert 1.0 <= stand_in / grouped < 1.05, stand_in / grouped   # + silu and the product
+    assert ragged / grouped > num / 2, ragged / grouped
+
+
+def test_a_planned_moe_forward_does_an_eighth_per_device_at_a_balanced_load():
+    """With the stand-in (``moe_plan_balanced``), the forward's FLOPs per device are 1/8 of
+    one device's on expert=8 and on data=8, and on one device its expert matmuls count the
+    n x k rows once: far below the ragged lowering's count."""
+    cfg = _cost_model().replace(moe_plan_balanced=True)
+    whole = _flops(_forward_program(cfg, None))
+    ragged = _flops(_forward_program(_cost_model(), None))
+    n, k = 32 * 32, cfg.num_experts_per_tok
+    experts = 2 * 3 * n * k * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_layers
+    assert experts < whole < 1.5 * experts and ragged > 4 * whole, (experts, whole, ragged)
+    for axes in ({"expert": 8}, {"data": 8}):
+        ratio = _flops(_forward_program(cfg, axes)) / whole
+        assert 1 / 8 / 1.3 <= ratio <= 1.3 / 8, (axes, ratio)
+
+
+def test_only_the_plan_uses_the_stand_in(monkeypatch):
+    """Model configs leave it off; ``rljax plan`` compiles with it (and says so), the
+    training pre-flight check (``plan.check``) without; a run that asks for it is refused."""
+    from rljax import plan
+    from rljax.errors import ConfigError
+    from rljax.train import phases
+    from rljax.train.core import inputs
+    assert not _cost_model().moe_plan_balanced
+    assert not any(models.get_preset(name).moe_plan_balanced for name in models.PRESETS)
+    seen = []
+    monkeypatch.setattr(phases, "phase_programs",
+                        lambda ctx: seen.append(ctx.model_cfg.moe_plan_balanced) or [])
+    base = ["--config.sft.steps=0", "--config.rollout.batch_size=8",
+            "--config.algo.num_generations=2", "--config.model.preset=tiny-moe",
+            "--config.memory.check=full", "--config.mesh.data=1"]
+    cfg = config.load_config(os.path.join(ROOT, "configs", "grpo_arithmetic.py"), base)
+    planned = plan.plan(cfg, jax.devices()[:1])
+    assert seen == [True] and "planned at a balanced load" in " ".join(planned.notes)
+    seen.clear()
+    plan.check(cfg, jax.devices()[:1])
+    assert seen and not any(seen)
+    asked = config.load_config(os.path.join(ROOT, "configs", "grpo_arithmetic.py"),
+                               [*base, "--config.model.overrides.moe_plan_balanced=true"])
+    with pytest.raises(ConfigError, match="moe_plan_balanced: set by `rljax plan`"):
+        inputs.check_inputs(asked, 1)

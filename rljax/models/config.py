@@ -196,6 +196,11 @@ class ModelConfig:
     # the worst case); f > 0 = each device sends at most ceil(f * its tokens * k / expert
     # devices) rows to each expert device and drops the rest (counted: moe/dropped_frac).
     moe_capacity_factor: float = 0.0
+    # Planning only (`rljax plan` sets it on the config it compiles with; training refuses
+    # it): the experts' grouped matmuls run as dense matmuls over balanced per-expert buckets
+    # (models.moe_dispatch.bucketed_ffn), a grouped matmul's cost rather than XLA:CPU's
+    # masked dense lowering of ragged_dot. Its outputs are not the model's.
+    moe_plan_balanced: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False  # jax.checkpoint each layer (recompute activations in the backward pass)

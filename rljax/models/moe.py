@@ -11,7 +11,9 @@ Dispatch (``moe_dispatch``): each device sorts its own tokens' (token, expert) a
 expert, sends the rows to the devices that hold those experts (``all_to_all`` over the mesh's
 ``expert`` axis, none without one), which run the three expert matmuls as grouped matmuls
 (``jax.lax.ragged_dot``) on the rows they received; the outputs come back, are weighted and
-summed. Dropless by default; ``cfg.moe_capacity_factor`` caps the rows per device.
+summed. Dropless by default; ``cfg.moe_capacity_factor`` caps the rows per device;
+``cfg.moe_plan_balanced`` (``rljax plan`` only) swaps the grouped matmuls for a stand-in
+with their cost at a balanced load.
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def moe_mlp(cfg: ModelConfig, p: dict, h: jax.Array, token_mask: Optional[jax.Ar
                                 None if replay is None else replay.reshape(x.shape[0], -1))
     real = (jnp.ones(x.shape[0], jnp.float32) if token_mask is None
             else token_mask.reshape(-1).astype(jnp.float32))
-    out, dropped = moe_dispatch.dispatch(p, x, ids, weights, real, cfg.moe_capacity_factor)
+    out, dropped = moe_dispatch.dispatch(p, x, ids, weights, real, cfg.moe_capacity_factor,
+                                         balanced=cfg.moe_plan_balanced)
     out = out.reshape(h.shape)
     one_hot = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32)   # [N, k, E]
     stats = {"ids": ids.reshape(lead + (ids.shape[-1],)),

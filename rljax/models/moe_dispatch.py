@@ -28,6 +28,14 @@ token's k experts are distinct, so at most min(k, L) of them live on one device)
 ``ModelConfig.moe_capacity_factor`` f > 0 caps C at ceil(f * n * k / X), f times a balanced
 share; rows past the cap are dropped (that token gets no output from that expert) and counted.
 
+Planning (``balanced``, ``ModelConfig.moe_plan_balanced``, set only by ``rljax plan``): step 4
+runs ``bucketed_ffn`` instead, each local expert a dense SwiGLU over a bucket of the rows a
+balanced load gives it (``balanced_bucket``: n*k / L). XLA:CPU lowers ``ragged_dot`` to a
+masked dense matmul (every local expert against every row), so a plan compiled on fake CPU
+devices would count the experts' work L times over and materialise the masked copies; the
+stand-in has a grouped matmul's FLOPs and bytes over n*k rows, as a TPU or GPU runs it. Its
+outputs are not the model's (rows past a bucket get nothing): only its shapes matter.
+
 Under ``jax.jit`` the dispatch reads the mesh that ``jax.sharding.use_abstract_mesh`` set
 while tracing (``sharding.traced_on``): with one, it runs under ``jax.shard_map`` with the
 tokens split over the batch axes and the experts over ``expert``; without one, the whole batch
@@ -61,6 +69,32 @@ def expert_ffn(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array
     return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
 
 
+def balanced_bucket(n: int, k: int, local: int, received: int) -> int:
+    """Rows per local expert at a balanced load: every device receives as many rows as it
+    sends (n*k; at most the ``received`` buffer's rows), spread evenly over its L experts
+    (capacity factor 1 per expert)."""
+    return max(1, math.ceil(min(n * k, received) / local))
+
+
+def bucketed_ffn(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array,
+                 down: jax.Array, bucket: int) -> jax.Array:
+    """Planning stand-in for ``expert_ffn`` (same arguments and result, rows [R, D] grouped
+    by expert): expert l's first ``bucket`` (B) rows are gathered into [L, B, D] and run as
+    one batched matmul per weight ([L, B, D] x [L, D, F_t]), the FLOPs and bytes of a grouped
+    matmul over L*B rows; rows past a bucket, and empty slots, get 0."""
+    r = rows.shape[0]
+    starts = jnp.cumsum(sizes) - sizes
+    slot = jnp.arange(bucket, dtype=jnp.int32)
+    full = slot[None, :] < sizes[:, None]                                     # [L, B]
+    src = jnp.where(full, starts[:, None] + slot[None, :], r)                 # r = no row
+    x = jnp.where(full[..., None], rows[jnp.minimum(src, r - 1)], 0).astype(rows.dtype)
+    g = jnp.einsum("lbd,ldf->lbf", x, gate)
+    u = jnp.einsum("lbd,ldf->lbf", x, up)
+    y = jnp.einsum("lbf,lfd->lbd", jax.nn.silu(g) * u, down)
+    return jnp.zeros_like(rows).at[src.reshape(-1)].set(y.reshape(-1, y.shape[-1]),
+                                                        mode="drop")
+
+
 def _send_plan(ids: jax.Array, valid: jax.Array, local: int, x: int, cap: int) -> dict:
     """Where each assignment goes. ids int32 [n, k], valid bool [n] -> a dict of
     ``order`` [n*k] (assignments sorted by expert, invalid ones last), ``dest`` [n*k] (the
@@ -85,14 +119,15 @@ def _send_plan(ids: jax.Array, valid: jax.Array, local: int, x: int, cap: int) -
 
 def local_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.Array,
                   gate: jax.Array, up: jax.Array, down: jax.Array, *, expert_axis: Optional[str],
-                  capacity_factor: float = 0.0) -> tuple:
+                  capacity_factor: float = 0.0, balanced: bool = False) -> tuple:
     """One device's part of the dispatch (see the module docstring).
 
     x [n, D], ids int32 [n, k] (global expert ids), weights [n, k], valid bool [n] (False:
     padding that is neither sent nor counted), gate/up [L, D, F_t], down [L, F_t, D];
-    ``expert_axis``: the mesh axis the experts are split over (None: all E = L are here).
-    Returns ``(out [n, D]`` (partial sums over the tensor axis when F is split), ``kept`` bool
-    [n, k] (the assignments that were computed)).
+    ``expert_axis``: the mesh axis the experts are split over (None: all E = L are here);
+    ``balanced``: the experts run as ``bucketed_ffn`` (planning only). Returns ``(out [n, D]``
+    (partial sums over the tensor axis when F is split), ``kept`` bool [n, k] (the
+    assignments that were computed)).
     """
     n, k = ids.shape
     local = gate.shape[0]
@@ -108,12 +143,14 @@ def local_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, valid: jax.A
         send_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0)
     rows, row_ids = send.reshape(xs * cap, -1), send_ids.reshape(-1)
     sizes = jnp.bincount(row_ids, length=local).astype(jnp.int32)
+    bucket = balanced_bucket(n, k, local, xs * cap)
+    ffn = (lambda *a: bucketed_ffn(*a, bucket)) if balanced else expert_ffn
     if xs > 1:   # rows from X sources interleave their experts: group them
         regroup = jnp.argsort(row_ids, stable=True)
-        y = expert_ffn(rows[regroup], sizes, gate, up, down)
+        y = ffn(rows[regroup], sizes, gate, up, down)
         y = jnp.zeros_like(y).at[regroup].set(y)
     else:        # one source: already grouped, empty slots last
-        y = expert_ffn(rows, sizes, gate, up, down)
+        y = ffn(rows, sizes, gate, up, down)
     # Empty slots' rows are in no group; zero them rather than trust a backend's filler.
     y = jnp.where((row_ids < local)[:, None], y, 0).reshape(xs, cap, -1)
     if xs > 1:
@@ -143,10 +180,12 @@ def _mesh_layout(mesh, num_experts: int, width: int) -> Optional[dict]:
 
 
 def dispatch(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
-             real: Optional[jax.Array] = None, capacity_factor: float = 0.0) -> tuple:
+             real: Optional[jax.Array] = None, capacity_factor: float = 0.0,
+             balanced: bool = False) -> tuple:
     """The experts' output for x [N, D] routed to ids int32 [N, k] with weights [N, k]
     (``p``: the layer's ``expert_gate``/``expert_up`` [E, D, F], ``expert_down`` [E, F, D]);
-    ``real`` [N] (None = all): which tokens count as dropped when they are.
+    ``real`` [N] (None = all): which tokens count as dropped when they are; ``balanced``:
+    the planning stand-in for the expert matmuls (``bucketed_ffn``; never in training).
 
     Returns ``(out [N, D], dropped f32 [])``, dropped = real tokens' assignments past the
     capacity (0 when dropless). Expert-parallel under a traced mesh (module docstring)."""
@@ -160,7 +199,8 @@ def dispatch(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
 
     if layout is None:
         out, kept = local_experts(x, ids, weights, jnp.ones(n, bool), gate, up, down,
-                                  expert_axis=None, capacity_factor=capacity_factor)
+                                  expert_axis=None, capacity_factor=capacity_factor,
+                                  balanced=balanced)
         return out, dropped_of(kept, real)
     # Pad the tokens to a multiple of the batch devices (a decode step may have fewer).
     pad = -n % layout["devices"]
@@ -171,7 +211,7 @@ def dispatch(p: dict, x: jax.Array, ids: jax.Array, weights: jax.Array,
 
     def body(x, ids, weights, valid, real, gate, up, down):
         out, kept = local_experts(x, ids, weights, valid, gate, up, down, expert_axis=e,
-                                  capacity_factor=capacity_factor)
+                                  capacity_factor=capacity_factor, balanced=balanced)
         if t is not None:   # each tensor device summed over its slice of F
             out = jax.lax.psum(out, t)
         dropped = dropped_of(kept, real)

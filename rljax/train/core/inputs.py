@@ -206,6 +206,11 @@ def _check_reward_kwargs(cfg) -> None:
             raise ConfigError(f"reward.kwargs.{name}: {e}") from None
 
 
+# ModelConfig fields only `rljax plan` sets (a planning stand-in whose outputs are not the
+# model's): a run that asks for one is refused.
+PLAN_ONLY = ("moe_plan_balanced",)
+
+
 def _check_model_overrides(cfg) -> None:
     """``model.overrides`` keys are ModelConfig fields with values of the field's type."""
     fields = {f.name: f for f in dataclasses.fields(models.ModelConfig)}
@@ -215,6 +220,10 @@ def _check_model_overrides(cfg) -> None:
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"model.overrides.{key}: not a model setting; {hint}"
                               f"settings: {', '.join(sorted(fields))}")
+        if key in PLAN_ONLY:
+            raise ConfigError(f"model.overrides.{key}: set by `rljax plan` on the model it "
+                              "compiles, not a setting of a run (its outputs are not the "
+                              "model's)")
         default = fields[key].default
         if default is None or default is dataclasses.MISSING:
             continue
