@@ -1,5 +1,6 @@
-"""Checks of the search-and-process-reward keys that span sections: GRPO with a process
-reward model's step scores (``algo.adv_estimator='grpo_process'``, ``algo.process_reward``)."""
+"""Checks of the step-level methods' keys that span sections: VinePPO's forked values
+(``algo.vine``), MCTS over steps (``algo.mcts``) and GRPO with a process reward model's step
+scores (``algo.adv_estimator='grpo_process'``, ``algo.process_reward``)."""
 from __future__ import annotations
 
 from rljax.config.base import ConfigError
@@ -33,3 +34,84 @@ def check_process_reward(cfg) -> None:
         if bad:
             raise ConfigError(f"algo.adv_estimator='grpo_process' cannot be combined with "
                               f"{key}: {why}")
+
+
+def check_vine(cfg) -> None:
+    """VinePPO: the GRPO phase, every sampled completion in the batch in order, values of the
+    task reward only (no KL in the reward, gamma 1), and a regex that compiles."""
+    algo, r = cfg.algo, cfg.rollout
+    if algo.adv_estimator != "vineppo":
+        return
+    if algo.name != "grpo":
+        raise ConfigError(f"algo.adv_estimator='vineppo' runs in the GRPO phase; algo.name="
+                          f"{algo.name!r}")
+    for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0),
+                    ("algo.dynamic_sampling", algo.dynamic_sampling),
+                    ("data.selection.name", cfg.data.selection.name != "uniform"),
+                    ("rollout.allocation", r.allocation != "uniform"),
+                    ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
+                    ("rollout.partial", r.partial), ("rollout.engine", r.engine != "static"),
+                    ("rollout.micro_batch_size", bool(r.micro_batch_size)),
+                    ("rollout.temperature_schedule.name",
+                     r.temperature_schedule.name != "constant"),
+                    ("algo.hint.mode", algo.hint.mode != "off"),
+                    ("algo.mixed_policy", algo.mixed_policy),
+                    ("algo.relift.every", bool(algo.relift.every)),
+                    ("algo.asynchronous", bool(algo.get("asynchronous", False)))):
+        if on:
+            raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
+                              "(its values are the task reward's, over every sampled "
+                              "completion in order)")
+    if algo.vine.splitter == "regex":
+        import re
+        try:
+            re.compile(algo.vine.regex)
+        except re.error as e:
+            raise ConfigError(f"algo.vine.regex={algo.vine.regex!r} does not compile: {e}")
+        if not algo.vine.regex:
+            raise ConfigError("algo.vine.splitter='regex' needs algo.vine.regex")
+
+
+def check_mcts(cfg) -> None:
+    """MCTS over steps (``sft.traces='mcts'``: the main SFT phase; ``data.pairs='mcts'``:
+    online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
+    (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
+    traces = cfg.sft.traces == "mcts"
+    if cfg.algo.mcts.refit_prm and not traces:
+        raise ConfigError("algo.mcts.refit_prm=true refits the PRM of the search in the SFT "
+                          "phase; it needs sft.traces='mcts' (not data.pairs='mcts')")
+    if not traces and cfg.data.pairs != "mcts":
+        return
+    m, r = cfg.algo.mcts, cfg.rollout
+    what = "sft.traces='mcts'" if traces else "data.pairs='mcts'"
+    if traces and cfg.algo.name != "sft":
+        raise ConfigError(f"sft.traces='mcts' trains the SFT phase on the search's traces; "
+                          f"algo.name={cfg.algo.name!r} (set algo.name='sft')")
+    if not cfg.data.step_delimiter:
+        raise ConfigError(f"data.step_delimiter must not be empty with {what} (the "
+                          "search's nodes are step prefixes)")
+    if m.value == "prm" and not m.prm:
+        raise ConfigError("algo.mcts.value='prm' needs algo.mcts.prm=<workdir of a "
+                          "algo.name='prm' run>")
+    if m.refit_prm and m.value != "prm":
+        raise ConfigError(f"algo.mcts.refit_prm=true refits the PRM that values the leaves; "
+                          f"algo.mcts.value={m.value!r} has none (set algo.mcts.value='prm')")
+    if m.refit_prm and cfg.model.lora.rank:
+        raise ConfigError(f"algo.mcts.refit_prm=true is not supported with LoRA "
+                          f"(model.lora.rank={cfg.model.lora.rank}): the refit trains a "
+                          "full-weight PRM")
+    if traces and cfg.sft.max_length <= cfg.data.max_prompt_length:
+        raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
+                          f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
+                          "train in the columns after the prompt)")
+    if m.max_nodes < 1 + m.children:
+        raise ConfigError(f"algo.mcts.max_nodes={m.max_nodes} holds no expansion of "
+                          f"algo.mcts.children={m.children} (needs >= {1 + m.children})")
+    for key, on in (("rollout.engine", r.engine != "static"), ("rollout.tree.enabled",
+                                                                r.tree.enabled),
+                    ("rollout.partial", r.partial), ("env.name", bool(cfg.env.name)),
+                    ("rollout.temperature_schedule.name",
+                     r.temperature_schedule.name != "constant")):
+        if on:
+            raise ConfigError(f"{what} cannot be combined with {key} (the search samples "
+                              "steps with the static sampler at rollout.temperature)")
