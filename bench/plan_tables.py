@@ -13,6 +13,7 @@ Rates from the per-device roofline times (the largest of compute, memory and com
 ``rljax.cost``):
   update tokens/s = rows x (prompt + completion) / (the update programs one step runs x their
                     time + the optimizer step's time);
+  update MFU at the bound = the update's FLOPs at the compute peak / its roofline time;
   decode tokens/s = slots / the decode program's time: XLA counts the engine's decode loop
                     (a while loop that stops when its rows do) once, so that program's cost is
                     one step of every slot. The engine runs its slots whole on every device (it
@@ -75,6 +76,7 @@ def one(preset: str, target: str) -> dict:
     out["derived"] = {"update_tokens_per_s": ROWS * (PROMPT + NEW) / step_s,
                       "update_step_s": step_s, "update_bound": upd["bound"],
                       "update_tokens_per_s_compute": ROWS * (PROMPT + NEW) / compute_s,
+                      "update_mfu_at_bound": compute_s / step_s,
                       "decode_tokens_per_s": SLOTS / decode["roofline_s"],
                       "decode_bound": decode["bound"],
                       "decode_tokens_per_s_compute": SLOTS / compute(decode)}
@@ -117,12 +119,13 @@ def main():
                         f"{res['peak_bytes'] / 2**30:.1f} ({res['peak_phase']}) | "
                         f"{d['update_tokens_per_s']:,.0f} ({d['update_bound']}) | "
                         f"{d['update_tokens_per_s_compute']:,.0f} | "
+                        f"{d['update_mfu_at_bound']:.1%} | "
                         f"{d['decode_tokens_per_s']:,.0f} ({d['decode_bound']}) | "
                         f"{d['decode_tokens_per_s_compute']:,.0f} |")
             print(rows[-1], flush=True)
     print("| model | target | fits | peak GiB per device (phase) | update tokens/s (bound) "
-          "| at compute peak | decode tokens/s (bound) | at compute peak |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "| at compute peak | update MFU at the bound | decode tokens/s (bound) "
+          "| at compute peak |\n|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

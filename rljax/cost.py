@@ -211,6 +211,13 @@ def roofline(cost: ProgramCost, chip: str) -> tuple[float, str]:
     return times[bound], bound
 
 
+def mfu_at_bound(cost: ProgramCost, chip: str) -> float:
+    """The model FLOPs utilisation the roofline implies: the time of the FLOPs alone at the
+    chip's peak over the roofline time (1.0 when compute decides the bound)."""
+    t = roofline_times(cost, chip)
+    return t["compute"] / max(max(t.values()), 1e-30)
+
+
 def format_costs(rows: list[tuple[str, ProgramCost]], chip: str) -> str:
     """A table of each program's per-device cost and roofline time on ``chip``."""
     lines = [f"per-device cost of one call, roofline on {chip} "
@@ -218,13 +225,13 @@ def format_costs(rows: list[tuple[str, ProgramCost]], chip: str) -> str:
              f"{CHIPS[chip]['hbm'] / 1e9:.0f} GB/s HBM, {CHIPS[chip]['link'] / 1e9:.0f} GB/s "
              "interconnect):",
              f"  {'program':<15}{'GFLOP':>11}{'HBM MB':>11}{'coll. MB':>10}{'compute':>9}"
-             f"{'memory':>9}{'comm.':>9}  bound (ms)"]
+             f"{'memory':>9}{'comm.':>9}  bound (ms), MFU at the bound"]
     for name, cost in rows:
         t = roofline_times(cost, chip)
         lines.append(f"  {name:<15}{cost.flops / 1e9:>11.3f}{cost.bytes_accessed / 1e6:>11.2f}"
                      f"{cost.collective_bytes / 1e6:>10.3f}{t['compute'] * 1e3:>9.3f}"
                      f"{t['memory'] * 1e3:>9.3f}{t['communication'] * 1e3:>9.3f}  "
-                     f"{roofline(cost, chip)[1]}")
+                     f"{roofline(cost, chip)[1]}, {mfu_at_bound(cost, chip):.0%}")
     lines.append("  (from XLA's cost analysis of the programs as compiled here; bytes from a CPU "
                  "build overstate an accelerator's HBM traffic, which fuses more: see "
                  "docs/scaling.md)")

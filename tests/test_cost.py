@@ -96,3 +96,8 @@ def test_plan_reports_each_programs_cost_on_a_chip():
     rows = planned.to_dict()["phases"]
     assert all(r["bound"] in ("compute", "memory", "communication") and r["roofline_s"] > 0
                for r in rows)
+    assert "MFU at the bound" in text
+    for p in planned.phases:   # the FLOPs' time at peak over the roofline time
+        t = cost_lib.roofline_times(p.cost, "h200")
+        assert cost_lib.mfu_at_bound(p.cost, "h200") == pytest.approx(
+            t["compute"] / max(t.values()))
