@@ -104,7 +104,8 @@ def staleness_metrics(stale: np.ndarray) -> dict:
 class RolloutStage(Protocol):
     """A method feature the rollout runs at fixed points of every call, composed by the phase
     (``Rollout(ctx, iterator, stages=[...])``) instead of a subclass per feature. A stage owns
-    its host state; the phase checkpoints it under ``name``."""
+    its host state; the phase checkpoints it under ``name``. A stage may subclass this to take
+    the defaults below (nothing to check, the round as it is, no metrics, no state)."""
 
     name: str
 
@@ -114,16 +115,20 @@ class RolloutStage(Protocol):
     def after_round(self, rollout: "Rollout", params, rnd: dict, rng) -> dict:
         """A sampling round's dict after scoring -> the round the batch is built from;
         ``rng`` is the round's key (a stage folds in its own stream)."""
+        return rnd
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
         """Edits the assembled training batch in place, before advantages."""
 
     def metrics(self, rounds: Sequence[dict], rows: dict) -> dict:
         """The stage's metrics over one call's rounds."""
+        return {}
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        return {}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class Rollout:

@@ -20,6 +20,7 @@ import numpy as np
 
 from rljax.train.core import programs as programs_lib
 from rljax.train.methods import prm_scoring
+from rljax.train.core.rollout import RolloutStage
 
 
 def scoring_rows(cfg) -> int:
@@ -35,7 +36,7 @@ def program(ctx):
                                programs_lib.prompt_len(ctx.cfg))
 
 
-class ProcessRewards:
+class ProcessRewards(RolloutStage):
     """Rollout stage: the step rewards [R, N] of the assembled batch's completions, given to
     the estimator (``rows["estimator_inputs"]``: ``step_rewards`` f32 and ``step_ends``
     bool, [R, N])."""
@@ -55,12 +56,6 @@ class ProcessRewards:
                                                   scoring_rows(self.cfg))
         return self._scorer
 
-    def check(self, example: dict) -> None:
-        pass
-
-    def after_round(self, rollout, params, rnd: dict, rng) -> dict:
-        return rnd
-
     def finish_batch(self, batch: dict, rows: dict) -> None:
         t0 = time.perf_counter()
         comp_tok, comp_mask = np.asarray(rows["tokens"]), np.asarray(rows["mask"], bool)
@@ -79,9 +74,3 @@ class ProcessRewards:
 
     def metrics(self, rounds, rows) -> dict:
         return dict(self._metrics)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from rljax import sampling
-from rljax.train.core.rollout import expand_fields
+from rljax.train.core.rollout import RolloutStage, expand_fields
 from rljax.train.core.sampler import generate
 from rljax.train.methods.step_mc import step_ends
 
@@ -43,7 +43,7 @@ def cap_steps(ends: list[int], max_steps: int) -> list[int]:
     return ends if len(ends) <= max_steps else ends[:max_steps - 1] + [ends[-1]]
 
 
-class VineValues:
+class VineValues(RolloutStage):
     """Rollout stage (``core.rollout.RolloutStage``): each round's step layout and forked
     step-prefix values, given to the ``vineppo`` estimator."""
 
@@ -60,9 +60,6 @@ class VineValues:
         self.stop_ids = tuple(ctx.stop_ids)
         self.rollout = None   # the rollout whose rounds it values (its reward functions)
         self._last = None     # the last round's step layout and values
-
-    def check(self, example: dict) -> None:
-        pass
 
     def after_round(self, rollout, params, rnd: dict, rng) -> dict:
         self.rollout = rollout
@@ -91,12 +88,6 @@ class VineValues:
                     [r["num_steps"] for r in rounds]))),
                 "vine/value_mean": float(np.mean(np.concatenate(
                     [r["fork_rewards"].reshape(-1) for r in rounds])))}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
     def step_values(self, params, rnd: dict, rng) -> dict:
         """The round's step layout and MC values: ``step_ids`` int [R, N], ``step_values``

@@ -28,6 +28,7 @@ from rljax.train.core import programs as programs_lib
 from rljax.train.core import teacher as teacher_lib
 from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.core.setup import Context
+from rljax.train.core.rollout import RolloutStage
 
 
 def _score_options(ctx: Context) -> dict:
@@ -50,7 +51,7 @@ def score_fn(ctx: Context, teacher_cfg, source: teacher_lib.Source):
         **_score_options(ctx))
 
 
-class TeacherScores:
+class TeacherScores(RolloutStage):
     """Rollout stage (``core.rollout.RolloutStage``): the teacher's scores of every sampled
     token in the assembled batch, ``teacher_logps`` f32 [R, N] (and, with the JSD term,
     ``teacher_topk_logps`` / ``teacher_topk_ids`` [R, N, k]). A stage rather than a rollout
@@ -73,12 +74,6 @@ class TeacherScores:
             self._teacher = params, score_fn(self.ctx, model_cfg, source)
         return self._teacher
 
-    def check(self, example: dict) -> None:
-        pass
-
-    def after_round(self, rollout, params, rnd: dict, rng) -> dict:
-        return rnd
-
     def finish_batch(self, batch: dict, rows: dict) -> None:
         params, score = self.teacher()
         t0 = time.perf_counter()
@@ -95,12 +90,6 @@ class TeacherScores:
 
     def metrics(self, rounds, rows) -> dict:
         return {"distill/teacher_agreement": self._agreement, "time/teacher": self._time}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class DistillPhase(GRPOPhase):
