@@ -78,6 +78,14 @@ def _startup_options() -> dict:
     return {"xla_cpu_use_fusion_emitters": False} if _compile_for == "startup" else {}
 
 
+def _unless_set_in_xla_flags(options: dict) -> dict | None:
+    """``options`` less those the user set in ``XLA_FLAGS``: an explicit flag wins over rljax's
+    per-program choice (a program's options would otherwise override it). None when empty."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    kept = {k: v for k, v in options.items() if f"--{k}=" not in flags}
+    return kept or None
+
+
 def sampler_compiler_options() -> dict | None:
     """XLA compiler options of the sampler's decode program. None = the backend's defaults
     (always, under ``compile_for="throughput"``). Under "startup", on CPU, the elementwise
@@ -97,10 +105,12 @@ def training_compiler_options() -> dict | None:
     the measurement. Results agree to float32 rounding: params were bit-identical after six
     GRPO updates at both shapes, and within 2e-5 relative after three AdamW steps at lr 1e-2
     on a 1-layer test model. The sampler keeps -O3: its decode step was ~10% slower at -O1.
-    ``compile_for="startup"`` adds the older fusion emitters (``set_compile_for``)."""
+    ``compile_for="startup"`` adds the older fusion emitters (``set_compile_for``). An option
+    set in ``XLA_FLAGS`` is left to that setting (``--xla_backend_optimization_level=0`` makes
+    every program -O0; the test suite runs so)."""
     if jax.default_backend() != "cpu":
         return None
-    return {"xla_backend_optimization_level": 1, **_startup_options()}
+    return _unless_set_in_xla_flags({"xla_backend_optimization_level": 1, **_startup_options()})
 
 
 def elementwise_compiler_options() -> dict | None:
@@ -112,4 +122,5 @@ def elementwise_compiler_options() -> dict | None:
     instead of 14, to the same bits (``bench/RESULTS.md``)."""
     if jax.default_backend() != "cpu":
         return None
-    return {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
+    return _unless_set_in_xla_flags({"xla_backend_optimization_level": 1,
+                                     "xla_cpu_use_fusion_emitters": False})

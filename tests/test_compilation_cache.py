@@ -55,6 +55,7 @@ def test_cache_dir_setting(monkeypatch, tmp_path):
 def test_compile_for_picks_the_cpu_options(monkeypatch):
     """``compile_for="startup"`` adds XLA:CPU's older fusion emitters to the sampler's and the
     training programs' options; "throughput" leaves the sampler on the defaults."""
+    monkeypatch.setenv("XLA_FLAGS", "")   # the suite's own flags would win (next test)
     monkeypatch.setattr(compilation_cache, "_compile_for", "throughput")
     assert compilation_cache.sampler_compiler_options() is None
     assert compilation_cache.training_compiler_options() == {"xla_backend_optimization_level": 1}
@@ -74,3 +75,18 @@ def test_compile_for_picks_the_cpu_options(monkeypatch):
 def test_the_configs_compile_for_names_are_the_caches():
     from rljax.config.train import COMPILE_FOR
     assert compilation_cache.COMPILE_FOR == COMPILE_FOR
+
+
+def test_an_option_set_in_xla_flags_wins_over_rljax_choice(monkeypatch):
+    """A flag the user set in ``XLA_FLAGS`` is not overridden per program: only the options it
+    leaves unset are passed, and none at all once it sets them all."""
+    monkeypatch.setattr(compilation_cache, "_compile_for", "startup")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                    "--xla_backend_optimization_level=0")
+    assert compilation_cache.training_compiler_options() == {"xla_cpu_use_fusion_emitters": False}
+    assert compilation_cache.elementwise_compiler_options() == {
+        "xla_cpu_use_fusion_emitters": False}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 "
+                                    "--xla_cpu_use_fusion_emitters=false")
+    assert compilation_cache.training_compiler_options() is None
+    assert compilation_cache.sampler_compiler_options() is None

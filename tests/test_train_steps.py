@@ -187,6 +187,7 @@ def test_training_programs_compile_at_o1_on_cpu_and_match_o3(monkeypatch):
     """On CPU the update compiles with LLVM -O1 (``training_compiler_options``): three GRPO
     updates over two micro-batches leave the params of the -O3 default, to float32 rounding
     (SGD, as in the tests above: Adam's first steps amplify rounding noise)."""
+    monkeypatch.setenv("XLA_FLAGS", "")   # read per call: the suite's -O0 flag would win
     assert compilation_cache.training_compiler_options() == {"xla_backend_optimization_level": 1}
     algo = algo_cfg(beta=0.0)
     batch = make_batch(3)
