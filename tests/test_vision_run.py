@@ -1,6 +1,6 @@
 """A run with images in the prompt (the ``tiny-vlm`` preset on the ``shapes`` task): SFT and
-GRPO batches carry each prompt's pixels, the sampler reads them, and a stopped and resumed run
-equals a straight one."""
+GRPO batches carry each prompt's pixels, the sampler reads them (static, slot engine, partial
+rollouts, asynchronously), and a stopped and resumed run equals a straight one."""
 import json
 
 import jax
@@ -144,8 +144,42 @@ def test_asynchronous_rl_with_images_resumes_exactly(tmp_path):
                  final_params(straight_dir))
 
 
+def test_partial_rollouts_with_images_train_and_resume_exactly(tmp_path, monkeypatch):
+    """rollout.partial with images: the pool prefills each group's images with its prompt and
+    with the caches it rebuilds for carried samples (their tokens drawn under the new weights
+    score as the trainer scores them), and the groups in flight at the checkpoint get their
+    pixels decoded again from their examples: resumed equals straight."""
+    seen, call = [], Rollout.__call__
+
+    def record(self, state, step):   # each batch: its tokens' versions, the trainer's logps
+        batch, metrics = call(self, state, step)
+        seen.append(dict(versions=self.rounds._taken.rows["versions"],
+                         old_logps=np.asarray(self.logps_fn(state.params, batch)),
+                         sampler=batch["sampler_logps"], loss_mask=batch["loss_mask"]))
+        return batch, metrics
+    monkeypatch.setattr(Rollout, "__call__", record)
+    # 2 slots, 3 decode steps a chunk, 2 per sample: the run stops with samples mid-decode;
+    # 2 layers: a rebuilt cache's keys and values depend on the prompt (and its images)
+    cfg = vlm_cfg(**{"rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 2,
+                     "rollout.chunk_steps": 3, "rollout.max_new_tokens": 3, "sft.steps": 0,
+                     "algo.entropy_coef": 0.01, "model.overrides.num_layers": 2})
+    straight_dir, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert run.train(cfg, straight_dir, devices=DEVICES) == 0
+    last = seen[1]
+    fresh = (last["versions"] == 1) & last["loss_mask"]
+    carried = (last["versions"] == 0).any(1) & fresh.any(1)
+    assert carried.any()   # samples begun under version 0, continued under version 1
+    np.testing.assert_allclose(last["sampler"][fresh], last["old_logps"][fresh], atol=1e-4)
+    assert run.train(cfg, resumed, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert run.train(cfg, resumed, devices=DEVICES) == 0
+    rl = [r for r in read_metrics(straight_dir) if "reward/mean" in r]
+    assert len(rl) == RL_STEPS and rl[0]["rollout/carried_groups"] == 2
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight_dir))
+    jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
+                 final_params(straight_dir))
+
+
 @pytest.mark.parametrize("overrides, key", [
-    ({"rollout.engine": "slots", "rollout.partial": True}, "rollout.partial"),
     ({"rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
       "rollout.tree.segment_tokens": 1}, "rollout.tree.enabled"),
     ({"env.name": "calculator"}, "env.name"),

@@ -96,16 +96,15 @@ def has_vision_tower(cfg) -> bool:
 
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts on the static sampler or the slot
-    engine, synchronous or not (docs/vision.md): refuse, naming the key, each sampler that
-    would drop them."""
+    engine (partial rollouts too), synchronous or not (docs/vision.md): refuse, naming the
+    key, each sampler that would drop them."""
     if not has_vision_tower(cfg):
         return
     r, a = cfg.rollout, cfg.algo
     for key, value, on in (
-            ("rollout.partial", r.partial, r.partial),
             ("rollout.tree.enabled", r.tree.enabled, r.tree.enabled),
             ("env.name", cfg.env.name, bool(cfg.env.name))):
         if on:
             raise ConfigError(f"{key}={value!r} does not carry images in the prompt (a model "
                               "with a vision tower) yet; use single-turn rollouts "
-                              "(rollout.engine='static' or 'slots')")
+                              "(rollout.engine='static' or 'slots', partial or not)")

@@ -3,10 +3,11 @@ iteration, decoded by the slot engine under whatever parameters the caller passe
 
     pool = partial.Pool(cfg, num_samples=G, max_new_tokens=N, groups=2 * B, prompt_len=P,
                         slots=S, chunk_steps=K, eos_id=tok.eos_id, pad_id=tok.pad_id)
-    pool.admit(prompt_ids, metas)     # new groups take the free places (oldest first later)
+    places = pool.admit(prompt_ids, metas)   # new groups take the free places
     taken = pool.run(params, key, version=k, want=B, max_staleness=2)
     # taken.rows: tokens/logps/versions/mask [B*G, N], lengths/truncated [B*G] (group-major),
-    # taken.prompts / taken.metas: the B groups' prompt ids and the caller's data
+    # taken.prompts / taken.metas / taken.places: the B groups' prompt ids, the caller's data
+    # and the places they held
 
 One ``run`` is one training iteration's sampling. It
 
@@ -32,6 +33,11 @@ iteration it is drawn in; a restarted group reads the same noise under newer wei
 All state is host arrays (``state_dict``, JSON-able): the device caches are rebuilt from the
 tokens at every run, so a run restored from a checkpoint continues exactly as one that never
 stopped.
+
+Images in the prompt (a model with a vision tower): ``run(..., image_embeds=E)``, E [C, K, D]
+the embeddings of each place's images under ``params`` (the caller keeps the pixels per place,
+``admit``'s and ``Taken``'s places say which). The prefill merges them into the prompt pages
+and into the resumed samples' rebuilt caches, as the slot engine's prefill does.
 """
 from __future__ import annotations
 
@@ -58,13 +64,15 @@ class Taken:
 
     rows: tokens int32 [R, N], logps f32 [R, N] (behaviour log-probs), versions int32 [R, N]
     (the version that drew each token, -1 past the end), mask bool [R, N], lengths int32 [R],
-    truncated bool [R]. prompts: each group's prompt ids; metas: what ``admit`` was given.
+    truncated bool [R]. prompts: each group's prompt ids; metas: what ``admit`` was given;
+    places: the places the groups held (free again now).
     dropped_stale: samples discarded for staleness in this run; decode_steps / useful_steps:
     the chunks' steps and the tokens they produced (slot utilisation); drawn: every token
     this run drew, first tokens included, in any group (the run's sampling work)."""
     rows: dict
     prompts: list
     metas: list
+    places: list
     dropped_stale: int
     decode_steps: int
     useful_steps: int
@@ -121,9 +129,9 @@ class Pool:
         """Group places without a group."""
         return int((self.serial < 0).sum())
 
-    def admit(self, prompts: Sequence[Sequence[int]], metas: Sequence[Any]) -> None:
+    def admit(self, prompts: Sequence[Sequence[int]], metas: Sequence[Any]) -> list[int]:
         """New groups (prompt ids, at most ``prompt_len`` each; ``metas``: anything the caller
-        wants back with the group) in the free places, in order."""
+        wants back with the group) in the free places, in order; returns those places."""
         places = np.flatnonzero(self.serial < 0)
         if len(prompts) > len(places) or len(prompts) != len(metas):
             raise ValueError(f"admit: {len(prompts)} groups for {len(places)} free places")
@@ -133,6 +141,7 @@ class Pool:
             self.serial[j], self.next_serial = self.next_serial, self.next_serial + 1
             self.prompts[j], self.metas[j] = [int(t) for t in ids], meta
             self._clear(j)
+        return [int(j) for j in places[:len(prompts)]]
 
     def _rows(self, j) -> slice:
         return slice(j * self.g, (j + 1) * self.g)
@@ -152,10 +161,11 @@ class Pool:
     # -- one iteration -------------------------------------------------------------------------
 
     def run(self, params: Any, key: jax.Array, *, version: int, want: int,
-            max_staleness: int | None = None) -> Taken:
+            max_staleness: int | None = None, image_embeds: Any = None) -> Taken:
         """Decodes under ``params`` (policy ``version``) until ``want`` groups are complete and
         hands those out (see the module docstring). ``key``: the run's pool key, the same at
-        every call (randomness is keyed by admission serial, not by iteration)."""
+        every call (randomness is keyed by admission serial, not by iteration).
+        ``image_embeds`` [C, K, D]: each place's prompt images (a model with a vision tower)."""
         if want > int((self.serial >= 0).sum()):
             raise ValueError(f"run: want={want} groups but {int((self.serial >= 0).sum())} "
                              "are in the pool")
@@ -178,7 +188,8 @@ class Pool:
             self.cfg, params, jnp.asarray(p_tok), jnp.asarray(p_mask), key,
             jnp.asarray(np.repeat(np.maximum(self.serial, 0), g).astype(np.int32)),
             jnp.asarray(np.tile(np.arange(g, dtype=np.int32), c)), jnp.asarray(fed_tokens),
-            jnp.asarray(fed_len), jnp.asarray(fed_page), self.temperatures, num_samples=g,
+            jnp.asarray(fed_len), jnp.asarray(fed_page), self.temperatures, image_embeds,
+            num_samples=g,
             max_new_tokens=n, greedy=self.greedy, cache_dtype=self.cache_dtype, **self.draw)
         first, first_logp, first_stop = jax.device_get((first, first_logp, first_stop))
         new = (self.lengths == 0) & np.repeat(self.serial >= 0, g)
@@ -263,7 +274,8 @@ class Pool:
                    versions=self.versions[rows].copy(), mask=mask,
                    lengths=self.lengths[rows].copy(), truncated=~self.done[rows])
         taken = Taken(rows=out, prompts=[self.prompts[j] for j in places],
-                      metas=[self.metas[j] for j in places], dropped_stale=dropped,
+                      metas=[self.metas[j] for j in places],
+                      places=[int(j) for j in places], dropped_stale=dropped,
                       decode_steps=steps, useful_steps=useful, drawn=drawn)
         for j in places:
             self._clear(j)
@@ -320,13 +332,16 @@ def row_noise(key: jax.Array, serial: jax.Array, sample: jax.Array, n: int, voca
 @functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "max_new_tokens", "greedy",
                                              "cache_dtype") + engine.DRAW_ARGS)
 def _pool_prefill(cfg, params, prompt_tokens, prompt_mask, key, serial, sample, fed_tokens,
-                  fed_len, fed_page, temperatures, *, num_samples, max_new_tokens, greedy,
-                  cache_dtype, temperature, top_k, top_p, stop_ids, pad_id, min_new_tokens):
+                  fed_len, fed_page, temperatures, image_embeds=None, *, num_samples,
+                  max_new_tokens, greedy, cache_dtype, temperature, top_k, top_p, stop_ids,
+                  pad_id, min_new_tokens):
     """The pool's pages [C], every row's first-token draw [R], the rows' noise and the slot
-    caches of the resumed samples (``fed_*`` [S]: tokens so far, their count, their page)."""
+    caches of the resumed samples (``fed_*`` [S]: tokens so far, their count, their page);
+    ``image_embeds`` [C, K, D] (or None): each page's prompt images."""
     n, p = max_new_tokens, prompt_tokens.shape[1]
     noise = None if greedy else row_noise(key, serial, sample, n, cfg.vocab_size)
-    pages, logits = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask, cache_dtype)
+    pages, logits = paged.prefill_pages(cfg, params, prompt_tokens, prompt_mask, cache_dtype,
+                                        image_embeds)
     logits = jnp.repeat(logits, num_samples, axis=0)
     rows = logits.shape[0]
     pick, is_stop = engine.picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise,
@@ -339,15 +354,18 @@ def _pool_prefill(cfg, params, prompt_tokens, prompt_mask, key, serial, sample, 
                             jnp.arange(n)[None, :] < fed_len[:, None]], axis=1)
     cache = tfm.init_cache(cfg, seq.shape[0], p + n, dtype=cache_dtype)
     _, cache = tfm.trunk(cfg, params, seq, attention_mask=mask,
-                         positions=tfm.default_positions(mask), cache=cache, cache_index=0)
+                         positions=tfm.default_positions(mask), cache=cache, cache_index=0,
+                         image_embeds=None if image_embeds is None else image_embeds[fed_page])
     cache = {k: tuple(x[:, :, p:] for x in c) for k, c in tfm.unstack_cache(cache).items()}
     return pages, tok, logp, is_stop(tok), noise, cache
 
 
-def programs(pool: Pool, params: Any, key: Any) -> list[tuple[str, Any, tuple]]:
+def programs(pool: Pool, params: Any, key: Any,
+             image_embeds: Any = None) -> list[tuple[str, Any, tuple]]:
     """The pool's two programs for a memory plan, ``[(name, jitted fn, abstract args)]``:
     ``prefill`` (pages, first tokens, noise, resumed slot caches) and ``decode`` (one chunk
-    over the pool's rows). ``params``/``key`` may be ``jax.ShapeDtypeStruct``s."""
+    over the pool's rows). ``params``/``key`` (and ``image_embeds`` [C, K, D], a model with a
+    vision tower) may be ``jax.ShapeDtypeStruct``s."""
     c, g, n, s, p = pool.c, pool.g, pool.n, pool.s, pool.p
     r = c * g
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -357,12 +375,13 @@ def programs(pool: Pool, params: Any, key: Any) -> list[tuple[str, Any, tuple]]:
     static = dict(num_samples=g, max_new_tokens=n, greedy=pool.greedy,
                   cache_dtype=pool.cache_dtype, **pool.draw)
 
-    def prefill(params, tok, mask, key, serial, sample, fed_tokens, fed_len, fed_page, temps):
+    def prefill(params, tok, mask, key, serial, sample, fed_tokens, fed_len, fed_page, temps,
+                image_embeds=None):
         return _pool_prefill(pool.cfg, params, tok, mask, key, serial, sample, fed_tokens,
-                             fed_len, fed_page, temps, **static)
+                             fed_len, fed_page, temps, image_embeds, **static)
 
     pre_args = (params, i32(c, p), b1(c, p), key, i32(r), i32(r), i32(s, n), i32(s), i32(s),
-                temps)
+                temps) + (() if image_embeds is None else (image_embeds,))
     pages, first, _, _, noise, cache = jax.eval_shape(prefill, *pre_args)
     out = dict(tokens=i32(r, n), logps=jax.ShapeDtypeStruct((r, n), jnp.float32),
                lengths=i32(r), done=b1(r))

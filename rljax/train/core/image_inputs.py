@@ -56,6 +56,13 @@ def embed_fn(model_cfg):
         model_cfg, {"vision": tower}, pixels))
 
 
+def round_fields(pixels: np.ndarray, usable: np.ndarray) -> dict:
+    """A sampling round's image fields for ``Rollout._assemble`` and its metrics: ``pixels``
+    [B, I, 3, S, S] of its prompts, ``image_ok`` bool [B] (False: the prompt's images were
+    skipped, its rows do not train) and ``skipped_images``, the prompts skipped."""
+    return {"pixels": pixels, "image_ok": usable, "skipped_images": int((~usable).sum())}
+
+
 def image_inputs(ctx) -> ImageInputs | None:
     """The run's ``ImageInputs``, or None for a text model."""
     return ImageInputs(ctx) if ctx.model_cfg.vision is not None else None

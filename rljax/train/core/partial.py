@@ -20,10 +20,18 @@ in the admission order). ``rollout/carried_groups``: groups left in flight;
 ``rollout/decoded_tokens``: the tokens this iteration drew, in any group (``rollout/tokens``
 counts the trained completions' tokens, whenever drawn).
 
-The pool's host state is saved with the phase (``state_dict``): resume is exact.
+Images in the prompt (a model with a vision tower): each group keeps its prompt's pixels in
+its place while in flight; every iteration the tower embeds them under the current weights for
+the pool's prefill, and the round carries the taken groups' ``pixels`` / ``image_ok`` /
+``skipped_images`` as ``Rollout.sample_round``'s does.
+
+The pool's host state is saved with the phase (``state_dict``): resume is exact. The
+checkpoint meta is JSON, so the groups' examples go there exactly (arrays and bytes encoded)
+and their pixels are decoded again from them on load.
 """
 from __future__ import annotations
 
+import base64
 import json
 import time
 
@@ -33,6 +41,7 @@ import numpy as np
 from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import partial as partial_lib
+from rljax.train.core import image_inputs
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
 from rljax.train.core.rollout import Rollout, rollout_temperatures, staleness_metrics
 from rljax.train.core.sampler import engine_slots, sampling_params
@@ -63,6 +72,14 @@ class PartialRounds:
                             "rollout.partial=false on several hosts")
         self.ctx, self.num_prompts = ctx, int(num_prompts)
         self.pool = make_pool(ctx, self.num_prompts)
+        # A vision tower: each place's prompt pixels [C, I, 3, S, S] and whether they are
+        # usable (a skipped image costs its group's training rows, as in ``Rollout``).
+        self.images = image_inputs.image_inputs(ctx)
+        if self.images is not None:
+            v, c = ctx.model_cfg.vision, self.pool.c
+            self.pixels = np.zeros((c, self.images.max_images, v.num_channels, v.image_size,
+                                    v.image_size), np.float32)
+            self.image_ok = np.ones(c, bool)
         self._step = self._version = 0
         self._key, self._taken = None, None
         # Asynchronous RL samples ahead: the version of the parameters it passes (step k's
@@ -95,10 +112,14 @@ class PartialRounds:
             new = next(rollout.iterator)
             tok, mask = encode_prompts(self.ctx.tokenizer, [ex["prompt"] for ex in new],
                                        cfg.data.max_prompt_length)
-            pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new))
+            places = pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new))
+            if self.images is not None:
+                self._set_pixels(places, new, rollout._locations(new))
         t0 = time.perf_counter()
-        taken = pool.run(sampling_params(self.ctx, params), self._key, version=self._version,
-                         want=self.num_prompts, max_staleness=self._staleness_bound())
+        params = sampling_params(self.ctx, params)
+        embeds = None if self.images is None else self.images.embeds(params, self.pixels)
+        taken = pool.run(params, self._key, version=self._version, want=self.num_prompts,
+                         max_staleness=self._staleness_bound(), image_embeds=embeds)
         self._taken = taken
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
         out["decoded"] = out["lengths"].reshape(-1, g).sum(axis=1)
@@ -106,7 +127,16 @@ class PartialRounds:
         prompt_tokens, prompt_mask = sampling.pad_to_bucket(
             taken.prompts, pad_id=self.ctx.tokenizer.pad_id,
             buckets=prompt_buckets(cfg.data.max_prompt_length))
-        return rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+        rnd = rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+        if self.images is not None:
+            rnd.update(image_inputs.round_fields(self.pixels[taken.places],
+                                                 self.image_ok[taken.places]))
+        return rnd
+
+    def _set_pixels(self, places, examples, locations=None) -> None:
+        """The pixels of the groups admitted (or restored) in ``places``."""
+        self.pixels[places] = self.images.pixels(examples, locations)
+        self.image_ok[places] = self.images.usable
 
     def _staleness_bound(self) -> int:
         """``rollout.max_staleness`` counted at the update: a batch drawn by version v trains
@@ -115,11 +145,18 @@ class PartialRounds:
         return int(self.ctx.cfg.rollout.max_staleness) - (self._step - self._version)
 
     def state_dict(self) -> dict:
-        # The groups' examples go into the checkpoint's JSON: numpy values as plain ones.
+        # The groups' examples go into the checkpoint's JSON, exactly (their images are
+        # decoded again from them on load: no pixels in the meta).
         return json.loads(json.dumps(self.pool.state_dict(), default=_plain))
 
     def load_state_dict(self, state: dict) -> None:
-        self.pool.load_state_dict(state)
+        self.pool.load_state_dict({**state, "metas": _restored(state["metas"])})
+        if self.images is not None:
+            pool = self.pool
+            self.pixels[:], self.image_ok[:] = 0.0, True
+            places = [int(j) for j in np.flatnonzero(pool.serial >= 0)]
+            if places:
+                self._set_pixels(places, [pool.metas[j] for j in places])
 
 
 def rounds_of(ctx, num_prompts: int) -> PartialRounds | None:
@@ -129,7 +166,27 @@ def rounds_of(ctx, num_prompts: int) -> PartialRounds | None:
 
 
 def _plain(x):
-    if isinstance(x, (np.generic, np.ndarray)):
-        return x.tolist()
+    """A dataset field JSON cannot hold, exactly: a numpy array (e.g. an image's uint8 pixels)
+    keeps its dtype and shape, bytes (an encoded image) their value; ``_restored`` undoes it."""
+    if isinstance(x, np.ndarray):
+        return {_ARRAY: partial_lib.encode_array(x)}
+    if isinstance(x, (bytes, bytearray)):
+        return {_BYTES: base64.b64encode(bytes(x)).decode("ascii")}
+    if isinstance(x, np.generic):
+        return x.item()
     raise TypeError(f"a dataset field of type {type(x).__name__} cannot be saved with the "
                     "partial-rollout pool (checkpoint meta is JSON)")
+
+
+_ARRAY, _BYTES = "__ndarray__", "__bytes__"
+
+
+def _restored(x):
+    """``x`` read back from JSON with ``_plain``'s arrays and bytes decoded."""
+    if isinstance(x, dict):
+        if len(x) == 1 and _ARRAY in x:
+            return partial_lib.decode_array(x[_ARRAY])
+        if len(x) == 1 and _BYTES in x:
+            return base64.b64decode(x[_BYTES])
+        return {k: _restored(v) for k, v in x.items()}
+    return [_restored(v) for v in x] if isinstance(x, list) else x

@@ -157,11 +157,13 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         return out if mcfg.vision is None else out + (image_embeds_struct(ctx, b),)
     sampled = jax.eval_shape(for_sampling, params) if merge else params
     kind = sampler_lib.sampler_kind(cfg, tree is not None)
-    if kind == "partial":   # the partial-rollout pool's two programs
+    if kind == "partial":   # the partial-rollout pool's two programs, over its 2 x chunk places
         from rljax.sampling import partial as partial_lib
         from rljax.train.core.partial import make_pool
+        _, _, *embeds = prompts(2 * chunk)
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
-               partial_lib.programs(make_pool(ctx, chunk), sampled, rng)]
+               partial_lib.programs(make_pool(ctx, chunk), sampled, rng,
+                                    embeds[0] if embeds else None)]
     elif kind == "slots" and cfg.env.name:   # tool episodes on the episode engine
         from rljax.sampling import episode_engine
         e = cfg.env
@@ -189,7 +191,8 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         out = [Program("sample", jax.jit(sample_fn), (params, p_tok, p_mask, rng, *embeds),
                        resident)]
     if mcfg.vision is not None:
-        out.append(image_embed_program(ctx, params, "sample/images", chunk))
+        out.append(image_embed_program(ctx, params, "sample/images",
+                                       2 * chunk if kind == "partial" else chunk))
     if with_eval:
         e = cfg.eval
 

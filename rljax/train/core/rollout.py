@@ -216,9 +216,7 @@ class Rollout:
                        images=self.images, weights=self.weights)
         rnd = self.score_round(examples, prompt_tokens, prompt_mask, out, prefixes, t0)
         if pixels is not None:
-            rnd["pixels"] = pixels
-            rnd["skipped_images"] = self.images.skipped
-            rnd["image_ok"] = self.images.usable
+            rnd.update(image_inputs.round_fields(pixels, self.images.usable))
         return rnd
 
     def _locations(self, examples) -> list[str] | None:

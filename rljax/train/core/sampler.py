@@ -102,7 +102,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
     once. The two are exclusive (config validation).
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
-    images, embedded by the tower and prefilled with the prompt (static sampler only).
+    images, embedded by the tower and prefilled with the prompt (not with a tree).
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
     polled between decode chunks (``sampling.engine.generate``); adds ``versions`` int [R, N]
     (the version that drew each token) and ``swaps`` (how often the weights changed).
@@ -112,9 +112,9 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     (``sampling.generate``), whatever rows share its batch.
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
-    if pixels is not None and kind not in ("static", "slots"):
-        raise UserError(f"images in the prompt are not sampled by the {kind} sampler yet; use "
-                        "rollout.engine='static' or 'slots' without a tree or partial rollouts")
+    if pixels is not None and kind == "tree":
+        raise UserError("images in the prompt are not sampled by the tree sampler yet; use "
+                        "rollout.engine='static' or 'slots' without a tree")
     params = sampling_params(ctx, params)
     if weights is not None:
         weights = _sampling_weights(ctx, weights)
@@ -132,7 +132,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
                   temperature=temperature, top_k=top_k, top_p=top_p,
                   eos_id=ctx.stop_ids, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
-        if pixels is not None and kind in ("slots", "static"):
+        if pixels is not None:
             kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
         if kind in ("slots", "partial"):   # (the partial pool itself is PartialRounds')
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
