@@ -1,11 +1,11 @@
 """The workload x rollout-mode matrix: which combinations a config may ask for, and the one
 line that refuses the others (docs/design.md lists them with the reason).
 
-Where the 24 cells that run are trained: text in test_train_loop.py, test_engine.py,
+Where the 25 cells that run are trained: text in test_train_loop.py, test_engine.py,
 test_partial.py and test_async.py; tool agents in test_agent_train.py (static, slot engine,
 asynchronous on the engine, resumed exactly); self-play in test_selfplay.py (static, slot
 engine) and below (asynchronous); images in test_vision_run.py (static, slot engine,
-asynchronous resumed exactly); routing replay in test_moe.py (static, slot engine,
+partial rollouts and asynchronous, the last two resumed exactly); routing replay in test_moe.py (static, slot engine,
 asynchronous); PPO in test_train_ppo.py (static, partial rollouts and asynchronous, both resumed exactly)
 and below (slot engine); distillation in test_distill.py (static, slot engine, partial rollouts and asynchronous,
 the last two resumed exactly)."""
@@ -36,7 +36,6 @@ MODES = {
 REFUSED = {
     ("tool agent", "slots + partial"): "rollout.partial=true cannot be combined with env.name",
     ("self-play", "slots + partial"): "rollout.partial=true cannot be combined with env.name",
-    ("images", "slots + partial"): "rollout.partial=True does not carry images",
     ("moe + routing replay", "slots + partial"): "routing_replay=true is not supported",
 }
 
@@ -57,11 +56,10 @@ def test_matrix_cells_validate_or_are_refused_in_one_line(workload):
 
 
 def test_refused_cells_are_the_documented_few():
-    assert len(REFUSED) == 4   # of 28; docs/design.md says why for each
+    assert len(REFUSED) == 3   # of 28; docs/design.md says why for each
     with open(os.path.join(ROOT, "docs", "design.md")) as f:
         design = f.read()
-    for needle in ("24 of 28 cells", "episodes with partial rollouts",
-                   "images with partial rollouts",
+    for needle in ("25 of 28 cells", "episodes with partial rollouts",
                    "routing replay with partial rollouts has no meaning"):
         assert needle in design, needle
 
