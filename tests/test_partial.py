@@ -1,5 +1,6 @@
 """Partial rollouts: the pool's carried samples, their policy versions and staleness bound, the
 decoupled loss against its formula, exact resume, and the one-line refusals."""
+import json
 import re
 
 import jax
@@ -114,6 +115,20 @@ def test_the_pool_state_round_trips(small_vocab):
     assert ta.metas == tb.metas
     with pytest.raises(ValueError, match="admit: 1 groups for 0 free places"):
         _pool(cfg).admit([[1]], [None])
+
+
+def test_the_pools_examples_round_trip_exactly_through_the_checkpoint_json():
+    """An image's uint8 array and encoded bytes come back as they were (a resumed run decodes
+    the pixels of the groups in flight again from their examples)."""
+    from rljax.train.core import partial as rounds
+    image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
+    metas = [{"prompt": "p", "images": image, "raw": [{"bytes": b"\x89PNG\x00", "path": None}],
+              "n": np.int64(3)}, None]
+    back = rounds._restored(json.loads(json.dumps(metas, default=rounds._plain)))
+    assert back[0]["images"].dtype == np.uint8
+    np.testing.assert_array_equal(back[0]["images"], image)
+    assert back[0]["raw"] == [{"bytes": b"\x89PNG\x00", "path": None}]
+    assert back[0]["n"] == 3 and back[0]["prompt"] == "p" and back[1] is None
 
 
 @pytest.mark.parametrize("cap", [None, 2.0])

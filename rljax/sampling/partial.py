@@ -189,8 +189,8 @@ class Pool:
             jnp.asarray(np.repeat(np.maximum(self.serial, 0), g).astype(np.int32)),
             jnp.asarray(np.tile(np.arange(g, dtype=np.int32), c)), jnp.asarray(fed_tokens),
             jnp.asarray(fed_len), jnp.asarray(fed_page), self.temperatures, image_embeds,
-            num_samples=g,
-            max_new_tokens=n, greedy=self.greedy, cache_dtype=self.cache_dtype, **self.draw)
+            num_samples=g, max_new_tokens=n, greedy=self.greedy, cache_dtype=self.cache_dtype,
+            **self.draw)
         first, first_logp, first_stop = jax.device_get((first, first_logp, first_stop))
         new = (self.lengths == 0) & np.repeat(self.serial >= 0, g)
         self.tokens[new, 0], self.logps[new, 0] = first[new], first_logp[new]
