@@ -360,6 +360,7 @@ def test_compile_for_startup_reaches_the_sampler(monkeypatch):
     p, pm = _prompts()
     kw = dict(max_new_tokens=6, temperature=1.0, pad_id=0, eos_id=1, num_samples=2,
               rng=jax.random.key(3))
+    monkeypatch.setenv("XLA_FLAGS", "")   # read per call: the suite's own flags would win
     monkeypatch.setattr(compilation_cache, "_compile_for", "throughput")
     assert sampling.core._generate_program() is sampling.core._generate
     ref = sampling.generate(cfg, params, p, pm, **kw)
