@@ -1,14 +1,17 @@
 """The workload x rollout-mode matrix: which combinations a config may ask for, and the one
 line that refuses the others (docs/design.md lists them with the reason).
 
-Where the 25 cells that run are trained: text in test_train_loop.py, test_engine.py,
-test_partial.py and test_async.py; tool agents in test_agent_train.py (static, slot engine,
-asynchronous on the engine, resumed exactly); self-play in test_selfplay.py (static, slot
-engine) and below (asynchronous); images in test_vision_run.py (static, slot engine,
-partial rollouts and asynchronous, the last two resumed exactly); routing replay in test_moe.py (static, slot engine,
-asynchronous); PPO in test_train_ppo.py (static, partial rollouts and asynchronous, both resumed exactly)
-and below (slot engine); distillation in test_distill.py (static, slot engine, partial rollouts and asynchronous,
-the last two resumed exactly)."""
+Where the 25 cells that run are trained, and where each workload resumes exactly after a stop:
+- text: test_train_loop.py, test_engine.py, test_partial.py, test_async.py (each resumed);
+- tool agents: test_agent_train.py (static and asynchronous on the engine resumed, slot engine);
+- self-play: test_selfplay.py (static, resumed with its role baselines; slot engine) and
+  below (asynchronous);
+- images: test_vision_run.py (static, slot engine; partial rollouts and asynchronous resumed);
+- routing replay: test_moe.py (static, slot engine; asynchronous resumed);
+- PPO: test_train_ppo.py (static; partial rollouts and asynchronous resumed) and below (slot
+  engine);
+- distillation: test_distill.py (static, slot engine; partial rollouts and asynchronous
+  resumed)."""
 import os
 import re
 

@@ -230,6 +230,14 @@ def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, s
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2
+    if asynchronous:   # stopped with batch 2 and its routes in flight, resumed: the same run
+        from test_train_loop import StopAfter, comparable, final_params
+        cfg.checkpoint_every, resumed = 1, str(tmp_path / "resumed")
+        assert run.train(cfg, resumed, devices=jax.devices()[:1], stop=StopAfter(1)) == 0
+        assert run.train(cfg, resumed, devices=jax.devices()[:1]) == 0
+        assert comparable(read_metrics(resumed)) == comparable(read_metrics(str(tmp_path)))
+        jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
+                     final_params(str(tmp_path)))
     for r in rl:
         fractions = [r[f"moe/expert_frac/{e}"] for e in range(8)]
         np.testing.assert_allclose(sum(fractions), 1.0, rtol=1e-5)
