@@ -12,7 +12,8 @@ Nothing here knows a method (``rljax.train.methods``) or a phase (``rljax.train.
   programs       Program: a phase's jitted programs with abstract inputs (what rljax plan
                  compiles); the rollout's sampler and log-prob programs
   rollout        Rollout: prompts -> G samples -> rewards -> advantages -> batch, with the
-                 RolloutStage protocol that method features plug into; RewardRollout (PPO, DPO)
+                 RolloutStage and RoundSource protocols that method features plug into;
+                 RewardRollout (PPO, DPO)
   partial        PartialRounds: groups carried across iterations on the slot engine (a
                  rollout's round source)
   episodes       multi-turn episodes on the host: the turn loop around the sampler

@@ -581,7 +581,9 @@ class RewardRollout(Rollout):
     """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each
     completion's raw reward as ``batch["rewards"]`` [R] instead of group advantages: PPO
     computes token-level advantages itself and online DPO ranks samples by reward. The
-    reference (and any KL) is handled per token by the caller, so the rollout skips it."""
+    reference (and any KL) is handled per token by the caller, so the rollout skips it.
+    ``stages`` add to the batch (episodes: PPO's turn-end rewards); one that gives advantages
+    would replace the raw rewards."""
 
     def __init__(self, ctx, iterator, rounds=None, stages: Sequence = ()):
         super().__init__(ctx, iterator, rounds=rounds, stages=stages)
