@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -57,6 +57,7 @@ from rljax import distributed as dist
 from rljax.train.core import image_inputs, length_groups
 # Re-exported: callers import these here.
 from rljax.train.core.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
+from rljax.train.core.parts import RolloutStage, RoundSource  # noqa: F401
 from rljax.train.core.sampler import generate, rebucket_routes
 from rljax.train.core.steps import build_logps_fn
 
@@ -99,69 +100,6 @@ def staleness_metrics(stale: np.ndarray) -> dict:
     hist["rollout/staleness_frac_3plus"] = float(np.mean(stale >= 3))
     return {"rollout/staleness_mean": float(stale.mean()),
             "rollout/staleness_max": int(stale.max()), **hist}
-
-
-class RolloutStage(Protocol):
-    """A method feature the rollout runs at fixed points of every call, composed by the phase
-    (``Rollout(ctx, iterator, stages=[...])``) instead of a subclass per feature. A stage owns
-    its host state; the phase checkpoints it under ``name``. A stage may subclass this to take
-    the defaults below (nothing to check, the round as it is, no metrics, no state)."""
-
-    name: str
-
-    def check(self, example: dict) -> None:
-        """Before the first step, with the first training example (one ConfigError line)."""
-
-    def after_round(self, rollout: "Rollout", params, rnd: dict, rng) -> dict:
-        """A sampling round's dict after scoring -> the round the batch is built from;
-        ``rng`` is the round's key (a stage folds in its own stream)."""
-        return rnd
-
-    def finish_batch(self, batch: dict, rows: dict) -> None:
-        """Edits the assembled training batch in place, before advantages."""
-
-    def advantages(self, rollout: "Rollout", state, rewards: np.ndarray, mask: np.ndarray,
-                   rows: dict, batch: dict) -> np.ndarray | None:
-        """The batch's advantages in place of the rollout's estimator (episodes: per-turn
-        returns, role baselines from ``state``; it may add outputs to ``batch``), or None to
-        leave them to the estimator. ``rewards`` [R] (any sequence KL taken off), ``mask``
-        [R, N] the tokens that train."""
-        return None
-
-    def metrics(self, rounds: Sequence[dict], rows: dict) -> dict:
-        """The stage's metrics over one call's rounds."""
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class RoundSource(Protocol):
-    """Where a rollout's sampling rounds come from when it does not sample them itself
-    (``Rollout(ctx, iterator, rounds=...)``): partial rollouts' pool of groups in flight
-    (``core.partial.PartialRounds``), multi-turn episodes (``methods.agent.EpisodeRounds``).
-    Its round dict has ``Rollout.score_round``'s fields; ``row_keys`` names more per-row
-    arrays the batch rows carry (``rows``, for stages). The phase checkpoints a non-empty
-    ``state_dict``."""
-
-    def begin(self, state, step: int) -> None:
-        """Before a rollout call at ``step``."""
-
-    def sample_round(self, rollout: "Rollout", params, rng) -> dict:
-        """The next round, drawn from ``rollout.iterator`` and scored; ``rng`` is the round's
-        key."""
-
-    def metrics(self, rounds: Sequence[dict], step: int) -> dict:
-        """The source's metrics over one call's rounds."""
-
-    def state_dict(self) -> dict:
-        """Host state to checkpoint ({}: none)."""
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class Rollout:

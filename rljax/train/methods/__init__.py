@@ -2,8 +2,8 @@
 
 Each module is one method (or one workload) and may use the machinery and other methods, never
 a phase or the controller (``tests/test_layout.py``). A method that changes what a rollout does
-is a ``core.rollout.RolloutStage`` the phase composes, a round source
-(``core.rollout.RoundSource``), or (for now, knapsack allocation) a ``Rollout`` subclass.
+is a ``core.parts.RolloutStage`` the phase composes, a round source
+(``core.parts.RoundSource``), or (for now, knapsack allocation) a ``Rollout`` subclass.
 
   agent       multi-turn episodes (env.name): the round source of GRPO / PPO rollouts and
               their credit stages, SFT on scripted episodes, held-out evaluation of episodes

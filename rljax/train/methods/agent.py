@@ -142,7 +142,7 @@ def score(reward_fn, eps: dict, examples: list[dict], g: int):
 
 
 class EpisodeRounds:
-    """Multi-turn episodes as a rollout's round source (``core.rollout.RoundSource``):
+    """Multi-turn episodes as a rollout's round source (``core.parts.RoundSource``):
     ``Rollout(ctx, iterator, rounds=EpisodeRounds(ctx))`` for GRPO, ``RewardRollout`` for PPO.
     Each round plays G episodes of each prompt the iterator draws (``play``, or with
     ``env.selfplay`` the matches, ``selfplay.play``) and scores them (``score``); the batch
