@@ -14,11 +14,13 @@ from rljax.algorithms import turn_credit
 from rljax.envs import StepResult, register_env
 from rljax.train import run
 from rljax.train.core import checkpoint, setup
-from rljax.train.methods.agent import MultiTurnRollout
 from rljax.train.core.metrics import read_metrics
+from rljax.train.core.rollout import RewardRollout
+from rljax.train.methods.agent import EpisodeRounds
 from rljax.train.phases import ppo
 from rljax.train.core.state import create_train_state
-from tests.test_agent_train import DEVICES, agent_cfg, assert_one_line_config_error
+from tests.test_agent_train import (DEVICES, agent_cfg, assert_one_line_config_error,
+                                    episode_rollout, watch_rows)
 from tests.test_train_loop import StopAfter, comparable
 
 
@@ -197,9 +199,8 @@ def test_rollout_gamma_one_final_reward_equals_outcome_advantages(tmp_path):
     turn_cfg.env.kwargs = {"final_only": True}
     ctx = _context(outcome_cfg, tmp_path)
     state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0))
-    outcome = MultiTurnRollout(ctx, setup.data_iterator(ctx, 2))
-    per_turn = MultiTurnRollout(ctx, setup.data_iterator(ctx, 2))
-    per_turn.cfg = turn_cfg
+    outcome = episode_rollout(ctx, setup.data_iterator(ctx, 2))
+    per_turn = episode_rollout(ctx, setup.data_iterator(ctx, 2), cfg=turn_cfg)
     a, _ = outcome(state, 0)
     b, _ = per_turn(state, 0)
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
@@ -218,9 +219,10 @@ def test_rollout_per_turn_rewards_reach_their_turns(tmp_path):
     cfg = episode_cfg(**{"env.turn_discount": gamma})
     ctx = _context(cfg, tmp_path)
     state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0))
-    rollout = MultiTurnRollout(ctx, setup.data_iterator(ctx, 2))
+    rollout = episode_rollout(ctx, setup.data_iterator(ctx, 2))
+    seen = watch_rows(rollout)
     batch, _ = rollout(state, 0)
-    rows = rollout._turn_rows
+    rows = seen.rows
     texts = [ctx.tokenizer.decode(batch["tokens"][i, -batch["loss_mask"].shape[1]:][
         rows["turn_ids"][i] == t].tolist()) for i in range(8) for t in (0, 1)]
     want_r = np.array([[(len(texts[2 * i]) % 3) / 3, (len(texts[2 * i + 1]) % 4) / 4]
@@ -246,9 +248,19 @@ def test_ppo_loss_ignores_observation_tokens(tmp_path):
                          "algo.cliprange_value": 0.2, "env.turn_discount": 0.9})
     ctx = _context(cfg, tmp_path)
     phase = ppo.PPOPhase(ctx, 2)
+    # PPO's plain reward rollout: the episodes are its round source, the turn-end rewards a stage
+    assert type(phase.rollout) is RewardRollout
+    assert isinstance(phase.rollout.rounds, EpisodeRounds)
     state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
+    seen = watch_rows(phase.rollout)
     batch, _ = phase.rollout(state, 0)
     assert "token_rewards" in batch and "next_discount" in batch
+    rows = seen.rows   # each turn's reward on its last model token, the turn discount there
+    np.testing.assert_array_equal(batch["token_rewards"], turn_credit.turn_end_rewards(
+        rows["turn_rewards"], rows["turn_ids"]))
+    np.testing.assert_array_equal(batch["next_discount"],
+                                  turn_credit.turn_end_discounts(rows["turn_ids"], 0.9))
+    np.testing.assert_array_equal(batch["rewards"], rows["rewards"])
     prepared, _ = phase.prepare(state, {k: jnp.asarray(v) for k, v in batch.items()})
     prepared = {k: np.asarray(v) for k, v in prepared.items()}
     n = batch["loss_mask"].shape[1]

@@ -14,7 +14,8 @@ from rljax.envs import StepResult, register_env
 from rljax import config as config_lib
 from rljax.train import run
 from rljax.train.core import setup
-from rljax.train.methods.agent import MultiTurnRollout
+from rljax.train.methods.agent import EpisodeRounds, credit_stages
+from rljax.train.core.rollout import Rollout, RolloutStage
 from rljax.train.core.state import create_train_state
 from rljax.train.core.metrics import read_metrics
 from rljax.train.phases.grpo import grpo_loss
@@ -43,6 +44,30 @@ def agent_cfg(**overrides):
     cfg.data.kwargs = {"digits": 1, "ops": "*", "eval_examples": 8}
     cfg.update_from_flattened_dict(overrides)
     return config_lib.validate(cfg)
+
+
+class SeenRows(RolloutStage):
+    """Keeps the rows of the last batch a rollout assembled (rewards, roles, turns, ...)."""
+
+    name = "seen_rows"
+    rows = None
+
+    def finish_batch(self, batch, rows):
+        self.rows = rows
+
+
+def watch_rows(rollout) -> SeenRows:
+    """A ``SeenRows`` stage added to ``rollout``."""
+    seen = SeenRows()
+    rollout.stages.append(seen)
+    return seen
+
+
+def episode_rollout(ctx, iterator, cfg=None):
+    """The GRPO rollout over episodes as the phase builds it: a plain ``Rollout`` with the
+    episodes as its round source and the credit stages of ``cfg`` (default ``ctx.cfg``)."""
+    return Rollout(ctx, iterator, rounds=EpisodeRounds(ctx),
+                   stages=credit_stages(cfg if cfg is not None else ctx.cfg))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +172,7 @@ def test_loss_ignores_observation_tokens(tmp_path):
     cfg.env.kwargs = {}
     setup.check_inputs(cfg, num_devices=1)
     ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
-    rollout = MultiTurnRollout(ctx, setup.data_iterator(ctx, 2))
+    rollout = episode_rollout(ctx, setup.data_iterator(ctx, 2))
     import optax
     state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0),
                                ref_params=jax.tree.map(lambda x: x * 1.01, ctx.params))

@@ -156,8 +156,8 @@ def test_selfplay_rows_carry_their_own_seats_reward(tmp_path, monkeypatch):
     a proposer's row saw its operand, a solver's the task."""
     from rljax.envs.selfplay import SeatEnv
     from rljax.train.core import setup
-    from rljax.train.methods.agent import MultiTurnRollout
     from rljax.train.phases import grpo
+    from tests.test_agent_train import episode_rollout
     from rljax.train.core.state import create_train_state
     step = SeatEnv.step
     def scripted(self, text):
@@ -173,7 +173,7 @@ def test_selfplay_rows_carry_their_own_seats_reward(tmp_path, monkeypatch):
     ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
     phase = grpo.GRPOPhase(ctx, int(cfg.steps))
     state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
-    rollout = MultiTurnRollout(ctx, setup.rl_iterator(ctx, 2))
+    rollout = episode_rollout(ctx, setup.rl_iterator(ctx, 2))
     eps = rollout.sample_round(state.params, jax.random.key(1))["episodes"]
     seat = np.repeat(np.tile(np.arange(5), 2), g)   # groups ordered (example, seat)
     np.testing.assert_array_equal(eps["roles"], np.where(seat == 0, 6, 7))

@@ -13,6 +13,7 @@ from rljax.train.core import checkpoint, setup
 from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import grpo
 from rljax.train.core.state import create_train_state
+from tests.test_agent_train import episode_rollout, watch_rows
 from tests.test_train_loop import StopAfter, comparable, final_params
 
 DEVICES = jax.devices()[:1]
@@ -50,8 +51,9 @@ def test_rae_in_the_rollout_is_the_written_out_formula(tmp_path):
     assert state.role_baseline.shape == (NUM_ROLES,) and not state.role_baseline.any()
     start = np.array([0.25, -0.5, 0.125, 1.0, 0.5, -0.25], np.float32)
     state = state.replace(role_baseline=jax.numpy.asarray(start))
+    seen = watch_rows(phase.rollout)
     batch, metrics = phase.rollout(state, 0)
-    rows = phase.rollout._turn_rows
+    rows = seen.rows
     roles, rewards = rows["roles"], rows["rewards"]
     assert set(roles.tolist()) <= {0, 1}   # tictactoe X = 0, O = 1
     expected = start.copy()
@@ -131,12 +133,11 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
     own moves, its observations the board after the other seat's, its reward its seat's
     return; the sampler's log-probs (a cache per seat, skipping the other seat's plies) are
     the trainer's."""
-    from rljax.train.methods.agent import MultiTurnRollout
     g = 2
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.adv_estimator": "rae",
                      "algo.num_generations": g})
     ctx, phase, state = _phase(cfg, tmp_path)
-    rollout = MultiTurnRollout(ctx, setup.rl_iterator(ctx, 2))   # 2 games x 2 seats x G
+    rollout = episode_rollout(ctx, setup.rl_iterator(ctx, 2))   # 2 games x 2 seats x G
     rnd = rollout.sample_round(state.params, jax.random.key(3))
     eps, tok = rnd["episodes"], ctx.tokenizer
     n = len(eps["env_rewards"])
@@ -158,8 +159,9 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
         assert sorted(set(own.tolist())) == list(range(eps["turns"][i]))
         assert eps["counters"][i]["moves"] == eps["turns"][i]
     # The whole rollout: RAE per seat, sampler == trainer log-probs over each seat's row.
+    seen = watch_rows(rollout)
     batch, metrics = rollout(state, 0)
-    rows = rollout._turn_rows
+    rows = seen.rows
     np.testing.assert_array_equal(batch["loss_mask"], batch["model_mask"])
     np.testing.assert_allclose(batch["advantages"],
                                rows["rewards"] - batch["role_baseline"][rows["roles"]],
@@ -174,14 +176,13 @@ def test_selfplay_in_a_chat_template_opens_the_second_seat_on_its_first_observat
     board: its prompt ends with its user message (no assistant header) and its first chunk is
     the board as a user message, then the header. Each row is what the template renders for
     its seat's messages, and the sampler's log-probs are the trainer's."""
-    from rljax.train.methods.agent import MultiTurnRollout
     g = 2
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.num_generations": g,
                      "tokenizer.chat_template": True, "data.max_prompt_length": 48,
                      "env.max_obs_tokens": 40, "env.max_total_tokens": 224,
                      "model.overrides.max_position_embeddings": 288})
     ctx, phase, state = _phase(cfg, tmp_path)
-    rollout = MultiTurnRollout(ctx, setup.rl_iterator(ctx, 2))
+    rollout = episode_rollout(ctx, setup.rl_iterator(ctx, 2))
     rnd = rollout.sample_round(state.params, jax.random.key(3))
     eps, tok = rnd["episodes"], ctx.tokenizer
     seat = np.repeat(np.tile([0, 1], 2), g)
@@ -246,7 +247,6 @@ def test_negotiation_selfplay_pays_each_seat_its_share(tmp_path, monkeypatch):
     seats reach, read from the values each seat's prompt shows; role keys 4 (P1), 5 (P2)."""
     from rljax.envs import board_games as bg
     from rljax.envs.selfplay import SeatEnv
-    from rljax.train.methods.agent import MultiTurnRollout
     step = SeatEnv.step
     monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(
         self, bg.negotiation_fair(self.game, self.match.state)))
@@ -256,7 +256,7 @@ def test_negotiation_selfplay_pays_each_seat_its_share(tmp_path, monkeypatch):
         "model.overrides.num_layers=1", "model.overrides.hidden_size=32",
         "model.overrides.intermediate_size=64", "logging.tensorboard=False"])
     ctx, phase, state = _phase(config_lib.validate(cfg), tmp_path)
-    eps = MultiTurnRollout(ctx, setup.rl_iterator(ctx, 2)).sample_round(
+    eps = episode_rollout(ctx, setup.rl_iterator(ctx, 2)).sample_round(
         state.params, jax.random.key(0))["episodes"]
     seat = np.repeat(np.tile([0, 1], 2), g)
     np.testing.assert_array_equal(eps["roles"], 4 + seat)
@@ -303,15 +303,18 @@ def test_checkpoint_opponent_plays_the_other_seat_and_never_trains(rae_run, tmp_
     the frozen run (its checkpoint's parameters, loaded once) plays the other seat, whose
     moves the policy sees as observations."""
     from rljax.train.methods import selfplay
-    from rljax.train.methods.agent import MultiTurnRollout
+    from rljax.train.core.rollout import Rollout
+    from rljax.train.methods.agent import EpisodeRounds
     cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run})
     ctx, phase, state = _phase(cfg, tmp_path)
-    rollout = phase.rollout
-    assert isinstance(rollout, MultiTurnRollout) and rollout.opponent is not None
-    jax.tree.map(np.testing.assert_array_equal, rollout.opponent.params,
-                 _baseline(rae_run)[1])
+    rollout = phase.rollout   # the phase's rollout is the plain one, the episodes its rounds
+    assert type(rollout) is Rollout and isinstance(rollout.rounds, EpisodeRounds)
+    opponent = rollout.rounds.opponent
+    assert opponent is not None
+    jax.tree.map(np.testing.assert_array_equal, opponent.params, _baseline(rae_run)[1])
+    seen = watch_rows(rollout)
     batch, metrics = rollout(state, 0)
-    rows = rollout._turn_rows
+    rows = seen.rows
     assert len(rows["rewards"]) == cfg.rollout.batch_size
     seats = rows["roles"]   # tictactoe: role key = seat
     np.testing.assert_array_equal(rows["rewards"], np.where(seats == 0, 1.0, -1.0))

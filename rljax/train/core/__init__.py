@@ -11,8 +11,10 @@ Nothing here knows a method (``rljax.train.methods``) or a phase (``rljax.train.
   buckets        prompt-length buckets and the prompt ++ completion layout
   programs       Program: a phase's jitted programs with abstract inputs (what rljax plan
                  compiles); the rollout's sampler and log-prob programs
-  rollout        Rollout: prompts -> G samples -> rewards -> advantages -> batch, with the
-                 RolloutStage protocol that method features plug into; RewardRollout (PPO, DPO)
+  rollout        Rollout: prompts -> G samples -> rewards -> advantages -> batch;
+                 RewardRollout (PPO, DPO)
+  parts          the protocols of a rollout's parts that method features plug into:
+                 RolloutStage, RoundSource
   partial        PartialRounds: groups carried across iterations on the slot engine (a
                  rollout's round source)
   episodes       multi-turn episodes on the host: the turn loop around the sampler

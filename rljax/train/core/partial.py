@@ -92,9 +92,10 @@ class PartialRounds:
         self._version = self._step if self.params_version is None else int(self.params_version)
         self._key = jax.random.fold_in(state.rng, PARTIAL_STREAM)
 
-    def metrics(self, step: int) -> dict:
+    def metrics(self, rounds, step: int) -> dict:
         """Staleness of the batch's tokens at the update that trains it (step ``step``),
-        stale drops, groups carried, tokens drawn this iteration."""
+        stale drops, groups carried, tokens drawn this iteration (the pool's, whatever the
+        ``rounds``)."""
         t = self._taken
         versions = t.rows["versions"][t.rows["mask"]]
         stale = int(step) - versions if versions.size else np.zeros(1, np.int64)
@@ -104,9 +105,10 @@ class PartialRounds:
                 # this iteration's sampling work (carried groups' tokens included)
                 "rollout/decoded_tokens": int(t.drawn)}
 
-    def sample_round(self, rollout: Rollout, params) -> dict:
-        """The next ``num_prompts`` groups to complete, scored by ``rollout`` (the pool's
-        randomness is keyed by each group's admission, ``sampling.partial``)."""
+    def sample_round(self, rollout: Rollout, params, rng=None) -> dict:
+        """The next ``num_prompts`` groups to complete, scored by ``rollout``. ``rng`` is not
+        used: the pool's randomness is keyed by each group's admission (``sampling.partial``),
+        so a group draws the same tokens whichever iteration it finishes in."""
         cfg, pool, g = self.ctx.cfg, self.pool, rollout.g
         while pool.free >= self.num_prompts:   # the first iteration fills both batches
             new = next(rollout.iterator)

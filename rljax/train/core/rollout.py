@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -57,6 +57,7 @@ from rljax import distributed as dist
 from rljax.train.core import image_inputs, length_groups
 # Re-exported: callers import these here.
 from rljax.train.core.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
+from rljax.train.core.parts import RolloutStage, RoundSource  # noqa: F401
 from rljax.train.core.sampler import generate, rebucket_routes
 from rljax.train.core.steps import build_logps_fn
 
@@ -99,36 +100,6 @@ def staleness_metrics(stale: np.ndarray) -> dict:
     hist["rollout/staleness_frac_3plus"] = float(np.mean(stale >= 3))
     return {"rollout/staleness_mean": float(stale.mean()),
             "rollout/staleness_max": int(stale.max()), **hist}
-
-
-class RolloutStage(Protocol):
-    """A method feature the rollout runs at fixed points of every call, composed by the phase
-    (``Rollout(ctx, iterator, stages=[...])``) instead of a subclass per feature. A stage owns
-    its host state; the phase checkpoints it under ``name``. A stage may subclass this to take
-    the defaults below (nothing to check, the round as it is, no metrics, no state)."""
-
-    name: str
-
-    def check(self, example: dict) -> None:
-        """Before the first step, with the first training example (one ConfigError line)."""
-
-    def after_round(self, rollout: "Rollout", params, rnd: dict, rng) -> dict:
-        """A sampling round's dict after scoring -> the round the batch is built from;
-        ``rng`` is the round's key (a stage folds in its own stream)."""
-        return rnd
-
-    def finish_batch(self, batch: dict, rows: dict) -> None:
-        """Edits the assembled training batch in place, before advantages."""
-
-    def metrics(self, rounds: Sequence[dict], rows: dict) -> dict:
-        """The stage's metrics over one call's rounds."""
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class Rollout:
@@ -177,8 +148,8 @@ class Rollout:
         # In-flight weight updates (asynchronous RL sets it while a batch is sampled):
         # ``() -> (params, version)``, polled between the slot engine's decode chunks.
         self.weights = None
-        # Where rounds come from when not sampled here: partial rollouts' pool of groups in
-        # flight (``core.partial.PartialRounds``: begin, sample_round, metrics, state_dict).
+        # Where rounds come from when not sampled here (``RoundSource``): partial rollouts'
+        # pool of groups in flight, multi-turn episodes.
         self.rounds = rounds
 
     # -- one round: sample a prompt batch and score it ---------------------------------------
@@ -189,8 +160,8 @@ class Rollout:
         i.e. placed at the start of the assistant turn; the reward judges prefix + completion."""
         if self.rounds is not None:
             if examples is not None or prefixes is not None:
-                raise ValueError("partial rollouts sample the iterator's prompts only")
-            return self.rounds.sample_round(self, params)
+                raise ValueError("a round source samples the iterator's prompts only")
+            return self.rounds.sample_round(self, params, rng)
         cfg, g = self.cfg, self.g
         drawn = examples is None
         examples = next(self.iterator) if examples is None else examples
@@ -350,10 +321,15 @@ class Rollout:
                 del batch["ref_logps"]
         for stage in self.stages:  # e.g. mixed-policy demonstrations: ratio pi_theta / 1
             stage.finish_batch(batch, rows)
-        # A stage may give the estimator more per-row inputs (process rewards: step scores).
-        inputs = rows.get("estimator_inputs")
-        adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl,
-                              **({"inputs": inputs} if inputs else {}))
+        adv = None
+        for stage in self.stages:  # a stage may own the credit (episodes: per-turn, per-role)
+            if adv is None:
+                adv = stage.advantages(self, state, rewards, loss_mask, rows, batch)
+        if adv is None:
+            # A stage may give the estimator more per-row inputs (process rewards: step scores).
+            inputs = rows.get("estimator_inputs")
+            adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl,
+                                  **({"inputs": inputs} if inputs else {}))
         batch["advantages"] = adv
         metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
         if self.selector is not None:
@@ -375,7 +351,7 @@ class Rollout:
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
         metrics["time/logps"] = time.perf_counter() - t0
         if self.rounds is not None:
-            metrics.update(self.rounds.metrics(step))
+            metrics.update(self.rounds.metrics(rounds, step))
         return batch, metrics
 
     def round_groups(self, rnd: dict) -> int:
@@ -389,7 +365,10 @@ class Rollout:
 
     def _check_reward_failures(self, rounds, step: int) -> None:
         """Stops the run (RewardFunctionFailed) when a function failed on every sample of
-        ``reward.max_consecutive_error_steps`` steps in a row (same counts on every host)."""
+        ``reward.max_consecutive_error_steps`` steps in a row (same counts on every host).
+        Without reward functions (an environment's rewards only) there is nothing to check."""
+        if self.reward_fn is None:
+            return
         names = rounds[0]["reward_counts"]
         self.monitor.end_step(
             step + 1, {k: sum(r["reward_counts"][k][0] for r in rounds) for k in names},
@@ -461,12 +440,16 @@ class Rollout:
             [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
         rows = {k: pick(k) for k in ("tokens", "logps", "mask", "lengths", "truncated",
                                      "rewards", "demo", "versions") if k in rounds[0]}
+        # Per-row fields a round source adds (episodes: model_mask, turn_rewards, roles, ...).
+        rows.update({k: pick(k) for k in rounds[0].get("row_keys", ())})
         prompt_ids = [rounds[r]["prompt_ids"][i] for r, i in groups for _ in range(g)]
         p_tok, p_mask = sampling.pad_to_bucket(
             prompt_ids, pad_id=self.ctx.tokenizer.pad_id,
             buckets=prompt_buckets(self.cfg.data.max_prompt_length))
         tokens, mask = build_sequences(p_tok, p_mask, rows["tokens"], rows["mask"])
         batch = {"tokens": tokens, "mask": mask, "sampler_logps": rows["logps"]}
+        if "model_mask" in rows:   # episodes: the model's own tokens (observations are context)
+            batch["model_mask"] = rows["model_mask"]
         if "pixels" in rounds[0]:   # each row carries its prompt's images
             batch["pixels"] = np.concatenate([np.repeat(rounds[r]["pixels"][i:i + 1], g, 0)
                                               for r, i in groups])
@@ -536,10 +519,12 @@ class RewardRollout(Rollout):
     """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each
     completion's raw reward as ``batch["rewards"]`` [R] instead of group advantages: PPO
     computes token-level advantages itself and online DPO ranks samples by reward. The
-    reference (and any KL) is handled per token by the caller, so the rollout skips it."""
+    reference (and any KL) is handled per token by the caller, so the rollout skips it.
+    ``stages`` add to the batch (episodes: PPO's turn-end rewards); one that gives advantages
+    would replace the raw rewards."""
 
-    def __init__(self, ctx, iterator, rounds=None):
-        super().__init__(ctx, iterator, rounds=rounds)
+    def __init__(self, ctx, iterator, rounds=None, stages: Sequence = ()):
+        super().__init__(ctx, iterator, rounds=rounds, stages=stages)
         self.needs_ref = False
 
     def advantages(self, rewards: np.ndarray, mask=None, token_kl=None) -> np.ndarray:

@@ -2,10 +2,12 @@
 
 Each module is one method (or one workload) and may use the machinery and other methods, never
 a phase or the controller (``tests/test_layout.py``). A method that changes what a rollout does
-is a ``core.rollout.RolloutStage`` the phase composes, or (for now) a ``Rollout`` subclass.
+is a ``core.parts.RolloutStage`` the phase composes, a round source
+(``core.parts.RoundSource``), or (for now, knapsack allocation) a ``Rollout`` subclass.
 
-  agent       multi-turn episodes (env.name): GRPO / PPO rollouts, SFT on scripted episodes,
-              held-out evaluation of episodes (run_agent_eval)
+  agent       multi-turn episodes (env.name): the round source of GRPO / PPO rollouts and
+              their credit stages, SFT on scripted episodes, held-out evaluation of episodes
+              (run_agent_eval)
   matches     board games whose seats are language models: the turn loop per seat
   selfplay    env.selfplay rollouts: one policy in every seat, or a checkpoint opponent
   game_eval   win / draw / loss against fixed opponents, with Wilson intervals

@@ -1,5 +1,8 @@
-"""Multi-turn (agentic) training with ``env.name`` set: the GRPO and PPO rollouts over
-episodes, the SFT warm-up on scripted episodes, and held-out evaluation of episodes.
+"""Multi-turn (agentic) training with ``env.name`` set: episodes as parts of the GRPO and PPO
+rollouts (the round source ``EpisodeRounds`` and the credit stages of ``credit_stages``), the
+SFT warm-up on scripted episodes, and held-out evaluation of episodes.
+
+    rollout = Rollout(ctx, iterator, rounds=EpisodeRounds(ctx), stages=credit_stages(cfg))
 
 An episode's training row is the prompt ++ the whole trajectory after it (model turns and
 observations, ``env.max_total_tokens`` slots); ``loss_mask`` holds only the tokens the model
@@ -25,7 +28,7 @@ from rljax.errors import UserError
 from rljax.train.core import episodes as ep
 from rljax.train.core import evaluate, sampler
 from rljax.train.core.verifier import verify
-from rljax.train.core.rollout import RewardRollout, Rollout, expand_fields, prompt_buckets
+from rljax.train.core.rollout import Rollout, RolloutStage, expand_fields, prompt_buckets
 
 
 def turn_tokens(cfg) -> int:
@@ -138,20 +141,20 @@ def score(reward_fn, eps: dict, examples: list[dict], g: int):
     return total + answer, per_turn, result
 
 
-class MultiTurnRollout(Rollout):
-    """The GRPO rollout with episodes instead of single completions (same batch layout, plus
-    ``model_mask``); dynamic sampling, TIS, KL and exact accumulation are the base class's.
+class EpisodeRounds:
+    """Multi-turn episodes as a rollout's round source (``core.parts.RoundSource``):
+    ``Rollout(ctx, iterator, rounds=EpisodeRounds(ctx))`` for GRPO, ``RewardRollout`` for PPO.
+    Each round plays G episodes of each prompt the iterator draws (``play``, or with
+    ``env.selfplay`` the matches, ``selfplay.play``) and scores them (``score``); the batch
+    layout is the single-completion one plus ``model_mask``, so dynamic sampling, TIS, KL and
+    exact accumulation are the rollout's. The round's ``row_keys`` (``ROW_KEYS``) reach the
+    batch rows for the credit stages (``credit_stages``); metrics add the episodes'
+    (``env_metrics``) and ``time/env``. Episodes start and end within one round: no state."""
 
-    With ``env.turn_discount`` set the advantages are per turn (``turn_credit``), f32 [R, M]:
-    every model token of turn t gets turn t's advantage.
+    ROW_KEYS = ("model_mask", "turn_rewards", "turn_ids", "turns", "roles")
 
-    An estimator with a baseline per role (``algorithms.uses_roles``: ``rae``) gets each
-    episode's role key (``env.role_key``) and ``state.role_baseline``; the new baseline
-    leaves in ``batch["role_baseline"]`` for the phase to put into the state, and the metrics
-    add ``rae/baseline_<key>`` for the roles seen."""
-
-    def __init__(self, ctx, iterator, *args, **kwargs):
-        super().__init__(ctx, iterator, *args, **kwargs)
+    def __init__(self, ctx):
+        self.ctx = ctx
         self.selfplay = ctx.cfg.env.selfplay.mode != "off"
         self.template, self.opponent = None, None
         if self.selfplay:   # other seats played by a model (rljax.train.methods.selfplay)
@@ -160,133 +163,149 @@ class MultiTurnRollout(Rollout):
             self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
             self.opponent = selfplay.load_opponent(ctx)
 
-    def _play(self, params, examples, rng) -> tuple[dict, list[dict]]:
+    def begin(self, state, step: int) -> None:
+        pass
+
+    def _play(self, params, examples, rng, g: int) -> tuple[dict, list[dict]]:
         """This round's episodes and the example of each group: ``play``, or with
         ``env.selfplay`` the matches' (``selfplay.play``)."""
-        r = self.cfg.rollout
-        opts = dict(num_samples=self.g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+        cfg = self.ctx.cfg
+        r = cfg.rollout
+        opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
         if not self.selfplay:
             return play(self.ctx, params, examples, rng, **opts), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
-                             opponent=self.opponent, **match_options(self.cfg, self.ctx), **opts)
+                             opponent=self.opponent, **match_options(cfg, self.ctx), **opts)
 
-    def __call__(self, state, step: int):
-        self._baseline = getattr(state, "role_baseline", None)
-        self._new_baseline = None
-        batch, metrics = super().__call__(state, step)
-        if self._new_baseline is not None:
-            batch["role_baseline"] = self._new_baseline
-            seen = np.unique(self._turn_rows["roles"])
-            metrics.update({f"rae/baseline_{k}": float(self._new_baseline[k]) for k in seen})
-        return batch, metrics
-
-    def sample_round(self, params, rng) -> dict:
-        g = self.g
-        examples = next(self.iterator)
+    def sample_round(self, rollout: Rollout, params, rng) -> dict:
+        """The round of the iterator's next prompts: their episodes, scored with
+        ``rollout``'s reward functions (failures reported to its monitor)."""
+        g = rollout.g
+        examples = next(rollout.iterator)
         t0 = time.perf_counter()
-        eps, examples = self._play(params, examples, rng)
+        eps, examples = self._play(params, examples, rng, g)
         t1 = time.perf_counter()
-        total, per_turn, result = score(self.reward_fn, eps, examples, g)
+        total, per_turn, result = score(rollout.reward_fn, eps, examples, g)
         scores = {"env": eps["env_rewards"]}
         counts: dict[str, list[int]] = {}
         if result is not None:
-            self.monitor.observe(result)
+            rollout.monitor.observe(result)
             scores.update({k: np.asarray(v, np.float32) for k, v in result.per_function.items()})
             counts = {k: [result.errors[k], result.timeouts.get(k, 0), len(total)]
                       for k in result.per_function}
-        self._maybe_print_completions(eps["prompts"], eps["transcripts"], total)
+        rollout._maybe_print_completions(eps["prompts"], eps["transcripts"], total)
         return dict(tokens=eps["tokens"], logps=eps["logps"], mask=eps["mask"],
                     model_mask=eps["model_mask"], lengths=eps["lengths"],
                     decoded=eps["model_mask"].sum(axis=1).reshape(-1, g).sum(axis=1),
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
-                    roles=eps["roles"],
+                    roles=eps["roles"], row_keys=self.ROW_KEYS,
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=t1 - t0 - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
                     **({"slot_steps": eps["slot_steps"]} if "slot_steps" in eps else {}))
 
-    def _check_reward_failures(self, rounds, step: int) -> None:
-        if self.reward_fn is not None:
-            super()._check_reward_failures(rounds, step)
-
-    def _assemble(self, rounds, groups):
-        batch, rows = super()._assemble(rounds, groups)
-        g = self.g
-        for key in ("model_mask", "turn_rewards", "turn_ids", "turns", "roles"):
-            rows[key] = np.concatenate([rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
-        batch["model_mask"] = rows["model_mask"]
-        self._turn_rows = rows   # this batch's turns, for ``advantages``
-        return batch, rows
-
-    def advantages(self, rewards, mask=None, token_kl=None):
-        """Outcome advantages (the base class), or with ``env.turn_discount`` per-turn ones
-        f32 [R, M] (``turn_credit.turn_advantages`` spread over each turn's tokens, 0 outside
-        ``mask``)."""
-        gamma = self.cfg.env.turn_discount
-        if algorithms.uses_roles(self.cfg.algo.adv_estimator):
-            return self._role_advantages(rewards)
-        if gamma is None:
-            return super().advantages(rewards, mask=mask, token_kl=token_kl)
-        rows, a = self._turn_rows, self.cfg.algo
-        returns = turn_credit.turn_returns(rows["turn_rewards"], rows["turns"], gamma)
-        per_turn = turn_credit.turn_advantages(
-            returns, rows["turns"], self.g, estimator=a.adv_estimator,
-            scale_rewards=a.scale_rewards, outcome=super().advantages(returns[:, 0]))
-        adv = turn_credit.spread_over_turns(per_turn, rows["turn_ids"])
-        return np.where(mask, adv, 0.0).astype(np.float32)
-
-    def _role_advantages(self, rewards) -> np.ndarray:
-        """The role estimator on this batch's episodes: advantages f32 [R]; keeps the new
-        baseline f32 [K] for ``__call__``."""
-        roles, baseline = self._turn_rows["roles"], self._baseline
-        if baseline is None:
-            raise UserError(f"algo.adv_estimator={self.cfg.algo.adv_estimator!r} needs the "
-                            "role baseline in the train state (the GRPO phase makes it)")
-        k = int(np.shape(baseline)[0])
-        if (roles < 0).any() or (roles >= k).any():
-            raise UserError(f"algo.adv_estimator={self.cfg.algo.adv_estimator!r} needs each "
-                            f"episode's role key in [0, {k}); env {self.cfg.env.name!r} gave "
-                            f"{sorted(set(roles.tolist()))} (a game environment has "
-                            "role_key)")
-        if self._advantages is None:
-            estimator = algorithms.get_advantage_estimator(self.cfg.algo.adv_estimator)
-            name, g = self.cfg.algo.adv_estimator, self.g
-            opts = {"alpha": float(self.cfg.algo.rae_alpha)} if name == "rae" else {}
-            self._advantages = jax.jit(lambda r, ro, b: estimator(r, g, roles=ro, baseline=b,
-                                                                  **opts))
-        adv, new = self._advantages(np.asarray(rewards, np.float32), roles,
-                                    np.asarray(jax.device_get(baseline), np.float32))
-        self._new_baseline = np.asarray(new, np.float32)
-        return np.asarray(adv, np.float32)
-
-    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
-        m = super()._metrics(rounds, rows, adv, loss_mask, groups, kept, filler)
-        m.update(env_metrics([r["episodes"] for r in rounds]))
+    def metrics(self, rounds, step: int) -> dict:
+        m = env_metrics([r["episodes"] for r in rounds])
         m["time/env"] = sum(r["time_env"] for r in rounds)
         return m
 
+    def state_dict(self) -> dict:
+        return {}
 
-class MultiTurnRewardRollout(MultiTurnRollout, RewardRollout):
-    """Episodes for PPO: ``batch["rewards"]`` f32 [R] (the episode's outcome), and with
-    ``env.turn_discount`` also ``token_rewards`` f32 [R, M] (each turn's reward on its last
-    model token) and ``next_discount`` f32 [R, M] (the turn discount there, 1 elsewhere) for
-    GAE over model tokens."""
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
-    def advantages(self, rewards, mask=None, token_kl=None):
-        return RewardRollout.advantages(self, rewards, mask, token_kl)
 
-    def __call__(self, state, step: int):
-        batch, metrics = super().__call__(state, step)
-        gamma = self.cfg.env.turn_discount
-        if gamma is not None:
-            rows = self._turn_rows
-            batch["token_rewards"] = turn_credit.turn_end_rewards(rows["turn_rewards"],
-                                                                  rows["turn_ids"])
-            batch["next_discount"] = turn_credit.turn_end_discounts(rows["turn_ids"], gamma)
-        return batch, metrics
+class TurnCredit(RolloutStage):
+    """GRPO with ``env.turn_discount``: per-turn advantages f32 [R, M]
+    (``turn_credit.turn_advantages`` over the discounted turn returns, the episode outcome
+    normalised by the rollout's estimator), every model token of turn t getting turn t's, 0
+    outside the tokens that train."""
+
+    name = "turn_credit"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def advantages(self, rollout, state, rewards, mask, rows, batch) -> np.ndarray:
+        a, gamma = self.cfg.algo, self.cfg.env.turn_discount
+        returns = turn_credit.turn_returns(rows["turn_rewards"], rows["turns"], gamma)
+        per_turn = turn_credit.turn_advantages(
+            returns, rows["turns"], rollout.g, estimator=a.adv_estimator,
+            scale_rewards=a.scale_rewards, outcome=rollout.advantages(returns[:, 0]))
+        adv = turn_credit.spread_over_turns(per_turn, rows["turn_ids"])
+        return np.where(mask, adv, 0.0).astype(np.float32)
+
+
+class RoleBaseline(RolloutStage):
+    """An estimator with a baseline per role (``algorithms.uses_roles``: ``rae``): each
+    episode's role key (``env.role_key``) and ``state.role_baseline`` in, advantages f32 [R]
+    out; the new baseline leaves in ``batch["role_baseline"]`` for the phase to put into the
+    state, and the metrics add ``rae/baseline_<key>`` for the roles seen."""
+
+    name = "role_baseline"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._estimator = None   # jitted on first use
+        self._new = None         # this call's new baseline f32 [K]
+
+    def advantages(self, rollout, state, rewards, mask, rows, batch) -> np.ndarray:
+        a, roles = self.cfg.algo, rows["roles"]
+        baseline = getattr(state, "role_baseline", None)
+        if baseline is None:
+            raise UserError(f"algo.adv_estimator={a.adv_estimator!r} needs the role baseline "
+                            "in the train state (the GRPO phase makes it)")
+        k = int(np.shape(baseline)[0])
+        if (roles < 0).any() or (roles >= k).any():
+            raise UserError(f"algo.adv_estimator={a.adv_estimator!r} needs each episode's "
+                            f"role key in [0, {k}); env {self.cfg.env.name!r} gave "
+                            f"{sorted(set(roles.tolist()))} (a game environment has "
+                            "role_key)")
+        if self._estimator is None:
+            estimator = algorithms.get_advantage_estimator(a.adv_estimator)
+            g = rollout.g
+            opts = {"alpha": float(a.rae_alpha)} if a.adv_estimator == "rae" else {}
+            self._estimator = jax.jit(lambda r, ro, b: estimator(r, g, roles=ro, baseline=b,
+                                                                 **opts))
+        adv, new = self._estimator(np.asarray(rewards, np.float32), roles,
+                                   np.asarray(jax.device_get(baseline), np.float32))
+        self._new = batch["role_baseline"] = np.asarray(new, np.float32)
+        return np.asarray(adv, np.float32)
+
+    def metrics(self, rounds, rows) -> dict:
+        return {f"rae/baseline_{k}": float(self._new[k]) for k in np.unique(rows["roles"])}
+
+
+class TurnEndRewards(RolloutStage):
+    """PPO with ``env.turn_discount``: ``batch["token_rewards"]`` f32 [R, M] (each turn's
+    reward on its last model token) and ``next_discount`` f32 [R, M] (the turn discount there,
+    1 elsewhere) for GAE over model tokens; the reward rollout's ``rewards`` stay the
+    episodes' outcomes."""
+
+    name = "turn_rewards"
+
+    def __init__(self, cfg):
+        self.gamma = cfg.env.turn_discount
+
+    def finish_batch(self, batch, rows) -> None:
+        batch["token_rewards"] = turn_credit.turn_end_rewards(rows["turn_rewards"],
+                                                              rows["turn_ids"])
+        batch["next_discount"] = turn_credit.turn_end_discounts(rows["turn_ids"], self.gamma)
+
+
+def credit_stages(cfg, rewards_only: bool = False) -> list:
+    """The episodes' credit beyond one outcome per episode, as rollout stages: the role
+    estimator (``rae``) or per-turn advantages (``env.turn_discount``); for PPO's reward
+    rollout (``rewards_only``) the turn-end rewards GAE takes. [] for outcome credit."""
+    if rewards_only:
+        return [TurnEndRewards(cfg)] if cfg.env.turn_discount is not None else []
+    if algorithms.uses_roles(cfg.algo.adv_estimator):
+        return [RoleBaseline(cfg)]
+    return [TurnCredit(cfg)] if cfg.env.turn_discount is not None else []
 
 
 # ----------------------------------------------------------------------------- SFT traces

@@ -44,6 +44,7 @@ from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.errors import ConfigError, UserError
 from rljax.train.core.buckets import build_sequences, encode_prompts
+from rljax.train.core.rollout import RolloutStage
 from rljax.train.core.steps import build_sft_step, to_host
 
 SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
@@ -327,7 +328,7 @@ def demo_old_logps(old_logps, demo: np.ndarray):
     return jnp.where(jnp.asarray(demo)[:, None], 0.0, old_logps)
 
 
-class Guide:
+class Guide(RolloutStage):
     """The rollout stage of hints, ReLIFT and mixed-policy demonstrations
     (``core.rollout.RolloutStage``): after each sampling round it records visits (ReLIFT
     streaks, replay successes) and replaces failed groups by hinted ones."""

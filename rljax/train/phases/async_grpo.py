@@ -54,6 +54,7 @@ from rljax import sharding as shd
 from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
+from rljax.train.core.partial import PartialRounds
 from rljax.train.core.rollout import staleness_metrics
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
@@ -118,7 +119,7 @@ class AsyncSchedule:
 
     def sample(self, step: int) -> None:
         """Samples the batch update ``step`` trains on with the published policy."""
-        if self.rollout.rounds is not None:   # partial rollouts: tokens' versions
+        if isinstance(self.rollout.rounds, PartialRounds):   # the tokens' versions
             self.rollout.rounds.params_version = self.sampler_version
         view = SamplerState(self.sampler_params, self._sampler_rng)
         batch, metrics = self.rollout(view, step)

@@ -313,13 +313,16 @@ class GRPOPhase:
             groups = selfplay.examples_per_round(cfg, groups)
         self.iterator = rl_iterator(ctx, groups)
         rollout_cls = Rollout
-        if cfg.env.name:   # multi-turn episodes (rljax.train.methods.agent)
-            from rljax.train.methods.agent import MultiTurnRollout as rollout_cls
-        elif cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
+        if cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
             from rljax.train.methods.allocation import KnapsackRollout as rollout_cls
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
-        # Partial rollouts: groups carried across iterations, the round source of any rollout.
-        rounds = partial_lib.rounds_of(ctx, self.batch_size // a.num_generations)
+        # The round source of any rollout: multi-turn episodes (rljax.train.methods.agent), or
+        # partial rollouts' groups carried across iterations.
+        if cfg.env.name:
+            from rljax.train.methods.agent import EpisodeRounds
+            rounds = EpisodeRounds(ctx)
+        else:
+            rounds = partial_lib.rounds_of(ctx, self.batch_size // a.num_generations)
         self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg),
                                    stages=self.rollout_stages(),
                                    **({"rounds": rounds} if rounds is not None else {}))
@@ -334,13 +337,18 @@ class GRPOPhase:
         state (``core.rollout.RolloutStage``): hints/ReLIFT/demonstrations when configured; a
         phase built on this one adds its own (distillation: the teacher's scores). The
         estimators ``grpo_process`` and ``vineppo`` get their per-token inputs from a stage: a
-        process reward model's step scores, forked step-prefix values."""
+        process reward model's step scores, forked step-prefix values. Episodes' per-turn and
+        per-role credit is a stage too (``agent.credit_stages``)."""
         stages = [self.guide] if self.guide is not None else []
-        estimator = self.ctx.cfg.algo.adv_estimator
+        cfg = self.ctx.cfg
+        estimator = cfg.algo.adv_estimator
         if estimator == "grpo_process":
             stages.append(process_rewards.ProcessRewards(self.ctx))
         elif estimator == "vineppo":   # forked step-prefix values (VinePPO)
             stages.append(vine.VineValues(self.ctx))
+        if cfg.env.name:
+            from rljax.train.methods.agent import credit_stages
+            stages += credit_stages(cfg)
         return stages
 
     def init_state(self, state):
@@ -428,8 +436,9 @@ class GRPOPhase:
         out = {"data": self.iterator.state()}
         for stage in self.rollout.stages:
             out[stage.name] = stage.state_dict()
-        if self.rollout.rounds is not None:   # the groups in flight
-            out["partial"] = self.rollout.rounds.state_dict()
+        rounds = self.rollout.rounds.state_dict() if self.rollout.rounds is not None else {}
+        if rounds:   # partial rollouts: the groups in flight (episodes keep none)
+            out["partial"] = rounds
         if self.ctx.cfg.rollout.allocation == "knapsack":   # the pass-rate posteriors
             out["allocation"] = self.rollout.state_dict()
         return out

@@ -328,8 +328,9 @@ class PPOPhase:
         self.mini = update_sizes(cfg)[0]
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
-            from rljax.train.methods.agent import MultiTurnRewardRollout
-            self.rollout = MultiTurnRewardRollout(ctx, self.iterator)
+            from rljax.train.methods import agent
+            self.rollout = RewardRollout(ctx, self.iterator, rounds=agent.EpisodeRounds(ctx),
+                                         stages=agent.credit_stages(cfg, rewards_only=True))
         else:   # partial rollouts: the pool of groups in flight is the round source
             self.rollout = RewardRollout(ctx, self.iterator, rounds=partial_lib.rounds_of(
                 ctx, self.batch_size // a.num_generations))
@@ -416,8 +417,9 @@ class PPOPhase:
 
     def state_dict(self) -> dict:
         out = {"data": self.iterator.state()}
-        if self.rollout.rounds is not None:   # the groups in flight
-            out["partial"] = self.rollout.rounds.state_dict()
+        rounds = self.rollout.rounds.state_dict() if self.rollout.rounds is not None else {}
+        if rounds:   # partial rollouts: the groups in flight (episodes keep none)
+            out["partial"] = rounds
         return out
 
     def load_state_dict(self, state: dict) -> None:
