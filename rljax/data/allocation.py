@@ -25,7 +25,8 @@ import numpy as np
 
 from rljax.data.selection import beta_update
 
-__all__ = ["task_value", "knapsack_allocate", "PassRates", "expand_groups"]
+__all__ = ["task_value", "knapsack_allocate", "PassRates", "expand_groups",
+           "informative_groups"]
 
 
 def task_value(g, p) -> np.ndarray:
@@ -124,3 +125,12 @@ def expand_groups(sizes, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
                             len(sizes) + np.arange(pad)])
     real = np.arange(rows) < total
     return prompt, group, real
+
+
+def informative_groups(rewards, sizes) -> np.ndarray:
+    """bool [len(sizes)]: which consecutive groups of ``sizes`` rows of ``rewards`` (rows past
+    their sum ignored) have rewards that are not all equal."""
+    sizes = np.asarray(sizes)
+    r = np.asarray(rewards, np.float64)[:int(sizes.sum())]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return np.maximum.reduceat(r, starts) != np.minimum.reduceat(r, starts)

@@ -52,7 +52,7 @@ import numpy as np
 
 from rljax import algorithms, rewards, sampling
 from rljax.sampling import tree as tree_sampling
-from rljax.data import selection
+from rljax.data import allocation, selection
 from rljax import distributed as dist
 from rljax.train.core import image_inputs, length_groups
 # Re-exported: callers import these here.
@@ -355,13 +355,15 @@ class Rollout:
         return batch, metrics
 
     def round_groups(self, rnd: dict) -> int:
-        """The number of groups (prompts) a sampling round holds."""
-        return len(rnd["rewards"]) // self.g
+        """The number of groups (prompts) a sampling round holds (``group_sizes``: a round
+        whose groups have sizes of their own, ``methods.allocation``)."""
+        return len(rnd["group_sizes"]) if "group_sizes" in rnd else len(rnd["rewards"]) // self.g
 
     def observe_round(self, rnd: dict) -> None:
-        """Prompt selection learns from every sampling round's rewards."""
+        """Prompt selection learns from every sampling round's rewards (each group at its
+        size)."""
         if self.selector is not None:
-            self.selector.observe(rnd["rewards"], self.g)
+            self.selector.observe(rnd["rewards"], rnd.get("group_sizes", self.g))
 
     def _check_reward_failures(self, rounds, step: int) -> None:
         """Stops the run (RewardFunctionFailed) when a function failed on every sample of
@@ -380,7 +382,8 @@ class Rollout:
         token-level estimator, which also takes ``mask`` [R, N] (the tokens that train), the
         per-token KL [R, N] to put in the reward (``algo.kl_in_reward``, else None) and
         ``inputs``, arrays [R, N] a rollout stage made for it (``grpo_process``: the step
-        rewards, ``methods.process_rewards``)."""
+        rewards, ``methods.process_rewards``) or [R] a round source did (``group_ids``: groups
+        of their own sizes, ``methods.allocation``; any estimator takes them)."""
         a, g = self.cfg.algo, self.g
         if self._advantages is None:
             opts = ({"scale_rewards": a.scale_rewards}
@@ -398,10 +401,10 @@ class Rollout:
                     lambda r, m, kl, extra: estimator(r, g, mask=m, token_kl=kl, **extra,
                                                       **opts))
             else:
-                self._advantages = jax.jit(lambda r: estimator(r, g, **opts))
+                self._advantages = jax.jit(lambda r, extra: estimator(r, g, **extra, **opts))
         rewards = np.asarray(rewards, np.float32)
         if not self.token_level:
-            return np.asarray(self._advantages(rewards), np.float32)
+            return np.asarray(self._advantages(rewards, dict(inputs or {})), np.float32)
         if token_kl is None:
             token_kl = np.zeros(mask.shape, np.float32)
         return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl,
@@ -428,13 +431,19 @@ class Rollout:
                 self.cfg.rollout.max_new_tokens, t["segment_tokens"], t["depth"])
         return out
 
-    def informative_groups(self, rewards: np.ndarray) -> np.ndarray:
-        """bool [R / G]: groups whose rewards are not all equal."""
+    def informative_groups(self, rewards: np.ndarray, sizes=None) -> np.ndarray:
+        """bool [R / G]: groups whose rewards are not all equal (``sizes``: consecutive groups
+        of those sizes)."""
+        if sizes is not None:
+            return allocation.informative_groups(rewards, sizes)
         return np.asarray(self._informative(np.asarray(rewards, np.float32)), bool)
 
     def _assemble(self, rounds, groups, g: int | None = None):
         """Stacks the selected groups' rows into the batch layout (re-bucketing prompts);
-        ``g`` rows per group (default ``algo.num_generations``)."""
+        ``g`` rows per group (default ``algo.num_generations``). A round whose groups have
+        sizes of their own is laid out by its source (``assemble``, ``core.parts``)."""
+        if "group_sizes" in rounds[0]:
+            return self.rounds.assemble(self, rounds)
         g = self.g if g is None else g
         pick = lambda key: np.concatenate(  # noqa: E731
             [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])
@@ -492,7 +501,8 @@ class Rollout:
             "completion/truncated_frac": float(truncated.mean()),
             "rollout/rounds": len(rounds),
             "rollout/informative_groups_frac": float(np.mean(
-                np.concatenate([self.informative_groups(r["rewards"]) for r in rounds]))),
+                np.concatenate([self.informative_groups(r["rewards"], r.get("group_sizes"))
+                                for r in rounds]))),
             "rollout/filler_groups": filler,
             "rollout/train_tokens": int(loss_mask.sum()),
             # Sampled tokens, failed groups that hints replaced included.

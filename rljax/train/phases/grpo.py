@@ -312,20 +312,20 @@ class GRPOPhase:
             from rljax.train.methods import selfplay
             groups = selfplay.examples_per_round(cfg, groups)
         self.iterator = rl_iterator(ctx, groups)
-        rollout_cls = Rollout
-        if cfg.rollout.allocation == "knapsack":   # per-prompt group sizes
-            from rljax.train.methods.allocation import KnapsackRollout as rollout_cls
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
-        # The round source of any rollout: multi-turn episodes (rljax.train.methods.agent), or
-        # partial rollouts' groups carried across iterations.
+        # The round source of any rollout: multi-turn episodes (rljax.train.methods.agent),
+        # per-prompt group sizes (methods.allocation), or partial rollouts' groups carried
+        # across iterations.
         if cfg.env.name:
             from rljax.train.methods.agent import EpisodeRounds
             rounds = EpisodeRounds(ctx)
+        elif cfg.rollout.allocation == "knapsack":
+            from rljax.train.methods.allocation import KnapsackRounds
+            rounds = KnapsackRounds(ctx)
         else:
             rounds = partial_lib.rounds_of(ctx, self.batch_size // a.num_generations)
-        self.rollout = rollout_cls(ctx, self.iterator, old_logps=not single_update(cfg),
-                                   stages=self.rollout_stages(),
-                                   **({"rounds": rounds} if rounds is not None else {}))
+        self.rollout = Rollout(ctx, self.iterator, old_logps=not single_update(cfg),
+                               stages=self.rollout_stages(), rounds=rounds)
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
         self.relift = guidance.Relift(ctx, self.guide) if a.relift.every else None
@@ -437,10 +437,8 @@ class GRPOPhase:
         for stage in self.rollout.stages:
             out[stage.name] = stage.state_dict()
         rounds = self.rollout.rounds.state_dict() if self.rollout.rounds is not None else {}
-        if rounds:   # partial rollouts: the groups in flight (episodes keep none)
-            out["partial"] = rounds
-        if self.ctx.cfg.rollout.allocation == "knapsack":   # the pass-rate posteriors
-            out["allocation"] = self.rollout.state_dict()
+        if rounds:   # partial rollouts' groups in flight, knapsack's pass-rate posteriors
+            out[self._rounds_key()] = rounds
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -448,10 +446,12 @@ class GRPOPhase:
         for stage in self.rollout.stages:
             if stage.name in state:
                 stage.load_state_dict(state[stage.name])
-        if self.rollout.rounds is not None and "partial" in state:
-            self.rollout.rounds.load_state_dict(state["partial"])
-        if self.ctx.cfg.rollout.allocation == "knapsack" and "allocation" in state:
-            self.rollout.load_state_dict(state["allocation"])
+        if self.rollout.rounds is not None and self._rounds_key() in state:
+            self.rollout.rounds.load_state_dict(state[self._rounds_key()])
+
+    def _rounds_key(self) -> str:
+        """The round source's key in the phase state (episodes keep none)."""
+        return "allocation" if self.ctx.cfg.rollout.allocation == "knapsack" else "partial"
 
 
 def merge_updates(metrics: dict, updates: list) -> None:
