@@ -1,8 +1,9 @@
 """The parts a rollout (``core.rollout.Rollout``) is composed of, as protocols: method stages
 run at fixed points of every call (``RolloutStage``: hints, ReLIFT, demonstrations, a teacher's
 or a PRM's scores, episodes' credit) and the source of its sampling rounds when it does not
-sample them itself (``RoundSource``: partial rollouts' pool, multi-turn episodes). The phase
-composes them: ``Rollout(ctx, iterator, rounds=..., stages=[...])``."""
+sample them itself (``RoundSource``: partial rollouts' pool, multi-turn episodes, knapsack
+allocation's group sizes). The phase composes them:
+``Rollout(ctx, iterator, rounds=..., stages=[...])``."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence
@@ -52,10 +53,13 @@ class RolloutStage(Protocol):
 class RoundSource(Protocol):
     """Where a rollout's sampling rounds come from when it does not sample them itself
     (``Rollout(ctx, iterator, rounds=...)``): partial rollouts' pool of groups in flight
-    (``core.partial.PartialRounds``), multi-turn episodes (``methods.agent.EpisodeRounds``).
-    Its round dict has ``Rollout.score_round``'s fields; ``row_keys`` names more per-row
-    arrays the batch rows carry (``rows``, for stages). The phase checkpoints a non-empty
-    ``state_dict``. ``rollout`` in a hook is the ``Rollout`` calling it."""
+    (``core.partial.PartialRounds``), multi-turn episodes (``methods.agent.EpisodeRounds``),
+    per-prompt group sizes (``methods.allocation.KnapsackRounds``). Its round dict has
+    ``Rollout.score_round``'s fields; ``row_keys`` names more per-row arrays the batch rows
+    carry (``rows``, for stages). A round with ``group_sizes`` int [P] has groups of those
+    sizes, and its source lays out the batch too: ``assemble(rollout, rounds) -> (batch,
+    rows)``. The phase checkpoints a non-empty ``state_dict``. ``rollout`` in a hook is the
+    ``Rollout`` calling it."""
 
     def begin(self, state, step: int) -> None:
         """Before a rollout call at ``step``."""

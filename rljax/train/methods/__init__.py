@@ -2,8 +2,8 @@
 
 Each module is one method (or one workload) and may use the machinery and other methods, never
 a phase or the controller (``tests/test_layout.py``). A method that changes what a rollout does
-is a ``core.parts.RolloutStage`` the phase composes, a round source
-(``core.parts.RoundSource``), or (for now, knapsack allocation) a ``Rollout`` subclass.
+is a ``core.parts.RolloutStage`` the phase composes or a round source
+(``core.parts.RoundSource``).
 
   agent       multi-turn episodes (env.name): the round source of GRPO / PPO rollouts and
               their credit stages, SFT on scripted episodes, held-out evaluation of episodes
@@ -12,7 +12,8 @@ is a ``core.parts.RolloutStage`` the phase composes, a round source
   selfplay    env.selfplay rollouts: one policy in every seat, or a checkpoint opponent
   game_eval   win / draw / loss against fixed opponents, with Wilson intervals
   guidance    hints, ReLIFT and mixed-policy demonstrations (the Guide stage)
-  allocation  knapsack per-prompt group sizes (rollout.allocation='knapsack')
+  allocation  knapsack per-prompt group sizes (rollout.allocation='knapsack'): a round
+              source
   vine        VinePPO: Monte-Carlo values of step prefixes
   step_mc     step-level DPO pairs from Monte-Carlo step values
   prm_labels  Math-Shepherd step labels (fraction of correct continuations) for the PRM
