@@ -209,6 +209,14 @@ def test_knapsack_rollout_batch(reward_file, tmp_path):
             assert sizes.max() - sizes.min() <= 1
             first = sizes
     assert not np.array_equal(first, sizes) or np.ptp(rnd["pass_rates"]) == 0
+    # A plain rollout with the knapsack as its round source; the phase saves the posteriors
+    # under the key earlier checkpoints have.
+    from rljax.train.core.rollout import Rollout
+    from rljax.train.methods.allocation import KnapsackRounds
+    assert type(phase.rollout) is Rollout and isinstance(phase.rollout.rounds, KnapsackRounds)
+    saved = phase.state_dict()
+    assert saved["allocation"] == {"pass_rates": phase.rollout.rounds.rates.state()}
+    assert "partial" not in saved
 
 
 def _per_group_sizes(name, rewards, sizes):
@@ -222,7 +230,7 @@ def _per_group_sizes(name, rewards, sizes):
 
 @pytest.mark.parametrize("selection_name", ["uniform", "predicted"])
 def test_knapsack_train_run(reward_file, tmp_path, selection_name):
-    """A short run, with this rollout's own pass rates and with MoPPS's posterior; the
+    """A short run, with the round source's own pass rates and with MoPPS's posterior; the
     update computes each prompt once (the ragged shared-prompt layout)."""
     import jax
     from rljax.train import run
