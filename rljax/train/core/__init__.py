@@ -13,6 +13,8 @@ Nothing here knows a method (``rljax.train.methods``) or a phase (``rljax.train.
                  compiles); the rollout's sampler and log-prob programs
   rollout        Rollout: prompts -> G samples -> rewards -> advantages -> batch;
                  RewardRollout (PPO, DPO)
+  rollout_metrics  a rollout call's metrics: rewards, advantages, lengths, sampling work,
+                 staleness
   parts          the protocols of a rollout's parts that method features plug into:
                  RolloutStage, RoundSource
   partial        PartialRounds: groups carried across iterations on the slot engine (a

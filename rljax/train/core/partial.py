@@ -43,7 +43,8 @@ from rljax.errors import UserError
 from rljax.sampling import partial as partial_lib
 from rljax.train.core import image_inputs
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
-from rljax.train.core.rollout import Rollout, rollout_temperatures, staleness_metrics
+from rljax.train.core.rollout import Rollout, rollout_temperatures
+from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core.sampler import engine_slots, sampling_params
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step

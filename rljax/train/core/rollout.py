@@ -54,7 +54,7 @@ from rljax import algorithms, rewards, sampling
 from rljax.sampling import tree as tree_sampling
 from rljax.data import allocation, selection
 from rljax import distributed as dist
-from rljax.train.core import image_inputs, length_groups
+from rljax.train.core import image_inputs, length_groups, rollout_metrics
 # Re-exported: callers import these here.
 from rljax.train.core.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
 from rljax.train.core.parts import RolloutStage, RoundSource  # noqa: F401
@@ -88,18 +88,6 @@ def rollout_temperatures(cfg) -> np.ndarray | None:
         return None
     return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens,
                                          cfg.rollout.max_new_tokens)
-
-
-def staleness_metrics(stale: np.ndarray) -> dict:
-    """Staleness of a batch's tokens (int [T]: the training version minus each token's): mean,
-    max and a histogram, the share of tokens 0, 1, 2 and 3 or more versions old."""
-    stale = np.asarray(stale).reshape(-1)
-    if not stale.size:
-        stale = np.zeros(1, np.int64)
-    hist = {f"rollout/staleness_frac_{k}": float(np.mean(stale == k)) for k in range(3)}
-    hist["rollout/staleness_frac_3plus"] = float(np.mean(stale >= 3))
-    return {"rollout/staleness_mean": float(stale.mean()),
-            "rollout/staleness_max": int(stale.max()), **hist}
 
 
 class Rollout:
@@ -331,11 +319,15 @@ class Rollout:
             adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl,
                                   **({"inputs": inputs} if inputs else {}))
         batch["advantages"] = adv
-        metrics.update(self._metrics(rounds, rows, adv, loss_mask, groups, kept, filler))
+        metrics.update(rollout_metrics.batch_metrics(rounds, adv, loss_mask, filler,
+                                                     self.informative_groups))
+        for stage in self.stages:
+            metrics.update(stage.metrics(rounds, rows))
         if self.selector is not None:
             metrics.update(self.selector.metrics())
         if "versions" in rows:   # in-flight weight updates: each token's own version
-            metrics.update(staleness_metrics(step - rows["versions"][loss_mask]))
+            metrics.update(rollout_metrics.staleness_metrics(
+                step - rows["versions"][loss_mask]))
             metrics["rollout/weight_swaps"] = sum(r["swaps"] for r in rounds)
         # Padding: real tokens / positions the training forward/backward computes ([R, P+N]),
         # and real prompt tokens / prompt slots the sampler prefilled ([B, P] per round).
@@ -470,60 +462,6 @@ class Rollout:
             batch["temperatures"] = np.broadcast_to(
                 self.temperatures, rows["tokens"].shape).astype(np.float32)
         return batch, rows
-
-    def _metrics(self, rounds, rows, adv, loss_mask, groups, kept, filler) -> dict:
-        """Reward (every sampled completion of this step), advantage, length metrics."""
-        # float64: statistics of float32 rewards near their limits stay finite
-        total = np.concatenate([r["rewards"] for r in rounds]).astype(np.float64)
-        m = {"reward/mean": float(total.mean()), "reward/std": float(total.std())}
-        for name in rounds[0]["scores"]:
-            s = np.concatenate([r["scores"][name] for r in rounds]).astype(np.float64)
-            m[f"reward/{name}/mean"], m[f"reward/{name}/std"] = float(s.mean()), float(s.std())
-        m["reward/errors"] = float(sum(r["errors"] for r in rounds))
-        if "skipped_images" in rounds[0]:   # examples whose images were corrupt or too large
-            m["data/skipped_images"] = int(sum(r["skipped_images"] for r in rounds))
-        for name in rounds[0]["reward_counts"]:  # failed samples (timeouts included), timeouts
-            m[f"reward/{name}/errors"] = float(sum(r["reward_counts"][name][0] for r in rounds))
-            m[f"reward/{name}/timeouts"] = float(sum(r["reward_counts"][name][1] for r in rounds))
-        lengths = np.concatenate([r["lengths"] for r in rounds])
-        truncated = np.concatenate([r["truncated"] for r in rounds])
-        trains = loss_mask.any(axis=1)
-        # Samples that carry a gradient: they train and their advantage is not 0.
-        moving = (adv != 0).any(axis=1) if adv.ndim == 2 else adv != 0
-        m["rollout/effective_samples"] = int((trains & moving).sum())
-        if adv.ndim == 2:  # token-level: statistics over the tokens that train
-            adv = adv[loss_mask] if loss_mask.any() else np.zeros(1, np.float32)
-        m.update({
-            "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
-            "adv/abs_mean": float(np.abs(adv).mean()),
-            "completion/length_mean": float(lengths.mean()),
-            "completion/length_max": int(lengths.max()),
-            "completion/truncated_frac": float(truncated.mean()),
-            "rollout/rounds": len(rounds),
-            "rollout/informative_groups_frac": float(np.mean(
-                np.concatenate([self.informative_groups(r["rewards"], r.get("group_sizes"))
-                                for r in rounds]))),
-            "rollout/filler_groups": filler,
-            "rollout/train_tokens": int(loss_mask.sum()),
-            # Sampled tokens, failed groups that hints replaced included.
-            "rollout/tokens": int(lengths.sum()) + sum(r.get("extra_tokens", 0) for r in rounds),
-            # Tokens the sampler decoded (a tree's shared segments once): the sampling cost.
-            "rollout/decoded_tokens": int(sum(r["decoded"].sum() + r.get("extra_decoded", 0)
-                                              for r in rounds)),
-            "time/sample": sum(r["time_sample"] for r in rounds),
-            "time/reward": sum(r["time_reward"] for r in rounds),
-        })
-        if all("slot_steps" in r for r in rounds):   # the slot engine: its busy slot-steps,
-            busy, run = (sum(r["slot_steps"][i] for r in rounds) for i in (0, 1))
-            m["rollout/slot_utilisation"] = busy / max(1, run)
-            # and what a static batch of these lengths would have kept busy
-            m["rollout/static_utilisation"] = float(np.mean([
-                r["lengths"].sum() / max(1, r["lengths"].size * r["lengths"].max())
-                for r in rounds]))
-        for stage in self.stages:
-            m.update(stage.metrics(rounds, rows))
-        return m
-
 
 class RewardRollout(Rollout):
     """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each

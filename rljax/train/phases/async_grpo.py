@@ -55,7 +55,7 @@ from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
 from rljax.train.core.partial import PartialRounds
-from rljax.train.core.rollout import staleness_metrics
+from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
 
