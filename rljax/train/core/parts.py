@@ -59,7 +59,8 @@ class RoundSource(Protocol):
     carry (``rows``, for stages). A round with ``group_sizes`` int [P] has groups of those
     sizes, and its source lays out the batch too: ``assemble(rollout, rounds) -> (batch,
     rows)``. The phase checkpoints a non-empty ``state_dict``. ``rollout`` in a hook is the
-    ``Rollout`` calling it."""
+    ``Rollout`` calling it. A source may subclass this to take the defaults below (nothing
+    before a call, no metrics, no state)."""
 
     def begin(self, state, step: int) -> None:
         """Before a rollout call at ``step``."""
@@ -70,9 +71,11 @@ class RoundSource(Protocol):
 
     def metrics(self, rounds: Sequence[dict], step: int) -> dict:
         """The source's metrics over one call's rounds."""
+        return {}
 
     def state_dict(self) -> dict:
         """Host state to checkpoint ({}: none)."""
+        return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass

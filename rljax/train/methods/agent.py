@@ -28,7 +28,8 @@ from rljax.errors import UserError
 from rljax.train.core import episodes as ep
 from rljax.train.core import evaluate, sampler
 from rljax.train.core.verifier import verify
-from rljax.train.core.rollout import Rollout, RolloutStage, expand_fields, prompt_buckets
+from rljax.train.core.rollout import (Rollout, RolloutStage, RoundSource, expand_fields,
+                                      prompt_buckets)
 
 
 def turn_tokens(cfg) -> int:
@@ -141,7 +142,7 @@ def score(reward_fn, eps: dict, examples: list[dict], g: int):
     return total + answer, per_turn, result
 
 
-class EpisodeRounds:
+class EpisodeRounds(RoundSource):
     """Multi-turn episodes as a rollout's round source (``core.parts.RoundSource``):
     ``Rollout(ctx, iterator, rounds=EpisodeRounds(ctx))`` for GRPO, ``RewardRollout`` for PPO.
     Each round plays G episodes of each prompt the iterator draws (``play``, or with
@@ -162,9 +163,6 @@ class EpisodeRounds:
             from rljax.train.methods import selfplay
             self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
             self.opponent = selfplay.load_opponent(ctx)
-
-    def begin(self, state, step: int) -> None:
-        pass
 
     def _play(self, params, examples, rng, g: int) -> tuple[dict, list[dict]]:
         """This round's episodes and the example of each group: ``play``, or with
@@ -211,12 +209,6 @@ class EpisodeRounds:
         m = env_metrics([r["episodes"] for r in rounds])
         m["time/env"] = sum(r["time_env"] for r in rounds)
         return m
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class TurnCredit(RolloutStage):

@@ -26,11 +26,11 @@ import numpy as np
 from rljax.config.rollout import knapsack_limits
 from rljax.data import allocation as alloc
 from rljax.data import selection
-from rljax.train.core.rollout import encode_prompts
+from rljax.train.core.rollout import RoundSource, encode_prompts
 from rljax.train.core.sampler import generate
 
 
-class KnapsackRounds:
+class KnapsackRounds(RoundSource):
     """The ``core.parts.RoundSource`` whose groups have the knapsack's sizes (see the module
     docstring)."""
 
@@ -40,9 +40,6 @@ class KnapsackRounds:
         sel = ctx.cfg.data.selection
         self.threshold, self.fractional = float(sel.threshold), bool(sel.fractional)
         self.rates = alloc.PassRates()
-
-    def begin(self, state, step: int) -> None:
-        pass
 
     def pass_rates(self, rollout, indices) -> np.ndarray:
         """float [P]: the estimated pass rate of each prompt (posterior means)."""
