@@ -150,11 +150,11 @@ def check_partial(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' "
                           f"(got '{a.name}')")
-    if cfg.env.name:
-        raise ConfigError(f"rollout.partial=true cannot be combined with env.name="
-                          f"{cfg.env.name!r} yet (an episode carried to the next iteration "
-                          "would need its environment's state in the checkpoint); use "
-                          "rollout.engine='slots' without rollout.partial")
+    if cfg.env.name and cfg.env.selfplay.mode != "off":
+        raise ConfigError(f"rollout.partial=true cannot be combined with env.selfplay.mode="
+                          f"{cfg.env.selfplay.mode!r} yet (a match carried to the next "
+                          "iteration is not replayed); use rollout.engine='slots' without "
+                          "rollout.partial")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
                     ("data.selection.name", cfg.data.selection.name != "uniform"),

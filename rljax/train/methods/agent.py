@@ -183,6 +183,14 @@ class EpisodeRounds(RoundSource):
         examples = next(rollout.iterator)
         t0 = time.perf_counter()
         eps, examples = self._play(params, examples, rng, g)
+        return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
+
+    def scored_round(self, rollout: Rollout, eps: dict, examples: list[dict],
+                     time_play: float) -> dict:
+        """The round dict of played episodes ``eps`` (``play``'s fields) of the groups of
+        ``examples``, scored with ``rollout``'s reward functions; ``time_play``: seconds the
+        episodes took, the environments' steps included."""
+        g = rollout.g
         t1 = time.perf_counter()
         total, per_turn, result = score(rollout.reward_fn, eps, examples, g)
         scores = {"env": eps["env_rewards"]}
@@ -201,7 +209,7 @@ class EpisodeRounds(RoundSource):
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
                     roles=eps["roles"], row_keys=self.ROW_KEYS,
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
-                    episodes=eps, time_sample=t1 - t0 - eps["time_env"],
+                    episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
                     **({"slot_steps": eps["slot_steps"]} if "slot_steps" in eps else {}))
 
