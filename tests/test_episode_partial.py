@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from rljax import config as config_lib
 from rljax.train import run
 from rljax.train.core.metrics import read_metrics
 from tests.test_agent_train import DEVICES, agent_cfg
+from tests.test_selfplay import ttt_cfg
 from tests.test_train_loop import StopAfter, comparable, final_params
 
 PARTIAL = {"rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 3,
@@ -58,11 +58,22 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(reference))
 
 
-def test_selfplay_with_partial_rollouts_is_refused_in_one_line():
-    with pytest.raises(config_lib.ConfigError, match="env.selfplay.mode") as err:
-        cfg = config_lib.default_config()
-        cfg.update_from_flattened_dict({
-            "env.name": "tictactoe", "env.selfplay.mode": "self", "rollout.engine": "slots",
-            "rollout.partial": True})
-        config_lib.validate(cfg)
-    assert "\n" not in str(err.value)
+def test_selfplay_with_partial_rollouts_resumes_exactly(tmp_path):
+    """Self-play matches carried across iterations (a place is a game's G matches, a group
+    per seat): stopped after the first iteration and resumed (the matches rebuilt by
+    replaying their recorded moves in order), equal to the straight run."""
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "steps": 3,
+                     "algo.num_generations": 2, "rollout.max_new_tokens": 8,
+                     "algo.entropy_coef": 0.01, "rollout.engine": "slots",
+                     "rollout.partial": True, "rollout.chunk_steps": 3,
+                     "rollout.max_staleness": 1})
+    straight_dir, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert run.train(cfg, straight_dir, devices=DEVICES) == 0
+    rl = [r for r in read_metrics(straight_dir) if "reward/mean" in r]
+    assert len(rl) == 3 and max(r["rollout/staleness_max"] for r in rl) > 0
+    assert all(r["rollout/carried_groups"] > 0 for r in rl)
+    assert run.train(cfg, resumed, devices=DEVICES, stop=StopAfter(rl[0]["step"])) == 0
+    assert run.train(cfg, resumed, devices=DEVICES) == 0
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight_dir))
+    jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
+                 final_params(straight_dir))
