@@ -12,7 +12,8 @@ applied to the final model turn's text (an episode cut short by the turn or toke
 no final answer: they see ""); GRPO normalises it over the G episodes of a prompt, PPO puts
 it on the episode's last model token. With ``env.turn_discount`` each turn keeps its own reward
 instead (``rljax.algorithms.turn_credit``).
-Episodes start and end within one iteration, so a checkpoint never holds an open episode.
+Episodes start and end within one iteration, so a checkpoint never holds an open episode
+(with ``rollout.partial`` they are carried across iterations: ``methods.episode_partial``).
 """
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ class EpisodeRounds(RoundSource):
     layout is the single-completion one plus ``model_mask``, so dynamic sampling, TIS, KL and
     exact accumulation are the rollout's. The round's ``row_keys`` (``ROW_KEYS``) reach the
     batch rows for the credit stages (``credit_stages``); metrics add the episodes'
-    (``env_metrics``) and ``time/env``. Episodes start and end within one round: no state."""
+    (``env_metrics``) and ``time/env``. Episodes start and end within one round: no state
+    (``episode_partial.EpisodePartialRounds`` carries them across rounds)."""
 
     ROW_KEYS = ("model_mask", "turn_rewards", "turn_ids", "turns", "roles")
 
