@@ -61,9 +61,9 @@ def empty_state(slots: int, chunk_len: int, turn_len: int, pad_id: int = 0) -> d
     """Every slot free."""
     s, o, n = int(slots), int(chunk_len), int(turn_len)
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    return dict(row=np.full(s, -1, np.int32), draw=i32(s), prev=i32(s), cursor=i32(s), feed=i32(s, o),
-                feed_n=i32(s), feed_i=i32(s), turn=i32(s), t=i32(s), budget=i32(s),
-                live=np.zeros(s, bool), tokens=np.full((s, n), pad_id, np.int32),
+    return dict(row=np.full(s, -1, np.int32), draw=i32(s), prev=i32(s), cursor=i32(s),
+                feed=i32(s, o), feed_n=i32(s), feed_i=i32(s), turn=i32(s), t=i32(s),
+                budget=i32(s), live=np.zeros(s, bool), tokens=np.full((s, n), pad_id, np.int32),
                 logps=np.zeros((s, n), np.float32), stopped=np.zeros(s, bool))
 
 

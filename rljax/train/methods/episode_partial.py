@@ -22,15 +22,25 @@ a resumed run rebuilds exactly what the straight run rebuilds. This needs enviro
 answer the same actions the same way (the tool and game environments do; a tool whose answer
 depends on the wall clock, e.g. one that can time out, may answer differently on replay).
 
-Randomness: token t of turn k of sample i of the group admitted s-th reads the engine's row
-draw of id ``s * G + i`` under ``fold_in(state.rng, EPISODE_STREAM)`` (turn k, token t), so a
-turn draws the same noise whatever slot, chunk or iteration it is played in.
+Self-play (``env.selfplay.mode='self'``): a place is one game's G matches, a group of G rows
+per seat (``seats x G`` rows, the batch's groups in (example, seat) order as
+``selfplay.play``'s); it is complete when every match is over. Besides each row's turns the
+place records the order its matches stepped in (engine chunk, row, turn), and the rebuild
+replays the steps in that order with ``matches._engine_matches``' loop head (settle, observe
+the seats to move) before each chunk's steps, so every seat sees what it saw. The games are
+deterministic given their deal and moves. Not with a checkpoint opponent (the slot engine
+refuses it).
+
+Randomness: token t of turn k of row i of the place admitted s-th reads the engine's row
+draw of id ``s * rows + i`` (rows: G, or ``seats x G``) under ``fold_in(state.rng,
+EPISODE_STREAM)`` (turn k; self-play: the match's ply, as on the engine), so a turn draws the
+same noise whatever slot, chunk or iteration it is played in.
 
 Staleness: a group holding a turn more than ``rollout.max_staleness`` versions old restarts
 from its prompt (counted in ``rollout/dropped_stale``). Metrics as ``core.partial``'s:
-``rollout/staleness_mean`` / ``_max`` over the batch's model tokens, ``rollout/dropped_stale``,
-``rollout/carried_groups``, ``rollout/decoded_tokens`` (tokens sampled this iteration, dropped
-turns included).
+``rollout/staleness_mean`` / ``_max`` over the batch's model tokens, ``rollout/dropped_stale``
+(episodes), ``rollout/carried_groups`` (self-play: a group per seat),
+``rollout/decoded_tokens`` (tokens sampled this iteration, dropped turns included).
 """
 from __future__ import annotations
 
@@ -404,7 +414,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         stale = int(step) - last["versions"] if last["versions"].size else np.zeros(1, np.int64)
         m.update(staleness_metrics(stale))
         m.update({"rollout/dropped_stale": int(last["dropped"]),
-                  "rollout/carried_groups": int((self.serial >= 0).sum()),
+                  "rollout/carried_groups": int((self.serial >= 0).sum()) * self.seats,
                   "rollout/decoded_tokens": int(last["drawn"])})
         return m
 
