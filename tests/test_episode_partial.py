@@ -1,7 +1,7 @@
 """Partial rollouts of multi-turn episodes (rollout.partial with env.name): groups of tool
-episodes carried across iterations at turn boundaries, their turns' versions in the staleness
-metrics, and a stop/resume equal to the straight run (the environments rebuilt by replaying
-the recorded turns)."""
+episodes and self-play games carried across iterations at turn boundaries, their turns'
+versions in the staleness metrics, and a stop/resume equal to the straight run (the
+environments rebuilt by replaying the recorded turns)."""
 import jax
 import numpy as np
 import pytest
