@@ -77,6 +77,39 @@ def _release_compiled_programs_when_mappings_pile_up():
         gc.collect()
 
 
+@pytest.fixture(scope="session")
+def gguf_parsed_once():
+    """A context manager under which ``gguf.GGUFReader`` parses each file once per session.
+
+    transformers' GGUF loader parses the file's metadata anew for the config, for the weights
+    and for the tokenizer; for Gemma 3's 262,144-token vocabulary each parse takes ~25 s. The
+    files do not change during a run, so later loads get the first parse: the reference stays
+    transformers' own load of the file."""
+    import contextlib
+
+    import gguf
+
+    real, parsed = gguf.GGUFReader, {}
+
+    class ParsedOnce(real):
+        def __new__(cls, path, mode="r"):
+            stat = os.stat(path)
+            key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, mode)
+            if key not in parsed:
+                parsed[key] = real(path, mode)
+            return parsed[key]   # not a ParsedOnce, so __init__ does not parse it again
+
+    @contextlib.contextmanager
+    def once():
+        gguf.GGUFReader = ParsedOnce
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = real
+
+    return once
+
+
 # The longest test files (seconds of a serial run on the 2-core CPU, 2026-11-27), run first.
 # pytest-xdist hands out whole files (--dist loadfile) in collection order; alphabetically the
 # real-model, training-CLI and workdir files came last, and one worker then ran the tail alone.
