@@ -30,9 +30,19 @@ os.environ["XLA_FLAGS"] = (_flags + " " + _compiler).strip()
 
 # Tests keep out of the user's cache directory: a developer's old entries must not change what a
 # test runs, and a test run must not fill ~/.cache. The persistent compilation cache still works
-# within the session (later modules load what earlier ones compiled), in a directory of its own
-# (one per process: each pytest-xdist worker of .ci/run has its own).
-os.environ["RLJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-cache-")
+# within the run (later modules load what earlier ones compiled) in a directory of the run's
+# own, shared by the pytest-xdist workers of one run: JAX's cache keys include the directory's
+# path, so with one directory per worker no program compiled by one worker was ever loaded by
+# the other. (Both writers are safe side by side: rljax's caches write a temporary and rename
+# it; a JAX entry read while the other worker writes it fails to decompress, and JAX then
+# compiles the program itself.)
+_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _run_id:
+    os.environ["RLJAX_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                 f"rljax-tests-cache-{_run_id}")
+    os.makedirs(os.environ["RLJAX_CACHE_DIR"], exist_ok=True)
+else:
+    os.environ["RLJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rljax-tests-cache-")
 
 # A suite started as a background job of a non-interactive shell inherits SIGINT ignored, and
 # Python then keeps it ignored; the tests of Ctrl-C handling expect Python's own handler.
@@ -65,6 +75,39 @@ def _release_compiled_programs_when_mappings_pile_up():
         import jax
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(scope="session")
+def gguf_parsed_once():
+    """A context manager under which ``gguf.GGUFReader`` parses each file once per session.
+
+    transformers' GGUF loader parses the file's metadata anew for the config, for the weights
+    and for the tokenizer; for Gemma 3's 262,144-token vocabulary each parse takes ~25 s. The
+    files do not change during a run, so later loads get the first parse: the reference stays
+    transformers' own load of the file."""
+    import contextlib
+
+    import gguf
+
+    real, parsed = gguf.GGUFReader, {}
+
+    class ParsedOnce(real):
+        def __new__(cls, path, mode="r"):
+            stat = os.stat(path)
+            key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, mode)
+            if key not in parsed:
+                parsed[key] = real(path, mode)
+            return parsed[key]   # not a ParsedOnce, so __init__ does not parse it again
+
+    @contextlib.contextmanager
+    def once():
+        gguf.GGUFReader = ParsedOnce
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = real
+
+    return once
 
 
 # The longest test files (seconds of a serial run on the 2-core CPU, 2026-11-27), run first.

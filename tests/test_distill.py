@@ -381,6 +381,65 @@ def test_asynchronous_distillation_resumes_exactly(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 
 
+def test_distillation_over_episodes_scores_whole_trajectories_and_resumes_exactly(
+        tmp_path):
+    """The teacher stage composes with the episodes' round source: it scores each whole
+    trajectory (tool results are context: its log-probs equal a forward pass of the teacher
+    over the episode, written out here), the loss and the agreement count the model's own
+    tokens only, and a run stopped and resumed equals the straight run."""
+    import optax
+
+    from rljax import models
+    from rljax.train.core import setup
+    from rljax.train.core.rollout import Rollout
+    from rljax.train.core.state import create_train_state
+    from rljax.train.methods.agent import EpisodeRounds
+    from rljax.train.phases.distill import TeacherScores
+    from test_agent_train import agent_cfg
+
+    def cfg():   # an environment that answers every turn, so episodes hold observations
+        c = agent_cfg(**{"algo.name": "distill", "steps": 2, "sft.steps": 0,
+                         "sft.env_traces": False, "env.name": "test_echo", "env.tools": (),
+                         "rollout.max_new_tokens": 8,
+                         "algo.distill.teacher": str(tmp_path / "teacher")})
+        c.env.kwargs = {}
+        return c
+
+    write_teacher_workdir(tmp_path / "teacher", cfg=agent_cfg(), seed=7)
+    ctx = setup.build_context(cfg(), str(tmp_path / "probe"), devices=DEVICES)
+    stage = TeacherScores(ctx)
+    rollout = Rollout(ctx, setup.data_iterator(ctx, 2), rounds=EpisodeRounds(ctx),
+                      stages=[stage])
+    batch, metrics = rollout(create_train_state(ctx.params, optax.sgd(0.1),
+                                                jax.random.key(0)), 0)
+    n = batch["loss_mask"].shape[1]
+    model = np.asarray(batch["model_mask"], bool)
+    observed = np.asarray(batch["mask"], bool)[:, -n:] & ~model
+    assert observed.any(), "the episodes should hold tool results"
+    np.testing.assert_array_equal(batch["loss_mask"], model)
+    teacher_cfg, teacher_params = teacher_lib.load(teacher_lib.check(ctx.cfg), ctx.mesh)
+    logits = np.asarray(models.forward(teacher_cfg, teacher_params, batch["tokens"],
+                                       attention_mask=batch["mask"]), np.float64)
+    logps = _log_softmax(logits[:, -n - 1:-1])
+    tokens = np.asarray(batch["tokens"])[:, -n:]
+    want = np.take_along_axis(logps, tokens[..., None], axis=-1)[..., 0]
+    real = np.asarray(batch["mask"], bool)[:, -n:]
+    np.testing.assert_allclose(np.asarray(batch["teacher_logps"])[real], want[real],
+                               rtol=1e-4, atol=1e-4)
+    agree = logps.argmax(-1) == tokens
+    assert metrics["distill/teacher_agreement"] == pytest.approx(agree[model].mean())
+
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run.train(cfg(), straight, devices=DEVICES) == 0
+    assert run.train(cfg(), split, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert run.train(cfg(), split, devices=DEVICES) == 0
+    rl = [r for r in read_metrics(straight) if "distill/reverse_kl" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) and "env/turns_mean" in r
+                                for r in rl)
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
 @pytest.mark.parametrize("name", ["distill_arithmetic", "distill_smollm2"])
 def test_the_distill_configs_load(name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

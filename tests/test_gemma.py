@@ -541,12 +541,13 @@ def gemma_ours(gemma_path):
 
 
 @pytest.fixture(scope="session")
-def gemma_hf(gemma_path):
+def gemma_hf(gemma_path, gguf_parsed_once):
     import os
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path),
-        dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path),
+            dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -570,12 +571,13 @@ def gemma_hf_logits(gemma_hf, gemma_prompts):
 
 
 @pytest.fixture(scope="session")
-def gemma_ref_tokenizer(gemma_path):
+def gemma_ref_tokenizer(gemma_path, gguf_parsed_once):
     """transformers' own GGUF conversion of the file's tokenizer (most of a minute)."""
     import os
 
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path))
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path))
 
 
 @pytest.mark.slow

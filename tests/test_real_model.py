@@ -52,14 +52,15 @@ def tok(gguf_path):
 
 
 @pytest.fixture(scope="session")
-def hf_model(gguf_path):
+def hf_model(gguf_path, gguf_parsed_once):
     """transformers' own GGUF load (torch float32), done once."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-        dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+            dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -468,9 +468,6 @@ def check_distill(cfg) -> None:
     if d.teacher_quantize and (cfg.model.quantize_block <= 0 or cfg.model.quantize_block % 2):
         raise ConfigError(f"model.quantize_block={cfg.model.quantize_block} must be a positive "
                           "even number (the teacher's inputs sharing one scale)")
-    if cfg.env.name:
-        raise ConfigError(f"algo.name='distill' scores single-turn completions; multi-turn "
-                          f"episodes (env.name={cfg.env.name!r}) are not supported")
     if d.kl_weight == 0 and d.reward_weight == 0 and d.jsd_weight == 0:
         raise ConfigError("algo.distill.kl_weight, reward_weight and jsd_weight are all 0: "
                           "nothing would train")

@@ -130,9 +130,9 @@ def check_env(cfg) -> None:
                                    and 0.0 <= call_reward < 1.0):
         raise ConfigError(f"env.kwargs.call_reward: must be a number in [0, 1) (an episode is "
                           f"correct when its total reward is >= 1), got {call_reward!r}")
-    if cfg.algo.name not in ("grpo", "ppo"):
+    if cfg.algo.name not in ("grpo", "ppo", "distill"):
         raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
-                          f"algo.name='grpo' or 'ppo' (got {cfg.algo.name!r})")
+                          f"algo.name='grpo', 'ppo' or 'distill' (got {cfg.algo.name!r})")
     _check_turn_discount(cfg)
     if env.tool_format == "json" and env.tools and not cfg.tokenizer.chat_template:
         raise ConfigError("env.tool_format='json' renders tool results with the chat "
