@@ -1,11 +1,12 @@
 """The workload x rollout-mode matrix: which combinations a config may ask for, and the one
 line that refuses the others (docs/design.md lists them with the reason).
 
-Where the 25 cells that run are trained, and where each workload resumes exactly after a stop:
+Where the 27 cells that run are trained, and where each workload resumes exactly after a stop:
 - text: test_train_loop.py, test_engine.py, test_partial.py, test_async.py (each resumed);
-- tool agents: test_agent_train.py (static and asynchronous on the engine resumed, slot engine);
-- self-play: test_selfplay.py (static, resumed with its role baselines; slot engine) and
-  below (asynchronous);
+- tool agents: test_agent_train.py (static and asynchronous on the engine resumed, slot engine),
+  test_episode_partial.py (partial rollouts resumed);
+- self-play: test_selfplay.py (static, resumed with its role baselines; slot engine),
+  test_episode_partial.py (partial rollouts resumed) and below (asynchronous);
 - images: test_vision_run.py (static, slot engine; partial rollouts and asynchronous resumed);
 - routing replay: test_moe.py (static, slot engine; asynchronous resumed);
 - PPO: test_train_ppo.py (static; partial rollouts and asynchronous resumed) and below (slot
@@ -37,8 +38,6 @@ MODES = {
 }
 # None: the cell validates. Otherwise a fragment of its one-line refusal.
 REFUSED = {
-    ("tool agent", "slots + partial"): "rollout.partial=true cannot be combined with env.name",
-    ("self-play", "slots + partial"): "rollout.partial=true cannot be combined with env.name",
     ("moe + routing replay", "slots + partial"): "routing_replay=true is not supported",
 }
 
@@ -59,10 +58,11 @@ def test_matrix_cells_validate_or_are_refused_in_one_line(workload):
 
 
 def test_refused_cells_are_the_documented_few():
-    assert len(REFUSED) == 3   # of 28; docs/design.md says why for each
+    assert len(REFUSED) == 1   # of 28; docs/design.md says why
     with open(os.path.join(ROOT, "docs", "design.md")) as f:
         design = f.read()
-    for needle in ("25 of 28 cells", "episodes with partial rollouts",
+    for needle in ("27 of 28 cells",
+                   "episodes with partial rollouts are carried at turn boundaries",
                    "routing replay with partial rollouts has no meaning"):
         assert needle in design, needle
 

@@ -35,7 +35,8 @@ def rollout() -> dict[str, Any]:
         # under the new weights (one extra prompt batch stays in flight). Tokens record the
         # policy version that drew them; the loss corrects with the decoupled objective
         # (docs/algorithms.md). A group holding a token more than `max_staleness` versions
-        # old restarts from its prompt (counted in rollout/dropped_stale).
+        # old restarts from its prompt (counted in rollout/dropped_stale). With env.name,
+        # groups of episodes are carried at turn boundaries.
         partial=False,
         max_staleness=2,
         # Per-position sampling temperature (exploratory annealed decoding; docs/search.md):
@@ -150,11 +151,6 @@ def check_partial(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' "
                           f"(got '{a.name}')")
-    if cfg.env.name:
-        raise ConfigError(f"rollout.partial=true cannot be combined with env.name="
-                          f"{cfg.env.name!r} yet (an episode carried to the next iteration "
-                          "would need its environment's state in the checkpoint); use "
-                          "rollout.engine='slots' without rollout.partial")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
                     ("data.selection.name", cfg.data.selection.name != "uniform"),

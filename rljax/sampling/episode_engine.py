@@ -26,7 +26,9 @@ next observation.
 
 Randomness: token t of turn k of row r reads ``draw.row_draw(fold_in(fold_in(rng, k), t), r,
 V)``, the draw ``sampling.multiturn`` makes for that row: the slot, the chunk size and the
-order in which turns end change nothing.
+order in which turns end change nothing. A caller may key a row's draw by another id
+(``resume(..., draw=d)``: partial rollouts key it by the group's admission, so a carried
+episode draws the same noise whichever iteration and row it plays in).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from rljax.sampling.draw import row_draw, sample_logits
 
 # Host-side slot state (numpy); ``run_chunk`` takes and returns it as a dict of arrays.
 #   row     int32 [S]     episode row held (-1: free)
+#   draw    int32 [S]     the id its noise is keyed by (the row, unless the caller says)
 #   prev    int32 [S]     the token fed at the next step
 #   cursor  int32 [S]     the slot-cache index ``prev`` is written at
 #   feed    int32 [S, O]  tokens to feed after ``prev`` before sampling (the observation)
@@ -58,9 +61,9 @@ def empty_state(slots: int, chunk_len: int, turn_len: int, pad_id: int = 0) -> d
     """Every slot free."""
     s, o, n = int(slots), int(chunk_len), int(turn_len)
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    return dict(row=np.full(s, -1, np.int32), prev=i32(s), cursor=i32(s), feed=i32(s, o),
-                feed_n=i32(s), feed_i=i32(s), turn=i32(s), t=i32(s), budget=i32(s),
-                live=np.zeros(s, bool), tokens=np.full((s, n), pad_id, np.int32),
+    return dict(row=np.full(s, -1, np.int32), draw=i32(s), prev=i32(s), cursor=i32(s),
+                feed=i32(s, o), feed_n=i32(s), feed_i=i32(s), turn=i32(s), t=i32(s),
+                budget=i32(s), live=np.zeros(s, bool), tokens=np.full((s, n), pad_id, np.int32),
                 logps=np.zeros((s, n), np.float32), stopped=np.zeros(s, bool))
 
 
@@ -71,15 +74,17 @@ def start(state: dict, slot: int, row: int, first_token: int, budget: int) -> No
 
 
 def resume(state: dict, slot: int, *, row: int, lead: int, observation, cursor: int, turn: int,
-           budget: int) -> None:
+           budget: int, draw: int | None = None) -> None:
     """Slot ``slot`` continues episode ``row`` at turn ``turn``: it feeds ``lead`` (the last
     kept token of the turn before) at cache index ``cursor``, then ``observation``'s tokens
-    (at most O), then samples up to ``budget`` tokens."""
+    (at most O), then samples up to ``budget`` tokens, its noise keyed by ``draw`` (default:
+    ``row``)."""
     obs = np.asarray(observation, np.int32)
     if obs.size > state["feed"].shape[1]:
         raise ValueError(f"observation of {obs.size} tokens > chunk width "
                          f"{state['feed'].shape[1]}")
     state["row"][slot], state["prev"][slot], state["cursor"][slot] = row, lead, cursor
+    state["draw"][slot] = row if draw is None else draw
     state["feed"][slot, :obs.size] = obs
     state["feed_n"][slot], state["feed_i"][slot] = obs.size, 0
     state["turn"][slot], state["t"][slot], state["budget"][slot] = turn, 0, budget
@@ -162,7 +167,7 @@ def _chunk(cfg, params, pages, page_mask, page_len, cache, state, rng, *, num_sa
         sampling = live & ~feeding
         noise = None
         if temperature != 0.0:
-            noise = jax.vmap(noise_of)(st["row"], st["turn"], st["t"])
+            noise = jax.vmap(noise_of)(st["draw"], st["turn"], st["t"])
         tok, logp = sample_logits(None, logits, temperature=temperature, top_k=top_k,
                                   top_p=top_p, noise=noise)
         t = st["t"]

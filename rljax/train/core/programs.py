@@ -157,26 +157,30 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         return out if mcfg.vision is None else out + (image_embeds_struct(ctx, b),)
     sampled = jax.eval_shape(for_sampling, params) if merge else params
     kind = sampler_lib.sampler_kind(cfg, tree is not None)
-    if kind == "partial":   # the partial-rollout pool's two programs, over its 2 x chunk places
+    if kind in ("slots", "partial") and cfg.env.name:   # episodes on the episode engine
+        from rljax.sampling import episode_engine
+        e = cfg.env
+        # Partial rollouts: 2 x chunk groups in flight, a carried episode's whole trajectory
+        # fed again through the observation feed (methods.episode_partial).
+        places, feed = chunk, int(e.max_obs_tokens) + 1
+        if kind == "partial":
+            places, feed = 2 * chunk, max(feed, int(e.max_total_tokens))
+        p_tok, p_mask, *_ = prompts(places)
+        out = [Program(f"sample/episode_{name}", fn, args, resident) for name, fn, args in
+               episode_engine.programs(
+                   mcfg, sampled, p_tok, p_mask, rng, num_samples=g,
+                   slots=sampler_lib.engine_slots(cfg, chunk * g), chunk_len=feed,
+                   turn_len=int(e.max_turn_tokens or r.max_new_tokens),
+                   length=int(e.max_total_tokens) + 1,
+                   chunk_steps=r.chunk_steps, temperature=r.temperature, top_k=r.top_k,
+                   top_p=r.top_p, stop_ids=sampling.merge_stop_ids(tok.eos_id, ()))]
+    elif kind == "partial":   # the partial-rollout pool's two programs, over its 2 x chunk places
         from rljax.sampling import partial as partial_lib
         from rljax.train.core.partial import make_pool
         _, _, *embeds = prompts(2 * chunk)
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                partial_lib.programs(make_pool(ctx, chunk), sampled, rng,
                                     embeds[0] if embeds else None)]
-    elif kind == "slots" and cfg.env.name:   # tool episodes on the episode engine
-        from rljax.sampling import episode_engine
-        e = cfg.env
-        p_tok, p_mask, *_ = prompts(chunk)
-        out = [Program(f"sample/episode_{name}", fn, args, resident) for name, fn, args in
-               episode_engine.programs(
-                   mcfg, sampled, p_tok, p_mask, rng, num_samples=g,
-                   slots=sampler_lib.engine_slots(cfg, chunk * g),
-                   chunk_len=int(e.max_obs_tokens) + 1,
-                   turn_len=int(e.max_turn_tokens or r.max_new_tokens),
-                   length=int(e.max_total_tokens) + 1,
-                   chunk_steps=r.chunk_steps, temperature=r.temperature, top_k=r.top_k,
-                   top_p=r.top_p, stop_ids=sampling.merge_stop_ids(tok.eos_id, ()))]
     elif kind == "slots":   # the slot engine's two
         p_tok, p_mask, *embeds = prompts(chunk)
         kw = dict(max_new_tokens=n_sample, num_samples=g, chunk_steps=r.chunk_steps,

@@ -12,7 +12,8 @@ applied to the final model turn's text (an episode cut short by the turn or toke
 no final answer: they see ""); GRPO normalises it over the G episodes of a prompt, PPO puts
 it on the episode's last model token. With ``env.turn_discount`` each turn keeps its own reward
 instead (``rljax.algorithms.turn_credit``).
-Episodes start and end within one iteration, so a checkpoint never holds an open episode.
+Episodes start and end within one iteration, so a checkpoint never holds an open episode
+(with ``rollout.partial`` they are carried across iterations: ``methods.episode_partial``).
 """
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ class EpisodeRounds(RoundSource):
     layout is the single-completion one plus ``model_mask``, so dynamic sampling, TIS, KL and
     exact accumulation are the rollout's. The round's ``row_keys`` (``ROW_KEYS``) reach the
     batch rows for the credit stages (``credit_stages``); metrics add the episodes'
-    (``env_metrics``) and ``time/env``. Episodes start and end within one round: no state."""
+    (``env_metrics``) and ``time/env``. Episodes start and end within one round: no state
+    (``episode_partial.EpisodePartialRounds`` carries them across rounds)."""
 
     ROW_KEYS = ("model_mask", "turn_rewards", "turn_ids", "turns", "roles")
 
@@ -183,6 +185,14 @@ class EpisodeRounds(RoundSource):
         examples = next(rollout.iterator)
         t0 = time.perf_counter()
         eps, examples = self._play(params, examples, rng, g)
+        return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
+
+    def scored_round(self, rollout: Rollout, eps: dict, examples: list[dict],
+                     time_play: float) -> dict:
+        """The round dict of played episodes ``eps`` (``play``'s fields) of the groups of
+        ``examples``, scored with ``rollout``'s reward functions; ``time_play``: seconds the
+        episodes took, the environments' steps included."""
+        g = rollout.g
         t1 = time.perf_counter()
         total, per_turn, result = score(rollout.reward_fn, eps, examples, g)
         scores = {"env": eps["env_rewards"]}
@@ -201,7 +211,7 @@ class EpisodeRounds(RoundSource):
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
                     roles=eps["roles"], row_keys=self.ROW_KEYS,
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
-                    episodes=eps, time_sample=t1 - t0 - eps["time_env"],
+                    episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
                     **({"slot_steps": eps["slot_steps"]} if "slot_steps" in eps else {}))
 

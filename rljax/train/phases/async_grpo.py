@@ -54,7 +54,6 @@ from rljax import sharding as shd
 from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
-from rljax.train.core.partial import PartialRounds
 from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
@@ -119,7 +118,7 @@ class AsyncSchedule:
 
     def sample(self, step: int) -> None:
         """Samples the batch update ``step`` trains on with the published policy."""
-        if isinstance(self.rollout.rounds, PartialRounds):   # the tokens' versions
+        if hasattr(self.rollout.rounds, "params_version"):   # partial rollouts: versions
             self.rollout.rounds.params_version = self.sampler_version
         view = SamplerState(self.sampler_params, self._sampler_rng)
         batch, metrics = self.rollout(view, step)

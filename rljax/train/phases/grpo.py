@@ -316,9 +316,9 @@ class GRPOPhase:
         # The round source of any rollout: multi-turn episodes (rljax.train.methods.agent),
         # per-prompt group sizes (methods.allocation), or partial rollouts' groups carried
         # across iterations.
-        if cfg.env.name:
-            from rljax.train.methods.agent import EpisodeRounds
-            rounds = EpisodeRounds(ctx)
+        if cfg.env.name:   # with rollout.partial, groups of episodes carried across iterations
+            from rljax.train.methods.episode_partial import episode_rounds
+            rounds = episode_rounds(ctx, self.batch_size // a.num_generations)
         elif cfg.rollout.allocation == "knapsack":
             from rljax.train.methods.allocation import KnapsackRounds
             rounds = KnapsackRounds(ctx)
@@ -450,7 +450,7 @@ class GRPOPhase:
             self.rollout.rounds.load_state_dict(state[self._rounds_key()])
 
     def _rounds_key(self) -> str:
-        """The round source's key in the phase state (episodes keep none)."""
+        """The round source's key in the phase state (episodes keep none unless partial)."""
         return "allocation" if self.ctx.cfg.rollout.allocation == "knapsack" else "partial"
 
 

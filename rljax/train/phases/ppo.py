@@ -329,7 +329,9 @@ class PPOPhase:
         self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
             from rljax.train.methods import agent
-            self.rollout = RewardRollout(ctx, self.iterator, rounds=agent.EpisodeRounds(ctx),
+            from rljax.train.methods.episode_partial import episode_rounds
+            self.rollout = RewardRollout(ctx, self.iterator, rounds=episode_rounds(
+                                             ctx, self.batch_size // a.num_generations),
                                          stages=agent.credit_stages(cfg, rewards_only=True))
         else:   # partial rollouts: the pool of groups in flight is the round source
             self.rollout = RewardRollout(ctx, self.iterator, rounds=partial_lib.rounds_of(
@@ -418,7 +420,7 @@ class PPOPhase:
     def state_dict(self) -> dict:
         out = {"data": self.iterator.state()}
         rounds = self.rollout.rounds.state_dict() if self.rollout.rounds is not None else {}
-        if rounds:   # partial rollouts: the groups in flight (episodes keep none)
+        if rounds:   # partial rollouts: the groups (of texts or episodes) in flight
             out["partial"] = rounds
         return out
 

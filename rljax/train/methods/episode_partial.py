@@ -1,0 +1,462 @@
+"""Partial rollouts of multi-turn episodes (``rollout.partial`` with ``env.name``): groups of
+episodes carried across iterations at turn boundaries, as a rollout's round source.
+
+    rollout = Rollout(ctx, iterator, rounds=EpisodePartialRounds(ctx, num_prompts))
+
+Two batches of prompts stay in flight (2 x ``num_prompts`` places, each a group of G
+episodes). Each iteration admits the iterator's next batch into the places the last one freed,
+then plays turns on the episode engine (``sampling.episode_engine``) under the current
+parameters, oldest group first, until ``num_prompts`` groups have all their episodes ended
+(by the environment, or out of turns or tokens); those groups are the round, in the order they
+completed. The others keep the turns they finished and continue next iteration under the new
+weights; a turn still decoding when the round is complete is dropped and drawn again (same
+noise, new weights) next iteration: episodes are carried at turn boundaries, so every turn is
+drawn by one policy version, which each of its tokens records.
+
+What is carried is plain data: each place's example and, per episode, its finished turns (the
+kept tokens, their behaviour log-probs, the version that drew them). Every iteration rebuilds
+the episodes from it: fresh environments (``reset``), the recorded turns replayed through
+``env.step``, and on the engine the whole trajectory so far fed again under the current
+weights before the next turn samples. The checkpoint holds the same data (``state_dict``), so
+a resumed run rebuilds exactly what the straight run rebuilds. This needs environments that
+answer the same actions the same way (the tool and game environments do; a tool whose answer
+depends on the wall clock, e.g. one that can time out, may answer differently on replay).
+
+Self-play (``env.selfplay.mode='self'``): a place is one game's G matches, a group of G rows
+per seat (``seats x G`` rows, the batch's groups in (example, seat) order as
+``selfplay.play``'s); it is complete when every match is over. Besides each row's turns the
+place records the order its matches stepped in (engine chunk, row, turn), and the rebuild
+replays the steps in that order with ``matches._engine_matches``' loop head (settle, observe
+the seats to move) before each chunk's steps, so every seat sees what it saw. The games are
+deterministic given their deal and moves. Not with a checkpoint opponent (the slot engine
+refuses it).
+
+Randomness: token t of turn k of row i of the place admitted s-th reads the engine's row
+draw of id ``s * rows + i`` (rows: G, or ``seats x G``) under ``fold_in(state.rng,
+EPISODE_STREAM)`` (turn k; self-play: the match's ply, as on the engine), so a turn draws the
+same noise whatever slot, chunk or iteration it is played in.
+
+Staleness: a group holding a turn more than ``rollout.max_staleness`` versions old restarts
+from its prompt (counted in ``rollout/dropped_stale``). Metrics as ``core.partial``'s:
+``rollout/staleness_mean`` / ``_max`` over the batch's model tokens, ``rollout/dropped_stale``
+(episodes), ``rollout/carried_groups`` (self-play: a group per seat),
+``rollout/decoded_tokens`` (tokens sampled this iteration, dropped turns included).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+
+from rljax import distributed as dist, sampling
+from rljax.errors import UserError
+from rljax.sampling import multiturn
+from rljax.train.core import episodes as ep
+from rljax.train.core.partial import _plain, _restored
+from rljax.train.core.rollout_metrics import staleness_metrics
+from rljax.train.core.sampler import engine_slots, sampling_params
+from rljax.train.methods import agent
+
+EPISODE_STREAM = 9  # rng stream of the episodes in flight: fold_in(state.rng, 9), every step
+
+
+class EpisodePartialRounds(agent.EpisodeRounds):
+    """Multi-turn episodes with partial rollouts as a rollout's round source (module
+    docstring): ``EpisodeRounds``' rounds and metrics, from groups carried across
+    iterations. A place holds one example: a group of G episodes, or with self-play the G
+    matches of a game (a group per seat, ``seats x G`` rows sharing the matches)."""
+
+    def __init__(self, ctx, num_prompts: int):
+        super().__init__(ctx)
+        if self.opponent is not None:
+            raise UserError("rollout.partial=true cannot be combined with "
+                            "env.selfplay.mode='checkpoint'")
+        if dist.is_multiprocess():
+            raise UserError("rollout.partial=true runs in a single process for now; use "
+                            "rollout.partial=false on several hosts")
+        self.g = int(ctx.cfg.algo.num_generations)
+        self.seats = 1
+        if self.selfplay:
+            from rljax.train.methods import selfplay
+            self.seats = selfplay.num_seats(ctx.cfg)
+        self.num_prompts = int(num_prompts) // self.seats   # examples a round takes
+        self.rows = self.seats * self.g                       # rows of a place
+        self._renderer = agent.make_renderer(ctx.cfg, ctx.tokenizer)
+        c = 2 * self.num_prompts
+        self.serial = np.full(c, -1, np.int64)        # admission serial (-1: free place)
+        self.completed_at = np.full(c, -1, np.int64)  # engine chunk the place completed in
+        self.metas: list = [None] * c
+        # Per place, per row: the finished turns, {"ids", "logps", "version"}; with self-play
+        # also the order the match steps went in, [chunk, row, turn] per step (replayed in it).
+        self.turns: list[list[list[dict]]] = [self._empty() for _ in range(c)]
+        self.moves: list[list[list[int]]] = [[] for _ in range(c)]
+        self.next_serial = self.clock = 0
+        self._step = self._version = 0
+        self._key, self._last = None, None
+        # Asynchronous RL: the version of the parameters it passes (None: ``step``).
+        self.params_version: int | None = None
+
+    def _empty(self) -> list:
+        return [[] for _ in range(self.rows)]
+
+    def _clear(self, j: int) -> None:
+        self.turns[j], self.moves[j], self.completed_at[j] = self._empty(), [], -1
+
+    @property
+    def free(self) -> int:
+        return int((self.serial < 0).sum())
+
+    def begin(self, state, step: int) -> None:
+        self._step = int(step)
+        self._version = self._step if self.params_version is None else int(self.params_version)
+        self._key = jax.random.fold_in(state.rng, EPISODE_STREAM)
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def sample_round(self, rollout, params, rng=None) -> dict:
+        """The next ``num_prompts`` places to complete, scored. ``rng`` is not used: the noise
+        is keyed by each place's admission (module docstring)."""
+        while self.free >= self.num_prompts:   # the first iteration fills both batches
+            for j, ex in zip(np.flatnonzero(self.serial < 0), next(rollout.iterator)):
+                self.serial[j], self.next_serial = self.next_serial, self.next_serial + 1
+                self.metas[j] = ex
+                self._clear(j)
+        t0 = time.perf_counter()
+        dropped = self._drop_stale()
+        places = sorted(np.flatnonzero(self.serial >= 0), key=lambda j: self.serial[j])
+        params = sampling_params(self.ctx, params)
+        play = self._play_matches if self.selfplay else self._play_episodes
+        eps, groups, slot_steps, drawn = play(params, places)
+        taken = sorted((j for j in places if self.completed_at[j] >= 0),
+                       key=lambda j: (self.completed_at[j], self.serial[j]))[:self.num_prompts]
+        at = {j: k for k, j in enumerate(places)}
+        rows = np.concatenate([np.arange(at[j] * self.rows, (at[j] + 1) * self.rows)
+                               for j in taken])
+        eps = dict(_subset(eps, rows), slot_steps=slot_steps)
+        versions = np.full(eps["tokens"].shape, -1, np.int64)
+        for r, (j, k) in enumerate((j, k) for j in taken for k in range(self.rows)):
+            turn_versions = np.array([t["version"] for t in self.turns[j][k]] + [-1])
+            versions[r] = turn_versions[eps["turn_ids"][r]]   # -1 (not a model token): -1
+        examples = [x for j in taken for x in groups[at[j]]]
+        for j in taken:
+            self.serial[j], self.metas[j] = -1, None
+            self._clear(j)
+        self._last = dict(versions=versions[eps["model_mask"]], dropped=dropped, drawn=drawn)
+        return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
+
+    def _drop_stale(self) -> int:
+        """Restarts every place holding a turn more than the bound older than this version;
+        returns the episodes discarded (those that had turns)."""
+        bound = int(self.ctx.cfg.rollout.max_staleness) - (self._step - self._version)
+        dropped = 0
+        for j in np.flatnonzero(self.serial >= 0):
+            oldest = min((t["version"] for s in self.turns[j] for t in s), default=self._version)
+            if self._version - oldest > bound:
+                dropped += sum(1 for s in self.turns[j] if s)
+                self._clear(j)
+        return dropped
+
+    def _record_turn(self, j: int, row: int, ids, logps) -> None:
+        self.turns[j][row].append(dict(ids=[int(x) for x in ids],
+                                       logps=[float(x) for x in logps], version=self._version))
+
+    def _engine_setup(self, lim, p_tok, p_mask, params, slots: int):
+        """The engine's pages, slot cache and state for this iteration; the feed holds a
+        carried episode's whole trajectory so far (fed again under the current weights)."""
+        from rljax.models import paged
+        from rljax.sampling import episode_engine as ee
+        tok, model_cfg = self.ctx.tokenizer, self.ctx.model_cfg
+        pages = ee.prefill(model_cfg, params, p_tok, p_mask)
+        cache = paged.init_slot_cache(model_cfg, slots, lim.max_total_tokens + 1)
+        state = ee.empty_state(slots, max(lim.chunk_tokens, lim.max_total_tokens),
+                               lim.turn_tokens, tok.pad_id)
+        r = self.ctx.cfg.rollout
+        calls = [self._renderer.call_end] if self._renderer.call_end else []
+        options = dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                       stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
+                       stop_sequences=multiturn.stop_sequences_of(tok, calls))
+
+        def run_chunk(cache, state):
+            return ee.run_chunk(model_cfg, params, *pages, cache, state, self._key,
+                                num_samples=self.g, chunk_steps=int(r.chunk_steps), **options)
+        return cache, state, run_chunk
+
+    def _draw_ids(self, places) -> np.ndarray:
+        return (np.repeat(self.serial[places], self.rows) * self.rows
+                + np.tile(np.arange(self.rows), len(places)))
+
+    # -- tool episodes -------------------------------------------------------------------------
+
+    def _play_episodes(self, params, places):
+        """Tool episodes: rebuild (``_rebuild``), then turns on the engine until enough groups
+        are complete. Returns (all rows' episodes, each place's group examples, (busy, run)
+        slot-steps, tokens sampled)."""
+        from rljax.sampling import episode_engine as ee
+        cfg, g = self.ctx.cfg, self.g
+        envs = agent.make_envs(cfg, [self.metas[j] for j in places], g)
+        record, finished, prompts, prompt_ids, p_tok, p_mask = self._rebuild(envs, places)
+        eps = lambda: dict(record.result(prompts, prompt_ids, p_tok.shape[1]),  # noqa: E731
+                           roles=np.array([getattr(e, "role_key", -1) for e in envs], np.int32))
+        groups = [[self.metas[j]] for j in places]
+        lim, r = record.limits, len(envs)
+        done_places = lambda: sum(self.completed_at[j] >= 0 for j in places)  # noqa: E731
+        for n, j in enumerate(places):   # complete already (replayed): keeps its place in line
+            if finished[n * g:(n + 1) * g].all() and self.completed_at[j] < 0:
+                self.completed_at[j] = self.clock
+        waiting = [i for i in range(r) if not finished[i]][::-1]   # oldest group next
+        if done_places() >= self.num_prompts or not waiting:
+            return eps(), groups, (0, 0), 0
+        s = max(1, min(engine_slots(cfg, self.num_prompts * g), r))
+        first = np.repeat(np.asarray(p_tok)[:, -1], g)
+        draw = self._draw_ids(places)
+        cache, state, run_chunk = self._engine_setup(lim, p_tok, p_mask, params, s)
+        busy = run = drawn = 0
+        while done_places() < self.num_prompts:
+            for slot in np.flatnonzero(state["row"] < 0):
+                if not waiting:
+                    break
+                i = waiting.pop()
+                ee.resume(state, slot, row=i, lead=int(first[i]),
+                          observation=record.tokens[i, :record.length[i]], cursor=0,
+                          turn=int(record.turns[i]), budget=record.budget(i), draw=int(draw[i]))
+            if not state["live"].any():
+                break
+            before = state["cursor"].copy()
+            cache, state, steps = run_chunk(cache, state)
+            self.clock += 1
+            busy, run = busy + int((state["cursor"] - before).sum()), run + s * steps
+            ended = np.flatnonzero((state["row"] >= 0) & ~state["live"])
+            if not ended.size:
+                continue
+            rows = state["row"][ended]
+            kept, observations = record.turn_ended(rows, state["turn"][ended],
+                                                   state["tokens"][ended],
+                                                   state["logps"][ended], state["t"][ended])
+            drawn += int(state["t"][ended].sum())
+            for n, slot in enumerate(ended):
+                i, obs, k = int(rows[n]), observations[n], kept[n]
+                j = places[i // g]
+                self._record_turn(j, i % g, state["tokens"][slot, :k], state["logps"][slot, :k])
+                if obs is None:
+                    finished[i] = True
+                    ee.free(state, slot)
+                    if finished[i - i % g:i - i % g + g].all():
+                        self.completed_at[j] = self.clock
+                    continue
+                ee.resume(state, slot, row=i, lead=int(state["tokens"][slot, k - 1]),
+                          observation=obs, cursor=int(record.length[i]) - len(obs),
+                          turn=int(state["turn"][slot]) + 1, budget=record.budget(i),
+                          draw=int(draw[i]))
+        live = (state["row"] >= 0) & state["live"]   # turns dropped: drawn again next time
+        return eps(), groups, (busy, run), drawn + int(state["t"][live].sum())
+
+    def _rebuild(self, envs, places):
+        """The episodes of ``places`` as their recorded turns left them: fresh environments,
+        the turns replayed through ``env.step``. Returns ``(record, finished bool [R], prompts,
+        prompt ids, prompt tokens [B, P], prompt mask)``."""
+        cfg, tok, g = self.ctx.cfg, self.ctx.tokenizer, self.g
+        renderer, limits = self._renderer, agent.limits(cfg)
+        from rljax.envs import step_all
+        prompts = [renderer.prompt(env.reset()) for env in envs]
+        prompt_ids = [tok.encode(p) for p in prompts]
+        p_tok, p_mask = sampling.pad_to_bucket(prompt_ids[::g], pad_id=tok.pad_id,
+                                               buckets=limits.prompt_buckets)
+        record = ep._Trajectories(tok, envs, renderer, limits, step_all)
+        history = [self.turns[j][k] for j in places for k in range(g)]
+        finished = np.zeros(len(envs), bool)
+        for turn in range(limits.max_turns):
+            rows = [i for i, h in enumerate(history) if len(h) > turn]
+            if not rows:
+                break
+            ids = [history[i][turn]["ids"] for i in rows]
+            width = max(len(x) for x in ids)
+            tokens = np.full((len(rows), width), tok.pad_id, np.int32)
+            logps = np.zeros((len(rows), width), np.float32)
+            for n, i in enumerate(rows):
+                tokens[n, :len(ids[n])] = ids[n]
+                logps[n, :len(ids[n])] = history[i][turn]["logps"]
+            _, observations = record.turn_ended(rows, [turn] * len(rows), tokens, logps,
+                                                [len(x) for x in ids])
+            for i, obs in zip(rows, observations):
+                finished[i] = obs is None
+        return record, finished, prompts, prompt_ids, p_tok, p_mask
+
+    # -- self-play matches ---------------------------------------------------------------------
+
+    def _play_matches(self, params, places):
+        """Self-play: each place's G matches rebuilt (its recorded steps replayed in their
+        order), then the seats' turns on the engine (a slot per row, as
+        ``matches._engine_matches``) until enough places have every match over. Returns as
+        ``_play_episodes``."""
+        from rljax.envs import step_all
+        from rljax.envs.selfplay import Match, SeatEnv
+        from rljax.sampling import episode_engine as ee
+        from rljax.train.methods import matches, selfplay
+        cfg, g, per = self.ctx.cfg, self.g, self.rows
+        game, seat_rows = selfplay.seat_examples(cfg, [self.metas[j] for j in places],
+                                                 self.template)
+        kw = {k: v for k, v in agent.env_kwargs(cfg).items() if k in selfplay.SEAT_OPTIONS}
+        kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
+        envs = []
+        for j, per_seat in zip(places, seat_rows):
+            games = [Match(game, self.metas[j].get("deal")) for _ in range(g)]
+            envs += [SeatEnv(m, sx, s, **kw) for s, sx in enumerate(per_seat) for m in games]
+        lim, ro = agent.limits(cfg), cfg.rollout
+        max_plies = len(game.seats) * lim.max_turns
+        run = matches._SideRun(matches.Side(self.ctx.model_cfg, params, envs, g, ro.temperature,
+                                            ro.top_k, ro.top_p),
+                               self.ctx.tokenizer, self._renderer, lim, max_plies, self.ctx.mesh)
+        r = len(envs)
+        decoding = np.zeros(r, bool)   # to move: observed, its turn not ended
+        time_env = [0.0]
+
+        def top() -> list:
+            """``_engine_matches``' loop head: settle, observe the seats to move; then a place
+            whose matches cannot go on is over (its waiting seats truncated)."""
+            run.settle()
+            new = []
+            for i in np.flatnonzero(run.active & ~decoding):
+                env = run.envs[i]
+                if not env.to_move():
+                    continue
+                if env.match.plies >= max_plies:
+                    run._truncate(i)
+                    continue
+                before = int(run.length[i])
+                obs = run.next_observation(i)
+                if obs is not None:
+                    decoding[i] = True
+                    new.append((int(i), before, obs))
+            run.settle()   # seats of a match a truncation just abandoned
+            for n, j in enumerate(places):
+                rows = np.arange(n * per, (n + 1) * per)
+                if not decoding[rows].any():
+                    for i in rows[run.active[rows]]:
+                        run._truncate(i)
+                    if self.completed_at[j] < 0:
+                        self.completed_at[j] = self.clock
+            return new
+
+        def step(rows, texts) -> None:
+            t0 = time.perf_counter()
+            results = step_all([run.envs[i] for i in rows], texts)
+            time_env[0] += time.perf_counter() - t0
+            for i, res in zip(rows, results):
+                run.record(i, res)
+
+        moves = sorted((m[0], n, k, m[1], m[2]) for n, j in enumerate(places)
+                       for k, m in enumerate(self.moves[j]))
+        for chunk in sorted({m[0] for m in moves}):   # the recorded steps, chunk by chunk
+            top()
+            rows, texts = [], []
+            for _, n, _, row, turn in (m for m in moves if m[0] == chunk):
+                i, t = n * per + row, self.turns[places[n]][row][turn]
+                texts.append(run.turn_ended(i, list(t["ids"]), list(t["logps"]))[1])
+                rows.append(i)
+                decoding[i] = False
+            step(rows, texts)
+        new = top()
+        groups = [per_seat for per_seat in seat_rows]
+        done_places = lambda: sum(self.completed_at[j] >= 0 for j in places)  # noqa: E731
+        result = lambda: run.result(time_env[0])  # noqa: E731
+        if done_places() >= self.num_prompts or not decoding.any():
+            return result(), groups, (0, 0), 0
+        first = np.repeat(np.asarray(run.p_tok)[:, -1], g)
+        draw = self._draw_ids(places)
+        cache, state, run_chunk = self._engine_setup(lim, run.p_tok, run.p_mask, params, r)
+        state["row"][:] = np.arange(r)          # slot i holds row i
+        in_cache = np.zeros(r, bool)   # the slot's cache holds the row's trajectory
+        on_slot = np.zeros(r, bool)
+        busy = steps_run = drawn = 0
+        while done_places() < self.num_prompts:
+            for i, before, obs in new + [(int(i), None, None) for i in
+                                         np.flatnonzero(decoding & ~on_slot)]:
+                if on_slot[i]:
+                    continue
+                budget = min(run.n, run.m_max - int(run.length[i]))
+                turn = run.envs[i].match.plies
+                if in_cache[i]:
+                    ee.resume(state, i, row=i, lead=int(run.carry[i]), observation=obs,
+                              cursor=before, turn=turn, budget=budget, draw=int(draw[i]))
+                else:
+                    ee.resume(state, i, row=i, lead=int(first[i]),
+                              observation=run.tokens[i, :run.length[i]], cursor=0, turn=turn,
+                              budget=budget, draw=int(draw[i]))
+                on_slot[i] = True
+            if not state["live"].any():
+                break
+            before_cursor = state["cursor"].copy()
+            cache, state, ran = run_chunk(cache, state)
+            self.clock += 1
+            busy += int((state["cursor"] - before_cursor).sum())
+            steps_run += r * ran
+            ended = np.flatnonzero(on_slot & ~state["live"])
+            on_slot[ended], decoding[ended], in_cache[ended] = False, False, True
+            texts = []
+            for i in ended:
+                n, row = divmod(int(i), per)
+                j, t = places[n], int(state["t"][i])
+                k, text = run.turn_ended(i, state["tokens"][i, :t].tolist(), state["logps"][i])
+                self._record_turn(j, row, state["tokens"][i, :k], state["logps"][i, :k])
+                self.moves[j].append([self.clock, row, len(self.turns[j][row]) - 1])
+                texts.append(text)
+                drawn += t
+            if len(ended):
+                step(ended, texts)
+            new = top()
+        return result(), groups, (busy, steps_run), drawn + int(state["t"][on_slot].sum())
+
+    def metrics(self, rounds, step: int) -> dict:
+        m = super().metrics(rounds, step)
+        last = self._last
+        stale = int(step) - last["versions"] if last["versions"].size else np.zeros(1, np.int64)
+        m.update(staleness_metrics(stale))
+        m.update({"rollout/dropped_stale": int(last["dropped"]),
+                  "rollout/carried_groups": int((self.serial >= 0).sum()) * self.seats,
+                  "rollout/decoded_tokens": int(last["drawn"])})
+        return m
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain JSON: the places' admission serials, examples, finished turns (log-probs as
+        float32 values, exact through JSON's float64) and, with self-play, their order."""
+        return json.loads(json.dumps(dict(
+            serial=self.serial.tolist(), completed_at=self.completed_at.tolist(),
+            metas=self.metas, turns=self.turns, moves=self.moves, next_serial=self.next_serial,
+            clock=self.clock), default=_plain))
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["serial"]) != len(self.serial):
+            raise ValueError(f"the saved episodes in flight have {len(state['serial'])} "
+                             f"places, this config makes {len(self.serial)}")
+        self.serial = np.asarray(state["serial"], np.int64)
+        self.completed_at = np.asarray(state["completed_at"], np.int64)
+        self.metas = list(_restored(state["metas"]))
+        self.turns, self.moves = state["turns"], state["moves"]
+        self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
+
+
+def _subset(eps: dict, rows: np.ndarray) -> dict:
+    """``run_episodes``' result for ``rows`` only (the totals of ``info`` recounted)."""
+    out = dict(eps)
+    for k, v in eps.items():
+        if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == len(eps["prompts"]):
+            out[k] = v[rows]
+        elif isinstance(v, list) and len(v) == len(eps["prompts"]):
+            out[k] = [v[i] for i in rows]
+    info: dict[str, float] = {}
+    for c in out["counters"]:
+        ep._count(c, info)
+    out["info"] = info
+    return out
+
+
+def episode_rounds(ctx, num_prompts: int) -> agent.EpisodeRounds:
+    """The round source of an ``env.name`` config: with ``rollout.partial``, groups carried
+    across iterations (``EpisodePartialRounds``), else ``agent.EpisodeRounds``."""
+    if ctx.cfg.rollout.partial:
+        return EpisodePartialRounds(ctx, num_prompts)
+    return agent.EpisodeRounds(ctx)

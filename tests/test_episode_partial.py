@@ -1,0 +1,126 @@
+"""Partial rollouts of multi-turn episodes (rollout.partial with env.name): groups of tool
+episodes and self-play games carried across iterations at turn boundaries, their turns'
+versions in the staleness metrics, and a stop/resume equal to the straight run (the
+environments rebuilt by replaying the recorded turns)."""
+import jax
+import numpy as np
+import pytest
+
+from rljax.envs import StepResult, register_env
+from rljax.train import run
+from rljax.train.core.metrics import read_metrics
+from rljax.train.methods.episode_partial import EpisodePartialRounds
+from tests.test_agent_train import DEVICES, agent_cfg
+from tests.test_selfplay import ttt_cfg
+from tests.test_train_loop import StopAfter, comparable, final_params
+
+PARTIAL = {"rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 3,
+           "rollout.chunk_steps": 4, "rollout.max_staleness": 1, "algo.entropy_coef": 0.01}
+
+
+class LongEchoEnv:
+    """Two turns around an observation of 7 to 18 tokens (fed one a step), its length set by
+    the first turn's text: episodes of different lengths, most of their steps between their
+    turns."""
+
+    def __init__(self, example):
+        self.example, self.turns = example, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns >= 2:
+            return StepResult(done=True)
+        return StepResult(observation=[{"role": "tool",
+                                        "content": f"<r>{'=' * (sum(map(ord, text)) % 12)}</r>"}])
+
+
+register_env("test_long_echo", LongEchoEnv)
+# The tool demo's environment (an untrained model seldom calls the tool), and one whose every
+# episode has two turns around a long observation (so episodes are carried between their
+# turns, their environments replayed mid-way).
+ENVS = {"tool": {}, "echo": {"env.name": "test_long_echo", "env.tools": (), "sft.steps": 0,
+                             "sft.env_traces": False, "rollout.max_new_tokens": 8}}
+
+
+def partial_cfg(env: str):
+    cfg = agent_cfg(**{**PARTIAL, **ENVS[env]})
+    if env == "echo":
+        cfg.env.kwargs = {}
+    return cfg
+
+
+def watch_carried(monkeypatch) -> list:
+    """Per iteration, the rows of unfinished places that start it with turns played
+    (episodes or matches carried mid-way): ``(row's turns, ...)`` per such place."""
+    seen = []
+    drop_stale = EpisodePartialRounds._drop_stale
+
+    def spy(self):
+        seen.append([[len(t) for t in self.turns[j]] for j in range(len(self.serial))
+                     if self.serial[j] >= 0 and self.completed_at[j] < 0
+                     and any(self.turns[j])])
+        return drop_stale(self)
+    monkeypatch.setattr(EpisodePartialRounds, "_drop_stale", spy)
+    return seen
+
+
+@pytest.fixture(scope="module", params=list(ENVS))
+def straight(request, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp(f"episode_partial_{request.param}"))
+    with pytest.MonkeyPatch.context() as mp:
+        carried = watch_carried(mp)
+        assert run.train(partial_cfg(request.param), workdir, devices=DEVICES) == 0
+    return request.param, workdir, carried
+
+
+def test_episodes_are_carried_and_report_their_staleness(straight):
+    env, workdir, carried = straight
+    rl = [r for r in read_metrics(workdir) if "reward/mean" in r]
+    assert len(rl) == 3
+    assert all(r["rollout/carried_groups"] > 0 for r in rl)
+    # Turns drawn by an earlier version trained: episodes were carried across iterations.
+    assert max(r["rollout/staleness_max"] for r in rl) > 0
+    assert all(r["rollout/staleness_max"] <= 1 for r in rl)   # rollout.max_staleness
+    assert all(r["rollout/decoded_tokens"] > 0 for r in rl)
+    assert any(carried), carried   # unfinished groups carried with turns played
+    if env == "echo":   # every episode plays its two turns; some were carried between them
+        assert all(r["env/turns_mean"] == 2 for r in rl)
+        assert 1 in {n for places in carried for rows in places for n in rows}, carried
+
+
+def test_stop_and_resume_equals_straight_run(straight, tmp_path):
+    env, reference, _ = straight
+    workdir, cfg = str(tmp_path), partial_cfg(env)
+    first = min(r["step"] for r in read_metrics(reference) if "reward/mean" in r)
+    assert run.train(cfg, workdir, devices=DEVICES, stop=StopAfter(first)) == 0
+    assert max(r["step"] for r in read_metrics(workdir)) == first
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    assert comparable(read_metrics(workdir)) == comparable(read_metrics(reference))
+    jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(reference))
+
+
+def test_selfplay_with_partial_rollouts_resumes_exactly(tmp_path, monkeypatch):
+    """Self-play matches carried across iterations (a place is a game's G matches, a group
+    per seat): stopped after the first iteration and resumed (the matches rebuilt by
+    replaying their recorded moves in order), equal to the straight run."""
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "steps": 3,
+                     "algo.num_generations": 2, "rollout.max_new_tokens": 8,
+                     "algo.entropy_coef": 0.01, "rollout.engine": "slots",
+                     "rollout.partial": True, "rollout.chunk_steps": 3,
+                     "rollout.max_staleness": 1})
+    straight_dir, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    carried = watch_carried(monkeypatch)
+    assert run.train(cfg, straight_dir, devices=DEVICES) == 0
+    monkeypatch.undo()
+    assert any(carried), carried   # games carried with moves played
+    rl = [r for r in read_metrics(straight_dir) if "reward/mean" in r]
+    assert len(rl) == 3 and max(r["rollout/staleness_max"] for r in rl) > 0
+    assert all(r["rollout/carried_groups"] > 0 for r in rl)
+    assert run.train(cfg, resumed, devices=DEVICES, stop=StopAfter(rl[0]["step"])) == 0
+    assert run.train(cfg, resumed, devices=DEVICES) == 0
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight_dir))
+    jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
+                 final_params(straight_dir))
