@@ -124,7 +124,7 @@ def test_the_pools_examples_round_trip_exactly_through_the_checkpoint_json():
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
     metas = [{"prompt": "p", "images": image, "raw": [{"bytes": b"\x89PNG\x00", "path": None}],
               "n": np.int64(3)}, None]
-    back = rounds._restored(json.loads(json.dumps(metas, default=rounds._plain)))
+    back = rounds.from_json_field(json.loads(json.dumps(metas, default=rounds.json_field)))
     assert back[0]["images"].dtype == np.uint8
     np.testing.assert_array_equal(back[0]["images"], image)
     assert back[0]["raw"] == [{"bytes": b"\x89PNG\x00", "path": None}]

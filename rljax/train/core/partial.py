@@ -150,10 +150,10 @@ class PartialRounds:
     def state_dict(self) -> dict:
         # The groups' examples go into the checkpoint's JSON, exactly (their images are
         # decoded again from them on load: no pixels in the meta).
-        return json.loads(json.dumps(self.pool.state_dict(), default=_plain))
+        return json.loads(json.dumps(self.pool.state_dict(), default=json_field))
 
     def load_state_dict(self, state: dict) -> None:
-        self.pool.load_state_dict({**state, "metas": _restored(state["metas"])})
+        self.pool.load_state_dict({**state, "metas": from_json_field(state["metas"])})
         if self.images is not None:
             pool = self.pool
             self.pixels[:], self.image_ok[:] = 0.0, True
@@ -168,9 +168,10 @@ def rounds_of(ctx, num_prompts: int) -> PartialRounds | None:
     return PartialRounds(ctx, num_prompts) if ctx.cfg.rollout.partial else None
 
 
-def _plain(x):
-    """A dataset field JSON cannot hold, exactly: a numpy array (e.g. an image's uint8 pixels)
-    keeps its dtype and shape, bytes (an encoded image) their value; ``_restored`` undoes it."""
+def json_field(x):
+    """A dataset field JSON cannot hold, exactly (``json.dumps(..., default=json_field)``): a
+    numpy array (e.g. an image's uint8 pixels) keeps its dtype and shape, bytes (an encoded
+    image) their value; ``from_json_field`` undoes it."""
     if isinstance(x, np.ndarray):
         return {_ARRAY: partial_lib.encode_array(x)}
     if isinstance(x, (bytes, bytearray)):
@@ -184,12 +185,12 @@ def _plain(x):
 _ARRAY, _BYTES = "__ndarray__", "__bytes__"
 
 
-def _restored(x):
-    """``x`` read back from JSON with ``_plain``'s arrays and bytes decoded."""
+def from_json_field(x):
+    """``x`` read back from JSON with ``json_field``'s arrays and bytes decoded."""
     if isinstance(x, dict):
         if len(x) == 1 and _ARRAY in x:
             return partial_lib.decode_array(x[_ARRAY])
         if len(x) == 1 and _BYTES in x:
             return base64.b64decode(x[_BYTES])
-        return {k: _restored(v) for k, v in x.items()}
-    return [_restored(v) for v in x] if isinstance(x, list) else x
+        return {k: from_json_field(v) for k, v in x.items()}
+    return [from_json_field(v) for v in x] if isinstance(x, list) else x

@@ -54,7 +54,7 @@ from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import multiturn
 from rljax.train.core import episodes as ep
-from rljax.train.core.partial import _plain, _restored
+from rljax.train.core.partial import from_json_field, json_field
 from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core.sampler import engine_slots, sampling_params
 from rljax.train.methods import agent
@@ -426,7 +426,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         return json.loads(json.dumps(dict(
             serial=self.serial.tolist(), completed_at=self.completed_at.tolist(),
             metas=self.metas, turns=self.turns, moves=self.moves, next_serial=self.next_serial,
-            clock=self.clock), default=_plain))
+            clock=self.clock), default=json_field))
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["serial"]) != len(self.serial):
@@ -434,7 +434,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                              f"places, this config makes {len(self.serial)}")
         self.serial = np.asarray(state["serial"], np.int64)
         self.completed_at = np.asarray(state["completed_at"], np.int64)
-        self.metas = list(_restored(state["metas"]))
+        self.metas = list(from_json_field(state["metas"]))
         self.turns, self.moves = state["turns"], state["moves"]
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
 
