@@ -239,13 +239,33 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
 
 
+def test_dynamic_sampling_takes_the_next_groups_to_complete_and_resumes_exactly(tmp_path):
+    """algo.dynamic_sampling with partial rollouts: a group whose rewards are all equal is
+    dropped and the pool decodes on until enough informative groups complete (extra rounds,
+    each taking the next groups to complete); the staleness metrics cover every round's
+    tokens; stopped after update 2 and resumed, the run equals the straight one."""
+    cfg = lambda: _partial_cfg(**{  # noqa: E731
+        "steps": 3, "algo.dynamic_sampling": True, "reward.names": ("arithmetic", "length"),
+        "reward.kwargs": {"length": {"max_length": 8, "buffer": 6}}})
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    devices = jax.devices()[:1]
+    assert run.train(cfg(), straight, devices=devices) == 0
+    assert run.train(cfg(), split, devices=devices, stop=StopAfter(2)) == 0
+    assert run.train(cfg(), split, devices=devices) == 0
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert any(r["rollout/rounds"] > 1 for r in rl), [r["rollout/rounds"] for r in rl]
+    assert max(r["rollout/staleness_max"] for r in rl) >= 1
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rollout.engine": "static"},
      "rollout.partial=true needs rollout.engine='slots' (got 'static')"),
     ({"algo.name": "dpo"},
      "rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
-    ({"algo.dynamic_sampling": True},
-     "rollout.partial=true cannot be combined with algo.dynamic_sampling"),
+    ({"data.selection.name": "predicted"},
+     "rollout.partial=true cannot be combined with data.selection.name='predicted'"),
     ({"rollout.micro_batch_size": 8},
      "rollout.partial=true cannot be combined with rollout.micro_batch_size"),
     ({"rollout.max_staleness": -1}, "rollout.max_staleness"),

@@ -44,7 +44,7 @@ from rljax.sampling import partial as partial_lib
 from rljax.train.core import image_inputs
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
 from rljax.train.core.rollout import Rollout, rollout_temperatures
-from rljax.train.core.rollout_metrics import staleness_metrics
+from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import engine_slots, sampling_params
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
@@ -82,7 +82,7 @@ class PartialRounds:
                                     v.image_size), np.float32)
             self.image_ok = np.ones(c, bool)
         self._step = self._version = 0
-        self._key, self._taken = None, None
+        self._key, self._drawn = None, []   # per sampling round of this call (metrics)
         # Asynchronous RL samples ahead: the version of the parameters it passes (step k's
         # batch drawn by version k - lag); None: ``step`` (the batch trains at once).
         self.params_version: int | None = None
@@ -92,19 +92,13 @@ class PartialRounds:
         self._step = int(step)
         self._version = self._step if self.params_version is None else int(self.params_version)
         self._key = jax.random.fold_in(state.rng, PARTIAL_STREAM)
+        self._drawn = []
 
     def metrics(self, rounds, step: int) -> dict:
-        """Staleness of the batch's tokens at the update that trains it (step ``step``),
-        stale drops, groups carried, tokens drawn this iteration (the pool's, whatever the
-        ``rounds``)."""
-        t = self._taken
-        versions = t.rows["versions"][t.rows["mask"]]
-        stale = int(step) - versions if versions.size else np.zeros(1, np.int64)
-        return {**staleness_metrics(stale),
-                "rollout/dropped_stale": int(t.dropped_stale),
-                "rollout/carried_groups": int(self.pool.c - self.pool.free),
-                # this iteration's sampling work (carried groups' tokens included)
-                "rollout/decoded_tokens": int(t.drawn)}
+        """Staleness of the tokens drawn for this call's rounds at the update that trains them
+        (step ``step``), stale drops, groups carried, tokens drawn this iteration (the
+        pool's, carried groups included): ``carried_metrics``."""
+        return carried_metrics(self._drawn, step, self.pool.c - self.pool.free)
 
     def sample_round(self, rollout: Rollout, params, rng=None) -> dict:
         """The next ``num_prompts`` groups to complete, scored by ``rollout``. ``rng`` is not
@@ -123,7 +117,8 @@ class PartialRounds:
         embeds = None if self.images is None else self.images.embeds(params, self.pixels)
         taken = pool.run(params, self._key, version=self._version, want=self.num_prompts,
                          max_staleness=self._staleness_bound(), image_embeds=embeds)
-        self._taken = taken
+        self._drawn.append(dict(versions=taken.rows["versions"][taken.rows["mask"]],
+                                dropped=taken.dropped_stale, drawn=taken.drawn))
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
         out["decoded"] = out["lengths"].reshape(-1, g).sum(axis=1)
         out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps)
