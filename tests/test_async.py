@@ -152,8 +152,8 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
      "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
     ({"algo.kl_in_reward": True}, "algo.asynchronous=true cannot be combined with "
                                   "algo.kl_in_reward"),
-    ({"algo.hint.mode": "fixed"}, "algo.asynchronous=true cannot be combined with "
-                                  "algo.hint.mode"),
+    ({"algo.relift.every": 2}, "algo.asynchronous=true cannot be combined with "
+                               "algo.relift.every"),
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),
@@ -229,5 +229,29 @@ def test_prompt_selection_learns_from_batches_sampled_ahead_and_resumes_exactly(
         assert [r["selection/level"] for r in records] == [2, 3, 3, 3]
     else:
         assert records[-1]["selection/tracked"] > 4
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
+def test_hints_for_batches_sampled_ahead_resume_exactly(tmp_path):
+    """algo.hint with algo.asynchronous: the sampler hints the failed groups of the batch it
+    draws ahead (the hinted samples drawn by its own version, whose log-probs the decoupled
+    loss reads), and the replay store and adaptive fractions it leaves are saved with the
+    batches in flight: a run stopped after update 2 and resumed equals the straight run."""
+    def cfg():
+        c = _cfg(**{"algo.hint.mode": "adaptive", "algo.hint.step": 0.5,
+                    "algo.hint.source": "replay", "algo.mini_batch_size": 0})
+        c.data.kwargs = {"digits": 1, "eval_examples": 8, "num_examples": 8}  # prompts revisit
+        return config.validate(c)
+
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run.train(cfg(), straight, devices=jax.devices()) == 0
+    assert run.train(cfg(), split, devices=jax.devices(), stop=StopAfter(2)) == 0
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(split)) as ckpt:
+        assert ckpt.restore_meta()["phase_state"]["guidance"]["hints"]["fractions"]
+    assert run.train(cfg(), split, devices=jax.devices()) == 0
+    records = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert [r["rollout/sample_version"] for r in records] == [0, 0, 1, 2]
+    assert all(r["hint/fraction_hinted"] > 0 for r in records)
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))

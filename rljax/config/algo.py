@@ -518,7 +518,6 @@ def check_async(cfg) -> None:
                     # PPO shapes its token rewards with the KL at update time (``prepare``);
                     # GRPO does it in the rollout, with the update's policy.
                     ("algo.kl_in_reward", a.kl_in_reward and a.name != "ppo"),
-                    ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy),
                     ("algo.relift.every", bool(a.relift.every))):
         if on:
