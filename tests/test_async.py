@@ -152,8 +152,10 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
      "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
     ({"algo.kl_in_reward": True}, "algo.asynchronous=true cannot be combined with "
                                   "algo.kl_in_reward"),
-    ({"algo.relift.every": 2}, "algo.asynchronous=true cannot be combined with "
-                               "algo.relift.every"),
+    ({"algo.mixed_policy": True}, "algo.asynchronous=true cannot be combined with "
+                                  "algo.mixed_policy"),
+    ({"algo.relift.every": 2, "algo.inflight_updates": True, "rollout.engine": "slots"},
+     "algo.inflight_updates=true cannot be combined with algo.relift.every"),
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),
@@ -233,14 +235,17 @@ def test_prompt_selection_learns_from_batches_sampled_ahead_and_resumes_exactly(
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 
 
-def test_hints_for_batches_sampled_ahead_resume_exactly(tmp_path):
-    """algo.hint with algo.asynchronous: the sampler hints the failed groups of the batch it
-    draws ahead (the hinted samples drawn by its own version, whose log-probs the decoupled
-    loss reads), and the replay store and adaptive fractions it leaves are saved with the
-    batches in flight: a run stopped after update 2 and resumed equals the straight run."""
+def test_hints_and_relift_with_batches_sampled_ahead_resume_exactly(tmp_path):
+    """algo.hint and algo.relift with algo.asynchronous: the sampler hints the failed groups
+    of the batch it draws ahead (the hinted samples drawn by its own version, whose log-probs
+    the decoupled loss reads); ReLIFT's SFT step follows every second update, so the next
+    version published includes it; the replay store, adaptive fractions and ReLIFT buffer
+    are saved with the batches in flight: a run stopped after update 2 and resumed equals the
+    straight run."""
     def cfg():
         c = _cfg(**{"algo.hint.mode": "adaptive", "algo.hint.step": 0.5,
-                    "algo.hint.source": "replay", "algo.mini_batch_size": 0})
+                    "algo.hint.source": "replay", "algo.mini_batch_size": 0,
+                    "algo.relift.every": 2, "algo.relift.batch_size": 4})
         c.data.kwargs = {"digits": 1, "eval_examples": 8, "num_examples": 8}  # prompts revisit
         return config.validate(c)
 
@@ -253,5 +258,8 @@ def test_hints_for_batches_sampled_ahead_resume_exactly(tmp_path):
     records = [r for r in read_metrics(straight) if "reward/mean" in r]
     assert [r["rollout/sample_version"] for r in records] == [0, 0, 1, 2]
     assert all(r["hint/fraction_hinted"] > 0 for r in records)
+    assert ["relift/sft_loss" in r for r in records] == [False, True, False, True]
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(straight)) as ckpt:
+        assert int(ckpt.restore().state["step"]) == 4 + 2   # 4 RL and 2 SFT updates
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))

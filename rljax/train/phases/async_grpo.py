@@ -11,7 +11,8 @@ A fixed schedule on the single controller (docs/internals.md, "Asynchronous RL")
    mesh, not fetched;
 3. **sample** batch k + s on the rollout mesh with the version-k copy (rewards, advantages on
    the host) while the training devices run step 2;
-4. fetch the update's metrics.
+4. with ``algo.relift``, ReLIFT's SFT step when it is due (after the update: version k + 1
+   includes it); fetch the update's metrics.
 
 With ``algo.inflight_updates`` the sampler does not wait for iteration k + 1 to see version
 k + 1: between the slot engine's decode chunks of batch k + s it asks whether update k has
@@ -166,6 +167,10 @@ class AsyncSchedule:
             sampled += self.inflight[step + self.lag][1]["time/sample"]
             transfer += sum(swapped)
         t_wait = time.perf_counter()
+        relift = getattr(self, "relift", None)
+        if relift is not None:   # ReLIFT's SFT step after the update (blocks on it), so
+            state, relift_metrics = relift.maybe_step(state, step, self.optimizer)
+            metrics.update(relift_metrics)   # version step + 1 includes it
         updates = [to_host(m) for m in updates]
         t_end = time.perf_counter()
         wall = t_end - t0
