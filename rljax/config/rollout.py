@@ -196,8 +196,7 @@ def check_allocation(cfg) -> None:
                      not in ("uniform", "predicted")),
                     ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy),
-                    ("algo.relift.every", bool(a.relift.every)),
-                    ("algo.asynchronous", bool(a.get("asynchronous", False)))):
+                    ("algo.relift.every", bool(a.relift.every))):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
                               "(it samples or picks groups its own way)")
