@@ -249,8 +249,9 @@ def test_knapsack_train_run(reward_file, tmp_path, selection_name):
 
 def test_knapsack_with_batches_sampled_ahead_resumes_exactly(reward_file, tmp_path):
     """algo.asynchronous: the sampler sizes the groups of the batch it draws ahead from the
-    pass rates observed so far, and the posteriors travel with the batches in flight: a run
-    stopped after update 2 and resumed (batch 4 sized after the restore) equals the straight
+    pass rates observed so far, and MoPPS (``data.selection.name='predicted'``) picks its
+    prompts from its posteriors; both travel with the batches in flight: a run stopped after
+    update 2 and resumed (batch 4 picked and sized after the restore) equals the straight
     run."""
     import jax
     from rljax.train import run
@@ -258,7 +259,8 @@ def test_knapsack_with_batches_sampled_ahead_resumes_exactly(reward_file, tmp_pa
     from test_train_loop import StopAfter, comparable, final_params
 
     cfg = lambda: tiny_cfg(reward_file, **{  # noqa: E731
-        "steps": 4, "algo.asynchronous": True, "rollout.knapsack.budget": 14})
+        "steps": 4, "algo.asynchronous": True, "rollout.knapsack.budget": 14,
+        "data.selection.name": "predicted", "data.selection.pool_factor": 2})
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     devices = jax.devices()[:1]
     assert run.train(cfg(), straight, devices=devices) == 0
@@ -267,6 +269,7 @@ def test_knapsack_with_batches_sampled_ahead_resumes_exactly(reward_file, tmp_pa
     rl = [r for r in read_metrics(straight) if "reward/mean" in r]
     assert [r["rollout/sample_version"] for r in rl] == [0, 0, 1, 2]
     assert any(r["rollout/group_size_max"] > r["rollout/group_size_min"] for r in rl)
+    assert rl[-1]["selection/tracked"] > 4
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 
