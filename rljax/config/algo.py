@@ -518,8 +518,7 @@ def check_async(cfg) -> None:
     if a.inflight_updates and cfg.env.name:
         raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
                           "episode engine does not take new weights between chunks yet)")
-    for key, on in (("rollout.tree.enabled", r.tree.enabled),
-                    # PPO shapes its token rewards with the KL at update time (``prepare``);
+    for key, on in (# PPO shapes its token rewards with the KL at update time (``prepare``);
                     # GRPO does it in the rollout, with the update's policy.
                     ("algo.kl_in_reward", a.kl_in_reward and a.name != "ppo"),
                     ("algo.mixed_policy", a.mixed_policy)):
