@@ -159,8 +159,6 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),
-    ({"env.name": "tictactoe", "env.selfplay.mode": "self", "algo.adv_estimator": "rae"},
-     "algo.asynchronous=true cannot be combined with algo.adv_estimator='rae' yet"),
     ({"algo.inflight_updates": True}, "algo.inflight_updates=true needs "
                                       "rollout.engine='slots' without rollout.partial"),
     ({"algo.inflight_updates": True, "algo.asynchronous": False, "mesh.rollout_devices": 0},

@@ -505,12 +505,6 @@ def check_async(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
                           f"'ppo' (got '{a.name}')")
-    from rljax.algorithms import uses_roles   # the live registry's flag
-    if uses_roles(a.adv_estimator):
-        raise ConfigError(f"algo.asynchronous=true cannot be combined with algo.adv_estimator="
-                          f"{a.adv_estimator!r} yet (its per-role baselines are carried from "
-                          "one update to the next, and a batch sampled ahead would read a "
-                          "stale one)")
     if a.inflight_updates and a.relift.every:
         raise ConfigError("algo.inflight_updates=true cannot be combined with algo.relift.every "
                           "(ReLIFT's SFT steps change the weights after an update, and a "

@@ -54,7 +54,8 @@ from rljax import distributed as dist
 from rljax import sharding as shd
 from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
-from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
+from rljax.train.phases.grpo import (GRPOPhase, carry_role_baseline, merge_updates,
+                                     single_update)
 from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
@@ -67,6 +68,7 @@ class SamplerState:
     params: Any
     rng: Any
     ref_params: Any = None
+    role_baseline: Any = None   # RAE: the baseline after the batches sampled so far
 
 
 class AsyncSchedule:
@@ -88,6 +90,9 @@ class AsyncSchedule:
         self.rollout.old_logps, self.rollout.needs_ref = False, False
         self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
         self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
+        # RAE's per-role baseline moves with the rewards of each batch as it is sampled, so the
+        # sampler keeps its own (the train state's follows as the batches train).
+        self.sampler_baseline = None
         self.inflight_updates = bool(cfg.algo.inflight_updates)
 
     # -- the two meshes ------------------------------------------------------------------------
@@ -121,8 +126,11 @@ class AsyncSchedule:
         """Samples the batch update ``step`` trains on with the published policy."""
         if hasattr(self.rollout.rounds, "params_version"):   # partial rollouts: versions
             self.rollout.rounds.params_version = self.sampler_version
-        view = SamplerState(self.sampler_params, self._sampler_rng)
+        view = SamplerState(self.sampler_params, self._sampler_rng,
+                            role_baseline=self.sampler_baseline)
         batch, metrics = self.rollout(view, step)
+        if "role_baseline" in batch:   # the next batch's advantages start from this one's
+            self.sampler_baseline = batch["role_baseline"]
         v = self.sampler_version
         metrics["rollout/sample_version"] = v
         if "rollout/staleness_mean" not in metrics:   # every token drawn by version v
@@ -145,6 +153,8 @@ class AsyncSchedule:
         transfer, sampled = 0.0, 0.0
         if step not in self.inflight:   # a fresh start: the first `lag` batches by this policy
             transfer += self.publish(state, step)
+            if state.role_baseline is not None:
+                self.sampler_baseline = np.asarray(jax.device_get(state.role_baseline))
             for j in range(step, min(step + self.lag, self.steps)):
                 self.sample(j)
                 sampled += self.inflight[j][1]["time/sample"]
@@ -203,6 +213,8 @@ class AsyncSchedule:
         self.inflight = {int(j): ({k: decode_array(x) for k, x in item["batch"].items()},
                                   dict(item["metrics"]), int(item["version"]))
                          for j, item in state.get("inflight", {}).items()}
+        if self.inflight:   # RAE: the baseline the last batch in flight left
+            self.sampler_baseline = self.inflight[max(self.inflight)][0].get("role_baseline")
 
 
 class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
@@ -224,7 +236,9 @@ class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
         return self._step_fn
 
     def train_on(self, state, batch: dict, metrics: dict, step: int):
-        """Batch k's log-prob passes, then the update (dispatched, not fetched)."""
+        """Batch k's log-prob passes, then the update (dispatched, not fetched); RAE's
+        baseline after batch k goes into the state, as in the synchronous phase."""
+        state, batch = carry_role_baseline(self.ctx, state, batch)
         return self.update(state, self._logp_passes(state, batch, metrics))
 
     def _logp_passes(self, state, batch: dict, metrics: dict) -> dict:
