@@ -158,8 +158,7 @@ def check_partial(cfg) -> None:
                           "and a carried group's prompt was drawn iterations earlier)")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.hint.mode", a.hint.mode != "off"),
-                    ("algo.mixed_policy", a.mixed_policy),
-                    ("algo.relift.every", bool(a.relift.every))):
+                    ("algo.mixed_policy", a.mixed_policy)):
         if on:
             raise ConfigError(f"rollout.partial=true cannot be combined with {key} (it "
                               "samples or picks groups per round); turn one of them off")
