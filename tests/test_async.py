@@ -152,13 +152,13 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
      "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
     ({"algo.kl_in_reward": True}, "algo.asynchronous=true cannot be combined with "
                                   "algo.kl_in_reward"),
-    ({"algo.hint.mode": "fixed"}, "algo.asynchronous=true cannot be combined with "
-                                  "algo.hint.mode"),
+    ({"algo.mixed_policy": True}, "algo.asynchronous=true cannot be combined with "
+                                  "algo.mixed_policy"),
+    ({"algo.relift.every": 2, "algo.inflight_updates": True, "rollout.engine": "slots"},
+     "algo.inflight_updates=true cannot be combined with algo.relift.every"),
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),
-    ({"env.name": "tictactoe", "env.selfplay.mode": "self", "algo.adv_estimator": "rae"},
-     "algo.asynchronous=true cannot be combined with algo.adv_estimator='rae' yet"),
     ({"algo.inflight_updates": True}, "algo.inflight_updates=true needs "
                                       "rollout.engine='slots' without rollout.partial"),
     ({"algo.inflight_updates": True, "algo.asynchronous": False, "mesh.rollout_devices": 0},
@@ -201,33 +201,41 @@ def test_the_plan_plans_the_sampler_on_the_rollout_mesh():
                             "rollout mesh (data=4 fsdp=1 tensor=1)") for n in planned.notes)
 
 
-@pytest.mark.parametrize("selection", [
-    # MoPPS posteriors steer which of 12 prompts the sampler draws ahead (every sample counts
-    # as a success, so a seen prompt's posterior moves away from the prior).
-    {"data.selection.name": "predicted", "data.selection.pool_factor": 2,
-     "data.selection.threshold": 0.0,
-     "data.kwargs": {"digits": 1, "eval_examples": 8, "num_examples": 12}},
-    # A curriculum level raised by every round sampled so far (1, 2, then 3 digits).
-    {"data.selection.name": "curriculum", "data.selection.knob": "digits",
-     "data.selection.min_level": 1, "data.selection.window": 1,
-     "data.selection.threshold": 0.0, "data.selection.low": 0.1, "data.selection.high": 0.5,
-     "data.kwargs": {"digits": 3, "eval_examples": 8}}])
-def test_prompt_selection_learns_from_batches_sampled_ahead_and_resumes_exactly(tmp_path,
-                                                                                selection):
-    """data.selection with algo.asynchronous: the selector observes each batch as the sampler
-    draws it (a version ahead of the update) and its state travels with the batches in
-    flight, so a run stopped after update 2 and resumed (the selector then draws batch 4)
-    equals the straight run."""
-    cfg = lambda: _cfg(**selection)  # noqa: E731
+def test_curriculum_hints_and_relift_with_batches_sampled_ahead_resume_exactly(tmp_path):
+    """data.selection, algo.hint and algo.relift with algo.asynchronous: the curriculum
+    observes each batch as the sampler draws it (a version ahead of the update) and moves the
+    level of the prompts drawn next; the sampler hints the failed groups of that batch (the
+    hinted samples drawn by its own version, whose log-probs the decoupled loss reads);
+    ReLIFT's SFT step follows every second update, so the next version published includes
+    it. The level, the replay store, the adaptive fractions and the ReLIFT buffer are saved
+    with the batches in flight: a run stopped after update 2 and resumed (batch 4 drawn after
+    the restore) equals the straight run. (MoPPS's posteriors: tests/test_knapsack.py.)"""
+    def cfg():
+        c = _cfg(**{"algo.hint.mode": "adaptive", "algo.hint.step": 0.5,
+                    "algo.hint.source": "replay",
+                    "algo.mini_batch_size": 0, "algo.relift.every": 2,
+                    "algo.relift.batch_size": 4,
+                    # every sample counts as a success for the level: 1, 2, then 3 digits
+                    "data.selection.name": "curriculum", "data.selection.knob": "digits",
+                    "data.selection.min_level": 1, "data.selection.window": 1,
+                    "data.selection.threshold": 0.0, "data.selection.low": 0.1,
+                    "data.selection.high": 0.5})
+        c.data.kwargs = {"digits": 3, "eval_examples": 8, "num_examples": 8}  # prompts revisit
+        return config.validate(c)
+
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     assert run.train(cfg(), straight, devices=jax.devices()) == 0
     assert run.train(cfg(), split, devices=jax.devices(), stop=StopAfter(2)) == 0
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(split)) as ckpt:
+        state = ckpt.restore_meta()["phase_state"]
+    assert state["guidance"]["hints"]["fractions"] and state["guidance"]["relift"]["entries"]
     assert run.train(cfg(), split, devices=jax.devices()) == 0
     records = [r for r in read_metrics(straight) if "reward/mean" in r]
     assert [r["rollout/sample_version"] for r in records] == [0, 0, 1, 2]
-    if "selection/level" in records[0]:
-        assert [r["selection/level"] for r in records] == [2, 3, 3, 3]
-    else:
-        assert records[-1]["selection/tracked"] > 4
+    assert [r["selection/level"] for r in records] == [2, 3, 3, 3]
+    assert all(r["hint/fraction_hinted"] > 0 for r in records)
+    assert ["relift/sft_loss" in r for r in records] == [False, True, False, True]
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(straight)) as ckpt:
+        assert int(ckpt.restore().state["step"]) == 4 + 2   # 4 RL and 2 SFT updates
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))

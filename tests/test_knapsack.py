@@ -247,6 +247,33 @@ def test_knapsack_train_run(reward_file, tmp_path, selection_name):
     assert all(r["update/shared_prompt"] == 1.0 for r in rl)
 
 
+def test_knapsack_with_batches_sampled_ahead_resumes_exactly(reward_file, tmp_path):
+    """algo.asynchronous: the sampler sizes the groups of the batch it draws ahead from the
+    pass rates observed so far, and MoPPS (``data.selection.name='predicted'``) picks its
+    prompts from its posteriors; both travel with the batches in flight: a run stopped after
+    update 2 and resumed (batch 4 picked and sized after the restore) equals the straight
+    run."""
+    import jax
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from test_train_loop import StopAfter, comparable, final_params
+
+    cfg = lambda: tiny_cfg(reward_file, **{  # noqa: E731
+        "steps": 4, "algo.asynchronous": True, "rollout.knapsack.budget": 14,
+        "data.selection.name": "predicted", "data.selection.pool_factor": 2})
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    devices = jax.devices()[:1]
+    assert run.train(cfg(), straight, devices=devices) == 0
+    assert run.train(cfg(), split, devices=devices, stop=StopAfter(2)) == 0
+    assert run.train(cfg(), split, devices=devices) == 0
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert [r["rollout/sample_version"] for r in rl] == [0, 0, 1, 2]
+    assert any(r["rollout/group_size_max"] > r["rollout/group_size_min"] for r in rl)
+    assert rl[-1]["selection/tracked"] > 4
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.allocation=knapsack", "algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
     (["rollout.allocation=knapsack", "rollout.knapsack.max_samples=3"], "rollout.knapsack"),

@@ -124,7 +124,7 @@ def test_the_pools_examples_round_trip_exactly_through_the_checkpoint_json():
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
     metas = [{"prompt": "p", "images": image, "raw": [{"bytes": b"\x89PNG\x00", "path": None}],
               "n": np.int64(3)}, None]
-    back = rounds._restored(json.loads(json.dumps(metas, default=rounds._plain)))
+    back = rounds.from_json_field(json.loads(json.dumps(metas, default=rounds.json_field)))
     assert back[0]["images"].dtype == np.uint8
     np.testing.assert_array_equal(back[0]["images"], image)
     assert back[0]["raw"] == [{"bytes": b"\x89PNG\x00", "path": None}]
@@ -239,13 +239,41 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
 
 
+def test_dynamic_sampling_and_relift_take_groups_as_they_complete_and_resume_exactly(
+        tmp_path):
+    """algo.dynamic_sampling with partial rollouts: a group whose rewards are all equal is
+    dropped and the pool decodes on until enough informative groups complete (extra rounds,
+    each taking the next groups to complete); the staleness metrics cover every round's
+    tokens. ReLIFT's buffer sees each group when it completes and its SFT step follows every
+    second update. Stopped after update 2 and resumed, the run equals the straight one."""
+    def cfg():
+        c = _partial_cfg(**{
+            "steps": 4, "algo.dynamic_sampling": True, "reward.names": ("arithmetic", "length"),
+            "reward.kwargs": {"length": {"max_length": 8, "buffer": 6}},
+            "algo.relift.every": 2, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1})
+        c.data.kwargs = {"digits": 1, "eval_examples": 8, "num_examples": 8}  # prompts revisit
+        return config.validate(c)
+
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    devices = jax.devices()[:1]
+    assert run.train(cfg(), straight, devices=devices) == 0
+    assert run.train(cfg(), split, devices=devices, stop=StopAfter(2)) == 0
+    assert run.train(cfg(), split, devices=devices) == 0
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert any(r["rollout/rounds"] > 1 for r in rl), [r["rollout/rounds"] for r in rl]
+    assert max(r["rollout/staleness_max"] for r in rl) >= 1
+    assert ["relift/sft_loss" in r for r in rl] == [False, True, False, True]
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rollout.engine": "static"},
      "rollout.partial=true needs rollout.engine='slots' (got 'static')"),
     ({"algo.name": "dpo"},
      "rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
-    ({"algo.dynamic_sampling": True},
-     "rollout.partial=true cannot be combined with algo.dynamic_sampling"),
+    ({"data.selection.name": "predicted"},
+     "rollout.partial=true cannot be combined with data.selection.name='predicted'"),
     ({"rollout.micro_batch_size": 8},
      "rollout.partial=true cannot be combined with rollout.micro_batch_size"),
     ({"rollout.max_staleness": -1}, "rollout.max_staleness"),

@@ -103,6 +103,26 @@ def test_rae_run_checkpoints_its_baselines_and_resumes_exactly(rae_run, tmp_path
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
 
 
+def test_rae_with_games_sampled_ahead_resumes_exactly(tmp_path):
+    """algo.asynchronous with RAE: the sampler's baselines move with each batch as it is
+    drawn (a version ahead of the update), as the train state's do in the synchronous run,
+    and a run stopped after update 2 and resumed (the next batch's baselines read from the
+    last batch in flight) equals the straight run."""
+    cfg = lambda: ttt_cfg(**{**RAE_RUN, "algo.asynchronous": True, "steps": 4})  # noqa: E731
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run.train(cfg(), straight, devices=DEVICES) == 0
+    assert run.train(cfg(), split, devices=DEVICES, stop=StopAfter(2)) == 0
+    assert run.train(cfg(), split, devices=DEVICES) == 0
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert [r["rollout/sample_version"] for r in rl] == [0, 0, 1, 2]
+    keys = sorted(k for k in rl[0] if k.startswith("rae/baseline_"))
+    assert keys and len({tuple(r[k] for k in keys) for r in rl}) > 1   # the baselines move
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    (b1, p1), (b2, p2) = _baseline(straight), _baseline(split)
+    np.testing.assert_array_equal(b1, b2)
+    jax.tree.map(np.testing.assert_array_equal, p1, p2)
+
+
 @pytest.mark.parametrize("overrides,needle", [
     ({"env.name": ""}, "needs each episode's role"),
     ({"algo.dynamic_sampling": True}, "algo.dynamic_sampling and rollout.partial"),

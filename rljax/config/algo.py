@@ -505,22 +505,17 @@ def check_async(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
                           f"'ppo' (got '{a.name}')")
-    from rljax.algorithms import uses_roles   # the live registry's flag
-    if uses_roles(a.adv_estimator):
-        raise ConfigError(f"algo.asynchronous=true cannot be combined with algo.adv_estimator="
-                          f"{a.adv_estimator!r} yet (its per-role baselines are carried from "
-                          "one update to the next, and a batch sampled ahead would read a "
-                          "stale one)")
+    if a.inflight_updates and a.relift.every:
+        raise ConfigError("algo.inflight_updates=true cannot be combined with algo.relift.every "
+                          "(ReLIFT's SFT steps change the weights after an update, and a "
+                          "version published in flight would miss them)")
     if a.inflight_updates and cfg.env.name:
         raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
                           "episode engine does not take new weights between chunks yet)")
-    for key, on in (("rollout.tree.enabled", r.tree.enabled),
-                    # PPO shapes its token rewards with the KL at update time (``prepare``);
+    for key, on in (# PPO shapes its token rewards with the KL at update time (``prepare``);
                     # GRPO does it in the rollout, with the update's policy.
                     ("algo.kl_in_reward", a.kl_in_reward and a.name != "ppo"),
-                    ("algo.hint.mode", a.hint.mode != "off"),
-                    ("algo.mixed_policy", a.mixed_policy),
-                    ("algo.relift.every", bool(a.relift.every))):
+                    ("algo.mixed_policy", a.mixed_policy)):
         if on:
             raise ConfigError(f"algo.asynchronous=true cannot be combined with {key} "
                               "(not supported with batches sampled ahead); turn one of them off")

@@ -140,8 +140,9 @@ def check_engine(cfg) -> None:
 
 
 def check_partial(cfg) -> None:
-    """Partial rollouts need the slot engine and a GRPO step that takes one round of groups
-    as they complete: nothing that samples extra rounds, re-samples or re-orders groups."""
+    """Partial rollouts need the slot engine and a GRPO step that takes groups as they
+    complete: extra rounds (dynamic sampling, the online filter) take the next ones to
+    complete; nothing may re-sample a group or need the prompt each group was drawn for."""
     r, a = cfg.rollout, cfg.algo
     if not r.partial:
         return
@@ -151,12 +152,13 @@ def check_partial(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' "
                           f"(got '{a.name}')")
+    if cfg.data.selection.name == "predicted":
+        raise ConfigError("rollout.partial=true cannot be combined with data.selection.name="
+                          "'predicted' (its posteriors learn which prompt each group came from, "
+                          "and a carried group's prompt was drawn iterations earlier)")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
-                    ("algo.dynamic_sampling", a.dynamic_sampling),
-                    ("data.selection.name", cfg.data.selection.name != "uniform"),
                     ("algo.hint.mode", a.hint.mode != "off"),
-                    ("algo.mixed_policy", a.mixed_policy),
-                    ("algo.relift.every", bool(a.relift.every))):
+                    ("algo.mixed_policy", a.mixed_policy)):
         if on:
             raise ConfigError(f"rollout.partial=true cannot be combined with {key} (it "
                               "samples or picks groups per round); turn one of them off")
@@ -193,8 +195,7 @@ def check_allocation(cfg) -> None:
                      not in ("uniform", "predicted")),
                     ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy),
-                    ("algo.relift.every", bool(a.relift.every)),
-                    ("algo.asynchronous", bool(a.get("asynchronous", False)))):
+                    ("algo.relift.every", bool(a.relift.every))):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
                               "(it samples or picks groups its own way)")

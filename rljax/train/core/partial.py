@@ -44,7 +44,7 @@ from rljax.sampling import partial as partial_lib
 from rljax.train.core import image_inputs
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
 from rljax.train.core.rollout import Rollout, rollout_temperatures
-from rljax.train.core.rollout_metrics import staleness_metrics
+from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import engine_slots, sampling_params
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
@@ -82,7 +82,7 @@ class PartialRounds:
                                     v.image_size), np.float32)
             self.image_ok = np.ones(c, bool)
         self._step = self._version = 0
-        self._key, self._taken = None, None
+        self._key, self._drawn = None, []   # per sampling round of this call (metrics)
         # Asynchronous RL samples ahead: the version of the parameters it passes (step k's
         # batch drawn by version k - lag); None: ``step`` (the batch trains at once).
         self.params_version: int | None = None
@@ -92,19 +92,13 @@ class PartialRounds:
         self._step = int(step)
         self._version = self._step if self.params_version is None else int(self.params_version)
         self._key = jax.random.fold_in(state.rng, PARTIAL_STREAM)
+        self._drawn = []
 
     def metrics(self, rounds, step: int) -> dict:
-        """Staleness of the batch's tokens at the update that trains it (step ``step``),
-        stale drops, groups carried, tokens drawn this iteration (the pool's, whatever the
-        ``rounds``)."""
-        t = self._taken
-        versions = t.rows["versions"][t.rows["mask"]]
-        stale = int(step) - versions if versions.size else np.zeros(1, np.int64)
-        return {**staleness_metrics(stale),
-                "rollout/dropped_stale": int(t.dropped_stale),
-                "rollout/carried_groups": int(self.pool.c - self.pool.free),
-                # this iteration's sampling work (carried groups' tokens included)
-                "rollout/decoded_tokens": int(t.drawn)}
+        """Staleness of the tokens drawn for this call's rounds at the update that trains them
+        (step ``step``), stale drops, groups carried, tokens drawn this iteration (the
+        pool's, carried groups included): ``carried_metrics``."""
+        return carried_metrics(self._drawn, step, self.pool.c - self.pool.free)
 
     def sample_round(self, rollout: Rollout, params, rng=None) -> dict:
         """The next ``num_prompts`` groups to complete, scored by ``rollout``. ``rng`` is not
@@ -123,7 +117,8 @@ class PartialRounds:
         embeds = None if self.images is None else self.images.embeds(params, self.pixels)
         taken = pool.run(params, self._key, version=self._version, want=self.num_prompts,
                          max_staleness=self._staleness_bound(), image_embeds=embeds)
-        self._taken = taken
+        self._drawn.append(dict(versions=taken.rows["versions"][taken.rows["mask"]],
+                                dropped=taken.dropped_stale, drawn=taken.drawn))
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
         out["decoded"] = out["lengths"].reshape(-1, g).sum(axis=1)
         out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps)
@@ -150,10 +145,10 @@ class PartialRounds:
     def state_dict(self) -> dict:
         # The groups' examples go into the checkpoint's JSON, exactly (their images are
         # decoded again from them on load: no pixels in the meta).
-        return json.loads(json.dumps(self.pool.state_dict(), default=_plain))
+        return json.loads(json.dumps(self.pool.state_dict(), default=json_field))
 
     def load_state_dict(self, state: dict) -> None:
-        self.pool.load_state_dict({**state, "metas": _restored(state["metas"])})
+        self.pool.load_state_dict({**state, "metas": from_json_field(state["metas"])})
         if self.images is not None:
             pool = self.pool
             self.pixels[:], self.image_ok[:] = 0.0, True
@@ -168,9 +163,10 @@ def rounds_of(ctx, num_prompts: int) -> PartialRounds | None:
     return PartialRounds(ctx, num_prompts) if ctx.cfg.rollout.partial else None
 
 
-def _plain(x):
-    """A dataset field JSON cannot hold, exactly: a numpy array (e.g. an image's uint8 pixels)
-    keeps its dtype and shape, bytes (an encoded image) their value; ``_restored`` undoes it."""
+def json_field(x):
+    """A dataset field JSON cannot hold, exactly (``json.dumps(..., default=json_field)``): a
+    numpy array (e.g. an image's uint8 pixels) keeps its dtype and shape, bytes (an encoded
+    image) their value; ``from_json_field`` undoes it."""
     if isinstance(x, np.ndarray):
         return {_ARRAY: partial_lib.encode_array(x)}
     if isinstance(x, (bytes, bytearray)):
@@ -184,12 +180,12 @@ def _plain(x):
 _ARRAY, _BYTES = "__ndarray__", "__bytes__"
 
 
-def _restored(x):
-    """``x`` read back from JSON with ``_plain``'s arrays and bytes decoded."""
+def from_json_field(x):
+    """``x`` read back from JSON with ``json_field``'s arrays and bytes decoded."""
     if isinstance(x, dict):
         if len(x) == 1 and _ARRAY in x:
             return partial_lib.decode_array(x[_ARRAY])
         if len(x) == 1 and _BYTES in x:
             return base64.b64decode(x[_BYTES])
-        return {k: _restored(v) for k, v in x.items()}
-    return [_restored(v) for v in x] if isinstance(x, list) else x
+        return {k: from_json_field(v) for k, v in x.items()}
+    return [from_json_field(v) for v in x] if isinstance(x, list) else x

@@ -20,6 +20,20 @@ def staleness_metrics(stale: np.ndarray) -> dict:
             "rollout/staleness_max": int(stale.max()), **hist}
 
 
+def carried_metrics(drawn: Sequence[dict], step: int, carried_groups: int) -> dict:
+    """Metrics of a round source that carries groups across iterations, over the sampling
+    rounds of one rollout call (``drawn``: per round, ``versions`` int [T] of its model
+    tokens, ``dropped`` samples restarted as too stale, ``drawn`` tokens decoded): staleness
+    at the update of ``step``, ``rollout/dropped_stale``, ``rollout/carried_groups`` (left in
+    flight) and ``rollout/decoded_tokens`` (carried groups' tokens included)."""
+    versions = np.concatenate([np.asarray(d["versions"]).reshape(-1) for d in drawn])
+    stale = int(step) - versions if versions.size else np.zeros(1, np.int64)
+    return {**staleness_metrics(stale),
+            "rollout/dropped_stale": int(sum(d["dropped"] for d in drawn)),
+            "rollout/carried_groups": int(carried_groups),
+            "rollout/decoded_tokens": int(sum(d["drawn"] for d in drawn))}
+
+
 def batch_metrics(rounds: Sequence[dict], adv: np.ndarray, loss_mask: np.ndarray, filler: int,
                   informative_groups: Callable) -> dict:
     """Reward (every sampled completion of this step), advantage, length and sampling metrics

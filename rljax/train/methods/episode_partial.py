@@ -54,8 +54,8 @@ from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import multiturn
 from rljax.train.core import episodes as ep
-from rljax.train.core.partial import _plain, _restored
-from rljax.train.core.rollout_metrics import staleness_metrics
+from rljax.train.core.partial import from_json_field, json_field
+from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import engine_slots, sampling_params
 from rljax.train.methods import agent
 
@@ -94,7 +94,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.moves: list[list[list[int]]] = [[] for _ in range(c)]
         self.next_serial = self.clock = 0
         self._step = self._version = 0
-        self._key, self._last = None, None
+        self._key, self._drawn = None, []   # per sampling round of this call (metrics)
         # Asynchronous RL: the version of the parameters it passes (None: ``step``).
         self.params_version: int | None = None
 
@@ -112,6 +112,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self._step = int(step)
         self._version = self._step if self.params_version is None else int(self.params_version)
         self._key = jax.random.fold_in(state.rng, EPISODE_STREAM)
+        self._drawn = []
 
     # -- one iteration -------------------------------------------------------------------------
 
@@ -143,7 +144,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         for j in taken:
             self.serial[j], self.metas[j] = -1, None
             self._clear(j)
-        self._last = dict(versions=versions[eps["model_mask"]], dropped=dropped, drawn=drawn)
+        self._drawn.append(dict(versions=versions[eps["model_mask"]], dropped=dropped,
+                                drawn=drawn))
         return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
 
     def _drop_stale(self) -> int:
@@ -409,14 +411,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         return result(), groups, (busy, steps_run), drawn + int(state["t"][on_slot].sum())
 
     def metrics(self, rounds, step: int) -> dict:
-        m = super().metrics(rounds, step)
-        last = self._last
-        stale = int(step) - last["versions"] if last["versions"].size else np.zeros(1, np.int64)
-        m.update(staleness_metrics(stale))
-        m.update({"rollout/dropped_stale": int(last["dropped"]),
-                  "rollout/carried_groups": int((self.serial >= 0).sum()) * self.seats,
-                  "rollout/decoded_tokens": int(last["drawn"])})
-        return m
+        return {**super().metrics(rounds, step),
+                **carried_metrics(self._drawn, step, int((self.serial >= 0).sum()) * self.seats)}
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -426,7 +422,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         return json.loads(json.dumps(dict(
             serial=self.serial.tolist(), completed_at=self.completed_at.tolist(),
             metas=self.metas, turns=self.turns, moves=self.moves, next_serial=self.next_serial,
-            clock=self.clock), default=_plain))
+            clock=self.clock), default=json_field))
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["serial"]) != len(self.serial):
@@ -434,7 +430,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                              f"places, this config makes {len(self.serial)}")
         self.serial = np.asarray(state["serial"], np.int64)
         self.completed_at = np.asarray(state["completed_at"], np.int64)
-        self.metas = list(_restored(state["metas"]))
+        self.metas = list(from_json_field(state["metas"]))
         self.turns, self.moves = state["turns"], state["moves"]
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
 

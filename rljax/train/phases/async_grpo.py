@@ -11,7 +11,8 @@ A fixed schedule on the single controller (docs/internals.md, "Asynchronous RL")
    mesh, not fetched;
 3. **sample** batch k + s on the rollout mesh with the version-k copy (rewards, advantages on
    the host) while the training devices run step 2;
-4. fetch the update's metrics.
+4. with ``algo.relift``, ReLIFT's SFT step when it is due (after the update: version k + 1
+   includes it); fetch the update's metrics.
 
 With ``algo.inflight_updates`` the sampler does not wait for iteration k + 1 to see version
 k + 1: between the slot engine's decode chunks of batch k + s it asks whether update k has
@@ -53,7 +54,8 @@ from rljax import distributed as dist
 from rljax import sharding as shd
 from rljax.models import lora as lora_lib
 from rljax.sampling.partial import decode_array, encode_array
-from rljax.train.phases.grpo import GRPOPhase, merge_updates, single_update
+from rljax.train.phases.grpo import (GRPOPhase, carry_role_baseline, merge_updates,
+                                     single_update)
 from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
@@ -66,6 +68,7 @@ class SamplerState:
     params: Any
     rng: Any
     ref_params: Any = None
+    role_baseline: Any = None   # RAE: the baseline after the batches sampled so far
 
 
 class AsyncSchedule:
@@ -87,6 +90,9 @@ class AsyncSchedule:
         self.rollout.old_logps, self.rollout.needs_ref = False, False
         self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
         self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
+        # RAE's per-role baseline moves with the rewards of each batch as it is sampled, so the
+        # sampler keeps its own (the train state's follows as the batches train).
+        self.sampler_baseline = None
         self.inflight_updates = bool(cfg.algo.inflight_updates)
 
     # -- the two meshes ------------------------------------------------------------------------
@@ -120,8 +126,11 @@ class AsyncSchedule:
         """Samples the batch update ``step`` trains on with the published policy."""
         if hasattr(self.rollout.rounds, "params_version"):   # partial rollouts: versions
             self.rollout.rounds.params_version = self.sampler_version
-        view = SamplerState(self.sampler_params, self._sampler_rng)
+        view = SamplerState(self.sampler_params, self._sampler_rng,
+                            role_baseline=self.sampler_baseline)
         batch, metrics = self.rollout(view, step)
+        if "role_baseline" in batch:   # the next batch's advantages start from this one's
+            self.sampler_baseline = batch["role_baseline"]
         v = self.sampler_version
         metrics["rollout/sample_version"] = v
         if "rollout/staleness_mean" not in metrics:   # every token drawn by version v
@@ -144,6 +153,8 @@ class AsyncSchedule:
         transfer, sampled = 0.0, 0.0
         if step not in self.inflight:   # a fresh start: the first `lag` batches by this policy
             transfer += self.publish(state, step)
+            if state.role_baseline is not None:
+                self.sampler_baseline = np.asarray(jax.device_get(state.role_baseline))
             for j in range(step, min(step + self.lag, self.steps)):
                 self.sample(j)
                 sampled += self.inflight[j][1]["time/sample"]
@@ -166,6 +177,10 @@ class AsyncSchedule:
             sampled += self.inflight[step + self.lag][1]["time/sample"]
             transfer += sum(swapped)
         t_wait = time.perf_counter()
+        relift = getattr(self, "relift", None)
+        if relift is not None:   # ReLIFT's SFT step after the update (blocks on it), so
+            state, relift_metrics = relift.maybe_step(state, step, self.optimizer)
+            metrics.update(relift_metrics)   # version step + 1 includes it
         updates = [to_host(m) for m in updates]
         t_end = time.perf_counter()
         wall = t_end - t0
@@ -198,6 +213,8 @@ class AsyncSchedule:
         self.inflight = {int(j): ({k: decode_array(x) for k, x in item["batch"].items()},
                                   dict(item["metrics"]), int(item["version"]))
                          for j, item in state.get("inflight", {}).items()}
+        if self.inflight:   # RAE: the baseline the last batch in flight left
+            self.sampler_baseline = self.inflight[max(self.inflight)][0].get("role_baseline")
 
 
 class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
@@ -219,7 +236,9 @@ class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
         return self._step_fn
 
     def train_on(self, state, batch: dict, metrics: dict, step: int):
-        """Batch k's log-prob passes, then the update (dispatched, not fetched)."""
+        """Batch k's log-prob passes, then the update (dispatched, not fetched); RAE's
+        baseline after batch k goes into the state, as in the synchronous phase."""
+        state, batch = carry_role_baseline(self.ctx, state, batch)
         return self.update(state, self._logp_passes(state, batch, metrics))
 
     def _logp_passes(self, state, batch: dict, metrics: dict) -> dict:

@@ -269,6 +269,17 @@ def _init_state(ctx: Context, optimizer, state):
                          ref_params=ref, role_baseline=initial_role_baseline(ctx.cfg))
 
 
+def carry_role_baseline(ctx, state, batch: dict):
+    """(state, batch): RAE's baselines after this batch (``batch["role_baseline"]``, made by
+    ``methods.agent.RoleBaseline``) moved into the train state, which carries them to the next
+    batch and into checkpoints; unchanged without them."""
+    if "role_baseline" not in batch:
+        return state, batch
+    batch = dict(batch)
+    baseline = jnp.asarray(batch.pop("role_baseline"), jnp.float32)
+    return state.replace(role_baseline=jax.device_put(baseline, ctx.replicated)), batch
+
+
 def initial_role_baseline(cfg):
     """f32 [K] zeros (one baseline per role key of the built-in games,
     ``envs.game_env.NUM_ROLES``) for an estimator with role baselines
@@ -393,9 +404,7 @@ class GRPOPhase:
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
         batch, metrics = self.rollout(state, step)
-        if "role_baseline" in batch:   # RAE: this batch's baselines, carried in the state
-            state = state.replace(role_baseline=jax.device_put(
-                jnp.asarray(batch.pop("role_baseline"), jnp.float32), self.ctx.replicated))
+        state, batch = carry_role_baseline(self.ctx, state, batch)
         t1 = time.perf_counter()
         state, updates = self.update(state, batch)
         if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
