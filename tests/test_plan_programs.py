@@ -55,19 +55,6 @@ class Recorder:
 
     def __init__(self, name, fn, calls):
         self.name, self.fn, self.calls = name, fn, calls
-        self.analyses = {}
-
-    def memory_analysis(self, args):
-        """XLA's memory analysis of the program for ``args``, compiled once per signature (the
-        tree, and each leaf's shape, dtype, weak type and sharding): the calls of one step with
-        equal signatures run one program."""
-        leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((type(x), x.shape, x.dtype, getattr(x, "weak_type", None),
-                            getattr(x, "sharding", None))
-                           if hasattr(x, "shape") else (type(x), x) for x in leaves))
-        if key not in self.analyses:
-            self.analyses[key] = self.fn.lower(*args).compile().memory_analysis()
-        return self.analyses[key]
 
     def lower(self, *args, **kwargs):
         return self.fn.lower(*args, **kwargs)
@@ -80,7 +67,7 @@ class Recorder:
         out = jax.block_until_ready(self.fn(*args))
         gc.collect()
         growth = plan_lib.measure_live_bytes() - before
-        stats = self.memory_analysis(args)
+        stats = self.fn.lower(*args).compile().memory_analysis()
         state = next((a for a in args if hasattr(a, "opt_state")), None)
         self.calls.append({"name": self.name, "growth": growth, "stats": stats,
                            "outputs": len(jax.tree.leaves(out)),
