@@ -157,7 +157,6 @@ def check_partial(cfg) -> None:
                           "'predicted' (its posteriors learn which prompt each group came from, "
                           "and a carried group's prompt was drawn iterations earlier)")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
-                    ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy)):
         if on:
             raise ConfigError(f"rollout.partial=true cannot be combined with {key} (it "
