@@ -187,7 +187,7 @@ def check_allocation(cfg) -> None:
                           f"groups of different sizes, not algo.adv_estimator="
                           f"'{a.adv_estimator}'")
     for key, on in (("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
-                    ("rollout.partial", r.partial), ("rollout.engine", r.engine != "static"),
+                    ("rollout.partial", r.partial),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
                     ("data.selection.name", cfg.data.selection.name
