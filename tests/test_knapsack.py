@@ -253,16 +253,20 @@ def test_the_slot_engine_samples_ragged_groups_as_the_static_sampler(reward_file
 
 @pytest.mark.parametrize("selection_name, engine", [("uniform", "static"),
                                                     ("predicted", "static"),
-                                                    ("uniform", "slots")])
+                                                    ("curriculum", "slots")])
 def test_knapsack_train_run(reward_file, tmp_path, selection_name, engine):
-    """A short run, with the round source's own pass rates and with MoPPS's posterior, and on
-    the slot engine; the update computes each prompt once (the ragged shared-prompt layout)."""
+    """A short run, with the round source's own pass rates, with MoPPS's posterior, and with a
+    curriculum on the slot engine; the update computes each prompt once (the ragged
+    shared-prompt layout)."""
     import jax
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
 
     cfg = tiny_cfg(reward_file, **{"data.selection.name": selection_name, "steps": 2,
-                                   "rollout.engine": engine, "rollout.slots": 4})
+                                   "rollout.engine": engine, "rollout.slots": 4,
+                                   # a curriculum on the digits, raised by every round
+                                   "data.selection.knob": "digits", "data.selection.window": 1,
+                                   "data.selection.threshold": 0.0, "data.selection.high": 0.5})
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
@@ -273,6 +277,8 @@ def test_knapsack_train_run(reward_file, tmp_path, selection_name, engine):
     assert all(r["update/shared_prompt"] == 1.0 for r in rl)
     if engine == "slots":
         assert all(0 < r["rollout/slot_utilisation"] <= 1 for r in rl)
+    if selection_name == "curriculum":
+        assert [r["selection/level"] for r in rl] == [2, 3]
 
 
 def test_knapsack_with_batches_sampled_ahead_resumes_exactly(reward_file, tmp_path):

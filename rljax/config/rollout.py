@@ -190,8 +190,7 @@ def check_allocation(cfg) -> None:
                     ("rollout.partial", r.partial),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
-                    ("data.selection.name", cfg.data.selection.name
-                     not in ("uniform", "predicted")),
+                    ("data.selection.name", cfg.data.selection.name == "online_filter"),
                     ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy),
                     ("algo.relift.every", bool(a.relift.every))):
