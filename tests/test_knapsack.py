@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from rljax import algorithms
+from rljax import algorithms, sampling
 from rljax.data import allocation
 
 
@@ -228,15 +228,45 @@ def _per_group_sizes(name, rewards, sizes):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("selection_name", ["uniform", "predicted"])
-def test_knapsack_train_run(reward_file, tmp_path, selection_name):
-    """A short run, with the round source's own pass rates and with MoPPS's posterior; the
-    update computes each prompt once (the ragged shared-prompt layout)."""
+def test_the_slot_engine_samples_ragged_groups_as_the_static_sampler(reward_file, tmp_path):
+    """Groups of any sizes (``prompt_index``) on the slot engine: greedy rows equal the static
+    sampler's, row for row (each row continues its own prompt)."""
+    import jax
+    from rljax.train.core import sampler, setup
+
+    owner = np.array([0, 0, 0, 1, 2, 2, 3, 3, 3, 3], np.int32)
+    outs = []
+    for engine in ("static", "slots"):
+        cfg = tiny_cfg(reward_file, **{"rollout.engine": engine, "rollout.slots": 4})
+        ctx = setup.build_context(cfg, str(tmp_path / engine), devices=jax.devices()[:1])
+        tok, mask = sampling.pad_to_bucket([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]],
+                                           pad_id=0, buckets=(8,))
+        outs.append(sampler.generate(ctx, ctx.params, tok, mask, jax.random.key(3),
+                                     num_samples=1, max_new_tokens=4, temperature=0.0,
+                                     prompt_index=owner))
+    static, slots = outs
+    assert static["tokens"].shape == slots["tokens"].shape == (len(owner), 4)
+    assert len({tuple(r) for r in static["tokens"]}) > 1   # the prompts lead apart
+    np.testing.assert_array_equal(slots["tokens"], static["tokens"])
+    np.testing.assert_array_equal(slots["lengths"], static["lengths"])
+
+
+@pytest.mark.parametrize("selection_name, engine", [("uniform", "static"),
+                                                    ("predicted", "static"),
+                                                    ("curriculum", "slots")])
+def test_knapsack_train_run(reward_file, tmp_path, selection_name, engine):
+    """A short run, with the round source's own pass rates, with MoPPS's posterior, and with a
+    curriculum on the slot engine; the update computes each prompt once (the ragged
+    shared-prompt layout)."""
     import jax
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
 
-    cfg = tiny_cfg(reward_file, **{"data.selection.name": selection_name, "steps": 2})
+    cfg = tiny_cfg(reward_file, **{"data.selection.name": selection_name, "steps": 2,
+                                   "rollout.engine": engine, "rollout.slots": 4,
+                                   # a curriculum on the digits, raised by every round
+                                   "data.selection.knob": "digits", "data.selection.window": 1,
+                                   "data.selection.threshold": 0.0, "data.selection.high": 0.5})
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
@@ -245,6 +275,10 @@ def test_knapsack_train_run(reward_file, tmp_path, selection_name):
     assert all(0 <= r["rollout/effective_samples"] <= 16 for r in rl)
     # Groups of any sizes still compute each prompt once in the update.
     assert all(r["update/shared_prompt"] == 1.0 for r in rl)
+    if engine == "slots":
+        assert all(0 < r["rollout/slot_utilisation"] <= 1 for r in rl)
+    if selection_name == "curriculum":
+        assert [r["selection/level"] for r in rl] == [2, 3]
 
 
 def test_knapsack_with_batches_sampled_ahead_resumes_exactly(reward_file, tmp_path):

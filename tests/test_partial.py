@@ -244,13 +244,15 @@ def test_dynamic_sampling_and_relift_take_groups_as_they_complete_and_resume_exa
     """algo.dynamic_sampling with partial rollouts: a group whose rewards are all equal is
     dropped and the pool decodes on until enough informative groups complete (extra rounds,
     each taking the next groups to complete); the staleness metrics cover every round's
-    tokens. ReLIFT's buffer sees each group when it completes and its SFT step follows every
-    second update. Stopped after update 2 and resumed, the run equals the straight one."""
+    tokens. Hints re-sample a completed group that failed, by the current policy; ReLIFT's
+    buffer sees each group when it completes and its SFT step follows every second update.
+    Stopped after update 2 and resumed, the run equals the straight one."""
     def cfg():
         c = _partial_cfg(**{
             "steps": 4, "algo.dynamic_sampling": True, "reward.names": ("arithmetic", "length"),
             "reward.kwargs": {"length": {"max_length": 8, "buffer": 6}},
-            "algo.relift.every": 2, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1})
+            "algo.relift.every": 2, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1,
+            "algo.hint.mode": "adaptive", "algo.hint.source": "replay"})
         c.data.kwargs = {"digits": 1, "eval_examples": 8, "num_examples": 8}  # prompts revisit
         return config.validate(c)
 
@@ -263,6 +265,7 @@ def test_dynamic_sampling_and_relift_take_groups_as_they_complete_and_resume_exa
     assert any(r["rollout/rounds"] > 1 for r in rl), [r["rollout/rounds"] for r in rl]
     assert max(r["rollout/staleness_max"] for r in rl) >= 1
     assert ["relift/sft_loss" in r for r in rl] == [False, True, False, True]
+    assert any(r["hint/fraction_hinted"] > 0 for r in rl)
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 

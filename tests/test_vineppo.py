@@ -114,6 +114,35 @@ def test_vineppo_train_run(reward_file, tmp_path):
                                 for r in rl)
 
 
+def test_vineppo_with_partial_rollouts_asynchronously_resumes_exactly(reward_file, tmp_path):
+    """VinePPO's values are a rollout stage, so they value whatever round the sampler gives:
+    here groups carried across iterations by the partial-rollout pool on the slot engine,
+    sampled a version ahead of the update (asynchronous RL), with the prompts' digits set by a
+    curriculum. The forks run on the engine too. Stopped after update 2 and resumed, the run
+    equals the straight one."""
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from test_train_loop import StopAfter, comparable, final_params
+
+    cfg = lambda: tiny_cfg(reward_file, **{  # noqa: E731
+        "steps": 4, "rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 4,
+        "algo.asynchronous": True, "data.selection.name": "curriculum",
+        "data.selection.knob": "digits", "data.selection.window": 1,
+        "data.selection.threshold": 0.0, "data.selection.high": 0.5,
+        "data.kwargs": {"digits": 2, "eval_examples": 8, "num_examples": 8}})
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    devices = jax.devices()[:1]
+    assert run.train(cfg(), straight, devices=devices) == 0
+    assert run.train(cfg(), split, devices=devices, stop=StopAfter(2)) == 0
+    assert run.train(cfg(), split, devices=devices) == 0
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert all(r["vine/fork_tokens"] > 0 and r["rollout/carried_groups"] > 0 for r in rl)
+    assert [r["rollout/sample_version"] for r in rl] == [0, 0, 1, 2]
+    assert max(r["rollout/staleness_max"] for r in rl) >= 2   # carried and sampled ahead
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["algo.kl_in_reward=true", "algo.beta=0.01"], "algo.kl_in_reward"),
     (["algo.dynamic_sampling=true"], "algo.dynamic_sampling"),

@@ -157,7 +157,6 @@ def check_partial(cfg) -> None:
                           "'predicted' (its posteriors learn which prompt each group came from, "
                           "and a carried group's prompt was drawn iterations earlier)")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
-                    ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy)):
         if on:
             raise ConfigError(f"rollout.partial=true cannot be combined with {key} (it "
@@ -188,11 +187,10 @@ def check_allocation(cfg) -> None:
                           f"groups of different sizes, not algo.adv_estimator="
                           f"'{a.adv_estimator}'")
     for key, on in (("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
-                    ("rollout.partial", r.partial), ("rollout.engine", r.engine != "static"),
+                    ("rollout.partial", r.partial),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
-                    ("data.selection.name", cfg.data.selection.name
-                     not in ("uniform", "predicted")),
+                    ("data.selection.name", cfg.data.selection.name == "online_filter"),
                     ("algo.hint.mode", a.hint.mode != "off"),
                     ("algo.mixed_policy", a.mixed_policy),
                     ("algo.relift.every", bool(a.relift.every))):

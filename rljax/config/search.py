@@ -47,17 +47,15 @@ def check_vine(cfg) -> None:
                           f"{algo.name!r}")
     for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0),
                     ("algo.dynamic_sampling", algo.dynamic_sampling),
-                    ("data.selection.name", cfg.data.selection.name != "uniform"),
+                    ("data.selection.name", cfg.data.selection.name == "online_filter"),
                     ("rollout.allocation", r.allocation != "uniform"),
                     ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
-                    ("rollout.partial", r.partial), ("rollout.engine", r.engine != "static"),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("rollout.temperature_schedule.name",
                      r.temperature_schedule.name != "constant"),
                     ("algo.hint.mode", algo.hint.mode != "off"),
                     ("algo.mixed_policy", algo.mixed_policy),
-                    ("algo.relift.every", bool(algo.relift.every)),
-                    ("algo.asynchronous", bool(algo.get("asynchronous", False)))):
+                    ("algo.relift.every", bool(algo.relift.every))):
         if on:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
                               "(its values are the task reward's, over every sampled "

@@ -145,10 +145,12 @@ class Rollout:
     def sample_round(self, params, rng, examples=None, prefixes=None) -> dict:
         """Samples G completions of each prompt (the iterator's next batch, or ``examples``)
         and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
-        i.e. placed at the start of the assistant turn; the reward judges prefix + completion."""
-        if self.rounds is not None:
-            if examples is not None or prefixes is not None:
-                raise ValueError("a round source samples the iterator's prompts only")
+        i.e. placed at the start of the assistant turn; the reward judges prefix + completion.
+        With a round source, a round of the iterator's prompts is the source's; ``examples``
+        (hinted re-samples of its failed groups) are sampled here, by the current policy."""
+        if self.rounds is not None and examples is None:
+            if prefixes is not None:
+                raise ValueError("prefixes need their examples")
             return self.rounds.sample_round(self, params, rng)
         cfg, g = self.cfg, self.g
         drawn = examples is None

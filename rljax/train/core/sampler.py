@@ -106,8 +106,9 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
     polled between decode chunks (``sampling.engine.generate``); adds ``versions`` int [R, N]
     (the version that drew each token) and ``swaps`` (how often the weights changed).
-    ``prompt_index`` int [R] (static sampler, one chunk; ``num_samples`` 1): row r continues
-    prompt ``prompt_index[r]`` (groups of any sizes, ``sampling.generate``).
+    ``prompt_index`` int [R] (one chunk, no tree; ``num_samples`` 1): row r continues prompt
+    ``prompt_index[r]`` (groups of any sizes). The static sampler shares each prompt's prefill
+    among its rows (``sampling.generate``); the slot engine prefills each row's prompt.
     ``row_keys`` [B * num_samples] (static sampler): each output row draws from its own key
     (``sampling.generate``), whatever rows share its batch.
     """
@@ -124,6 +125,10 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         raise ValueError("prompt_index needs one chunk of prompts and no tree")
     if row_keys is not None and kind != "static":
         raise ValueError(f"row_keys needs the static sampler, not the {kind} one")
+    if prompt_index is not None and kind != "static":   # the engine's rows: one per prompt
+        prompt_tokens, prompt_mask = prompt_tokens[prompt_index], prompt_mask[prompt_index]
+        pixels = None if pixels is None else pixels[prompt_index]
+        b, chunk, prompt_index = len(prompt_index), len(prompt_index), None
     outs, engine_stats = [], []
     for i, start in enumerate(range(0, b, chunk)):
         # Multi-host: every process holds the same prompts and feeds its own rows.

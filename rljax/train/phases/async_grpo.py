@@ -178,9 +178,12 @@ class AsyncSchedule:
             transfer += sum(swapped)
         t_wait = time.perf_counter()
         relift = getattr(self, "relift", None)
-        if relift is not None:   # ReLIFT's SFT step after the update (blocks on it), so
+        if relift is not None:
+            # ReLIFT's SFT step follows the update, so version step + 1 includes it. It donates
+            # the updated state, which the watcher must be done waiting on first.
+            ready.at(t_wait)
             state, relift_metrics = relift.maybe_step(state, step, self.optimizer)
-            metrics.update(relift_metrics)   # version step + 1 includes it
+            metrics.update(relift_metrics)
         updates = [to_host(m) for m in updates]
         t_end = time.perf_counter()
         wall = t_end - t0
