@@ -28,7 +28,7 @@ from test_train_loop import (DEVICES, RL_STEPS, SFT_STEPS, StopAfter, comparable
 from test_train_cli import rljax, tiny_config  # noqa: E402,F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOTAL = SFT_STEPS + RL_STEPS
+TOTAL = RL_STEPS   # the damage tests' runs: RL from the start, a checkpoint every step
 
 
 def biggest_data_file(step_dir):
@@ -73,7 +73,7 @@ def test_damage_after_commit_is_detected_naming_step_and_file(tmp_path, how):
 
 def test_damaged_latest_falls_back_and_equals_uninterrupted_run(tmp_path, capsys):
     workdir = str(tmp_path / "run")
-    cfg = tiny_cfg(**{"checkpoint_every": 1, "checkpoint.max_to_keep": 10})
+    cfg = tiny_cfg(**{"sft.steps": 0, "checkpoint_every": 1, "checkpoint.max_to_keep": 10})
     assert run.train(cfg, workdir, devices=DEVICES) == 0
     reference = final_params(workdir), comparable(read_metrics(workdir))
     ckpt_dir = checkpoint.checkpoint_dir(workdir)
@@ -82,7 +82,7 @@ def test_damaged_latest_falls_back_and_equals_uninterrupted_run(tmp_path, capsys
     # move it aside, resume from the previous one and redo the last step exactly.
     damage(biggest_data_file(os.path.join(ckpt_dir, str(TOTAL))), "garble")
     capsys.readouterr()
-    cfg3 = tiny_cfg(**{"checkpoint_every": 1, "checkpoint.max_to_keep": 3})
+    cfg3 = tiny_cfg(**{"sft.steps": 0, "checkpoint_every": 1, "checkpoint.max_to_keep": 3})
     seen = {}
 
     class Watch(StopSignal):
@@ -102,7 +102,7 @@ def test_damaged_latest_falls_back_and_equals_uninterrupted_run(tmp_path, capsys
 
     # Fallback off: one line naming the step and file; nothing is moved.
     damage(biggest_data_file(os.path.join(ckpt_dir, str(TOTAL))), "truncate")
-    off = tiny_cfg(**{"checkpoint.fallback_on_damage": False})
+    off = tiny_cfg(**{"sft.steps": 0, "checkpoint.fallback_on_damage": False})
     with pytest.raises(checkpoint.CheckpointDamaged, match=f"checkpoint {TOTAL} is damaged: state/"):
         run.train(off, workdir, devices=DEVICES)
     assert os.path.isdir(os.path.join(ckpt_dir, str(TOTAL)))

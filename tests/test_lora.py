@@ -16,7 +16,7 @@ from rljax.train.core.state import create_train_state
 from rljax.train.core import steps as steps_lib
 from rljax.train.phases import grpo
 
-from test_train_loop import DEVICES, RL_STEPS, SFT_STEPS, StopAfter, comparable, tiny_cfg
+from test_train_loop import DEVICES, RL_STEPS, StopAfter, comparable, tiny_cfg
 
 CFG = models.get_preset("tiny", num_layers=2, hidden_size=32, intermediate_size=64,
                         num_heads=4, num_kv_heads=2, vocab_size=64)
@@ -50,7 +50,8 @@ def test_step0_equals_base_and_merge_matches():
     q = perturbed(p)
     out = models.forward(cfg, q, tokens())
     assert np.abs(out - base).max() > 1e-2  # the adapters do something
-    np.testing.assert_allclose(models.forward(cfg, lora.merge(cfg, q), tokens()), out,
+    # The merged tree has no adapters, so the scale is unused: CFG runs the base's program.
+    np.testing.assert_allclose(models.forward(CFG, lora.merge(cfg, q), tokens()), out,
                                atol=1e-5)
 
 
@@ -73,8 +74,8 @@ def test_gradients_flow_only_to_adapters_and_base_is_unchanged():
     t = tokens(4, 10)
     batch = {"tokens": t, "mask": jnp.ones_like(t, bool),
              "loss_mask": jnp.ones((4, 5), bool)}
-    grads, *_ = steps_lib.accumulate(lambda pp, s, b: steps_lib.sft_loss(CFG, pp, s, b),
-                                     state, batch)
+    grads = jax.jit(lambda s, b: steps_lib.accumulate(
+        lambda pp, s, b: steps_lib.sft_loss(CFG, pp, s, b), s, b)[0])(state, batch)
     assert set(grads) == {"lora"}
     assert float(jnp.abs(grads["lora"]["layers"]["q"]["b"]).max()) > 0
     step = steps_lib.build_sft_step(CFG, optax.adam(1e-2))
@@ -90,10 +91,16 @@ def lora_cfg(**overrides):
                        "optimizer.learning_rate": 1e-2, "sft.learning_rate": 1e-2, **overrides})
 
 
+def run_cfg():
+    """The runs of this module: RL on the adapters from the start (no SFT warm-up; test_qlora's
+    runs train adapters through SFT then RL)."""
+    return lora_cfg(**{"sft.steps": 0})
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("lora_straight"))
-    assert run.train(lora_cfg(), workdir, devices=DEVICES) == 0
+    assert run.train(run_cfg(), workdir, devices=DEVICES) == 0
     return workdir
 
 
@@ -111,9 +118,9 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(straight, tmp_pa
     assert set(saved["params"]) == {"lora"}        # no base weights in the checkpoint
     assert saved.get("ref_params") is None          # the reference is the base: no copy
     workdir = str(tmp_path)
-    stop_at = SFT_STEPS + RL_STEPS // 2
-    assert run.train(lora_cfg(), workdir, devices=DEVICES, stop=StopAfter(stop_at)) == 0
-    assert run.train(lora_cfg(), workdir, devices=DEVICES) == 0
+    assert run.train(run_cfg(), workdir, devices=DEVICES, stop=StopAfter(RL_STEPS // 2)) == 0
+    assert len([r for r in read_metrics(workdir) if "reward/mean" in r]) == RL_STEPS // 2
+    assert run.train(run_cfg(), workdir, devices=DEVICES) == 0
     assert comparable(read_metrics(workdir)) == comparable(records)
     jax.tree.map(np.testing.assert_array_equal,
                  jax.tree.map(np.asarray, saved_state(workdir)["params"]),
@@ -225,7 +232,7 @@ def test_export_merged_adapter_and_refusals(straight, tmp_path):
     from rljax import cli
     from rljax.train import inference
 
-    cfg = lora_cfg()
+    cfg = run_cfg()
     out = str(tmp_path / "merged")
     assert run.export(cfg, straight, out, devices=DEVICES) == 0
     ctx, state, _ = inference.load_for_inference(cfg, straight, devices=DEVICES)

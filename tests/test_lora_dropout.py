@@ -22,7 +22,7 @@ from rljax.train.core.metrics import read_metrics
 from rljax.train.core.state import create_train_state
 
 from test_lora import lora_cfg, perturbed, saved_state
-from test_train_loop import DEVICES, SFT_STEPS, RL_STEPS, StopAfter, comparable
+from test_train_loop import DEVICES, RL_STEPS, StopAfter, comparable
 
 V = 100  # >= the char tokenizer's vocabulary (DPO / RM batches)
 CFG = models.get_preset("tiny", num_layers=2, hidden_size=32, intermediate_size=64,
@@ -198,12 +198,14 @@ def test_micro_batches_draw_their_own_masks_in_accumulate():
     fn = lambda p, s, b: steps_lib.sft_loss(cfg, p, s, b)  # noqa: E731
     grads, num, den, _ = jax.jit(lambda s, b: steps_lib.accumulate(fn, s, b, 2))(state, batch)
     micro = steps_lib.split_micro_batches(batch, 2)
+    # One program for both micro-batches: the index is an argument, as in accumulate.
+    loss_and_grad = jax.jit(lambda mb: jax.value_and_grad(
+        lambda t: fn(lora.with_trainable(state.params, t), state, mb)[0], has_aux=True)(
+            lora.trainable(state.params)))
     want_num, want_g = 0.0, None
     for i in range(2):
         mb = {**jax.tree.map(lambda x: x[i], micro), steps_lib.MICRO_INDEX: jnp.int32(i)}
-        (n, _), g = jax.value_and_grad(
-            lambda t: fn(lora.with_trainable(state.params, t), state, mb)[0], has_aux=True)(
-                lora.trainable(state.params))
+        (n, _), g = loss_and_grad(mb)
         want_num += float(n)
         want_g = g if want_g is None else jax.tree.map(jnp.add, want_g, g)
     np.testing.assert_allclose(float(num), want_num, rtol=1e-5)
@@ -211,9 +213,8 @@ def test_micro_batches_draw_their_own_masks_in_accumulate():
                  grads, want_g)
     # Micro-batch 1 under index 0 (the key of micro-batch 0) is drawn other masks.
     mb1 = jax.tree.map(lambda x: x[1], micro)
-    assert abs(float(fn(state.params, state, {**mb1, steps_lib.MICRO_INDEX: jnp.int32(0)})[0][0])
-               - float(fn(state.params, state, {**mb1, steps_lib.MICRO_INDEX: jnp.int32(1)})[0][0])
-               ) > 1e-5
+    loss = jax.jit(lambda i: fn(state.params, state, {**mb1, steps_lib.MICRO_INDEX: i})[0][0])
+    assert abs(float(loss(jnp.int32(0))) - float(loss(jnp.int32(1)))) > 1e-5
 
 
 def test_gradients_with_dropout_reach_only_the_adapters():
@@ -222,8 +223,8 @@ def test_gradients_with_dropout_reach_only_the_adapters():
     state = create_train_state(p, optax.sgd(0.1), jax.random.key(0))
     batch = _sft_batch()
     fn = lambda c: lambda pp, s, b: steps_lib.sft_loss(c, pp, s, b)  # noqa: E731
-    grads, *_ = steps_lib.accumulate(fn(cfg), state, batch)
-    plain, *_ = steps_lib.accumulate(fn(CFG), state, batch)
+    grads_fn = lambda c: jax.jit(lambda s, b: steps_lib.accumulate(fn(c), s, b)[0])  # noqa: E731
+    grads, plain = grads_fn(cfg)(state, batch), grads_fn(CFG)(state, batch)
     assert set(grads) == {"lora"}
     diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), grads, plain)
     assert max(jax.tree.leaves(diff)) > 1e-4   # the dropped inputs change the gradient
@@ -316,8 +317,10 @@ def test_bad_dropout_is_one_line_exit_2(tmp_path, capsys):
 
 
 def drop_cfg(**kw):
-    # Two micro-batches per update, so the micro-batch index keys masks in the run too.
-    return lora_cfg(**{"model.lora.dropout": RATE, "algo.micro_batch_size": 4, **kw})
+    # Two micro-batches per update, so the micro-batch index keys masks in the run too. RL from
+    # the start: the SFT loss's draws are test_every_training_loss_draws_dropout_from_the_state's.
+    return lora_cfg(**{"model.lora.dropout": RATE, "algo.micro_batch_size": 4, "sft.steps": 0,
+                       **kw})
 
 
 @pytest.fixture(scope="module")
@@ -336,8 +339,8 @@ def test_run_with_dropout_stops_and_resumes_exactly(straight_drop, tmp_path):
     rl = [r for r in records if "reward/mean" in r]
     assert len(rl) == RL_STEPS and all(np.isfinite(r["loss"]) for r in rl)
     workdir = str(tmp_path / "run")
-    assert run.train(drop_cfg(), workdir, devices=DEVICES,
-                     stop=StopAfter(SFT_STEPS + RL_STEPS // 2)) == 0
+    assert run.train(drop_cfg(), workdir, devices=DEVICES, stop=StopAfter(RL_STEPS // 2)) == 0
+    assert len([r for r in read_metrics(workdir) if "reward/mean" in r]) == RL_STEPS // 2
     assert run.train(drop_cfg(), workdir, devices=DEVICES) == 0
     assert comparable(read_metrics(workdir)) == comparable(records)
     jax.tree.map(np.testing.assert_array_equal,
