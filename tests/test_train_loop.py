@@ -64,6 +64,20 @@ class StopAfter(StopSignal):
         return super().should_stop(sync)
 
 
+def resumes_exactly(make_cfg, tmp_path, stop_after: int, devices=None) -> tuple[str, str]:
+    """Trains ``make_cfg()`` straight and again stopped after ``stop_after`` iterations then
+    resumed, and asserts the two runs' metrics (wall-clock values aside) and final parameters
+    are equal. Returns the two workdirs (straight, resumed)."""
+    devices = DEVICES if devices is None else devices
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run.train(make_cfg(), straight, devices=devices) == 0
+    assert run.train(make_cfg(), split, devices=devices, stop=StopAfter(stop_after)) == 0
+    assert run.train(make_cfg(), split, devices=devices) == 0
+    assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+    return straight, split
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("straight"))

@@ -317,20 +317,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         def top() -> list:
             """``_engine_matches``' loop head: settle, observe the seats to move; then a place
             whose matches cannot go on is over (its waiting seats truncated)."""
-            run.settle()
-            new = []
-            for i in np.flatnonzero(run.active & ~decoding):
-                env = run.envs[i]
-                if not env.to_move():
-                    continue
-                if env.match.plies >= max_plies:
-                    run._truncate(i)
-                    continue
-                before = int(run.length[i])
-                obs = run.next_observation(i)
-                if obs is not None:
-                    decoding[i] = True
-                    new.append((int(i), before, obs))
+            new = run.seats_to_move(decoding, max_plies)
             run.settle()   # seats of a match a truncation just abandoned
             for n, j in enumerate(places):
                 rows = np.arange(n * per, (n + 1) * per)

@@ -126,6 +126,27 @@ class _SideRun:
         self.active[i] = False
         self.envs[i].match.abandoned = True
 
+    def seats_to_move(self, decoding: np.ndarray, max_plies: int) -> list[tuple]:
+        """The engine's loop head: settles the matches, then gives every active row not
+        ``decoding`` whose seat is to move its observation (a match past ``max_plies`` is
+        truncated instead). Returns ``(row, trajectory length before, observation ids)`` of
+        each row that now decodes, marked in ``decoding``."""
+        self.settle()
+        new = []
+        for i in np.flatnonzero(self.active & ~decoding):
+            env = self.envs[i]
+            if not env.to_move():
+                continue
+            if env.match.plies >= max_plies:
+                self._truncate(i)
+                continue
+            before = int(self.length[i])
+            obs = self.next_observation(i)
+            if obs is not None:
+                decoding[i] = True
+                new.append((int(i), before, obs))
+        return new
+
     def next_observation(self, i: int) -> list[int] | None:
         """Row i is to move: its observation's ids (after the other seats' moves; none for
         a first mover's first turn), appended to its trajectory; None when the row runs out
@@ -280,23 +301,12 @@ def _engine_matches(run: _SideRun, rng, max_plies: int, step_all, engine) -> dic
                 stop_ids=stop_ids, stop_sequences=run.options["stop_sequences"])
     time_env = 0.0
     while True:
-        run.settle()
-        for i in np.flatnonzero(run.active & ~decoding):
-            env = run.envs[i]
-            if not env.to_move():
-                continue
-            if env.match.plies >= max_plies:
-                run._truncate(i)
-                continue
-            # Feed the observation (cursor: the trajectory before it, the carried token
-            # first), then sample; the noise key's turn is the match's ply.
-            before = int(run.length[i])
-            obs = run.next_observation(i)
-            if obs is None:
-                continue
+        # Feed each observation (cursor: the trajectory before it, the carried token first),
+        # then sample; the noise key's turn is the match's ply.
+        for i, before, obs in run.seats_to_move(decoding, max_plies):
             ee.resume(state, i, row=i, lead=int(run.carry[i]), observation=obs, cursor=before,
-                      turn=env.match.plies, budget=min(run.n, run.m_max - int(run.length[i])))
-            decoding[i] = True
+                      turn=run.envs[i].match.plies,
+                      budget=min(run.n, run.m_max - int(run.length[i])))
         if not decoding.any():
             break
         cache, state, _ = ee.run_chunk(side.model_cfg, side.params, pages, page_mask, page_len,
