@@ -154,7 +154,10 @@ class EchoEnv:
         self.turns += 1
         if self.turns >= 2:
             return StepResult(done=True)
-        return StepResult(observation=[{"role": "tool", "content": f"<r>{len(text)}</r>"}])
+        return StepResult(observation=[{"role": "tool", "content": self.answer(text)}])
+
+    def answer(self, text: str) -> str:
+        return f"<r>{len(text)}</r>"
 
 
 register_env("test_echo", EchoEnv)

@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from rljax.envs import StepResult, register_env
+from rljax.envs import register_env
 from rljax.train import run
 from rljax.train.core.metrics import read_metrics
 from rljax.train.methods.episode_partial import EpisodePartialRounds
-from tests.test_agent_train import DEVICES, agent_cfg
+from tests.test_agent_train import DEVICES, EchoEnv, agent_cfg
 from tests.test_selfplay import ttt_cfg
 from tests.test_train_loop import StopAfter, comparable, final_params
 
@@ -18,23 +18,13 @@ PARTIAL = {"rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 
            "rollout.chunk_steps": 4, "rollout.max_staleness": 1, "algo.entropy_coef": 0.01}
 
 
-class LongEchoEnv:
+class LongEchoEnv(EchoEnv):
     """Two turns around an observation of 7 to 18 tokens (fed one a step), its length set by
     the first turn's text: episodes of different lengths, most of their steps between their
     turns."""
 
-    def __init__(self, example):
-        self.example, self.turns = example, 0
-
-    def reset(self):
-        return [{"role": "user", "content": self.example["prompt"]}]
-
-    def step(self, text):
-        self.turns += 1
-        if self.turns >= 2:
-            return StepResult(done=True)
-        return StepResult(observation=[{"role": "tool",
-                                        "content": f"<r>{'=' * (sum(map(ord, text)) % 12)}</r>"}])
+    def answer(self, text: str) -> str:
+        return f"<r>{'=' * (sum(map(ord, text)) % 12)}</r>"
 
 
 register_env("test_long_echo", LongEchoEnv)
