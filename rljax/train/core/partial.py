@@ -82,7 +82,8 @@ class PartialRounds:
                                     v.image_size), np.float32)
             self.image_ok = np.ones(c, bool)
         self._step = self._version = 0
-        self._key, self._drawn = None, []   # per sampling round of this call (metrics)
+        self._key, self._taken = None, None
+        self._drawn = []   # per sampling round of this call (metrics)
         # Asynchronous RL samples ahead: the version of the parameters it passes (step k's
         # batch drawn by version k - lag); None: ``step`` (the batch trains at once).
         self.params_version: int | None = None
@@ -117,6 +118,7 @@ class PartialRounds:
         embeds = None if self.images is None else self.images.embeds(params, self.pixels)
         taken = pool.run(params, self._key, version=self._version, want=self.num_prompts,
                          max_staleness=self._staleness_bound(), image_embeds=embeds)
+        self._taken = taken   # the last round's groups (their rows, places, versions)
         self._drawn.append(dict(versions=taken.rows["versions"][taken.rows["mask"]],
                                 dropped=taken.dropped_stale, drawn=taken.drawn))
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
