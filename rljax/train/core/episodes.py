@@ -143,6 +143,17 @@ class _Trajectories:
         """Tokens row ``i``'s next turn may sample."""
         return int(min(self.limits.turn_tokens, self.limits.max_total_tokens - self.length[i]))
 
+    def slots_ended(self, state: dict) -> tuple:
+        """After an episode-engine chunk: the slots whose turn ended (int [E]), their rows, and
+        ``turn_ended``'s (kept tokens, observation ids or None) for them, recorded."""
+        ended = np.flatnonzero((state["row"] >= 0) & ~state["live"])
+        if not ended.size:
+            return ended, ended, [], []
+        rows = state["row"][ended]
+        kept, observations = self.turn_ended(rows, state["turn"][ended], state["tokens"][ended],
+                                             state["logps"][ended], state["t"][ended])
+        return ended, rows, kept, observations
+
     def turn_ended(self, rows, turn_of, tokens, logps, lengths) -> tuple[list[int], list[int]]:
         """Records the turn each row of ``rows`` just sampled (``tokens``/``logps`` [.., N],
         ``lengths``: one entry per row of ``rows``), cut after the tool call's closing text,
@@ -329,13 +340,7 @@ def _engine_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
             model_cfg, params, pages, page_mask, page_len, cache, state, rng, num_samples=g,
             chunk_steps=engine.chunk_steps, stop_ids=stop_ids, **options)
         busy, run = busy + int((state["cursor"] - before).sum()), run + s * steps
-        ended = np.flatnonzero((state["row"] >= 0) & ~state["live"])
-        if not ended.size:
-            continue
-        rows = state["row"][ended]
-        kept, observations = record.turn_ended(rows, state["turn"][ended],
-                                               state["tokens"][ended], state["logps"][ended],
-                                               state["t"][ended])
+        ended, rows, kept, observations = record.slots_ended(state)
         for j, slot in enumerate(ended):
             i, ids = int(rows[j]), observations[j]
             if ids is None:

@@ -229,13 +229,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             cache, state, steps = run_chunk(cache, state)
             self.clock += 1
             busy, run = busy + int((state["cursor"] - before).sum()), run + s * steps
-            ended = np.flatnonzero((state["row"] >= 0) & ~state["live"])
-            if not ended.size:
-                continue
-            rows = state["row"][ended]
-            kept, observations = record.turn_ended(rows, state["turn"][ended],
-                                                   state["tokens"][ended],
-                                                   state["logps"][ended], state["t"][ended])
+            ended, rows, kept, observations = record.slots_ended(state)
             drawn += int(state["t"][ended].sum())
             for n, slot in enumerate(ended):
                 i, obs, k = int(rows[n]), observations[n], kept[n]
