@@ -20,10 +20,15 @@ if "xla_force_host_platform_device_count" not in _flags:
 # same; their machine code rounds a few operations differently from the default build, so
 # exactness tests compare programs built alike. Users and benchmarks run XLA's defaults;
 # RLJAX_TEST_XLA_DEFAULTS=1 runs the suite on them too.
+# XLA:CPU also splits each program's LLVM module into up to 32 parts compiled on a thread pool;
+# with one test worker per core the parts only contend, and one part compiled test files ~10%
+# faster (test_train_ppo 38.5 -> 34.9 s, test_plan_programs 73.7 -> 67.6 s, interleaved runs
+# at load ~3). The machine code is the same, in one module.
 # Subprocesses that set their own device count pass RLJAX_TEST_COMPILER_FLAGS on.
 _compiler = ("" if os.environ.get("RLJAX_TEST_XLA_DEFAULTS") else
              " ".join(f for f in ("--xla_backend_optimization_level=0",
-                                  "--xla_cpu_use_fusion_emitters=false")
+                                  "--xla_cpu_use_fusion_emitters=false",
+                                  "--xla_cpu_parallel_codegen_split_count=1")
                       if f.split("=")[0] not in _flags))
 os.environ["RLJAX_TEST_COMPILER_FLAGS"] = _compiler
 os.environ["XLA_FLAGS"] = (_flags + " " + _compiler).strip()
