@@ -560,17 +560,6 @@ def gemma_prompts(gemma_path):
 
 
 @pytest.fixture(scope="session")
-def gemma_hf_logits(gemma_hf, gemma_prompts):
-    """transformers' logits (GGUF load) at each row's last KEEP positions (float32 [3, KEEP,
-    V]): computed once for the two tests that compare with them."""
-    _, (tokens, mask) = gemma_prompts
-    with torch.no_grad():
-        return gemma_hf(input_ids=torch.tensor(tokens, dtype=torch.long),
-                        attention_mask=torch.tensor(mask, dtype=torch.long),
-                        logits_to_keep=KEEP).logits.numpy()
-
-
-@pytest.fixture(scope="session")
 def gemma_ref_tokenizer(gemma_path, gguf_parsed_once):
     """transformers' own GGUF conversion of the file's tokenizer (most of a minute)."""
     import os
@@ -647,16 +636,34 @@ def test_real_gemma3_tokenizer_builds_where_torch_cannot_be_imported(
 
 @pytest.mark.slow
 def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gemma_hf,
-                                                                 gemma_hf_logits, gemma_prompts):
+                                                                 gemma_prompts):
+    """rljax's logits at each prompt's last KEEP positions are transformers' (GGUF load), and
+    its 8 greedy tokens are the ones transformers' greedy decoding picks. One transformers
+    forward checks both: over the prompts followed by rljax's greedy tokens, the argmax at
+    each continuation position must be the next of those tokens, so step by step transformers
+    would choose the same continuation (its prefill of the 550-token batch is most of a
+    generate call, so this runs it once instead of twice)."""
     cfg, params = gemma_ours
     assert (cfg.model_type, cfg.num_layers, cfg.sliding_window, cfg.vocab_size) == \
         ("gemma3", 18, 512, 262144)
     assert cfg.local_layers.count(False) == 3 and cfg.rope_local_theta == 10000.0
     assert cfg == models.get_preset("gemma3-270m")   # the preset is the file's shape
     _, (tokens, mask) = gemma_prompts
+    new = 8
+    greedy = np.asarray(sampling.generate(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                                          rng=jax.random.PRNGKey(0), max_new_tokens=new,
+                                          temperature=0.0).tokens)
+    with torch.no_grad():   # logits of the last KEEP prompt positions and the continuation
+        ref = gemma_hf(input_ids=torch.tensor(np.concatenate([tokens, greedy], 1),
+                                              dtype=torch.long),
+                       attention_mask=torch.tensor(np.concatenate(
+                           [mask, np.ones_like(greedy, bool)], 1), dtype=torch.long),
+                       logits_to_keep=KEEP + new).logits.numpy()
+    # Position P - 1 + i (index KEEP - 1 + i) predicts greedy token i.
+    np.testing.assert_array_equal(ref[:, KEEP - 1:KEEP - 1 + new].argmax(-1), greedy)
     hidden, _ = tfm.trunk(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
     got = np.asarray(tfm.logits_from_hidden(cfg, params, hidden[:, -KEEP:]))
-    want = gemma_hf_logits
+    want = ref[:, :KEEP]
     keep = mask[:, -KEEP:]
     for i in range(len(REAL_PROMPTS)):
         g, w = got[i][keep[i]], want[i][keep[i]]
@@ -664,7 +671,6 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
         print(f"\nprompt {i} ({mask[i].sum()} tokens): max |diff| {np.abs(g - w).max():.3g}, "
               f"relative {rel:.3g}")
         assert rel <= 1e-4
-    _assert_greedy_as_transformers(gemma_hf, cfg, params, tokens, mask, new=8)
 
 
 @pytest.mark.slow
