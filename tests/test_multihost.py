@@ -77,28 +77,6 @@ def _one_and_two(tmp_path, overrides) -> tuple[list, str]:
     return train, out_two
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
-    train, out_two = _one_and_two(tmp_path, OVERRIDES)
-    a, b = _read(tmp_path / "one"), _read(tmp_path / "two")
-    assert [r["step"] for r in a] == [1, 2, 2]
-    assert a[0]["reward/std"] > 0 and a[0]["loss"] != 0   # a run that could differ
-    _compare(a, b)
-    # Only process 0 logs; both processes wrote their shards of the collective checkpoint.
-    assert "step 2/2" in out_two
-    assert "step 2/2" not in (tmp_path / "logs" / "process_1.log").read_text()
-    ckpt = tmp_path / "two" / "checkpoints" / "2"
-    assert (ckpt / "state" / "ocdbt.process_0").exists()
-    assert (ckpt / "state" / "ocdbt.process_1").exists()
-    # Process 0 hashed every host's files after the commit barrier; they verify.
-    files = json.loads((ckpt / "rljax_manifest.json").read_text())["files"]
-    assert any(name.startswith("state/ocdbt.process_1/") for name in files)
-    from rljax.train.core.checkpoint import verify_step_dir
-    assert verify_step_dir(ckpt) is None
-    meta = json.loads((ckpt / "meta" / "metadata").read_text())
-    assert meta["host"]["process_count"] == 2 and meta["host"]["device_count"] == 8
-
-
 def _compare(a: list[dict], b: list[dict]) -> None:
     """Two runs' metrics rows: the same steps and keys, the same values (floats to 1e-5)."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
@@ -130,11 +108,27 @@ ASYNC = ["--config.steps=3", "--config.checkpoint_every=1", "--config.algo.async
 @pytest.mark.slow
 def test_async_split_across_two_processes_matches_one_and_resumes(tmp_path):
     """Each process gives two of its four devices to the sampler; the run equals the one on
-    8 devices of one process, and resuming from step 2 redoes step 3 exactly."""
-    train, _ = _one_and_two(tmp_path, [*OVERRIDES, *ASYNC])
+    8 devices of one process (the sampler's and the trainer's meshes both span the two
+    processes, so this is also the synchronous update's cross-process check), its checkpoints
+    hold both processes' shards, and resuming from step 2 redoes step 3 exactly."""
+    train, out_two = _one_and_two(tmp_path, [*OVERRIDES, *ASYNC])
     first = _read(tmp_path / "two")
     assert [r.get("rollout/sample_version") for r in first] == [0, 0, 1, None]   # + eval row
+    assert first[0]["reward/std"] > 0 and first[0]["loss"] != 0   # a run that could differ
     _compare(_read(tmp_path / "one"), first)
+    # Only process 0 logs; both processes wrote their shards of the collective checkpoint.
+    assert "step 3/3" in out_two
+    assert "step 3/3" not in (tmp_path / "logs" / "process_1.log").read_text()
+    ckpt = tmp_path / "two" / "checkpoints" / "3"
+    assert (ckpt / "state" / "ocdbt.process_0").exists()
+    assert (ckpt / "state" / "ocdbt.process_1").exists()
+    # Process 0 hashed every host's files after the commit barrier; they verify.
+    files = json.loads((ckpt / "rljax_manifest.json").read_text())["files"]
+    assert any(name.startswith("state/ocdbt.process_1/") for name in files)
+    from rljax.train.core.checkpoint import verify_step_dir
+    assert verify_step_dir(ckpt) is None
+    meta = json.loads((ckpt / "meta" / "metadata").read_text())
+    assert meta["host"]["process_count"] == 2 and meta["host"]["device_count"] == 8
 
     shutil.rmtree(tmp_path / "two" / "checkpoints" / "3")   # as if killed before saving it
     again = _launch(tmp_path, 4, *train, "--workdir", str(tmp_path / "two"))
