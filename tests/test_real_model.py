@@ -359,10 +359,14 @@ def test_smollm2_recipe_warms_up_trains_and_exports(gguf_path, tok, tmp_path):
 @pytest.mark.slow
 def test_smollm2_qlora_recipe_runs_one_tiny_iteration(gguf_path, tmp_path):
     """The QLoRA recipe (quantized base, adapters trained) on the packaged model: 1 GRPO
-    iteration with the same tiny overrides."""
-    cfg = _recipe("grpo_smollm2_qlora", TINY)
-    assert cfg.model.path == gguf_path
-    records = _run_tiny(cfg, str(tmp_path / "run"), [0, 1])
+    iteration with the same tiny overrides. Its one eval samples as the rollout does (two
+    samples of each prompt at temperature 1), so it runs the rollout's sampler program rather
+    than compiling a greedy one for the 30-layer model: the recipe test above evaluates
+    greedily."""
+    cfg = _recipe("grpo_smollm2_qlora", TINY + ["eval_at_start=false", "eval.num_samples=2",
+                                                "eval.temperature=1.0"])
+    assert cfg.model.path == gguf_path and cfg.model.quantize == "keep"
+    records = _run_tiny(cfg, str(tmp_path / "run"), [1])
     assert [r["step"] for r in records if "reward/mean" in r] == [1]
 
 
