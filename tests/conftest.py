@@ -115,15 +115,17 @@ def gguf_parsed_once():
     return once
 
 
-# The longest test files (seconds of a serial run on the 2-core CPU, 2026-11-27), run first.
-# pytest-xdist hands out whole files (--dist loadfile) in collection order; alphabetically the
-# real-model, training-CLI and workdir files came last, and one worker then ran the tail alone.
-# Longest first keeps both workers busy to the end. A file missing here just runs later.
+# The longest test files, run first (a fresh-clone CI run's per-file seconds, 2026-12-03).
+# pytest-xdist hands out whole files (--dist loadfile) in collection order; a long file handed
+# out last leaves the other worker idle while it runs. Longest first keeps both workers busy
+# to the end. A file missing here just runs later.
 SLOW_FILES_FIRST = (
-    "test_real_model.py", "test_gemma.py", "test_notebooks.py", "test_multihost.py",
-    "test_train_demo.py", "test_plan.py", "test_checkpoint_faults.py", "test_length_groups.py",
-    "test_lora_dropout.py", "test_train_cli.py", "test_agent_credit.py", "test_lora.py",
-    "test_train_ppo.py",
+    "test_gemma.py", "test_real_model.py", "test_plan_programs.py", "test_multihost.py",
+    "test_distill.py", "test_checkpoint_faults.py", "test_lora.py", "test_moe.py",
+    "test_moe_dispatch.py", "test_shared_prompt.py", "test_plan.py", "test_lora_dropout.py",
+    "test_notebooks.py", "test_selfplay.py", "test_engine.py", "test_vision_run.py",
+    "test_annealed_decoding.py", "test_qlora.py", "test_train_ppo.py", "test_train_dpo.py",
+    "test_async.py", "test_agent_train.py", "test_train_demo.py",
 )
 
 
