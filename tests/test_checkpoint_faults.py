@@ -133,9 +133,8 @@ FAILING_MKDIR = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("code, text", [("EACCES", "Permission denied"),
-                                        ("ENOSPC", "No space left on device")])
-def test_unwritable_checkpoint_is_one_line_and_does_not_hang(tiny_config, tmp_path, code, text):
+def test_unwritable_checkpoint_is_one_line_and_does_not_hang(tiny_config, tmp_path):
+    code, text = "EACCES", "Permission denied"   # a full disk: the test below
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=os.environ.get("RLJAX_TEST_COMPILER_FLAGS", ""))
     proc = subprocess.Popen(
@@ -153,6 +152,30 @@ def test_unwritable_checkpoint_is_one_line_and_does_not_hang(tiny_config, tmp_pa
     assert len(errors) == 1 and "cannot write checkpoint" in errors[0] and text in errors[0]
     assert str(tmp_path / "w" / "checkpoints") in errors[0]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_full_disk_is_named_in_the_write_error(tmp_path, monkeypatch):
+    """The same failed write as above, ENOSPC: the error names the disk being full, the step
+    and the folder (the run's one line is that error's text; the subprocess test above checks
+    the line, the exit and that nothing hangs)."""
+    import errno
+
+    from orbax.checkpoint._src.path import async_path
+
+    original = async_path.mkdir
+
+    async def mkdir(path, *args, **kwargs):
+        if "orbax-checkpoint-tmp" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return await original(path, *args, **kwargs)
+
+    monkeypatch.setattr(async_path, "mkdir", mkdir)
+    with CheckpointManager(tmp_path / "checkpoints", async_save=False) as ckpt:
+        with pytest.raises(checkpoint.CheckpointWriteError) as e:
+            ckpt.save(2, {"w": jnp.ones((4,))}, {"phase": 0}, wait=True)
+    message = str(e.value)
+    assert "cannot write checkpoint (step 2)" in message
+    assert "No space left on device" in message and str(tmp_path / "checkpoints") in message
 
 
 # ----------------------------------------------------------------------------- ordering
