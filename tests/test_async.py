@@ -15,7 +15,7 @@ from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import make_phases
 from rljax.train.core.setup import build_context, check_inputs
 
-from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
+from test_train_loop import StopAfter, comparable, final_params, resumes_exactly, tiny_cfg
 
 SPLIT = {"mesh.rollout_devices": 4, "mesh.data": 2, "mesh.fsdp": 2, "mesh.rollout.data": 2,
          "mesh.rollout.fsdp": 2}
@@ -156,8 +156,6 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"algo.name": "dpo"},
      "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
-    ({"algo.kl_in_reward": True}, "algo.asynchronous=true cannot be combined with "
-                                  "algo.kl_in_reward"),
     ({"algo.mixed_policy": True}, "algo.asynchronous=true cannot be combined with "
                                   "algo.mixed_policy"),
     ({"algo.relift.every": 2, "algo.inflight_updates": True, "rollout.engine": "slots"},
@@ -246,3 +244,21 @@ def test_curriculum_hints_and_relift_with_batches_sampled_ahead_resume_exactly(t
         assert int(ckpt.restore().state["step"]) == 4 + 2   # 4 RL and 2 SFT updates
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
+
+
+@pytest.mark.parametrize("mesh", ["split", "one"])
+def test_kl_in_the_reward_is_the_sampling_policys_and_resumes_exactly(tmp_path, mesh):
+    """GRPO's KL in the reward with batches sampled ahead: the sampler scores its batch under
+    the policy that drew it and the reference (a copy of the reference on its mesh), before
+    the advantages. The first two batches are drawn by version 0, the reference itself, so
+    their KL is exactly 0; later ones are not (a KL taken under the update's policy would be
+    non-zero from the second batch on). Stopped after update 2 and resumed, the run equals
+    the straight one."""
+    layout = SPLIT if mesh == "split" else NO_SPLIT
+    cfg = lambda: _cfg(**{**layout, "algo.beta": 0.5, "algo.kl_in_reward": True})  # noqa: E731
+    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=2, devices=jax.devices())
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert [r["rollout/sample_version"] for r in rl] == [0, 0, 1, 2]
+    assert [r["kl_ref_seq"] == 0 for r in rl] == [True, True, False, False], rl
+    assert "kl_ref" not in rl[0]   # no KL term in the loss
+

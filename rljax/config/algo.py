@@ -512,13 +512,9 @@ def check_async(cfg) -> None:
     if a.inflight_updates and cfg.env.name:
         raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
                           "episode engine does not take new weights between chunks yet)")
-    for key, on in (# PPO shapes its token rewards with the KL at update time (``prepare``);
-                    # GRPO does it in the rollout, with the update's policy.
-                    ("algo.kl_in_reward", a.kl_in_reward and a.name != "ppo"),
-                    ("algo.mixed_policy", a.mixed_policy)):
-        if on:
-            raise ConfigError(f"algo.asynchronous=true cannot be combined with {key} "
-                              "(not supported with batches sampled ahead); turn one of them off")
+    if a.mixed_policy:
+        raise ConfigError("algo.asynchronous=true cannot be combined with algo.mixed_policy "
+                          "(not supported with batches sampled ahead); turn one of them off")
     if r.partial and r.max_staleness < a.async_lag:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
                           f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "

@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -90,6 +90,20 @@ def rollout_temperatures(cfg) -> np.ndarray | None:
                                          cfg.rollout.max_new_tokens)
 
 
+def logps_fns(ctx) -> tuple[Callable, Callable]:
+    """The rollout's log-prob passes on ``ctx``'s mesh: ``(policy, base)``, each ``(params,
+    batch) -> logps [R, N]``; ``base`` runs the base model with the LoRA adapters off (the
+    reference policy of a LoRA run: the same arrays)."""
+    cfg = ctx.cfg
+    micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
+    opts = dict(temperature=cfg.rollout.temperature, num_micro=cfg.rollout.batch_size // micro,
+                mesh=ctx.mesh, param_shardings=ctx.param_shardings)
+    build = build_logps_fn
+    if length_groups.host_planned(cfg.algo):
+        build = functools.partial(length_groups.build_logps_fn, algo_cfg=cfg.algo)
+    return build(ctx.model_cfg, **opts), build(ctx.model_cfg, base_only=True, **opts)
+
+
 class Rollout:
     """Collects one training batch per call; host state is the data iterator's."""
 
@@ -104,16 +118,10 @@ class Rollout:
         # An environment may be the only source of reward (``reward.names`` empty).
         self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
-        micro = cfg.algo.micro_batch_size or cfg.algo.mini_batch_size or cfg.rollout.batch_size
-        logps_opts = dict(temperature=cfg.rollout.temperature,
-                          num_micro=cfg.rollout.batch_size // micro, mesh=ctx.mesh,
-                          param_shardings=ctx.param_shardings)
-        build = build_logps_fn
-        if length_groups.host_planned(cfg.algo):
-            build = functools.partial(length_groups.build_logps_fn, algo_cfg=cfg.algo)
-        self.logps_fn = build(ctx.model_cfg, **logps_opts)
-        # With LoRA the reference policy is the base model: the same arrays, adapters off.
-        self.base_logps_fn = build(ctx.model_cfg, base_only=True, **logps_opts)
+        self.logps_fn, self.base_logps_fn = logps_fns(ctx)
+        # The (policy, reference) log-prob passes this rollout runs itself, when they are not
+        # the update's (asynchronous RL's sampler has a mesh of its own): None, the above.
+        self.own_logps = None
         a = cfg.algo
         self.needs_ref = a.beta > 0
         # Host-side group statistics as one jitted program each (run eagerly, every jnp op of
@@ -289,14 +297,14 @@ class Rollout:
         t0 = time.perf_counter()
         # When device work is next dispatched (time/host_frac); None: the caller's update.
         self.pending_since = t0 if self.old_logps or self.needs_ref else None
+        logps_fn, base_logps_fn = self.own_logps or (self.logps_fn, self.base_logps_fn)
         if self.old_logps:
-            batch["old_logps"] = self.logps_fn(state.params,
-                                               dist.device_batch(batch, self.ctx.mesh))
+            batch["old_logps"] = logps_fn(state.params, dist.device_batch(batch, self.ctx.mesh))
         rewards, token_kl = rows["rewards"], None
         metrics: dict[str, Any] = {}
         if self.needs_ref:
-            ref_fn, ref = ((self.logps_fn, state.ref_params) if state.ref_params is not None
-                           else (self.base_logps_fn, state.params))
+            ref_fn, ref = ((logps_fn, state.ref_params) if state.ref_params is not None
+                           else (base_logps_fn, state.params))
             batch["ref_logps"] = ref_fn(ref, dist.device_batch(batch, self.ctx.mesh))
             if cfg.algo.kl_in_reward:  # KL penalty folded into the reward
                 kl = dist.to_host(algorithms.get_kl_estimator(cfg.algo.kl_estimator)(

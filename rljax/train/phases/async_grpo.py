@@ -10,7 +10,8 @@ A fixed schedule on the single controller (docs/internals.md, "Asynchronous RL")
    the proximal and reference log-prob passes and the updates are dispatched on the training
    mesh, not fetched;
 3. **sample** batch k + s on the rollout mesh with the version-k copy (rewards, advantages on
-   the host) while the training devices run step 2;
+   the host; with ``algo.kl_in_reward`` the KL of version k to the reference, a copy of it on
+   the rollout mesh, enters the rewards first) while the training devices run step 2;
 4. with ``algo.relift``, ReLIFT's SFT step when it is due (after the update: version k + 1
    includes it); fetch the update's metrics.
 
@@ -57,6 +58,7 @@ from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import (GRPOPhase, carry_role_baseline, merge_updates,
                                      single_update)
 from rljax.train.core.rollout_metrics import staleness_metrics
+from rljax.train.core import rollout as rollout_lib
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
 
@@ -85,9 +87,18 @@ class AsyncSchedule:
         self.lag = int(cfg.algo.async_lag)
         # The rollout was built on the training context: its log-prob passes (used at update
         # time, under the proximal policy) run on the training mesh. It samples on the
-        # sampler's context, and computes no log-probs itself.
+        # sampler's context, and computes log-probs itself only for GRPO's KL in the reward.
         self.rollout.ctx = self.sampler_ctx = sampler_context(ctx)
-        self.rollout.old_logps, self.rollout.needs_ref = False, False
+        # GRPO's KL in the reward is the sampling policy's (as in synchronous GRPO, where it
+        # is also the update's): the sampler runs the policy and reference log-prob passes
+        # on its own mesh, with a copy of the reference there, before the advantages. (PPO
+        # shapes its token rewards at update time, in ``prepare``.)
+        a = cfg.algo
+        self.kl_shaping = bool(a.kl_in_reward and a.beta > 0 and a.name != "ppo")
+        self.rollout.old_logps = self.rollout.needs_ref = self.kl_shaping
+        if self.kl_shaping and self.sampler_ctx is not ctx:
+            self.rollout.own_logps = rollout_lib.logps_fns(self.sampler_ctx)
+        self.sampler_ref = None
         self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
         self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
         # RAE's per-role baseline moves with the rewards of each batch as it is sampled, so the
@@ -118,6 +129,11 @@ class AsyncSchedule:
             rep = self.sampler_ctx.replicated
             self._sampler_rng = (shd.transfer(state.rng, rep) if sh is not None
                                  else jax.device_put(jnp.copy(state.rng), rep))
+        if self.kl_shaping and state.ref_params is not None and self.sampler_ref is None:
+            # The reference never changes: placed once (a copy on one mesh, where the
+            # update donates the state).
+            self.sampler_ref = (shd.transfer(state.ref_params, self.ctx.rollout_shardings)
+                                if sh is not None else jax.tree.map(jnp.copy, state.ref_params))
         self.sampler_params = jax.block_until_ready(params)
         self.sampler_version = int(version)
         return time.perf_counter() - t0
@@ -126,7 +142,7 @@ class AsyncSchedule:
         """Samples the batch update ``step`` trains on with the published policy."""
         if hasattr(self.rollout.rounds, "params_version"):   # partial rollouts: versions
             self.rollout.rounds.params_version = self.sampler_version
-        view = SamplerState(self.sampler_params, self._sampler_rng,
+        view = SamplerState(self.sampler_params, self._sampler_rng, ref_params=self.sampler_ref,
                             role_baseline=self.sampler_baseline)
         batch, metrics = self.rollout(view, step)
         if "role_baseline" in batch:   # the next batch's advantages start from this one's
@@ -226,7 +242,7 @@ class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
     def __init__(self, ctx, steps: int):
         super().__init__(ctx, steps)
         self.needs_old = not single_update(ctx.cfg)
-        self.needs_ref = ctx.cfg.algo.beta > 0
+        self.needs_ref = ctx.cfg.algo.beta > 0 and not self.kl_shaping   # the KL loss's
 
     def _compiled(self, state):
         """The GRPO update; ``algo.update_streams`` left at auto runs one stream: concurrent
