@@ -156,8 +156,6 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"algo.name": "dpo"},
      "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
-    ({"algo.mixed_policy": True}, "algo.asynchronous=true cannot be combined with "
-                                  "algo.mixed_policy"),
     ({"algo.relift.every": 2, "algo.inflight_updates": True, "rollout.engine": "slots"},
      "algo.inflight_updates=true cannot be combined with algo.relift.every"),
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
@@ -261,4 +259,23 @@ def test_kl_in_the_reward_is_the_sampling_policys_and_resumes_exactly(tmp_path, 
     assert [r["rollout/sample_version"] for r in rl] == [0, 0, 1, 2]
     assert [r["kl_ref_seq"] == 0 for r in rl] == [True, True, False, False], rl
     assert "kl_ref" not in rl[0]   # no KL term in the loss
+
+
+def test_mixed_policy_demonstrations_with_batches_sampled_ahead(tmp_path):
+    """``algo.mixed_policy`` with ``algo.asynchronous``: the sampler puts the reference
+    solution into each failed group of the batch it draws ahead (behaviour log-probs 0); the
+    update's proximal pass gives those rows old log-probs 0 too (mu = 1), so they train with
+    ratio pi_theta / 1 while sampled rows keep version k's log-probs. A run stopped after
+    update 2 and resumed (the demonstration rows saved with the batches in flight) equals the
+    straight run."""
+    cfg = lambda: _cfg(**{**NO_SPLIT, "algo.mixed_policy": True,   # noqa: E731
+                          "algo.mini_batch_size": 0})
+    _, _, records, trained = _iterations(cfg(), 3)
+    assert all(r["mixed/demos"] > 0 for r in records)
+    for batch in trained:
+        demo, old = batch["demo"], batch["old_logps"]
+        assert demo.any() and np.all(old[demo] == 0) and np.all(batch["sampler_logps"][demo] == 0)
+        sampled = batch["loss_mask"] & ~demo[:, None]
+        assert np.all(old[sampled] < 0)   # version k's log-probs, not zeroed
+    resumes_exactly(cfg, tmp_path, stop_after=2, devices=jax.devices())
 

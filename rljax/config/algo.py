@@ -512,9 +512,6 @@ def check_async(cfg) -> None:
     if a.inflight_updates and cfg.env.name:
         raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
                           "episode engine does not take new weights between chunks yet)")
-    if a.mixed_policy:
-        raise ConfigError("algo.asynchronous=true cannot be combined with algo.mixed_policy "
-                          "(not supported with batches sampled ahead); turn one of them off")
     if r.partial and r.max_staleness < a.async_lag:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
                           f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "

@@ -424,8 +424,13 @@ class Guide(RolloutStage):
         self.hints.remember_success(example["prompt"], ids)
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
-        """Mixed-policy demonstrations train with ratio pi_theta / 1 (old log-probs 0)."""
-        if "demo" in rows:
+        """Mixed-policy demonstrations train with ratio pi_theta / 1 (old log-probs 0). The
+        batch keeps the rows (``demo`` bool [R]): one sampled ahead (asynchronous RL) gets its
+        old log-probs at update time, where they are zeroed too."""
+        if "demo" not in rows:
+            return
+        batch["demo"] = rows["demo"]
+        if "old_logps" in batch:
             batch["old_logps"] = demo_old_logps(batch["old_logps"], rows["demo"])
 
     def metrics(self, rounds: Sequence[dict], rows: dict) -> dict:

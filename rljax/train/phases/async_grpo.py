@@ -59,6 +59,7 @@ from rljax.train.phases.grpo import (GRPOPhase, carry_role_baseline, merge_updat
                                      single_update)
 from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core import rollout as rollout_lib
+from rljax.train.methods.guidance import demo_old_logps
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
 
@@ -265,9 +266,13 @@ class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
         the iteration) and reference log-probs, on the training mesh."""
         batch = dict(batch)
         mesh = self.ctx.mesh
-        if self.needs_old:
+        if self.needs_old:   # (always with mixed-policy demonstrations: single_update)
             batch["old_logps"] = self.rollout.logps_fn(state.params, dist.device_batch(batch, mesh))
-            old, m = np.asarray(batch["old_logps"]), np.asarray(batch["loss_mask"])
+            m = np.asarray(batch["loss_mask"])
+            if "demo" in batch:   # demonstrations: mu = 1 (``guidance.insert_demos``)
+                batch["old_logps"] = demo_old_logps(batch["old_logps"], batch["demo"])
+                m = m & ~np.asarray(batch["demo"], bool)[:, None]
+            old = np.asarray(batch["old_logps"])
             diff = np.abs(old - np.asarray(batch["sampler_logps"]))[m]
             metrics["rollout/logp_diff_mean"] = float(diff.mean()) if diff.size else 0.0
             metrics["rollout/logp_diff_max"] = float(diff.max()) if diff.size else 0.0
