@@ -264,6 +264,20 @@ def test_dynamic_sampling_and_relift_take_groups_as_they_complete_and_resume_exa
     assert any(r["hint/fraction_hinted"] > 0 for r in rl)
 
 
+def test_mixed_policy_demonstrations_enter_groups_as_they_complete_and_resume_exactly(
+        tmp_path):
+    """algo.mixed_policy with partial rollouts: each completed group that failed gets the
+    reference solution in place of its last sample (behaviour and old log-probs 0, mu = 1, so
+    the behaviour weight is 1; the staleness metrics count the tokens the pool drew, the
+    replaced sample's included). Stopped after update 2 and resumed, the run equals the
+    straight one."""
+    cfg = lambda: _partial_cfg(**{"algo.mixed_policy": True})   # noqa: E731
+    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=2)
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert all(r["mixed/demos"] > 0 for r in rl)
+    assert max(r["rollout/staleness_max"] for r in rl) >= 1   # carried groups among them
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rollout.engine": "static"},
      "rollout.partial=true needs rollout.engine='slots' (got 'static')"),

@@ -156,11 +156,9 @@ def check_partial(cfg) -> None:
         raise ConfigError("rollout.partial=true cannot be combined with data.selection.name="
                           "'predicted' (its posteriors learn which prompt each group came from, "
                           "and a carried group's prompt was drawn iterations earlier)")
-    for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),
-                    ("algo.mixed_policy", a.mixed_policy)):
-        if on:
-            raise ConfigError(f"rollout.partial=true cannot be combined with {key} (it "
-                              "samples or picks groups per round); turn one of them off")
+    if r.micro_batch_size:
+        raise ConfigError("rollout.partial=true cannot be combined with rollout.micro_batch_size "
+                          "(it samples or picks groups per round); turn one of them off")
 
 
 def knapsack_limits(cfg) -> tuple[int, int, int]:
