@@ -133,6 +133,33 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
     assert records[1]["time/weight_transfer"] > 0
 
 
+def test_inflight_updates_wait_for_relifts_sft_step(monkeypatch):
+    """``algo.inflight_updates`` with ReLIFT every second update: an update that an SFT step
+    may follow is not published in flight (the version would lack the SFT step); the next
+    iteration publishes it whole. The other updates still reach the sampler mid-batch."""
+    from rljax.train.core import rollout as rollout_lib
+    from rljax.train.phases import async_grpo
+
+    def done(watch):   # as above: ready from the sampler's second poll
+        watch.polls = getattr(watch, "polls", 0) + 1
+        if watch.polls < 2:
+            return False
+        watch._thread.join()
+        return True
+    monkeypatch.setattr(async_grpo._Watch, "done", done)
+    sampled, generate = [], rollout_lib.generate
+    monkeypatch.setattr(rollout_lib, "generate",
+                        lambda *a, **kw: (sampled.append(generate(*a, **kw)), sampled[-1])[1])
+    cfg = _cfg(**{"rollout.engine": "slots", "rollout.chunk_steps": 1, "rollout.slots": 4,
+                  "algo.inflight_updates": True, "steps": 4, "algo.mini_batch_size": 0,
+                  "algo.relift.every": 2, "algo.relift.batch_size": 4})
+    _, versions, records, _ = _iterations(cfg, 4)
+    # Batch k + 1 is drawn while update k runs; SFT steps follow updates 1 and 3.
+    assert [o.get("swaps") for o in sampled] == [None, 1, None, 1]
+    assert ["relift/sft_loss" in r for r in records] == [False, True, False, True]
+    assert [r.get("rollout/weight_swaps") for r in records] == [None, 1, None, 1]
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("async_straight"))
@@ -156,8 +183,6 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"algo.name": "dpo"},
      "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
-    ({"algo.relift.every": 2, "algo.inflight_updates": True, "rollout.engine": "slots"},
-     "algo.inflight_updates=true cannot be combined with algo.relift.every"),
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),

@@ -505,10 +505,6 @@ def check_async(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
                           f"'ppo' (got '{a.name}')")
-    if a.inflight_updates and a.relift.every:
-        raise ConfigError("algo.inflight_updates=true cannot be combined with algo.relift.every "
-                          "(ReLIFT's SFT steps change the weights after an update, and a "
-                          "version published in flight would miss them)")
     if a.inflight_updates and cfg.env.name:
         raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
                           "episode engine does not take new weights between chunks yet)")

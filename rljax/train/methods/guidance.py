@@ -482,13 +482,18 @@ class Relift:
                          self.ctx.cfg.data.max_prompt_length, self.completion_len,
                          rows=int(self.cfg.batch_size))
 
+    def due_after(self, step: int) -> bool:
+        """Whether an SFT step may follow RL step ``step`` (0-based): every ``relift.every``
+        steps (it runs if the buffer then holds prompts)."""
+        return (step + 1) % int(self.cfg.every) == 0
+
     def maybe_step(self, state, step: int, optimizer):
         """(state, metrics) after RL step ``step`` (0-based): an SFT step when it is due and
         the buffer holds prompts. Metrics: relift/buffer_size (before the step), and on SFT
         steps relift/sft_loss, relift/sft_rows, relift/sft_tokens."""
         buffer = self.guide.buffer
         metrics = {"relift/buffer_size": len(buffer)}
-        if (step + 1) % int(self.cfg.every) or not len(buffer):
+        if not self.due_after(step) or not len(buffer):
             return state, metrics
         examples = buffer.take(int(self.cfg.batch_size))
         batch, cut = self.batch(examples)

@@ -183,9 +183,12 @@ class AsyncSchedule:
         state, updates = self.train_on(state, batch, metrics, step)
         ready = _Watch((state, updates))
         t_sample = time.perf_counter()
+        relift = getattr(self, "relift", None)
         if step + self.lag < self.steps:
             swapped = []
-            if self.inflight_updates:
+            # Not when ReLIFT's SFT step may follow this update: the version it would publish
+            # in flight would lack the SFT step, so the next iteration publishes it whole.
+            if self.inflight_updates and not (relift is not None and relift.due_after(step)):
                 self.rollout.weights = self._new_weights(state, ready, step + 1, swapped)
             try:
                 self.sample(step + self.lag)
@@ -194,7 +197,6 @@ class AsyncSchedule:
             sampled += self.inflight[step + self.lag][1]["time/sample"]
             transfer += sum(swapped)
         t_wait = time.perf_counter()
-        relift = getattr(self, "relift", None)
         if relift is not None:
             # ReLIFT's SFT step follows the update, so version step + 1 includes it. It donates
             # the updated state, which the watcher must be done waiting on first.
