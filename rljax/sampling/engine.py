@@ -292,11 +292,11 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
                             temperatures, None)
 
     def cond(carry):
-        i, _, _, (_, _, _, active, taken) = carry
+        i, _, _, (_, _, _, active, taken), _ = carry
         return (i < chunk_steps) & (jnp.any(active) | (taken < queued))
 
     def body(carry):
-        i, cache, out, (row, t, prev, active, taken) = carry
+        i, cache, out, (row, t, prev, active, taken), held = carry
         # Refill: the k-th idle slot takes queue[taken + k] while rows remain.
         rank = jnp.cumsum(~active) - 1
         take = ~active & (taken + rank < queued)
@@ -305,11 +305,12 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
         prev, active = jnp.where(take, first[new], prev), active | take
         taken = taken + jnp.sum(take, dtype=jnp.int32)
         page = row // g
+        held = paged.refill_pages(held, pages, page, take)
         # Feed token t-1 (slot-cache index t-1, position prompt_len + t - 1), sample token t.
         index = jnp.where(active, t - 1, n)   # idle slots write nothing
         hidden, cache, *routes = paged.slot_decode(cfg, params, prev, page_len[page] + t - 1,
                                                    index, pages, page_mask, page, cache,
-                                                   "routes" in out)
+                                                   "routes" in out, slot_pages=held)
         logits = models.logits_from_hidden(cfg, params, hidden)
         tok, logp = pick(logits, jnp.minimum(t, n - 1), row)
         stop = is_stop(tok)
@@ -322,10 +323,14 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
         if routes:   # token t-1's experts (the one fed this step)
             out["routes"] = out["routes"].at[at, t - 1].set(routes[0], mode="drop")
         active = active & ~stop & (t + 1 < n)
-        return i + 1, cache, out, (row, t + 1, tok, active, taken)
+        return i + 1, cache, out, (row, t + 1, tok, active, taken), held
 
-    i, cache, out, slot_state = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), cache, out, slot_state))
+    # Each slot's page, gathered once per chunk (slots may hold rows from the last chunk) and
+    # refreshed only for the slots a refill gives a new row: a slot keeps its page for its
+    # whole row, so gathering the pages at every step copied the same values again.
+    held = paged.gather_pages(pages, slot_state[0] // g)
+    i, cache, out, slot_state, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), cache, out, slot_state, held))
     busy = jnp.any(slot_state[3]) | (slot_state[4] < queued)
     return cache, out, slot_state, i, busy
 
