@@ -25,7 +25,9 @@ Workloads:
   (needs torch; ``--skip transformers`` leaves it out).
 
 ``--per-step`` runs every row to N new tokens (no stop token) and reports seconds per row-step:
-the static sampler at B*G rows and at S rows, the engine at S slots (prefill included). What
+the static sampler at B*G rows and at S rows, the engine at S slots (prefill included), and
+seconds per token drawn (the static row-steps count each row's first token, drawn by the
+prefill, the engine's slot-steps do not: per token compares like with like). What
 a refilling engine gains on a given length distribution is its utilisation gain times the
 ratio of these costs.
 
@@ -137,11 +139,18 @@ def per_step(args, cfg, params, prompt, mask, pad, n, g, s):
     row_steps = {f"static {args.prompts * g} rows": args.prompts * g * n,
                  f"static {small * g} rows": small * g * n,
                  f"engine {s} slots": s * steps["engine"]}
+    # The static sampler's row-steps are its tokens (N per row, the first drawn by the
+    # prefill); the engine's slot-steps are decode steps only (N - 1 per row). Per token drawn,
+    # both count the same unit.
+    tokens = {f"static {args.prompts * g} rows": args.prompts * g * n,
+              f"static {small * g} rows": small * g * n,
+              f"engine {s} slots": args.prompts * g * n}
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "workload": args.workload, "new_tokens": n, "runs": args.runs,
-            "times_s": times, "row_steps": row_steps,
+            "times_s": times, "row_steps": row_steps, "tokens": tokens,
             "us_per_row_step": {k: 1e6 * med[k] / row_steps[k] for k in med},
+            "us_per_token": {k: 1e6 * med[k] / tokens[k] for k in med},
             "load_average_before": load, "load_average_after": os.getloadavg()[0]}
 
 
@@ -189,7 +198,8 @@ def main() -> None:
                                        f"engine_{args.workload}_per_step.json")
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
-        print(json.dumps(result["us_per_row_step"]), f"load {result['load_average_before']:.1f}",
+        print(json.dumps(result["us_per_row_step"]), "per token:",
+              json.dumps(result["us_per_token"]), f"load {result['load_average_before']:.1f}",
               f"-> {result['load_average_after']:.1f}; {out}")
         return
     kw = dict(max_new_tokens=n, temperature=1.0, eos_id=eos, pad_id=pad, num_samples=g)

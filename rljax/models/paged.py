@@ -6,7 +6,8 @@ copied into each of its G rows, and every row sits at the same cache position. A
 splits the cache in two:
 
 * **prompt pages** ``{"k", "v"}``: per layer ``[pages, K, P, Dh]``, one page per prompt, written
-  once by the prefill and read by all G of its samples (never copied per sample);
+  once by the prefill and read by all G of its samples (never stored per sample; a decode loop
+  may hold a copy per slot while it runs, ``gather_pages``);
 * **slot caches**: per layer ``[S, K, N, Dh]``, slot ``s`` holding the completion it decodes now;
   slot ``s`` writes its token's keys/values at its own index ``t[s]``.
 
@@ -56,6 +57,33 @@ def init_slot_cache(cfg: ModelConfig, slots: int, length: int, dtype=None) -> di
     return kv_ring.init_layer_cache(cfg, slots, length, dtype=dtype)
 
 
+def gather_pages(pages: dict, page_of: jax.Array) -> dict:
+    """Each slot's page: ``{"k", "v": tuple of L [S, K, P, Dh]}`` from pages' ``[pages, K, P,
+    Dh]`` and page_of int32 [S]. A decode loop whose slots keep their page for many steps
+    gathers once and passes the result to ``slot_decode`` (``slot_pages``) instead of
+    gathering every layer's page at every step (2 L gathers of [S, K, P, Dh] per step);
+    ``refill_pages`` then updates the slots that change page. Costs S pages per layer of
+    memory while the loop runs."""
+    return {name: tuple(x[page_of] for x in c) for name, c in pages.items()}
+
+
+def refill_pages(slot_pages: dict, pages: dict, page_of: jax.Array, take: jax.Array) -> dict:
+    """``slot_pages`` (``gather_pages``) with slot s's entries set to page ``page_of[s]``
+    where take bool [S]. One slot at a time, only the taken ones: a step without a refill
+    copies nothing, and a refill copies one page per layer instead of all S slots' pages."""
+    s = take.shape[0]
+    slots = jnp.nonzero(take, size=s, fill_value=0)[0]   # the taken slots first
+
+    def body(j, held):
+        slot = slots[j]
+        page = page_of[slot]
+        return {name: tuple(jax.lax.dynamic_update_index_in_dim(
+            h, jax.lax.dynamic_index_in_dim(x, page, keepdims=False).astype(h.dtype), slot, 0)
+            for h, x in zip(held[name], pages[name])) for name in held}
+
+    return jax.lax.fori_loop(0, jnp.sum(take, dtype=jnp.int32), body, slot_pages)
+
+
 def _write(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
     """cache [S, K, N, Dh] with ``new`` [S, K, Dh] written at slot s's own index ``index[s]``."""
     s = cache.shape[0]
@@ -93,7 +121,7 @@ def slot_attention(q: jax.Array, k_page: jax.Array, v_page: jax.Array, page_mask
 
 def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
                 index: jax.Array, pages: dict, page_mask: jax.Array, page_of: jax.Array,
-                cache: dict, with_routes: bool = False) -> tuple:
+                cache: dict, with_routes: bool = False, slot_pages: dict | None = None) -> tuple:
     """Feeds one token per slot.
 
     tokens, positions, index, page_of: int32 [S] (the token, its position in the sequence, the
@@ -102,6 +130,8 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
     (``transformer.unstack_layers``). Slots whose index is out of range write nothing (idle
     slots pass N). Returns ``(hidden [S, D] in cfg.dtype, cache)``, and with ``with_routes``
     (a mixture of experts) the fed tokens' experts in every layer, int32 [S, L, k].
+    ``slot_pages``: each slot's page already gathered (``gather_pages(pages, page_of)``), read
+    instead of ``pages``; ``page_of`` still selects the page masks.
     """
     n = max(c.shape[2] for c in cache["k"])
     own_mask = jnp.arange(n)[None, :] <= index[:, None]
@@ -142,8 +172,12 @@ def slot_decode(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: ja
             at = ring_index if ks[i].shape[2] < n else index
             ks[i] = _write(ks[i], k[:, 0], at)
             vs[i] = _write(vs[i], v[:, 0], at)
-            attn = slot_attention(q[:, 0], pages["k"][i][page_of].astype(q.dtype),
-                                  pages["v"][i][page_of].astype(q.dtype), masks[0],
+            if slot_pages is None:
+                k_page, v_page = pages["k"][i][page_of], pages["v"][i][page_of]
+            else:
+                k_page, v_page = slot_pages["k"][i], slot_pages["v"][i]
+            attn = slot_attention(q[:, 0], k_page.astype(q.dtype), v_page.astype(q.dtype),
+                                  masks[0],
                                   ks[i].astype(q.dtype), vs[i].astype(q.dtype), masks[1],
                                   cfg.attn_scale, cfg.attn_logit_softcapping)
             return attn[:, None]

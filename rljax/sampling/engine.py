@@ -141,6 +141,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     version = 0
     if weights is not None:
         params, version = weights()
+    layers = unstacked(params)
     # Traced on the parameters' mesh: the MoE dispatch splits the experts' work over it.
     mesh = params_mesh(params)
     with shd.tracing_mesh(mesh):
@@ -171,11 +172,13 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         versions, written = np.full((rows, n), version, np.int32), np.ones(rows, np.int32)
     while busy:
         if weights is not None and chunks:
-            params, now = weights()
+            new_params, now = weights()
             swaps, version = swaps + (now != version), now
+            if new_params is not params:
+                params, layers = new_params, unstacked(new_params)
         with shd.tracing_mesh(mesh):
             cache, out, slot_state, ran, busy = decode_chunk(
-                cfg, params, pages, page_mask, page_len, cache, out, slot_state, first, queue,
+                cfg, layers, pages, page_mask, page_len, cache, out, slot_state, first, queue,
                 jnp.int32(waiting.size), noise, temperatures, max_new_tokens=n, num_samples=g,
                 chunk_steps=int(chunk_steps), **draw)
         chunks, steps, busy = chunks + 1, steps + int(ran), bool(busy)
@@ -205,6 +208,18 @@ def params_mesh(params: Any):
         if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
             return mesh
     return None
+
+
+@jax.jit
+def unstacked(params: Any) -> Any:
+    """``models.unstack_layers(params)`` as arrays of their own, for the decode chunks.
+
+    Given stacked weights, ``decode_chunk`` copies every layer's weights out of the stacks
+    at each call (XLA:CPU materialises the slices): a copy of all weights every
+    ``chunk_steps`` decode steps. Done once per weights instead, the chunks read the
+    per-layer arrays in place. This holds a second copy of the weights while decoding, as the
+    static sampler does inside its program."""
+    return models.unstack_layers(params)
 
 
 def _dtype_name(dtype) -> str | None:
@@ -282,7 +297,8 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
     first: int32 [R], each row's first token; queue: int32 [R], the rows to decode in order
     (the first ``queued``). out: tokens/logps [R, N], lengths [R], done [R], written at each
     busy slot's (row, step); with ``out["routes"]`` int32 [R, N, L, k], each fed token's
-    experts too. Returns ``(cache, out, slot_state, steps run, busy)``. The
+    experts too. ``params`` stacked or, cheaper per call, already unstacked (``unstacked``).
+    Returns ``(cache, out, slot_state, steps run, busy)``. The
     partial-rollout pool (``sampling.partial``) runs it too, with slots already holding rows.
     """
     n, g = max_new_tokens, num_samples
@@ -292,11 +308,11 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
                             temperatures, None)
 
     def cond(carry):
-        i, _, _, (_, _, _, active, taken) = carry
+        i, _, _, (_, _, _, active, taken), _ = carry
         return (i < chunk_steps) & (jnp.any(active) | (taken < queued))
 
     def body(carry):
-        i, cache, out, (row, t, prev, active, taken) = carry
+        i, cache, out, (row, t, prev, active, taken), held = carry
         # Refill: the k-th idle slot takes queue[taken + k] while rows remain.
         rank = jnp.cumsum(~active) - 1
         take = ~active & (taken + rank < queued)
@@ -305,11 +321,12 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
         prev, active = jnp.where(take, first[new], prev), active | take
         taken = taken + jnp.sum(take, dtype=jnp.int32)
         page = row // g
+        held = paged.refill_pages(held, pages, page, take)
         # Feed token t-1 (slot-cache index t-1, position prompt_len + t - 1), sample token t.
         index = jnp.where(active, t - 1, n)   # idle slots write nothing
         hidden, cache, *routes = paged.slot_decode(cfg, params, prev, page_len[page] + t - 1,
                                                    index, pages, page_mask, page, cache,
-                                                   "routes" in out)
+                                                   "routes" in out, slot_pages=held)
         logits = models.logits_from_hidden(cfg, params, hidden)
         tok, logp = pick(logits, jnp.minimum(t, n - 1), row)
         stop = is_stop(tok)
@@ -322,10 +339,14 @@ def decode_chunk(cfg, params, pages, page_mask, page_len, cache, out, slot_state
         if routes:   # token t-1's experts (the one fed this step)
             out["routes"] = out["routes"].at[at, t - 1].set(routes[0], mode="drop")
         active = active & ~stop & (t + 1 < n)
-        return i + 1, cache, out, (row, t + 1, tok, active, taken)
+        return i + 1, cache, out, (row, t + 1, tok, active, taken), held
 
-    i, cache, out, slot_state = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), cache, out, slot_state))
+    # Each slot's page, gathered once per chunk (slots may hold rows from the last chunk) and
+    # refreshed only for the slots a refill gives a new row: a slot keeps its page for its
+    # whole row, so gathering the pages at every step copied the same values again.
+    held = paged.gather_pages(pages, slot_state[0] // g)
+    i, cache, out, slot_state, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), cache, out, slot_state, held))
     busy = jnp.any(slot_state[3]) | (slot_state[4] < queued)
     return cache, out, slot_state, i, busy
 

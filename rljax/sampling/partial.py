@@ -213,9 +213,10 @@ class Pool:
         first_dev = jnp.asarray(self.tokens[:, 0])
         queue_dev = jnp.asarray(np.pad(queue, (0, c * g - queue.size)))
         steps, busy = 0, bool(len(resumed) or queue.size)
+        layers = engine.unstacked(params)   # once per run, not per chunk
         while busy and int(self._complete().sum()) < want:
             cache, out, slot_state, ran, busy = engine.decode_chunk(
-                self.cfg, params, pages, page_mask, page_len, cache, out, slot_state,
+                self.cfg, layers, pages, page_mask, page_len, cache, out, slot_state,
                 first_dev, queue_dev, jnp.int32(queue.size), noise, self.temperatures,
                 max_new_tokens=n, num_samples=g, chunk_steps=self.chunk_steps, **self.draw)
             self.clock += 1
