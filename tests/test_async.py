@@ -88,15 +88,13 @@ def test_schedule_and_the_weights_the_sampler_reads():
     assert min(gap(trained[3], versions[0]), gap(trained[3], versions[3])) > 1e-3
 
 
-def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
-    """``algo.inflight_updates``: update k - 1 (made ready at the sampler's second poll) is
-    published between two decode chunks of batch k, so the batch mixes versions k - 1 and k.
-    Tokens drawn before the swap carry version k - 1's log-probs; those after it were drawn
-    by the new weights (their log-probs are not version k - 1's)."""
+def _updates_ready_at_the_second_poll(monkeypatch) -> list:
+    """In-flight updates made deterministic: an update is not ready at the sampler's first
+    poll and is from the second. Returns the list every ``generate`` output is appended to."""
     from rljax.train.core import rollout as rollout_lib
     from rljax.train.phases import async_grpo
 
-    def done(watch):   # deterministic: not ready at the first poll, ready from the second
+    def done(watch):
         watch.polls = getattr(watch, "polls", 0) + 1
         if watch.polls < 2:
             return False
@@ -106,6 +104,15 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
     sampled, generate = [], rollout_lib.generate
     monkeypatch.setattr(rollout_lib, "generate",
                         lambda *a, **kw: (sampled.append(generate(*a, **kw)), sampled[-1])[1])
+    return sampled
+
+
+def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
+    """``algo.inflight_updates``: update k - 1 (made ready at the sampler's second poll) is
+    published between two decode chunks of batch k, so the batch mixes versions k - 1 and k.
+    Tokens drawn before the swap carry version k - 1's log-probs; those after it were drawn
+    by the new weights (their log-probs are not version k - 1's)."""
+    sampled = _updates_ready_at_the_second_poll(monkeypatch)
     cfg = _cfg(**{"rollout.engine": "slots", "rollout.chunk_steps": 1, "rollout.slots": 4,
                   "algo.inflight_updates": True, "steps": 3})
     ctx, versions, records, trained = _iterations(cfg, 3)
@@ -137,19 +144,7 @@ def test_inflight_updates_wait_for_relifts_sft_step(monkeypatch):
     """``algo.inflight_updates`` with ReLIFT every second update: an update that an SFT step
     may follow is not published in flight (the version would lack the SFT step); the next
     iteration publishes it whole. The other updates still reach the sampler mid-batch."""
-    from rljax.train.core import rollout as rollout_lib
-    from rljax.train.phases import async_grpo
-
-    def done(watch):   # as above: ready from the sampler's second poll
-        watch.polls = getattr(watch, "polls", 0) + 1
-        if watch.polls < 2:
-            return False
-        watch._thread.join()
-        return True
-    monkeypatch.setattr(async_grpo._Watch, "done", done)
-    sampled, generate = [], rollout_lib.generate
-    monkeypatch.setattr(rollout_lib, "generate",
-                        lambda *a, **kw: (sampled.append(generate(*a, **kw)), sampled[-1])[1])
+    sampled = _updates_ready_at_the_second_poll(monkeypatch)
     cfg = _cfg(**{"rollout.engine": "slots", "rollout.chunk_steps": 1, "rollout.slots": 4,
                   "algo.inflight_updates": True, "steps": 4, "algo.mini_batch_size": 0,
                   "algo.relift.every": 2, "algo.relift.batch_size": 4})
