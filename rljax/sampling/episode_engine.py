@@ -161,7 +161,8 @@ def _chunk(cfg, params, pages, page_mask, page_len, cache, state, rng, *, num_sa
         page = jnp.maximum(st["row"], 0) // num_samples
         index = jnp.where(live, cursor, length)   # free and waiting slots write nothing
         hidden, cache = paged.slot_decode(cfg, params, st["prev"], page_len[page] + cursor,
-                                          index, pages, page_mask, page, cache)
+                                          index, pages, page_mask, page, cache,
+                                          slot_pages=held)
         logits = models.logits_from_hidden(cfg, params, hidden)
         feeding = live & (st["feed_i"] < st["feed_n"])
         sampling = live & ~feeding
@@ -185,6 +186,9 @@ def _chunk(cfg, params, pages, page_mask, page_len, cache, state, rng, *, num_sa
                   live=live & ~ended)
         return i + 1, cache, st
 
+    # A slot's row (so its page) changes only between chunks, on the host: each slot's page is
+    # gathered once here rather than every layer's page at every step.
+    held = paged.gather_pages(pages, jnp.maximum(state["row"], 0) // num_samples)
     steps, cache, state = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state))
     return cache, state, steps
 
