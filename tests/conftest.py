@@ -149,3 +149,7 @@ def pytest_terminal_summary(terminalreporter):
     for name, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:10]:
         terminalreporter.write_line(f"{seconds:8.1f}s {name}")
     terminalreporter.write_line(f"{sum(per_file.values()):8.1f}s in all {len(per_file)} files")
+    if os.environ.get("RLJAX_TEST_DURATIONS"):   # every file's seconds, for profiling the suite
+        import json
+        with open(os.environ["RLJAX_TEST_DURATIONS"], "w") as f:
+            json.dump(dict(sorted(per_file.items(), key=lambda kv: -kv[1])), f, indent=0)
