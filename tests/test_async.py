@@ -38,11 +38,11 @@ def _devices(tree) -> set:
     return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
 
 
-def _iterations(cfg, steps: int, after=None):
-    """Runs ``steps`` async iterations of ``cfg``'s GRPO phase by hand. Returns (ctx, the
-    parameters each iteration started from, its metrics, the batches the updates trained on);
-    ``after(phase, state, started_from)`` runs after each iteration."""
-    ctx = build_context(cfg, "", jax.devices())
+def _iterations(cfg, steps: int, after=None, devices=None):
+    """Runs ``steps`` async iterations of ``cfg``'s GRPO phase by hand (on ``devices``, default
+    all). Returns (ctx, the parameters each iteration started from, its metrics, the batches
+    the updates trained on); ``after(phase, state, started_from)`` runs after each iteration."""
+    ctx = build_context(cfg, "", jax.devices() if devices is None else devices)
     phase = make_phases(ctx)[-1]
     state = start_phase(ctx, phase, initial_state(ctx))
     trained, update = [], phase.update
@@ -88,6 +88,14 @@ def test_schedule_and_the_weights_the_sampler_reads():
     assert min(gap(trained[3], versions[0]), gap(trained[3], versions[3])) > 1e-3
 
 
+def _recorded(monkeypatch, module, name: str) -> list:
+    """The list every output of ``module.name`` is appended to from now on."""
+    outputs, fn = [], getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        lambda *a, **kw: (outputs.append(fn(*a, **kw)), outputs[-1])[1])
+    return outputs
+
+
 def _updates_ready_at_the_second_poll(monkeypatch) -> list:
     """In-flight updates made deterministic: an update is not ready at the sampler's first
     poll and is from the second. Returns the list every ``generate`` output is appended to."""
@@ -101,10 +109,7 @@ def _updates_ready_at_the_second_poll(monkeypatch) -> list:
         watch._thread.join()
         return True
     monkeypatch.setattr(async_grpo._Watch, "done", done)
-    sampled, generate = [], rollout_lib.generate
-    monkeypatch.setattr(rollout_lib, "generate",
-                        lambda *a, **kw: (sampled.append(generate(*a, **kw)), sampled[-1])[1])
-    return sampled
+    return _recorded(monkeypatch, rollout_lib, "generate")
 
 
 def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
@@ -138,6 +143,39 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
         assert np.abs(own - out["logps"])[after].max() > 1e-3
         assert batch["mask"][:, -n:].sum() == mask.sum()
     assert records[1]["time/weight_transfer"] > 0
+
+
+def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch):
+    """``algo.inflight_updates`` with tool episodes on the episode engine: update 0 (made ready
+    at the sampler's second poll) is published between two decode chunks of batch 1, so its
+    episodes mix versions 0 and 1 (a slot keeps its cache and decodes on with the new
+    weights). Tokens drawn before the swap carry version 0's log-probs; those after it do
+    not."""
+    from rljax.train.core import episodes
+    from tests.test_agent_train import agent_cfg
+    _updates_ready_at_the_second_poll(monkeypatch)
+    played = _recorded(monkeypatch, episodes, "run_episodes")
+    cfg = agent_cfg(**{"sft.steps": 0, "steps": 2, "algo.asynchronous": True,
+                       "rollout.engine": "slots", "rollout.slots": 4, "rollout.chunk_steps": 1,
+                       "algo.inflight_updates": True, "algo.entropy_coef": 0.01,
+                       "optimizer.learning_rate": 1e-2})
+    ctx, versions, records, trained = _iterations(cfg, 2, devices=jax.devices()[:1])
+    # played[0]: batch 0, before any update; played[1]: batch 1, drawn while update 0 ran.
+    assert [e.get("swaps") for e in played] == [None, 1]
+    assert [r["rollout/sample_version"] for r in records] == [0, 1]
+    eps, batch, r = played[1], trained[1], records[1]
+    model = eps["model_mask"]
+    assert set(np.unique(eps["versions"][model])) == {0, 1}
+    assert (eps["versions"][~model] == -1).all()
+    drawn = eps["versions"][batch["loss_mask"]]
+    assert r["rollout/weight_swaps"] == 1
+    assert r["rollout/staleness_frac_0"] == pytest.approx(np.mean(drawn == 1))
+    assert r["rollout/staleness_frac_1"] == pytest.approx(np.mean(drawn == 0))
+    np.testing.assert_array_equal(batch["sampler_logps"], eps["logps"])
+    own = np.asarray(steps.completion_logps(ctx.model_cfg, versions[0], batch)[0])
+    gap = np.abs(own - eps["logps"])
+    assert gap[model & (eps["versions"] == 0)].max() < 1e-4
+    assert gap[model & (eps["versions"] == 1)].max() > 1e-3
 
 
 def test_inflight_updates_wait_for_relifts_sft_step(monkeypatch):

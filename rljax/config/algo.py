@@ -505,9 +505,6 @@ def check_async(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
                           f"'ppo' (got '{a.name}')")
-    if a.inflight_updates and cfg.env.name:
-        raise ConfigError("algo.inflight_updates=true cannot be combined with env.name (the "
-                          "episode engine does not take new weights between chunks yet)")
     if r.partial and r.max_staleness < a.async_lag:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
                           f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "

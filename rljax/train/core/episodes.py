@@ -14,6 +14,9 @@ trajectories out for training.
                                      -1 elsewhere (observations, padding)
     eps["turn_rewards"] f32  [R, T]  each turn's environment reward (T = max_turns; 0 for
                                      turns not played)
+    eps["versions"]    int32 [R, M]  with ``weights`` (in-flight weight updates): the version
+                                     that drew each model token, -1 elsewhere; ``eps["swaps"]``
+                                     how often the weights changed
 
 A turn ends on EOS, a tool call's closing text (``renderer.call_end``: stopped on device when it
 tokenizes to a fixed id sequence, and always cut on the host after its first occurrence in the
@@ -130,6 +133,7 @@ class _Trajectories:
         self.model_mask = np.zeros((r, m), bool)
         self.turn_ids = np.full((r, m), -1, np.int32)
         self.logps = np.zeros((r, m), np.float32)
+        self.versions = np.full((r, m), -1, np.int32)        # with in-flight weight updates
         self.length = np.zeros(r, np.int64)                  # trajectory tokens so far
         self.done = np.zeros(r, bool)                        # the environment ended it
         self.turns = np.zeros(r, np.int32)
@@ -143,22 +147,27 @@ class _Trajectories:
         """Tokens row ``i``'s next turn may sample."""
         return int(min(self.limits.turn_tokens, self.limits.max_total_tokens - self.length[i]))
 
-    def slots_ended(self, state: dict) -> tuple:
+    def slots_ended(self, state: dict, drawn=None) -> tuple:
         """After an episode-engine chunk: the slots whose turn ended (int [E]), their rows, and
-        ``turn_ended``'s (kept tokens, observation ids or None) for them, recorded."""
+        ``turn_ended``'s (kept tokens, observation ids or None) for them, recorded.
+        ``drawn`` int32 [S, N]: the version that drew each slot's turn token
+        (``EngineWeights.drawn``), or None."""
         ended = np.flatnonzero((state["row"] >= 0) & ~state["live"])
         if not ended.size:
             return ended, ended, [], []
         rows = state["row"][ended]
         kept, observations = self.turn_ended(rows, state["turn"][ended], state["tokens"][ended],
-                                             state["logps"][ended], state["t"][ended])
+                                             state["logps"][ended], state["t"][ended],
+                                             None if drawn is None else drawn[ended])
         return ended, rows, kept, observations
 
-    def turn_ended(self, rows, turn_of, tokens, logps, lengths) -> tuple[list[int], list[int]]:
+    def turn_ended(self, rows, turn_of, tokens, logps, lengths,
+                   versions=None) -> tuple[list[int], list[int]]:
         """Records the turn each row of ``rows`` just sampled (``tokens``/``logps`` [.., N],
-        ``lengths``: one entry per row of ``rows``), cut after the tool call's closing text,
-        then steps their environments. Returns ``(kept tokens per row, observation ids per
-        row or None where the episode ended)``."""
+        ``lengths``: one entry per row of ``rows``; ``versions`` [.., N]: the version that drew
+        each token, or None), cut after the tool call's closing text, then steps their
+        environments. Returns ``(kept tokens per row, observation ids per row or None where
+        the episode ended)``."""
         tok, texts, kept = self.tokenizer, [], []
         for j, i in enumerate(rows):
             ids = [int(x) for x in tokens[j][:lengths[j]]]
@@ -166,6 +175,8 @@ class _Trajectories:
             at = slice(self.length[i], self.length[i] + k)
             self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
             self.turn_ids[i, at], self.logps[i, at] = turn_of[j], logps[j][:k]
+            if versions is not None:
+                self.versions[i, at] = versions[j][:k]
             texts.append(tok.decode(ids[:k]))
             self.final_turns[i] = texts[-1]
             self.length[i] += k
@@ -221,10 +232,51 @@ class EngineOptions:
     chunk_steps: int = 16
 
 
+class EngineWeights:
+    """The weights the episode engine decodes with, chunk by chunk, and which version drew
+    each slot's turn tokens.
+
+    ``weights`` (in-flight weight updates; asynchronous RL sets it): ``() -> (params,
+    version)``, asked before the prefill and between decode chunks, as
+    ``sampling.engine.generate`` asks it. The next chunk decodes with what it returns; a slot
+    keeps the keys and values its episode computed under earlier weights (nothing is
+    recomputed), and each token's log-prob is that of the weights that drew it, i.e. the
+    behaviour policy's. Without it, ``params`` throughout (version 0)."""
+
+    def __init__(self, params, weights: Callable[[], tuple[Any, int]] | None = None):
+        self.poll = weights
+        self.params, self.version = (params, 0) if weights is None else weights()
+        self.swaps = self.chunks = 0
+        self.drawn = None   # int32 [S, N], after the first chunk
+
+    def run_chunk(self, model_cfg, pages, page_mask, page_len, cache, state: dict, rng, **kw):
+        """``episode_engine.run_chunk`` with the current weights; records the version that
+        drew the tokens each slot sampled in it."""
+        from rljax.sampling import episode_engine as ee
+        if self.poll is not None and self.chunks:
+            self.params, now = self.poll()
+            self.swaps, self.version = self.swaps + int(now != self.version), now
+        sampled_before = state["t"].copy()   # (a slot resumed since restarts its turn at 0)
+        cache, state, steps = ee.run_chunk(model_cfg, self.params, pages, page_mask, page_len,
+                                           cache, state, rng, **kw)
+        self.chunks += 1
+        if self.drawn is None:
+            self.drawn = np.zeros(state["tokens"].shape, np.int32)
+        pos = np.arange(self.drawn.shape[1])[None, :]
+        self.drawn[(pos >= sampled_before[:, None]) & (pos < state["t"][:, None])] = self.version
+        return cache, state, steps
+
+    def fields(self, versions: np.ndarray) -> dict:
+        """An episodes dict's ``versions`` (each model token's, ``versions`` [R, M]) and
+        ``swaps`` with in-flight weight updates; {} without."""
+        return {} if self.poll is None else {"versions": versions, "swaps": self.swaps}
+
+
 def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer: Renderer,
                  limits: EpisodeLimits, rng: jax.Array, num_samples: int = 1,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mesh=None,
-                 step_all: Callable | None = None, engine: EngineOptions | None = None) -> dict:
+                 step_all: Callable | None = None, engine: EngineOptions | None = None,
+                 weights: Callable[[], tuple[Any, int]] | None = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -243,7 +295,11 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     ``rljax.envs.step_all``: concurrently, in threads). ``engine``: decode on slots
     (``EngineOptions``) instead of one static batch per turn; a row draws the same noise
     either way, so where both programs compute equal logits the episodes are equal.
+    ``weights`` (with ``engine``): in-flight weight updates (``EngineWeights``); adds
+    ``versions`` and ``swaps`` (module docstring).
     """
+    if weights is not None and engine is None:
+        raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
     if step_all is None:
         from rljax.envs import step_all
     r, g = len(envs), int(num_samples)
@@ -263,9 +319,11 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
         _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g, mesh,
                       options)
         return record.result(prompts, prompt_ids, p_tok.shape[1])
-    slot_steps = _engine_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g,
+    chunks = EngineWeights(params, weights)
+    slot_steps = _engine_turns(model_cfg, chunks, tokenizer, record, p_tok, p_mask, rng, g,
                                engine, options)
-    return dict(record.result(prompts, prompt_ids, p_tok.shape[1]), slot_steps=slot_steps)
+    return dict(record.result(prompts, prompt_ids, p_tok.shape[1]), slot_steps=slot_steps,
+                **chunks.fields(record.versions))
 
 
 def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_mask, rng, g,
@@ -310,17 +368,17 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
             slot_mask[:, start:start + o] = chunk_mask
 
 
-def _engine_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_mask, rng, g,
-                  engine: EngineOptions, options) -> tuple[int, int]:
-    """Each episode on a slot of its own (``sampling.episode_engine``); free slots take the
-    next episode. Returns (busy, run) slot-steps."""
+def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajectories, p_tok,
+                  p_mask, rng, g, engine: EngineOptions, options) -> tuple[int, int]:
+    """Each episode on a slot of its own (``sampling.episode_engine``), decoded with
+    ``chunks``' weights; free slots take the next episode. Returns (busy, run) slot-steps."""
     from rljax.models import paged
     from rljax.sampling import episode_engine as ee
 
     lim = record.limits
     r = len(record.envs)
     s = max(1, min(int(engine.slots), r))
-    pages, page_mask, page_len = ee.prefill(model_cfg, params, p_tok, p_mask)
+    pages, page_mask, page_len = ee.prefill(model_cfg, chunks.params, p_tok, p_mask)
     cache = paged.init_slot_cache(model_cfg, s, lim.max_total_tokens + 1)
     state = ee.empty_state(s, lim.chunk_tokens, lim.turn_tokens, tokenizer.pad_id)
     last_prompt_token = np.repeat(np.asarray(p_tok)[:, -1], g)
@@ -336,11 +394,11 @@ def _engine_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
         if not state["live"].any():
             break
         before = state["cursor"].copy()
-        cache, state, steps = ee.run_chunk(
-            model_cfg, params, pages, page_mask, page_len, cache, state, rng, num_samples=g,
+        cache, state, steps = chunks.run_chunk(
+            model_cfg, pages, page_mask, page_len, cache, state, rng, num_samples=g,
             chunk_steps=engine.chunk_steps, stop_ids=stop_ids, **options)
         busy, run = busy + int((state["cursor"] - before).sum()), run + s * steps
-        ended, rows, kept, observations = record.slots_ended(state)
+        ended, rows, kept, observations = record.slots_ended(state, chunks.drawn)
         for j, slot in enumerate(ended):
             i, ids = int(rows[j]), observations[j]
             if ids is None:

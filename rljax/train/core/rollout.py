@@ -142,7 +142,8 @@ class Rollout:
         self.pending_since = None   # see __call__
         self.images = image_inputs.image_inputs(ctx)   # None: a text model
         # In-flight weight updates (asynchronous RL sets it while a batch is sampled):
-        # ``() -> (params, version)``, polled between the slot engine's decode chunks.
+        # ``() -> (params, version)``, polled between the slot engine's decode chunks (the
+        # episode engine's, for episodes: ``episodes.EngineWeights``).
         self.weights = None
         # Where rounds come from when not sampled here (``RoundSource``): partial rollouts'
         # pool of groups in flight, multi-turn episodes.

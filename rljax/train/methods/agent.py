@@ -77,17 +77,17 @@ def match_options(cfg, ctx) -> dict:
 
 
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
-         top_k: int = 0, top_p: float = 1.0) -> dict:
+         top_k: int = 0, top_p: float = 1.0, weights=None) -> dict:
     """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
     int32 [R]: each episode's role key (``env.role_key``: game and seat, for RAE), -1 for an
-    environment without one."""
+    environment without one. ``weights``: in-flight weight updates (the slot engine's)."""
     cfg = ctx.cfg
     envs = make_envs(cfg, examples, num_samples)
     eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
                           renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
                           rng=rng, num_samples=num_samples, temperature=temperature,
                           top_k=top_k, top_p=top_p, mesh=ctx.mesh,
-                          engine=sampler.episode_engine(cfg, len(envs)))
+                          engine=sampler.episode_engine(cfg, len(envs)), weights=weights)
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)
     return eps
 
@@ -166,12 +166,14 @@ class EpisodeRounds(RoundSource):
             self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
             self.opponent = selfplay.load_opponent(ctx)
 
-    def _play(self, params, examples, rng, g: int) -> tuple[dict, list[dict]]:
+    def _play(self, params, examples, rng, g: int, weights=None) -> tuple[dict, list[dict]]:
         """This round's episodes and the example of each group: ``play``, or with
-        ``env.selfplay`` the matches' (``selfplay.play``)."""
+        ``env.selfplay`` the matches' (``selfplay.play``). ``weights``: the rollout's
+        in-flight weight updates, or None."""
         cfg = self.ctx.cfg
         r = cfg.rollout
-        opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+        opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                    weights=weights)
         if not self.selfplay:
             return play(self.ctx, params, examples, rng, **opts), examples
         from rljax.train.methods import selfplay
@@ -184,7 +186,7 @@ class EpisodeRounds(RoundSource):
         g = rollout.g
         examples = next(rollout.iterator)
         t0 = time.perf_counter()
-        eps, examples = self._play(params, examples, rng, g)
+        eps, examples = self._play(params, examples, rng, g, rollout.weights)
         return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
 
     def scored_round(self, rollout: Rollout, eps: dict, examples: list[dict],
@@ -213,7 +215,7 @@ class EpisodeRounds(RoundSource):
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
-                    **({"slot_steps": eps["slot_steps"]} if "slot_steps" in eps else {}))
+                    **{k: eps[k] for k in ("slot_steps", "versions", "swaps") if k in eps})
 
     def metrics(self, rounds, step: int) -> dict:
         m = env_metrics([r["episodes"] for r in rounds])

@@ -39,7 +39,8 @@ import numpy as np
 
 from rljax import sampling
 from rljax.sampling import multiturn
-from rljax.train.core.episodes import EpisodeLimits, Renderer, _count, _cut_after
+from rljax.train.core.episodes import (EngineWeights, EpisodeLimits, Renderer, _count,
+                                      _cut_after)
 
 
 @dataclasses.dataclass
@@ -92,6 +93,7 @@ class _SideRun:
         self.model_mask = np.zeros((r, self.m_max), bool)
         self.turn_ids = np.full((r, self.m_max), -1, np.int32)
         self.logps = np.zeros((r, self.m_max), np.float32)
+        self.versions = np.full((r, self.m_max), -1, np.int32)   # in-flight weight updates
         self.length = np.zeros(r, np.int64)
         self.turns = np.zeros(r, np.int32)
         self.active = np.ones(r, bool)
@@ -164,12 +166,15 @@ class _SideRun:
         self.length[i] += len(obs)
         return obs
 
-    def turn_ended(self, i: int, ids: list[int], logps) -> tuple[int, str]:
-        """Records row i's turn (cut after the tool call's closing text); (kept, text)."""
+    def turn_ended(self, i: int, ids: list[int], logps, versions=None) -> tuple[int, str]:
+        """Records row i's turn (cut after the tool call's closing text; ``versions``: the
+        version that drew each token, or None); (kept, text)."""
         k = _cut_after(self.tok, ids, self.renderer.call_end)
         at = slice(self.length[i], self.length[i] + k)
         self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
         self.turn_ids[i, at], self.logps[i, at] = self.turns[i], logps[:k]
+        if versions is not None:
+            self.versions[i, at] = versions[:k]
         self.length[i] += k
         self.carry[i] = ids[k - 1]
         self.carry_eos[i] = ids[k - 1] == self.tok.eos_id
@@ -242,7 +247,7 @@ class _SideRun:
 
 def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits: EpisodeLimits,
                 max_plies: int, rng: jax.Array, mesh=None,
-                step_all: Callable | None = None, engine=None) -> list[dict]:
+                step_all: Callable | None = None, engine=None, weights=None) -> list[dict]:
     """Plays every match of ``sides``' seat environments to its end (module docstring).
     ``limits.max_turns`` bounds each seat's turns, ``max_plies`` the plies of a match (the
     cache of each side has a turn's slots per ply). Returns one dict per side.
@@ -250,7 +255,11 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
     ``engine`` (``episodes.EngineOptions``; one side: self-play): every seat on a slot of its
     own (``sampling.episode_engine``), a seat's turn starting as soon as the seat before it
     moved, not when the ply's slowest turn stopped. Its noise is the static plies' (turn =
-    the match's ply), so where both compute equal logits the matches are equal."""
+    the match's ply), so where both compute equal logits the matches are equal. ``weights``
+    (with ``engine``): in-flight weight updates (``episodes.EngineWeights``); the side's dict
+    adds ``versions`` and ``swaps`` (``episodes.run_episodes``')."""
+    if weights is not None and engine is None:
+        raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
     if step_all is None:
         from rljax.envs import step_all
     runs = [_SideRun(s, tokenizer, renderer, limits, max_plies, mesh) for s in sides]
@@ -258,7 +267,7 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
         if len(runs) != 1:
             raise ValueError("matches on the slot engine take one side (self-play)")
         return [_engine_matches(runs[0], jax.random.fold_in(rng, 0), max_plies, step_all,
-                                engine)]
+                                engine, EngineWeights(sides[0].params, weights))]
     time_env = 0.0
     for ply in range(max_plies):
         for run in runs:
@@ -282,16 +291,19 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
     return [run.result(time_env) for run in runs]
 
 
-def _engine_matches(run: _SideRun, rng, max_plies: int, step_all, engine) -> dict:
+def _engine_matches(run: _SideRun, rng, max_plies: int, step_all, engine,
+                    chunks: EngineWeights) -> dict:
     """Self-play on the episode engine: each seat holds a slot (all seats at once, so a seat
     waiting for the other's move never waits for a free slot); after every decode chunk the
     seats whose turn ended step their match, then every waiting seat whose match is over
-    settles and every seat now to move is fed its observation."""
+    settles and every seat now to move is fed its observation. ``chunks``: the weights
+    each chunk decodes with."""
     from rljax.models import paged
     from rljax.sampling import episode_engine as ee
 
     side, r = run.side, len(run.envs)
-    pages, page_mask, page_len = ee.prefill(side.model_cfg, side.params, run.p_tok, run.p_mask)
+    pages, page_mask, page_len = ee.prefill(side.model_cfg, chunks.params, run.p_tok,
+                                            run.p_mask)
     cache = paged.init_slot_cache(side.model_cfg, r, run.m_max + 1)
     state = ee.empty_state(r, run.o, run.n, run.tok.pad_id)
     state["row"][:] = np.arange(r)          # slot i holds row i for its whole match
@@ -309,13 +321,13 @@ def _engine_matches(run: _SideRun, rng, max_plies: int, step_all, engine) -> dic
                       budget=min(run.n, run.m_max - int(run.length[i])))
         if not decoding.any():
             break
-        cache, state, _ = ee.run_chunk(side.model_cfg, side.params, pages, page_mask, page_len,
-                                       cache, state, rng, num_samples=run.g,
-                                       chunk_steps=engine.chunk_steps, **opts)
+        cache, state, _ = chunks.run_chunk(side.model_cfg, pages, page_mask, page_len, cache,
+                                           state, rng, num_samples=run.g,
+                                           chunk_steps=engine.chunk_steps, **opts)
         ended = np.flatnonzero(decoding & ~state["live"])
         decoding[ended] = False
         texts = [run.turn_ended(i, state["tokens"][i, :state["t"][i]].tolist(),
-                                state["logps"][i])[1] for i in ended]
+                                state["logps"][i], chunks.drawn[i])[1] for i in ended]
         if len(ended):
             t0 = time.perf_counter()
             results = step_all([run.envs[i] for i in ended], texts)
@@ -324,4 +336,4 @@ def _engine_matches(run: _SideRun, rng, max_plies: int, step_all, engine) -> dic
                 run.record(i, res)
     for i in np.flatnonzero(run.active):   # out of plies: truncated
         run._truncate(i)
-    return run.result(time_env)
+    return dict(run.result(time_env), **chunks.fields(run.versions))

@@ -104,8 +104,8 @@ def _seat(game, example) -> int:
 
 def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
          limits: EpisodeLimits, env_kwargs: dict, num_samples: int, temperature: float,
-         top_k: int = 0, top_p: float = 1.0, template=None, opponent: Opponent | None = None
-         ) -> tuple[dict, list[dict]]:
+         top_k: int = 0, top_p: float = 1.0, template=None, opponent: Opponent | None = None,
+         weights=None) -> tuple[dict, list[dict]]:
     """The policy's episodes of this round's matches and the example of each of its groups:
     ``(eps, group examples)``; ``eps`` has ``run_episodes``' fields and ``roles``.
 
@@ -113,7 +113,8 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     seat), the opponent's rows played and dropped. ``template``: the data template, to render
     each seat's prompt (None: the examples' ``question``). ``renderer``, ``limits``,
     ``env_kwargs``: the run's (``agent.make_renderer``, ``agent.limits``, ``agent.env_kwargs``;
-    the seat environments take ``SEAT_OPTIONS`` of the last)."""
+    the seat environments take ``SEAT_OPTIONS`` of the last). ``weights``: in-flight weight
+    updates of self-play on the slot engine (``matches.run_matches``)."""
     from rljax.envs.selfplay import Match, SeatEnv
     cfg, g = ctx.cfg, int(num_samples)
     game, seat_rows = seat_examples(cfg, examples, template)
@@ -139,5 +140,5 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     engine = sampler.episode_engine(cfg, len(mine)) if opponent is None else None
     eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
                       max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
-                      engine=engine)[0]
+                      engine=engine, weights=weights)[0]
     return eps, groups
