@@ -5,6 +5,7 @@ A selector wraps the run's ``DataIterator`` and is what the rollout draws its pr
     it = selection.make(data_iterator, cfg.data.selection, seed=cfg.seed, group_size=G)
     examples = next(it)                      # this step's prompts
     it.observe(rewards, G)                   # after each sampling round: rewards [B*G]
+    it.observe(rewards, G, indices)          # ... of groups drawn earlier: their dataset indices
     keep = it.keep_groups(rewards, G)        # online_filter: bool [B] (None: keep all)
     it.state() / it.restore(state)           # checkpointed with the phase: resume is exact
 
@@ -130,8 +131,10 @@ class Selector:
     def successes(self, rewards, group_size: int) -> np.ndarray:
         return group_successes(rewards, group_size, self.threshold, self.fractional)
 
-    def observe(self, rewards, group_size: int) -> None:
-        """Called with each sampling round's rewards [B*G] of the last ``next`` prompts."""
+    def observe(self, rewards, group_size: int, indices=None) -> None:
+        """Called with each sampling round's rewards [B*G]: of the last ``next`` prompts, or
+        (``indices``) of the groups of those dataset indices, whenever they were drawn
+        (partial rollouts complete a group iterations after its prompt was drawn)."""
 
     def keep_groups(self, rewards, group_size: int):
         """bool [B]: which of the round's groups may train (None: all)."""
@@ -220,10 +223,11 @@ class Predicted(Selector):
         self._pool_means = ab[:, 0] / ab.sum(1)
         return [pool[i] for i in picked]
 
-    def observe(self, rewards, group_size):
+    def observe(self, rewards, group_size, indices=None):
         wins = self.successes(rewards, group_size)
         trials = np.broadcast_to(np.asarray(group_size, np.float64), wins.shape)
-        for index, s, n in zip(self.last_indices, wins, trials):
+        indices = self.last_indices if indices is None else [int(i) for i in indices]
+        for index, s, n in zip(indices, wins, trials):
             a, b = self.posterior(index)
             self.posteriors.pop(index, None)  # re-insert: most recent last
             self.posteriors[index] = beta_update(a, b, float(s), float(n),
@@ -271,7 +275,7 @@ class Curriculum(Selector):
         self.iterator.source.task = task
         self.level = int(level)
 
-    def observe(self, rewards, group_size):
+    def observe(self, rewards, group_size, indices=None):
         self.accuracy = float(self.successes(rewards, group_size).sum() /
                               np.asarray(rewards).size)
         self.recent.append(self.accuracy)

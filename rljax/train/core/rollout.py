@@ -364,9 +364,11 @@ class Rollout:
 
     def observe_round(self, rnd: dict) -> None:
         """Prompt selection learns from every sampling round's rewards (each group at its
-        size)."""
+        size), each group's for its own prompt: a round source that carries groups across
+        iterations says which dataset index each came from (``indices``)."""
         if self.selector is not None:
-            self.selector.observe(rnd["rewards"], rnd.get("group_sizes", self.g))
+            known = {"indices": rnd["indices"]} if "indices" in rnd else {}
+            self.selector.observe(rnd["rewards"], rnd.get("group_sizes", self.g), **known)
 
     def _check_reward_failures(self, rounds, step: int) -> None:
         """Stops the run (RewardFunctionFailed) when a function failed on every sample of
