@@ -12,6 +12,7 @@ from rljax.train.core.metrics import read_metrics
 from rljax.train.methods.episode_partial import EpisodePartialRounds
 from tests.test_agent_train import DEVICES, EchoEnv, agent_cfg
 from tests.test_selfplay import ttt_cfg
+from tests.test_partial import mopps_posteriors, posteriors_of, spy_on_prompts
 from tests.test_train_loop import StopAfter, comparable, final_params
 
 PARTIAL = {"rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 3,
@@ -30,9 +31,10 @@ class LongEchoEnv(EchoEnv):
 register_env("test_long_echo", LongEchoEnv)
 # The tool demo's environment (an untrained model seldom calls the tool), and one whose every
 # episode has two turns around a long observation (so episodes are carried between their
-# turns, their environments replayed mid-way).
+# turns, their environments replayed mid-way); the echo runs pick their prompts with MoPPS.
 ENVS = {"tool": {}, "echo": {"env.name": "test_long_echo", "env.tools": (), "sft.steps": 0,
-                             "sft.env_traces": False, "rollout.max_new_tokens": 8}}
+                             "sft.env_traces": False, "rollout.max_new_tokens": 8,
+                             "data.selection.name": "predicted"}}
 
 
 def partial_cfg(env: str):
@@ -62,7 +64,14 @@ def straight(request, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp(f"episode_partial_{request.param}"))
     with pytest.MonkeyPatch.context() as mp:
         carried = watch_carried(mp)
+        drawn, taken = spy_on_prompts(mp, EpisodePartialRounds)
+        scored = EpisodePartialRounds.scored_round   # (its rounds name no examples: add them)
+        mp.setattr(EpisodePartialRounds, "scored_round",
+                   lambda self, rollout, eps, examples, t: dict(
+                       scored(self, rollout, eps, examples, t), examples=examples))
         assert run.train(partial_cfg(request.param), workdir, devices=DEVICES) == 0
+    if request.param == "echo":   # MoPPS: each group's rewards update its own prompt's
+        assert posteriors_of(workdir) == mopps_posteriors(partial_cfg("echo"), drawn, taken)
     return request.param, workdir, carried
 
 
@@ -90,6 +99,8 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     assert run.train(cfg, workdir, devices=DEVICES) == 0
     assert comparable(read_metrics(workdir)) == comparable(read_metrics(reference))
     jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(reference))
+    if env == "echo":   # MoPPS's posteriors resume exactly too
+        assert posteriors_of(workdir) == posteriors_of(reference)
 
 
 def test_selfplay_with_partial_rollouts_resumes_exactly(tmp_path, monkeypatch):

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, config, models, sampling
+from rljax.data import selection
 from rljax.sampling import engine, partial
 from rljax.train import run
 from rljax.train.core import checkpoint
 from rljax.train.core.metrics import read_metrics
+from rljax.train.core.partial import PartialRounds
 from rljax.train.phases import grpo
 
 from test_train_loop import StopAfter, comparable, final_params, resumes_exactly, tiny_cfg
@@ -264,18 +266,79 @@ def test_dynamic_sampling_and_relift_take_groups_as_they_complete_and_resume_exa
     assert any(r["hint/fraction_hinted"] > 0 for r in rl)
 
 
-def test_mixed_policy_demonstrations_enter_groups_as_they_complete_and_resume_exactly(
-        tmp_path):
+def test_mixed_policy_and_mopps_take_groups_as_they_complete_and_resume_exactly(
+        tmp_path, monkeypatch):
     """algo.mixed_policy with partial rollouts: each completed group that failed gets the
     reference solution in place of its last sample (behaviour and old log-probs 0, mu = 1, so
     the behaviour weight is 1; the staleness metrics count the tokens the pool drew, the
-    replaced sample's included). Stopped after update 2 and resumed, the run equals the
-    straight one."""
-    cfg = lambda: _partial_cfg(**{"algo.mixed_policy": True})   # noqa: E731
-    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=2)
+    replaced sample's included). MoPPS selection (data.selection.name='predicted') picks the
+    prompts admitted; each completed group's rewards (the policy's, before the demonstration)
+    update the posterior of the prompt it was drawn for, iterations earlier if it was carried:
+    after 4 updates the posteriors are exactly those groups' updates. Stopped after update 2
+    and resumed, the run (posteriors included) equals the straight one."""
+    drawn, taken = spy_on_prompts(monkeypatch, PartialRounds)
+
+    def cfg():
+        c = _partial_cfg(**{"algo.mixed_policy": True, "data.selection.name": "predicted"})
+        c.data.kwargs = {"digits": 1, "eval_examples": 8, "num_examples": 8}  # prompts revisit
+        return config.validate(c)
+
+    straight, split = resumes_exactly(cfg, tmp_path, stop_after=2)
     rl = [r for r in read_metrics(straight) if "reward/mean" in r]
     assert all(r["mixed/demos"] > 0 for r in rl)
     assert max(r["rollout/staleness_max"] for r in rl) >= 1   # carried groups among them
+    # The straight run's 4 rounds, each group's prompt by the dataset index it was drawn at;
+    # some were drawn in an earlier round (carried).
+    assert any(not set(map(id, ex)) <= now for ex, _, now in taken[1:4])
+    posteriors = [posteriors_of(w) for w in (straight, split)]
+    assert posteriors[0] == posteriors[1] == mopps_posteriors(cfg(), drawn, taken[:4])
+
+
+def mopps_posteriors(cfg, drawn, taken) -> list:
+    """The MoPPS posteriors (``[index, a, b]`` in recency order) after the rounds ``taken``
+    (``spy_on_prompts``'): each group's successes update its own prompt's, in order."""
+    sel, g = cfg.data.selection, cfg.algo.num_generations
+    want: dict = {}
+    for examples, rewards, _ in taken:
+        wins = selection.group_successes(rewards, g, sel.threshold, sel.fractional)
+        for ex, s in zip(examples, wins):
+            a, b = want.pop(drawn[id(ex)], (sel.prior_a, sel.prior_b))
+            want[drawn[id(ex)]] = selection.beta_update(a, b, float(s), g, decay=sel.decay,
+                                                        prior_a=sel.prior_a, prior_b=sel.prior_b)
+    return [[i, a, b] for i, (a, b) in want.items()]
+
+
+def spy_on_prompts(monkeypatch, rounds_cls):
+    """(drawn, taken): ``drawn[id(example)]`` is the dataset index each example was drawn at
+    (the data iterator's own record), ``taken`` per round of ``rounds_cls`` (a round source):
+    its groups' examples, their rewards (before any stage) and the ids of the examples drawn
+    during that round."""
+    from rljax.data.iterator import DataIterator
+    drawn, keep, taken = {}, [], []   # keep: every batch (ids stay unique while they live)
+    next_batch, sample_round = DataIterator.__next__, rounds_cls.sample_round
+
+    def draw(self):
+        batch = next_batch(self)
+        keep.append(batch)
+        drawn.update({id(ex): int(i) for ex, i in zip(batch, self.last_indices)})
+        return batch
+
+    def round_(self, rollout, params, rng=None):
+        start = len(keep)
+        rnd = sample_round(self, rollout, params, rng)
+        now = {id(ex) for batch in keep[start:] for ex in batch}
+        taken.append((list(rnd["examples"]), np.array(rnd["rewards"]), now))
+        return rnd
+
+    monkeypatch.setattr(DataIterator, "__next__", draw)
+    monkeypatch.setattr(rounds_cls, "sample_round", round_)
+    return drawn, taken
+
+
+def posteriors_of(workdir) -> list:
+    """The MoPPS posteriors the run's last checkpoint holds."""
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        return ckpt.restore_meta()["phase_state"]["data"]["selection"]["posteriors"]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -283,8 +346,6 @@ def test_mixed_policy_demonstrations_enter_groups_as_they_complete_and_resume_ex
      "rollout.partial=true needs rollout.engine='slots' (got 'static')"),
     ({"algo.name": "dpo"},
      "rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
-    ({"data.selection.name": "predicted"},
-     "rollout.partial=true cannot be combined with data.selection.name='predicted'"),
     ({"rollout.micro_batch_size": 8},
      "rollout.partial=true cannot be combined with rollout.micro_batch_size"),
     ({"rollout.max_staleness": -1}, "rollout.max_staleness"),

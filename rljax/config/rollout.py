@@ -142,7 +142,8 @@ def check_engine(cfg) -> None:
 def check_partial(cfg) -> None:
     """Partial rollouts need the slot engine and a GRPO step that takes groups as they
     complete: extra rounds (dynamic sampling, the online filter) take the next ones to
-    complete; nothing may re-sample a group or need the prompt each group was drawn for."""
+    complete; nothing may sample or pick groups per round of its own. (MoPPS learns each
+    completed group's rewards for the prompt it was drawn for, whenever that was.)"""
     r, a = cfg.rollout, cfg.algo
     if not r.partial:
         return
@@ -152,10 +153,6 @@ def check_partial(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' "
                           f"(got '{a.name}')")
-    if cfg.data.selection.name == "predicted":
-        raise ConfigError("rollout.partial=true cannot be combined with data.selection.name="
-                          "'predicted' (its posteriors learn which prompt each group came from, "
-                          "and a carried group's prompt was drawn iterations earlier)")
     if r.micro_batch_size:
         raise ConfigError("rollout.partial=true cannot be combined with rollout.micro_batch_size "
                           "(it samples or picks groups per round); turn one of them off")

@@ -25,7 +25,12 @@ its place while in flight; every iteration the tower embeds them under the curre
 the pool's prefill, and the round carries the taken groups' ``pixels`` / ``image_ok`` /
 ``skipped_images`` as ``Rollout.sample_round``'s does.
 
-The pool's host state is saved with the phase (``state_dict``): resume is exact. The
+Prompt selection: each place keeps its group's dataset index, and a round carries its groups'
+(``indices``), so MoPPS's posteriors learn a group's rewards for the prompt it was drawn for,
+whichever iteration completes it.
+
+The pool's host state is saved with the phase (``state_dict``, the indices too): resume is
+exact. The
 checkpoint meta is JSON, so the groups' examples go there exactly (arrays and bytes encoded)
 and their pixels are decoded again from them on load.
 """
@@ -73,6 +78,9 @@ class PartialRounds:
                             "rollout.partial=false on several hosts")
         self.ctx, self.num_prompts = ctx, int(num_prompts)
         self.pool = make_pool(ctx, self.num_prompts)
+        # Each place's dataset index (-1: unknown): prompt selection learns a completed
+        # group's rewards for the prompt it was drawn for, iterations ago (``indices``).
+        self.indices = np.full(self.pool.c, -1, np.int64)
         # A vision tower: each place's prompt pixels [C, I, 3, S, S] and whether they are
         # usable (a skipped image costs its group's training rows, as in ``Rollout``).
         self.images = image_inputs.image_inputs(ctx)
@@ -111,6 +119,7 @@ class PartialRounds:
             tok, mask = encode_prompts(self.ctx.tokenizer, [ex["prompt"] for ex in new],
                                        cfg.data.max_prompt_length)
             places = pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new))
+            self.indices[places] = drawn_indices(rollout.iterator, len(new))
             if self.images is not None:
                 self._set_pixels(places, new, rollout._locations(new))
         t0 = time.perf_counter()
@@ -128,6 +137,7 @@ class PartialRounds:
             taken.prompts, pad_id=self.ctx.tokenizer.pad_id,
             buckets=prompt_buckets(cfg.data.max_prompt_length))
         rnd = rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+        rnd["indices"] = self.indices[taken.places].tolist()   # each group's own prompt
         if self.images is not None:
             rnd.update(image_inputs.round_fields(self.pixels[taken.places],
                                                  self.image_ok[taken.places]))
@@ -147,10 +157,12 @@ class PartialRounds:
     def state_dict(self) -> dict:
         # The groups' examples go into the checkpoint's JSON, exactly (their images are
         # decoded again from them on load: no pixels in the meta).
-        return json.loads(json.dumps(self.pool.state_dict(), default=json_field))
+        return json.loads(json.dumps({**self.pool.state_dict(), "indices": self.indices.tolist()},
+                                     default=json_field))
 
     def load_state_dict(self, state: dict) -> None:
         self.pool.load_state_dict({**state, "metas": from_json_field(state["metas"])})
+        self.indices[:] = state.get("indices", -1)   # (a checkpoint from before they were kept)
         if self.images is not None:
             pool = self.pool
             self.pixels[:], self.image_ok[:] = 0.0, True
@@ -163,6 +175,13 @@ def rounds_of(ctx, num_prompts: int) -> PartialRounds | None:
     """The round source of a config: ``PartialRounds`` with ``rollout.partial``, else None
     (the rollout samples each round itself)."""
     return PartialRounds(ctx, num_prompts) if ctx.cfg.rollout.partial else None
+
+
+def drawn_indices(iterator, n: int) -> list[int]:
+    """The dataset indices of the ``n`` examples ``iterator`` just drew (-1 each when it
+    cannot say): the prompts a carried group's rewards belong to."""
+    indices = getattr(iterator, "last_indices", None)
+    return [int(i) for i in indices] if indices is not None and len(indices) == n else [-1] * n
 
 
 def json_field(x):

@@ -13,7 +13,8 @@ weights; a turn still decoding when the round is complete is dropped and drawn a
 noise, new weights) next iteration: episodes are carried at turn boundaries, so every turn is
 drawn by one policy version, which each of its tokens records.
 
-What is carried is plain data: each place's example and, per episode, its finished turns (the
+What is carried is plain data: each place's example (and dataset index, for prompt
+selection: a round's ``indices``), and, per episode, its finished turns (the
 kept tokens, their behaviour log-probs, the version that drew them). Every iteration rebuilds
 the episodes from it: fresh environments (``reset``), the recorded turns replayed through
 ``env.step``, and on the engine the whole trajectory so far fed again under the current
@@ -54,7 +55,7 @@ from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import multiturn
 from rljax.train.core import episodes as ep
-from rljax.train.core.partial import from_json_field, json_field
+from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import engine_slots, sampling_params
 from rljax.train.methods import agent
@@ -88,6 +89,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.serial = np.full(c, -1, np.int64)        # admission serial (-1: free place)
         self.completed_at = np.full(c, -1, np.int64)  # engine chunk the place completed in
         self.metas: list = [None] * c
+        self.indices = np.full(c, -1, np.int64)       # dataset index (prompt selection)
         # Per place, per row: the finished turns, {"ids", "logps", "version"}; with self-play
         # also the order the match steps went in, [chunk, row, turn] per step (replayed in it).
         self.turns: list[list[list[dict]]] = [self._empty() for _ in range(c)]
@@ -120,9 +122,11 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         """The next ``num_prompts`` places to complete, scored. ``rng`` is not used: the noise
         is keyed by each place's admission (module docstring)."""
         while self.free >= self.num_prompts:   # the first iteration fills both batches
-            for j, ex in zip(np.flatnonzero(self.serial < 0), next(rollout.iterator)):
+            new = next(rollout.iterator)
+            for j, ex, index in zip(np.flatnonzero(self.serial < 0), new,
+                                    drawn_indices(rollout.iterator, len(new))):
                 self.serial[j], self.next_serial = self.next_serial, self.next_serial + 1
-                self.metas[j] = ex
+                self.metas[j], self.indices[j] = ex, index
                 self._clear(j)
         t0 = time.perf_counter()
         dropped = self._drop_stale()
@@ -141,12 +145,14 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             turn_versions = np.array([t["version"] for t in self.turns[j][k]] + [-1])
             versions[r] = turn_versions[eps["turn_ids"][r]]   # -1 (not a model token): -1
         examples = [x for j in taken for x in groups[at[j]]]
+        indices = [int(self.indices[j]) for j in taken for _ in groups[at[j]]]   # per group
         for j in taken:
             self.serial[j], self.metas[j] = -1, None
             self._clear(j)
         self._drawn.append(dict(versions=versions[eps["model_mask"]], dropped=dropped,
                                 drawn=drawn))
-        return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
+        return dict(self.scored_round(rollout, eps, examples, time.perf_counter() - t0),
+                    indices=indices)
 
     def _drop_stale(self) -> int:
         """Restarts every place holding a turn more than the bound older than this version;
@@ -402,8 +408,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         float32 values, exact through JSON's float64) and, with self-play, their order."""
         return json.loads(json.dumps(dict(
             serial=self.serial.tolist(), completed_at=self.completed_at.tolist(),
-            metas=self.metas, turns=self.turns, moves=self.moves, next_serial=self.next_serial,
-            clock=self.clock), default=json_field))
+            metas=self.metas, indices=self.indices.tolist(), turns=self.turns, moves=self.moves,
+            next_serial=self.next_serial, clock=self.clock), default=json_field))
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["serial"]) != len(self.serial):
@@ -412,6 +418,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.serial = np.asarray(state["serial"], np.int64)
         self.completed_at = np.asarray(state["completed_at"], np.int64)
         self.metas = list(from_json_field(state["metas"]))
+        self.indices[:] = state.get("indices", -1)   # (a checkpoint from before they were kept)
         self.turns, self.moves = state["turns"], state["moves"]
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
 
