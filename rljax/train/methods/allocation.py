@@ -86,8 +86,11 @@ class KnapsackRounds(RoundSource):
         src = np.minimum(np.arange(n), len(rnd["rewards"]) - 1)
         sub = {k: v for k, v in rnd.items() if k != "group_sizes"}   # now rows of one
         sub["prompt_ids"] = [rnd["prompt_ids"][i] for i in src]
-        for key in ("tokens", "logps", "mask", "lengths", "truncated", "rewards"):
-            sub[key] = rnd[key][src]
+        for key in ("tokens", "logps", "mask", "lengths", "truncated", "rewards", "demo"):
+            if key in rnd:   # (demo: mixed-policy demonstrations' rows)
+                sub[key] = rnd[key][src]
+        if "demo" in sub:   # a padding row repeating a demonstration is none
+            sub["demo"] = sub["demo"] & real
         batch, rows = rollout._assemble([sub], [(0, i) for i in range(n)], g=1)
         rows.update(real=real, estimator_inputs={"group_ids": group_ids})
         return batch, rows

@@ -36,16 +36,16 @@ from collections import OrderedDict
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from rljax import algorithms
 from rljax import data as data_lib
 from rljax import distributed as dist
+from rljax.data import selection
 from rljax.errors import ConfigError, UserError
 from rljax.train.core.buckets import build_sequences, encode_prompts
 from rljax.train.core.rollout import RolloutStage
 from rljax.train.core.steps import build_sft_step, to_host
+from rljax.train.methods.demos import demo_old_logps, insert_demos
 
 SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
 HINT_STREAM = 1 << 16  # rng: fold_in(round rng, HINT_STREAM) samples the hinted groups
@@ -65,11 +65,21 @@ def solution_of(example: dict, task=None, field: str = "") -> str:
     raise UserError(f"example has no solution field ({wanted}); fields: {sorted(example)}")
 
 
-def group_success(rewards: np.ndarray, g: int, threshold: float) -> np.ndarray:
-    """Success rate per group: float32 [R / G] from rewards [R] (prompt-major groups of G);
-    a sample succeeds when its reward is >= ``threshold``."""
-    ok = np.asarray(rewards, np.float32).reshape(-1, g) >= threshold
-    return ok.mean(axis=1).astype(np.float32)
+def group_success(rewards: np.ndarray, g, threshold: float) -> np.ndarray:
+    """Success rate per group: float32 [R / G] from rewards [R] (prompt-major groups of G), or
+    with ``g`` a sequence, of consecutive groups of those sizes; a sample succeeds when its
+    reward is >= ``threshold``."""
+    return (selection.group_successes(np.asarray(rewards, np.float32), g, threshold)
+            / np.asarray(g, np.float64)).astype(np.float32)
+
+
+def round_groups(rnd: dict, g: int) -> tuple[np.ndarray, list[dict]]:
+    """(size, example) of each group of a sampling round: G rows each, or the sizes a round
+    source gave them (``group_sizes``, knapsack allocation, whose ``examples`` are per row)."""
+    if "group_sizes" not in rnd:
+        return np.full(len(rnd["examples"]), g), list(rnd["examples"])
+    sizes = np.asarray(rnd["group_sizes"], np.int64)
+    return sizes, [rnd["examples"][i] for i in np.cumsum(sizes) - sizes]
 
 
 def prefix_length(num_tokens: int, fraction: float, room: int) -> int:
@@ -274,60 +284,6 @@ def enabled(cfg) -> bool:
     return a.hint.mode != "off" or a.relift.every > 0 or bool(a.mixed_policy)
 
 
-def insert_demos(rollout, rnd: dict, examples: Sequence[dict], groups: Sequence[int],
-                 solution: Callable[[dict], str]) -> dict:
-    """Mixed-policy groups (LUFFY / RL-PLUS style, ``algo.mixed_policy``): in each failed
-    group, the last sample is replaced by the reference solution (+ EOS, cut to the completion
-    slot), scored by the reward functions. ``rnd["demo"]`` bool [R] marks these rows; the
-    rollout sets their ``old_logps`` to 0 (the demonstrator's probabilities are unknown; it is
-    taken to be certain, mu = 1), so their importance ratio is pi_theta(token) <= 1: bounded,
-    and never clipped for a positive advantage (the PPO clip only binds above 1 + epsilon). Their
-    ``sampler_logps`` are 0 as well. ``rollout/tokens`` counts the replaced (sampled) completions,
-    not the demonstrations."""
-    g, tok = rollout.g, rollout.ctx.tokenizer
-    n = rnd["tokens"].shape[1]
-    rnd["demo"] = np.zeros(len(rnd["rewards"]), bool)
-    rnd.setdefault("extra_tokens", 0)
-    if not len(groups):
-        return rnd
-    rows = [int(i) * g + g - 1 for i in groups]
-    texts, lengths = [], []
-    for row, ex in zip(rows, examples):
-        text = solution(ex)
-        ids = (tok.encode(text) + [tok.eos_id])[:n]
-        # rollout/tokens counts sampled tokens: the replaced sample's, not the demo's.
-        rnd["extra_tokens"] += int(rnd["lengths"][row]) - len(ids)
-        rnd["tokens"][row] = tok.pad_id
-        rnd["tokens"][row, :len(ids)] = ids
-        rnd["mask"][row] = np.arange(n) < len(ids)
-        rnd["lengths"][row], rnd["truncated"][row] = len(ids), ids[-1] != tok.eos_id
-        rnd["logps"][row] = 0.0
-        rnd["demo"][row] = True
-        texts.append(tok.decode(ids))
-        lengths.append(len(ids))
-    keys = [k for k in examples[0] if k != "prompt"]
-    result = rollout.reward_fn([ex["prompt"] for ex in examples], texts,
-                               completion_lengths=lengths,
-                               **{k: [ex.get(k) for ex in examples] for k in keys})
-    total = np.asarray(result.total, np.float32)
-    for name, values in result.per_function.items():
-        rnd["scores"][name][rows] = np.asarray(values, np.float32)
-    cfg = rollout.cfg
-    if cfg.algo.overlong_buffer:  # the same DAPO length penalty as sampled completions get
-        pen = np.asarray(algorithms.overlong_penalty(
-            np.asarray(lengths), cfg.rollout.max_new_tokens, int(cfg.algo.overlong_buffer),
-            cfg.algo.overlong_penalty_factor), np.float32)
-        rnd["scores"]["overlong"][rows] = pen
-        total = total + pen
-    rnd["rewards"][rows] = total
-    return rnd
-
-
-def demo_old_logps(old_logps, demo: np.ndarray):
-    """``old_logps`` [R, N] with the demonstration rows (``demo`` bool [R]) set to 0."""
-    return jnp.where(jnp.asarray(demo)[:, None], 0.0, old_logps)
-
-
 class Guide(RolloutStage):
     """The rollout stage of hints, ReLIFT and mixed-policy demonstrations
     (``core.rollout.RolloutStage``): after each sampling round it records visits (ReLIFT
@@ -361,8 +317,8 @@ class Guide(RolloutStage):
     def after_round(self, rollout, params, rnd: dict, rng) -> dict:
         """``rnd`` (a ``Rollout.sample_round`` result) with failed groups replaced by hinted ones,
         and ``rnd["hint"]`` = {groups, hinted, prefix_tokens, successes, samples}."""
-        g, examples = self.g, rnd["examples"]
-        rates = group_success(rnd["rewards"], g, self.threshold)
+        g, (sizes, examples) = self.g, round_groups(rnd, self.g)
+        rates = group_success(rnd["rewards"], sizes, self.threshold)
         for i, ex in enumerate(examples):
             if self.buffer is not None:
                 self.buffer.observe(ex, solved=bool(rates[i] > 0))
@@ -371,9 +327,10 @@ class Guide(RolloutStage):
         stats = {"groups": len(examples), "hinted": 0, "prefix_tokens": 0, "successes": 0,
                  "samples": 0}
         rnd["hint"] = stats
-        if self.mixed:
-            return insert_demos(rollout, rnd, [examples[i] for i in np.flatnonzero(rates == 0)],
-                                np.flatnonzero(rates == 0), self.solution)
+        if self.mixed:   # each failed group's last row (groups may have sizes of their own)
+            failed = np.flatnonzero(rates == 0)
+            return insert_demos(rollout, rnd, [examples[i] for i in failed],
+                                (np.cumsum(sizes) - 1)[failed], self.solution)
         if self.hints is None:
             return rnd
         failed, prefixes = [], []

@@ -60,7 +60,7 @@ from rljax.train.phases.grpo import (GRPOPhase, carry_role_baseline, merge_updat
                                      single_update)
 from rljax.train.core.rollout_metrics import staleness_metrics
 from rljax.train.core import rollout as rollout_lib
-from rljax.train.methods.guidance import demo_old_logps
+from rljax.train.methods.demos import demo_old_logps
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
 
@@ -272,7 +272,7 @@ class AsyncGRPOPhase(AsyncSchedule, GRPOPhase):
         if self.needs_old:   # (always with mixed-policy demonstrations: single_update)
             batch["old_logps"] = self.rollout.logps_fn(state.params, dist.device_batch(batch, mesh))
             m = np.asarray(batch["loss_mask"])
-            if "demo" in batch:   # demonstrations: mu = 1 (``guidance.insert_demos``)
+            if "demo" in batch:   # demonstrations: mu = 1 (``demos.insert_demos``)
                 batch["old_logps"] = demo_old_logps(batch["old_logps"], batch["demo"])
                 m = m & ~np.asarray(batch["demo"], bool)[:, None]
             old = np.asarray(batch["old_logps"])
