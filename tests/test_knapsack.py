@@ -300,38 +300,45 @@ def test_knapsack_with_batches_sampled_ahead_resumes_exactly(reward_file, tmp_pa
     assert rl[-1]["selection/tracked"] > 4
 
 
-def test_knapsack_with_relift_and_mixed_policy_resumes_exactly(reward_file, tmp_path,
-                                                              monkeypatch):
-    """ReLIFT and mixed-policy demonstrations on groups of the knapsack's sizes: a group is the
-    rows its prompt was given. The demonstration replaces exactly the last row of each group
-    whose own samples all failed (padding rows are never demonstrations), ReLIFT's buffer sees
-    every group and its SFT step follows each update; stopped after update 1 and resumed, the
-    run equals the straight one."""
+@pytest.mark.parametrize("guide", ["mixed_policy", "hints"])
+def test_knapsack_with_guidance_resumes_exactly(reward_file, tmp_path, monkeypatch, guide):
+    """ReLIFT with mixed-policy demonstrations or hints on groups of the knapsack's sizes: a
+    group is the rows its prompt was given. A demonstration replaces exactly the last row of
+    each group whose own samples all failed (padding rows are never demonstrations); hints
+    re-sample each failed group at its own size, its rows now continuing prompt + hint.
+    ReLIFT's buffer sees every group and its SFT step follows each update. Stopped after
+    update 1 and resumed, the run equals the straight one."""
     from rljax.train.core.metrics import read_metrics
     from rljax.train.methods.guidance import Guide
     from test_train_loop import resumes_exactly
 
-    seen = []   # per round: (group sizes, the policy's rewards, demo rows) after the stage
+    seen = []   # per round: group sizes, the policy's rewards and prompt ids, the round after
     after_round = Guide.after_round
 
     def spy(self, rollout, params, rnd, rng):
-        rewards = np.array(rnd["rewards"])
-        out = after_round(self, rollout, params, rnd, rng)
-        seen.append((np.array(out["group_sizes"]), rewards, np.array(out["demo"])))
-        return out
+        before = (np.array(rnd["group_sizes"]), np.array(rnd["rewards"]),
+                  list(rnd["prompt_ids"]))
+        seen.append((*before, after_round(self, rollout, params, rnd, rng)))
+        return seen[-1][-1]
     monkeypatch.setattr(Guide, "after_round", spy)
     cfg = lambda: tiny_cfg(reward_file, **{  # noqa: E731
         "steps": 2, "rollout.knapsack.budget": 10, "rollout.max_new_tokens": 3,
-        "algo.mixed_policy": True,
-        "algo.relift.every": 1, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1})
+        "algo.relift.every": 1, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1,
+        **({"algo.mixed_policy": True} if guide == "mixed_policy" else
+           {"algo.hint.mode": "fixed", "algo.hint.fraction": 0.5})})
     straight, _ = resumes_exactly(cfg, tmp_path, stop_after=1)
     rl = [r for r in read_metrics(straight) if "reward/mean" in r]
-    for (sizes, rewards, demo), r in zip(seen[:2], rl):
+    for (sizes, rewards, prompt_ids, rnd), r in zip(seen[:2], rl):
         ends = np.cumsum(sizes)
         failed = np.add.reduceat(rewards >= 1.0, ends - sizes) == 0
-        assert np.flatnonzero(demo).tolist() == (ends - 1)[failed].tolist()
-        assert r["mixed/demos"] == failed.sum()
-    assert sum(r["mixed/demos"] for r in rl) > 0
+        assert 0 < failed.sum() < len(sizes) and sizes.max() > sizes.min()
+        if guide == "mixed_policy":
+            assert np.flatnonzero(rnd["demo"]).tolist() == (ends - 1)[failed].tolist()
+            assert r["mixed/demos"] == failed.sum()
+            continue
+        longer = [len(a) > len(b) for a, b in zip(rnd["prompt_ids"], prompt_ids)]
+        assert longer == np.repeat(failed, sizes).tolist()   # every row of a failed group
+        assert r["hint/fraction_hinted"] == failed.mean()
     assert all("relift/sft_loss" in r for r in rl)
 
 

@@ -168,9 +168,8 @@ def knapsack_limits(cfg) -> tuple[int, int, int]:
 
 def check_allocation(cfg) -> None:
     """Knapsack allocation: GRPO with an estimator that takes ragged groups, a budget the
-    prompts can share, and nothing else that samples or picks groups its own way (hints
-    re-sample a failed group at G rows). ReLIFT and mixed-policy demonstrations act on each
-    group, whatever its size."""
+    prompts can share, and nothing else that samples or picks groups its own way. Hints,
+    ReLIFT and mixed-policy demonstrations act on each group, whatever its size."""
     r, a = cfg.rollout, cfg.algo
     if r.allocation == "uniform":
         return
@@ -187,8 +186,7 @@ def check_allocation(cfg) -> None:
                     ("rollout.partial", r.partial),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("algo.dynamic_sampling", a.dynamic_sampling),
-                    ("data.selection.name", cfg.data.selection.name == "online_filter"),
-                    ("algo.hint.mode", a.hint.mode != "off")):
+                    ("data.selection.name", cfg.data.selection.name == "online_filter")):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
                               "(it samples or picks groups its own way)")

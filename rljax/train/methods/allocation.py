@@ -23,10 +23,11 @@ import time
 
 import numpy as np
 
+from rljax import sampling
 from rljax.config.rollout import knapsack_limits
 from rljax.data import allocation as alloc
 from rljax.data import selection
-from rljax.train.core.rollout import RoundSource, encode_prompts
+from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
 from rljax.train.core.sampler import generate
 
 
@@ -52,29 +53,49 @@ class KnapsackRounds(RoundSource):
         """The iterator's next prompts, sampled with the knapsack's group sizes and scored;
         this source's posteriors learn the round (MoPPS's learns it as the rollout's
         selector)."""
-        cfg = self.cfg
         examples = next(rollout.iterator)
         indices = list(rollout.iterator.last_indices)
         p = self.pass_rates(rollout, indices)
         sizes = alloc.knapsack_allocate(p, self.budget, self.lo, self.hi)
-        owner = np.repeat(np.arange(len(examples)), sizes).astype(np.int32)   # row -> prompt
-        rows = [examples[i] for i in owner]
         prompt_tokens, prompt_mask = encode_prompts(
-            self.ctx.tokenizer, [ex["prompt"] for ex in examples], cfg.data.max_prompt_length)
-        t0 = time.perf_counter()
-        out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=1,
-                       max_new_tokens=cfg.rollout.max_new_tokens,
-                       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                       top_p=cfg.rollout.top_p, temperatures=rollout.temperatures,
-                       prompt_index=owner)
-        rnd = rollout.score_round(rows, prompt_tokens[owner], prompt_mask[owner], out, None,
-                                  t0, g=1)
+            self.ctx.tokenizer, [ex["prompt"] for ex in examples], self.cfg.data.max_prompt_length)
+        rnd = self._sample(rollout, params, rng, examples, prompt_tokens, prompt_mask, sizes)
         rnd.update(group_sizes=sizes, indices=indices, pass_rates=p)
         if not isinstance(rollout.selector, selection.Predicted):
             wins = selection.group_successes(rnd["rewards"], sizes, self.threshold,
                                              self.fractional)
             self.rates.observe(indices, wins, sizes)
         return rnd
+
+    def sample_hinted(self, rollout, params, rng, examples, prefixes, sizes) -> dict:
+        """Failed groups sampled again with their hint prefixes (token ids after each prompt,
+        ``guidance``), each at its own size; the round's rows, group after group."""
+        tok = self.ctx.tokenizer
+        prompt_tokens, prompt_mask = sampling.pad_to_bucket(
+            [tok.encode(ex["prompt"]) + list(p) for ex, p in zip(examples, prefixes)],
+            pad_id=tok.pad_id, buckets=prompt_buckets(self.cfg.data.max_prompt_length))
+        return self._sample(rollout, params, rng, examples, prompt_tokens, prompt_mask, sizes,
+                            prefixes)
+
+    def _sample(self, rollout, params, rng, examples, prompt_tokens, prompt_mask, sizes,
+                prefixes=None) -> dict:
+        """``sizes[i]`` rows of prompt i sampled (each prompt prefilled once) and scored. The
+        sampler always runs ``budget`` rows (one program): rows past the groups repeat the
+        last one and are dropped before scoring."""
+        cfg, n = self.cfg, int(np.sum(sizes))
+        owner = np.repeat(np.arange(len(examples)), sizes).astype(np.int32)   # row -> prompt
+        padded = np.concatenate([owner, np.full(self.budget - n, owner[-1], np.int32)])
+        t0 = time.perf_counter()
+        out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=1,
+                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                       top_p=cfg.rollout.top_p, temperatures=rollout.temperatures,
+                       prompt_index=padded)
+        out = {k: v[:n] if isinstance(v, np.ndarray) and len(v) == self.budget else v
+               for k, v in out.items()}
+        rows = None if prefixes is None else [prefixes[i] for i in owner]
+        return rollout.score_round([examples[i] for i in owner], prompt_tokens[owner],
+                                   prompt_mask[owner], out, rows, t0, g=1)
 
     def assemble(self, rollout, rounds) -> tuple[dict, dict]:
         """All of the one round's rows, padded to ``rollout.batch_size`` (``expand_groups``:

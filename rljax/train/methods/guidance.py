@@ -317,66 +317,89 @@ class Guide(RolloutStage):
     def after_round(self, rollout, params, rnd: dict, rng) -> dict:
         """``rnd`` (a ``Rollout.sample_round`` result) with failed groups replaced by hinted ones,
         and ``rnd["hint"]`` = {groups, hinted, prefix_tokens, successes, samples}."""
-        g, (sizes, examples) = self.g, round_groups(rnd, self.g)
+        sizes, examples = round_groups(rnd, self.g)
         rates = group_success(rnd["rewards"], sizes, self.threshold)
+        ends = np.cumsum(sizes)
         for i, ex in enumerate(examples):
             if self.buffer is not None:
                 self.buffer.observe(ex, solved=bool(rates[i] > 0))
             if self.hints is not None and rates[i] > 0:
-                self._remember(ex, rnd, i)
+                self._remember(ex, rnd, slice(ends[i] - sizes[i], ends[i]))
         stats = {"groups": len(examples), "hinted": 0, "prefix_tokens": 0, "successes": 0,
                  "samples": 0}
         rnd["hint"] = stats
         if self.mixed:   # each failed group's last row (groups may have sizes of their own)
             failed = np.flatnonzero(rates == 0)
-            return insert_demos(rollout, rnd, [examples[i] for i in failed],
-                                (np.cumsum(sizes) - 1)[failed], self.solution)
+            return insert_demos(rollout, rnd, [examples[i] for i in failed], (ends - 1)[failed],
+                                self.solution)
         if self.hints is None:
             return rnd
+        return self._hint(rollout, params, rnd, jax.random.fold_in(rng, HINT_STREAM),
+                          examples, sizes, rates == 0)
+
+    def _hint(self, rollout, params, rnd, rng, examples, sizes, failing) -> dict:
+        """``rnd`` with the ``failing`` groups that get a hint replaced by hinted re-samples of
+        the same sizes. A round with sizes of its own (``group_sizes``) keeps prompt ids per
+        row, else per group."""
+        ragged, starts = "group_sizes" in rnd, np.cumsum(sizes) - sizes
+
+        def ids_of(i, at, n) -> slice:   # group i's prompt ids: its rows' (ragged), else its own
+            return slice(at[i], at[i] + n[i]) if ragged else slice(i, i + 1)
         failed, prefixes = [], []
-        for i in np.flatnonzero(rates == 0):
-            p = self.hints.prefix(examples[i], len(rnd["prompt_ids"][i]))
+        for i in np.flatnonzero(failing):
+            p = self.hints.prefix(examples[i], len(rnd["prompt_ids"][starts[i] if ragged else i]))
             if p is not None:
                 failed.append(int(i))
                 prefixes.append(p)
         if not failed:
             return rnd
-        n = hint_rows(len(examples), len(failed), self.multiple)
-        pad = n - len(failed)  # repeats of the first hinted prompt; sampled, then discarded
-        sub = [examples[i] for i in failed] + [examples[failed[0]]] * pad
-        hinted = rollout.sample_round(params, jax.random.fold_in(rng, HINT_STREAM), examples=sub,
-                                     prefixes=prefixes + [prefixes[0]] * pad)
-        h_rates = group_success(hinted["rewards"], g, self.threshold)
+        h_sizes = sizes[failed]
+        hinted, pad = self._resample(rollout, params, rng, [examples[i] for i in failed],
+                                     prefixes, h_sizes, len(examples), ragged)
+        h_starts = np.cumsum(h_sizes) - h_sizes
+        h_rates = group_success(hinted["rewards"][:h_sizes.sum()], h_sizes, self.threshold)
         rnd["extra_tokens"] = rnd.get("extra_tokens", 0)
         for j, i in enumerate(failed):
-            rows, src = slice(i * g, (i + 1) * g), slice(j * g, (j + 1) * g)
+            rows = slice(starts[i], starts[i] + sizes[i])
+            src = slice(h_starts[j], h_starts[j] + sizes[i])
             # The failed samples were sampled too: their tokens stay in rollout/tokens.
             rnd["extra_tokens"] += int(rnd["lengths"][rows].sum())
             for key in ("tokens", "logps", "mask", "lengths", "truncated", "rewards"):
                 rnd[key][rows] = hinted[key][src]
             for name in rnd["scores"]:
                 rnd["scores"][name][rows] = hinted["scores"][name][src]
-            rnd["prompt_ids"][i] = hinted["prompt_ids"][j]
+            rnd["prompt_ids"][ids_of(i, starts, sizes)] = \
+                hinted["prompt_ids"][ids_of(j, h_starts, h_sizes)]
             self.hints.hinted_result(examples[i]["prompt"], float(h_rates[j]))
             if h_rates[j] > 0:
-                self._remember(examples[i], rnd, i, prefix=prefixes[j])
+                self._remember(examples[i], rnd, rows, prefix=prefixes[j])
         if rnd["prompt_len"] < hinted["prompt_len"]:
             rnd["prompt_len"] = hinted["prompt_len"]
-        rnd["time_sample"] += hinted["time_sample"]
-        rnd["time_reward"] += hinted["time_reward"]
-        rnd["errors"] += hinted["errors"]
-        stats.update(hinted=len(failed), prefix_tokens=sum(len(p) for p in prefixes),
-                     successes=int(round(float(h_rates[:len(failed)].sum()) * g)),
-                     samples=len(failed) * g, padding_groups=pad)
+        for key in ("time_sample", "time_reward", "errors"):
+            rnd[key] += hinted[key]
+        rnd["hint"].update(hinted=len(failed), prefix_tokens=sum(len(p) for p in prefixes),
+                           successes=int(round(float((h_rates * h_sizes).sum()))),
+                           samples=int(h_sizes.sum()), padding_groups=pad)
         return rnd
 
-    def _remember(self, example: dict, rnd: dict, group: int, prefix: Sequence[int] = ()):
-        """Replay store: the first successful sample of ``group`` (hint prefix included)."""
+    def _resample(self, rollout, params, rng, examples, prefixes, sizes, num_groups, ragged):
+        """(the hinted groups' round, padding groups in it): a knapsack round's groups at their
+        own sizes (its round source's ``sample_hinted``: one program of ``budget`` rows), else
+        G rows each, ``hint_rows`` prompts (repeats of the first: sampled, then discarded)."""
+        if ragged:
+            return rollout.rounds.sample_hinted(rollout, params, rng, examples, prefixes,
+                                                sizes), 0
+        pad = hint_rows(num_groups, len(examples), self.multiple) - len(examples)
+        return rollout.sample_round(params, rng, examples=examples + [examples[0]] * pad,
+                                    prefixes=prefixes + [prefixes[0]] * pad), pad
+
+    def _remember(self, example: dict, rnd: dict, rows: slice, prefix: Sequence[int] = ()):
+        """Replay store: the first successful sample of the group in ``rows`` (hint prefix
+        included)."""
         if self.hints.cfg.source != "replay":
             return
-        g = self.g
-        ok = np.flatnonzero(rnd["rewards"][group * g:(group + 1) * g] >= self.threshold)
-        row = group * g + int(ok[0])
+        ok = np.flatnonzero(rnd["rewards"][rows] >= self.threshold)
+        row = rows.start + int(ok[0])
         ids = list(prefix) + completion_ids(rnd["tokens"][row], rnd["mask"][row], self.eos_id)
         self.hints.remember_success(example["prompt"], ids)
 
