@@ -18,11 +18,12 @@ def insert_demos(rollout, rnd: dict, examples: Sequence[dict], rows: Sequence[in
     """Mixed-policy groups (LUFFY / RL-PLUS style, ``algo.mixed_policy``): in each failed
     group (of ``examples``), the last sample (its row of ``rows``) is replaced by the reference
     solution (+ EOS, cut to the completion slot), scored by the reward functions.
-    ``rnd["demo"]`` bool [R] marks these rows; the rollout sets their ``old_logps`` to 0 (the demonstrator's probabilities are unknown; it is
-    taken to be certain, mu = 1), so their importance ratio is pi_theta(token) <= 1: bounded,
-    and never clipped for a positive advantage (the PPO clip only binds above 1 + epsilon). Their
-    ``sampler_logps`` are 0 as well. ``rollout/tokens`` counts the replaced (sampled) completions,
-    not the demonstrations."""
+    ``rnd["demo"]`` bool [R] marks these rows; the rollout sets their ``old_logps`` to 0 (the
+    demonstrator's probabilities are unknown; it is taken to be certain, mu = 1), so their
+    importance ratio is pi_theta(token) <= 1: bounded, and never clipped for a positive
+    advantage (the PPO clip only binds above 1 + epsilon). Their ``sampler_logps`` are 0 as
+    well. ``rollout/tokens`` counts the replaced (sampled) completions, not the
+    demonstrations."""
     tok, rows = rollout.ctx.tokenizer, [int(r) for r in rows]
     n = rnd["tokens"].shape[1]
     rnd["demo"] = np.zeros(len(rnd["rewards"]), bool)

@@ -26,6 +26,9 @@ the GRPO phase runs one SFT step (``steps.build_sft_step`` on the same train sta
 optimizer, loss scaled by ``relift.coef``) on the oldest ``relift.batch_size`` buffered
 prompts with their reference solutions, and removes them from the buffer.
 
+A group is a prompt's G rows, or with knapsack allocation the rows the knapsack gave it
+(``round_groups``): hints re-sample it at its own size, a demonstration replaces its last row.
+
 All host state (per-prompt fractions, stored successes, visit counters, buffer) is a JSON-able
 ``state_dict`` saved with the phase, so resume is exact.
 """
