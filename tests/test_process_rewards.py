@@ -18,11 +18,13 @@ TOK = CharTokenizer()
 def written_out(step_rewards, step_ends, g, eps=1e-6):
     """DeepSeekMath 4.1.3 restated with loops: each group's step rewards normalised by their
     mean and (unbiased) std over the whole group, each token's advantage the sum of the
-    normalised rewards of the steps that end at or after it."""
+    normalised rewards of the steps that end at or after it. ``g``: the group size, or a list
+    of consecutive groups' sizes."""
     n, t = step_ends.shape
+    sizes = [g] * (n // g) if isinstance(g, int) else g
     out = np.zeros((n, t))
-    for start in range(0, n, g):
-        rows = range(start, start + g)
+    for start, size in zip(np.cumsum([0] + sizes[:-1]), sizes):
+        rows = range(start, start + size)
         r = [step_rewards[i, j] for i in rows for j in range(t) if step_ends[i, j]]
         if len(r) < 2 or max(r) == min(r):
             continue
@@ -62,6 +64,36 @@ def test_process_advantages_equal_the_written_out_formula():
         est(outcome, g, mask=mask, step_rewards=rewards, step_ends=ends, gamma=0.9)
 
 
+def test_process_advantages_on_groups_of_their_own_sizes():
+    """Knapsack allocation's ragged groups (``group_ids``): each group's statistics over its
+    own rows, as the formula written out per group; with every group of G rows, the same as
+    consecutive groups of G."""
+    rng = np.random.default_rng(1)
+    sizes, t = [3, 1, 5, 3], 6
+    n = sum(sizes)
+    ends = rng.random((n, t)) < 0.4
+    ends[:, -1] = True
+    rewards = rng.random((n, t)).astype(np.float32)
+    rewards[4:9] = 0.5             # the group of 5: all its steps score the same -> 0
+    ids = np.repeat(np.arange(len(sizes)), sizes) * 5 + 2     # any ids
+    got = np.asarray(algorithms.process_advantages(rewards, ends, 0, group_ids=ids))
+    np.testing.assert_allclose(got, written_out(rewards, ends, sizes), rtol=1e-5, atol=1e-6)
+    assert not got[4:9].any() and got[3].any()   # a one-row group with steps is normalised
+
+    outcome = rng.integers(0, 2, n).astype(np.float32)
+    mask = ends.cumsum(1) <= ends.sum(1, keepdims=True)
+    est = algorithms.get_advantage_estimator("grpo_process")
+    assert algorithms.takes_group_ids("grpo_process")
+    adv = np.asarray(est(outcome, 0, mask=mask, step_rewards=rewards, step_ends=ends,
+                         process_weight=0.5, group_ids=ids))
+    grpo = np.asarray(algorithms.grpo_advantages(outcome, 0, group_ids=ids))
+    np.testing.assert_allclose(adv, np.where(mask, grpo[:, None] + 0.5 * got, 0.0),
+                               rtol=1e-5, atol=1e-6)
+    same = {"mask": mask, "step_rewards": rewards, "step_ends": ends}   # 3 groups of 4
+    np.testing.assert_allclose(np.asarray(est(outcome, 0, group_ids=np.arange(n) // 4, **same)),
+                               np.asarray(est(outcome, 4, **same)), rtol=1e-6, atol=1e-6)
+
+
 def test_the_stage_puts_each_steps_score_on_its_last_token():
     """Steps end at the token that completes the delimiter, and the last step at the
     completion's end; the reward there is the sigmoid of the PRM's logit at that token."""
@@ -88,9 +120,11 @@ def test_the_stage_puts_each_steps_score_on_its_last_token():
         comp_tok[i, :len(ids)], comp_mask[i, :len(ids)] = ids, True
         seqs[i, 8 - len(pid):8], seq_mask[i, 8 - len(pid):8] = pid, True
         seqs[i, 8:], seq_mask[i, 8:] = comp_tok[i], comp_mask[i]
-    rows = {"tokens": comp_tok, "mask": comp_mask}
+    groups = np.array([0, 1])   # a round source's groups of their own sizes stay
+    rows = {"tokens": comp_tok, "mask": comp_mask, "estimator_inputs": {"group_ids": groups}}
     stage.finish_batch({"tokens": seqs, "mask": seq_mask}, rows)
     got = rows["estimator_inputs"]
+    assert got["group_ids"] is groups
     want_ends = np.zeros((2, n), bool)
     want_ends[0, [5, 11]] = True      # "...7\n" ends step 1; the stop token ends step 2
     want_ends[1, 5] = True
@@ -148,6 +182,16 @@ def test_a_prm_shaped_run_trains_on_a_prm_runs_scores_and_resumes_exactly(tmp_pa
     assert all(0 < r["process/step_score_mean"] < 1 and r["process/steps_mean"] >= 1
                for r in steps)
     assert _comparable(parts) == _comparable(straight)
+    # Knapsack allocation: 3 samples over 2 prompts (one of them alone in its group, and a
+    # padding row), each group's step scores normalised over its own rows.
+    ragged = str(tmp_path / "knapsack")
+    assert run.train(_cfg(**{"algo.process_reward.prm": prm_dir,
+                             "rollout.allocation": "knapsack", "rollout.knapsack.budget": 3,
+                             "rollout.knapsack.min_samples": 1,
+                             "rollout.knapsack.max_samples": 2}), ragged, devices=devices) == 0
+    steps = [r for r in _comparable(ragged) if "process/step_score_mean" in r]
+    assert len(steps) == 2 and all(r["rollout/group_size_max"] == 2 and
+                                   np.isfinite(r["loss"]) for r in steps)
 
 
 def test_the_plan_holds_the_prms_pass_at_the_stages_shape(tmp_path):

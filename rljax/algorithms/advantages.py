@@ -54,6 +54,14 @@ def _centered(g: Array) -> Tuple[Array, Array]:
     return jnp.where(constant, 0.0, c), constant
 
 
+def dense_group_ids(group_ids: Array) -> Array:
+    """int [N] -> int [N]: the same groups numbered 0.. whatever ids the caller used, so
+    segment ops over them can take the static bound ``num_segments=N``."""
+    ids = jnp.asarray(group_ids, jnp.int32)
+    _, dense = jnp.unique(ids, return_inverse=True, size=ids.shape[0])
+    return dense.reshape(-1)
+
+
 def _ragged(rewards: Array, group_ids: Array):
     """Per-row statistics of each row's own group: (r - group mean, group-is-constant,
     group sum of squared deviations, group size), all [N]; the centred value and the sum of
@@ -63,9 +71,7 @@ def _ragged(rewards: Array, group_ids: Array):
     if r.ndim != 1 or ids.shape != r.shape:
         raise ValueError(f"rewards [N] and group_ids [N] expected, got {r.shape}, {ids.shape}")
     n = r.shape[0]
-    # Dense ids 0..n-1 whatever the caller used (segment ops need a static bound).
-    _, dense = jnp.unique(ids, return_inverse=True, size=n)
-    dense = dense.reshape(-1)
+    dense = dense_group_ids(ids)
     seg = lambda x: jax.ops.segment_sum(x, dense, num_segments=n)[dense]  # noqa: E731
     count = seg(jnp.ones_like(r))
     mean = seg(r) / count
@@ -328,12 +334,14 @@ def uses_roles(name: str) -> bool:
 
 def register_advantage_estimator(name: str, fn: Callable[..., Array], *,
                                  token_level: bool = False, tree: bool = False,
-                                 roles: bool = False) -> None:
+                                 roles: bool = False, group_ids: bool = False) -> None:
     """Adds ``fn`` under ``name``; ``token_level=True`` for the [N, T] interface,
     ``tree=True`` if it takes the tree structure (``uses_tree``), ``roles=True`` if it takes
-    per-sample roles and a baseline state (``uses_roles``)."""
+    per-sample roles and a baseline state (``uses_roles``), ``group_ids=True`` if it takes
+    groups of different sizes (``takes_group_ids``)."""
     _ADVANTAGE_ESTIMATORS[name] = fn
-    for flag, names in ((token_level, _TOKEN_LEVEL), (tree, _TREE), (roles, _ROLES)):
+    for flag, names in ((token_level, _TOKEN_LEVEL), (tree, _TREE), (roles, _ROLES),
+                        (group_ids, RAGGED)):
         if flag:
             names.add(name)
         else:

@@ -9,8 +9,8 @@ from rljax.config.base import ConfigError
 def check_process_reward(cfg) -> None:
     """``grpo_process`` reads a PRM run (``algo.process_reward.prm``) and cuts samples into
     steps at ``data.step_delimiter``; its advantage is per token, over groups of one prompt's
-    samples, with the outcome and step rewards undiscounted."""
-    a, r = cfg.algo, cfg.rollout
+    samples (of any sizes), with the outcome and step rewards undiscounted."""
+    a = cfg.algo
     on = a.adv_estimator == "grpo_process"
     if not on:
         if a.process_reward.prm:
@@ -27,8 +27,6 @@ def check_process_reward(cfg) -> None:
             ("algo.kl_in_reward", a.kl_in_reward, "the KL to the reference is the loss's "
              "term (algo.beta) here"),
             ("algo.gamma", a.gamma != 1.0, "step rewards are summed undiscounted"),
-            ("rollout.allocation", r.allocation != "uniform", "groups of different sizes "
-             "have no group statistic here"),
             ("env.name", bool(cfg.env.name), "the PRM scores single completions, not "
              "episodes with observations between the model's turns")):
         if bad:

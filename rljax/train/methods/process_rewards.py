@@ -39,7 +39,7 @@ def program(ctx):
 class ProcessRewards(RolloutStage):
     """Rollout stage: the step rewards [R, N] of the assembled batch's completions, given to
     the estimator (``rows["estimator_inputs"]``: ``step_rewards`` f32 and ``step_ends``
-    bool, [R, N])."""
+    bool, [R, N]; next to ``group_ids`` [R] when the groups have sizes of their own)."""
 
     name = "process_rewards"
 
@@ -65,7 +65,8 @@ class ProcessRewards(RolloutStage):
         prompts = [t[:p][m[:p]].tolist() for t, m in zip(seqs, seq_mask)]
         comps = [t[m].tolist() for t, m in zip(comp_tok, comp_mask)]
         probs, ends = self.scorer().step_probabilities(prompts, comps, p)
-        rows["estimator_inputs"] = {"step_rewards": probs, "step_ends": ends}
+        # Added to what the round source gave (knapsack allocation: ``group_ids``).
+        rows.setdefault("estimator_inputs", {}).update(step_rewards=probs, step_ends=ends)
         steps = ends.sum(axis=1)
         self._metrics = {"process/step_score_mean": float(probs[ends].mean()) if ends.any()
                          else 0.0,
