@@ -65,14 +65,24 @@ def tiny_cfg(reward_file, **overrides):
     return config_lib.validate(cfg)
 
 
-def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path):
+FAIL = {"algo.hint.threshold": 2.0}   # every group fails: all are guided
+HINTS = {"algo.hint.mode": "fixed", "algo.hint.fraction": 0.5, **FAIL}
+DEMOS = {"algo.mixed_policy": True, **FAIL}
+
+
+@pytest.mark.parametrize("guide", [{}, HINTS, DEMOS],
+                         ids=["sampled", "hints", "mixed_policy"])
+def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, guide):
     """Each prefix's value is the mean reward of its K forks, each fork continues that exact
-    prefix, and every token's advantage is V(next prefix) - V(its prefix) (R at the end)."""
+    prefix, and every token's advantage is V(next prefix) - V(its prefix) (R at the end). The
+    rows valued are those that train: a hinted row's forks continue prompt ++ hint ++ its
+    prefix and are judged with the hint (as its own reward is); a demonstration is valued
+    from its own prefixes."""
     from rljax.train import inference
     from rljax.train.core import setup
     from rljax.train.phases import make_phases
 
-    cfg = tiny_cfg(reward_file)
+    cfg = tiny_cfg(reward_file, **guide)
     ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
     phase = make_phases(ctx)[-1]
     state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
@@ -81,10 +91,12 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path):
     decode, k = ctx.tokenizer.decode, 3
     texts, rewards = rnd["fork_texts"], rnd["fork_rewards"]
     assert rewards.shape == (len(rnd["fork_rows"]), k)
-    multi = 0
+    multi, hints = 0, rnd.get("hint_prefixes", {})
+    assert len(hints) == (len(rnd["rewards"]) if guide == HINTS else 0)
+    assert np.asarray(rnd.get("demo", False)).sum() == (4 if guide == DEMOS else 0)
     for j, (i, t, start) in enumerate(rnd["fork_rows"]):
         comp = rnd["tokens"][i][rnd["mask"][i]].tolist()
-        prefix = decode(comp[:start])
+        prefix = decode(hints.get(i, []) + comp[:start])
         forks = texts[j * k:(j + 1) * k]
         assert all(f.startswith(prefix) for f in forks)
         assert rnd["step_values"][i, t] == pytest.approx(np.mean(even_length(forks)), abs=1e-7)
@@ -103,15 +115,25 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path):
         int(rnd["lengths"].sum())
 
 
-def test_vineppo_train_run(reward_file, tmp_path):
+RELIFT = {"algo.relift.every": 1, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1}
+
+
+@pytest.mark.parametrize("guide", [{}, {**RELIFT, **HINTS}, {**RELIFT, **DEMOS}],
+                         ids=["sampled", "relift_hints", "relift_mixed_policy"])
+def test_vineppo_train_run(reward_file, tmp_path, guide):
+    """VinePPO trains on the rows guidance leaves (hinted groups, demonstrations), and
+    ReLIFT's SFT step follows its updates."""
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
 
-    assert run.train(tiny_cfg(reward_file, **{"algo.vine.splitter": "newline"}),
+    assert run.train(tiny_cfg(reward_file, **{"algo.vine.splitter": "newline", **guide}),
                      str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) and r["vine/fork_tokens"] > 0
                                 for r in rl)
+    if guide:
+        assert all("relift/sft_loss" in r and (r.get("hint/fraction_hinted") == 1.0 or
+                                               r.get("mixed/demos") == 4) for r in rl)
 
 
 def test_vineppo_with_partial_rollouts_asynchronously_resumes_exactly(reward_file, tmp_path):

@@ -35,8 +35,9 @@ def check_process_reward(cfg) -> None:
 
 
 def check_vine(cfg) -> None:
-    """VinePPO: the GRPO phase, every sampled completion in the batch in order, values of the
-    task reward only (no KL in the reward, gamma 1), and a regex that compiles."""
+    """VinePPO: the GRPO phase, every completion of the round in the batch in order (hinted
+    and demonstration rows are valued as they train), values of the task reward only (no KL
+    in the reward, gamma 1), and a regex that compiles."""
     algo, r = cfg.algo, cfg.rollout
     if algo.adv_estimator != "vineppo":
         return
@@ -50,10 +51,7 @@ def check_vine(cfg) -> None:
                     ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size)),
                     ("rollout.temperature_schedule.name",
-                     r.temperature_schedule.name != "constant"),
-                    ("algo.hint.mode", algo.hint.mode != "off"),
-                    ("algo.mixed_policy", algo.mixed_policy),
-                    ("algo.relift.every", bool(algo.relift.every))):
+                     r.temperature_schedule.name != "constant")):
         if on:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
                               "(its values are the task reward's, over every sampled "

@@ -342,8 +342,9 @@ class Guide(RolloutStage):
 
     def _hint(self, rollout, params, rnd, rng, examples, sizes, failing) -> dict:
         """``rnd`` with the ``failing`` groups that get a hint replaced by hinted re-samples of
-        the same sizes. A round with sizes of its own (``group_sizes``) keeps prompt ids per
-        row, else per group."""
+        the same sizes, and ``rnd["hint_prefixes"]`` {row: prefix token ids} of their rows. A
+        round with sizes of its own (``group_sizes``) keeps prompt ids per row, else per
+        group."""
         ragged, starts = "group_sizes" in rnd, np.cumsum(sizes) - sizes
 
         def ids_of(i, at, n) -> slice:   # group i's prompt ids: its rows' (ragged), else its own
@@ -373,6 +374,9 @@ class Guide(RolloutStage):
                 rnd["scores"][name][rows] = hinted["scores"][name][src]
             rnd["prompt_ids"][ids_of(i, starts, sizes)] = \
                 hinted["prompt_ids"][ids_of(j, h_starts, h_sizes)]
+            # Each hinted row's prefix, for what scores its text again (VinePPO's forks).
+            rnd.setdefault("hint_prefixes", {}).update(
+                dict.fromkeys(range(rows.start, rows.stop), list(prefixes[j])))
             self.hints.hinted_result(examples[i]["prompt"], float(h_rates[j]))
             if h_rates[j] > 0:
                 self._remember(examples[i], rnd, rows, prefix=prefixes[j])

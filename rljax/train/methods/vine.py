@@ -9,8 +9,15 @@ machinery of ``rljax.train.methods.step_mc``); a continuation is cut to the comp
 (``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by the
 reward functions. V(s_t) is the mean of the K rewards, and the advantages are
 ``algorithms.vine.vineppo_advantages``, which the rollout's estimator call receives as
-``rows["estimator_inputs"]`` (``step_ids``, ``step_values``, ``num_steps``). Fork rows are padded (repeating a real one) to a
-multiple of the completion count, so at most ``max_steps`` fork programs are compiled.
+``rows["estimator_inputs"]`` (``step_ids``, ``step_values``, ``num_steps``). Fork rows are
+padded (repeating a real one) to a multiple of the completion count, so at most ``max_steps``
+fork programs are compiled.
+
+The stage runs after guidance (``methods.guidance``), so it values the rows that train: a
+hinted row's prefixes are prompt ++ hint ++ completion[:start] and its forks' texts carry the
+hint, as its own reward's does (``rnd["hint_prefixes"]``); a mixed-policy demonstration is
+valued from its own prefixes under the policy, like a sample. ReLIFT's SFT steps do not touch
+the rows.
 
 Metrics: ``vine/fork_tokens`` (continuation tokens decoded for values, padding rows excluded),
 ``vine/fork_padding_tokens``, ``vine/prefixes``, ``vine/steps_mean``, ``vine/value_mean``;
@@ -120,11 +127,12 @@ class VineValues(RolloutStage):
                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                        top_p=cfg.rollout.top_p)
         texts, prompts, lengths, owners = [], [], [], []
+        hints = rnd.get("hint_prefixes", {})   # a hinted row's reward judges hint ++ completion
         for j, (i, _, start) in enumerate(fork_rows):
             for q in range(k):
                 row = j * k + q
                 cont = out["tokens"][row][out["mask"][row]].tolist()[:n - start]
-                texts.append(self.decode(comps[i][:start] + cont))
+                texts.append(self.decode(hints.get(i, []) + comps[i][:start] + cont))
                 lengths.append(start + len(cont))
                 owners.append(rnd["examples"][i // g])
                 prompts.append(owners[-1]["prompt"])

@@ -350,6 +350,7 @@ class GRPOPhase:
         estimators ``grpo_process`` and ``vineppo`` get their per-token inputs from a stage: a
         process reward model's step scores, forked step-prefix values. Episodes' per-turn and
         per-role credit is a stage too (``agent.credit_stages``)."""
+        # Guidance first: the stages after it see the rows that train (VinePPO values them).
         stages = [self.guide] if self.guide is not None else []
         cfg = self.ctx.cfg
         estimator = cfg.algo.adv_estimator
