@@ -89,6 +89,33 @@ def test_constant_schedule_equals_the_scalar_temperature_sampler_exactly(model, 
                                atol=0)
 
 
+@pytest.mark.parametrize("engine,streams", [(False, 1), (False, 2), (True, 1)],
+                         ids=["static", "static_streams", "slots"])
+def test_a_schedule_per_row_samples_each_row_as_its_own_schedule_does(model, engine, streams):
+    """temperatures [R, N] (VinePPO's forks continue a scheduled completion at different
+    positions): row r is the row the batch gives under row r's schedule [N] alone (with
+    decode streams, each stream's rows keep their own)."""
+    cfg, params = model
+    toks, mask = prompts()
+    own = np.stack([sampling.temperature_schedule("linear", 2.0, 0.4, N - 2, N),
+                    np.full(N, 0.5, np.float32), np.full(N, 1.5, np.float32),
+                    sampling.temperature_schedule("cosine", 1.5, 0.3, 0, N)])
+
+    def sample(temps):
+        kw = dict(rng=jax.random.PRNGKey(5), max_new_tokens=N, eos_id=2, num_samples=2,
+                  temperatures=temps)
+        if engine:
+            return sampling.engine.generate(cfg, params, toks, mask, slots=3, chunk_steps=3,
+                                            **kw)[0]
+        return sampling.generate(cfg, params, toks, mask, streams=streams, **kw)
+    rows = sample(own)
+    for r in range(4):
+        alone = sample(own[r])
+        np.testing.assert_array_equal(np.asarray(rows.tokens[r]), np.asarray(alone.tokens[r]))
+        np.testing.assert_allclose(np.asarray(rows.logps[r]), np.asarray(alone.logps[r]),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def reference_logps(cfg, params, toks, mask, out, temps, g):
     """Written-out reference: one full forward over prompt ++ completion, then
     log_softmax(logits[t-1] / temps[t]) at each sampled token."""

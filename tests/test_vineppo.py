@@ -68,11 +68,14 @@ def tiny_cfg(reward_file, **overrides):
 FAIL = {"algo.hint.threshold": 2.0}   # every group fails: all are guided
 HINTS = {"algo.hint.mode": "fixed", "algo.hint.fraction": 0.5, **FAIL}
 DEMOS = {"algo.mixed_policy": True, **FAIL}
+ANNEALED = {"rollout.temperature_schedule.name": "linear",
+            "rollout.temperature_schedule.start": 1.5, "rollout.temperature_schedule.end": 0.5}
 
 
-@pytest.mark.parametrize("guide", [{}, HINTS, DEMOS],
-                         ids=["sampled", "hints", "mixed_policy"])
-def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, guide):
+@pytest.mark.parametrize("guide", [{}, HINTS, DEMOS, ANNEALED],
+                         ids=["sampled", "hints", "mixed_policy", "temperature_schedule"])
+def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, monkeypatch,
+                                                       guide):
     """Each prefix's value is the mean reward of its K forks, each fork continues that exact
     prefix, and every token's advantage is V(next prefix) - V(its prefix) (R at the end). The
     rows valued are those that train: a hinted row's forks continue prompt ++ hint ++ its
@@ -80,8 +83,13 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, gui
     from its own prefixes."""
     from rljax.train import inference
     from rljax.train.core import setup
+    from rljax.train.methods import vine
     from rljax.train.phases import make_phases
 
+    drawn = []   # the forks' temperatures: a scheduled fork's token t is the completion's start + t
+    fork = vine.generate
+    monkeypatch.setattr(vine, "generate", lambda *a, **kw: drawn.append(
+        kw["temperatures"]) or fork(*a, **kw))
     cfg = tiny_cfg(reward_file, **guide)
     ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
     phase = make_phases(ctx)[-1]
@@ -101,7 +109,13 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, gui
         assert all(f.startswith(prefix) for f in forks)
         assert rnd["step_values"][i, t] == pytest.approx(np.mean(even_length(forks)), abs=1e-7)
         multi += t > 0
+        schedule = phase.rollout.temperatures
+        if schedule is not None:
+            at = np.minimum(start + np.arange(len(schedule)), len(schedule) - 1)
+            np.testing.assert_array_equal(drawn[-1][j * k:(j + 1) * k],
+                                          np.tile(schedule[at], (k, 1)))
     assert multi > 0, "no completion had a second step"
+    assert (drawn[-1] is None) == (guide != ANNEALED)
     n = batch["loss_mask"].shape[1]
     for i in range(len(rnd["rewards"])):
         s, v, ids = rnd["num_steps"][i], rnd["step_values"][i], rnd["step_ids"][i]
@@ -118,11 +132,12 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, gui
 RELIFT = {"algo.relift.every": 1, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1}
 
 
-@pytest.mark.parametrize("guide", [{}, {**RELIFT, **HINTS}, {**RELIFT, **DEMOS}],
-                         ids=["sampled", "relift_hints", "relift_mixed_policy"])
+@pytest.mark.parametrize("guide", [{}, {**RELIFT, **HINTS}, {**RELIFT, **DEMOS}, ANNEALED],
+                         ids=["sampled", "relift_hints", "relift_mixed_policy",
+                              "temperature_schedule"])
 def test_vineppo_train_run(reward_file, tmp_path, guide):
     """VinePPO trains on the rows guidance leaves (hinted groups, demonstrations), and
-    ReLIFT's SFT step follows its updates."""
+    ReLIFT's SFT step follows its updates; with a temperature schedule too."""
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
 
@@ -131,7 +146,7 @@ def test_vineppo_train_run(reward_file, tmp_path, guide):
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) and r["vine/fork_tokens"] > 0
                                 for r in rl)
-    if guide:
+    if RELIFT.items() <= guide.items():
         assert all("relift/sft_loss" in r and (r.get("hint/fraction_hinted") == 1.0 or
                                                r.get("mixed/demos") == 4) for r in rl)
 

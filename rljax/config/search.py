@@ -49,9 +49,7 @@ def check_vine(cfg) -> None:
                     ("data.selection.name", cfg.data.selection.name == "online_filter"),
                     ("rollout.allocation", r.allocation != "uniform"),
                     ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
-                    ("rollout.micro_batch_size", bool(r.micro_batch_size)),
-                    ("rollout.temperature_schedule.name",
-                     r.temperature_schedule.name != "constant")):
+                    ("rollout.micro_batch_size", bool(r.micro_batch_size))):
         if on:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
                               "(its values are the task reward's, over every sampled "

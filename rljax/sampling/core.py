@@ -164,6 +164,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
       temperatures: optional float32 [N] per-position temperatures (``temperature_schedule``),
         all > 0; completion token t is sampled, and its logp reported, at ``temperatures[t]``
         (``temperature`` is then unused). A traced argument: new values do not recompile.
+        Or float32 [R, N], one schedule per output row (row r's token t at [r, t]).
       streams: decode the prompts in this many equal chunks, concurrent programs dispatched
         from threads (``rljax.streams``); 0 = auto (2 on a multi-core CPU, else 1). Each chunk
         reads its rows of the noise drawn for the whole batch, so the tokens are one stream's
@@ -206,13 +207,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="generate: prompt_tokens")
     if temperatures is not None:
-        temperatures = np.asarray(temperatures, np.float32)
-        if temperatures.shape != (max_new_tokens,):
-            raise ValueError(f"temperatures must have shape ({max_new_tokens},), got "
-                             f"{temperatures.shape}")
-        if not np.all(temperatures > 0):
-            raise ValueError("temperatures must all be > 0 (a schedule has no greedy position)")
-        temperatures = jnp.asarray(temperatures)
+        rows = (np.shape(prompt_tokens)[0] * num_samples if prompt_index is None
+                else prompt_index.size)
+        temperatures = draw_lib.check_temperatures(temperatures, max_new_tokens, rows)
     static = dict(
         max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_k=int(top_k),
         top_p=float(top_p), stop_ids=merge_stop_ids(eos_id, stop_ids), pad_id=int(pad_id),
@@ -290,6 +287,9 @@ def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy,
     own noise (``row_keys``), split with the rows."""
     rows = (prompt_tokens.shape[0] * kw["num_samples"] if prompt_index is None
             else prompt_index.size)
+    temps = kw.pop("temperatures")   # one schedule for all, or each chunk's rows' own
+    temps = ((temps,) * k if temps is None or temps.ndim == 1 else
+             tuple(jnp.split(temps, k)))
     if row_noise is not None:
         noise = tuple(jnp.split(row_noise, k, axis=1))
     else:
@@ -306,7 +306,8 @@ def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy,
     def stream(i):
         return lambda: jax.block_until_ready(
             _generate_program()(cfg, params, tok[i], mask[i], rng, noise=noise[i],
-                                image_embeds=images[i], prompt_index=index[i], **kw))
+                                temperatures=temps[i], image_embeds=images[i],
+                                prompt_index=index[i], **kw))
 
     return _concat_outputs(streams_lib.run([stream(i) for i in range(k)]))
 
@@ -357,7 +358,8 @@ def _generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens, t
     def pick(logits, t):
         # Stop ids are forbidden until min_new_tokens tokens exist; logps stay unfiltered.
         # A schedule gives token t its own temperature (a traced scalar, always > 0).
-        temp = temperature if temperatures is None else temperatures[t]
+        temp = (temperature if temperatures is None
+                else draw_lib.row_temperature(temperatures, t))
         draw = dict(temperature=temp, top_k=top_k, top_p=top_p,
                     noise=None if noise is None else noise[t])
         key = jax.random.fold_in(rng, t)   # unused (and not computed) when noise is given

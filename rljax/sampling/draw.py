@@ -204,6 +204,29 @@ def _top_p_threshold(filtered: jax.Array, top_p: float, top_k: int = 0) -> jax.A
 TEMPERATURE_SCHEDULES = ("constant", "linear", "cosine", "exp")
 
 
+def check_temperatures(temperatures, max_new_tokens: int, rows: int):
+    """``temperatures`` as a device array: f32 [N] (one schedule for every row) or [R, N] (each
+    output row its own, e.g. continuations of prefixes cut at different positions of a
+    scheduled completion); ValueError for another shape or a value <= 0."""
+    temperatures = np.asarray(temperatures, np.float32)
+    if temperatures.shape not in ((max_new_tokens,), (rows, max_new_tokens)):
+        raise ValueError(f"temperatures must have shape ({max_new_tokens},) or ({rows}, "
+                         f"{max_new_tokens}), got {temperatures.shape}")
+    if not np.all(temperatures > 0):
+        raise ValueError("temperatures must all be > 0 (a schedule has no greedy position)")
+    return jnp.asarray(temperatures)
+
+
+def row_temperature(temperatures, t, row=None):
+    """The temperature of token ``t`` under ``check_temperatures``'s [N] or [R', N]: a scalar
+    for one schedule and a scalar ``t`` (the static sampler's step), else f32 [R, 1], row i's
+    at its token ``t`` (or ``t[i]``, the slot engine's rows each at their own step) of its
+    schedule (``row[i]``; default the rows in order)."""
+    if temperatures.ndim == 2:
+        return (temperatures[:, t] if row is None else temperatures[row, t])[:, None]
+    return temperatures[t] if jnp.ndim(t) == 0 else temperatures[t][:, None]
+
+
 def temperature_schedule(name: str, start: float, end: float, tokens: int,
                          length: int) -> np.ndarray:
     """Per-position sampling temperatures: float32 [length], ``out[t]`` for completion token t.

@@ -39,8 +39,8 @@ from rljax import models
 from rljax import sharding as shd
 from rljax.models import paged
 from rljax.sampling.core import SampleOutput, merge_stop_ids
-from rljax.sampling.draw import (NOISE_AHEAD_MAX_ELEMENTS, noise_ahead, noise_ahead_size,
-                                 sample_logits)
+from rljax.sampling.draw import (NOISE_AHEAD_MAX_ELEMENTS, check_temperatures, noise_ahead,
+                                 noise_ahead_size, row_temperature, sample_logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +117,10 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     prompt_mask = np.asarray(prompt_mask, bool)
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="generate: prompt_tokens")
-    if temperatures is not None:
-        temperatures = np.asarray(temperatures, np.float32)
-        if temperatures.shape != (max_new_tokens,) or not np.all(temperatures > 0):
-            raise ValueError(f"temperatures must be ({max_new_tokens},) values > 0")
-        temperatures = jnp.asarray(temperatures)
     b = prompt_tokens.shape[0]
+    if temperatures is not None:   # [N], or [B * G, N]: each row its own
+        temperatures = check_temperatures(temperatures, max_new_tokens,
+                                          b * int(num_samples))
     n, g = int(max_new_tokens), int(num_samples)
     rows = b * g
     s = min(int(slots), rows)
@@ -242,7 +240,7 @@ def picker(temperature, top_k, top_p, stop_ids, min_new_tokens, noise, temperatu
             temp = temperature
             score_temp = models.scoring_temperature(temperature)
         else:
-            temp = temperatures[t][:, None]
+            temp = row_temperature(temperatures, t, row)
             score_temp = temp
         opts = dict(temperature=temp, top_k=top_k, top_p=top_p,
                     noise=None if noise is None else noise[t, row])

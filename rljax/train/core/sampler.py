@@ -97,7 +97,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     """``sampling.generate`` over chunks of ``micro_prompts`` prompts; numpy outputs, plus
     ``decoded`` int [B]: the tokens decoded per prompt.
 
-    ``temperatures``: optional per-position schedule f32 [max_new_tokens].
+    ``temperatures``: optional per-position schedule f32 [max_new_tokens], or one per output
+    row, [B * num_samples, max_new_tokens] (``sampling.generate``).
     ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead; its
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
     once. The two are exclusive (config validation).
@@ -134,17 +135,19 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         # Multi-host: every process holds the same prompts and feeds its own rows.
         p_tok, p_mask = dist.device_batch(
             (prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]), ctx.mesh)
+        temps = (temperatures if temperatures is None or np.ndim(temperatures) == 1 else
+                 temperatures[start * num_samples:(start + chunk) * num_samples])
         kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
                   temperature=temperature, top_k=top_k, top_p=top_p,
                   eos_id=ctx.stop_ids, pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh)
         if pixels is not None:
             kw["image_embeds"] = images.embeds(params, pixels[start:start + chunk])
         if kind in ("slots", "partial"):   # (the partial pool itself is PartialRounds')
-            out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temperatures, kw,
+            out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temps, kw,
                                engine_stats, weights)
         elif kind == "static":
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
-                                    num_samples=num_samples, temperatures=temperatures,
+                                    num_samples=num_samples, temperatures=temps,
                                     streams=ctx.cfg.rollout.streams,
                                     record_routes=bool(ctx.cfg.algo.get("routing_replay")),
                                     prompt_index=prompt_index,

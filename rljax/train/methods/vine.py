@@ -7,7 +7,9 @@ completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled 
 KV cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the step-MC
 machinery of ``rljax.train.methods.step_mc``); a continuation is cut to the completion budget
 (``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by the
-reward functions. V(s_t) is the mean of the K rewards, and the advantages are
+reward functions (a ``rollout.temperature_schedule`` draws a fork's token at the temperature of
+the completion position it continues: ``fork_temperatures``). V(s_t) is the mean of the K
+rewards, and the advantages are
 ``algorithms.vine.vineppo_advantages``, which the rollout's estimator call receives as
 ``rows["estimator_inputs"]`` (``step_ids``, ``step_values``, ``num_steps``). Fork rows are
 padded (repeating a real one) to a multiple of the completion count, so at most ``max_steps``
@@ -48,6 +50,16 @@ def step_pattern(vine_cfg):
 def cap_steps(ends: list[int], max_steps: int) -> list[int]:
     """Step ends with the steps past ``max_steps`` joined into the last one."""
     return ends if len(ends) <= max_steps else ends[:max_steps - 1] + [ends[-1]]
+
+
+def fork_temperatures(schedule, starts, k: int) -> np.ndarray:
+    """f32 [len(starts) * k, N]: the K forks of the prefix cut at completion token
+    ``starts[j]`` continue that completion, so their token t is its token starts[j] + t and is
+    drawn at the temperature the schedule (f32 [N]) gives there (its last past the end: those
+    tokens are cut)."""
+    n = len(schedule)
+    at = np.minimum(np.asarray(starts)[:, None] + np.arange(n)[None, :], n - 1)
+    return np.repeat(np.asarray(schedule, np.float32)[at], k, axis=0)
 
 
 class VineValues(RolloutStage):
@@ -96,6 +108,23 @@ class VineValues(RolloutStage):
                 "vine/value_mean": float(np.mean(np.concatenate(
                     [r["fork_rewards"].reshape(-1) for r in rounds])))}
 
+    def sample_forks(self, params, rng, prefix_ids: list, starts: list, multiple: int) -> dict:
+        """K continuations of each prefix (token ids; the completion token it is cut at,
+        ``starts``): ``generate``'s rows, K per prefix. The prefixes are padded, repeating
+        the last, to a multiple of ``multiple`` rows (few programs compile)."""
+        rows = -(-len(prefix_ids) // multiple) * multiple
+        pad = rows - len(prefix_ids)
+        schedule = self.rollout.temperatures   # None: rollout.temperature everywhere
+        temps = (None if schedule is None else
+                 fork_temperatures(schedule, starts + [starts[-1]] * pad, self.k))
+        p_tok, p_mask = sampling.pad_to_bucket(prefix_ids + [prefix_ids[-1]] * pad,
+                                               pad_id=self.ctx.tokenizer.pad_id,
+                                               buckets=(self.prefix_bucket,))
+        r = self.cfg.rollout
+        return generate(self.ctx, params, p_tok, p_mask, rng, num_samples=self.k,
+                        max_new_tokens=self.n, temperature=r.temperature, top_k=r.top_k,
+                        top_p=r.top_p, temperatures=temps)
+
     def step_values(self, params, rnd: dict, rng) -> dict:
         """The round's step layout and MC values: ``step_ids`` int [R, N], ``step_values``
         f32 [R, max_steps], ``num_steps`` int [R], the forks (``fork_rows``: (completion,
@@ -118,14 +147,7 @@ class VineValues(RolloutStage):
         real = len(fork_rows)
         if not real:   # no completion has a token: nothing to value
             prefix_ids = [list(rnd["prompt_ids"][0])]
-        rows = max(1, -(-real // r)) * r   # a multiple of the completions: few programs
-        prefix_ids += [prefix_ids[-1]] * (rows - real)
-        p_tok, p_mask = sampling.pad_to_bucket(prefix_ids, pad_id=self.ctx.tokenizer.pad_id,
-                                               buckets=(self.prefix_bucket,))
-        cfg = self.cfg
-        out = generate(self.ctx, params, p_tok, p_mask, rng, num_samples=k, max_new_tokens=n,
-                       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                       top_p=cfg.rollout.top_p)
+        out = self.sample_forks(params, rng, prefix_ids, [f[2] for f in fork_rows] or [0], r)
         texts, prompts, lengths, owners = [], [], [], []
         hints = rnd.get("hint_prefixes", {})   # a hinted row's reward judges hint ++ completion
         for j, (i, _, start) in enumerate(fork_rows):
