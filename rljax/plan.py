@@ -342,7 +342,8 @@ def plan(cfg, devices=None, *, compile_phases: bool = True, chip: str | None = N
             notes.append(f"the {name} phase states no programs (register_algorithm(..., "
                          f"programs=...)): not planned")
             continue
-        residents.append((name, resident_parts(state)))
+        residents.append((name, {**resident_parts(state),
+                                 **programs_lib.sampler_copies(ctx, name, state)}))
         if any(p.name.split("/")[0] == "sample" for p in progs):
             samples = True
         if compile_phases:

@@ -261,6 +261,29 @@ def test_the_plan_plans_the_sampler_on_the_rollout_mesh():
                             "rollout mesh (data=4 fsdp=1 tensor=1)") for n in planned.notes)
 
 
+def test_the_plan_counts_the_samplers_copies_for_the_kl_in_the_reward():
+    """GRPO's KL in the reward, batches sampled ahead. On one mesh the sampler's copies of the
+    policy and of the reference sit beside the train state: the plan's resident parts count
+    both, equal to what the sampler holds after an iteration. On a rollout mesh of its own the
+    plan has the sampler's scoring pass there, reading the policy's copy."""
+    from rljax import plan as plan_lib
+    from rljax.train.core.programs import shard_bytes
+
+    kl = {"algo.beta": 0.5, "algo.kl_in_reward": True, "steps": 1}
+    parts = plan_lib.plan(_cfg(**NO_SPLIT, **kl), jax.devices(), compile_phases=False
+                          ).resident_parts
+    held = {}
+    _iterations(_cfg(**NO_SPLIT, **kl), 1, lambda phase, state, _: held.update(
+        sampler_params=shard_bytes(phase.sampler_params),
+        sampler_reference=shard_bytes(phase.sampler_ref)))
+    assert {k: parts[k] for k in held} == held
+    assert held["sampler_params"] == parts["params"] == parts["reference"] > 0
+    split = plan_lib.plan(_cfg(**kl), jax.devices(), programs=lambda n: n.startswith("sample"))
+    rows = {p.name: p for p in split.phases}
+    assert rows["sample/logps"].resident_arguments == rows["sample"].resident_arguments
+    assert "sampler_params" not in split.resident_parts
+
+
 def test_curriculum_hints_and_relift_with_batches_sampled_ahead_resume_exactly(tmp_path):
     """data.selection, algo.hint and algo.relift with algo.asynchronous: the curriculum
     observes each batch as the sampler draws it (a version ahead of the update) and moves the

@@ -125,6 +125,22 @@ def pair_batch(ctx, pairs: int) -> dict:
     return out
 
 
+def sampler_copies(ctx, phase: str, state) -> dict:
+    """Per-device bytes the sampler of asynchronous RL keeps beside the train state when both
+    share one mesh (the update donates the state's arrays, so the sampler reads copies): the
+    policy (``sampler_params``), and with GRPO's KL in the reward the reference
+    (``sampler_reference``). {} otherwise (on a rollout mesh of its own, its programs carry
+    the copy as their resident argument)."""
+    cfg = ctx.cfg
+    if (phase != cfg.algo.name or not cfg.algo.get("asynchronous", False)
+            or ctx.rollout_mesh is not None):
+        return {}
+    parts = {"sampler_params": shard_bytes(state.params)}
+    if sampler_lib.scores_kl(cfg.algo) and state.ref_params is not None:
+        parts["sampler_reference"] = shard_bytes(state.ref_params)
+    return parts
+
+
 def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> list[Program]:
     """``sample`` (``rollout.micro_batch_size / G`` prompts of the longest bucket, G samples
     each, or G tree leaves) and ``eval`` (the held-out generation at ``eval.batch_size`` /

@@ -201,3 +201,12 @@ def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatu
         record_routes=bool(ctx.cfg.algo.get("routing_replay")), **kw)
     stats.append(st)
     return out
+
+
+def scores_kl(algo_cfg) -> bool:
+    """Asynchronous RL with GRPO's KL in the reward: the sampler scores the batch it draws under
+    the policy that drew it and under the reference, a copy of which it keeps on its mesh
+    (PPO shapes its token rewards at update time instead)."""
+    a = algo_cfg
+    return bool(a.get("asynchronous", False) and a.kl_in_reward and a.beta > 0
+                and a.name != "ppo")

@@ -59,7 +59,7 @@ from rljax.sampling.partial import decode_array, encode_array
 from rljax.train.phases.grpo import (GRPOPhase, carry_role_baseline, merge_updates,
                                      single_update)
 from rljax.train.core.rollout_metrics import staleness_metrics
-from rljax.train.core import rollout as rollout_lib
+from rljax.train.core import rollout as rollout_lib, sampler as sampler_lib
 from rljax.train.methods.demos import demo_old_logps
 from rljax.train.core.setup import sampler_context
 from rljax.train.core.steps import to_host
@@ -95,8 +95,7 @@ class AsyncSchedule:
         # is also the update's): the sampler runs the policy and reference log-prob passes
         # on its own mesh, with a copy of the reference there, before the advantages. (PPO
         # shapes its token rewards at update time, in ``prepare``.)
-        a = cfg.algo
-        self.kl_shaping = bool(a.kl_in_reward and a.beta > 0 and a.name != "ppo")
+        self.kl_shaping = sampler_lib.scores_kl(cfg.algo)
         self.rollout.old_logps = self.rollout.needs_ref = self.kl_shaping
         if self.kl_shaping and self.sampler_ctx is not ctx:
             self.rollout.own_logps = rollout_lib.logps_fns(self.sampler_ctx)

@@ -14,6 +14,7 @@ passes and the update: from their first dispatch to the fetch of the update's me
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -26,6 +27,7 @@ from rljax.config.base import ConfigError
 from rljax.data.iterator import PrefetchingIterator
 from rljax.models import lora as lora_lib
 from rljax.train.core import length_groups, programs as programs_lib, steps
+from rljax.train.core import sampler as sampler_lib
 from rljax.train.core import partial as partial_lib
 from rljax.train.methods import guidance, process_rewards, vine
 from rljax.train.core import teacher as teacher_lib
@@ -392,6 +394,10 @@ class GRPOPhase:
                                 state.params, ctx.rollout_shardings)
             out = [p for p in out if p.name == "eval"] + programs_lib.sampler_programs(
                 sampler_context(ctx), copy, programs_lib.shard_bytes(copy), with_eval=False)
+            if sampler_lib.scores_kl(cfg.algo):   # the policy's and the reference's passes there
+                scores = programs_lib.logps_program(sampler_context(ctx), copy,
+                                                    programs_lib.shard_bytes(copy))
+                out.append(dataclasses.replace(scores, name="sample/logps"))
         if not single_update(cfg) or cfg.algo.beta > 0:
             out.append(programs_lib.logps_program(ctx, state.params, params))
         if cfg.algo.adv_estimator == "grpo_process":   # the PRM's pass over the samples
