@@ -82,7 +82,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              temperatures: Any = None,
              weights: Callable[[], tuple[Any, int]] | None = None,
              image_embeds: Any = None,
-             record_routes: bool = False) -> tuple[SampleOutput, EngineStats]:
+             record_routes: bool = False, noise: Any = None,
+             live: Any = None) -> tuple[SampleOutput, EngineStats]:
     """Samples ``num_samples`` completions per prompt with ``slots`` refilled decode slots.
 
     Arguments as ``sampling.generate`` (prompt_tokens int32 [B, P] left-padded, prompt_mask
@@ -101,6 +102,11 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
       record_routes: a mixture of experts: also return every token's experts
         (``SampleOutput.routes`` int32 [B*G, P+N, L, k], ``sampling.generate``'s layout), for
         routing replay in the update.
+      noise: float32 [N, B*G, W] (optional): token t of row r reads ``noise[t, r]`` instead
+        of the draw from ``rng`` (``sampling.tree_engine`` passes its tree's draws).
+      live: bool [B*G] (optional): only these rows decode past their first token; the others
+        are prefilled with the batch (the programs keep one shape) and their outputs are to be
+        ignored (a tree's stopped paths).
 
     Returns ``(SampleOutput with B*G rows, EngineStats)``.
     """
@@ -130,6 +136,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                 min_new_tokens=int(min_new_tokens))
     if greedy:
         noise = None
+    elif noise is not None:
+        noise = jnp.asarray(noise, jnp.float32)
     elif noise_ahead_size(n, rows, cfg.vocab_size) <= NOISE_AHEAD_MAX_ELEMENTS:
         noise = _draw_noise_ahead(rng, n, rows, cfg.vocab_size)
     else:
@@ -159,7 +167,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     # The rows still to decode, in order; a slot takes the next one the step after its row
     # stops (on device: no host round trip per refill).
     done_host = np.asarray(first_done)
-    waiting = np.flatnonzero(~done_host).astype(np.int32) if n > 1 else np.zeros(0, np.int32)
+    live = np.ones(rows, bool) if live is None else np.asarray(live, bool)
+    waiting = (np.flatnonzero(~done_host & live).astype(np.int32) if n > 1 else
+               np.zeros(0, np.int32))
     queue = jnp.asarray(np.pad(waiting, (0, rows - waiting.size)))
     slot_state = (jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32),
                   jnp.zeros(s, bool), jnp.int32(0))
@@ -193,7 +203,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                                   out["routes"]], axis=1)
     result = SampleOutput(tokens=out["tokens"], logps=out["logps"], mask=mask, lengths=lengths,
                           truncated=~out["done"], routes=routes)
-    useful = int(np.asarray(lengths).sum()) - rows
+    useful = int(np.asarray(lengths)[live].sum()) - int(live.sum())
     return result, EngineStats(rows=rows, slots=s, chunks=chunks, decode_steps=steps,
                                useful_steps=useful, versions=versions, swaps=swaps)
 
