@@ -1,5 +1,6 @@
 """Tests for rljax.sampling.tree: parity with sampling.generate, log-probs against a full
-forward, shared prefixes, decoded-token counts, static shapes, determinism, layout helpers."""
+forward, the same trees on the slot engine (sampling.tree_engine), shared prefixes,
+decoded-token counts, static shapes, determinism, layout helpers."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +71,25 @@ def test_leaf_logps_equal_full_forward(small_vocab):
                               temperature)
     np.testing.assert_allclose(out.logps, ref, atol=2e-5, rtol=0)
     np.testing.assert_array_equal(out.tokens[~out.mask], 0)   # pad after the stop token
+
+
+def test_the_slot_engine_grows_the_static_samplers_trees(small_vocab):
+    """Forks served as slot-engine requests (prompt + path re-prefilled, 3 slots refilled
+    across paths): each token reads the static tree sampler's draw for its (prompt, path,
+    position), so the sampled trees are the same, paths stopped early included."""
+    from rljax.sampling import tree_engine
+
+    cfg, params = small_vocab
+    prompt, pmask = _prompts(SMALL_PROMPTS)
+    kw = dict(rng=jax.random.key(5), max_new_tokens=9, segment_tokens=2, branching=2, depth=3,
+              roots=2, temperature=0.7, eos_id=1, pad_id=0)
+    ref = ts.generate(cfg, params, prompt, pmask, **kw)
+    out, stats = tree_engine.generate(cfg, params, prompt, pmask, slots=3, chunk_steps=2, **kw)
+    assert int(ref.lengths.min()) < 6 and bool(ref.truncated.any())   # some paths stopped
+    for key in ("tokens", "mask", "lengths", "truncated", "node_ids", "decoded"):
+        np.testing.assert_array_equal(getattr(out, key), np.asarray(getattr(ref, key)), key)
+    np.testing.assert_allclose(out.logps, ref.logps, atol=2e-5, rtol=0)
+    assert len(stats) == 4 and sum(st.useful_steps for st in stats) > 0
 
 
 def test_tree_structure_shared_prefixes_and_decoded_count(small_vocab):

@@ -14,11 +14,12 @@ Modules, each importing only those above it:
   multiturn  multi-turn sampling with a cache that lives across turns
   engine     the slot engine: decode slots refilled as rows stop, prompts in shared pages
   partial    partial rollouts: a pool of groups whose unfinished samples carry over
+  tree_engine tree-shaped sampling on the slot engine (each fork a request)
 
 The module constants (``INVERSE_CDF_MIN_VOCAB``, ``NOISE_AHEAD_MAX_ELEMENTS``, ...) are read
 from ``rljax.sampling.draw`` when a sampler traces; the copies here are for reading.
 """
-from rljax.sampling import core, draw, engine, multiturn, partial, tree
+from rljax.sampling import core, draw, engine, multiturn, partial, tree, tree_engine
 from rljax.sampling.core import (CACHE_AXES, DEFAULT_BUCKETS, SampleOutput, bucket_length,
                                  constrain_cache, generate, merge_stop_ids, pad_to_bucket,
                                  stream_count)
@@ -28,7 +29,7 @@ from rljax.sampling.draw import (INVERSE_CDF_BLOCK, INVERSE_CDF_MIN_VOCAB,
                                  noise_ahead_size, sample_logits, temperature_schedule)
 
 __all__ = [
-    "core", "draw", "engine", "multiturn", "tree",
+    "core", "draw", "engine", "multiturn", "tree", "tree_engine",
     "CACHE_AXES", "DEFAULT_BUCKETS", "SampleOutput", "bucket_length", "constrain_cache",
     "generate", "merge_stop_ids", "pad_to_bucket", "stream_count",
     "INVERSE_CDF_BLOCK", "INVERSE_CDF_MIN_VOCAB", "NOISE_AHEAD_MAX_ELEMENTS",
