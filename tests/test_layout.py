@@ -216,7 +216,7 @@ def test_the_sampler_is_chosen_in_one_place():
     assert [sampler_kind(cfg("static")), sampler_kind(cfg("slots")),
             sampler_kind(cfg("slots", True)), sampler_kind(cfg("static"), tree=True),
             sampler_kind(cfg("slots"), tree=True)] == ["static", "slots", "partial", "tree",
-                                                        "tree"]
+                                                        "tree_slots"]
 
 
 def test_the_design_module_map_names_every_package_and_train_module():

@@ -219,6 +219,13 @@ def test_the_slot_engine_is_planned_as_its_two_programs():
     assert slots["sample/decode"] < static["sample"]
     eight = plan.plan(_cfg(*long, "--config.rollout.engine=slots"))
     assert any("does not split them over the mesh" in n for n in eight.notes)
+    # Trees on the engine: its two programs at the widest level (8 leaves x 2 prompts, pages
+    # of prompt + 3 forks x 2 tokens), not the static tree sampler's one.
+    tree = ["--config.rollout.tree.enabled=true", "--config.rollout.tree.segment_tokens=2"]
+    tree_plan = plan.plan(_cfg(*long, *mesh, *tree, "--config.rollout.engine=slots",
+                               "--config.rollout.slots=4"), devices=one)
+    names = {ph.name for ph in tree_plan.phases}
+    assert {"sample/prefill", "sample/decode"} <= names and "sample" not in names
 
 
 def test_the_plan_states_the_kv_cache_and_what_rings_save():

@@ -40,7 +40,9 @@ def tiny_cfg(**overrides):
     return config_lib.validate(cfg)
 
 
-def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["static", "slots"])
+def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monkeypatch, engine):
+    """Static tree sampler, or the slot engine serving the forks (3 slots for 16 leaves)."""
     original, seen = Rollout.advantages, []
 
     def advantages(self, rewards, **kw):
@@ -49,7 +51,8 @@ def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monke
         return adv
 
     monkeypatch.setattr(Rollout, "advantages", advantages)
-    cfg = tiny_cfg(**{"algo.adv_estimator": "rover"})
+    cfg = tiny_cfg(**{"algo.adv_estimator": "rover", "rollout.engine": engine,
+                      "rollout.slots": 3})
     straight = str(tmp_path / "straight")
     assert run.train(cfg, straight, devices=DEVICES) == 0
     # The estimator saw the tree of the run's layout: 1 root, 2 forks of 2 -> 4 leaves.
@@ -62,6 +65,7 @@ def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monke
         assert adv.shape == mask.shape == (16, 4)
     rl = [r for r in read_metrics(straight) if "reward/mean" in r]
     assert len(rl) == 3 and all(np.isfinite(r["loss"]) for r in rl)
+    assert all(("rollout/slot_utilisation" in r) == (engine == "slots") for r in rl)
     # The trainer's log-probs of the leaves agree with the tree sampler's (same params).
     assert rl[0]["rollout/logp_diff_max"] < 1e-4
     # Shared segments are decoded once: fewer decoded tokens than completion tokens.
@@ -101,6 +105,10 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
     ({"algo.adv_estimator": "rover", "algo.kl_in_reward": True, "algo.beta": 0.1},
      "algo.kl_in_reward=true is not supported"),
     ({"algo.name": "dpo"}, "needs algo.name='grpo'"),
+    ({"rollout.engine": "slots", "rollout.partial": True},
+     "rollout.tree.enabled=true cannot be combined with rollout.partial"),
+    ({"rollout.engine": "slots", "algo.asynchronous": True, "algo.inflight_updates": True},
+     "rollout.tree.enabled=true cannot be combined with algo.inflight_updates"),
 ])
 def test_bad_tree_budgets_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -57,7 +57,8 @@ def rollout() -> dict[str, Any]:
         # completions is the leaves of one tree: `roots` paths decode `segment_tokens` tokens,
         # then every path forks into `branching` children sharing its KV cache, depth times,
         # until roots * branching**depth = max_leaves leaves; the leaves decode the rest.
-        # Shared segments are decoded once.
+        # Shared segments are decoded once. With engine="slots" every fork is a slot-engine
+        # request that re-prefills its path (the same trees as the static tree sampler's).
         tree=dict(
             enabled=False,
             segment_tokens=2,        # L, tokens per segment before each fork
@@ -126,17 +127,15 @@ def _uses_tree(estimator: str) -> bool:
 
 
 def check_engine(cfg) -> None:
-    """The slot engine samples batches of prompts, multi-turn tool episodes and self-play
-    matches; tree rollouts and matches against a checkpoint (two models in one match) have
-    samplers of their own."""
+    """The slot engine samples batches of prompts, tree rollouts (each fork a request),
+    multi-turn tool episodes and self-play matches; matches against a checkpoint (two models
+    in one match) have a sampler of their own."""
     if cfg.rollout.engine == "static":
         return
-    for key, on in (("rollout.tree.enabled", cfg.rollout.tree.enabled),
-                    ("env.selfplay.mode='checkpoint'",
-                     cfg.env.name and cfg.env.selfplay.mode == "checkpoint")):
-        if on:
-            raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
-                              f"{key} (it has its own sampler); use rollout.engine='static'")
+    if cfg.env.name and cfg.env.selfplay.mode == "checkpoint":
+        raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
+                          "env.selfplay.mode='checkpoint' (it has its own sampler); use "
+                          "rollout.engine='static'")
 
 
 def check_partial(cfg) -> None:
@@ -211,8 +210,11 @@ def check_tree(cfg) -> None:
     others = [k for k, on in (
         ("rollout.temperature_schedule.name", cfg.rollout.temperature_schedule.name != "constant"),
         ("env.name", bool(cfg.env.name)), ("algo.hint.mode", algo.hint.mode != "off"),
-        ("algo.mixed_policy", algo.mixed_policy)) if on]
-    if others:   # each samples its own way; the tree sampler has none of them
+        ("algo.mixed_policy", algo.mixed_policy), ("rollout.partial", cfg.rollout.partial),
+        ("algo.inflight_updates", algo.inflight_updates)) if on]
+    # Each samples its own way (a carried pool, weights swapped mid-decode); the tree
+    # samplers, static or on the slot engine, have none of them.
+    if others:
         raise ConfigError(f"rollout.tree.enabled=true cannot be combined with {others[0]}")
     if algo.name != "grpo":
         raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo' "

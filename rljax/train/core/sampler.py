@@ -2,8 +2,9 @@
 (``sampling.generate``: prefill once per prompt, fan out G samples), the slot engine
 (``sampling.engine``: continuous batching over ``rollout.slots`` slots), its partial-rollout
 pool (``sampling.partial``, groups carried across iterations), or tree sampling
-(``sampling.tree``); for multi-turn episodes, the static turn batches or the episode engine
-(``episode_engine``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
+(``sampling.tree``, or with ``rollout.engine='slots'`` the tree's forks served as slot-engine
+requests, ``sampling.tree_engine``); for multi-turn episodes, the static turn batches or the
+episode engine (``episode_engine``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
 arrays; ``core.programs`` plans the same choice's programs for ``rljax plan``.
 
 The parameters the sampler reads are the update's own arrays (``sampling_params``: with LoRA
@@ -23,15 +24,16 @@ from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.sampling import tree as tree_sampling
 
-KINDS = ("static", "slots", "partial", "tree")
+KINDS = ("static", "slots", "partial", "tree", "tree_slots")
 
 
 def sampler_kind(cfg, tree: bool = False) -> str:
-    """Which sampler a rollout of ``cfg`` runs: "tree" (``tree``: a tree-sampled group),
-    "partial" (the slot engine's pool, ``rollout.partial``), "slots" (``rollout.engine``) or
-    "static". Config validation refuses the combinations that have no meaning."""
+    """Which sampler a rollout of ``cfg`` runs: "tree" / "tree_slots" (``tree``: a tree-sampled
+    group, on the slot engine with ``rollout.engine='slots'``), "partial" (the slot engine's
+    pool, ``rollout.partial``), "slots" (``rollout.engine``) or "static". Config validation
+    refuses the combinations that have no meaning."""
     if tree:
-        return "tree"
+        return "tree_slots" if cfg.rollout.engine == "slots" else "tree"
     if cfg.rollout.engine == "slots":
         return "partial" if cfg.rollout.partial else "slots"
     return "static"
@@ -48,9 +50,7 @@ def episode_engine(cfg, rows: int):
     batches."""
     if sampler_kind(cfg) != "slots":
         return None
-    if dist.is_multiprocess():
-        raise UserError("rollout.engine='slots' runs in a single process for now; use "
-                        "rollout.engine='static' on several hosts")
+    _single_process()
     from rljax.train.core.episodes import EngineOptions
     return EngineOptions(slots=engine_slots(cfg, rows), chunk_steps=int(cfg.rollout.chunk_steps))
 
@@ -99,7 +99,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
 
     ``temperatures``: optional per-position schedule f32 [max_new_tokens], or one per output
     row, [B * num_samples, max_new_tokens] (``sampling.generate``).
-    ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead; its
+    ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead (or
+    ``sampling.tree_engine.generate`` with ``rollout.engine='slots'``); its
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
     once. The two are exclusive (config validation).
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
@@ -114,7 +115,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     (``sampling.generate``), whatever rows share its batch.
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
-    if pixels is not None and kind == "tree":
+    if pixels is not None and kind in ("tree", "tree_slots"):
         raise UserError("images in the prompt are not sampled by the tree sampler yet; use "
                         "rollout.engine='static' or 'slots' without a tree")
     params = sampling_params(ctx, params)
@@ -145,6 +146,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         if kind in ("slots", "partial"):   # (the partial pool itself is PartialRounds')
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temps, kw,
                                engine_stats, weights)
+        elif kind == "tree_slots":
+            out = _tree_engine(ctx, params, p_tok, p_mask, tree, kw, engine_stats)
         elif kind == "static":
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temps,
@@ -185,12 +188,31 @@ def _sampling_weights(ctx, weights):
     return current
 
 
-def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatures, kw,
-                 stats: list, weights=None):
-    """``sampling.engine.generate`` for one chunk of prompts (appends its EngineStats)."""
+def _single_process():
+    """UserError on several hosts: the slot engine feeds one process's devices."""
     if dist.is_multiprocess():
         raise UserError("rollout.engine='slots' runs in a single process for now; use "
                         "rollout.engine='static' on several hosts")
+
+
+def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list):
+    """``sampling.tree_engine.generate`` for one chunk of prompts (appends each level's
+    EngineStats)."""
+    _single_process()
+    rows = int(np.shape(prompt_tokens)[0]) * tree_sampling.num_leaves(
+        tree["roots"], tree["branching"], tree["depth"])
+    kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
+    out, st = sampling.tree_engine.generate(
+        ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask), **tree,
+        slots=engine_slots(ctx.cfg, rows), chunk_steps=ctx.cfg.rollout.chunk_steps, **kw)
+    stats.extend(st)
+    return out
+
+
+def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatures, kw,
+                 stats: list, weights=None):
+    """``sampling.engine.generate`` for one chunk of prompts (appends its EngineStats)."""
+    _single_process()
     rows = int(np.shape(prompt_tokens)[0]) * num_samples
     kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
     out, st = sampling.engine.generate(
