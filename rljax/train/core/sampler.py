@@ -4,8 +4,9 @@
 pool (``sampling.partial``, groups carried across iterations), or tree sampling
 (``sampling.tree``, or with ``rollout.engine='slots'`` the tree's forks served as slot-engine
 requests, ``sampling.tree_engine``); for multi-turn episodes, the static turn batches or the
-episode engine (``episode_engine``). ``generate`` runs the chosen one on a batch of prompts and returns numpy
-arrays; ``core.programs`` plans the same choice's programs for ``rljax plan``.
+episode engine (``episode_engine``). ``generate`` runs the chosen one on a batch of prompts
+and returns numpy arrays; ``core.programs`` plans the same choice's programs for
+``rljax plan``.
 
 The parameters the sampler reads are the update's own arrays (``sampling_params``: with LoRA
 on a float32 base, the adapters folded in once per version).
