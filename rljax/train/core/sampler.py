@@ -28,6 +28,16 @@ from rljax.sampling import tree as tree_sampling
 KINDS = ("static", "slots", "partial", "tree", "tree_slots")
 
 
+def rollout_temperatures(cfg) -> np.ndarray | None:
+    """float32 [rollout.max_new_tokens] per-position temperatures of the configured
+    ``rollout.temperature_schedule``, or None when it is "constant" (``rollout.temperature``)."""
+    s = cfg.rollout.temperature_schedule
+    if s.name == "constant":
+        return None
+    return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens,
+                                         cfg.rollout.max_new_tokens)
+
+
 def sampler_kind(cfg, tree: bool = False) -> str:
     """Which sampler a rollout of ``cfg`` runs: "tree" / "tree_slots" (``tree``: a tree-sampled
     group, on the slot engine with ``rollout.engine='slots'``), "partial" (the slot engine's
