@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rljax import algorithms, sampling
-from rljax.data import allocation
+from rljax.data import allocation, selection
 
 
 def _brute_force(p, budget, lo, hi):
@@ -342,8 +342,61 @@ def test_knapsack_with_guidance_resumes_exactly(reward_file, tmp_path, monkeypat
     assert all("relift/sft_loss" in r for r in rl)
 
 
+@pytest.mark.parametrize("group_filter", ["algo.dynamic_sampling", "data.selection.name"])
+def test_knapsack_with_group_filters_resumes_exactly(reward_file, tmp_path, monkeypatch,
+                                                     group_filter):
+    """Dynamic sampling (groups whose rewards differ) and the online filter (groups whose
+    pass rate is in the band) on groups of the knapsack's sizes: every round is sized by the
+    knapsack over its own prompts, the batch is the kept groups, in order, that fit in the
+    update's rows (padding rows weigh zero), and sampling stops once they hold a round's
+    budget. Stopped after update 1 and resumed (dynamic sampling), the run equals the
+    straight one."""
+    import jax
+    from rljax.train import run
+    from rljax.train.core.rollout import Rollout
+    from rljax.train.methods.allocation import KnapsackRounds
+    from test_train_loop import resumes_exactly
+
+    calls = []   # per rollout call: its rounds, the groups it picked, the rows that train
+    assemble, call = KnapsackRounds.assemble, Rollout.__call__
+    monkeypatch.setattr(KnapsackRounds, "assemble", lambda self, ro, rounds, groups: (
+        calls.append([list(rounds), list(groups)]) or assemble(self, ro, rounds, groups)))
+    monkeypatch.setattr(Rollout, "__call__", lambda self, state, step: (
+        lambda out: calls[-1].append(out[0]["loss_mask"].any(1)) or out)(call(self, state, step)))
+    filters = {"algo.dynamic_sampling": True} if group_filter == "algo.dynamic_sampling" else {
+        "data.selection.name": "online_filter", "data.selection.low": 0.2,
+        "data.selection.high": 0.6}
+    cfg = lambda: tiny_cfg(reward_file, **{  # noqa: E731
+        "steps": 2, "rollout.knapsack.budget": 12, "rollout.max_new_tokens": 3,
+        "algo.max_sampling_rounds": 2, **filters})
+    if group_filter == "algo.dynamic_sampling":
+        resumes_exactly(cfg, tmp_path, stop_after=1)
+    else:   # (resuming the filter's own state is test_selection's)
+        assert run.train(cfg(), str(tmp_path), devices=jax.devices()[:1]) == 0
+    dropped = 0
+    for rounds, groups, trains in calls[:2]:   # the straight run's two steps
+        sizes = [int(n) for rnd in rounds for n in rnd["group_sizes"]]
+        pairs = [(r, i) for r, rnd in enumerate(rounds) for i in range(len(rnd["group_sizes"]))]
+        signal = np.concatenate([
+            allocation.informative_groups(rnd["rewards"], rnd["group_sizes"])
+            if group_filter == "algo.dynamic_sampling" else selection.in_band(
+                selection.group_successes(rnd["rewards"], rnd["group_sizes"])
+                / rnd["group_sizes"], 0.2, 0.6) for rnd in rounds])
+        picked, rows = [], 0
+        for g, n, ok in zip(pairs, sizes, signal):   # first fit in the update's 16 rows
+            if ok and rows + n <= 16:
+                picked, rows = picked + [g], rows + n
+        assert groups == picked and picked
+        assert trains.tolist() == [True] * rows + [False] * (16 - rows)
+        # More rounds only while the kept groups hold less than a round's budget of 12.
+        held = np.cumsum([np.dot(sizes, signal * (np.array(pairs)[:, 0] == r))
+                          for r in range(len(rounds))])
+        assert (held[:-1] < 12).all() and (held[-1] >= 12 or len(rounds) == 3)
+        dropped += int((~signal).sum())
+    assert dropped and max(len(c[0]) for c in calls[:2]) > 1   # it dropped, it sampled more
+
+
 @pytest.mark.parametrize("overrides, key", [
-    (["rollout.allocation=knapsack", "algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
     (["rollout.allocation=knapsack", "rollout.knapsack.max_samples=3"], "rollout.knapsack"),
     (["rollout.allocation=knapsack", "rollout.knapsack.budget=32"], "rollout.knapsack.budget"),
     (["rollout.allocation=knapsack", "algo.name=ppo", "algo.adv_estimator=gae"],

@@ -168,7 +168,8 @@ def knapsack_limits(cfg) -> tuple[int, int, int]:
 def check_allocation(cfg) -> None:
     """Knapsack allocation: GRPO with an estimator that takes ragged groups, a budget the
     prompts can share, and nothing else that samples or picks groups its own way. Hints,
-    ReLIFT and mixed-policy demonstrations act on each group, whatever its size."""
+    ReLIFT, mixed-policy demonstrations and group filters (dynamic sampling, the online
+    filter) act on each group, whatever its size."""
     r, a = cfg.rollout, cfg.algo
     if r.allocation == "uniform":
         return
@@ -183,9 +184,7 @@ def check_allocation(cfg) -> None:
                           f"'{a.adv_estimator}'")
     for key, on in (("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
                     ("rollout.partial", r.partial),
-                    ("rollout.micro_batch_size", bool(r.micro_batch_size)),
-                    ("algo.dynamic_sampling", a.dynamic_sampling),
-                    ("data.selection.name", cfg.data.selection.name == "online_filter")):
+                    ("rollout.micro_batch_size", bool(r.micro_batch_size))):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
                               "(it samples or picks groups its own way)")

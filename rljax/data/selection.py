@@ -136,8 +136,9 @@ class Selector:
         (``indices``) of the groups of those dataset indices, whenever they were drawn
         (partial rollouts complete a group iterations after its prompt was drawn)."""
 
-    def keep_groups(self, rewards, group_size: int):
-        """bool [B]: which of the round's groups may train (None: all)."""
+    def keep_groups(self, rewards, group_size):
+        """bool [B]: which of the round's groups may train (None: all); ``group_size`` G, or
+        int [B] sizes of consecutive groups."""
         return None
 
     def metrics(self) -> dict:

@@ -57,10 +57,12 @@ class RoundSource(Protocol):
     per-prompt group sizes (``methods.allocation.KnapsackRounds``). Its round dict has
     ``Rollout.score_round``'s fields; ``row_keys`` names more per-row arrays the batch rows
     carry (``rows``, for stages). A round with ``group_sizes`` int [P] has groups of those
-    sizes, and its source lays out the batch too: ``assemble(rollout, rounds) -> (batch,
-    rows)``. The phase checkpoints a non-empty ``state_dict``. ``rollout`` in a hook is the
-    ``Rollout`` calling it. A source may subclass this to take the defaults below (nothing
-    before a call, no metrics, no state)."""
+    sizes, and its source picks the groups of a call's rounds and lays out the batch too:
+    ``pick_groups(rounds, kept, dropped)`` (as ``Rollout._pick_groups``) and
+    ``assemble(rollout, rounds, groups) -> (batch, rows)``. The phase checkpoints a
+    non-empty ``state_dict``. ``rollout`` in a hook is the ``Rollout`` calling it. A source
+    may subclass this to take the defaults below (nothing before a call, no metrics, no
+    state)."""
 
     def begin(self, state, step: int) -> None:
         """Before a rollout call at ``step``."""

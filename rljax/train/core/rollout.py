@@ -58,7 +58,7 @@ from rljax.train.core import image_inputs, length_groups, rollout_metrics
 # Re-exported: callers import these here.
 from rljax.train.core.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
 from rljax.train.core.parts import RolloutStage, RoundSource  # noqa: F401
-from rljax.train.core.sampler import generate, rebucket_routes
+from rljax.train.core.sampler import generate, rebucket_routes, rollout_temperatures  # noqa: F401
 from rljax.train.core.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
@@ -78,16 +78,6 @@ def expand_fields(examples: list[dict], g: int) -> dict[str, list]:
     """Dataset fields (all keys but ``prompt``) repeated G times, for the reward functions."""
     keys = [k for k in examples[0] if k != "prompt"]
     return {k: [ex.get(k) for ex in examples for _ in range(g)] for k in keys}
-
-
-def rollout_temperatures(cfg) -> np.ndarray | None:
-    """float32 [rollout.max_new_tokens] per-position temperatures of the configured
-    ``rollout.temperature_schedule``, or None when it is "constant" (``rollout.temperature``)."""
-    s = cfg.rollout.temperature_schedule
-    if s.name == "constant":
-        return None
-    return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens,
-                                         cfg.rollout.max_new_tokens)
 
 
 def logps_fns(ctx) -> tuple[Callable, Callable]:
@@ -258,7 +248,7 @@ class Rollout:
     # -- the full batch ------------------------------------------------------------------------
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
-        cfg, g, want = self.cfg, self.g, self.num_prompts
+        cfg, g = self.cfg, self.g
         if self.rounds is not None:
             self.rounds.begin(state, step)
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
@@ -272,20 +262,17 @@ class Rollout:
                 rnd = stage.after_round(self, state.params, rnd, jax.random.fold_in(rng, r))
             rounds.append(rnd)
             keep = (np.ones(self.round_groups(rnd), bool) if keep_fn is None
-                    else keep_fn(rnd["rewards"]))
+                    else keep_fn(rnd["rewards"], rnd.get("group_sizes")))
             for i, ok in enumerate(keep):
                 (kept if ok else dropped).append((r, i))
-            if len(kept) >= want:
+            groups, filler, full = self._pick_groups(rounds, kept, dropped)
+            if full:
                 break
-        filler = max(0, want - len(kept))
         self._check_reward_failures(rounds, step)
-        groups = kept[:want] + dropped[:filler]
         batch, rows = self._assemble(rounds, groups)
-        train = np.ones(len(groups), bool)
-        train[len(groups) - filler:] = False
         # Multi-turn episodes: only the model's own tokens train (observations are context).
         model_mask = rows.get("model_mask", rows["mask"])
-        loss_mask = model_mask & np.repeat(train, g)[:, None]
+        loss_mask = model_mask & self._train_rows(rounds, groups, filler, len(model_mask))[:, None]
         if cfg.algo.mask_truncated_completions:
             loss_mask &= ~rows["truncated"][:, None]
         if "real" in rows:   # rows that only pad the batch to its fixed size weigh zero
@@ -357,6 +344,23 @@ class Rollout:
             metrics.update(self.rounds.metrics(rounds, step))
         return batch, metrics
 
+    def _pick_groups(self, rounds, kept, dropped) -> tuple[list, int, bool]:
+        """(groups the batch is built from, (round, group) pairs; how many of them, last, only
+        pad it; whether the kept groups fill it): the first ``num_prompts`` kept groups, then
+        dropped ones. A round source whose groups have sizes of their own picks them."""
+        if "group_sizes" in rounds[0]:
+            return self.rounds.pick_groups(rounds, kept, dropped)
+        filler = max(0, self.num_prompts - len(kept))
+        return kept[:self.num_prompts] + dropped[:filler], filler, not filler
+
+    def _train_rows(self, rounds, groups, filler: int, n: int) -> np.ndarray:
+        """bool [n]: the batch rows of the groups that train (not the last ``filler`` groups,
+        nor the rows past all groups that pad ragged ones)."""
+        sizes = [rounds[r]["group_sizes"][i] if "group_sizes" in rounds[r] else self.g
+                 for r, i in groups]
+        train = np.repeat(np.arange(len(groups)) < len(groups) - filler, sizes)
+        return np.pad(train, (0, n - len(train)))
+
     def round_groups(self, rnd: dict) -> int:
         """The number of groups (prompts) a sampling round holds (``group_sizes``: a round
         whose groups have sizes of their own, ``methods.allocation``)."""
@@ -416,13 +420,15 @@ class Rollout:
                                            dict(inputs or {})), np.float32)
 
     def _group_filter(self):
-        """The function ``rewards [B*G] -> bool [B]`` of groups that may train, or None to
-        keep all: DAPO dynamic sampling (groups whose rewards differ) or the selector's
-        band (``data.selection.name='online_filter'``). Either samples extra rounds."""
+        """The function ``(rewards [R], sizes int [B] or None) -> bool [B]`` of groups that
+        may train (consecutive groups of ``sizes`` rows, or of G), or None to keep all: DAPO
+        dynamic sampling (groups whose rewards differ) or the selector's band
+        (``data.selection.name='online_filter'``). Either samples extra rounds."""
         if self.cfg.algo.dynamic_sampling:
             return self.informative_groups
         if self.selector is not None and self.selector.filters:
-            return lambda rewards: self.selector.keep_groups(rewards, self.g)
+            return lambda rewards, sizes: self.selector.keep_groups(
+                rewards, self.g if sizes is None else np.asarray(sizes))
         return None
 
     def tree_structure(self, num_groups: int) -> dict:
@@ -448,7 +454,7 @@ class Rollout:
         ``g`` rows per group (default ``algo.num_generations``). A round whose groups have
         sizes of their own is laid out by its source (``assemble``, ``core.parts``)."""
         if "group_sizes" in rounds[0]:
-            return self.rounds.assemble(self, rounds)
+            return self.rounds.assemble(self, rounds, groups)
         g = self.g if g is None else g
         pick = lambda key: np.concatenate(  # noqa: E731
             [rounds[r][key][i * g:(i + 1) * g] for r, i in groups])

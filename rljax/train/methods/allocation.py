@@ -6,9 +6,11 @@ Each step: the prompts' pass rates (posterior means: the MoPPS posterior of
 (``allocation.knapsack_allocate``, sum G_i = the budget) -> each prompt prefilled once and
 its G_i rows sampled from it (one sampler program: always ``budget`` rows) -> rewards -> the
 posteriors learn the groups' successes. The round carries ``group_sizes``, which the rollout
-counts its groups, prompt selection's observations and informative groups by. The update
-batch is ``rollout.batch_size`` rows, the groups contiguous; rows past the budget repeat the
-last sample and weigh zero. Advantages are the configured GRPO-family estimator over each
+counts its groups, prompt selection's observations, informative groups and group filters
+(dynamic sampling, the online filter) by; an extra round of a filter is a round like the
+first, sized over its own prompts. The update batch is ``rollout.batch_size`` rows: the kept
+groups that fit, contiguous (``pick_groups``); rows past them repeat the last sample and
+weigh zero. Advantages are the configured GRPO-family estimator over each
 group's own rows (``group_ids``). The update computes each prompt once too
 (``length_groups.ragged_layout``). The phase checkpoints the posteriors under
 ``allocation``.
@@ -28,7 +30,7 @@ from rljax.config.rollout import knapsack_limits
 from rljax.data import allocation as alloc
 from rljax.data import selection
 from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
-from rljax.train.core.sampler import generate
+from rljax.train.core.sampler import generate, rebucket_routes
 
 
 class KnapsackRounds(RoundSource):
@@ -97,19 +99,31 @@ class KnapsackRounds(RoundSource):
         return rollout.score_round([examples[i] for i in owner], prompt_tokens[owner],
                                    prompt_mask[owner], out, rows, t0, g=1)
 
-    def assemble(self, rollout, rounds) -> tuple[dict, dict]:
-        """All of the one round's rows, padded to ``rollout.batch_size`` (``expand_groups``:
-        padding rows repeat the last row, are groups of their own and are not ``real``); the
-        estimator gets each row's group (``group_ids``)."""
-        (rnd,) = rounds
+    def pick_groups(self, rounds, kept, dropped) -> tuple[list, int, bool]:
+        """``Rollout._pick_groups`` for ragged groups: the kept (round, group) pairs, in order,
+        that still fit in the update's ``rollout.batch_size`` rows (first fit), no filler
+        (padding rows weigh zero) unless none is kept (then one dropped group that does not
+        train); full once the kept groups hold the budget's samples (a round's worth: extra
+        rounds of a group filter are each sized by the knapsack over their own prompts)."""
+        size = lambda r, i: int(rounds[r]["group_sizes"][i])   # noqa: E731
+        groups, rows = [], 0
+        for r, i in kept:
+            if rows + size(r, i) <= self.cfg.rollout.batch_size:
+                groups.append((r, i))
+                rows += size(r, i)
+        full = sum(size(r, i) for r, i in kept) >= self.budget
+        return (groups, 0, full) if groups else (dropped[:1], 1, full)
+
+    def assemble(self, rollout, rounds, groups) -> tuple[dict, dict]:
+        """The rows of ``groups`` ((round, group) pairs), padded to ``rollout.batch_size``
+        (``expand_groups``: padding rows repeat the last row, are groups of their own and are
+        not ``real``); the estimator gets each row's group (``group_ids``)."""
         n = self.cfg.rollout.batch_size
-        _, group_ids, real = alloc.expand_groups(rnd["group_sizes"], n)
-        src = np.minimum(np.arange(n), len(rnd["rewards"]) - 1)
-        sub = {k: v for k, v in rnd.items() if k != "group_sizes"}   # now rows of one
-        sub["prompt_ids"] = [rnd["prompt_ids"][i] for i in src]
-        for key in ("tokens", "logps", "mask", "lengths", "truncated", "rewards", "demo"):
-            if key in rnd:   # (demo: mixed-policy demonstrations' rows)
-                sub[key] = rnd[key][src]
+        sizes = np.asarray([rounds[r]["group_sizes"][i] for r, i in groups], np.int64)
+        _, group_ids, real = alloc.expand_groups(sizes, n)
+        picked = [(r, int(s)) for r, i in groups for s in group_rows(rounds[r], i)]
+        picked += [picked[-1]] * (n - len(picked))   # (round, row) of each batch row
+        sub = gather_rows(rounds, picked)   # now rows of one
         if "demo" in sub:   # a padding row repeating a demonstration is none
             sub["demo"] = sub["demo"] & real
         batch, rows = rollout._assemble([sub], [(0, i) for i in range(n)], g=1)
@@ -117,14 +131,46 @@ class KnapsackRounds(RoundSource):
         return batch, rows
 
     def metrics(self, rounds, step: int) -> dict:
-        sizes = rounds[0]["group_sizes"]
+        """Group sizes and estimated pass rates over every round of the call."""
+        sizes = np.concatenate([r["group_sizes"] for r in rounds])
         return {"rollout/group_size_min": int(sizes.min()),
                 "rollout/group_size_mean": float(sizes.mean()),
                 "rollout/group_size_max": int(sizes.max()),
-                "rollout/pass_rate_est_mean": float(np.mean(rounds[0]["pass_rates"]))}
+                "rollout/pass_rate_est_mean": float(np.mean(
+                    np.concatenate([r["pass_rates"] for r in rounds])))}
 
     def state_dict(self) -> dict:
         return {"pass_rates": self.rates.state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.rates.restore(state["pass_rates"])
+
+
+# A ragged round's fields with one entry per row (``prompt_ids`` and ``examples`` too).
+ROW_KEYS = ("tokens", "logps", "mask", "lengths", "truncated", "rewards", "demo", "versions",
+            "prompt_ids", "examples")
+
+
+def group_rows(rnd: dict, i: int) -> range:
+    """The rows of group ``i`` of a round with ``group_sizes`` (groups are contiguous)."""
+    sizes = rnd["group_sizes"]
+    start = int(np.sum(sizes[:i]))
+    return range(start, start + int(sizes[i]))
+
+
+def gather_rows(rounds, picked) -> dict:
+    """One round dict of the rows ``picked`` ((round, row) pairs) of ``rounds``: each per-row
+    field gathered (routes laid out on the longest prompt bucket), the rest the first
+    round's."""
+    first = rounds[0]
+    out = {k: v for k, v in first.items() if k != "group_sizes"}
+    for key in ROW_KEYS + tuple(first.get("row_keys", ())):
+        if key in first:
+            rows = [rounds[r][key][s] for r, s in picked]
+            out[key] = rows if isinstance(first[key], list) else np.stack(rows)
+    out["prompt_len"] = max(r["prompt_len"] for r in rounds)
+    if "routes" in first:   # routing replay: each round's routes on the longest bucket
+        out["routes"] = np.stack([rebucket_routes(rounds[r]["routes"][s:s + 1],
+                                                  rounds[r]["prompt_len"], out["prompt_len"])[0]
+                                  for r, s in picked])
+    return out
