@@ -132,12 +132,14 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, mon
 RELIFT = {"algo.relift.every": 1, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1}
 
 
-@pytest.mark.parametrize("guide", [{}, {**RELIFT, **HINTS}, {**RELIFT, **DEMOS}, ANNEALED],
+@pytest.mark.parametrize("guide", [{}, {**RELIFT, **HINTS}, {**RELIFT, **DEMOS}, ANNEALED,
+                                   {"rollout.micro_batch_size": 4}],
                          ids=["sampled", "relift_hints", "relift_mixed_policy",
-                              "temperature_schedule"])
+                              "temperature_schedule", "micro_batches"])
 def test_vineppo_train_run(reward_file, tmp_path, guide):
     """VinePPO trains on the rows guidance leaves (hinted groups, demonstrations), and
-    ReLIFT's SFT step follows its updates; with a temperature schedule too."""
+    ReLIFT's SFT step follows its updates; with a temperature schedule, and with the round
+    sampled in micro-batches (its rows in order all the same), too."""
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
 

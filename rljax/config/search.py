@@ -48,8 +48,7 @@ def check_vine(cfg) -> None:
                     ("algo.dynamic_sampling", algo.dynamic_sampling),
                     ("data.selection.name", cfg.data.selection.name == "online_filter"),
                     ("rollout.allocation", r.allocation != "uniform"),
-                    ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
-                    ("rollout.micro_batch_size", bool(r.micro_batch_size))):
+                    ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name))):
         if on:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
                               "(its values are the task reward's, over every sampled "
