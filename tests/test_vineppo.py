@@ -132,22 +132,42 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, mon
 RELIFT = {"algo.relift.every": 1, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1}
 
 
+KNAPSACK = {"rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 1,
+            "rollout.knapsack.max_samples": 4}
+
+
 @pytest.mark.parametrize("guide", [{}, {**RELIFT, **HINTS}, {**RELIFT, **DEMOS}, ANNEALED,
-                                   {"rollout.micro_batch_size": 4}],
+                                   {"rollout.micro_batch_size": 4},
+                                   {"algo.dynamic_sampling": True},
+                                   {"data.selection.name": "online_filter", **KNAPSACK}],
                          ids=["sampled", "relift_hints", "relift_mixed_policy",
-                              "temperature_schedule", "micro_batches"])
-def test_vineppo_train_run(reward_file, tmp_path, guide):
+                              "temperature_schedule", "micro_batches", "dynamic_sampling",
+                              "knapsack_online_filter"])
+def test_vineppo_train_run(reward_file, tmp_path, monkeypatch, guide):
     """VinePPO trains on the rows guidance leaves (hinted groups, demonstrations), and
-    ReLIFT's SFT step follows its updates; with a temperature schedule, and with the round
-    sampled in micro-batches (its rows in order all the same), too."""
+    ReLIFT's SFT step follows its updates; with a temperature schedule, with the round
+    sampled in micro-batches (its rows in order all the same), and after a group filter
+    (on the knapsack's groups too): exactly the rows that train are valued."""
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
+    from rljax.train.core.rollout import Rollout
+    from rljax.train.methods.vine import VineValues
 
+    valued = []   # per call: rows valued, rows the batch trains
+    finish, call = VineValues.finish_batch, Rollout.__call__
+    monkeypatch.setattr(VineValues, "finish_batch", lambda self, batch, rows: (
+        valued.append([len(self._last["tokens"])]) or finish(self, batch, rows)))
+    monkeypatch.setattr(Rollout, "__call__", lambda self, state, step: (
+        lambda out: valued[-1].append(int(out[0]["loss_mask"].any(1).sum())) or out)(
+            call(self, state, step)))
     assert run.train(tiny_cfg(reward_file, **{"algo.vine.splitter": "newline", **guide}),
                      str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) and r["vine/fork_tokens"] > 0
                                 for r in rl)
+    assert all(v == t for v, t in valued)
+    if "algo.dynamic_sampling" in guide or "data.selection.name" in guide:
+        assert any(v < 8 or r["rollout/rounds"] > 1 for (v, _), r in zip(valued, rl))
     if RELIFT.items() <= guide.items():
         assert all("relift/sft_loss" in r and (r.get("hint/fraction_hinted") == 1.0 or
                                                r.get("mixed/demos") == 4) for r in rl)
@@ -177,7 +197,7 @@ def test_vineppo_with_partial_rollouts_asynchronously_resumes_exactly(reward_fil
 
 @pytest.mark.parametrize("overrides, key", [
     (["algo.kl_in_reward=true", "algo.beta=0.01"], "algo.kl_in_reward"),
-    (["algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
+    (["algo.gamma=0.9"], "algo.gamma"),
     (["algo.vine.splitter=regex", "algo.vine.regex=("], "algo.vine.regex"),
     (["algo.name=ppo"], "algo"),
 ])

@@ -25,12 +25,13 @@ Array = jnp.ndarray
 
 def vineppo_advantages(rewards: Array, group_size: int = 1, *, mask: Array, step_ids: Array,
                        step_values: Array, num_steps: Array, token_kl=None,
-                       kl_coef: float = 0.0, gamma: float = 1.0) -> Array:
+                       kl_coef: float = 0.0, gamma: float = 1.0, group_ids=None) -> Array:
     """Per-token VinePPO advantages.
 
     Args:
       rewards: f32 [R], each completion's own outcome reward R.
-      group_size: unused (each completion has its own values).
+      group_size, group_ids: unused (each completion has its own values, so groups of any
+        sizes do: ``rollout.allocation='knapsack'``).
       mask: bool [R, N], the completion tokens that train.
       step_ids: int [R, N], the step each completion token belongs to (0-based; -1 for
         tokens outside the completion).
@@ -54,4 +55,4 @@ def vineppo_advantages(rewards: Array, group_size: int = 1, *, mask: Array, step
     return jnp.where(jnp.asarray(mask, bool) & (ids >= 0), adv, 0.0)
 
 
-register_advantage_estimator("vineppo", vineppo_advantages, token_level=True)
+register_advantage_estimator("vineppo", vineppo_advantages, token_level=True, group_ids=True)

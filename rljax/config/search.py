@@ -35,9 +35,10 @@ def check_process_reward(cfg) -> None:
 
 
 def check_vine(cfg) -> None:
-    """VinePPO: the GRPO phase, every completion of the round in the batch in order (hinted
-    and demonstration rows are valued as they train), values of the task reward only (no KL
-    in the reward, gamma 1), and a regex that compiles."""
+    """VinePPO: the GRPO phase, values of the task reward only (no KL in the reward, gamma
+    1), completions that are token sequences of their own (no tree, no episodes; the rows
+    that train are valued as they train: hinted, demonstrations, after group filters, groups
+    of the knapsack's sizes), and a regex that compiles."""
     algo, r = cfg.algo, cfg.rollout
     if algo.adv_estimator != "vineppo":
         return
@@ -45,9 +46,6 @@ def check_vine(cfg) -> None:
         raise ConfigError(f"algo.adv_estimator='vineppo' runs in the GRPO phase; algo.name="
                           f"{algo.name!r}")
     for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0),
-                    ("algo.dynamic_sampling", algo.dynamic_sampling),
-                    ("data.selection.name", cfg.data.selection.name == "online_filter"),
-                    ("rollout.allocation", r.allocation != "uniform"),
                     ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name))):
         if on:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "

@@ -28,6 +28,11 @@ class RolloutStage(Protocol):
         ``rng`` is the round's key (a stage folds in its own stream)."""
         return rnd
 
+    def picked(self, rollout, params, rounds: Sequence[dict], groups: list, rng) -> None:
+        """After the call's last round: ``groups``, (round, group) pairs, are the groups that
+        train, in batch order (their rows come first in the batch); ``rng`` is the call's
+        key."""
+
     def finish_batch(self, batch: dict, rows: dict) -> None:
         """Edits the assembled training batch in place, before advantages."""
 

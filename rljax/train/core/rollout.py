@@ -269,6 +269,8 @@ class Rollout:
             if full:
                 break
         self._check_reward_failures(rounds, step)
+        for stage in self.stages:   # e.g. VinePPO's values, of the rows that train only
+            stage.picked(self, state.params, rounds, groups[:len(groups) - filler], rng)
         batch, rows = self._assemble(rounds, groups)
         # Multi-turn episodes: only the model's own tokens train (observations are context).
         model_mask = rows.get("model_mask", rows["mask"])

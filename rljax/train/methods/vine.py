@@ -1,21 +1,23 @@
 """The rollout stage of ``algo.adv_estimator='vineppo'``: Monte-Carlo values of step prefixes.
 
-After the usual round (G completions per prompt, rewards), each completion is cut into steps
+After the call's last round (G completions per prompt, or the knapsack's group sizes; rewards;
+any group filter), each completion of the groups that train (``picked``) is cut into steps
 (``algo.vine.splitter``: a newline, or a regex matched at the text's end; a stop token also
 ends a step; steps past ``algo.vine.max_steps`` join the last one). For every step t of every
-completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled once and its
-KV cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the step-MC
-machinery of ``rljax.train.methods.step_mc``); a continuation is cut to the completion budget
+completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled once and its KV
+cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the step-MC machinery
+of ``rljax.train.methods.step_mc``); a continuation is cut to the completion budget
 (``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by the
 reward functions (a ``rollout.temperature_schedule`` draws a fork's token at the temperature of
 the completion position it continues: ``fork_temperatures``). V(s_t) is the mean of the K
-rewards, and the advantages are
-``algorithms.vine.vineppo_advantages``, which the rollout's estimator call receives as
-``rows["estimator_inputs"]`` (``step_ids``, ``step_values``, ``num_steps``). Fork rows are
-padded (repeating a real one) to a multiple of the completion count, so at most ``max_steps``
-fork programs are compiled.
+rewards, and the advantages are ``algorithms.vine.vineppo_advantages``, which the rollout's
+estimator call receives as ``rows["estimator_inputs"]`` (``step_ids``, ``step_values``,
+``num_steps``). Fork rows are padded (repeating a real one) to a multiple of the update's rows
+(``rollout.batch_size``), so at most ``max_steps`` fork programs are compiled.
 
-The stage runs after guidance (``methods.guidance``), so it values the rows that train: a
+The stage runs after guidance (``methods.guidance``) and after the groups are picked (dynamic
+sampling and the online filter drop groups, extra rounds add some), so it values exactly the
+rows that train, the batch's first rows (filler groups and padding rows get no steps): a
 hinted row's prefixes are prompt ++ hint ++ completion[:start] and its forks' texts carry the
 hint, as its own reward's does (``rnd["hint_prefixes"]``); a mixed-policy demonstration is
 valued from its own prefixes under the policy, like a sample. ReLIFT's SFT steps do not touch
@@ -36,6 +38,7 @@ import numpy as np
 from rljax import sampling
 from rljax.train.core.rollout import RolloutStage, expand_fields
 from rljax.train.core.sampler import generate
+from rljax.train.methods.allocation import group_rows
 from rljax.train.methods.step_mc import step_ends
 
 FORK_STREAM = 11   # rng stream of the value forks (fold_in of the round's key)
@@ -80,33 +83,42 @@ class VineValues(RolloutStage):
         self.rollout = None   # the rollout whose rounds it values (its reward functions)
         self._last = None     # the last round's step layout and values
 
-    def after_round(self, rollout, params, rnd: dict, rng) -> dict:
+    def picked(self, rollout, params, rounds, groups, rng) -> None:
+        """Values the rows of the groups that train (after any group filter; groups of any
+        sizes), as one round of rows (``valued_rows``), kept for the batch."""
         self.rollout = rollout
-        rnd.update(self.step_values(params, rnd, jax.random.fold_in(rng, FORK_STREAM)))
-        # Every decoded fork token is sampling work: in rollout/tokens and decoded_tokens.
-        spent = rnd["fork_tokens"] + rnd["fork_padding_tokens"]
-        rnd["extra_tokens"] = rnd.get("extra_tokens", 0) + spent
-        rnd["extra_decoded"] = rnd.get("extra_decoded", 0) + spent
-        self._last = rnd
-        return rnd
+        view = valued_rows(rounds, groups, rollout.g)
+        if len(view["tokens"]):
+            view.update(self.step_values(params, view, jax.random.fold_in(rng, FORK_STREAM)))
+            # Every decoded fork token is sampling work: in rollout/tokens and decoded_tokens.
+            spent = view["fork_tokens"] + view["fork_padding_tokens"]
+            last = rounds[-1]
+            last["extra_tokens"] = last.get("extra_tokens", 0) + spent
+            last["extra_decoded"] = last.get("extra_decoded", 0) + spent
+        self._last = view
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
-        """The batch is the last round's rows in order (config validation refuses anything
-        that drops or re-orders them): its step layout and values go to the estimator."""
-        v = self._last
-        if len(rows["tokens"]) != len(v["num_steps"]):
-            raise RuntimeError("vineppo: the batch is not the last round's completions")
-        rows["estimator_inputs"] = {k: v[k] for k in ("step_ids", "step_values", "num_steps")}
+        """The valued rows are the batch's first rows, in order; the rest (filler groups,
+        padding) do not train: no steps, advantage 0. Step layout and values go to the
+        estimator."""
+        v, r, n = self._last, len(rows["tokens"]), rows["tokens"].shape[1]
+        t = len(v["tokens"])
+        inputs = {"step_ids": np.full((r, n), -1, np.int32),
+                  "step_values": np.zeros((r, self.max_steps), np.float32),
+                  "num_steps": np.ones(r, np.int32)}
+        for key in inputs if t else ():
+            inputs[key][:t] = v[key]
+        rows["estimator_inputs"] = {**rows.get("estimator_inputs", {}), **inputs}
 
     def metrics(self, rounds, rows) -> dict:
-        fork, pad = (sum(r[key] for r in rounds) for key in ("fork_tokens",
-                                                             "fork_padding_tokens"))
-        return {"vine/fork_tokens": fork, "vine/fork_padding_tokens": pad,
-                "vine/prefixes": sum(len(r["fork_rows"]) for r in rounds),
-                "vine/steps_mean": float(np.mean(np.concatenate(
-                    [r["num_steps"] for r in rounds]))),
-                "vine/value_mean": float(np.mean(np.concatenate(
-                    [r["fork_rewards"].reshape(-1) for r in rounds])))}
+        v = self._last
+        if not len(v["tokens"]):
+            return {"vine/fork_tokens": 0, "vine/fork_padding_tokens": 0, "vine/prefixes": 0}
+        return {"vine/fork_tokens": v["fork_tokens"],
+                "vine/fork_padding_tokens": v["fork_padding_tokens"],
+                "vine/prefixes": len(v["fork_rows"]),
+                "vine/steps_mean": float(np.mean(v["num_steps"])),
+                "vine/value_mean": float(np.mean(v["fork_rewards"]))}
 
     def sample_forks(self, params, rng, prefix_ids: list, starts: list, multiple: int) -> dict:
         """K continuations of each prefix (token ids; the completion token it is cut at,
@@ -126,11 +138,11 @@ class VineValues(RolloutStage):
                         top_p=r.top_p, temperatures=temps)
 
     def step_values(self, params, rnd: dict, rng) -> dict:
-        """The round's step layout and MC values: ``step_ids`` int [R, N], ``step_values``
-        f32 [R, max_steps], ``num_steps`` int [R], the forks (``fork_rows``: (completion,
-        step) of each real prefix; ``fork_rewards`` f32 [prefixes, K]; ``fork_texts``) and
-        their token counts."""
-        g, n, k = self.rollout.g, self.n, self.k
+        """The step layout and MC values of ``rnd``, a round of rows (``valued_rows``):
+        ``step_ids`` int [R, N], ``step_values`` f32 [R, max_steps], ``num_steps`` int [R],
+        the forks (``fork_rows``: (completion, step) of each real prefix; ``fork_rewards``
+        f32 [prefixes, K]; ``fork_texts``) and their token counts."""
+        n, k = self.n, self.k
         tokens, mask = rnd["tokens"], rnd["mask"]
         r = len(tokens)
         comps = [tokens[i][mask[i]].tolist() for i in range(r)]
@@ -143,11 +155,13 @@ class VineValues(RolloutStage):
             for t, (start, end) in enumerate(zip([0] + e[:-1], e)):
                 step_ids[i, cols[start:end]] = t
                 fork_rows.append((i, t, start))
-                prefix_ids.append(list(rnd["prompt_ids"][i // g]) + comps[i][:start])
+                prefix_ids.append(list(rnd["prompt_ids"][i]) + comps[i][:start])
         real = len(fork_rows)
         if not real:   # no completion has a token: nothing to value
             prefix_ids = [list(rnd["prompt_ids"][0])]
-        out = self.sample_forks(params, rng, prefix_ids, [f[2] for f in fork_rows] or [0], r)
+        # A multiple of the update's rows whatever the filters kept: few fork programs compile.
+        out = self.sample_forks(params, rng, prefix_ids, [f[2] for f in fork_rows] or [0],
+                                int(self.cfg.rollout.batch_size))
         texts, prompts, lengths, owners = [], [], [], []
         hints = rnd.get("hint_prefixes", {})   # a hinted row's reward judges hint ++ completion
         for j, (i, _, start) in enumerate(fork_rows):
@@ -156,7 +170,7 @@ class VineValues(RolloutStage):
                 cont = out["tokens"][row][out["mask"][row]].tolist()[:n - start]
                 texts.append(self.decode(hints.get(i, []) + comps[i][:start] + cont))
                 lengths.append(start + len(cont))
-                owners.append(rnd["examples"][i // g])
+                owners.append(rnd["examples"][i])
                 prompts.append(owners[-1]["prompt"])
         result = self.rollout.reward_fn(prompts, texts, completion_lengths=lengths,
                                         **expand_fields(owners, 1))
@@ -171,3 +185,26 @@ class VineValues(RolloutStage):
                 "num_steps": np.asarray([len(e) for e in ends], np.int32),
                 "fork_rows": fork_rows, "fork_rewards": fork_rewards, "fork_texts": texts,
                 "fork_tokens": fork_tokens, "fork_padding_tokens": decoded - fork_tokens}
+
+
+def valued_rows(rounds, groups, g: int) -> dict:
+    """The rows of ``groups`` ((round, group) pairs; G rows each, or a ragged round's
+    ``group_sizes``) as one round of rows: ``tokens``, ``mask`` [T, N], ``lengths``,
+    ``rewards`` (and ``demo``) [T], ``prompt_ids`` and ``examples`` per row,
+    ``hint_prefixes`` keyed by position."""
+    picked = []   # (round, row, its prompt's entry in the round)
+    for r, i in groups:
+        if "group_sizes" in rounds[r]:   # (prompt ids and examples are per row)
+            picked += [(r, s, s) for s in group_rows(rounds[r], i)]
+        else:
+            picked += [(r, s, i) for s in range(i * g, (i + 1) * g)]
+    first = rounds[0]
+    view = {key: np.asarray([rounds[r][key][s] for r, s, _ in picked], first[key].dtype)
+            .reshape((len(picked),) + first[key].shape[1:])
+            for key in ("tokens", "mask", "lengths", "rewards", "demo") if key in first}
+    view["prompt_ids"] = [rounds[r]["prompt_ids"][p] for r, _, p in picked]
+    view["examples"] = [rounds[r]["examples"][p] for r, _, p in picked]
+    view["hint_prefixes"] = {j: rounds[r]["hint_prefixes"][s]
+                             for j, (r, s, _) in enumerate(picked)
+                             if s in rounds[r].get("hint_prefixes", {})}
+    return view
