@@ -152,20 +152,18 @@ def test_training_with_the_slot_engine_samples_what_the_static_sampler_samples(t
         assert "rollout/slot_utilisation" not in a
 
 
-def test_the_slot_engine_takes_trees_and_refuses_a_checkpoint_opponent_in_one_line():
-    """Trees run on the engine (``sampling.tree_engine``); a match against a checkpoint (two
-    models) has a sampler of its own."""
+def test_the_slot_engine_takes_trees_and_a_checkpoint_opponent():
+    """Trees run on the engine (``sampling.tree_engine``), and so do matches against a
+    checkpoint (each side on an episode engine of its own, ``matches._engine_matches``)."""
     from rljax import config
-    from rljax.config.rollout import check_engine
     cfg = config.default_config()
     cfg.rollout.engine = "slots"
     cfg.rollout.tree.enabled = True
     config.check(cfg)
     cfg.rollout.tree.enabled = False
     cfg.env.name, cfg.env.selfplay.mode = "tictactoe", "checkpoint"
-    with pytest.raises(config.ConfigError, match="rollout.engine='slots' cannot be combined "
-                                                 "with env.selfplay.mode='checkpoint'"):
-        check_engine(cfg)
+    cfg.env.selfplay.workdir = "runs/opponent"
+    config.check(cfg)
 
 
 def test_routes_recorded_by_the_engine_equal_the_static_samplers():

@@ -341,6 +341,38 @@ def test_checkpoint_opponent_plays_the_other_seat_and_never_trains(rae_run, tmp_
         selfplay.opponent_from_workdir(ctx, str(tmp_path))
 
 
+def test_checkpoint_opponent_on_the_slot_engine_plays_the_static_matches(
+        rae_run, tmp_path, lowest_cell, monkeypatch):
+    """rollout.engine='slots' with a checkpoint opponent: the policy's and the opponent's seats
+    each on an episode engine of their own (slots, cache, params), both sampling (opponent at
+    temperature 1); every row draws the static plies' noise, so both sides' rows are the
+    static loop's: tokens, masks, log-probs, outcomes."""
+    import dataclasses
+    from rljax import data as data_lib
+    from rljax.train.core import evaluate
+    from rljax.train.methods import agent, matches, selfplay
+    over = {"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
+            "env.selfplay.temperature": 1.0}
+    cfg = ttt_cfg(**over, **{"rollout.engine": "slots", "rollout.chunk_steps": 3})
+    setup.check_inputs(cfg, num_devices=1)
+    ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
+    opponent = selfplay.load_opponent(ctx)
+    template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
+    played = []   # both sides' dicts (play keeps the policy's)
+    monkeypatch.setattr(selfplay, "run_matches", lambda *a, **k: played.append(
+        matches.run_matches(*a, **k)) or played[-1])
+    for c in (dataclasses.replace(ctx, cfg=ttt_cfg(**over)), ctx):
+        selfplay.play(c, ctx.params, evaluate.eval_examples(ctx), jax.random.key(3),
+                      num_samples=2, temperature=1.0, template=template, opponent=opponent,
+                      **agent.match_options(c.cfg, c))
+    for static, slots in zip(*played):
+        assert static["turns"].max() > 1 and "versions" not in slots
+        for k in ("tokens", "mask", "model_mask", "turn_ids", "turns", "env_rewards",
+                  "turn_rewards", "truncated", "roles", "counters"):
+            np.testing.assert_array_equal(slots[k], static[k], err_msg=k)
+        np.testing.assert_allclose(slots["logps"], static["logps"], rtol=1e-4, atol=1e-5)
+
+
 def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tmp_path):
     """Scripted and checkpoint opponents: every game is a win, draw, loss or the opponent's
     forfeit; rates come with their Wilson intervals."""
@@ -465,20 +497,30 @@ def test_kuhn_strategy_scores_each_information_set_as_its_rollout_row_lays_it_ou
     assert rows[0]["legal_mass"] == pytest.approx(p_call + p_fold, rel=1e-4)
 
 
-def test_selfplay_on_the_slot_engine_plays_the_static_plies_games(tmp_path):
-    """env.selfplay.mode='self' with rollout.engine='slots': every seat on a slot of its own,
-    a seat's turn starting as soon as the other seat moved; each row draws the static plies'
-    noise, so the games, rewards and updates are the static loop's."""
-    overrides = {"env.selfplay.mode": "self", "algo.adv_estimator": "rae", "steps": 2,
+@pytest.mark.parametrize("mode", ["self", "checkpoint"])
+def test_selfplay_on_the_slot_engine_plays_the_static_plies_games(tmp_path, request, mode):
+    """env.selfplay.mode='self' or 'checkpoint' with rollout.engine='slots': every seat on a
+    slot of its own (a checkpoint opponent's on an engine of its own), a seat's turn starting
+    as soon as the other seat moved; each row draws the static plies' noise, so the games,
+    rewards and updates are the static loop's. The checkpoint case (whole games: every seat
+    plays the lowest free cell) stops after its first iteration and resumes."""
+    overrides = {"env.selfplay.mode": mode, "algo.adv_estimator": "rae", "steps": 2,
                  "algo.num_generations": 2}
+    stops = [None]
+    if mode == "checkpoint":
+        overrides["env.selfplay.workdir"] = request.getfixturevalue("rae_run")
+        request.getfixturevalue("lowest_cell")
+        stops = [StopAfter(1), None]
     static, slots = str(tmp_path / "static"), str(tmp_path / "slots")
     assert run.train(ttt_cfg(**overrides), static, devices=DEVICES) == 0
-    assert run.train(ttt_cfg(**overrides, **{"rollout.engine": "slots",
-                                              "rollout.chunk_steps": 3}),
-                     slots, devices=DEVICES) == 0
+    for stop in stops:
+        assert run.train(ttt_cfg(**overrides, **{"rollout.engine": "slots",
+                                                  "rollout.chunk_steps": 3}),
+                         slots, devices=DEVICES, stop=stop) == 0
     rl = [[r for r in read_metrics(w) if "reward/mean" in r] for w in (static, slots)]
     exact = [k for k in rl[0][0] if k.startswith(("reward/", "env/", "rae/"))]
     assert "env/turns_mean" in exact and any(k.startswith("env/wins") for k in exact), exact
+    assert len(rl[0]) == len(rl[1]) == 2
     for a, b in zip(*rl):
         assert {k: b[k] for k in exact} == {k: a[k] for k in exact}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),

@@ -126,16 +126,6 @@ def _uses_tree(estimator: str) -> bool:
     return uses_tree(estimator)
 
 
-def check_engine(cfg) -> None:
-    """The slot engine samples batches of prompts, tree rollouts (each fork a request),
-    multi-turn tool episodes and self-play matches; matches against a checkpoint (two models
-    in one match) have a sampler of their own."""
-    if cfg.rollout.engine == "static":
-        return
-    if cfg.env.name and cfg.env.selfplay.mode == "checkpoint":
-        raise ConfigError(f"rollout.engine='{cfg.rollout.engine}' cannot be combined with "
-                          "env.selfplay.mode='checkpoint' (it has its own sampler); use "
-                          "rollout.engine='static'")
 
 
 def check_partial(cfg) -> None:

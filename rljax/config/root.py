@@ -85,7 +85,6 @@ CHECKS: tuple[Callable[..., None], ...] = (
     algo.check_estimator_and_update,
     algo.check_guidance,
     rollout.check_tree,
-    rollout.check_engine,
     rollout.check_partial,
     rollout.check_allocation,
     algo.check_async,

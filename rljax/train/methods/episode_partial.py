@@ -29,8 +29,8 @@ per seat (``seats x G`` rows, the batch's groups in (example, seat) order as
 place records the order its matches stepped in (engine chunk, row, turn), and the rebuild
 replays the steps in that order with ``matches._engine_matches``' loop head (settle, observe
 the seats to move) before each chunk's steps, so every seat sees what it saw. The games are
-deterministic given their deal and moves. Not with a checkpoint opponent (the slot engine
-refuses it).
+deterministic given their deal and moves. Not with a checkpoint opponent (refused: a
+carried match would need the opponent's seats and their engine carried as well).
 
 Randomness: token t of turn k of row i of the place admitted s-th reads the engine's row
 draw of id ``s * rows + i`` (rows: G, or ``seats x G``) under ``fold_in(state.rng,

@@ -252,22 +252,20 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
     ``limits.max_turns`` bounds each seat's turns, ``max_plies`` the plies of a match (the
     cache of each side has a turn's slots per ply). Returns one dict per side.
 
-    ``engine`` (``episodes.EngineOptions``; one side: self-play): every seat on a slot of its
-    own (``sampling.episode_engine``), a seat's turn starting as soon as the seat before it
-    moved, not when the ply's slowest turn stopped. Its noise is the static plies' (turn =
-    the match's ply), so where both compute equal logits the matches are equal. ``weights``
-    (with ``engine``): in-flight weight updates (``episodes.EngineWeights``); the side's dict
-    adds ``versions`` and ``swaps`` (``episodes.run_episodes``')."""
+    ``engine`` (``episodes.EngineOptions``): every seat on a slot of its own, each side on an
+    episode engine of its own (``sampling.episode_engine``: its slots, cache and params), a
+    seat's turn starting as soon as the seat before it moved, not when the ply's slowest turn
+    stopped. Its noise is the static plies' (turn = the match's ply), so where both compute
+    equal logits the matches are equal. ``weights`` (with ``engine``): in-flight weight
+    updates of the first side, the policy's (``episodes.EngineWeights``; the others are
+    frozen); its dict adds ``versions`` and ``swaps`` (``episodes.run_episodes``')."""
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
     if step_all is None:
         from rljax.envs import step_all
     runs = [_SideRun(s, tokenizer, renderer, limits, max_plies, mesh) for s in sides]
     if engine is not None:
-        if len(runs) != 1:
-            raise ValueError("matches on the slot engine take one side (self-play)")
-        return [_engine_matches(runs[0], jax.random.fold_in(rng, 0), max_plies, step_all,
-                                engine, EngineWeights(sides[0].params, weights))]
+        return _engine_matches(runs, rng, max_plies, step_all, engine, weights)
     time_env = 0.0
     for ply in range(max_plies):
         for run in runs:
@@ -291,49 +289,81 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
     return [run.result(time_env) for run in runs]
 
 
-def _engine_matches(run: _SideRun, rng, max_plies: int, step_all, engine,
-                    chunks: EngineWeights) -> dict:
-    """Self-play on the episode engine: each seat holds a slot (all seats at once, so a seat
-    waiting for the other's move never waits for a free slot); after every decode chunk the
-    seats whose turn ended step their match, then every waiting seat whose match is over
-    settles and every seat now to move is fed its observation. ``chunks``: the weights
-    each chunk decodes with."""
-    from rljax.models import paged
-    from rljax.sampling import episode_engine as ee
+class _EngineSide:
+    """One side's rows on the episode engine (``sampling.episode_engine``): a slot per row for
+    its whole match (all seats at once, so a seat waiting for another's move never waits for
+    a free slot), with the side's own prompt pages, KV cache and weights (``chunks``: the
+    policy's may swap in flight, an opponent's are frozen). Its noise key is ``rng``."""
 
-    side, r = run.side, len(run.envs)
-    pages, page_mask, page_len = ee.prefill(side.model_cfg, chunks.params, run.p_tok,
-                                            run.p_mask)
-    cache = paged.init_slot_cache(side.model_cfg, r, run.m_max + 1)
-    state = ee.empty_state(r, run.o, run.n, run.tok.pad_id)
-    state["row"][:] = np.arange(r)          # slot i holds row i for its whole match
-    decoding = np.zeros(r, bool)
-    stop_ids = sampling.merge_stop_ids(run.tok.eos_id, ())
-    opts = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
-                stop_ids=stop_ids, stop_sequences=run.options["stop_sequences"])
-    time_env = 0.0
-    while True:
-        # Feed each observation (cursor: the trajectory before it, the carried token first),
-        # then sample; the noise key's turn is the match's ply.
-        for i, before, obs in run.seats_to_move(decoding, max_plies):
-            ee.resume(state, i, row=i, lead=int(run.carry[i]), observation=obs, cursor=before,
-                      turn=run.envs[i].match.plies,
+    def __init__(self, run: _SideRun, rng, chunks: EngineWeights, chunk_steps: int):
+        from rljax.models import paged
+        from rljax.sampling import episode_engine as ee
+
+        side, r = run.side, len(run.envs)
+        self.run, self.rng, self.chunks, self.chunk_steps = run, rng, chunks, int(chunk_steps)
+        self.pages = ee.prefill(side.model_cfg, chunks.params, run.p_tok, run.p_mask)
+        self.cache = paged.init_slot_cache(side.model_cfg, r, run.m_max + 1)
+        self.state = ee.empty_state(r, run.o, run.n, run.tok.pad_id)
+        self.state["row"][:] = np.arange(r)          # slot i holds row i for its whole match
+        self.decoding = np.zeros(r, bool)
+        self.opts = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
+                         stop_ids=sampling.merge_stop_ids(run.tok.eos_id, ()),
+                         stop_sequences=run.options["stop_sequences"])
+
+    def feed(self, max_plies: int) -> None:
+        """The loop head: settles this side's matches, then feeds each of its seats now to
+        move its observation (cursor: the trajectory before it, the carried token first).
+        The noise key's turn is the match's ply, as the static plies key it."""
+        from rljax.sampling import episode_engine as ee
+
+        run = self.run
+        for i, before, obs in run.seats_to_move(self.decoding, max_plies):
+            ee.resume(self.state, i, row=i, lead=int(run.carry[i]), observation=obs,
+                      cursor=before, turn=run.envs[i].match.plies,
                       budget=min(run.n, run.m_max - int(run.length[i])))
-        if not decoding.any():
-            break
-        cache, state, _ = chunks.run_chunk(side.model_cfg, pages, page_mask, page_len, cache,
-                                           state, rng, num_samples=run.g,
-                                           chunk_steps=engine.chunk_steps, **opts)
-        ended = np.flatnonzero(decoding & ~state["live"])
-        decoding[ended] = False
-        texts = [run.turn_ended(i, state["tokens"][i, :state["t"][i]].tolist(),
-                                state["logps"][i], chunks.drawn[i])[1] for i in ended]
-        if len(ended):
-            t0 = time.perf_counter()
-            results = step_all([run.envs[i] for i in ended], texts)
-            time_env += time.perf_counter() - t0
-            for i, res in zip(ended, results):
-                run.record(i, res)
-    for i in np.flatnonzero(run.active):   # out of plies: truncated
-        run._truncate(i)
-    return dict(run.result(time_env), **chunks.fields(run.versions))
+
+    def decode(self) -> tuple[np.ndarray, list[str]]:
+        """One decode chunk: (rows whose turn ended int [E], their turns' kept texts)."""
+        run = self.run
+        self.cache, self.state, _ = self.chunks.run_chunk(
+            run.side.model_cfg, *self.pages, self.cache, self.state, self.rng,
+            num_samples=run.g, chunk_steps=self.chunk_steps, **self.opts)
+        ended = np.flatnonzero(self.decoding & ~self.state["live"])
+        self.decoding[ended] = False
+        st = self.state
+        texts = [run.turn_ended(i, st["tokens"][i, :st["t"][i]].tolist(), st["logps"][i],
+                                self.chunks.drawn[i])[1] for i in ended]
+        return ended, texts
+
+
+def _engine_matches(runs: list[_SideRun], rng, max_plies: int, step_all, engine,
+                    weights) -> list[dict]:
+    """The matches on the episode engine, each side on an engine of its own
+    (``_EngineSide``); one dict per side. The sides decode chunk after chunk in turn; after
+    each chunk the seats whose turn ended step their match, and before the next every side
+    settles and feeds the seats now to move, so a seat's turn starts as soon as the other
+    seat moved. Side k's noise key is ``fold_in(rng, k)``, the static plies'. ``weights``:
+    the policy's (side 0) in-flight weight updates, or None; the other sides are frozen."""
+    sides = [_EngineSide(run, jax.random.fold_in(rng, k),
+                         EngineWeights(run.side.params, weights if k == 0 else None),
+                         engine.chunk_steps) for k, run in enumerate(runs)]
+    time_env, moved = 0.0, True
+    while moved:   # until a round of the sides in which none had a seat to decode
+        moved = False
+        for side in sides:
+            for other in sides:
+                other.feed(max_plies)
+            if not side.decoding.any():
+                continue
+            moved = True
+            ended, texts = side.decode()
+            if len(ended):
+                t0 = time.perf_counter()
+                results = step_all([side.run.envs[i] for i in ended], texts)
+                time_env += time.perf_counter() - t0
+                for i, res in zip(ended, results):
+                    side.run.record(i, res)
+    for run in runs:
+        for i in np.flatnonzero(run.active):   # out of plies: truncated
+            run._truncate(i)
+    return [dict(s.run.result(time_env), **s.chunks.fields(s.run.versions)) for s in sides]

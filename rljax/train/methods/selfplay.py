@@ -11,8 +11,8 @@ against the G games of its own seat. An iteration therefore draws ``rollout.batc
 
 Checkpoint opponent: the example's seat is the policy's (G rows, the batch), the other seats
 are the frozen model's (``env.selfplay.workdir``, checkpoint ``env.selfplay.step``, sampled
-at ``env.selfplay.temperature``, 0 = greedy), which is loaded once, keeps its own cache, and
-never trains.
+at ``env.selfplay.temperature``, 0 = greedy), which is loaded once, keeps its own cache (on
+the slot engine: its own slots), and never trains.
 
 Held-out evaluation is unchanged: the environment's scripted opponent (``env.kwargs``), an
 opponent the policy never trained against.
@@ -113,8 +113,9 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     seat), the opponent's rows played and dropped. ``template``: the data template, to render
     each seat's prompt (None: the examples' ``question``). ``renderer``, ``limits``,
     ``env_kwargs``: the run's (``agent.make_renderer``, ``agent.limits``, ``agent.env_kwargs``;
-    the seat environments take ``SEAT_OPTIONS`` of the last). ``weights``: in-flight weight
-    updates of self-play on the slot engine (``matches.run_matches``)."""
+    the seat environments take ``SEAT_OPTIONS`` of the last). ``weights``: the policy's
+    in-flight weight updates on the slot engine (``matches.run_matches``; the opponent's
+    weights stay frozen)."""
     from rljax.envs.selfplay import Match, SeatEnv
     cfg, g = ctx.cfg, int(num_samples)
     game, seat_rows = seat_examples(cfg, examples, template)
@@ -137,7 +138,7 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
         sides.append(Side(opponent.model_cfg, opponent.params, theirs, g,
                           opponent.temperature, top_k if opponent.temperature else 0,
                           top_p if opponent.temperature else 1.0))
-    engine = sampler.episode_engine(cfg, len(mine)) if opponent is None else None
+    engine = sampler.episode_engine(cfg, len(mine) + len(theirs))
     eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
                       max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
                       engine=engine, weights=weights)[0]
