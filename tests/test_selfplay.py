@@ -346,7 +346,8 @@ def test_checkpoint_opponent_on_the_slot_engine_plays_the_static_matches(
     """rollout.engine='slots' with a checkpoint opponent: the policy's and the opponent's seats
     each on an episode engine of their own (slots, cache, params), both sampling (opponent at
     temperature 1); every row draws the static plies' noise, so both sides' rows are the
-    static loop's: tokens, masks, log-probs, outcomes."""
+    static loop's: tokens, masks, log-probs, outcomes. In-flight weights reach the policy's
+    side only."""
     import dataclasses
     from rljax import data as data_lib
     from rljax.train.core import evaluate
@@ -361,12 +362,17 @@ def test_checkpoint_opponent_on_the_slot_engine_plays_the_static_matches(
     played = []   # both sides' dicts (play keeps the policy's)
     monkeypatch.setattr(selfplay, "run_matches", lambda *a, **k: played.append(
         matches.run_matches(*a, **k)) or played[-1])
-    for c in (dataclasses.replace(ctx, cfg=ttt_cfg(**over)), ctx):
+    static_ctx = dataclasses.replace(ctx, cfg=ttt_cfg(**over))
+    # In-flight weights (version 7, the same params) reach the policy's side only.
+    for c, weights in ((static_ctx, None), (ctx, None), (ctx, lambda: (ctx.params, 7))):
         selfplay.play(c, ctx.params, evaluate.eval_examples(ctx), jax.random.key(3),
                       num_samples=2, temperature=1.0, template=template, opponent=opponent,
-                      **agent.match_options(c.cfg, c))
-    for static, slots in zip(*played):
-        assert static["turns"].max() > 1 and "versions" not in slots
+                      weights=weights, **agent.match_options(c.cfg, c))
+    mine, theirs = played[2]
+    assert "versions" not in theirs and "versions" not in played[1][0]
+    np.testing.assert_array_equal(mine["versions"][mine["model_mask"]], 7)
+    for static, slots in [*zip(played[0], played[1]), *zip(played[0], played[2])]:
+        assert static["turns"].max() > 1
         for k in ("tokens", "mask", "model_mask", "turn_ids", "turns", "env_rewards",
                   "turn_rewards", "truncated", "roles", "counters"):
             np.testing.assert_array_equal(slots[k], static[k], err_msg=k)
