@@ -47,29 +47,35 @@ def _played(turns, t):
     return np.arange(t)[None, :] < turns[:, None]
 
 
+@pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("estimator,scale", [("grpo", "group"), ("grpo", "batch"),
                                              ("grpo", "none"), ("dr_grpo", "group"),
                                              ("rloo", "group")])
-def test_turn_advantages_match_the_written_out_rule(estimator, scale):
-    """A_{i,t} = (R_{i,t} - baseline from the group's R_{j,0}) / scale; constant groups 0."""
+def test_turn_advantages_match_the_written_out_rule(estimator, scale, ragged):
+    """A_{i,t} = (R_{i,t} - baseline from the group's R_{j,0}) / scale; constant groups 0.
+    ``ragged``: groups of their own sizes, rows in any order (``group_ids``, knapsack
+    allocation)."""
     rng = np.random.default_rng(1)
     g, groups, t = 4, 3, 3
     returns = rng.normal(size=(g * groups, t)).astype(np.float32)
     turns = rng.integers(1, t + 1, size=g * groups)
-    returns[g:2 * g, 0] = 0.5                      # group 1: equal episode returns
+    ids = np.repeat(np.arange(groups), [5, 4, 3] if ragged else g)
+    if ragged:
+        ids = rng.permutation(ids)
+    returns[ids == 1, 0] = 0.5                     # group 1: equal episode returns
     returns = np.where(_played(turns, t), returns, 0.0).astype(np.float32)
     got = turn_credit.turn_advantages(returns, turns, g, estimator=estimator,
-                                      scale_rewards=scale)
+                                      scale_rewards=scale, group_ids=ids if ragged else None)
     first = returns[:, 0].astype(np.float64)
     batch_std = first.std(ddof=1)
     for i in range(g * groups):
-        grp = first[i - i % g:i - i % g + g]
+        grp = first[ids == ids[i]]
         for k in range(t):
             if k >= turns[i] or grp.max() == grp.min():
                 assert got[i, k] == 0.0
                 continue
             if estimator == "rloo":
-                want = returns[i, k] - (grp.sum() - first[i]) / (g - 1)
+                want = returns[i, k] - (grp.sum() - first[i]) / (grp.size - 1)
             else:
                 want = returns[i, k] - grp.mean()
             if estimator == "grpo" and scale == "group":

@@ -396,11 +396,76 @@ def test_knapsack_with_group_filters_resumes_exactly(reward_file, tmp_path, monk
     assert dropped and max(len(c[0]) for c in calls[:2]) > 1   # it dropped, it sampled more
 
 
+def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypatch):
+    """Multi-turn episodes (a tool agent) with per-turn credit: example i's group is G_i
+    episodes, the turn advantages are each group's over its own episodes (the padding row is
+    a group of one: zero), and the two prompts come back every step, so the second step is
+    sized by the posteriors: restored from the first step's saved state (through JSON, as a
+    checkpoint holds it), a new phase's second batch equals the straight one's."""
+    import json
+
+    import jax
+    from rljax.algorithms import turn_credit
+    from rljax.train import inference
+    from rljax.train.core import setup
+    from rljax.train.methods.agent import TurnCredit
+    from rljax.train.phases import make_phases
+
+    seen = []   # per call: rows' turn returns, turns, group ids; the advantages per turn
+    spread = turn_credit.spread_over_turns
+    monkeypatch.setattr(turn_credit, "spread_over_turns", lambda per_turn, ids: (
+        seen[-1].append(per_turn) or spread(per_turn, ids)))
+    advantages = TurnCredit.advantages
+
+    def spy(self, rollout, state, rewards, mask, rows, batch):
+        seen.append([turn_credit.turn_returns(rows["turn_rewards"], rows["turns"], 0.5),
+                     rows["turns"], rows["estimator_inputs"]["group_ids"]])
+        return advantages(self, rollout, state, rewards, mask, rows, batch)
+    monkeypatch.setattr(TurnCredit, "advantages", spy)
+
+    cfg = tiny_cfg(reward_file, **{
+        "rollout.batch_size": 8, "rollout.knapsack.budget": 7,
+        "rollout.knapsack.max_samples": 5, "env.name": "tool", "env.tools": ("calculator",),
+        "env.tool_format": "plain", "env.max_turns": 2, "env.max_total_tokens": 28,
+        "env.max_obs_tokens": 8, "env.max_turn_tokens": 8, "env.turn_discount": 0.5})
+    cfg.env.kwargs = {"describe_tools": False}
+    cfg.data.kwargs = {"digits": 1, "eval_examples": 2, "num_examples": 2}
+    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
+
+    def phase_and_state():
+        phase = make_phases(ctx)[-1]
+        return phase, inference.start_phase(ctx, phase, inference.initial_state(ctx))
+    phase, state = phase_and_state()
+    state, _ = phase.iteration(state, 0)   # sampled, then trained on
+    saved = json.loads(json.dumps(phase.state_dict()))
+    kept = jax.tree.map(lambda x: x.copy(), state)   # (the update donates the state)
+    after, metrics = phase.iteration(state, 1)
+    assert metrics["rollout/group_size_mean"] == 3.5 and "env/turns_mean" in metrics
+    assert np.isfinite(metrics["loss"]) and metrics["update/shared_prompt"] == 1.0
+    for returns, turns, group_ids, per_turn in seen:
+        sizes = np.bincount(group_ids)
+        assert len(sizes) == 3 and sizes[-1] == 1 and sizes.sum() == 8   # 7 + 1 padding row
+        want = [turn_credit.turn_advantages(returns[group_ids == k], turns[group_ids == k],
+                                            int(n)) for k, n in enumerate(sizes)]
+        np.testing.assert_allclose(per_turn, np.concatenate(want), rtol=1e-5, atol=1e-6)
+    assert np.ptp(np.bincount(seen[1][2])[:2]) > 0   # the posteriors sized the second step
+    resumed, _ = phase_and_state()
+    resumed.load_state_dict(saved)
+    resumed._step_fn = phase._step_fn   # the same update program, compiled once
+    again, resumed_metrics = resumed.iteration(kept, 1)
+    untimed = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "tokens_per"))}  # noqa: E731,E501
+    assert untimed(resumed_metrics) == untimed(metrics)
+    jax.tree.map(np.testing.assert_array_equal, again.params, after.params)
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.allocation=knapsack", "rollout.knapsack.max_samples=3"], "rollout.knapsack"),
     (["rollout.allocation=knapsack", "rollout.knapsack.budget=32"], "rollout.knapsack.budget"),
     (["rollout.allocation=knapsack", "algo.name=ppo", "algo.adv_estimator=gae"],
      "algo.name"),
+    # (no meaning: the seats of a match share its rows, and their outcomes are one another's)
+    (["rollout.allocation=knapsack", "env.name=tictactoe", "env.selfplay.mode=self"],
+     "env.selfplay.mode='self'"),
 ])
 def test_bad_knapsack_config_names_the_key(overrides, key):
     from rljax import config as config_lib

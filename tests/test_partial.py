@@ -347,7 +347,7 @@ def posteriors_of(workdir) -> list:
     ({"algo.name": "dpo"},
      "rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
     ({"rollout.micro_batch_size": 8},
-     "rollout.partial=true cannot be combined with rollout.micro_batch_size"),
+     "rollout.partial=true has no meaning with rollout.micro_batch_size"),
     ({"rollout.max_staleness": -1}, "rollout.max_staleness"),
 ])
 def test_refusals_are_one_line(change, message):

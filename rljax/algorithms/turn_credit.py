@@ -57,9 +57,14 @@ def turn_returns(turn_rewards: np.ndarray, turns: np.ndarray, gamma: float) -> n
 
 
 def _group_scale(first: np.ndarray, group_size: int, estimator: str, scale_rewards: str,
-                 eps: float, std_ddof: int) -> np.ndarray:
+                 eps: float, std_ddof: int, group_ids=None) -> np.ndarray:
     """f32 [N]: how much one unit of an episode's own return moves its advantage
-    (1 / the estimator's scale), 0 in groups whose returns are all equal."""
+    (1 / the estimator's scale), 0 in groups whose returns are all equal. ``group_ids`` int
+    [N]: groups of their own sizes (knapsack allocation), else consecutive groups of
+    ``group_size``."""
+    if group_ids is not None:
+        return _ragged_scale(first, np.asarray(group_ids), estimator, scale_rewards, eps,
+                             std_ddof)
     g = first.astype(np.float64).reshape(-1, group_size)
     constant = g.max(axis=1) == g.min(axis=1)
     if estimator == "grpo" and scale_rewards == "group":
@@ -72,10 +77,29 @@ def _group_scale(first: np.ndarray, group_size: int, estimator: str, scale_rewar
     return np.repeat(scale, group_size).astype(np.float32)
 
 
+def _ragged_scale(first: np.ndarray, group_ids: np.ndarray, estimator: str,
+                  scale_rewards: str, eps: float, std_ddof: int) -> np.ndarray:
+    """``_group_scale`` over the rows sharing each id of ``group_ids`` int [N] (any sizes,
+    any order; a group of one is constant)."""
+    first = first.astype(np.float64)
+    scale = np.ones(len(first))
+    if estimator == "grpo" and scale_rewards == "batch":
+        scale[:] = 1.0 / (first.std(ddof=min(std_ddof, first.size - 1)) + eps)
+    for gid in np.unique(group_ids):
+        rows = group_ids == gid
+        r = first[rows]
+        if r.max() == r.min():
+            scale[rows] = 0.0
+        elif estimator == "grpo" and scale_rewards == "group":
+            scale[rows] = 1.0 / (r.std(ddof=min(std_ddof, r.size - 1)) + eps)
+    return scale.astype(np.float32)
+
+
 def turn_advantages(returns: np.ndarray, turns: np.ndarray, group_size: int, *,
                     estimator: str = "grpo", scale_rewards: str = "group",
                     eps: float = 1e-6, std_ddof: int = 1,
-                    outcome: np.ndarray | None = None) -> np.ndarray:
+                    outcome: np.ndarray | None = None,
+                    group_ids: np.ndarray | None = None) -> np.ndarray:
     """Per-turn advantages f32 [N, T] from per-turn returns [N, T] (module docstring), 0 for
     turns not played.
 
@@ -83,7 +107,9 @@ def turn_advantages(returns: np.ndarray, turns: np.ndarray, group_size: int, *,
     ``(R_{i,t} - R_{i,0}) * scale``: the outcome advantage is reused bit for bit, so with
     R_{i,t} = R_{i,0} the result equals ``get_advantage_estimator(estimator)`` exactly.
     ``outcome``: that estimator's advantages f32 [N] of ``returns[:, 0]`` when the caller
-    already has them (the rollout's jitted estimator), else computed here."""
+    already has them (the rollout's jitted estimator), else computed here. ``group_ids`` int
+    [N]: each episode's group when groups have sizes of their own (knapsack allocation;
+    ``group_size`` is then ignored)."""
     if estimator not in TURN_ESTIMATORS:
         raise ValueError(f"per-turn returns support adv_estimator in {TURN_ESTIMATORS}, "
                          f"got {estimator!r}")
@@ -91,10 +117,12 @@ def turn_advantages(returns: np.ndarray, turns: np.ndarray, group_size: int, *,
     first = returns[:, 0]
     opts = {"scale_rewards": scale_rewards, "eps": eps, "std_ddof": std_ddof} \
         if estimator == "grpo" else {}
+    if group_ids is not None:
+        opts["group_ids"] = group_ids
     if outcome is None:
         outcome = get_advantage_estimator(estimator)(first, group_size, **opts)
     outcome = np.asarray(outcome, np.float32)
-    scale = _group_scale(first, group_size, estimator, scale_rewards, eps, std_ddof)
+    scale = _group_scale(first, group_size, estimator, scale_rewards, eps, std_ddof, group_ids)
     adv = outcome[:, None] + (returns - first[:, None]) * scale[:, None]
     played = np.arange(returns.shape[1])[None, :] < np.asarray(turns)[:, None]
     return np.where(played, adv, 0.0).astype(np.float32)

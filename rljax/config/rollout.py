@@ -142,9 +142,10 @@ def check_partial(cfg) -> None:
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' "
                           f"(got '{a.name}')")
-    if r.micro_batch_size:
-        raise ConfigError("rollout.partial=true cannot be combined with rollout.micro_batch_size "
-                          "(it samples or picks groups per round); turn one of them off")
+    if r.micro_batch_size:   # the pool holds its groups' prompts once and their tokens
+        raise ConfigError("rollout.partial=true has no meaning with rollout.micro_batch_size: "
+                          "the pool decodes on rollout.slots slots, which already bound its "
+                          "memory; set rollout.micro_batch_size=0 (or fewer rollout.slots)")
 
 
 def knapsack_limits(cfg) -> tuple[int, int, int]:
@@ -159,7 +160,8 @@ def check_allocation(cfg) -> None:
     """Knapsack allocation: GRPO with an estimator that takes ragged groups, a budget the
     prompts can share, and nothing else that samples or picks groups its own way. Hints,
     ReLIFT, mixed-policy demonstrations and group filters (dynamic sampling, the online
-    filter) act on each group, whatever its size."""
+    filter) act on each group, whatever its size; with multi-turn episodes a group is G_i
+    episodes (not in self-play, where the seats of a match share its rows)."""
     r, a = cfg.rollout, cfg.algo
     if r.allocation == "uniform":
         return
@@ -172,8 +174,11 @@ def check_allocation(cfg) -> None:
         raise ConfigError(f"rollout.allocation='knapsack' needs a group estimator that takes "
                           f"groups of different sizes, not algo.adv_estimator="
                           f"'{a.adv_estimator}'")
-    for key, on in (("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name)),
-                    ("rollout.partial", r.partial),
+    if cfg.env.name and cfg.env.selfplay.mode == "self":
+        raise ConfigError("rollout.allocation='knapsack' has no meaning with "
+                          "env.selfplay.mode='self': a match gives every seat one row, and one "
+                          "seat's win is another's loss, so a game has no pass rate to size by")
+    for key, on in (("rollout.tree.enabled", r.tree.enabled), ("rollout.partial", r.partial),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size))):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "

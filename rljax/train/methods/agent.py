@@ -166,7 +166,7 @@ class EpisodeRounds(RoundSource):
             self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
             self.opponent = selfplay.load_opponent(ctx)
 
-    def _play(self, params, examples, rng, g: int, weights=None) -> tuple[dict, list[dict]]:
+    def play_groups(self, params, examples, rng, g: int, weights=None) -> tuple[dict, list[dict]]:
         """This round's episodes and the example of each group: ``play``, or with
         ``env.selfplay`` the matches' (``selfplay.play``). ``weights``: the rollout's
         in-flight weight updates, or None."""
@@ -186,15 +186,16 @@ class EpisodeRounds(RoundSource):
         g = rollout.g
         examples = next(rollout.iterator)
         t0 = time.perf_counter()
-        eps, examples = self._play(params, examples, rng, g, rollout.weights)
+        eps, examples = self.play_groups(params, examples, rng, g, rollout.weights)
         return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
 
     def scored_round(self, rollout: Rollout, eps: dict, examples: list[dict],
-                     time_play: float) -> dict:
+                     time_play: float, g: int | None = None) -> dict:
         """The round dict of played episodes ``eps`` (``play``'s fields) of the groups of
-        ``examples``, scored with ``rollout``'s reward functions; ``time_play``: seconds the
-        episodes took, the environments' steps included."""
-        g = rollout.g
+        ``examples``, ``g`` episodes each (default ``algo.num_generations``), scored with
+        ``rollout``'s reward functions; ``time_play``: seconds the episodes took, the
+        environments' steps included."""
+        g = rollout.g if g is None else g
         t1 = time.perf_counter()
         total, per_turn, result = score(rollout.reward_fn, eps, examples, g)
         scores = {"env": eps["env_rewards"]}
@@ -226,8 +227,9 @@ class EpisodeRounds(RoundSource):
 class TurnCredit(RolloutStage):
     """GRPO with ``env.turn_discount``: per-turn advantages f32 [R, M]
     (``turn_credit.turn_advantages`` over the discounted turn returns, the episode outcome
-    normalised by the rollout's estimator), every model token of turn t getting turn t's, 0
-    outside the tokens that train."""
+    normalised by the rollout's estimator; over each row's ``group_ids`` when groups have
+    sizes of their own), every model token of turn t getting turn t's, 0 outside the tokens
+    that train."""
 
     name = "turn_credit"
 
@@ -237,9 +239,13 @@ class TurnCredit(RolloutStage):
     def advantages(self, rollout, state, rewards, mask, rows, batch) -> np.ndarray:
         a, gamma = self.cfg.algo, self.cfg.env.turn_discount
         returns = turn_credit.turn_returns(rows["turn_rewards"], rows["turns"], gamma)
+        # Groups of their own sizes (knapsack allocation): each episode's group id.
+        inputs = rows.get("estimator_inputs") or None
+        group_ids = None if inputs is None else inputs.get("group_ids")
         per_turn = turn_credit.turn_advantages(
             returns, rows["turns"], rollout.g, estimator=a.adv_estimator,
-            scale_rewards=a.scale_rewards, outcome=rollout.advantages(returns[:, 0]))
+            scale_rewards=a.scale_rewards, group_ids=group_ids,
+            outcome=rollout.advantages(returns[:, 0], inputs=inputs))
         adv = turn_credit.spread_over_turns(per_turn, rows["turn_ids"])
         return np.where(mask, adv, 0.0).astype(np.float32)
 

@@ -15,6 +15,12 @@ group's own rows (``group_ids``). The update computes each prompt once too
 (``length_groups.ragged_layout``). The phase checkpoints the posteriors under
 ``allocation``.
 
+Multi-turn episodes (``env.name``): example i's group is G_i episodes (``agent.EpisodeRounds``
+plays the ``budget`` episodes, each its own example's), scored as episodes are; the batch
+rows carry the episodes' ``row_keys`` for the credit stages (per-turn credit takes each
+row's ``group_ids``). The policy against itself in every seat (``env.selfplay.mode='self'``)
+is refused: a match gives each seat one row, and the seats' outcomes are one another's.
+
 Metrics: ``rollout/group_size_min``/``_mean``/``_max``, ``rollout/pass_rate_est_mean``,
 and (every rollout) ``rollout/effective_samples``: samples that train with a non-zero
 advantage.
@@ -31,6 +37,7 @@ from rljax.data import allocation as alloc
 from rljax.data import selection
 from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
 from rljax.train.core.sampler import generate, rebucket_routes
+from rljax.train.methods import agent
 
 
 class KnapsackRounds(RoundSource):
@@ -43,6 +50,8 @@ class KnapsackRounds(RoundSource):
         sel = ctx.cfg.data.selection
         self.threshold, self.fractional = float(sel.threshold), bool(sel.fractional)
         self.rates = alloc.PassRates()
+        # Multi-turn episodes (env.name): a group is G_i episodes of its example.
+        self.episodes = agent.EpisodeRounds(ctx) if ctx.cfg.env.name else None
 
     def pass_rates(self, rollout, indices) -> np.ndarray:
         """float [P]: the estimated pass rate of each prompt (posterior means)."""
@@ -59,9 +68,14 @@ class KnapsackRounds(RoundSource):
         indices = list(rollout.iterator.last_indices)
         p = self.pass_rates(rollout, indices)
         sizes = alloc.knapsack_allocate(p, self.budget, self.lo, self.hi)
-        prompt_tokens, prompt_mask = encode_prompts(
-            self.ctx.tokenizer, [ex["prompt"] for ex in examples], self.cfg.data.max_prompt_length)
-        rnd = self._sample(rollout, params, rng, examples, prompt_tokens, prompt_mask, sizes)
+        if self.episodes is not None:
+            rnd = self._play(rollout, params, rng, examples, sizes)
+        else:
+            prompt_tokens, prompt_mask = encode_prompts(
+                self.ctx.tokenizer, [ex["prompt"] for ex in examples],
+                self.cfg.data.max_prompt_length)
+            rnd = self._sample(rollout, params, rng, examples, prompt_tokens, prompt_mask,
+                               sizes)
         rnd.update(group_sizes=sizes, indices=indices, pass_rates=p)
         if not isinstance(rollout.selector, selection.Predicted):
             wins = selection.group_successes(rnd["rewards"], sizes, self.threshold,
@@ -99,6 +113,17 @@ class KnapsackRounds(RoundSource):
         return rollout.score_round([examples[i] for i in owner], prompt_tokens[owner],
                                    prompt_mask[owner], out, rows, t0, g=1)
 
+    def _play(self, rollout, params, rng, examples, sizes) -> dict:
+        """``sizes[i]`` episodes of example i, group after group (``budget`` in all: one
+        shape of the episode batches), scored as the episodes' rounds are: each episode is
+        played as a group of one of its own example, so every row carries its prompt
+        (``prompt_ids``)."""
+        owner = np.repeat(np.arange(len(examples)), sizes)
+        rows = [examples[i] for i in owner]
+        t0 = time.perf_counter()
+        eps, rows = self.episodes.play_groups(params, rows, rng, 1, rollout.weights)
+        return self.episodes.scored_round(rollout, eps, rows, time.perf_counter() - t0, g=1)
+
     def pick_groups(self, rounds, kept, dropped) -> tuple[list, int, bool]:
         """``Rollout._pick_groups`` for ragged groups: the kept (round, group) pairs, in order,
         that still fit in the update's ``rollout.batch_size`` rows (first fit), no filler
@@ -133,11 +158,14 @@ class KnapsackRounds(RoundSource):
     def metrics(self, rounds, step: int) -> dict:
         """Group sizes and estimated pass rates over every round of the call."""
         sizes = np.concatenate([r["group_sizes"] for r in rounds])
-        return {"rollout/group_size_min": int(sizes.min()),
-                "rollout/group_size_mean": float(sizes.mean()),
-                "rollout/group_size_max": int(sizes.max()),
-                "rollout/pass_rate_est_mean": float(np.mean(
-                    np.concatenate([r["pass_rates"] for r in rounds])))}
+        m = {"rollout/group_size_min": int(sizes.min()),
+             "rollout/group_size_mean": float(sizes.mean()),
+             "rollout/group_size_max": int(sizes.max()),
+             "rollout/pass_rate_est_mean": float(np.mean(
+                 np.concatenate([r["pass_rates"] for r in rounds])))}
+        if self.episodes is not None:   # env/*, time/env
+            m.update(self.episodes.metrics(rounds, step))
+        return m
 
     def state_dict(self) -> dict:
         return {"pass_rates": self.rates.state()}

@@ -326,15 +326,15 @@ class GRPOPhase:
             groups = selfplay.examples_per_round(cfg, groups)
         self.iterator = rl_iterator(ctx, groups)
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
-        # The round source of any rollout: multi-turn episodes (rljax.train.methods.agent),
-        # per-prompt group sizes (methods.allocation), or partial rollouts' groups carried
-        # across iterations.
-        if cfg.env.name:   # with rollout.partial, groups of episodes carried across iterations
-            from rljax.train.methods.episode_partial import episode_rounds
-            rounds = episode_rounds(ctx, self.batch_size // a.num_generations)
-        elif cfg.rollout.allocation == "knapsack":
+        # The round source of any rollout: per-prompt group sizes (methods.allocation, of
+        # completions or of episodes), multi-turn episodes (rljax.train.methods.agent), or
+        # partial rollouts' groups carried across iterations.
+        if cfg.rollout.allocation == "knapsack":
             from rljax.train.methods.allocation import KnapsackRounds
             rounds = KnapsackRounds(ctx)
+        elif cfg.env.name:   # with rollout.partial, groups of episodes carried across iterations
+            from rljax.train.methods.episode_partial import episode_rounds
+            rounds = episode_rounds(ctx, self.batch_size // a.num_generations)
         else:
             rounds = partial_lib.rounds_of(ctx, self.batch_size // a.num_generations)
         self.rollout = Rollout(ctx, self.iterator, old_logps=not single_update(cfg),
