@@ -156,12 +156,24 @@ def knapsack_limits(cfg) -> tuple[int, int, int]:
     return budget, int(k.min_samples), int(k.max_samples or budget)
 
 
+def knapsack_step(cfg) -> int:
+    """What the knapsack's group sizes are multiples of: with tree sampling, a prompt's group
+    is whole trees of ``branching**depth`` leaves (the configured tree, one root each; the
+    knapsack gives each prompt its number of roots); else 1."""
+    t = cfg.rollout.tree
+    if not t.enabled:
+        return 1
+    depth = tree_depth(t.roots, t.branching, t.max_leaves or cfg.algo.num_generations)
+    return int(t.branching) ** int(depth or 0)
+
+
 def check_allocation(cfg) -> None:
     """Knapsack allocation: GRPO with an estimator that takes ragged groups, a budget the
     prompts can share, and nothing else that samples or picks groups its own way. Hints,
     ReLIFT, mixed-policy demonstrations and group filters (dynamic sampling, the online
     filter) act on each group, whatever its size; with multi-turn episodes a group is G_i
-    episodes (not in self-play, where the seats of a match share its rows)."""
+    episodes (not in self-play, where the seats of a match share its rows), with tree
+    sampling whole trees (``knapsack_step``)."""
     r, a = cfg.rollout, cfg.algo
     if r.allocation == "uniform":
         return
@@ -178,7 +190,7 @@ def check_allocation(cfg) -> None:
         raise ConfigError("rollout.allocation='knapsack' has no meaning with "
                           "env.selfplay.mode='self': a match gives every seat one row, and one "
                           "seat's win is another's loss, so a game has no pass rate to size by")
-    for key, on in (("rollout.tree.enabled", r.tree.enabled), ("rollout.partial", r.partial),
+    for key, on in (("rollout.partial", r.partial),
                     ("rollout.micro_batch_size", bool(r.micro_batch_size))):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
@@ -191,6 +203,14 @@ def check_allocation(cfg) -> None:
     if prompts * lo > budget or prompts * hi < budget or hi < lo:
         raise ConfigError(f"rollout.knapsack: {prompts} prompts cannot share a budget of "
                           f"{budget} samples with min_samples={lo}, max_samples={hi}")
+    step = knapsack_step(cfg)   # tree sampling: groups of whole trees
+    small, large = -(-lo // step) * step, hi // step * step
+    if step > 1 and (budget % step or small > large or prompts * small > budget
+                     or prompts * large < budget):
+        raise ConfigError(f"rollout.knapsack: with rollout.tree.enabled a group is whole trees "
+                          f"of {step} leaves: budget={budget}, min_samples={lo} and "
+                          f"max_samples={hi} leave {prompts} prompts no sizes in multiples of "
+                          f"{step} that share the budget")
 
 
 def check_tree(cfg) -> None:

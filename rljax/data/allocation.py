@@ -25,7 +25,7 @@ import numpy as np
 
 from rljax.data.selection import beta_update
 
-__all__ = ["task_value", "knapsack_allocate", "PassRates", "expand_groups",
+__all__ = ["task_value", "knapsack_allocate", "size_range", "PassRates", "expand_groups",
            "informative_groups"]
 
 
@@ -36,21 +36,31 @@ def task_value(g, p) -> np.ndarray:
     return (1.0 - p ** g - (1.0 - p) ** g) * p * (1.0 - p) ** 2
 
 
-def knapsack_allocate(pass_rates, budget: int, lo: int, hi: int) -> np.ndarray:
+def size_range(lo: int, hi: int, step: int = 1) -> tuple[int, int]:
+    """(smallest, largest) multiple of ``step`` in [lo, hi]: the group sizes a knapsack with
+    that step may give (smallest > largest: none)."""
+    return -(-int(lo) // step) * step, int(hi) // step * step
+
+
+def knapsack_allocate(pass_rates, budget: int, lo: int, hi: int, step: int = 1) -> np.ndarray:
     """Exact group sizes: int [P] maximising ``sum task_value(G_i, p_i)`` with
-    ``sum G_i == budget`` and ``lo <= G_i <= hi``, by dynamic programming over
-    (prompt, samples spent): O(P * budget * (hi - lo + 1)).
+    ``sum G_i == budget`` and ``lo <= G_i <= hi``, each a multiple of ``step`` (tree
+    sampling: whole trees), by dynamic programming over (prompt, samples spent):
+    O(P * budget * (hi - lo + 1)).
 
     Ties go to the smaller G of the earlier prompt (deterministic). Raises ValueError when
-    no allocation exists (``P * lo > budget`` or ``P * hi < budget``)."""
+    no allocation exists (``P * lo > budget`` or ``P * hi < budget``, counting multiples of
+    ``step`` only)."""
     p = np.asarray(pass_rates, np.float64)
     n = p.shape[0]
     if lo < 1 or hi < lo:
         raise ValueError(f"knapsack: need 1 <= min samples <= max samples, got {lo}, {hi}")
-    if n * lo > budget or n * hi < budget:
+    lo, hi = size_range(lo, hi, step)
+    if hi < lo or n * lo > budget or n * hi < budget or budget % step:
         raise ValueError(f"knapsack: {n} prompts cannot share a budget of {budget} samples "
-                         f"with {lo} to {hi} samples each")
-    sizes = np.arange(lo, hi + 1)
+                         f"with {lo} to {hi} samples each" + (f" in multiples of {step}"
+                                                             if step > 1 else ""))
+    sizes = np.arange(lo, hi + 1, step)
     values = task_value(sizes[None, :], p[:, None])            # [P, choices]
     neg = -np.inf
     best = np.full((n + 1, budget + 1), neg)                   # best[i, b]: first i prompts, b spent

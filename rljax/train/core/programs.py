@@ -151,6 +151,10 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
     n_sample = sampler_len(cfg)
     chunk = r.micro_batch_size // g if r.micro_batch_size else int(r.batch_size) // g
     tree = tree_sampling.options_from_config(r.tree, g)
+    if tree is not None and r.allocation == "knapsack":   # the budget's trees of one root each
+        from rljax.config.rollout import knapsack_limits, knapsack_step   # (methods.allocation)
+        g = knapsack_step(cfg)
+        chunk, tree = knapsack_limits(cfg)[0] // g, dict(tree, roots=1)
     merge = sampler_lib.merges_for_sampling(cfg, mcfg, params)
     for_sampling = (lambda q: models.lora.merge(mcfg, q)) if merge else (lambda q: q)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated)

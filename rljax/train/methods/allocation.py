@@ -21,6 +21,12 @@ rows carry the episodes' ``row_keys`` for the credit stages (per-turn credit tak
 row's ``group_ids``). The policy against itself in every seat (``env.selfplay.mode='self'``)
 is refused: a match gives each seat one row, and the seats' outcomes are one another's.
 
+Tree sampling (``rollout.tree.enabled``): the configured tree's subtree below one root
+(``branching**depth`` leaves) is the unit; the knapsack sizes groups in multiples of it
+(``config.rollout.knapsack_step``) and prompt i grows G_i / unit such trees, whose leaves are
+its group. The estimator is a group one (the tree estimators need one tree layout for every
+group).
+
 Metrics: ``rollout/group_size_min``/``_mean``/``_max``, ``rollout/pass_rate_est_mean``,
 and (every rollout) ``rollout/effective_samples``: samples that train with a non-zero
 advantage.
@@ -32,7 +38,7 @@ import time
 import numpy as np
 
 from rljax import sampling
-from rljax.config.rollout import knapsack_limits
+from rljax.config.rollout import knapsack_limits, knapsack_step
 from rljax.data import allocation as alloc
 from rljax.data import selection
 from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
@@ -47,6 +53,7 @@ class KnapsackRounds(RoundSource):
     def __init__(self, ctx):
         self.ctx, self.cfg = ctx, ctx.cfg
         self.budget, self.lo, self.hi = knapsack_limits(ctx.cfg)
+        self.step = knapsack_step(ctx.cfg)   # tree sampling: groups of whole trees
         sel = ctx.cfg.data.selection
         self.threshold, self.fractional = float(sel.threshold), bool(sel.fractional)
         self.rates = alloc.PassRates()
@@ -67,7 +74,7 @@ class KnapsackRounds(RoundSource):
         examples = next(rollout.iterator)
         indices = list(rollout.iterator.last_indices)
         p = self.pass_rates(rollout, indices)
-        sizes = alloc.knapsack_allocate(p, self.budget, self.lo, self.hi)
+        sizes = alloc.knapsack_allocate(p, self.budget, self.lo, self.hi, self.step)
         if self.episodes is not None:
             rnd = self._play(rollout, params, rng, examples, sizes)
         else:
@@ -97,16 +104,26 @@ class KnapsackRounds(RoundSource):
                 prefixes=None) -> dict:
         """``sizes[i]`` rows of prompt i sampled (each prompt prefilled once) and scored. The
         sampler always runs ``budget`` rows (one program): rows past the groups repeat the
-        last one and are dropped before scoring."""
+        last one and are dropped before scoring. Tree sampling: prompt i grows
+        ``sizes[i] / step`` trees of ``step`` leaves, one root each (its prompt prefilled per
+        tree), and the padding rows are whole trees."""
         cfg, n = self.cfg, int(np.sum(sizes))
         owner = np.repeat(np.arange(len(examples)), sizes).astype(np.int32)   # row -> prompt
-        padded = np.concatenate([owner, np.full(self.budget - n, owner[-1], np.int32)])
         t0 = time.perf_counter()
-        out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=1,
-                       max_new_tokens=cfg.rollout.max_new_tokens,
-                       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                       top_p=cfg.rollout.top_p, temperatures=rollout.temperatures,
-                       prompt_index=padded)
+        opts = dict(max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                    top_p=cfg.rollout.top_p, temperatures=rollout.temperatures)
+        if rollout.tree is None:
+            padded = np.concatenate([owner, np.full(self.budget - n, owner[-1], np.int32)])
+            out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=1,
+                           prompt_index=padded, **opts)
+        else:   # whole trees of ``step`` leaves, one root each: prompt i's for its group
+            roots = owner[::self.step]
+            roots = np.concatenate([roots, np.full(self.budget // self.step - len(roots),
+                                                   roots[-1], np.int32)])
+            out = generate(self.ctx, params, prompt_tokens[roots], prompt_mask[roots], rng,
+                           num_samples=self.step, tree=dict(rollout.tree, roots=1), **opts)
+            out["decoded"] = out["decoded"][:n // self.step]   # (padding trees aside)
         out = {k: v[:n] if isinstance(v, np.ndarray) and len(v) == self.budget else v
                for k, v in out.items()}
         rows = None if prefixes is None else [prefixes[i] for i in owner]
