@@ -195,7 +195,7 @@ def test_knapsack_rollout_batch(reward_file, tmp_path, tree):
     """Groups of the knapsack's sizes, padded rows that weigh zero, advantages of each
     group over its own rows, and posteriors that learn (the second step's sizes differ).
     ``tree``: a group is whole trees (2 roots x 2 leaves configured: trees of 2 leaves, the
-    sizes even), the two leaves of a tree sharing its first segment."""
+    sizes even), the two leaves of a tree sharing its first segment; the batch trains."""
     import jax
     from rljax.train import inference
     from rljax.train.core import setup
@@ -231,6 +231,9 @@ def test_knapsack_rollout_batch(reward_file, tmp_path, tree):
             assert sizes.max() - sizes.min() <= step
             sizes_before = sizes
     assert not np.array_equal(sizes_before, sizes) or np.ptp(rnd["pass_rates"]) == 0
+    if tree:
+        _, metrics = phase.iteration(state, 2)
+        assert np.isfinite(metrics["loss"]) and metrics["rollout/group_size_min"] % 2 == 0
     # A plain rollout with the knapsack as its round source; the phase saves the posteriors
     # under the key earlier checkpoints have.
     from rljax.train.core.rollout import Rollout
@@ -273,14 +276,13 @@ def test_the_slot_engine_samples_ragged_groups_as_the_static_sampler(reward_file
     np.testing.assert_array_equal(slots["lengths"], static["lengths"])
 
 
-@pytest.mark.parametrize("selection_name, engine, tree", [("uniform", "static", False),
-                                                          ("predicted", "static", False),
-                                                          ("curriculum", "slots", False),
-                                                          ("uniform", "slots", True)])
-def test_knapsack_train_run(reward_file, tmp_path, selection_name, engine, tree):
-    """A short run, with the round source's own pass rates, with MoPPS's posterior, with a
-    curriculum on the slot engine, and with trees on the slot engine (groups of whole trees of
-    2 leaves); the update computes each prompt once (the ragged shared-prompt layout)."""
+@pytest.mark.parametrize("selection_name, engine", [("uniform", "static"),
+                                                    ("predicted", "static"),
+                                                    ("curriculum", "slots")])
+def test_knapsack_train_run(reward_file, tmp_path, selection_name, engine):
+    """A short run, with the round source's own pass rates, with MoPPS's posterior, and with a
+    curriculum on the slot engine; the update computes each prompt once (the ragged
+    shared-prompt layout)."""
     import jax
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
@@ -289,16 +291,12 @@ def test_knapsack_train_run(reward_file, tmp_path, selection_name, engine, tree)
                                    "rollout.engine": engine, "rollout.slots": 4,
                                    # a curriculum on the digits, raised by every round
                                    "data.selection.knob": "digits", "data.selection.window": 1,
-                                   "data.selection.threshold": 0.0, "data.selection.high": 0.5,
-                                   **({"rollout.tree.enabled": True, "rollout.tree.roots": 2,
-                                       "rollout.tree.segment_tokens": 1} if tree else {})})
+                                   "data.selection.threshold": 0.0, "data.selection.high": 0.5})
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
     assert all(1 <= r["rollout/group_size_min"] <= r["rollout/group_size_max"] <= 8
                and r["rollout/group_size_mean"] == 4.0 for r in rl)
-    if tree:
-        assert all(r["rollout/group_size_min"] % 2 == 0 for r in rl)
     assert all(0 <= r["rollout/effective_samples"] <= 16 for r in rl)
     # Groups of any sizes still compute each prompt once in the update.
     assert all(r["update/shared_prompt"] == 1.0 for r in rl)
@@ -423,21 +421,50 @@ def test_knapsack_with_group_filters_resumes_exactly(reward_file, tmp_path, monk
     assert dropped and max(len(c[0]) for c in calls[:2]) > 1   # it dropped, it sampled more
 
 
+def phase_resumes_exactly(cfg, tmp_path, steps: int, saved_after: int) -> list[dict]:
+    """Runs ``steps`` iterations of ``cfg``'s GRPO phase, and again from the phase's host
+    state saved after ``saved_after`` of them (through JSON, as a checkpoint holds it) in a
+    new phase; asserts the resumed iterations' metrics (wall-clock values aside) and final
+    parameters equal the straight ones. Returns the straight metrics. (One process: the
+    update program is compiled once and shared, the cheap way to a resumed run.)"""
+    import json
+
+    import jax
+    from rljax.train import inference
+    from rljax.train.core import setup
+    from rljax.train.phases import make_phases
+    from test_train_loop import comparable
+
+    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
+
+    def fresh():
+        phase = make_phases(ctx)[-1]
+        return phase, inference.start_phase(ctx, phase, inference.initial_state(ctx))
+    phase, state = fresh()
+    records = []
+    for step in range(steps):
+        if step == saved_after:   # (the update donates the state: a copy resumes)
+            saved = json.loads(json.dumps(phase.state_dict()))
+            kept = jax.tree.map(lambda x: x.copy(), state)
+        state, metrics = phase.iteration(state, step)
+        records.append(metrics)
+    resumed, _ = fresh()
+    resumed.load_state_dict(saved)
+    resumed._step_fn = phase._step_fn
+    for step in range(saved_after, steps):
+        kept, metrics = resumed.iteration(kept, step)
+        assert comparable([metrics]) == comparable([records[step]]), step
+    jax.tree.map(np.testing.assert_array_equal, kept.params, state.params)
+    return records
+
+
 def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypatch):
     """Multi-turn episodes (a tool agent) with per-turn credit: example i's group is G_i
     episodes, the turn advantages are each group's over its own episodes (the padding row is
     a group of one: zero), and the two prompts come back every step, so the second step is
-    sized by the posteriors: restored from the first step's saved state (through JSON, as a
-    checkpoint holds it), a new phase's second batch equals the straight one's."""
-    import json
-
-    import jax
+    sized by the posteriors, which resume exactly."""
     from rljax.algorithms import turn_credit
-    from rljax.train import inference
-    from rljax.train.core import setup
     from rljax.train.methods.agent import TurnCredit
-    from rljax.train.phases import make_phases
-    from test_train_loop import comparable
 
     seen = []   # per call: rows' turn returns, turns, group ids; the advantages per turn
     spread = turn_credit.spread_over_turns
@@ -458,18 +485,9 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
         "env.max_obs_tokens": 8, "env.max_turn_tokens": 8, "env.turn_discount": 0.5})
     cfg.env.kwargs = {"describe_tools": False}
     cfg.data.kwargs = {"digits": 1, "eval_examples": 2, "num_examples": 2}
-    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
-
-    def phase_and_state():
-        phase = make_phases(ctx)[-1]
-        return phase, inference.start_phase(ctx, phase, inference.initial_state(ctx))
-    phase, state = phase_and_state()
-    state, _ = phase.iteration(state, 0)   # sampled, then trained on
-    saved = json.loads(json.dumps(phase.state_dict()))
-    kept = jax.tree.map(lambda x: x.copy(), state)   # (the update donates the state)
-    after, metrics = phase.iteration(state, 1)
-    assert metrics["rollout/group_size_mean"] == 3.5 and "env/turns_mean" in metrics
-    assert np.isfinite(metrics["loss"]) and metrics["update/shared_prompt"] == 1.0
+    records = phase_resumes_exactly(cfg, tmp_path, steps=2, saved_after=1)
+    assert all(r["rollout/group_size_mean"] == 3.5 and "env/turns_mean" in r for r in records)
+    assert all(np.isfinite(r["loss"]) and r["update/shared_prompt"] == 1.0 for r in records)
     for returns, turns, group_ids, per_turn in seen:
         sizes = np.bincount(group_ids)
         assert len(sizes) == 3 and sizes[-1] == 1 and sizes.sum() == 8   # 7 + 1 padding row
@@ -477,12 +495,24 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
                                             int(n)) for k, n in enumerate(sizes)]
         np.testing.assert_allclose(per_turn, np.concatenate(want), rtol=1e-5, atol=1e-6)
     assert np.ptp(np.bincount(seen[1][2])[:2]) > 0   # the posteriors sized the second step
-    resumed, _ = phase_and_state()
-    resumed.load_state_dict(saved)
-    resumed._step_fn = phase._step_fn   # the same update program, compiled once
-    again, resumed_metrics = resumed.iteration(kept, 1)
-    assert comparable([resumed_metrics]) == comparable([metrics])
-    jax.tree.map(np.testing.assert_array_equal, again.params, after.params)
+
+
+def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path):
+    """Partial rollouts: the pool's groups are sized by the knapsack when their prompts are
+    admitted (at most max_samples = G rows each, so any P groups fit the update), an
+    iteration trains on the first P to complete, whatever their sizes, and the posteriors
+    learn each group when it completes. The dataset's 8 prompts come back in the third
+    iteration, sized by what the posteriors learned; saved with groups in flight after the
+    second, the run resumes exactly."""
+    cfg = tiny_cfg(reward_file, **{
+        "rollout.engine": "slots", "rollout.slots": 4, "rollout.partial": True,
+        "rollout.knapsack.budget": 12, "rollout.knapsack.max_samples": 4})
+    records = phase_resumes_exactly(cfg, tmp_path, steps=3, saved_after=2)
+    assert all(r["rollout/carried_groups"] == 4 and r["rollout/group_size_mean"] == 3.0
+               for r in records[:2])   # the first two batches: the flat prior's 3 each
+    last = records[-1]
+    assert last["rollout/group_size_max"] > last["rollout/group_size_min"]
+    assert last["rollout/staleness_max"] >= 1 and np.isfinite(last["loss"])
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -492,6 +522,10 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
      "algo.name"),
     (["rollout.allocation=knapsack", "rollout.tree.enabled=true", "rollout.knapsack.budget=14"],
      "whole trees of 4 leaves"),
+    (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots"],
+     "rollout.knapsack.max_samples=16: with rollout.partial"),
+    (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots",
+      "env.name=tool", "rollout.knapsack.max_samples=4"], "cannot be combined with env.name"),
     # (no meaning: the seats of a match share its rows, and their outcomes are one another's)
     (["rollout.allocation=knapsack", "env.name=tictactoe", "env.selfplay.mode=self"],
      "env.selfplay.mode='self'"),

@@ -190,8 +190,10 @@ def check_allocation(cfg) -> None:
         raise ConfigError("rollout.allocation='knapsack' has no meaning with "
                           "env.selfplay.mode='self': a match gives every seat one row, and one "
                           "seat's win is another's loss, so a game has no pass rate to size by")
-    for key, on in (("rollout.partial", r.partial),
-                    ("rollout.micro_batch_size", bool(r.micro_batch_size))):
+    if r.partial and cfg.env.name:
+        raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
+                          "with env.name (carried episodes come in groups of G)")
+    for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
                               "(it samples or picks groups its own way)")
@@ -203,6 +205,10 @@ def check_allocation(cfg) -> None:
     if prompts * lo > budget or prompts * hi < budget or hi < lo:
         raise ConfigError(f"rollout.knapsack: {prompts} prompts cannot share a budget of "
                           f"{budget} samples with min_samples={lo}, max_samples={hi}")
+    if r.partial and prompts * hi > r.batch_size:
+        raise ConfigError(f"rollout.knapsack.max_samples={hi}: with rollout.partial any "
+                          f"{prompts} groups to complete must fit rollout.batch_size="
+                          f"{r.batch_size} rows, so at most {r.batch_size // prompts}")
     step = knapsack_step(cfg)   # tree sampling: groups of whole trees
     small, large = -(-lo // step) * step, hi // step * step
     if step > 1 and (budget % step or small > large or prompts * small > budget

@@ -65,7 +65,8 @@ class Taken:
     rows: tokens int32 [R, N], logps f32 [R, N] (behaviour log-probs), versions int32 [R, N]
     (the version that drew each token, -1 past the end), mask bool [R, N], lengths int32 [R],
     truncated bool [R]. prompts: each group's prompt ids; metas: what ``admit`` was given;
-    places: the places the groups held (free again now).
+    places: the places the groups held (free again now); sizes: each group's rows (groups
+    admitted with sizes of their own, ``admit(..., sizes=)``; else all G).
     dropped_stale: samples discarded for staleness in this run; decode_steps / useful_steps:
     the chunks' steps and the tokens they produced (slot utilisation); drawn: every token
     this run drew, first tokens included, in any group (the run's sampling work)."""
@@ -77,6 +78,7 @@ class Taken:
     decode_steps: int
     useful_steps: int
     drawn: int
+    sizes: list = dataclasses.field(default_factory=list)
 
 
 class Pool:
@@ -113,6 +115,7 @@ class Pool:
     def reset(self) -> None:
         r, n = self.c * self.g, self.n
         self.serial = np.full(self.c, -1, np.int64)          # admission order; -1 = free
+        self.sizes = np.full(self.c, self.g, np.int64)       # each group's rows (<= G)
         self.completed_at = np.full(self.c, -1, np.int64)    # chunk clock at completion
         self.prompts: list = [None] * self.c
         self.metas: list = [None] * self.c
@@ -129,17 +132,22 @@ class Pool:
         """Group places without a group."""
         return int((self.serial < 0).sum())
 
-    def admit(self, prompts: Sequence[Sequence[int]], metas: Sequence[Any]) -> list[int]:
+    def admit(self, prompts: Sequence[Sequence[int]], metas: Sequence[Any],
+              sizes: Sequence[int] | None = None) -> list[int]:
         """New groups (prompt ids, at most ``prompt_len`` each; ``metas``: anything the caller
-        wants back with the group) in the free places, in order; returns those places."""
+        wants back with the group) in the free places, in order; returns those places.
+        ``sizes``: each group's rows, 1 to G (knapsack allocation; default G): the rows past
+        a group's size are never drawn."""
         places = np.flatnonzero(self.serial < 0)
-        if len(prompts) > len(places) or len(prompts) != len(metas):
+        sizes = [self.g] * len(prompts) if sizes is None else [int(k) for k in sizes]
+        if len(prompts) > len(places) or not len(prompts) == len(metas) == len(sizes):
             raise ValueError(f"admit: {len(prompts)} groups for {len(places)} free places")
-        for j, ids, meta in zip(places, prompts, metas):
-            if not 0 < len(ids) <= self.p:
-                raise ValueError(f"admit: a prompt of {len(ids)} tokens; 1 to {self.p} fit")
+        for j, ids, meta, size in zip(places, prompts, metas, sizes):
+            if not 0 < len(ids) <= self.p or not 0 < size <= self.g:
+                raise ValueError(f"admit: a prompt of {len(ids)} tokens (1 to {self.p} fit), "
+                                 f"{size} rows (1 to {self.g})")
             self.serial[j], self.next_serial = self.next_serial, self.next_serial + 1
-            self.prompts[j], self.metas[j] = [int(t) for t in ids], meta
+            self.prompts[j], self.metas[j], self.sizes[j] = [int(t) for t in ids], meta, size
             self._clear(j)
         return [int(j) for j in places[:len(prompts)]]
 
@@ -149,7 +157,8 @@ class Pool:
     def _clear(self, j) -> None:
         rows = self._rows(j)
         self.tokens[rows], self.logps[rows], self.versions[rows] = self.draw["pad_id"], 0.0, -1
-        self.lengths[rows], self.done[rows], self.completed_at[j] = 0, False, -1
+        self.lengths[rows], self.completed_at[j] = 0, -1
+        self.done[rows] = np.arange(self.g) >= self.sizes[j]   # rows past its size: never drawn
 
     def _finished(self) -> np.ndarray:
         return self.done | (self.lengths >= self.n)
@@ -192,7 +201,7 @@ class Pool:
             num_samples=g, max_new_tokens=n, greedy=self.greedy, cache_dtype=self.cache_dtype,
             **self.draw)
         first, first_logp, first_stop = jax.device_get((first, first_logp, first_stop))
-        new = (self.lengths == 0) & np.repeat(self.serial >= 0, g)
+        new = (self.lengths == 0) & ~self.done & np.repeat(self.serial >= 0, g)
         self.tokens[new, 0], self.logps[new, 0] = first[new], first_logp[new]
         self.versions[new, 0], self.lengths[new], self.done[new] = version, 1, first_stop[new]
         before = self.lengths.copy()
@@ -269,7 +278,8 @@ class Pool:
     def _take(self, want: int, dropped: int, steps: int, useful: int, drawn: int) -> Taken:
         places = np.flatnonzero(self._complete())
         places = sorted(places, key=lambda j: (self.completed_at[j], self.serial[j]))[:want]
-        rows = np.concatenate([np.arange(j * self.g, (j + 1) * self.g) for j in places])
+        rows = np.concatenate([np.arange(j * self.g, j * self.g + self.sizes[j])
+                               for j in places])
         mask = np.arange(self.n)[None, :] < self.lengths[rows][:, None]
         out = dict(tokens=self.tokens[rows].copy(), logps=self.logps[rows].copy(),
                    versions=self.versions[rows].copy(), mask=mask,
@@ -277,7 +287,8 @@ class Pool:
         taken = Taken(rows=out, prompts=[self.prompts[j] for j in places],
                       metas=[self.metas[j] for j in places],
                       places=[int(j) for j in places], dropped_stale=dropped,
-                      decode_steps=steps, useful_steps=useful, drawn=drawn)
+                      decode_steps=steps, useful_steps=useful, drawn=drawn,
+                      sizes=[int(self.sizes[j]) for j in places])
         for j in places:
             self._clear(j)
             self.serial[j], self.prompts[j], self.metas[j] = -1, None, None
@@ -285,7 +296,8 @@ class Pool:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    _ARRAYS = ("serial", "completed_at", "tokens", "logps", "versions", "lengths", "done")
+    _ARRAYS = ("serial", "completed_at", "tokens", "logps", "versions", "lengths", "done",
+               "sizes")
 
     def state_dict(self) -> dict:
         """JSON-able host state (arrays as base64 bytes): everything ``run`` continues from."""
@@ -296,6 +308,9 @@ class Pool:
 
     def load_state_dict(self, state: dict) -> None:
         for k in self._ARRAYS:
+            if k == "sizes" and k not in state:   # (saved before groups had sizes: all G)
+                self.sizes[:] = self.g
+                continue
             value = decode_array(state[k])
             if value.shape != getattr(self, k).shape:
                 raise ValueError(f"the saved partial-rollout pool has {k} of shape "

@@ -55,12 +55,13 @@ from rljax.train.core.sampler import engine_slots, sampling_params
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
 
 
-def make_pool(ctx, num_prompts: int) -> partial_lib.Pool:
-    """The pool of a config: 2 x ``num_prompts`` groups, prompts at the longest bucket."""
+def make_pool(ctx, num_prompts: int, rows: int = 0) -> partial_lib.Pool:
+    """The pool of a config: 2 x ``num_prompts`` groups of ``rows`` rows at most (0: G),
+    prompts at the longest bucket."""
     cfg, tok = ctx.cfg, ctx.tokenizer
     r, g = cfg.rollout, int(cfg.algo.num_generations)
     return partial_lib.Pool(
-        ctx.model_cfg, num_samples=g, max_new_tokens=r.max_new_tokens, groups=2 * num_prompts,
+        ctx.model_cfg, num_samples=rows or g, max_new_tokens=r.max_new_tokens, groups=2 * num_prompts,
         prompt_len=prompt_buckets(cfg.data.max_prompt_length)[-1],
         slots=engine_slots(ctx.cfg, num_prompts * g), chunk_steps=r.chunk_steps,
         temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id,
@@ -72,12 +73,15 @@ class PartialRounds:
     its rounds come from a pool of groups in flight (module docstring). Any rollout takes it,
     so GRPO, distillation and PPO's reward rollout get partial rollouts alike."""
 
-    def __init__(self, ctx, num_prompts: int):
+    def __init__(self, ctx, num_prompts: int, sizes_of=None, rows: int = 0):
         if dist.is_multiprocess():
             raise UserError("rollout.partial=true runs in a single process for now; use "
                             "rollout.partial=false on several hosts")
         self.ctx, self.num_prompts = ctx, int(num_prompts)
-        self.pool = make_pool(ctx, self.num_prompts)
+        # Groups of their own sizes (knapsack allocation): ``sizes_of(rollout, indices) ->
+        # int [P]`` sizes each admitted batch, at most ``rows`` rows a group.
+        self.sizes_of = sizes_of
+        self.pool = make_pool(ctx, self.num_prompts, rows)
         # Each place's dataset index (-1: unknown): prompt selection learns a completed
         # group's rewards for the prompt it was drawn for, iterations ago (``indices``).
         self.indices = np.full(self.pool.c, -1, np.int64)
@@ -118,8 +122,10 @@ class PartialRounds:
             new = next(rollout.iterator)
             tok, mask = encode_prompts(self.ctx.tokenizer, [ex["prompt"] for ex in new],
                                        cfg.data.max_prompt_length)
-            places = pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new))
-            self.indices[places] = drawn_indices(rollout.iterator, len(new))
+            indices = drawn_indices(rollout.iterator, len(new))
+            sizes = None if self.sizes_of is None else self.sizes_of(rollout, indices)
+            places = pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new), sizes)
+            self.indices[places] = indices
             if self.images is not None:
                 self._set_pixels(places, new, rollout._locations(new))
         t0 = time.perf_counter()
@@ -131,12 +137,19 @@ class PartialRounds:
         self._drawn.append(dict(versions=taken.rows["versions"][taken.rows["mask"]],
                                 dropped=taken.dropped_stale, drawn=taken.drawn))
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
-        out["decoded"] = out["lengths"].reshape(-1, g).sum(axis=1)
         out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps)
         prompt_tokens, prompt_mask = sampling.pad_to_bucket(
             taken.prompts, pad_id=self.ctx.tokenizer.pad_id,
             buckets=prompt_buckets(cfg.data.max_prompt_length))
-        rnd = rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+        if self.sizes_of is None:
+            out["decoded"] = out["lengths"].reshape(-1, g).sum(axis=1)
+            rnd = rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
+        else:   # groups of their own sizes: every row with its prompt, as the knapsack's
+            owner = np.repeat(np.arange(len(taken.sizes)), taken.sizes)
+            out["decoded"] = out["lengths"]
+            rnd = rollout.score_round([taken.metas[i] for i in owner], prompt_tokens[owner],
+                                      prompt_mask[owner], out, None, t0, g=1)
+            rnd["group_sizes"] = np.asarray(taken.sizes, np.int64)
         rnd["indices"] = self.indices[taken.places].tolist()   # each group's own prompt
         if self.images is not None:
             rnd.update(image_inputs.round_fields(self.pixels[taken.places],

@@ -21,6 +21,9 @@ rows carry the episodes' ``row_keys`` for the credit stages (per-turn credit tak
 row's ``group_ids``). The policy against itself in every seat (``env.selfplay.mode='self'``)
 is refused: a match gives each seat one row, and the seats' outcomes are one another's.
 
+Partial rollouts (``rollout.partial``): ``KnapsackPartialRounds`` sizes the pool's groups
+when their prompt batch is admitted; the round of the first P to complete carries their sizes.
+
 Tree sampling (``rollout.tree.enabled``): the configured tree's subtree below one root
 (``branching**depth`` leaves) is the unit; the knapsack sizes groups in multiples of it
 (``config.rollout.knapsack_step``) and prompt i grows G_i / unit such trees, whose leaves are
@@ -41,6 +44,7 @@ from rljax import sampling
 from rljax.config.rollout import knapsack_limits, knapsack_step
 from rljax.data import allocation as alloc
 from rljax.data import selection
+from rljax.train.core.partial import PartialRounds
 from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
 from rljax.train.core.sampler import generate, rebucket_routes
 from rljax.train.methods import agent
@@ -189,6 +193,57 @@ class KnapsackRounds(RoundSource):
 
     def load_state_dict(self, state: dict) -> None:
         self.rates.restore(state["pass_rates"])
+
+
+class KnapsackPartialRounds(KnapsackRounds):
+    """Knapsack allocation with partial rollouts: the pool's groups (``core.partial``) are
+    sized by the knapsack when their prompt batch is admitted, over the pass rates then; the
+    round of the first P groups to complete carries their sizes (``group_sizes``), and the
+    posteriors learn each group's successes when it completes, for the prompt it was drawn
+    for (the pool's ``indices``). The P groups an iteration takes hold at most
+    P * ``max_samples`` <= ``rollout.batch_size`` rows (config check), so they always fit the
+    update. The pool is checkpointed with the posteriors."""
+
+    def __init__(self, ctx, num_prompts: int):
+        super().__init__(ctx)
+        self.partial = PartialRounds(ctx, num_prompts, sizes_of=self._sizes, rows=self.hi)
+
+    def _sizes(self, rollout, indices) -> np.ndarray:
+        """int [P]: the knapsack's sizes of a prompt batch being admitted."""
+        return alloc.knapsack_allocate(self.pass_rates(rollout, indices), self.budget,
+                                       self.lo, self.hi, self.step)
+
+    def begin(self, state, step: int) -> None:
+        self.partial.begin(state, step)
+
+    def sample_round(self, rollout, params, rng) -> dict:
+        """The first P groups to complete, their sizes the knapsack's at admission; this
+        source's posteriors learn them (MoPPS's learns them as the rollout's selector)."""
+        rnd = self.partial.sample_round(rollout, params, rng)
+        indices, sizes = rnd["indices"], rnd["group_sizes"]
+        rnd["pass_rates"] = self.pass_rates(rollout, indices)
+        if not isinstance(rollout.selector, selection.Predicted):
+            self.rates.observe(indices, selection.group_successes(
+                rnd["rewards"], sizes, self.threshold, self.fractional), sizes)
+        return rnd
+
+    def metrics(self, rounds, step: int) -> dict:
+        return {**super().metrics(rounds, step), **self.partial.metrics(rounds, step)}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "pool": self.partial.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.partial.load_state_dict(state["pool"])
+
+
+def knapsack_rounds(ctx, num_prompts: int) -> KnapsackRounds:
+    """The round source of a knapsack config: with ``rollout.partial`` the pool's groups
+    (``KnapsackPartialRounds``), else ``KnapsackRounds``."""
+    if ctx.cfg.rollout.partial:
+        return KnapsackPartialRounds(ctx, num_prompts)
+    return KnapsackRounds(ctx)
 
 
 # A ragged round's fields with one entry per row (``prompt_ids`` and ``examples`` too).

@@ -329,9 +329,9 @@ class GRPOPhase:
         # The round source of any rollout: per-prompt group sizes (methods.allocation, of
         # completions or of episodes), multi-turn episodes (rljax.train.methods.agent), or
         # partial rollouts' groups carried across iterations.
-        if cfg.rollout.allocation == "knapsack":
-            from rljax.train.methods.allocation import KnapsackRounds
-            rounds = KnapsackRounds(ctx)
+        if cfg.rollout.allocation == "knapsack":   # with rollout.partial, the pool's groups
+            from rljax.train.methods.allocation import knapsack_rounds
+            rounds = knapsack_rounds(ctx, self.batch_size // a.num_generations)
         elif cfg.env.name:   # with rollout.partial, groups of episodes carried across iterations
             from rljax.train.methods.episode_partial import episode_rounds
             rounds = episode_rounds(ctx, self.batch_size // a.num_generations)
