@@ -57,30 +57,6 @@ def test_greedy_pool_samples_what_the_static_sampler_samples(small_vocab):
     np.testing.assert_array_equal(tokens, np.asarray(ref.tokens))
 
 
-def test_groups_of_their_own_sizes_draw_the_rows_of_full_groups(small_vocab):
-    """``admit(..., sizes=)`` (knapsack allocation): a group of k rows is the first k rows of
-    the full group (each row's draws keyed by its group and index), the rest never drawn;
-    the sizes round-trip through the pool's state."""
-    cfg, params = small_vocab
-    sizes = [2, 6, 1, 3]
-    full = _pool(cfg).run(params, jax.random.key(5), version=0, want=4)
-    pool = _pool(cfg)
-    pool.reset()
-    pool.admit(PROMPTS, list(range(len(PROMPTS))), sizes)
-    again = partial.Pool(cfg, num_samples=G, max_new_tokens=N, groups=len(PROMPTS),
-                         prompt_len=8, slots=5, chunk_steps=2, eos_id=3, pad_id=0)
-    again.load_state_dict(pool.state_dict())
-    taken = again.run(params, jax.random.key(5), version=0, want=4)
-    assert taken.sizes == [sizes[m] for m in taken.metas]
-    got, want = {}, {}
-    _by_group(full, want)
-    start = np.cumsum([0] + taken.sizes)
-    for i, meta in enumerate(taken.metas):
-        for k, v in taken.rows.items():
-            np.testing.assert_array_equal(v[start[i]:start[i + 1]], want[meta][k][:sizes[meta]])
-    assert taken.drawn == sum(int(want[m]["lengths"][:sizes[m]].sum()) for m in range(4))
-
-
 def test_carried_samples_record_their_versions_and_continue_exactly(small_vocab):
     """One group per run: the others stop mid-decode and continue in the next run from caches
     rebuilt from their tokens. Under unchanged weights that is the uninterrupted sample; each
@@ -128,17 +104,25 @@ def test_max_staleness_restarts_groups_and_counts_their_samples(small_vocab):
             assert np.all(stale == 0)
 
 
-def test_the_pool_state_round_trips(small_vocab):
+@pytest.mark.parametrize("sizes", [None, [2, 6, 1, 3]])
+def test_the_pool_state_round_trips(small_vocab, sizes):
+    """``sizes``: groups of their own sizes (knapsack allocation), rows past a group's size
+    never drawn; the sizes travel with the state."""
     cfg, params = small_vocab
     key = jax.random.key(5)
     a = _pool(cfg)
+    if sizes is not None:
+        a.reset()
+        a.admit(PROMPTS, list(range(len(PROMPTS))), sizes)
     a.run(params, key, version=0, want=1)
     b = _pool(cfg)
     b.load_state_dict(a.state_dict())
     ta, tb = (p.run(params, key, version=1, want=2) for p in (a, b))
     for k in ta.rows:
         np.testing.assert_array_equal(ta.rows[k], tb.rows[k])
-    assert ta.metas == tb.metas
+    assert ta.metas == tb.metas and ta.sizes == tb.sizes
+    want = [G if sizes is None else sizes[m] for m in ta.metas]
+    assert ta.sizes == want and len(ta.rows["tokens"]) == sum(want)
     with pytest.raises(ValueError, match="admit: 1 groups for 0 free places"):
         _pool(cfg).admit([[1]], [None])
 

@@ -311,19 +311,24 @@ def test_selfplay_sharded_on_8_devices_equals_unsharded(tmp_path):
 # ----------------------------------------------------------------------------- frozen opponent
 
 
+@pytest.mark.parametrize("allocation", ["uniform", "knapsack"])
 def test_checkpoint_opponent_plays_the_other_seat_and_never_trains(rae_run, tmp_path,
-                                                                   lowest_cell):
+                                                                   lowest_cell, allocation):
     """env.selfplay.mode='checkpoint': the policy's rows are the examples' seats (the batch),
     the frozen run (its checkpoint's parameters, loaded once) plays the other seat, whose
-    moves the policy sees as observations."""
+    moves the policy sees as observations. With knapsack allocation a game's group is G_i
+    matches of the policy's seat (the flat prior's 2 each here)."""
     from rljax.train.methods import selfplay
     from rljax.train.core.rollout import Rollout
     from rljax.train.methods.agent import EpisodeRounds
-    cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run})
+    from rljax.train.methods.allocation import KnapsackRounds
+    cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
+                     "rollout.allocation": allocation, "rollout.knapsack.min_samples": 1})
     ctx, phase, state = _phase(cfg, tmp_path)
     rollout = phase.rollout   # the phase's rollout is the plain one, the episodes its rounds
-    assert type(rollout) is Rollout and isinstance(rollout.rounds, EpisodeRounds)
-    opponent = rollout.rounds.opponent
+    source = KnapsackRounds if allocation == "knapsack" else EpisodeRounds
+    assert type(rollout) is Rollout and isinstance(rollout.rounds, source)
+    opponent = (rollout.rounds.episodes if allocation == "knapsack" else rollout.rounds).opponent
     assert opponent is not None
     jax.tree.map(np.testing.assert_array_equal, opponent.params, _baseline(rae_run)[1])
     seen = watch_rows(rollout)
@@ -335,6 +340,9 @@ def test_checkpoint_opponent_plays_the_other_seat_and_never_trains(rae_run, tmp_
     np.testing.assert_array_equal(rows["turns"], np.where(seats == 0, 4, 3))
     assert metrics["env/games_X_mean"] + metrics["env/games_O_mean"] == 1.0
     assert batch["loss_mask"].sum() == rows["model_mask"].sum() > 0
+    if allocation == "knapsack":
+        assert metrics["rollout/group_size_mean"] == 2.0
+        return
     with pytest.raises(setup.UserError, match="env.selfplay.step=7 is not saved"):
         selfplay.opponent_from_workdir(ctx, rae_run, 7)
     with pytest.raises(setup.UserError, match="cannot read the run.s config.json"):
