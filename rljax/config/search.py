@@ -36,21 +36,24 @@ def check_process_reward(cfg) -> None:
 
 def check_vine(cfg) -> None:
     """VinePPO: the GRPO phase, values of the task reward only (no KL in the reward, gamma
-    1), completions that are token sequences of their own (no tree, no episodes; the rows
-    that train are valued as they train: hinted, demonstrations, after group filters, groups
-    of the knapsack's sizes), and a regex that compiles."""
-    algo, r = cfg.algo, cfg.rollout
+    1), completions that are token sequences of their own (no episodes; the rows that train
+    are valued as they train: hinted, demonstrations, after group filters, groups of the
+    knapsack's sizes, a tree's leaves), and a regex that compiles."""
+    algo = cfg.algo
     if algo.adv_estimator != "vineppo":
         return
     if algo.name != "grpo":
         raise ConfigError(f"algo.adv_estimator='vineppo' runs in the GRPO phase; algo.name="
                           f"{algo.name!r}")
-    for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0),
-                    ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name))):
+    for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0)):
         if on:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
-                              "(its values are the task reward's, over every sampled "
-                              "completion in order)")
+                              "(a step's value is the mean task reward of its forks, "
+                              "undiscounted, with no KL term)")
+    if cfg.env.name:
+        raise ConfigError("algo.adv_estimator='vineppo' cannot be combined with env.name "
+                          "(its forks continue a completion's tokens; an episode's model "
+                          "turns would need the environment replayed up to each fork)")
     if algo.vine.splitter == "regex":
         import re
         try:
