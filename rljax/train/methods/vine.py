@@ -1,8 +1,8 @@
 """The rollout stage of ``algo.adv_estimator='vineppo'``: Monte-Carlo values of step prefixes.
 
 After the call's last round (G completions per prompt, a tree's G leaves, or the knapsack's
-group sizes; rewards; any group filter), each completion of the groups that train (``picked``) is cut into steps
-(``algo.vine.splitter``: a newline, or a regex matched at the text's end; a stop token also
+group sizes; rewards; any group filter), each completion of the groups that train
+(``picked``) is cut into steps (``algo.vine.splitter``: a newline, or a regex matched at the text's end; a stop token also
 ends a step; steps past ``algo.vine.max_steps`` join the last one). For every step t of every
 completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled once and its KV
 cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the step-MC machinery
