@@ -80,6 +80,14 @@ def opponent_from_workdir(ctx, workdir: str, step: int = 0, temperature: float =
     return Opponent(model_cfg, params, float(temperature))
 
 
+def opponent_side(opponent: Opponent, envs, g: int, top_k: int, top_p: float) -> Side:
+    """The frozen opponent's rows ``envs`` (groups of ``g``): at its temperature, with the
+    rollout's ``top_k`` / ``top_p`` when it samples (greedy: neither)."""
+    t = opponent.temperature
+    return Side(opponent.model_cfg, opponent.params, envs, g, t, top_k if t else 0,
+                top_p if t else 1.0)
+
+
 def seat_examples(cfg, examples, template):
     """(game, seat examples by (example, seat)) with prompts rendered for their seat."""
     from rljax.envs import board_games
@@ -97,7 +105,23 @@ def seat_examples(cfg, examples, template):
     return game, rows
 
 
-def _seat(game, example) -> int:
+def seat_envs(cfg, examples, template, env_kwargs: dict, g: int):
+    """``(game, seat examples by (example, seat), seat environments)``: each example's G
+    matches, a ``SeatEnv`` per seat of each, ordered (example, seat, match); they take the
+    ``SEAT_OPTIONS`` of ``env_kwargs`` and ``env.selfplay.forfeit_reward``."""
+    from rljax.envs.selfplay import Match, SeatEnv
+    game, seat_rows = seat_examples(cfg, examples, template)
+    kw = {k: v for k, v in env_kwargs.items() if k in SEAT_OPTIONS}
+    kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
+    envs = []
+    for ex, per_seat in zip(examples, seat_rows):
+        matches = [Match(game, ex.get("deal")) for _ in range(g)]
+        envs += [SeatEnv(m, sx, s, **kw) for s, sx in enumerate(per_seat) for m in matches]
+    return game, seat_rows, envs
+
+
+def seat_of(game, example) -> int:
+    """The seat index of ``example["seat"]`` (a name or an index; default 0)."""
     seat = example.get("seat", 0)
     return game.seats.index(seat) if seat in game.seats else int(seat)
 
@@ -116,18 +140,13 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     the seat environments take ``SEAT_OPTIONS`` of the last). ``weights``: the policy's
     in-flight weight updates on the slot engine (``matches.run_matches``; the opponent's
     weights stay frozen)."""
-    from rljax.envs.selfplay import Match, SeatEnv
     cfg, g = ctx.cfg, int(num_samples)
-    game, seat_rows = seat_examples(cfg, examples, template)
-    kw = {k: v for k, v in env_kwargs.items() if k in SEAT_OPTIONS}
-    kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
+    game, seat_rows, envs = seat_envs(cfg, examples, template, env_kwargs, g)
     mine, theirs, groups = [], [], []
-    for ex, per_seat in zip(examples, seat_rows):
-        deal = ex.get("deal")
-        matches = [Match(game, deal) for _ in range(g)]
-        own = None if opponent is None else _seat(game, ex)
+    for n, (ex, per_seat) in enumerate(zip(examples, seat_rows)):
+        own = None if opponent is None else seat_of(game, ex)
         for s, sx in enumerate(per_seat):
-            rows = [SeatEnv(m, sx, s, **kw) for m in matches]
+            rows = envs[(n * len(per_seat) + s) * g:(n * len(per_seat) + s + 1) * g]
             if own is None or s == own:
                 mine += rows
                 groups.append(sx)
@@ -135,9 +154,7 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
                 theirs += rows
     sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p)]
     if opponent is not None:
-        sides.append(Side(opponent.model_cfg, opponent.params, theirs, g,
-                          opponent.temperature, top_k if opponent.temperature else 0,
-                          top_p if opponent.temperature else 1.0))
+        sides.append(opponent_side(opponent, theirs, g, top_k, top_p))
     engine = sampler.episode_engine(cfg, len(mine) + len(theirs))
     eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
                       max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
