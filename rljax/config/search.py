@@ -7,8 +7,8 @@ from rljax.config.base import ConfigError
 
 
 def check_process_reward(cfg) -> None:
-    """``grpo_process`` reads a PRM run (``algo.process_reward.prm``) and cuts samples into
-    steps at ``data.step_delimiter``; its advantage is per token, over groups of one prompt's
+    """``grpo_process`` reads a PRM run (``algo.process_reward.prm``) and cuts samples (or
+    episodes' model turns) into steps at ``data.step_delimiter``; its advantage is per token, over groups of one prompt's
     samples (of any sizes), with the outcome and step rewards undiscounted."""
     a = cfg.algo
     on = a.adv_estimator == "grpo_process"
@@ -26,9 +26,7 @@ def check_process_reward(cfg) -> None:
     for key, bad, why in (
             ("algo.kl_in_reward", a.kl_in_reward, "the KL to the reference is the loss's "
              "term (algo.beta) here"),
-            ("algo.gamma", a.gamma != 1.0, "step rewards are summed undiscounted"),
-            ("env.name", bool(cfg.env.name), "the PRM scores single completions, not "
-             "episodes with observations between the model's turns")):
+            ("algo.gamma", a.gamma != 1.0, "step rewards are summed undiscounted")):
         if bad:
             raise ConfigError(f"algo.adv_estimator='grpo_process' cannot be combined with "
                               f"{key}: {why}")
