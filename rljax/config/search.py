@@ -65,12 +65,13 @@ def check_vine(cfg) -> None:
 def check_mcts(cfg) -> None:
     """MCTS over steps (``sft.traces='mcts'``: the main SFT phase; ``data.pairs='mcts'``:
     online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
-    (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
+    (each node's steps drawn from its own key), a PRM workdir with value 'prm' (refitted in
+    either phase with ``algo.mcts.refit_prm``, with LoRA too: adapters and head)."""
     traces = cfg.sft.traces == "mcts"
-    if cfg.algo.mcts.refit_prm and not traces:
-        raise ConfigError("algo.mcts.refit_prm=true refits the PRM of the search in the SFT "
-                          "phase; it needs sft.traces='mcts' (not data.pairs='mcts')")
     if not traces and cfg.data.pairs != "mcts":
+        if cfg.algo.mcts.refit_prm:
+            raise ConfigError("algo.mcts.refit_prm=true refits the PRM of the search; it needs "
+                              "sft.traces='mcts' or data.pairs='mcts'")
         return
     m, r = cfg.algo.mcts, cfg.rollout
     what = "sft.traces='mcts'" if traces else "data.pairs='mcts'"
@@ -86,10 +87,6 @@ def check_mcts(cfg) -> None:
     if m.refit_prm and m.value != "prm":
         raise ConfigError(f"algo.mcts.refit_prm=true refits the PRM that values the leaves; "
                           f"algo.mcts.value={m.value!r} has none (set algo.mcts.value='prm')")
-    if m.refit_prm and cfg.model.lora.rank:
-        raise ConfigError(f"algo.mcts.refit_prm=true is not supported with LoRA "
-                          f"(model.lora.rank={cfg.model.lora.rank}): the refit trains a "
-                          "full-weight PRM")
     if traces and cfg.sft.max_length <= cfg.data.max_prompt_length:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "

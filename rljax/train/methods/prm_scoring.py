@@ -41,9 +41,11 @@ def load_prm_checkpoint(ctx, key: str, where: str) -> dict:
     return saved
 
 
-def prm_value(saved: dict):
-    """The full value model (trunk and head) of a PRM run's checkpoint state."""
-    return lora_lib.value_on_base(saved["params"], saved["critic_params"])
+def prm_value(ctx, saved: dict):
+    """The full value model (trunk and head) of a PRM run's checkpoint state. With LoRA the
+    checkpoint holds the PRM's adapters and head without the frozen base, which is this run's
+    (the PRM run has this run's model section): ``ctx.params``' base."""
+    return lora_lib.value_on_base(ctx.params, saved["critic_params"])
 
 
 def value_shardings(ctx, value) -> dict:
@@ -54,17 +56,21 @@ def value_shardings(ctx, value) -> dict:
     return {"trunk": trunk, "head": jax.tree.map(lambda _: ctx.replicated, value["head"])}
 
 
+def initial_value(model_cfg, params, key):
+    """A fresh value model as a PRM run of this model makes it (``phases.rm``'s init): the
+    policy's trunk and a head, or with LoRA (``params`` has adapters) fresh adapters and a
+    head only, on the policy's frozen base (``lora.value_on_base``)."""
+    if lora_lib.has_lora(params):
+        return lora_lib.init_value_adapters(model_cfg, params, key)
+    return models.init_value_params(model_cfg, key, from_params=params)
+
+
 def abstract_value(ctx) -> dict:
     """The PRM's value tree as ``ShapeDtypeStruct`` leaves with their shardings, as
-    ``prm_scorer`` holds it (a PRM run of this model makes these trees: ``phases.rm``'s
-    init)."""
+    ``prm_scorer`` holds it (``initial_value`` on the policy's base)."""
     key = jax.random.key(0)
-    if lora_lib.has_lora(ctx.params):
-        shape = jax.eval_shape(lambda p: lora_lib.value_on_base(
-            p, lora_lib.init_value_adapters(ctx.model_cfg, p, key)), ctx.params)
-    else:
-        shape = jax.eval_shape(lambda p: models.init_value_params(ctx.model_cfg, key,
-                                                                  from_params=p), ctx.params)
+    shape = jax.eval_shape(lambda p: lora_lib.value_on_base(
+        p, initial_value(ctx.model_cfg, p, key)), ctx.params)
     return programs_lib.with_shardings(shape, value_shardings(ctx, shape))
 
 

@@ -58,7 +58,7 @@ class ProcessRewards(RolloutStage):
         if self._scorer is None:
             saved = prm_scoring.load_prm_checkpoint(self.ctx, "algo.process_reward.prm",
                                                     self.cfg.algo.process_reward.prm)
-            self._scorer = prm_scoring.prm_scorer(self.ctx, prm_scoring.prm_value(saved),
+            self._scorer = prm_scoring.prm_scorer(self.ctx, prm_scoring.prm_value(self.ctx, saved),
                                                   scoring_rows(self.cfg))
         return self._scorer
 
