@@ -8,8 +8,9 @@ from rljax.config.base import ConfigError
 
 def check_process_reward(cfg) -> None:
     """``grpo_process`` reads a PRM run (``algo.process_reward.prm``) and cuts samples (or
-    episodes' model turns) into steps at ``data.step_delimiter``; its advantage is per token, over groups of one prompt's
-    samples (of any sizes), with the outcome and step rewards undiscounted."""
+    episodes' model turns) into steps at ``data.step_delimiter``; its advantage is per
+    token, over groups of one prompt's samples (of any sizes), with the outcome and step
+    rewards undiscounted."""
     a = cfg.algo
     on = a.adv_estimator == "grpo_process"
     if not on:

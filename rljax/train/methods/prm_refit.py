@@ -130,7 +130,6 @@ def program(ctx, steps: int, state, prompts: int) -> programs_lib.Program:
         (state, batch_struct(ctx, rows)), programs_lib.shard_bytes(state))
 
 
-
 class PRMRefit:
     """The refit of ``algo.mcts.refit_prm`` for a search over ``prompts`` prompts per round,
     over ``steps`` rounds (``build_refit_step``, compiled at the first round). ``scorer``: the

@@ -44,8 +44,9 @@ def program(ctx):
 
 class ProcessRewards(RolloutStage):
     """Rollout stage: the step rewards [R, N] of the assembled batch's completions (or
-    episodes' trajectories, at model tokens only), given to the estimator (``rows["estimator_inputs"]``: ``step_rewards`` f32 and ``step_ends``
-    bool, [R, N]; next to ``group_ids`` [R] when the groups have sizes of their own)."""
+    episodes' trajectories, at model tokens only), given to the estimator
+    (``rows["estimator_inputs"]``: ``step_rewards`` f32 and ``step_ends`` bool, [R, N]; next
+    to ``group_ids`` [R] when the groups have sizes of their own)."""
 
     name = "process_rewards"
 

@@ -369,8 +369,9 @@ class DPOPhase:
     with ``data.pairs="mcts"`` they are sibling steps of an MCTS over steps
     (``methods.mcts_search.MCTSPairs``: the best- and worst-valued children of a node), and
     with ``algo.mcts.refit_prm`` the search's PRM (in the state) is refitted on the round's
-    trees before the updates (``methods.prm_refit``). The reference starts as a copy of the phase's starting policy and is refreshed every
-    ``algo.ref_update_every`` steps (0 = frozen; 1 = every round, iterative DPO).
+    trees before the updates (``methods.prm_refit``). The reference starts as a copy of the
+    phase's starting policy and is refreshed every ``algo.ref_update_every`` steps (0 = frozen;
+    1 = every round, iterative DPO).
     Evaluation: the policy's task accuracy (as for GRPO, when the data has prompts with
     answers) and, on held-out pairs with a frozen reference, ``eval/pref_accuracy`` (implicit
     reward of chosen > rejected), ``eval/pref_loss`` and ``eval/pref_rewards/*``.
