@@ -59,8 +59,8 @@ class ProcessRewards(RolloutStage):
         if self._scorer is None:
             saved = prm_scoring.load_prm_checkpoint(self.ctx, "algo.process_reward.prm",
                                                     self.cfg.algo.process_reward.prm)
-            self._scorer = prm_scoring.prm_scorer(self.ctx, prm_scoring.prm_value(self.ctx, saved),
-                                                  scoring_rows(self.cfg))
+            value = prm_scoring.prm_value(self.ctx, saved)
+            self._scorer = prm_scoring.prm_scorer(self.ctx, value, scoring_rows(self.cfg))
         return self._scorer
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
@@ -74,8 +74,10 @@ class ProcessRewards(RolloutStage):
         comps = [t[m].tolist() for t, m in zip(comp_tok, comp_mask)]
         turns = None
         if "model_mask" in rows:   # episodes: each token's model turn, -1 on observations
+            model = np.asarray(rows["model_mask"], bool)
+            turn_ids = rows.get("turn_ids", np.zeros(model.shape, np.int32))
             turns = [np.where(mm, ids, -1)[m].tolist() for ids, mm, m in
-                     zip(rows["turn_ids"], rows["model_mask"], comp_mask)]
+                     zip(turn_ids, model, comp_mask)]
         probs, ends = self.scorer().step_probabilities(prompts, comps, p, turns, n)
         # Added to what the round source gave (knapsack allocation: ``group_ids``).
         rows.setdefault("estimator_inputs", {}).update(step_rewards=probs, step_ends=ends)
