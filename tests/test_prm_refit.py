@@ -34,14 +34,7 @@ def prm_dir(tmp_path_factory, ctx):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def lora_ctx(tmp_path_factory):
-    from rljax.train.core import setup
-    return setup.build_context(tiny_cfg(**LORA), str(tmp_path_factory.mktemp("lora")),
-                               devices=DEVICES)
-
-
-@pytest.fixture(scope="module")
-def lora_prm_dir(tmp_path_factory, lora_ctx):
+def lora_prm_dir(tmp_path_factory, ctx):  # noqa: F811
     """A PRM run's workdir with LoRA (rank 4): its checkpoint holds its policy's adapters and
     the PRM's adapters and head, not the frozen base (as ``state.for_checkpoint`` writes)."""
     from rljax.models import lora as lora_lib
@@ -52,10 +45,12 @@ def lora_prm_dir(tmp_path_factory, lora_ctx):
     cfg = tiny_cfg(**LORA)
     cfg.algo.name, cfg.sft.traces = "prm", ""
     wd.write_config(d, cfg)
-    lctx = lora_ctx
-    critic = lora_lib.init_value_adapters(lctx.model_cfg, lctx.params, jax.random.key(11))
+    adapters = lora_lib.init_lora(ctx.model_cfg, 4, lora_lib.resolve_targets(
+        cfg.model.lora.targets), jax.random.key(10))
+    policy = {**ctx.params, "lora": adapters}   # the base is the run's: the same model section
+    critic = lora_lib.init_value_adapters(ctx.model_cfg, policy, jax.random.key(11))
     with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(d), async_save=False) as ck:
-        ck.save(1, {"params": lora_lib.trainable(lctx.params), "critic_params": critic}, {},
+        ck.save(1, {"params": lora_lib.trainable(policy), "critic_params": critic}, {},
                 wait=True)
     return d
 
@@ -84,17 +79,17 @@ def test_refit_needs_the_prm_value_and_a_search():
     refit_cfg("runs/prm", **{"model.lora.rank": 4})
 
 
-def test_a_lora_prm_run_is_read_on_the_policys_base(lora_ctx, lora_prm_dir):
+def test_a_lora_prm_run_is_read_on_the_policys_base(ctx, lora_prm_dir):  # noqa: F811
     """A LoRA PRM run's checkpoint holds no base: its value model is its adapters and head on
     this run's frozen base (the same model section)."""
     from rljax.train.methods import prm_scoring
 
-    rctx = dataclasses.replace(lora_ctx, cfg=refit_cfg(lora_prm_dir, **LORA))
+    rctx = dataclasses.replace(ctx, cfg=refit_cfg(lora_prm_dir, **LORA))
     saved = mcts_programs.load_prm(rctx)
     value = prm_scoring.prm_value(rctx, saved)
     assert set(saved["critic_params"]["trunk"]) == {"lora"}
     assert value["trunk"]["lora"] is saved["critic_params"]["trunk"]["lora"]
-    assert value["trunk"]["embed"] is lora_ctx.params["embed"] and "lm_head" not in value["trunk"]
+    assert value["trunk"]["embed"] is ctx.params["embed"] and "lm_head" not in value["trunk"]
 
 
 def _recomputed(tree, node):
