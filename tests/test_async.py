@@ -117,19 +117,26 @@ TREE = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 1,
         "rollout.tree.branching": 2, "algo.adv_estimator": "rover"}
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["flat", "tree"])
-def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch, tree):
+# Two prompt chunks of 8 rows, each decoded whole in one chunk of its engine call (which
+# polls once, before its prefill): the second chunk's poll is the second.
+CHUNKS = {"rollout.micro_batch_size": 8, "rollout.slots": 8, "rollout.chunk_steps": 4}
+
+
+@pytest.mark.parametrize("case", ["flat", "tree", "chunks"])
+def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch, case):
     """``algo.inflight_updates``: update k - 1 (made ready at the sampler's second poll) is
     published between two decode chunks of batch k, so the batch mixes versions k - 1 and k.
     Tokens drawn before the swap carry version k - 1's log-probs; those after it were drawn
     by the new weights (their log-probs are not version k - 1's). A tree on the slot engine
     polls before each level too: its 1-token root segment is drawn at the first poll, so the
     swap comes between the root and the first fork, and every leaf shares the root's
-    version-(k - 1) token."""
+    version-(k - 1) token. With ``rollout.micro_batch_size`` the swap lands between two
+    prompt chunks (two engine calls), and counts as one all the same."""
     sampled = _updates_ready_at_the_second_poll(monkeypatch)
+    tree = case == "tree"
     cfg = _cfg(**{"rollout.engine": "slots", "rollout.chunk_steps": 1, "rollout.slots": 4,
-                  "algo.inflight_updates": True, "steps": 2 + (not tree),
-                  **(TREE if tree else {})})
+                  "algo.inflight_updates": True, "steps": 2 + (case == "flat"),
+                  **{"flat": {}, "tree": TREE, "chunks": CHUNKS}[case]})
     n_steps = cfg.steps
     ctx, versions, records, trained = _iterations(cfg, n_steps)
     # sampled[0]: batch 0, before any update (no in-flight weights); sampled[k]: batch k, drawn
@@ -157,6 +164,9 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch, t
             np.testing.assert_array_equal(out["versions"][mask], np.where(
                 np.nonzero(mask)[1] == 0, k - 1, k))
             assert out["decoded"].sum() < mask.sum()   # shared segments decoded once
+        if case == "chunks":   # the first chunk's rows before the swap, the second's after it
+            np.testing.assert_array_equal(out["versions"][:8][mask[:8]], k - 1)
+            np.testing.assert_array_equal(out["versions"][8:][mask[8:]], k)
     assert records[n_steps - 2]["time/weight_transfer"] > 0   # (with the in-flight publish)
 
 

@@ -102,21 +102,6 @@ def write_segment(paths: dict, out, live: np.ndarray, start: int,
     return paths
 
 
-class VersionPolls:
-    """In-flight weights polled across a tree's levels: ``weights`` as it is, counting every
-    change of version between two polls (``swaps``), at a level's first poll too (the engine
-    counts only those between its own decode chunks)."""
-
-    def __init__(self, weights: Callable[[], tuple[Any, int]]):
-        self.weights, self.last, self.swaps = weights, None, 0
-
-    def __call__(self) -> tuple[Any, int]:
-        params, version = self.weights()
-        self.swaps += int(self.last is not None and version != self.last)
-        self.last = version
-        return params, version
-
-
 def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_mask: Any, *,
              rng: jax.Array, max_new_tokens: int, segment_tokens: int, branching: int,
              depth: int, roots: int = 1, temperature: float = 1.0, top_k: int = 0,
@@ -138,7 +123,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     b, n = prompt_tokens.shape[0], int(max_new_tokens)
     paths = dict(tokens=np.full((b, n), pad_id, np.int32), logps=np.zeros((b, n), np.float32),
                  lengths=np.zeros(b, np.int32), done=np.zeros(b, bool))
-    polls = None if weights is None else VersionPolls(weights)
+    polls = None if weights is None else engine.VersionPolls(weights)
     if polls is not None:
         paths["versions"] = np.zeros((b, n), np.int32)
     decoded, stats = np.zeros(b, np.int32), []

@@ -119,7 +119,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
     polled between decode chunks (``sampling.engine.generate``; a tree's also between its
     levels, ``sampling.tree_engine``); adds ``versions`` int [R, N]
-    (the version that drew each token) and ``swaps`` (how often the weights changed).
+    (the version that drew each token) and ``swaps`` (how often the weights changed, between
+    two prompt chunks included).
     ``prompt_index`` int [R] (one chunk, no tree; ``num_samples`` 1): row r continues prompt
     ``prompt_index[r]`` (groups of any sizes). The static sampler shares each prompt's prefill
     among its rows (``sampling.generate``); the slot engine prefills each row's prompt.
@@ -131,8 +132,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         raise UserError("images in the prompt are not sampled by the tree sampler yet; use "
                         "rollout.engine='static' or 'slots' without a tree")
     params = sampling_params(ctx, params)
-    if weights is not None:
-        weights = _sampling_weights(ctx, weights)
+    if weights is not None:   # swaps counted across the prompt chunks (between two, too)
+        weights = sampling.engine.VersionPolls(_sampling_weights(ctx, weights))
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     if prompt_index is not None and (chunk < b or tree is not None):
@@ -184,7 +185,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     if weights is not None:   # a tree's are its leaves' (its levels' stats have other rows)
         result["versions"] = np.concatenate([o.versions for o in outs] if tree is not None else
                                             [st.versions for st in engine_stats])
-        result["swaps"] = sum(st.swaps for st in engine_stats)
+        result["swaps"] = weights.swaps
     return result
 
 
