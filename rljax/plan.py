@@ -18,9 +18,10 @@ A phase's per-device peak is estimated as
     resident + copies x (arguments - resident arguments + outputs - aliased + temporaries)
              + code
 
-where *resident* is the train state that lives on the device for the whole phase (policy,
-optimizer state, frozen reference, critic), counted once whether or not the program takes it
-as an argument, and *copies* the instances running at once (``algo.update_streams``).
+where *resident* is what lives on the device for the whole phase (the train state: policy,
+optimizer state, frozen reference, critic; and a game's checkpoint opponent), counted once
+whether or not the program takes it as an argument, and *copies* the instances running at once
+(``algo.update_streams``).
 The peak is compared with the device's memory: ``memory.device_memory_gb`` when set, else the
 allocator limit from ``device.memory_stats()`` (GPU/TPU), else, on CPU, the host's RAM shared
 by its local devices. ``rljax train`` runs the same check first (``memory.check``) and stops
@@ -343,7 +344,8 @@ def plan(cfg, devices=None, *, compile_phases: bool = True, chip: str | None = N
                          f"programs=...)): not planned")
             continue
         residents.append((name, {**resident_parts(state),
-                                 **programs_lib.sampler_copies(ctx, name, state)}))
+                                 **programs_lib.sampler_copies(ctx, name, state),
+                                 **programs_lib.held_parts(progs)}))
         if any(p.name.split("/")[0] == "sample" for p in progs):
             samples = True
         if compile_phases:

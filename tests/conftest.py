@@ -122,18 +122,40 @@ def gguf_parsed_once():
     return once
 
 
-# The longest test files, run first (a fresh-clone CI run's per-file seconds, 2026-12-03).
-# pytest-xdist hands out whole files (--dist loadfile) in collection order; a long file handed
-# out last leaves the other worker idle while it runs. Longest first keeps both workers busy
-# to the end. A file missing here just runs later.
+# The longest test files, run first (a fresh-clone CI run's per-file seconds, 2026-12-03):
+# pytest-xdist hands out whole files (--dist loadfile) in collection order when told
+# --no-loadscope-reorder (by default it orders files by their number of tests, which handed out
+# the 63 s multi-process test near the end); a long file handed out last leaves the other worker
+# idle while it runs. The two real-model files never run side by side (see
+# ``one_real_model_file_at_a_time``): the other worker's first files take about as long as
+# Gemma's. A file missing here just runs later, in name order.
 SLOW_FILES_FIRST = (
-    "test_gemma.py", "test_real_model.py", "test_plan_programs.py", "test_multihost.py",
-    "test_distill.py", "test_checkpoint_faults.py", "test_lora.py", "test_moe.py",
-    "test_moe_dispatch.py", "test_shared_prompt.py", "test_plan.py", "test_lora_dropout.py",
-    "test_notebooks.py", "test_selfplay.py", "test_engine.py", "test_vision_run.py",
-    "test_annealed_decoding.py", "test_qlora.py", "test_train_ppo.py", "test_train_dpo.py",
-    "test_async.py", "test_agent_train.py", "test_train_demo.py",
+    "test_gemma.py", "test_moe_dispatch.py", "test_distill.py", "test_multihost.py",
+    "test_real_model.py", "test_plan_programs.py", "test_notebooks.py", "test_async.py",
+    "test_lora_dropout.py", "test_vision_run.py", "test_lora.py", "test_qlora.py",
+    "test_knapsack.py", "test_shared_prompt.py", "test_selfplay.py", "test_sampling.py",
+    "test_plan.py", "test_moe.py", "test_checkpoint_faults.py", "test_train_ppo.py",
+    "test_train_tree.py", "test_vineppo.py", "test_train_demo.py", "test_partial.py",
+    "test_engine.py", "test_agent_train.py", "test_models.py", "test_length_groups.py",
 )
+
+
+@pytest.fixture(scope="module")
+def one_real_model_file_at_a_time():
+    """Holds a lock shared by the pytest-xdist workers of one run for a whole test module: a
+    real model's module takes several GB (transformers' reference beside rljax's copy), and
+    two side by side on a 24 GB machine leave the rest of the suite little room."""
+    if not _run_id:          # one process: nothing runs beside it
+        yield
+        return
+    import fcntl
+    path = os.path.join(tempfile.gettempdir(), f"rljax-tests-real-model-{_run_id}.lock")
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(items):

@@ -112,21 +112,39 @@ def _updates_ready_at_the_second_poll(monkeypatch) -> list:
     return _recorded(monkeypatch, rollout_lib, "generate")
 
 
-def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
+# A tree of 4 leaves per prompt: a 1-token root segment, forks of 2 after tokens 1 and 2.
+TREE = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 1,
+        "rollout.tree.branching": 2, "algo.adv_estimator": "rover"}
+
+
+# Two prompt chunks of 8 rows, each decoded whole in one chunk of its engine call (which
+# polls once, before its prefill): the second chunk's poll is the second.
+CHUNKS = {"rollout.micro_batch_size": 8, "rollout.slots": 8, "rollout.chunk_steps": 4}
+
+
+@pytest.mark.parametrize("case", ["flat", "tree", "chunks"])
+def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch, case):
     """``algo.inflight_updates``: update k - 1 (made ready at the sampler's second poll) is
     published between two decode chunks of batch k, so the batch mixes versions k - 1 and k.
     Tokens drawn before the swap carry version k - 1's log-probs; those after it were drawn
-    by the new weights (their log-probs are not version k - 1's)."""
+    by the new weights (their log-probs are not version k - 1's). A tree on the slot engine
+    polls before each level too: its 1-token root segment is drawn at the first poll, so the
+    swap comes between the root and the first fork, and every leaf shares the root's
+    version-(k - 1) token. With ``rollout.micro_batch_size`` the swap lands between two
+    prompt chunks (two engine calls), and counts as one all the same."""
     sampled = _updates_ready_at_the_second_poll(monkeypatch)
+    tree = case == "tree"
     cfg = _cfg(**{"rollout.engine": "slots", "rollout.chunk_steps": 1, "rollout.slots": 4,
-                  "algo.inflight_updates": True, "steps": 3})
-    ctx, versions, records, trained = _iterations(cfg, 3)
+                  "algo.inflight_updates": True, "steps": 2 + (case == "flat"),
+                  **{"flat": {}, "tree": TREE, "chunks": CHUNKS}[case]})
+    n_steps = cfg.steps
+    ctx, versions, records, trained = _iterations(cfg, n_steps)
     # sampled[0]: batch 0, before any update (no in-flight weights); sampled[k]: batch k, drawn
     # while update k - 1 ran, swapped to version k after its first decode chunk.
-    assert [o.get("swaps") for o in sampled] == [None, 1, 1]
-    assert [r["rollout/sample_version"] for r in records] == [0, 1, 2]
-    assert [r["rollout/weight_swaps"] for r in records[1:]] == [1, 1]
-    for k in (1, 2):
+    assert [o.get("swaps") for o in sampled] == [None] + [1] * (n_steps - 1)
+    assert [r["rollout/sample_version"] for r in records] == list(range(n_steps))
+    assert [r["rollout/weight_swaps"] for r in records[1:]] == [1] * (n_steps - 1)
+    for k in range(1, n_steps):
         out, batch, r = sampled[k], trained[k], records[k]
         mask = out["mask"]
         drawn = out["versions"][mask]
@@ -142,7 +160,14 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch):
         assert np.abs(own - out["logps"])[before].max() < 1e-4
         assert np.abs(own - out["logps"])[after].max() > 1e-3
         assert batch["mask"][:, -n:].sum() == mask.sum()
-    assert records[1]["time/weight_transfer"] > 0
+        if tree:   # the root segment before the swap, the forks' segments after it
+            np.testing.assert_array_equal(out["versions"][mask], np.where(
+                np.nonzero(mask)[1] == 0, k - 1, k))
+            assert out["decoded"].sum() < mask.sum()   # shared segments decoded once
+        if case == "chunks":   # the first chunk's rows before the swap, the second's after it
+            np.testing.assert_array_equal(out["versions"][:8][mask[:8]], k - 1)
+            np.testing.assert_array_equal(out["versions"][8:][mask[8:]], k)
+    assert records[n_steps - 2]["time/weight_transfer"] > 0   # (with the in-flight publish)
 
 
 def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch):

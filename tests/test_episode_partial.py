@@ -106,8 +106,10 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
 def test_selfplay_with_partial_rollouts_resumes_exactly(tmp_path, monkeypatch):
     """Self-play matches carried across iterations (a place is a game's G matches, a group
     per seat): stopped after the first iteration and resumed (the matches rebuilt by
-    replaying their recorded moves in order), equal to the straight run."""
-    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "steps": 3,
+    replaying their recorded moves in order), equal to the straight run. The games are
+    picked by MoPPS, whose posteriors (each game's learned from its seats' groups, the
+    places' dataset indices carried) resume exactly too."""
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "steps": 3, "data.selection.name": "predicted",
                      "algo.num_generations": 2, "rollout.max_new_tokens": 8,
                      "algo.entropy_coef": 0.01, "rollout.engine": "slots",
                      "rollout.partial": True, "rollout.chunk_steps": 3,
@@ -125,3 +127,4 @@ def test_selfplay_with_partial_rollouts_resumes_exactly(tmp_path, monkeypatch):
     assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight_dir))
     jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
                  final_params(straight_dir))
+    assert posteriors_of(resumed) == posteriors_of(straight_dir) != []

@@ -15,6 +15,8 @@ from rljax.models import paged, shared_prompt
 from rljax.models import transformer as tfm
 from rljax.sampling import engine
 
+pytestmark = pytest.mark.usefixtures("one_real_model_file_at_a_time")
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -5,8 +5,9 @@ Where the 27 cells that run are trained, and where each workload resumes exactly
 - text: test_train_loop.py, test_engine.py, test_partial.py, test_async.py (each resumed);
 - tool agents: test_agent_train.py (static and asynchronous on the engine resumed, slot engine),
   test_episode_partial.py (partial rollouts resumed);
-- self-play: test_selfplay.py (static, resumed with its role baselines; slot engine),
-  test_episode_partial.py (partial rollouts resumed) and below (asynchronous);
+- self-play: test_selfplay.py (static, resumed with its role baselines; slot engine; partial
+  rollouts against a checkpoint resumed), test_episode_partial.py (partial rollouts resumed)
+  and below (asynchronous);
 - images: test_vision_run.py (static, slot engine; partial rollouts and asynchronous resumed);
 - routing replay: test_moe.py (static, slot engine; asynchronous resumed);
 - PPO: test_train_ppo.py (static; partial rollouts and asynchronous resumed) and below (slot

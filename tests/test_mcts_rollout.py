@@ -430,3 +430,20 @@ def test_the_plan_lists_the_search_programs_at_the_shapes_a_round_calls(ctx, tmp
     assert set(planned) == {"eval", "mcts/sample", "update"}
     assert [a.shape for a in planned["mcts/sample"].args[1:]] == [(8, 20), (8, 20), (2,),
                                                                  (16, 2)]
+    # With algo.mcts.refit_prm the PRM in the state is refitted on 4 x (4 - 1) rows a round;
+    # with LoRA the state holds its adapters and head only.
+    lora_prm = str(tmp_path / "lora_prm")
+    prm_cfg.model.lora.rank = 4
+    wd.write_config(lora_prm, prm_cfg)
+    for where, lora in ((str(tmp_path), 0), (lora_prm, 4)):
+        refit = dpo.copy_and_resolve_references()
+        refit.update_from_flattened_dict({
+            "algo.mcts.value": "prm", "algo.mcts.prm": where, "algo.mcts.refit_prm": True,
+            "model.lora.rank": lora})
+        abstract, _ = plan_lib.abstract_context(config_lib.validate(refit), devices)
+        planned = {p.name: p for _, _, ps in phases.phase_programs(abstract) for p in ps}
+        assert set(planned) == {"eval", "mcts/sample", "mcts/prm", "update", "prm_refit"}
+        state, batch = planned["prm_refit"].args
+        assert batch["labels"].shape == (12, 12)
+        trunk = set(state.critic_params["trunk"])
+        assert trunk == {"lora"} if lora else "embed" in trunk and "lora" not in trunk

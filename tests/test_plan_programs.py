@@ -160,3 +160,50 @@ def test_planned_update_programs_are_the_ones_a_step_runs(algo, tmp_path):
                          + stats.generated_code_size_in_bytes)
         assert row.peak(planned.resident) == measured_peak, (call, row)
     assert np.isfinite(planned.peak)
+
+
+
+@pytest.mark.parametrize("engine", ["static", "slots"])
+def test_a_checkpoint_opponent_is_planned_as_its_own_sampler(engine, tmp_path, monkeypatch):
+    """env.selfplay.mode='checkpoint': the plan reads the opponent's architecture from its
+    workdir (no weight loaded) and holds its parameters resident, as many bytes as the loaded
+    opponent's; its sampler programs are its own side's (the turn batches' start and turn, or
+    on the slot engine its episode engine's prefill and decode), over as many rows as a round
+    gives it; on the slot engine each side holds a slot per row (the policy's too)."""
+    from test_distill import write_teacher_workdir
+    from test_selfplay import ttt_cfg
+    from rljax import data as data_lib
+    from rljax.train.core import evaluate
+    from rljax.train.methods import agent, selfplay
+    from rljax.train.phases import phase_programs
+    workdir = str(tmp_path / "opponent")   # wider than the policy: its own architecture
+    write_teacher_workdir(workdir, cfg=ttt_cfg(**{"model.overrides.hidden_size": 48}))
+    cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": workdir,
+                     "rollout.engine": engine})
+    devices = jax.devices()[:1]
+    planned = plan_lib.plan(cfg, devices, programs=lambda name: name.startswith("sample/opp"))
+    ctx = setup.build_context(cfg, str(tmp_path), devices)
+    opponent = selfplay.load_opponent(ctx)
+    size = plan_lib.shard_bytes(opponent.params)
+    assert size > plan_lib.shard_bytes(ctx.params)
+    assert planned.resident_parts["opponent"] == size
+    assert planned.resident == plan_lib.shard_bytes(
+        inference.start_phase(ctx, make_phases(ctx)[-1], inference.initial_state(ctx))) + size
+    names = ("prefill", "decode") if engine == "slots" else ("start", "turn")
+    assert [p.name for p in planned.phases] == [f"sample/opponent_{n}" for n in names]
+    assert all(row.resident_arguments == size for row in planned.phases)
+
+    # The rows of one round's sides, as the rollout hands them to the matches.
+    sides = []
+    monkeypatch.setattr(selfplay, "run_matches", lambda s, *a, **k: sides.append(s) or [{}])
+    selfplay.play(ctx, ctx.params, evaluate.eval_examples(ctx), jax.random.key(0),
+                  num_samples=2, temperature=1.0, opponent=opponent,
+                  template=data_lib.make_template(ctx.data_config(), ctx.tokenizer),
+                  **agent.match_options(cfg, ctx))
+    mine, theirs = (len(side.envs) for side in sides[0])
+    progs = {p.name: p for p in phase_programs(plan_lib.abstract_context(cfg, devices)[0])[-1][2]}
+    if engine == "slots":   # the decode chunk's slot state
+        assert progs["sample/opponent_decode"].args[5]["live"].shape == (theirs,)
+        assert progs["sample/episode_decode"].args[5]["live"].shape == (mine,)
+    else:   # the turn's slot mask [R, S]
+        assert progs["sample/opponent_turn"].args[2].shape[0] == theirs

@@ -33,17 +33,63 @@ def prm_dir(tmp_path_factory, ctx):  # noqa: F811
     return d
 
 
+@pytest.fixture(scope="module")
+def lora_prm_dir(tmp_path_factory, ctx):  # noqa: F811
+    """A PRM run's workdir with LoRA (rank 4): its checkpoint holds its policy's adapters and
+    the PRM's adapters and head, not the frozen base (as ``state.for_checkpoint`` writes)."""
+    from rljax.models import lora as lora_lib
+    from rljax.train.core import checkpoint
+    from rljax.train.core import workdir as wd
+
+    d = str(tmp_path_factory.mktemp("lora_prm_run"))
+    cfg = tiny_cfg(**LORA)
+    cfg.algo.name, cfg.sft.traces = "prm", ""
+    wd.write_config(d, cfg)
+    adapters = lora_lib.init_lora(ctx.model_cfg, 4, lora_lib.resolve_targets(
+        cfg.model.lora.targets), jax.random.key(10))
+    policy = {**ctx.params, "lora": adapters}   # the base is the run's: the same model section
+    critic = lora_lib.init_value_adapters(ctx.model_cfg, policy, jax.random.key(11))
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(d), async_save=False) as ck:
+        ck.save(1, {"params": lora_lib.trainable(policy), "critic_params": critic}, {},
+                wait=True)
+    return d
+
+
+LORA = {"model.lora.rank": 4}
+# Online DPO on the search's sibling pairs (data.pairs='mcts'); SimPO's loss, the one without
+# a reference pass, keeps the runs short.
+DPO = {"algo.name": "dpo", "algo.online": True, "sft.traces": "", "data.pairs": "mcts",
+       "rollout.batch_size": 6, "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
+       "algo.loss_type": "simpo"}
+
+
 def refit_cfg(prm_dir, steps=2, **extra):
     return tiny_cfg(steps, **{"algo.mcts.value": "prm", "algo.mcts.prm": prm_dir,
                               "algo.mcts.refit_prm": True, **extra})
 
 
-def test_refit_needs_the_prm_value_and_the_sft_traces():
+def test_refit_needs_the_prm_value_and_a_search():
     with pytest.raises(config_lib.ConfigError, match="algo.mcts.refit_prm"):
         tiny_cfg(**{"algo.mcts.refit_prm": True})
     with pytest.raises(config_lib.ConfigError, match="algo.mcts.refit_prm.*sft.traces"):
-        tiny_cfg(**{"algo.mcts.refit_prm": True, "algo.name": "dpo", "algo.online": True,
-                    "sft.traces": "", "data.pairs": "mcts"})
+        tiny_cfg(**{"algo.mcts.refit_prm": True, "sft.traces": ""})
+    # Online DPO on the search's pairs refits too, and LoRA runs refit the PRM's adapters.
+    tiny_cfg(**DPO, **{"algo.mcts.value": "prm", "algo.mcts.prm": "runs/prm",
+                       "algo.mcts.refit_prm": True})
+    refit_cfg("runs/prm", **{"model.lora.rank": 4})
+
+
+def test_a_lora_prm_run_is_read_on_the_policys_base(ctx, lora_prm_dir):  # noqa: F811
+    """A LoRA PRM run's checkpoint holds no base: its value model is its adapters and head on
+    this run's frozen base (the same model section)."""
+    from rljax.train.methods import prm_scoring
+
+    rctx = dataclasses.replace(ctx, cfg=refit_cfg(lora_prm_dir, **LORA))
+    saved = mcts_programs.load_prm(rctx)
+    value = prm_scoring.prm_value(rctx, saved)
+    assert set(saved["critic_params"]["trunk"]) == {"lora"}
+    assert value["trunk"]["lora"] is saved["critic_params"]["trunk"]["lora"]
+    assert value["trunk"]["embed"] is ctx.params["embed"] and "lm_head" not in value["trunk"]
 
 
 def _recomputed(tree, node):
@@ -131,14 +177,20 @@ def test_refit_trains_the_prm_and_the_next_search_reads_it(ctx, prm_dir,  # noqa
     assert seen and all(np.array_equal(s, after["head"]["kernel"]) for s in seen)
 
 
-def test_a_refit_run_resumes_exactly(tmp_path, prm_dir):
+@pytest.mark.parametrize("prm, extra", [("prm_dir", {}), ("lora_prm_dir", {**DPO, **LORA})],
+                         ids=["sft", "online_dpo_lora"])
+def test_a_refit_run_resumes_exactly(tmp_path, request, prm, extra):
+    """SFT on the search's traces, and online DPO on its pairs with LoRA (the PRM's adapters
+    and head refitted on the policy's base): a run stopped after its first round resumes
+    exactly, the refitted PRM included."""
     from rljax.train import run
     from rljax.train.core import checkpoint
 
     from test_train_loop import StopAfter
 
+    prm_dir = request.getfixturevalue(prm)
     straight, parts = str(tmp_path / "a"), str(tmp_path / "b")
-    cfg = functools.partial(refit_cfg, prm_dir, 2)
+    cfg = functools.partial(refit_cfg, prm_dir, 2, **extra)
     assert run.train(cfg(), straight, devices=DEVICES) == 0
     assert run.train(cfg(), parts, devices=DEVICES, stop=StopAfter(1)) == 0
     assert run.train(cfg(), parts, devices=DEVICES) == 0
@@ -156,3 +208,7 @@ def test_a_refit_run_resumes_exactly(tmp_path, prm_dir):
     with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(prm_dir)) as ckpt:
         start = jax.tree.map(np.asarray, ckpt.restore().state["critic_params"])
     assert not np.array_equal(a["critic_params"]["head"]["kernel"], start["head"]["kernel"])
+    if extra:   # LoRA: the PRM's adapters trained too, and no base was saved with them
+        assert set(a["critic_params"]["trunk"]) == {"lora"}
+        assert any(not np.array_equal(x, y) for x, y in zip(
+            jax.tree.leaves(a["critic_params"]["trunk"]), jax.tree.leaves(start["trunk"])))

@@ -133,6 +133,30 @@ def test_the_stage_puts_each_steps_score_on_its_last_token():
     np.testing.assert_allclose(got["step_rewards"], np.where(want_ends, score, 0.0), rtol=1e-6)
     assert TOK.decode(seen["prompt"][0][-6:].tolist()) == "3+4-2="
     assert stage.metrics([], rows)["process/steps_mean"] == 1.5
+    # An episode: model turn 0, an observation, model turn 1. Steps are cut within the model's
+    # turns (a turn's end ends a step; a delimiter inside an observation does not), and the
+    # PRM reads the whole transcript, observations included.
+    turns = [("a\nb", 0), ("=7\n", -1), ("c\nd", 1)]
+    ids = [t for text, _ in turns for t in TOK.encode(text)]
+    turn_ids = np.array([[k for text, k in turns for _ in TOK.encode(text)]
+                         + [-1] * (n - len(ids))])
+    ep_tok = np.full((1, n), TOK.pad_id, np.int32)
+    ep_tok[0, :len(ids)] = ids
+    ep_mask = np.arange(n)[None] < len(ids)
+    pid = TOK.encode("1+1=")
+    seqs = np.concatenate([np.full((1, 8), TOK.pad_id, np.int32), ep_tok], 1)
+    seqs[0, 8 - len(pid):8] = pid
+    seq_mask = np.concatenate([np.arange(8)[None] >= 8 - len(pid), ep_mask], 1)
+    rows = {"tokens": ep_tok, "mask": ep_mask, "model_mask": turn_ids >= 0, "turn_ids": turn_ids}
+    stage.finish_batch({"tokens": seqs, "mask": seq_mask}, rows)
+    got = rows["estimator_inputs"]
+    want_ends = np.zeros((1, n), bool)
+    want_ends[0, [1, 2, 7, 8]] = True   # "a\n", turn 0's end "b"; "c\n", turn 1's end "d"
+    np.testing.assert_array_equal(got["step_ends"], want_ends)
+    assert not (got["step_ends"] & ~rows["model_mask"]).any()
+    score = 1 / (1 + np.exp(-(ep_tok / 10 - 3)))
+    np.testing.assert_allclose(got["step_rewards"], np.where(want_ends, score, 0.0), rtol=1e-6)
+    assert TOK.decode(seen["prompt"][0][-4:].tolist()) == "1+1="
 
 
 def _cfg(**extra):
@@ -154,8 +178,9 @@ def test_config_refuses_what_grpo_process_cannot_read():
         _cfg(**{"algo.process_reward.prm": "runs/prm", "algo.gamma": 0.9})
     with pytest.raises(config_lib.ConfigError, match="data.step_delimiter"):
         _cfg(**{"algo.process_reward.prm": "runs/prm", "data.step_delimiter": ""})
-    # A rollout stage: every sampler and mode takes it.
+    # A rollout stage: every sampler and mode takes it, and tool episodes.
     for mode in ({"rollout.engine": "slots"},
+                 {"env.name": "tool", "env.tools": ("calculator",)},
                  {"rollout.engine": "slots", "rollout.partial": True},
                  {"algo.asynchronous": True}):
         _cfg(**{"algo.process_reward.prm": "runs/prm", **mode})
@@ -192,6 +217,18 @@ def test_a_prm_shaped_run_trains_on_a_prm_runs_scores_and_resumes_exactly(tmp_pa
     steps = [r for r in _comparable(ragged) if "process/step_score_mean" in r]
     assert len(steps) == 2 and all(r["rollout/group_size_max"] == 2 and
                                    np.isfinite(r["loss"]) for r in steps)
+    # Tool episodes: the PRM scores the steps of the model's turns on the whole transcript.
+    episodes = str(tmp_path / "episodes")
+    cfg = _cfg(**{"algo.process_reward.prm": prm_dir, "env.name": "tool",
+                  "env.tools": ("calculator",), "env.tool_format": "plain",
+                  "env.max_turns": 2, "env.max_total_tokens": 40, "env.max_obs_tokens": 8,
+                  "steps": 1})
+    cfg.env.kwargs = {"describe_tools": False}
+    assert run.train(cfg, episodes, devices=devices) == 0
+    steps = [r for r in _comparable(episodes) if "process/step_score_mean" in r]
+    assert len(steps) == 1 and all(0 < r["process/step_score_mean"] < 1 and
+                                   r["process/steps_mean"] >= 1 and "env/turns_mean" in r and
+                                   np.isfinite(r["loss"]) for r in steps)
 
 
 def test_the_plan_holds_the_prms_pass_at_the_stages_shape(tmp_path):
@@ -212,3 +249,8 @@ def test_the_plan_holds_the_prms_pass_at_the_stages_shape(tmp_path):
     assert batch["completion_tokens"].shape == (2, cfg.rollout.max_new_tokens)
     assert set(value) == {"trunk", "head"}
     assert program.fn.lower(*program.args).compile().memory_analysis() is not None
+    # Episodes: the PRM reads the whole trajectory after the prompt.
+    cfg = _cfg(**{"algo.process_reward.prm": str(tmp_path), "algo.micro_batch_size": 2,
+                  "env.name": "tool", "env.tools": ("calculator",), "env.max_total_tokens": 40})
+    ctx, _ = plan_lib.abstract_context(cfg, jax.devices()[:1])
+    assert process_rewards.program(ctx).args[1]["completion_tokens"].shape == (2, 40)

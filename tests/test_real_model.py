@@ -17,6 +17,8 @@ import pytest
 from rljax import models, sampling, tokenizers
 from rljax.errors import ConfigError, UserError
 
+pytestmark = pytest.mark.usefixtures("one_real_model_file_at_a_time")
+
 # Short chat prompts of different lengths, so a batch of them is left-padded.
 CHATS = [
     [{"role": "user", "content": "What is 2+2?"}],

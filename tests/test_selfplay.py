@@ -146,10 +146,12 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
     """One policy in both seats: each row is one seat of one match, its model tokens are its
     own moves, its observations the board after the other seat's, its reward its seat's
     return; the sampler's log-probs (a cache per seat, skipping the other seat's plies) are
-    the trainer's."""
+    the trainer's. MoPPS picks the games and learns from each seat's group of a game for that
+    game (X's wins, then O's)."""
+    from rljax.data import selection
     g = 2
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.adv_estimator": "rae",
-                     "algo.num_generations": g})
+                     "algo.num_generations": g, "data.selection.name": "predicted"})
     ctx, phase, state = _phase(cfg, tmp_path)
     rollout = episode_rollout(ctx, setup.rl_iterator(ctx, 2))   # 2 games x 2 seats x G
     rnd = rollout.sample_round(state.params, jax.random.key(3))
@@ -182,6 +184,14 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
                                rtol=1e-6, atol=1e-6)
     assert metrics["rollout/logp_diff_max"] < 1e-4
     assert metrics["env/wins_X_mean"] == 0.5 and metrics["env/losses_mean"] == 0.5
+    sel, picked = cfg.data.selection, rollout.selector.last_indices
+    want = {}
+    for index in picked:
+        for wins in (g, 0):   # the game's X group, then its O group
+            a, b = want.pop(index, (sel.prior_a, sel.prior_b))
+            want[index] = selection.beta_update(a, b, wins, g, decay=sel.decay,
+                                                prior_a=sel.prior_a, prior_b=sel.prior_b)
+    assert len(picked) == 2 and rollout.selector.posteriors == want
 
 
 def test_selfplay_in_a_chat_template_opens_the_second_seat_on_its_first_observation(
@@ -387,6 +397,36 @@ def test_checkpoint_opponent_on_the_slot_engine_plays_the_static_matches(
         np.testing.assert_allclose(slots["logps"], static["logps"], rtol=1e-4, atol=1e-5)
 
 
+def test_checkpoint_opponent_with_partial_rollouts_resumes_exactly(rae_run, tmp_path,
+                                                                   lowest_cell):
+    """rollout.partial with a checkpoint opponent: whole games (every seat plays the lowest
+    free cell) carried across iterations mid-game, the opponent's seats on an engine of
+    their own; the opponent's recorded moves replay with the policy's when a match is
+    rebuilt, only the example's seat's group trains, and a run stopped after its first
+    iteration and resumed equals the straight one."""
+    from tests.test_episode_partial import watch_carried
+    cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
+                     "env.selfplay.temperature": 1.0, "rollout.engine": "slots",
+                     "rollout.partial": True, "rollout.chunk_steps": 2,
+                     "rollout.max_new_tokens": 2, "rollout.max_staleness": 1})
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    with pytest.MonkeyPatch.context() as mp:
+        carried = watch_carried(mp)
+        assert run.train(cfg, straight, devices=DEVICES) == 0
+    # Matches carried mid-game: both seats (policy and opponent) with moves played.
+    assert any(rows.count(0) < len(rows) - 1 for places in carried for rows in places), carried
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert len(rl) == 2 and rl[1]["rollout/staleness_max"] == 1
+    assert all(r["env/plies_mean"] == 7 and r["rollout/carried_groups"] > 0 for r in rl)
+    # The batch is the policy's seats only: X's rows win, O's lose; both seats were drawn.
+    assert all(r["reward/mean"] == r.get("env/games_X_mean", 0) - r.get("env/games_O_mean", 0)
+               for r in rl) and any(r.get("env/games_O_mean", 0) > 0 for r in rl)
+    assert run.train(cfg, resumed, devices=DEVICES, stop=StopAfter(rl[0]["step"])) == 0
+    assert run.train(cfg, resumed, devices=DEVICES) == 0
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight))
+    jax.tree.map(np.testing.assert_array_equal, final_params(resumed), final_params(straight))
+
+
 def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tmp_path):
     """Scripted and checkpoint opponents: every game is a win, draw, loss or the opponent's
     forfeit; rates come with their Wilson intervals."""
@@ -456,6 +496,8 @@ def test_seat_envs_share_a_match_and_each_sees_only_its_seat():
      "must be divisible by algo.num_generations * seats = 8"),
     ({"env.selfplay.mode": "self", "env.name": "guess_number"}, "plays board games"),
     ({"env.selfplay.mode": "best"}, "env.selfplay.mode"),
+    ({"env.selfplay.mode": "self", "data.selection.name": "curriculum"},
+     "a game has none"),
 ])
 def test_selfplay_config_errors_are_one_line(overrides, needle):
     with pytest.raises(config_lib.ConfigError, match=re.escape(needle)) as e:

@@ -107,8 +107,8 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
     ({"algo.name": "dpo"}, "needs algo.name='grpo'"),
     ({"rollout.engine": "slots", "rollout.partial": True},
      "rollout.tree.enabled=true cannot be combined with rollout.partial"),
-    ({"rollout.engine": "slots", "algo.asynchronous": True, "algo.inflight_updates": True},
-     "rollout.tree.enabled=true cannot be combined with algo.inflight_updates"),
+    ({"algo.asynchronous": True, "algo.inflight_updates": True},
+     "algo.inflight_updates=true needs rollout.engine='slots'"),
 ])
 def test_bad_tree_budgets_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -70,17 +70,22 @@ HINTS = {"algo.hint.mode": "fixed", "algo.hint.fraction": 0.5, **FAIL}
 DEMOS = {"algo.mixed_policy": True, **FAIL}
 ANNEALED = {"rollout.temperature_schedule.name": "linear",
             "rollout.temperature_schedule.start": 1.5, "rollout.temperature_schedule.end": 0.5}
+# Each group is the 2 leaves of a tree forked after its first 2 tokens.
+TREE = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 2,
+        "rollout.tree.branching": 2}
 
 
-@pytest.mark.parametrize("guide", [{}, HINTS, DEMOS, ANNEALED],
-                         ids=["sampled", "hints", "mixed_policy", "temperature_schedule"])
+@pytest.mark.parametrize("guide", [{}, HINTS, DEMOS, ANNEALED, TREE],
+                         ids=["sampled", "hints", "mixed_policy", "temperature_schedule",
+                              "tree"])
 def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, monkeypatch,
                                                        guide):
     """Each prefix's value is the mean reward of its K forks, each fork continues that exact
     prefix, and every token's advantage is V(next prefix) - V(its prefix) (R at the end). The
     rows valued are those that train: a hinted row's forks continue prompt ++ hint ++ its
     prefix and are judged with the hint (as its own reward is); a demonstration is valued
-    from its own prefixes."""
+    from its own prefixes; a tree's leaves (sharing their first segment) are valued each from
+    its own, and the advantages are VinePPO's, not a tree estimator's."""
     from rljax.train import inference
     from rljax.train.core import setup
     from rljax.train.methods import vine
@@ -125,6 +130,11 @@ def test_values_are_monte_carlo_averages_of_the_forks(reward_file, tmp_path, mon
         np.testing.assert_allclose(batch["advantages"][i, -n:], want * batch["loss_mask"][i],
                                    atol=1e-6)
     assert metrics["vine/fork_tokens"] > 0 and metrics["vine/prefixes"] == len(rnd["fork_rows"])
+    if guide == TREE:   # the leaves were tree-sampled: siblings share their first 2 tokens
+        t = rnd["tokens"]
+        np.testing.assert_array_equal(t[0::2, :2], t[1::2, :2])
+        assert metrics["rollout/decoded_tokens"] < metrics["vine/fork_tokens"] + \
+            metrics["vine/fork_padding_tokens"] + int(rnd["lengths"].sum())
     assert metrics["rollout/decoded_tokens"] >= metrics["vine/fork_tokens"] + \
         int(rnd["lengths"].sum())
 
@@ -139,15 +149,16 @@ KNAPSACK = {"rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 1,
 @pytest.mark.parametrize("guide", [{}, {**RELIFT, **HINTS}, {**RELIFT, **DEMOS}, ANNEALED,
                                    {"rollout.micro_batch_size": 4},
                                    {"algo.dynamic_sampling": True},
-                                   {"data.selection.name": "online_filter", **KNAPSACK}],
+                                   {"data.selection.name": "online_filter", **KNAPSACK},
+                                   TREE],
                          ids=["sampled", "relift_hints", "relift_mixed_policy",
                               "temperature_schedule", "micro_batches", "dynamic_sampling",
-                              "knapsack_online_filter"])
+                              "knapsack_online_filter", "tree"])
 def test_vineppo_train_run(reward_file, tmp_path, monkeypatch, guide):
     """VinePPO trains on the rows guidance leaves (hinted groups, demonstrations), and
     ReLIFT's SFT step follows its updates; with a temperature schedule, with the round
-    sampled in micro-batches (its rows in order all the same), and after a group filter
-    (on the knapsack's groups too): exactly the rows that train are valued."""
+    sampled in micro-batches (its rows in order all the same), after a group filter (on the
+    knapsack's groups too), and on trees' leaves: exactly the rows that train are valued."""
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
     from rljax.train.core.rollout import Rollout
@@ -198,6 +209,7 @@ def test_vineppo_with_partial_rollouts_asynchronously_resumes_exactly(reward_fil
 @pytest.mark.parametrize("overrides, key", [
     (["algo.kl_in_reward=true", "algo.beta=0.01"], "algo.kl_in_reward"),
     (["algo.gamma=0.9"], "algo.gamma"),
+    (["env.name=tool", "env.tools=calculator"], "env.name"),
     (["algo.vine.splitter=regex", "algo.vine.regex=("], "algo.vine.regex"),
     (["algo.name=ppo"], "algo"),
 ])

@@ -117,11 +117,12 @@ def algo() -> dict[str, Any]:
         # on the fraction of continuations with reward >= correct_reward (else on fraction >
         # 0); step_score: how a solution's step scores combine (min, last, mean, prod).
         prm=dict(soft_labels=False, correct_reward=1.0, step_score="min"),
-        # MCTS over steps (sft.traces='mcts'; docs/tree_search.md): per prompt, `simulations`
-        # select/expand/evaluate/backup rounds; an expansion samples `children` next steps
-        # (priors: their probabilities); a leaf is valued by `rollouts` continuations to the
-        # end (value 'mc') or by the PRM run in workdir `prm` (value 'prm'); a terminal node by
-        # its reward (>= correct_reward: verified). No expansion once a tree holds `max_nodes`.
+        # MCTS over steps (sft.traces='mcts', data.pairs='mcts'; docs/tree_search.md): per
+        # prompt, `simulations` select/expand/evaluate/backup rounds; an expansion samples
+        # `children` next steps (priors: their probabilities); a leaf is valued by `rollouts`
+        # continuations to the end (value 'mc') or by the PRM run in workdir `prm` (value
+        # 'prm'); a terminal node by its reward (>= correct_reward: verified). No expansion
+        # once a tree holds `max_nodes`.
         # refit_prm (value 'prm'): after each round's search the PRM takes `refit_updates`
         # updates on the search's per-step values (each visited node's Q at its step end), at
         # `refit_learning_rate` (0 = optimizer.critic_learning_rate, else learning_rate).

@@ -145,7 +145,8 @@ def check_env(cfg) -> None:
 
 def check_selfplay(cfg) -> None:
     """``env.selfplay``: a board game, the GRPO phase, a workdir exactly for
-    the checkpoint opponent, and (self-play) a batch of whole examples: G rows per seat."""
+    the checkpoint opponent, no difficulty curriculum, and (self-play) a batch of whole
+    examples: G rows per seat."""
     sp, env = cfg.env.selfplay, cfg.env
     if sp.mode == "off":
         if sp.workdir:
@@ -160,9 +161,9 @@ def check_selfplay(cfg) -> None:
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
                           "env.selfplay.mode='checkpoint'")
-    if cfg.data.selection.name != "uniform":
-        raise ConfigError(f"{what} draws games uniformly: data.selection.name must be "
-                          f"'uniform', got {cfg.data.selection.name!r}")
+    if cfg.data.selection.name == "curriculum":   # the other selectors observe games
+        raise ConfigError(f"{what} cannot be combined with data.selection.name='curriculum' "
+                          "(its knob sets a task's difficulty; a game has none)")
     seats = GAME_SEATS[env.name]
     rows = cfg.algo.num_generations * seats
     if sp.mode == "self" and cfg.rollout.batch_size % rows:

@@ -230,10 +230,11 @@ def check_tree(cfg) -> None:
     others = [k for k, on in (
         ("rollout.temperature_schedule.name", cfg.rollout.temperature_schedule.name != "constant"),
         ("env.name", bool(cfg.env.name)), ("algo.hint.mode", algo.hint.mode != "off"),
-        ("algo.mixed_policy", algo.mixed_policy), ("rollout.partial", cfg.rollout.partial),
-        ("algo.inflight_updates", algo.inflight_updates)) if on]
-    # Each samples its own way (a carried pool, weights swapped mid-decode); the tree
-    # samplers, static or on the slot engine, have none of them.
+        ("algo.mixed_policy", algo.mixed_policy), ("rollout.partial", cfg.rollout.partial))
+        if on]
+    # Each samples its own way (a carried pool); the tree samplers, static or on the slot
+    # engine, have none of them. (In-flight weights enter the slot engine's tree between its
+    # levels and decode chunks: check_async asks for the slot engine.)
     if others:
         raise ConfigError(f"rollout.tree.enabled=true cannot be combined with {others[0]}")
     if algo.name != "grpo":

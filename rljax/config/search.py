@@ -7,9 +7,10 @@ from rljax.config.base import ConfigError
 
 
 def check_process_reward(cfg) -> None:
-    """``grpo_process`` reads a PRM run (``algo.process_reward.prm``) and cuts samples into
-    steps at ``data.step_delimiter``; its advantage is per token, over groups of one prompt's
-    samples (of any sizes), with the outcome and step rewards undiscounted."""
+    """``grpo_process`` reads a PRM run (``algo.process_reward.prm``) and cuts samples (or
+    episodes' model turns) into steps at ``data.step_delimiter``; its advantage is per
+    token, over groups of one prompt's samples (of any sizes), with the outcome and step
+    rewards undiscounted."""
     a = cfg.algo
     on = a.adv_estimator == "grpo_process"
     if not on:
@@ -26,9 +27,7 @@ def check_process_reward(cfg) -> None:
     for key, bad, why in (
             ("algo.kl_in_reward", a.kl_in_reward, "the KL to the reference is the loss's "
              "term (algo.beta) here"),
-            ("algo.gamma", a.gamma != 1.0, "step rewards are summed undiscounted"),
-            ("env.name", bool(cfg.env.name), "the PRM scores single completions, not "
-             "episodes with observations between the model's turns")):
+            ("algo.gamma", a.gamma != 1.0, "step rewards are summed undiscounted")):
         if bad:
             raise ConfigError(f"algo.adv_estimator='grpo_process' cannot be combined with "
                               f"{key}: {why}")
@@ -36,21 +35,24 @@ def check_process_reward(cfg) -> None:
 
 def check_vine(cfg) -> None:
     """VinePPO: the GRPO phase, values of the task reward only (no KL in the reward, gamma
-    1), completions that are token sequences of their own (no tree, no episodes; the rows
-    that train are valued as they train: hinted, demonstrations, after group filters, groups
-    of the knapsack's sizes), and a regex that compiles."""
-    algo, r = cfg.algo, cfg.rollout
+    1), completions that are token sequences of their own (no episodes; the rows that train
+    are valued as they train: hinted, demonstrations, after group filters, groups of the
+    knapsack's sizes, a tree's leaves), and a regex that compiles."""
+    algo = cfg.algo
     if algo.adv_estimator != "vineppo":
         return
     if algo.name != "grpo":
         raise ConfigError(f"algo.adv_estimator='vineppo' runs in the GRPO phase; algo.name="
                           f"{algo.name!r}")
-    for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0),
-                    ("rollout.tree.enabled", r.tree.enabled), ("env.name", bool(cfg.env.name))):
+    for key, on in (("algo.kl_in_reward", algo.kl_in_reward), ("algo.gamma", algo.gamma != 1.0)):
         if on:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
-                              "(its values are the task reward's, over every sampled "
-                              "completion in order)")
+                              "(a step's value is the mean task reward of its forks, "
+                              "undiscounted, with no KL term)")
+    if cfg.env.name:
+        raise ConfigError("algo.adv_estimator='vineppo' cannot be combined with env.name "
+                          "(its forks continue a completion's tokens; an episode's model "
+                          "turns would need the environment replayed up to each fork)")
     if algo.vine.splitter == "regex":
         import re
         try:
@@ -64,12 +66,13 @@ def check_vine(cfg) -> None:
 def check_mcts(cfg) -> None:
     """MCTS over steps (``sft.traces='mcts'``: the main SFT phase; ``data.pairs='mcts'``:
     online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
-    (each node's steps drawn from its own key), a PRM workdir with value 'prm'."""
+    (each node's steps drawn from its own key), a PRM workdir with value 'prm' (refitted in
+    either phase with ``algo.mcts.refit_prm``, with LoRA too: adapters and head)."""
     traces = cfg.sft.traces == "mcts"
-    if cfg.algo.mcts.refit_prm and not traces:
-        raise ConfigError("algo.mcts.refit_prm=true refits the PRM of the search in the SFT "
-                          "phase; it needs sft.traces='mcts' (not data.pairs='mcts')")
     if not traces and cfg.data.pairs != "mcts":
+        if cfg.algo.mcts.refit_prm:
+            raise ConfigError("algo.mcts.refit_prm=true refits the PRM of the search; it needs "
+                              "sft.traces='mcts' or data.pairs='mcts'")
         return
     m, r = cfg.algo.mcts, cfg.rollout
     what = "sft.traces='mcts'" if traces else "data.pairs='mcts'"
@@ -85,10 +88,6 @@ def check_mcts(cfg) -> None:
     if m.refit_prm and m.value != "prm":
         raise ConfigError(f"algo.mcts.refit_prm=true refits the PRM that values the leaves; "
                           f"algo.mcts.value={m.value!r} has none (set algo.mcts.value='prm')")
-    if m.refit_prm and cfg.model.lora.rank:
-        raise ConfigError(f"algo.mcts.refit_prm=true is not supported with LoRA "
-                          f"(model.lora.rank={cfg.model.lora.rank}): the refit trains a "
-                          "full-weight PRM")
     if traces and cfg.sft.max_length <= cfg.data.max_prompt_length:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "

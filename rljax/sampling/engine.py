@@ -74,6 +74,22 @@ def static_utilisation(lengths: np.ndarray) -> float:
     return float(lengths.sum() / max(1, lengths.size * lengths.max(initial=1)))
 
 
+class VersionPolls:
+    """In-flight weights polled across several engine calls (a tree's levels, a batch's prompt
+    chunks): ``weights`` as it is, counting every change of version between two polls
+    (``swaps``), at a call's first poll too (``generate`` counts only those between its own
+    decode chunks)."""
+
+    def __init__(self, weights: Callable[[], tuple[Any, int]]):
+        self.weights, self.last, self.swaps = weights, None, 0
+
+    def __call__(self) -> tuple[Any, int]:
+        params, version = self.weights()
+        self.swaps += int(self.last is not None and version != self.last)
+        self.last = version
+        return params, version
+
+
 def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_mask: Any, *,
              rng: jax.Array, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None, pad_id: int = 0,

@@ -289,3 +289,35 @@ def kept_slots(layout: SlotLayout, turn: int, kept) -> np.ndarray:
     token goes into the next chunk), to add to ``slot_mask`` after the host cut the turn."""
     s = np.arange(layout.num_slots) - layout.turn_start(turn)
     return (s[None, :] >= 0) & (s[None, :] < np.asarray(kept)[:, None] - 1)
+
+
+def programs(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, rng, *,
+             layout: SlotLayout, num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0,
+             eos_id=None, stop_ids=(), stop_sequences=(), pad_id=0, mesh=None,
+             rules=shd.DEFAULT_RULES) -> list[tuple[str, Any, tuple]]:
+    """The turn batches' two programs for a memory plan: ``[(name, jitted fn, abstract
+    args)]`` (``start``: the B prompts' prefill fanned out to R = B * G rows; ``turn``: one
+    turn's chunk prefill and decode over the R rows' whole cache), as ``start`` and ``turn``
+    compile them for prompts of this shape. Inputs may be ``jax.ShapeDtypeStruct``s."""
+    r, rules = prompt_tokens.shape[0] * int(num_samples), _rules(rules)
+
+    def start_fn(params, tokens, mask):
+        return _start(cfg, params, tokens, mask, layout=layout, num_samples=int(num_samples),
+                      mesh=mesh, rules=rules, cache_dtype=None)
+
+    static = dict(layout=layout, temperature=float(temperature), top_k=int(top_k),
+                  top_p=float(top_p), stop_ids=merge_stop_ids(eos_id, stop_ids),
+                  stop_seqs=tuple(tuple(int(i) for i in q) for q in stop_sequences if len(q)),
+                  pad_id=int(pad_id), mesh=mesh, rules=rules)
+
+    def turn_fn(params, cache, slot_mask, chunk, chunk_mask, turn, active, budget, rng):
+        return _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget,
+                     rng, **static)
+
+    rows = lambda dtype, *tail: jax.ShapeDtypeStruct((r, *tail), dtype)  # noqa: E731
+    o = layout.chunk_len
+    return [("start", jax.jit(start_fn), (params, prompt_tokens, prompt_mask)),
+            ("turn", jax.jit(turn_fn, donate_argnums=(1,)),
+             (params, jax.eval_shape(start_fn, params, prompt_tokens, prompt_mask),
+              rows(bool, layout.num_slots), rows(jnp.int32, o), rows(bool, o),
+              jax.ShapeDtypeStruct((), jnp.int32), rows(bool), rows(jnp.int32), rng))]

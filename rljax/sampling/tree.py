@@ -50,6 +50,8 @@ class TreeSampleOutput:
     tokens, logps, mask, lengths, truncated: as ``sampling.SampleOutput`` ([B*M, N], [B*M]).
     node_ids: int32 [B*M, D+1]; node (per-prompt id, ``tree_layout``) of each leaf at each level.
     decoded: int32 [B]; tokens the sampler decoded per prompt, each tree node's segment once.
+    versions: int32 [B*M, N] or None; with in-flight weight updates (``sampling.tree_engine``),
+      the version of the weights that drew each token (a shared segment's, on every leaf).
     """
     tokens: jax.Array
     logps: jax.Array
@@ -58,6 +60,7 @@ class TreeSampleOutput:
     truncated: jax.Array
     node_ids: jax.Array
     decoded: jax.Array
+    versions: jax.Array | None = None
 
 
 def num_leaves(roots: int, branching: int, depth: int) -> int:

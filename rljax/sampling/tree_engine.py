@@ -20,11 +20,19 @@ Randomness: token t of the path at row r of level j reads ``draw_noise(fold_in(r
 B * R * k**j, V)[r]``, the draw the static tree sampler makes for it; it depends on the
 prompt, the path and the position only, never on the slot or the order requests ran in. So
 where both programs compute equal logits the trees are identical.
+
+In-flight weight updates (``weights``, as ``sampling.engine.generate`` takes them): each
+level's engine call polls them before its prefill and between its decode chunks, so a new
+version may enter between two levels or two decode chunks of a level. A level's requests
+re-prefill their paths under the weights it starts with; each token keeps the version that
+drew it and the log-prob that version gave (``TreeSampleOutput.versions``; a shared segment's
+on every leaf that descends from it), which is what the loss's importance ratios need.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,14 +85,18 @@ def requests(prompt_tokens: np.ndarray, prompt_mask: np.ndarray, tokens: np.ndar
             np.concatenate([mask, np.ones((len(mask), start), bool)], axis=1))
 
 
-def write_segment(paths: dict, out, live: np.ndarray, start: int) -> dict:
+def write_segment(paths: dict, out, live: np.ndarray, start: int,
+                  versions: np.ndarray | None = None) -> dict:
     """``paths`` with the engine's segment output (``SampleOutput``, [rows, end - start]) written
-    at positions [start, end) of the live rows; the others keep what their parent had."""
+    at positions [start, end) of the live rows; the others keep what their parent had.
+    ``versions`` int32 [rows, end - start] (in-flight weights): each segment token's version."""
     seg = jax.device_get(out)
     end = start + seg.tokens.shape[1]
     paths = {name: x.copy() for name, x in paths.items()}
     paths["tokens"][live, start:end] = seg.tokens[live]
     paths["logps"][live, start:end] = np.where(seg.mask, seg.logps, 0.0)[live]
+    if versions is not None:
+        paths["versions"][live, start:end] = versions[live]
     paths["lengths"][live] += seg.lengths[live]
     paths["done"][live] = ~seg.truncated[live]
     return paths
@@ -95,12 +107,15 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              depth: int, roots: int = 1, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              stop_ids: Sequence[int] = (), slots: int = 64, chunk_steps: int = 16,
-             cache_dtype: Any = None) -> tuple[TreeSampleOutput, list[engine.EngineStats]]:
+             cache_dtype: Any = None, weights: Callable[[], tuple[Any, int]] | None = None,
+             ) -> tuple[TreeSampleOutput, list[engine.EngineStats]]:
     """Samples ``sampling.tree.generate``'s trees (B*M leaf rows) with the slot engine.
 
     Arguments as ``sampling.tree.generate`` (prompt_tokens int32 [B, P] left-padded,
-    prompt_mask bool [B, P]), plus the engine's ``slots`` and ``chunk_steps``.
-    Returns ``(TreeSampleOutput, [EngineStats] per level)``.
+    prompt_mask bool [B, P]), plus the engine's ``slots``, ``chunk_steps`` and in-flight
+    ``weights`` (module docstring; ``params`` is then unused).
+    Returns ``(TreeSampleOutput, [EngineStats] per level)``; with ``weights``, the output's
+    ``versions`` int32 [B*M, N] and each level's ``swaps`` counting a change at its start.
     """
     check_tree(max_new_tokens, segment_tokens, branching, depth, roots)
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
@@ -108,6 +123,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     b, n = prompt_tokens.shape[0], int(max_new_tokens)
     paths = dict(tokens=np.full((b, n), pad_id, np.int32), logps=np.zeros((b, n), np.float32),
                  lengths=np.zeros(b, np.int32), done=np.zeros(b, bool))
+    polls = None if weights is None else engine.VersionPolls(weights)
+    if polls is not None:
+        paths["versions"] = np.zeros((b, n), np.int32)
     decoded, stats = np.zeros(b, np.int32), []
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                 pad_id=pad_id, stop_ids=stop_ids)
@@ -118,11 +136,14 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         tokens, mask = requests(prompt_tokens, prompt_mask, paths["tokens"], start)
         noise = (None if temperature == 0.0 else
                  level_noise(rng, start, end, rows, cfg.vocab_size))
+        swaps = 0 if polls is None else polls.swaps
         out, st = engine.generate(cfg, params, tokens, mask, rng=rng, max_new_tokens=end - start,
                                   slots=slots, chunk_steps=chunk_steps, cache_dtype=cache_dtype,
-                                  noise=noise, live=live, **draw)
+                                  noise=noise, live=live, weights=polls, **draw)
+        if polls is not None:
+            st = dataclasses.replace(st, swaps=polls.swaps - swaps)
         before = paths["lengths"].copy()
-        paths = write_segment(paths, out, live, start)
+        paths = write_segment(paths, out, live, start, st.versions)
         decoded += (paths["lengths"] - before).reshape(b, -1).sum(axis=1).astype(np.int32)
         stats.append(st)
     node_ids, _ = tree_layout(roots, branching, depth)
@@ -130,7 +151,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     return TreeSampleOutput(
         tokens=paths["tokens"], logps=paths["logps"],
         mask=np.arange(n)[None, :] < lengths[:, None], lengths=lengths,
-        truncated=~paths["done"], node_ids=np.tile(node_ids, (b, 1)), decoded=decoded), stats
+        truncated=~paths["done"], node_ids=np.tile(node_ids, (b, 1)), decoded=decoded,
+        versions=paths.get("versions")), stats
 
 
 def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_mask: Any,

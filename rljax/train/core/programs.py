@@ -29,12 +29,16 @@ from rljax.train.core.buckets import prompt_buckets
 class Program:
     """One jitted program of a phase: ``fn.lower(*args)`` compiles it. ``resident``: per-device
     bytes of ``args`` that are train state living on the device for the whole phase (counted
-    once in the plan's peak); ``copies``: instances running at once (``algo.update_streams``)."""
+    once in the plan's peak); ``copies``: instances running at once (``algo.update_streams``);
+    ``held``: ``(name, per-device bytes)`` of frozen models among ``args`` that the phase holds
+    from its start to its end without training or checkpointing them (a game's checkpoint
+    opponent): the plan adds them to its resident parts, and ``resident`` counts them."""
     name: str
     fn: Callable
     args: tuple
     resident: int
     copies: int = 1
+    held: tuple = ()
 
 
 def shard_bytes(tree: Any) -> int:
@@ -141,6 +145,17 @@ def sampler_copies(ctx, phase: str, state) -> dict:
     return parts
 
 
+def sample_prompts(cfg) -> int:
+    """Prompts of one sampler call: ``rollout.micro_batch_size / G``, else the batch's."""
+    r = cfg.rollout
+    return int(r.micro_batch_size or r.batch_size) // int(cfg.algo.num_generations)
+
+
+def held_parts(programs: list[Program]) -> dict:
+    """The frozen models ``programs`` hold for their phase (``Program.held``), by name."""
+    return {name: size for p in programs for name, size in p.held}
+
+
 def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> list[Program]:
     """``sample`` (``rollout.micro_batch_size / G`` prompts of the longest bucket, G samples
     each, or G tree leaves) and ``eval`` (the held-out generation at ``eval.batch_size`` /
@@ -149,7 +164,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
     cfg, mcfg, mesh, tok = ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.tokenizer
     r, g, p = cfg.rollout, int(cfg.algo.num_generations), prompt_len(cfg)
     n_sample = sampler_len(cfg)
-    chunk = r.micro_batch_size // g if r.micro_batch_size else int(r.batch_size) // g
+    chunk = sample_prompts(cfg)
     tree = tree_sampling.options_from_config(r.tree, g)
     if tree is not None and r.allocation == "knapsack":   # the budget's trees of one root each
         from rljax.config.rollout import knapsack_limits, knapsack_step   # (methods.allocation)
@@ -186,10 +201,13 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         if kind == "partial":
             places, feed = 2 * chunk, max(feed, int(e.max_total_tokens))
         p_tok, p_mask, *_ = prompts(places)
+        # A game's matches hold a slot per row for the whole match (``matches._EngineSide``).
+        slots = (chunk * g if e.selfplay.mode != "off"
+                 else sampler_lib.engine_slots(cfg, chunk * g))
         out = [Program(f"sample/episode_{name}", fn, args, resident) for name, fn, args in
                episode_engine.programs(
-                   mcfg, sampled, p_tok, p_mask, rng, num_samples=g,
-                   slots=sampler_lib.engine_slots(cfg, chunk * g), chunk_len=feed,
+                   mcfg, sampled, p_tok, p_mask, rng, num_samples=g, slots=slots,
+                   chunk_len=feed,
                    turn_len=int(e.max_turn_tokens or r.max_new_tokens),
                    length=int(e.max_total_tokens) + 1,
                    chunk_steps=r.chunk_steps, temperature=r.temperature, top_k=r.top_k,
@@ -267,7 +285,7 @@ def kv_cache_note(ctx, human: Callable[[int], str]) -> str:
     tree samplers', whose caches stay full)."""
     cfg, mcfg = ctx.cfg, ctx.model_cfg
     r, g, p, n = cfg.rollout, int(cfg.algo.num_generations), prompt_len(cfg), sampler_len(cfg)
-    prompts = (r.micro_batch_size or r.batch_size) // g
+    prompts = sample_prompts(cfg)
     ringed = not cfg.env.name and tree_sampling.options_from_config(r.tree, g) is None
     if sampler_lib.sampler_kind(cfg) in ("slots", "partial") and ringed:
         slots = sampler_lib.engine_slots(cfg, prompts * g)

@@ -117,8 +117,10 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
     images, embedded by the tower and prefilled with the prompt (not with a tree).
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
-    polled between decode chunks (``sampling.engine.generate``); adds ``versions`` int [R, N]
-    (the version that drew each token) and ``swaps`` (how often the weights changed).
+    polled between decode chunks (``sampling.engine.generate``; a tree's also between its
+    levels, ``sampling.tree_engine``); adds ``versions`` int [R, N]
+    (the version that drew each token) and ``swaps`` (how often the weights changed, between
+    two prompt chunks included).
     ``prompt_index`` int [R] (one chunk, no tree; ``num_samples`` 1): row r continues prompt
     ``prompt_index[r]`` (groups of any sizes). The static sampler shares each prompt's prefill
     among its rows (``sampling.generate``); the slot engine prefills each row's prompt.
@@ -130,8 +132,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         raise UserError("images in the prompt are not sampled by the tree sampler yet; use "
                         "rollout.engine='static' or 'slots' without a tree")
     params = sampling_params(ctx, params)
-    if weights is not None:
-        weights = _sampling_weights(ctx, weights)
+    if weights is not None:   # swaps counted across the prompt chunks (between two, too)
+        weights = sampling.engine.VersionPolls(_sampling_weights(ctx, weights))
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     if prompt_index is not None and (chunk < b or tree is not None):
@@ -158,7 +160,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temps, kw,
                                engine_stats, weights)
         elif kind == "tree_slots":
-            out = _tree_engine(ctx, params, p_tok, p_mask, tree, kw, engine_stats)
+            out = _tree_engine(ctx, params, p_tok, p_mask, tree, kw, engine_stats, weights)
         elif kind == "static":
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temps,
@@ -180,9 +182,10 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     if engine_stats:   # the slot engine's busy and run slot-steps (its utilisation)
         result["slot_steps"] = (sum(st.useful_steps for st in engine_stats),
                                 sum(st.slots * st.decode_steps for st in engine_stats))
-    if weights is not None:
-        result["versions"] = np.concatenate([st.versions for st in engine_stats])
-        result["swaps"] = sum(st.swaps for st in engine_stats)
+    if weights is not None:   # a tree's are its leaves' (its levels' stats have other rows)
+        result["versions"] = np.concatenate([o.versions for o in outs] if tree is not None else
+                                            [st.versions for st in engine_stats])
+        result["swaps"] = weights.swaps
     return result
 
 
@@ -206,16 +209,18 @@ def _single_process():
                         "rollout.engine='static' on several hosts")
 
 
-def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list):
+def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list,
+                 weights=None):
     """``sampling.tree_engine.generate`` for one chunk of prompts (appends each level's
-    EngineStats)."""
+    EngineStats), with in-flight ``weights`` polled between levels and decode chunks."""
     _single_process()
     rows = int(np.shape(prompt_tokens)[0]) * tree_sampling.num_leaves(
         tree["roots"], tree["branching"], tree["depth"])
     kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
     out, st = sampling.tree_engine.generate(
         ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask), **tree,
-        slots=engine_slots(ctx.cfg, rows), chunk_steps=ctx.cfg.rollout.chunk_steps, **kw)
+        slots=engine_slots(ctx.cfg, rows), chunk_steps=ctx.cfg.rollout.chunk_steps,
+        weights=weights, **kw)
     stats.extend(st)
     return out
 

@@ -274,6 +274,27 @@ def build_sft_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=
 
 
 # What the log-prob passes read (``prompt_*``: the shared-prompt layout, see completion_logps).
+def build_value_step(model_cfg, optimizer, loss: Callable, *, num_micro: int = 1,
+                     state_shardings=None, mesh=None, count_steps: bool = True) -> Callable:
+    """Jitted update of a value model that lives in ``critic_params`` / ``critic_opt_state``
+    (so the run's sharding and checkpoint machinery handle it like a critic): a reward model,
+    a process reward model; ``params`` (the policy it was initialised from) is carried
+    unchanged. ``loss(model_cfg, value params, state, batch)`` in ``accumulate``'s convention.
+    ``count_steps`` False: ``state.step`` stays (a value-model update inside another phase's
+    iteration, whose own update counts the step)."""
+    loss_fn = functools.partial(loss, model_cfg)
+
+    def value_step(state, batch):
+        # With LoRA the value model is adapters + head on the policy's frozen base.
+        view = state.replace(params=lora_lib.value_on_base(state.params, state.critic_params),
+                             opt_state=state.critic_opt_state)
+        new, metrics = update(optimizer, loss_fn, view, batch, num_micro)
+        return state.replace(step=new.step if count_steps else state.step,
+                             critic_params=lora_lib.trainable(new.params),
+                             critic_opt_state=new.opt_state), metrics
+    return jit_step(value_step, state_shardings, mesh)
+
+
 LOGPS_KEYS = ("tokens", "mask", "loss_mask", "temperatures", "prompt_tokens", "prompt_mask",
               "pixels", "routes", "prompt_routes")
 

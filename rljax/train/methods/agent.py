@@ -28,6 +28,7 @@ from rljax.algorithms import turn_credit
 from rljax.errors import UserError
 from rljax.train.core import episodes as ep
 from rljax.train.core import evaluate, sampler
+from rljax.train.core.partial import drawn_indices
 from rljax.train.core.verifier import verify
 from rljax.train.core.rollout import (Rollout, RolloutStage, RoundSource, expand_fields,
                                       prompt_buckets)
@@ -182,12 +183,18 @@ class EpisodeRounds(RoundSource):
 
     def sample_round(self, rollout: Rollout, params, rng) -> dict:
         """The round of the iterator's next prompts: their episodes, scored with
-        ``rollout``'s reward functions (failures reported to its monitor)."""
+        ``rollout``'s reward functions (failures reported to its monitor). Self-play: the
+        round's ``indices`` give each learner seat's group its game's dataset index, so prompt
+        selection observes every learner group of a game for that game."""
         g = rollout.g
         examples = next(rollout.iterator)
+        drawn = drawn_indices(rollout.iterator, len(examples))
         t0 = time.perf_counter()
-        eps, examples = self.play_groups(params, examples, rng, g, rollout.weights)
-        return self.scored_round(rollout, eps, examples, time.perf_counter() - t0)
+        eps, groups = self.play_groups(params, examples, rng, g, rollout.weights)
+        rnd = self.scored_round(rollout, eps, groups, time.perf_counter() - t0)
+        if self.selfplay:   # a group per learner seat: each is observed as its game's
+            rnd["indices"] = np.repeat(drawn, len(groups) // len(examples)).tolist()
+        return rnd
 
     def scored_round(self, rollout: Rollout, eps: dict, examples: list[dict],
                      time_play: float, g: int | None = None) -> dict:

@@ -29,8 +29,11 @@ per seat (``seats x G`` rows, the batch's groups in (example, seat) order as
 place records the order its matches stepped in (engine chunk, row, turn), and the rebuild
 replays the steps in that order with ``matches._engine_matches``' loop head (settle, observe
 the seats to move) before each chunk's steps, so every seat sees what it saw. The games are
-deterministic given their deal and moves. Not with a checkpoint opponent (refused: a
-carried match would need the opponent's seats and their engine carried as well).
+deterministic given their deal and moves. Against a checkpoint opponent
+(``env.selfplay.mode='checkpoint'``) a place holds every seat's rows too: the opponent's
+turns are recorded (with no version: never stale) and replayed like the policy's, its seats
+decode on an engine of their own (its parameters and sampling), the two engines taking a
+decode chunk each in turn, and only the example's seat's group trains.
 
 Randomness: token t of turn k of row i of the place admitted s-th reads the engine's row
 draw of id ``s * rows + i`` (rows: G, or ``seats x G``) under ``fold_in(state.rng,
@@ -67,22 +70,23 @@ class EpisodePartialRounds(agent.EpisodeRounds):
     """Multi-turn episodes with partial rollouts as a rollout's round source (module
     docstring): ``EpisodeRounds``' rounds and metrics, from groups carried across
     iterations. A place holds one example: a group of G episodes, or with self-play the G
-    matches of a game (a group per seat, ``seats x G`` rows sharing the matches)."""
+    matches of a game (``seats x G`` rows sharing the matches, a group per seat; against a
+    checkpoint the example's seat's group trains, the opponent's rows are played and
+    carried only)."""
 
     def __init__(self, ctx, num_prompts: int):
         super().__init__(ctx)
-        if self.opponent is not None:
-            raise UserError("rollout.partial=true cannot be combined with "
-                            "env.selfplay.mode='checkpoint'")
         if dist.is_multiprocess():
             raise UserError("rollout.partial=true runs in a single process for now; use "
                             "rollout.partial=false on several hosts")
         self.g = int(ctx.cfg.algo.num_generations)
-        self.seats = 1
+        self.seats, self.num_prompts = 1, int(num_prompts)   # examples a round takes
         if self.selfplay:
+            from rljax.envs import board_games
             from rljax.train.methods import selfplay
             self.seats = selfplay.num_seats(ctx.cfg)
-        self.num_prompts = int(num_prompts) // self.seats   # examples a round takes
+            self.num_prompts = selfplay.examples_per_round(ctx.cfg, self.num_prompts)
+            self._game = board_games.get_game(ctx.cfg.env.name)
         self.rows = self.seats * self.g                       # rows of a place
         self._renderer = agent.make_renderer(ctx.cfg, ctx.tokenizer)
         c = 2 * self.num_prompts
@@ -102,6 +106,14 @@ class EpisodePartialRounds(agent.EpisodeRounds):
 
     def _empty(self) -> list:
         return [[] for _ in range(self.rows)]
+
+    def _learners(self, meta) -> np.ndarray:
+        """int [G or rows]: the rows of a place that train (a checkpoint opponent's places:
+        the example's seat's G rows)."""
+        if self.opponent is None:
+            return np.arange(self.rows)
+        from rljax.train.methods import selfplay
+        return selfplay.seat_of(self._game, meta) * self.g + np.arange(self.g)
 
     def _clear(self, j: int) -> None:
         self.turns[j], self.moves[j], self.completed_at[j] = self._empty(), [], -1
@@ -137,11 +149,11 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         taken = sorted((j for j in places if self.completed_at[j] >= 0),
                        key=lambda j: (self.completed_at[j], self.serial[j]))[:self.num_prompts]
         at = {j: k for k, j in enumerate(places)}
-        rows = np.concatenate([np.arange(at[j] * self.rows, (at[j] + 1) * self.rows)
-                               for j in taken])
+        learners = {j: self._learners(self.metas[j]) for j in taken}
+        rows = np.concatenate([at[j] * self.rows + learners[j] for j in taken])
         eps = dict(_subset(eps, rows), slot_steps=slot_steps)
         versions = np.full(eps["tokens"].shape, -1, np.int64)
-        for r, (j, k) in enumerate((j, k) for j in taken for k in range(self.rows)):
+        for r, (j, k) in enumerate((j, k) for j in taken for k in learners[j]):
             turn_versions = np.array([t["version"] for t in self.turns[j][k]] + [-1])
             versions[r] = turn_versions[eps["turn_ids"][r]]   # -1 (not a model token): -1
         examples = [x for j in taken for x in groups[at[j]]]
@@ -155,34 +167,43 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                     indices=indices)
 
     def _drop_stale(self) -> int:
-        """Restarts every place holding a turn more than the bound older than this version;
-        returns the episodes discarded (those that had turns)."""
+        """Restarts every place holding a turn of its learner rows more than the bound older
+        than this version; returns the episodes discarded (learner rows that had turns). A
+        frozen opponent's turns are never stale."""
         bound = int(self.ctx.cfg.rollout.max_staleness) - (self._step - self._version)
         dropped = 0
         for j in np.flatnonzero(self.serial >= 0):
-            oldest = min((t["version"] for s in self.turns[j] for t in s), default=self._version)
+            own = [self.turns[j][k] for k in self._learners(self.metas[j])]
+            oldest = min((t["version"] for s in own for t in s), default=self._version)
             if self._version - oldest > bound:
-                dropped += sum(1 for s in self.turns[j] if s)
+                dropped += sum(1 for s in own if s)
                 self._clear(j)
         return dropped
 
-    def _record_turn(self, j: int, row: int, ids, logps) -> None:
+    def _record_turn(self, j: int, row: int, ids, logps, frozen: bool = False) -> None:
+        """A finished turn of place j's row: its ids, log-probs, version (frozen: None)."""
         self.turns[j][row].append(dict(ids=[int(x) for x in ids],
-                                       logps=[float(x) for x in logps], version=self._version))
+                                       logps=[float(x) for x in logps],
+                                       version=None if frozen else self._version))
 
-    def _engine_setup(self, lim, p_tok, p_mask, params, slots: int):
+    def _engine_setup(self, lim, p_tok, p_mask, params, slots: int, side=None):
         """The engine's pages, slot cache and state for this iteration; the feed holds a
-        carried episode's whole trajectory so far (fed again under the current weights)."""
+        carried episode's whole trajectory so far (fed again under the current weights).
+        ``side`` (``matches.Side``): the model, parameters and sampling of the engine (None:
+        the policy's ``params`` at the rollout's sampling)."""
         from rljax.models import paged
         from rljax.sampling import episode_engine as ee
-        tok, model_cfg = self.ctx.tokenizer, self.ctx.model_cfg
+        from rljax.train.methods.matches import Side
+        r, tok = self.ctx.cfg.rollout, self.ctx.tokenizer
+        if side is None:
+            side = Side(self.ctx.model_cfg, params, (), self.g, r.temperature, r.top_k, r.top_p)
+        model_cfg, params = side.model_cfg, side.params
         pages = ee.prefill(model_cfg, params, p_tok, p_mask)
         cache = paged.init_slot_cache(model_cfg, slots, lim.max_total_tokens + 1)
         state = ee.empty_state(slots, max(lim.chunk_tokens, lim.max_total_tokens),
                                lim.turn_tokens, tok.pad_id)
-        r = self.ctx.cfg.rollout
         calls = [self._renderer.call_end] if self._renderer.call_end else []
-        options = dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+        options = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
                        stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
                        stop_sequences=multiturn.stop_sequences_of(tok, calls))
 
@@ -288,28 +309,25 @@ class EpisodePartialRounds(agent.EpisodeRounds):
     # -- self-play matches ---------------------------------------------------------------------
 
     def _play_matches(self, params, places):
-        """Self-play: each place's G matches rebuilt (its recorded steps replayed in their
-        order), then the seats' turns on the engine (a slot per row, as
-        ``matches._engine_matches``) until enough places have every match over. Returns as
-        ``_play_episodes``."""
+        """Self-play or against the checkpoint opponent: each place's G matches rebuilt (the
+        recorded steps of every seat, the opponent's too, replayed in their order), then the
+        seats' turns on the engines, one per model (``_SeatEngine``: a slot per row, as
+        ``matches._engine_matches``), decoding a chunk each in turn, until enough places have
+        every match over. Returns as ``_play_episodes`` (the rows of every seat; the groups
+        are the learner seats')."""
         from rljax.envs import step_all
-        from rljax.envs.selfplay import Match, SeatEnv
         from rljax.sampling import episode_engine as ee
         from rljax.train.methods import matches, selfplay
         cfg, g, per = self.ctx.cfg, self.g, self.rows
-        game, seat_rows = selfplay.seat_examples(cfg, [self.metas[j] for j in places],
-                                                 self.template)
-        kw = {k: v for k, v in agent.env_kwargs(cfg).items() if k in selfplay.SEAT_OPTIONS}
-        kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
-        envs = []
-        for j, per_seat in zip(places, seat_rows):
-            games = [Match(game, self.metas[j].get("deal")) for _ in range(g)]
-            envs += [SeatEnv(m, sx, s, **kw) for s, sx in enumerate(per_seat) for m in games]
+        metas = [self.metas[j] for j in places]
+        game, seat_rows, envs = selfplay.seat_envs(cfg, metas, self.template,
+                                                   agent.env_kwargs(cfg), g)
         lim, ro = agent.limits(cfg), cfg.rollout
         max_plies = len(game.seats) * lim.max_turns
-        run = matches._SideRun(matches.Side(self.ctx.model_cfg, params, envs, g, ro.temperature,
-                                            ro.top_k, ro.top_p),
-                               self.ctx.tokenizer, self._renderer, lim, max_plies, self.ctx.mesh)
+        policy = matches.Side(self.ctx.model_cfg, params, envs, g, ro.temperature, ro.top_k,
+                              ro.top_p)
+        run = matches._SideRun(policy, self.ctx.tokenizer, self._renderer, lim, max_plies,
+                               self.ctx.mesh)
         r = len(envs)
         decoding = np.zeros(r, bool)   # to move: observed, its turn not ended
         time_env = [0.0]
@@ -347,59 +365,85 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 decoding[i] = False
             step(rows, texts)
         new = top()
-        groups = [per_seat for per_seat in seat_rows]
+        learners = [self._learners(meta) for meta in metas]
+        groups = [[seats[k // g] for k in own[::g]] for own, seats in zip(learners, seat_rows)]
         done_places = lambda: sum(self.completed_at[j] >= 0 for j in places)  # noqa: E731
         result = lambda: run.result(time_env[0])  # noqa: E731
         if done_places() >= self.num_prompts or not decoding.any():
             return result(), groups, (0, 0), 0
         first = np.repeat(np.asarray(run.p_tok)[:, -1], g)
         draw = self._draw_ids(places)
-        cache, state, run_chunk = self._engine_setup(lim, run.p_tok, run.p_mask, params, r)
-        state["row"][:] = np.arange(r)          # slot i holds row i
+        mine = np.zeros(r, bool)   # the policy's rows; the others the opponent's
+        mine[np.concatenate([n * per + own for n, own in enumerate(learners)])] = True
+        engines = [_SeatEngine(self, run, lim, np.flatnonzero(mine), policy, frozen=False)]
+        if self.opponent is not None:
+            side = selfplay.opponent_side(self.opponent, (), g, ro.top_k, ro.top_p)
+            engines.append(_SeatEngine(self, run, lim, np.flatnonzero(~mine), side, True))
+        owner = [engines[0] if m else engines[-1] for m in mine]
         in_cache = np.zeros(r, bool)   # the slot's cache holds the row's trajectory
         on_slot = np.zeros(r, bool)
         busy = steps_run = drawn = 0
-        while done_places() < self.num_prompts:
+
+        def feed(new) -> None:
+            """Puts each row now to move on its engine's slot: its new observation after the
+            trajectory in the slot's cache, else the whole trajectory so far."""
             for i, before, obs in new + [(int(i), None, None) for i in
                                          np.flatnonzero(decoding & ~on_slot)]:
                 if on_slot[i]:
                     continue
-                budget = min(run.n, run.m_max - int(run.length[i]))
-                turn = run.envs[i].match.plies
+                e = owner[i]
+                opts = dict(row=e.slot[i], turn=run.envs[i].match.plies, draw=int(draw[i]),
+                            budget=min(run.n, run.m_max - int(run.length[i])))
                 if in_cache[i]:
-                    ee.resume(state, i, row=i, lead=int(run.carry[i]), observation=obs,
-                              cursor=before, turn=turn, budget=budget, draw=int(draw[i]))
+                    ee.resume(e.state, e.slot[i], lead=int(run.carry[i]), observation=obs,
+                              cursor=before, **opts)
                 else:
-                    ee.resume(state, i, row=i, lead=int(first[i]),
-                              observation=run.tokens[i, :run.length[i]], cursor=0, turn=turn,
-                              budget=budget, draw=int(draw[i]))
+                    ee.resume(e.state, e.slot[i], lead=int(first[i]), cursor=0,
+                              observation=run.tokens[i, :run.length[i]], **opts)
                 on_slot[i] = True
-            if not state["live"].any():
+
+        while done_places() < self.num_prompts:
+            moved = False
+            for e in engines:   # a decode chunk of each engine in turn
+                feed(new)
+                new = []
+                if not e.state["live"].any():
+                    continue
+                moved = True
+                before_cursor = e.state["cursor"].copy()
+                e.cache, e.state, ran = e.run_chunk(e.cache, e.state)
+                self.clock += 1
+                busy += int((e.state["cursor"] - before_cursor).sum())
+                steps_run += len(e.rows) * ran
+                slots = np.flatnonzero(on_slot[e.rows] & ~e.state["live"])
+                ended = e.rows[slots]
+                on_slot[ended], decoding[ended], in_cache[ended] = False, False, True
+                texts = []
+                for k, i in zip(slots, ended):
+                    (n, row), t = divmod(int(i), per), int(e.state["t"][k])
+                    j = places[n]
+                    kept, text = run.turn_ended(i, e.state["tokens"][k, :t].tolist(),
+                                                e.state["logps"][k])
+                    self._record_turn(j, row, e.state["tokens"][k, :kept],
+                                      e.state["logps"][k, :kept], frozen=e.frozen)
+                    self.moves[j].append([self.clock, row, len(self.turns[j][row]) - 1])
+                    texts.append(text)
+                    drawn += t
+                if len(ended):
+                    step(ended, texts)
+                new = top()
+                if done_places() >= self.num_prompts:
+                    break
+            if not moved:
                 break
-            before_cursor = state["cursor"].copy()
-            cache, state, ran = run_chunk(cache, state)
-            self.clock += 1
-            busy += int((state["cursor"] - before_cursor).sum())
-            steps_run += r * ran
-            ended = np.flatnonzero(on_slot & ~state["live"])
-            on_slot[ended], decoding[ended], in_cache[ended] = False, False, True
-            texts = []
-            for i in ended:
-                n, row = divmod(int(i), per)
-                j, t = places[n], int(state["t"][i])
-                k, text = run.turn_ended(i, state["tokens"][i, :t].tolist(), state["logps"][i])
-                self._record_turn(j, row, state["tokens"][i, :k], state["logps"][i, :k])
-                self.moves[j].append([self.clock, row, len(self.turns[j][row]) - 1])
-                texts.append(text)
-                drawn += t
-            if len(ended):
-                step(ended, texts)
-            new = top()
-        return result(), groups, (busy, steps_run), drawn + int(state["t"][on_slot].sum())
+        live = sum(int(e.state["t"][on_slot[e.rows]].sum()) for e in engines)
+        return result(), groups, (busy, steps_run), drawn + live
 
     def metrics(self, rounds, step: int) -> dict:
         return {**super().metrics(rounds, step),
-                **carried_metrics(self._drawn, step, int((self.serial >= 0).sum()) * self.seats)}
+                **carried_metrics(self._drawn, step, sum(
+                    len(self._learners(self.metas[j])) // self.g
+                    for j in np.flatnonzero(self.serial >= 0)))}
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -421,6 +465,22 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.indices[:] = state.get("indices", -1)   # (a checkpoint from before they were kept)
         self.turns, self.moves = state["turns"], state["moves"]
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
+
+
+class _SeatEngine:
+    """One model's rows of the places' matches on an episode engine of its own (its pages,
+    slot cache, parameters and sampling: ``side``): slot k holds row ``rows[k]`` for its whole
+    match, its page its group's prompt. ``frozen``: a checkpoint opponent's engine, whose
+    turns record no version (never stale, never trained)."""
+
+    def __init__(self, pool, run, lim, rows: np.ndarray, side, frozen: bool):
+        groups = rows[::pool.g] // pool.g   # a group's G rows are all one model's
+        self.rows, self.frozen = rows, bool(frozen)
+        self.slot = {int(i): k for k, i in enumerate(rows)}
+        self.cache, self.state, self.run_chunk = pool._engine_setup(
+            lim, np.asarray(run.p_tok)[groups], np.asarray(run.p_mask)[groups], side.params,
+            len(rows), side)
+        self.state["row"][:] = np.arange(len(rows))
 
 
 def _subset(eps: dict, rows: np.ndarray) -> dict:

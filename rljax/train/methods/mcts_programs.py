@@ -54,7 +54,7 @@ def scorer_rows(ctx, prompts: int) -> int:
 
 def load_prm_scorer(ctx, rows: int) -> PRMScorer:
     """``prm_scorer`` of the PRM trained in ``algo.mcts.prm`` (its latest checkpoint)."""
-    return prm_scorer(ctx, prm_value(load_prm(ctx)), rows)
+    return prm_scorer(ctx, prm_value(ctx, load_prm(ctx)), rows)
 
 
 # ----------------------------------------------------------------------------- the plan

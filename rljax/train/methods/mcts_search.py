@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import rewards, sampling
+from rljax.models import lora as lora_lib
 from rljax.algorithms import mcts
 from rljax.train.core.buckets import build_sequences, encode_prompts
 from rljax.train.core.rollout import expand_fields
@@ -286,6 +287,22 @@ def searcher(ctx, prompts: int, prm_scorer=None) -> MCTSSearch:
     return MCTSSearch(ctx, mcts_programs.search_rows(prompts, ctx.dp_size), prm_scorer)
 
 
+def round_trees(search: MCTSSearch, state, examples: list[dict], step: int,
+                refit_scorer=None) -> list[Tree]:
+    """Round ``step``'s trees of ``examples`` under ``state``'s policy (round key
+    ``fold_in(fold_in(state.rng, MCTS_STREAM), step)``). With ``refit_scorer``
+    (``algo.mcts.refit_prm``) the leaves are valued by the PRM in ``state.critic_params``, as
+    refitted so far (with LoRA its adapters and head on the policy's frozen base)."""
+    round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
+    if refit_scorer is None:
+        return search.search(state.params, examples, round_key)
+    refit_scorer.value = lora_lib.value_on_base(state.params, state.critic_params)
+    try:
+        return search.search(state.params, examples, round_key)
+    finally:   # the next update donates the state's buffers
+        refit_scorer.value = None
+
+
 # ----------------------------------------------------------------------------- self-training
 
 def trace_batch(ctx, trees: list[Tree], correct_reward: float, completion_len: int):
@@ -324,14 +341,9 @@ class MCTSTraces:
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
-        round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
         examples = next(self.iterator)
         calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
-        if self.refit_scorer is not None:
-            self.refit_scorer.value = state.critic_params
-        trees = self.searcher.search(state.params, examples, round_key)
-        if self.refit_scorer is not None:   # the next update donates the state's buffers
-            self.refit_scorer.value = None
+        trees = round_trees(self.searcher, state, examples, step, self.refit_scorer)
         correct = float(self.ctx.cfg.algo.mcts.correct_reward)
         batch, traces = trace_batch(self.ctx, trees, correct, self.completion_len)
         self.last = trees
@@ -371,24 +383,24 @@ class MCTSPairs:
     """Callable ``(state, step) -> (preference batch, metrics)`` for online DPO with
     ``data.pairs='mcts'``: searches ``rollout.batch_size / algo.num_generations`` prompts and
     pairs sibling steps (``sibling_pairs``; ``algo.step_mc.max_steps`` pairs per prompt at
-    most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``)."""
+    most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``).
+    ``refit_scorer``: as ``MCTSTraces``'s."""
 
-    def __init__(self, ctx, iterator):
+    def __init__(self, ctx, iterator, refit_scorer=None):
         from rljax.train.methods.step_mc import StepMCPairs
 
         cfg = ctx.cfg
-        self.ctx, self.iterator = ctx, iterator
+        self.ctx, self.iterator, self.refit_scorer = ctx, iterator, refit_scorer
         self.num_prompts = cfg.rollout.batch_size // int(cfg.algo.num_generations)
         self.layout = StepMCPairs(ctx, iterator)   # its pair encoding (static shapes)
-        self.searcher = searcher(ctx, self.num_prompts)
+        self.searcher = searcher(ctx, self.num_prompts, refit_scorer)
         self.last = None
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         cfg = self.ctx.cfg
-        round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
         calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
-        trees = self.searcher.search(state.params, next(self.iterator), round_key)
+        trees = round_trees(self.searcher, state, next(self.iterator), step, self.refit_scorer)
         gap, most = float(cfg.algo.step_mc.min_value_gap), int(cfg.algo.step_mc.max_steps)
         pairs = [p for t in trees for p in sibling_pairs(t, gap, most)]
         self.last = trees

@@ -6,14 +6,20 @@ After a round's search (``methods.mcts_search``), every non-root node the search
 stepwise layout (``data.stepwise``): step k of the path is labelled on its last token with the
 mean value Q of the path's node at depth k, clipped to [0, 1] (a soft label; a terminal node's
 Q is the mean of its reward). The PRM then takes ``algo.mcts.refit_updates`` updates with the
-PRM phase's loss (``phases.prm.prm_loss``: binary cross-entropy at the labelled step ends) on
+PRM phase's loss (``prm_loss``: binary cross-entropy at the labelled step ends) on
 those rows, padded to a fixed number (``refit_rows``; padded rows weigh nothing), and the next
 round's search values its leaves with the refitted PRM.
 
 The PRM lives in the train state (``critic_params`` and ``critic_opt_state``, as the PRM
 phase keeps it), initialised from the latest checkpoint of the PRM run in ``algo.mcts.prm``:
 the run's checkpoints hold it, and a resumed run continues with the same PRM and optimizer
-state.
+state. With LoRA the PRM run trained adapters and a head on the frozen base (it has this
+run's model section), so the refit trains those too, on the policy's base: the PRM is never
+a second full copy of the model.
+
+The refit runs in the SFT phase (``sft.traces='mcts'``: before each update on the round's
+traces) and in online DPO (``data.pairs='mcts'``: after each round's search, before the
+updates on its pairs).
 """
 from __future__ import annotations
 
@@ -26,9 +32,12 @@ import numpy as np
 
 from rljax import distributed as dist
 from rljax.data import stepwise
+from rljax.train.core import programs as programs_lib
+from rljax.train.core import steps as steps_lib
 from rljax.train.core.steps import to_host
+from rljax.train.methods.prm_loss import prm_loss
 from rljax.train.methods.mcts_programs import load_prm, scorer_rows
-from rljax.train.methods.prm_scoring import PRMScorer
+from rljax.train.methods.prm_scoring import PRMScorer, batch_struct, initial_value
 from rljax.train.methods.mcts_search import Tree, walk
 
 
@@ -92,20 +101,48 @@ def with_prm(optimizer, state, critic):
     return state.replace(critic_params=critic, critic_opt_state=optimizer.init(critic))
 
 
+def build_refit_step(ctx, optimizer, state, rows: int) -> Callable:
+    """The PRM update: ``(state, stepwise batch of ``rows`` rows) -> (state, metrics)``, the
+    PRM phase's loss (``prm_loss``) on the PRM in ``critic_params``; ``state.step`` stays (the
+    policy's update of the same iteration counts it)."""
+    micro = ctx.cfg.algo.micro_batch_size
+    num_micro = rows // micro if micro and rows % micro == 0 else 1
+    return steps_lib.build_value_step(ctx.model_cfg, optimizer, prm_loss, num_micro=num_micro,
+                                      state_shardings=ctx.state_shardings(state),
+                                      mesh=ctx.mesh, count_steps=False)
+
+
+def planned_state(ctx, steps: int, state):
+    """``state`` (abstract, for ``rljax plan``) holding a value model of the PRM run's shapes
+    (it has this run's model section: a full value model, or with LoRA adapters and a head on
+    the policy's base), no checkpoint read."""
+    return with_prm(refit_optimizer(ctx, steps), state,
+                    initial_value(ctx.model_cfg, state.params, state.rng))
+
+
+def program(ctx, steps: int, state, prompts: int) -> programs_lib.Program:
+    """The refit's update for ``rljax plan``, ``prm_refit``: ``build_refit_step`` on
+    ``refit_rows`` stepwise rows of a search over ``prompts`` prompts a round (``state``:
+    ``planned_state``'s)."""
+    rows = refit_rows(ctx.cfg, prompts)
+    return programs_lib.Program(
+        "prm_refit", build_refit_step(ctx, refit_optimizer(ctx, steps), state, rows),
+        (state, batch_struct(ctx, rows)), programs_lib.shard_bytes(state))
+
+
 class PRMRefit:
     """The refit of ``algo.mcts.refit_prm`` for a search over ``prompts`` prompts per round,
-    over ``steps`` rounds. ``build(optimizer, state, rows)`` -> the jitted PRM update
-    ``(state, stepwise batch) -> (state, metrics)`` (``phases.prm.build_refit_step``).
-    ``scorer``: the search's PRM scorer, pointed at the state's PRM each round."""
+    over ``steps`` rounds (``build_refit_step``, compiled at the first round). ``scorer``: the
+    search's PRM scorer, pointed at the state's PRM each round."""
 
-    def __init__(self, ctx, prompts: int, steps: int, build: Callable):
+    def __init__(self, ctx, prompts: int, steps: int):
         cfg = ctx.cfg
         self.ctx, self.updates = ctx, int(cfg.algo.mcts.refit_updates)
         self.rows = refit_rows(cfg, prompts)
         self.optimizer = refit_optimizer(ctx, steps)
         self.initial = load_prm(ctx)["critic_params"]
         self.scorer = PRMScorer(ctx, scorer_rows(ctx, prompts))
-        self._build, self._step_fn = build, None
+        self._step_fn = None
 
     def init_state(self, state):
         """``state`` with the PRM run's value model and a fresh optimizer state for it."""
@@ -125,7 +162,7 @@ class PRMRefit:
             return state, metrics
         metrics["mcts/prm_labels"] = int((batch["label_mask"] & batch["row_mask"][:, None]).sum())
         if self._step_fn is None:
-            self._step_fn = self._build(self.optimizer, state, self.rows)
+            self._step_fn = build_refit_step(self.ctx, self.optimizer, state, self.rows)
         device_batch = dist.device_batch(batch, self.ctx.mesh)
         losses, skipped, grad_norm = [], 0, 0.0
         for i in range(self.updates):

@@ -27,7 +27,7 @@ from rljax.data.iterator import encode_prompts
 from rljax.train.core.rollout import expand_fields
 from rljax.train.core.sampler import generate
 from rljax.train.core.verifier import verify
-from rljax.train.methods.step_mc import step_ends
+from rljax.train.methods.step_mc import step_ends, turn_step_ends
 
 
 def step_logits(model_cfg: models.ModelConfig, value_params: Any, batch: dict,
@@ -44,12 +44,16 @@ def step_logits(model_cfg: models.ModelConfig, value_params: Any, batch: dict,
 
 
 def step_rows(prompt_ids: list[list[int]], completions: list[list[int]], decode: Callable,
-              delimiter: str, stop_ids=()) -> list[tuple]:
+              delimiter: str, stop_ids=(), turns=None) -> list[tuple]:
     """``stepwise.stepwise_batch`` rows (prompt ids, completion ids, step-end positions,
-    placeholder labels) of completions; ``prompt_ids[r]`` is completion r's prompt."""
+    placeholder labels) of completions; ``prompt_ids[r]`` is completion r's prompt. With
+    ``turns`` (``turns[r]``: completion r's model turn of each token, -1 on observations) the
+    completions are multi-turn trajectories cut within their model turns
+    (``step_mc.turn_step_ends``)."""
     rows = []
-    for prompt, comp in zip(prompt_ids, completions):
-        ends = step_ends(comp, decode, delimiter, stop_ids)
+    for r, (prompt, comp) in enumerate(zip(prompt_ids, completions)):
+        ends = (step_ends(comp, decode, delimiter, stop_ids) if turns is None else
+                turn_step_ends(comp, turns[r], decode, delimiter, stop_ids))
         rows.append((prompt, comp, [e - 1 for e in ends], [0.0] * len(ends)))
     return rows
 

@@ -41,9 +41,11 @@ def load_prm_checkpoint(ctx, key: str, where: str) -> dict:
     return saved
 
 
-def prm_value(saved: dict):
-    """The full value model (trunk and head) of a PRM run's checkpoint state."""
-    return lora_lib.value_on_base(saved["params"], saved["critic_params"])
+def prm_value(ctx, saved: dict):
+    """The full value model (trunk and head) of a PRM run's checkpoint state. With LoRA the
+    checkpoint holds the PRM's adapters and head without the frozen base, which is this run's
+    (the PRM run has this run's model section): ``ctx.params``' base."""
+    return lora_lib.value_on_base(ctx.params, saved["critic_params"])
 
 
 def value_shardings(ctx, value) -> dict:
@@ -54,27 +56,32 @@ def value_shardings(ctx, value) -> dict:
     return {"trunk": trunk, "head": jax.tree.map(lambda _: ctx.replicated, value["head"])}
 
 
+def initial_value(model_cfg, params, key):
+    """A fresh value model as a PRM run of this model makes it (``phases.rm``'s init): the
+    policy's trunk and a head, or with LoRA (``params`` has adapters) fresh adapters and a
+    head only, on the policy's frozen base (``lora.value_on_base``)."""
+    if lora_lib.has_lora(params):
+        return lora_lib.init_value_adapters(model_cfg, params, key)
+    return models.init_value_params(model_cfg, key, from_params=params)
+
+
 def abstract_value(ctx) -> dict:
     """The PRM's value tree as ``ShapeDtypeStruct`` leaves with their shardings, as
-    ``prm_scorer`` holds it (a PRM run of this model makes these trees: ``phases.rm``'s
-    init)."""
+    ``prm_scorer`` holds it (``initial_value`` on the policy's base)."""
     key = jax.random.key(0)
-    if lora_lib.has_lora(ctx.params):
-        shape = jax.eval_shape(lambda p: lora_lib.value_on_base(
-            p, lora_lib.init_value_adapters(ctx.model_cfg, p, key)), ctx.params)
-    else:
-        shape = jax.eval_shape(lambda p: models.init_value_params(ctx.model_cfg, key,
-                                                                  from_params=p), ctx.params)
+    shape = jax.eval_shape(lambda p: lora_lib.value_on_base(
+        p, initial_value(ctx.model_cfg, p, key)), ctx.params)
     return programs_lib.with_shardings(shape, value_shardings(ctx, shape))
 
 
-def batch_struct(ctx, rows: int, prompt_len: int | None = None) -> dict:
+def batch_struct(ctx, rows: int, prompt_len: int | None = None,
+                 completion_len: int | None = None) -> dict:
     """Abstract ``stepwise.stepwise_batch`` of ``rows`` rows: prompts [rows, ``prompt_len``
-    (default data.max_prompt_length)], completions [rows, rollout.max_new_tokens], split over
-    the batch."""
+    (default data.max_prompt_length)], completions [rows, ``completion_len`` (default
+    rollout.max_new_tokens)], split over the batch."""
     cfg, mesh = ctx.cfg, ctx.mesh
     p = int(cfg.data.max_prompt_length if prompt_len is None else prompt_len)
-    c = int(cfg.rollout.max_new_tokens)
+    c = int(cfg.rollout.max_new_tokens if completion_len is None else completion_len)
     s = lambda shape, dtype: programs_lib.batch_struct(mesh, shape, dtype)   # noqa: E731
     return {"prompt_tokens": s((rows, p), jnp.int32), "prompt_mask": s((rows, p), bool),
             "completion_tokens": s((rows, c), jnp.int32), "completion_mask": s((rows, c), bool),
@@ -82,11 +89,13 @@ def batch_struct(ctx, rows: int, prompt_len: int | None = None) -> dict:
             "row_mask": s((rows,), bool)}
 
 
-def program(ctx, name: str, rows: int, prompt_len: int | None = None):
+def program(ctx, name: str, rows: int, prompt_len: int | None = None,
+            completion_len: int | None = None):
     """The PRM's pass over a ``batch_struct`` as a ``programs.Program`` for ``rljax plan``
     (its parameters are the program's non-resident arguments: not train state)."""
     return programs_lib.Program(name, prm_rerank.value_logits_program(ctx.model_cfg),
-                                (abstract_value(ctx), batch_struct(ctx, rows, prompt_len)), 0)
+                                (abstract_value(ctx),
+                                 batch_struct(ctx, rows, prompt_len, completion_len)), 0)
 
 
 class PRMScorer:
@@ -105,18 +114,24 @@ class PRMScorer:
         out = self._fn(self.value, shd.shard_batch(dist.device_batch(batch, mesh), mesh))
         return dist.to_host(out) if dist.is_multiprocess() else out
 
-    def step_rows(self, prompt_ids, completions) -> list[tuple]:
-        """``prm_rerank.step_rows`` of completions cut at ``data.step_delimiter``."""
+    def step_rows(self, prompt_ids, completions, turns=None) -> list[tuple]:
+        """``prm_rerank.step_rows`` of completions cut at ``data.step_delimiter``; with
+        ``turns`` (per completion, each token's model turn, -1 on observations) the steps of
+        multi-turn trajectories (``step_mc.turn_step_ends``)."""
         cfg, tok = self.ctx.cfg, self.ctx.tokenizer
         return prm_rerank.step_rows(prompt_ids, completions, tok.decode,
-                                    cfg.data.step_delimiter, tuple(self.ctx.stop_ids))
+                                    cfg.data.step_delimiter, tuple(self.ctx.stop_ids), turns)
 
-    def step_probabilities(self, prompt_ids, completions, prompt_len: int):
+    def step_probabilities(self, prompt_ids, completions, prompt_len: int, turns=None,
+                           completion_len: int | None = None):
         """``(probs f32 [R, N], step_ends bool [R, N])``: each step's score on its last token
-        (``prm_rerank.step_probabilities``), prompts padded to ``prompt_len``."""
+        (``prm_rerank.step_probabilities``), prompts padded to ``prompt_len``, completions to
+        ``completion_len`` N (default rollout.max_new_tokens); ``turns``: as ``step_rows``."""
+        n = int(self.ctx.cfg.rollout.max_new_tokens if completion_len is None else
+                completion_len)
         return prm_rerank.step_probabilities(
-            self.logits, self.step_rows(prompt_ids, completions), self.rows, prompt_len,
-            int(self.ctx.cfg.rollout.max_new_tokens), self.ctx.tokenizer.pad_id)
+            self.logits, self.step_rows(prompt_ids, completions, turns), self.rows, prompt_len,
+            n, self.ctx.tokenizer.pad_id)
 
     def __call__(self, prompt_ids, prefixes) -> np.ndarray:
         cfg = self.ctx.cfg

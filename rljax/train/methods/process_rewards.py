@@ -11,6 +11,11 @@ tokenizer) reads prompt ++ completion once, in batches of the update's micro-bat
 placed on the run's mesh (``prm_scoring``); the sigmoid of its logit at each step's last token
 is that step's reward. The PRM is frozen and not checkpointed (a resumed run reloads it).
 ``rljax plan`` plans its pass as ``process/prm``.
+
+Multi-turn episodes (``env.name``): the PRM reads prompt ++ the whole trajectory (model turns
+and observations), so each step is scored on the transcript up to it; steps are cut within
+the model's turns only (``step_mc.turn_step_ends``: at the delimiter, and at each turn's end),
+so every step reward sits on a model token and observations are never a step.
 """
 from __future__ import annotations
 
@@ -31,15 +36,17 @@ def scoring_rows(cfg) -> int:
 
 def program(ctx):
     """The PRM's scoring pass for ``rljax plan``: ``scoring_rows`` rows at the longest prompt
-    bucket."""
+    bucket and a training row's completion columns (episodes: the whole trajectory)."""
     return prm_scoring.program(ctx, "process/prm", scoring_rows(ctx.cfg),
-                               programs_lib.prompt_len(ctx.cfg))
+                               programs_lib.prompt_len(ctx.cfg),
+                               programs_lib.completion_len(ctx.cfg))
 
 
 class ProcessRewards(RolloutStage):
-    """Rollout stage: the step rewards [R, N] of the assembled batch's completions, given to
-    the estimator (``rows["estimator_inputs"]``: ``step_rewards`` f32 and ``step_ends``
-    bool, [R, N]; next to ``group_ids`` [R] when the groups have sizes of their own)."""
+    """Rollout stage: the step rewards [R, N] of the assembled batch's completions (or
+    episodes' trajectories, at model tokens only), given to the estimator
+    (``rows["estimator_inputs"]``: ``step_rewards`` f32 and ``step_ends`` bool, [R, N]; next
+    to ``group_ids`` [R] when the groups have sizes of their own)."""
 
     name = "process_rewards"
 
@@ -52,8 +59,8 @@ class ProcessRewards(RolloutStage):
         if self._scorer is None:
             saved = prm_scoring.load_prm_checkpoint(self.ctx, "algo.process_reward.prm",
                                                     self.cfg.algo.process_reward.prm)
-            self._scorer = prm_scoring.prm_scorer(self.ctx, prm_scoring.prm_value(saved),
-                                                  scoring_rows(self.cfg))
+            value = prm_scoring.prm_value(self.ctx, saved)
+            self._scorer = prm_scoring.prm_scorer(self.ctx, value, scoring_rows(self.cfg))
         return self._scorer
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
@@ -63,8 +70,15 @@ class ProcessRewards(RolloutStage):
         seqs, seq_mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"], bool)
         p = seqs.shape[1] - n   # the batch's prompt bucket (left-padded prompts)
         prompts = [t[:p][m[:p]].tolist() for t, m in zip(seqs, seq_mask)]
+        # Completions (and trajectories) are right-padded: column k is token k.
         comps = [t[m].tolist() for t, m in zip(comp_tok, comp_mask)]
-        probs, ends = self.scorer().step_probabilities(prompts, comps, p)
+        turns = None
+        if "model_mask" in rows:   # episodes: each token's model turn, -1 on observations
+            model = np.asarray(rows["model_mask"], bool)
+            turn_ids = rows.get("turn_ids", np.zeros(model.shape, np.int32))
+            turns = [np.where(mm, ids, -1)[m].tolist() for ids, mm, m in
+                     zip(turn_ids, model, comp_mask)]
+        probs, ends = self.scorer().step_probabilities(prompts, comps, p, turns, n)
         # Added to what the round source gave (knapsack allocation: ``group_ids``).
         rows.setdefault("estimator_inputs", {}).update(step_rewards=probs, step_ends=ends)
         steps = ends.sum(axis=1)

@@ -70,14 +70,84 @@ def opponent_from_workdir(ctx, workdir: str, step: int = 0, temperature: float =
     verified against its manifest, sharing the policy's tokenizer (one UserError line
     otherwise; ``key`` names the config section in it)."""
     from rljax.train.core import teacher
+    model_cfg, params = teacher.load(_source(ctx, workdir, step, key), ctx.mesh)
+    return Opponent(model_cfg, params, float(temperature))
+
+
+def _source(ctx, workdir: str, step: int, key: str):
+    """The opponent's ``teacher.Source``, checked to share the policy's tokenizer."""
+    from rljax.train.core import teacher
     source = teacher.workdir_source(workdir, int(step), f"{key}.workdir={workdir!r}",
                                     f"{key}.step", what="the opponent")
     problem = teacher.tokenizer_mismatch(ctx.tokenizer, source.tokenizer)
     if problem:
         raise UserError(f"{key}.workdir={workdir!r} does not share the policy's tokenizer: "
                         f"{problem}")
-    model_cfg, params = teacher.load(source, ctx.mesh)
-    return Opponent(model_cfg, params, float(temperature))
+    return source
+
+
+def abstract_opponent(ctx) -> Opponent | None:
+    """``load_opponent`` as ``rljax plan`` sees it: the architecture from the workdir's
+    config, the parameters ``ShapeDtypeStruct``s with their shardings (no weight is read)."""
+    from rljax.train.core import teacher
+    sp = ctx.cfg.env.selfplay
+    if mode(ctx.cfg) != "checkpoint":
+        return None
+    source = _source(ctx, sp.workdir, int(sp.step), "env.selfplay")
+    model_cfg = teacher.model_config(source)
+    return Opponent(model_cfg, teacher.abstract_params(model_cfg, ctx.mesh, source),
+                    float(sp.temperature))
+
+
+def opponent_programs(ctx, *, renderer: Renderer, limits: EpisodeLimits) -> list:
+    """The checkpoint opponent's sampler programs (``rljax.train.core.programs.Program``;
+    [] without one) over the other seats of one sampler call's examples ((seats - 1) x
+    ``programs.sample_prompts`` prompts, G rows each): on the slot engine its own
+    episode engine's ``sample/opponent_prefill`` and ``sample/opponent_decode`` (a slot per
+    row, ``matches._EngineSide``), else the turn batches' ``sample/opponent_start`` and
+    ``sample/opponent_turn`` (``matches._SideRun``). ``renderer``, ``limits``: the run's
+    (``agent.make_renderer``, ``agent.limits``). Its parameters are held resident
+    (``Program.held``, ``opponent``): loaded with the phase, kept to its end."""
+    import jax
+    from rljax import sampling
+    from rljax.sampling import episode_engine, multiturn
+    from rljax.train.core import programs as programs_lib
+    opponent = abstract_opponent(ctx)
+    if opponent is None:
+        return []
+    cfg, tok, g, lim = ctx.cfg, ctx.tokenizer, int(ctx.cfg.algo.num_generations), limits
+    p, b = max(lim.prompt_buckets), (num_seats(cfg) - 1) * programs_lib.sample_prompts(cfg)
+    p_tok = programs_lib.batch_struct(ctx.mesh, (b, p), "int32")
+    p_mask = programs_lib.batch_struct(ctx.mesh, (b, p), bool)
+    rng = jax.ShapeDtypeStruct((2,), "uint32", sharding=ctx.replicated)
+    t, end = opponent.temperature, renderer.call_end
+    kw = dict(num_samples=g, temperature=t, top_k=int(cfg.rollout.top_k) if t else 0,
+              top_p=float(cfg.rollout.top_p) if t else 1.0,
+              stop_sequences=multiturn.stop_sequences_of(tok, [end] if end else []))
+    if sampler.sampler_kind(cfg) == "slots":
+        made = episode_engine.programs(
+            opponent.model_cfg, opponent.params, p_tok, p_mask, rng, slots=b * g,
+            chunk_len=lim.chunk_tokens, turn_len=lim.turn_tokens,
+            length=lim.max_total_tokens + 1, chunk_steps=int(cfg.rollout.chunk_steps),
+            stop_ids=sampling.merge_stop_ids(tok.eos_id, ()), **kw)
+    else:
+        layout = multiturn.SlotLayout(prompt_len=p, turn_len=lim.turn_tokens,
+                                      chunk_len=lim.chunk_tokens,
+                                      max_turns=num_seats(cfg) * lim.max_turns)
+        made = multiturn.programs(opponent.model_cfg, opponent.params, p_tok, p_mask, rng,
+                                  layout=layout, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                  mesh=ctx.mesh, **kw)
+    size = programs_lib.shard_bytes(opponent.params)
+    return [programs_lib.Program(f"sample/opponent_{name}", fn, args, size,
+                                 held=(("opponent", size),)) for name, fn, args in made]
+
+
+def opponent_side(opponent: Opponent, envs, g: int, top_k: int, top_p: float) -> Side:
+    """The frozen opponent's rows ``envs`` (groups of ``g``): at its temperature, with the
+    rollout's ``top_k`` / ``top_p`` when it samples (greedy: neither)."""
+    t = opponent.temperature
+    return Side(opponent.model_cfg, opponent.params, envs, g, t, top_k if t else 0,
+                top_p if t else 1.0)
 
 
 def seat_examples(cfg, examples, template):
@@ -97,7 +167,23 @@ def seat_examples(cfg, examples, template):
     return game, rows
 
 
-def _seat(game, example) -> int:
+def seat_envs(cfg, examples, template, env_kwargs: dict, g: int):
+    """``(game, seat examples by (example, seat), seat environments)``: each example's G
+    matches, a ``SeatEnv`` per seat of each, ordered (example, seat, match); they take the
+    ``SEAT_OPTIONS`` of ``env_kwargs`` and ``env.selfplay.forfeit_reward``."""
+    from rljax.envs.selfplay import Match, SeatEnv
+    game, seat_rows = seat_examples(cfg, examples, template)
+    kw = {k: v for k, v in env_kwargs.items() if k in SEAT_OPTIONS}
+    kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
+    envs = []
+    for ex, per_seat in zip(examples, seat_rows):
+        matches = [Match(game, ex.get("deal")) for _ in range(g)]
+        envs += [SeatEnv(m, sx, s, **kw) for s, sx in enumerate(per_seat) for m in matches]
+    return game, seat_rows, envs
+
+
+def seat_of(game, example) -> int:
+    """The seat index of ``example["seat"]`` (a name or an index; default 0)."""
     seat = example.get("seat", 0)
     return game.seats.index(seat) if seat in game.seats else int(seat)
 
@@ -116,18 +202,13 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     the seat environments take ``SEAT_OPTIONS`` of the last). ``weights``: the policy's
     in-flight weight updates on the slot engine (``matches.run_matches``; the opponent's
     weights stay frozen)."""
-    from rljax.envs.selfplay import Match, SeatEnv
     cfg, g = ctx.cfg, int(num_samples)
-    game, seat_rows = seat_examples(cfg, examples, template)
-    kw = {k: v for k, v in env_kwargs.items() if k in SEAT_OPTIONS}
-    kw["forfeit_reward"] = float(cfg.env.selfplay.forfeit_reward)
+    game, seat_rows, envs = seat_envs(cfg, examples, template, env_kwargs, g)
     mine, theirs, groups = [], [], []
-    for ex, per_seat in zip(examples, seat_rows):
-        deal = ex.get("deal")
-        matches = [Match(game, deal) for _ in range(g)]
-        own = None if opponent is None else _seat(game, ex)
+    for n, (ex, per_seat) in enumerate(zip(examples, seat_rows)):
+        own = None if opponent is None else seat_of(game, ex)
         for s, sx in enumerate(per_seat):
-            rows = [SeatEnv(m, sx, s, **kw) for m in matches]
+            rows = envs[(n * len(per_seat) + s) * g:(n * len(per_seat) + s + 1) * g]
             if own is None or s == own:
                 mine += rows
                 groups.append(sx)
@@ -135,9 +216,7 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
                 theirs += rows
     sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p)]
     if opponent is not None:
-        sides.append(Side(opponent.model_cfg, opponent.params, theirs, g,
-                          opponent.temperature, top_k if opponent.temperature else 0,
-                          top_p if opponent.temperature else 1.0))
+        sides.append(opponent_side(opponent, theirs, g, top_k, top_p))
     engine = sampler.episode_engine(cfg, len(mine) + len(theirs))
     eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
                       max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,

@@ -61,6 +61,21 @@ def step_ends(ids: Sequence[int], decode: Callable[[list[int]], str], delimiter:
     return ends
 
 
+def turn_step_ends(ids: Sequence[int], turns: Sequence[int], decode: Callable[[list[int]], str],
+                   delimiter: str, stop_ids: Sequence[int] = ()) -> list[int]:
+    """Step ends of a multi-turn trajectory: ``step_ends`` within each model turn (a maximal
+    run of equal ``turns[k] >= 0``; ``turns[k] < 0``: an observation token, never in a step),
+    so every turn's end ends a step. Token counts into ``ids``, increasing."""
+    ends, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k < len(ids) and turns[k] == turns[start]:
+            continue
+        if turns[start] >= 0:
+            ends += [start + e for e in step_ends(ids[start:k], decode, delimiter, stop_ids)]
+        start = k
+    return ends
+
+
 def candidate_values(first_steps: Sequence[tuple], step_rewards: Sequence[float],
                      extra: tuple | None = None) -> dict[tuple, tuple[float, int]]:
     """MC values of the candidate next steps at one prefix.

@@ -1,19 +1,20 @@
 """The rollout stage of ``algo.adv_estimator='vineppo'``: Monte-Carlo values of step prefixes.
 
-After the call's last round (G completions per prompt, or the knapsack's group sizes; rewards;
-any group filter), each completion of the groups that train (``picked``) is cut into steps
-(``algo.vine.splitter``: a newline, or a regex matched at the text's end; a stop token also
-ends a step; steps past ``algo.vine.max_steps`` join the last one). For every step t of every
-completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled once and its KV
-cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the step-MC machinery
-of ``rljax.train.methods.step_mc``); a continuation is cut to the completion budget
-(``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by the
-reward functions (a ``rollout.temperature_schedule`` draws a fork's token at the temperature of
-the completion position it continues: ``fork_temperatures``). V(s_t) is the mean of the K
-rewards, and the advantages are ``algorithms.vine.vineppo_advantages``, which the rollout's
-estimator call receives as ``rows["estimator_inputs"]`` (``step_ids``, ``step_values``,
-``num_steps``). Fork rows are padded (repeating a real one) to a multiple of the update's rows
-(``rollout.batch_size``), so at most ``max_steps`` fork programs are compiled.
+After the call's last round (G completions per prompt, a tree's G leaves, or the knapsack's
+group sizes; rewards; any group filter), each completion of the groups that train (``picked``)
+is cut into steps (``algo.vine.splitter``: a newline, or a regex matched at the text's end; a
+stop token also ends a step; steps past ``algo.vine.max_steps`` join the last one). For every
+step t of every completion the prefix s_t = prompt ++ completion[:start of step t] is prefilled
+once and its KV cache forked ``algo.vine.forks`` = K ways (``generate(num_samples=K)``, the
+step-MC machinery of ``rljax.train.methods.step_mc``); a continuation is cut to the completion
+budget (``rollout.max_new_tokens`` minus the prefix) and prefix ++ continuation is scored by
+the reward functions (a ``rollout.temperature_schedule`` draws a fork's token at the
+temperature of the completion position it continues: ``fork_temperatures``). V(s_t) is the mean
+of the K rewards, and the advantages are ``algorithms.vine.vineppo_advantages``, which the
+rollout's estimator call receives as ``rows["estimator_inputs"]`` (``step_ids``,
+``step_values``, ``num_steps``). Fork rows are padded (repeating a real one) to a multiple of
+the update's rows (``rollout.batch_size``), so at most ``max_steps`` fork programs are
+compiled.
 
 The stage runs after guidance (``methods.guidance``) and after the groups are picked (dynamic
 sampling and the online filter drop groups, extra rounds add some), so it values exactly the

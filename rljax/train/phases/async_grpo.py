@@ -17,10 +17,10 @@ A fixed schedule on the single controller (docs/internals.md, "Asynchronous RL")
 
 With ``algo.inflight_updates`` the sampler does not wait for iteration k + 1 to see version
 k + 1: between the slot engine's decode chunks of batch k + s (the episode engine's, for
-multi-turn episodes) it asks whether update k has finished, and if so publishes its result
-and decodes the rest of the batch with it (a completion or an episode may then span versions
-k and k + 1; each token records its own). Which tokens the new weights draw depends on when
-the update finishes: such a run is not reproducible.
+multi-turn episodes; with trees, between levels too) it asks whether update k has finished, and
+if so publishes its result and decodes the rest of the batch with it (a completion or an
+episode may then span versions k and k + 1; each token records its own). Which tokens the new
+weights draw depends on when the update finishes: such a run is not reproducible.
 
 Otherwise which version samples which batch depends only on the step, so a run is
 reproducible and a resumed run equals an uninterrupted one: the s batches in flight after update k (sampled by

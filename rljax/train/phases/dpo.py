@@ -32,7 +32,7 @@ from rljax.train.core import evaluate as eval_lib
 from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.setup import check_lengths, data_iterator, preference_config
-from rljax.train.methods import mcts_programs, mcts_search
+from rljax.train.methods import mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
 from rljax.train.core.steps import to_host
@@ -367,9 +367,11 @@ class DPOPhase:
     With ``data.pairs="step_mc"`` the pairs are step-level instead (``train.step_mc``: steps
     valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most);
     with ``data.pairs="mcts"`` they are sibling steps of an MCTS over steps
-    (``methods.mcts_search.MCTSPairs``: the best- and worst-valued children of a node).
-    The reference starts as a copy of the phase's starting policy and is refreshed every
-    ``algo.ref_update_every`` steps (0 = frozen; 1 = every round, iterative DPO).
+    (``methods.mcts_search.MCTSPairs``: the best- and worst-valued children of a node), and
+    with ``algo.mcts.refit_prm`` the search's PRM (in the state) is refitted on the round's
+    trees before the updates (``methods.prm_refit``). The reference starts as a copy of the
+    phase's starting policy and is refreshed every ``algo.ref_update_every`` steps (0 = frozen;
+    1 = every round, iterative DPO).
     Evaluation: the policy's task accuracy (as for GRPO, when the data has prompts with
     answers) and, on held-out pairs with a frozen reference, ``eval/pref_accuracy`` (implicit
     reward of chosen > rejected), ``eval/pref_loss`` and ``eval/pref_rewards/*``.
@@ -387,9 +389,14 @@ class DPOPhase:
         if self.num_pairs % ctx.dp_size:
             raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
                             f"split over the data-parallel mesh size {ctx.dp_size}")
+        self.refit = None
         if self.step_mc:
             self.iterator = data_iterator(ctx, cfg.rollout.batch_size // self.g)
-            self.source = (mcts_search.MCTSPairs(ctx, self.iterator)
+            if cfg.data.pairs == "mcts" and cfg.algo.mcts.refit_prm:   # refitted each round
+                self.refit = prm_refit.PRMRefit(ctx, cfg.rollout.batch_size // self.g,
+                                                self.steps)
+            self.source = (mcts_search.MCTSPairs(
+                ctx, self.iterator, None if self.refit is None else self.refit.scorer)
                            if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
         elif self.online:
             self.iterator = data_iterator(ctx, self.num_pairs)
@@ -404,8 +411,10 @@ class DPOPhase:
 
     def init_state(self, state):
         """Fresh optimizer; the reference is a copy of the starting policy, or with LoRA the
-        base model (adapters off: no copy, ``ref_params`` stays None)."""
-        return _init_state(self.ctx, self.optimizer, state)
+        base model (adapters off: no copy, ``ref_params`` stays None). With
+        ``algo.mcts.refit_prm`` the state holds the search's PRM (``prm_refit``)."""
+        state = _init_state(self.ctx, self.optimizer, state)
+        return state if self.refit is None else self.refit.init_state(state)
 
     def _compiled(self, state):
         if self._step_fn is None:
@@ -418,13 +427,21 @@ class DPOPhase:
         (``core.programs``; ``data.pairs='mcts'``: the search's, ``mcts_programs``); the eval
         sampler when the policy is evaluated on prompts; the update (``programs.pair_batch``)."""
         cfg, optimizer = ctx.cfg, _optimizer(ctx, steps)
-        state = programs_lib.phase_state(ctx, lambda s: _init_state(ctx, optimizer, s))
+        mcts = cfg.algo.online and cfg.data.pairs == "mcts"
+        refit = mcts and cfg.algo.mcts.refit_prm
+        prompts = cfg.rollout.batch_size // cfg.algo.num_generations
+
+        def init(s):
+            s = _init_state(ctx, optimizer, s)
+            return prm_refit.planned_state(ctx, steps, s) if refit else s
+        state = programs_lib.phase_state(ctx, init)
         params, out = programs_lib.shard_bytes(state.params), []
-        if cfg.algo.online and cfg.data.pairs == "mcts":   # the search samples the pairs
+        if mcts:   # the search samples the pairs (and with refit_prm its PRM is refitted)
             out += [p for p in programs_lib.sampler_programs(ctx, state.params, params)
                     if p.name.startswith("eval")]
-            out += mcts_programs.programs(ctx, state.params, params,
-                                          cfg.rollout.batch_size // cfg.algo.num_generations)
+            out += mcts_programs.programs(ctx, state.params, params, prompts)
+            if refit:
+                out.append(prm_refit.program(ctx, steps, state, prompts))
         elif cfg.algo.online:
             out += programs_lib.sampler_programs(ctx, state.params, params)
             out.append(programs_lib.logps_program(ctx, state.params, params))
@@ -455,6 +472,9 @@ class DPOPhase:
             pairs, metrics = self._online_pairs(state, step)
         else:
             pairs, metrics = next(self.source), {}
+        if self.refit is not None:   # the PRM on the search's values, for the next round
+            state, refit_metrics = self.refit(state, self.source.last)
+            metrics.update(refit_metrics)
         t1 = time.perf_counter()
         step_fn = self._compiled(state)
         updates = []

@@ -378,7 +378,8 @@ class GRPOPhase:
     @staticmethod
     def programs(ctx: Context, steps_: int):
         """``(abstract state, [Program])``: the rollout's sampler and log-prob passes (and with
-        ``grpo_process`` the PRM's, ``process/prm``) and the update's programs
+        ``grpo_process`` the PRM's, ``process/prm``; with a game's checkpoint opponent its
+        sampler's, ``selfplay.opponent_programs``) and the update's programs
         (``GroupedUpdate.programs``) at the config's largest shapes
         (``rljax.train.core.programs``; ``ctx.params`` may be abstract)."""
         cfg = ctx.cfg
@@ -398,6 +399,10 @@ class GRPOPhase:
                 scores = programs_lib.logps_program(sampler_context(ctx), copy,
                                                     programs_lib.shard_bytes(copy))
                 out.append(dataclasses.replace(scores, name="sample/logps"))
+        if cfg.env.selfplay.mode == "checkpoint":   # the frozen opponent's own sampler
+            from rljax.train.methods import agent, selfplay
+            out += selfplay.opponent_programs(ctx, renderer=agent.make_renderer(
+                cfg, ctx.tokenizer), limits=agent.limits(cfg))
         if not single_update(cfg) or cfg.algo.beta > 0:
             out.append(programs_lib.logps_program(ctx, state.params, params))
         if cfg.algo.adv_estimator == "grpo_process":   # the PRM's pass over the samples

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import algorithms, models
+from rljax import algorithms
 from rljax import data as data_lib
 from rljax import distributed as dist
 from rljax.data import stepwise
@@ -39,31 +38,10 @@ from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.setup import data_iterator
 from rljax.train.core.steps import to_host
 from rljax.train.methods.prm_labels import StepMCLabels
+from rljax.train.methods.prm_loss import label_mask, prm_loss  # noqa: F401 (here too)
 from rljax.train.methods.prm_rerank import step_logits
 from rljax.train.phases import rm as rm_lib
 
-
-
-def label_mask(batch: dict) -> jax.Array:
-    """Labelled tokens of real rows, bool [B, C]."""
-    return batch["label_mask"].astype(bool) & batch["row_mask"].astype(bool)[:, None]
-
-
-def prm_loss(model_cfg: models.ModelConfig, params: Any, state, batch: dict):
-    """Micro-batch PRM loss in the ``steps.accumulate`` convention (``params`` are value
-    params): ``((BCE sum over labelled tokens, their number), metric pairs)``; metrics:
-    step_accuracy (sign of the logit agrees with label > 0.5), score/mean (sigmoid of the
-    logits), label/mean."""
-    rng = None if state is None else steps.training_dropout_rng(model_cfg, state, batch)
-    logits = step_logits(model_cfg, params, batch, rng)
-    m = label_mask(batch)
-    loss_sum, weight = algorithms.process_reward_loss(logits, batch["labels"], m)
-    correct, _ = algorithms.step_accuracy(logits, batch["labels"], m)
-    msum = lambda x: jax.lax.stop_gradient(jnp.where(m, x, 0.0).sum())  # noqa: E731
-    metrics = {"step_accuracy": (correct, weight),
-               "score/mean": (msum(jax.nn.sigmoid(logits)), weight),
-               "label/mean": (msum(batch["labels"].astype(jnp.float32)), weight)}
-    return (loss_sum, weight), metrics
 
 
 def uses_task_labels(cfg) -> bool:
@@ -203,20 +181,8 @@ def eval_metrics(logits_fn, batches: list[dict], mode: str = "min") -> dict:
 def _build(ctx, optimizer, state):
     micro, rows = ctx.cfg.algo.micro_batch_size, num_rows(ctx.cfg)
     num_micro = rows // micro if micro and rows % micro == 0 else 1
-    return rm_lib.build_rm_phase_step(ctx.model_cfg, optimizer, num_micro=num_micro,
-                                      state_shardings=ctx.state_shardings(state), mesh=ctx.mesh,
-                                      loss=prm_loss)
-
-
-def build_refit_step(ctx, optimizer, state, rows: int):
-    """The PRM update of ``algo.mcts.refit_prm`` (``methods.prm_refit``): this phase's loss on
-    a stepwise batch of ``rows`` rows, the PRM in ``critic_params``; ``state.step`` stays (the
-    SFT update of the same iteration counts it)."""
-    micro = ctx.cfg.algo.micro_batch_size
-    num_micro = rows // micro if micro and rows % micro == 0 else 1
-    return rm_lib.build_rm_phase_step(ctx.model_cfg, optimizer, num_micro=num_micro,
-                                      state_shardings=ctx.state_shardings(state), mesh=ctx.mesh,
-                                      loss=prm_loss, count_steps=False)
+    return steps.build_value_step(ctx.model_cfg, optimizer, prm_loss, num_micro=num_micro,
+                                  state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
 
 
 class PRMPhase:

@@ -28,6 +28,7 @@ from rljax.models import lora as lora_lib
 from rljax.train.core import programs as programs_lib, steps
 from rljax.train.phases import dpo as dpo_lib
 from rljax.train.core.steps import to_host
+from rljax.train.methods.prm_scoring import initial_value
 
 Array = jax.Array
 
@@ -99,39 +100,14 @@ def build_score_fn(model_cfg) -> Callable:
 RM_STREAM = 5  # rng stream of the value head's initialisation
 
 
-def build_rm_phase_step(model_cfg, optimizer, *, num_micro: int = 1, state_shardings=None,
-                        mesh=None, loss=rm_loss, count_steps: bool = True) -> Callable:
-    """Jitted ``rm_step`` on a phase state whose reward model lives in ``critic_params`` /
-    ``critic_opt_state`` (so the run's sharding and checkpoint machinery handle it like a
-    critic); ``params`` (the policy it was initialised from) is carried unchanged.
-    ``loss(model_cfg, value params, state, batch)``: the Bradley-Terry loss, or another
-    value-head loss in the same convention (the process reward model's). ``count_steps``
-    False: ``state.step`` stays (a value-model update inside another phase's iteration, whose
-    own update counts the step)."""
-    loss_fn = functools.partial(loss, model_cfg)
-
-    def rm_step(state, batch):
-        # With LoRA the reward model is adapters + head on the policy's frozen base.
-        view = state.replace(params=lora_lib.value_on_base(state.params, state.critic_params),
-                             opt_state=state.critic_opt_state)
-        new, metrics = steps.update(optimizer, loss_fn, view, batch, num_micro)
-        return state.replace(step=new.step if count_steps else state.step,
-                             critic_params=lora_lib.trainable(new.params),
-                             critic_opt_state=new.opt_state), metrics
-    return steps.jit_step(rm_step, state_shardings, mesh)
-
-
 def _optimizer(ctx, steps: int):
     o = ctx.cfg.optimizer
     return ctx.optimizer(o.critic_learning_rate or o.learning_rate, int(steps))
 
 
 def _init_state(ctx, optimizer, state):
-    rng = jax.random.fold_in(state.rng, RM_STREAM)
-    if lora_lib.has_lora(state.params):  # adapters + head on the frozen base, no copy
-        value = lora_lib.init_value_adapters(ctx.model_cfg, state.params, rng)
-    else:
-        value = models.init_value_params(ctx.model_cfg, rng, from_params=state.params)
+    # With LoRA: adapters + head on the frozen base, no copy.
+    value = initial_value(ctx.model_cfg, state.params, jax.random.fold_in(state.rng, RM_STREAM))
     return state.replace(opt_state=None, ref_params=None, critic_params=value,
                          critic_opt_state=optimizer.init(value))
 
@@ -140,8 +116,8 @@ def _build(ctx, optimizer, state):
     cfg = ctx.cfg
     micro, pairs = cfg.algo.micro_batch_size, cfg.rollout.batch_size
     num_micro = pairs // micro if micro and pairs % micro == 0 else 1
-    return build_rm_phase_step(ctx.model_cfg, optimizer, num_micro=num_micro,
-                               state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
+    return steps.build_value_step(ctx.model_cfg, optimizer, rm_loss, num_micro=num_micro,
+                                  state_shardings=ctx.state_shardings(state), mesh=ctx.mesh)
 
 
 class RMPhase:

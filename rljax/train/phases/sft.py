@@ -10,12 +10,10 @@ Synthetic tasks provide verified solutions (``task.solution``); file sources use
 """
 from __future__ import annotations
 
-import functools
 import time
 
 from rljax import data as data_lib
 from rljax import distributed as dist
-from rljax import models
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 import jax.numpy as jnp
@@ -25,7 +23,6 @@ from rljax.train.methods import guidance, mcts_programs, mcts_search, prm_refit
 from rljax.train.core import rollout as rollout_lib
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
-from rljax.train.phases import prm as prm_lib
 
 SFT_SEED_OFFSET = 1  # the SFT iterator's order differs from the RL prompts' order
 
@@ -64,8 +61,7 @@ class SFTPhase:
         if cfg.sft.traces == "mcts" and name == "sft":   # the main phase (not the warm-up)
             self.iterator = data_iterator(ctx, cfg.sft.batch_size)   # the RL prompts' order
             if cfg.algo.mcts.refit_prm:   # the search's PRM, refitted each round
-                self.refit = prm_refit.PRMRefit(ctx, int(cfg.sft.batch_size), self.steps,
-                                                functools.partial(prm_lib.build_refit_step, ctx))
+                self.refit = prm_refit.PRMRefit(ctx, int(cfg.sft.batch_size), self.steps)
             self.traces = mcts_search.MCTSTraces(
                 ctx, self.iterator, self.completion_len,
                 refit_scorer=None if self.refit is None else self.refit.scorer)
@@ -84,15 +80,10 @@ class SFTPhase:
         cfg = ctx.cfg
         optimizer = ctx.optimizer(learning_rate, int(steps))
         refit = main and cfg.sft.traces == "mcts" and cfg.algo.mcts.refit_prm
-        refit_opt = prm_refit.refit_optimizer(ctx, steps) if refit else None
 
         def init(s):
             s = _init_state(optimizer, s)
-            if not refit:
-                return s
-            # The PRM run's value model has this run's model config: its shapes, no load.
-            return prm_refit.with_prm(refit_opt, s, models.init_value_params(
-                ctx.model_cfg, s.rng, from_params=s.params))
+            return prm_refit.planned_state(ctx, steps, s) if refit else s
         state = programs_lib.phase_state(ctx, init)
         bs, n = int(cfg.sft.batch_size), int(cfg.sft.max_length - cfg.data.max_prompt_length)
         p = programs_lib.prompt_len(cfg)
@@ -106,10 +97,7 @@ class SFTPhase:
             out += mcts_programs.programs(ctx, state.params, programs_lib.shard_bytes(
                 state.params), bs)
         if refit:
-            rows = prm_refit.refit_rows(cfg, bs)
-            out.append(programs_lib.Program(
-                "prm_refit", prm_lib.build_refit_step(ctx, refit_opt, state, rows),
-                (state, prm_lib.batch_spec(ctx, rows)), programs_lib.shard_bytes(state)))
+            out.append(prm_refit.program(ctx, steps, state, bs))
         return state, out
 
     def solution(self, example: dict) -> str:
