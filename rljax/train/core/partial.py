@@ -61,7 +61,8 @@ def make_pool(ctx, num_prompts: int, rows: int = 0) -> partial_lib.Pool:
     cfg, tok = ctx.cfg, ctx.tokenizer
     r, g = cfg.rollout, int(cfg.algo.num_generations)
     return partial_lib.Pool(
-        ctx.model_cfg, num_samples=rows or g, max_new_tokens=r.max_new_tokens, groups=2 * num_prompts,
+        ctx.model_cfg, num_samples=rows or g, max_new_tokens=r.max_new_tokens,
+        groups=2 * num_prompts,
         prompt_len=prompt_buckets(cfg.data.max_prompt_length)[-1],
         slots=engine_slots(ctx.cfg, num_prompts * g), chunk_steps=r.chunk_steps,
         temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id,
