@@ -219,7 +219,7 @@ class EpisodeRounds(RoundSource):
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
-                    roles=eps["roles"], row_keys=self.ROW_KEYS,
+                    roles=eps["roles"], row_keys=self.ROW_KEYS, examples=examples,
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
