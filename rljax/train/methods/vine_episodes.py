@@ -28,7 +28,7 @@ count every fork token in ``vine/fork_tokens``.
 Randomness: fork q of step t of the stage's valued row i is engine row ``(i * max_steps + t)
 * K + q``, and its noise is keyed by that id under the stage's key (the round's, folded with
 ``vine.FORK_STREAM``; ``episode_engine``: token j of turn k reads ``fold_in(fold_in(key, k),
-j)``), so the forks depend on (seed, step, row, step index, fork) only, not on the slots,
+j)``), so the forks depend on (seed, iteration, row, step, fork) only, not on the slots,
 chunks or other rows: a resumed run values as the straight one.
 """
 from __future__ import annotations
