@@ -43,7 +43,6 @@ get the whole completion's KL subtracted from its outcome reward.
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -62,16 +61,6 @@ from rljax.train.core.sampler import generate, rebucket_routes, rollout_temperat
 from rljax.train.core.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
-
-
-def print_completions(prompts, completions, rewards=None, file=None) -> None:
-    """Prompt and completion of each sample, separated by marker lines (``rljax sample`` and
-    ``logging.num_completions_to_print``)."""
-    file = file if file is not None else sys.stderr
-    for i, (prompt, text) in enumerate(zip(prompts, completions)):
-        score = "" if rewards is None else f" (reward {float(rewards[i]):.3g})"
-        print(f"--- prompt ---\n{prompt}\n--- completion{score} ---\n{text}", file=file,
-              flush=True)
 
 
 def expand_fields(examples: list[dict], g: int) -> dict[str, list]:
@@ -243,7 +232,7 @@ class Rollout:
                 self.cfg.logging.console_every_s):
             return
         self._printed_at = now
-        print_completions(prompts[:n], texts[:n], list(rewards)[:n])
+        rollout_metrics.print_completions(prompts[:n], texts[:n], list(rewards)[:n])
 
     # -- the full batch ------------------------------------------------------------------------
 
