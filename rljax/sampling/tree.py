@@ -121,12 +121,13 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              stop_ids: Sequence[int] = (), mesh: jax.sharding.Mesh | None = None,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
-             cache_dtype: Any = None) -> TreeSampleOutput:
+             cache_dtype: Any = None, image_embeds: Any = None) -> TreeSampleOutput:
     """Samples a tree of ``roots * branching**depth`` leaves per prompt, entirely on device.
 
     Args:
       cfg, params, prompt_tokens, prompt_mask, rng, max_new_tokens, temperature, top_k, top_p,
-        eos_id, pad_id, stop_ids, mesh, rules, cache_dtype: as ``sampling.generate``.
+        eos_id, pad_id, stop_ids, mesh, rules, cache_dtype, image_embeds: as
+        ``sampling.generate`` (the images are prefilled with their prompt, once).
       segment_tokens: L, tokens per segment (levels 0..D-1; the leaves decode the rest).
       branching: k children per path at each boundary.
       depth: D boundaries; ``depth * segment_tokens < max_new_tokens``.
@@ -143,6 +144,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
                                        what="sampling.tree.generate: prompt_tokens")
     return _tree_generate(
         cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), rng,
+        image_embeds,
         max_new_tokens=int(max_new_tokens), segment_tokens=int(segment_tokens),
         branching=int(branching), depth=int(depth), roots=int(roots),
         temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
@@ -157,9 +159,9 @@ _STATIC = ("cfg", "max_new_tokens", "segment_tokens", "branching", "depth", "roo
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 @shd.traced_on_mesh_kwarg   # the MoE dispatch splits the experts' work over the mesh
-def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens,
-                   segment_tokens, branching, depth, roots, temperature, top_k, top_p,
-                   stop_ids, pad_id, mesh, rules, cache_dtype):
+def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, *,
+                   max_new_tokens, segment_tokens, branching, depth, roots, temperature, top_k,
+                   top_p, stop_ids, pad_id, mesh, rules, cache_dtype):
     b, p = prompt_tokens.shape
     n = max_new_tokens
     s = p + n
@@ -216,7 +218,7 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_toke
     cache = constrain_cache(models.init_cache(cfg, b, s, dtype=cache_dtype))
     hidden, cache = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
                                  positions=models.default_positions(prompt_mask),
-                                 cache=cache, cache_index=0)
+                                 cache=cache, cache_index=0, image_embeds=image_embeds)
     logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
     cache = constrain_cache(models.unstack_cache(cache))
 

@@ -108,12 +108,13 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              stop_ids: Sequence[int] = (), slots: int = 64, chunk_steps: int = 16,
              cache_dtype: Any = None, weights: Callable[[], tuple[Any, int]] | None = None,
-             ) -> tuple[TreeSampleOutput, list[engine.EngineStats]]:
+             image_embeds: Any = None) -> tuple[TreeSampleOutput, list[engine.EngineStats]]:
     """Samples ``sampling.tree.generate``'s trees (B*M leaf rows) with the slot engine.
 
     Arguments as ``sampling.tree.generate`` (prompt_tokens int32 [B, P] left-padded,
     prompt_mask bool [B, P]), plus the engine's ``slots``, ``chunk_steps`` and in-flight
-    ``weights`` (module docstring; ``params`` is then unused).
+    ``weights`` (module docstring; ``params`` is then unused). ``image_embeds`` [B, K, D]: each
+    prompt's images, prefilled with every request of its tree.
     Returns ``(TreeSampleOutput, [EngineStats] per level)``; with ``weights``, the output's
     ``versions`` int32 [B*M, N] and each level's ``swaps`` counting a change at its start.
     """
@@ -139,7 +140,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         swaps = 0 if polls is None else polls.swaps
         out, st = engine.generate(cfg, params, tokens, mask, rng=rng, max_new_tokens=end - start,
                                   slots=slots, chunk_steps=chunk_steps, cache_dtype=cache_dtype,
-                                  noise=noise, live=live, weights=polls, **draw)
+                                  noise=noise, live=live, weights=polls, **draw,
+                                  image_embeds=None if image_embeds is None else
+                                  np.repeat(image_embeds, rows // b, axis=0))
         if polls is not None:
             st = dataclasses.replace(st, swaps=polls.swaps - swaps)
         before = paths["lengths"].copy()

@@ -138,9 +138,8 @@ class TreePool:
             max_staleness: int | None = None, image_embeds: Any = None) -> Taken:
         """Grows the pool's trees under ``params`` (policy ``version``) until ``want`` are
         complete and hands those out (module docstring). ``key``: the run's pool key, the same
-        at every call (randomness is keyed by admission serial, not by iteration)."""
-        if image_embeds is not None:
-            raise ValueError("the tree pool samples text prompts only")
+        at every call (randomness is keyed by admission serial, not by iteration).
+        ``image_embeds`` [C, K, D]: each place's prompt images, prefilled with its paths."""
         if want > int((self.serial >= 0).sum()):
             raise ValueError(f"run: want={want} trees but {int((self.serial >= 0).sum())} "
                              "are in the pool")
@@ -150,14 +149,15 @@ class TreePool:
             # Each tree grows one level this step (a free place holds none).
             at = np.where(self.serial >= 0, self.level, self.depth + 1)
             for lvl in sorted(set(at[at <= self.depth].tolist())):
-                st, new = self._grow(params, key, lvl, at == lvl, version)
+                st, new = self._grow(params, key, lvl, at == lvl, version, image_embeds)
                 drawn, useful = drawn + new, useful + st.useful_steps
                 steps, slot_steps = steps + st.decode_steps, slot_steps + st.slots * st.decode_steps
             self.clock += 1
             self._finish_stopped()
         return self._take(want, dropped, (steps, useful, slot_steps), drawn)
 
-    def _grow(self, params, key, lvl: int, places: np.ndarray, version: int):
+    def _grow(self, params, key, lvl: int, places: np.ndarray, version: int,
+              image_embeds: Any = None):
         """Level ``lvl`` of the trees in ``places`` (bool [C]), one engine call for all of
         them; returns its EngineStats and the tokens it drew."""
         c, width = self.c, self.width(lvl + 1)
@@ -175,7 +175,9 @@ class TreePool:
         out, st = engine.generate(self.cfg, params, tok, mask, rng=key,
                                   max_new_tokens=end - start, slots=self.s,
                                   chunk_steps=self.chunk_steps, cache_dtype=self.cache_dtype,
-                                  noise=noise, live=live, **self.draw)
+                                  noise=noise, live=live, **self.draw,
+                                  image_embeds=None if image_embeds is None else
+                                  np.repeat(np.asarray(image_embeds), width, axis=0))
         before = paths["lengths"].copy()
         paths = write_segment(paths, out, live, start)
         span = np.arange(self.n)[None, :]

@@ -99,9 +99,6 @@ class PartialRounds:
         # A vision tower: each place's prompt pixels [C, I, 3, S, S] and whether they are
         # usable (a skipped image costs its group's training rows, as in ``Rollout``).
         self.images = image_inputs.image_inputs(ctx)
-        if self.images is not None and isinstance(self.pool, TreePool):
-            raise UserError("images in the prompt are not sampled by the tree sampler yet; use "
-                            "rollout.tree.enabled=false")
         if self.images is not None:
             v, c = ctx.model_cfg.vision, self.pool.c
             self.pixels = np.zeros((c, self.images.max_images, v.num_channels, v.image_size,

@@ -115,7 +115,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
     once. The two are exclusive (config validation).
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
-    images, embedded by the tower and prefilled with the prompt (not with a tree).
+    images, embedded by the tower and prefilled with the prompt (a tree's: with every path).
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
     polled between decode chunks (``sampling.engine.generate``; a tree's also between its
     levels, ``sampling.tree_engine``); adds ``versions`` int [R, N]
@@ -128,9 +128,6 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     (``sampling.generate``), whatever rows share its batch.
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
-    if pixels is not None and kind in ("tree", "tree_slots"):
-        raise UserError("images in the prompt are not sampled by the tree sampler yet; use "
-                        "rollout.engine='static' or 'slots' without a tree")
     params = sampling_params(ctx, params)
     if weights is not None:   # swaps counted across the prompt chunks (between two, too)
         weights = sampling.engine.VersionPolls(_sampling_weights(ctx, weights))
