@@ -41,11 +41,21 @@ def tiny_cfg(**overrides):
     return config_lib.validate(cfg)
 
 
+# Hints (their state carried: adaptive fractions, replayed successes) and a temperature
+# schedule compose with trees: a failed group is re-sampled as a tree grown from the hinted
+# prompt, and every segment draws at its own positions' temperatures.
+SCHEDULE = {"rollout.temperature_schedule.name": "linear",
+            "rollout.temperature_schedule.start": 1.5, "rollout.temperature_schedule.end": 0.5}
+HINTS = {"algo.hint.mode": "adaptive", "algo.hint.source": "replay", "algo.hint.step": 0.5,
+         "data.kwargs": {"digits": 1, "eval_examples": 8, "num_examples": 4}}   # revisited
+
+
 @pytest.mark.parametrize("engine", ["static", "slots", "partial"])
 def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monkeypatch, engine):
     """Static tree sampler, or the slot engine serving the forks (3 slots for 16 leaves), or
     partial rollouts: a pool of trees carried across iterations (``sampling.tree_partial``),
-    the iteration training on the trees that completed first."""
+    the iteration training on the trees that completed first. All with a temperature
+    schedule, the static and slot-engine runs with hints too."""
     original, seen = Rollout.advantages, []
 
     def advantages(self, rewards, **kw):
@@ -69,7 +79,8 @@ def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monke
                "steps": 2,
                "rollout.stop_strings": tuple(string.ascii_letters + "13579")}
     cfg = tiny_cfg(**{"algo.adv_estimator": "rover", "rollout.slots": 3,
-                      **({"rollout.engine": engine} if engine != "partial" else partial)})
+                      **SCHEDULE, **({"rollout.engine": engine, **HINTS}
+                                     if engine != "partial" else partial)})
     straight = str(tmp_path / "straight")
     assert run.train(cfg, straight, devices=DEVICES) == 0
     # The estimator saw the tree of the run's layout: 1 root, 2 forks of 2 -> 4 leaves.
@@ -83,8 +94,10 @@ def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monke
     rl = [r for r in read_metrics(straight) if "reward/mean" in r]
     assert len(rl) == cfg.steps and all(np.isfinite(r["loss"]) for r in rl)
     assert all(("rollout/slot_utilisation" in r) == (engine != "static") for r in rl)
-    # The trainer's log-probs of the leaves agree with the tree sampler's (same params).
+    # The trainer's log-probs of the leaves agree with the tree sampler's (same params), at
+    # the schedule's temperatures; hinted trees replaced failed groups.
     assert rl[0]["rollout/logp_diff_max"] < 1e-4
+    assert all((r.get("hint/fraction_hinted", 0) > 0) == (engine != "partial") for r in rl)
     if engine == "partial":   # a second batch of trees in flight; some grown by two versions
         assert [r["rollout/carried_groups"] for r in rl] == [4, 4]
         assert len(spans) == 8 and max(spans) == 2
@@ -125,6 +138,8 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
     ({"algo.adv_estimator": "rover", "algo.kl_in_reward": True, "algo.beta": 0.1},
      "algo.kl_in_reward=true is not supported"),
     ({"algo.name": "dpo"}, "needs algo.name='grpo'"),
+    ({"algo.adv_estimator": "treepo", "algo.mixed_policy": True},
+     "algo.mixed_policy=true cannot be combined with algo.adv_estimator='treepo'"),
     ({"algo.asynchronous": True, "algo.inflight_updates": True},
      "algo.inflight_updates=true needs rollout.engine='slots'"),
 ])

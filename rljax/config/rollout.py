@@ -231,17 +231,17 @@ def check_tree(cfg) -> None:
                           "set rollout.tree.enabled=true")
     if not tree.enabled:
         return
-    others = [k for k, on in (
-        ("rollout.temperature_schedule.name", cfg.rollout.temperature_schedule.name != "constant"),
-        ("env.name", bool(cfg.env.name)), ("algo.hint.mode", algo.hint.mode != "off"),
-        ("algo.mixed_policy", algo.mixed_policy))
-        if on]
-    # Each samples its own way; the tree samplers, static or on the slot engine, have none of
-    # them. (Partial rollouts carry whole trees: ``sampling.tree_partial``. In-flight weights
-    # enter the slot engine's tree between its levels and decode chunks: check_async asks for
-    # the slot engine.)
-    if others:
-        raise ConfigError(f"rollout.tree.enabled=true cannot be combined with {others[0]}")
+    # Episodes sample their own way; the tree samplers, static or on the slot engine, do not.
+    # (Partial rollouts carry whole trees: ``sampling.tree_partial``. In-flight weights enter
+    # the slot engine's tree between its levels and decode chunks: check_async asks for the
+    # slot engine. Hints re-sample a failed group as a new tree grown from the hinted prompt;
+    # a temperature schedule reaches each segment at its completion positions.)
+    if cfg.env.name:
+        raise ConfigError("rollout.tree.enabled=true cannot be combined with env.name")
+    if algo.mixed_policy and _uses_tree(algo.adv_estimator):
+        raise ConfigError(f"algo.mixed_policy=true cannot be combined with algo.adv_estimator="
+                          f"'{algo.adv_estimator}': a demonstration shares no segment with the "
+                          "tree's leaves, so the tree estimator has no node for it")
     if algo.name != "grpo":
         raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo' "
                           f"(got '{algo.name}')")

@@ -69,7 +69,10 @@ class TreePool:
                  branching: int, depth: int, roots: int, groups: int, prompt_len: int,
                  slots: int, chunk_steps: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, eos_id: int | Sequence[int] | None = None,
-                 pad_id: int = 0, stop_ids: Sequence[int] = (), cache_dtype: Any = None):
+                 pad_id: int = 0, stop_ids: Sequence[int] = (), cache_dtype: Any = None,
+                 temperatures: Any = None):
+        """``temperatures``: optional float32 [N] schedule; each level's requests decode
+        positions [start, end) at ``temperatures[start:end]`` (``sampling.tree_engine``)."""
         check_tree(max_new_tokens, segment_tokens, branching, depth, roots)
         if min(groups, prompt_len, slots, chunk_steps) < 1:
             raise ValueError("groups, prompt_len, slots and chunk_steps must be >= 1")
@@ -80,7 +83,9 @@ class TreePool:
         self.s, self.chunk_steps = int(slots), int(chunk_steps)
         self.draw = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                          eos_id=merge_stop_ids(eos_id, stop_ids), pad_id=int(pad_id))
-        self.greedy = temperature == 0.0
+        self.temperatures = (None if temperatures is None else
+                             np.asarray(temperatures, np.float32).reshape(self.n))
+        self.greedy = self.temperatures is None and temperature == 0.0
         if not self.greedy and noise_ahead_size(self.n, self.c * self.g, cfg.vocab_size) > \
                 NOISE_AHEAD_MAX_ELEMENTS:
             raise ValueError(f"the tree pool draws its noise ahead; {self.n} tokens x "
@@ -177,7 +182,9 @@ class TreePool:
                                   chunk_steps=self.chunk_steps, cache_dtype=self.cache_dtype,
                                   noise=noise, live=live, **self.draw,
                                   image_embeds=None if image_embeds is None else
-                                  np.repeat(np.asarray(image_embeds), width, axis=0))
+                                  np.repeat(np.asarray(image_embeds), width, axis=0),
+                                  temperatures=None if self.temperatures is None else
+                                  self.temperatures[start:end])
         before = paths["lengths"].copy()
         paths = write_segment(paths, out, live, start)
         span = np.arange(self.n)[None, :]

@@ -71,12 +71,12 @@ def make_pool(ctx, num_prompts: int, rows: int = 0):
                   prompt_len=prompt_buckets(cfg.data.max_prompt_length)[-1],
                   slots=engine_slots(ctx.cfg, num_prompts * g), chunk_steps=r.chunk_steps,
                   temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                  eos_id=ctx.stop_ids, pad_id=tok.pad_id)   # (rollout.stop_strings too)
+                  eos_id=ctx.stop_ids, pad_id=tok.pad_id,   # (rollout.stop_strings too)
+                  temperatures=rollout_temperatures(cfg))
     tree = tree_sampling.options_from_config(r.tree, g)
     if tree is not None:
         return TreePool(ctx.model_cfg, **tree, **common)
-    return partial_lib.Pool(ctx.model_cfg, num_samples=rows or g,
-                            temperatures=rollout_temperatures(cfg), **common)
+    return partial_lib.Pool(ctx.model_cfg, num_samples=rows or g, **common)
 
 
 class PartialRounds:

@@ -113,7 +113,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead (or
     ``sampling.tree_engine.generate`` with ``rollout.engine='slots'``); its
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
-    once. The two are exclusive (config validation).
+    once; a tree takes one schedule [max_new_tokens], each segment drawn at its positions'
+    temperatures.
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
     images, embedded by the tower and prefilled with the prompt (a tree's: with every path).
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
@@ -157,7 +158,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temps, kw,
                                engine_stats, weights)
         elif kind == "tree_slots":
-            out = _tree_engine(ctx, params, p_tok, p_mask, tree, kw, engine_stats, weights)
+            out = _tree_engine(ctx, params, p_tok, p_mask, tree, kw, engine_stats, weights,
+                               temps)
         elif kind == "static":
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temps,
@@ -168,7 +170,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                                     row_keys[start * num_samples:(start + chunk) * num_samples],
                                     **kw)
         else:
-            out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
+            out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
+                                         temperatures=temps, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
     result = {k: np.concatenate([getattr(o, k) for o in outs]) for k in
               ("tokens", "logps", "mask", "lengths", "truncated")}
@@ -207,9 +210,10 @@ def _single_process():
 
 
 def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list,
-                 weights=None):
+                 weights=None, temperatures=None):
     """``sampling.tree_engine.generate`` for one chunk of prompts (appends each level's
-    EngineStats), with in-flight ``weights`` polled between levels and decode chunks."""
+    EngineStats), with in-flight ``weights`` polled between levels and decode chunks and
+    the ``temperatures`` schedule [N] drawn at each segment's positions."""
     _single_process()
     rows = int(np.shape(prompt_tokens)[0]) * tree_sampling.num_leaves(
         tree["roots"], tree["branching"], tree["depth"])
@@ -217,7 +221,7 @@ def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats:
     out, st = sampling.tree_engine.generate(
         ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask), **tree,
         slots=engine_slots(ctx.cfg, rows), chunk_steps=ctx.cfg.rollout.chunk_steps,
-        weights=weights, **kw)
+        weights=weights, temperatures=temperatures, **kw)
     stats.extend(st)
     return out
 
