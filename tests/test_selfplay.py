@@ -42,26 +42,42 @@ def _phase(cfg, tmp_path):
 # ----------------------------------------------------------------------------- RAE
 
 
-def test_rae_in_the_rollout_is_the_written_out_formula(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_rae_in_the_rollout_is_the_written_out_formula(tmp_path, monkeypatch, dynamic):
     """The trainer's RAE advantages and new baselines on one batch of episodes equal
-    b_k <- alpha b_k + (1 - alpha) mean(R | role k), A = R - b_role, written out in numpy."""
+    b_k <- alpha b_k + (1 - alpha) mean(R | role k), A = R - b_role, written out in numpy,
+    over the episodes that train: with dynamic sampling a group that only pads the batch
+    neither moves the baselines nor gets an advantage."""
     alpha = 0.8
-    cfg = ttt_cfg(**{"algo.adv_estimator": "rae", "algo.rae_alpha": alpha})
+    cfg = ttt_cfg(**{"algo.adv_estimator": "rae", "algo.rae_alpha": alpha,
+                     "algo.dynamic_sampling": dynamic, "algo.max_sampling_rounds": 1})
     ctx, phase, state = _phase(cfg, tmp_path)
     assert state.role_baseline.shape == (NUM_ROLES,) and not state.role_baseline.any()
     start = np.array([0.25, -0.5, 0.125, 1.0, 0.5, -0.25], np.float32)
     state = state.replace(role_baseline=jax.numpy.asarray(start))
+    sample_round = phase.rollout.sample_round
+
+    def one_won_group(*args, **kw):   # each round: the first group's first episode wins
+        rnd = sample_round(*args, **kw)
+        rnd["rewards"] = np.where(np.arange(len(rnd["rewards"])) == 0, 1.0, rnd["rewards"])
+        return rnd
+
+    monkeypatch.setattr(phase.rollout, "sample_round", one_won_group)
     seen = watch_rows(phase.rollout)
     batch, metrics = phase.rollout(state, 0)
     rows = seen.rows
     roles, rewards = rows["roles"], rows["rewards"]
     assert set(roles.tolist()) <= {0, 1}   # tictactoe X = 0, O = 1
+    trains = batch["loss_mask"].any(-1)
+    assert trains.all() != dynamic and metrics["rollout/filler_groups"] == 2 * dynamic
     expected = start.copy()
     for k in range(6):
-        if (roles == k).any():
-            expected[k] = alpha * start[k] + (1 - alpha) * rewards[roles == k].mean()
+        if (trains & (roles == k)).any():
+            expected[k] = (alpha * start[k]
+                           + (1 - alpha) * rewards[trains & (roles == k)].mean())
     np.testing.assert_allclose(batch["role_baseline"], expected, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(batch["advantages"], rewards - expected[roles], rtol=1e-6,
+    np.testing.assert_allclose(batch["advantages"],
+                               np.where(trains, rewards - expected[roles], 0.0), rtol=1e-6,
                                atol=1e-6)
     for k in set(roles.tolist()):
         assert metrics[f"rae/baseline_{k}"] == pytest.approx(float(expected[k]))
@@ -119,7 +135,6 @@ def test_rae_with_games_sampled_ahead_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"env.name": ""}, "needs each episode's role"),
-    ({"algo.dynamic_sampling": True}, "algo.dynamic_sampling and rollout.partial"),
     ({"env.turn_discount": 0.9}, "env.turn_discount"),
     ({"algo.rae_alpha": 1.5}, "algo.rae_alpha"),
 ])
@@ -422,10 +437,12 @@ def test_checkpoint_opponent_with_partial_rollouts_resumes_exactly(rae_run, tmp_
     """rollout.partial with a checkpoint opponent: whole games (every seat plays the lowest
     free cell) carried across iterations mid-game, the opponent's seats on an engine of
     their own; the opponent's recorded moves replay with the policy's when a match is
-    rebuilt, only the example's seat's group trains, and a run stopped after its first
-    iteration and resumed equals the straight one."""
+    rebuilt, only the example's seat's group trains, RAE's baselines move with the groups
+    as they complete, and a run stopped after its first iteration and resumed equals the
+    straight one (baselines included)."""
     from tests.test_episode_partial import watch_carried
     cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
+                     "algo.adv_estimator": "rae",
                      "env.selfplay.temperature": 1.0, "rollout.engine": "slots",
                      "rollout.partial": True, "rollout.chunk_steps": 2,
                      "rollout.max_new_tokens": 2, "rollout.max_staleness": 1})
@@ -445,6 +462,9 @@ def test_checkpoint_opponent_with_partial_rollouts_resumes_exactly(rae_run, tmp_
     assert run.train(cfg, resumed, devices=DEVICES) == 0
     assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(resumed), final_params(straight))
+    baseline = _baseline(straight)[0]
+    assert np.abs(baseline).max() > 0 and any(k.startswith("rae/baseline_") for k in rl[1])
+    np.testing.assert_array_equal(_baseline(resumed)[0], baseline)
 
 
 def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tmp_path):

@@ -404,8 +404,7 @@ def _uses_roles(estimator: str) -> bool:
 
 def check_role_estimator(cfg) -> None:
     """An estimator with role baselines (RAE) needs episodes that name their role (a game
-    environment), the GRPO phase that keeps the baselines, and every sampled row in the
-    batch (no dropped groups, one advantage per episode)."""
+    environment), the GRPO phase that keeps the baselines, and one advantage per episode."""
     algo = cfg.algo
     if not _uses_roles(algo.adv_estimator):
         return
@@ -416,9 +415,6 @@ def check_role_estimator(cfg) -> None:
     if not cfg.env.name:
         raise ConfigError(f"{what} needs each episode's role: set env.name to a game "
                           "environment (tictactoe, kuhn_poker, negotiation, propose_solve)")
-    if algo.dynamic_sampling or cfg.rollout.partial:
-        raise ConfigError(f"{what} updates its baselines from every sampled episode: "
-                          "algo.dynamic_sampling and rollout.partial are not supported")
     if cfg.env.turn_discount is not None:
         raise ConfigError(f"{what} gives one advantage per episode: env.turn_discount "
                           "(per-turn returns) is not supported")

@@ -261,7 +261,14 @@ class RoleBaseline(RolloutStage):
     """An estimator with a baseline per role (``algorithms.uses_roles``: ``rae``): each
     episode's role key (``env.role_key``) and ``state.role_baseline`` in, advantages f32 [R]
     out; the new baseline leaves in ``batch["role_baseline"]`` for the phase to put into the
-    state, and the metrics add ``rae/baseline_<key>`` for the roles seen."""
+    state, and the metrics add ``rae/baseline_<key>`` for the roles seen.
+
+    The baselines move with the episodes that train this step (rows with a token in the loss
+    mask), as SPIRAL's move with the batch they train on: a group dynamic sampling dropped,
+    a group that only pads the batch or a masked truncated episode neither moves them nor
+    gets an advantage (0); a partial rollout's carried episode moves them in the step it
+    completes and trains. So the baselines are a function of the batches that trained, which
+    the train state checkpoints with them."""
 
     name = "role_baseline"
 
@@ -288,10 +295,13 @@ class RoleBaseline(RolloutStage):
             opts = {"alpha": float(a.rae_alpha)} if a.adv_estimator == "rae" else {}
             self._estimator = jax.jit(lambda r, ro, b: estimator(r, g, roles=ro, baseline=b,
                                                                  **opts))
-        adv, new = self._estimator(np.asarray(rewards, np.float32), roles,
+        trains = np.asarray(mask, bool).any(-1)   # [R]: the episodes that train
+        adv, new = self._estimator(np.asarray(rewards, np.float32)[trains], roles[trains],
                                    np.asarray(jax.device_get(baseline), np.float32))
         self._new = batch["role_baseline"] = np.asarray(new, np.float32)
-        return np.asarray(adv, np.float32)
+        out = np.zeros(len(roles), np.float32)
+        out[trains] = np.asarray(adv, np.float32)
+        return out
 
     def metrics(self, rounds, rows) -> dict:
         return {f"rae/baseline_{k}": float(self._new[k]) for k in np.unique(rows["roles"])}
