@@ -244,6 +244,37 @@ def test_knapsack_rollout_batch(reward_file, tmp_path, tree):
     assert "partial" not in saved
 
 
+def test_knapsack_in_micro_batches_samples_the_rows_of_one_call(reward_file, tmp_path,
+                                                                monkeypatch):
+    """rollout.micro_batch_size=4 with a budget of 14: the rows are sampled in 4 sampler
+    calls of 4 rows (the last padded), and the batch equals the one-call batch row for row,
+    each row drawing from its own key."""
+    import jax
+    from rljax.train import inference
+    from rljax.train.core import setup
+    from rljax.train.methods import allocation
+    from rljax.train.phases import make_phases
+
+    calls = []
+    generate = allocation.generate
+    monkeypatch.setattr(allocation, "generate", lambda *a, **k: calls.append(
+        len(k["prompt_index"])) or generate(*a, **k))
+    batches = []
+    for micro in (0, 4):
+        cfg = tiny_cfg(reward_file, **{"rollout.knapsack.budget": 14,
+                                       "rollout.micro_batch_size": micro})
+        ctx = setup.build_context(cfg, str(tmp_path / str(micro)), devices=jax.devices()[:1])
+        phase = make_phases(ctx)[-1]
+        state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
+        batches.append(phase.rollout(state, 0)[0])
+    assert calls == [14, 4, 4, 4, 4]
+    whole, chunked = batches
+    assert len({tuple(r) for r in whole["tokens"][:14]}) > 7   # sampled, not all alike
+    for key in ("tokens", "mask", "loss_mask", "advantages"):
+        np.testing.assert_array_equal(chunked[key], whole[key], err_msg=key)
+    np.testing.assert_allclose(chunked["sampler_logps"], whole["sampler_logps"], atol=1e-5)
+
+
 def _per_group_sizes(name, rewards, sizes):
     fn = algorithms.get_advantage_estimator(name)
     out, start = [], 0
@@ -347,7 +378,8 @@ def test_knapsack_with_guidance_resumes_exactly(reward_file, tmp_path, monkeypat
         return seen[-1][-1]
     monkeypatch.setattr(Guide, "after_round", spy)
     cfg = lambda: tiny_cfg(reward_file, **{  # noqa: E731
-        "steps": 2, "rollout.knapsack.budget": 10, "rollout.max_new_tokens": 3,
+        "steps": 2, "seed": 4,   # (draws with failed and passed groups in both steps)
+        "rollout.knapsack.budget": 10, "rollout.max_new_tokens": 3,
         "algo.relift.every": 1, "algo.relift.batch_size": 4, "algo.relift.k_visits": 1,
         **({"algo.mixed_policy": True} if guide == "mixed_policy" else
            {"algo.hint.mode": "fixed", "algo.hint.fraction": 0.5})})
@@ -392,7 +424,8 @@ def test_knapsack_with_group_filters_resumes_exactly(reward_file, tmp_path, monk
         "data.selection.name": "online_filter", "data.selection.low": 0.2,
         "data.selection.high": 0.6}
     cfg = lambda: tiny_cfg(reward_file, **{  # noqa: E731
-        "steps": 2, "rollout.knapsack.budget": 12, "rollout.max_new_tokens": 3,
+        "steps": 2, "seed": 4,   # (draws with groups both kept and dropped)
+        "rollout.knapsack.budget": 12, "rollout.max_new_tokens": 3,
         "algo.max_sampling_rounds": 2, **filters})
     if group_filter == "algo.dynamic_sampling":
         resumes_exactly(cfg, tmp_path, stop_after=1)

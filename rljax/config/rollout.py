@@ -197,10 +197,6 @@ def check_allocation(cfg) -> None:
     if r.partial and r.tree.enabled:
         raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
                           "with rollout.tree.enabled (carried trees come in groups of G leaves)")
-    for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),):
-        if on:
-            raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
-                              "(it samples or picks groups its own way)")
     budget, lo, hi = knapsack_limits(cfg)
     prompts = r.batch_size // a.num_generations
     if budget > r.batch_size:

@@ -177,10 +177,10 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
       prompt_index: optional int32 [R]: groups of any sizes (knapsack allocation): output row
         r continues prompt ``prompt_index[r]``, whose prefill it shares (``num_samples`` must
         be 1; not with images or routes).
-      row_keys: optional PRNG keys [B * num_samples], one per output row: row r draws token t
-        from ``draw.row_draw(row_keys[r], t, vocab)`` (``draw.row_noise_ahead``) instead of
-        the batch's draw from ``rng``, so its tokens do not depend on the other rows (to
-        float32 rounding of the batch's matmuls). Not with ``prompt_index``.
+      row_keys: optional PRNG keys, one per output row ([B * num_samples], or [R] with
+        ``prompt_index``): row r draws token t from ``draw.row_draw(row_keys[r], t, vocab)``
+        (``draw.row_noise_ahead``) instead of the batch's draw from ``rng``, so its tokens do
+        not depend on the other rows (to float32 rounding of the batch's matmuls).
 
     Returns:
       ``SampleOutput`` with ``B * num_samples`` rows, or R with ``prompt_index`` (see its
@@ -220,10 +220,10 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     greedy = temperatures is None and temperature == 0.0
     noise = None
     if row_keys is not None:
-        rows = np.shape(prompt_tokens)[0] * num_samples
-        if prompt_index is not None or np.shape(row_keys)[0] != rows:
-            raise ValueError(f"row_keys must hold one key per output row ({rows}), without "
-                             "prompt_index")
+        rows = (np.shape(prompt_tokens)[0] * num_samples if prompt_index is None
+                else prompt_index.size)
+        if np.shape(row_keys)[0] != rows:
+            raise ValueError(f"row_keys must hold one key per output row ({rows})")
         if not greedy:
             noise = _row_noise(jnp.asarray(row_keys), int(max_new_tokens), cfg.vocab_size)
     # With prompt_index the streams split the rows (each prefills every prompt: a few).

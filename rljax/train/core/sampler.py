@@ -125,8 +125,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``prompt_index`` int [R] (one chunk, no tree; ``num_samples`` 1): row r continues prompt
     ``prompt_index[r]`` (groups of any sizes). The static sampler shares each prompt's prefill
     among its rows (``sampling.generate``); the slot engine prefills each row's prompt.
-    ``row_keys`` [B * num_samples] (static sampler): each output row draws from its own key
-    (``sampling.generate``), whatever rows share its batch.
+    ``row_keys`` [B * num_samples], or [R] with ``prompt_index`` (static sampler): each
+    output row draws from its own key (``sampling.generate``), whatever rows share its batch.
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
     params = sampling_params(ctx, params)
@@ -166,7 +166,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                                     streams=ctx.cfg.rollout.streams,
                                     record_routes=bool(ctx.cfg.algo.get("routing_replay")),
                                     prompt_index=prompt_index,
-                                    row_keys=None if row_keys is None else
+                                    row_keys=row_keys if row_keys is None or prompt_index
+                                    is not None else   # (prompt_index: one chunk)
                                     row_keys[start * num_samples:(start + chunk) * num_samples],
                                     **kw)
         else:

@@ -4,7 +4,8 @@ Each step: the prompts' pass rates (posterior means: the MoPPS posterior of
 ``data.selection.name='predicted'``, else this source's own Beta posteriors,
 ``rljax.data.allocation.PassRates``) -> group sizes G_i by the knapsack
 (``allocation.knapsack_allocate``, sum G_i = the budget) -> each prompt prefilled once and
-its G_i rows sampled from it (one sampler program: always ``budget`` rows) -> rewards -> the
+its G_i rows sampled from it (one sampler program: always ``budget`` rows, or chunks of
+``rollout.micro_batch_size`` rows, each row drawing from its own key) -> rewards -> the
 posteriors learn the groups' successes. The round carries ``group_sizes``, which the rollout
 counts its groups, prompt selection's observations, informative groups and group filters
 (dynamic sampling, the online filter) by; an extra round of a filter is a round like the
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
 from rljax import sampling
@@ -46,7 +48,7 @@ from rljax.data import allocation as alloc
 from rljax.data import selection
 from rljax.train.core.partial import PartialRounds
 from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
-from rljax.train.core.sampler import generate, rebucket_routes
+from rljax.train.core.sampler import generate, rebucket_routes, sampler_kind
 from rljax.train.methods import agent
 
 
@@ -106,9 +108,9 @@ class KnapsackRounds(RoundSource):
 
     def _sample(self, rollout, params, rng, examples, prompt_tokens, prompt_mask, sizes,
                 prefixes=None) -> dict:
-        """``sizes[i]`` rows of prompt i sampled (each prompt prefilled once) and scored. The
-        sampler always runs ``budget`` rows (one program): rows past the groups repeat the
-        last one and are dropped before scoring. Tree sampling: prompt i grows
+        """``sizes[i]`` rows of prompt i sampled (each prompt prefilled once) and scored
+        (``_sample_rows``: ``budget`` rows or chunks of ``rollout.micro_batch_size``; rows
+        past the groups repeat the last one and are dropped before scoring). Tree sampling: prompt i grows
         ``sizes[i] / step`` trees of ``step`` leaves, one root each (its prompt prefilled per
         tree), and the padding rows are whole trees."""
         cfg, n = self.cfg, int(np.sum(sizes))
@@ -118,21 +120,45 @@ class KnapsackRounds(RoundSource):
                     temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                     top_p=cfg.rollout.top_p, temperatures=rollout.temperatures)
         if rollout.tree is None:
-            padded = np.concatenate([owner, np.full(self.budget - n, owner[-1], np.int32)])
-            out = generate(self.ctx, params, prompt_tokens, prompt_mask, rng, num_samples=1,
-                           prompt_index=padded, **opts)
+            out = self._sample_rows(params, prompt_tokens, prompt_mask, owner, rng, opts)
         else:   # whole trees of ``step`` leaves, one root each: prompt i's for its group
             roots = owner[::self.step]
             roots = np.concatenate([roots, np.full(self.budget // self.step - len(roots),
                                                    roots[-1], np.int32)])
+            micro = int(cfg.rollout.micro_batch_size) // self.step   # trees per chunk
             out = generate(self.ctx, params, prompt_tokens[roots], prompt_mask[roots], rng,
-                           num_samples=self.step, tree=dict(rollout.tree, roots=1), **opts)
+                           num_samples=self.step, tree=dict(rollout.tree, roots=1),
+                           micro_prompts=micro, **opts)
             out["decoded"] = out["decoded"][:n // self.step]   # (padding trees aside)
         out = {k: v[:n] if isinstance(v, np.ndarray) and len(v) == self.budget else v
                for k, v in out.items()}
         rows = None if prefixes is None else [prefixes[i] for i in owner]
         return rollout.score_round([examples[i] for i in owner], prompt_tokens[owner],
                                    prompt_mask[owner], out, rows, t0, g=1)
+
+    def _sample_rows(self, params, prompt_tokens, prompt_mask, owner, rng, opts) -> dict:
+        """Rows ``owner`` int [n] (row -> its prompt, of the P prompts [P, L]) sampled in
+        chunks of ``rollout.micro_batch_size`` rows (0: one chunk of ``budget`` rows), each
+        chunk one sampler call with every prompt prefilled once and the last padded by
+        repeating its last row (one program shape); the sampler's outputs, n rows. On the
+        static sampler row r draws from its own key ``fold_in(rng, r)`` (``row_keys``), so a
+        row's tokens do not depend on the chunking; the slot engine runs each chunk as an
+        engine call of its own (key ``fold_in(rng, chunk)``)."""
+        n = len(owner)
+        chunk = int(self.cfg.rollout.micro_batch_size) or self.budget
+        total = -(-n // chunk) * chunk   # chunks of padding only are not sampled
+        index = np.concatenate([owner, np.full(total - n, owner[-1], np.int32)])
+        keys = _row_keys(rng, np.arange(total)) if sampler_kind(self.cfg) == "static" else None
+        outs = [generate(self.ctx, params, prompt_tokens, prompt_mask,
+                         jax.random.fold_in(rng, i), num_samples=1,
+                         prompt_index=index[start:start + chunk],
+                         row_keys=None if keys is None else keys[start:start + chunk], **opts)
+                for i, start in enumerate(range(0, total, chunk))]
+        out = {k: np.concatenate([o[k] for o in outs])[:n] for k in
+               ("tokens", "logps", "mask", "lengths", "truncated", "decoded")}
+        if "slot_steps" in outs[0]:   # the slot engine's busy and run slot-steps, summed
+            out["slot_steps"] = tuple(map(sum, zip(*(o["slot_steps"] for o in outs))))
+        return out
 
     def _play(self, rollout, params, rng, examples, sizes) -> dict:
         """``sizes[i]`` episodes of example i, group after group (``budget`` in all: one
@@ -274,3 +300,9 @@ def gather_rows(rounds, picked) -> dict:
                                                   rounds[r]["prompt_len"], out["prompt_len"])[0]
                                   for r, s in picked])
     return out
+
+
+@jax.jit
+def _row_keys(rng, rows):
+    """Keys [R] of rows 0..R-1 (``rows`` int [R]): row r's is ``fold_in(rng, r)``."""
+    return jax.vmap(lambda r: jax.random.fold_in(rng, r))(rows)
