@@ -354,6 +354,27 @@ def test_distillation_with_partial_rollouts_scores_the_carried_groups(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 
 
+def test_distillation_with_knapsack_allocation_resumes_exactly(tmp_path):
+    """rollout.allocation='knapsack': the teacher scores rows in groups of the knapsack's
+    sizes (sized by the task reward's pass rates, whose advantage is mixed in over each
+    group's own rows), and a run stopped after its first iteration and resumed (the pass-rate
+    posteriors saved) equals the straight one."""
+    from test_knapsack import REWARD, phase_resumes_exactly
+    write_teacher_workdir(tmp_path / "teacher", seed=7)
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    cfg = distill_cfg(str(tmp_path / "teacher"), **{
+        "steps": 2, "sft.steps": 0, "algo.distill.reward_weight": 0.5,
+        "rollout.max_new_tokens": 6,   # (varied rewards: completions of odd and even length)
+        "reward.names": (f"{reward}:even_length",), "data.kwargs.num_examples": 4,
+        "rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 1,
+        "rollout.knapsack.max_samples": 8})
+    rl = phase_resumes_exactly(cfg, tmp_path, steps=2, saved_after=1)
+    assert all(0 <= r["distill/teacher_agreement"] <= 1 and np.isfinite(r["distill/reverse_kl"])
+               and r["reward/std"] > 0 for r in rl)   # a task advantage to mix in
+    assert rl[1]["rollout/group_size_max"] > rl[1]["rollout/group_size_min"]   # re-sized
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_distillation_on_the_slot_engine(tmp_path, tree):
     """The teacher scores what the slot engine sampled: completions, or a tree's leaves

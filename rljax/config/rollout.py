@@ -169,7 +169,7 @@ def knapsack_step(cfg) -> int:
 
 
 def check_allocation(cfg) -> None:
-    """Knapsack allocation: GRPO with an estimator that takes ragged groups, a budget the
+    """Knapsack allocation: GRPO (or distillation) with an estimator that takes ragged groups, a budget the
     prompts can share, and nothing else that samples or picks groups its own way. Hints,
     ReLIFT, mixed-policy demonstrations and group filters (dynamic sampling, the online
     filter) act on each group, whatever its size; with multi-turn episodes a group is G_i
@@ -180,9 +180,9 @@ def check_allocation(cfg) -> None:
         return
     from rljax.algorithms import takes_group_ids   # the live registry's flag
 
-    if a.name != "grpo":
-        raise ConfigError(f"rollout.allocation='knapsack' needs algo.name='grpo' (got "
-                          f"'{a.name}')")
+    if a.name not in ("grpo", "distill"):   # (distillation: GRPO's loop and a teacher)
+        raise ConfigError(f"rollout.allocation='knapsack' needs algo.name='grpo' or "
+                          f"'distill' (got '{a.name}')")
     if not takes_group_ids(a.adv_estimator):
         raise ConfigError(f"rollout.allocation='knapsack' needs a group estimator that takes "
                           f"groups of different sizes, not algo.adv_estimator="
