@@ -13,7 +13,7 @@ from rljax import cli
 from rljax.envs import StepResult, register_env
 from rljax import config as config_lib
 from rljax.train import run
-from rljax.train.core import setup
+from rljax.train.core import checkpoint, setup
 from rljax.train.methods.agent import EpisodeRounds, credit_stages
 from rljax.train.core.rollout import Rollout, RolloutStage
 from rljax.train.core.state import create_train_state
@@ -23,6 +23,12 @@ from tests.test_train_loop import StopAfter, comparable, final_params
 
 DEVICES = jax.devices()[:1]
 SFT_STEPS, RL_STEPS = 2, 3
+# The main run's guidance: hints continue a failed group's first turn, ReLIFT trains on the
+# scripted episodes of prompts that keep failing (the Guide's state is carried on resume).
+GUIDED = {"algo.hint.mode": "adaptive", "algo.hint.step": 0.5, "algo.hint.source": "replay",
+          "algo.relift.every": 1, "algo.relift.k_visits": 1, "algo.relift.batch_size": 2,
+          "data.kwargs.num_examples": 2,   # every step revisits both prompts
+          "data.max_prompt_length": 32}    # room for the hint after the prompt
 
 
 def agent_cfg(**overrides):
@@ -73,7 +79,7 @@ def episode_rollout(ctx, iterator, cfg=None):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("agent_straight"))
-    assert run.train(agent_cfg(), workdir, devices=DEVICES) == 0
+    assert run.train(agent_cfg(**GUIDED), workdir, devices=DEVICES) == 0
     return workdir
 
 
@@ -90,14 +96,20 @@ def test_loop_logs_env_metrics_and_agentic_eval(straight):
     assert [r["step"] for r in evals] == [SFT_STEPS, SFT_STEPS + RL_STEPS]
     assert "eval/turns_mean" in evals[0] and evals[0]["eval/num_examples"] == 4
     assert [r["step"] for r in records if "sft/loss" in r] == [1, 2]
+    # The untrained policy fails: its groups are hinted, and ReLIFT's SFT steps ran.
+    assert all(r["hint/fraction_hinted"] > 0 and r["hint/prefix_tokens_mean"] >= 1 for r in rl)
+    assert all(r["relift/sft_rows"] > 0 and np.isfinite(r["relift/sft_loss"]) for r in rl)
 
 
 def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     workdir = str(tmp_path)
-    assert run.train(agent_cfg(), workdir, devices=DEVICES,
+    assert run.train(agent_cfg(**GUIDED), workdir, devices=DEVICES,
                      stop=StopAfter(SFT_STEPS + 1)) == 0
     assert max(r["step"] for r in read_metrics(workdir)) == SFT_STEPS + 1
-    assert run.train(agent_cfg(), workdir, devices=DEVICES) == 0
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        guide = ckpt.restore_meta()["phase_state"]["guidance"]
+    assert guide["hints"]["fractions"] and guide["relift"] is not None   # state to carry
+    assert run.train(agent_cfg(**GUIDED), workdir, devices=DEVICES) == 0
     assert comparable(read_metrics(workdir)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
 
@@ -113,7 +125,8 @@ def test_episodes_on_the_slot_engine_train_as_the_static_batches(straight, tmp_p
     """rollout.engine='slots' (3 slots for 8 episodes, 4-step chunks): the same episodes as the
     static turn batches (each row draws its own noise), so the same rewards and updates."""
     workdir = str(tmp_path)
-    cfg = agent_cfg(**{"rollout.engine": "slots", "rollout.slots": 3, "rollout.chunk_steps": 4})
+    cfg = agent_cfg(**GUIDED, **{"rollout.engine": "slots", "rollout.slots": 3,
+                                 "rollout.chunk_steps": 4})
     assert run.train(cfg, workdir, devices=DEVICES) == 0
     records, ref = read_metrics(workdir), read_metrics(straight)
     assert _episode_fields(records) == _episode_fields(ref)
@@ -163,6 +176,21 @@ class EchoEnv:
 register_env("test_echo", EchoEnv)
 
 
+def assert_hinted_episodes_continue_their_prefix(ctx, rollout, state):
+    """Hinted episodes (``guidance``): the prefix ends the prompt (context, not trajectory),
+    and the environment judged prefix + sampled first turn (EchoEnv answers its length)."""
+    tok, g = ctx.tokenizer, rollout.g
+    examples = [{"prompt": "1*2="}, {"prompt": "3*3="}]
+    prefixes = [tok.encode("ab"), tok.encode("wxyz")]
+    rnd = rollout.sample_round(state.params, jax.random.key(3), examples, prefixes)
+    for row in range(len(examples) * g):
+        prefix = prefixes[row // g]
+        assert rnd["prompt_ids"][row // g][-len(prefix):] == prefix
+        first = rnd["tokens"][row][rnd["turn_ids"][row] == 0].tolist()
+        seen = len(tok.decode(prefix + first))
+        assert f"<r>{seen}</r>" in rnd["episodes"]["transcripts"][row]
+
+
 def test_loss_ignores_observation_tokens(tmp_path):
     """A real episode batch: ``loss_mask`` is exactly the model's tokens, and changing every
     per-token input of the loss (old/sampler/reference log-probs, token advantages) at the
@@ -207,6 +235,7 @@ def test_loss_ignores_observation_tokens(tmp_path):
         return b
 
     base_loss, base_grad = loss_and_grad(batch)
+    assert_hinted_episodes_continue_their_prefix(ctx, rollout, state)
     loss, grad = loss_and_grad(perturbed(seq_obs))
     assert loss == base_loss
     jax.tree.map(np.testing.assert_array_equal, grad, base_grad)
@@ -222,6 +251,7 @@ def test_loss_ignores_observation_tokens(tmp_path):
     ("--config.env.max_turns=0", "env.max_turns=0 must be >= 1"),
     ("--config.env.tool_format=json", "env.tool_format='json'"),
     ("--config.algo.name=dpo", "multi-turn episodes train with algo.name='grpo', 'ppo' or"),
+    ("--config.algo.mixed_policy=True", "algo.mixed_policy is not supported with multi-turn"),
 ])
 def test_bad_env_config_is_one_line_exit_2(tmp_path, override, needle):
     assert_one_line_config_error(tmp_path, "return agent_cfg()", override, needle)

@@ -433,8 +433,7 @@ def check_guidance(cfg) -> None:
     if on and cfg.algo.name != "grpo":
         raise ConfigError(f"{on[0]} is a GRPO option; algo.name={cfg.algo.name!r}")
     if on and cfg.env.name:
-        raise ConfigError(f"{on[0]} re-samples single-turn prompts; it is not supported with "
-                          f"multi-turn episodes (env.name={cfg.env.name!r})")
+        _check_guided_episodes(cfg, on[0])
     if cfg.algo.mixed_policy and hint.mode != "off":
         raise ConfigError("algo.mixed_policy=True and algo.hint.mode both act on failed "
                           "groups: use one")
@@ -444,6 +443,22 @@ def check_guidance(cfg) -> None:
     if hint.mode != "off" and hint.fraction == 0.0 and hint.mode == "fixed":
         raise ConfigError("algo.hint.fraction=0.0 gives no hint; set it in (0, 1] or "
                           "algo.hint.mode='off'")
+
+
+def _check_guided_episodes(cfg, key: str) -> None:
+    """Guidance of multi-turn episodes: hints continue a prompt's first turn; ReLIFT trains
+    on the environment's scripted episodes (``sft.env_traces``'), so it needs them."""
+    from rljax.config.reward import ENV_TRACES
+    env = cfg.env
+    if env.selfplay.mode != "off":
+        raise ConfigError(f"{key} is not supported with self-play (env.selfplay.mode="
+                          f"{env.selfplay.mode!r}): a match's groups are its seats")
+    if cfg.algo.mixed_policy:
+        raise ConfigError(f"algo.mixed_policy is not supported with multi-turn episodes "
+                          f"(env.name={env.name!r}): use algo.hint.mode")
+    if cfg.algo.relift.every > 0 and env.name not in ENV_TRACES:
+        raise ConfigError(f"algo.relift.every trains on the environment's scripted episodes: "
+                          f"env.name={env.name!r} has none (known: {', '.join(ENV_TRACES)})")
 
 
 def check_overlong(cfg) -> None:

@@ -125,10 +125,13 @@ class _Trajectories:
     padded to M), what each turn kept, the environments' rewards and counters. Both samplers
     (the static turn batch and the episode engine) report turns to it and step through it."""
 
-    def __init__(self, tokenizer, envs, renderer: Renderer, limits: EpisodeLimits, step_all):
+    def __init__(self, tokenizer, envs, renderer: Renderer, limits: EpisodeLimits, step_all,
+                 prefixes: Sequence[Sequence[int]] | None = None):
         r, m = len(envs), limits.max_total_tokens
         self.tokenizer, self.envs, self.renderer, self.limits = tokenizer, envs, renderer, limits
         self.step_all = step_all
+        # Hints: each row's prefix ids, ahead of its first turn (prompt context, not sampled).
+        self.prefixes = [list(p) for p in prefixes] if prefixes is not None else [[]] * r
         self.tokens = np.full((r, m), tokenizer.pad_id, np.int32)
         self.model_mask = np.zeros((r, m), bool)
         self.turn_ids = np.full((r, m), -1, np.int32)
@@ -177,7 +180,9 @@ class _Trajectories:
             self.turn_ids[i, at], self.logps[i, at] = turn_of[j], logps[j][:k]
             if versions is not None:
                 self.versions[i, at] = versions[j][:k]
-            texts.append(tok.decode(ids[:k]))
+            # The environment sees a hinted first turn whole: prefix + continuation.
+            lead = self.prefixes[i] if turn_of[j] == 0 else []
+            texts.append(tok.decode(lead + ids[:k]))
             self.final_turns[i] = texts[-1]
             self.length[i] += k
             self.turns[i] += 1
@@ -276,7 +281,8 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                  limits: EpisodeLimits, rng: jax.Array, num_samples: int = 1,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mesh=None,
                  step_all: Callable | None = None, engine: EngineOptions | None = None,
-                 weights: Callable[[], tuple[Any, int]] | None = None) -> dict:
+                 weights: Callable[[], tuple[Any, int]] | None = None,
+                 prefixes: Sequence[Sequence[int]] | None = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -296,7 +302,10 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     (``EngineOptions``) instead of one static batch per turn; a row draws the same noise
     either way, so where both programs compute equal logits the episodes are equal.
     ``weights`` (with ``engine``): in-flight weight updates (``EngineWeights``); adds
-    ``versions`` and ``swaps`` (module docstring).
+    ``versions`` and ``swaps`` (module docstring). ``prefixes`` (hints, one id list per
+    group): appended to the group's prompt ids, so the first turn continues them; they are
+    prompt context (not in the trajectory), and the environment and the final answer see the
+    first turn as prefix + sampled text.
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
@@ -308,13 +317,15 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     prompts = [renderer.prompt(env.reset()) for env in envs]
     if any(prompts[i] != prompts[i - i % g] for i in range(r)):
         raise ValueError("the environments of one group reset to different prompts")
-    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    row_prefixes = None if prefixes is None else [prefixes[i // g] for i in range(r)]
+    prompt_ids = [tokenizer.encode(p) + (list(row_prefixes[i]) if row_prefixes else [])
+                  for i, p in enumerate(prompts)]
     p_tok, p_mask = sampling.pad_to_bucket(prompt_ids[::g], pad_id=tokenizer.pad_id,
                                            buckets=limits.prompt_buckets)
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                    stop_sequences=multiturn.stop_sequences_of(
                        tokenizer, [renderer.call_end] if renderer.call_end else []))
-    record = _Trajectories(tokenizer, envs, renderer, limits, step_all)
+    record = _Trajectories(tokenizer, envs, renderer, limits, step_all, row_prefixes)
     if engine is None:
         _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g, mesh,
                       options)

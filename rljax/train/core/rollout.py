@@ -146,11 +146,14 @@ class Rollout:
         and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
         i.e. placed at the start of the assistant turn; the reward judges prefix + completion.
         With a round source, a round of the iterator's prompts is the source's; ``examples``
-        (hinted re-samples of its failed groups) are sampled here, by the current policy."""
+        (hinted re-samples of its failed groups) are sampled here, by the current policy;
+        hinted episodes by the round source (``sample_hinted``)."""
         if self.rounds is not None and examples is None:
             if prefixes is not None:
                 raise ValueError("prefixes need their examples")
             return self.rounds.sample_round(self, params, rng)
+        if self.cfg.env.name:   # hinted episodes: the round source plays them
+            return self.rounds.sample_hinted(self, params, rng, examples, prefixes)
         cfg, g = self.cfg, self.g
         drawn = examples is None
         examples = next(self.iterator) if examples is None else examples

@@ -52,6 +52,8 @@ from rljax.train.methods.demos import demo_old_logps, insert_demos
 
 SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
 HINT_STREAM = 1 << 16  # rng: fold_in(round rng, HINT_STREAM) samples the hinted groups
+# A round's per-row fields a hinted group replaces (a round source may name more: row_keys).
+ROW_FIELDS = ("tokens", "logps", "mask", "lengths", "truncated", "rewards", "versions")
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -282,6 +284,18 @@ def solution_fn(ctx) -> Callable[[dict], str]:
     return lambda example: solution_of(example, task, field)
 
 
+def hint_solution_fn(ctx, reference: Callable[[dict], str]) -> Callable[[dict], str]:
+    """What a hint is cut from: the reference solution, or for an environment with scripted
+    episodes the first model turn of the example's (``agent.reference_turn``: a hint for an
+    episode is the start of its first turn, in the environment's format)."""
+    from rljax.config.reward import ENV_TRACES
+    cfg = ctx.cfg
+    if cfg.env.name not in ENV_TRACES:
+        return reference
+    from rljax.train.methods.agent import reference_turn
+    return lambda example: reference_turn(cfg, example)
+
+
 def enabled(cfg) -> bool:
     a = cfg.algo
     return a.hint.mode != "off" or a.relift.every > 0 or bool(a.mixed_policy)
@@ -300,7 +314,9 @@ class Guide(RolloutStage):
         self.eos_id = ctx.tokenizer.eos_id
         self.multiple = ctx.dp_size
         self.solution = solution_fn(ctx)
-        self.hints = (Hints(cfg.algo.hint, self.solution, ctx.tokenizer,
+        # What hints are cut from (and, with episodes, what shows the scripted episode exists).
+        self.reference = hint_solution_fn(ctx, self.solution)
+        self.hints = (Hints(cfg.algo.hint, self.reference, ctx.tokenizer,
                             cfg.data.max_prompt_length) if cfg.algo.hint.mode != "off" else None)
         r = cfg.algo.relift
         self.buffer = (ReliftBuffer(r.k_visits, r.buffer_size, failed_only=r.prompts == "failed")
@@ -312,7 +328,7 @@ class Guide(RolloutStage):
         key = ("algo.hint.mode" if self.hints is not None else
                "algo.relift.every" if self.buffer is not None else "algo.mixed_policy")
         try:
-            self.solution(example)
+            self.reference(example)
         except (UserError, KeyError, ValueError) as e:
             raise ConfigError(f"{key} needs reference solutions: {e} (name the column with "
                               "algo.solution_field)") from None
@@ -368,8 +384,9 @@ class Guide(RolloutStage):
             src = slice(h_starts[j], h_starts[j] + sizes[i])
             # The failed samples were sampled too: their tokens stay in rollout/tokens.
             rnd["extra_tokens"] += int(rnd["lengths"][rows].sum())
-            for key in ("tokens", "logps", "mask", "lengths", "truncated", "rewards"):
-                rnd[key][rows] = hinted[key][src]
+            for key in ROW_FIELDS + tuple(rnd.get("row_keys", ())):
+                if key in rnd:   # (episodes add their per-row fields: model_mask, turns, ...)
+                    rnd[key][rows] = hinted[key][src]
             for name in rnd["scores"]:
                 rnd["scores"][name][rows] = hinted["scores"][name][src]
             rnd["prompt_ids"][ids_of(i, starts, sizes)] = \
@@ -382,8 +399,9 @@ class Guide(RolloutStage):
                 self._remember(examples[i], rnd, rows, prefix=prefixes[j])
         if rnd["prompt_len"] < hinted["prompt_len"]:
             rnd["prompt_len"] = hinted["prompt_len"]
-        for key in ("time_sample", "time_reward", "errors"):
-            rnd[key] += hinted[key]
+        for key in ("time_sample", "time_reward", "errors", "time_env"):
+            if key in rnd:
+                rnd[key] += hinted[key]
         rnd["hint"].update(hinted=len(failed), prefix_tokens=sum(len(p) for p in prefixes),
                            successes=int(round(float((h_rates * h_sizes).sum()))),
                            samples=int(h_sizes.sum()), padding_groups=pad)
@@ -407,7 +425,9 @@ class Guide(RolloutStage):
             return
         ok = np.flatnonzero(rnd["rewards"][rows] >= self.threshold)
         row = rows.start + int(ok[0])
-        ids = list(prefix) + completion_ids(rnd["tokens"][row], rnd["mask"][row], self.eos_id)
+        # An episode's hint is cut from its first model turn (what a prefix continues).
+        mask = rnd["turn_ids"][row] == 0 if "turn_ids" in rnd else rnd["mask"][row]
+        ids = list(prefix) + completion_ids(rnd["tokens"][row], mask, self.eos_id)
         self.hints.remember_success(example["prompt"], ids)
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
@@ -463,7 +483,15 @@ class Relift:
         self._step_fn = None
 
     def batch(self, examples: list[dict]) -> tuple[dict, int]:
-        """``relift.batch_size`` rows of prompt ++ solution ++ EOS (padding rows masked)."""
+        """``relift.batch_size`` rows of prompt ++ solution ++ EOS (padding rows masked); with
+        episodes, prompt ++ the environment's scripted episode, the loss on its model turns."""
+        cfg = self.ctx.cfg
+        if cfg.env.name:
+            from rljax.train.methods.agent import trace_sft_batch
+            return trace_sft_batch(cfg, self.ctx.tokenizer, examples,
+                                   int(cfg.env.max_total_tokens),
+                                   np.random.default_rng(int(cfg.seed)),
+                                   rows=int(self.cfg.batch_size))
         return sft_batch(self.ctx.tokenizer, [ex["prompt"] for ex in examples],
                          [self.guide.solution(ex) for ex in examples],
                          self.ctx.cfg.data.max_prompt_length, self.completion_len,
