@@ -3,6 +3,7 @@ episodes, GRPO on the model's own episodes, agentic eval, env metrics), exact re
 loss seeing model tokens only, and config errors before anything compiles."""
 import contextlib
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -251,10 +252,54 @@ def test_loss_ignores_observation_tokens(tmp_path):
     ("--config.env.max_turns=0", "env.max_turns=0 must be >= 1"),
     ("--config.env.tool_format=json", "env.tool_format='json'"),
     ("--config.algo.name=dpo", "multi-turn episodes train with algo.name='grpo', 'ppo' or"),
-    ("--config.algo.mixed_policy=True", "algo.mixed_policy is not supported with multi-turn"),
 ])
 def test_bad_env_config_is_one_line_exit_2(tmp_path, override, needle):
     assert_one_line_config_error(tmp_path, "return agent_cfg()", override, needle)
+
+
+@pytest.mark.parametrize("key, value", [("algo.relift.every", 1), ("algo.mixed_policy", True)])
+def test_guidance_trains_on_scripted_episodes_only_where_the_env_has_them(key, value):
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            f"{key} trains on the environment's scripted episodes: env.name='test_echo' has "
+            "none")):
+        agent_cfg(**{"sft.env_traces": False, "env.name": "test_echo", "env.tools": (),
+                     key: value})
+
+
+def test_a_demonstration_episode_is_the_scripted_one_scored_as_if_sampled():
+    """Mixed-policy demonstrations of episodes (host only): the failed group's last row
+    becomes the example's scripted episode, its model turns trained (observations context),
+    its reward the replayed environment's plus the answer's score, mu = 1 (logps 0)."""
+    from types import SimpleNamespace
+    from rljax import rewards
+    from rljax.train.methods.demos import insert_episode_demos
+    cfg = agent_cfg(**{"algo.mixed_policy": True})
+    tok = setup.make_tokenizer(cfg, None)
+    ex = {"prompt": "5*8=", "question": "5*8=", "answer": "40"}
+    m, r = cfg.env.max_total_tokens, 2
+    rnd = {"tokens": np.zeros((r, m), np.int32), "mask": np.ones((r, m), bool),
+           "model_mask": np.ones((r, m), bool), "turn_ids": np.zeros((r, m), np.int32),
+           "logps": np.full((r, m), -1.0, np.float32), "lengths": np.full(r, m),
+           "truncated": np.ones(r, bool), "turns": np.ones(r, np.int32),
+           "turn_rewards": np.zeros((r, cfg.env.max_turns), np.float32),
+           "rewards": np.zeros(r, np.float32),
+           "scores": {"env": np.zeros(r, np.float32), "arithmetic": np.zeros(r, np.float32)}}
+    rollout = SimpleNamespace(cfg=cfg, ctx=SimpleNamespace(tokenizer=tok),
+                              reward_fn=rewards.combine([("arithmetic", 1.0, {})]))
+    prompt = tok.encode(ex["prompt"])
+    rnd = insert_episode_demos(rollout, rnd, [ex], [1], [prompt])
+    assert rnd["demo"].tolist() == [False, True] and rnd["logps"][1].max() == 0.0
+    n = rnd["lengths"][1]
+    text = tok.decode(rnd["tokens"][1, :n].tolist())
+    model = tok.decode(rnd["tokens"][1][rnd["model_mask"][1]].tolist())
+    assert text.startswith("<call calculator>5*8</call>") and "<result>40</result>" in text
+    assert model == "<call calculator>5*8</call>40" and not rnd["truncated"][1]
+    assert rnd["turn_ids"][1][rnd["model_mask"][1]].tolist()[-1] == 1
+    assert rnd["turns"][1] == 2 and rnd["rewards"][1] == 1.0
+    assert rnd["turn_rewards"][1].tolist() == [0.0, 1.0]
+    assert rnd["rewards"][0] == 0.0 and rnd["model_mask"][0].all()   # other rows untouched
+    # A group whose prompt is not the demonstration's keeps its sample.
+    assert not insert_episode_demos(rollout, rnd, [ex], [0], [prompt[:-1]])["demo"].any()
 
 
 def assert_one_line_config_error(tmp_path, body: str, override: str, needle: str) -> None:

@@ -433,7 +433,7 @@ def check_guidance(cfg) -> None:
     if on and cfg.algo.name != "grpo":
         raise ConfigError(f"{on[0]} is a GRPO option; algo.name={cfg.algo.name!r}")
     if on and cfg.env.name:
-        _check_guided_episodes(cfg, on[0])
+        _check_guided_episodes(cfg, on)
     if cfg.algo.mixed_policy and hint.mode != "off":
         raise ConfigError("algo.mixed_policy=True and algo.hint.mode both act on failed "
                           "groups: use one")
@@ -445,20 +445,20 @@ def check_guidance(cfg) -> None:
                           "algo.hint.mode='off'")
 
 
-def _check_guided_episodes(cfg, key: str) -> None:
-    """Guidance of multi-turn episodes: hints continue a prompt's first turn; ReLIFT trains
-    on the environment's scripted episodes (``sft.env_traces``'), so it needs them."""
+def _check_guided_episodes(cfg, on: list[str]) -> None:
+    """Guidance of multi-turn episodes: hints continue a prompt's first turn; ReLIFT and
+    mixed-policy demonstrations train on the environment's scripted episodes (those of
+    ``sft.env_traces``), so they need them."""
     from rljax.config.reward import ENV_TRACES
     env = cfg.env
     if env.selfplay.mode != "off":
-        raise ConfigError(f"{key} is not supported with self-play (env.selfplay.mode="
+        raise ConfigError(f"{on[0]} is not supported with self-play (env.selfplay.mode="
                           f"{env.selfplay.mode!r}): a match's groups are its seats")
-    if cfg.algo.mixed_policy:
-        raise ConfigError(f"algo.mixed_policy is not supported with multi-turn episodes "
-                          f"(env.name={env.name!r}): use algo.hint.mode")
-    if cfg.algo.relift.every > 0 and env.name not in ENV_TRACES:
-        raise ConfigError(f"algo.relift.every trains on the environment's scripted episodes: "
-                          f"env.name={env.name!r} has none (known: {', '.join(ENV_TRACES)})")
+    for key in on:
+        if key != "algo.hint.mode" and env.name not in ENV_TRACES:
+            raise ConfigError(f"{key} trains on the environment's scripted episodes: "
+                              f"env.name={env.name!r} has none (known: "
+                              f"{', '.join(ENV_TRACES)})")
 
 
 def check_overlong(cfg) -> None:

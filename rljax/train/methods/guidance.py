@@ -48,7 +48,7 @@ from rljax.errors import ConfigError, UserError
 from rljax.train.core.buckets import build_sequences, encode_prompts
 from rljax.train.core.rollout import RolloutStage
 from rljax.train.core.steps import build_sft_step, to_host
-from rljax.train.methods.demos import demo_old_logps, insert_demos
+from rljax.train.methods.demos import demo_old_logps, insert_demos, insert_episode_demos
 
 SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
 HINT_STREAM = 1 << 16  # rng: fold_in(round rng, HINT_STREAM) samples the hinted groups
@@ -349,6 +349,11 @@ class Guide(RolloutStage):
         rnd["hint"] = stats
         if self.mixed:   # each failed group's last row (groups may have sizes of their own)
             failed = np.flatnonzero(rates == 0)
+            if "turn_ids" in rnd:   # episodes: the example's scripted episode
+                last, ragged = (ends - 1)[failed], "group_sizes" in rnd
+                return insert_episode_demos(
+                    rollout, rnd, [examples[i] for i in failed], last,
+                    [rnd["prompt_ids"][r if ragged else i] for r, i in zip(last, failed)])
             return insert_demos(rollout, rnd, [examples[i] for i in failed], (ends - 1)[failed],
                                 self.solution)
         if self.hints is None:
