@@ -446,19 +446,12 @@ def check_guidance(cfg) -> None:
 
 
 def _check_guided_episodes(cfg, on: list[str]) -> None:
-    """Guidance of multi-turn episodes: hints continue a prompt's first turn; ReLIFT and
-    mixed-policy demonstrations train on the environment's scripted episodes (those of
-    ``sft.env_traces``), so they need them."""
-    from rljax.config.reward import ENV_TRACES
+    """Guidance of multi-turn episodes: not with self-play. (ReLIFT and demonstrations need
+    the environment's scripted episodes: ``reward.check_env``.)"""
     env = cfg.env
     if env.selfplay.mode != "off":
         raise ConfigError(f"{on[0]} is not supported with self-play (env.selfplay.mode="
                           f"{env.selfplay.mode!r}): a match's groups are its seats")
-    for key in on:
-        if key != "algo.hint.mode" and env.name not in ENV_TRACES:
-            raise ConfigError(f"{key} trains on the environment's scripted episodes: "
-                              f"env.name={env.name!r} has none (known: "
-                              f"{', '.join(ENV_TRACES)})")
 
 
 def check_overlong(cfg) -> None:

@@ -141,6 +141,13 @@ def check_env(cfg) -> None:
     if cfg.sft.env_traces and env.name not in ENV_TRACES:
         raise ConfigError(f"sft.env_traces: environment {env.name!r} has no scripted traces "
                           f"(known: {', '.join(ENV_TRACES)})")
+    # ReLIFT's SFT rows and mixed-policy demonstrations are the scripted episodes.
+    for key, on in (("algo.relift.every", cfg.algo.relift.every > 0),
+                    ("algo.mixed_policy", cfg.algo.mixed_policy)):
+        if on and env.name not in ENV_TRACES:
+            raise ConfigError(f"{key} trains on the environment's scripted episodes: "
+                              f"env.name={env.name!r} has none (known: "
+                              f"{', '.join(ENV_TRACES)})")
 
 
 def check_selfplay(cfg) -> None:

@@ -340,6 +340,12 @@ def credit_stages(cfg, rewards_only: bool = False) -> list:
 
 # ----------------------------------------------------------------------------- SFT traces
 
+def has_script(env_name: str) -> bool:
+    """Whether the environment has scripted episodes (``trace_messages``)."""
+    from rljax import envs
+    return env_name in ("tool", "guess_number") or env_name in envs.GAME_ENVS
+
+
 def trace_messages(cfg, example: dict, rng: np.random.Generator | None = None) -> list[dict]:
     """The environment's scripted, verified episode for ``example`` (``sft.env_traces``);
     ``rng`` draws the random guesses / moves of ``sft.trace_noise`` (``guess_number``, games)."""

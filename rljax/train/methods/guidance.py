@@ -288,11 +288,12 @@ def hint_solution_fn(ctx, reference: Callable[[dict], str]) -> Callable[[dict], 
     """What a hint is cut from: the reference solution, or for an environment with scripted
     episodes the first model turn of the example's (``agent.reference_turn``: a hint for an
     episode is the start of its first turn, in the environment's format)."""
-    from rljax.config.reward import ENV_TRACES
     cfg = ctx.cfg
-    if cfg.env.name not in ENV_TRACES:
+    if not cfg.env.name:
         return reference
-    from rljax.train.methods.agent import reference_turn
+    from rljax.train.methods.agent import has_script, reference_turn
+    if not has_script(cfg.env.name):
+        return reference
     return lambda example: reference_turn(cfg, example)
 
 
