@@ -25,8 +25,12 @@ from tests.test_train_loop import StopAfter, comparable, final_params
 DEVICES = jax.devices()[:1]
 SFT_STEPS, RL_STEPS = 2, 3
 # The main run's guidance: hints continue a failed group's first turn, ReLIFT trains on the
-# scripted episodes of prompts that keep failing (the Guide's state is carried on resume).
-GUIDED = {"algo.hint.mode": "adaptive", "algo.hint.step": 0.5, "algo.hint.source": "replay",
+# scripted episodes of prompts that keep failing (the Guide's state is carried on resume);
+# its temperature schedule runs over each episode's model tokens, across its turns.
+GUIDED = {"rollout.temperature_schedule.name": "linear",
+          "rollout.temperature_schedule.start": 1.5, "rollout.temperature_schedule.end": 0.5,
+          "rollout.temperature_schedule.tokens": 30,
+          "algo.hint.mode": "adaptive", "algo.hint.step": 0.5, "algo.hint.source": "replay",
           "algo.relift.every": 1, "algo.relift.k_visits": 1, "algo.relift.batch_size": 2,
           "data.kwargs.num_examples": 2,   # every step revisits both prompts
           "data.max_prompt_length": 32}    # room for the hint after the prompt
@@ -91,7 +95,8 @@ def test_loop_logs_env_metrics_and_agentic_eval(straight):
     for key in ("env/turns_mean", "env/tool_calls_mean", "env/truncated_frac",
                 "env/model_tokens_mean", "time/env", "loss", "entropy"):
         assert key in rl[0], key
-    # Same params, same math: the trainer's log-probs of model tokens are the sampler's.
+    # Same params, same math: the trainer's log-probs of model tokens are the sampler's, each
+    # at the temperature its position in the episode drew it at.
     assert rl[0]["rollout/logp_diff_max"] < 1e-4
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [SFT_STEPS, SFT_STEPS + RL_STEPS]
@@ -200,7 +205,10 @@ def test_loss_ignores_observation_tokens(tmp_path):
     cfg = agent_cfg(**{"algo.beta": 0.04, "algo.tis_cap": 2.0, "algo.adv_estimator":
                        "reinforce_pp_baseline", "sft.steps": 0, "sft.env_traces": False,
                        "env.name": "test_echo", "env.tools": (),
-                       "rollout.max_new_tokens": 8})
+                       "rollout.max_new_tokens": 8,
+                       "rollout.temperature_schedule.name": "linear",
+                       "rollout.temperature_schedule.start": 2.0,
+                       "rollout.temperature_schedule.end": 0.5})
     cfg.env.kwargs = {}
     setup.check_inputs(cfg, num_devices=1)
     ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
@@ -214,6 +222,10 @@ def test_loss_ignores_observation_tokens(tmp_path):
     assert seq_obs.sum() > 0, "the batch should have observation tokens"
     np.testing.assert_array_equal(batch["loss_mask"], batch["model_mask"])
     assert batch["advantages"].shape == (8, n)   # token-level: per position
+    # Under the temperature schedule an episode's k-th model token, whatever its turn, was
+    # drawn at schedule[k]: the trainer's log-probs at those temperatures are the sampler's.
+    m = batch["model_mask"]
+    assert np.abs(np.asarray(batch["old_logps"]) - batch["sampler_logps"])[m].max() < 1e-4
 
     @jax.jit
     def value_and_grad(params, b):
@@ -264,6 +276,14 @@ def test_guidance_trains_on_scripted_episodes_only_where_the_env_has_them(key, v
             "none")):
         agent_cfg(**{"sft.env_traces": False, "env.name": "test_echo", "env.tools": (),
                      key: value})
+
+
+def test_a_temperature_schedule_is_refused_with_partial_episodes():
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            "rollout.temperature_schedule is not supported with multi-turn episodes and "
+            "rollout.partial")):
+        agent_cfg(**{"rollout.temperature_schedule.name": "linear", "rollout.partial": True,
+                     "rollout.engine": "slots"})
 
 
 def test_a_demonstration_episode_is_the_scripted_one_scored_as_if_sampled():

@@ -132,6 +132,7 @@ class _Trajectories:
         self.step_all = step_all
         # Hints: each row's prefix ids, ahead of its first turn (prompt context, not sampled).
         self.prefixes = [list(p) for p in prefixes] if prefixes is not None else [[]] * r
+        self.schedule = None   # f32 [M]: a temperature per model token (``run_episodes``)
         self.tokens = np.full((r, m), tokenizer.pad_id, np.int32)
         self.model_mask = np.zeros((r, m), bool)
         self.turn_ids = np.full((r, m), -1, np.int32)
@@ -145,6 +146,16 @@ class _Trajectories:
         self.final_turns = [""] * r
         self.counters: list[dict] = [{} for _ in range(r)]
         self.time_env = 0.0
+
+    def turn_temperatures(self, rows) -> np.ndarray | None:
+        """f32 [len(rows), N]: the temperature of each token of the rows' next turns under the
+        schedule (``run_episodes``' ``temperatures``): an episode's k-th model token is drawn
+        at ``schedule[k]``, whatever turn it is in. None without a schedule."""
+        if self.schedule is None:
+            return None
+        done = self.model_mask[np.asarray(rows)].sum(1)
+        at = done[:, None] + np.arange(self.limits.turn_tokens)[None, :]
+        return self.schedule[np.minimum(at, len(self.schedule) - 1)]
 
     def budget(self, i: int) -> int:
         """Tokens row ``i``'s next turn may sample."""
@@ -282,7 +293,8 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mesh=None,
                  step_all: Callable | None = None, engine: EngineOptions | None = None,
                  weights: Callable[[], tuple[Any, int]] | None = None,
-                 prefixes: Sequence[Sequence[int]] | None = None) -> dict:
+                 prefixes: Sequence[Sequence[int]] | None = None,
+                 temperatures: np.ndarray | None = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -305,7 +317,9 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     ``versions`` and ``swaps`` (module docstring). ``prefixes`` (hints, one id list per
     group): appended to the group's prompt ids, so the first turn continues them; they are
     prompt context (not in the trajectory), and the environment and the final answer see the
-    first turn as prefix + sampled text.
+    first turn as prefix + sampled text. ``temperatures`` (a temperature schedule, f32 [M]):
+    an episode's k-th model token (counted over its turns; observations do not count) is
+    drawn at ``temperatures[k]`` and its log-prob is the one at that temperature.
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
@@ -326,6 +340,8 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                    stop_sequences=multiturn.stop_sequences_of(
                        tokenizer, [renderer.call_end] if renderer.call_end else []))
     record = _Trajectories(tokenizer, envs, renderer, limits, step_all, row_prefixes)
+    if temperatures is not None:
+        record.schedule = np.asarray(temperatures, np.float32)
     if engine is None:
         _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g, mesh,
                       options)
@@ -354,6 +370,7 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
                                     turn=turn, active=active, budget=budget,
                                     rng=jax.random.fold_in(rng, turn), layout=layout,
                                     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
+                                    temperatures=record.turn_temperatures(np.arange(r)),
                                     **options)
         out_tok, out_lp, out_len = (np.asarray(x) for x in jax.device_get(
             (out.tokens, out.logps, out.lengths)))
@@ -392,6 +409,8 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
     pages, page_mask, page_len = ee.prefill(model_cfg, chunks.params, p_tok, p_mask)
     cache = paged.init_slot_cache(model_cfg, s, lim.max_total_tokens + 1)
     state = ee.empty_state(s, lim.chunk_tokens, lim.turn_tokens, tokenizer.pad_id)
+    if record.schedule is not None:   # each slot's turn at its own temperatures
+        state["temp"] = np.ones((s, lim.turn_tokens), np.float32)
     last_prompt_token = np.repeat(np.asarray(p_tok)[:, -1], g)
     waiting = list(range(r))[::-1]          # episodes not started, next last
     stop_ids = sampling.merge_stop_ids(tokenizer.eos_id, ())
@@ -402,6 +421,7 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
                 break
             i = waiting.pop()
             ee.start(state, slot, i, int(last_prompt_token[i]), record.budget(i))
+            _set_temperatures(state, slot, record, i)
         if not state["live"].any():
             break
         before = state["cursor"].copy()
@@ -419,7 +439,14 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
             ee.resume(state, slot, row=i, lead=int(state["tokens"][slot, kept[j] - 1]),
                       observation=ids, cursor=cursor, turn=int(state["turn"][slot]) + 1,
                       budget=record.budget(i))
+            _set_temperatures(state, slot, record, i)
     return busy, run
+
+
+def _set_temperatures(state: dict, slot: int, record: _Trajectories, i: int) -> None:
+    """With a schedule: the temperatures of the turn row ``i`` starts on ``slot``."""
+    if record.schedule is not None:
+        state["temp"][slot] = record.turn_temperatures([i])[0]
 
 
 def trace_tokens(tokenizer, renderer: Renderer, messages: Sequence[dict]):

@@ -483,9 +483,19 @@ class Rollout:
                 [rebucket_routes(rounds[r]["routes"][i * g:(i + 1) * g], rounds[r]["prompt_len"],
                                  p_tok.shape[1]) for r, i in groups])
         if self.temperatures is not None:   # scored at the temperature each was sampled at
-            batch["temperatures"] = np.broadcast_to(
-                self.temperatures, rows["tokens"].shape).astype(np.float32)
+            batch["temperatures"] = token_temperatures(self.temperatures, rows["tokens"].shape,
+                                                       rows.get("model_mask"))
         return batch, rows
+
+def token_temperatures(schedule: np.ndarray, shape, model_mask=None) -> np.ndarray:
+    """f32 ``shape`` [R, N]: the temperature each completion token was drawn at: position t's
+    ``schedule[t]``, or for episodes (``model_mask`` bool [R, N]) a row's k-th model token's
+    ``schedule[k]``, 1 on observation tokens (context: never scored)."""
+    if model_mask is None:
+        return np.broadcast_to(schedule, shape).astype(np.float32)
+    k = np.clip(np.cumsum(model_mask, axis=1) - 1, 0, len(schedule) - 1)
+    return np.where(model_mask, np.asarray(schedule, np.float32)[k], 1.0).astype(np.float32)
+
 
 class RewardRollout(Rollout):
     """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each

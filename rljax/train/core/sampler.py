@@ -30,12 +30,14 @@ KINDS = ("static", "slots", "partial", "tree", "tree_slots")
 
 def rollout_temperatures(cfg) -> np.ndarray | None:
     """float32 [rollout.max_new_tokens] per-position temperatures of the configured
-    ``rollout.temperature_schedule``, or None when it is "constant" (``rollout.temperature``)."""
+    ``rollout.temperature_schedule``, or None when it is "constant" (``rollout.temperature``).
+    Multi-turn episodes: [env.max_total_tokens], one per model token of the trajectory (its
+    k-th model token, whatever turn it is in: ``episodes.run_episodes``)."""
     s = cfg.rollout.temperature_schedule
     if s.name == "constant":
         return None
-    return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens,
-                                         cfg.rollout.max_new_tokens)
+    length = cfg.env.max_total_tokens if cfg.env.name else cfg.rollout.max_new_tokens
+    return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens, int(length))
 
 
 def sampler_kind(cfg, tree: bool = False) -> str:

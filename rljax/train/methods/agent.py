@@ -78,11 +78,13 @@ def match_options(cfg, ctx) -> dict:
 
 
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
-         top_k: int = 0, top_p: float = 1.0, weights=None, prefixes=None) -> dict:
+         top_k: int = 0, top_p: float = 1.0, weights=None, prefixes=None,
+         temperatures=None) -> dict:
     """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
     int32 [R]: each episode's role key (``env.role_key``: game and seat, for RAE), -1 for an
     environment without one. ``weights``: in-flight weight updates (the slot engine's);
-    ``prefixes``: hint token ids after each example's prompt (``guidance``)."""
+    ``prefixes``: hint token ids after each example's prompt (``guidance``);
+    ``temperatures``: the schedule over each episode's model tokens, f32 [M], or None."""
     cfg = ctx.cfg
     envs = make_envs(cfg, examples, num_samples)
     eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
@@ -90,7 +92,7 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
                           rng=rng, num_samples=num_samples, temperature=temperature,
                           top_k=top_k, top_p=top_p, mesh=ctx.mesh,
                           engine=sampler.episode_engine(cfg, len(envs)), weights=weights,
-                          prefixes=prefixes)
+                          prefixes=prefixes, temperatures=temperatures)
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)
     return eps
 
@@ -179,7 +181,8 @@ class EpisodeRounds(RoundSource):
         opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     weights=weights)
         if not self.selfplay:
-            return play(self.ctx, params, examples, rng, prefixes=prefixes, **opts), examples
+            return play(self.ctx, params, examples, rng, prefixes=prefixes,
+                        temperatures=sampler.rollout_temperatures(cfg), **opts), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
                              opponent=self.opponent, **match_options(cfg, self.ctx), **opts)
