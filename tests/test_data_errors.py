@@ -103,10 +103,10 @@ def test_dpo_pairs_all_identical_are_refused_and_some_warned(tmp_path, capsys):
     path = _write_jsonl(tmp_path / "p.jsonl", same)
     args = ["--config.algo.name=dpo", "--config.algo.beta=0.1", *_file_data(path)]
     _one_line(*_train(tmp_path, capsys, *args), path, "chosen == rejected in all 8 pairs")
-    from rljax.train.phases import dpo
+    from rljax.train.core import preference_data
 
     mixed = same[:6] + [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 2
-    dpo.check_identical_pairs(data.make_source(
+    preference_data.check_identical_pairs(data.make_source(
         {"source": "jsonl", "kind": "preference", "path": _write_jsonl(tmp_path / "m.jsonl", mixed)}))
     assert "chosen == rejected in 6 of 8 pairs" in capsys.readouterr().err
 

@@ -352,14 +352,22 @@ def test_distillation_with_partial_rollouts_scores_the_carried_groups(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 
 
-def test_distillation_on_the_slot_engine(tmp_path):
+@pytest.mark.parametrize("tree", [False, True])
+def test_distillation_on_the_slot_engine(tmp_path, tree):
+    """The teacher scores what the slot engine sampled: completions, or a tree's leaves
+    (``rollout.tree``, the forks served as requests; shared segments decoded once)."""
     write_teacher_workdir(tmp_path / "teacher", seed=7)
+    trees = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 1,
+             "rollout.tree.branching": 2}
     cfg = distill_cfg(str(tmp_path / "teacher"), **{
-        "rollout.engine": "slots", "rollout.slots": 4, "steps": 2, "sft.steps": 0})
+        "rollout.engine": "slots", "rollout.slots": 4, "steps": 2, "sft.steps": 0,
+        **(trees if tree else {})})
     assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
     rl = [r for r in read_metrics(str(tmp_path / "run")) if "distill/reverse_kl" in r]
     assert len(rl) == 2 and all(0 <= r["distill/teacher_agreement"] <= 1 and
-                                0 < r["rollout/slot_utilisation"] <= 1 for r in rl)
+                                0 < r["rollout/slot_utilisation"] <= 1 and
+                                np.isfinite(r["distill/reverse_kl"]) for r in rl)
+    assert all((r["rollout/decoded_tokens"] < r["rollout/tokens"]) == tree for r in rl)
 
 
 def test_asynchronous_distillation_resumes_exactly(tmp_path):

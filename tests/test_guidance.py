@@ -131,6 +131,7 @@ def round_of(examples, rewards_, completions, g=2, n=6, prefixes=None):
     rw = np.asarray(rewards_, np.float32)
     return {"examples": examples, "tokens": tokens, "mask": mask, "logps": -np.ones((r, n)),
             "lengths": mask.sum(1).astype(np.int32), "truncated": np.zeros(r, bool),
+            "decoded": mask.sum(1).reshape(-1, g).sum(1),
             "rewards": rw, "scores": {"arithmetic": rw.copy()}, "prompt_ids": prompt_ids,
             "prompt_len": max(len(p) for p in prompt_ids), "errors": 0, "time_sample": 0.0,
             "time_reward": 0.0}
@@ -252,6 +253,9 @@ def test_hinted_groups_carry_the_prefix_as_prompt_context(hinted_batch):
     # the padding groups of the re-sample not.
     assert metrics["rollout/tokens"] == int(main["lengths"].sum()) + int(
         hinted["lengths"][:k * g].sum())
+    # rollout/decoded_tokens: the first round's and the re-sample's real groups'.
+    assert metrics["rollout/decoded_tokens"] == int(calls[0][2]["decoded"].sum()) + int(
+        rnd["decoded"][:k].sum())
 
 
 def test_prefix_positions_get_no_gradient_and_no_ratio(hinted_batch, monkeypatch):
@@ -283,12 +287,19 @@ def test_prefix_positions_get_no_gradient_and_no_ratio(hinted_batch, monkeypatch
     assert float(loss_of(jnp.asarray(bump))) == float(loss_of(jnp.zeros((b, t))))
 
 
-def test_mixed_policy_demo_rows_have_ratio_pi_theta_and_a_written_out_loss(tmp_path):
+# With tree sampling the demonstration replaces a failed tree's last leaf.
+TREE = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 1,
+        "rollout.tree.branching": 2}
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_mixed_policy_demo_rows_have_ratio_pi_theta_and_a_written_out_loss(tmp_path, tree):
     """``algo.mixed_policy``: the last sample of each failed group is the reference solution
     (reward 1, the only positive advantage of its group), its old log-probs are 0 (mu = 1),
     and the real GRPO loss equals the PPO-clip token-mean written out from a full forward
     pass with those old log-probs."""
-    cfg = guided_cfg(**{"algo.hint.mode": "off", "algo.mixed_policy": True})
+    cfg = guided_cfg(**{"algo.hint.mode": "off", "algo.mixed_policy": True,
+                        **(TREE if tree else {})})
     ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
     phase = GRPOPhase(ctx, 2)
     state = create_train_state(ctx.params, phase.optimizer, jax.random.key(0))
@@ -309,6 +320,8 @@ def test_mixed_policy_demo_rows_have_ratio_pi_theta_and_a_written_out_loss(tmp_p
         assert batch["advantages"][r] > 0 and np.all(batch["advantages"][r - g + 1:r] < 0)
     # The replaced sampled completions still count as sampled tokens.
     assert len(sampled) == 1 and metrics["rollout/tokens"] == sampled[0]
+    # (A tree's shared segments are decoded once.)
+    assert (metrics["rollout/decoded_tokens"] < sampled[0]) == tree
     mb = {k: jnp.asarray(v) for k, v in batch.items()}
     (num, den), _ = grpo.grpo_loss(ctx.model_cfg, cfg.algo, 1.0, state.params, state, mb)
     logps = np.asarray(models.token_logps(ctx.model_cfg, state.params, mb["tokens"],

@@ -536,6 +536,9 @@ def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path):
      "rollout.knapsack.max_samples=16: with rollout.partial"),
     (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots",
       "env.name=tool", "rollout.knapsack.max_samples=4"], "cannot be combined with env.name"),
+    (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots",
+      "rollout.tree.enabled=true", "rollout.knapsack.max_samples=4"],
+     "cannot be combined with rollout.tree.enabled"),
     # (no meaning: the seats of a match share its rows, and their outcomes are one another's)
     (["rollout.allocation=knapsack", "env.name=tictactoe", "env.selfplay.mode=self"],
      "env.selfplay.mode='self'"),

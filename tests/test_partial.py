@@ -10,7 +10,7 @@ import pytest
 
 from rljax import algorithms, config, models, sampling
 from rljax.data import selection
-from rljax.sampling import engine, partial
+from rljax.sampling import engine, partial, tree_partial
 from rljax.train import run
 from rljax.train.core import checkpoint
 from rljax.train.core.metrics import read_metrics
@@ -125,6 +125,58 @@ def test_the_pool_state_round_trips(small_vocab, sizes):
     assert ta.sizes == want and len(ta.rows["tokens"]) == sum(want)
     with pytest.raises(ValueError, match="admit: 1 groups for 0 free places"):
         _pool(cfg).admit([[1]], [None])
+
+
+TREE = dict(max_new_tokens=8, segment_tokens=2, branching=2, depth=2, roots=1)
+
+
+def _tree_pool(cfg):
+    pool = tree_partial.TreePool(cfg, **TREE, groups=len(PROMPTS), prompt_len=8, slots=5,
+                                 chunk_steps=2, eos_id=5, pad_id=0)
+    pool.admit(PROMPTS, list(range(len(PROMPTS))))
+    return pool
+
+
+def test_carried_trees_are_the_trees_an_uncarried_run_grows(small_vocab):
+    """One tree per run: the others stop at a level boundary and grow their next level in the
+    next run (re-prefilled). Under unchanged weights each equals the tree an uncarried run
+    grows (all four in one run); trees come out in completion order (one whose paths all
+    stopped early first); each token keeps its run's version; a pool restored from another's
+    state continues exactly, and restarts its stale trees. (A tree reads the draws the slot
+    engine's tree sampler makes for its prompt alone with ``fold_in(key, serial)``.)"""
+    cfg, params = small_vocab
+    key = jax.random.key(5)
+    pool, got, order, version = _tree_pool(cfg), {}, [], 0
+    while len(got) < 4:
+        taken = pool.run(params, key, version=version, want=1)
+        order += taken.metas
+        for i, meta in enumerate(taken.metas):
+            got[meta] = dict({k: v[i * 4:(i + 1) * 4] for k, v in taken.rows.items()},
+                             decoded=taken.decoded[i])
+        version += 1
+        if version == 1:   # restored after the first run: continues as the original
+            restored, strict = _tree_pool(cfg), _tree_pool(cfg)
+            restored.load_state_dict(pool.state_dict())
+            again = restored.run(params, key, version=1, want=2)
+            strict.load_state_dict(pool.state_dict())   # with no stale token allowed
+            fresh = strict.run(params, key, version=1, want=2, max_staleness=0)
+    assert order == [0, 3, 1, 2]   # admission order is 0, 1, 2, 3
+    straight = _tree_pool(cfg).run(params, key, version=0, want=4)   # all in one run
+    assert straight.metas == [0, 3, 1, 2]
+    for i, meta in enumerate(straight.metas):
+        for k in ("tokens", "lengths", "truncated"):
+            np.testing.assert_array_equal(got[meta][k], straight.rows[k][i * 4:(i + 1) * 4])
+        np.testing.assert_allclose(got[meta]["logps"], straight.rows["logps"][i * 4:(i + 1) * 4],
+                                   rtol=1e-5, atol=1e-5)
+        assert got[meta]["decoded"] == straight.decoded[i]
+    spans = [np.unique(got[i]["versions"][got[i]["mask"]]) for i in range(4)]
+    assert [s.tolist() for s in spans] == [[0], [0, 2], [0, 2, 3], [0]]   # carried trees
+    for i, meta in enumerate(again.metas):
+        np.testing.assert_array_equal(again.rows["tokens"][i * 4:(i + 1) * 4],
+                                      got[meta]["tokens"])
+    assert again.metas == [3, 1]
+    # Stale trees restart from their prompts (the 3 carried ones, their paths counted).
+    assert fresh.dropped_stale > 0 and np.all(fresh.rows["versions"][fresh.rows["mask"]] == 1)
 
 
 def test_the_pools_examples_round_trip_exactly_through_the_checkpoint_json():

@@ -194,6 +194,26 @@ def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, low
     assert len(picked) == 2 and rollout.selector.posteriors == want
 
 
+def test_selfplay_with_ppo_trains_each_seat_and_resumes_exactly(tmp_path, lowest_cell):
+    """PPO with a critic in self-play: a rollout plays batch / (seats x G) games, each seat of
+    a match a row with its own return (X wins every game here: +1 for X's rows, -1 for O's),
+    and a run stopped after its first iteration and resumed equals the straight one."""
+    from rljax.train.phases import ppo
+    cfg = lambda: ttt_cfg(**{"env.selfplay.mode": "self", "algo.name": "ppo",  # noqa: E731
+                             "algo.adv_estimator": "gae", "algo.num_generations": 2})
+    setup.check_inputs(cfg(), num_devices=1)
+    ctx = setup.build_context(cfg(), str(tmp_path / "phase"), devices=DEVICES)
+    phase = ppo.PPOPhase(ctx, 2)
+    state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
+    rnd = phase.rollout.rounds.sample_round(phase.rollout, state.params, jax.random.key(1))
+    roles = np.tile(np.repeat([0, 1], 2), 2)   # 2 games x 2 seats x G = the batch's 8 rows
+    np.testing.assert_array_equal(rnd["episodes"]["roles"], roles)
+    np.testing.assert_array_equal(rnd["rewards"], np.where(roles == 0, 1.0, -1.0))
+    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=1, devices=DEVICES)
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert len(rl) == 2 and all(r["critic_grad_norm"] > 0 for r in rl)
+
+
 def test_selfplay_in_a_chat_template_opens_the_second_seat_on_its_first_observation(
         tmp_path, lowest_cell):
     """In a chat template the seat that moves second has no turn before it first sees the

@@ -12,6 +12,7 @@ import pytest
 from rljax import algorithms, config, data, models, sharding, tokenizers
 from rljax.train.core import optim
 from rljax.train.phases import dpo
+from rljax.train.core import preference_data
 from rljax.train.core.state import create_train_state, eval_state_shape, state_shardings
 
 TOK = tokenizers.CharTokenizer()
@@ -213,7 +214,7 @@ def test_synthetic_pairs_are_right_vs_wrong():
     rng = np.random.default_rng(0)
     examples = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(0, 30, 3)
                 for b in (0, 5, 9)]
-    pairs = dpo.synthetic_pairs(examples, rng)
+    pairs = preference_data.synthetic_pairs(examples, rng)
     for ex, p in zip(examples, pairs):
         assert p["chosen"] == ex["answer"] and p["rejected"] != ex["answer"]
         assert int(p["rejected"]) >= 0 and p["prompt"] == ex["prompt"]
@@ -222,7 +223,7 @@ def test_synthetic_pairs_are_right_vs_wrong():
 def test_best_worst_pairs():
     comps = {"tokens": np.arange(6 * 3).reshape(6, 3), "mask": np.ones((6, 3), bool)}
     prompts = {"prompt_tokens": np.zeros((2, 2), np.int32), "prompt_mask": np.ones((2, 2), bool)}
-    out = dpo.best_worst_pairs(prompts, comps, np.array([0.0, 1.0, 0.5, 1.0, 1.0, 1.0]), 3)
+    out = preference_data.best_worst_pairs(prompts, comps, np.array([0.0, 1.0, 0.5, 1.0, 1.0, 1.0]), 3)
     np.testing.assert_array_equal(out["chosen_tokens"][0], comps["tokens"][1])
     np.testing.assert_array_equal(out["rejected_tokens"][0], comps["tokens"][0])
     np.testing.assert_array_equal(out["pair_mask"], [True, False])  # prompt 1: all tied

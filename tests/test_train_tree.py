@@ -1,6 +1,7 @@
 """GRPO with tree sampling (rollout.tree): the leaves are the group, the tree advantages get
 the tree, resume is exact; bad tree budgets fail before compiling, naming the key."""
 import os
+import string
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 from rljax import algorithms
 from rljax import config as config_lib
-from rljax.sampling import tree as tree_sampling
+from rljax.sampling import tree as tree_sampling, tree_partial
 from rljax.errors import ConfigError
 from rljax.train import run
 from rljax.train.core.metrics import read_metrics
@@ -40,9 +41,21 @@ def tiny_cfg(**overrides):
     return config_lib.validate(cfg)
 
 
-@pytest.mark.parametrize("engine", ["static", "slots"])
+# Hints (their state carried: adaptive fractions, replayed successes) and a temperature
+# schedule compose with trees: a failed group is re-sampled as a tree grown from the hinted
+# prompt, and every segment draws at its own positions' temperatures.
+SCHEDULE = {"rollout.temperature_schedule.name": "linear",
+            "rollout.temperature_schedule.start": 1.5, "rollout.temperature_schedule.end": 0.5}
+HINTS = {"algo.hint.mode": "adaptive", "algo.hint.source": "replay", "algo.hint.step": 0.5,
+         "data.kwargs": {"digits": 1, "eval_examples": 8, "num_examples": 4}}   # revisited
+
+
+@pytest.mark.parametrize("engine", ["static", "slots", "partial"])
 def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monkeypatch, engine):
-    """Static tree sampler, or the slot engine serving the forks (3 slots for 16 leaves)."""
+    """Static tree sampler, or the slot engine serving the forks (3 slots for 16 leaves), or
+    partial rollouts: a pool of trees carried across iterations (``sampling.tree_partial``),
+    the iteration training on the trees that completed first. All with a temperature
+    schedule, the static and slot-engine runs with hints too."""
     original, seen = Rollout.advantages, []
 
     def advantages(self, rewards, **kw):
@@ -51,8 +64,23 @@ def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monke
         return adv
 
     monkeypatch.setattr(Rollout, "advantages", advantages)
-    cfg = tiny_cfg(**{"algo.adv_estimator": "rover", "rollout.engine": engine,
-                      "rollout.slots": 3})
+    run_pool, spans = tree_partial.TreePool.run, []
+
+    def pool_run(self, *args, **kw):   # the versions that drew each trained tree
+        taken = run_pool(self, *args, **kw)
+        v, m = (taken.rows[k].reshape(len(taken.places), -1) for k in ("versions", "mask"))
+        spans.extend(len(np.unique(tv[tm])) for tv, tm in zip(v, m))
+        return taken
+
+    monkeypatch.setattr(tree_partial.TreePool, "run", pool_run)
+    # Partial: most characters stop a path, so trees finish at different levels (and DAPO's
+    # overlong penalty rewards the short leaves).
+    partial = {"rollout.partial": True, "rollout.engine": "slots", "algo.overlong_buffer": 2,
+               "steps": 2,
+               "rollout.stop_strings": tuple(string.ascii_letters + "13579")}
+    cfg = tiny_cfg(**{"algo.adv_estimator": "rover", "rollout.slots": 3,
+                      **SCHEDULE, **({"rollout.engine": engine, **HINTS}
+                                     if engine != "partial" else partial)})
     straight = str(tmp_path / "straight")
     assert run.train(cfg, straight, devices=DEVICES) == 0
     # The estimator saw the tree of the run's layout: 1 root, 2 forks of 2 -> 4 leaves.
@@ -64,12 +92,17 @@ def test_rover_run_trains_on_tree_advantages_and_resumes_exactly(tmp_path, monke
         np.testing.assert_allclose(adv, want, atol=1e-6)
         assert adv.shape == mask.shape == (16, 4)
     rl = [r for r in read_metrics(straight) if "reward/mean" in r]
-    assert len(rl) == 3 and all(np.isfinite(r["loss"]) for r in rl)
-    assert all(("rollout/slot_utilisation" in r) == (engine == "slots") for r in rl)
-    # The trainer's log-probs of the leaves agree with the tree sampler's (same params).
+    assert len(rl) == cfg.steps and all(np.isfinite(r["loss"]) for r in rl)
+    assert all(("rollout/slot_utilisation" in r) == (engine != "static") for r in rl)
+    # The trainer's log-probs of the leaves agree with the tree sampler's (same params), at
+    # the schedule's temperatures; hinted trees replaced failed groups.
     assert rl[0]["rollout/logp_diff_max"] < 1e-4
-    # Shared segments are decoded once: fewer decoded tokens than completion tokens.
-    assert all(r["rollout/decoded_tokens"] < r["rollout/tokens"] for r in rl)
+    assert all((r.get("hint/fraction_hinted", 0) > 0) == (engine != "partial") for r in rl)
+    if engine == "partial":   # a second batch of trees in flight; some grown by two versions
+        assert [r["rollout/carried_groups"] for r in rl] == [4, 4]
+        assert len(spans) == 8 and max(spans) == 2
+    else:   # shared segments are decoded once: fewer decoded tokens than completion tokens
+        assert all(r["rollout/decoded_tokens"] < r["rollout/tokens"] for r in rl)
     assert any(np.abs(a).max() > 0 for _, _, a in seen)   # some signal reached the update
     # Stopped after step 1 and resumed: identical to the straight run.
     resumed = str(tmp_path / "resumed")
@@ -104,9 +137,9 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
      "set rollout.tree.enabled=true"),
     ({"algo.adv_estimator": "rover", "algo.kl_in_reward": True, "algo.beta": 0.1},
      "algo.kl_in_reward=true is not supported"),
-    ({"algo.name": "dpo"}, "needs algo.name='grpo'"),
-    ({"rollout.engine": "slots", "rollout.partial": True},
-     "rollout.tree.enabled=true cannot be combined with rollout.partial"),
+    ({"algo.name": "dpo"}, "needs algo.name='grpo' or 'distill' (got 'dpo')"),
+    ({"algo.adv_estimator": "treepo", "algo.mixed_policy": True},
+     "algo.mixed_policy=true cannot be combined with algo.adv_estimator='treepo'"),
     ({"algo.asynchronous": True, "algo.inflight_updates": True},
      "algo.inflight_updates=true needs rollout.engine='slots'"),
 ])

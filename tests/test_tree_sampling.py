@@ -39,12 +39,17 @@ def _full_forward_logps(cfg, params, prompt, pmask, out, temperature):
     return np.where(out.mask, np.asarray(lp)[:, prompt.shape[1]:], 0.0)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_branching_one_equals_generate(tiny, temperature):
+# A temperature schedule: every position its own temperature (a tree's segments included).
+SCHEDULE = sampling.temperature_schedule("linear", 1.3, 0.4, 7, 7)
+
+
+@pytest.mark.parametrize("temperature, temperatures", [(0.0, None), (1.0, None),
+                                                       (1.0, SCHEDULE)])
+def test_branching_one_equals_generate(tiny, temperature, temperatures):
     cfg, params = tiny
     prompt, pmask = _prompts()
     kw = dict(rng=jax.random.key(3), max_new_tokens=7, temperature=temperature, eos_id=1,
-              pad_id=0)
+              pad_id=0, temperatures=temperatures)
     ref = sampling.generate(cfg, params, prompt, pmask, num_samples=3, **kw)
     out = ts.generate(cfg, params, prompt, pmask, segment_tokens=3, branching=1, depth=2,
                       roots=3, **kw)

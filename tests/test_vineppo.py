@@ -206,10 +206,87 @@ def test_vineppo_with_partial_rollouts_asynchronously_resumes_exactly(reward_fil
     assert max(r["rollout/staleness_max"] for r in rl) >= 2   # carried and sampled ahead
 
 
+def check_episode_values(rnd: dict, batch: dict, decode, k: int) -> int:
+    """Asserts what the forks of a round of episode rows did (see the test below); returns
+    how many forks started in a second model turn."""
+    eps, later_turn = rnd["fork_episodes"], 0
+    turn_text = lambda f, n: decode(eps["tokens"][f][eps["turn_ids"][f] == n].tolist())  # noqa
+    for j, (i, t, start) in enumerate(rnd["fork_rows"]):
+        later_turn += rnd["turn_ids"][i, start] > 0
+        for f in range(j * k, (j + 1) * k):   # the fork continues the row's trajectory
+            np.testing.assert_array_equal(eps["tokens"][f, :start], rnd["tokens"][i, :start])
+            np.testing.assert_array_equal(eps["turn_ids"][f, :start], rnd["turn_ids"][i, :start])
+            assert eps["turns"][f] == 2 and not eps["truncated"][f]   # played to its end
+            want = (len(turn_text(f, 0)) % 3) / 3 + (len(turn_text(f, 1)) % 4) / 4
+            assert rnd["fork_rewards"][j, f - j * k] == pytest.approx(want, abs=1e-6)
+        assert rnd["step_values"][i, t] == pytest.approx(rnd["fork_rewards"][j].mean(), abs=1e-6)
+    n = batch["loss_mask"].shape[1]
+    for i in range(len(rnd["rewards"])):
+        s, v, ids = rnd["num_steps"][i], rnd["step_values"][i], rnd["step_ids"][i]
+        np.testing.assert_array_equal(ids >= 0, batch["model_mask"][i, -n:])
+        nxt = [v[t + 1] if t + 1 < s else rnd["rewards"][i] for t in range(s)]
+        want = np.where(ids >= 0, np.asarray(nxt)[np.clip(ids, 0, None)] - v[np.clip(ids, 0, None)],
+                        0.0)
+        np.testing.assert_allclose(batch["advantages"][i, -n:], want, atol=1e-6)
+    return later_turn
+
+
+def test_vineppo_on_episodes_replays_the_environment_and_resumes_exactly(tmp_path, monkeypatch):
+    """Multi-turn episodes (two turns around an observation), carried across iterations by
+    the partial-rollout pool. Steps are cut within the model's turns; each fork replays the
+    episode's earlier turns through env.step, finishes the turn it forks from and plays the
+    episode out; a value is the mean of its forks' episode rewards (here the two turns'
+    environment rewards, recomputed from the fork's own turns), and observation tokens get no
+    advantage. A fork's draws depend on its (row, step, fork) only: the first rows valued alone
+    get the same forks. Stopped after the first update and resumed, the run equals the
+    straight one."""
+    from test_agent_credit import episode_cfg   # registers the two-turn environment
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.core.rollout import Rollout
+    from rljax.train.methods import vine_episodes
+    from test_train_loop import resumes_exactly
+
+    k, later_turn, subsets = 2, [], []
+    values, call = vine_episodes.step_values, Rollout.__call__
+
+    def alone(stage, params, view, key):   # the first two rows again, under the same key
+        out = values(stage, params, view, key)
+        first = values(stage, params, {**view, **{name: view[name][:2] for name in (
+            "tokens", "mask", "turn_ids", "prompt_ids", "examples")}}, key)
+        m = len(first["fork_rows"])
+        assert out["fork_rows"][:m] == first["fork_rows"]
+        np.testing.assert_array_equal(first["fork_rewards"], out["fork_rewards"][:m])
+        np.testing.assert_array_equal(first["fork_episodes"]["tokens"],
+                                      out["fork_episodes"]["tokens"][:m * k])
+        subsets.append(m)
+        return out
+
+    def checked(self, state, step):
+        batch, metrics = call(self, state, step)
+        rnd = next(s for s in self.stages if s.name == "vine")._last
+        later_turn.append(check_episode_values(rnd, batch, self.ctx.tokenizer.decode, k))
+        assert metrics["vine/prefixes"] == len(rnd["fork_rows"])
+        return batch, metrics
+
+    monkeypatch.setattr(vine_episodes, "step_values", alone)
+    monkeypatch.setattr(Rollout, "__call__", checked)
+    cfg = lambda: episode_cfg(**{  # noqa: E731
+        "steps": 2, "algo.adv_estimator": "vineppo", "algo.vine.forks": k,
+        "algo.vine.max_steps": 3, "algo.vine.splitter": "regex", "algo.vine.regex": r"[0-9]",
+        "rollout.batch_size": 4, "algo.num_generations": 2, "rollout.engine": "slots",
+        "rollout.partial": True, "rollout.slots": 3, "rollout.chunk_steps": 4})
+    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=1)
+    assert sum(later_turn) > 0, "no fork started in a second turn"
+    assert len(later_turn) == 4 and all(m > 0 for m in subsets)
+    rl = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert len(rl) == 2 and all(r["vine/fork_tokens"] > 0 for r in rl)
+    assert any(r["rollout/carried_groups"] > 0 for r in rl)
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["algo.kl_in_reward=true", "algo.beta=0.01"], "algo.kl_in_reward"),
     (["algo.gamma=0.9"], "algo.gamma"),
-    (["env.name=tool", "env.tools=calculator"], "env.name"),
+    (["env.name=tictactoe", "env.selfplay.mode=self"], "env.selfplay.mode"),
     (["algo.vine.splitter=regex", "algo.vine.regex=("], "algo.vine.regex"),
     (["algo.name=ppo"], "algo"),
 ])

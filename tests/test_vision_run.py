@@ -179,11 +179,23 @@ def test_partial_rollouts_with_images_train_and_resume_exactly(tmp_path, monkeyp
                  final_params(straight_dir))
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
-      "rollout.tree.segment_tokens": 1}, "rollout.tree.enabled"),
-    ({"env.name": "calculator"}, "env.name"),
-])
-def test_samplers_that_drop_images_are_refused(overrides, key):
-    with pytest.raises(ConfigError, match=rf"^{key}=.*does not carry images"):
-        vlm_cfg(**overrides)
+TREE = {"rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
+        "rollout.tree.segment_tokens": 1, "sft.steps": 0, "steps": 1}
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"rollout.engine": "slots", "rollout.slots": 8},
+    {"rollout.engine": "slots", "rollout.slots": 8, "rollout.partial": True}],
+    ids=["static", "slots", "partial"])
+def test_trees_are_sampled_with_the_images(tmp_path, overrides):
+    """Tree rollouts with images (the static tree sampler, the slot engine's, the partial
+    pool's): every path's requests are prefilled with its prompt's images, so the sampler's
+    log-probs of the leaves are the trainer's (which reads the pixels)."""
+    assert run.train(vlm_cfg(**TREE, **overrides), str(tmp_path), devices=DEVICES) == 0
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 1 and rl[0]["rollout/logp_diff_max"] < 1e-4
+
+
+def test_episodes_that_would_drop_images_are_refused():
+    with pytest.raises(ConfigError, match=r"^env.name=.*does not carry images"):
+        vlm_cfg(**{"env.name": "calculator"})

@@ -96,15 +96,9 @@ def has_vision_tower(cfg) -> bool:
 
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts on the static sampler or the slot
-    engine (partial rollouts too), synchronous or not (docs/vision.md): refuse, naming the
-    key, each sampler that would drop them."""
-    if not has_vision_tower(cfg):
-        return
-    r, a = cfg.rollout, cfg.algo
-    for key, value, on in (
-            ("rollout.tree.enabled", r.tree.enabled, r.tree.enabled),
-            ("env.name", cfg.env.name, bool(cfg.env.name))):
-        if on:
-            raise ConfigError(f"{key}={value!r} does not carry images in the prompt (a model "
-                              "with a vision tower) yet; use single-turn rollouts "
-                              "(rollout.engine='static' or 'slots', partial or not)")
+    engine (partial rollouts and trees too), synchronous or not (docs/vision.md): refuse
+    multi-turn episodes, whose turn loop would drop them."""
+    if has_vision_tower(cfg) and cfg.env.name:
+        raise ConfigError(f"env.name={cfg.env.name!r} does not carry images in the prompt (a "
+                          "model with a vision tower) yet; use single-turn rollouts "
+                          "(rollout.engine='static' or 'slots', partial or not)")

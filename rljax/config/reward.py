@@ -166,8 +166,9 @@ def check_selfplay(cfg) -> None:
     if env.name not in GAME_ENVS:
         raise ConfigError(f"{what} plays board games: env.name must be one of {GAME_ENVS}, "
                           f"got {env.name!r}")
-    if cfg.algo.name != "grpo":
-        raise ConfigError(f"{what} trains with algo.name='grpo', got {cfg.algo.name!r}")
+    if cfg.algo.name not in ("grpo", "ppo"):
+        raise ConfigError(f"{what} trains with algo.name='grpo' or 'ppo', got "
+                          f"{cfg.algo.name!r}")
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
                           "env.selfplay.mode='checkpoint'")

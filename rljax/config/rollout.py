@@ -58,7 +58,8 @@ def rollout() -> dict[str, Any]:
         # then every path forks into `branching` children sharing its KV cache, depth times,
         # until roots * branching**depth = max_leaves leaves; the leaves decode the rest.
         # Shared segments are decoded once. With engine="slots" every fork is a slot-engine
-        # request that re-prefills its path (the same trees as the static tree sampler's).
+        # request that re-prefills its path (the same trees as the static tree sampler's);
+        # with partial=true whole trees are carried across iterations at level boundaries.
         tree=dict(
             enabled=False,
             segment_tokens=2,        # L, tokens per segment before each fork
@@ -193,6 +194,9 @@ def check_allocation(cfg) -> None:
     if r.partial and cfg.env.name:
         raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
                           "with env.name (carried episodes come in groups of G)")
+    if r.partial and r.tree.enabled:
+        raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
+                          "with rollout.tree.enabled (carried trees come in groups of G leaves)")
     for key, on in (("rollout.micro_batch_size", bool(r.micro_batch_size)),):
         if on:
             raise ConfigError(f"rollout.allocation='knapsack' cannot be combined with {key} "
@@ -227,18 +231,19 @@ def check_tree(cfg) -> None:
                           "set rollout.tree.enabled=true")
     if not tree.enabled:
         return
-    others = [k for k, on in (
-        ("rollout.temperature_schedule.name", cfg.rollout.temperature_schedule.name != "constant"),
-        ("env.name", bool(cfg.env.name)), ("algo.hint.mode", algo.hint.mode != "off"),
-        ("algo.mixed_policy", algo.mixed_policy), ("rollout.partial", cfg.rollout.partial))
-        if on]
-    # Each samples its own way (a carried pool); the tree samplers, static or on the slot
-    # engine, have none of them. (In-flight weights enter the slot engine's tree between its
-    # levels and decode chunks: check_async asks for the slot engine.)
-    if others:
-        raise ConfigError(f"rollout.tree.enabled=true cannot be combined with {others[0]}")
-    if algo.name != "grpo":
-        raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo' "
+    # Episodes sample their own way; the tree samplers, static or on the slot engine, do not.
+    # (Partial rollouts carry whole trees: ``sampling.tree_partial``. In-flight weights enter
+    # the slot engine's tree between its levels and decode chunks: check_async asks for the
+    # slot engine. Hints re-sample a failed group as a new tree grown from the hinted prompt;
+    # a temperature schedule reaches each segment at its completion positions.)
+    if cfg.env.name:
+        raise ConfigError("rollout.tree.enabled=true cannot be combined with env.name")
+    if algo.mixed_policy and _uses_tree(algo.adv_estimator):
+        raise ConfigError(f"algo.mixed_policy=true cannot be combined with algo.adv_estimator="
+                          f"'{algo.adv_estimator}': a demonstration shares no segment with the "
+                          "tree's leaves, so the tree estimator has no node for it")
+    if algo.name not in ("grpo", "distill"):   # (distillation: the teacher scores the leaves)
+        raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo' or 'distill' "
                           f"(got '{algo.name}')")
     g = algo.num_generations
     if tree.max_leaves and tree.max_leaves != g:

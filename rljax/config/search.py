@@ -35,9 +35,10 @@ def check_process_reward(cfg) -> None:
 
 def check_vine(cfg) -> None:
     """VinePPO: the GRPO phase, values of the task reward only (no KL in the reward, gamma
-    1), completions that are token sequences of their own (no episodes; the rows that train
-    are valued as they train: hinted, demonstrations, after group filters, groups of the
-    knapsack's sizes, a tree's leaves), and a regex that compiles."""
+    1), completions or single-agent episodes (the rows that train are valued as they train:
+    hinted, demonstrations, after group filters, groups of the knapsack's sizes, a tree's
+    leaves, episodes whose forks replay the environment; not self-play), and a regex that
+    compiles."""
     algo = cfg.algo
     if algo.adv_estimator != "vineppo":
         return
@@ -49,10 +50,14 @@ def check_vine(cfg) -> None:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
                               "(a step's value is the mean task reward of its forks, "
                               "undiscounted, with no KL term)")
-    if cfg.env.name:
-        raise ConfigError("algo.adv_estimator='vineppo' cannot be combined with env.name "
-                          "(its forks continue a completion's tokens; an episode's model "
-                          "turns would need the environment replayed up to each fork)")
+    if cfg.env.selfplay.mode != "off":
+        raise ConfigError("algo.adv_estimator='vineppo' cannot be combined with "
+                          "env.selfplay.mode (a fork would replay the match's other seats in "
+                          "their order and play them on too; tool episodes compose)")
+    if cfg.env.name and cfg.rollout.temperature_schedule.name != "constant":
+        raise ConfigError("algo.adv_estimator='vineppo' with multi-turn episodes cannot be "
+                          "combined with rollout.temperature_schedule (the forks of an episode "
+                          "play at rollout.temperature)")
     if algo.vine.splitter == "regex":
         import re
         try:

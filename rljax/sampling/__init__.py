@@ -15,11 +15,13 @@ Modules, each importing only those above it:
   engine     the slot engine: decode slots refilled as rows stop, prompts in shared pages
   partial    partial rollouts: a pool of groups whose unfinished samples carry over
   tree_engine tree-shaped sampling on the slot engine (each fork a request)
+  tree_partial partial rollouts of trees: a pool of trees carried across runs by level
 
 The module constants (``INVERSE_CDF_MIN_VOCAB``, ``NOISE_AHEAD_MAX_ELEMENTS``, ...) are read
 from ``rljax.sampling.draw`` when a sampler traces; the copies here are for reading.
 """
-from rljax.sampling import core, draw, engine, multiturn, partial, tree, tree_engine
+from rljax.sampling import (core, draw, engine, multiturn, partial, tree, tree_engine,
+                            tree_partial)
 from rljax.sampling.core import (CACHE_AXES, DEFAULT_BUCKETS, SampleOutput, bucket_length,
                                  constrain_cache, generate, merge_stop_ids, pad_to_bucket,
                                  stream_count)

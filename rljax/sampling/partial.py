@@ -69,7 +69,10 @@ class Taken:
     admitted with sizes of their own, ``admit(..., sizes=)``; else all G).
     dropped_stale: samples discarded for staleness in this run; decode_steps / useful_steps:
     the chunks' steps and the tokens they produced (slot utilisation); drawn: every token
-    this run drew, first tokens included, in any group (the run's sampling work)."""
+    this run drew, first tokens included, in any group (the run's sampling work).
+    decoded int [want] (``sampling.tree_partial``): each group's decoded tokens, a tree's
+    shared segments once; slot_steps: slots x decode steps of its engine calls (None: the
+    pool's slots x ``decode_steps``)."""
     rows: dict
     prompts: list
     metas: list
@@ -79,6 +82,8 @@ class Taken:
     useful_steps: int
     drawn: int
     sizes: list = dataclasses.field(default_factory=list)
+    decoded: np.ndarray | None = None
+    slot_steps: int | None = None
 
 
 class Pool:
@@ -301,23 +306,34 @@ class Pool:
 
     def state_dict(self) -> dict:
         """JSON-able host state (arrays as base64 bytes): everything ``run`` continues from."""
-        out = {k: encode_array(getattr(self, k)) for k in self._ARRAYS}
-        out.update(prompts=self.prompts, metas=self.metas, next_serial=self.next_serial,
-                   clock=self.clock)
-        return out
+        return pool_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for k in self._ARRAYS:
-            if k == "sizes" and k not in state:   # (saved before groups had sizes: all G)
-                self.sizes[:] = self.g
-                continue
-            value = decode_array(state[k])
-            if value.shape != getattr(self, k).shape:
-                raise ValueError(f"the saved partial-rollout pool has {k} of shape "
-                                 f"{value.shape}, this config makes {getattr(self, k).shape}")
-            setattr(self, k, value)
-        self.prompts, self.metas = list(state["prompts"]), list(state["metas"])
-        self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
+        if "sizes" not in state:   # (saved before groups had sizes: all G)
+            state = {**state, "sizes": encode_array(np.full(self.c, self.g, np.int64))}
+        load_pool_state(self, state)
+
+
+def pool_state(pool) -> dict:
+    """A pool's host state, JSON-able: its ``_ARRAYS`` (base64 bytes), prompts, metas, the
+    next admission serial and its clock (``Pool``, ``tree_partial.TreePool``)."""
+    out = {k: encode_array(getattr(pool, k)) for k in pool._ARRAYS}
+    out.update(prompts=pool.prompts, metas=pool.metas, next_serial=pool.next_serial,
+               clock=pool.clock)
+    return out
+
+
+def load_pool_state(pool, state: dict) -> None:
+    """Sets ``pool``'s host state from ``pool_state``'s dict; ValueError when an array's shape
+    is not the one this pool's config makes."""
+    for k in pool._ARRAYS:
+        value = decode_array(state[k])
+        if value.shape != getattr(pool, k).shape:
+            raise ValueError(f"the saved partial-rollout pool has {k} of shape {value.shape}, "
+                             f"this config makes {getattr(pool, k).shape}")
+        setattr(pool, k, value)
+    pool.prompts, pool.metas = list(state["prompts"]), list(state["metas"])
+    pool.next_serial, pool.clock = int(state["next_serial"]), int(state["clock"])
 
 
 def encode_array(x: np.ndarray) -> dict:

@@ -7,6 +7,7 @@
     # out.logps, out.mask, out.lengths, out.truncated: as sampling.SampleOutput
     # out.node_ids int32[B*M, D+1]: the tree node each leaf's segment j belongs to
     # out.decoded int32[B]: tokens decoded per prompt (a shared segment counts once)
+    # temperatures=f32[N] (a schedule): token t of every path drawn, and its logp, at [t]
 
 The tree has D + 1 levels of segments. Level j < D covers completion positions
 ``[j*L, (j+1)*L)`` and has ``R * k**j`` paths per prompt; the last level covers ``[D*L, N)``
@@ -40,7 +41,7 @@ from rljax import models
 from rljax import sharding as shd
 from rljax.config.rollout import tree_depth
 from rljax.sampling.core import merge_stop_ids
-from rljax.sampling.draw import sample_logits
+from rljax.sampling.draw import check_temperatures, row_temperature, sample_logits
 
 
 @flax.struct.dataclass
@@ -121,16 +122,21 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              stop_ids: Sequence[int] = (), mesh: jax.sharding.Mesh | None = None,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
-             cache_dtype: Any = None) -> TreeSampleOutput:
+             cache_dtype: Any = None, image_embeds: Any = None,
+             temperatures: Any = None) -> TreeSampleOutput:
     """Samples a tree of ``roots * branching**depth`` leaves per prompt, entirely on device.
 
     Args:
       cfg, params, prompt_tokens, prompt_mask, rng, max_new_tokens, temperature, top_k, top_p,
-        eos_id, pad_id, stop_ids, mesh, rules, cache_dtype: as ``sampling.generate``.
+        eos_id, pad_id, stop_ids, mesh, rules, cache_dtype, image_embeds: as
+        ``sampling.generate`` (the images are prefilled with their prompt, once).
       segment_tokens: L, tokens per segment (levels 0..D-1; the leaves decode the rest).
       branching: k children per path at each boundary.
       depth: D boundaries; ``depth * segment_tokens < max_new_tokens``.
       roots: R independent paths per prompt before the first boundary.
+      temperatures: optional float32 [N] per-position temperatures (a schedule, all > 0):
+        a segment's token at completion position t is drawn, and its logp reported, at
+        ``temperatures[t]``, whichever level decodes it (``temperature`` is then unused).
 
     Returns:
       ``TreeSampleOutput`` with ``B * M`` leaf rows. With ``branching=1`` it is
@@ -141,8 +147,11 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="sampling.tree.generate: prompt_tokens")
+    if temperatures is not None:   # one schedule: every path of a level is at the same t
+        temperatures = check_temperatures(temperatures, max_new_tokens, 1)
     return _tree_generate(
         cfg, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), rng,
+        image_embeds, temperatures,
         max_new_tokens=int(max_new_tokens), segment_tokens=int(segment_tokens),
         branching=int(branching), depth=int(depth), roots=int(roots),
         temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
@@ -157,9 +166,9 @@ _STATIC = ("cfg", "max_new_tokens", "segment_tokens", "branching", "depth", "roo
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 @shd.traced_on_mesh_kwarg   # the MoE dispatch splits the experts' work over the mesh
-def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_tokens,
-                   segment_tokens, branching, depth, roots, temperature, top_k, top_p,
-                   stop_ids, pad_id, mesh, rules, cache_dtype):
+def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, temperatures, *,
+                   max_new_tokens, segment_tokens, branching, depth, roots, temperature, top_k,
+                   top_p, stop_ids, pad_id, mesh, rules, cache_dtype):
     b, p = prompt_tokens.shape
     n = max_new_tokens
     s = p + n
@@ -182,7 +191,9 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_toke
         return jnp.any(tok[:, None] == stop[None, :], axis=-1)
 
     def pick(t, logits):
-        return sample_logits(jax.random.fold_in(rng, t), logits, temperature=temperature,
+        # A schedule gives position t its temperature (a traced scalar, always > 0).
+        temp = temperature if temperatures is None else row_temperature(temperatures, t)
+        return sample_logits(jax.random.fold_in(rng, t), logits, temperature=temp,
                              top_k=top_k, top_p=top_p)
 
     def feed(cache, prev, t, prompt_mask, prompt_len):
@@ -216,7 +227,7 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, *, max_new_toke
     cache = constrain_cache(models.init_cache(cfg, b, s, dtype=cache_dtype))
     hidden, cache = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
                                  positions=models.default_positions(prompt_mask),
-                                 cache=cache, cache_index=0)
+                                 cache=cache, cache_index=0, image_embeds=image_embeds)
     logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
     cache = constrain_cache(models.unstack_cache(cache))
 

@@ -108,12 +108,16 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              stop_ids: Sequence[int] = (), slots: int = 64, chunk_steps: int = 16,
              cache_dtype: Any = None, weights: Callable[[], tuple[Any, int]] | None = None,
+             image_embeds: Any = None, temperatures: Any = None,
              ) -> tuple[TreeSampleOutput, list[engine.EngineStats]]:
     """Samples ``sampling.tree.generate``'s trees (B*M leaf rows) with the slot engine.
 
     Arguments as ``sampling.tree.generate`` (prompt_tokens int32 [B, P] left-padded,
     prompt_mask bool [B, P]), plus the engine's ``slots``, ``chunk_steps`` and in-flight
-    ``weights`` (module docstring; ``params`` is then unused).
+    ``weights`` (module docstring; ``params`` is then unused). ``image_embeds`` [B, K, D]: each
+    prompt's images, prefilled with every request of its tree. ``temperatures`` float32 [N]
+    (a schedule): each level's requests decode positions [start, end) at
+    ``temperatures[start:end]``, as ``sampling.tree.generate`` draws them.
     Returns ``(TreeSampleOutput, [EngineStats] per level)``; with ``weights``, the output's
     ``versions`` int32 [B*M, N] and each level's ``swaps`` counting a change at its start.
     """
@@ -129,17 +133,25 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     decoded, stats = np.zeros(b, np.int32), []
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                 pad_id=pad_id, stop_ids=stop_ids)
+    if temperatures is not None:
+        temperatures = np.asarray(temperatures, np.float32)
+        if temperatures.shape != (n,):
+            raise ValueError(f"temperatures must have shape ({n},), got {temperatures.shape}")
+    greedy = temperatures is None and temperature == 0.0
     for level, (start, end) in enumerate(level_bounds(n, segment_tokens, depth)):
         paths = fork(paths, roots if level == 0 else branching)
         rows = len(paths["done"])
         live = ~paths["done"]   # a stopped path's children decode nothing
         tokens, mask = requests(prompt_tokens, prompt_mask, paths["tokens"], start)
-        noise = (None if temperature == 0.0 else
-                 level_noise(rng, start, end, rows, cfg.vocab_size))
+        noise = None if greedy else level_noise(rng, start, end, rows, cfg.vocab_size)
         swaps = 0 if polls is None else polls.swaps
         out, st = engine.generate(cfg, params, tokens, mask, rng=rng, max_new_tokens=end - start,
                                   slots=slots, chunk_steps=chunk_steps, cache_dtype=cache_dtype,
-                                  noise=noise, live=live, weights=polls, **draw)
+                                  noise=noise, live=live, weights=polls, **draw,
+                                  image_embeds=None if image_embeds is None else
+                                  np.repeat(image_embeds, rows // b, axis=0),
+                                  temperatures=(None if temperatures is None else
+                                                temperatures[start:end]))
         if polls is not None:
             st = dataclasses.replace(st, swaps=polls.swaps - swaps)
         before = paths["lengths"].copy()

@@ -39,7 +39,7 @@ from rljax.train.inference import (initial_state, load_for_inference, phase_offs
 from rljax.train.core.metrics import MetricsWriter, read_metrics, run_summary
 from rljax.train.core.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
-from rljax.train.core.rollout import print_completions
+from rljax.train.core.rollout_metrics import print_completions
 from rljax.train.core.setup import build_context, check_inputs, stop_ids
 from rljax.train.hooks import (Run, announced_if_slow, default_hooks, eval_schedule,
                                run_phases, setup_objects_frozen)

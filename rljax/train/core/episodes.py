@@ -221,6 +221,29 @@ class _Trajectories:
             observations[j] = ids
         return kept, observations
 
+    def replay(self, history: Sequence[Sequence[dict]]) -> np.ndarray:
+        """Replays finished turns through ``turn_ended`` (so the environments step on them),
+        turn k of every row that has one at once: ``history`` per row, its turns in order,
+        each ``{"ids": token ids, "logps": their log-probs (optional: 0)}``. Returns bool [R]:
+        the row's episode is over (the environment ended it, or its limits did)."""
+        finished = np.zeros(len(history), bool)
+        for turn in range(self.limits.max_turns):
+            rows = [i for i, h in enumerate(history) if len(h) > turn]
+            if not rows:
+                break
+            ids = [history[i][turn]["ids"] for i in rows]
+            width = max(len(x) for x in ids)
+            tokens = np.full((len(rows), width), self.tokenizer.pad_id, np.int32)
+            logps = np.zeros((len(rows), width), np.float32)
+            for n, i in enumerate(rows):
+                tokens[n, :len(ids[n])] = ids[n]
+                logps[n, :len(ids[n])] = history[i][turn].get("logps", 0.0)
+            _, observations = self.turn_ended(rows, [turn] * len(rows), tokens, logps,
+                                              [len(x) for x in ids])
+            for i, obs in zip(rows, observations):
+                finished[i] = obs is None
+        return finished
+
     def result(self, prompts, prompt_ids, prompt_len: int) -> dict:
         r, m = self.tokens.shape
         mask = np.arange(m)[None, :] < self.length[:, None]

@@ -10,6 +10,11 @@ then decodes under ``state.params`` (policy version ``step``) until ``rollout.ba
 groups are complete and trains on those, in the order they completed. The other groups keep
 their tokens and continue next iteration under the updated weights.
 
+Tree rollouts (``rollout.tree``): the pool is a ``sampling.tree_partial.TreePool`` of as many
+trees (a group is a tree's leaves). A tree is carried at level boundaries: its decoded
+segments keep their versions and log-probs, its unfinished paths re-prefill and grow their
+next level in the next iteration, and the iteration trains on the trees that completed first.
+
 Every completion token records the version that drew it; the batch's ``sampler_logps`` are
 those behaviour log-probs, which the GRPO loss weighs against the proximal policy (the
 decoupled objective, ``phases.grpo.grpo_loss``). Metrics, per completion token of the batch:
@@ -45,7 +50,8 @@ import numpy as np
 
 from rljax import distributed as dist, sampling
 from rljax.errors import UserError
-from rljax.sampling import partial as partial_lib
+from rljax.sampling import partial as partial_lib, tree as tree_sampling
+from rljax.sampling.tree_partial import TreePool
 from rljax.train.core import image_inputs
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
 from rljax.train.core.rollout import Rollout, rollout_temperatures
@@ -55,18 +61,22 @@ from rljax.train.core.sampler import engine_slots, sampling_params
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
 
 
-def make_pool(ctx, num_prompts: int, rows: int = 0) -> partial_lib.Pool:
+def make_pool(ctx, num_prompts: int, rows: int = 0):
     """The pool of a config: 2 x ``num_prompts`` groups of ``rows`` rows at most (0: G),
-    prompts at the longest bucket."""
+    prompts at the longest bucket; with ``rollout.tree``, a ``sampling.tree_partial.TreePool``
+    of as many trees (of G leaves)."""
     cfg, tok = ctx.cfg, ctx.tokenizer
     r, g = cfg.rollout, int(cfg.algo.num_generations)
-    return partial_lib.Pool(
-        ctx.model_cfg, num_samples=rows or g, max_new_tokens=r.max_new_tokens,
-        groups=2 * num_prompts,
-        prompt_len=prompt_buckets(cfg.data.max_prompt_length)[-1],
-        slots=engine_slots(ctx.cfg, num_prompts * g), chunk_steps=r.chunk_steps,
-        temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, eos_id=tok.eos_id,
-        pad_id=tok.pad_id, temperatures=rollout_temperatures(cfg))
+    common = dict(max_new_tokens=r.max_new_tokens, groups=2 * num_prompts,
+                  prompt_len=prompt_buckets(cfg.data.max_prompt_length)[-1],
+                  slots=engine_slots(ctx.cfg, num_prompts * g), chunk_steps=r.chunk_steps,
+                  temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                  eos_id=ctx.stop_ids, pad_id=tok.pad_id,   # (rollout.stop_strings too)
+                  temperatures=rollout_temperatures(cfg))
+    tree = tree_sampling.options_from_config(r.tree, g)
+    if tree is not None:
+        return TreePool(ctx.model_cfg, **tree, **common)
+    return partial_lib.Pool(ctx.model_cfg, num_samples=rows or g, **common)
 
 
 class PartialRounds:
@@ -138,12 +148,14 @@ class PartialRounds:
         self._drawn.append(dict(versions=taken.rows["versions"][taken.rows["mask"]],
                                 dropped=taken.dropped_stale, drawn=taken.drawn))
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
-        out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps)
+        out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps
+                             if taken.slot_steps is None else taken.slot_steps)
         prompt_tokens, prompt_mask = sampling.pad_to_bucket(
             taken.prompts, pad_id=self.ctx.tokenizer.pad_id,
             buckets=prompt_buckets(cfg.data.max_prompt_length))
         if self.sizes_of is None:
-            out["decoded"] = out["lengths"].reshape(-1, g).sum(axis=1)
+            out["decoded"] = (out["lengths"].reshape(-1, g).sum(axis=1) if taken.decoded is None
+                              else taken.decoded)   # (a tree's shared segments once)
             rnd = rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
         else:   # groups of their own sizes: every row with its prompt, as the knapsack's
             owner = np.repeat(np.arange(len(taken.sizes)), taken.sizes)

@@ -220,8 +220,9 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
                partial_lib.programs(make_pool(ctx, chunk), sampled, rng,
                                     embeds[0] if embeds else None)]
-    elif kind == "tree_slots":   # the slot engine's two, at the tree's widest level
-        p_tok, p_mask = prompts(chunk)[:2]
+    elif kind == "tree_slots":   # the slot engine's two, at the tree's widest level (partial
+        # rollouts: over the pool's 2 x chunk trees, sampling.tree_partial)
+        p_tok, p_mask = prompts(2 * chunk if r.partial else chunk)[:2]
         kw = dict(chunk_steps=r.chunk_steps, slots=sampler_lib.engine_slots(cfg, chunk * g),
                   temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                   eos_id=ctx.stop_ids, pad_id=tok.pad_id)

@@ -43,7 +43,6 @@ get the whole completion's KL subtracted from its outcome reward.
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -58,20 +57,11 @@ from rljax.train.core import image_inputs, length_groups, rollout_metrics
 # Re-exported: callers import these here.
 from rljax.train.core.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
 from rljax.train.core.parts import RolloutStage, RoundSource  # noqa: F401
-from rljax.train.core.sampler import generate, rebucket_routes, rollout_temperatures  # noqa: F401
+from rljax.train.core.sampler import (generate, rebucket_routes,  # noqa: F401
+                                      rollout_temperatures, token_temperatures)
 from rljax.train.core.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
-
-
-def print_completions(prompts, completions, rewards=None, file=None) -> None:
-    """Prompt and completion of each sample, separated by marker lines (``rljax sample`` and
-    ``logging.num_completions_to_print``)."""
-    file = file if file is not None else sys.stderr
-    for i, (prompt, text) in enumerate(zip(prompts, completions)):
-        score = "" if rewards is None else f" (reward {float(rewards[i]):.3g})"
-        print(f"--- prompt ---\n{prompt}\n--- completion{score} ---\n{text}", file=file,
-              flush=True)
 
 
 def expand_fields(examples: list[dict], g: int) -> dict[str, list]:
@@ -246,7 +236,7 @@ class Rollout:
                 self.cfg.logging.console_every_s):
             return
         self._printed_at = now
-        print_completions(prompts[:n], texts[:n], list(rewards)[:n])
+        rollout_metrics.print_completions(prompts[:n], texts[:n], list(rewards)[:n])
 
     # -- the full batch ------------------------------------------------------------------------
 
@@ -486,16 +476,6 @@ class Rollout:
             batch["temperatures"] = token_temperatures(self.temperatures, rows["tokens"].shape,
                                                        rows.get("model_mask"))
         return batch, rows
-
-def token_temperatures(schedule: np.ndarray, shape, model_mask=None) -> np.ndarray:
-    """f32 ``shape`` [R, N]: the temperature each completion token was drawn at: position t's
-    ``schedule[t]``, or for episodes (``model_mask`` bool [R, N]) a row's k-th model token's
-    ``schedule[k]``, 1 on observation tokens (context: never scored)."""
-    if model_mask is None:
-        return np.broadcast_to(schedule, shape).astype(np.float32)
-    k = np.clip(np.cumsum(model_mask, axis=1) - 1, 0, len(schedule) - 1)
-    return np.where(model_mask, np.asarray(schedule, np.float32)[k], 1.0).astype(np.float32)
-
 
 class RewardRollout(Rollout):
     """The GRPO rollout (sampling, rewards, dynamic sampling, old log-probs) returning each

@@ -1,8 +1,10 @@
 """The metrics of one rollout call (``Rollout.__call__``): rewards per function, advantages,
 lengths, sampling work and slot use (``batch_metrics``), and the staleness of a batch's tokens
-under asynchronous or partial rollouts (``staleness_metrics``)."""
+under asynchronous or partial rollouts (``staleness_metrics``); and the samples it prints on the
+console (``print_completions``)."""
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import numpy as np
@@ -88,3 +90,13 @@ def batch_metrics(rounds: Sequence[dict], adv: np.ndarray, loss_mask: np.ndarray
             r["lengths"].sum() / max(1, r["lengths"].size * r["lengths"].max())
             for r in rounds]))
     return m
+
+
+def print_completions(prompts, completions, rewards=None, file=None) -> None:
+    """Prompt and completion of each sample, separated by marker lines (``rljax sample`` and
+    ``logging.num_completions_to_print``)."""
+    file = file if file is not None else sys.stderr
+    for i, (prompt, text) in enumerate(zip(prompts, completions)):
+        score = "" if rewards is None else f" (reward {float(rewards[i]):.3g})"
+        print(f"--- prompt ---\n{prompt}\n--- completion{score} ---\n{text}", file=file,
+              flush=True)

@@ -40,6 +40,16 @@ def rollout_temperatures(cfg) -> np.ndarray | None:
     return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens, int(length))
 
 
+def token_temperatures(schedule: np.ndarray, shape, model_mask=None) -> np.ndarray:
+    """f32 ``shape`` [R, N]: the temperature each completion token was drawn at: position t's
+    ``schedule[t]``, or for episodes (``model_mask`` bool [R, N]) a row's k-th model token's
+    ``schedule[k]``, 1 on observation tokens (context: never scored)."""
+    if model_mask is None:
+        return np.broadcast_to(schedule, shape).astype(np.float32)
+    k = np.clip(np.cumsum(model_mask, axis=1) - 1, 0, len(schedule) - 1)
+    return np.where(model_mask, np.asarray(schedule, np.float32)[k], 1.0).astype(np.float32)
+
+
 def sampler_kind(cfg, tree: bool = False) -> str:
     """Which sampler a rollout of ``cfg`` runs: "tree" / "tree_slots" (``tree``: a tree-sampled
     group, on the slot engine with ``rollout.engine='slots'``), "partial" (the slot engine's
@@ -115,9 +125,10 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     ``tree`` (``tree_sampling.options_from_config``): ``tree_sampling.generate`` instead (or
     ``sampling.tree_engine.generate`` with ``rollout.engine='slots'``); its
     ``num_samples`` leaves per prompt are the group; shared segments are decoded (and counted)
-    once. The two are exclusive (config validation).
+    once; a tree takes one schedule [max_new_tokens], each segment drawn at its positions'
+    temperatures.
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``): each prompt's
-    images, embedded by the tower and prefilled with the prompt (not with a tree).
+    images, embedded by the tower and prefilled with the prompt (a tree's: with every path).
     ``weights`` (slot engine only): in-flight weight updates, ``() -> (params, version)``
     polled between decode chunks (``sampling.engine.generate``; a tree's also between its
     levels, ``sampling.tree_engine``); adds ``versions`` int [R, N]
@@ -130,9 +141,6 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     (``sampling.generate``), whatever rows share its batch.
     """
     kind = sampler_kind(ctx.cfg, tree is not None)
-    if pixels is not None and kind in ("tree", "tree_slots"):
-        raise UserError("images in the prompt are not sampled by the tree sampler yet; use "
-                        "rollout.engine='static' or 'slots' without a tree")
     params = sampling_params(ctx, params)
     if weights is not None:   # swaps counted across the prompt chunks (between two, too)
         weights = sampling.engine.VersionPolls(_sampling_weights(ctx, weights))
@@ -162,7 +170,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
             out = _slot_engine(ctx, params, p_tok, p_mask, num_samples, temps, kw,
                                engine_stats, weights)
         elif kind == "tree_slots":
-            out = _tree_engine(ctx, params, p_tok, p_mask, tree, kw, engine_stats, weights)
+            out = _tree_engine(ctx, params, p_tok, p_mask, tree, kw, engine_stats, weights,
+                               temps)
         elif kind == "static":
             out = sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
                                     num_samples=num_samples, temperatures=temps,
@@ -173,7 +182,8 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                                     row_keys[start * num_samples:(start + chunk) * num_samples],
                                     **kw)
         else:
-            out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask, **tree, **kw)
+            out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
+                                         temperatures=temps, **tree, **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
     result = {k: np.concatenate([getattr(o, k) for o in outs]) for k in
               ("tokens", "logps", "mask", "lengths", "truncated")}
@@ -212,9 +222,10 @@ def _single_process():
 
 
 def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list,
-                 weights=None):
+                 weights=None, temperatures=None):
     """``sampling.tree_engine.generate`` for one chunk of prompts (appends each level's
-    EngineStats), with in-flight ``weights`` polled between levels and decode chunks."""
+    EngineStats), with in-flight ``weights`` polled between levels and decode chunks and
+    the ``temperatures`` schedule [N] drawn at each segment's positions."""
     _single_process()
     rows = int(np.shape(prompt_tokens)[0]) * tree_sampling.num_leaves(
         tree["roots"], tree["branching"], tree["depth"])
@@ -222,7 +233,7 @@ def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats:
     out, st = sampling.tree_engine.generate(
         ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask), **tree,
         slots=engine_slots(ctx.cfg, rows), chunk_steps=ctx.cfg.rollout.chunk_steps,
-        weights=weights, **kw)
+        weights=weights, temperatures=temperatures, **kw)
     stats.extend(st)
     return out
 

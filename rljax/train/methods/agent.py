@@ -228,14 +228,13 @@ class EpisodeRounds(RoundSource):
             counts = {k: [result.errors[k], result.timeouts.get(k, 0), len(total)]
                       for k in result.per_function}
         rollout._maybe_print_completions(eps["prompts"], eps["transcripts"], total)
-        return dict(examples=list(examples), tokens=eps["tokens"], logps=eps["logps"],
-                    mask=eps["mask"],
+        return dict(tokens=eps["tokens"], logps=eps["logps"], mask=eps["mask"],
                     model_mask=eps["model_mask"], lengths=eps["lengths"],
                     decoded=eps["model_mask"].sum(axis=1).reshape(-1, g).sum(axis=1),
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
-                    roles=eps["roles"], row_keys=self.ROW_KEYS,
+                    roles=eps["roles"], row_keys=self.ROW_KEYS, examples=examples,
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,

@@ -287,23 +287,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         p_tok, p_mask = sampling.pad_to_bucket(prompt_ids[::g], pad_id=tok.pad_id,
                                                buckets=limits.prompt_buckets)
         record = ep._Trajectories(tok, envs, renderer, limits, step_all)
-        history = [self.turns[j][k] for j in places for k in range(g)]
-        finished = np.zeros(len(envs), bool)
-        for turn in range(limits.max_turns):
-            rows = [i for i, h in enumerate(history) if len(h) > turn]
-            if not rows:
-                break
-            ids = [history[i][turn]["ids"] for i in rows]
-            width = max(len(x) for x in ids)
-            tokens = np.full((len(rows), width), tok.pad_id, np.int32)
-            logps = np.zeros((len(rows), width), np.float32)
-            for n, i in enumerate(rows):
-                tokens[n, :len(ids[n])] = ids[n]
-                logps[n, :len(ids[n])] = history[i][turn]["logps"]
-            _, observations = record.turn_ended(rows, [turn] * len(rows), tokens, logps,
-                                                [len(x) for x in ids])
-            for i, obs in zip(rows, observations):
-                finished[i] = obs is None
+        finished = record.replay([self.turns[j][k] for j in places for k in range(g)])
         return record, finished, prompts, prompt_ids, p_tok, p_mask
 
     # -- self-play matches ---------------------------------------------------------------------

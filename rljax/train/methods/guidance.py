@@ -8,7 +8,9 @@ so it is context by construction: it sits before the completion slot, outside ``
 ``old_logps`` and ``sampler_logps``; no loss, no gradient and no importance ratio involve it.
 Only the sampled continuation trains. The reward judges prefix + continuation (the whole
 answer). The hinted group replaces the failed one in the batch; the failed samples' tokens
-still count in ``rollout/tokens``.
+still count in ``rollout/tokens``, and the re-sample's in ``rollout/decoded_tokens``. With tree
+sampling (``rollout.tree``) the hinted group is a new tree grown from the hinted prompt, its
+leaves the group, in the layout of every other tree.
 
 - ``hint.mode="fixed"``: the prefix is ``hint.fraction`` of the solution's tokens (GHPO-style).
 - ``hint.mode="adaptive"``: one fraction per prompt, starting at ``hint.fraction`` and moved
@@ -403,6 +405,9 @@ class Guide(RolloutStage):
             self.hints.hinted_result(examples[i]["prompt"], float(h_rates[j]))
             if h_rates[j] > 0:
                 self._remember(examples[i], rnd, rows, prefix=prefixes[j])
+        # What the re-sample decoded (a hinted tree's shared segments once), padding aside.
+        real = hinted["decoded"] if ragged else hinted["decoded"][:len(failed)]
+        rnd["extra_decoded"] = rnd.get("extra_decoded", 0) + int(np.sum(real))
         if rnd["prompt_len"] < hinted["prompt_len"]:
             rnd["prompt_len"] = hinted["prompt_len"]
         for key in ("time_sample", "time_reward", "errors", "time_env"):

@@ -62,7 +62,7 @@ def step_ends(ids: Sequence[int], decode: Callable[[list[int]], str], delimiter:
 
 
 def turn_step_ends(ids: Sequence[int], turns: Sequence[int], decode: Callable[[list[int]], str],
-                   delimiter: str, stop_ids: Sequence[int] = ()) -> list[int]:
+                   delimiter: str, stop_ids: Sequence[int] = (), pattern=None) -> list[int]:
     """Step ends of a multi-turn trajectory: ``step_ends`` within each model turn (a maximal
     run of equal ``turns[k] >= 0``; ``turns[k] < 0``: an observation token, never in a step),
     so every turn's end ends a step. Token counts into ``ids``, increasing."""
@@ -71,7 +71,8 @@ def turn_step_ends(ids: Sequence[int], turns: Sequence[int], decode: Callable[[l
         if k < len(ids) and turns[k] == turns[start]:
             continue
         if turns[start] >= 0:
-            ends += [start + e for e in step_ends(ids[start:k], decode, delimiter, stop_ids)]
+            ends += [start + e for e in step_ends(ids[start:k], decode, delimiter, stop_ids,
+                                                  pattern)]
         start = k
     return ends
 

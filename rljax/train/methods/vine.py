@@ -14,7 +14,8 @@ of the K rewards, and the advantages are ``algorithms.vine.vineppo_advantages``,
 rollout's estimator call receives as ``rows["estimator_inputs"]`` (``step_ids``,
 ``step_values``, ``num_steps``). Fork rows are padded (repeating a real one) to a multiple of
 the update's rows (``rollout.batch_size``), so at most ``max_steps`` fork programs are
-compiled.
+compiled. Multi-turn episode rows (``env.name``) are cut within the model's turns and
+forked as whole episodes, the environment replayed: ``methods.vine_episodes``.
 
 The stage runs after guidance (``methods.guidance``) and after the groups are picked (dynamic
 sampling and the online filter drop groups, extra rounds add some), so it values exactly the
@@ -142,7 +143,11 @@ class VineValues(RolloutStage):
         """The step layout and MC values of ``rnd``, a round of rows (``valued_rows``):
         ``step_ids`` int [R, N], ``step_values`` f32 [R, max_steps], ``num_steps`` int [R],
         the forks (``fork_rows``: (completion, step) of each real prefix; ``fork_rewards``
-        f32 [prefixes, K]; ``fork_texts``) and their token counts."""
+        f32 [prefixes, K]; ``fork_texts``) and their token counts. Episode rows (``turn_ids``)
+        are valued by ``vine_episodes``."""
+        if "turn_ids" in rnd:
+            from rljax.train.methods import vine_episodes
+            return vine_episodes.step_values(self, params, rnd, rng)
         n, k = self.n, self.k
         tokens, mask = rnd["tokens"], rnd["mask"]
         r = len(tokens)
@@ -190,7 +195,8 @@ class VineValues(RolloutStage):
 
 def valued_rows(rounds, groups, g: int) -> dict:
     """The rows of ``groups`` ((round, group) pairs; G rows each, or a ragged round's
-    ``group_sizes``) as one round of rows: ``tokens``, ``mask`` [T, N], ``lengths``,
+    ``group_sizes``) as one round of rows: ``tokens``, ``mask`` (episodes: ``turn_ids``)
+    [T, N], ``lengths``,
     ``rewards`` (and ``demo``) [T], ``prompt_ids`` and ``examples`` per row,
     ``hint_prefixes`` keyed by position."""
     picked = []   # (round, row, its prompt's entry in the round)
@@ -202,7 +208,8 @@ def valued_rows(rounds, groups, g: int) -> dict:
     first = rounds[0]
     view = {key: np.asarray([rounds[r][key][s] for r, s, _ in picked], first[key].dtype)
             .reshape((len(picked),) + first[key].shape[1:])
-            for key in ("tokens", "mask", "lengths", "rewards", "demo") if key in first}
+            for key in ("tokens", "mask", "lengths", "rewards", "demo", "turn_ids")
+            if key in first}
     view["prompt_ids"] = [rounds[r]["prompt_ids"][p] for r, _, p in picked]
     view["examples"] = [rounds[r]["examples"][p] for r, _, p in picked]
     view["hint_prefixes"] = {j: rounds[r]["hint_prefixes"][s]

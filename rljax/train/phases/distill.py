@@ -55,7 +55,7 @@ class TeacherScores(RolloutStage):
     """Rollout stage (``core.rollout.RolloutStage``): the teacher's scores of every sampled
     token in the assembled batch, ``teacher_logps`` f32 [R, N] (and, with the JSD term,
     ``teacher_topk_logps`` / ``teacher_topk_ids`` [R, N, k]). A stage rather than a rollout
-    subclass, so any sampler composes with it (static, slot engine, partial rollouts,
+    subclass, so any sampler composes with it (static, slot engine, trees, partial rollouts,
     asynchronous). The teacher is loaded at the first batch, not when the phase is built, so
     that ``rljax eval`` / ``sample`` of a distilled workdir never read it. Stateless: a resumed
     run reloads it from its source."""

@@ -326,7 +326,11 @@ class PPOPhase:
         a = cfg.algo
         self.batch_size = cfg.rollout.batch_size
         self.mini = update_sizes(cfg)[0]
-        self.iterator = rl_iterator(ctx, self.batch_size // a.num_generations)
+        groups = self.batch_size // a.num_generations
+        if cfg.env.name and cfg.env.selfplay.mode == "self":   # a group per seat of a game
+            from rljax.train.methods import selfplay
+            groups = selfplay.examples_per_round(cfg, groups)
+        self.iterator = rl_iterator(ctx, groups)
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
             from rljax.train.methods import agent
             from rljax.train.methods.episode_partial import episode_rounds

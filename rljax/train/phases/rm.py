@@ -26,6 +26,7 @@ from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.train.core import programs as programs_lib, steps
+from rljax.train.core import preference_data
 from rljax.train.phases import dpo as dpo_lib
 from rljax.train.core.steps import to_host
 from rljax.train.methods.prm_scoring import initial_value
@@ -138,7 +139,7 @@ class RMPhase:
         if self.num_pairs % ctx.dp_size:
             raise UserError(f"rollout.batch_size={self.num_pairs} pairs do not split over the "
                             f"data-parallel mesh size {ctx.dp_size}")
-        self.data = dpo_lib.PreferenceData(ctx, self.num_pairs)
+        self.data = preference_data.PreferenceData(ctx, self.num_pairs)
         self.optimizer = _optimizer(ctx, self.steps)
         self._step_fn = self._eval_fn = self._eval_batches = None
 
@@ -173,13 +174,13 @@ class RMPhase:
         """Held-out pairs: eval/accuracy (score of chosen > rejected), eval/loss, margins."""
         del rng
         if self._eval_batches is None:
-            self._eval_batches = dpo_lib.eval_pair_batches(self.ctx)
+            self._eval_batches = preference_data.eval_pair_batches(self.ctx)
             cfg = self.ctx.model_cfg.replace(lora_dropout=0.0)  # evaluation: no LoRA dropout
             self._eval_fn = jax.jit(lambda v, b: rm_loss(cfg, v, None, b))
         if not self._eval_batches:
             return {}
         value = lora_lib.value_on_base(state.params, state.critic_params)
-        return dpo_lib.pair_metrics(lambda b: self._eval_fn(value, b),
+        return preference_data.pair_metrics(lambda b: self._eval_fn(value, b),
                                     self._eval_batches)
 
     def state_dict(self) -> dict:
