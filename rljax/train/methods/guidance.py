@@ -31,6 +31,12 @@ prompts with their reference solutions, and removes them from the buffer.
 A group is a prompt's G rows, or with knapsack allocation the rows the knapsack gave it
 (``round_groups``): hints re-sample it at its own size, a demonstration replaces its last row.
 
+Multi-turn episodes (``env.name``): a hinted group is played again from fresh environments,
+the hint after its first prompt (``agent.EpisodeRounds.sample_hinted``), cut from the scripted
+episode's first model turn where the environment has scripted episodes
+(``agent.reference_turn``); ReLIFT's rows and demonstrations are the scripted episodes
+(``agent.trace_sft_batch``, ``demos.insert_episode_demos``).
+
 All host state (per-prompt fractions, stored successes, visit counters, buffer) is a JSON-able
 ``state_dict`` saved with the phase, so resume is exact.
 """
