@@ -336,11 +336,12 @@ def test_a_lora_distill_run_stops_and_resumes_exactly(tmp_path):
 
 def test_distillation_with_partial_rollouts_scores_the_carried_groups(tmp_path):
     """The teacher is a rollout stage, so it scores whatever sampler built the batch: here the
-    partial-rollout pool, whose groups carry over iterations (stopped and resumed, equal)."""
+    partial-rollout pool, whose groups carry over iterations, with MoPPS choosing the prompts
+    (stopped and resumed, equal: the pool and the posteriors are checkpointed)."""
     write_teacher_workdir(tmp_path / "teacher", seed=7)
     cfg = lambda: distill_cfg(str(tmp_path / "teacher"), **{  # noqa: E731
         "rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 4, "steps": 3,
-        "sft.steps": 0, "rollout.max_new_tokens": 6})
+        "sft.steps": 0, "rollout.max_new_tokens": 6, "data.selection.name": "predicted"})
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     assert run.train(cfg(), straight, devices=DEVICES) == 0
     assert run.train(cfg(), split, devices=DEVICES, stop=StopAfter(1)) == 0
@@ -348,6 +349,7 @@ def test_distillation_with_partial_rollouts_scores_the_carried_groups(tmp_path):
     rl = [r for r in read_metrics(straight) if "distill/reverse_kl" in r]
     assert len(rl) == 3 and all(0 <= r["distill/teacher_agreement"] <= 1 for r in rl)
     assert any(r["rollout/carried_groups"] > 0 for r in rl)
+    assert [r["selection/tracked"] for r in rl][-1] > 0   # MoPPS learned completed groups
     assert comparable(read_metrics(split)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(split), final_params(straight))
 

@@ -125,7 +125,7 @@ def check_selection(cfg) -> None:
     if sel.low > sel.high:
         raise ConfigError(f"data.selection.low={sel.low} must be <= data.selection.high="
                           f"{sel.high}")
-    if algo.name not in ("grpo", "ppo"):
+    if algo.name not in ("grpo", "ppo", "distill"):
         raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "
                           f"rollouts: algo.name='{algo.name}' needs 'uniform'")
     if sel.name == "online_filter" and algo.dynamic_sampling:
