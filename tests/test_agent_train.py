@@ -3,6 +3,7 @@ episodes, GRPO on the model's own episodes, agentic eval, env metrics), exact re
 loss seeing model tokens only, and config errors before anything compiles."""
 import contextlib
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from rljax import cli
 from rljax.envs import StepResult, register_env
 from rljax import config as config_lib
 from rljax.train import run
-from rljax.train.core import setup
+from rljax.train.core import checkpoint, setup
 from rljax.train.methods.agent import EpisodeRounds, credit_stages
 from rljax.train.core.rollout import Rollout, RolloutStage
 from rljax.train.core.state import create_train_state
@@ -23,6 +24,16 @@ from tests.test_train_loop import StopAfter, comparable, final_params
 
 DEVICES = jax.devices()[:1]
 SFT_STEPS, RL_STEPS = 2, 3
+# The main run's guidance: hints continue a failed group's first turn, ReLIFT trains on the
+# scripted episodes of prompts that keep failing (the Guide's state is carried on resume);
+# its temperature schedule runs over each episode's model tokens, across its turns.
+GUIDED = {"rollout.temperature_schedule.name": "linear",
+          "rollout.temperature_schedule.start": 1.5, "rollout.temperature_schedule.end": 0.5,
+          "rollout.temperature_schedule.tokens": 30,
+          "algo.hint.mode": "adaptive", "algo.hint.step": 0.5, "algo.hint.source": "replay",
+          "algo.relift.every": 1, "algo.relift.k_visits": 1, "algo.relift.batch_size": 2,
+          "data.kwargs.num_examples": 2,   # every step revisits both prompts
+          "data.max_prompt_length": 32}    # room for the hint after the prompt
 
 
 def agent_cfg(**overrides):
@@ -73,7 +84,7 @@ def episode_rollout(ctx, iterator, cfg=None):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("agent_straight"))
-    assert run.train(agent_cfg(), workdir, devices=DEVICES) == 0
+    assert run.train(agent_cfg(**GUIDED), workdir, devices=DEVICES) == 0
     return workdir
 
 
@@ -84,20 +95,27 @@ def test_loop_logs_env_metrics_and_agentic_eval(straight):
     for key in ("env/turns_mean", "env/tool_calls_mean", "env/truncated_frac",
                 "env/model_tokens_mean", "time/env", "loss", "entropy"):
         assert key in rl[0], key
-    # Same params, same math: the trainer's log-probs of model tokens are the sampler's.
+    # Same params, same math: the trainer's log-probs of model tokens are the sampler's, each
+    # at the temperature its position in the episode drew it at.
     assert rl[0]["rollout/logp_diff_max"] < 1e-4
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [SFT_STEPS, SFT_STEPS + RL_STEPS]
     assert "eval/turns_mean" in evals[0] and evals[0]["eval/num_examples"] == 4
     assert [r["step"] for r in records if "sft/loss" in r] == [1, 2]
+    # The untrained policy fails: its groups are hinted, and ReLIFT's SFT steps ran.
+    assert all(r["hint/fraction_hinted"] > 0 and r["hint/prefix_tokens_mean"] >= 1 for r in rl)
+    assert all(r["relift/sft_rows"] > 0 and np.isfinite(r["relift/sft_loss"]) for r in rl)
 
 
 def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     workdir = str(tmp_path)
-    assert run.train(agent_cfg(), workdir, devices=DEVICES,
+    assert run.train(agent_cfg(**GUIDED), workdir, devices=DEVICES,
                      stop=StopAfter(SFT_STEPS + 1)) == 0
     assert max(r["step"] for r in read_metrics(workdir)) == SFT_STEPS + 1
-    assert run.train(agent_cfg(), workdir, devices=DEVICES) == 0
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+        guide = ckpt.restore_meta()["phase_state"]["guidance"]
+    assert guide["hints"]["fractions"] and guide["relift"] is not None   # state to carry
+    assert run.train(agent_cfg(**GUIDED), workdir, devices=DEVICES) == 0
     assert comparable(read_metrics(workdir)) == comparable(read_metrics(straight))
     jax.tree.map(np.testing.assert_array_equal, final_params(workdir), final_params(straight))
 
@@ -113,7 +131,8 @@ def test_episodes_on_the_slot_engine_train_as_the_static_batches(straight, tmp_p
     """rollout.engine='slots' (3 slots for 8 episodes, 4-step chunks): the same episodes as the
     static turn batches (each row draws its own noise), so the same rewards and updates."""
     workdir = str(tmp_path)
-    cfg = agent_cfg(**{"rollout.engine": "slots", "rollout.slots": 3, "rollout.chunk_steps": 4})
+    cfg = agent_cfg(**GUIDED, **{"rollout.engine": "slots", "rollout.slots": 3,
+                                 "rollout.chunk_steps": 4})
     assert run.train(cfg, workdir, devices=DEVICES) == 0
     records, ref = read_metrics(workdir), read_metrics(straight)
     assert _episode_fields(records) == _episode_fields(ref)
@@ -163,6 +182,21 @@ class EchoEnv:
 register_env("test_echo", EchoEnv)
 
 
+def assert_hinted_episodes_continue_their_prefix(ctx, rollout, state):
+    """Hinted episodes (``guidance``): the prefix ends the prompt (context, not trajectory),
+    and the environment judged prefix + sampled first turn (EchoEnv answers its length)."""
+    tok, g = ctx.tokenizer, rollout.g
+    examples = [{"prompt": "1*2="}, {"prompt": "3*3="}]
+    prefixes = [tok.encode("ab"), tok.encode("wxyz")]
+    rnd = rollout.sample_round(state.params, jax.random.key(3), examples, prefixes)
+    for row in range(len(examples) * g):
+        prefix = prefixes[row // g]
+        assert rnd["prompt_ids"][row // g][-len(prefix):] == prefix
+        first = rnd["tokens"][row][rnd["turn_ids"][row] == 0].tolist()
+        seen = len(tok.decode(prefix + first))
+        assert f"<r>{seen}</r>" in rnd["episodes"]["transcripts"][row]
+
+
 def test_loss_ignores_observation_tokens(tmp_path):
     """A real episode batch: ``loss_mask`` is exactly the model's tokens, and changing every
     per-token input of the loss (old/sampler/reference log-probs, token advantages) at the
@@ -171,7 +205,10 @@ def test_loss_ignores_observation_tokens(tmp_path):
     cfg = agent_cfg(**{"algo.beta": 0.04, "algo.tis_cap": 2.0, "algo.adv_estimator":
                        "reinforce_pp_baseline", "sft.steps": 0, "sft.env_traces": False,
                        "env.name": "test_echo", "env.tools": (),
-                       "rollout.max_new_tokens": 8})
+                       "rollout.max_new_tokens": 8,
+                       "rollout.temperature_schedule.name": "linear",
+                       "rollout.temperature_schedule.start": 2.0,
+                       "rollout.temperature_schedule.end": 0.5})
     cfg.env.kwargs = {}
     setup.check_inputs(cfg, num_devices=1)
     ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
@@ -185,6 +222,10 @@ def test_loss_ignores_observation_tokens(tmp_path):
     assert seq_obs.sum() > 0, "the batch should have observation tokens"
     np.testing.assert_array_equal(batch["loss_mask"], batch["model_mask"])
     assert batch["advantages"].shape == (8, n)   # token-level: per position
+    # Under the temperature schedule an episode's k-th model token, whatever its turn, was
+    # drawn at schedule[k]: the trainer's log-probs at those temperatures are the sampler's.
+    m = batch["model_mask"]
+    assert np.abs(np.asarray(batch["old_logps"]) - batch["sampler_logps"])[m].max() < 1e-4
 
     @jax.jit
     def value_and_grad(params, b):
@@ -207,6 +248,7 @@ def test_loss_ignores_observation_tokens(tmp_path):
         return b
 
     base_loss, base_grad = loss_and_grad(batch)
+    assert_hinted_episodes_continue_their_prefix(ctx, rollout, state)
     loss, grad = loss_and_grad(perturbed(seq_obs))
     assert loss == base_loss
     jax.tree.map(np.testing.assert_array_equal, grad, base_grad)
@@ -225,6 +267,59 @@ def test_loss_ignores_observation_tokens(tmp_path):
 ])
 def test_bad_env_config_is_one_line_exit_2(tmp_path, override, needle):
     assert_one_line_config_error(tmp_path, "return agent_cfg()", override, needle)
+
+
+@pytest.mark.parametrize("key, value", [("algo.relift.every", 1), ("algo.mixed_policy", True)])
+def test_guidance_trains_on_scripted_episodes_only_where_the_env_has_them(key, value):
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            f"{key} trains on the environment's scripted episodes: env.name='test_echo' has "
+            "none")):
+        agent_cfg(**{"sft.env_traces": False, "env.name": "test_echo", "env.tools": (),
+                     key: value})
+
+
+def test_a_temperature_schedule_is_refused_with_partial_episodes():
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            "rollout.temperature_schedule is not supported with multi-turn episodes and "
+            "rollout.partial")):
+        agent_cfg(**{"rollout.temperature_schedule.name": "linear", "rollout.partial": True,
+                     "rollout.engine": "slots"})
+
+
+def test_a_demonstration_episode_is_the_scripted_one_scored_as_if_sampled():
+    """Mixed-policy demonstrations of episodes (host only): the failed group's last row
+    becomes the example's scripted episode, its model turns trained (observations context),
+    its reward the replayed environment's plus the answer's score, mu = 1 (logps 0)."""
+    from types import SimpleNamespace
+    from rljax import rewards
+    from rljax.train.methods.demos import insert_episode_demos
+    cfg = agent_cfg(**{"algo.mixed_policy": True})
+    tok = setup.make_tokenizer(cfg, None)
+    ex = {"prompt": "5*8=", "question": "5*8=", "answer": "40"}
+    m, r = cfg.env.max_total_tokens, 2
+    rnd = {"tokens": np.zeros((r, m), np.int32), "mask": np.ones((r, m), bool),
+           "model_mask": np.ones((r, m), bool), "turn_ids": np.zeros((r, m), np.int32),
+           "logps": np.full((r, m), -1.0, np.float32), "lengths": np.full(r, m),
+           "truncated": np.ones(r, bool), "turns": np.ones(r, np.int32),
+           "turn_rewards": np.zeros((r, cfg.env.max_turns), np.float32),
+           "rewards": np.zeros(r, np.float32),
+           "scores": {"env": np.zeros(r, np.float32), "arithmetic": np.zeros(r, np.float32)}}
+    rollout = SimpleNamespace(cfg=cfg, ctx=SimpleNamespace(tokenizer=tok),
+                              reward_fn=rewards.combine([("arithmetic", 1.0, {})]))
+    prompt = tok.encode(ex["prompt"])
+    rnd = insert_episode_demos(rollout, rnd, [ex], [1], [prompt])
+    assert rnd["demo"].tolist() == [False, True] and rnd["logps"][1].max() == 0.0
+    n = rnd["lengths"][1]
+    text = tok.decode(rnd["tokens"][1, :n].tolist())
+    model = tok.decode(rnd["tokens"][1][rnd["model_mask"][1]].tolist())
+    assert text.startswith("<call calculator>5*8</call>") and "<result>40</result>" in text
+    assert model == "<call calculator>5*8</call>40" and not rnd["truncated"][1]
+    assert rnd["turn_ids"][1][rnd["model_mask"][1]].tolist()[-1] == 1
+    assert rnd["turns"][1] == 2 and rnd["rewards"][1] == 1.0
+    assert rnd["turn_rewards"][1].tolist() == [0.0, 1.0]
+    assert rnd["rewards"][0] == 0.0 and rnd["model_mask"][0].all()   # other rows untouched
+    # A group whose prompt is not the demonstration's keeps its sample.
+    assert not insert_episode_demos(rollout, rnd, [ex], [0], [prompt[:-1]])["demo"].any()
 
 
 def assert_one_line_config_error(tmp_path, body: str, override: str, needle: str) -> None:

@@ -491,11 +491,14 @@ def phase_resumes_exactly(cfg, tmp_path, steps: int, saved_after: int) -> list[d
     return records
 
 
-def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("guide", ["hints", "mixed_policy"])
+def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypatch, guide):
     """Multi-turn episodes (a tool agent) with per-turn credit: example i's group is G_i
     episodes, the turn advantages are each group's over its own episodes (the padding row is
     a group of one: zero), and the two prompts come back every step, so the second step is
-    sized by the posteriors, which resume exactly."""
+    sized by the posteriors, which resume exactly. Every group counts as failed (a threshold
+    no reward reaches): hints play it again after a hint, or its last episode is the
+    example's scripted one (a demonstration)."""
     from rljax.algorithms import turn_credit
     from rljax.train.methods.agent import TurnCredit
 
@@ -515,11 +518,18 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
         "rollout.batch_size": 8, "rollout.knapsack.budget": 7,
         "rollout.knapsack.max_samples": 5, "env.name": "tool", "env.tools": ("calculator",),
         "env.tool_format": "plain", "env.max_turns": 2, "env.max_total_tokens": 28,
-        "env.max_obs_tokens": 8, "env.max_turn_tokens": 8, "env.turn_discount": 0.5})
+        "env.max_obs_tokens": 8, "env.max_turn_tokens": 8, "env.turn_discount": 0.5,
+        "algo.hint.threshold": 9.0, "data.max_prompt_length": 16,
+        **({"algo.mixed_policy": True} if guide == "mixed_policy" else
+           {"algo.hint.mode": "fixed"})})
     cfg.env.kwargs = {"describe_tools": False}
     cfg.data.kwargs = {"digits": 1, "eval_examples": 2, "num_examples": 2}
     records = phase_resumes_exactly(cfg, tmp_path, steps=2, saved_after=1)
     assert all(r["rollout/group_size_mean"] == 3.5 and "env/turns_mean" in r for r in records)
+    if guide == "hints":   # failed groups played again at their own sizes
+        assert all(r["hint/fraction_hinted"] == 1.0 for r in records)
+    else:                  # a demonstration per group (the padding row repeats none)
+        assert all(r["mixed/demos"] == 2 for r in records)
     assert all(np.isfinite(r["loss"]) and r["update/shared_prompt"] == 1.0 for r in records)
     for returns, turns, group_ids, per_turn in seen:
         sizes = np.bincount(group_ids)

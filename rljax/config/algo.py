@@ -429,8 +429,7 @@ def check_guidance(cfg) -> None:
     if on and cfg.algo.name != "grpo":
         raise ConfigError(f"{on[0]} is a GRPO option; algo.name={cfg.algo.name!r}")
     if on and cfg.env.name:
-        raise ConfigError(f"{on[0]} re-samples single-turn prompts; it is not supported with "
-                          f"multi-turn episodes (env.name={cfg.env.name!r})")
+        _check_guided_episodes(cfg, on)
     if cfg.algo.mixed_policy and hint.mode != "off":
         raise ConfigError("algo.mixed_policy=True and algo.hint.mode both act on failed "
                           "groups: use one")
@@ -440,6 +439,15 @@ def check_guidance(cfg) -> None:
     if hint.mode != "off" and hint.fraction == 0.0 and hint.mode == "fixed":
         raise ConfigError("algo.hint.fraction=0.0 gives no hint; set it in (0, 1] or "
                           "algo.hint.mode='off'")
+
+
+def _check_guided_episodes(cfg, on: list[str]) -> None:
+    """Guidance of multi-turn episodes: not with self-play. (ReLIFT and demonstrations need
+    the environment's scripted episodes: ``reward.check_env``.)"""
+    env = cfg.env
+    if env.selfplay.mode != "off":
+        raise ConfigError(f"{on[0]} is not supported with self-play (env.selfplay.mode="
+                          f"{env.selfplay.mode!r}): a match's groups are its seats")
 
 
 def check_overlong(cfg) -> None:

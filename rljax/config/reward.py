@@ -120,9 +120,12 @@ def check_env(cfg) -> None:
         return
     from rljax.envs import check_env_config   # host-only module; imported when used
 
-    if cfg.rollout.temperature_schedule.name != "constant":
-        raise ConfigError("rollout.temperature_schedule is not supported with multi-turn "
-                          f"episodes (env.name={env.name!r}): set its name='constant'")
+    schedule = cfg.rollout.temperature_schedule.name != "constant"
+    for key, on in (("env.selfplay.mode", env.selfplay.mode != "off"),
+                    ("rollout.partial", cfg.rollout.partial)):
+        if schedule and on:   # (matches and carried episodes sample on their own loops)
+            raise ConfigError(f"rollout.temperature_schedule is not supported with multi-turn "
+                              f"episodes and {key}: set its name='constant'")
 
     check_env_config(env.name, tuple(env.tools), env.tool_format)
     call_reward = dict(env.kwargs).get("call_reward", 0.0)
@@ -141,6 +144,13 @@ def check_env(cfg) -> None:
     if cfg.sft.env_traces and env.name not in ENV_TRACES:
         raise ConfigError(f"sft.env_traces: environment {env.name!r} has no scripted traces "
                           f"(known: {', '.join(ENV_TRACES)})")
+    # ReLIFT's SFT rows and mixed-policy demonstrations are the scripted episodes.
+    for key, on in (("algo.relift.every", cfg.algo.relift.every > 0),
+                    ("algo.mixed_policy", cfg.algo.mixed_policy)):
+        if on and env.name not in ENV_TRACES:
+            raise ConfigError(f"{key} trains on the environment's scripted episodes: "
+                              f"env.name={env.name!r} has none (known: "
+                              f"{', '.join(ENV_TRACES)})")
 
 
 def check_selfplay(cfg) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 
 from rljax import models
 from rljax.models import paged
-from rljax.sampling.draw import row_draw, sample_logits
+from rljax.sampling.draw import row_draw, row_temperature, sample_logits
 
 # Host-side slot state (numpy); ``run_chunk`` takes and returns it as a dict of arrays.
 #   row     int32 [S]     episode row held (-1: free)
@@ -55,6 +55,8 @@ from rljax.sampling.draw import row_draw, sample_logits
 #   live    bool  [S]     decoding (False: free, or the turn ended and waits for the host)
 #   tokens  int32 [S, N], logps f32 [S, N]: the turn's tokens and sampler log-probs
 #   stopped bool  [S]     the turn ended on a stop id or stop sequence
+#   temp    f32   [S, N]  optional (a temperature schedule): the temperature of each token
+#                         of the slot's turn (the host sets it at start / resume)
 
 
 def empty_state(slots: int, chunk_len: int, turn_len: int, pad_id: int = 0) -> dict:
@@ -169,9 +171,11 @@ def _chunk(cfg, params, pages, page_mask, page_len, cache, state, rng, *, num_sa
         noise = None
         if temperature != 0.0:
             noise = jax.vmap(noise_of)(st["draw"], st["turn"], st["t"])
-        tok, logp = sample_logits(None, logits, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, noise=noise)
         t = st["t"]
+        temp = temperature if "temp" not in st else row_temperature(
+            st["temp"], jnp.clip(t, 0, n - 1), jnp.arange(s))
+        tok, logp = sample_logits(None, logits, temperature=temp, top_k=top_k,
+                                  top_p=top_p, noise=noise)
         at = sampling[:, None] & (jnp.arange(n)[None, :] == t[:, None])
         tokens = jnp.where(at, tok[:, None], st["tokens"])
         logps = jnp.where(at, logp[:, None], st["logps"])
@@ -217,11 +221,13 @@ def run_chunk(cfg: models.ModelConfig, params: Any, pages: dict, page_mask, page
 def programs(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, rng, *,
              num_samples: int, slots: int, chunk_len: int, turn_len: int, length: int,
              chunk_steps: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             stop_ids=(), stop_sequences=()) -> list[tuple[str, Any, tuple]]:
+             stop_ids=(), stop_sequences=(), scheduled: bool = False
+             ) -> list[tuple[str, Any, tuple]]:
     """The episode engine's two programs for a memory plan: ``[(name, jitted fn, abstract
     args)]`` (``prefill``: the prompt pages; ``decode``: one chunk over S slots of ``length``
     cache entries), as ``prefill`` and ``run_chunk`` compile them for prompts of this shape.
-    Inputs may be ``jax.ShapeDtypeStruct``s."""
+    Inputs may be ``jax.ShapeDtypeStruct``s. ``scheduled``: the slots carry their turns'
+    temperatures (a temperature schedule: the state's ``temp``)."""
     b, p = prompt_tokens.shape
     s = min(int(slots), b * int(num_samples))
     static = dict(num_samples=int(num_samples), chunk_steps=int(chunk_steps),
@@ -235,6 +241,8 @@ def programs(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, r
     pages = jax.eval_shape(prefill_fn, params, prompt_tokens, prompt_mask)
     state = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
              for k, v in empty_state(s, chunk_len, turn_len).items()}
+    if scheduled:
+        state["temp"] = jax.ShapeDtypeStruct((s, turn_len), jnp.float32)
     cache = jax.eval_shape(lambda: paged.init_slot_cache(cfg, s, int(length)))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
 

@@ -44,7 +44,7 @@ import numpy as np
 from rljax import models
 from rljax import sharding as shd
 from rljax.sampling.core import constrain_cache, merge_stop_ids
-from rljax.sampling.draw import row_draw, sample_logits
+from rljax.sampling.draw import row_draw, row_temperature, sample_logits
 
 
 @flax.struct.dataclass(frozen=True)
@@ -127,8 +127,9 @@ _STATIC = ("cfg", "layout", "temperature", "top_k", "top_p", "stop_ids", "stop_s
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget, rng, *, layout,
-          temperature, top_k, top_p, stop_ids, stop_seqs, pad_id, mesh, rules):
+def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget, rng,
+          temperatures=None, *, layout, temperature, top_k, top_p, stop_ids, stop_seqs, pad_id,
+          mesh, rules):
     batch, constrain_cache = _constraints(mesh, rules)
     params = models.unstack_layers(params)   # once per turn, not per decode step
     r, n = chunk.shape[0], layout.turn_len
@@ -159,17 +160,18 @@ def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget
             hit |= (t + 1 >= k) & jnp.all(window == jnp.asarray(seq, jnp.int32), axis=-1)
         return hit
 
-    def pick(key, logits, live):
+    def pick(key, logits, live, t):
         # Each row draws from its own key (``draw.row_draw``), as the episode engine does.
         noise = None
         if temperature != 0.0:
             noise = jax.vmap(lambda row: row_draw(key, row, logits.shape[-1]))(jnp.arange(r))
-        tok, logp = sample_logits(key, logits, temperature=temperature, top_k=top_k, top_p=top_p,
+        temp = temperature if temperatures is None else row_temperature(temperatures, t)
+        tok, logp = sample_logits(key, logits, temperature=temp, top_k=top_k, top_p=top_p,
                                   noise=noise)
         return jnp.where(live, tok, pad_id), jnp.where(live, logp, 0.0)
 
     live = active & (budget > 0)
-    tok, logp = pick(jax.random.fold_in(rng, 0), logits, live)
+    tok, logp = pick(jax.random.fold_in(rng, 0), logits, live, 0)
     tokens = batch(jnp.full((r, n), pad_id, jnp.int32).at[:, 0].set(tok))
     logps = batch(jnp.zeros((r, n), jnp.float32).at[:, 0].set(logp))
     lengths = live.astype(jnp.int32)
@@ -190,7 +192,7 @@ def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget
                                      cache_index=start + t - 1)
         cache = constrain_cache(cache)
         logits = models.logits_from_hidden(cfg, params, hidden[:, 0])
-        tok, logp = pick(jax.random.fold_in(rng, t), logits, ~done)
+        tok, logp = pick(jax.random.fold_in(rng, t), logits, ~done, t)
         tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, t, axis=1)
         logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
         lengths = lengths + (~done).astype(jnp.int32)
@@ -249,7 +251,7 @@ def first_chunk(prompt_tokens, prompt_mask, layout: SlotLayout, num_samples: int
 def turn(cfg: models.ModelConfig, params: Any, cache: dict, slot_mask, chunk, chunk_mask, *,
          turn: int, active, budget, rng: jax.Array, layout: SlotLayout, temperature=1.0,
          top_k=0, top_p=1.0, eos_id=None, stop_ids=(), stop_sequences=(), pad_id=0, mesh=None,
-         rules=shd.DEFAULT_RULES):
+         rules=shd.DEFAULT_RULES, temperatures=None):
     """Prefills each row's chunk at turn ``turn``'s chunk slots, then decodes the turn.
 
     Args:
@@ -264,6 +266,9 @@ def turn(cfg: models.ModelConfig, params: Any, cache: dict, slot_mask, chunk, ch
       temperature, top_k, top_p, eos_id, stop_ids, pad_id, mesh, rules: as
         ``sampling.generate``; stop_sequences: token-id tuples that end a turn when generated
         in a row (e.g. a tool call's closing tag).
+      temperatures: f32 [R, N] or None: row r's turn token t is drawn at
+        ``temperatures[r, t]`` (a temperature schedule over the episode's model tokens), and
+        its log-prob is the one at that temperature; None: ``temperature``.
 
     Returns:
       ``(cache, TurnOutput)``. Keys/values of the turn's tokens but its last are in the cache.
@@ -277,7 +282,9 @@ def turn(cfg: models.ModelConfig, params: Any, cache: dict, slot_mask, chunk, ch
     models.transformer.check_token_ids(cfg, chunk, chunk_mask, what="observation chunk")
     return _turn(cfg, params, cache, jnp.asarray(slot_mask, bool), jnp.asarray(chunk, jnp.int32),
                  jnp.asarray(chunk_mask, bool), jnp.int32(turn), jnp.asarray(active, bool),
-                 jnp.asarray(budget, jnp.int32), rng, layout=layout,
+                 jnp.asarray(budget, jnp.int32), rng,
+                 None if temperatures is None else jnp.asarray(temperatures, jnp.float32),
+                 layout=layout,
                  temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                  stop_ids=merge_stop_ids(eos_id, stop_ids),
                  stop_seqs=tuple(tuple(int(i) for i in q) for q in stop_sequences if len(q)),

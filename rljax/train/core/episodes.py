@@ -125,10 +125,14 @@ class _Trajectories:
     padded to M), what each turn kept, the environments' rewards and counters. Both samplers
     (the static turn batch and the episode engine) report turns to it and step through it."""
 
-    def __init__(self, tokenizer, envs, renderer: Renderer, limits: EpisodeLimits, step_all):
+    def __init__(self, tokenizer, envs, renderer: Renderer, limits: EpisodeLimits, step_all,
+                 prefixes: Sequence[Sequence[int]] | None = None):
         r, m = len(envs), limits.max_total_tokens
         self.tokenizer, self.envs, self.renderer, self.limits = tokenizer, envs, renderer, limits
         self.step_all = step_all
+        # Hints: each row's prefix ids, ahead of its first turn (prompt context, not sampled).
+        self.prefixes = [list(p) for p in prefixes] if prefixes is not None else [[]] * r
+        self.schedule = None   # f32 [M]: a temperature per model token (``run_episodes``)
         self.tokens = np.full((r, m), tokenizer.pad_id, np.int32)
         self.model_mask = np.zeros((r, m), bool)
         self.turn_ids = np.full((r, m), -1, np.int32)
@@ -142,6 +146,16 @@ class _Trajectories:
         self.final_turns = [""] * r
         self.counters: list[dict] = [{} for _ in range(r)]
         self.time_env = 0.0
+
+    def turn_temperatures(self, rows) -> np.ndarray | None:
+        """f32 [len(rows), N]: the temperature of each token of the rows' next turns under the
+        schedule (``run_episodes``' ``temperatures``): an episode's k-th model token is drawn
+        at ``schedule[k]``, whatever turn it is in. None without a schedule."""
+        if self.schedule is None:
+            return None
+        done = self.model_mask[np.asarray(rows)].sum(1)
+        at = done[:, None] + np.arange(self.limits.turn_tokens)[None, :]
+        return self.schedule[np.minimum(at, len(self.schedule) - 1)]
 
     def budget(self, i: int) -> int:
         """Tokens row ``i``'s next turn may sample."""
@@ -177,7 +191,9 @@ class _Trajectories:
             self.turn_ids[i, at], self.logps[i, at] = turn_of[j], logps[j][:k]
             if versions is not None:
                 self.versions[i, at] = versions[j][:k]
-            texts.append(tok.decode(ids[:k]))
+            # The environment sees a hinted first turn whole: prefix + continuation.
+            lead = self.prefixes[i] if turn_of[j] == 0 else []
+            texts.append(tok.decode(lead + ids[:k]))
             self.final_turns[i] = texts[-1]
             self.length[i] += k
             self.turns[i] += 1
@@ -299,7 +315,9 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                  limits: EpisodeLimits, rng: jax.Array, num_samples: int = 1,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, mesh=None,
                  step_all: Callable | None = None, engine: EngineOptions | None = None,
-                 weights: Callable[[], tuple[Any, int]] | None = None) -> dict:
+                 weights: Callable[[], tuple[Any, int]] | None = None,
+                 prefixes: Sequence[Sequence[int]] | None = None,
+                 temperatures: np.ndarray | None = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -319,7 +337,12 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     (``EngineOptions``) instead of one static batch per turn; a row draws the same noise
     either way, so where both programs compute equal logits the episodes are equal.
     ``weights`` (with ``engine``): in-flight weight updates (``EngineWeights``); adds
-    ``versions`` and ``swaps`` (module docstring).
+    ``versions`` and ``swaps`` (module docstring). ``prefixes`` (hints, one id list per
+    group): appended to the group's prompt ids, so the first turn continues them; they are
+    prompt context (not in the trajectory), and the environment and the final answer see the
+    first turn as prefix + sampled text. ``temperatures`` (a temperature schedule, f32 [M]):
+    an episode's k-th model token (counted over its turns; observations do not count) is
+    drawn at ``temperatures[k]`` and its log-prob is the one at that temperature.
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
@@ -331,13 +354,17 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     prompts = [renderer.prompt(env.reset()) for env in envs]
     if any(prompts[i] != prompts[i - i % g] for i in range(r)):
         raise ValueError("the environments of one group reset to different prompts")
-    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    row_prefixes = None if prefixes is None else [prefixes[i // g] for i in range(r)]
+    prompt_ids = [tokenizer.encode(p) + (list(row_prefixes[i]) if row_prefixes else [])
+                  for i, p in enumerate(prompts)]
     p_tok, p_mask = sampling.pad_to_bucket(prompt_ids[::g], pad_id=tokenizer.pad_id,
                                            buckets=limits.prompt_buckets)
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p,
                    stop_sequences=multiturn.stop_sequences_of(
                        tokenizer, [renderer.call_end] if renderer.call_end else []))
-    record = _Trajectories(tokenizer, envs, renderer, limits, step_all)
+    record = _Trajectories(tokenizer, envs, renderer, limits, step_all, row_prefixes)
+    if temperatures is not None:
+        record.schedule = np.asarray(temperatures, np.float32)
     if engine is None:
         _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g, mesh,
                       options)
@@ -366,6 +393,7 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
                                     turn=turn, active=active, budget=budget,
                                     rng=jax.random.fold_in(rng, turn), layout=layout,
                                     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
+                                    temperatures=record.turn_temperatures(np.arange(r)),
                                     **options)
         out_tok, out_lp, out_len = (np.asarray(x) for x in jax.device_get(
             (out.tokens, out.logps, out.lengths)))
@@ -404,6 +432,8 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
     pages, page_mask, page_len = ee.prefill(model_cfg, chunks.params, p_tok, p_mask)
     cache = paged.init_slot_cache(model_cfg, s, lim.max_total_tokens + 1)
     state = ee.empty_state(s, lim.chunk_tokens, lim.turn_tokens, tokenizer.pad_id)
+    if record.schedule is not None:   # each slot's turn at its own temperatures
+        state["temp"] = np.ones((s, lim.turn_tokens), np.float32)
     last_prompt_token = np.repeat(np.asarray(p_tok)[:, -1], g)
     waiting = list(range(r))[::-1]          # episodes not started, next last
     stop_ids = sampling.merge_stop_ids(tokenizer.eos_id, ())
@@ -414,6 +444,7 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
                 break
             i = waiting.pop()
             ee.start(state, slot, i, int(last_prompt_token[i]), record.budget(i))
+            _set_temperatures(state, slot, record, i)
         if not state["live"].any():
             break
         before = state["cursor"].copy()
@@ -431,7 +462,14 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
             ee.resume(state, slot, row=i, lead=int(state["tokens"][slot, kept[j] - 1]),
                       observation=ids, cursor=cursor, turn=int(state["turn"][slot]) + 1,
                       budget=record.budget(i))
+            _set_temperatures(state, slot, record, i)
     return busy, run
+
+
+def _set_temperatures(state: dict, slot: int, record: _Trajectories, i: int) -> None:
+    """With a schedule: the temperatures of the turn row ``i`` starts on ``slot``."""
+    if record.schedule is not None:
+        state["temp"][slot] = record.turn_temperatures([i])[0]
 
 
 def trace_tokens(tokenizer, renderer: Renderer, messages: Sequence[dict]):

@@ -211,7 +211,8 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                    turn_len=int(e.max_turn_tokens or r.max_new_tokens),
                    length=int(e.max_total_tokens) + 1,
                    chunk_steps=r.chunk_steps, temperature=r.temperature, top_k=r.top_k,
-                   top_p=r.top_p, stop_ids=sampling.merge_stop_ids(tok.eos_id, ()))]
+                   top_p=r.top_p, stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
+                   scheduled=r.temperature_schedule.name != "constant")]
     elif kind == "partial":   # the partial-rollout pool's two programs, over its 2 x chunk places
         from rljax.sampling import partial as partial_lib
         from rljax.train.core.partial import make_pool

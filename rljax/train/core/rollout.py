@@ -57,7 +57,8 @@ from rljax.train.core import image_inputs, length_groups, rollout_metrics
 # Re-exported: callers import these here.
 from rljax.train.core.buckets import build_sequences, encode_prompts, prompt_buckets  # noqa: F401
 from rljax.train.core.parts import RolloutStage, RoundSource  # noqa: F401
-from rljax.train.core.sampler import generate, rebucket_routes, rollout_temperatures  # noqa: F401
+from rljax.train.core.sampler import (generate, rebucket_routes,  # noqa: F401
+                                      rollout_temperatures, token_temperatures)
 from rljax.train.core.steps import build_logps_fn
 
 RL_STREAM = 2  # rng stream of RL rollouts: fold_in(fold_in(state.rng, RL_STREAM), step)
@@ -135,11 +136,14 @@ class Rollout:
         and scores them. ``prefixes`` (hints, ``guidance``): token ids appended to each prompt,
         i.e. placed at the start of the assistant turn; the reward judges prefix + completion.
         With a round source, a round of the iterator's prompts is the source's; ``examples``
-        (hinted re-samples of its failed groups) are sampled here, by the current policy."""
+        (hinted re-samples of its failed groups) are sampled here, by the current policy;
+        hinted episodes by the round source (``sample_hinted``)."""
         if self.rounds is not None and examples is None:
             if prefixes is not None:
                 raise ValueError("prefixes need their examples")
             return self.rounds.sample_round(self, params, rng)
+        if self.cfg.env.name:   # hinted episodes: the round source plays them
+            return self.rounds.sample_hinted(self, params, rng, examples, prefixes)
         cfg, g = self.cfg, self.g
         drawn = examples is None
         examples = next(self.iterator) if examples is None else examples
@@ -469,8 +473,8 @@ class Rollout:
                 [rebucket_routes(rounds[r]["routes"][i * g:(i + 1) * g], rounds[r]["prompt_len"],
                                  p_tok.shape[1]) for r, i in groups])
         if self.temperatures is not None:   # scored at the temperature each was sampled at
-            batch["temperatures"] = np.broadcast_to(
-                self.temperatures, rows["tokens"].shape).astype(np.float32)
+            batch["temperatures"] = token_temperatures(self.temperatures, rows["tokens"].shape,
+                                                       rows.get("model_mask"))
         return batch, rows
 
 class RewardRollout(Rollout):

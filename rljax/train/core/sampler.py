@@ -30,12 +30,24 @@ KINDS = ("static", "slots", "partial", "tree", "tree_slots")
 
 def rollout_temperatures(cfg) -> np.ndarray | None:
     """float32 [rollout.max_new_tokens] per-position temperatures of the configured
-    ``rollout.temperature_schedule``, or None when it is "constant" (``rollout.temperature``)."""
+    ``rollout.temperature_schedule``, or None when it is "constant" (``rollout.temperature``).
+    Multi-turn episodes: [env.max_total_tokens], one per model token of the trajectory (its
+    k-th model token, whatever turn it is in: ``episodes.run_episodes``)."""
     s = cfg.rollout.temperature_schedule
     if s.name == "constant":
         return None
-    return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens,
-                                         cfg.rollout.max_new_tokens)
+    length = cfg.env.max_total_tokens if cfg.env.name else cfg.rollout.max_new_tokens
+    return sampling.temperature_schedule(s.name, s.start, s.end, s.tokens, int(length))
+
+
+def token_temperatures(schedule: np.ndarray, shape, model_mask=None) -> np.ndarray:
+    """f32 ``shape`` [R, N]: the temperature each completion token was drawn at: position t's
+    ``schedule[t]``, or for episodes (``model_mask`` bool [R, N]) a row's k-th model token's
+    ``schedule[k]``, 1 on observation tokens (context: never scored)."""
+    if model_mask is None:
+        return np.broadcast_to(schedule, shape).astype(np.float32)
+    k = np.clip(np.cumsum(model_mask, axis=1) - 1, 0, len(schedule) - 1)
+    return np.where(model_mask, np.asarray(schedule, np.float32)[k], 1.0).astype(np.float32)
 
 
 def sampler_kind(cfg, tree: bool = False) -> str:

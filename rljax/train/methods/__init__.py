@@ -12,6 +12,7 @@ is a ``core.parts.RolloutStage`` the phase composes or a round source
   selfplay    env.selfplay rollouts: one policy in every seat, or a checkpoint opponent
   game_eval   win / draw / loss against fixed opponents, with Wilson intervals
   guidance    hints, ReLIFT and mixed-policy demonstrations (the Guide stage)
+  relift      ReLIFT's SFT steps on the prompts the Guide buffered
   demos       mixed-policy demonstrations written into failed groups (the Guide's)
   allocation  knapsack per-prompt group sizes (rollout.allocation='knapsack'): a round
               source

@@ -78,17 +78,21 @@ def match_options(cfg, ctx) -> dict:
 
 
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
-         top_k: int = 0, top_p: float = 1.0, weights=None) -> dict:
+         top_k: int = 0, top_p: float = 1.0, weights=None, prefixes=None,
+         temperatures=None) -> dict:
     """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
     int32 [R]: each episode's role key (``env.role_key``: game and seat, for RAE), -1 for an
-    environment without one. ``weights``: in-flight weight updates (the slot engine's)."""
+    environment without one. ``weights``: in-flight weight updates (the slot engine's);
+    ``prefixes``: hint token ids after each example's prompt (``guidance``);
+    ``temperatures``: the schedule over each episode's model tokens, f32 [M], or None."""
     cfg = ctx.cfg
     envs = make_envs(cfg, examples, num_samples)
     eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
                           renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
                           rng=rng, num_samples=num_samples, temperature=temperature,
                           top_k=top_k, top_p=top_p, mesh=ctx.mesh,
-                          engine=sampler.episode_engine(cfg, len(envs)), weights=weights)
+                          engine=sampler.episode_engine(cfg, len(envs)), weights=weights,
+                          prefixes=prefixes, temperatures=temperatures)
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)
     return eps
 
@@ -167,16 +171,18 @@ class EpisodeRounds(RoundSource):
             self.template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
             self.opponent = selfplay.load_opponent(ctx)
 
-    def play_groups(self, params, examples, rng, g: int, weights=None) -> tuple[dict, list[dict]]:
+    def play_groups(self, params, examples, rng, g: int, weights=None,
+                    prefixes=None) -> tuple[dict, list[dict]]:
         """This round's episodes and the example of each group: ``play``, or with
         ``env.selfplay`` the matches' (``selfplay.play``). ``weights``: the rollout's
-        in-flight weight updates, or None."""
+        in-flight weight updates, or None; ``prefixes``: hints (``sample_hinted``)."""
         cfg = self.ctx.cfg
         r = cfg.rollout
         opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     weights=weights)
         if not self.selfplay:
-            return play(self.ctx, params, examples, rng, **opts), examples
+            return play(self.ctx, params, examples, rng, prefixes=prefixes,
+                        temperatures=sampler.rollout_temperatures(cfg), **opts), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
                              opponent=self.opponent, **match_options(cfg, self.ctx), **opts)
@@ -195,6 +201,15 @@ class EpisodeRounds(RoundSource):
         if self.selfplay:   # a group per learner seat: each is observed as its game's
             rnd["indices"] = np.repeat(drawn, len(groups) // len(examples)).tolist()
         return rnd
+
+    def sample_hinted(self, rollout: Rollout, params, rng, examples, prefixes) -> dict:
+        """Hints (``guidance``): G new episodes of each of ``examples`` (failed groups), each
+        group's first turn continuing its hint ``prefixes`` (token ids after the prompt): the
+        same task, replayed from a fresh environment, scored as any round."""
+        t0 = time.perf_counter()
+        eps, groups = self.play_groups(params, examples, rng, rollout.g, rollout.weights,
+                                       prefixes)
+        return self.scored_round(rollout, eps, groups, time.perf_counter() - t0)
 
     def scored_round(self, rollout: Rollout, eps: dict, examples: list[dict],
                      time_play: float, g: int | None = None) -> dict:
@@ -337,6 +352,12 @@ def credit_stages(cfg, rewards_only: bool = False) -> list:
 
 # ----------------------------------------------------------------------------- SFT traces
 
+def has_script(env_name: str) -> bool:
+    """Whether the environment has scripted episodes (``trace_messages``)."""
+    from rljax import envs
+    return env_name in ("tool", "guess_number") or env_name in envs.GAME_ENVS
+
+
 def trace_messages(cfg, example: dict, rng: np.random.Generator | None = None) -> list[dict]:
     """The environment's scripted, verified episode for ``example`` (``sft.env_traces``);
     ``rng`` draws the random guesses / moves of ``sft.trace_noise`` (``guess_number``, games)."""
@@ -371,6 +392,31 @@ def trace_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
         prompts.append(prompt)
         tok[i, :len(ids)], mask[i, :len(ids)], model[i, :len(ids)] = ids, True, is_model
     return prompts, tok, mask, model, cut
+
+
+def trace_sft_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
+                    rng: np.random.Generator | None = None, rows: int | None = None):
+    """Prompt ++ scripted episode (``trace_batch``) in the shared sequence layout, the loss on
+    the model's turns only: ``(batch, number cut)``. ``rows`` pads the batch with rows that
+    count for nothing (``loss_mask`` all False)."""
+    from rljax.sampling import pad_to_bucket
+    from rljax.train.core.buckets import build_sequences
+    n = len(examples)
+    rows = n if rows is None else rows
+    prompts, c_tok, c_mask, model, cut = trace_batch(
+        cfg, tokenizer, list(examples) + [examples[0]] * (rows - n), completion_len, rng)
+    p_tok, p_mask = pad_to_bucket(prompts, pad_id=tokenizer.pad_id,
+                                  buckets=prompt_buckets(cfg.data.max_prompt_length))
+    tokens, mask = build_sequences(p_tok, p_mask, c_tok, c_mask)
+    model[n:] = False
+    return {"tokens": tokens, "mask": mask, "loss_mask": model}, cut
+
+
+def reference_turn(cfg, example: dict) -> str:
+    """The first model turn of the environment's scripted episode for ``example`` (a tool
+    call, a first guess or move): what an episode's hint is cut from (``guidance``)."""
+    messages = trace_messages(cfg, example, np.random.default_rng(0))
+    return next(m["content"] for m in messages if m["role"] == "assistant")
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -98,7 +98,10 @@ class KnapsackRounds(RoundSource):
 
     def sample_hinted(self, rollout, params, rng, examples, prefixes, sizes) -> dict:
         """Failed groups sampled again with their hint prefixes (token ids after each prompt,
-        ``guidance``), each at its own size; the round's rows, group after group."""
+        ``guidance``), each at its own size; the round's rows, group after group. Episodes:
+        played again, each first turn continuing its hint."""
+        if self.episodes is not None:
+            return self._play(rollout, params, rng, examples, sizes, prefixes)
         tok = self.ctx.tokenizer
         prompt_tokens, prompt_mask = sampling.pad_to_bucket(
             [tok.encode(ex["prompt"]) + list(p) for ex, p in zip(examples, prefixes)],
@@ -160,15 +163,17 @@ class KnapsackRounds(RoundSource):
             out["slot_steps"] = tuple(map(sum, zip(*(o["slot_steps"] for o in outs))))
         return out
 
-    def _play(self, rollout, params, rng, examples, sizes) -> dict:
+    def _play(self, rollout, params, rng, examples, sizes, prefixes=None) -> dict:
         """``sizes[i]`` episodes of example i, group after group (``budget`` in all: one
         shape of the episode batches), scored as the episodes' rounds are: each episode is
         played as a group of one of its own example, so every row carries its prompt
-        (``prompt_ids``)."""
+        (``prompt_ids``). ``prefixes``: each example's hint (``sample_hinted``), or None."""
         owner = np.repeat(np.arange(len(examples)), sizes)
         rows = [examples[i] for i in owner]
         t0 = time.perf_counter()
-        eps, rows = self.episodes.play_groups(params, rows, rng, 1, rollout.weights)
+        eps, rows = self.episodes.play_groups(
+            params, rows, rng, 1, rollout.weights,
+            None if prefixes is None else [prefixes[i] for i in owner])
         return self.episodes.scored_round(rollout, eps, rows, time.perf_counter() - t0, g=1)
 
     def pick_groups(self, rounds, kept, dropped) -> tuple[list, int, bool]:

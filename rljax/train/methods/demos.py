@@ -65,3 +65,78 @@ def insert_demos(rollout, rnd: dict, examples: Sequence[dict], rows: Sequence[in
 def demo_old_logps(old_logps, demo: np.ndarray):
     """``old_logps`` [R, N] with the demonstration rows (``demo`` bool [R]) set to 0."""
     return jnp.where(jnp.asarray(demo)[:, None], 0.0, old_logps)
+
+
+def episode_demo(cfg, tokenizer, example: dict, width: int, max_turns: int) -> dict:
+    """The example's scripted episode (``agent.trace_messages``) as a rollout row: its
+    ``prompt`` ids, ``tokens`` int32 [M] (model turns and observations, right-padded to
+    ``width``), ``model_mask`` bool [M], ``turn_ids`` int32 [M] (-1 off model tokens), ``length``,
+    ``turns``, ``cut`` (longer than ``width``), the ``final`` turn's text, and the environment's
+    ``turn_rewards`` f32 [max_turns]: a fresh environment replays the scripted turns, so the
+    demonstration earns what it would have earned if sampled."""
+    from rljax.envs import make_env
+    from rljax.train.core.episodes import trace_tokens
+    from rljax.train.methods import agent
+
+    messages = agent.trace_messages(cfg, example, np.random.default_rng(0))
+    prompt, ids, is_model = trace_tokens(tokenizer, agent.make_renderer(cfg, tokenizer),
+                                         messages)
+    model = np.asarray(is_model[:width], bool)
+    # Turn t's tokens: the t-th run of model tokens.
+    starts = model & ~np.concatenate([[False], model[:-1]])
+    turn_ids = np.where(model, np.cumsum(starts) - 1, -1).astype(np.int32)
+    env = make_env(cfg.env.name, example, **agent.env_kwargs(cfg))
+    env.reset()
+    said = [m["content"] for m in messages if m["role"] == "assistant"][:max_turns]
+    rewards = np.zeros(max_turns, np.float32)
+    for t, text in enumerate(said):
+        rewards[t] = float(env.step(text).reward)
+    row = dict(prompt=prompt, tokens=np.full(width, tokenizer.pad_id, np.int32),
+               model_mask=np.zeros(width, bool), turn_ids=np.full(width, -1, np.int32),
+               length=min(len(ids), width), turns=int(starts.sum()), cut=len(ids) > width,
+               final=said[-1], turn_rewards=rewards)
+    row["tokens"][:row["length"]] = ids[:width]
+    row["model_mask"][:len(model)], row["turn_ids"][:len(model)] = model, turn_ids
+    return row
+
+
+def insert_episode_demos(rollout, rnd: dict, examples: Sequence[dict], rows: Sequence[int],
+                         prompt_ids: Sequence[list]) -> dict:
+    """``insert_demos`` for multi-turn episodes: the last episode of each failed group (its row
+    of ``rows``) is replaced by the example's scripted episode (``episode_demo``), trained
+    with mu = 1 on its model turns (observations stay context). Its reward is the replayed
+    environment's plus ``reward.names`` on its final answer. A demonstration whose prompt
+    differs from the group's (``prompt_ids``, one per row of ``rows``) is left out."""
+    cfg, tok = rollout.cfg, rollout.ctx.tokenizer
+    rnd["demo"] = np.zeros(len(rnd["rewards"]), bool)
+    rnd.setdefault("extra_tokens", 0)
+    width, max_turns = rnd["tokens"].shape[1], rnd["turn_rewards"].shape[1]
+    done = []
+    for row, ex, prompt in zip(rows, examples, prompt_ids):
+        d = episode_demo(cfg, tok, ex, width, max_turns)
+        if list(d["prompt"]) != list(prompt):
+            continue
+        row = int(row)
+        rnd["extra_tokens"] += int(rnd["model_mask"][row].sum()) - int(d["model_mask"].sum())
+        rnd["tokens"][row], rnd["model_mask"][row] = d["tokens"], d["model_mask"]
+        rnd["turn_ids"][row], rnd["turn_rewards"][row] = d["turn_ids"], d["turn_rewards"]
+        rnd["mask"][row] = np.arange(width) < d["length"]
+        rnd["lengths"][row], rnd["truncated"][row] = d["length"], d["cut"]
+        rnd["turns"][row], rnd["logps"][row] = d["turns"], 0.0
+        rnd["scores"]["env"][row] = rnd["rewards"][row] = d["turn_rewards"].sum()
+        rnd["demo"][row] = True
+        done.append((row, ex, d))
+    if done and rollout.reward_fn is not None:   # as ``agent.score``: the final answer's score
+        result = rollout.reward_fn([ex["prompt"] for _, ex, _ in done],
+                                   ["" if d["cut"] else d["final"] for _, _, d in done],
+                                   completion_lengths=[int(d["model_mask"].sum())
+                                                       for _, _, d in done],
+                                   **{k: [ex.get(k) for _, ex, _ in done]
+                                      for k in done[0][1] if k != "prompt"})
+        for j, (row, _, d) in enumerate(done):
+            answer = float(result.total[j])
+            rnd["rewards"][row] += answer
+            rnd["turn_rewards"][row, max(d["turns"] - 1, 0)] += answer
+            for name, values in result.per_function.items():
+                rnd["scores"][name][row] = values[j]
+    return rnd

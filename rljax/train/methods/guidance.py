@@ -31,6 +31,12 @@ prompts with their reference solutions, and removes them from the buffer.
 A group is a prompt's G rows, or with knapsack allocation the rows the knapsack gave it
 (``round_groups``): hints re-sample it at its own size, a demonstration replaces its last row.
 
+Multi-turn episodes (``env.name``): a hinted group is played again from fresh environments,
+the hint after its first prompt (``agent.EpisodeRounds.sample_hinted``), cut from the scripted
+episode's first model turn where the environment has scripted episodes
+(``agent.reference_turn``); ReLIFT's rows and demonstrations are the scripted episodes
+(``agent.trace_sft_batch``, ``demos.insert_episode_demos``).
+
 All host state (per-prompt fractions, stored successes, visit counters, buffer) is a JSON-able
 ``state_dict`` saved with the phase, so resume is exact.
 """
@@ -44,16 +50,16 @@ import jax
 import numpy as np
 
 from rljax import data as data_lib
-from rljax import distributed as dist
 from rljax.data import selection
 from rljax.errors import ConfigError, UserError
 from rljax.train.core.buckets import build_sequences, encode_prompts
 from rljax.train.core.rollout import RolloutStage
-from rljax.train.core.steps import build_sft_step, to_host
-from rljax.train.methods.demos import demo_old_logps, insert_demos
+from rljax.train.methods.demos import demo_old_logps, insert_demos, insert_episode_demos
 
 SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this order (as SFT does)
 HINT_STREAM = 1 << 16  # rng: fold_in(round rng, HINT_STREAM) samples the hinted groups
+# A round's per-row fields a hinted group replaces (a round source may name more: row_keys).
+ROW_FIELDS = ("tokens", "logps", "mask", "lengths", "truncated", "rewards", "versions")
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -284,6 +290,19 @@ def solution_fn(ctx) -> Callable[[dict], str]:
     return lambda example: solution_of(example, task, field)
 
 
+def hint_solution_fn(ctx, reference: Callable[[dict], str]) -> Callable[[dict], str]:
+    """What a hint is cut from: the reference solution, or for an environment with scripted
+    episodes the first model turn of the example's (``agent.reference_turn``: a hint for an
+    episode is the start of its first turn, in the environment's format)."""
+    cfg = ctx.cfg
+    if not cfg.env.name:
+        return reference
+    from rljax.train.methods.agent import has_script, reference_turn
+    if not has_script(cfg.env.name):
+        return reference
+    return lambda example: reference_turn(cfg, example)
+
+
 def enabled(cfg) -> bool:
     a = cfg.algo
     return a.hint.mode != "off" or a.relift.every > 0 or bool(a.mixed_policy)
@@ -302,7 +321,9 @@ class Guide(RolloutStage):
         self.eos_id = ctx.tokenizer.eos_id
         self.multiple = ctx.dp_size
         self.solution = solution_fn(ctx)
-        self.hints = (Hints(cfg.algo.hint, self.solution, ctx.tokenizer,
+        # What hints are cut from (and, with episodes, what shows the scripted episode exists).
+        self.reference = hint_solution_fn(ctx, self.solution)
+        self.hints = (Hints(cfg.algo.hint, self.reference, ctx.tokenizer,
                             cfg.data.max_prompt_length) if cfg.algo.hint.mode != "off" else None)
         r = cfg.algo.relift
         self.buffer = (ReliftBuffer(r.k_visits, r.buffer_size, failed_only=r.prompts == "failed")
@@ -314,7 +335,7 @@ class Guide(RolloutStage):
         key = ("algo.hint.mode" if self.hints is not None else
                "algo.relift.every" if self.buffer is not None else "algo.mixed_policy")
         try:
-            self.solution(example)
+            self.reference(example)
         except (UserError, KeyError, ValueError) as e:
             raise ConfigError(f"{key} needs reference solutions: {e} (name the column with "
                               "algo.solution_field)") from None
@@ -335,6 +356,11 @@ class Guide(RolloutStage):
         rnd["hint"] = stats
         if self.mixed:   # each failed group's last row (groups may have sizes of their own)
             failed = np.flatnonzero(rates == 0)
+            if "turn_ids" in rnd:   # episodes: the example's scripted episode
+                last, ragged = (ends - 1)[failed], "group_sizes" in rnd
+                return insert_episode_demos(
+                    rollout, rnd, [examples[i] for i in failed], last,
+                    [rnd["prompt_ids"][r if ragged else i] for r, i in zip(last, failed)])
             return insert_demos(rollout, rnd, [examples[i] for i in failed], (ends - 1)[failed],
                                 self.solution)
         if self.hints is None:
@@ -370,8 +396,9 @@ class Guide(RolloutStage):
             src = slice(h_starts[j], h_starts[j] + sizes[i])
             # The failed samples were sampled too: their tokens stay in rollout/tokens.
             rnd["extra_tokens"] += int(rnd["lengths"][rows].sum())
-            for key in ("tokens", "logps", "mask", "lengths", "truncated", "rewards"):
-                rnd[key][rows] = hinted[key][src]
+            for key in ROW_FIELDS + tuple(rnd.get("row_keys", ())):
+                if key in rnd:   # (episodes add their per-row fields: model_mask, turns, ...)
+                    rnd[key][rows] = hinted[key][src]
             for name in rnd["scores"]:
                 rnd["scores"][name][rows] = hinted["scores"][name][src]
             rnd["prompt_ids"][ids_of(i, starts, sizes)] = \
@@ -387,8 +414,9 @@ class Guide(RolloutStage):
         rnd["extra_decoded"] = rnd.get("extra_decoded", 0) + int(np.sum(real))
         if rnd["prompt_len"] < hinted["prompt_len"]:
             rnd["prompt_len"] = hinted["prompt_len"]
-        for key in ("time_sample", "time_reward", "errors"):
-            rnd[key] += hinted[key]
+        for key in ("time_sample", "time_reward", "errors", "time_env"):
+            if key in rnd:
+                rnd[key] += hinted[key]
         rnd["hint"].update(hinted=len(failed), prefix_tokens=sum(len(p) for p in prefixes),
                            successes=int(round(float((h_rates * h_sizes).sum()))),
                            samples=int(h_sizes.sum()), padding_groups=pad)
@@ -412,7 +440,9 @@ class Guide(RolloutStage):
             return
         ok = np.flatnonzero(rnd["rewards"][rows] >= self.threshold)
         row = rows.start + int(ok[0])
-        ids = list(prefix) + completion_ids(rnd["tokens"][row], rnd["mask"][row], self.eos_id)
+        # An episode's hint is cut from its first model turn (what a prefix continues).
+        mask = rnd["turn_ids"][row] == 0 if "turn_ids" in rnd else rnd["mask"][row]
+        ids = list(prefix) + completion_ids(rnd["tokens"][row], mask, self.eos_id)
         self.hints.remember_success(example["prompt"], ids)
 
     def finish_batch(self, batch: dict, rows: dict) -> None:
@@ -453,49 +483,3 @@ def hint_metrics(rounds: Sequence[dict]) -> dict:
             "hint/prefix_tokens_mean": sum(s["prefix_tokens"] for s in stats) / max(hinted, 1),
             "hint/success_rate": sum(s["successes"] for s in stats) / max(samples, 1),
             "hint/padding_groups": sum(s.get("padding_groups", 0) for s in stats)}
-
-
-# ----------------------------------------------------------------------------- ReLIFT steps
-
-class Relift:
-    """Every ``algo.relift.every`` RL steps, one SFT step on the oldest buffered prompts'
-    reference solutions (same train state and optimizer; ``steps.build_sft_step`` with the
-    loss scaled by ``relift.coef``). Its state is the Guide's buffer."""
-
-    def __init__(self, ctx, guide: Guide):
-        self.ctx, self.guide, self.cfg = ctx, guide, ctx.cfg.algo.relift
-        self.completion_len = int(ctx.cfg.rollout.max_new_tokens)
-        self._step_fn = None
-
-    def batch(self, examples: list[dict]) -> tuple[dict, int]:
-        """``relift.batch_size`` rows of prompt ++ solution ++ EOS (padding rows masked)."""
-        return sft_batch(self.ctx.tokenizer, [ex["prompt"] for ex in examples],
-                         [self.guide.solution(ex) for ex in examples],
-                         self.ctx.cfg.data.max_prompt_length, self.completion_len,
-                         rows=int(self.cfg.batch_size))
-
-    def due_after(self, step: int) -> bool:
-        """Whether an SFT step may follow RL step ``step`` (0-based): every ``relift.every``
-        steps (it runs if the buffer then holds prompts)."""
-        return (step + 1) % int(self.cfg.every) == 0
-
-    def maybe_step(self, state, step: int, optimizer):
-        """(state, metrics) after RL step ``step`` (0-based): an SFT step when it is due and
-        the buffer holds prompts. Metrics: relift/buffer_size (before the step), and on SFT
-        steps relift/sft_loss, relift/sft_rows, relift/sft_tokens."""
-        buffer = self.guide.buffer
-        metrics = {"relift/buffer_size": len(buffer)}
-        if not self.due_after(step) or not len(buffer):
-            return state, metrics
-        examples = buffer.take(int(self.cfg.batch_size))
-        batch, cut = self.batch(examples)
-        if self._step_fn is None:
-            self._step_fn = build_sft_step(
-                self.ctx.model_cfg, optimizer, loss_scale=float(self.cfg.coef),
-                state_shardings=self.ctx.state_shardings(state), mesh=self.ctx.mesh)
-        state, m = self._step_fn(state, dist.device_batch(batch, self.ctx.mesh))
-        m = to_host(m)
-        metrics.update({"relift/sft_loss": m["nll"], "relift/sft_rows": len(examples),
-                        "relift/sft_tokens": int(batch["loss_mask"].sum()),
-                        "relift/sft_cut": cut, "relift/skipped": m["skipped"]})
-        return state, metrics

@@ -116,7 +116,10 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
     points = [f for f in forks for _ in range(k)]
     envs = agent.make_envs(cfg, [rnd["examples"][i] for i, *_ in points], 1)
     prompts = [renderer.prompt(env.reset()) for env in envs]
-    record = ep._Trajectories(tok, envs, renderer, lim, step_all)
+    # A hinted row's first turn continues its hint: the replay and the forks judge it whole.
+    hints = rnd.get("hint_prefixes", {})
+    record = ep._Trajectories(tok, envs, renderer, lim, step_all,
+                              [hints.get(i, []) for i, *_ in points])
     tokens, turn_ids = rnd["tokens"], rnd["turn_ids"]
     record.replay([[{"ids": tokens[i][turn_ids[i] == j].tolist()} for j in range(turn)]
                    for i, _, _, turn in points])

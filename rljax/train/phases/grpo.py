@@ -29,7 +29,7 @@ from rljax.models import lora as lora_lib
 from rljax.train.core import length_groups, programs as programs_lib, steps
 from rljax.train.core import sampler as sampler_lib
 from rljax.train.core import partial as partial_lib
-from rljax.train.methods import guidance, process_rewards, vine
+from rljax.train.methods import guidance, process_rewards, relift, vine
 from rljax.train.core import teacher as teacher_lib
 from rljax.train.core.metrics import host_fraction
 from rljax.train.core.rollout import Rollout
@@ -341,7 +341,7 @@ class GRPOPhase:
                                stages=self.rollout_stages(), rounds=rounds)
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).
         self.iterator = self.rollout.iterator = PrefetchingIterator(self.iterator)
-        self.relift = guidance.Relift(ctx, self.guide) if a.relift.every else None
+        self.relift = relift.Relift(ctx, self.guide) if a.relift.every else None
         self.optimizer = _optimizer(ctx, self.steps)
         self._step_fn = None
 

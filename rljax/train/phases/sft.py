@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from rljax.train.core import image_inputs, programs as programs_lib
 from rljax.train.methods import guidance, mcts_programs, mcts_search, prm_refit
-from rljax.train.core import rollout as rollout_lib
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
 
@@ -115,17 +114,11 @@ class SFTPhase:
         tok, n = self.ctx.tokenizer, self.completion_len
         if self.ctx.cfg.sft.env_traces:
             import numpy as np
-            from rljax.sampling import pad_to_bucket
-            from rljax.train.methods.agent import trace_batch
+            from rljax.train.methods.agent import trace_sft_batch
             rng = np.random.default_rng([int(self.ctx.cfg.seed), SFT_SEED_OFFSET, int(step)])
-            prompts, c_tok, c_mask, model, cut = trace_batch(self.ctx.cfg, tok, examples, n,
-                                                             rng)
+            batch, cut = trace_sft_batch(self.ctx.cfg, tok, examples, n, rng)
             self.num_too_long += cut
-            p_tok, p_mask = pad_to_bucket(prompts, pad_id=tok.pad_id,
-                                          buckets=rollout_lib.prompt_buckets(
-                                              self.ctx.cfg.data.max_prompt_length))
-            tokens, mask = rollout_lib.build_sequences(p_tok, p_mask, c_tok, c_mask)
-            return {"tokens": tokens, "mask": mask, "loss_mask": model}
+            return batch
         batch, cut = guidance.sft_batch(
             tok, [ex["prompt"] for ex in examples], [self.solution(ex) for ex in examples],
             self.ctx.cfg.data.max_prompt_length, n)
