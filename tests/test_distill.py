@@ -377,20 +377,26 @@ def test_distillation_with_knapsack_allocation_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_distillation_on_the_slot_engine(tmp_path, tree):
-    """The teacher scores what the slot engine sampled: completions, or a tree's leaves
+    """The teacher scores what the slot engine sampled: completions (of a mixture-of-experts
+    student with routing replay: the engine records each token's experts, the student's
+    passes replay them, the dense teacher scores as it is), or a tree's leaves
     (``rollout.tree``, the forks served as requests; shared segments decoded once)."""
     write_teacher_workdir(tmp_path / "teacher", seed=7)
     trees = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 1,
              "rollout.tree.branching": 2}
+    moe = {"model.preset": "tiny-moe", "algo.routing_replay": True}
     cfg = distill_cfg(str(tmp_path / "teacher"), **{
         "rollout.engine": "slots", "rollout.slots": 4, "steps": 2, "sft.steps": 0,
-        **(trees if tree else {})})
-    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+        **(trees if tree else moe)})
+    if not tree:
+        cfg.model.overrides = dict(cfg.model.overrides, moe_intermediate_size=16)
+    assert run.train(config_lib.validate(cfg), str(tmp_path / "run"), devices=DEVICES) == 0
     rl = [r for r in read_metrics(str(tmp_path / "run")) if "distill/reverse_kl" in r]
     assert len(rl) == 2 and all(0 <= r["distill/teacher_agreement"] <= 1 and
                                 0 < r["rollout/slot_utilisation"] <= 1 and
                                 np.isfinite(r["distill/reverse_kl"]) for r in rl)
     assert all((r["rollout/decoded_tokens"] < r["rollout/tokens"]) == tree for r in rl)
+    assert tree or all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)
 
 
 def test_asynchronous_distillation_resumes_exactly(tmp_path):

@@ -199,11 +199,20 @@ def test_bad_configs_refused(ckpts, tmp_path):
                           moe_intermediate_size=8)
 
 
-@pytest.mark.parametrize("replay,shared,asynchronous,engine", [
-    (False, True, False, "static"), (True, True, False, "static"),
-    (True, False, False, "static"), (True, True, True, "static"), (True, True, False, "slots")])
+# PPO on tool-agent episodes, each row's prompt computed by itself (algo.shared_prompt=false):
+# the episodes' routes replayed by the policy's passes (the critic routes freely). Nothing is
+# carried across iterations, so no resume check beyond PPO's own.
+PPO_EPISODES = {"algo.name": "ppo", "algo.adv_estimator": "gae", "env.name": "tool",
+                "env.tools": ("calculator",), "env.tool_format": "plain", "env.max_turns": 2,
+                "env.max_total_tokens": 8, "env.max_obs_tokens": 4, "rollout.max_new_tokens": 8}
+
+
+@pytest.mark.parametrize("replay,shared,asynchronous,engine,extra", [
+    (False, True, False, "static", {}), (True, True, False, "static", {}),
+    (True, True, True, "static", {}), (True, True, False, "slots", {}),
+    (True, False, False, "static", PPO_EPISODES)])
 def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, shared,
-                                                              asynchronous, engine):
+                                                              asynchronous, engine, extra):
     from rljax import config as config_lib
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
@@ -225,12 +234,18 @@ def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, s
                                         # batches sampled a version ahead keep their routes
                                         "algo.asynchronous": asynchronous,
                                         # the slot engine records routes too
-                                        "rollout.engine": engine, "rollout.slots": 4})
+                                        "rollout.engine": engine, "rollout.slots": 4,
+                                        **extra})
+    if extra:
+        cfg.env.kwargs = {"describe_tools": False}
     cfg = config_lib.validate(cfg)
     assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2
-    if asynchronous:   # stopped with batch 2 and its routes in flight, resumed: the same run
+    if extra:   # PPO (no load-balancing loss): the old-logps pass replays the episodes' routes
+        assert all(r["env/turns_mean"] >= 1 and np.isfinite(r["vf_loss"]) and
+                   r["rollout/logp_diff_max"] < 1e-4 for r in rl)
+    if asynchronous:   # stopped with batch 2 (and its routes) in flight: the same run
         from test_train_loop import StopAfter, comparable, final_params
         cfg.checkpoint_every, resumed = 1, str(tmp_path / "resumed")
         assert run.train(cfg, resumed, devices=jax.devices()[:1], stop=StopAfter(1)) == 0
@@ -238,12 +253,12 @@ def test_grpo_trains_a_tiny_moe_with_the_load_balancing_loss(tmp_path, replay, s
         assert comparable(read_metrics(resumed)) == comparable(read_metrics(str(tmp_path)))
         jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
                      final_params(str(tmp_path)))
-    for r in rl:
+    for r in ([] if extra else rl):
         fractions = [r[f"moe/expert_frac/{e}"] for e in range(8)]
         np.testing.assert_allclose(sum(fractions), 1.0, rtol=1e-5)
     # Asynchronous: batch 1 was drawn by version 0 and trains under version 1, whose router
     # would choose other experts; the first batch is drawn and trained by version 0.
-    for r in (rl[:1] if asynchronous else rl):
+    for r in (rl[:1] if asynchronous else [] if extra else rl):
         # k when perfectly balanced, more otherwise (routes the router's own choice)
         assert r["moe/load_balance"] >= 2.0 - 1e-4
         assert r["rollout/logp_diff_max"] < 1e-4
@@ -354,6 +369,11 @@ def test_routing_replay_refusals():
     assert "shared_prompt" not in str(refused.value)   # the default layout replays routes too
     cfg.rollout.partial = False
     assert config_lib.validate(cfg).algo.shared_prompt   # the default layout is accepted
+    cfg.env.name = "tool"   # episodes: the static turn batches record routes, not the engine
+    with pytest.raises(config_lib.ConfigError, match="episodes on rollout.engine='slots'"):
+        config_lib.validate(cfg)
+    cfg.rollout.engine = "static"
+    config_lib.validate(cfg)
 
 
 def test_lora_on_a_moe_covers_attention_only():

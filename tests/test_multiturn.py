@@ -100,14 +100,15 @@ def char_model():
     return tok, cfg, params
 
 
-def _run(char_model, seed=1, chat=False, engine=None, **kw):
+def _run(char_model, seed=1, chat=False, engine=None, record_routes=False, **kw):
     tok, cfg, params = char_model
     envs = [CountingEnv({"q": q}) for q in ["12*3=", "7+8=", "90="] for _ in range(4)]
     limits = episodes.EpisodeLimits(**dict(dict(turn_tokens=8, chunk_tokens=12, max_turns=3,
                                                  max_total_tokens=32, prompt_buckets=(8,)), **kw))
     return episodes.run_episodes(cfg, params, tok, envs, limits=limits,
                                  renderer=episodes.Renderer(tok, chat=chat, call_end="</c>"),
-                                 rng=jax.random.key(seed), num_samples=4, engine=engine)
+                                 rng=jax.random.key(seed), num_samples=4, engine=engine,
+                                 record_routes=record_routes)
 
 
 def test_episodes_logps_masks_and_cuts(char_model):
@@ -147,6 +148,38 @@ def _model_runs(tok, ids, model_mask):
 def _obs_lengths(transcript):
     import re
     return re.findall(r"<r>(\d+)</r>", transcript)
+
+
+def test_episode_routes_are_the_training_forwards(char_model):
+    """Routing replay on episodes (static turn batches): the recorded experts of every token fed
+    to the cache (prompt, model and observation tokens), laid out as the training row's
+    columns, are the sets a full forward over prompt ++ trajectory routes them to; replaying
+    them gives the sampler's log-probs of the model's tokens."""
+    tok, _, _ = char_model
+    cfg = models.get_preset("tiny-moe", init_std=0.1, vocab_size=tok.vocab_size, num_layers=1,
+                            hidden_size=32, num_heads=2, num_kv_heads=1,
+                            moe_intermediate_size=16)
+    params = models.init_params(cfg, jax.random.key(4))
+    params = dict(params, lm_head=params["lm_head"] * 2.0)
+    eps = _run((tok, cfg, params), record_routes=True)
+    p = eps["prompt_len"]
+    pt, pm = sampling.pad_to_bucket(eps["prompt_ids"], pad_id=0, buckets=(p,))
+    tokens = np.concatenate([pt, eps["tokens"]], 1)
+    mask = np.concatenate([pm, eps["mask"]], 1)
+    routes = eps["routes"]
+    assert routes.shape == tokens.shape + (cfg.num_layers, cfg.num_experts_per_tok)
+    assert (eps["mask"] & ~eps["model_mask"]).sum() > 5, "the episodes should hold observations"
+    _, _, stats = models.trunk(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                               with_moe_stats=True)
+    own = np.asarray(stats["ids"]).transpose(1, 2, 0, 3)          # [R, P+M, L, k]
+    fed = mask.copy()
+    fed[np.arange(len(fed)), p + eps["lengths"] - 1] = False      # the last token: never fed
+    np.testing.assert_array_equal(np.sort(routes[fed], -1), np.sort(own[fed], -1))
+    replayed, _ = models.token_logps(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                                     first_scored=p,
+                                     routes=jnp.transpose(jnp.asarray(routes), (2, 0, 1, 3)))
+    mm = eps["model_mask"]
+    np.testing.assert_allclose(np.asarray(replayed)[:, p:][mm], eps["logps"][mm], atol=2e-5)
 
 
 def test_episodes_deterministic_and_seed_dependent(char_model):

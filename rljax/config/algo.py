@@ -91,7 +91,7 @@ def algo() -> dict[str, Any]:
         # Mixture-of-experts policies: weight of the load-balancing loss added to the update's
         # loss (metric moe/load_balance: its value, num_experts_per_tok when balanced).
         moe_aux_loss_coef=0.0,
-        # Routing replay (GRPO, mixtures of experts): the sampler records each token's experts
+        # Routing replay (GRPO, distill, PPO; mixtures of experts): the sampler records each token's experts
         # and the update's forward sends the token to those (the router still weights them and
         # gets its gradient), so sampler and trainer agree on the routes.
         routing_replay=False,
@@ -479,15 +479,20 @@ def check_distill(cfg) -> None:
 
 
 def check_routing_replay(cfg) -> None:
-    """Routing replay: GRPO, synchronous or asynchronous, on single-turn prompts sampled by
-    the static sampler or the slot engine (the samplers that record routes)."""
-    a, r = cfg.algo, cfg.rollout
+    """Routing replay: GRPO, distillation or PPO, synchronous or asynchronous, on single-turn
+    prompts sampled by the static sampler or the slot engine, or on tool-agent episodes of the
+    static turn batches (the samplers that record routes)."""
+    a, r, env = cfg.algo, cfg.rollout, cfg.env
     if not a.routing_replay:
         return
     problems = [what for what, bad in (
-        (f"algo.name={a.name!r} (needs 'grpo')", a.name != "grpo"),
+        (f"algo.name={a.name!r} (needs 'grpo', 'distill' or 'ppo')",
+         a.name not in ("grpo", "distill", "ppo")),
         ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
-        (f"env.name={cfg.env.name!r} (multi-turn)", bool(cfg.env.name)),
+        (f"env.selfplay.mode={env.selfplay.mode!r}",
+         bool(env.name) and env.selfplay.mode != "off"),
+        ("episodes on rollout.engine='slots' (the static turn batches record routes)",
+         bool(env.name) and r.engine == "slots"),
         ("rollout.partial=true", bool(r.partial))) if bad]
     if problems:
         raise ConfigError("algo.routing_replay=true is not supported with " +

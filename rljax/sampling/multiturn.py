@@ -104,22 +104,28 @@ def _constraints(mesh, rules):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "num_samples", "mesh", "rules",
-                                             "cache_dtype"))
+                                             "cache_dtype", "record_routes"))
 def _start(cfg, params, prompt_tokens, prompt_mask, *, layout, num_samples, mesh, rules,
-           cache_dtype):
+           cache_dtype, record_routes=False):
     batch, constrain_cache = _constraints(mesh, rules)
     b, p = prompt_tokens.shape
     tokens, mask = batch(prompt_tokens[:, :-1]), batch(prompt_mask[:, :-1])
     slot_mask = jnp.zeros((b, layout.num_slots), bool).at[:, :p - 1].set(mask)
     cache = constrain_cache(models.init_cache(cfg, b, layout.num_slots, dtype=cache_dtype))
-    _, cache = models.trunk(cfg, params, tokens, attention_mask=slot_mask,
-                            positions=models.default_positions(mask), cache=cache, cache_index=0)
+    out = models.trunk(cfg, params, tokens, attention_mask=slot_mask,
+                       positions=models.default_positions(mask), cache=cache, cache_index=0,
+                       with_moe_stats=record_routes)
     # Prefill once per prompt; its G rows (prompt-major) share it. Per layer from here on.
-    cache = models.unstack_cache(cache)
+    cache = models.unstack_cache(out[1])
     if num_samples > 1:
         cache = {k: tuple(jnp.repeat(c, num_samples, axis=0) for c in v)
                  for k, v in cache.items()}
-    return constrain_cache(cache)
+    cache = constrain_cache(cache)
+    if record_routes:   # [L, R, S, k]: the prompt's slots now, each turn's as it is fed
+        ids = jnp.repeat(out[2]["ids"], num_samples, axis=1)
+        routes = jnp.zeros(ids.shape[:2] + (layout.num_slots, ids.shape[-1]), jnp.int32)
+        cache["routes"] = jax.lax.dynamic_update_slice_in_dim(routes, ids, 0, axis=2)
+    return cache
 
 
 _STATIC = ("cfg", "layout", "temperature", "top_k", "top_p", "stop_ids", "stop_seqs", "pad_id",
@@ -132,6 +138,9 @@ def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget
           mesh, rules):
     batch, constrain_cache = _constraints(mesh, rules)
     params = models.unstack_layers(params)   # once per turn, not per decode step
+    cache = dict(cache)
+    routes = cache.pop("routes", None)   # routing replay: each slot's experts [L, R, S, k]
+    record = routes is not None
     r, n = chunk.shape[0], layout.turn_len
     chunk, chunk_mask, slot_mask = batch(chunk), batch(chunk_mask), batch(slot_mask)
     active, budget = batch(active), batch(budget)
@@ -140,10 +149,13 @@ def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget
     # ---- prefill the chunk at its slots (slot_mask already marks its real tokens valid).
     pos = jnp.sum(slot_mask, axis=-1, dtype=jnp.int32)   # valid slots up to the turn
     before = pos - jnp.sum(chunk_mask, axis=-1, dtype=jnp.int32)
-    hidden, cache = models.trunk(cfg, params, chunk, attention_mask=slot_mask,
-                                 positions=before[:, None] + models.default_positions(chunk_mask),
-                                 cache=constrain_cache(cache), cache_index=c0)
+    out = models.trunk(cfg, params, chunk, attention_mask=slot_mask,
+                       positions=before[:, None] + models.default_positions(chunk_mask),
+                       cache=constrain_cache(cache), cache_index=c0, with_moe_stats=record)
+    hidden, cache = out[:2]
     cache = constrain_cache(cache)
+    if record:
+        routes = jax.lax.dynamic_update_slice_in_dim(routes, out[2]["ids"], c0, axis=2)
     logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # left-padded: last is real
 
     # ---- decode into slots [start, start + n); token t sits at position pos + t.
@@ -179,17 +191,21 @@ def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget
     done = ~live | stopped | (lengths >= budget)
 
     def cond(state):
-        t, _, _, _, _, done, _ = state
+        t, _, _, _, _, done, _, _ = state
         return (t < n) & ~jnp.all(done)
 
     def body(state):
         # Feed token t-1 (slot start + t - 1, position pos + t - 1); sample token t.
-        t, cache, tokens, logps, lengths, done, stopped = state
+        t, cache, tokens, logps, lengths, done, stopped, routes = state
         attn = slot_mask | ((turn_slots >= 0) & (turn_slots < t))[None, :]
         prev = jax.lax.dynamic_index_in_dim(tokens, t - 1, axis=1)  # [R, 1]
-        hidden, cache = models.trunk(cfg, params, prev, attention_mask=attn,
-                                     positions=(pos + t - 1)[:, None], cache=cache,
-                                     cache_index=start + t - 1)
+        out = models.trunk(cfg, params, prev, attention_mask=attn,
+                           positions=(pos + t - 1)[:, None], cache=cache,
+                           cache_index=start + t - 1, with_moe_stats=record)
+        hidden, cache = out[:2]
+        if record:   # token t-1's experts into its slot (a done row's slot is never valid)
+            routes = jax.lax.dynamic_update_slice_in_dim(routes, out[2]["ids"], start + t - 1,
+                                                         axis=2)
         cache = constrain_cache(cache)
         logits = models.logits_from_hidden(cfg, params, hidden[:, 0])
         tok, logp = pick(jax.random.fold_in(rng, t), logits, ~done, t)
@@ -198,10 +214,13 @@ def _turn(cfg, params, cache, slot_mask, chunk, chunk_mask, turn, active, budget
         lengths = lengths + (~done).astype(jnp.int32)
         stopped = stopped | (~done & stopped_at(tokens, t))
         done = done | stopped | (lengths >= budget)
-        return t + 1, cache, tokens, logps, lengths, done, stopped
+        return t + 1, cache, tokens, logps, lengths, done, stopped, routes
 
-    state = (jnp.int32(1), cache, tokens, logps, lengths, done, stopped)
-    _, cache, tokens, logps, lengths, _, stopped = jax.lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), cache, tokens, logps, lengths, done, stopped,
+             routes if record else jnp.zeros((), jnp.int32))
+    _, cache, tokens, logps, lengths, _, stopped, routes = jax.lax.while_loop(cond, body, state)
+    if record:
+        cache["routes"] = routes
     return cache, TurnOutput(tokens=tokens, logps=logps, lengths=lengths, stopped=stopped)
 
 
@@ -213,11 +232,15 @@ def _rules(rules):
 
 def start(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, *,
           layout: SlotLayout, num_samples: int = 1, mesh=None, rules=shd.DEFAULT_RULES,
-          cache_dtype=None) -> dict:
+          cache_dtype=None, record_routes: bool = False) -> dict:
     """Prefills each prompt but its last token once and fans the cache out to G rows.
 
     Args:
       prompt_tokens: int32 [B, P] left-padded (P == ``layout.prompt_len`` >= 2); prompt_mask.
+      record_routes: a mixture of experts: the cache also carries ``"routes"`` int32
+        [L, B*G, S, k], the experts each slot's keys/values were computed with (every fed
+        token's: the prefill's here, each ``turn``'s chunk and decode steps as they run), for
+        routing replay in the update (``trajectory_routes`` lays them out).
     Returns:
       the cache ``{"k", "v": tuple of L [B*G, Hkv, S, Dh]}`` (per layer, rows prompt-major;
       ``models.stack_cache`` stacks it); the valid slots are ``first_chunk``'s ``slot_mask``.
@@ -225,11 +248,14 @@ def start(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, *,
     if prompt_tokens.shape[1] != layout.prompt_len or layout.prompt_len < 2:
         raise ValueError(f"prompt bucket {prompt_tokens.shape[1]} != layout.prompt_len "
                          f"{layout.prompt_len} (>= 2)")
+    if record_routes and not cfg.is_moe:
+        raise ValueError("record_routes needs a mixture-of-experts model")
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask, what="prompt_tokens")
     return _start(cfg, params, jnp.asarray(prompt_tokens, jnp.int32),
                   jnp.asarray(prompt_mask, bool), layout=layout, num_samples=int(num_samples),
                   mesh=mesh, rules=_rules(rules),
-                  cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+                  cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
+                  record_routes=bool(record_routes))
 
 
 def first_chunk(prompt_tokens, prompt_mask, layout: SlotLayout, num_samples: int = 1):
@@ -271,7 +297,9 @@ def turn(cfg: models.ModelConfig, params: Any, cache: dict, slot_mask, chunk, ch
         its log-prob is the one at that temperature; None: ``temperature``.
 
     Returns:
-      ``(cache, TurnOutput)``. Keys/values of the turn's tokens but its last are in the cache.
+      ``(cache, TurnOutput)``. Keys/values of the turn's tokens but its last are in the cache
+      (and, with ``start(record_routes=True)``, the experts of each fed token in its
+      ``"routes"``).
     """
     if not 0 <= turn < layout.max_turns:
         raise ValueError(f"turn {turn} outside 0..{layout.max_turns - 1}")
@@ -289,6 +317,23 @@ def turn(cfg: models.ModelConfig, params: Any, cache: dict, slot_mask, chunk, ch
                  stop_ids=merge_stop_ids(eos_id, stop_ids),
                  stop_seqs=tuple(tuple(int(i) for i in q) for q in stop_sequences if len(q)),
                  pad_id=int(pad_id), mesh=mesh, rules=_rules(rules))
+
+
+def trajectory_routes(routes, slot_mask, prompt_mask, width: int) -> np.ndarray:
+    """A cache's recorded routes (``start(record_routes=True)``: ``cache["routes"]`` [L, R,
+    S, k]) laid out as the training rows' columns: int32 [R, P + width, L, k] for the
+    left-padded prompt bucket P (``prompt_mask`` bool [R, P]) and the compact trajectory
+    after it. A row's valid slots (``slot_mask`` bool [R, S], every kept token's included),
+    read in order, are its prompt and trajectory but the last token (never fed: entries 0)."""
+    routes = np.transpose(np.asarray(routes), (1, 2, 0, 3))
+    prompt_mask = np.asarray(prompt_mask, bool)
+    r, p = prompt_mask.shape
+    out = np.zeros((r, p + width) + routes.shape[2:], np.int32)
+    for i in range(r):
+        fed = routes[i, np.asarray(slot_mask[i], bool)]
+        first = p - int(prompt_mask[i].sum())   # the prompt's real tokens end at column P-1
+        out[i, first:first + len(fed)] = fed[:p + width - first]
+    return out
 
 
 def kept_slots(layout: SlotLayout, turn: int, kept) -> np.ndarray:

@@ -17,6 +17,10 @@ trajectories out for training.
     eps["versions"]    int32 [R, M]  with ``weights`` (in-flight weight updates): the version
                                      that drew each model token, -1 elsewhere; ``eps["swaps"]``
                                      how often the weights changed
+    eps["routes"]      int32 [R, P+M, L, k]  with ``record_routes`` (routing replay, a mixture of
+                                     experts): the experts of every token fed to the cache
+                                     (prompt, model and observation tokens), on the training
+                                     row's columns (prompt bucket P, left-padded)
 
 A turn ends on EOS, a tool call's closing text (``renderer.call_end``: stopped on device when it
 tokenizes to a fixed id sequence, and always cut on the host after its first occurrence in the
@@ -317,7 +321,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                  step_all: Callable | None = None, engine: EngineOptions | None = None,
                  weights: Callable[[], tuple[Any, int]] | None = None,
                  prefixes: Sequence[Sequence[int]] | None = None,
-                 temperatures: np.ndarray | None = None) -> dict:
+                 temperatures: np.ndarray | None = None, record_routes: bool = False) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -343,9 +347,12 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     first turn as prefix + sampled text. ``temperatures`` (a temperature schedule, f32 [M]):
     an episode's k-th model token (counted over its turns; observations do not count) is
     drawn at ``temperatures[k]`` and its log-prob is the one at that temperature.
+    ``record_routes``: adds ``routes`` (module docstring).
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
+    if record_routes and engine is not None:
+        raise ValueError("record_routes needs the static turn batches (engine=None)")
     if step_all is None:
         from rljax.envs import step_all
     r, g = len(envs), int(num_samples)
@@ -366,9 +373,10 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     if temperatures is not None:
         record.schedule = np.asarray(temperatures, np.float32)
     if engine is None:
-        _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g, mesh,
-                      options)
-        return record.result(prompts, prompt_ids, p_tok.shape[1])
+        routes = _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g,
+                               mesh, options, record_routes)
+        out = record.result(prompts, prompt_ids, p_tok.shape[1])
+        return out if routes is None else dict(out, routes=routes)
     chunks = EngineWeights(params, weights)
     slot_steps = _engine_turns(model_cfg, chunks, tokenizer, record, p_tok, p_mask, rng, g,
                                engine, options)
@@ -377,14 +385,15 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
 
 
 def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_mask, rng, g,
-                  mesh, options) -> None:
-    """Turn k of every live episode as one batch (``sampling.multiturn``)."""
+                  mesh, options, record_routes: bool = False):
+    """Turn k of every live episode as one batch (``sampling.multiturn``). Returns the
+    episodes' routes (``record_routes``; ``multiturn.trajectory_routes``) or None."""
     lim = record.limits
     r, o = len(record.envs), lim.chunk_tokens
     layout = multiturn.SlotLayout(prompt_len=p_tok.shape[1], turn_len=lim.turn_tokens,
                                   chunk_len=o, max_turns=lim.max_turns)
     cache = multiturn.start(model_cfg, params, p_tok, p_mask, layout=layout, num_samples=g,
-                            mesh=mesh)
+                            mesh=mesh, record_routes=record_routes)
     chunk, chunk_mask, slot_mask = multiturn.first_chunk(p_tok, p_mask, layout, g)
     active = np.ones(r, bool)
     for turn in range(lim.max_turns):
@@ -417,6 +426,11 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
         if turn + 1 < lim.max_turns:
             start = layout.chunk_start(turn + 1)
             slot_mask[:, start:start + o] = chunk_mask
+    if not record_routes:
+        return None
+    return multiturn.trajectory_routes(jax.device_get(cache["routes"]), slot_mask,
+                                       np.repeat(np.asarray(p_mask, bool), g, axis=0),
+                                       lim.max_total_tokens)
 
 
 def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajectories, p_tok,

@@ -79,12 +79,13 @@ def match_options(cfg, ctx) -> dict:
 
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0, weights=None, prefixes=None,
-         temperatures=None) -> dict:
+         temperatures=None, record_routes: bool = False) -> dict:
     """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
     int32 [R]: each episode's role key (``env.role_key``: game and seat, for RAE), -1 for an
     environment without one. ``weights``: in-flight weight updates (the slot engine's);
     ``prefixes``: hint token ids after each example's prompt (``guidance``);
-    ``temperatures``: the schedule over each episode's model tokens, f32 [M], or None."""
+    ``temperatures``: the schedule over each episode's model tokens, f32 [M], or None;
+    ``record_routes``: every fed token's experts (routing replay)."""
     cfg = ctx.cfg
     envs = make_envs(cfg, examples, num_samples)
     eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
@@ -92,7 +93,8 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
                           rng=rng, num_samples=num_samples, temperature=temperature,
                           top_k=top_k, top_p=top_p, mesh=ctx.mesh,
                           engine=sampler.episode_engine(cfg, len(envs)), weights=weights,
-                          prefixes=prefixes, temperatures=temperatures)
+                          prefixes=prefixes, temperatures=temperatures,
+                          record_routes=record_routes)
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)
     return eps
 
@@ -182,7 +184,8 @@ class EpisodeRounds(RoundSource):
                     weights=weights)
         if not self.selfplay:
             return play(self.ctx, params, examples, rng, prefixes=prefixes,
-                        temperatures=sampler.rollout_temperatures(cfg), **opts), examples
+                        temperatures=sampler.rollout_temperatures(cfg), **opts,
+                        record_routes=bool(cfg.algo.get("routing_replay"))), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
                              opponent=self.opponent, **match_options(cfg, self.ctx), **opts)
@@ -238,7 +241,8 @@ class EpisodeRounds(RoundSource):
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
-                    **{k: eps[k] for k in ("slot_steps", "versions", "swaps") if k in eps})
+                    **{k: eps[k] for k in ("slot_steps", "versions", "swaps", "routes")
+                       if k in eps})
 
     def metrics(self, rounds, step: int) -> dict:
         m = env_metrics([r["episodes"] for r in rounds])

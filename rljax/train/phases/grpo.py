@@ -249,10 +249,22 @@ def batch_fields(cfg, model_cfg=None) -> dict:
         fields.update(teacher_lib.fields(cfg, n))
     if model_cfg is not None:   # a model with a vision tower: each row's prompt's images
         fields.update(programs_lib.image_fields(cfg, model_cfg))
-    if a.get("routing_replay") and model_cfg is not None:
-        fields["routes"] = ((0, model_cfg.num_layers, model_cfg.num_experts_per_tok),
-                            jnp.int32)
-    return fields
+    return dict(fields, **routes_field(cfg, model_cfg))
+
+
+def routes_field(cfg, model_cfg=None) -> dict:
+    """``{"routes": ((0, L, k), int32)}`` under routing replay given ``model_cfg`` (its
+    sequence axis P+N, ``length_groups.SEQUENCE_KEYS``), else {}."""
+    if not cfg.algo.get("routing_replay") or model_cfg is None:
+        return {}
+    return {"routes": ((0, model_cfg.num_layers, model_cfg.num_experts_per_tok), jnp.int32)}
+
+
+def check_routing_replay(cfg, model_cfg) -> None:
+    """ConfigError: routing replay on a dense model (nothing to route)."""
+    if cfg.algo.get("routing_replay") and not model_cfg.is_moe:
+        raise ConfigError(f"algo.routing_replay=true needs a mixture-of-experts model "
+                          f"(model_type {model_cfg.model_type!r} is dense)")
 
 
 def _optimizer(ctx: Context, steps_: int):
@@ -315,9 +327,7 @@ class GRPOPhase:
         cfg = ctx.cfg
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
-        if a.routing_replay and not ctx.model_cfg.is_moe:
-            raise ConfigError(f"algo.routing_replay=true needs a mixture-of-experts model "
-                              f"(model_type {ctx.model_cfg.model_type!r} is dense)")
+        check_routing_replay(cfg, ctx.model_cfg)
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         groups = self.batch_size // a.num_generations

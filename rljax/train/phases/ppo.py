@@ -27,6 +27,13 @@ Token-level reward: the sequence reward sits on the last real completion token; 
 The critic is ``models.value_forward`` over ``state.critic_params`` (initialise it from the
 policy with ``models.init_value_params(cfg, rng, from_params=params)``) with its own optimizer
 (``state.critic_opt_state``).
+
+Routing replay (``algo.routing_replay``, a mixture of experts): ``batch["routes"]`` [B, P+N,
+L, k] are the sampler's, so the policy's passes (old and reference log-probs, the update)
+replay them as GRPO's do. The critic routes freely: its router is its own (trained by the value
+loss from the policy's copy), the recorded routes are the policy's choice, and what replay
+fixes -- the sampler and the trainer scoring one token under different experts -- concerns
+only the policy's log-probs (R3 replays the policy alone).
 """
 from __future__ import annotations
 
@@ -42,7 +49,7 @@ from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib
 from rljax.train.core import partial as partial_lib, programs as programs_lib, steps
-from rljax.train.phases.grpo import policy_loss_options
+from rljax.train.phases.grpo import check_routing_replay, policy_loss_options, routes_field
 from rljax.train.core.optim import all_finite, apply_if_finite
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.setup import Context, rl_iterator, update_sizes
@@ -303,7 +310,10 @@ def batch_fields(cfg, prepared: bool) -> dict:
 
 def _batch(ctx: Context, rows: int, prepared: bool) -> dict:
     out = programs_lib.sequence_batch(ctx, rows)
-    for key, (tail, dtype) in batch_fields(ctx.cfg, prepared).items():
+    width = out["tokens"].shape[1]
+    fields = dict(batch_fields(ctx.cfg, prepared), **routes_field(ctx.cfg, ctx.model_cfg))
+    for key, (tail, dtype) in fields.items():
+        tail = (width, *tail[1:]) if key == "routes" else tail   # the P+N columns
         out.setdefault(key, programs_lib.batch_struct(ctx.mesh, (rows, *tail), dtype))
     return out
 
@@ -324,6 +334,7 @@ class PPOPhase:
         cfg = ctx.cfg
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
+        check_routing_replay(cfg, ctx.model_cfg)
         self.batch_size = cfg.rollout.batch_size
         self.mini = update_sizes(cfg)[0]
         groups = self.batch_size // a.num_generations
