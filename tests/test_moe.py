@@ -369,11 +369,9 @@ def test_routing_replay_refusals():
     assert "shared_prompt" not in str(refused.value)   # the default layout replays routes too
     cfg.rollout.partial = False
     assert config_lib.validate(cfg).algo.shared_prompt   # the default layout is accepted
-    cfg.env.name = "tool"   # episodes: the static turn batches record routes, not the engine
-    with pytest.raises(config_lib.ConfigError, match="episodes on rollout.engine='slots'"):
+    cfg.env.update({"name": "tictactoe", "selfplay": {"mode": "self"}})   # matches
+    with pytest.raises(config_lib.ConfigError, match="env.selfplay.mode='self'"):
         config_lib.validate(cfg)
-    cfg.rollout.engine = "static"
-    config_lib.validate(cfg)
 
 
 def test_lora_on_a_moe_covers_attention_only():

@@ -150,18 +150,20 @@ def _obs_lengths(transcript):
     return re.findall(r"<r>(\d+)</r>", transcript)
 
 
-def test_episode_routes_are_the_training_forwards(char_model):
-    """Routing replay on episodes (static turn batches): the recorded experts of every token fed
-    to the cache (prompt, model and observation tokens), laid out as the training row's
-    columns, are the sets a full forward over prompt ++ trajectory routes them to; replaying
-    them gives the sampler's log-probs of the model's tokens."""
+@pytest.mark.parametrize("engine", [None, episodes.EngineOptions(slots=5, chunk_steps=3)])
+def test_episode_routes_are_the_training_forwards(char_model, engine):
+    """Routing replay on episodes (static turn batches, or the episode engine with slots
+    reused): the recorded experts of every token fed to the cache (prompt, model and
+    observation tokens), laid out as the training row's columns, are the sets a full forward
+    over prompt ++ trajectory routes them to; replaying them gives the sampler's log-probs of
+    the model's tokens."""
     tok, _, _ = char_model
     cfg = models.get_preset("tiny-moe", init_std=0.1, vocab_size=tok.vocab_size, num_layers=1,
                             hidden_size=32, num_heads=2, num_kv_heads=1,
                             moe_intermediate_size=16)
     params = models.init_params(cfg, jax.random.key(4))
     params = dict(params, lm_head=params["lm_head"] * 2.0)
-    eps = _run((tok, cfg, params), record_routes=True)
+    eps = _run((tok, cfg, params), record_routes=True, engine=engine)
     p = eps["prompt_len"]
     pt, pm = sampling.pad_to_bucket(eps["prompt_ids"], pad_id=0, buckets=(p,))
     tokens = np.concatenate([pt, eps["tokens"]], 1)

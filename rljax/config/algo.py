@@ -480,8 +480,8 @@ def check_distill(cfg) -> None:
 
 def check_routing_replay(cfg) -> None:
     """Routing replay: GRPO, distillation or PPO, synchronous or asynchronous, on single-turn
-    prompts sampled by the static sampler or the slot engine, or on tool-agent episodes of the
-    static turn batches (the samplers that record routes)."""
+    prompts sampled by the static sampler or the slot engine, or on tool-agent episodes (the
+    samplers that record routes)."""
     a, r, env = cfg.algo, cfg.rollout, cfg.env
     if not a.routing_replay:
         return
@@ -491,8 +491,6 @@ def check_routing_replay(cfg) -> None:
         ("tree sampling (rollout.tree.enabled=true)", bool(r.tree.enabled)),
         (f"env.selfplay.mode={env.selfplay.mode!r}",
          bool(env.name) and env.selfplay.mode != "off"),
-        ("episodes on rollout.engine='slots' (the static turn batches record routes)",
-         bool(env.name) and r.engine == "slots"),
         ("rollout.partial=true", bool(r.partial))) if bad]
     if problems:
         raise ConfigError("algo.routing_replay=true is not supported with " +

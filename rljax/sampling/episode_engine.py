@@ -98,27 +98,41 @@ def free(state: dict, slot: int) -> None:
     state["row"][slot], state["live"][slot] = -1, False
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cache_dtype"))
-def _prefill(cfg, params, prompt_tokens, prompt_mask, cache_dtype):
-    pages, _ = paged.prefill_pages(cfg, params, prompt_tokens[:, :-1], prompt_mask[:, :-1],
-                                   cache_dtype)
-    return pages
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_dtype", "record_routes"))
+def _prefill(cfg, params, prompt_tokens, prompt_mask, cache_dtype, record_routes=False):
+    out = paged.prefill_pages(cfg, params, prompt_tokens[:, :-1], prompt_mask[:, :-1],
+                              cache_dtype, with_routes=record_routes)
+    return (out[0], out[2]) if record_routes else out[0]
 
 
 def prefill(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask,
-            cache_dtype=None) -> tuple[dict, jax.Array, jax.Array]:
+            cache_dtype=None, record_routes: bool = False) -> tuple:
     """Pages of every prompt but its last token (which each episode feeds first).
 
     prompt_tokens: int32 [B, P] left-padded (P >= 2), prompt_mask bool [B, P]. Returns
-    ``(pages, page_mask bool [B, P - 1], page_len int32 [B])``."""
+    ``(pages, page_mask bool [B, P - 1], page_len int32 [B])``, and with ``record_routes`` (a
+    mixture of experts) the paged tokens' experts, int32 [B, P - 1, L, k]."""
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
     prompt_mask = np.asarray(prompt_mask, bool)
     if prompt_tokens.shape[1] < 2:
         raise ValueError(f"prompt bucket {prompt_tokens.shape[1]} must be >= 2")
     dtype = None if cache_dtype is None else jnp.dtype(cache_dtype).name
-    pages = _prefill(cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), dtype)
+    out = _prefill(cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), dtype,
+                   bool(record_routes))
     mask = prompt_mask[:, :-1]
-    return pages, jnp.asarray(mask), jnp.asarray(mask.sum(-1).astype(np.int32))
+    result = (out[0] if record_routes else out, jnp.asarray(mask),
+              jnp.asarray(mask.sum(-1).astype(np.int32)))
+    return result + (jnp.transpose(out[1], (1, 2, 0, 3)),) if record_routes else result
+
+
+def init_routes(cfg: models.ModelConfig, cache: dict) -> dict:
+    """``cache`` (``paged.init_slot_cache``) that also records routes: ``"routes"`` int32
+    [S, C, L, k], the experts each slot's cache index was written with (routing replay;
+    ``run_chunk`` writes them as it feeds tokens, C the slot cache's length)."""
+    s = cache["k"][0].shape[0]
+    length = max(c.shape[2] for c in cache["k"])
+    return dict(cache, routes=jnp.zeros((s, length, cfg.num_layers, cfg.num_experts_per_tok),
+                                        jnp.int32))
 
 
 def _stop_hits(tokens, t, stop_ids, stop_seqs):
@@ -162,9 +176,16 @@ def _chunk(cfg, params, pages, page_mask, page_len, cache, state, rng, *, num_sa
         live, cursor = st["live"], st["cursor"]
         page = jnp.maximum(st["row"], 0) // num_samples
         index = jnp.where(live, cursor, length)   # free and waiting slots write nothing
-        hidden, cache = paged.slot_decode(cfg, params, st["prev"], page_len[page] + cursor,
-                                          index, pages, page_mask, page, cache,
-                                          slot_pages=held)
+        kv = {"k": cache["k"], "v": cache["v"]}
+        out = paged.slot_decode(cfg, params, st["prev"], page_len[page] + cursor, index, pages,
+                                page_mask, page, kv, with_routes="routes" in cache,
+                                slot_pages=held)
+        hidden = out[0]
+        if "routes" in cache:   # the fed token's experts at its cache index
+            routes = cache["routes"].at[jnp.arange(s), index].set(out[2], mode="drop")
+            cache = dict(out[1], routes=routes)
+        else:
+            cache = out[1]
         logits = models.logits_from_hidden(cfg, params, hidden)
         feeding = live & (st["feed_i"] < st["feed_n"])
         sampling = live & ~feeding
@@ -205,7 +226,7 @@ def run_chunk(cfg: models.ModelConfig, params: Any, pages: dict, page_mask, page
 
     pages, page_mask, page_len: from ``prefill``; a slot of row r reads page r // num_samples.
     cache: ``paged.init_slot_cache(cfg, S, L)`` with L > every episode's cache length
-    (donated). state: the host's slot state (``empty_state``); returned as numpy after the
+    (donated); with ``init_routes`` it records each fed token's experts. state: the host's slot state (``empty_state``); returned as numpy after the
     chunk. stop_ids: merged EOS and stop ids; stop_sequences: token-id tuples that end a turn.
     Returns ``(cache, state, steps run)``."""
     cache, out, steps = _chunk(

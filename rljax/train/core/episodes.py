@@ -347,12 +347,10 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     first turn as prefix + sampled text. ``temperatures`` (a temperature schedule, f32 [M]):
     an episode's k-th model token (counted over its turns; observations do not count) is
     drawn at ``temperatures[k]`` and its log-prob is the one at that temperature.
-    ``record_routes``: adds ``routes`` (module docstring).
+    ``record_routes`` (a mixture of experts): adds ``routes`` (module docstring).
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
-    if record_routes and engine is not None:
-        raise ValueError("record_routes needs the static turn batches (engine=None)")
     if step_all is None:
         from rljax.envs import step_all
     r, g = len(envs), int(num_samples)
@@ -378,10 +376,11 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
         out = record.result(prompts, prompt_ids, p_tok.shape[1])
         return out if routes is None else dict(out, routes=routes)
     chunks = EngineWeights(params, weights)
-    slot_steps = _engine_turns(model_cfg, chunks, tokenizer, record, p_tok, p_mask, rng, g,
-                               engine, options)
-    return dict(record.result(prompts, prompt_ids, p_tok.shape[1]), slot_steps=slot_steps,
-                **chunks.fields(record.versions))
+    slot_steps, routes = _engine_turns(model_cfg, chunks, tokenizer, record, p_tok, p_mask, rng,
+                                       g, engine, options, record_routes)
+    out = dict(record.result(prompts, prompt_ids, p_tok.shape[1]), slot_steps=slot_steps,
+               **chunks.fields(record.versions))
+    return out if routes is None else dict(out, routes=routes)
 
 
 def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_mask, rng, g,
@@ -434,17 +433,25 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
 
 
 def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajectories, p_tok,
-                  p_mask, rng, g, engine: EngineOptions, options) -> tuple[int, int]:
+                  p_mask, rng, g, engine: EngineOptions, options, record_routes: bool = False):
     """Each episode on a slot of its own (``sampling.episode_engine``), decoded with
-    ``chunks``' weights; free slots take the next episode. Returns (busy, run) slot-steps."""
+    ``chunks``' weights; free slots take the next episode. Returns ((busy, run) slot-steps,
+    the episodes' routes with ``record_routes`` or None)."""
     from rljax.models import paged
     from rljax.sampling import episode_engine as ee
 
     lim = record.limits
     r = len(record.envs)
     s = max(1, min(int(engine.slots), r))
-    pages, page_mask, page_len = ee.prefill(model_cfg, chunks.params, p_tok, p_mask)
+    pages, page_mask, page_len, *prompt_routes = ee.prefill(
+        model_cfg, chunks.params, p_tok, p_mask, record_routes=record_routes)
     cache = paged.init_slot_cache(model_cfg, s, lim.max_total_tokens + 1)
+    routes = None
+    if record_routes:   # columns: the paged prompt tokens [0, P-1), then cache index j at P-1+j
+        p = p_tok.shape[1]
+        cache = ee.init_routes(model_cfg, cache)
+        routes = np.zeros((r, p + lim.max_total_tokens) + cache["routes"].shape[2:], np.int32)
+        routes[:, :p - 1] = np.repeat(np.asarray(jax.device_get(prompt_routes[0])), g, axis=0)
     state = ee.empty_state(s, lim.chunk_tokens, lim.turn_tokens, tokenizer.pad_id)
     if record.schedule is not None:   # each slot's turn at its own temperatures
         state["temp"] = np.ones((s, lim.turn_tokens), np.float32)
@@ -470,6 +477,9 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
         for j, slot in enumerate(ended):
             i, ids = int(rows[j]), observations[j]
             if ids is None:
+                if routes is not None:   # its fed tokens: cache indexes 0 .. length - 1
+                    n = int(record.length[i])
+                    routes[i, p - 1:p - 1 + n] = np.asarray(cache["routes"][slot, :n])
                 ee.free(state, slot)
                 continue
             cursor = int(record.length[i]) - len(ids)   # the kept turn's last token goes here
@@ -477,7 +487,7 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
                       observation=ids, cursor=cursor, turn=int(state["turn"][slot]) + 1,
                       budget=record.budget(i))
             _set_temperatures(state, slot, record, i)
-    return busy, run
+    return (busy, run), routes
 
 
 def _set_temperatures(state: dict, slot: int, record: _Trajectories, i: int) -> None:
