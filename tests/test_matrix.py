@@ -9,7 +9,8 @@ Where the 27 cells that run are trained, and where each workload resumes exactly
   rollouts against a checkpoint resumed), test_episode_partial.py (partial rollouts resumed)
   and below (asynchronous);
 - images: test_vision_run.py (static, slot engine; partial rollouts and asynchronous resumed);
-- routing replay: test_moe.py (static, slot engine; asynchronous resumed);
+- routing replay: test_moe.py (static, slot engine, PPO over tool episodes; asynchronous
+  resumed), test_multiturn.py (the episodes' recorded routes), test_distill.py (slot engine);
 - PPO: test_train_ppo.py (static; partial rollouts and asynchronous resumed) and below (slot
   engine);
 - distillation: test_distill.py (static, slot engine; partial rollouts and asynchronous

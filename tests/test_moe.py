@@ -329,12 +329,19 @@ def test_shared_layout_keeps_a_groups_routes_once():
     assert length_groups.shared_layout(part, n, g) is None  # each row computes its own prompt
 
 
-def test_sampler_records_the_routes_the_update_replays(loaded):
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampler_records_the_routes_the_update_replays(loaded, tree):
+    """The static sampler, or the tree sampler (a shared first segment forked into 2 leaves,
+    each leaf carrying its prefix's routes)."""
     cfg, params = loaded["olmoe"]
     prompt, pmask = _batch()
-    out = sampling.generate(cfg, params, jnp.asarray(prompt), jnp.asarray(pmask),
-                            rng=jax.random.PRNGKey(3), max_new_tokens=6, temperature=1.0,
-                            num_samples=2, record_routes=True)
+    opts = dict(rng=jax.random.PRNGKey(3), max_new_tokens=6, temperature=1.0, record_routes=True)
+    if tree:
+        out = sampling.tree.generate(cfg, params, jnp.asarray(prompt), jnp.asarray(pmask),
+                                     segment_tokens=3, branching=2, depth=1, **opts)
+    else:
+        out = sampling.generate(cfg, params, jnp.asarray(prompt), jnp.asarray(pmask),
+                                num_samples=2, **opts)
     n = out.tokens.shape[1]
     assert out.routes.shape == (B * 2, T + n, cfg.num_layers, cfg.num_experts_per_tok)
     tokens = np.concatenate([np.repeat(prompt, 2, 0), np.asarray(out.tokens)], 1)

@@ -53,6 +53,8 @@ class TreeSampleOutput:
     decoded: int32 [B]; tokens the sampler decoded per prompt, each tree node's segment once.
     versions: int32 [B*M, N] or None; with in-flight weight updates (``sampling.tree_engine``),
       the version of the weights that drew each token (a shared segment's, on every leaf).
+    routes: int32 [B*M, P+N, L, k] or None (``record_routes``): each fed token's experts, as
+      ``sampling.SampleOutput.routes`` (a shared segment's, on every leaf of it).
     """
     tokens: jax.Array
     logps: jax.Array
@@ -62,6 +64,7 @@ class TreeSampleOutput:
     node_ids: jax.Array
     decoded: jax.Array
     versions: jax.Array | None = None
+    routes: jax.Array | None = None
 
 
 def num_leaves(roots: int, branching: int, depth: int) -> int:
@@ -123,12 +126,12 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
              stop_ids: Sequence[int] = (), mesh: jax.sharding.Mesh | None = None,
              rules: Sequence[tuple[str, Any]] = shd.DEFAULT_RULES,
              cache_dtype: Any = None, image_embeds: Any = None,
-             temperatures: Any = None) -> TreeSampleOutput:
+             temperatures: Any = None, record_routes: bool = False) -> TreeSampleOutput:
     """Samples a tree of ``roots * branching**depth`` leaves per prompt, entirely on device.
 
     Args:
       cfg, params, prompt_tokens, prompt_mask, rng, max_new_tokens, temperature, top_k, top_p,
-        eos_id, pad_id, stop_ids, mesh, rules, cache_dtype, image_embeds: as
+        eos_id, pad_id, stop_ids, mesh, rules, cache_dtype, image_embeds, record_routes: as
         ``sampling.generate`` (the images are prefilled with their prompt, once).
       segment_tokens: L, tokens per segment (levels 0..D-1; the leaves decode the rest).
       branching: k children per path at each boundary.
@@ -145,6 +148,8 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
     check_tree(max_new_tokens, segment_tokens, branching, depth, roots)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if record_routes and not cfg.is_moe:
+        raise ValueError("record_routes needs a mixture-of-experts model")
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="sampling.tree.generate: prompt_tokens")
     if temperatures is not None:   # one schedule: every path of a level is at the same t
@@ -157,18 +162,20 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
         stop_ids=merge_stop_ids(eos_id, stop_ids), pad_id=int(pad_id), mesh=mesh,
         rules=tuple((k, v if isinstance(v, (str, type(None))) else tuple(v)) for k, v in rules),
-        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+        cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
+        record_routes=bool(record_routes))
 
 
 _STATIC = ("cfg", "max_new_tokens", "segment_tokens", "branching", "depth", "roots",
-           "temperature", "top_k", "top_p", "stop_ids", "pad_id", "mesh", "rules", "cache_dtype")
+           "temperature", "top_k", "top_p", "stop_ids", "pad_id", "mesh", "rules", "cache_dtype",
+           "record_routes")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 @shd.traced_on_mesh_kwarg   # the MoE dispatch splits the experts' work over the mesh
 def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, temperatures, *,
                    max_new_tokens, segment_tokens, branching, depth, roots, temperature, top_k,
-                   top_p, stop_ids, pad_id, mesh, rules, cache_dtype):
+                   top_p, stop_ids, pad_id, mesh, rules, cache_dtype, record_routes=False):
     b, p = prompt_tokens.shape
     n = max_new_tokens
     s = p + n
@@ -196,14 +203,21 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, t
         return sample_logits(jax.random.fold_in(rng, t), logits, temperature=temp,
                              top_k=top_k, top_p=top_p)
 
-    def feed(cache, prev, t, prompt_mask, prompt_len):
-        """Feeds token t-1 (slot P+t-1) of every row: (logits [rows, V], cache)."""
+    def feed(cache, prev, t, prompt_mask, prompt_len, routes, done):
+        """Feeds token t-1 (slot P+t-1) of every row: (logits [rows, V], cache, routes: with
+        ``record_routes`` its experts written at that slot of [rows, P+N, L, k], 0 where the
+        row is ``done``)."""
         rows = prev.shape[0]
         attn = jnp.concatenate([prompt_mask, jnp.broadcast_to(new_slots < t, (rows, n))], 1)
-        hidden, cache = models.trunk(cfg, decode_params, prev[:, None], attention_mask=attn,
-                                     positions=(prompt_len + t - 1)[:, None], cache=cache,
-                                     cache_index=p + t - 1)
-        return models.logits_from_hidden(cfg, params, hidden[:, 0]), constrain_cache(cache)
+        out = models.trunk(cfg, decode_params, prev[:, None], attention_mask=attn,
+                           positions=(prompt_len + t - 1)[:, None], cache=cache,
+                           cache_index=p + t - 1, with_moe_stats=record_routes)
+        if record_routes:   # [L, rows, 1, k] -> [rows, 1, L, k]
+            ids = jnp.where(done[:, None, None, None], 0,
+                            jnp.transpose(out[2]["ids"], (1, 2, 0, 3)))
+            routes = jax.lax.dynamic_update_slice_in_dim(routes, ids, p + t - 1, axis=1)
+        return (models.logits_from_hidden(cfg, params, out[0][:, 0]), constrain_cache(out[1]),
+                routes)
 
     def emit(t, logits, paths):
         """Samples token t for every row from ``logits`` [rows, V]; rows already done get pad."""
@@ -225,11 +239,16 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, t
     prompt_len = jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32)  # [B]
     slot_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, n), bool)], axis=1)
     cache = constrain_cache(models.init_cache(cfg, b, s, dtype=cache_dtype))
-    hidden, cache = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
-                                 positions=models.default_positions(prompt_mask),
-                                 cache=cache, cache_index=0, image_embeds=image_embeds)
-    logits = models.logits_from_hidden(cfg, params, hidden[:, -1])  # [B, V]
-    cache = constrain_cache(models.unstack_cache(cache))
+    out = models.trunk(cfg, params, prompt_tokens, attention_mask=slot_mask,
+                       positions=models.default_positions(prompt_mask),
+                       cache=cache, cache_index=0, image_embeds=image_embeds,
+                       with_moe_stats=record_routes)
+    logits = models.logits_from_hidden(cfg, params, out[0][:, -1])  # [B, V]
+    cache = constrain_cache(models.unstack_cache(out[1]))
+    # Routes [rows, P+N, L, k]: the prompt's from the prefill, forked with the paths.
+    routes = (jnp.concatenate([jnp.transpose(out[2]["ids"], (1, 2, 0, 3)), jnp.zeros(
+        (b, n, cfg.num_layers, cfg.num_experts_per_tok), jnp.int32)], axis=1)
+        if record_routes else jnp.zeros((b,), jnp.int32))
 
     rows = b
     paths = (jnp.full((b, n), pad_id, jnp.int32), jnp.zeros((b, n), jnp.float32),
@@ -244,6 +263,7 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, t
         logits, prompt_mask, prompt_len = (fork(x, rows, k) for x in (logits, prompt_mask,
                                                                       prompt_len))
         paths = tuple(batch(fork(x, rows, k)) for x in paths)
+        routes = batch(fork(routes, rows, k))
         rows *= k
         logits = batch(logits)
         # ---- decode this level's segment: positions [start, end).
@@ -251,24 +271,27 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, t
         tok, paths = emit(start, logits, paths)
 
         def cond(state, end=end):
-            t, _, _, paths = state
+            t, _, _, paths, _ = state
             return (t < end) & ~jnp.all(paths[3])
 
         def body(state, prompt_mask=prompt_mask, prompt_len=prompt_len):
-            t, cache, prev, paths = state
-            logits, cache = feed(cache, prev, t, prompt_mask, prompt_len)
+            t, cache, prev, paths, routes = state
+            # A row done by token t-1 (its stop token, or padding) has no route there.
+            logits, cache, routes = feed(cache, prev, t, prompt_mask, prompt_len, routes,
+                                         paths[3])
             tok, paths = emit(t, logits, paths)
-            return t + 1, cache, tok, paths
+            return t + 1, cache, tok, paths, routes
 
-        _, cache, tok, paths = jax.lax.while_loop(cond, body, (jnp.int32(start + 1), cache,
-                                                              tok, paths))
+        _, cache, tok, paths, routes = jax.lax.while_loop(
+            cond, body, (jnp.int32(start + 1), cache, tok, paths, routes))
         lengths = paths[2]
         # Tokens this level's paths decoded (each path is one tree node): per prompt.
         own = jnp.clip(lengths - start, 0, end - start)
         decoded = decoded + own.reshape(b, -1).sum(axis=1)
         if level < depth:
             # The segment's last token goes into the cache once, before its row is copied.
-            logits, cache = feed(cache, tok, end, prompt_mask, prompt_len)
+            logits, cache, routes = feed(cache, tok, end, prompt_mask, prompt_len, routes,
+                                         paths[3])
         start = end
 
     tokens, logps, lengths, done = paths
@@ -276,4 +299,5 @@ def _tree_generate(cfg, params, prompt_tokens, prompt_mask, rng, image_embeds, t
     node_ids, _ = tree_layout(roots, branching, depth)
     node_ids = jnp.asarray(np.tile(node_ids, (b, 1)))
     return TreeSampleOutput(tokens=tokens, logps=logps, mask=mask, lengths=lengths,
-                            truncated=~done, node_ids=node_ids, decoded=decoded)
+                            truncated=~done, node_ids=node_ids, decoded=decoded,
+                            routes=routes if record_routes else None)

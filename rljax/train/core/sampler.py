@@ -184,7 +184,9 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
                                     **kw)
         else:
             out = tree_sampling.generate(ctx.model_cfg, params, p_tok, p_mask,
-                                         temperatures=temps, **tree, **kw)
+                                         temperatures=temps, **tree,
+                                         record_routes=bool(ctx.cfg.algo.get("routing_replay")),
+                                         **kw)
         outs.append(dist.to_host_tree(out) if dist.is_multiprocess() else jax.device_get(out))
     result = {k: np.concatenate([getattr(o, k) for o in outs]) for k in
               ("tokens", "logps", "mask", "lengths", "truncated")}

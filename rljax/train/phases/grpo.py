@@ -260,7 +260,7 @@ def routes_field(cfg, model_cfg=None) -> dict:
     return {"routes": ((0, model_cfg.num_layers, model_cfg.num_experts_per_tok), jnp.int32)}
 
 
-def check_routing_replay(cfg, model_cfg) -> None:
+def check_replay_model(cfg, model_cfg) -> None:
     """ConfigError: routing replay on a dense model (nothing to route)."""
     if cfg.algo.get("routing_replay") and not model_cfg.is_moe:
         raise ConfigError(f"algo.routing_replay=true needs a mixture-of-experts model "
@@ -327,7 +327,7 @@ class GRPOPhase:
         cfg = ctx.cfg
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
-        check_routing_replay(cfg, ctx.model_cfg)
+        check_replay_model(cfg, ctx.model_cfg)
         self.batch_size = cfg.rollout.batch_size
         self.mini, self.num_micro, self.updates_per_step = update_sizes(cfg)
         groups = self.batch_size // a.num_generations

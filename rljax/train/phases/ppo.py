@@ -49,7 +49,7 @@ from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib
 from rljax.train.core import partial as partial_lib, programs as programs_lib, steps
-from rljax.train.phases.grpo import check_routing_replay, policy_loss_options, routes_field
+from rljax.train.phases.grpo import check_replay_model, policy_loss_options, routes_field
 from rljax.train.core.optim import all_finite, apply_if_finite
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.setup import Context, rl_iterator, update_sizes
@@ -334,7 +334,7 @@ class PPOPhase:
         cfg = ctx.cfg
         self.ctx, self.steps = ctx, int(steps)
         a = cfg.algo
-        check_routing_replay(cfg, ctx.model_cfg)
+        check_replay_model(cfg, ctx.model_cfg)
         self.batch_size = cfg.rollout.batch_size
         self.mini = update_sizes(cfg)[0]
         groups = self.batch_size // a.num_generations
