@@ -376,6 +376,12 @@ def test_routing_replay_refusals():
     assert "shared_prompt" not in str(refused.value)   # the default layout replays routes too
     cfg.rollout.partial = False
     assert config_lib.validate(cfg).algo.shared_prompt   # the default layout is accepted
+    cfg.rollout.tree.enabled = True   # the static tree sampler records routes, the engine's not
+    with pytest.raises(config_lib.ConfigError, match="tree sampling on rollout.engine='slots'"):
+        config_lib.validate(cfg)
+    cfg.rollout.engine = "static"
+    config_lib.validate(cfg)
+    cfg.rollout.update({"engine": "slots", "tree": {"enabled": False}})
     cfg.env.update({"name": "tictactoe", "selfplay": {"mode": "self"}})   # matches
     with pytest.raises(config_lib.ConfigError, match="env.selfplay.mode='self'"):
         config_lib.validate(cfg)
