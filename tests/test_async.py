@@ -203,6 +203,27 @@ def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch)
     assert gap[model & (eps["versions"] == 1)].max() > 1e-3
 
 
+def test_inflight_updates_reach_partial_rollouts_between_decode_chunks(monkeypatch):
+    """``algo.inflight_updates`` with partial rollouts: update 0 (made ready at the sampler's
+    second poll) reaches the pool between two decode chunks of batch 1, so its groups mix
+    versions 0 and 1 (carried and first-chunk tokens version 0's, later ones version 1's),
+    each token keeping the version that drew it and that version's log-prob."""
+    from rljax.sampling import partial as partial_lib
+    _updates_ready_at_the_second_poll(monkeypatch)
+    runs = _recorded(monkeypatch, partial_lib.Pool, "run")
+    cfg = _cfg(**{"rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 4,
+                  "rollout.chunk_steps": 1, "algo.inflight_updates": True, "steps": 2})
+    ctx, versions, records, trained = _iterations(cfg, 2)
+    assert [t.swaps for t in runs] == [0, 1] and records[1]["rollout/weight_swaps"] == 1
+    taken, batch = runs[1], trained[1]
+    assert set(np.unique(taken.rows["versions"][taken.rows["mask"]])) == {0, 1}
+    assert 0 < records[1]["rollout/staleness_frac_1"] < 1
+    n = batch["loss_mask"].shape[1]
+    own = np.asarray(steps.completion_logps(ctx.model_cfg, versions[0], batch)[0])
+    gap = np.abs(own - batch["sampler_logps"])[batch["mask"][:, -n:]]
+    assert (gap < 1e-4).any() and (gap > 1e-3).any()   # drawn by version 0, and by 1
+
+
 def test_inflight_updates_wait_for_relifts_sft_step(monkeypatch):
     """``algo.inflight_updates`` with ReLIFT every second update: an update that an SFT step
     may follow is not published in flight (the version would lack the SFT step); the next
@@ -245,7 +266,9 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),
     ({"algo.inflight_updates": True}, "algo.inflight_updates=true needs "
-                                      "rollout.engine='slots' without rollout.partial"),
+                                      "rollout.engine='slots' (new weights"),
+    ({"algo.inflight_updates": True, "rollout.engine": "slots", "rollout.partial": True,
+      "rollout.tree.enabled": True}, "with rollout.partial for trees"),
     ({"algo.inflight_updates": True, "algo.asynchronous": False, "mesh.rollout_devices": 0},
      "algo.inflight_updates=true needs algo.asynchronous=true"),
     ({"algo.asynchronous": False}, "mesh.rollout_devices=4 gives the sampler devices of its "

@@ -506,10 +506,15 @@ def check_async(cfg) -> None:
                           "change mid-batch only while an update runs beside the sampler)")
     if not a.asynchronous:
         return
-    if a.inflight_updates and (r.engine != "slots" or r.partial):
-        raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' without "
-                          "rollout.partial (new weights enter between the engine's decode "
-                          f"chunks; got rollout.engine={r.engine!r}, rollout.partial={r.partial})")
+    if a.inflight_updates and r.engine != "slots":
+        raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' (new weights "
+                          f"enter between the engine's decode chunks; got rollout.engine="
+                          f"{r.engine!r})")
+    if a.inflight_updates and r.partial and (cfg.env.name or r.tree.enabled):
+        what = (f"episodes (env.name={cfg.env.name!r})" if cfg.env.name
+                else "trees (rollout.tree.enabled=true)")
+        raise ConfigError(f"algo.inflight_updates=true is not supported with rollout.partial "
+                          f"for {what}: their pools are not polled for new weights yet")
     if a.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
                           f"'ppo' (got '{a.name}')")

@@ -72,7 +72,8 @@ class Taken:
     this run drew, first tokens included, in any group (the run's sampling work).
     decoded int [want] (``sampling.tree_partial``): each group's decoded tokens, a tree's
     shared segments once; slot_steps: slots x decode steps of its engine calls (None: the
-    pool's slots x ``decode_steps``)."""
+    pool's slots x ``decode_steps``); swaps: how often in-flight weights changed between the
+    run's decode chunks (``run(weights=)``)."""
     rows: dict
     prompts: list
     metas: list
@@ -84,6 +85,7 @@ class Taken:
     sizes: list = dataclasses.field(default_factory=list)
     decoded: np.ndarray | None = None
     slot_steps: int | None = None
+    swaps: int = 0
 
 
 class Pool:
@@ -175,11 +177,16 @@ class Pool:
     # -- one iteration -------------------------------------------------------------------------
 
     def run(self, params: Any, key: jax.Array, *, version: int, want: int,
-            max_staleness: int | None = None, image_embeds: Any = None) -> Taken:
+            max_staleness: int | None = None, image_embeds: Any = None,
+            weights=None) -> Taken:
         """Decodes under ``params`` (policy ``version``) until ``want`` groups are complete and
         hands those out (see the module docstring). ``key``: the run's pool key, the same at
         every call (randomness is keyed by admission serial, not by iteration).
-        ``image_embeds`` [C, K, D]: each place's prompt images (a model with a vision tower)."""
+        ``image_embeds`` [C, K, D]: each place's prompt images (a model with a vision tower).
+        ``weights`` (in-flight weight updates): ``() -> (params, version)``, polled between
+        decode chunks as ``engine.generate`` polls it; the next chunk decodes with what it
+        returns (the slots keep their caches, the pages stay the prefill's) and each token
+        keeps the version that drew it."""
         if want > int((self.serial >= 0).sum()):
             raise ValueError(f"run: want={want} groups but {int((self.serial >= 0).sum())} "
                              "are in the pool")
@@ -226,9 +233,15 @@ class Pool:
         page_len = jnp.asarray(p_mask.sum(-1).astype(np.int32))
         first_dev = jnp.asarray(self.tokens[:, 0])
         queue_dev = jnp.asarray(np.pad(queue, (0, c * g - queue.size)))
-        steps, busy = 0, bool(len(resumed) or queue.size)
-        layers = engine.unstacked(params)   # once per run, not per chunk
+        steps, busy, swaps = 0, bool(len(resumed) or queue.size), 0
+        layers = engine.unstacked(params)   # once per version, not per chunk
+        span = np.arange(n)[None, :]
         while busy and int(self._complete().sum()) < want:
+            if weights is not None and steps:   # new weights enter between decode chunks
+                params, now = weights()
+                if now != version:
+                    layers, version, swaps = engine.unstacked(params), now, swaps + 1
+            was = self.lengths.copy()
             cache, out, slot_state, ran, busy = engine.decode_chunk(
                 self.cfg, layers, pages, page_mask, page_len, cache, out, slot_state,
                 first_dev, queue_dev, jnp.int32(queue.size), noise, self.temperatures,
@@ -237,14 +250,13 @@ class Pool:
             lengths, done, ran, busy = jax.device_get((out["lengths"], out["done"], ran, busy))
             self.lengths[:], self.done[:] = lengths, done
             steps, busy = steps + int(ran), bool(busy)
+            self.versions[(span >= was[:, None]) & (span < lengths[:, None])] = version
             self._mark_complete()
         if steps:
             self.tokens[:], self.logps[:] = jax.device_get((out["tokens"], out["logps"]))
-        span = np.arange(n)[None, :]
-        fresh = (span >= before[:, None]) & (span < self.lengths[:, None])
-        self.versions[fresh] = version
         useful = int((self.lengths - before).sum())
-        return self._take(want, dropped, steps, useful, useful + int(new.sum()))
+        return dataclasses.replace(
+            self._take(want, dropped, steps, useful, useful + int(new.sum())), swaps=swaps)
 
     def _row_order(self) -> list[int]:
         """Occupied rows, oldest group first (admission serial), then by sample index."""

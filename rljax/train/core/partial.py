@@ -56,7 +56,7 @@ from rljax.train.core import image_inputs
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
 from rljax.train.core.rollout import Rollout, rollout_temperatures
 from rljax.train.core.rollout_metrics import carried_metrics
-from rljax.train.core.sampler import engine_slots, sampling_params
+from rljax.train.core.sampler import engine_slots, sampling_params, sampling_weights
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
 
@@ -122,7 +122,10 @@ class PartialRounds:
         """Staleness of the tokens drawn for this call's rounds at the update that trains them
         (step ``step``), stale drops, groups carried, tokens drawn this iteration (the
         pool's, carried groups included): ``carried_metrics``."""
-        return carried_metrics(self._drawn, step, self.pool.c - self.pool.free)
+        out = carried_metrics(self._drawn, step, self.pool.c - self.pool.free)
+        if self._drawn and self._drawn[0]["swaps"] is not None:   # in-flight weight updates
+            out["rollout/weight_swaps"] = sum(d["swaps"] for d in self._drawn)
+        return out
 
     def sample_round(self, rollout: Rollout, params, rng=None) -> dict:
         """The next ``num_prompts`` groups to complete, scored by ``rollout``. ``rng`` is not
@@ -140,13 +143,20 @@ class PartialRounds:
             if self.images is not None:
                 self._set_pixels(places, new, rollout._locations(new))
         t0 = time.perf_counter()
-        params = sampling_params(self.ctx, params)
+        weights, version = None, self._version
+        if rollout.weights is not None:   # in-flight weight updates, polled between chunks
+            weights = sampling.engine.VersionPolls(sampling_weights(self.ctx, rollout.weights))
+            params, version = weights()
+        else:
+            params = sampling_params(self.ctx, params)
         embeds = None if self.images is None else self.images.embeds(params, self.pixels)
-        taken = pool.run(params, self._key, version=self._version, want=self.num_prompts,
-                         max_staleness=self._staleness_bound(), image_embeds=embeds)
+        taken = pool.run(params, self._key, version=version, want=self.num_prompts,
+                         max_staleness=self._staleness_bound(), image_embeds=embeds,
+                         weights=weights)
         self._taken = taken   # the last round's groups (their rows, places, versions)
         self._drawn.append(dict(versions=taken.rows["versions"][taken.rows["mask"]],
-                                dropped=taken.dropped_stale, drawn=taken.drawn))
+                                dropped=taken.dropped_stale, drawn=taken.drawn,
+                                swaps=None if weights is None else taken.swaps))
         out = {k: taken.rows[k] for k in ("tokens", "logps", "mask", "lengths", "truncated")}
         out["slot_steps"] = (taken.useful_steps, pool.s * taken.decode_steps
                              if taken.slot_steps is None else taken.slot_steps)

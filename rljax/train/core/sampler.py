@@ -143,7 +143,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     kind = sampler_kind(ctx.cfg, tree is not None)
     params = sampling_params(ctx, params)
     if weights is not None:   # swaps counted across the prompt chunks (between two, too)
-        weights = sampling.engine.VersionPolls(_sampling_weights(ctx, weights))
+        weights = sampling.engine.VersionPolls(sampling_weights(ctx, weights))
     b = prompt_tokens.shape[0]
     chunk = micro_prompts or b
     if prompt_index is not None and (chunk < b or tree is not None):
@@ -204,7 +204,7 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
     return result
 
 
-def _sampling_weights(ctx, weights):
+def sampling_weights(ctx, weights):
     """``weights`` with ``sampling_params`` applied once per version."""
     seen = {}
 
