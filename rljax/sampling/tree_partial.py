@@ -140,11 +140,16 @@ class TreePool:
     # -- one iteration -------------------------------------------------------------------------
 
     def run(self, params: Any, key: jax.Array, *, version: int, want: int,
-            max_staleness: int | None = None, image_embeds: Any = None) -> Taken:
+            max_staleness: int | None = None, image_embeds: Any = None,
+            weights: Any = None) -> Taken:
         """Grows the pool's trees under ``params`` (policy ``version``) until ``want`` are
         complete and hands those out (module docstring). ``key``: the run's pool key, the same
         at every call (randomness is keyed by admission serial, not by iteration).
-        ``image_embeds`` [C, K, D]: each place's prompt images, prefilled with its paths."""
+        ``image_embeds`` [C, K, D]: each place's prompt images, prefilled with its paths.
+        ``weights`` (in-flight weight updates, as ``partial.Pool.run`` takes them): not taken
+        by a pool of trees yet (the config refuses them together)."""
+        if weights is not None:
+            raise ValueError("the tree pool takes no in-flight weights yet")
         if want > int((self.serial >= 0).sum()):
             raise ValueError(f"run: want={want} trees but {int((self.serial >= 0).sum())} "
                              "are in the pool")

@@ -150,10 +150,9 @@ class PartialRounds:
         else:
             params = sampling_params(self.ctx, params)
         embeds = None if self.images is None else self.images.embeds(params, self.pixels)
-        # (A pool of trees takes no in-flight weights: the config refuses them with trees.)
-        inflight = {} if weights is None else {"weights": weights}
         taken = pool.run(params, self._key, version=version, want=self.num_prompts,
-                         max_staleness=self._staleness_bound(), image_embeds=embeds, **inflight)
+                         max_staleness=self._staleness_bound(), image_embeds=embeds,
+                         weights=weights)
         self._taken = taken   # the last round's groups (their rows, places, versions)
         self._drawn.append(dict(versions=taken.rows["versions"][taken.rows["mask"]],
                                 dropped=taken.dropped_stale, drawn=taken.drawn,
