@@ -82,6 +82,27 @@ def test_vision_tower_stays_frozen_by_default(straight):
     jax.tree.map(np.testing.assert_array_equal, first, last)
 
 
+def test_the_ppo_critic_values_the_images():
+    """PPO's critic reads a row's images through its copy of the tower: other pixels, other
+    values of the completion's states, equal to a trunk pass given the embeddings."""
+    from rljax import models
+    from rljax.models import vision
+    from rljax.train.phases.ppo import completion_values
+    from test_vision_sharding import _batch, _model
+
+    cfg, params = _model()
+    critic = models.init_value_params(cfg, jax.random.PRNGKey(2), from_params=params)
+    batch = _batch()
+    other = dict(batch, pixels=batch["pixels"][::-1].copy())
+    values = np.asarray(completion_values(cfg, critic, batch))
+    assert values.shape == batch["loss_mask"].shape
+    assert not np.allclose(values, np.asarray(completion_values(cfg, critic, other)))
+    embeds = vision.image_embeddings(cfg, critic["trunk"], batch["pixels"])
+    full = models.value_forward(cfg, critic, batch["tokens"], attention_mask=batch["mask"],
+                                image_embeds=embeds)
+    np.testing.assert_allclose(values, np.asarray(full)[:, -5:-1], rtol=1e-6)
+
+
 def test_stop_and_resume_with_images_equals_straight_run(straight, tmp_path):
     workdir = str(tmp_path)
     stop_at = SFT_STEPS + 1

@@ -35,12 +35,14 @@ def value_param_logical_axes(cfg: ModelConfig) -> dict:
 
 
 def value_forward(cfg: ModelConfig, value_params: dict, tokens: jax.Array, attention_mask=None,
-                  positions=None, lora_dropout_rng: Optional[jax.Array] = None) -> jax.Array:
+                  positions=None, lora_dropout_rng: Optional[jax.Array] = None,
+                  image_embeds=None) -> jax.Array:
     """tokens int [B, T] -> float32 values [B, T] (value of the prefix ending at each token).
     ``lora_dropout_rng``: LoRA dropout on the trunk's adapters in a training pass (None = none;
-    see ``trunk``)."""
+    see ``trunk``); ``image_embeds`` [B, K, D]: a multimodal prompt's images, as ``trunk``."""
     hidden, _ = trunk(cfg, value_params["trunk"], tokens, attention_mask=attention_mask,
-                      positions=positions, lora_dropout_rng=lora_dropout_rng)
+                      positions=positions, lora_dropout_rng=lora_dropout_rng,
+                      image_embeds=image_embeds)
     head = value_params["head"]
     return (jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), head["kernel"].astype(jnp.float32))
             + head["bias"].astype(jnp.float32))

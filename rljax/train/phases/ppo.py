@@ -47,7 +47,7 @@ import numpy as np
 
 from rljax import algorithms, models
 from rljax import distributed as dist
-from rljax.models import lora as lora_lib
+from rljax.models import lora as lora_lib, vision
 from rljax.train.core import partial as partial_lib, programs as programs_lib, steps
 from rljax.train.phases.grpo import check_replay_model, policy_loss_options, routes_field
 from rljax.train.core.optim import all_finite, apply_if_finite
@@ -66,11 +66,15 @@ sg = jax.lax.stop_gradient
 def completion_values(model_cfg, critic_params, batch, lora_dropout_rng=None) -> Array:
     """Critic values [B, N]: entry t is V(prompt ++ completion[:t]), the state in which
     completion token t is chosen, read at the position just before it (like its logits).
-    ``lora_dropout_rng``: LoRA dropout on the critic's adapters (training loss only)."""
+    ``lora_dropout_rng``: LoRA dropout on the critic's adapters (training loss only). A row's
+    images (``batch["pixels"]`` [B, I, C, S, S]) go through the critic's own copy of the tower,
+    so the critic values the state the policy acts in."""
     n = batch["loss_mask"].shape[1]
+    images = (vision.image_embeddings(model_cfg, critic_params["trunk"], batch["pixels"])
+              if "pixels" in batch else None)
     values = models.value_forward(model_cfg, critic_params, batch["tokens"],
                                   attention_mask=batch["mask"],
-                                  lora_dropout_rng=lora_dropout_rng)
+                                  lora_dropout_rng=lora_dropout_rng, image_embeds=images)
     return values[:, -n - 1:-1]
 
 
