@@ -571,3 +571,29 @@ def test_the_teacher_is_scored_at_its_own_temperature_not_the_rollouts(tmp_path,
                                atol=1e-4)
     np.testing.assert_allclose(np.asarray(out["teacher_topk_logps"]),
                                -np.sort(-want_all, axis=-1)[..., :3], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("guide", ["hints", "demos"])
+def test_distillation_with_hints_relift_or_demonstrations(tmp_path, guide):
+    """Guidance is part of GRPO's rollout, which distillation shares: failed groups are hinted
+    (or end in the reference solution, mu = 1) and ReLIFT's SFT step runs, and the teacher
+    scores those rows as any other (its reverse KL mixed with the task advantage)."""
+    write_teacher_workdir(tmp_path / "teacher", seed=7)
+    guided = ({"algo.hint.mode": "fixed", "algo.hint.fraction": 0.5, "algo.relift.every": 1,
+               "algo.relift.batch_size": 4, "algo.relift.k_visits": 1}
+              if guide == "hints" else {"algo.mixed_policy": True})
+    cfg = distill_cfg(str(tmp_path / "teacher"), **{
+        "steps": 2, "sft.steps": 0, "algo.distill.reward_weight": 0.5,
+        "algo.mini_batch_size": 0, **guided})
+    assert run.train(config_lib.validate(cfg), str(tmp_path / "run"), devices=DEVICES) == 0
+    rl = [r for r in read_metrics(str(tmp_path / "run")) if "distill/reverse_kl" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) and
+                                0 <= r["distill/teacher_agreement"] <= 1 for r in rl)
+    if guide == "hints":
+        assert all(r["hint/fraction_hinted"] > 0 for r in rl)
+        assert any(np.isfinite(r.get("relift/sft_loss", np.nan)) for r in rl)
+    else:
+        assert all(r["mixed/demos"] > 0 for r in rl)
+        # The demonstrations' reverse KL is the student's own log-probs against the teacher's
+        # (about 0 between these two tiny models), not mu = 1's zeros (about 0.9 here).
+        assert all(abs(r["distill/reverse_kl"]) < 0.3 for r in rl)

@@ -182,6 +182,9 @@ def _distill_terms(algo_cfg, batch, old, scored, m):
     batch carries it (``rljax.algorithms.distill``)."""
     d = algo_cfg.distill
     teacher = batch["teacher_logps"]
+    if "demo" in batch:   # a demonstration's old log-probs are mu = 1's zeros (the ratio's
+        # anchor); its reverse KL to the teacher is the student's own on those tokens
+        old = jnp.where(batch["demo"][:, None], jax.lax.stop_gradient(scored[0]), old)
     adv = algorithms.distill_advantages(old, teacher, m, batch["advantages"],
                                         kl_weight=float(d.kl_weight),
                                         reward_weight=float(d.reward_weight))
