@@ -621,3 +621,18 @@ def test_selfplay_on_the_slot_engine_plays_the_static_plies_games(tmp_path, requ
         assert {k: b[k] for k in exact} == {k: a[k] for k in exact}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  final_params(slots), final_params(static))
+
+
+def test_selfplay_with_distillation_scores_every_seat(tmp_path, lowest_cell):
+    """``algo.name='distill'`` in self-play: the teacher scores each seat's row of a match as
+    it scores any episode (the model's own tokens; the board is context), and the task
+    reward of the seats is mixed in."""
+    from tests.test_distill import write_teacher_workdir
+    write_teacher_workdir(tmp_path / "teacher", cfg=ttt_cfg(), seed=7)
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.name": "distill", "algo.beta": 0.0,
+                     "algo.distill.teacher": str(tmp_path / "teacher"),
+                     "algo.distill.reward_weight": 0.5})
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    rl = [r for r in read_metrics(str(tmp_path / "run")) if "distill/reverse_kl" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) and r["env/turns_mean"] > 1
+                                and 0 <= r["distill/teacher_agreement"] <= 1 for r in rl)

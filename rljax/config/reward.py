@@ -154,7 +154,7 @@ def check_env(cfg) -> None:
 
 
 def check_selfplay(cfg) -> None:
-    """``env.selfplay``: a board game, the GRPO phase, a workdir exactly for
+    """``env.selfplay``: a board game, GRPO, PPO or distillation, a workdir exactly for
     the checkpoint opponent, no difficulty curriculum, and (self-play) a batch of whole
     examples: G rows per seat."""
     sp, env = cfg.env.selfplay, cfg.env
@@ -166,8 +166,8 @@ def check_selfplay(cfg) -> None:
     if env.name not in GAME_ENVS:
         raise ConfigError(f"{what} plays board games: env.name must be one of {GAME_ENVS}, "
                           f"got {env.name!r}")
-    if cfg.algo.name not in ("grpo", "ppo"):
-        raise ConfigError(f"{what} trains with algo.name='grpo' or 'ppo', got "
+    if cfg.algo.name not in ("grpo", "ppo", "distill"):
+        raise ConfigError(f"{what} trains with algo.name='grpo', 'ppo' or 'distill', got "
                           f"{cfg.algo.name!r}")
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
