@@ -407,7 +407,7 @@ def test_mixed_policy_and_hints_are_alternatives():
 def test_guidance_is_a_grpo_option():
     cfg = config_lib.default_config()
     cfg.update_from_flattened_dict({"algo.name": "dpo", "algo.relift.every": 2})
-    with pytest.raises(ConfigError, match="algo.relift.every is an option of GRPO and distillation"):
+    with pytest.raises(ConfigError, match="algo.relift.every is an option of GRPO, PPO and distillation"):
         config_lib.validate(cfg)
 
 

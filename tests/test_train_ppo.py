@@ -242,3 +242,37 @@ def test_ppo_with_partial_rollouts_trains_carried_samples_and_resumes_exactly(tm
     assert len(train) == 3 and train[0]["rollout/carried_groups"] > 0
     assert max(r["rollout/staleness_max"] for r in train) >= 1   # carried samples trained
     assert all("tis_weight" in r and np.isfinite(r["pg_loss"]) for r in train)
+
+
+def test_ppo_with_hints_and_relift_resumes_exactly(tmp_path):
+    """Hints and ReLIFT with PPO: failed groups are re-sampled with a hint prefix (the critic
+    values the hinted rows as any other) and ReLIFT's SFT step runs on the policy; stopped
+    after one update and resumed (hint fractions and the ReLIFT buffer saved with the phase),
+    equal to the straight run."""
+    train = _stopped_and_resumed(tmp_path, "algo.hint.mode=fixed", "algo.hint.fraction=0.5",
+                                 "algo.relift.every=1", "algo.relift.batch_size=4",
+                                 "algo.relift.k_visits=1")
+    assert all(r["hint/fraction_hinted"] > 0 and np.isfinite(r["vf_loss"]) for r in train)
+    assert any(np.isfinite(r.get("relift/sft_loss", np.nan)) for r in train)
+
+
+def test_ppo_demonstrations_anchor_the_ratio_at_mu_one(tmp_path):
+    """Mixed-policy demonstrations with PPO: the last row of a failed group is the reference
+    solution, and ``prepare`` gives it old log-probs 0 (mu = 1) while sampled rows keep the
+    policy's."""
+    from rljax.train.core import setup
+
+    cfg = config.load_config("configs/ppo_arithmetic.py", [
+        "steps=1", "sft.steps=0", "rollout.batch_size=8", "algo.mini_batch_size=4",
+        "algo.mixed_policy=True", "checkpoint.async_save=False", "logging.tensorboard=False",
+        "mesh.data=1"])
+    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
+    phase = ppo.PPOPhase(ctx, 1)
+    state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
+    batch, metrics = phase.rollout(state, 0)
+    demo = np.asarray(batch["demo"], bool)
+    assert metrics["mixed/demos"] == demo.sum() > 0
+    prepared, _ = phase.prepare(state, {k: jnp.asarray(v) for k, v in batch.items()})
+    old, m = np.asarray(prepared["old_logps"]), np.asarray(batch["loss_mask"], bool)
+    assert np.all(old[demo] == 0) and np.all(old[~demo][m[~demo]] < 0)
+    state, _ = phase.iteration(state, 0)   # and it trains

@@ -422,14 +422,14 @@ def check_role_estimator(cfg) -> None:
 
 def check_guidance(cfg) -> None:
     """Hints, ReLIFT and demonstrations (``algo.hint``, ``algo.relift``, ``algo.mixed_policy``)
-    are options of GRPO's rollout, which distillation shares (the teacher scores the guided rows
-    as it scores any row)."""
+    are options of GRPO's rollout, which distillation and PPO share (the teacher scores and the
+    critic values the guided rows as any row)."""
     hint, relift = cfg.algo.hint, cfg.algo.relift
     on = [k for k, v in (("algo.hint.mode", hint.mode != "off"),
                          ("algo.relift.every", relift.every > 0),
                          ("algo.mixed_policy", cfg.algo.mixed_policy)) if v]
-    if on and cfg.algo.name not in ("grpo", "distill"):
-        raise ConfigError(f"{on[0]} is an option of GRPO and distillation; algo.name="
+    if on and cfg.algo.name not in ("grpo", "distill", "ppo"):
+        raise ConfigError(f"{on[0]} is an option of GRPO, PPO and distillation; algo.name="
                           f"{cfg.algo.name!r}")
     if on and cfg.env.name:
         _check_guided_episodes(cfg, on)

@@ -56,6 +56,8 @@ from rljax.train.core.setup import Context, rl_iterator, update_sizes
 from rljax.train.core.state import reference_params
 from rljax.train.core.metrics import host_fraction
 from rljax.train.core.steps import to_host
+from rljax.train.methods import guidance, relift
+from rljax.train.methods.demos import demo_old_logps
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
@@ -153,6 +155,8 @@ def build_prepare(model_cfg, algo_cfg, *, temperature: float = 1.0) -> Callable:
         adv, returns, metrics = advantages_and_returns(
             algo_cfg, batch["rewards"], values, old, ref, m,
             placed_rewards=batch.get("token_rewards"), next_discount=batch.get("next_discount"))
+        if "demo" in batch:   # demonstrations: the ratio's anchor is mu = 1 (the KL above
+            old = demo_old_logps(old, batch["demo"])   # in the reward used the policy's own)
         out = dict(batch, old_logps=jnp.where(m, old, 0.0), old_values=jnp.where(m, values, 0.0),
                    advantages=adv, returns=returns)
         if ref is not None:
@@ -346,15 +350,21 @@ class PPOPhase:
             from rljax.train.methods import selfplay
             groups = selfplay.examples_per_round(cfg, groups)
         self.iterator = rl_iterator(ctx, groups)
+        # Hints, ReLIFT and demonstrations act on failed groups as in GRPO (the critic values
+        # the guided rows like any other); first, so the stages after it see the rows that train.
+        self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
+        stages = [self.guide] if self.guide is not None else []
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
             from rljax.train.methods import agent
             from rljax.train.methods.episode_partial import episode_rounds
             self.rollout = RewardRollout(ctx, self.iterator, rounds=episode_rounds(
                                              ctx, self.batch_size // a.num_generations),
-                                         stages=agent.credit_stages(cfg, rewards_only=True))
+                                         stages=stages + agent.credit_stages(
+                                             cfg, rewards_only=True))
         else:   # partial rollouts: the pool of groups in flight is the round source
             self.rollout = RewardRollout(ctx, self.iterator, rounds=partial_lib.rounds_of(
-                ctx, self.batch_size // a.num_generations))
+                ctx, self.batch_size // a.num_generations), stages=stages)
+        self.relift = relift.Relift(ctx, self.guide) if a.relift.every else None
         self.optimizer, self.critic_optimizer = _optimizers(ctx, self.steps)
         self.prepare = build_prepare(ctx.model_cfg, a, temperature=cfg.rollout.temperature)
         self._step_fn = None
@@ -421,6 +431,9 @@ class PPOPhase:
         batch, metrics = self.rollout(state, step)
         t_prepare = time.perf_counter()
         state, updates = self.train_on(state, batch, metrics, step)
+        if self.relift is not None:  # every algo.relift.every steps: SFT on the hardest
+            state, relift_metrics = self.relift.maybe_step(state, step, self.optimizer)
+            metrics.update(relift_metrics)
         t1 = self._prepared_at
         updates = [to_host(m) for m in updates]
         t2 = time.perf_counter()
@@ -438,6 +451,8 @@ class PPOPhase:
 
     def state_dict(self) -> dict:
         out = {"data": self.iterator.state()}
+        for stage in self.rollout.stages:   # guidance: hint fractions, the ReLIFT buffer
+            out[stage.name] = stage.state_dict()
         rounds = self.rollout.rounds.state_dict() if self.rollout.rounds is not None else {}
         if rounds:   # partial rollouts: the groups (of texts or episodes) in flight
             out["partial"] = rounds
@@ -445,5 +460,8 @@ class PPOPhase:
 
     def load_state_dict(self, state: dict) -> None:
         self.iterator.restore(state["data"])
+        for stage in self.rollout.stages:
+            if stage.name in state:
+                stage.load_state_dict(state[stage.name])
         if self.rollout.rounds is not None and "partial" in state:
             self.rollout.rounds.load_state_dict(state["partial"])
