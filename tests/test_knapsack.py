@@ -561,8 +561,7 @@ def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path):
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.allocation=knapsack", "rollout.knapsack.max_samples=3"], "rollout.knapsack"),
     (["rollout.allocation=knapsack", "rollout.knapsack.budget=32"], "rollout.knapsack.budget"),
-    (["rollout.allocation=knapsack", "algo.name=ppo", "algo.adv_estimator=gae"],
-     "algo.name"),
+    (["rollout.allocation=knapsack", "algo.name=dpo"], "algo.name"),
     (["rollout.allocation=knapsack", "rollout.tree.enabled=true", "rollout.knapsack.budget=14"],
      "whole trees of 4 leaves"),
     (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots"],
@@ -582,3 +581,14 @@ def test_bad_knapsack_config_names_the_key(overrides, key):
     base = ["rollout.batch_size=16", "algo.num_generations=4"]
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_lib.load_config(None, base + overrides)
+
+
+def test_knapsack_with_ppo_resumes_exactly(reward_file, tmp_path):
+    """PPO takes GRPO's round source: groups of the knapsack's sizes (the critic and GAE per
+    row, padded rows masked out), the pass-rate posteriors saved with the phase, so the
+    iteration after a resume equals the straight one."""
+    cfg = tiny_cfg(reward_file, **{"algo.name": "ppo", "algo.adv_estimator": "gae",
+                                   "steps": 2, "data.kwargs.num_examples": 4})  # (revisited)
+    records = phase_resumes_exactly(cfg, tmp_path, steps=2, saved_after=1)
+    assert all(np.isfinite(r["vf_loss"]) and np.isfinite(r["pg_loss"]) for r in records)
+    assert records[1]["rollout/group_size_max"] > records[1]["rollout/group_size_min"]

@@ -180,10 +180,10 @@ def check_allocation(cfg) -> None:
         return
     from rljax.algorithms import takes_group_ids   # the live registry's flag
 
-    if a.name not in ("grpo", "distill"):   # (distillation: GRPO's loop and a teacher)
-        raise ConfigError(f"rollout.allocation='knapsack' needs algo.name='grpo' or "
-                          f"'distill' (got '{a.name}')")
-    if not takes_group_ids(a.adv_estimator):
+    if a.name not in ("grpo", "distill", "ppo"):   # (distillation: GRPO's loop and a teacher)
+        raise ConfigError(f"rollout.allocation='knapsack' needs algo.name='grpo', 'distill' or "
+                          f"'ppo' (got '{a.name}')")
+    if a.name != "ppo" and not takes_group_ids(a.adv_estimator):   # (PPO: GAE per row)
         raise ConfigError(f"rollout.allocation='knapsack' needs a group estimator that takes "
                           f"groups of different sizes, not algo.adv_estimator="
                           f"'{a.adv_estimator}'")

@@ -489,7 +489,8 @@ class RewardRollout(Rollout):
         super().__init__(ctx, iterator, rounds=rounds, stages=stages)
         self.needs_ref = False
 
-    def advantages(self, rewards: np.ndarray, mask=None, token_kl=None) -> np.ndarray:
+    def advantages(self, rewards: np.ndarray, mask=None, token_kl=None,
+                   inputs=None) -> np.ndarray:
         return np.asarray(rewards, np.float32)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:

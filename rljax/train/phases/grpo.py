@@ -320,6 +320,21 @@ def _build(ctx: Context, optimizer, state) -> length_groups.GroupedUpdate:
 # ----------------------------------------------------------------------------- phase
 
 
+def round_source(ctx: Context, num_prompts: int):
+    """The round source of a sampling phase's rollout (GRPO, distillation, PPO): per-prompt
+    group sizes (``methods.allocation``, of completions or of episodes), multi-turn episodes
+    (``methods.agent``), or partial rollouts' groups carried across iterations; None for the
+    plain rollout."""
+    cfg = ctx.cfg
+    if cfg.rollout.allocation == "knapsack":   # with rollout.partial, the pool's groups
+        from rljax.train.methods.allocation import knapsack_rounds
+        return knapsack_rounds(ctx, num_prompts)
+    if cfg.env.name:   # with rollout.partial, groups of episodes carried across iterations
+        from rljax.train.methods.episode_partial import episode_rounds
+        return episode_rounds(ctx, num_prompts)
+    return partial_lib.rounds_of(ctx, num_prompts)
+
+
 class GRPOPhase:
     """``steps`` GRPO iterations at ``optimizer.learning_rate``."""
 
@@ -339,17 +354,7 @@ class GRPOPhase:
             groups = selfplay.examples_per_round(cfg, groups)
         self.iterator = rl_iterator(ctx, groups)
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
-        # The round source of any rollout: per-prompt group sizes (methods.allocation, of
-        # completions or of episodes), multi-turn episodes (rljax.train.methods.agent), or
-        # partial rollouts' groups carried across iterations.
-        if cfg.rollout.allocation == "knapsack":   # with rollout.partial, the pool's groups
-            from rljax.train.methods.allocation import knapsack_rounds
-            rounds = knapsack_rounds(ctx, self.batch_size // a.num_generations)
-        elif cfg.env.name:   # with rollout.partial, groups of episodes carried across iterations
-            from rljax.train.methods.episode_partial import episode_rounds
-            rounds = episode_rounds(ctx, self.batch_size // a.num_generations)
-        else:
-            rounds = partial_lib.rounds_of(ctx, self.batch_size // a.num_generations)
+        rounds = round_source(ctx, self.batch_size // a.num_generations)
         self.rollout = Rollout(ctx, self.iterator, old_logps=not single_update(cfg),
                                stages=self.rollout_stages(), rounds=rounds)
         # Wrapped after the rollout has seen the raw iterator (it looks for a selector there).

@@ -48,8 +48,9 @@ import numpy as np
 from rljax import algorithms, models
 from rljax import distributed as dist
 from rljax.models import lora as lora_lib, vision
-from rljax.train.core import partial as partial_lib, programs as programs_lib, steps
-from rljax.train.phases.grpo import check_replay_model, policy_loss_options, routes_field
+from rljax.train.core import programs as programs_lib, steps
+from rljax.train.phases.grpo import (check_replay_model, policy_loss_options, round_source,
+                                     routes_field)
 from rljax.train.core.optim import all_finite, apply_if_finite
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.setup import Context, rl_iterator, update_sizes
@@ -356,14 +357,10 @@ class PPOPhase:
         stages = [self.guide] if self.guide is not None else []
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
             from rljax.train.methods import agent
-            from rljax.train.methods.episode_partial import episode_rounds
-            self.rollout = RewardRollout(ctx, self.iterator, rounds=episode_rounds(
-                                             ctx, self.batch_size // a.num_generations),
-                                         stages=stages + agent.credit_stages(
-                                             cfg, rewards_only=True))
-        else:   # partial rollouts: the pool of groups in flight is the round source
-            self.rollout = RewardRollout(ctx, self.iterator, rounds=partial_lib.rounds_of(
-                ctx, self.batch_size // a.num_generations), stages=stages)
+            stages += agent.credit_stages(cfg, rewards_only=True)
+        # GRPO's round sources: knapsack group sizes, episodes, partial rollouts' pool.
+        self.rollout = RewardRollout(ctx, self.iterator, rounds=round_source(
+            ctx, self.batch_size // a.num_generations), stages=stages)
         self.relift = relift.Relift(ctx, self.guide) if a.relift.every else None
         self.optimizer, self.critic_optimizer = _optimizers(ctx, self.steps)
         self.prepare = build_prepare(ctx.model_cfg, a, temperature=cfg.rollout.temperature)
