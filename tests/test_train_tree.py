@@ -137,7 +137,7 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
      "set rollout.tree.enabled=true"),
     ({"algo.adv_estimator": "rover", "algo.kl_in_reward": True, "algo.beta": 0.1},
      "algo.kl_in_reward=true is not supported"),
-    ({"algo.name": "dpo"}, "needs algo.name='grpo' or 'distill' (got 'dpo')"),
+    ({"algo.name": "dpo"}, "needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
     ({"algo.adv_estimator": "treepo", "algo.mixed_policy": True},
      "algo.mixed_policy=true cannot be combined with algo.adv_estimator='treepo'"),
     ({"algo.asynchronous": True, "algo.inflight_updates": True},

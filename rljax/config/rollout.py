@@ -238,9 +238,10 @@ def check_tree(cfg) -> None:
         raise ConfigError(f"algo.mixed_policy=true cannot be combined with algo.adv_estimator="
                           f"'{algo.adv_estimator}': a demonstration shares no segment with the "
                           "tree's leaves, so the tree estimator has no node for it")
-    if algo.name not in ("grpo", "distill"):   # (distillation: the teacher scores the leaves)
-        raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo' or 'distill' "
-                          f"(got '{algo.name}')")
+    if algo.name not in ("grpo", "distill", "ppo"):   # (distillation: the teacher scores the
+        # leaves; PPO: the critic values them)
+        raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo', 'distill' or "
+                          f"'ppo' (got '{algo.name}')")
     g = algo.num_generations
     if tree.max_leaves and tree.max_leaves != g:
         raise ConfigError(f"rollout.tree.max_leaves={tree.max_leaves} must equal "
