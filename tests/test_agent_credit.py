@@ -2,6 +2,7 @@
 advantages (``algorithms.turn_credit``, ``env.turn_discount``), GAE over model tokens with
 observation gaps and a turn discount, and PPO over episodes (observations carry no gradient
 for the policy or the value loss; a run checkpoints and resumes exactly)."""
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,26 +197,42 @@ def _context(cfg, tmp_path):
     return setup.build_context(cfg, str(tmp_path), devices=DEVICES)
 
 
-def test_rollout_gamma_one_final_reward_equals_outcome_advantages(tmp_path):
+@pytest.mark.parametrize("kl", [False, True])
+def test_rollout_gamma_one_final_reward_equals_outcome_advantages(tmp_path, kl):
     """The same episodes (same seed) with env.turn_discount=1.0 and None: every model token's
-    advantage is the outcome GRPO advantage, bit for bit."""
-    outcome_cfg = episode_cfg()
+    advantage is the outcome GRPO advantage, bit for bit. ``kl`` (``algo.kl_in_reward``):
+    each turn pays beta x its own tokens' KL to a reference that differs from the policy, so
+    the first turn's return is the outcome less beta x the episode's KL, as the outcome
+    rollout folds it (equal up to the order of the sums)."""
+    extra = {"algo.kl_in_reward": True, "algo.beta": 0.5} if kl else {}
+    outcome_cfg = episode_cfg(**extra)
     outcome_cfg.env.kwargs = {"final_only": True}
-    turn_cfg = episode_cfg(**{"env.turn_discount": 1.0})
+    turn_cfg = episode_cfg(**{"env.turn_discount": 1.0, **extra})
     turn_cfg.env.kwargs = {"final_only": True}
     ctx = _context(outcome_cfg, tmp_path)
-    state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0))
+    ref = jax.tree.map(lambda x: x * 1.5, ctx.params) if kl else None
+    state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0), ref_params=ref)
     outcome = episode_rollout(ctx, setup.data_iterator(ctx, 2))
     per_turn = episode_rollout(ctx, setup.data_iterator(ctx, 2), cfg=turn_cfg)
+    seen = watch_rows(per_turn)
     a, _ = outcome(state, 0)
     b, _ = per_turn(state, 0)
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
     assert a["advantages"].ndim == 1 and b["advantages"].shape == b["loss_mask"].shape
     assert np.abs(a["advantages"]).max() > 0, "rewards should differ within a group"
     m = b["loss_mask"]
-    np.testing.assert_array_equal(b["advantages"][m],
-                                  np.broadcast_to(a["advantages"][:, None], m.shape)[m])
     assert (b["advantages"][~m] == 0).all()
+    if kl:   # the first turn's return only: a later turn does not pay an earlier one's KL
+        m = m & (seen.rows["turn_ids"] == 0)
+    check = (functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5) if kl
+             else np.testing.assert_array_equal)
+    check(b["advantages"][m], np.broadcast_to(a["advantages"][:, None], m.shape)[m])
+    if kl:   # the KL moved the advantages: not those of the task reward alone
+        plain = episode_rollout(ctx, setup.data_iterator(ctx, 2), cfg=episode_cfg(
+            **{"env.turn_discount": 1.0}))
+        plain.cfg.env.kwargs = {"final_only": True}
+        c, _ = plain(state.replace(ref_params=None), 0)
+        assert np.abs(c["advantages"][m] - b["advantages"][m]).max() > 1e-3
 
 
 def test_rollout_per_turn_rewards_reach_their_turns(tmp_path):

@@ -56,6 +56,15 @@ def turn_returns(turn_rewards: np.ndarray, turns: np.ndarray, gamma: float) -> n
     return returns
 
 
+def turn_sums(token_values: np.ndarray, turn_ids: np.ndarray, num_turns: int) -> np.ndarray:
+    """f32 [N, T]: the sum of ``token_values`` [N, M] over each turn's tokens (``turn_ids``
+    int [N, M], -1 off model tokens); e.g. each turn's KL to the reference."""
+    values = np.asarray(token_values, np.float32)
+    ids = np.asarray(turn_ids)
+    return np.stack([np.where(ids == t, values, 0.0).sum(-1) for t in range(num_turns)],
+                    1).astype(np.float32)
+
+
 def _group_scale(first: np.ndarray, group_size: int, estimator: str, scale_rewards: str,
                  eps: float, std_ddof: int, group_ids=None) -> np.ndarray:
     """f32 [N]: how much one unit of an episode's own return moves its advantage

@@ -185,7 +185,7 @@ def check_selfplay(cfg) -> None:
 
 def _check_turn_discount(cfg) -> None:
     """``env.turn_discount``: in [0, 1]; with GRPO an estimator with a group baseline
-    (``algorithms.turn_credit.TURN_ESTIMATORS``) and no sequence KL folded into the reward."""
+    (``algorithms.turn_credit.TURN_ESTIMATORS``)."""
     from rljax.config.algo import TURN_ESTIMATORS
 
     gamma, algo = cfg.env.turn_discount, cfg.algo
@@ -196,7 +196,3 @@ def _check_turn_discount(cfg) -> None:
     if algo.name == "grpo" and algo.adv_estimator not in TURN_ESTIMATORS:
         raise ConfigError(f"env.turn_discount (per-turn returns) needs algo.adv_estimator in "
                           f"{TURN_ESTIMATORS}, got '{algo.adv_estimator}'")
-    if algo.name == "grpo" and algo.kl_in_reward and algo.beta > 0:
-        raise ConfigError("env.turn_discount: algo.kl_in_reward=True (a sequence KL off the "
-                          "outcome) is not supported with per-turn returns in GRPO; use the "
-                          "KL loss (kl_in_reward=False) or algo.name='ppo'")

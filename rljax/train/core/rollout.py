@@ -294,6 +294,7 @@ class Rollout:
                     batch["old_logps"], batch["ref_logps"]))
                 kl = np.where(model_mask, kl, 0.0).astype(np.float32)
                 kl_seq = kl.sum(-1)
+                rows["token_kl"] = kl   # per-turn credit folds each turn's own into its reward
                 if self.token_level:  # per token, inside the return-to-go
                     token_kl = kl
                 else:                 # the whole completion's KL off its outcome reward

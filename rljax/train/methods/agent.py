@@ -252,7 +252,8 @@ class EpisodeRounds(RoundSource):
 
 class TurnCredit(RolloutStage):
     """GRPO with ``env.turn_discount``: per-turn advantages f32 [R, M]
-    (``turn_credit.turn_advantages`` over the discounted turn returns, the episode outcome
+    (``turn_credit.turn_advantages`` over the discounted turn returns, each turn's reward
+    less ``beta`` x its own tokens' KL with ``algo.kl_in_reward``, the episode outcome
     normalised by the rollout's estimator; over each row's ``group_ids`` when groups have
     sizes of their own), every model token of turn t getting turn t's, 0 outside the tokens
     that train."""
@@ -264,7 +265,11 @@ class TurnCredit(RolloutStage):
 
     def advantages(self, rollout, state, rewards, mask, rows, batch) -> np.ndarray:
         a, gamma = self.cfg.algo, self.cfg.env.turn_discount
-        returns = turn_credit.turn_returns(rows["turn_rewards"], rows["turns"], gamma)
+        turn_rewards = rows["turn_rewards"]
+        if "token_kl" in rows:   # algo.kl_in_reward: each turn pays beta x its tokens' KL
+            turn_rewards = turn_rewards - a.beta * turn_credit.turn_sums(
+                rows["token_kl"], rows["turn_ids"], turn_rewards.shape[1])
+        returns = turn_credit.turn_returns(turn_rewards, rows["turns"], gamma)
         # Groups of their own sizes (knapsack allocation): each episode's group id.
         inputs = rows.get("estimator_inputs") or None
         group_ids = None if inputs is None else inputs.get("group_ids")
