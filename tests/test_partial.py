@@ -404,8 +404,8 @@ def posteriors_of(workdir) -> list:
 @pytest.mark.parametrize("change, message", [
     ({"rollout.engine": "static"},
      "rollout.partial=true needs rollout.engine='slots' (got 'static')"),
-    ({"algo.name": "dpo"},
-     "rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
+    ({"algo.name": "dpo"},   # (offline: no rounds to carry)
+     "rollout.partial=true needs algo.name='grpo', 'distill', 'ppo' or online 'dpo'"),
     ({"rollout.micro_batch_size": 8},
      "rollout.partial=true has no meaning with rollout.micro_batch_size"),
     ({"rollout.max_staleness": -1}, "rollout.max_staleness"),

@@ -282,3 +282,24 @@ def test_hf_example_config_runs_two_steps(tmp_path):
     assert [r["step"] for r in train] == [1, 2] and all(r["dpo/pairs"] == 4 for r in train)
     (ev,) = [r for r in records if "eval/pref_accuracy" in r]
     assert "eval/accuracy" not in ev  # preference data has no task answers to check
+
+
+def test_online_dpo_with_prompt_selection_and_partial_rollouts_resumes_exactly(tmp_path):
+    """Online DPO samples its groups as GRPO does: MoPPS picks the prompts (learning from the
+    groups' rewards) and partial rollouts carry unfinished groups across iterations on the
+    slot engine; pairs are each completed group's best and worst. Stopped after one update
+    and resumed (the posteriors and the groups in flight saved), equal to the straight run."""
+    from rljax import config
+    from rljax.train.core.metrics import read_metrics
+    from tests.test_train_loop import resumes_exactly
+
+    cfg = lambda: config.load_config("configs/dpo_arithmetic.py", [  # noqa: E731
+        "steps=2", "sft.steps=0", "rollout.batch_size=8", "eval.num_examples=8",
+        "eval.batch_size=8", "eval_every=0", "checkpoint.async_save=False",
+        "logging.tensorboard=False", "mesh.data=1", "algo.online=True",
+        "data.selection.name=predicted", "rollout.engine=slots", "rollout.partial=True",
+        "rollout.slots=4", "rollout.chunk_steps=2"])
+    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=1, devices=jax.devices()[:1])
+    train = [r for r in read_metrics(straight) if "rewards/margin" in r]
+    assert len(train) == 2 and any(r["rollout/carried_groups"] > 0 for r in train)
+    assert train[-1]["selection/tracked"] > 0 and all(0 <= r["dpo/pairs"] <= 2 for r in train)

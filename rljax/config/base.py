@@ -145,3 +145,12 @@ def merged(*tables: Mapping[str, Any]) -> dict[str, Any]:
     for table in tables:
         out.update(table)
     return out
+
+
+def online_dpo_groups(cfg) -> bool:
+    """Online DPO that pairs the best and worst of sampled groups (not step pairs, which its
+    search samples itself): it samples rounds as GRPO does, so prompt selection and partial
+    rollouts apply to it."""
+    return (cfg.algo.name == "dpo" and bool(cfg.algo.online)
+            and cfg.data.pairs not in ("step_mc", "mcts"))
+

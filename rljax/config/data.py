@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljax.config.base import ConfigError, registered
+from rljax.config.base import ConfigError, online_dpo_groups, registered
 
 
 def data() -> dict[str, Any]:
@@ -125,9 +125,10 @@ def check_selection(cfg) -> None:
     if sel.low > sel.high:
         raise ConfigError(f"data.selection.low={sel.low} must be <= data.selection.high="
                           f"{sel.high}")
-    if algo.name not in ("grpo", "ppo", "distill"):
+    if algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg):
         raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "
-                          f"rollouts: algo.name='{algo.name}' needs 'uniform'")
+                          f"rollouts: algo.name='{algo.name}' (or DPO's step pairs) needs "
+                          "'uniform'")
     if sel.name == "online_filter" and algo.dynamic_sampling:
         raise ConfigError("data.selection.name='online_filter' and algo.dynamic_sampling both "
                           "filter groups: use one (dynamic sampling = the band (0, 1))")

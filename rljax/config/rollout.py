@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljax.config.base import ConfigError
+from rljax.config.base import ConfigError, online_dpo_groups
 
 
 def rollout() -> dict[str, Any]:
@@ -140,9 +140,9 @@ def check_partial(cfg) -> None:
     if r.engine != "slots":
         raise ConfigError(f"rollout.partial=true needs rollout.engine='slots' (got "
                           f"'{r.engine}'): add --config.rollout.engine=slots")
-    if a.name not in ("grpo", "distill", "ppo"):
-        raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill' or 'ppo' "
-                          f"(got '{a.name}')")
+    if a.name not in ("grpo", "distill", "ppo") and not online_dpo_groups(cfg):
+        raise ConfigError(f"rollout.partial=true needs algo.name='grpo', 'distill', 'ppo' or "
+                          f"online 'dpo' with best-worst pairs (got '{a.name}')")
     if r.micro_batch_size:   # the pool holds its groups' prompts once and their tokens
         raise ConfigError("rollout.partial=true has no meaning with rollout.micro_batch_size: "
                           "the pool decodes on rollout.slots slots, which already bound its "

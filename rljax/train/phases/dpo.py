@@ -28,11 +28,11 @@ from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.train.core import evaluate as eval_lib
-from rljax.train.core import programs as programs_lib, steps
+from rljax.train.core import partial as partial_lib, programs as programs_lib, steps
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.preference_data import (PreferenceData, best_worst_pairs,
                                               eval_pair_batches, pair_metrics)
-from rljax.train.core.setup import data_iterator
+from rljax.train.core.setup import data_iterator, rl_iterator
 from rljax.train.methods import mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
@@ -231,9 +231,10 @@ class DPOPhase:
             self.source = (mcts_search.MCTSPairs(
                 ctx, self.iterator, None if self.refit is None else self.refit.scorer)
                            if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
-        elif self.online:
-            self.iterator = data_iterator(ctx, self.num_pairs)
-            self.source = RewardRollout(ctx, self.iterator)
+        elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
+            self.iterator = rl_iterator(ctx, self.num_pairs)
+            self.source = RewardRollout(ctx, self.iterator,
+                                        rounds=partial_lib.rounds_of(ctx, self.num_pairs))
         else:
             self.source = PreferenceData(ctx, self.num_pairs)
         self.updates = a.num_iterations if self.online else 1
@@ -348,7 +349,14 @@ class DPOPhase:
         return out
 
     def state_dict(self) -> dict:
-        return {"data": (self.iterator if self.online else self.source).state()}
+        out = {"data": (self.iterator if self.online else self.source).state()}
+        rounds = getattr(self.source, "rounds", None)
+        if rounds is not None:   # partial rollouts: the groups in flight
+            out["partial"] = rounds.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         (self.iterator if self.online else self.source).restore(state["data"])
+        rounds = getattr(self.source, "rounds", None)
+        if rounds is not None and "partial" in state:
+            rounds.load_state_dict(state["partial"])
