@@ -260,8 +260,8 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"algo.name": "dpo"},
-     "algo.asynchronous=true needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
+    ({"algo.name": "dpo"},   # (offline: no groups to sample ahead)
+     "algo.asynchronous=true needs algo.name='grpo', 'distill', 'ppo' or online 'dpo'"),
     ({"rollout.engine": "slots", "rollout.partial": True, "rollout.max_staleness": 1,
       "algo.async_lag": 2}, "rollout.max_staleness=1 must be >= algo.async_lag=2"),
     ({"algo.async_lag": 0}, "algo.async_lag"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rljax.config.base import ConfigError, opt_float, registered
+from rljax.config.base import ConfigError, online_dpo_groups, opt_float, registered
 
 # Per-loss defaults of the clip keys left unset (None), as in each loss's signature
 # (rljax.algorithms.policy_losses; tests/test_config.py checks they agree). A None here is the
@@ -518,9 +518,9 @@ def check_async(cfg) -> None:
                 else "trees (rollout.tree.enabled=true)")
         raise ConfigError(f"algo.inflight_updates=true is not supported with rollout.partial "
                           f"for {what}: their pools are not polled for new weights yet")
-    if a.name not in ("grpo", "distill", "ppo"):
-        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill' or "
-                          f"'ppo' (got '{a.name}')")
+    if a.name not in ("grpo", "distill", "ppo") and not online_dpo_groups(cfg):
+        raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill', 'ppo' "
+                          f"or online 'dpo' with best-worst pairs (got '{a.name}')")
     if r.partial and r.max_staleness < a.async_lag:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
                           f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "

@@ -5,7 +5,8 @@
                      AsyncGRPOPhase with algo.asynchronous (batches sampled ahead)
     distill DistillPhase  on-policy distillation from a frozen teacher (GRPO's update)
     ppo   PPOPhase   PPO with a critic and GAE
-    dpo   DPOPhase   offline and online (iterative) DPO and its variants
+    dpo   DPOPhase   offline and online (iterative) DPO and its variants; AsyncDPOPhase
+                     with algo.asynchronous (online groups sampled ahead)
     rm    RMPhase    Bradley-Terry reward model
     prm   PRMPhase   process reward model (per-step labels at step-end tokens)
 
@@ -44,6 +45,19 @@ class AsyncDistillPhase(AsyncGRPOPhase, DistillPhase):
     scores each batch where it is sampled; the update is distillation's."""
 
 
+class AsyncDPOPhase(AsyncSchedule, DPOPhase):
+    """Online DPO on groups sampled ``algo.async_lag`` versions earlier: best-worst pairs
+    of each batch as it trains (DPO's loss reads no behaviour policy: stale pairs are pairs)."""
+
+
+def dpo_phase(ctx: Context, steps: int) -> Phase:
+    """The DPO phase: online with groups sampled asynchronously (``algo.asynchronous``) or
+    not."""
+    if ctx.cfg.algo.get("asynchronous", False):
+        return AsyncDPOPhase(ctx, steps)
+    return DPOPhase(ctx, steps)
+
+
 def grpo_phase(ctx: Context, steps: int) -> Phase:
     """The GRPO phase: asynchronous (``algo.asynchronous``) or not."""
     if ctx.cfg.algo.get("asynchronous", False):
@@ -70,7 +84,7 @@ ALGORITHMS: dict[str, Callable[[Context, int], Phase]] = {
     "grpo": grpo_phase,
     "distill": distill_phase,
     "ppo": ppo_phase,
-    "dpo": DPOPhase,
+    "dpo": dpo_phase,
     "rm": RMPhase,
     "prm": PRMPhase,
     "sft": lambda ctx, steps: SFTPhase(ctx, steps, ctx.cfg.optimizer.learning_rate),

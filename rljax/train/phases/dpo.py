@@ -33,6 +33,7 @@ from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.preference_data import (PreferenceData, best_worst_pairs,
                                               eval_pair_batches, pair_metrics)
 from rljax.train.core.setup import data_iterator, rl_iterator
+from rljax.train.phases.grpo import merge_updates
 from rljax.train.methods import mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
@@ -233,8 +234,8 @@ class DPOPhase:
                            if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
         elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
             self.iterator = rl_iterator(ctx, self.num_pairs)
-            self.source = RewardRollout(ctx, self.iterator,
-                                        rounds=partial_lib.rounds_of(ctx, self.num_pairs))
+            self.source = self.rollout = RewardRollout(
+                ctx, self.iterator, rounds=partial_lib.rounds_of(ctx, self.num_pairs))
         else:
             self.source = PreferenceData(ctx, self.num_pairs)
         self.updates = a.num_iterations if self.online else 1
@@ -291,6 +292,10 @@ class DPOPhase:
             metrics["dpo/pairs_frac"] = float(pairs["pair_mask"].mean())
             return pairs, metrics
         batch, metrics = self.source(state, step)
+        return self._group_pairs(batch, metrics), metrics
+
+    def _group_pairs(self, batch: dict, metrics: dict) -> dict:
+        """The best and worst completion of each group of a rollout batch, as pairs."""
         n = batch["loss_mask"].shape[1]
         tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"], bool)
         p = tokens.shape[1] - n
@@ -298,7 +303,24 @@ class DPOPhase:
         completions = {"tokens": tokens[:, p:], "mask": mask[:, p:]}
         pairs = best_worst_pairs(prompts, completions, batch["rewards"], self.g)
         metrics["dpo/pairs_frac"] = float(pairs["pair_mask"].mean())
-        return pairs, metrics
+        return pairs
+
+    def train_on(self, state, batch: dict, metrics: dict, step: int):
+        """The updates on a rollout batch's best-worst pairs, dispatched (their metrics not
+        fetched): ``(state, updates)``. (Asynchronous DPO trains batches sampled earlier.)"""
+        return self._update(state, self._group_pairs(batch, metrics), metrics, step)
+
+    def _update(self, state, pairs: dict, metrics: dict, step: int):
+        step_fn = self._compiled(state)
+        updates = []
+        for _ in range(self.updates):
+            state, m = step_fn(state, dist.device_batch(pairs, self.ctx.mesh))
+            updates.append(m)
+        every = self.ctx.cfg.algo.ref_update_every
+        if state.ref_params is not None and every and (step + 1) % every == 0:
+            state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+        metrics["dpo/pairs"] = int(pairs["pair_mask"].sum())
+        return state, updates
 
     def iteration(self, state, step: int):
         t0 = time.perf_counter()
@@ -310,20 +332,10 @@ class DPOPhase:
             state, refit_metrics = self.refit(state, self.source.last)
             metrics.update(refit_metrics)
         t1 = time.perf_counter()
-        step_fn = self._compiled(state)
-        updates = []
-        for _ in range(self.updates):
-            state, m = step_fn(state, dist.device_batch(pairs, self.ctx.mesh))
-            updates.append(to_host(m))
-        every = self.ctx.cfg.algo.ref_update_every
-        if state.ref_params is not None and every and (step + 1) % every == 0:
-            state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+        state, updates = self._update(state, pairs, metrics, step)
+        merge_updates(metrics, [to_host(m) for m in updates])
         t2 = time.perf_counter()
-        for key in updates[0]:
-            values = [u[key] for u in updates]
-            metrics[key] = int(sum(values)) if key == "skipped" else float(np.mean(values))
-        metrics.update({"dpo/pairs": int(pairs["pair_mask"].sum()), "time/rollout": t1 - t0,
-                        "time/update": t2 - t1, "time/step": t2 - t0})
+        metrics.update({"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0})
         return state, metrics
 
     def evaluate(self, state, rng) -> dict:
