@@ -278,14 +278,6 @@ def test_guidance_trains_on_scripted_episodes_only_where_the_env_has_them(key, v
                      key: value})
 
 
-def test_a_temperature_schedule_is_refused_with_partial_episodes():
-    with pytest.raises(config_lib.ConfigError, match=re.escape(
-            "rollout.temperature_schedule is not supported with multi-turn episodes and "
-            "rollout.partial")):
-        agent_cfg(**{"rollout.temperature_schedule.name": "linear", "rollout.partial": True,
-                     "rollout.engine": "slots"})
-
-
 def test_a_demonstration_episode_is_the_scripted_one_scored_as_if_sampled():
     """Mixed-policy demonstrations of episodes (host only): the failed group's last row
     becomes the example's scripted episode, its model turns trained (observations context),

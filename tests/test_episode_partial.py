@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from rljax import config as config_lib
 from rljax.envs import register_env
 from rljax.train import run
 from rljax.train.core.metrics import read_metrics
@@ -128,3 +129,30 @@ def test_selfplay_with_partial_rollouts_resumes_exactly(tmp_path, monkeypatch):
     jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
                  final_params(straight_dir))
     assert posteriors_of(resumed) == posteriors_of(straight_dir) != []
+
+
+SCHEDULE = {"rollout.temperature_schedule.name": "linear",
+            "rollout.temperature_schedule.start": 2.0, "rollout.temperature_schedule.end": 0.5,
+            "rollout.temperature_schedule.tokens": 12, "steps": 1}
+
+
+@pytest.mark.parametrize("case", ["partial_episodes", "selfplay", "selfplay_slots",
+                                  "selfplay_partial"])
+def test_a_temperature_schedule_reaches_carried_episodes_and_matches(tmp_path, case):
+    """``rollout.temperature_schedule`` on the episode loops of their own: partial rollouts
+    of tool episodes and self-play matches (static plies, the engine, carried matches). A
+    row's k-th model token is drawn at schedule[k] whatever its turn, so the trainer's
+    log-probs at those temperatures equal the sampler's (the first iteration: every token
+    drawn by the version that trains; a wrong temperature is off by far more)."""
+    if case == "partial_episodes":
+        cfg = partial_cfg("echo")
+        cfg.update_from_flattened_dict({**SCHEDULE, "data.selection.name": "uniform"})
+    else:
+        engine = {"selfplay": {}, "selfplay_slots": {"rollout.engine": "slots"},
+                  "selfplay_partial": {"rollout.engine": "slots", "rollout.partial": True,
+                                       "rollout.chunk_steps": 3}}[case]
+        cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.num_generations": 2,
+                         "rollout.max_new_tokens": 8, **SCHEDULE, **engine})
+    assert run.train(config_lib.validate(cfg), str(tmp_path), devices=DEVICES) == 0
+    (r,) = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert r["rollout/logp_diff_max"] < 1e-4, r["rollout/logp_diff_max"]

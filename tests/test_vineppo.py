@@ -295,3 +295,37 @@ def test_bad_vine_config_names_the_key(overrides, key):
     from rljax.errors import ConfigError
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_lib.load_config(None, ["algo.adv_estimator=vineppo"] + overrides)
+
+
+def test_vineppo_forks_of_episodes_follow_the_temperature_schedule(tmp_path, monkeypatch):
+    """With ``rollout.temperature_schedule`` a fork's turn continues the episode's schedule:
+    its first turn's temperatures start after the model tokens fed before the fork point
+    (earlier turns and the turn so far), so a fork draws its k-th model token at
+    schedule[k] as the episode did; the run trains."""
+    from test_agent_credit import episode_cfg   # registers the two-turn environment
+    from rljax.train import run
+    from rljax.train.core import episodes as ep
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.core.sampler import rollout_temperatures
+
+    asked, turn_temperatures = [], ep._Trajectories.turn_temperatures
+
+    def spy(self, rows, ahead=0):
+        out = turn_temperatures(self, rows, ahead)
+        if out is not None:
+            done = int(self.model_mask[rows[0]].sum()) + ahead
+            asked.append((ahead, out[0, 0] == self.schedule[min(done, len(self.schedule) - 1)]))
+        return out
+    monkeypatch.setattr(ep._Trajectories, "turn_temperatures", spy)
+    cfg = episode_cfg(**{
+        "steps": 1, "algo.adv_estimator": "vineppo", "algo.vine.forks": 2,
+        "algo.vine.max_steps": 3, "algo.vine.splitter": "regex", "algo.vine.regex": r"[0-9]",
+        "rollout.batch_size": 4, "algo.num_generations": 2, "rollout.engine": "slots",
+        "rollout.temperature_schedule.name": "linear",
+        "rollout.temperature_schedule.start": 2.0, "rollout.temperature_schedule.end": 0.5,
+        "rollout.temperature_schedule.tokens": 12})
+    assert rollout_temperatures(cfg) is not None
+    assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
+    (r,) = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert r["vine/fork_tokens"] > 0 and np.isfinite(r["loss"])
+    assert any(ahead > 0 for ahead, _ in asked) and all(ok for _, ok in asked)

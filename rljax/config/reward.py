@@ -120,13 +120,6 @@ def check_env(cfg) -> None:
         return
     from rljax.envs import check_env_config   # host-only module; imported when used
 
-    schedule = cfg.rollout.temperature_schedule.name != "constant"
-    for key, on in (("env.selfplay.mode", env.selfplay.mode != "off"),
-                    ("rollout.partial", cfg.rollout.partial)):
-        if schedule and on:   # (matches and carried episodes sample on their own loops)
-            raise ConfigError(f"rollout.temperature_schedule is not supported with multi-turn "
-                              f"episodes and {key}: set its name='constant'")
-
     check_env_config(env.name, tuple(env.tools), env.tool_format)
     call_reward = dict(env.kwargs).get("call_reward", 0.0)
     if env.name == "tool" and not (isinstance(call_reward, (int, float))

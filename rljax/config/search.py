@@ -54,10 +54,6 @@ def check_vine(cfg) -> None:
         raise ConfigError("algo.adv_estimator='vineppo' cannot be combined with "
                           "env.selfplay.mode (a fork would replay the match's other seats in "
                           "their order and play them on too; tool episodes compose)")
-    if cfg.env.name and cfg.rollout.temperature_schedule.name != "constant":
-        raise ConfigError("algo.adv_estimator='vineppo' with multi-turn episodes cannot be "
-                          "combined with rollout.temperature_schedule (the forks of an episode "
-                          "play at rollout.temperature)")
     if algo.vine.splitter == "regex":
         import re
         try:

@@ -151,15 +151,12 @@ class _Trajectories:
         self.counters: list[dict] = [{} for _ in range(r)]
         self.time_env = 0.0
 
-    def turn_temperatures(self, rows) -> np.ndarray | None:
+    def turn_temperatures(self, rows, ahead: int = 0) -> np.ndarray | None:
         """f32 [len(rows), N]: the temperature of each token of the rows' next turns under the
         schedule (``run_episodes``' ``temperatures``): an episode's k-th model token is drawn
         at ``schedule[k]``, whatever turn it is in. None without a schedule."""
-        if self.schedule is None:
-            return None
-        done = self.model_mask[np.asarray(rows)].sum(1)
-        at = done[:, None] + np.arange(self.limits.turn_tokens)[None, :]
-        return self.schedule[np.minimum(at, len(self.schedule) - 1)]
+        return scheduled_temperatures(self.schedule, self.model_mask[np.asarray(rows)],
+                                      self.limits.turn_tokens, ahead)
 
     def budget(self, i: int) -> int:
         """Tokens row ``i``'s next turn may sample."""
@@ -488,6 +485,19 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
                       budget=record.budget(i))
             _set_temperatures(state, slot, record, i)
     return (busy, run), routes
+
+
+def scheduled_temperatures(schedule, model_mask: np.ndarray, turn_tokens: int,
+                           ahead: int = 0):
+    """f32 [R, turn_tokens]: the temperatures of the next turn of rows whose trajectories
+    hold ``model_mask`` bool [R, M] so far (and ``ahead`` model tokens more, fed before the
+    turn samples: a VinePPO fork's turn so far): a row's k-th model token is drawn at
+    ``schedule[k]`` f32 [K] (past its end, the last), whatever turn it is in. None without a
+    schedule."""
+    if schedule is None:
+        return None
+    at = model_mask.sum(1)[:, None] + ahead + np.arange(turn_tokens)[None, :]
+    return schedule[np.minimum(at, len(schedule) - 1)]
 
 
 def _set_temperatures(state: dict, slot: int, record: _Trajectories, i: int) -> None:

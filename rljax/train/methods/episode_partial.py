@@ -60,7 +60,7 @@ from rljax.sampling import multiturn
 from rljax.train.core import episodes as ep
 from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
-from rljax.train.core.sampler import engine_slots, sampling_params
+from rljax.train.core.sampler import engine_slots, rollout_temperatures, sampling_params
 from rljax.train.methods import agent
 
 EPISODE_STREAM = 9  # rng stream of the episodes in flight: fold_in(state.rng, 9), every step
@@ -196,12 +196,15 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         from rljax.train.methods.matches import Side
         r, tok = self.ctx.cfg.rollout, self.ctx.tokenizer
         if side is None:
-            side = Side(self.ctx.model_cfg, params, (), self.g, r.temperature, r.top_k, r.top_p)
+            side = Side(self.ctx.model_cfg, params, (), self.g, r.temperature, r.top_k, r.top_p,
+                        schedule=rollout_temperatures(self.ctx.cfg))
         model_cfg, params = side.model_cfg, side.params
         pages = ee.prefill(model_cfg, params, p_tok, p_mask)
         cache = paged.init_slot_cache(model_cfg, slots, lim.max_total_tokens + 1)
         state = ee.empty_state(slots, max(lim.chunk_tokens, lim.max_total_tokens),
                                lim.turn_tokens, tok.pad_id)
+        if side.schedule is not None:   # each slot's turn at its own temperatures
+            state["temp"] = np.ones((slots, lim.turn_tokens), np.float32)
         calls = [self._renderer.call_end] if self._renderer.call_end else []
         options = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
                        stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
@@ -250,6 +253,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 ee.resume(state, slot, row=i, lead=int(first[i]),
                           observation=record.tokens[i, :record.length[i]], cursor=0,
                           turn=int(record.turns[i]), budget=record.budget(i), draw=int(draw[i]))
+                _set_temperatures(state, slot, record.turn_temperatures([i]))
             if not state["live"].any():
                 break
             before = state["cursor"].copy()
@@ -272,6 +276,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                           observation=obs, cursor=int(record.length[i]) - len(obs),
                           turn=int(state["turn"][slot]) + 1, budget=record.budget(i),
                           draw=int(draw[i]))
+                _set_temperatures(state, slot, record.turn_temperatures([i]))
         live = (state["row"] >= 0) & state["live"]   # turns dropped: drawn again next time
         return eps(), groups, (busy, run), drawn + int(state["t"][live].sum())
 
@@ -287,6 +292,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         p_tok, p_mask = sampling.pad_to_bucket(prompt_ids[::g], pad_id=tok.pad_id,
                                                buckets=limits.prompt_buckets)
         record = ep._Trajectories(tok, envs, renderer, limits, step_all)
+        record.schedule = rollout_temperatures(cfg)   # (None: rollout.temperature)
         finished = record.replay([self.turns[j][k] for j in places for k in range(g)])
         return record, finished, prompts, prompt_ids, p_tok, p_mask
 
@@ -309,7 +315,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         lim, ro = agent.limits(cfg), cfg.rollout
         max_plies = len(game.seats) * lim.max_turns
         policy = matches.Side(self.ctx.model_cfg, params, envs, g, ro.temperature, ro.top_k,
-                              ro.top_p)
+                              ro.top_p, schedule=rollout_temperatures(cfg))
         run = matches._SideRun(policy, self.ctx.tokenizer, self._renderer, lim, max_plies,
                                self.ctx.mesh)
         r = len(envs)
@@ -384,6 +390,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 else:
                     ee.resume(e.state, e.slot[i], lead=int(first[i]), cursor=0,
                               observation=run.tokens[i, :run.length[i]], **opts)
+                _set_temperatures(e.state, e.slot[i], run.turn_temperatures([i]))
                 on_slot[i] = True
 
         while done_places() < self.num_prompts:
@@ -465,6 +472,13 @@ class _SeatEngine:
             lim, np.asarray(run.p_tok)[groups], np.asarray(run.p_mask)[groups], side.params,
             len(rows), side)
         self.state["row"][:] = np.arange(len(rows))
+
+
+def _set_temperatures(state: dict, slot: int, temps) -> None:
+    """With a temperature schedule (the engine's ``temp``): the temperatures [1, N] of the
+    turn starting on ``slot``."""
+    if "temp" in state and temps is not None:
+        state["temp"][slot] = temps[0]
 
 
 def _subset(eps: dict, rows: np.ndarray) -> dict:

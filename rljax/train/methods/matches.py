@@ -40,7 +40,7 @@ import numpy as np
 from rljax import sampling
 from rljax.sampling import multiturn
 from rljax.train.core.episodes import (EngineWeights, EpisodeLimits, Renderer, _count,
-                                      _cut_after)
+                                      _cut_after, scheduled_temperatures)
 
 
 @dataclasses.dataclass
@@ -54,6 +54,7 @@ class Side:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    schedule: Any = None   # a temperature schedule over each row's model tokens, f32 [K]
 
 
 class _SideRun:
@@ -106,6 +107,12 @@ class _SideRun:
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
                             stop_sequences=multiturn.stop_sequences_of(
                                 tokenizer, [renderer.call_end] if renderer.call_end else []))
+
+    def turn_temperatures(self, rows) -> np.ndarray | None:
+        """f32 [len(rows), N]: the schedule's temperatures of the rows' next turns (a row's
+        k-th model token at ``schedule[k]``), or None without one."""
+        return scheduled_temperatures(self.side.schedule, self.model_mask[np.asarray(rows)],
+                                      self.n)
 
     def record(self, i: int, result) -> None:
         """A step's or ``finish``'s result on row i (on its last turn)."""
@@ -214,7 +221,9 @@ class _SideRun:
         self.cache, out = multiturn.turn(side.model_cfg, side.params, self.cache, self.slot_mask,
                                          chunk, chunk_mask, turn=ply, active=moving,
                                          budget=budget.astype(np.int32), rng=rng,
-                                         layout=self.layout, **self.options)
+                                         layout=self.layout,
+                                         temperatures=self.turn_temperatures(np.arange(r)),
+                                         **self.options)
         out_tok, out_lp, out_len = (np.asarray(x) for x in jax.device_get(
             (out.tokens, out.logps, out.lengths)))
         kept = np.zeros(r, np.int64)
@@ -306,6 +315,8 @@ class _EngineSide:
         self.state = ee.empty_state(r, run.o, run.n, run.tok.pad_id)
         self.state["row"][:] = np.arange(r)          # slot i holds row i for its whole match
         self.decoding = np.zeros(r, bool)
+        if side.schedule is not None:   # each slot's turn at its own temperatures
+            self.state["temp"] = np.ones((r, run.n), np.float32)
         self.opts = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
                          stop_ids=sampling.merge_stop_ids(run.tok.eos_id, ()),
                          stop_sequences=run.options["stop_sequences"])
@@ -321,6 +332,8 @@ class _EngineSide:
             ee.resume(self.state, i, row=i, lead=int(run.carry[i]), observation=obs,
                       cursor=before, turn=run.envs[i].match.plies,
                       budget=min(run.n, run.m_max - int(run.length[i])))
+            if "temp" in self.state:
+                self.state["temp"][i] = run.turn_temperatures([i])[0]
 
     def decode(self) -> tuple[np.ndarray, list[str]]:
         """One decode chunk: (rows whose turn ended int [E], their turns' kept texts)."""

@@ -214,7 +214,8 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
                 groups.append(sx)
             else:
                 theirs += rows
-    sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p)]
+    sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p,
+                  schedule=sampler.rollout_temperatures(cfg))]
     if opponent is not None:
         sides.append(opponent_side(opponent, theirs, g, top_k, top_p))
     engine = sampler.episode_engine(cfg, len(mine) + len(theirs))

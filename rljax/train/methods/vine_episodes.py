@@ -38,7 +38,7 @@ import numpy as np
 from rljax import sampling
 from rljax.sampling import multiturn
 from rljax.train.core import episodes as ep
-from rljax.train.core.sampler import engine_slots, sampling_params
+from rljax.train.core.sampler import engine_slots, rollout_temperatures, sampling_params
 from rljax.train.methods import agent
 from rljax.train.methods.step_mc import turn_step_ends
 
@@ -123,6 +123,7 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
     tokens, turn_ids = rnd["tokens"], rnd["turn_ids"]
     record.replay([[{"ids": tokens[i][turn_ids[i] == j].tolist()} for j in range(turn)]
                    for i, _, _, turn in points])
+    record.schedule = rollout_temperatures(cfg)   # a fork's k-th model token at schedule[k]
     # Turn k's tokens before the fork: the engine feeds them, the environment gets them back.
     lead_in = [tokens[i, int(np.argmax(turn_ids[i] == turn)):start].tolist()
                for i, _, start, turn in points]
@@ -137,6 +138,8 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
     cache = paged.init_slot_cache(ctx.model_cfg, slots, lim.max_total_tokens + 1)
     state = ee.empty_state(slots, max(lim.chunk_tokens, lim.max_total_tokens), lim.turn_tokens,
                            tok.pad_id)
+    if record.schedule is not None:   # each slot's turn at its own temperatures
+        state["temp"] = np.ones((slots, lim.turn_tokens), np.float32)
     r = cfg.rollout
     options = dict(num_samples=width, chunk_steps=int(r.chunk_steps), temperature=r.temperature,
                    top_k=r.top_k, top_p=r.top_p, stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
@@ -155,6 +158,8 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
             ee.resume(state, slot, row=engine_row[n], lead=int(first[points[n][0]]),
                       observation=feed, cursor=0, turn=points[n][3],
                       budget=record.budget(n) - len(lead_in[n]))
+            if "temp" in state:   # (the turn's tokens before the fork are fed, not drawn)
+                state["temp"][slot] = record.turn_temperatures([n], len(lead_in[n]))[0]
         if not state["live"].any():
             break
         cache, state, _ = ee.run_chunk(ctx.model_cfg, params, *pages, cache, state, rng,
@@ -182,5 +187,7 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
             ee.resume(state, slot, row=engine_row[n], lead=int(turn_tok[j, kept[j] - 1]),
                       observation=obs, cursor=int(record.length[n]) - len(obs),
                       turn=int(state["turn"][slot]) + 1, budget=record.budget(n))
+            if "temp" in state:
+                state["temp"][slot] = record.turn_temperatures([n])[0]
     prompt_ids = [tok.encode(p) for p in prompts]
     return record.result(prompts, prompt_ids, p_tok.shape[1]), decoded
