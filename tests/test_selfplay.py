@@ -636,3 +636,42 @@ def test_selfplay_with_distillation_scores_every_seat(tmp_path, lowest_cell):
     rl = [r for r in read_metrics(str(tmp_path / "run")) if "distill/reverse_kl" in r]
     assert len(rl) == 2 and all(np.isfinite(r["distill/reverse_kl"]) and r["env/turns_mean"] > 1
                                 and 0 <= r["distill/teacher_agreement"] <= 1 for r in rl)
+
+
+@pytest.mark.parametrize("engine", ["static", "slots"])
+def test_selfplay_routes_are_the_training_forwards(tmp_path, engine):
+    """Routing replay in self-play (a mixture of experts): the matches record the experts of
+    every token each learner seat fed (prompt, its moves, the boards it observed), on the
+    static plies or the engines, laid out as the training row's columns: the sets a full
+    forward over prompt ++ trajectory routes them to."""
+    import jax.numpy as jnp
+
+    from rljax import data as data_lib, models, sampling
+    from rljax.train.core import evaluate
+    from rljax.train.methods import agent, selfplay
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "model.preset": "tiny-moe",
+                     "algo.routing_replay": True, "rollout.engine": engine,
+                     "rollout.chunk_steps": 3})
+    cfg.model.overrides = dict(cfg.model.overrides, moe_intermediate_size=16, init_std=0.1)
+    ctx = setup.build_context(config_lib.validate(cfg), str(tmp_path), devices=DEVICES)
+    template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
+    eps, _ = selfplay.play(ctx, ctx.params, evaluate.eval_examples(ctx)[:2], jax.random.key(3),
+                           num_samples=2, temperature=1.0, template=template,
+                           **agent.match_options(ctx.cfg, ctx))
+    p = eps["prompt_len"]
+    pt, pm = sampling.pad_to_bucket(eps["prompt_ids"], pad_id=0, buckets=(p,))
+    tokens = np.concatenate([pt, eps["tokens"]], 1)
+    mask = np.concatenate([pm, eps["mask"]], 1)
+    assert eps["routes"].shape[:2] == tokens.shape and eps["model_mask"].any()
+    _, _, stats = models.trunk(ctx.model_cfg, ctx.params, jnp.asarray(tokens),
+                               jnp.asarray(mask), with_moe_stats=True)
+    own = np.asarray(stats["ids"]).transpose(1, 2, 0, 3)          # [R, P+M, L, k]
+    fed = mask.copy()
+    fed[np.arange(len(fed)), p + eps["lengths"] - 1] = False      # the last token: never fed
+    np.testing.assert_array_equal(np.sort(eps["routes"][fed], -1), np.sort(own[fed], -1))
+    if engine == "static":   # and a run replays them: the trainer's log-probs are the sampler's
+        from rljax.train import run
+        cfg.steps = 1
+        assert run.train(config_lib.validate(cfg), str(tmp_path / "run"), devices=DEVICES) == 0
+        (r,) = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
+        assert r["rollout/logp_diff_max"] < 1e-4

@@ -484,16 +484,14 @@ def check_distill(cfg) -> None:
 def check_routing_replay(cfg) -> None:
     """Routing replay: GRPO, distillation or PPO, synchronous or asynchronous, on single-turn
     prompts sampled by the static sampler, the slot engine or the static tree sampler, or on
-    tool-agent episodes (the samplers that record routes)."""
-    a, r, env = cfg.algo, cfg.rollout, cfg.env
+    episodes and self-play matches (the samplers that record routes)."""
+    a, r = cfg.algo, cfg.rollout
     if not a.routing_replay:
         return
     problems = [what for what, bad in (
         (f"algo.name={a.name!r} (needs 'grpo', 'distill' or 'ppo')",
          a.name not in ("grpo", "distill", "ppo")),
         ("tree sampling on rollout.engine='slots'", bool(r.tree.enabled) and r.engine == "slots"),
-        (f"env.selfplay.mode={env.selfplay.mode!r}",
-         bool(env.name) and env.selfplay.mode != "off"),
         ("rollout.partial=true", bool(r.partial))) if bad]
     if problems:
         raise ConfigError("algo.routing_replay=true is not supported with " +

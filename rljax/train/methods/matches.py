@@ -55,6 +55,7 @@ class Side:
     top_k: int = 0
     top_p: float = 1.0
     schedule: Any = None   # a temperature schedule over each row's model tokens, f32 [K]
+    record_routes: bool = False   # every fed token's experts (routing replay)
 
 
 class _SideRun:
@@ -196,7 +197,7 @@ class _SideRun:
             side = self.side
             self.cache = multiturn.start(side.model_cfg, side.params, self.p_tok, self.p_mask,
                                          layout=self.layout, num_samples=self.g,
-                                         mesh=self.mesh)
+                                         mesh=self.mesh, record_routes=side.record_routes)
         chunk = np.full((r, o), self.tok.pad_id, np.int32)
         chunk_mask = np.zeros((r, o), bool)
         rows = []
@@ -234,13 +235,26 @@ class _SideRun:
         self.slot_mask |= multiturn.kept_slots(self.layout, ply, kept)
         return rows, texts
 
-    def result(self, time_env: float) -> dict:
+    def routes(self) -> np.ndarray | None:
+        """The static plies' routes (``record_routes``) laid out as the training rows'
+        columns (``multiturn.trajectory_routes``), or None."""
+        if not self.side.record_routes or self.cache is None:
+            return None
+        return multiturn.trajectory_routes(
+            jax.device_get(self.cache["routes"]), self.slot_mask,
+            np.repeat(np.asarray(self.p_mask, bool), self.g, axis=0), self.m_max)
+
+    def result(self, time_env: float, routes=None) -> dict:
+        """The side's rows as ``episodes.run_episodes`` gives them (``routes``: the engine's,
+        else the static plies' when recorded)."""
         r = len(self.envs)
         mask = np.arange(self.m_max)[None, :] < self.length[:, None]
         info: dict[str, float] = {}
         for c in self.counters:
             _count(c, info)
-        return dict(
+        routes = self.routes() if routes is None else routes
+        out = {} if routes is None else {"routes": routes}
+        return dict(**out,
             tokens=self.tokens, mask=mask, model_mask=self.model_mask, logps=self.logps,
             lengths=self.length.astype(np.int32),
             model_tokens=self.model_mask.sum(1).astype(np.int32), truncated=~self.done,
@@ -310,8 +324,12 @@ class _EngineSide:
 
         side, r = run.side, len(run.envs)
         self.run, self.rng, self.chunks, self.chunk_steps = run, rng, chunks, int(chunk_steps)
-        self.pages = ee.prefill(side.model_cfg, chunks.params, run.p_tok, run.p_mask)
+        self.pages = ee.prefill(side.model_cfg, chunks.params, run.p_tok, run.p_mask,
+                                record_routes=side.record_routes)
         self.cache = paged.init_slot_cache(side.model_cfg, r, run.m_max + 1)
+        if side.record_routes:   # the paged prompt's experts; the cache records the rest
+            *self.pages, self.prompt_routes = self.pages
+            self.cache = ee.init_routes(side.model_cfg, self.cache)
         self.state = ee.empty_state(r, run.o, run.n, run.tok.pad_id)
         self.state["row"][:] = np.arange(r)          # slot i holds row i for its whole match
         self.decoding = np.zeros(r, bool)
@@ -348,6 +366,20 @@ class _EngineSide:
                                 self.chunks.drawn[i])[1] for i in ended]
         return ended, texts
 
+    def routes(self) -> np.ndarray | None:
+        """Every row's fed tokens' experts (``record_routes``), laid out as the training
+        rows' columns: the paged prompt at [0, P - 1), cache index j at P - 1 + j (slot i
+        held row i for its whole match)."""
+        if not self.run.side.record_routes:
+            return None
+        run, p = self.run, self.run.p_tok.shape[1]
+        cache = np.asarray(jax.device_get(self.cache["routes"]))
+        out = np.zeros((len(run.envs), p + run.m_max) + cache.shape[2:], np.int32)
+        out[:, :p - 1] = np.repeat(np.asarray(jax.device_get(self.prompt_routes)), run.g, 0)
+        for i, n in enumerate(run.length):
+            out[i, p - 1:p - 1 + n] = cache[i, :n]
+        return out
+
 
 def _engine_matches(runs: list[_SideRun], rng, max_plies: int, step_all, engine,
                     weights) -> list[dict]:
@@ -379,4 +411,5 @@ def _engine_matches(runs: list[_SideRun], rng, max_plies: int, step_all, engine,
     for run in runs:
         for i in np.flatnonzero(run.active):   # out of plies: truncated
             run._truncate(i)
-    return [dict(s.run.result(time_env), **s.chunks.fields(s.run.versions)) for s in sides]
+    return [dict(s.run.result(time_env, s.routes()), **s.chunks.fields(s.run.versions))
+            for s in sides]

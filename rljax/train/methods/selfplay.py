@@ -215,7 +215,8 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
             else:
                 theirs += rows
     sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p,
-                  schedule=sampler.rollout_temperatures(cfg))]
+                  schedule=sampler.rollout_temperatures(cfg),
+                  record_routes=bool(cfg.algo.get("routing_replay")))]
     if opponent is not None:
         sides.append(opponent_side(opponent, theirs, g, top_k, top_p))
     engine = sampler.episode_engine(cfg, len(mine) + len(theirs))
