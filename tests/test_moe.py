@@ -329,14 +329,20 @@ def test_shared_layout_keeps_a_groups_routes_once():
     assert length_groups.shared_layout(part, n, g) is None  # each row computes its own prompt
 
 
-@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("tree", [False, True, "slots"])
 def test_sampler_records_the_routes_the_update_replays(loaded, tree):
     """The static sampler, or the tree sampler (a shared first segment forked into 2 leaves,
-    each leaf carrying its prefix's routes)."""
+    each leaf carrying its prefix's routes), static or on the slot engine (each level's
+    requests prefill the path so far: a leaf's routes are its last level's)."""
     cfg, params = loaded["olmoe"]
     prompt, pmask = _batch()
     opts = dict(rng=jax.random.PRNGKey(3), max_new_tokens=6, temperature=1.0, record_routes=True)
-    if tree:
+    if tree == "slots":
+        out, _ = sampling.tree_engine.generate(cfg, params, prompt, pmask, segment_tokens=3,
+                                               branching=2, depth=1, slots=4, chunk_steps=2,
+                                               **opts)
+        out = jax.tree.map(jnp.asarray, out)
+    elif tree:
         out = sampling.tree.generate(cfg, params, jnp.asarray(prompt), jnp.asarray(pmask),
                                      segment_tokens=3, branching=2, depth=1, **opts)
     else:
@@ -376,11 +382,13 @@ def test_routing_replay_refusals():
     assert "shared_prompt" not in str(refused.value)   # the default layout replays routes too
     cfg.rollout.partial = False
     assert config_lib.validate(cfg).algo.shared_prompt   # the default layout is accepted
-    cfg.rollout.tree.enabled = True   # the static tree sampler records routes, the engine's not
-    with pytest.raises(config_lib.ConfigError, match="tree sampling on rollout.engine='slots'"):
-        config_lib.validate(cfg)
-    cfg.rollout.engine = "static"
+    cfg.rollout.tree.enabled = True   # both tree samplers record routes
     config_lib.validate(cfg)
+    cfg.algo.update({"asynchronous": True, "inflight_updates": True})   # (no meaning)
+    with pytest.raises(config_lib.ConfigError, match="tree sampling on rollout.engine='slots' "
+                                                     "with algo.inflight_updates"):
+        config_lib.validate(cfg)
+    cfg.algo.update({"asynchronous": False, "inflight_updates": False})
     cfg.rollout.update({"engine": "slots", "tree": {"enabled": False}})
     cfg.env.update({"name": "tictactoe", "selfplay": {"mode": "self"}})   # matches record too
     config_lib.validate(cfg)

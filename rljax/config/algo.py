@@ -491,7 +491,10 @@ def check_routing_replay(cfg) -> None:
     problems = [what for what, bad in (
         (f"algo.name={a.name!r} (needs 'grpo', 'distill' or 'ppo')",
          a.name not in ("grpo", "distill", "ppo")),
-        ("tree sampling on rollout.engine='slots'", bool(r.tree.enabled) and r.engine == "slots"),
+        # (no meaning: a leaf's prefix is fed again at each level, under the weights of
+        # that moment, so with in-flight updates its routes come from several versions)
+        ("tree sampling on rollout.engine='slots' with algo.inflight_updates",
+         bool(r.tree.enabled) and r.engine == "slots" and bool(a.get("inflight_updates"))),
         ("rollout.partial=true", bool(r.partial))) if bad]
     if problems:
         raise ConfigError("algo.routing_replay=true is not supported with " +

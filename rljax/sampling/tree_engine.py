@@ -108,7 +108,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None, pad_id: int = 0,
              stop_ids: Sequence[int] = (), slots: int = 64, chunk_steps: int = 16,
              cache_dtype: Any = None, weights: Callable[[], tuple[Any, int]] | None = None,
-             image_embeds: Any = None, temperatures: Any = None,
+             image_embeds: Any = None, temperatures: Any = None, record_routes: bool = False,
              ) -> tuple[TreeSampleOutput, list[engine.EngineStats]]:
     """Samples ``sampling.tree.generate``'s trees (B*M leaf rows) with the slot engine.
 
@@ -118,6 +118,10 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     prompt's images, prefilled with every request of its tree. ``temperatures`` float32 [N]
     (a schedule): each level's requests decode positions [start, end) at
     ``temperatures[start:end]``, as ``sampling.tree.generate`` draws them.
+    ``record_routes`` (a mixture of experts): the output's ``routes`` int32 [B*M, P+N, L, k],
+    each leaf's from the level that decoded its last segment (that level's prefill of the
+    prompt and the path so far, then the segment's decode), as ``sampling.tree`` lays them
+    out; a leaf of a path that stopped earlier keeps its ancestor's.
     Returns ``(TreeSampleOutput, [EngineStats] per level)``; with ``weights``, the output's
     ``versions`` int32 [B*M, N] and each level's ``swaps`` counting a change at its start.
     """
@@ -130,6 +134,9 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     polls = None if weights is None else engine.VersionPolls(weights)
     if polls is not None:
         paths["versions"] = np.zeros((b, n), np.int32)
+    if record_routes:
+        paths["routes"] = np.zeros((b, prompt_tokens.shape[1] + n, cfg.num_layers,
+                                    cfg.num_experts_per_tok), np.int32)
     decoded, stats = np.zeros(b, np.int32), []
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                 pad_id=pad_id, stop_ids=stop_ids)
@@ -151,11 +158,15 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                                   image_embeds=None if image_embeds is None else
                                   np.repeat(image_embeds, rows // b, axis=0),
                                   temperatures=(None if temperatures is None else
-                                                temperatures[start:end]))
+                                                temperatures[start:end]),
+                                  record_routes=record_routes)
         if polls is not None:
             st = dataclasses.replace(st, swaps=polls.swaps - swaps)
         before = paths["lengths"].copy()
         paths = write_segment(paths, out, live, start, st.versions)
+        if record_routes:   # the prompt, the path so far and the segment, as this level fed them
+            routes = np.asarray(jax.device_get(out.routes))
+            paths["routes"][live, :routes.shape[1]] = routes[live]
         decoded += (paths["lengths"] - before).reshape(b, -1).sum(axis=1).astype(np.int32)
         stats.append(st)
     node_ids, _ = tree_layout(roots, branching, depth)
@@ -164,7 +175,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         tokens=paths["tokens"], logps=paths["logps"],
         mask=np.arange(n)[None, :] < lengths[:, None], lengths=lengths,
         truncated=~paths["done"], node_ids=np.tile(node_ids, (b, 1)), decoded=decoded,
-        versions=paths.get("versions")), stats
+        versions=paths.get("versions"), routes=paths.get("routes")), stats
 
 
 def programs(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_mask: Any,

@@ -236,7 +236,8 @@ def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats:
     out, st = sampling.tree_engine.generate(
         ctx.model_cfg, params, np.asarray(prompt_tokens), np.asarray(prompt_mask), **tree,
         slots=engine_slots(ctx.cfg, rows), chunk_steps=ctx.cfg.rollout.chunk_steps,
-        weights=weights, temperatures=temperatures, **kw)
+        weights=weights, temperatures=temperatures,
+        record_routes=bool(ctx.cfg.algo.get("routing_replay")), **kw)
     stats.extend(st)
     return out
 
