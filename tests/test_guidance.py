@@ -19,6 +19,7 @@ from rljax.train.core.metrics import read_metrics
 from rljax.train.phases import grpo
 from rljax.train.phases.grpo import GRPOPhase
 from rljax.train.core.state import create_train_state
+from test_agent_train import watch_rows
 from test_train_loop import StopAfter, comparable, final_params, tiny_cfg
 
 DEVICES = jax.devices()[:1]
@@ -432,3 +433,37 @@ def test_hints_on_data_without_solutions_exit_2_before_compiling(tmp_path, capsy
                      str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "algo.hint.mode needs reference solutions" in err[0], err
+
+
+@pytest.mark.parametrize("estimator", ["treepo", "rover"])
+def test_a_demonstration_is_a_tree_of_its_own_for_the_tree_estimators(tmp_path, estimator):
+    """Mixed-policy demonstrations with the tree estimators: the demonstration replacing a
+    failed tree's last leaf shares no segment with the sampled leaves, so it enters the
+    estimator as a one-leaf tree of its own (``sampling.tree.own_branches``): the batch's
+    advantages are the estimator's over that layout, the demonstration's positive."""
+    from rljax import algorithms
+    from rljax.sampling import tree as tree_sampling
+    cfg = guided_cfg(**{"algo.hint.mode": "off", "algo.mixed_policy": True, **TREE,
+                        "algo.adv_estimator": estimator})
+    ctx = setup.build_context(cfg, str(tmp_path), devices=DEVICES)
+    phase = GRPOPhase(ctx, 1)
+    state = create_train_state(ctx.params, phase.optimizer, jax.random.key(0))
+    seen = watch_rows(phase.rollout)
+    batch, metrics = phase.rollout(state, 0)
+    rows, g = seen.rows, cfg.algo.num_generations
+    demo = np.asarray(rows["demo"], bool)
+    assert metrics["mixed/demos"] == demo.sum() > 0
+    layout = phase.rollout.tree_structure(len(demo) // g)
+    node_ids = tree_sampling.own_branches(layout["node_ids"], demo)
+    assert not (node_ids[demo][:, None, :] == node_ids[~demo][None, :, :]).any()
+    estimate = algorithms.get_advantage_estimator(estimator)
+    if estimator == "treepo":
+        want = estimate(rows["rewards"], g, node_ids=node_ids)
+        assert np.all(np.asarray(batch["advantages"])[demo] > 0)
+    else:
+        want = estimate(rows["rewards"], g, node_ids=node_ids, mask=batch["loss_mask"],
+                        token_kl=np.zeros(batch["loss_mask"].shape, np.float32),
+                        segments=layout["segments"], kl_coef=0.0, gamma=1.0)
+        assert np.all(np.asarray(batch["advantages"])[demo].sum(-1) > 0)
+    np.testing.assert_allclose(batch["advantages"], want, rtol=1e-5, atol=1e-6)
+    phase.iteration(state, 0)   # and it trains

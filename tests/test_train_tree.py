@@ -138,8 +138,6 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
     ({"algo.adv_estimator": "rover", "algo.kl_in_reward": True, "algo.beta": 0.1},
      "algo.kl_in_reward=true is not supported"),
     ({"algo.name": "dpo"}, "needs algo.name='grpo', 'distill' or 'ppo' (got 'dpo')"),
-    ({"algo.adv_estimator": "treepo", "algo.mixed_policy": True},
-     "algo.mixed_policy=true cannot be combined with algo.adv_estimator='treepo'"),
     ({"algo.asynchronous": True, "algo.inflight_updates": True},
      "algo.inflight_updates=true needs rollout.engine='slots'"),
 ])

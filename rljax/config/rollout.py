@@ -234,10 +234,6 @@ def check_tree(cfg) -> None:
     # a temperature schedule reaches each segment at its completion positions.)
     if cfg.env.name:
         raise ConfigError("rollout.tree.enabled=true cannot be combined with env.name")
-    if algo.mixed_policy and _uses_tree(algo.adv_estimator):
-        raise ConfigError(f"algo.mixed_policy=true cannot be combined with algo.adv_estimator="
-                          f"'{algo.adv_estimator}': a demonstration shares no segment with the "
-                          "tree's leaves, so the tree estimator has no node for it")
     if algo.name not in ("grpo", "distill", "ppo"):   # (distillation: the teacher scores the
         # leaves; PPO: the critic values them)
         raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo', 'distill' or "

@@ -90,6 +90,17 @@ def tree_layout(roots: int, branching: int, depth: int) -> tuple[np.ndarray, np.
     return node_ids, np.asarray(parents, np.int32)
 
 
+def own_branches(node_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``node_ids`` int32 [N, D+1] with each of ``rows`` (bool [N]) a tree of its own: a node
+    id at every level that no other row has (e.g. a demonstration in place of a leaf, which
+    shares no segment with the sampled ones). Tree estimators then see it as a one-leaf
+    tree beside the sampled one(s) in its group."""
+    out = np.array(node_ids, np.int32, copy=True)
+    flagged = np.flatnonzero(np.asarray(rows, bool))
+    out[flagged] = (out.max(initial=-1) + 1 + np.arange(len(flagged)))[:, None]
+    return out
+
+
 def segment_of_position(max_new_tokens: int, segment_tokens: int, depth: int) -> np.ndarray:
     """int32 [N]: the tree level (segment) each completion position belongs to:
     ``min(t // segment_tokens, depth)``."""

@@ -310,6 +310,10 @@ class Rollout:
         if adv is None:
             # A stage may give the estimator more per-row inputs (process rewards: step scores).
             inputs = rows.get("estimator_inputs")
+            if "demo" in rows and algorithms.uses_tree(cfg.algo.adv_estimator):
+                # a demonstration shares no segment with the sampled leaves: its own tree
+                inputs = dict(inputs or {}, node_ids=tree_sampling.own_branches(
+                    self.tree_structure(len(rewards) // self.g)["node_ids"], rows["demo"]))
             adv = self.advantages(rewards, mask=loss_mask, token_kl=token_kl,
                                   **({"inputs": inputs} if inputs else {}))
         batch["advantages"] = adv
@@ -396,8 +400,9 @@ class Rollout:
             if a.adv_estimator == "grpo_process":
                 opts["process_weight"] = float(a.process_reward.weight)
             estimator = algorithms.get_advantage_estimator(a.adv_estimator)
-            if algorithms.uses_tree(a.adv_estimator):  # every group has the same tree layout
-                opts.update(self.tree_structure(len(rewards) // g))
+            if algorithms.uses_tree(a.adv_estimator):  # (the node ids go with each call)
+                opts.update({k: v for k, v in self.tree_structure(len(rewards) // g).items()
+                             if k != "node_ids"})
             if self.token_level:
                 # The KL enters the token rewards only with kl_in_reward (else token_kl = 0).
                 opts.update(kl_coef=float(a.beta) if a.kl_in_reward else 0.0,
@@ -408,12 +413,15 @@ class Rollout:
             else:
                 self._advantages = jax.jit(lambda r, extra: estimator(r, g, **extra, **opts))
         rewards = np.asarray(rewards, np.float32)
+        extra = dict(inputs or {})
+        if algorithms.uses_tree(a.adv_estimator) and "node_ids" not in extra:
+            extra["node_ids"] = self.tree_structure(len(rewards) // g)["node_ids"]
         if not self.token_level:
-            return np.asarray(self._advantages(rewards, dict(inputs or {})), np.float32)
+            return np.asarray(self._advantages(rewards, extra), np.float32)
         if token_kl is None:
             token_kl = np.zeros(mask.shape, np.float32)
-        return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl,
-                                           dict(inputs or {})), np.float32)
+        return np.asarray(self._advantages(rewards, np.asarray(mask, bool), token_kl, extra),
+                          np.float32)
 
     def _group_filter(self):
         """The function ``(rewards [R], sizes int [B] or None) -> bool [B]`` of groups that
