@@ -224,6 +224,33 @@ def test_inflight_updates_reach_partial_rollouts_between_decode_chunks(monkeypat
     assert (gap < 1e-4).any() and (gap > 1e-3).any()   # drawn by version 0, and by 1
 
 
+def test_inflight_updates_reach_partial_episodes_between_decode_chunks(monkeypatch):
+    """``algo.inflight_updates`` with partial rollouts of tool episodes: update 0 (made ready
+    at the sampler's second poll) reaches the episode pool's engine between two decode chunks
+    of batch 1, so its episodes mix versions 0 and 1, each turn's tokens keeping the versions
+    that drew them and their log-probs."""
+    from rljax.train.methods.episode_partial import EpisodePartialRounds
+    from tests.test_agent_train import agent_cfg
+    _updates_ready_at_the_second_poll(monkeypatch)
+    cfg = agent_cfg(**{"sft.steps": 0, "steps": 2, "algo.asynchronous": True,
+                       "rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 4,
+                       "rollout.chunk_steps": 1, "algo.inflight_updates": True,
+                       "algo.entropy_coef": 0.01, "optimizer.learning_rate": 1e-2})
+    turns = []   # the versions of every turn the pool recorded
+    record = EpisodePartialRounds._record_turn
+    monkeypatch.setattr(EpisodePartialRounds, "_record_turn", lambda self, *a, **k: (
+        record(self, *a, **k), turns.append(self.turns[a[0]][a[1]][-1]))[0])
+    ctx, versions, records, trained = _iterations(cfg, 2, devices=jax.devices()[:1])
+    assert records[1]["rollout/weight_swaps"] == 1
+    assert {v for t in turns for v in t.get("versions", [t["version"]])} == {0, 1}
+    batch = trained[1]
+    n = batch["loss_mask"].shape[1]
+    own = np.asarray(steps.completion_logps(ctx.model_cfg, versions[0], batch)[0])
+    gap = np.abs(own - batch["sampler_logps"])[batch["model_mask"]]
+    assert (gap < 1e-4).any() and (gap > 1e-3).any()   # drawn by version 0, and by 1
+    assert batch["mask"][:, -n:].sum() > 0
+
+
 def test_inflight_updates_wait_for_relifts_sft_step(monkeypatch):
     """``algo.inflight_updates`` with ReLIFT every second update: an update that an SFT step
     may follow is not published in flight (the version would lack the SFT step); the next

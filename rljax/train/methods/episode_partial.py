@@ -11,7 +11,9 @@ parameters, oldest group first, until ``num_prompts`` groups have all their epis
 completed. The others keep the turns they finished and continue next iteration under the new
 weights; a turn still decoding when the round is complete is dropped and drawn again (same
 noise, new weights) next iteration: episodes are carried at turn boundaries, so every turn is
-drawn by one policy version, which each of its tokens records.
+drawn by one policy version, which each of its tokens records (with in-flight weight updates,
+``algo.inflight_updates``, the engine polls for new weights between its decode chunks, and a
+turn's tokens record the versions that drew them).
 
 What is carried is plain data: each place's example (and dataset index, for prompt
 selection: a round's ``indices``), and, per episode, its finished turns (the
@@ -60,7 +62,8 @@ from rljax.sampling import multiturn
 from rljax.train.core import episodes as ep
 from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
-from rljax.train.core.sampler import engine_slots, rollout_temperatures, sampling_params
+from rljax.train.core.sampler import (engine_slots, rollout_temperatures, sampling_params,
+                                      sampling_weights)
 from rljax.train.methods import agent
 
 EPISODE_STREAM = 9  # rng stream of the episodes in flight: fold_in(state.rng, 9), every step
@@ -144,8 +147,11 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         dropped = self._drop_stale()
         places = sorted(np.flatnonzero(self.serial >= 0), key=lambda j: self.serial[j])
         params = sampling_params(self.ctx, params)
+        # In-flight weight updates (asynchronous RL): polled between the engine's chunks.
+        weights = (None if rollout.weights is None
+                   else sampling_weights(self.ctx, rollout.weights))
         play = self._play_matches if self.selfplay else self._play_episodes
-        eps, groups, slot_steps, drawn = play(params, places)
+        eps, groups, slot_steps, drawn, swaps = play(params, places, weights)
         taken = sorted((j for j in places if self.completed_at[j] >= 0),
                        key=lambda j: (self.completed_at[j], self.serial[j]))[:self.num_prompts]
         at = {j: k for k, j in enumerate(places)}
@@ -154,15 +160,15 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         eps = dict(_subset(eps, rows), slot_steps=slot_steps)
         versions = np.full(eps["tokens"].shape, -1, np.int64)
         for r, (j, k) in enumerate((j, k) for j in taken for k in learners[j]):
-            turn_versions = np.array([t["version"] for t in self.turns[j][k]] + [-1])
-            versions[r] = turn_versions[eps["turn_ids"][r]]   # -1 (not a model token): -1
+            for turn, t in enumerate(self.turns[j][k]):   # a token's own version (in flight)
+                versions[r, eps["turn_ids"][r] == turn] = t.get("versions", t["version"])
         examples = [x for j in taken for x in groups[at[j]]]
         indices = [int(self.indices[j]) for j in taken for _ in groups[at[j]]]   # per group
         for j in taken:
             self.serial[j], self.metas[j] = -1, None
             self._clear(j)
         self._drawn.append(dict(versions=versions[eps["model_mask"]], dropped=dropped,
-                                drawn=drawn))
+                                drawn=drawn, swaps=swaps))
         return dict(self.scored_round(rollout, eps, examples, time.perf_counter() - t0),
                     indices=indices)
 
@@ -180,17 +186,23 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 self._clear(j)
         return dropped
 
-    def _record_turn(self, j: int, row: int, ids, logps, frozen: bool = False) -> None:
-        """A finished turn of place j's row: its ids, log-probs, version (frozen: None)."""
-        self.turns[j][row].append(dict(ids=[int(x) for x in ids],
-                                       logps=[float(x) for x in logps],
-                                       version=None if frozen else self._version))
+    def _record_turn(self, j: int, row: int, ids, logps, frozen: bool = False,
+                     versions=None) -> None:
+        """A finished turn of place j's row: its ids, log-probs, version (frozen: None; with
+        in-flight weights ``versions``, each token's, the first its ``version``)."""
+        turn = dict(ids=[int(x) for x in ids], logps=[float(x) for x in logps],
+                    version=None if frozen else self._version)
+        if versions is not None and not frozen and len(turn["ids"]):
+            turn["versions"] = [int(v) for v in versions[:len(turn["ids"])]]
+            turn["version"] = turn["versions"][0]
+        self.turns[j][row].append(turn)
 
-    def _engine_setup(self, lim, p_tok, p_mask, params, slots: int, side=None):
-        """The engine's pages, slot cache and state for this iteration; the feed holds a
-        carried episode's whole trajectory so far (fed again under the current weights).
-        ``side`` (``matches.Side``): the model, parameters and sampling of the engine (None:
-        the policy's ``params`` at the rollout's sampling)."""
+    def _engine_setup(self, lim, p_tok, p_mask, params, slots: int, side=None, weights=None):
+        """The engine's slot cache, state, chunk function and weights
+        (``episodes.EngineWeights``: with in-flight ``weights``, polled between chunks) for
+        this iteration; the feed holds a carried episode's whole trajectory so far (fed again
+        under the current weights). ``side`` (``matches.Side``): the model, parameters and
+        sampling of the engine (None: the policy's ``params`` at the rollout's sampling)."""
         from rljax.models import paged
         from rljax.sampling import episode_engine as ee
         from rljax.train.methods.matches import Side
@@ -198,8 +210,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         if side is None:
             side = Side(self.ctx.model_cfg, params, (), self.g, r.temperature, r.top_k, r.top_p,
                         schedule=rollout_temperatures(self.ctx.cfg))
-        model_cfg, params = side.model_cfg, side.params
-        pages = ee.prefill(model_cfg, params, p_tok, p_mask)
+        model_cfg, chunks = side.model_cfg, ep.EngineWeights(side.params, weights)
+        pages = ee.prefill(model_cfg, chunks.params, p_tok, p_mask)
         cache = paged.init_slot_cache(model_cfg, slots, lim.max_total_tokens + 1)
         state = ee.empty_state(slots, max(lim.chunk_tokens, lim.max_total_tokens),
                                lim.turn_tokens, tok.pad_id)
@@ -211,9 +223,10 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                        stop_sequences=multiturn.stop_sequences_of(tok, calls))
 
         def run_chunk(cache, state):
-            return ee.run_chunk(model_cfg, params, *pages, cache, state, self._key,
-                                num_samples=self.g, chunk_steps=int(r.chunk_steps), **options)
-        return cache, state, run_chunk
+            return chunks.run_chunk(model_cfg, *pages, cache, state, self._key,
+                                    num_samples=self.g, chunk_steps=int(r.chunk_steps),
+                                    **options)
+        return cache, state, run_chunk, chunks
 
     def _draw_ids(self, places) -> np.ndarray:
         return (np.repeat(self.serial[places], self.rows) * self.rows
@@ -221,10 +234,10 @@ class EpisodePartialRounds(agent.EpisodeRounds):
 
     # -- tool episodes -------------------------------------------------------------------------
 
-    def _play_episodes(self, params, places):
+    def _play_episodes(self, params, places, weights=None):
         """Tool episodes: rebuild (``_rebuild``), then turns on the engine until enough groups
         are complete. Returns (all rows' episodes, each place's group examples, (busy, run)
-        slot-steps, tokens sampled)."""
+        slot-steps, tokens sampled, weight swaps). ``weights``: in-flight updates, or None."""
         from rljax.sampling import episode_engine as ee
         cfg, g = self.ctx.cfg, self.g
         envs = agent.make_envs(cfg, [self.metas[j] for j in places], g)
@@ -239,11 +252,13 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 self.completed_at[j] = self.clock
         waiting = [i for i in range(r) if not finished[i]][::-1]   # oldest group next
         if done_places() >= self.num_prompts or not waiting:
-            return eps(), groups, (0, 0), 0
+            return eps(), groups, (0, 0), 0, 0
         s = max(1, min(engine_slots(cfg, self.num_prompts * g), r))
         first = np.repeat(np.asarray(p_tok)[:, -1], g)
         draw = self._draw_ids(places)
-        cache, state, run_chunk = self._engine_setup(lim, p_tok, p_mask, params, s)
+        cache, state, run_chunk, chunks = self._engine_setup(lim, p_tok, p_mask, params, s,
+                                                             weights=weights)
+        in_flight = weights is not None
         busy = run = drawn = 0
         while done_places() < self.num_prompts:
             for slot in np.flatnonzero(state["row"] < 0):
@@ -265,7 +280,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             for n, slot in enumerate(ended):
                 i, obs, k = int(rows[n]), observations[n], kept[n]
                 j = places[i // g]
-                self._record_turn(j, i % g, state["tokens"][slot, :k], state["logps"][slot, :k])
+                self._record_turn(j, i % g, state["tokens"][slot, :k], state["logps"][slot, :k],
+                                  versions=chunks.drawn[slot] if in_flight else None)
                 if obs is None:
                     finished[i] = True
                     ee.free(state, slot)
@@ -278,7 +294,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                           draw=int(draw[i]))
                 _set_temperatures(state, slot, record.turn_temperatures([i]))
         live = (state["row"] >= 0) & state["live"]   # turns dropped: drawn again next time
-        return eps(), groups, (busy, run), drawn + int(state["t"][live].sum())
+        return eps(), groups, (busy, run), drawn + int(state["t"][live].sum()), chunks.swaps
 
     def _rebuild(self, envs, places):
         """The episodes of ``places`` as their recorded turns left them: fresh environments,
@@ -298,7 +314,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
 
     # -- self-play matches ---------------------------------------------------------------------
 
-    def _play_matches(self, params, places):
+    def _play_matches(self, params, places, weights=None):
         """Self-play or against the checkpoint opponent: each place's G matches rebuilt (the
         recorded steps of every seat, the opponent's too, replayed in their order), then the
         seats' turns on the engines, one per model (``_SeatEngine``: a slot per row, as
@@ -360,12 +376,13 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         done_places = lambda: sum(self.completed_at[j] >= 0 for j in places)  # noqa: E731
         result = lambda: run.result(time_env[0])  # noqa: E731
         if done_places() >= self.num_prompts or not decoding.any():
-            return result(), groups, (0, 0), 0
+            return result(), groups, (0, 0), 0, 0
         first = np.repeat(np.asarray(run.p_tok)[:, -1], g)
         draw = self._draw_ids(places)
         mine = np.zeros(r, bool)   # the policy's rows; the others the opponent's
         mine[np.concatenate([n * per + own for n, own in enumerate(learners)])] = True
-        engines = [_SeatEngine(self, run, lim, np.flatnonzero(mine), policy, frozen=False)]
+        engines = [_SeatEngine(self, run, lim, np.flatnonzero(mine), policy, frozen=False,
+                               weights=weights)]
         if self.opponent is not None:
             side = selfplay.opponent_side(self.opponent, (), g, ro.top_k, ro.top_p)
             engines.append(_SeatEngine(self, run, lim, np.flatnonzero(~mine), side, True))
@@ -416,7 +433,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                     kept, text = run.turn_ended(i, e.state["tokens"][k, :t].tolist(),
                                                 e.state["logps"][k])
                     self._record_turn(j, row, e.state["tokens"][k, :kept],
-                                      e.state["logps"][k, :kept], frozen=e.frozen)
+                                      e.state["logps"][k, :kept], frozen=e.frozen,
+                                      versions=None if weights is None else e.chunks.drawn[k])
                     self.moves[j].append([self.clock, row, len(self.turns[j][row]) - 1])
                     texts.append(text)
                     drawn += t
@@ -428,10 +446,12 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             if not moved:
                 break
         live = sum(int(e.state["t"][on_slot[e.rows]].sum()) for e in engines)
-        return result(), groups, (busy, steps_run), drawn + live
+        return result(), groups, (busy, steps_run), drawn + live, engines[0].chunks.swaps
 
     def metrics(self, rounds, step: int) -> dict:
-        return {**super().metrics(rounds, step),
+        swaps = {"rollout/weight_swaps": sum(d["swaps"] for d in self._drawn)} \
+            if self.ctx.cfg.algo.get("inflight_updates") else {}
+        return {**super().metrics(rounds, step), **swaps,
                 **carried_metrics(self._drawn, step, sum(
                     len(self._learners(self.metas[j])) // self.g
                     for j in np.flatnonzero(self.serial >= 0)))}
@@ -464,13 +484,13 @@ class _SeatEngine:
     match, its page its group's prompt. ``frozen``: a checkpoint opponent's engine, whose
     turns record no version (never stale, never trained)."""
 
-    def __init__(self, pool, run, lim, rows: np.ndarray, side, frozen: bool):
+    def __init__(self, pool, run, lim, rows: np.ndarray, side, frozen: bool, weights=None):
         groups = rows[::pool.g] // pool.g   # a group's G rows are all one model's
         self.rows, self.frozen = rows, bool(frozen)
         self.slot = {int(i): k for k, i in enumerate(rows)}
-        self.cache, self.state, self.run_chunk = pool._engine_setup(
+        self.cache, self.state, self.run_chunk, self.chunks = pool._engine_setup(
             lim, np.asarray(run.p_tok)[groups], np.asarray(run.p_mask)[groups], side.params,
-            len(rows), side)
+            len(rows), side, weights)
         self.state["row"][:] = np.arange(len(rows))
 
 
