@@ -203,24 +203,37 @@ def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch)
     assert gap[model & (eps["versions"] == 1)].max() > 1e-3
 
 
-def test_inflight_updates_reach_partial_rollouts_between_decode_chunks(monkeypatch):
+@pytest.mark.parametrize("tree", [False, True])
+def test_inflight_updates_reach_partial_rollouts_between_decode_chunks(monkeypatch, tree):
     """``algo.inflight_updates`` with partial rollouts: update 0 (made ready at the sampler's
     second poll) reaches the pool between two decode chunks of batch 1, so its groups mix
     versions 0 and 1 (carried and first-chunk tokens version 0's, later ones version 1's),
-    each token keeping the version that drew it and that version's log-prob."""
-    from rljax.sampling import partial as partial_lib
+    each token keeping the version that drew it and that version's log-prob. A pool of trees
+    polls before each level's engine call and between its chunks alike (its trees grow in
+    step: the second batch is the first run's other half, the third is grown under update 1;
+    its first level's engine call polls again before its prefill, so version 2 draws it from
+    its first token, where without in-flight updates version 1 would have)."""
+    from rljax.sampling import partial as partial_lib, tree_partial
     _updates_ready_at_the_second_poll(monkeypatch)
-    runs = _recorded(monkeypatch, partial_lib.Pool, "run")
+    runs = _recorded(monkeypatch, tree_partial.TreePool if tree else partial_lib.Pool, "run")
+    k = 2 if tree else 1   # the batch drawn across a swap, from version k - 1 to k
     cfg = _cfg(**{"rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 4,
-                  "rollout.chunk_steps": 1, "algo.inflight_updates": True, "steps": 2})
-    ctx, versions, records, trained = _iterations(cfg, 2)
-    assert [t.swaps for t in runs] == [0, 1] and records[1]["rollout/weight_swaps"] == 1
-    taken, batch = runs[1], trained[1]
-    assert set(np.unique(taken.rows["versions"][taken.rows["mask"]])) == {0, 1}
-    assert 0 < records[1]["rollout/staleness_frac_1"] < 1
+                  "rollout.chunk_steps": 1, "algo.inflight_updates": True, "steps": k + 1,
+                  **(TREE if tree else {})})
+    ctx, versions, records, trained = _iterations(cfg, k + 1)
+    assert [t.swaps for t in runs] == [0] * k + [1] and records[k]["rollout/weight_swaps"] == 1
+    taken, batch = runs[k], trained[k]
     n = batch["loss_mask"].shape[1]
-    own = np.asarray(steps.completion_logps(ctx.model_cfg, versions[0], batch)[0])
+    own = np.asarray(steps.completion_logps(ctx.model_cfg, versions[k - 1], batch)[0])
     gap = np.abs(own - batch["sampler_logps"])[batch["mask"][:, -n:]]
+    if tree:
+        assert set(np.unique(taken.rows["versions"][taken.rows["mask"]])) == {k}
+        drawn = np.asarray(steps.completion_logps(ctx.model_cfg, versions[k], batch)[0])
+        assert np.abs(drawn - batch["sampler_logps"])[batch["mask"][:, -n:]].max() < 1e-4
+        assert gap.max() > 1e-3 and records[k]["rollout/staleness_max"] == 0
+        return
+    assert set(np.unique(taken.rows["versions"][taken.rows["mask"]])) == {k - 1, k}
+    assert 0 < records[k]["rollout/staleness_frac_1"] < 1
     assert (gap < 1e-4).any() and (gap > 1e-3).any()   # drawn by version 0, and by 1
 
 
@@ -294,8 +307,6 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     ({"algo.async_lag": 0}, "algo.async_lag"),
     ({"algo.inflight_updates": True}, "algo.inflight_updates=true needs "
                                       "rollout.engine='slots' (new weights"),
-    ({"algo.inflight_updates": True, "rollout.engine": "slots", "rollout.partial": True,
-      "rollout.tree.enabled": True}, "with rollout.partial for trees"),
     ({"algo.inflight_updates": True, "algo.asynchronous": False, "mesh.rollout_devices": 0},
      "algo.inflight_updates=true needs algo.asynchronous=true"),
     ({"algo.asynchronous": False}, "mesh.rollout_devices=4 gives the sampler devices of its "

@@ -514,10 +514,6 @@ def check_async(cfg) -> None:
         raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' (new weights "
                           f"enter between the engine's decode chunks; got rollout.engine="
                           f"{r.engine!r})")
-    if a.inflight_updates and r.partial and r.tree.enabled:
-        raise ConfigError("algo.inflight_updates=true is not supported with rollout.partial "
-                          "for trees (rollout.tree.enabled=true): their pool is not polled for "
-                          "new weights yet")
     if a.name not in ("grpo", "distill", "ppo") and not online_dpo_groups(cfg):
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill', 'ppo' "
                           f"or online 'dpo' with best-worst pairs (got '{a.name}')")

@@ -37,6 +37,7 @@ exactly as one that never stopped.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -146,10 +147,10 @@ class TreePool:
         complete and hands those out (module docstring). ``key``: the run's pool key, the same
         at every call (randomness is keyed by admission serial, not by iteration).
         ``image_embeds`` [C, K, D]: each place's prompt images, prefilled with its paths.
-        ``weights`` (in-flight weight updates, as ``partial.Pool.run`` takes them): not taken
-        by a pool of trees yet (the config refuses them together)."""
-        if weights is not None:
-            raise ValueError("the tree pool takes no in-flight weights yet")
+        ``weights`` (in-flight weight updates, ``engine.VersionPolls``, as
+        ``partial.Pool.run`` takes them): polled before each level's engine call and between
+        its decode chunks (``params`` then unused); each token keeps the version that drew it,
+        and the ``Taken`` counts the swaps."""
         if want > int((self.serial >= 0).sum()):
             raise ValueError(f"run: want={want} trees but {int((self.serial >= 0).sum())} "
                              "are in the pool")
@@ -159,17 +160,20 @@ class TreePool:
             # Each tree grows one level this step (a free place holds none).
             at = np.where(self.serial >= 0, self.level, self.depth + 1)
             for lvl in sorted(set(at[at <= self.depth].tolist())):
-                st, new = self._grow(params, key, lvl, at == lvl, version, image_embeds)
+                st, new = self._grow(params, key, lvl, at == lvl, version, image_embeds,
+                                     weights)
                 drawn, useful = drawn + new, useful + st.useful_steps
                 steps, slot_steps = steps + st.decode_steps, slot_steps + st.slots * st.decode_steps
             self.clock += 1
             self._finish_stopped()
-        return self._take(want, dropped, (steps, useful, slot_steps), drawn)
+        taken = self._take(want, dropped, (steps, useful, slot_steps), drawn)
+        return taken if weights is None else dataclasses.replace(taken, swaps=weights.swaps)
 
     def _grow(self, params, key, lvl: int, places: np.ndarray, version: int,
-              image_embeds: Any = None):
+              image_embeds: Any = None, weights=None):
         """Level ``lvl`` of the trees in ``places`` (bool [C]), one engine call for all of
-        them; returns its EngineStats and the tokens it drew."""
+        them (``weights``: in-flight, polled by it); returns its EngineStats and the tokens it
+        drew."""
         c, width = self.c, self.width(lvl + 1)
         start, end = self.bounds[lvl]
         paths = fork({name: getattr(self, name)[:, :self.width(lvl)].reshape(
@@ -189,12 +193,13 @@ class TreePool:
                                   image_embeds=None if image_embeds is None else
                                   np.repeat(np.asarray(image_embeds), width, axis=0),
                                   temperatures=None if self.temperatures is None else
-                                  self.temperatures[start:end])
+                                  self.temperatures[start:end], weights=weights)
         before = paths["lengths"].copy()
-        paths = write_segment(paths, out, live, start)
-        span = np.arange(self.n)[None, :]
-        fresh = live[:, None] & (span >= before[:, None]) & (span < paths["lengths"][:, None])
-        paths["versions"][fresh] = version
+        paths = write_segment(paths, out, live, start, st.versions)
+        if weights is None:   # every token of the level drawn by ``version``
+            span = np.arange(self.n)[None, :]
+            fresh = live[:, None] & (span >= before[:, None]) & (span < paths["lengths"][:, None])
+            paths["versions"][fresh] = version
         new = (paths["lengths"] - before).reshape(c, width)
         for name, x in paths.items():
             x = x.reshape((c, width) + x.shape[1:])
