@@ -263,7 +263,8 @@ def test_loss_ignores_observation_tokens(tmp_path):
     ("--config.env.tools=('calculator','abacus')", "env.tools: unknown tool 'abacus'"),
     ("--config.env.max_turns=0", "env.max_turns=0 must be >= 1"),
     ("--config.env.tool_format=json", "env.tool_format='json'"),
-    ("--config.algo.name=dpo", "multi-turn episodes train with algo.name='grpo', 'ppo' or"),
+    ("--config.algo.name=dpo", "multi-turn episodes train with algo.name='grpo', 'ppo', "
+                               "'distill' or online 'dpo'"),
 ])
 def test_bad_env_config_is_one_line_exit_2(tmp_path, override, needle):
     assert_one_line_config_error(tmp_path, "return agent_cfg()", override, needle)

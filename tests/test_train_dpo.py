@@ -322,3 +322,45 @@ def test_asynchronous_online_dpo_resumes_exactly(tmp_path):
     train = [r for r in read_metrics(straight) if "rewards/margin" in r]
     assert [r["rollout/sample_version"] for r in train] == [0, 0, 1]
     assert all(np.isfinite(r["loss"]) for r in train)
+
+
+def test_online_dpo_on_episodes_scores_the_models_own_tokens(tmp_path):
+    """Online DPO over multi-turn episodes: each group's best and worst episodes are a pair,
+    scored on the model's own tokens only (the observations between its turns are context),
+    and the run trains; ``env.turn_discount`` has no meaning with pairs of whole episodes."""
+    import optax
+
+    from rljax import config as config_lib
+    from rljax.train import run
+    from rljax.train.core import setup
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.core.state import create_train_state
+    from rljax.train.phases.dpo import DPOPhase, sequence_logps
+    from tests.test_agent_train import agent_cfg
+
+    cfg = agent_cfg(**{"algo.name": "dpo", "algo.online": True, "algo.beta": 0.1,
+                       "sft.steps": 0, "sft.env_traces": False, "env.name": "test_echo",
+                       "env.tools": (), "rollout.max_new_tokens": 8, "steps": 2})
+    cfg.env.kwargs = {}
+    ctx = setup.build_context(config_lib.validate(cfg), str(tmp_path / "probe"),
+                              devices=jax.devices()[:1])
+    phase = DPOPhase(ctx, 2)
+    state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0))
+    batch, metrics = phase.rollout(state, 0)
+    pairs = phase._group_pairs(batch, metrics)
+    score, mask = pairs["chosen_score_mask"], pairs["chosen_mask"]
+    assert (score <= mask).all() and (mask & ~score).any()   # observations, not scored
+    pb = {k: jnp.asarray(v) for k, v in pairs.items()}
+    logps, lengths = sequence_logps(ctx.model_cfg, ctx.params, pb)
+    plain, _ = sequence_logps(ctx.model_cfg, ctx.params, {
+        k: v for k, v in pb.items() if not k.endswith("score_mask")})
+    b = len(score)
+    np.testing.assert_array_equal(np.asarray(lengths[:b]), score.sum(1))
+    assert (np.asarray(logps) > np.asarray(plain)).all()   # fewer tokens scored
+    assert run.train(cfg, str(tmp_path / "run"), devices=jax.devices()[:1]) == 0
+    train = [r for r in read_metrics(str(tmp_path / "run")) if "rewards/margin" in r]
+    assert len(train) == 2 and all(np.isfinite(r["loss"]) and "env/turns_mean" in r
+                                   for r in train)
+    cfg.env.turn_discount = 0.9
+    with pytest.raises(config_lib.ConfigError, match="env.turn_discount has no meaning"):
+        config_lib.validate(cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from rljax.config.base import ConfigError, opt_float
+from rljax.config.base import ConfigError, online_dpo_groups, opt_float
 
 # Environments with scripted episodes for SFT warm-up (``sft.env_traces``).
 ENV_TRACES = ("tool", "guess_number", "tictactoe", "kuhn_poker", "negotiation", "propose_solve")
@@ -126,9 +126,13 @@ def check_env(cfg) -> None:
                                    and 0.0 <= call_reward < 1.0):
         raise ConfigError(f"env.kwargs.call_reward: must be a number in [0, 1) (an episode is "
                           f"correct when its total reward is >= 1), got {call_reward!r}")
-    if cfg.algo.name not in ("grpo", "ppo", "distill"):
+    if cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg):
         raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
-                          f"algo.name='grpo', 'ppo' or 'distill' (got {cfg.algo.name!r})")
+                          f"algo.name='grpo', 'ppo', 'distill' or online 'dpo' (got "
+                          f"{cfg.algo.name!r})")
+    if cfg.algo.name == "dpo" and env.turn_discount is not None:
+        raise ConfigError("env.turn_discount has no meaning with DPO: a pair compares two "
+                          "whole episodes by their outcome, with no per-turn credit")
     _check_turn_discount(cfg)
     if env.tool_format == "json" and env.tools and not cfg.tokenizer.chat_template:
         raise ConfigError("env.tool_format='json' renders tool results with the chat "

@@ -46,23 +46,30 @@ def best_worst_pairs(prompt_batch: dict, completions: dict, rewards: np.ndarray,
 
     Args:
       prompt_batch: ``prompt_tokens/prompt_mask [B, P]``.
-      completions: ``tokens/mask [B*G, N]`` (prompt-major rows ``i*G + g``, right-padded).
+      completions: ``tokens/mask [B*G, N]`` (prompt-major rows ``i*G + g``, right-padded),
+        and for multi-turn episodes ``score_mask [B*G, N]``: the model's own tokens (the
+        observations between them are context, not scored).
       rewards: [B*G] host floats.
-    Returns a preference batch (``encode_preference`` layout) with ``pair_mask [B]``; shapes
-    are static (always B pairs) so the DPO step compiles once.
+    Returns a preference batch (``encode_preference`` layout) with ``pair_mask [B]`` (and
+    ``chosen_score_mask`` / ``rejected_score_mask`` with ``score_mask``); shapes are static
+    (always B pairs) so the DPO step compiles once.
     """
     g = num_generations
     r = np.asarray(rewards, np.float64).reshape(-1, g)
     best, worst = r.argmax(axis=1), r.argmin(axis=1)
     rows = np.arange(r.shape[0]) * g
     tokens, mask = np.asarray(completions["tokens"]), np.asarray(completions["mask"], bool)
-    return {
+    out = {
         "prompt_tokens": np.asarray(prompt_batch["prompt_tokens"]),
         "prompt_mask": np.asarray(prompt_batch["prompt_mask"], bool),
         "chosen_tokens": tokens[rows + best], "chosen_mask": mask[rows + best],
         "rejected_tokens": tokens[rows + worst], "rejected_mask": mask[rows + worst],
         "pair_mask": r.max(axis=1) > r.min(axis=1),
     }
+    if "score_mask" in completions:
+        score = np.asarray(completions["score_mask"], bool)
+        out.update(chosen_score_mask=score[rows + best], rejected_score_mask=score[rows + worst])
+    return out
 
 
 # ----------------------------------------------------------------------------- data

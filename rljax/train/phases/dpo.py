@@ -28,12 +28,12 @@ from rljax import distributed as dist
 from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.train.core import evaluate as eval_lib
-from rljax.train.core import partial as partial_lib, programs as programs_lib, steps
+from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.preference_data import (PreferenceData, best_worst_pairs,
                                               eval_pair_batches, pair_metrics)
 from rljax.train.core.setup import data_iterator, rl_iterator
-from rljax.train.phases.grpo import merge_updates
+from rljax.train.phases.grpo import merge_updates, round_source
 from rljax.train.methods import mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
@@ -73,17 +73,22 @@ def sequence_logps(model_cfg: models.ModelConfig, params: Any, batch: dict,
     The chosen and rejected completions of a pair share its prompt, computed once
     (``models.shared_prompt``, G = 2), and the LM head runs over completion positions only:
     the sums of ``models.token_logps`` over ``pair_sequences`` rows, up to float32 summation
-    order. ``lora_dropout_rng``: LoRA dropout of a training pass (None = none)."""
+    order. ``lora_dropout_rng``: LoRA dropout of a training pass (None = none). Pairs of
+    multi-turn episodes score their ``chosen_score_mask`` / ``rejected_score_mask`` tokens
+    only (the model's; observations are context)."""
     b, c = batch["chosen_tokens"].shape
     def pairs(chosen, rejected):   # [B, C] x 2 -> [2B, C], each pair's two rows adjacent
         return jnp.stack([chosen, rejected], axis=1).reshape(2 * b, c)
     tokens = pairs(batch["chosen_tokens"], batch["rejected_tokens"]).astype(jnp.int32)
     mask = pairs(batch["chosen_mask"], batch["rejected_mask"]).astype(bool)
+    score = mask if "chosen_score_mask" not in batch else pairs(
+        batch["chosen_score_mask"], batch["rejected_score_mask"]).astype(bool)
     logps, _ = models.shared_prompt.completion_logps(
         model_cfg, params, batch["prompt_tokens"].astype(jnp.int32),
         batch["prompt_mask"].astype(bool), tokens, mask, lora_dropout_rng=lora_dropout_rng)
     unpair = lambda x: x.reshape(b, 2).T.reshape(2 * b)   # noqa: E731  chosen rows, then rejected
-    return unpair(logps.sum(axis=1)), unpair(mask.sum(axis=1).astype(jnp.float32))
+    return (unpair(jnp.where(score, logps, 0.0).sum(axis=1)),
+            unpair(score.sum(axis=1).astype(jnp.float32)))
 
 
 def reference_logps(model_cfg: models.ModelConfig, ref_params: Any, batch: dict) -> dict:
@@ -235,7 +240,7 @@ class DPOPhase:
         elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
             self.iterator = rl_iterator(ctx, self.num_pairs)
             self.source = self.rollout = RewardRollout(
-                ctx, self.iterator, rounds=partial_lib.rounds_of(ctx, self.num_pairs))
+                ctx, self.iterator, rounds=round_source(ctx, self.num_pairs))
         else:
             self.source = PreferenceData(ctx, self.num_pairs)
         self.updates = a.num_iterations if self.online else 1
@@ -301,6 +306,8 @@ class DPOPhase:
         p = tokens.shape[1] - n
         prompts = {"prompt_tokens": tokens[::self.g, :p], "prompt_mask": mask[::self.g, :p]}
         completions = {"tokens": tokens[:, p:], "mask": mask[:, p:]}
+        if "model_mask" in batch:   # episodes: the model's tokens are scored, not observations
+            completions["score_mask"] = np.asarray(batch["model_mask"], bool)
         pairs = best_worst_pairs(prompts, completions, batch["rewards"], self.g)
         metrics["dpo/pairs_frac"] = float(pairs["pair_mask"].mean())
         return pairs
@@ -344,7 +351,9 @@ class DPOPhase:
         if self.online or self.ctx.cfg.data.source in data_lib.TASKS:
             if self._eval_examples is None:
                 self._eval_examples = eval_lib.eval_examples(self.ctx)
-            out.update(eval_lib.run_eval(self.ctx, state.params, rng, self._eval_examples))
+            from rljax.train.methods.agent import run_agent_eval   # (episodes: env.name)
+            out.update(eval_lib.run_eval(self.ctx, state.params, rng, self._eval_examples,
+                                         episodes=run_agent_eval))
         # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
         # refresh (all 0 right after one), so held-out pair metrics are only reported for a
         # frozen reference; step_mc pairs are sampled, the data has no held-out step pairs.
