@@ -224,7 +224,7 @@ def test_grpo_run_with_annealing_scores_tokens_at_their_temperature(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["algo.name=ppo", "algo.adv_estimator=gae"], "algo.name='grpo'"),
+    (["algo.name=rm"], "not 'rm'"),
     (["algo.name=dpo", "algo.online=True", "data.pairs=step_mc"],
      "rollout.temperature_schedule.name='constant'"),
     (["rollout.temperature_schedule.start=0.5", "rollout.temperature_schedule.end=1.0"],
@@ -251,3 +251,35 @@ def test_schedule_under_a_sharded_mesh_reports_logps_at_each_tokens_temperature(
                             mesh=mesh)
     ref, _, _ = reference_logps(cfg, params, toks, mask, out, temps, 2)
     np.testing.assert_allclose(np.asarray(out.logps), ref, atol=2e-5)
+
+
+def test_ppo_and_distillation_score_tokens_at_their_schedule_temperature(tmp_path):
+    """A schedule with PPO (its ``prepare`` scores the batch at each token's temperature, so
+    the old log-probs are the sampler's) and with distillation (GRPO's update: the run's
+    logp_diff at float error)."""
+    import jax.numpy as jnp
+
+    from rljax.train.core import setup
+    from rljax.train.core.state import create_train_state
+    from rljax.train.phases import ppo
+    from test_distill import distill_cfg, write_teacher_workdir
+    schedule = ["rollout.temperature_schedule.name=linear",
+                "rollout.temperature_schedule.start=2.0", "rollout.temperature_schedule.end=0.5"]
+    cfg = config_lib.load_config("configs/ppo_arithmetic.py", [
+        "sft.steps=0", "rollout.batch_size=8", "algo.mini_batch_size=4",
+        "logging.tensorboard=False", "mesh.data=1", *schedule])
+    ctx = setup.build_context(cfg, str(tmp_path / "ppo"), devices=jax.devices()[:1])
+    phase = ppo.PPOPhase(ctx, 1)
+    state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
+    batch, _ = phase.rollout(state, 0)
+    prepared, _ = phase.prepare(state, {k: jnp.asarray(v) for k, v in batch.items()})
+    m = np.asarray(batch["loss_mask"], bool)
+    assert np.abs(np.asarray(prepared["old_logps"]) - batch["sampler_logps"])[m].max() < 1e-4
+    write_teacher_workdir(tmp_path / "teacher", seed=7)
+    cfg = distill_cfg(str(tmp_path / "teacher"), **{
+        "steps": 1, "sft.steps": 0, "rollout.temperature_schedule.name": "linear",
+        "rollout.temperature_schedule.start": 2.0, "rollout.temperature_schedule.end": 0.5})
+    assert run.train(config_lib.validate(cfg), str(tmp_path / "distill"),
+                     devices=jax.devices()[:1]) == 0
+    (r,) = [r for r in read_metrics(str(tmp_path / "distill")) if "reward/mean" in r]
+    assert r["rollout/logp_diff_max"] < 1e-4 and np.isfinite(r["distill/reverse_kl"])

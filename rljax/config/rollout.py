@@ -116,9 +116,10 @@ def check_temperature_schedule(cfg) -> None:
     if sched.name == "exp" and sched.start < sched.end:
         raise ConfigError(f"rollout.temperature_schedule: name='exp' anneals down, needs "
                           f"start >= end (got start={sched.start}, end={sched.end})")
-    if sched.name != "constant" and cfg.algo.name not in ("grpo", "dpo"):
-        raise ConfigError(f"rollout.temperature_schedule.name='{sched.name}' is supported for "
-                          f"algo.name='grpo' and online 'dpo', not '{cfg.algo.name}'")
+    if sched.name != "constant" and cfg.algo.name not in ("grpo", "dpo", "ppo", "distill"):
+        raise ConfigError(f"rollout.temperature_schedule.name='{sched.name}' shapes the RL "
+                          f"rollout's sampling: algo.name='grpo', 'ppo', 'distill' or online "
+                          f"'dpo', not '{cfg.algo.name}'")
 
 
 def _uses_tree(estimator: str) -> bool:
