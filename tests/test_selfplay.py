@@ -675,3 +675,31 @@ def test_selfplay_routes_are_the_training_forwards(tmp_path, engine):
         assert run.train(config_lib.validate(cfg), str(tmp_path / "run"), devices=DEVICES) == 0
         (r,) = [r for r in read_metrics(str(tmp_path / "run")) if "reward/mean" in r]
         assert r["rollout/logp_diff_max"] < 1e-4
+
+
+def test_selfplay_with_relift_and_demonstrations_trains_on_each_seats_scripted_episode(
+        tmp_path):
+    """ReLIFT and mixed-policy demonstrations in self-play: a failed group of either seat gets
+    that seat's scripted episode (``selfplay.seat_trace``: the scripted player in every seat,
+    laid out as the seat's match row, so its prompt is the group's) as its last row, and
+    ReLIFT's SFT step trains on the same episodes of the seats it buffered."""
+    from rljax.train.core.episodes import trace_tokens
+    from rljax.train.methods import agent, selfplay
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.mixed_policy": True,
+                     "algo.relift.every": 1, "algo.relift.k_visits": 1,
+                     "algo.relift.batch_size": 2, "sft.trace_noise": 0.0})
+    # Seat O waits for X's move: the board reaches it as its first observation, as in a match.
+    ex = {"question": "tictactoe O\n", "prompt": "tictactoe O\n", "seat": 1}
+    messages, rewards = selfplay.seat_trace(cfg, ex, agent.env_kwargs(cfg))
+    tok = setup.make_tokenizer(cfg, None)
+    prompt, ids, model = trace_tokens(tok, agent.make_renderer(cfg, tok), messages)
+    assert tok.decode(prompt) == "tictactoe O\n" and not model[0]
+    assert sum(rewards) == 0.0 and len(rewards) == 4   # optimal play draws; O moves 4 times
+    workdir = str(tmp_path / "run")
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    rl = [r for r in read_metrics(workdir) if "reward/mean" in r]
+    groups = cfg.rollout.batch_size // cfg.algo.num_generations
+    # The untrained policy loses or forfeits every group: each (game, seat) group gets a demo.
+    assert len(rl) == 2 and all(r["mixed/demos"] == groups for r in rl)
+    assert all(r["relift/sft_rows"] > 0 and np.isfinite(r["relift/sft_loss"])
+               and np.isfinite(r["loss"]) for r in rl)

@@ -445,11 +445,12 @@ def check_guidance(cfg) -> None:
 
 
 def _check_guided_episodes(cfg, on: list[str]) -> None:
-    """Guidance of multi-turn episodes: not with self-play. (ReLIFT and demonstrations need
-    the environment's scripted episodes: ``reward.check_env``.)"""
+    """Guidance of multi-turn episodes: ReLIFT and demonstrations with self-play train on a
+    seat's scripted episode (``selfplay.seat_trace``); hints not yet. (ReLIFT and
+    demonstrations need the environment's scripted episodes: ``reward.check_env``.)"""
     env = cfg.env
-    if env.selfplay.mode != "off":
-        raise ConfigError(f"{on[0]} is not supported with self-play (env.selfplay.mode="
+    if env.selfplay.mode != "off" and cfg.algo.hint.mode != "off":
+        raise ConfigError(f"algo.hint.mode is not supported with self-play (env.selfplay.mode="
                           f"{env.selfplay.mode!r}): a match's groups are its seats")
 
 

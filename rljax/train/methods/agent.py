@@ -383,18 +383,29 @@ def trace_messages(cfg, example: dict, rng: np.random.Generator | None = None) -
     raise ValueError(f"environment {cfg.env.name!r} has no scripted traces")
 
 
+def guide_trace(cfg, example: dict, rng: np.random.Generator | None = None) -> list[dict]:
+    """The scripted episode guidance (ReLIFT, hints, demonstrations) trains on: in self-play
+    the example seat's, laid out as its match rows are (``selfplay.seat_trace``), else
+    ``trace_messages``."""
+    if cfg.env.selfplay.mode != "off":
+        from rljax.train.methods.selfplay import seat_trace
+        return seat_trace(cfg, example, env_kwargs(cfg), rng)[0]
+    return trace_messages(cfg, example, rng)
+
+
 def trace_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
-                rng: np.random.Generator | None = None):
+                rng: np.random.Generator | None = None, trace=trace_messages):
     """SFT rows from scripted episodes: ``(prompt ids per row, tokens int32 [B, C],
     trajectory mask bool [B, C], model mask bool [B, C], number cut)``; traces longer than
-    ``completion_len`` are cut. ``rng``: for noisy traces (``trace_messages``)."""
+    ``completion_len`` are cut. ``rng``: for noisy traces (``trace_messages``); ``trace``:
+    what writes an example's episode (``guide_trace`` for guidance)."""
     renderer = make_renderer(cfg, tokenizer)
     tok = np.full((len(examples), completion_len), tokenizer.pad_id, np.int32)
     mask = np.zeros(tok.shape, bool)
     model = np.zeros(tok.shape, bool)
     prompts, cut = [], 0
     for i, ex in enumerate(examples):
-        prompt, ids, is_model = ep.trace_tokens(tokenizer, renderer, trace_messages(cfg, ex, rng))
+        prompt, ids, is_model = ep.trace_tokens(tokenizer, renderer, trace(cfg, ex, rng))
         if len(ids) > completion_len:
             cut += 1
             ids, is_model = ids[:completion_len], is_model[:completion_len]
@@ -404,16 +415,17 @@ def trace_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
 
 
 def trace_sft_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
-                    rng: np.random.Generator | None = None, rows: int | None = None):
-    """Prompt ++ scripted episode (``trace_batch``) in the shared sequence layout, the loss on
-    the model's turns only: ``(batch, number cut)``. ``rows`` pads the batch with rows that
-    count for nothing (``loss_mask`` all False)."""
+                    rng: np.random.Generator | None = None, rows: int | None = None,
+                    trace=trace_messages):
+    """Prompt ++ scripted episode (``trace_batch``, written by ``trace``) in the shared
+    sequence layout, the loss on the model's turns only: ``(batch, number cut)``. ``rows``
+    pads the batch with rows that count for nothing (``loss_mask`` all False)."""
     from rljax.sampling import pad_to_bucket
     from rljax.train.core.buckets import build_sequences
     n = len(examples)
     rows = n if rows is None else rows
     prompts, c_tok, c_mask, model, cut = trace_batch(
-        cfg, tokenizer, list(examples) + [examples[0]] * (rows - n), completion_len, rng)
+        cfg, tokenizer, list(examples) + [examples[0]] * (rows - n), completion_len, rng, trace)
     p_tok, p_mask = pad_to_bucket(prompts, pad_id=tokenizer.pad_id,
                                   buckets=prompt_buckets(cfg.data.max_prompt_length))
     tokens, mask = build_sequences(p_tok, p_mask, c_tok, c_mask)
@@ -424,7 +436,7 @@ def trace_sft_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
 def reference_turn(cfg, example: dict) -> str:
     """The first model turn of the environment's scripted episode for ``example`` (a tool
     call, a first guess or move): what an episode's hint is cut from (``guidance``)."""
-    messages = trace_messages(cfg, example, np.random.default_rng(0))
+    messages = guide_trace(cfg, example, np.random.default_rng(0))
     return next(m["content"] for m in messages if m["role"] == "assistant")
 
 

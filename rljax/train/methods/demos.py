@@ -73,24 +73,28 @@ def episode_demo(cfg, tokenizer, example: dict, width: int, max_turns: int) -> d
     ``width``), ``model_mask`` bool [M], ``turn_ids`` int32 [M] (-1 off model tokens), ``length``,
     ``turns``, ``cut`` (longer than ``width``), the ``final`` turn's text, and the environment's
     ``turn_rewards`` f32 [max_turns]: a fresh environment replays the scripted turns, so the
-    demonstration earns what it would have earned if sampled."""
-    from rljax.envs import make_env
+    demonstration earns what it would have earned if sampled (self-play: the seat's rewards in
+    the scripted match, ``selfplay.seat_trace``)."""
     from rljax.train.core.episodes import trace_tokens
     from rljax.train.methods import agent
 
-    messages = agent.trace_messages(cfg, example, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    if cfg.env.selfplay.mode != "off":
+        from rljax.train.methods.selfplay import seat_trace
+        messages, earned = seat_trace(cfg, example, agent.env_kwargs(cfg), rng)
+    else:
+        messages, earned = agent.trace_messages(cfg, example, rng), None
     prompt, ids, is_model = trace_tokens(tokenizer, agent.make_renderer(cfg, tokenizer),
                                          messages)
     model = np.asarray(is_model[:width], bool)
     # Turn t's tokens: the t-th run of model tokens.
     starts = model & ~np.concatenate([[False], model[:-1]])
     turn_ids = np.where(model, np.cumsum(starts) - 1, -1).astype(np.int32)
-    env = make_env(cfg.env.name, example, **agent.env_kwargs(cfg))
-    env.reset()
     said = [m["content"] for m in messages if m["role"] == "assistant"][:max_turns]
     rewards = np.zeros(max_turns, np.float32)
-    for t, text in enumerate(said):
-        rewards[t] = float(env.step(text).reward)
+    if earned is None:
+        earned = _replayed_rewards(cfg, example, said)
+    rewards[:len(said)] = earned[:len(said)]
     row = dict(prompt=prompt, tokens=np.full(width, tokenizer.pad_id, np.int32),
                model_mask=np.zeros(width, bool), turn_ids=np.full(width, -1, np.int32),
                length=min(len(ids), width), turns=int(starts.sum()), cut=len(ids) > width,
@@ -98,6 +102,15 @@ def episode_demo(cfg, tokenizer, example: dict, width: int, max_turns: int) -> d
     row["tokens"][:row["length"]] = ids[:width]
     row["model_mask"][:len(model)], row["turn_ids"][:len(model)] = model, turn_ids
     return row
+
+
+def _replayed_rewards(cfg, example: dict, said: Sequence[str]) -> list[float]:
+    """The rewards a fresh environment of ``example`` pays for the model turns ``said``."""
+    from rljax.envs import make_env
+    from rljax.train.methods.agent import env_kwargs
+    env = make_env(cfg.env.name, example, **env_kwargs(cfg))
+    env.reset()
+    return [float(env.step(text).reward) for text in said]
 
 
 def insert_episode_demos(rollout, rnd: dict, examples: Sequence[dict], rows: Sequence[int],

@@ -26,11 +26,11 @@ class Relift:
         episodes, prompt ++ the environment's scripted episode, the loss on its model turns."""
         cfg = self.ctx.cfg
         if cfg.env.name:
-            from rljax.train.methods.agent import trace_sft_batch
+            from rljax.train.methods.agent import guide_trace, trace_sft_batch
             return trace_sft_batch(cfg, self.ctx.tokenizer, examples,
                                    int(cfg.env.max_total_tokens),
                                    np.random.default_rng(int(cfg.seed)),
-                                   rows=int(self.cfg.batch_size))
+                                   rows=int(self.cfg.batch_size), trace=guide_trace)
         return sft_batch(self.ctx.tokenizer, [ex["prompt"] for ex in examples],
                          [self.guide.solution(ex) for ex in examples],
                          self.ctx.cfg.data.max_prompt_length, self.completion_len,

@@ -224,3 +224,50 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
                       max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
                       engine=engine, weights=weights)[0]
     return eps, groups
+
+
+def seat_trace(cfg, example: dict, env_kwargs: dict,
+               rng=None) -> tuple[list[dict], list[float]]:
+    """The scripted episode of ``example``'s seat in self-play (what ReLIFT and mixed-policy
+    demonstrations train on): a match of its game (its ``deal``) with the game's scripted
+    player (``board_games.make_player``, "optimal" unless the game names another) in every
+    seat, seen from the example's seat as its ``SeatEnv`` shows it to the rollout: ``(messages,
+    the seat's reward for each of its moves)``; a result that reaches the seat after another
+    seat's move (``finish``) is added to its last move's, as ``run_matches`` credits it.
+    ``env_kwargs``: the run's (``agent.env_kwargs``: the seats take its ``SEAT_OPTIONS``, the
+    scripted player its ``opponent_options``). ``sft.trace_noise`` makes each of the seat's
+    moves a random legal one with that probability (drawn from ``rng``, a numpy Generator)."""
+    import random
+
+    import numpy as np
+    from rljax.envs import board_games as bg
+    from rljax.envs.selfplay import Match, SeatEnv, seat_example
+    game = bg.get_game(cfg.env.name)
+    kw = env_kwargs
+    player = bg.make_player(game, getattr(game, "scripted", "optimal"),
+                            **dict(kw.get("opponent_options") or {}))
+    seat_kw = {k: v for k, v in kw.items() if k in SEAT_OPTIONS}
+    own, match = seat_of(game, example), Match(game, example.get("deal"))
+    envs = [SeatEnv(match, example if s == own else seat_example(example, s, game), s,
+                    forfeit_reward=float(cfg.env.selfplay.forfeit_reward), **seat_kw)
+            for s in range(len(game.seats))]
+    rng = rng if rng is not None else np.random.default_rng(int(example.get("seed", 0)))
+    chances = random.Random(int(rng.integers(2 ** 62)))
+    noise = float(cfg.sft.trace_noise)
+    me = envs[own]
+    messages, rewards, first = me.reset(), [], True
+    while not match.over():
+        seat = match.to_move()
+        if seat != own:
+            envs[seat].step(player(game, match.state, chances))
+            continue
+        if not first or match.plies:   # a seat that waited sees the state as an observation
+            messages += me.observe()
+        first = False
+        move = (bg.random_player(game, match.state, chances) if noise and rng.random() < noise
+                else player(game, match.state, chances))
+        messages.append({"role": "assistant", "content": move})
+        rewards.append(float(me.step(move).reward))
+    if not me.done and rewards:
+        rewards[-1] += float(me.finish().reward)
+    return messages, rewards
