@@ -146,6 +146,11 @@ def test_config_refuses_bad_mcts_settings():
         tiny_cfg(**{"algo.name": "grpo"})
     with pytest.raises(config_lib.ConfigError, match="max_nodes"):
         tiny_cfg(**{"algo.mcts.max_nodes": 2})
+    from rljax.envs.base import register_env
+    register_env("test_two_turns", TwoTurnEnv)
+    for key, value in (("algo.mcts.value", "prm"), ("env.turn_discount", 0.9)):
+        with pytest.raises(config_lib.ConfigError, match=f"env.name cannot .*{key}"):
+            tiny_cfg(**EPISODE_SEARCH, **{key: value, "algo.mcts.prm": "x"})
 
 
 def _comparable(workdir):
@@ -447,3 +452,70 @@ def test_the_plan_lists_the_search_programs_at_the_shapes_a_round_calls(ctx, tmp
         assert batch["labels"].shape == (12, 12)
         trunk = set(state.critic_params["trunk"])
         assert trunk == {"lora"} if lora else "embed" in trunk and "lora" not in trunk
+
+
+class TwoTurnEnv:
+    """Answers the first turn with ``<o>LEN</o>``; ends after the second with reward 1 when
+    the two turns' lengths have the same parity (so sibling turns differ in value)."""
+
+    def __init__(self, example):
+        self.example, self.lengths = example, []
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        from rljax.envs.base import StepResult
+        self.lengths.append(len(text))
+        if len(self.lengths) == 2:
+            return StepResult(reward=float(self.lengths[0] % 2 == self.lengths[1] % 2),
+                              done=True)
+        return StepResult(observation=[{"role": "tool", "content": f"<o>{len(text)}</o>"}])
+
+
+EPISODE_SEARCH = {"env.name": "test_two_turns", "env.tools": (), "env.max_turn_tokens": 4,
+                  "env.max_total_tokens": 24, "env.max_obs_tokens": 8, "reward.names": (),
+                  "sft.max_length": 32, "algo.mcts.correct_reward": 1.0}
+
+
+def test_the_search_over_an_environments_turns_trains_on_episode_traces(tmp_path):
+    """A node is a turn boundary: its children are model turns, its trajectory holds the
+    environment's observation, a terminal node's reward is the episode's; the traces train on
+    the model's turns only; two rounds of self-training run."""
+    from rljax.envs.base import register_env
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import mcts_episodes
+
+    register_env("test_two_turns", TwoTurnEnv)
+    cfg = tiny_cfg(**EPISODE_SEARCH)
+    setup.check_inputs(cfg, num_devices=1)
+    ectx = setup.build_context(cfg, str(tmp_path / "ctx"), devices=DEVICES)
+    search = mcts_episodes.searcher(ectx, 3)
+    assert isinstance(search, mcts_episodes.EpisodeSearch)
+    trees = search.search(ectx.params, EXAMPLES, jax.random.key(5))
+    assert [flat(t) for t in search.search(ectx.params, EXAMPLES, jax.random.key(5))] == [
+        flat(t) for t in trees]
+    for t in trees:
+        for n in mcts_search.walk(t.root):
+            assert len(n.steps) <= 2 and all(len(turn) <= 4 for turn in n.steps)
+            assert (len(n.steps) == 2) == n.terminal   # the environment ends after turn 2
+            ids, trains = t.trace(n)
+            assert sum(trains) == sum(len(turn) for turn in n.steps)
+            if n.steps:   # the observation after turn 1 is context, not trained
+                assert not all(trains) and ectx.tokenizer.decode(ids).count("<o>") == 1
+            if n.terminal:
+                assert t.info[n.steps]["reward"] in (0.0, 1.0)
+    assert max(max(len(n.steps) for n in mcts_search.walk(t.root)) for t in trees) == 2
+    batch, traces = mcts_search.trace_batch(ectx, trees, 1.0, 24)
+    found = [i for i, tr in enumerate(traces) if tr is not None]
+    assert found, "no tree found a rewarded episode"
+    for i in found:
+        n = batch["loss_mask"][i].sum()
+        assert 0 < n < len(traces[i])   # the observation's tokens do not train
+
+    assert run.train(tiny_cfg(**EPISODE_SEARCH), str(tmp_path / "run"), devices=DEVICES) == 0
+    rounds = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/solved_frac" in r]
+    assert len(rounds) == 2
+    assert all(np.isfinite(r["sft/loss"]) and r["mcts/depth_mean"] > 1 and r["mcts/traces"] > 0
+               for r in rounds)

@@ -126,7 +126,9 @@ def check_env(cfg) -> None:
                                    and 0.0 <= call_reward < 1.0):
         raise ConfigError(f"env.kwargs.call_reward: must be a number in [0, 1) (an episode is "
                           f"correct when its total reward is >= 1), got {call_reward!r}")
-    if cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg):
+    searched = cfg.algo.name == "sft" and cfg.sft.traces == "mcts"   # MCTS over turns
+    if (cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg)
+            and not searched):
         raise ConfigError(f"env.name={env.name!r}: multi-turn episodes train with "
                           f"algo.name='grpo', 'ppo', 'distill' or online 'dpo' (got "
                           f"{cfg.algo.name!r})")

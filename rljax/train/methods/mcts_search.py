@@ -54,7 +54,7 @@ import numpy as np
 from rljax import rewards, sampling
 from rljax.models import lora as lora_lib
 from rljax.algorithms import mcts
-from rljax.train.core.buckets import build_sequences, encode_prompts
+from rljax.train.core.buckets import build_sequences, prompt_buckets
 from rljax.train.core.rollout import expand_fields
 from rljax import sharding as shd
 from rljax.train.core.sampler import generate
@@ -108,6 +108,11 @@ class Tree:
         """The prefix's tokens (its steps joined)."""
         return [t for step in node.steps for t in step]
 
+    def trace(self, node: mcts.Node) -> tuple[list[int], list[bool]]:
+        """The node's tokens after the prompt and which of them train (all: the model's)."""
+        ids = self.tokens(node)
+        return ids, [True] * len(ids)
+
 
 def walk(root: mcts.Node):
     """Every node of a tree, depth first in expansion order (root first)."""
@@ -157,7 +162,7 @@ class MCTSSearch:
         self.forks = mcts_programs.forks(cfg)
         self.n = int(cfg.rollout.max_new_tokens)
         self.prefix_bucket = mcts_programs.prefix_len(cfg)
-        self.reward_fn = ctx.reward_fn()
+        self.reward_fn = ctx.reward_fn() if cfg.reward.names else None   # (episodes: env)
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         self.decode = ctx.tokenizer.decode
         self.stop_ids = tuple(ctx.stop_ids)
@@ -166,8 +171,7 @@ class MCTSSearch:
         self.tokens = 0
 
     def search(self, params, examples: list[dict], round_key) -> list[Tree]:
-        tok = self.ctx.tokenizer
-        trees = [Tree(ex, tok.encode(ex["prompt"])) for ex in examples]
+        trees = [self.new_tree(ex) for ex in examples]
         for _ in range(int(self.m.simulations)):
             leaves = []
             for t in trees:
@@ -188,6 +192,10 @@ class MCTSSearch:
             if leaves:
                 self._wave(params, leaves, round_key)
         return trees
+
+    def new_tree(self, example: dict) -> Tree:
+        """The example's tree: a root holding its prompt."""
+        return Tree(example, self.ctx.tokenizer.encode(example["prompt"]))
 
     def _wave(self, params, leaves: list[tuple[Tree, list]], round_key) -> None:
         """Expands and evaluates every leaf (one sampler call), then backs up."""
@@ -307,23 +315,26 @@ def round_trees(search: MCTSSearch, state, examples: list[dict], step: int,
 
 def trace_batch(ctx, trees: list[Tree], correct_reward: float, completion_len: int):
     """The SFT batch of the best verified traces: ``(batch, traces)`` with one row per tree
-    (prompt ++ trace, the trace cut to ``completion_len``; ``loss_mask`` on the trace, all
-    False for a tree without a verified trace) and ``traces[i]`` the token list or None."""
+    (prompt ++ trace, the trace cut to ``completion_len``; ``loss_mask`` on the trace's
+    model tokens (``Tree.trace``: an episode's observations are context), all False for a
+    tree without a verified trace) and ``traces[i]`` the token list or None."""
     tok = ctx.tokenizer
     traces = []
     for t in trees:
         node = best_verified(t, correct_reward)
-        traces.append(None if node is None else t.tokens(node))
-    p_tok, p_mask = encode_prompts(tok, [t.example["prompt"] for t in trees],
-                                   ctx.cfg.data.max_prompt_length)
+        traces.append(None if node is None else t.trace(node))
+    p_tok, p_mask = sampling.pad_to_bucket([t.prompt_ids for t in trees], pad_id=tok.pad_id,
+                                           buckets=prompt_buckets(ctx.cfg.data.max_prompt_length))
     c_tok = np.full((len(trees), completion_len), tok.pad_id, np.int32)
     c_mask = np.zeros((len(trees), completion_len), bool)
-    for i, ids in enumerate(traces):
-        if ids:
-            ids = ids[:completion_len]
-            c_tok[i, :len(ids)], c_mask[i, :len(ids)] = ids, True
+    loss = np.zeros((len(trees), completion_len), bool)
+    for i, trace in enumerate(traces):
+        if trace and trace[0]:
+            ids, trains = trace[0][:completion_len], trace[1][:completion_len]
+            c_tok[i, :len(ids)], c_mask[i, :len(ids)], loss[i, :len(ids)] = ids, True, trains
     tokens, mask = build_sequences(p_tok, p_mask, c_tok, c_mask)
-    return {"tokens": tokens, "mask": mask, "loss_mask": c_mask}, traces
+    return {"tokens": tokens, "mask": mask, "loss_mask": loss}, [
+        None if tr is None else tr[0] for tr in traces]
 
 
 class MCTSTraces:
@@ -331,12 +342,13 @@ class MCTSTraces:
     with the current policy and returns their best verified traces (``trace_batch``); its only
     host state is the iterator's (keys derive from ``state.rng`` and ``step``). With
     ``refit_scorer`` (``algo.mcts.refit_prm``) the leaves are valued by the PRM in
-    ``state.critic_params``, as refitted so far."""
+    ``state.critic_params``, as refitted so far. ``search``: the search to run (default
+    ``searcher``'s; over an environment's turns ``mcts_episodes.searcher``'s)."""
 
-    def __init__(self, ctx, iterator, completion_len: int, refit_scorer=None):
+    def __init__(self, ctx, iterator, completion_len: int, refit_scorer=None, search=None):
         self.ctx, self.iterator, self.completion_len = ctx, iterator, int(completion_len)
         self.refit_scorer = refit_scorer
-        self.searcher = searcher(ctx, int(ctx.cfg.sft.batch_size), refit_scorer)
+        self.searcher = search or searcher(ctx, int(ctx.cfg.sft.batch_size), refit_scorer)
         self.last = None   # the last round's trees (for inspection and tests)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:

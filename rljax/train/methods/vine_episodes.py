@@ -169,16 +169,18 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
             continue
         rows = [fork_of[int(row)] for row in state["row"][ended]]
         turn_tok = np.full((len(ended), lim.turn_tokens), tok.pad_id, np.int32)
+        turn_lp = np.zeros(turn_tok.shape, np.float32)   # sampled tokens' (the lead-in: 0)
         lengths = []
         for j, (slot, n) in enumerate(zip(ended, rows)):
             t = int(state["t"][slot])
             decoded += t
             turn = lead_in[n] + state["tokens"][slot, :t].tolist()
+            turn_lp[j, len(lead_in[n]):len(turn)] = state["logps"][slot, :t]
             lead_in[n] = []   # the fork's own turn is whole now
             turn_tok[j, :len(turn)] = turn
             lengths.append(len(turn))
         kept, observations = record.turn_ended(rows, state["turn"][ended].tolist(), turn_tok,
-                                               np.zeros(turn_tok.shape, np.float32), lengths)
+                                               turn_lp, lengths)
         for j, (slot, n) in enumerate(zip(ended, rows)):
             obs = observations[j]
             if obs is None:

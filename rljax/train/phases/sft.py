@@ -19,7 +19,8 @@ from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
 from rljax.train.core import image_inputs, programs as programs_lib
-from rljax.train.methods import guidance, mcts_programs, mcts_search, prm_refit
+from rljax.train.methods import (guidance, mcts_episodes, mcts_programs, mcts_search,
+                                 prm_refit)
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
 
@@ -63,7 +64,9 @@ class SFTPhase:
                 self.refit = prm_refit.PRMRefit(ctx, int(cfg.sft.batch_size), self.steps)
             self.traces = mcts_search.MCTSTraces(
                 ctx, self.iterator, self.completion_len,
-                refit_scorer=None if self.refit is None else self.refit.scorer)
+                refit_scorer=None if self.refit is None else self.refit.scorer,
+                search=(mcts_episodes.searcher(ctx, int(cfg.sft.batch_size))
+                        if cfg.env.name else None))   # over the environment's turns
 
     def init_state(self, state):
         state = _init_state(self.optimizer, state)
