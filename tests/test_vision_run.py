@@ -1,6 +1,7 @@
 """A run with images in the prompt (the ``tiny-vlm`` preset on the ``shapes`` task): SFT and
 GRPO batches carry each prompt's pixels, the sampler reads them (static, slot engine, partial
-rollouts, asynchronously), and a stopped and resumed run equals a straight one."""
+rollouts, asynchronously, multi-turn episodes), and a stopped and resumed run equals a
+straight one."""
 import json
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 from rljax import config as config_lib
 from rljax.config import ConfigError
 from rljax.data.tasks import TASKS
+from rljax.envs import StepResult, register_env
 from rljax.train import run
 from rljax.train.core import checkpoint
 from rljax.train.core.metrics import read_metrics
@@ -217,6 +219,57 @@ def test_trees_are_sampled_with_the_images(tmp_path, overrides):
     assert len(rl) == 1 and rl[0]["rollout/logp_diff_max"] < 1e-4
 
 
-def test_episodes_that_would_drop_images_are_refused():
-    with pytest.raises(ConfigError, match=r"^env.name=.*does not carry images"):
-        vlm_cfg(**{"env.name": "calculator"})
+class LookAgainEnv:
+    """The example's prompt (its images' tokens included) as the first user message; answers
+    the first two turns with an observation, ends after the third: every episode has three
+    model turns after the images."""
+
+    def __init__(self, example):
+        self.example, self.turns = example, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns >= 3:
+            return StepResult(done=True)
+        return StepResult(observation=[{"role": "user", "content": "look"}])
+
+
+register_env("look_again", LookAgainEnv)
+EPISODES = {"env.name": "look_again", "env.max_turns": 3, "env.max_turn_tokens": 2,
+            "env.max_obs_tokens": 8, "env.max_total_tokens": 24, "sft.steps": 0, "steps": 1}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rollout.engine": "slots", "rollout.slots": 3},
+                                       {"algo.name": "ppo", "algo.adv_estimator": "gae"}],
+                         ids=["static", "slots", "ppo"])
+def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides):
+    """Multi-turn episodes with images (static turn batches, the episode engine): each group's
+    prompt is prefilled with its images once and every later turn attends to those keys and
+    values, so the sampler's log-probs of all three turns are the trainer's, whose row (prompt
+    ++ trajectory) carries the prompt's pixels (PPO's critic reads them too)."""
+    seen, original = [], Rollout._assemble
+
+    def assemble(self, rounds, groups):
+        batch, rows = original(self, rounds, groups)
+        seen.append(batch)
+        return batch, rows
+    monkeypatch.setattr(Rollout, "_assemble", assemble)
+    assert run.train(vlm_cfg(**EPISODES, **overrides), str(tmp_path), devices=DEVICES) == 0
+    pixels = seen[0]["pixels"]
+    assert pixels.shape == (8, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
+    np.testing.assert_array_equal(pixels[0], pixels[3])   # a group shares its prompt's images
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 1 and rl[0]["env/turns_mean"] == 3
+    assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every turn saw the images
+
+
+@pytest.mark.parametrize("key,overrides", [
+    ("rollout.partial", {"rollout.partial": True, "rollout.engine": "slots"}),
+    ("algo.adv_estimator", {"algo.adv_estimator": "vineppo"}),
+    ("rollout.allocation", {"rollout.allocation": "knapsack"})])
+def test_episodes_that_would_drop_images_are_refused(key, overrides):
+    with pytest.raises(ConfigError, match=rf"^{key}=.*env.name='look_again' with images"):
+        vlm_cfg(**EPISODES, **overrides)

@@ -95,10 +95,22 @@ def has_vision_tower(cfg) -> bool:
 
 
 def check_images(cfg) -> None:
-    """Images in the prompt go through single-turn rollouts on the static sampler or the slot
-    engine (partial rollouts and trees too), synchronous or not (docs/vision.md): refuse
-    multi-turn episodes, whose turn loop would drop them."""
-    if has_vision_tower(cfg) and cfg.env.name:
-        raise ConfigError(f"env.name={cfg.env.name!r} does not carry images in the prompt (a "
-                          "model with a vision tower) yet; use single-turn rollouts "
-                          "(rollout.engine='static' or 'slots', partial or not)")
+    """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
+    partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
+    engine), synchronous or not (docs/vision.md). Episodes carried across iterations, VinePPO's
+    episode forks, self-play matches and knapsack group sizes do not carry them yet."""
+    if not (has_vision_tower(cfg) and cfg.env.name):
+        return
+    what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
+    if cfg.rollout.partial:
+        raise ConfigError(f"rollout.partial=true: {what} is not supported yet (carried episodes "
+                          "do not keep their images); set rollout.partial=false")
+    if cfg.algo.adv_estimator == "vineppo":
+        raise ConfigError(f"algo.adv_estimator='vineppo': {what} is not supported yet (the "
+                          "episode forks do not carry images); use 'grpo' or PPO")
+    if cfg.env.selfplay.mode != "off":
+        raise ConfigError(f"env.selfplay.mode={cfg.env.selfplay.mode!r}: {what} is not "
+                          "supported (a board game's matches have no images)")
+    if cfg.rollout.allocation == "knapsack":
+        raise ConfigError(f"rollout.allocation='knapsack': {what} is not supported yet (its "
+                          "groups of episodes do not carry images); use 'uniform'")

@@ -99,17 +99,19 @@ def free(state: dict, slot: int) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_dtype", "record_routes"))
-def _prefill(cfg, params, prompt_tokens, prompt_mask, cache_dtype, record_routes=False):
+def _prefill(cfg, params, prompt_tokens, prompt_mask, cache_dtype, record_routes=False,
+             image_embeds=None):
     out = paged.prefill_pages(cfg, params, prompt_tokens[:, :-1], prompt_mask[:, :-1],
-                              cache_dtype, with_routes=record_routes)
+                              cache_dtype, image_embeds=image_embeds, with_routes=record_routes)
     return (out[0], out[2]) if record_routes else out[0]
 
 
 def prefill(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask,
-            cache_dtype=None, record_routes: bool = False) -> tuple:
+            cache_dtype=None, record_routes: bool = False, image_embeds=None) -> tuple:
     """Pages of every prompt but its last token (which each episode feeds first).
 
-    prompt_tokens: int32 [B, P] left-padded (P >= 2), prompt_mask bool [B, P]. Returns
+    prompt_tokens: int32 [B, P] left-padded (P >= 2), prompt_mask bool [B, P]; image_embeds
+    [B, K, D] (a model with a vision tower): each prompt's image embeddings. Returns
     ``(pages, page_mask bool [B, P - 1], page_len int32 [B])``, and with ``record_routes`` (a
     mixture of experts) the paged tokens' experts, int32 [B, P - 1, L, k]."""
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
@@ -118,7 +120,7 @@ def prefill(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask,
         raise ValueError(f"prompt bucket {prompt_tokens.shape[1]} must be >= 2")
     dtype = None if cache_dtype is None else jnp.dtype(cache_dtype).name
     out = _prefill(cfg, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), dtype,
-                   bool(record_routes))
+                   bool(record_routes), image_embeds)
     mask = prompt_mask[:, :-1]
     result = (out[0] if record_routes else out, jnp.asarray(mask),
               jnp.asarray(mask.sum(-1).astype(np.int32)))

@@ -105,8 +105,8 @@ def _constraints(mesh, rules):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "num_samples", "mesh", "rules",
                                              "cache_dtype", "record_routes"))
-def _start(cfg, params, prompt_tokens, prompt_mask, *, layout, num_samples, mesh, rules,
-           cache_dtype, record_routes=False):
+def _start(cfg, params, prompt_tokens, prompt_mask, image_embeds=None, *, layout, num_samples,
+           mesh, rules, cache_dtype, record_routes=False):
     batch, constrain_cache = _constraints(mesh, rules)
     b, p = prompt_tokens.shape
     tokens, mask = batch(prompt_tokens[:, :-1]), batch(prompt_mask[:, :-1])
@@ -114,6 +114,7 @@ def _start(cfg, params, prompt_tokens, prompt_mask, *, layout, num_samples, mesh
     cache = constrain_cache(models.init_cache(cfg, b, layout.num_slots, dtype=cache_dtype))
     out = models.trunk(cfg, params, tokens, attention_mask=slot_mask,
                        positions=models.default_positions(mask), cache=cache, cache_index=0,
+                       image_embeds=None if image_embeds is None else batch(image_embeds),
                        with_moe_stats=record_routes)
     # Prefill once per prompt; its G rows (prompt-major) share it. Per layer from here on.
     cache = models.unstack_cache(out[1])
@@ -232,11 +233,13 @@ def _rules(rules):
 
 def start(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, *,
           layout: SlotLayout, num_samples: int = 1, mesh=None, rules=shd.DEFAULT_RULES,
-          cache_dtype=None, record_routes: bool = False) -> dict:
+          cache_dtype=None, record_routes: bool = False, image_embeds=None) -> dict:
     """Prefills each prompt but its last token once and fans the cache out to G rows.
 
     Args:
       prompt_tokens: int32 [B, P] left-padded (P == ``layout.prompt_len`` >= 2); prompt_mask.
+      image_embeds: [B, K, D] (a model with a vision tower): each prompt's image embeddings,
+        prefilled with it; the turns after attend to their keys/values as to any others.
       record_routes: a mixture of experts: the cache also carries ``"routes"`` int32
         [L, B*G, S, k], the experts each slot's keys/values were computed with (every fed
         token's: the prefill's here, each ``turn``'s chunk and decode steps as they run), for
@@ -252,8 +255,8 @@ def start(cfg: models.ModelConfig, params: Any, prompt_tokens, prompt_mask, *,
         raise ValueError("record_routes needs a mixture-of-experts model")
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask, what="prompt_tokens")
     return _start(cfg, params, jnp.asarray(prompt_tokens, jnp.int32),
-                  jnp.asarray(prompt_mask, bool), layout=layout, num_samples=int(num_samples),
-                  mesh=mesh, rules=_rules(rules),
+                  jnp.asarray(prompt_mask, bool), image_embeds, layout=layout,
+                  num_samples=int(num_samples), mesh=mesh, rules=_rules(rules),
                   cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
                   record_routes=bool(record_routes))
 

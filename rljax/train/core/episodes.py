@@ -318,7 +318,8 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                  step_all: Callable | None = None, engine: EngineOptions | None = None,
                  weights: Callable[[], tuple[Any, int]] | None = None,
                  prefixes: Sequence[Sequence[int]] | None = None,
-                 temperatures: np.ndarray | None = None, record_routes: bool = False) -> dict:
+                 temperatures: np.ndarray | None = None, record_routes: bool = False,
+                 image_embeds: Any = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -345,6 +346,9 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     an episode's k-th model token (counted over its turns; observations do not count) is
     drawn at ``temperatures[k]`` and its log-prob is the one at that temperature.
     ``record_routes`` (a mixture of experts): adds ``routes`` (module docstring).
+    ``image_embeds`` [B, K, D] (a model with a vision tower; B = groups): each group's prompt
+    images, prefilled with its prompt once; every turn after attends to those keys/values, so
+    each turn's tokens see the images as the training row's forward pass does.
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
@@ -369,19 +373,19 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
         record.schedule = np.asarray(temperatures, np.float32)
     if engine is None:
         routes = _static_turns(model_cfg, params, tokenizer, record, p_tok, p_mask, rng, g,
-                               mesh, options, record_routes)
+                               mesh, options, record_routes, image_embeds)
         out = record.result(prompts, prompt_ids, p_tok.shape[1])
         return out if routes is None else dict(out, routes=routes)
     chunks = EngineWeights(params, weights)
     slot_steps, routes = _engine_turns(model_cfg, chunks, tokenizer, record, p_tok, p_mask, rng,
-                                       g, engine, options, record_routes)
+                                       g, engine, options, record_routes, image_embeds)
     out = dict(record.result(prompts, prompt_ids, p_tok.shape[1]), slot_steps=slot_steps,
                **chunks.fields(record.versions))
     return out if routes is None else dict(out, routes=routes)
 
 
 def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_mask, rng, g,
-                  mesh, options, record_routes: bool = False):
+                  mesh, options, record_routes: bool = False, image_embeds=None):
     """Turn k of every live episode as one batch (``sampling.multiturn``). Returns the
     episodes' routes (``record_routes``; ``multiturn.trajectory_routes``) or None."""
     lim = record.limits
@@ -389,7 +393,7 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
     layout = multiturn.SlotLayout(prompt_len=p_tok.shape[1], turn_len=lim.turn_tokens,
                                   chunk_len=o, max_turns=lim.max_turns)
     cache = multiturn.start(model_cfg, params, p_tok, p_mask, layout=layout, num_samples=g,
-                            mesh=mesh, record_routes=record_routes)
+                            mesh=mesh, record_routes=record_routes, image_embeds=image_embeds)
     chunk, chunk_mask, slot_mask = multiturn.first_chunk(p_tok, p_mask, layout, g)
     active = np.ones(r, bool)
     for turn in range(lim.max_turns):
@@ -430,7 +434,8 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
 
 
 def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajectories, p_tok,
-                  p_mask, rng, g, engine: EngineOptions, options, record_routes: bool = False):
+                  p_mask, rng, g, engine: EngineOptions, options, record_routes: bool = False,
+                  image_embeds=None):
     """Each episode on a slot of its own (``sampling.episode_engine``), decoded with
     ``chunks``' weights; free slots take the next episode. Returns ((busy, run) slot-steps,
     the episodes' routes with ``record_routes`` or None)."""
@@ -441,7 +446,8 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
     r = len(record.envs)
     s = max(1, min(int(engine.slots), r))
     pages, page_mask, page_len, *prompt_routes = ee.prefill(
-        model_cfg, chunks.params, p_tok, p_mask, record_routes=record_routes)
+        model_cfg, chunks.params, p_tok, p_mask, record_routes=record_routes,
+        image_embeds=image_embeds)
     cache = paged.init_slot_cache(model_cfg, s, lim.max_total_tokens + 1)
     routes = None
     if record_routes:   # columns: the paged prompt tokens [0, P-1), then cache index j at P-1+j

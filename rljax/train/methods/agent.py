@@ -27,7 +27,7 @@ from rljax import algorithms
 from rljax.algorithms import turn_credit
 from rljax.errors import UserError
 from rljax.train.core import episodes as ep
-from rljax.train.core import evaluate, sampler
+from rljax.train.core import evaluate, image_inputs, sampler
 from rljax.train.core.partial import drawn_indices
 from rljax.train.core.verifier import verify
 from rljax.train.core.rollout import (Rollout, RolloutStage, RoundSource, expand_fields,
@@ -79,22 +79,30 @@ def match_options(cfg, ctx) -> dict:
 
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0, weights=None, prefixes=None,
-         temperatures=None, record_routes: bool = False) -> dict:
+         temperatures=None, record_routes: bool = False, images=None, locations=None) -> dict:
     """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
     int32 [R]: each episode's role key (``env.role_key``: game and seat, for RAE), -1 for an
     environment without one. ``weights``: in-flight weight updates (the slot engine's);
     ``prefixes``: hint token ids after each example's prompt (``guidance``);
     ``temperatures``: the schedule over each episode's model tokens, f32 [M], or None;
-    ``record_routes``: every fed token's experts (routing replay)."""
+    ``record_routes``: every fed token's experts (routing replay).
+    ``images`` (``image_inputs.ImageInputs``, a model with a vision tower): each example's
+    images are embedded once and prefilled with its prompt; adds the round's image fields
+    (``image_inputs.round_fields``: ``pixels`` [B, I, 3, S, S] per example, ``image_ok``,
+    ``skipped_images``); ``locations``: the examples' ``file:line``, for its warnings."""
     cfg = ctx.cfg
     envs = make_envs(cfg, examples, num_samples)
+    pixels = None if images is None else images.pixels(examples, locations)
     eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
                           renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
                           rng=rng, num_samples=num_samples, temperature=temperature,
                           top_k=top_k, top_p=top_p, mesh=ctx.mesh,
                           engine=sampler.episode_engine(cfg, len(envs)), weights=weights,
                           prefixes=prefixes, temperatures=temperatures,
-                          record_routes=record_routes)
+                          record_routes=record_routes,
+                          image_embeds=None if pixels is None else images.embeds(params, pixels))
+    if pixels is not None:
+        eps.update(image_inputs.round_fields(pixels, images.usable))
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)
     return eps
 
@@ -174,10 +182,11 @@ class EpisodeRounds(RoundSource):
             self.opponent = selfplay.load_opponent(ctx)
 
     def play_groups(self, params, examples, rng, g: int, weights=None,
-                    prefixes=None) -> tuple[dict, list[dict]]:
+                    prefixes=None, images=None, locations=None) -> tuple[dict, list[dict]]:
         """This round's episodes and the example of each group: ``play``, or with
         ``env.selfplay`` the matches' (``selfplay.play``). ``weights``: the rollout's
-        in-flight weight updates, or None; ``prefixes``: hints (``sample_hinted``)."""
+        in-flight weight updates, or None; ``prefixes``: hints (``sample_hinted``);
+        ``images``/``locations``: the rollout's image inputs (``play``)."""
         cfg = self.ctx.cfg
         r = cfg.rollout
         opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
@@ -185,7 +194,8 @@ class EpisodeRounds(RoundSource):
         if not self.selfplay:
             return play(self.ctx, params, examples, rng, prefixes=prefixes,
                         temperatures=sampler.rollout_temperatures(cfg), **opts,
-                        record_routes=bool(cfg.algo.get("routing_replay"))), examples
+                        record_routes=bool(cfg.algo.get("routing_replay")), images=images,
+                        locations=locations), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
                              opponent=self.opponent, **match_options(cfg, self.ctx), **opts)
@@ -199,7 +209,9 @@ class EpisodeRounds(RoundSource):
         examples = next(rollout.iterator)
         drawn = drawn_indices(rollout.iterator, len(examples))
         t0 = time.perf_counter()
-        eps, groups = self.play_groups(params, examples, rng, g, rollout.weights)
+        eps, groups = self.play_groups(params, examples, rng, g, rollout.weights,
+                                       images=rollout.images,
+                                       locations=rollout._locations(examples))
         rnd = self.scored_round(rollout, eps, groups, time.perf_counter() - t0)
         if self.selfplay:   # a group per learner seat: each is observed as its game's
             rnd["indices"] = np.repeat(drawn, len(groups) // len(examples)).tolist()
@@ -211,7 +223,7 @@ class EpisodeRounds(RoundSource):
         same task, replayed from a fresh environment, scored as any round."""
         t0 = time.perf_counter()
         eps, groups = self.play_groups(params, examples, rng, rollout.g, rollout.weights,
-                                       prefixes)
+                                       prefixes, images=rollout.images)
         return self.scored_round(rollout, eps, groups, time.perf_counter() - t0)
 
     def scored_round(self, rollout: Rollout, eps: dict, examples: list[dict],
@@ -241,8 +253,8 @@ class EpisodeRounds(RoundSource):
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
-                    **{k: eps[k] for k in ("slot_steps", "versions", "swaps", "routes")
-                       if k in eps})
+                    **{k: eps[k] for k in ("slot_steps", "versions", "swaps", "routes", "pixels",
+                                           "image_ok", "skipped_images") if k in eps})
 
     def metrics(self, rounds, step: int) -> dict:
         m = env_metrics([r["episodes"] for r in rounds])
@@ -450,6 +462,7 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
     (``episode_correct``). Returns ``{"correct": bool [E, n],
     "lengths", "truncated", "episodes": [...]}``."""
     cfg = ctx.cfg
+    images = image_inputs.image_inputs(ctx)   # None: a text model
     correct, lengths, truncated, eps_list = [], [], [], []
     for i, start in enumerate(range(0, len(examples), batch_size)):
         chunk = examples[start:start + batch_size]
@@ -457,7 +470,7 @@ def run_eval_batches(ctx, params, rng, examples: list[dict], *, num_samples: int
         eps = play(ctx, params, padded, jax.random.fold_in(rng, i), num_samples=num_samples,
                    temperature=temperature,
                    top_k=cfg.rollout.top_k if temperature else 0,
-                   top_p=cfg.rollout.top_p if temperature else 1.0)
+                   top_p=cfg.rollout.top_p if temperature else 1.0, images=images)
         keep = len(chunk) * num_samples
         total = eps["env_rewards"][:keep].astype(np.float64)
         if cfg.reward.names:  # called as training calls rewards (fields it names, isolation)
