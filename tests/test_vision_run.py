@@ -13,7 +13,7 @@ from rljax.config import ConfigError
 from rljax.data.tasks import TASKS
 from rljax.envs import StepResult, register_env
 from rljax.train import run
-from rljax.train.core import checkpoint
+from rljax.train.core import checkpoint, episodes
 from rljax.train.core.metrics import read_metrics
 from rljax.train.core.rollout import Rollout
 
@@ -257,7 +257,15 @@ def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides)
         seen.append(batch)
         return batch, rows
     monkeypatch.setattr(Rollout, "_assemble", assemble)
-    assert run.train(vlm_cfg(**EPISODES, **overrides), str(tmp_path), devices=DEVICES) == 0
+    embeds, play = [], episodes.run_episodes
+
+    def run_episodes(*args, image_embeds=None, **kw):   # training's and held-out episodes
+        embeds.append(image_embeds)
+        return play(*args, image_embeds=image_embeds, **kw)
+    monkeypatch.setattr(episodes, "run_episodes", run_episodes)
+    cfg = vlm_cfg(**EPISODES, **overrides, **{"eval_every": 1})
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    assert len(embeds) >= 2 and all(e is not None for e in embeds)
     pixels = seen[0]["pixels"]
     assert pixels.shape == (8, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
     np.testing.assert_array_equal(pixels[0], pixels[3])   # a group shares its prompt's images
