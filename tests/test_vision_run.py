@@ -277,7 +277,8 @@ def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides)
 @pytest.mark.parametrize("key,overrides", [
     ("rollout.partial", {"rollout.partial": True, "rollout.engine": "slots"}),
     ("algo.adv_estimator", {"algo.adv_estimator": "vineppo"}),
-    ("rollout.allocation", {"rollout.allocation": "knapsack"})])
+    ("rollout.allocation", {"rollout.allocation": "knapsack"}),
+    ("sft.env_traces", {"sft.env_traces": True})])
 def test_episodes_that_would_drop_images_are_refused(key, overrides):
     with pytest.raises(ConfigError, match=rf"^{key}=.*env.name='look_again' with images"):
         vlm_cfg(**EPISODES, **overrides)

@@ -98,7 +98,8 @@ def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
     engine), synchronous or not (docs/vision.md). Episodes carried across iterations, VinePPO's
-    episode forks, self-play matches and knapsack group sizes do not carry them yet."""
+    episode forks, self-play matches, knapsack group sizes and the SFT warm-up's scripted
+    episodes do not carry them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
@@ -111,6 +112,9 @@ def check_images(cfg) -> None:
     if cfg.env.selfplay.mode != "off":
         raise ConfigError(f"env.selfplay.mode={cfg.env.selfplay.mode!r}: {what} is not "
                           "supported (a board game's matches have no images)")
+    if cfg.sft.env_traces:
+        raise ConfigError(f"sft.env_traces=true: {what} is not supported yet (the scripted "
+                          "episodes' rows do not carry images); set sft.env_traces=false")
     if cfg.rollout.allocation == "knapsack":
         raise ConfigError(f"rollout.allocation='knapsack': {what} is not supported yet (its "
                           "groups of episodes do not carry images); use 'uniform'")

@@ -120,10 +120,11 @@ class SFTPhase:
             from rljax.train.methods.agent import trace_sft_batch
             rng = np.random.default_rng([int(self.ctx.cfg.seed), SFT_SEED_OFFSET, int(step)])
             batch, cut = trace_sft_batch(self.ctx.cfg, tok, examples, n, rng)
-        else:
-            batch, cut = guidance.sft_batch(
-                tok, [ex["prompt"] for ex in examples], [self.solution(ex) for ex in examples],
-                self.ctx.cfg.data.max_prompt_length, n)
+            self.num_too_long += cut
+            return batch
+        batch, cut = guidance.sft_batch(
+            tok, [ex["prompt"] for ex in examples], [self.solution(ex) for ex in examples],
+            self.ctx.cfg.data.max_prompt_length, n)
         self.num_too_long += cut
         if self.images is not None:   # a model with a vision tower: each row's images
             batch["pixels"] = self.images.pixels(examples)
