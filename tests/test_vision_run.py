@@ -243,8 +243,10 @@ EPISODES = {"env.name": "look_again", "env.max_turns": 3, "env.max_turn_tokens":
 
 
 @pytest.mark.parametrize("overrides", [{}, {"rollout.engine": "slots", "rollout.slots": 3},
-                                       {"algo.name": "ppo", "algo.adv_estimator": "gae"}],
-                         ids=["static", "slots", "ppo"])
+                                       {"algo.name": "ppo", "algo.adv_estimator": "gae"},
+                                       {"algo.asynchronous": True, "rollout.engine": "slots",
+                                        "rollout.slots": 3, "steps": 2}],
+                         ids=["static", "slots", "ppo", "async"])
 def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides):
     """Multi-turn episodes with images (static turn batches, the episode engine): each group's
     prompt is prefilled with its images once and every later turn attends to those keys and
@@ -263,14 +265,14 @@ def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides)
         embeds.append(image_embeds)
         return play(*args, image_embeds=image_embeds, **kw)
     monkeypatch.setattr(episodes, "run_episodes", run_episodes)
-    cfg = vlm_cfg(**EPISODES, **overrides, **{"eval_every": 1})
+    cfg = vlm_cfg(**{**EPISODES, **overrides, "eval_every": 1})
     assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
     assert len(embeds) >= 2 and all(e is not None for e in embeds)
     pixels = seen[0]["pixels"]
     assert pixels.shape == (8, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
     np.testing.assert_array_equal(pixels[0], pixels[3])   # a group shares its prompt's images
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
-    assert len(rl) == 1 and rl[0]["env/turns_mean"] == 3
+    assert len(rl) == cfg.steps and rl[0]["env/turns_mean"] == 3
     assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every turn saw the images
 
 
