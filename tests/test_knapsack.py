@@ -540,22 +540,35 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
     assert np.ptp(np.bincount(seen[1][2])[:2]) > 0   # the posteriors sized the second step
 
 
-def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path):
+@pytest.mark.parametrize("tree", [False, True])
+def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path, tree):
     """Partial rollouts: the pool's groups are sized by the knapsack when their prompts are
     admitted (at most max_samples = G rows each, so any P groups fit the update), an
     iteration trains on the first P to complete, whatever their sizes, and the posteriors
     learn each group when it completes. The dataset's 8 prompts come back in the third
     iteration, sized by what the posteriors learned; saved with groups in flight after the
-    second, the run resumes exactly."""
+    second, the run resumes exactly. ``tree``: a group is whole trees of 2 leaves (its pool
+    place grows 1 or 2 roots), carried at level boundaries."""
     cfg = tiny_cfg(reward_file, **{
         "rollout.engine": "slots", "rollout.slots": 4, "rollout.partial": True,
-        "rollout.knapsack.budget": 12, "rollout.knapsack.max_samples": 4})
+        "rollout.knapsack.budget": 12, "rollout.knapsack.max_samples": 4, **({
+            "rollout.tree.enabled": True, "rollout.tree.roots": 2,
+            "rollout.tree.branching": 2, "rollout.tree.segment_tokens": 1} if tree else {})})
     records = phase_resumes_exactly(cfg, tmp_path, steps=3, saved_after=2)
     assert all(r["rollout/carried_groups"] == 4 and r["rollout/group_size_mean"] == 3.0
-               for r in records[:2])   # the first two batches: the flat prior's 3 each
+               for r in records[:2])   # the first two batches: 3 each on average
     last = records[-1]
     assert last["rollout/group_size_max"] > last["rollout/group_size_min"]
-    assert last["rollout/staleness_max"] >= 1 and np.isfinite(last["loss"])
+    assert np.isfinite(last["loss"])
+    if not tree:
+        assert last["rollout/staleness_max"] >= 1
+    else:   # whole trees: sizes 2 or 4 (the flat prior already splits them)
+        assert all(r["rollout/group_size_min"] == 2 and r["rollout/group_size_max"] == 4
+                   for r in records)
+        # The first run completes all 8 trees, 24 leaves: 12 roots grown (1 + 2 x 3 tokens
+        # each at most), not 16; the second trains the 4 carried ones.
+        assert records[0]["rollout/decoded_tokens"] <= 12 * 7
+        assert records[1]["rollout/staleness_max"] >= 1
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -568,9 +581,6 @@ def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path):
      "rollout.knapsack.max_samples=16: with rollout.partial"),
     (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots",
       "env.name=tool", "rollout.knapsack.max_samples=4"], "cannot be combined with env.name"),
-    (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots",
-      "rollout.tree.enabled=true", "rollout.knapsack.max_samples=4"],
-     "cannot be combined with rollout.tree.enabled"),
     # (no meaning: the seats of a match share its rows, and their outcomes are one another's)
     (["rollout.allocation=knapsack", "env.name=tictactoe", "env.selfplay.mode=self"],
      "env.selfplay.mode='self'"),

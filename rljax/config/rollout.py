@@ -195,9 +195,6 @@ def check_allocation(cfg) -> None:
     if r.partial and cfg.env.name:
         raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
                           "with env.name (carried episodes come in groups of G)")
-    if r.partial and r.tree.enabled:
-        raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
-                          "with rollout.tree.enabled (carried trees come in groups of G leaves)")
     budget, lo, hi = knapsack_limits(cfg)
     prompts = r.batch_size // a.num_generations
     if budget > r.batch_size:

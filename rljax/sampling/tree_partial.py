@@ -8,6 +8,8 @@ the slot engine (``sampling.tree_engine``), whose unfinished trees continue in t
     taken = pool.run(params, key, version=v, want=B, max_staleness=2)
     # a sampling.partial.Taken: rows [B*M, N] (M = R * k**D leaves per tree, tree-major, in
     # sampling.tree's layout), taken.decoded [B]: each tree's decoded tokens
+    pool.admit(prompt_ids, metas, sizes=[2 * k**D, ...])   # trees of their own sizes: 2 roots
+    # (taken.sizes: each tree's leaves; its rows are those of its first roots' subtrees)
 
 Each place holds one tree and its level cursor (the levels grown so far). One ``run`` is one
 training iteration's sampling. It drops stale trees (a tree holding a token more than
@@ -49,7 +51,7 @@ from rljax import models
 from rljax.sampling import engine
 from rljax.sampling.core import merge_stop_ids
 from rljax.sampling.draw import NOISE_AHEAD_MAX_ELEMENTS, noise_ahead_size
-from rljax.sampling.partial import Pool, Taken, load_pool_state, pool_state
+from rljax.sampling.partial import Pool, Taken, pool_state
 from rljax.sampling.tree import check_tree, num_leaves
 from rljax.sampling.tree_engine import fork, level_bounds, level_noise, write_segment
 
@@ -100,7 +102,7 @@ class TreePool:
     def reset(self) -> None:
         c, m, n = self.c, self.g, self.n
         self.serial = np.full(c, -1, np.int64)          # admission order; -1 = free
-        self.sizes = np.full(c, m, np.int64)            # (``admit``'s: a tree's M leaves)
+        self.sizes = np.full(c, m, np.int64)            # each tree's leaves (``admit``'s)
         self.completed_at = np.full(c, -1, np.int64)    # step clock at completion
         self.level = np.zeros(c, np.int32)              # levels grown; depth + 1: complete
         self.decoded = np.zeros(c, np.int32)            # tokens decoded, shared segments once
@@ -126,8 +128,22 @@ class TreePool:
 
     # New trees (prompt ids, at most ``prompt_len`` each; ``metas``: anything the caller wants
     # back with the tree) in the free places, in order; returns those places. (A tree is a
-    # group of M leaves: the same host bookkeeping as the group pool's, without sizes.)
-    admit = Pool.admit
+    # group of M leaves: the same host bookkeeping as the group pool's.) ``sizes``: each
+    # group's leaves, whole subtrees of one root (knapsack allocation, a multiple of
+    # ``M / roots``; default M): the roots past a group's size are never grown.
+    def admit(self, prompts, metas, sizes=None) -> list[int]:
+        per_root = self.g // self.roots
+        if sizes is not None and any(int(k) % per_root for k in sizes):
+            raise ValueError(f"admit: group sizes {list(sizes)} must be whole trees of "
+                             f"{per_root} leaves")
+        return Pool.admit(self, prompts, metas, sizes)
+
+    def _dead_rows(self, width: int) -> np.ndarray:
+        """bool [C * width]: the rows (of a level ``width`` paths wide, >= roots) under roots
+        past their group's size, never grown."""
+        root = np.arange(width) // (width // self.roots)
+        alive = self.sizes // (self.g // self.roots)   # [C] roots in use
+        return (root[None, :] >= alive[:, None]).reshape(-1)
 
     def _clear(self, j) -> None:
         self.tokens[j], self.logps[j], self.versions[j] = self.draw["pad_id"], 0.0, -1
@@ -181,6 +197,8 @@ class TreePool:
                                                                  "lengths", "done")},
             width // self.width(lvl))   # [C * width, ...], place-major
         mine = np.repeat(places, width)
+        dead = mine & self._dead_rows(width)   # (roots past a group's size: stopped at once)
+        paths["done"] |= dead
         live = mine & ~paths["done"]   # a stopped path's children decode nothing
         tok, mask = self._requests(paths["tokens"], start, places)
         noise = None if self.greedy else pool_noise(
@@ -256,15 +274,16 @@ class TreePool:
         steps, useful steps and slot steps."""
         places = np.flatnonzero(self._complete())
         places = sorted(places, key=lambda j: (self.completed_at[j], self.serial[j]))[:want]
-        rows = {name: getattr(self, name)[places].reshape((-1,) + getattr(self, name).shape[2:])
-                for name in ("tokens", "logps", "versions", "lengths")}
+        # Each tree's first ``sizes`` leaves (its live roots' subtrees, root-major).
+        rows = {name: np.concatenate([getattr(self, name)[j, :self.sizes[j]] for j in places])
+                for name in ("tokens", "logps", "versions", "lengths", "done")}
         rows.update(mask=np.arange(self.n)[None, :] < rows["lengths"][:, None],
-                    truncated=~self.done[places].reshape(-1))
+                    truncated=~rows.pop("done"))
         taken = Taken(rows=rows, prompts=[self.prompts[j] for j in places],
                       metas=[self.metas[j] for j in places], places=[int(j) for j in places],
                       dropped_stale=dropped, decode_steps=work[0], useful_steps=work[1],
                       drawn=drawn, decoded=self.decoded[places].copy(), slot_steps=work[2],
-                      sizes=[self.g] * len(places))
+                      sizes=[int(self.sizes[j]) for j in places])
         for j in places:
             self._clear(j)
             self.serial[j], self.prompts[j], self.metas[j] = -1, None, None
@@ -273,11 +292,10 @@ class TreePool:
     # -- checkpoints ---------------------------------------------------------------------------
 
     _ARRAYS = ("serial", "completed_at", "level", "decoded", "tokens", "logps", "versions",
-               "lengths", "done")
+               "lengths", "done", "sizes")
 
     def state_dict(self) -> dict:
         """JSON-able host state (arrays as base64 bytes): everything ``run`` continues from."""
         return pool_state(self)
 
-    def load_state_dict(self, state: dict) -> None:
-        load_pool_state(self, state)
+    load_state_dict = Pool.load_state_dict   # (saved before trees had sizes: all M)

@@ -64,7 +64,8 @@ PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM)
 def make_pool(ctx, num_prompts: int, rows: int = 0):
     """The pool of a config: 2 x ``num_prompts`` groups of ``rows`` rows at most (0: G),
     prompts at the longest bucket; with ``rollout.tree``, a ``sampling.tree_partial.TreePool``
-    of as many trees (of G leaves)."""
+    of as many trees (of G leaves; with ``rows``, of ``rows // branching**depth`` roots, each
+    group growing the roots its size asks for)."""
     cfg, tok = ctx.cfg, ctx.tokenizer
     r, g = cfg.rollout, int(cfg.algo.num_generations)
     common = dict(max_new_tokens=r.max_new_tokens, groups=2 * num_prompts,
@@ -74,8 +75,10 @@ def make_pool(ctx, num_prompts: int, rows: int = 0):
                   eos_id=ctx.stop_ids, pad_id=tok.pad_id,   # (rollout.stop_strings too)
                   temperatures=rollout_temperatures(cfg))
     tree = tree_sampling.options_from_config(r.tree, g)
-    if tree is not None:
-        return TreePool(ctx.model_cfg, **tree, **common)
+    if tree is not None:   # groups of ``rows`` leaves at most: room for that many roots' trees
+        per_root = int(tree["branching"]) ** int(tree["depth"])
+        roots = rows // per_root if rows else tree["roots"]
+        return TreePool(ctx.model_cfg, **{**tree, "roots": roots}, **common)
     return partial_lib.Pool(ctx.model_cfg, num_samples=rows or g, **common)
 
 
@@ -169,7 +172,7 @@ class PartialRounds:
             rnd = rollout.score_round(taken.metas, prompt_tokens, prompt_mask, out, None, t0)
         else:   # groups of their own sizes: every row with its prompt, as the knapsack's
             owner = np.repeat(np.arange(len(taken.sizes)), taken.sizes)
-            out["decoded"] = out["lengths"]
+            out["decoded"] = out["lengths"] if taken.decoded is None else taken.decoded
             rnd = rollout.score_round([taken.metas[i] for i in owner], prompt_tokens[owner],
                                       prompt_mask[owner], out, None, t0, g=1)
             rnd["group_sizes"] = np.asarray(taken.sizes, np.int64)

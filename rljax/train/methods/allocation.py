@@ -29,7 +29,8 @@ Tree sampling (``rollout.tree.enabled``): the configured tree's subtree below on
 (``branching**depth`` leaves) is the unit; the knapsack sizes groups in multiples of it
 (``config.rollout.knapsack_step``) and prompt i grows G_i / unit such trees, whose leaves are
 its group. The estimator is a group one (the tree estimators need one tree layout for every
-group).
+group). With partial rollouts a pool place holds a group's trees (room for ``max_samples``
+leaves of roots), and the place grows the roots its size asks for.
 
 Metrics: ``rollout/group_size_min``/``_mean``/``_max``, ``rollout/pass_rate_est_mean``,
 and (every rollout) ``rollout/effective_samples``: samples that train with a non-zero
