@@ -65,6 +65,7 @@ from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import (engine_slots, rollout_temperatures, sampling_params,
                                       sampling_weights)
 from rljax.train.methods import agent
+from rljax.train.methods.partial_matches import play_matches, set_slot_temperatures
 
 EPISODE_STREAM = 9  # rng stream of the episodes in flight: fold_in(state.rng, 9), every step
 
@@ -150,8 +151,10 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         # In-flight weight updates (asynchronous RL): polled between the engine's chunks.
         weights = (None if rollout.weights is None
                    else sampling_weights(self.ctx, rollout.weights))
-        play = self._play_matches if self.selfplay else self._play_episodes
-        eps, groups, slot_steps, drawn, swaps = play(params, places, weights)
+        if self.selfplay:
+            eps, groups, slot_steps, drawn, swaps = play_matches(self, params, places, weights)
+        else:
+            eps, groups, slot_steps, drawn, swaps = self._play_episodes(params, places, weights)
         taken = sorted((j for j in places if self.completed_at[j] >= 0),
                        key=lambda j: (self.completed_at[j], self.serial[j]))[:self.num_prompts]
         at = {j: k for k, j in enumerate(places)}
@@ -268,7 +271,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 ee.resume(state, slot, row=i, lead=int(first[i]),
                           observation=record.tokens[i, :record.length[i]], cursor=0,
                           turn=int(record.turns[i]), budget=record.budget(i), draw=int(draw[i]))
-                _set_temperatures(state, slot, record.turn_temperatures([i]))
+                set_slot_temperatures(state, slot, record.turn_temperatures([i]))
             if not state["live"].any():
                 break
             before = state["cursor"].copy()
@@ -292,7 +295,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                           observation=obs, cursor=int(record.length[i]) - len(obs),
                           turn=int(state["turn"][slot]) + 1, budget=record.budget(i),
                           draw=int(draw[i]))
-                _set_temperatures(state, slot, record.turn_temperatures([i]))
+                set_slot_temperatures(state, slot, record.turn_temperatures([i]))
         live = (state["row"] >= 0) & state["live"]   # turns dropped: drawn again next time
         return eps(), groups, (busy, run), drawn + int(state["t"][live].sum()), chunks.swaps
 
@@ -311,142 +314,6 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         record.schedule = rollout_temperatures(cfg)   # (None: rollout.temperature)
         finished = record.replay([self.turns[j][k] for j in places for k in range(g)])
         return record, finished, prompts, prompt_ids, p_tok, p_mask
-
-    # -- self-play matches ---------------------------------------------------------------------
-
-    def _play_matches(self, params, places, weights=None):
-        """Self-play or against the checkpoint opponent: each place's G matches rebuilt (the
-        recorded steps of every seat, the opponent's too, replayed in their order), then the
-        seats' turns on the engines, one per model (``_SeatEngine``: a slot per row, as
-        ``matches._engine_matches``), decoding a chunk each in turn, until enough places have
-        every match over. Returns as ``_play_episodes`` (the rows of every seat; the groups
-        are the learner seats')."""
-        from rljax.envs import step_all
-        from rljax.sampling import episode_engine as ee
-        from rljax.train.methods import matches, selfplay
-        cfg, g, per = self.ctx.cfg, self.g, self.rows
-        metas = [self.metas[j] for j in places]
-        game, seat_rows, envs = selfplay.seat_envs(cfg, metas, self.template,
-                                                   agent.env_kwargs(cfg), g)
-        lim, ro = agent.limits(cfg), cfg.rollout
-        max_plies = len(game.seats) * lim.max_turns
-        policy = matches.Side(self.ctx.model_cfg, params, envs, g, ro.temperature, ro.top_k,
-                              ro.top_p, schedule=rollout_temperatures(cfg))
-        run = matches._SideRun(policy, self.ctx.tokenizer, self._renderer, lim, max_plies,
-                               self.ctx.mesh)
-        r = len(envs)
-        decoding = np.zeros(r, bool)   # to move: observed, its turn not ended
-        time_env = [0.0]
-
-        def top() -> list:
-            """``_engine_matches``' loop head: settle, observe the seats to move; then a place
-            whose matches cannot go on is over (its waiting seats truncated)."""
-            new = run.seats_to_move(decoding, max_plies)
-            run.settle()   # seats of a match a truncation just abandoned
-            for n, j in enumerate(places):
-                rows = np.arange(n * per, (n + 1) * per)
-                if not decoding[rows].any():
-                    for i in rows[run.active[rows]]:
-                        run._truncate(i)
-                    if self.completed_at[j] < 0:
-                        self.completed_at[j] = self.clock
-            return new
-
-        def step(rows, texts) -> None:
-            t0 = time.perf_counter()
-            results = step_all([run.envs[i] for i in rows], texts)
-            time_env[0] += time.perf_counter() - t0
-            for i, res in zip(rows, results):
-                run.record(i, res)
-
-        moves = sorted((m[0], n, k, m[1], m[2]) for n, j in enumerate(places)
-                       for k, m in enumerate(self.moves[j]))
-        for chunk in sorted({m[0] for m in moves}):   # the recorded steps, chunk by chunk
-            top()
-            rows, texts = [], []
-            for _, n, _, row, turn in (m for m in moves if m[0] == chunk):
-                i, t = n * per + row, self.turns[places[n]][row][turn]
-                texts.append(run.turn_ended(i, list(t["ids"]), list(t["logps"]))[1])
-                rows.append(i)
-                decoding[i] = False
-            step(rows, texts)
-        new = top()
-        learners = [self._learners(meta) for meta in metas]
-        groups = [[seats[k // g] for k in own[::g]] for own, seats in zip(learners, seat_rows)]
-        done_places = lambda: sum(self.completed_at[j] >= 0 for j in places)  # noqa: E731
-        result = lambda: run.result(time_env[0])  # noqa: E731
-        if done_places() >= self.num_prompts or not decoding.any():
-            return result(), groups, (0, 0), 0, 0
-        first = np.repeat(np.asarray(run.p_tok)[:, -1], g)
-        draw = self._draw_ids(places)
-        mine = np.zeros(r, bool)   # the policy's rows; the others the opponent's
-        mine[np.concatenate([n * per + own for n, own in enumerate(learners)])] = True
-        engines = [_SeatEngine(self, run, lim, np.flatnonzero(mine), policy, frozen=False,
-                               weights=weights)]
-        if self.opponent is not None:
-            side = selfplay.opponent_side(self.opponent, (), g, ro.top_k, ro.top_p)
-            engines.append(_SeatEngine(self, run, lim, np.flatnonzero(~mine), side, True))
-        owner = [engines[0] if m else engines[-1] for m in mine]
-        in_cache = np.zeros(r, bool)   # the slot's cache holds the row's trajectory
-        on_slot = np.zeros(r, bool)
-        busy = steps_run = drawn = 0
-
-        def feed(new) -> None:
-            """Puts each row now to move on its engine's slot: its new observation after the
-            trajectory in the slot's cache, else the whole trajectory so far."""
-            for i, before, obs in new + [(int(i), None, None) for i in
-                                         np.flatnonzero(decoding & ~on_slot)]:
-                if on_slot[i]:
-                    continue
-                e = owner[i]
-                opts = dict(row=e.slot[i], turn=run.envs[i].match.plies, draw=int(draw[i]),
-                            budget=min(run.n, run.m_max - int(run.length[i])))
-                if in_cache[i]:
-                    ee.resume(e.state, e.slot[i], lead=int(run.carry[i]), observation=obs,
-                              cursor=before, **opts)
-                else:
-                    ee.resume(e.state, e.slot[i], lead=int(first[i]), cursor=0,
-                              observation=run.tokens[i, :run.length[i]], **opts)
-                _set_temperatures(e.state, e.slot[i], run.turn_temperatures([i]))
-                on_slot[i] = True
-
-        while done_places() < self.num_prompts:
-            moved = False
-            for e in engines:   # a decode chunk of each engine in turn
-                feed(new)
-                new = []
-                if not e.state["live"].any():
-                    continue
-                moved = True
-                before_cursor = e.state["cursor"].copy()
-                e.cache, e.state, ran = e.run_chunk(e.cache, e.state)
-                self.clock += 1
-                busy += int((e.state["cursor"] - before_cursor).sum())
-                steps_run += len(e.rows) * ran
-                slots = np.flatnonzero(on_slot[e.rows] & ~e.state["live"])
-                ended = e.rows[slots]
-                on_slot[ended], decoding[ended], in_cache[ended] = False, False, True
-                texts = []
-                for k, i in zip(slots, ended):
-                    (n, row), t = divmod(int(i), per), int(e.state["t"][k])
-                    j = places[n]
-                    kept, text = run.turn_ended(i, e.state["tokens"][k, :t].tolist(),
-                                                e.state["logps"][k])
-                    self._record_turn(j, row, e.state["tokens"][k, :kept],
-                                      e.state["logps"][k, :kept], frozen=e.frozen,
-                                      versions=None if weights is None else e.chunks.drawn[k])
-                    self.moves[j].append([self.clock, row, len(self.turns[j][row]) - 1])
-                    texts.append(text)
-                    drawn += t
-                if len(ended):
-                    step(ended, texts)
-                new = top()
-                if done_places() >= self.num_prompts:
-                    break
-            if not moved:
-                break
-        live = sum(int(e.state["t"][on_slot[e.rows]].sum()) for e in engines)
-        return result(), groups, (busy, steps_run), drawn + live, engines[0].chunks.swaps
 
     def metrics(self, rounds, step: int) -> dict:
         swaps = {"rollout/weight_swaps": sum(d["swaps"] for d in self._drawn)} \
@@ -476,29 +343,6 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.indices[:] = state.get("indices", -1)   # (a checkpoint from before they were kept)
         self.turns, self.moves = state["turns"], state["moves"]
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
-
-
-class _SeatEngine:
-    """One model's rows of the places' matches on an episode engine of its own (its pages,
-    slot cache, parameters and sampling: ``side``): slot k holds row ``rows[k]`` for its whole
-    match, its page its group's prompt. ``frozen``: a checkpoint opponent's engine, whose
-    turns record no version (never stale, never trained)."""
-
-    def __init__(self, pool, run, lim, rows: np.ndarray, side, frozen: bool, weights=None):
-        groups = rows[::pool.g] // pool.g   # a group's G rows are all one model's
-        self.rows, self.frozen = rows, bool(frozen)
-        self.slot = {int(i): k for k, i in enumerate(rows)}
-        self.cache, self.state, self.run_chunk, self.chunks = pool._engine_setup(
-            lim, np.asarray(run.p_tok)[groups], np.asarray(run.p_mask)[groups], side.params,
-            len(rows), side, weights)
-        self.state["row"][:] = np.arange(len(rows))
-
-
-def _set_temperatures(state: dict, slot: int, temps) -> None:
-    """With a temperature schedule (the engine's ``temp``): the temperatures [1, N] of the
-    turn starting on ``slot``."""
-    if "temp" in state and temps is not None:
-        state["temp"][slot] = temps[0]
 
 
 def _subset(eps: dict, rows: np.ndarray) -> dict:

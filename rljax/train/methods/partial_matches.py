@@ -1,0 +1,172 @@
+"""Self-play matches carried across iterations (``rollout.partial`` with ``env.selfplay``):
+the playing side of ``episode_partial.EpisodePartialRounds``, which holds the places' recorded
+turns and their order (its module docstring says how a place is rebuilt and continued).
+
+    eps, groups, slot_steps, drawn, swaps = play_matches(pool, params, places, weights)
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rljax.train.core.sampler import rollout_temperatures
+from rljax.train.methods import agent
+
+
+def play_matches(pool, params, places, weights=None):
+    """Self-play or against the checkpoint opponent: each place's G matches rebuilt (the
+    recorded steps of every seat, the opponent's too, replayed in their order), then the
+    seats' turns on the engines, one per model (``_SeatEngine``: a slot per row, as
+    ``matches._engine_matches``), decoding a chunk each in turn, until enough places have
+    every match over. Returns as ``EpisodePartialRounds._play_episodes`` (the rows of every
+    seat; the groups are the learner seats')."""
+    from rljax.envs import step_all
+    from rljax.sampling import episode_engine as ee
+    from rljax.train.methods import matches, selfplay
+    cfg, g, per = pool.ctx.cfg, pool.g, pool.rows
+    metas = [pool.metas[j] for j in places]
+    game, seat_rows, envs = selfplay.seat_envs(cfg, metas, pool.template,
+                                               agent.env_kwargs(cfg), g)
+    lim, ro = agent.limits(cfg), cfg.rollout
+    max_plies = len(game.seats) * lim.max_turns
+    policy = matches.Side(pool.ctx.model_cfg, params, envs, g, ro.temperature, ro.top_k,
+                          ro.top_p, schedule=rollout_temperatures(cfg))
+    run = matches._SideRun(policy, pool.ctx.tokenizer, pool._renderer, lim, max_plies,
+                           pool.ctx.mesh)
+    r = len(envs)
+    decoding = np.zeros(r, bool)   # to move: observed, its turn not ended
+    time_env = [0.0]
+
+    def top() -> list:
+        """``_engine_matches``' loop head: settle, observe the seats to move; then a place
+        whose matches cannot go on is over (its waiting seats truncated)."""
+        new = run.seats_to_move(decoding, max_plies)
+        run.settle()   # seats of a match a truncation just abandoned
+        for n, j in enumerate(places):
+            rows = np.arange(n * per, (n + 1) * per)
+            if not decoding[rows].any():
+                for i in rows[run.active[rows]]:
+                    run._truncate(i)
+                if pool.completed_at[j] < 0:
+                    pool.completed_at[j] = pool.clock
+        return new
+
+    def step(rows, texts) -> None:
+        t0 = time.perf_counter()
+        results = step_all([run.envs[i] for i in rows], texts)
+        time_env[0] += time.perf_counter() - t0
+        for i, res in zip(rows, results):
+            run.record(i, res)
+
+    moves = sorted((m[0], n, k, m[1], m[2]) for n, j in enumerate(places)
+                   for k, m in enumerate(pool.moves[j]))
+    for chunk in sorted({m[0] for m in moves}):   # the recorded steps, chunk by chunk
+        top()
+        rows, texts = [], []
+        for _, n, _, row, turn in (m for m in moves if m[0] == chunk):
+            i, t = n * per + row, pool.turns[places[n]][row][turn]
+            texts.append(run.turn_ended(i, list(t["ids"]), list(t["logps"]))[1])
+            rows.append(i)
+            decoding[i] = False
+        step(rows, texts)
+    new = top()
+    learners = [pool._learners(meta) for meta in metas]
+    groups = [[seats[k // g] for k in own[::g]] for own, seats in zip(learners, seat_rows)]
+    done_places = lambda: sum(pool.completed_at[j] >= 0 for j in places)  # noqa: E731
+    result = lambda: run.result(time_env[0])  # noqa: E731
+    if done_places() >= pool.num_prompts or not decoding.any():
+        return result(), groups, (0, 0), 0, 0
+    first = np.repeat(np.asarray(run.p_tok)[:, -1], g)
+    draw = pool._draw_ids(places)
+    mine = np.zeros(r, bool)   # the policy's rows; the others the opponent's
+    mine[np.concatenate([n * per + own for n, own in enumerate(learners)])] = True
+    engines = [_SeatEngine(pool, run, lim, np.flatnonzero(mine), policy, frozen=False,
+                           weights=weights)]
+    if pool.opponent is not None:
+        side = selfplay.opponent_side(pool.opponent, (), g, ro.top_k, ro.top_p)
+        engines.append(_SeatEngine(pool, run, lim, np.flatnonzero(~mine), side, True))
+    owner = [engines[0] if m else engines[-1] for m in mine]
+    in_cache = np.zeros(r, bool)   # the slot's cache holds the row's trajectory
+    on_slot = np.zeros(r, bool)
+    busy = steps_run = drawn = 0
+
+    def feed(new) -> None:
+        """Puts each row now to move on its engine's slot: its new observation after the
+        trajectory in the slot's cache, else the whole trajectory so far."""
+        for i, before, obs in new + [(int(i), None, None) for i in
+                                     np.flatnonzero(decoding & ~on_slot)]:
+            if on_slot[i]:
+                continue
+            e = owner[i]
+            opts = dict(row=e.slot[i], turn=run.envs[i].match.plies, draw=int(draw[i]),
+                        budget=min(run.n, run.m_max - int(run.length[i])))
+            if in_cache[i]:
+                ee.resume(e.state, e.slot[i], lead=int(run.carry[i]), observation=obs,
+                          cursor=before, **opts)
+            else:
+                ee.resume(e.state, e.slot[i], lead=int(first[i]), cursor=0,
+                          observation=run.tokens[i, :run.length[i]], **opts)
+            set_slot_temperatures(e.state, e.slot[i], run.turn_temperatures([i]))
+            on_slot[i] = True
+
+    while done_places() < pool.num_prompts:
+        moved = False
+        for e in engines:   # a decode chunk of each engine in turn
+            feed(new)
+            new = []
+            if not e.state["live"].any():
+                continue
+            moved = True
+            before_cursor = e.state["cursor"].copy()
+            e.cache, e.state, ran = e.run_chunk(e.cache, e.state)
+            pool.clock += 1
+            busy += int((e.state["cursor"] - before_cursor).sum())
+            steps_run += len(e.rows) * ran
+            slots = np.flatnonzero(on_slot[e.rows] & ~e.state["live"])
+            ended = e.rows[slots]
+            on_slot[ended], decoding[ended], in_cache[ended] = False, False, True
+            texts = []
+            for k, i in zip(slots, ended):
+                (n, row), t = divmod(int(i), per), int(e.state["t"][k])
+                j = places[n]
+                kept, text = run.turn_ended(i, e.state["tokens"][k, :t].tolist(),
+                                            e.state["logps"][k])
+                pool._record_turn(j, row, e.state["tokens"][k, :kept],
+                                  e.state["logps"][k, :kept], frozen=e.frozen,
+                                  versions=None if weights is None else e.chunks.drawn[k])
+                pool.moves[j].append([pool.clock, row, len(pool.turns[j][row]) - 1])
+                texts.append(text)
+                drawn += t
+            if len(ended):
+                step(ended, texts)
+            new = top()
+            if done_places() >= pool.num_prompts:
+                break
+        if not moved:
+            break
+    live = sum(int(e.state["t"][on_slot[e.rows]].sum()) for e in engines)
+    return result(), groups, (busy, steps_run), drawn + live, engines[0].chunks.swaps
+
+
+class _SeatEngine:
+    """One model's rows of the places' matches on an episode engine of its own (its pages,
+    slot cache, parameters and sampling: ``side``): slot k holds row ``rows[k]`` for its whole
+    match, its page its group's prompt. ``frozen``: a checkpoint opponent's engine, whose
+    turns record no version (never stale, never trained)."""
+
+    def __init__(self, pool, run, lim, rows: np.ndarray, side, frozen: bool, weights=None):
+        groups = rows[::pool.g] // pool.g   # a group's G rows are all one model's
+        self.rows, self.frozen = rows, bool(frozen)
+        self.slot = {int(i): k for k, i in enumerate(rows)}
+        self.cache, self.state, self.run_chunk, self.chunks = pool._engine_setup(
+            lim, np.asarray(run.p_tok)[groups], np.asarray(run.p_mask)[groups], side.params,
+            len(rows), side, weights)
+        self.state["row"][:] = np.arange(len(rows))
+
+
+def set_slot_temperatures(state: dict, slot: int, temps) -> None:
+    """With a temperature schedule (the engine's ``temp``): the temperatures [1, N] of the
+    turn starting on ``slot``."""
+    if "temp" in state and temps is not None:
+        state["temp"][slot] = temps[0]
