@@ -540,6 +540,48 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
     assert np.ptp(np.bincount(seen[1][2])[:2]) > 0   # the posteriors sized the second step
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_knapsack_with_partial_episodes_resumes_exactly(reward_file, tmp_path, asynchronous):
+    """Partial rollouts of tool episodes: a place holds room for max_samples = G episodes and
+    plays the first G_i the knapsack gave its example at admission; an iteration trains on
+    the first P groups to complete (carried at turn boundaries), whatever their sizes, and
+    resumes exactly with groups in flight. ``asynchronous``: the batch of step k is drawn by
+    version k - 1, which its tokens record (the pool takes the sampler's version)."""
+    from rljax.train.methods.episode_partial import EpisodePartialRounds
+
+    played = []   # per round: its group sizes and its episodes' turns
+    subset = EpisodePartialRounds.sample_round
+
+    def spy(self, rollout, params, rng=None):
+        rnd = subset(self, rollout, params, rng)
+        played.append((rnd["group_sizes"], rnd["turns"]))
+        assert not any(self.turns[j][k] for j in np.flatnonzero(self.serial >= 0)
+                       for k in range(self.sizes[j], self.rows))   # rows past a size: unplayed
+        return rnd
+    cfg = tiny_cfg(reward_file, **{
+        "rollout.batch_size": 8, "rollout.knapsack.budget": 7,
+        "rollout.knapsack.max_samples": 4, "env.name": "tool", "env.tools": ("calculator",),
+        "env.tool_format": "plain", "env.max_turns": 2, "env.max_total_tokens": 28,
+        "env.max_obs_tokens": 8, "env.max_turn_tokens": 8, "data.max_prompt_length": 16,
+        "rollout.engine": "slots", "rollout.slots": 4, "rollout.partial": True,
+        "rollout.max_staleness": 2, "algo.asynchronous": asynchronous})
+    cfg.env.kwargs = {"describe_tools": False}
+    cfg.data.kwargs = {"digits": 1, "eval_examples": 2, "num_examples": 2}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EpisodePartialRounds, "sample_round", spy)
+        records = phase_resumes_exactly(cfg, tmp_path, steps=3, saved_after=2)
+    assert all(r["rollout/group_size_mean"] == 3.5 and r["rollout/carried_groups"] == 2
+               and "env/turns_mean" in r and np.isfinite(r["loss"]) for r in records)
+    for sizes, turns in played:   # every episode of a group of G_i played a turn
+        assert sorted(sizes.tolist()) == [3, 4] and len(turns) == 7 and (turns >= 1).all()
+    if not asynchronous:   # carried episodes' turns a version old
+        assert records[1]["rollout/staleness_max"] >= 1
+    else:   # step 1's tokens all drawn by version 0; step 2's carried ones too
+        assert records[1]["rollout/sample_version"] == 0
+        assert records[1]["rollout/staleness_mean"] == 1.0
+        assert records[2]["rollout/staleness_max"] == 2
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path, tree):
     """Partial rollouts: the pool's groups are sized by the knapsack when their prompts are
@@ -580,7 +622,8 @@ def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path, t
     (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots"],
      "rollout.knapsack.max_samples=16: with rollout.partial"),
     (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots",
-      "env.name=tool", "rollout.knapsack.max_samples=4"], "cannot be combined with env.name"),
+      "env.name=tictactoe", "env.selfplay.mode=checkpoint", "env.selfplay.workdir=/x",
+      "rollout.knapsack.max_samples=4"], "env.selfplay.mode='checkpoint'"),
     # (no meaning: the seats of a match share its rows, and their outcomes are one another's)
     (["rollout.allocation=knapsack", "env.name=tictactoe", "env.selfplay.mode=self"],
      "env.selfplay.mode='self'"),

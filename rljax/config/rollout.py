@@ -175,7 +175,8 @@ def check_allocation(cfg) -> None:
     ReLIFT, mixed-policy demonstrations and group filters (dynamic sampling, the online
     filter) act on each group, whatever its size; with multi-turn episodes a group is G_i
     episodes (not in self-play, where the seats of a match share its rows), with tree
-    sampling whole trees (``knapsack_step``)."""
+    sampling whole trees (``knapsack_step``), with partial rollouts of either carried
+    groups of those sizes."""
     r, a = cfg.rollout, cfg.algo
     if r.allocation == "uniform":
         return
@@ -192,9 +193,10 @@ def check_allocation(cfg) -> None:
         raise ConfigError("rollout.allocation='knapsack' has no meaning with "
                           "env.selfplay.mode='self': a match gives every seat one row, and one "
                           "seat's win is another's loss, so a game has no pass rate to size by")
-    if r.partial and cfg.env.name:
+    if r.partial and cfg.env.selfplay.mode == "checkpoint":
         raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
-                          "with env.name (carried episodes come in groups of G)")
+                          "with env.selfplay.mode='checkpoint' (carried matches come in groups "
+                          "of G)")
     budget, lo, hi = knapsack_limits(cfg)
     prompts = r.batch_size // a.num_generations
     if budget > r.batch_size:

@@ -24,6 +24,8 @@ is refused: a match gives each seat one row, and the seats' outcomes are one ano
 
 Partial rollouts (``rollout.partial``): ``KnapsackPartialRounds`` sizes the pool's groups
 when their prompt batch is admitted; the round of the first P to complete carries their sizes.
+With episodes the pool is ``episode_partial.EpisodePartialRounds`` (a place holds room for
+``max_samples`` episodes and plays the first G_i), carried at turn boundaries.
 
 Tree sampling (``rollout.tree.enabled``): the configured tree's subtree below one root
 (``branching**depth`` leaves) is the unit; the knapsack sizes groups in multiples of it
@@ -51,6 +53,7 @@ from rljax.train.core.partial import PartialRounds
 from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
 from rljax.train.core.sampler import generate, rebucket_routes, sampler_kind
 from rljax.train.methods import agent
+from rljax.train.methods.episode_partial import EpisodePartialRounds
 
 
 class KnapsackRounds(RoundSource):
@@ -238,7 +241,18 @@ class KnapsackPartialRounds(KnapsackRounds):
 
     def __init__(self, ctx, num_prompts: int):
         super().__init__(ctx)
-        self.partial = PartialRounds(ctx, num_prompts, sizes_of=self._sizes, rows=self.hi)
+        # Multi-turn episodes: the groups of episodes carried at turn boundaries.
+        pool = EpisodePartialRounds if self.episodes is not None else PartialRounds
+        self.partial = pool(ctx, num_prompts, sizes_of=self._sizes, rows=self.hi)
+
+    @property
+    def params_version(self) -> int | None:
+        """Asynchronous RL: the version of the parameters the pool draws with (the pool's)."""
+        return self.partial.params_version
+
+    @params_version.setter
+    def params_version(self, version: int | None) -> None:
+        self.partial.params_version = version
 
     def _sizes(self, rollout, indices) -> np.ndarray:
         """int [P]: the knapsack's sizes of a prompt batch being admitted."""

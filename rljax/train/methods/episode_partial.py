@@ -76,14 +76,17 @@ class EpisodePartialRounds(agent.EpisodeRounds):
     iterations. A place holds one example: a group of G episodes, or with self-play the G
     matches of a game (``seats x G`` rows sharing the matches, a group per seat; against a
     checkpoint the example's seat's group trains, the opponent's rows are played and
-    carried only)."""
+    carried only). Groups of their own sizes (knapsack allocation): ``sizes_of(rollout,
+    indices) -> int [P]`` sizes each admitted batch, a place holding room for ``rows``
+    episodes and playing its first ``size``; the round carries ``group_sizes``."""
 
-    def __init__(self, ctx, num_prompts: int):
+    def __init__(self, ctx, num_prompts: int, sizes_of=None, rows: int = 0):
         super().__init__(ctx)
         if dist.is_multiprocess():
             raise UserError("rollout.partial=true runs in a single process for now; use "
                             "rollout.partial=false on several hosts")
-        self.g = int(ctx.cfg.algo.num_generations)
+        self.g = int(rows or ctx.cfg.algo.num_generations)   # a group's rows at most
+        self.sizes_of = sizes_of
         self.seats, self.num_prompts = 1, int(num_prompts)   # examples a round takes
         if self.selfplay:
             from rljax.envs import board_games
@@ -98,6 +101,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.completed_at = np.full(c, -1, np.int64)  # engine chunk the place completed in
         self.metas: list = [None] * c
         self.indices = np.full(c, -1, np.int64)       # dataset index (prompt selection)
+        self.sizes = np.full(c, self.g, np.int64)     # each group's episodes (<= g)
         # Per place, per row: the finished turns, {"ids", "logps", "version"}; with self-play
         # also the order the match steps went in, [chunk, row, turn] per step (replayed in it).
         self.turns: list[list[list[dict]]] = [self._empty() for _ in range(c)]
@@ -111,13 +115,18 @@ class EpisodePartialRounds(agent.EpisodeRounds):
     def _empty(self) -> list:
         return [[] for _ in range(self.rows)]
 
-    def _learners(self, meta) -> np.ndarray:
-        """int [G or rows]: the rows of a place that train (a checkpoint opponent's places:
-        the example's seat's G rows)."""
+    def _learners(self, j: int) -> np.ndarray:
+        """int [G or rows]: the rows of place ``j`` that train (a checkpoint opponent's
+        places: the example's seat's G rows; groups of their own sizes: the first ``size``)."""
         if self.opponent is None:
-            return np.arange(self.rows)
+            return np.arange(self.rows if self.sizes_of is None else self.sizes[j])
         from rljax.train.methods import selfplay
-        return selfplay.seat_of(self._game, meta) * self.g + np.arange(self.g)
+        return selfplay.seat_of(self._game, self.metas[j]) * self.g + np.arange(self.sizes[j])
+
+    def _unused(self, places) -> np.ndarray:
+        """bool [len(places) * rows]: the rows past their group's size (never played)."""
+        return (np.arange(self.rows)[None, :] % self.g
+                >= self.sizes[np.asarray(places, np.int64)][:, None]).reshape(-1)
 
     def _clear(self, j: int) -> None:
         self.turns[j], self.moves[j], self.completed_at[j] = self._empty(), [], -1
@@ -139,10 +148,12 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         is keyed by each place's admission (module docstring)."""
         while self.free >= self.num_prompts:   # the first iteration fills both batches
             new = next(rollout.iterator)
-            for j, ex, index in zip(np.flatnonzero(self.serial < 0), new,
-                                    drawn_indices(rollout.iterator, len(new))):
+            indices = drawn_indices(rollout.iterator, len(new))
+            sizes = ([self.g] * len(new) if self.sizes_of is None
+                     else self.sizes_of(rollout, indices))
+            for j, ex, index, size in zip(np.flatnonzero(self.serial < 0), new, indices, sizes):
                 self.serial[j], self.next_serial = self.next_serial, self.next_serial + 1
-                self.metas[j], self.indices[j] = ex, index
+                self.metas[j], self.indices[j], self.sizes[j] = ex, index, size
                 self._clear(j)
         t0 = time.perf_counter()
         dropped = self._drop_stale()
@@ -158,7 +169,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         taken = sorted((j for j in places if self.completed_at[j] >= 0),
                        key=lambda j: (self.completed_at[j], self.serial[j]))[:self.num_prompts]
         at = {j: k for k, j in enumerate(places)}
-        learners = {j: self._learners(self.metas[j]) for j in taken}
+        learners = {j: self._learners(j) for j in taken}
         rows = np.concatenate([at[j] * self.rows + learners[j] for j in taken])
         eps = dict(_subset(eps, rows), slot_steps=slot_steps)
         versions = np.full(eps["tokens"].shape, -1, np.int64)
@@ -172,8 +183,15 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             self._clear(j)
         self._drawn.append(dict(versions=versions[eps["model_mask"]], dropped=dropped,
                                 drawn=drawn, swaps=swaps))
-        return dict(self.scored_round(rollout, eps, examples, time.perf_counter() - t0),
-                    indices=indices)
+        if self.sizes_of is None:
+            return dict(self.scored_round(rollout, eps, examples, time.perf_counter() - t0),
+                        indices=indices)
+        # Groups of their own sizes (one a place): every row with its example, as the
+        # knapsack's rounds are scored.
+        sizes = np.asarray([len(learners[j]) for j in taken], np.int64)
+        rows_examples = [ex for ex, k in zip(examples, sizes) for _ in range(k)]
+        return dict(self.scored_round(rollout, eps, rows_examples, time.perf_counter() - t0,
+                                      g=1), indices=indices, group_sizes=sizes)
 
     def _drop_stale(self) -> int:
         """Restarts every place holding a turn of its learner rows more than the bound older
@@ -182,7 +200,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         bound = int(self.ctx.cfg.rollout.max_staleness) - (self._step - self._version)
         dropped = 0
         for j in np.flatnonzero(self.serial >= 0):
-            own = [self.turns[j][k] for k in self._learners(self.metas[j])]
+            own = [self.turns[j][k] for k in self._learners(j)]
             oldest = min((t["version"] for s in own for t in s), default=self._version)
             if self._version - oldest > bound:
                 dropped += sum(1 for s in own if s)
@@ -245,6 +263,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         cfg, g = self.ctx.cfg, self.g
         envs = agent.make_envs(cfg, [self.metas[j] for j in places], g)
         record, finished, prompts, prompt_ids, p_tok, p_mask = self._rebuild(envs, places)
+        finished |= self._unused(places)   # (rows past a group's size: never played)
         eps = lambda: dict(record.result(prompts, prompt_ids, p_tok.shape[1]),  # noqa: E731
                            roles=np.array([getattr(e, "role_key", -1) for e in envs], np.int32))
         groups = [[self.metas[j]] for j in places]
@@ -319,8 +338,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         swaps = {"rollout/weight_swaps": sum(d["swaps"] for d in self._drawn)} \
             if self.ctx.cfg.algo.get("inflight_updates") else {}
         return {**super().metrics(rounds, step), **swaps,
-                **carried_metrics(self._drawn, step, sum(
-                    len(self._learners(self.metas[j])) // self.g
+                **carried_metrics(self._drawn, step, sum(   # (a group of its own size: one)
+                    -(-len(self._learners(j)) // self.g)
                     for j in np.flatnonzero(self.serial >= 0)))}
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -330,7 +349,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         float32 values, exact through JSON's float64) and, with self-play, their order."""
         return json.loads(json.dumps(dict(
             serial=self.serial.tolist(), completed_at=self.completed_at.tolist(),
-            metas=self.metas, indices=self.indices.tolist(), turns=self.turns, moves=self.moves,
+            metas=self.metas, indices=self.indices.tolist(), sizes=self.sizes.tolist(),
+            turns=self.turns, moves=self.moves,
             next_serial=self.next_serial, clock=self.clock), default=json_field))
 
     def load_state_dict(self, state: dict) -> None:
@@ -341,6 +361,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.completed_at = np.asarray(state["completed_at"], np.int64)
         self.metas = list(from_json_field(state["metas"]))
         self.indices[:] = state.get("indices", -1)   # (a checkpoint from before they were kept)
+        self.sizes[:] = state.get("sizes", self.g)   # (saved before groups had sizes: all G)
         self.turns, self.moves = state["turns"], state["moves"]
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
 

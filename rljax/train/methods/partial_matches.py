@@ -71,7 +71,7 @@ def play_matches(pool, params, places, weights=None):
             decoding[i] = False
         step(rows, texts)
     new = top()
-    learners = [pool._learners(meta) for meta in metas]
+    learners = [pool._learners(j) for j in places]
     groups = [[seats[k // g] for k in own[::g]] for own, seats in zip(learners, seat_rows)]
     done_places = lambda: sum(pool.completed_at[j] >= 0 for j in places)  # noqa: E731
     result = lambda: run.result(time_env[0])  # noqa: E731
