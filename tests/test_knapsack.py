@@ -621,9 +621,6 @@ def test_knapsack_with_partial_rollouts_resumes_exactly(reward_file, tmp_path, t
      "whole trees of 4 leaves"),
     (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots"],
      "rollout.knapsack.max_samples=16: with rollout.partial"),
-    (["rollout.allocation=knapsack", "rollout.partial=true", "rollout.engine=slots",
-      "env.name=tictactoe", "env.selfplay.mode=checkpoint", "env.selfplay.workdir=/x",
-      "rollout.knapsack.max_samples=4"], "env.selfplay.mode='checkpoint'"),
     # (no meaning: the seats of a match share its rows, and their outcomes are one another's)
     (["rollout.allocation=knapsack", "env.name=tictactoe", "env.selfplay.mode=self"],
      "env.selfplay.mode='self'"),

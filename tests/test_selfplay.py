@@ -467,6 +467,42 @@ def test_checkpoint_opponent_with_partial_rollouts_resumes_exactly(rae_run, tmp_
     np.testing.assert_array_equal(_baseline(resumed)[0], baseline)
 
 
+def test_checkpoint_opponent_with_knapsack_partial_rollouts_trains(rae_run, tmp_path,
+                                                                   lowest_cell, monkeypatch):
+    """Knapsack allocation with partial rollouts against a checkpoint opponent: a place holds
+    room for max_samples = G matches of its game and plays the first G_i the knapsack gave
+    it (both seats' rows of those; the others never move), carried mid-game; the example's
+    seat's G_i rows train as its group."""
+    from rljax.train.methods.episode_partial import EpisodePartialRounds
+    unplayed, taken = [], []   # per round: turns of rows past a size; the round's sizes
+    sample_round = EpisodePartialRounds.sample_round
+
+    def spy(self, rollout, params, rng=None):
+        rnd = sample_round(self, rollout, params, rng)
+        taken.append(rnd["group_sizes"])
+        unplayed.append(sum(len(self.turns[j][k]) for j in np.flatnonzero(self.serial >= 0)
+                            for k in range(self.rows) if k % self.g >= self.sizes[j]))
+        return rnd
+    monkeypatch.setattr(EpisodePartialRounds, "sample_round", spy)
+    cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
+                     "env.selfplay.temperature": 1.0, "rollout.engine": "slots",
+                     "rollout.partial": True, "rollout.chunk_steps": 2,
+                     "rollout.max_new_tokens": 2, "rollout.max_staleness": 1,
+                     "rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 1,
+                     "rollout.knapsack.max_samples": 2, "rollout.knapsack.budget": 6})
+    ctx, phase, state = _phase(cfg, tmp_path)
+    records = []
+    for step in range(2):
+        state, metrics = phase.iteration(state, step)
+        records.append(metrics)
+    sizes = np.concatenate(taken)   # the first 4 to complete, of batches of 6 in room for 8
+    assert set(sizes.tolist()) == {1, 2} and len(sizes) == 8
+    assert unplayed and not any(unplayed)
+    assert all(np.isfinite(r["loss"]) and r["env/plies_mean"] == 7
+               and r["rollout/carried_groups"] == 4 for r in records)
+    assert records[1]["rollout/staleness_max"] == 1   # carried mid-game
+
+
 def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tmp_path):
     """Scripted and checkpoint opponents: every game is a win, draw, loss or the opponent's
     forfeit; rates come with their Wilson intervals."""

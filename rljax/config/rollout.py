@@ -193,10 +193,6 @@ def check_allocation(cfg) -> None:
         raise ConfigError("rollout.allocation='knapsack' has no meaning with "
                           "env.selfplay.mode='self': a match gives every seat one row, and one "
                           "seat's win is another's loss, so a game has no pass rate to size by")
-    if r.partial and cfg.env.selfplay.mode == "checkpoint":
-        raise ConfigError("rollout.allocation='knapsack' with rollout.partial cannot be combined "
-                          "with env.selfplay.mode='checkpoint' (carried matches come in groups "
-                          "of G)")
     budget, lo, hi = knapsack_limits(cfg)
     prompts = r.batch_size // a.num_generations
     if budget > r.batch_size:

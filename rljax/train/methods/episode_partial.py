@@ -78,7 +78,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
     checkpoint the example's seat's group trains, the opponent's rows are played and
     carried only). Groups of their own sizes (knapsack allocation): ``sizes_of(rollout,
     indices) -> int [P]`` sizes each admitted batch, a place holding room for ``rows``
-    episodes and playing its first ``size``; the round carries ``group_sizes``."""
+    episodes (against a checkpoint: matches, every seat's rows) and playing its first
+    ``size``; the round carries ``group_sizes``."""
 
     def __init__(self, ctx, num_prompts: int, sizes_of=None, rows: int = 0):
         super().__init__(ctx)

@@ -36,6 +36,7 @@ def play_matches(pool, params, places, weights=None):
                            pool.ctx.mesh)
     r = len(envs)
     decoding = np.zeros(r, bool)   # to move: observed, its turn not ended
+    run.active[pool._unused(places)] = False   # matches past a group's size: never played
     time_env = [0.0]
 
     def top() -> list:
@@ -79,8 +80,10 @@ def play_matches(pool, params, places, weights=None):
         return result(), groups, (0, 0), 0, 0
     first = np.repeat(np.asarray(run.p_tok)[:, -1], g)
     draw = pool._draw_ids(places)
-    mine = np.zeros(r, bool)   # the policy's rows; the others the opponent's
-    mine[np.concatenate([n * per + own for n, own in enumerate(learners)])] = True
+    mine = np.zeros(r, bool)   # the policy's rows (whole groups: an engine's page is a
+    # group's prompt); the others the opponent's
+    mine[np.concatenate([(n * per + own[::g] // g * g)[:, None] + np.arange(g)
+                         for n, own in enumerate(learners)]).reshape(-1)] = True
     engines = [_SeatEngine(pool, run, lim, np.flatnonzero(mine), policy, frozen=False,
                            weights=weights)]
     if pool.opponent is not None:
