@@ -103,18 +103,17 @@ def check_images(cfg) -> None:
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
-    if cfg.rollout.partial:
-        raise ConfigError(f"rollout.partial=true: {what} is not supported yet (carried episodes "
-                          "do not keep their images); set rollout.partial=false")
-    if cfg.algo.adv_estimator == "vineppo":
-        raise ConfigError(f"algo.adv_estimator='vineppo': {what} is not supported yet (the "
-                          "episode forks do not carry images); use 'grpo' or PPO")
-    if cfg.env.selfplay.mode != "off":
-        raise ConfigError(f"env.selfplay.mode={cfg.env.selfplay.mode!r}: {what} is not "
-                          "supported (a board game's matches have no images)")
-    if cfg.sft.env_traces:
-        raise ConfigError(f"sft.env_traces=true: {what} is not supported yet (the scripted "
-                          "episodes' rows do not carry images); set sft.env_traces=false")
-    if cfg.rollout.allocation == "knapsack":
-        raise ConfigError(f"rollout.allocation='knapsack': {what} is not supported yet (its "
-                          "groups of episodes do not carry images); use 'uniform'")
+    r, mode = cfg.rollout, cfg.env.selfplay.mode
+    for key, on, why in (
+            ("rollout.partial=true", r.partial, "yet (carried episodes do not keep their "
+             "images); set rollout.partial=false"),
+            ("algo.adv_estimator='vineppo'", cfg.algo.adv_estimator == "vineppo",
+             "yet (the episode forks do not carry images); use 'grpo' or PPO"),
+            (f"env.selfplay.mode={mode!r}", mode != "off",
+             "(a board game's matches have no images)"),
+            ("sft.env_traces=true", cfg.sft.env_traces, "yet (the scripted episodes' rows do "
+             "not carry images); set sft.env_traces=false"),
+            ("rollout.allocation='knapsack'", r.allocation == "knapsack", "yet (its groups of "
+             "episodes do not carry images); use 'uniform'")):
+        if on:
+            raise ConfigError(f"{key}: {what} is not supported {why}")
