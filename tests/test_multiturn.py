@@ -100,7 +100,8 @@ def char_model():
     return tok, cfg, params
 
 
-def _run(char_model, seed=1, chat=False, engine=None, record_routes=False, **kw):
+def _run(char_model, seed=1, chat=False, engine=None, record_routes=False, first_turn=None,
+         **kw):
     tok, cfg, params = char_model
     envs = [CountingEnv({"q": q}) for q in ["12*3=", "7+8=", "90="] for _ in range(4)]
     limits = episodes.EpisodeLimits(**dict(dict(turn_tokens=8, chunk_tokens=12, max_turns=3,
@@ -108,7 +109,7 @@ def _run(char_model, seed=1, chat=False, engine=None, record_routes=False, **kw)
     return episodes.run_episodes(cfg, params, tok, envs, limits=limits,
                                  renderer=episodes.Renderer(tok, chat=chat, call_end="</c>"),
                                  rng=jax.random.key(seed), num_samples=4, engine=engine,
-                                 record_routes=record_routes)
+                                 record_routes=record_routes, first_turn=first_turn)
 
 
 def test_episodes_logps_masks_and_cuts(char_model):
@@ -241,3 +242,24 @@ def test_engine_episodes_equal_static(char_model, slots, chunk_steps):
     assert ref["turns"].max() >= 2 and out["transcripts"] == ref["transcripts"]
     busy, run = out["slot_steps"]
     assert 0 < busy <= run
+
+
+def test_engine_episodes_resume_after_given_first_turns(char_model):
+    """``first_turn`` (tree rollouts' leaves): every row's first turn given, the engine feeds
+    each trajectory on a slot and plays the later turns; given the first turns the straight
+    run sampled, the episodes equal it (a row's later turns draw the same noise)."""
+    ref = _run(char_model, seed=6)
+    first = np.where(ref["turn_ids"] == 0, ref["tokens"], 0)
+    lengths = (ref["turn_ids"] == 0).sum(1)
+    given = lambda p_tok, p_mask: (first, np.where(ref["turn_ids"] == 0, ref["logps"], 0),  # noqa
+                                   lengths)
+    out = _run(char_model, seed=6, engine=episodes.EngineOptions(slots=5, chunk_steps=3),
+               first_turn=given)
+    for k in ("tokens", "mask", "model_mask", "turn_ids", "turns", "env_rewards", "truncated"):
+        np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
+    np.testing.assert_allclose(out["logps"], ref["logps"], atol=2e-5, rtol=0)
+    assert ref["turns"].max() >= 2 and out["slot_steps"][0] > 0
+    # Under another seed the given first turns are still the episodes' first turns.
+    other = _run(char_model, seed=7, engine=episodes.EngineOptions(slots=5, chunk_steps=3),
+                 first_turn=given)
+    np.testing.assert_array_equal(np.where(other["turn_ids"] == 0, other["tokens"], 0), first)

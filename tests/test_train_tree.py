@@ -125,6 +125,57 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
     assert all(r["rollout/decoded_tokens"] < r["rollout/tokens"] for r in rl)   # trees
 
 
+# Episodes: the tree forks within the first model turn, each leaf is played on on the engine.
+EPISODES = {"env.name": "tool", "env.tools": ("calculator",), "env.tool_format": "plain",
+            "env.max_turns": 2, "env.max_total_tokens": 28, "env.max_obs_tokens": 8,
+            "env.max_turn_tokens": 8, "data.max_prompt_length": 16}
+
+
+@pytest.mark.parametrize("engine", ["static", "slots"])
+def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, engine):
+    """rollout.tree with env.name: each group's first turns are one tree's leaves (they share
+    the tree's first segment, pairs its second; grown by the static tree sampler or on the
+    slot engine), later turns are played on per episode on the episode engine, and treepo
+    trains on the leaves' episode rewards."""
+    from rljax.train.core import episodes
+
+    played, real = [], episodes.run_episodes
+
+    def recording(*args, **kw):
+        played.append(out := real(*args, **kw))
+        return out
+
+    monkeypatch.setattr(episodes, "run_episodes", recording)
+    cfg = tiny_cfg(**EPISODES, **{"steps": 2, "algo.adv_estimator": "treepo",
+                                  "rollout.engine": engine, "rollout.slots": 3})
+    cfg.env.kwargs = {"describe_tools": False}
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+    eps = [e for e in played if len(e["tokens"]) == 16]
+    assert len(eps) == 2
+    for e in eps:
+        first = np.where(e["turn_ids"] == 0, e["tokens"], -1)[:, :2].reshape(4, 4, 2)
+        assert (first[:, :, 0] == first[:, :1, 0]).all()          # one root segment per tree
+        assert (first[:, ::2, 1] == first[:, 1::2, 1]).all()      # forked in pairs after it
+        assert (e["turns"] >= 1).all() and e["model_tokens"].min() >= 1
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"env.name": "tictactoe", "env.selfplay.mode": "self"}, "env.selfplay.mode"),
+    ({"rollout.partial": True, "rollout.engine": "slots"}, "rollout.partial"),
+    ({"rollout.allocation": "knapsack"}, "rollout.allocation='knapsack'"),
+    ({"algo.routing_replay": True,
+      "model.overrides": {"num_experts": 4, "num_experts_per_tok": 2}}, "algo.routing_replay"),
+    ({"algo.asynchronous": True, "algo.inflight_updates": True, "rollout.engine": "slots"},
+     "algo.inflight_updates"),
+])
+def test_tree_of_episodes_refuses_what_it_cannot_do(overrides, key):
+    with pytest.raises(ConfigError, match="rollout.tree.enabled=true with env.name cannot be "
+                                          f"combined with {key}"):
+        tiny_cfg(**{**EPISODES, **overrides})
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"rollout.tree.max_leaves": 8}, "rollout.tree.max_leaves=8 must equal "
                                      "algo.num_generations=4"),
@@ -133,6 +184,8 @@ def test_tree_rollouts_sampled_ahead_train_and_resume_exactly(tmp_path):
     ({"rollout.tree.roots": 3}, "rollout.tree.max_leaves=4 is not reachable"),
     ({"rollout.tree.branching": 0}, "rollout.tree.branching=0 must be >= 1"),
     ({"rollout.tree.segment_tokens": 2}, "rollout.tree.segment_tokens=2: 2 forks"),
+    ({**EPISODES, "rollout.tree.segment_tokens": 4, "rollout.max_new_tokens": 16},
+     "4 tokens must be < env.max_turn_tokens=8"),   # episodes: a tree of first turns
     ({"rollout.tree.enabled": False, "algo.adv_estimator": "treepo"},
      "set rollout.tree.enabled=true"),
     ({"algo.adv_estimator": "rover", "algo.kl_in_reward": True, "algo.beta": 0.1},

@@ -114,6 +114,8 @@ def check_images(cfg) -> None:
             ("sft.env_traces=true", cfg.sft.env_traces, "yet (the scripted episodes' rows do "
              "not carry images); set sft.env_traces=false"),
             ("rollout.allocation='knapsack'", r.allocation == "knapsack", "yet (its groups of "
-             "episodes do not carry images); use 'uniform'")):
+             "episodes do not carry images); use 'uniform'"),
+            ("rollout.tree.enabled=true", r.tree.enabled, "yet (the tree of first turns does "
+             "not prefill the images)")):
         if on:
             raise ConfigError(f"{key}: {what} is not supported {why}")

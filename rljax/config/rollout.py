@@ -223,13 +223,13 @@ def check_tree(cfg) -> None:
                           "set rollout.tree.enabled=true")
     if not tree.enabled:
         return
-    # Episodes sample their own way; the tree samplers, static or on the slot engine, do not.
-    # (Partial rollouts carry whole trees: ``sampling.tree_partial``. In-flight weights enter
+    # With episodes the tree forks within the first model turn, and each leaf plays on as an
+    # episode (``train.methods.tree_episodes``). (Partial rollouts carry whole trees: ``sampling.tree_partial``. In-flight weights enter
     # the slot engine's tree between its levels and decode chunks: check_async asks for the
     # slot engine. Hints re-sample a failed group as a new tree grown from the hinted prompt;
     # a temperature schedule reaches each segment at its completion positions.)
-    if cfg.env.name:
-        raise ConfigError("rollout.tree.enabled=true cannot be combined with env.name")
+    if cfg.env.name:   # the tree forks within the first turn (train.methods.tree_episodes)
+        _check_tree_episodes(cfg)
     if algo.name not in ("grpo", "distill", "ppo"):   # (distillation: the teacher scores the
         # leaves; PPO: the critic values them)
         raise ConfigError(f"rollout.tree.enabled=true needs algo.name='grpo', 'distill' or "
@@ -243,12 +243,34 @@ def check_tree(cfg) -> None:
     if depth is None:
         raise ConfigError(f"rollout.tree.max_leaves={leaves} is not reachable: it must be "
                           f"rollout.tree.roots={r} * rollout.tree.branching={k} ** depth")
-    if depth * tree.segment_tokens >= cfg.rollout.max_new_tokens:
+    # With episodes the tree is of first turns: the per-turn cap (``agent.turn_tokens``).
+    room = ("env.max_turn_tokens", cfg.env.max_turn_tokens) if (
+        cfg.env.name and cfg.env.max_turn_tokens) else ("rollout.max_new_tokens",
+                                                        cfg.rollout.max_new_tokens)
+    if depth * tree.segment_tokens >= room[1]:
         raise ConfigError(f"rollout.tree.segment_tokens={tree.segment_tokens}: {depth} forks "
-                          f"* {tree.segment_tokens} tokens must be < rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens} (the leaves need a segment)")
+                          f"* {tree.segment_tokens} tokens must be < {room[0]}={room[1]} "
+                          "(the leaves need a segment)")
     if algo.adv_estimator == "rover" and algo.kl_in_reward:
         raise ConfigError("algo.kl_in_reward=true is not supported with "
                           "algo.adv_estimator='rover' (tree values carry no per-token KL)")
     if algo.adv_estimator == "rover" and algo.gamma != 1.0:
         raise ConfigError(f"algo.gamma={algo.gamma} must be 1.0 with algo.adv_estimator='rover'")
+
+
+def _check_tree_episodes(cfg) -> None:
+    """Tree rollouts of episodes: the tree's leaves are first turns the episode engine plays
+    on one episode per slot, each alone, within one round."""
+    env, r, algo = cfg.env, cfg.rollout, cfg.algo
+    refused = [(env.selfplay.mode != "off", "env.selfplay.mode (a match's seats share rows)"),
+               (r.partial, "rollout.partial (carried episodes are not a tree's leaves)"),
+               (r.allocation == "knapsack",
+                "rollout.allocation='knapsack' (a prompt's group is one tree's leaves)"),
+               (bool(algo.routing_replay), "algo.routing_replay (the tree's routes and the "
+                "later turns' are not recorded together)"),
+               (bool(algo.inflight_updates), "algo.inflight_updates (the tree's first turns "
+                "are drawn by one version, the later turns' would not)")]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(f"rollout.tree.enabled=true with env.name cannot be combined "
+                              f"with {what}")

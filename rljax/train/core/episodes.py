@@ -144,6 +144,7 @@ class _Trajectories:
         self.versions = np.full((r, m), -1, np.int32)        # with in-flight weight updates
         self.length = np.zeros(r, np.int64)                  # trajectory tokens so far
         self.done = np.zeros(r, bool)                        # the environment ended it
+        self.live = np.ones(r, bool)                         # its next turn is to sample
         self.turns = np.zeros(r, np.int32)
         self.env_rewards = np.zeros(r, np.float32)
         self.turn_rewards = np.zeros((r, limits.max_turns), np.float32)
@@ -208,6 +209,7 @@ class _Trajectories:
             self.turn_rewards[i, turn_of[j]] = float(res.reward)
             _count(res.info, self.counters[i])
             observations.append(None)
+            self.live[i] = False
             if res.done:
                 self.done[i] = True
                 continue
@@ -219,7 +221,7 @@ class _Trajectories:
                 continue          # out of turns / chunk width / tokens: truncated
             self.tokens[i, self.length[i]:self.length[i] + len(ids)] = ids
             self.length[i] += len(ids)
-            observations[j] = ids
+            observations[j], self.live[i] = ids, True
         return kept, observations
 
     def replay(self, history: Sequence[Sequence[dict]]) -> np.ndarray:
@@ -319,7 +321,7 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                  weights: Callable[[], tuple[Any, int]] | None = None,
                  prefixes: Sequence[Sequence[int]] | None = None,
                  temperatures: np.ndarray | None = None, record_routes: bool = False,
-                 image_embeds: Any = None) -> dict:
+                 image_embeds: Any = None, first_turn: Callable | None = None) -> dict:
     """Runs ``len(envs)`` episodes together (prompt-major groups of ``num_samples`` rows: the
     G environments of a group must reset to the same messages, their prompt is prefilled once).
 
@@ -349,6 +351,9 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     ``image_embeds`` [B, K, D] (a model with a vision tower; B = groups): each group's prompt
     images, prefilled with its prompt once; every turn after attends to those keys/values, so
     each turn's tokens see the images as the training row's forward pass does.
+    ``first_turn(p_tok, p_mask) -> (tokens [R, N], logps [R, N], lengths [R])`` (with
+    ``engine``; ``tree_episodes``): every row's first turn, sampled elsewhere; the episodes
+    go on from their second turn, each resumed on a slot with its trajectory fed.
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
@@ -376,6 +381,9 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
                                mesh, options, record_routes, image_embeds)
         out = record.result(prompts, prompt_ids, p_tok.shape[1])
         return out if routes is None else dict(out, routes=routes)
+    if first_turn is not None:   # (its rows' first turns, recorded and stepped)
+        record.replay([[dict(ids=t[:n], logps=lp[:n])] for t, lp, n in zip(*first_turn(
+            p_tok, p_mask))])
     chunks = EngineWeights(params, weights)
     slot_steps, routes = _engine_turns(model_cfg, chunks, tokenizer, record, p_tok, p_mask, rng,
                                        g, engine, options, record_routes, image_embeds)
@@ -455,11 +463,13 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
         cache = ee.init_routes(model_cfg, cache)
         routes = np.zeros((r, p + lim.max_total_tokens) + cache["routes"].shape[2:], np.int32)
         routes[:, :p - 1] = np.repeat(np.asarray(jax.device_get(prompt_routes[0])), g, axis=0)
-    state = ee.empty_state(s, lim.chunk_tokens, lim.turn_tokens, tokenizer.pad_id)
+    # A row that played a turn already (``first_turn``) resumes with its trajectory fed.
+    state = ee.empty_state(s, lim.max_total_tokens if record.turns.any() else lim.chunk_tokens,
+                           lim.turn_tokens, tokenizer.pad_id)
     if record.schedule is not None:   # each slot's turn at its own temperatures
         state["temp"] = np.ones((s, lim.turn_tokens), np.float32)
     last_prompt_token = np.repeat(np.asarray(p_tok)[:, -1], g)
-    waiting = list(range(r))[::-1]          # episodes not started, next last
+    waiting = [i for i in range(r) if record.live[i]][::-1]   # not started, next last
     stop_ids = sampling.merge_stop_ids(tokenizer.eos_id, ())
     busy = run = 0
     while True:
@@ -467,7 +477,12 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
             if not waiting:
                 break
             i = waiting.pop()
-            ee.start(state, slot, i, int(last_prompt_token[i]), record.budget(i))
+            if record.turns[i]:
+                ee.resume(state, slot, row=i, lead=int(last_prompt_token[i]), cursor=0,
+                          observation=record.tokens[i, :record.length[i]],
+                          turn=int(record.turns[i]), budget=record.budget(i))
+            else:
+                ee.start(state, slot, i, int(last_prompt_token[i]), record.budget(i))
             _set_temperatures(state, slot, record, i)
         if not state["live"].any():
             break

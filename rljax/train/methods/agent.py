@@ -26,6 +26,7 @@ import numpy as np
 from rljax import algorithms
 from rljax.algorithms import turn_credit
 from rljax.errors import UserError
+from rljax.sampling import tree as tree_sampling
 from rljax.train.core import episodes as ep
 from rljax.train.core import evaluate, image_inputs, sampler
 from rljax.train.core.partial import drawn_indices
@@ -79,7 +80,8 @@ def match_options(cfg, ctx) -> dict:
 
 def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0, weights=None, prefixes=None,
-         temperatures=None, record_routes: bool = False, images=None, locations=None) -> dict:
+         temperatures=None, record_routes: bool = False, images=None, locations=None,
+         tree: dict | None = None) -> dict:
     """``episodes.run_episodes`` for the run's environment on ``examples``, plus ``roles``
     int32 [R]: each episode's role key (``env.role_key``: game and seat, for RAE), -1 for an
     environment without one. ``weights``: in-flight weight updates (the slot engine's);
@@ -89,15 +91,25 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
     ``images`` (``image_inputs.ImageInputs``, a model with a vision tower): each example's
     images are embedded once and prefilled with its prompt; adds the round's image fields
     (``image_inputs.round_fields``: ``pixels`` [B, I, 3, S, S] per example, ``image_ok``,
-    ``skipped_images``); ``locations``: the examples' ``file:line``, for its warnings."""
+    ``skipped_images``); ``locations``: the examples' ``file:line``, for its warnings.
+    ``tree`` (``sampling.tree.options_from_config``): the first turns are a tree's leaves
+    per group (``tree_episodes``)."""
     cfg = ctx.cfg
     envs = make_envs(cfg, examples, num_samples)
     pixels = None if images is None else images.pixels(examples, locations)
+    engine, first = sampler.episode_engine(cfg, len(envs)), None
+    if tree is not None:   # the tree's leaves are the first turns; the engine plays them on
+        from rljax.train.methods import tree_episodes
+        first = tree_episodes.first_turn(ctx, params, rng, tree, turn_tokens(cfg),
+                                         temperature=temperature, top_k=top_k, top_p=top_p,
+                                         temperatures=temperatures)
+        engine = engine or ep.EngineOptions(slots=sampler.engine_slots(cfg, len(envs)),
+                                            chunk_steps=int(cfg.rollout.chunk_steps))
     eps = ep.run_episodes(ctx.model_cfg, params, ctx.tokenizer, envs,
                           renderer=make_renderer(cfg, ctx.tokenizer), limits=limits(cfg),
                           rng=rng, num_samples=num_samples, temperature=temperature,
                           top_k=top_k, top_p=top_p, mesh=ctx.mesh,
-                          engine=sampler.episode_engine(cfg, len(envs)), weights=weights,
+                          engine=engine, weights=weights, first_turn=first,
                           prefixes=prefixes, temperatures=temperatures,
                           record_routes=record_routes,
                           image_embeds=None if pixels is None else images.embeds(params, pixels))
@@ -195,7 +207,8 @@ class EpisodeRounds(RoundSource):
             return play(self.ctx, params, examples, rng, prefixes=prefixes,
                         temperatures=sampler.rollout_temperatures(cfg), **opts,
                         record_routes=bool(cfg.algo.get("routing_replay")), images=images,
-                        locations=locations), examples
+                        locations=locations,
+                        tree=tree_sampling.options_from_config(cfg.rollout.tree, g)), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
                              opponent=self.opponent, **match_options(cfg, self.ctx), **opts)
