@@ -352,8 +352,8 @@ def run_episodes(model_cfg, params, tokenizer, envs: Sequence[Any], *, renderer:
     images, prefilled with its prompt once; every turn after attends to those keys/values, so
     each turn's tokens see the images as the training row's forward pass does.
     ``first_turn(p_tok, p_mask) -> (tokens [R, N], logps [R, N], lengths [R])`` (with
-    ``engine``; ``tree_episodes``): every row's first turn, sampled elsewhere; the episodes
-    go on from their second turn, each resumed on a slot with its trajectory fed.
+    ``engine``; ``tree_episodes``): every row's first turn, sampled elsewhere; each episode
+    goes on from there on a slot, its trajectory fed.
     """
     if weights is not None and engine is None:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
@@ -463,9 +463,8 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
         cache = ee.init_routes(model_cfg, cache)
         routes = np.zeros((r, p + lim.max_total_tokens) + cache["routes"].shape[2:], np.int32)
         routes[:, :p - 1] = np.repeat(np.asarray(jax.device_get(prompt_routes[0])), g, axis=0)
-    # A row that played a turn already (``first_turn``) resumes with its trajectory fed.
     state = ee.empty_state(s, lim.max_total_tokens if record.turns.any() else lim.chunk_tokens,
-                           lim.turn_tokens, tokenizer.pad_id)
+                           lim.turn_tokens, tokenizer.pad_id)   # (width: a fed trajectory)
     if record.schedule is not None:   # each slot's turn at its own temperatures
         state["temp"] = np.ones((s, lim.turn_tokens), np.float32)
     last_prompt_token = np.repeat(np.asarray(p_tok)[:, -1], g)
@@ -476,13 +475,10 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
         for slot in np.flatnonzero(state["row"] < 0):
             if not waiting:
                 break
-            i = waiting.pop()
-            if record.turns[i]:
-                ee.resume(state, slot, row=i, lead=int(last_prompt_token[i]), cursor=0,
-                          observation=record.tokens[i, :record.length[i]],
-                          turn=int(record.turns[i]), budget=record.budget(i))
-            else:
-                ee.start(state, slot, i, int(last_prompt_token[i]), record.budget(i))
+            i = waiting.pop()   # (fed its trajectory so far: none, or ``first_turn``'s)
+            ee.resume(state, slot, row=i, lead=int(last_prompt_token[i]), cursor=0,
+                      observation=record.tokens[i, :record.length[i]],
+                      turn=int(record.turns[i]), budget=record.budget(i))
             _set_temperatures(state, slot, record, i)
         if not state["live"].any():
             break
