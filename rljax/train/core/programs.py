@@ -192,7 +192,11 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         return out if mcfg.vision is None else out + (image_embeds_struct(ctx, b),)
     sampled = jax.eval_shape(for_sampling, params) if merge else params
     kind = sampler_lib.sampler_kind(cfg, tree is not None)
-    if kind in ("slots", "partial") and cfg.env.name:   # episodes on the episode engine
+    out: list[Program] = []
+    if tree is not None and cfg.env.name:   # a tree of first turns (methods.tree_episodes)
+        n_sample = int(cfg.env.max_turn_tokens or r.max_new_tokens)
+    if cfg.env.name and (kind in ("slots", "partial") or tree is not None):
+        # Episodes on the episode engine (with a tree: after its leaves' first turns).
         from rljax.sampling import episode_engine
         e = cfg.env
         # Partial rollouts: 2 x chunk groups in flight, a carried episode's whole trajectory
@@ -200,6 +204,8 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         places, feed = chunk, int(e.max_obs_tokens) + 1
         if kind == "partial":
             places, feed = 2 * chunk, max(feed, int(e.max_total_tokens))
+        elif tree is not None:   # each leaf's trajectory fed whole
+            feed = max(feed, int(e.max_total_tokens))
         p_tok, p_mask, *_ = prompts(places)
         # A game's matches hold a slot per row for the whole match (``matches._EngineSide``).
         slots = (chunk * g if e.selfplay.mode != "off"
@@ -213,7 +219,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                    chunk_steps=r.chunk_steps, temperature=r.temperature, top_k=r.top_k,
                    top_p=r.top_p, stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
                    scheduled=r.temperature_schedule.name != "constant")]
-    elif kind == "partial":   # the partial-rollout pool's two programs, over its 2 x chunk places
+    if kind == "partial" and not cfg.env.name:   # the partial-rollout pool's two programs, over its 2 x chunk places
         from rljax.sampling import partial as partial_lib
         from rljax.train.core.partial import make_pool
         _, _, *embeds = prompts(2 * chunk)
@@ -226,10 +232,10 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         kw = dict(chunk_steps=r.chunk_steps, slots=sampler_lib.engine_slots(cfg, chunk * g),
                   temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                   eos_id=ctx.stop_ids, pad_id=tok.pad_id)
-        out = [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
-               sampling.tree_engine.programs(mcfg, sampled, p_tok, p_mask, rng,
+        out += [Program(f"sample/{name}", fn, args, resident) for name, fn, args in
+                sampling.tree_engine.programs(mcfg, sampled, p_tok, p_mask, rng,
                                              max_new_tokens=n_sample, **tree, **kw)]
-    elif kind == "slots":   # the slot engine's two
+    elif kind == "slots" and not cfg.env.name:   # the slot engine's two
         p_tok, p_mask, *embeds = prompts(chunk)
         kw = dict(max_new_tokens=n_sample, num_samples=g, chunk_steps=r.chunk_steps,
                   slots=sampler_lib.engine_slots(cfg, chunk * g), temperature=r.temperature,
@@ -238,10 +244,10 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                # (a merged LoRA copy is planned at its shapes, without the base's sharding)
                sampling.engine.programs(mcfg, sampled, p_tok, p_mask, rng, **kw,
                                         image_embeds=embeds[0] if embeds else None)]
-    else:
+    elif kind in ("static", "tree"):
         p_tok, p_mask, *embeds = prompts(chunk)
-        out = [Program("sample", jax.jit(sample_fn), (params, p_tok, p_mask, rng, *embeds),
-                       resident)]
+        out += [Program("sample", jax.jit(sample_fn), (params, p_tok, p_mask, rng, *embeds),
+                        resident)]
     if mcfg.vision is not None:
         out.append(image_embed_program(ctx, params, "sample/images",
                                        2 * chunk if kind == "partial" else chunk))
