@@ -161,7 +161,10 @@ def test_asynchronous_episodes_on_the_engine_resume_exactly(tmp_path):
 
 class EchoEnv:
     """Answers every first turn with ``<r>LEN</r>`` (so every episode has observation
-    tokens, whatever an untrained model writes); done after the second turn."""
+    tokens, whatever an untrained model writes); done after the second turn (``TURNS``),
+    its observations in a ``ROLE`` message."""
+
+    TURNS, ROLE = 2, "tool"
 
     def __init__(self, example):
         self.example, self.turns = example, 0
@@ -171,9 +174,9 @@ class EchoEnv:
 
     def step(self, text):
         self.turns += 1
-        if self.turns >= 2:
+        if self.turns >= self.TURNS:
             return StepResult(done=True)
-        return StepResult(observation=[{"role": "tool", "content": self.answer(text)}])
+        return StepResult(observation=[{"role": self.ROLE, "content": self.answer(text)}])
 
     def answer(self, text: str) -> str:
         return f"<r>{len(text)}</r>"

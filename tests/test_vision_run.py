@@ -11,13 +11,14 @@ import pytest
 from rljax import config as config_lib
 from rljax.config import ConfigError
 from rljax.data.tasks import TASKS
-from rljax.envs import StepResult, register_env
+from rljax.envs import register_env
 from rljax.train import run
 from rljax.train.core import checkpoint, episodes
 from rljax.train.core.metrics import read_metrics
 from rljax.train.core.rollout import Rollout
 
 from test_train_loop import StopAfter, comparable, final_params
+from tests.test_agent_train import EchoEnv
 
 DEVICES = jax.devices()[:1]
 SFT_STEPS, RL_STEPS = 1, 2
@@ -219,22 +220,15 @@ def test_trees_are_sampled_with_the_images(tmp_path, overrides):
     assert len(rl) == 1 and rl[0]["rollout/logp_diff_max"] < 1e-4
 
 
-class LookAgainEnv:
+class LookAgainEnv(EchoEnv):
     """The example's prompt (its images' tokens included) as the first user message; answers
     the first two turns with an observation, ends after the third: every episode has three
     model turns after the images."""
 
-    def __init__(self, example):
-        self.example, self.turns = example, 0
+    TURNS, ROLE = 3, "user"
 
-    def reset(self):
-        return [{"role": "user", "content": self.example["prompt"]}]
-
-    def step(self, text):
-        self.turns += 1
-        if self.turns >= 3:
-            return StepResult(done=True)
-        return StepResult(observation=[{"role": "user", "content": "look"}])
+    def answer(self, text: str) -> str:
+        return "look"
 
 
 register_env("look_again", LookAgainEnv)
