@@ -739,3 +739,23 @@ def test_selfplay_with_relift_and_demonstrations_trains_on_each_seats_scripted_e
     assert len(rl) == 2 and all(r["mixed/demos"] == groups for r in rl)
     assert all(r["relift/sft_rows"] > 0 and np.isfinite(r["relift/sft_loss"])
                and np.isfinite(r["loss"]) for r in rl)
+
+
+def test_online_dpo_in_self_play_pairs_each_seats_best_and_worst(tmp_path):
+    """Online DPO in self-play: a game gives a group per seat, and each group's best and worst
+    episodes are a pair (scored on that seat's own moves); two iterations train."""
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.name": "dpo", "algo.online": True,
+                     "algo.beta": 0.1, "algo.adv_estimator": "grpo"})
+    setup.check_inputs(cfg, num_devices=1)
+    ctx = setup.build_context(cfg, str(tmp_path / "probe"), devices=DEVICES)
+    from rljax.train.phases.dpo import DPOPhase
+    import optax
+    phase = DPOPhase(ctx, 2)
+    state = create_train_state(ctx.params, optax.sgd(0.1), jax.random.key(0))
+    batch, metrics = phase.rollout(state, 0)
+    pairs = phase._group_pairs(batch, metrics)
+    groups = cfg.rollout.batch_size // cfg.algo.num_generations   # 2 games x 2 seats
+    assert len(pairs["pair_mask"]) == groups and "chosen_score_mask" in pairs
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    train = [r for r in read_metrics(str(tmp_path / "run")) if "rewards/margin" in r]
+    assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)

@@ -153,9 +153,9 @@ def check_env(cfg) -> None:
 
 
 def check_selfplay(cfg) -> None:
-    """``env.selfplay``: a board game, GRPO, PPO or distillation, a workdir exactly for
-    the checkpoint opponent, no difficulty curriculum, and (self-play) a batch of whole
-    examples: G rows per seat."""
+    """``env.selfplay``: a board game, GRPO, PPO, distillation or online DPO, a workdir
+    exactly for the checkpoint opponent, no difficulty curriculum, and (self-play) a batch of
+    whole examples: G rows per seat."""
     sp, env = cfg.env.selfplay, cfg.env
     if sp.mode == "off":
         if sp.workdir:
@@ -165,9 +165,9 @@ def check_selfplay(cfg) -> None:
     if env.name not in GAME_ENVS:
         raise ConfigError(f"{what} plays board games: env.name must be one of {GAME_ENVS}, "
                           f"got {env.name!r}")
-    if cfg.algo.name not in ("grpo", "ppo", "distill"):
-        raise ConfigError(f"{what} trains with algo.name='grpo', 'ppo' or 'distill', got "
-                          f"{cfg.algo.name!r}")
+    if cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg):
+        raise ConfigError(f"{what} trains with algo.name='grpo', 'ppo', 'distill' or online "
+                          f"'dpo', got {cfg.algo.name!r}")
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
                           "env.selfplay.mode='checkpoint'")

@@ -238,7 +238,11 @@ class DPOPhase:
                 ctx, self.iterator, None if self.refit is None else self.refit.scorer)
                            if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
         elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
-            self.iterator = rl_iterator(ctx, self.num_pairs)
+            examples = self.num_pairs
+            if cfg.env.name and cfg.env.selfplay.mode == "self":   # a group (pair) per seat
+                from rljax.train.methods import selfplay
+                examples = selfplay.examples_per_round(cfg, examples)
+            self.iterator = rl_iterator(ctx, examples)
             self.source = self.rollout = RewardRollout(
                 ctx, self.iterator, rounds=round_source(ctx, self.num_pairs))
         else:
@@ -356,8 +360,10 @@ class DPOPhase:
                                          episodes=run_agent_eval))
         # A moving reference (ref_update_every > 0) makes implicit rewards relative to the last
         # refresh (all 0 right after one), so held-out pair metrics are only reported for a
-        # frozen reference; step_mc pairs are sampled, the data has no held-out step pairs.
-        if (self.uses_ref and self.ctx.cfg.algo.ref_update_every) or self.step_mc:
+        # frozen reference; step_mc pairs and pairs of episodes are sampled, the data has no
+        # held-out pairs of them.
+        if ((self.uses_ref and self.ctx.cfg.algo.ref_update_every) or self.step_mc
+                or self.ctx.cfg.env.name):
             return out
         if self._eval_batches is None:
             self._eval_batches = eval_pair_batches(self.ctx)
