@@ -479,7 +479,7 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
             ee.resume(state, slot, row=i, lead=int(last_prompt_token[i]), cursor=0,
                       observation=record.tokens[i, :record.length[i]],
                       turn=int(record.turns[i]), budget=record.budget(i))
-            _set_temperatures(state, slot, record, i)
+            set_slot_temperatures(state, slot, record.turn_temperatures([i]))
         if not state["live"].any():
             break
         before = state["cursor"].copy()
@@ -500,7 +500,7 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
             ee.resume(state, slot, row=i, lead=int(state["tokens"][slot, kept[j] - 1]),
                       observation=ids, cursor=cursor, turn=int(state["turn"][slot]) + 1,
                       budget=record.budget(i))
-            _set_temperatures(state, slot, record, i)
+            set_slot_temperatures(state, slot, record.turn_temperatures([i]))
     return (busy, run), routes
 
 
@@ -517,10 +517,12 @@ def scheduled_temperatures(schedule, model_mask: np.ndarray, turn_tokens: int,
     return schedule[np.minimum(at, len(schedule) - 1)]
 
 
-def _set_temperatures(state: dict, slot: int, record: _Trajectories, i: int) -> None:
-    """With a schedule: the temperatures of the turn row ``i`` starts on ``slot``."""
-    if record.schedule is not None:
-        state["temp"][slot] = record.turn_temperatures([i])[0]
+def set_slot_temperatures(state: dict, slot: int, temps) -> None:
+    """With a temperature schedule (the engine state's ``temp``): ``temps`` [1, N], the
+    temperatures of the turn starting on ``slot``. A no-op without one (``temps`` None or no
+    ``temp`` in ``state``)."""
+    if "temp" in state and temps is not None:
+        state["temp"][slot] = temps[0]
 
 
 def trace_tokens(tokenizer, renderer: Renderer, messages: Sequence[dict]):

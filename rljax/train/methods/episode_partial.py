@@ -65,7 +65,7 @@ from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import (engine_slots, rollout_temperatures, sampling_params,
                                       sampling_weights)
 from rljax.train.methods import agent
-from rljax.train.methods.partial_matches import play_matches, set_slot_temperatures
+from rljax.train.methods.partial_matches import play_matches
 
 EPISODE_STREAM = 9  # rng stream of the episodes in flight: fold_in(state.rng, 9), every step
 
@@ -291,7 +291,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 ee.resume(state, slot, row=i, lead=int(first[i]),
                           observation=record.tokens[i, :record.length[i]], cursor=0,
                           turn=int(record.turns[i]), budget=record.budget(i), draw=int(draw[i]))
-                set_slot_temperatures(state, slot, record.turn_temperatures([i]))
+                ep.set_slot_temperatures(state, slot, record.turn_temperatures([i]))
             if not state["live"].any():
                 break
             before = state["cursor"].copy()
@@ -315,7 +315,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                           observation=obs, cursor=int(record.length[i]) - len(obs),
                           turn=int(state["turn"][slot]) + 1, budget=record.budget(i),
                           draw=int(draw[i]))
-                set_slot_temperatures(state, slot, record.turn_temperatures([i]))
+                ep.set_slot_temperatures(state, slot, record.turn_temperatures([i]))
         live = (state["row"] >= 0) & state["live"]   # turns dropped: drawn again next time
         return eps(), groups, (busy, run), drawn + int(state["t"][live].sum()), chunks.swaps
 

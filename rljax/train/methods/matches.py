@@ -40,7 +40,8 @@ import numpy as np
 from rljax import sampling
 from rljax.sampling import multiturn
 from rljax.train.core.episodes import (EngineWeights, EpisodeLimits, Renderer, _count,
-                                      _cut_after, scheduled_temperatures)
+                                      _cut_after, scheduled_temperatures,
+                                      set_slot_temperatures)
 
 
 @dataclasses.dataclass
@@ -350,8 +351,7 @@ class _EngineSide:
             ee.resume(self.state, i, row=i, lead=int(run.carry[i]), observation=obs,
                       cursor=before, turn=run.envs[i].match.plies,
                       budget=min(run.n, run.m_max - int(run.length[i])))
-            if "temp" in self.state:
-                self.state["temp"][i] = run.turn_temperatures([i])[0]
+            set_slot_temperatures(self.state, i, run.turn_temperatures([i]))
 
     def decode(self) -> tuple[np.ndarray, list[str]]:
         """One decode chunk: (rows whose turn ended int [E], their turns' kept texts)."""

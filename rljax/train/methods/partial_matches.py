@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from rljax.train.core.episodes import set_slot_temperatures
 from rljax.train.core.sampler import rollout_temperatures
 from rljax.train.methods import agent
 
@@ -168,8 +169,3 @@ class _SeatEngine:
         self.state["row"][:] = np.arange(len(rows))
 
 
-def set_slot_temperatures(state: dict, slot: int, temps) -> None:
-    """With a temperature schedule (the engine's ``temp``): the temperatures [1, N] of the
-    turn starting on ``slot``."""
-    if "temp" in state and temps is not None:
-        state["temp"][slot] = temps[0]

@@ -158,8 +158,8 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
             ee.resume(state, slot, row=engine_row[n], lead=int(first[points[n][0]]),
                       observation=feed, cursor=0, turn=points[n][3],
                       budget=record.budget(n) - len(lead_in[n]))
-            if "temp" in state:   # (the turn's tokens before the fork are fed, not drawn)
-                state["temp"][slot] = record.turn_temperatures([n], len(lead_in[n]))[0]
+            # (the turn's tokens before the fork are fed, not drawn)
+            ep.set_slot_temperatures(state, slot, record.turn_temperatures([n], len(lead_in[n])))
         if not state["live"].any():
             break
         cache, state, _ = ee.run_chunk(ctx.model_cfg, params, *pages, cache, state, rng,
@@ -189,7 +189,6 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
             ee.resume(state, slot, row=engine_row[n], lead=int(turn_tok[j, kept[j] - 1]),
                       observation=obs, cursor=int(record.length[n]) - len(obs),
                       turn=int(state["turn"][slot]) + 1, budget=record.budget(n))
-            if "temp" in state:
-                state["temp"][slot] = record.turn_temperatures([n])[0]
+            ep.set_slot_temperatures(state, slot, record.turn_temperatures([n]))
     prompt_ids = [tok.encode(p) for p in prompts]
     return record.result(prompts, prompt_ids, p_tok.shape[1]), decoded
