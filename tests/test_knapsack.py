@@ -540,6 +540,34 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
     assert np.ptp(np.bincount(seen[1][2])[:2]) > 0   # the posteriors sized the second step
 
 
+def test_knapsack_with_tree_episodes_resumes_exactly(reward_file, tmp_path, monkeypatch):
+    """Tree rollouts of tool episodes: a group is whole trees of first turns (2 roots x 2
+    leaves configured: trees of 2 leaves, one root each), each leaf played on as an episode;
+    the two prompts' budget of 6 is split 4 + 2 (2 padding rows), and the posteriors, which
+    learn the episodes' rewards, resume exactly."""
+    from rljax.train.core import episodes
+
+    played, real = [], episodes.run_episodes
+    monkeypatch.setattr(episodes, "run_episodes", lambda *a, **kw: played.append(
+        real(*a, **kw)) or played[-1])
+    cfg = tiny_cfg(reward_file, **{
+        "rollout.batch_size": 8, "rollout.knapsack.budget": 6,
+        "rollout.knapsack.max_samples": 4, "env.name": "tool", "env.tools": ("calculator",),
+        "env.tool_format": "plain", "env.max_turns": 2, "env.max_total_tokens": 28,
+        "env.max_obs_tokens": 8, "env.max_turn_tokens": 8, "data.max_prompt_length": 16,
+        "rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
+        "rollout.tree.segment_tokens": 1})
+    cfg.env.kwargs = {"describe_tools": False}
+    cfg.data.kwargs = {"digits": 1, "eval_examples": 2, "num_examples": 2}
+    records = phase_resumes_exactly(cfg, tmp_path, steps=2, saved_after=1)
+    assert all(r["rollout/group_size_min"] == 2 and r["rollout/group_size_max"] == 4
+               and "env/turns_mean" in r and np.isfinite(r["loss"]) for r in records)
+    assert len(played) == 3   # two steps, the resumed one again
+    for eps in played:   # 3 trees of 2 episodes: a tree's leaves share their first token
+        first = np.where(eps["turn_ids"] == 0, eps["tokens"], -1)[:, 0].reshape(3, 2)
+        assert (first[:, 0] == first[:, 1]).all() and (eps["turns"] >= 1).all()
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_knapsack_with_partial_episodes_resumes_exactly(reward_file, tmp_path, asynchronous):
     """Partial rollouts of tool episodes: a place holds room for max_samples = G episodes and

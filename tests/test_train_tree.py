@@ -164,7 +164,6 @@ def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, en
 @pytest.mark.parametrize("overrides, key", [
     ({"env.name": "tictactoe", "env.selfplay.mode": "self"}, "env.selfplay.mode"),
     ({"rollout.partial": True, "rollout.engine": "slots"}, "rollout.partial"),
-    ({"rollout.allocation": "knapsack"}, "rollout.allocation='knapsack'"),
     ({"algo.routing_replay": True,
       "model.overrides": {"num_experts": 4, "num_experts_per_tok": 2}}, "algo.routing_replay"),
     ({"algo.asynchronous": True, "algo.inflight_updates": True, "rollout.engine": "slots"},

@@ -194,21 +194,25 @@ class EpisodeRounds(RoundSource):
             self.opponent = selfplay.load_opponent(ctx)
 
     def play_groups(self, params, examples, rng, g: int, weights=None,
-                    prefixes=None, images=None, locations=None) -> tuple[dict, list[dict]]:
+                    prefixes=None, images=None, locations=None,
+                    tree: dict | None = None) -> tuple[dict, list[dict]]:
         """This round's episodes and the example of each group: ``play``, or with
         ``env.selfplay`` the matches' (``selfplay.play``). ``weights``: the rollout's
         in-flight weight updates, or None; ``prefixes``: hints (``sample_hinted``);
-        ``images``/``locations``: the rollout's image inputs (``play``)."""
+        ``images``/``locations``: the rollout's image inputs (``play``); ``tree``: the tree
+        of each group's first turns (default: the configured one, ``rollout.tree``, of ``g``
+        leaves; the knapsack's groups pass their trees of one root)."""
         cfg = self.ctx.cfg
         r = cfg.rollout
         opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     weights=weights)
         if not self.selfplay:
+            if tree is None:
+                tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
             return play(self.ctx, params, examples, rng, prefixes=prefixes,
                         temperatures=sampler.rollout_temperatures(cfg), **opts,
                         record_routes=bool(cfg.algo.get("routing_replay")), images=images,
-                        locations=locations,
-                        tree=tree_sampling.options_from_config(cfg.rollout.tree, g)), examples
+                        locations=locations, tree=tree), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
                              opponent=self.opponent, **match_options(cfg, self.ctx), **opts)

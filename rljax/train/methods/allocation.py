@@ -32,7 +32,8 @@ Tree sampling (``rollout.tree.enabled``): the configured tree's subtree below on
 (``config.rollout.knapsack_step``) and prompt i grows G_i / unit such trees, whose leaves are
 its group. The estimator is a group one (the tree estimators need one tree layout for every
 group). With partial rollouts a pool place holds a group's trees (room for ``max_samples``
-leaves of roots), and the place grows the roots its size asks for.
+leaves of roots), and the place grows the roots its size asks for. With episodes the trees are
+of first turns (``tree_episodes``): each tree's leaves are played on as episodes.
 
 Metrics: ``rollout/group_size_min``/``_mean``/``_max``, ``rollout/pass_rate_est_mean``,
 and (every rollout) ``rollout/effective_samples``: samples that train with a non-zero
@@ -171,13 +172,19 @@ class KnapsackRounds(RoundSource):
         """``sizes[i]`` episodes of example i, group after group (``budget`` in all: one
         shape of the episode batches), scored as the episodes' rounds are: each episode is
         played as a group of one of its own example, so every row carries its prompt
-        (``prompt_ids``). ``prefixes``: each example's hint (``sample_hinted``), or None."""
+        (``prompt_ids``). ``prefixes``: each example's hint (``sample_hinted``), or None.
+        Tree sampling: example i's first turns are ``sizes[i] / step`` trees of ``step``
+        leaves, one root each (``tree_episodes``), each leaf played on as an episode."""
         owner = np.repeat(np.arange(len(examples)), sizes)
         rows = [examples[i] for i in owner]
+        # One played group per episode, or per tree (its leaves: contiguous rows of owner;
+        # the episodes' fields are per row either way, so the round is scored as rows of one).
+        unit, tree = (1, None) if rollout.tree is None else (self.step,
+                                                             dict(rollout.tree, roots=1))
         t0 = time.perf_counter()
-        eps, rows = self.episodes.play_groups(
-            params, rows, rng, 1, rollout.weights,
-            None if prefixes is None else [prefixes[i] for i in owner])
+        eps, _ = self.episodes.play_groups(
+            params, rows[::unit], rng, unit, rollout.weights,
+            None if prefixes is None else [prefixes[i] for i in owner[::unit]], tree=tree)
         return self.episodes.scored_round(rollout, eps, rows, time.perf_counter() - t0, g=1)
 
     def pick_groups(self, rounds, kept, dropped) -> tuple[list, int, bool]:
