@@ -239,13 +239,15 @@ EPISODES = {"env.name": "look_again", "env.max_turns": 3, "env.max_turn_tokens":
 @pytest.mark.parametrize("overrides", [{}, {"rollout.engine": "slots", "rollout.slots": 3},
                                        {"algo.name": "ppo", "algo.adv_estimator": "gae"},
                                        {"algo.asynchronous": True, "rollout.engine": "slots",
-                                        "rollout.slots": 3, "steps": 2}],
-                         ids=["static", "slots", "ppo", "async"])
+                                        "rollout.slots": 3, "steps": 2},
+                                       {**TREE, **EPISODES}],
+                         ids=["static", "slots", "ppo", "async", "tree"])
 def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides):
-    """Multi-turn episodes with images (static turn batches, the episode engine): each group's
-    prompt is prefilled with its images once and every later turn attends to those keys and
-    values, so the sampler's log-probs of all three turns are the trainer's, whose row (prompt
-    ++ trajectory) carries the prompt's pixels (PPO's critic reads them too)."""
+    """Multi-turn episodes with images (static turn batches, the episode engine, a tree of
+    first turns): each group's prompt is prefilled with its images once (a tree's: with every
+    path) and every later turn attends to those keys and values, so the sampler's log-probs of
+    all three turns are the trainer's, whose row (prompt ++ trajectory) carries the prompt's
+    pixels (PPO's critic reads them too)."""
     seen, original = [], Rollout._assemble
 
     def assemble(self, rounds, groups):
@@ -268,6 +270,10 @@ def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides)
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == cfg.steps and rl[0]["env/turns_mean"] == 3
     assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every turn saw the images
+    if cfg.rollout.tree.enabled:   # a tree's two leaves share their first turn's first token
+        n = seen[0]["loss_mask"].shape[1]   # (the completion's N slots end the row)
+        first = seen[0]["tokens"][:, -n].reshape(-1, 2)
+        assert (first[:, 0] == first[:, 1]).all()
 
 
 @pytest.mark.parametrize("key,overrides", [

@@ -97,7 +97,7 @@ def has_vision_tower(cfg) -> bool:
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
-    engine), synchronous or not (docs/vision.md). Episodes carried across iterations, VinePPO's
+    engine, trees of first turns), synchronous or not (docs/vision.md). Episodes carried across iterations, VinePPO's
     episode forks, self-play matches, knapsack group sizes and the SFT warm-up's scripted
     episodes do not carry them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
@@ -114,8 +114,6 @@ def check_images(cfg) -> None:
             ("sft.env_traces=true", cfg.sft.env_traces, "yet (the scripted episodes' rows do "
              "not carry images); set sft.env_traces=false"),
             ("rollout.allocation='knapsack'", r.allocation == "knapsack", "yet (its groups of "
-             "episodes do not carry images); use 'uniform'"),
-            ("rollout.tree.enabled=true", r.tree.enabled, "yet (the tree of first turns does "
-             "not prefill the images)")):
+             "episodes do not carry images); use 'uniform'")):
         if on:
             raise ConfigError(f"{key}: {what} is not supported {why}")

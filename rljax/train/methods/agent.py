@@ -101,6 +101,7 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
     if tree is not None:   # the tree's leaves are the first turns; the engine plays them on
         from rljax.train.methods import tree_episodes
         first = tree_episodes.first_turn(ctx, params, rng, tree, turn_tokens(cfg),
+                                         pixels=pixels, images=images,
                                          temperature=temperature, top_k=top_k, top_p=top_p,
                                          temperatures=temperatures)
         engine = engine or ep.EngineOptions(slots=sampler.engine_slots(cfg, len(envs)),

@@ -21,11 +21,15 @@ from rljax.train.core import sampler
 TREE_STREAM = 0x7EE
 
 
-def first_turn(ctx, params, rng, tree: dict, turn_tokens: int, **options):
+def first_turn(ctx, params, rng, tree: dict, turn_tokens: int, pixels=None, images=None,
+               **options):
     """``run_episodes``' ``first_turn`` for tree rollouts: ``(p_tok, p_mask) -> (tokens int32
     [B*G, turn_tokens], logps f32 [B*G, turn_tokens], lengths int [B*G])``, the G leaves of
     one tree per prompt row (``tree``: ``tree_sampling.options_from_config``'s), grown by the
     rollout's tree sampler (``sampler.generate``: static, or on the slot engine).
+    ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``; a model with a
+    vision tower): each prompt row's images, prefilled with every path of its tree (the later
+    turns see them through the episode engine's prompt prefill).
     ``options``: temperature, top_k, top_p and ``temperatures`` (a schedule over an episode's
     model tokens, or None: a first turn's tokens are its first model tokens)."""
     temps = options.pop("temperatures", None)
@@ -36,7 +40,7 @@ def first_turn(ctx, params, rng, tree: dict, turn_tokens: int, **options):
                                jax.random.fold_in(rng, TREE_STREAM), num_samples=g,
                                max_new_tokens=turn_tokens, tree=tree,
                                temperatures=None if temps is None else temps[:turn_tokens],
-                               **options)
+                               pixels=pixels, images=images, **options)
         return out["tokens"], out["logps"], out["lengths"]
 
     return sample
