@@ -17,7 +17,9 @@ from rljax.train import run
 from rljax.train.core.metrics import read_metrics
 from rljax.train.core.rollout import Rollout
 
+from rljax.envs import StepResult, register_env
 from test_train_loop import StopAfter, comparable
+from tests.test_agent_train import EchoEnv
 
 DEVICES = jax.devices()[:1]
 TREE = {"rollout.tree.enabled": True, "rollout.tree.segment_tokens": 1,
@@ -131,12 +133,31 @@ EPISODES = {"env.name": "tool", "env.tools": ("calculator",), "env.tool_format":
             "env.max_turn_tokens": 8, "data.max_prompt_length": 16}
 
 
-@pytest.mark.parametrize("engine", ["static", "slots"])
+class OddLengthEndsEnv(EchoEnv):
+    """Ends after a first turn of odd length (its episode never reaches the episode engine);
+    else answers it and ends after the second."""
+
+    def step(self, text):
+        return StepResult(done=True) if self.turns == 0 and len(text) % 2 else super().step(text)
+
+
+register_env("odd_length_ends", OddLengthEndsEnv)
+# Routing replay: a mixture of experts whose sampler records every token's experts.
+MOE = {"model.preset": "tiny-moe", "algo.routing_replay": True, "env.tools": (),
+       "env.name": "odd_length_ends",
+       "model.overrides": {"num_layers": 1, "hidden_size": 32, "num_heads": 2,
+                           "num_kv_heads": 1, "moe_intermediate_size": 16}}
+
+
+@pytest.mark.parametrize("engine", ["static", "slots", "routes"])
 def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, engine):
     """rollout.tree with env.name: each group's first turns are one tree's leaves (they share
     the tree's first segment, pairs its second; grown by the static tree sampler or on the
     slot engine), later turns are played on per episode on the episode engine, and treepo
-    trains on the leaves' episode rewards."""
+    trains on the leaves' episode rewards, scoring every turn as the sampler did. ``routes``:
+    routing replay on a mixture of experts (the tree on the slot engine): a row's routes are the
+    tree's for its first turn (an episode that ended there never reached the engine) and the
+    engine's after it, and the update replays them."""
     from rljax.train.core import episodes
 
     played, real = [], episodes.run_episodes
@@ -146,26 +167,31 @@ def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, en
         return out
 
     monkeypatch.setattr(episodes, "run_episodes", recording)
-    cfg = tiny_cfg(**EPISODES, **{"steps": 2, "algo.adv_estimator": "treepo",
-                                  "rollout.engine": engine, "rollout.slots": 3})
-    cfg.env.kwargs = {"describe_tools": False}
+    cfg = tiny_cfg(**{**EPISODES, "steps": 1 if engine == "routes" else 2,
+                      "algo.adv_estimator": "treepo",
+                      "rollout.engine": "slots" if engine == "routes" else engine,
+                      "rollout.slots": 3, **(MOE if engine == "routes" else {})})
+    cfg.env.kwargs = {} if engine == "routes" else {"describe_tools": False}
     assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
-    assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+    assert len(rl) == cfg.steps and all(np.isfinite(r["loss"]) for r in rl)
+    assert all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)   # every turn as sampled
     eps = [e for e in played if len(e["tokens"]) == 16]
-    assert len(eps) == 2
+    assert len(eps) == cfg.steps
     for e in eps:
         first = np.where(e["turn_ids"] == 0, e["tokens"], -1)[:, :2].reshape(4, 4, 2)
         assert (first[:, :, 0] == first[:, :1, 0]).all()          # one root segment per tree
         assert (first[:, ::2, 1] == first[:, 1::2, 1]).all()      # forked in pairs after it
         assert (e["turns"] >= 1).all() and e["model_tokens"].min() >= 1
+        if engine == "routes":   # every first turn's fed tokens have their experts
+            p, n = e["routes"].shape[1] - 28, (e["turn_ids"] == 0).sum(1)
+            assert all(e["routes"][i, p:p + n[i] - 1].any(-1).all() for i in range(16))
+            assert (e["turns"] == 1).any() and (e["turns"] == 2).any()
 
 
 @pytest.mark.parametrize("overrides, key", [
     ({"env.name": "tictactoe", "env.selfplay.mode": "self"}, "env.selfplay.mode"),
     ({"rollout.partial": True, "rollout.engine": "slots"}, "rollout.partial"),
-    ({"algo.routing_replay": True,
-      "model.overrides": {"num_experts": 4, "num_experts_per_tok": 2}}, "algo.routing_replay"),
     ({"algo.asynchronous": True, "algo.inflight_updates": True, "rollout.engine": "slots"},
      "algo.inflight_updates"),
 ])

@@ -261,12 +261,11 @@ def check_tree(cfg) -> None:
 def _check_tree_episodes(cfg) -> None:
     """Tree rollouts of episodes: the tree's leaves are first turns the episode engine plays
     on one episode per slot, each alone, within one round. (Knapsack allocation sizes the
-    groups in whole trees of first turns, as for single-turn trees: ``knapsack_step``.)"""
+    groups in whole trees of first turns, as for single-turn trees: ``knapsack_step``; routing
+    replay takes the tree's routes for the first turns, the engine's for the later ones.)"""
     env, r, algo = cfg.env, cfg.rollout, cfg.algo
     refused = [(env.selfplay.mode != "off", "env.selfplay.mode (a match's seats share rows)"),
                (r.partial, "rollout.partial (carried episodes are not a tree's leaves)"),
-               (bool(algo.routing_replay), "algo.routing_replay (the tree's routes and the "
-                "later turns' are not recorded together)"),
                (bool(algo.inflight_updates), "algo.inflight_updates (the tree's first turns "
                 "are drawn by one version, the later turns' would not)")]
     for hit, what in refused:

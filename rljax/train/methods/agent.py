@@ -100,7 +100,7 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
     engine, first = sampler.episode_engine(cfg, len(envs)), None
     if tree is not None:   # the tree's leaves are the first turns; the engine plays them on
         from rljax.train.methods import tree_episodes
-        first = tree_episodes.first_turn(ctx, params, rng, tree, turn_tokens(cfg),
+        first = tree_episodes.FirstTurns(ctx, params, rng, tree, turn_tokens(cfg),
                                          pixels=pixels, images=images,
                                          temperature=temperature, top_k=top_k, top_p=top_p,
                                          temperatures=temperatures)
@@ -114,6 +114,9 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
                           prefixes=prefixes, temperatures=temperatures,
                           record_routes=record_routes,
                           image_embeds=None if pixels is None else images.embeds(params, pixels))
+    if first is not None and "routes" in eps:   # the first turns' routes: the tree's
+        eps["routes"] = tree_episodes.with_tree_routes(eps["routes"], first.routes,
+                                                       eps["turn_ids"])
     if pixels is not None:
         eps.update(image_inputs.round_fields(pixels, images.usable))
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)

@@ -3,7 +3,8 @@ within the first model turn, every ``rollout.tree.segment_tokens`` tokens; each 
 turn is then played on as an episode of its own (the environment steps on it, later turns are
 sampled one episode per slot, ``episodes.run_episodes``' ``first_turn``). An episode's reward
 is its leaf's, so the tree estimators (``treepo`` ...) read the leaves' rewards as the static
-tree sampler's.
+tree sampler's. With routing replay a row's routes are the tree's for its prompt and first
+turn and the episode engine's after it (``with_tree_routes``).
 
 A group is the G leaves of one tree (prompt-major, ``sampling.tree``'s row order), so the
 rollout's ``tree_structure`` holds for the episodes' rows as for single-turn leaves.
@@ -21,8 +22,7 @@ from rljax.train.core import sampler
 TREE_STREAM = 0x7EE
 
 
-def first_turn(ctx, params, rng, tree: dict, turn_tokens: int, pixels=None, images=None,
-               **options):
+class FirstTurns:
     """``run_episodes``' ``first_turn`` for tree rollouts: ``(p_tok, p_mask) -> (tokens int32
     [B*G, turn_tokens], logps f32 [B*G, turn_tokens], lengths int [B*G])``, the G leaves of
     one tree per prompt row (``tree``: ``tree_sampling.options_from_config``'s), grown by the
@@ -31,16 +31,43 @@ def first_turn(ctx, params, rng, tree: dict, turn_tokens: int, pixels=None, imag
     vision tower): each prompt row's images, prefilled with every path of its tree (the later
     turns see them through the episode engine's prompt prefill).
     ``options``: temperature, top_k, top_p and ``temperatures`` (a schedule over an episode's
-    model tokens, or None: a first turn's tokens are its first model tokens)."""
-    temps = options.pop("temperatures", None)
-    g = tree_sampling.num_leaves(tree["roots"], tree["branching"], tree["depth"])
+    model tokens, or None: a first turn's tokens are its first model tokens).
+    After the call, ``routes``: with ``algo.routing_replay`` the tree's routes int32
+    [B*G, P+turn_tokens, L, k] (``with_tree_routes``), else None."""
 
-    def sample(p_tok, p_mask):
-        out = sampler.generate(ctx, params, np.asarray(p_tok), np.asarray(p_mask),
-                               jax.random.fold_in(rng, TREE_STREAM), num_samples=g,
-                               max_new_tokens=turn_tokens, tree=tree,
-                               temperatures=None if temps is None else temps[:turn_tokens],
-                               pixels=pixels, images=images, **options)
+    def __init__(self, ctx, params, rng, tree: dict, turn_tokens: int, pixels=None,
+                 images=None, **options):
+        self.ctx, self.params, self.rng, self.tree = ctx, params, rng, tree
+        self.turn_tokens, self.pixels, self.images = turn_tokens, pixels, images
+        self.temps = options.pop("temperatures", None)
+        self.options = options
+        self.routes = None
+
+    def __call__(self, p_tok, p_mask):
+        g = tree_sampling.num_leaves(self.tree["roots"], self.tree["branching"],
+                                     self.tree["depth"])
+        out = sampler.generate(self.ctx, self.params, np.asarray(p_tok), np.asarray(p_mask),
+                               jax.random.fold_in(self.rng, TREE_STREAM), num_samples=g,
+                               max_new_tokens=self.turn_tokens, tree=self.tree,
+                               temperatures=None if self.temps is None else
+                               self.temps[:self.turn_tokens],
+                               pixels=self.pixels, images=self.images, **self.options)
+        self.routes = out.get("routes")
         return out["tokens"], out["logps"], out["lengths"]
 
-    return sample
+
+def with_tree_routes(routes: np.ndarray, tree_routes: np.ndarray,
+                     turn_ids: np.ndarray) -> np.ndarray:
+    """Routing replay: the episodes' routes int32 [R, P+M, L, k] (the episode engine's, every
+    token it fed: ``run_episodes``' ``routes``) with each row's prompt and first turn, but the
+    turn's last token, taken from the tree's ``tree_routes`` [R, P+N, L, k] (the same
+    columns: prompt bucket P, then the turn), the routes that drew the first turn's tokens.
+    A first turn of n tokens (``turn_ids`` int32 [R, M] == 0) covers columns [0, P + n - 1);
+    its last token is fed by the engine with the observation after it (or never, where the
+    episode ended: its routes stay 0, as the episodes' last token's do). A row whose episode
+    ended after its first turn never reached the engine, so the tree's are its only routes."""
+    out = np.array(routes, copy=True)
+    p = routes.shape[1] - turn_ids.shape[1]
+    for i, n in enumerate((np.asarray(turn_ids) == 0).sum(1)):
+        out[i, :p + n - 1] = tree_routes[i, :p + n - 1]
+    return out
