@@ -170,12 +170,15 @@ def test_inflight_updates_reach_the_sampler_between_decode_chunks(monkeypatch, c
     assert records[n_steps - 2]["time/weight_transfer"] > 0   # (with the in-flight publish)
 
 
-def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch):
+@pytest.mark.parametrize("tree", [False, True])
+def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch, tree):
     """``algo.inflight_updates`` with tool episodes on the episode engine: update 0 (made ready
     at the sampler's second poll) is published between two decode chunks of batch 1, so its
     episodes mix versions 0 and 1 (a slot keeps its cache and decodes on with the new
     weights). Tokens drawn before the swap carry version 0's log-probs; those after it do
-    not."""
+    not. ``tree``: the first turns are a tree's leaves on the slot engine, which polls before
+    each level: the 1-token root segment is drawn by version 0, the forks and every later turn
+    by version 1, each first-turn token recording the tree's version."""
     from rljax.train.core import episodes
     from tests.test_agent_train import agent_cfg
     _updates_ready_at_the_second_poll(monkeypatch)
@@ -183,7 +186,8 @@ def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch)
     cfg = agent_cfg(**{"sft.steps": 0, "steps": 2, "algo.asynchronous": True,
                        "rollout.engine": "slots", "rollout.slots": 4, "rollout.chunk_steps": 1,
                        "algo.inflight_updates": True, "algo.entropy_coef": 0.01,
-                       "optimizer.learning_rate": 1e-2})
+                       "optimizer.learning_rate": 1e-2,
+                       **({**TREE, "algo.adv_estimator": "treepo"} if tree else {})})
     ctx, versions, records, trained = _iterations(cfg, 2, devices=jax.devices()[:1])
     # played[0]: batch 0, before any update; played[1]: batch 1, drawn while update 0 ran.
     assert [e.get("swaps") for e in played] == [None, 1]
@@ -201,6 +205,9 @@ def test_inflight_updates_reach_tool_episodes_between_decode_chunks(monkeypatch)
     gap = np.abs(own - eps["logps"])
     assert gap[model & (eps["versions"] == 0)].max() < 1e-4
     assert gap[model & (eps["versions"] == 1)].max() > 1e-3
+    if tree:   # the root segment before the swap, everything after it by version 1
+        np.testing.assert_array_equal(eps["versions"][model], np.where(
+            np.nonzero(model)[1] == 0, 0, 1))
 
 
 @pytest.mark.parametrize("tree", [False, True])

@@ -101,7 +101,7 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
     if tree is not None:   # the tree's leaves are the first turns; the engine plays them on
         from rljax.train.methods import tree_episodes
         first = tree_episodes.FirstTurns(ctx, params, rng, tree, turn_tokens(cfg),
-                                         pixels=pixels, images=images,
+                                         pixels=pixels, images=images, weights=weights,
                                          temperature=temperature, top_k=top_k, top_p=top_p,
                                          temperatures=temperatures)
         engine = engine or ep.EngineOptions(slots=sampler.engine_slots(cfg, len(envs)),
@@ -114,9 +114,8 @@ def play(ctx, params, examples: list[dict], rng, *, num_samples: int, temperatur
                           prefixes=prefixes, temperatures=temperatures,
                           record_routes=record_routes,
                           image_embeds=None if pixels is None else images.embeds(params, pixels))
-    if first is not None and "routes" in eps:   # the first turns' routes: the tree's
-        eps["routes"] = tree_episodes.with_tree_routes(eps["routes"], first.routes,
-                                                       eps["turn_ids"])
+    if first is not None:   # the first turns' routes and versions: the tree's
+        first.fill(eps)
     if pixels is not None:
         eps.update(image_inputs.round_fields(pixels, images.usable))
     eps["roles"] = np.array([getattr(env, "role_key", -1) for env in envs], np.int32)

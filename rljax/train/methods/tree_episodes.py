@@ -30,10 +30,11 @@ class FirstTurns:
     ``pixels`` [B, I, 3, S, S] with ``images`` (``image_inputs.ImageInputs``; a model with a
     vision tower): each prompt row's images, prefilled with every path of its tree (the later
     turns see them through the episode engine's prompt prefill).
-    ``options``: temperature, top_k, top_p and ``temperatures`` (a schedule over an episode's
-    model tokens, or None: a first turn's tokens are its first model tokens).
-    After the call, ``routes``: with ``algo.routing_replay`` the tree's routes int32
-    [B*G, P+turn_tokens, L, k] (``with_tree_routes``), else None."""
+    ``options``: temperature, top_k, top_p, ``temperatures`` (a schedule over an episode's
+    model tokens, or None: a first turn's tokens are its first model tokens) and ``weights``
+    (in-flight weight updates, polled between the tree's levels and decode chunks, or None).
+    After the call, ``out``: the tree sampler's outputs, whose ``routes`` (routing replay)
+    and ``versions`` (in-flight updates) ``fill`` puts into the episodes'."""
 
     def __init__(self, ctx, params, rng, tree: dict, turn_tokens: int, pixels=None,
                  images=None, **options):
@@ -41,7 +42,7 @@ class FirstTurns:
         self.turn_tokens, self.pixels, self.images = turn_tokens, pixels, images
         self.temps = options.pop("temperatures", None)
         self.options = options
-        self.routes = None
+        self.out: dict = {}
 
     def __call__(self, p_tok, p_mask):
         g = tree_sampling.num_leaves(self.tree["roots"], self.tree["branching"],
@@ -52,8 +53,21 @@ class FirstTurns:
                                temperatures=None if self.temps is None else
                                self.temps[:self.turn_tokens],
                                pixels=self.pixels, images=self.images, **self.options)
-        self.routes = out.get("routes")
+        self.out = out
         return out["tokens"], out["logps"], out["lengths"]
+
+    def fill(self, eps: dict) -> None:
+        """The played episodes ``eps`` (``run_episodes``' fields) given what the tree drew
+        their first turns with: routing replay's ``routes`` (``with_tree_routes``); with
+        in-flight updates each first-turn token's version (the episode engine's record none
+        for the turns it was fed) and the tree's weight swaps added to the engine's."""
+        turn_ids = eps["turn_ids"]
+        if "routes" in eps:
+            eps["routes"] = with_tree_routes(eps["routes"], self.out["routes"], turn_ids)
+        if "versions" in eps:
+            eps["versions"] = with_first_turns(eps["versions"], self.out["versions"],
+                                               turn_ids)
+            eps["swaps"] += self.out["swaps"]
 
 
 def with_tree_routes(routes: np.ndarray, tree_routes: np.ndarray,
@@ -70,4 +84,14 @@ def with_tree_routes(routes: np.ndarray, tree_routes: np.ndarray,
     p = routes.shape[1] - turn_ids.shape[1]
     for i, n in enumerate((np.asarray(turn_ids) == 0).sum(1)):
         out[i, :p + n - 1] = tree_routes[i, :p + n - 1]
+    return out
+
+
+def with_first_turns(values: np.ndarray, first: np.ndarray, turn_ids: np.ndarray) -> np.ndarray:
+    """Per-token ``values`` [R, M] of the episodes' trajectories (e.g. ``versions``) with each
+    row's first turn, its first n tokens (``turn_ids`` int32 [R, M] == 0), taken from the
+    tree's ``first`` [R, N] (the turn's tokens from column 0)."""
+    out = np.array(values, copy=True)
+    for i, n in enumerate((np.asarray(turn_ids) == 0).sum(1)):
+        out[i, :n] = first[i, :n]
     return out
