@@ -156,3 +156,32 @@ def test_a_temperature_schedule_reaches_carried_episodes_and_matches(tmp_path, c
     assert run.train(config_lib.validate(cfg), str(tmp_path), devices=DEVICES) == 0
     (r,) = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert r["rollout/logp_diff_max"] < 1e-4, r["rollout/logp_diff_max"]
+
+
+def test_trees_of_episodes_are_carried_whole_and_resume_exactly(tmp_path, monkeypatch):
+    """Tree rollouts of carried episodes: a place's first turns are one tree's 4 leaves (a
+    shared root token, then pairs), grown whole when the place is admitted or restarted, and
+    recorded as its rows' first turns; the episodes are then carried at turn boundaries as
+    any, and the groups that train hold the trees' leaves. The pool (trees' turns included)
+    saved mid-run and resumed equals the straight run."""
+    from tests.test_knapsack import phase_resumes_exactly
+
+    trained, scored = [], EpisodePartialRounds.scored_round
+
+    def spy(self, rollout, eps, examples, *args, **kw):   # each group's first two tokens
+        first = np.where(eps["turn_ids"] == 0, eps["tokens"], -1)[:, :2]
+        trained.extend(first.reshape(-1, 4, 2))
+        return scored(self, rollout, eps, examples, *args, **kw)
+    monkeypatch.setattr(EpisodePartialRounds, "scored_round", spy)
+    carried = watch_carried(monkeypatch)
+    cfg = partial_cfg("echo")
+    cfg.update_from_flattened_dict({"rollout.tree.enabled": True,
+                                    "rollout.tree.segment_tokens": 1,
+                                    "rollout.tree.branching": 2})
+    records = phase_resumes_exactly(config_lib.validate(cfg), tmp_path, steps=3, saved_after=2)
+    assert all(r["rollout/carried_groups"] > 0 and np.isfinite(r["loss"]) for r in records)
+    assert max(r["rollout/staleness_max"] for r in records) > 0   # carried across versions
+    assert 1 in {n for places in carried for rows in places for n in rows}   # after the tree
+    assert len(trained) == 8   # 2 groups a step, the resumed step's again
+    for first in trained:   # one root token, forked in pairs after it
+        assert (first[:, 0] == first[0, 0]).all() and (first[::2, 1] == first[1::2, 1]).all()

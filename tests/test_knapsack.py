@@ -568,6 +568,37 @@ def test_knapsack_with_tree_episodes_resumes_exactly(reward_file, tmp_path, monk
         assert (first[:, 0] == first[:, 1]).all() and (eps["turns"] >= 1).all()
 
 
+def test_knapsack_with_partial_tree_episodes_resumes_exactly(reward_file, tmp_path):
+    """Partial rollouts of tree episodes with knapsack sizes: a place of G_i episodes grows
+    G_i / 2 trees of 2 leaves (one root each) as its first turns, carried at turn boundaries
+    with the pool; the budget of 6 is split 2 + 4, and the run resumes exactly."""
+    from rljax.train.methods.episode_partial import EpisodePartialRounds
+
+    grown, grow = [], EpisodePartialRounds._grow_trees
+
+    def spy(self, *args, **kw):   # the rows each grown place's trees gave first turns
+        decoded, first = grow(self, *args, **kw)
+        grown.extend(sum(map(bool, first[n:n + self.rows]))
+                     for n in range(0, len(first), self.rows) if first[n])
+        return decoded, first
+    cfg = tiny_cfg(reward_file, **{
+        "rollout.batch_size": 8, "rollout.knapsack.budget": 6,
+        "rollout.knapsack.max_samples": 4, "env.name": "tool", "env.tools": ("calculator",),
+        "env.tool_format": "plain", "env.max_turns": 2, "env.max_total_tokens": 28,
+        "env.max_obs_tokens": 8, "env.max_turn_tokens": 8, "data.max_prompt_length": 16,
+        "rollout.engine": "slots", "rollout.slots": 4, "rollout.partial": True,
+        "rollout.tree.enabled": True, "rollout.tree.roots": 2, "rollout.tree.branching": 2,
+        "rollout.tree.segment_tokens": 1})
+    cfg.env.kwargs = {"describe_tools": False}
+    cfg.data.kwargs = {"digits": 1, "eval_examples": 2, "num_examples": 2}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EpisodePartialRounds, "_grow_trees", spy)
+        records = phase_resumes_exactly(cfg, tmp_path, steps=2, saved_after=1)
+    assert all(r["rollout/group_size_min"] == 2 and r["rollout/group_size_max"] == 4
+               and np.isfinite(r["loss"]) for r in records)
+    assert sorted(set(grown)) == [2, 4]   # a place's rows: its size's trees' leaves
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_knapsack_with_partial_episodes_resumes_exactly(reward_file, tmp_path, asynchronous):
     """Partial rollouts of tool episodes: a place holds room for max_samples = G episodes and

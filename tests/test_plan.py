@@ -204,18 +204,20 @@ def test_episodes_on_the_slot_engine_are_planned_as_the_episode_engines_programs
 
 
 @pytest.mark.parametrize("engine, tree_programs", [
-    ("static", {"sample"}), ("slots", {"sample/prefill", "sample/decode"})])
+    ("static", {"sample"}), ("slots", {"sample/prefill", "sample/decode"}),
+    ("slots --config.rollout.partial=true", {"sample/prefill", "sample/decode"})])
 def test_trees_of_episodes_are_planned_as_the_tree_then_the_episode_engine(engine,
                                                                         tree_programs):
     """rollout.tree with env.name: the tree sampler's programs over the first turn (static, or
-    the slot engine's two) and the episode engine's, whose feed holds a leaf's trajectory."""
+    the slot engine's two) and the episode engine's, whose feed holds a leaf's trajectory
+    (partial rollouts: over the two batches' places)."""
     path = os.path.join(ROOT, "configs", "grpo_tool_arithmetic.py")
     tree = ["--config.rollout.tree.enabled=true", "--config.rollout.tree.segment_tokens=2",
             "--config.rollout.tree.branching=2", "--config.algo.num_generations=4",
             "--config.algo.adv_estimator=treepo"]
     cfg = config.load_config(path, [*TINY, "--config.rollout.micro_batch_size=0",
                                     "--config.mesh.data=1", *tree,
-                                    f"--config.rollout.engine={engine}"])
+                                    *f"--config.rollout.engine={engine}".split()])
     p = plan.plan(cfg, devices=jax.devices()[:1])
     names = {ph.name for ph in p.phases}
     assert tree_programs | {"sample/episode_prefill", "sample/episode_decode"} <= names

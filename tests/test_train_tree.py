@@ -191,7 +191,6 @@ def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, en
 
 @pytest.mark.parametrize("overrides, key", [
     ({"env.name": "tictactoe", "env.selfplay.mode": "self"}, "env.selfplay.mode"),
-    ({"rollout.partial": True, "rollout.engine": "slots"}, "rollout.partial"),
 ])
 def test_tree_of_episodes_refuses_what_it_cannot_do(overrides, key):
     with pytest.raises(ConfigError, match="rollout.tree.enabled=true with env.name cannot be "

@@ -260,14 +260,11 @@ def check_tree(cfg) -> None:
 
 def _check_tree_episodes(cfg) -> None:
     """Tree rollouts of episodes: the tree's leaves are first turns the episode engine plays
-    on one episode per slot, each alone, within one round. (Knapsack allocation sizes the
-    groups in whole trees of first turns, as for single-turn trees: ``knapsack_step``; routing
-    replay takes the tree's routes for the first turns, the engine's for the later ones; with
-    in-flight updates each token records the version that drew it, in the tree or after.)"""
-    env, r = cfg.env, cfg.rollout
-    refused = [(env.selfplay.mode != "off", "env.selfplay.mode (a match's seats share rows)"),
-               (r.partial, "rollout.partial (carried episodes are not a tree's leaves)")]
-    for hit, what in refused:
-        if hit:
-            raise ConfigError(f"rollout.tree.enabled=true with env.name cannot be combined "
-                              f"with {what}")
+    on one episode per slot, each alone. (Knapsack allocation sizes the groups in whole trees
+    of first turns, as for single-turn trees: ``knapsack_step``; routing replay takes the
+    tree's routes for the first turns, the engine's for the later ones; with in-flight
+    updates each token records the version that drew it, in the tree or after; partial
+    rollouts carry a group's trees whole, at the first-turn boundary.)"""
+    if cfg.env.selfplay.mode != "off":
+        raise ConfigError("rollout.tree.enabled=true with env.name cannot be combined with "
+                          "env.selfplay.mode (a match's seats share rows)")

@@ -202,7 +202,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         # Partial rollouts: 2 x chunk groups in flight, a carried episode's whole trajectory
         # fed again through the observation feed (methods.episode_partial).
         places, feed = chunk, int(e.max_obs_tokens) + 1
-        if kind == "partial":
+        if r.partial:   # (with a tree: its places' first turns grown, then carried)
             places, feed = 2 * chunk, max(feed, int(e.max_total_tokens))
         elif tree is not None:   # each leaf's trajectory fed whole
             feed = max(feed, int(e.max_total_tokens))

@@ -13,7 +13,9 @@ weights; a turn still decoding when the round is complete is dropped and drawn a
 noise, new weights) next iteration: episodes are carried at turn boundaries, so every turn is
 drawn by one policy version, which each of its tokens records (with in-flight weight updates,
 ``algo.inflight_updates``, the engine polls for new weights between its decode chunks, and a
-turn's tokens record the versions that drew them).
+turn's tokens record the versions that drew them). Tree rollouts (``rollout.tree``): a place
+with no turn yet grows its group's first turns as trees before the engine plays
+(``_grow_trees``); they are recorded as any finished turns, so a tree is carried whole.
 
 What is carried is plain data: each place's example (and dataset index, for prompt
 selection: a round's ``indices``), and, per episode, its finished turns (the
@@ -58,7 +60,9 @@ import numpy as np
 
 from rljax import distributed as dist, sampling
 from rljax.errors import UserError
+from rljax.config.rollout import knapsack_step
 from rljax.sampling import multiturn
+from rljax.sampling import tree as tree_sampling
 from rljax.train.core import episodes as ep
 from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
@@ -108,6 +112,11 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.turns: list[list[list[dict]]] = [self._empty() for _ in range(c)]
         self.moves: list[list[list[int]]] = [[] for _ in range(c)]
         self.next_serial = self.clock = 0
+        # Tree rollouts: a place's first turns are trees of ``unit`` leaves, one root each
+        # (``_grow_trees``); the group's size sets its number of roots.
+        self.tree = tree_sampling.options_from_config(ctx.cfg.rollout.tree,
+                                                      int(ctx.cfg.algo.num_generations))
+        self.unit = knapsack_step(ctx.cfg)
         self._step = self._version = 0
         self._key, self._drawn = None, []   # per sampling round of this call (metrics)
         # Asynchronous RL: the version of the parameters it passes (None: ``step``).
@@ -264,6 +273,10 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         cfg, g = self.ctx.cfg, self.g
         envs = agent.make_envs(cfg, [self.metas[j] for j in places], g)
         record, finished, prompts, prompt_ids, p_tok, p_mask = self._rebuild(envs, places)
+        grown = 0
+        if self.tree is not None:   # fresh places' first turns: their trees, then replayed
+            grown, first_turns = self._grow_trees(params, places, p_tok, p_mask, weights)
+            finished |= record.replay(first_turns)
         finished |= self._unused(places)   # (rows past a group's size: never played)
         eps = lambda: dict(record.result(prompts, prompt_ids, p_tok.shape[1]),  # noqa: E731
                            roles=np.array([getattr(e, "role_key", -1) for e in envs], np.int32))
@@ -275,14 +288,14 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 self.completed_at[j] = self.clock
         waiting = [i for i in range(r) if not finished[i]][::-1]   # oldest group next
         if done_places() >= self.num_prompts or not waiting:
-            return eps(), groups, (0, 0), 0, 0
+            return eps(), groups, (0, 0), grown, 0
         s = max(1, min(engine_slots(cfg, self.num_prompts * g), r))
         first = np.repeat(np.asarray(p_tok)[:, -1], g)
         draw = self._draw_ids(places)
         cache, state, run_chunk, chunks = self._engine_setup(lim, p_tok, p_mask, params, s,
                                                              weights=weights)
         in_flight = weights is not None
-        busy = run = drawn = 0
+        busy, run, drawn = 0, 0, grown
         while done_places() < self.num_prompts:
             for slot in np.flatnonzero(state["row"] < 0):
                 if not waiting:
@@ -318,6 +331,37 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 ep.set_slot_temperatures(state, slot, record.turn_temperatures([i]))
         live = (state["row"] >= 0) & state["live"]   # turns dropped: drawn again next time
         return eps(), groups, (busy, run), drawn + int(state["t"][live].sum()), chunks.swaps
+
+    def _grow_trees(self, params, places, p_tok, p_mask, weights=None) -> tuple[int, list]:
+        """Tree rollouts of episodes (``tree_episodes``): every place of ``places`` with no
+        turn yet (admitted, or restarted as stale) grows its group's first turns as trees of
+        ``unit`` leaves, one root per ``unit`` rows of its size (``p_tok``/``p_mask``: the
+        places' prompts [len(places), P]), its noise keyed by its admission; the leaves are
+        recorded as its rows' first turns, so a tree is carried whole, at the first-turn
+        boundary. Returns (tokens decoded, the new first turns per row of ``places``, for
+        ``record.replay``). ``weights``: in-flight updates (each token records its version)."""
+        from rljax.train.methods import tree_episodes
+        cfg, g = self.ctx.cfg, self.g
+        decoded, first_turns = 0, [[] for _ in range(len(places) * self.rows)]
+        for n, j in enumerate(places):
+            if any(self.turns[j]):
+                continue
+            tree = dict(self.tree, roots=int(self.sizes[j]) // self.unit)
+            grow = tree_episodes.FirstTurns(
+                self.ctx, params, jax.random.fold_in(self._key, int(self.serial[j])), tree,
+                agent.turn_tokens(cfg), weights=weights, temperature=cfg.rollout.temperature,
+                top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                temperatures=rollout_temperatures(cfg))
+            tokens, logps, lengths = grow(p_tok[n:n + 1], p_mask[n:n + 1])
+            versions = grow.out.get("versions")
+            for k, m in enumerate(lengths):   # (kept as the engine's turns are: cut)
+                m = ep._cut_after(self.ctx.tokenizer, tokens[k, :m].tolist(),
+                                  self._renderer.call_end)
+                self._record_turn(j, k, tokens[k, :m], logps[k, :m],
+                                  versions=None if versions is None else versions[k])
+                first_turns[n * g + k] = self.turns[j][k][-1:]
+            decoded += int(np.sum(grow.out["decoded"]))
+        return decoded, first_turns
 
     def _rebuild(self, envs, places):
         """The episodes of ``places`` as their recorded turns left them: fresh environments,
