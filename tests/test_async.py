@@ -244,18 +244,22 @@ def test_inflight_updates_reach_partial_rollouts_between_decode_chunks(monkeypat
     assert (gap < 1e-4).any() and (gap > 1e-3).any()   # drawn by version 0, and by 1
 
 
-def test_inflight_updates_reach_partial_episodes_between_decode_chunks(monkeypatch):
+@pytest.mark.parametrize("tree", [False, True])
+def test_inflight_updates_reach_partial_episodes_between_decode_chunks(monkeypatch, tree):
     """``algo.inflight_updates`` with partial rollouts of tool episodes: update 0 (made ready
     at the sampler's second poll) reaches the episode pool's engine between two decode chunks
     of batch 1, so its episodes mix versions 0 and 1, each turn's tokens keeping the versions
-    that drew them and their log-probs."""
+    that drew them and their log-probs. ``tree``: the places admitted in iteration 1 grow
+    their first turns as trees first, which poll too (the swap comes between the first tree's
+    root and its forks)."""
     from rljax.train.methods.episode_partial import EpisodePartialRounds
     from tests.test_agent_train import agent_cfg
     _updates_ready_at_the_second_poll(monkeypatch)
     cfg = agent_cfg(**{"sft.steps": 0, "steps": 2, "algo.asynchronous": True,
                        "rollout.engine": "slots", "rollout.partial": True, "rollout.slots": 4,
                        "rollout.chunk_steps": 1, "algo.inflight_updates": True,
-                       "algo.entropy_coef": 0.01, "optimizer.learning_rate": 1e-2})
+                       "algo.entropy_coef": 0.01, "optimizer.learning_rate": 1e-2,
+                       **({**TREE, "algo.adv_estimator": "treepo"} if tree else {})})
     turns = []   # the versions of every turn the pool recorded
     record = EpisodePartialRounds._record_turn
     monkeypatch.setattr(EpisodePartialRounds, "_record_turn", lambda self, *a, **k: (
@@ -267,8 +271,11 @@ def test_inflight_updates_reach_partial_episodes_between_decode_chunks(monkeypat
     n = batch["loss_mask"].shape[1]
     own = np.asarray(steps.completion_logps(ctx.model_cfg, versions[0], batch)[0])
     gap = np.abs(own - batch["sampler_logps"])[batch["model_mask"]]
-    assert (gap < 1e-4).any() and (gap > 1e-3).any()   # drawn by version 0, and by 1
     assert batch["mask"][:, -n:].sum() > 0
+    if tree:   # a tree's first turns across the swap: the root's token by 0, the forks' by 1
+        assert any(t.get("versions", [])[:3] == [0, 1, 1] for t in turns)
+        return   # (the groups that completed first, and trained, were carried: version 0's)
+    assert (gap < 1e-4).any() and (gap > 1e-3).any()   # drawn by version 0, and by 1
 
 
 def test_inflight_updates_wait_for_relifts_sft_step(monkeypatch):

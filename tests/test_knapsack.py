@@ -577,10 +577,10 @@ def test_knapsack_with_partial_tree_episodes_resumes_exactly(reward_file, tmp_pa
     grown, grow = [], EpisodePartialRounds._grow_trees
 
     def spy(self, *args, **kw):   # the rows each grown place's trees gave first turns
-        decoded, first = grow(self, *args, **kw)
+        decoded, swaps, first = grow(self, *args, **kw)
         grown.extend(sum(map(bool, first[n:n + self.rows]))
                      for n in range(0, len(first), self.rows) if first[n])
-        return decoded, first
+        return decoded, swaps, first
     cfg = tiny_cfg(reward_file, **{
         "rollout.batch_size": 8, "rollout.knapsack.budget": 6,
         "rollout.knapsack.max_samples": 4, "env.name": "tool", "env.tools": ("calculator",),

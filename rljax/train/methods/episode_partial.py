@@ -273,9 +273,10 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         cfg, g = self.ctx.cfg, self.g
         envs = agent.make_envs(cfg, [self.metas[j] for j in places], g)
         record, finished, prompts, prompt_ids, p_tok, p_mask = self._rebuild(envs, places)
-        grown = 0
+        grown = swapped = 0
         if self.tree is not None:   # fresh places' first turns: their trees, then replayed
-            grown, first_turns = self._grow_trees(params, places, p_tok, p_mask, weights)
+            grown, swapped, first_turns = self._grow_trees(params, places, p_tok, p_mask,
+                                                           weights)
             finished |= record.replay(first_turns)
         finished |= self._unused(places)   # (rows past a group's size: never played)
         eps = lambda: dict(record.result(prompts, prompt_ids, p_tok.shape[1]),  # noqa: E731
@@ -288,7 +289,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                 self.completed_at[j] = self.clock
         waiting = [i for i in range(r) if not finished[i]][::-1]   # oldest group next
         if done_places() >= self.num_prompts or not waiting:
-            return eps(), groups, (0, 0), grown, 0
+            return eps(), groups, (0, 0), grown, swapped
         s = max(1, min(engine_slots(cfg, self.num_prompts * g), r))
         first = np.repeat(np.asarray(p_tok)[:, -1], g)
         draw = self._draw_ids(places)
@@ -330,19 +331,22 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                           draw=int(draw[i]))
                 ep.set_slot_temperatures(state, slot, record.turn_temperatures([i]))
         live = (state["row"] >= 0) & state["live"]   # turns dropped: drawn again next time
-        return eps(), groups, (busy, run), drawn + int(state["t"][live].sum()), chunks.swaps
+        return (eps(), groups, (busy, run), drawn + int(state["t"][live].sum()),
+                chunks.swaps + swapped)
 
-    def _grow_trees(self, params, places, p_tok, p_mask, weights=None) -> tuple[int, list]:
+    def _grow_trees(self, params, places, p_tok, p_mask,
+                    weights=None) -> tuple[int, int, list]:
         """Tree rollouts of episodes (``tree_episodes``): every place of ``places`` with no
         turn yet (admitted, or restarted as stale) grows its group's first turns as trees of
         ``unit`` leaves, one root per ``unit`` rows of its size (``p_tok``/``p_mask``: the
         places' prompts [len(places), P]), its noise keyed by its admission; the leaves are
         recorded as its rows' first turns, so a tree is carried whole, at the first-turn
-        boundary. Returns (tokens decoded, the new first turns per row of ``places``, for
-        ``record.replay``). ``weights``: in-flight updates (each token records its version)."""
+        boundary. Returns (tokens decoded, weight swaps, the new first turns per row of
+        ``places``, for ``record.replay``). ``weights``: in-flight updates (each token records
+        its version)."""
         from rljax.train.methods import tree_episodes
         cfg, g = self.ctx.cfg, self.g
-        decoded, first_turns = 0, [[] for _ in range(len(places) * self.rows)]
+        decoded, swaps, first_turns = 0, 0, [[] for _ in range(len(places) * self.rows)]
         for n, j in enumerate(places):
             if any(self.turns[j]):
                 continue
@@ -361,7 +365,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                                   versions=None if versions is None else versions[k])
                 first_turns[n * g + k] = self.turns[j][k][-1:]
             decoded += int(np.sum(grow.out["decoded"]))
-        return decoded, first_turns
+            swaps += int(grow.out.get("swaps", 0))
+        return decoded, swaps, first_turns
 
     def _rebuild(self, envs, places):
         """The episodes of ``places`` as their recorded turns left them: fresh environments,
