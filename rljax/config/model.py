@@ -97,9 +97,9 @@ def has_vision_tower(cfg) -> bool:
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
-    engine, trees of first turns), synchronous or not (docs/vision.md). Episodes carried across iterations, VinePPO's
-    episode forks, self-play matches, knapsack group sizes and the SFT warm-up's scripted
-    episodes do not carry them yet."""
+    engine, trees of first turns), synchronous or not (docs/vision.md). Episodes carried
+    across iterations, VinePPO's episode forks, self-play matches, knapsack group sizes and
+    the SFT warm-up's scripted episodes do not carry them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"

@@ -224,10 +224,11 @@ def check_tree(cfg) -> None:
     if not tree.enabled:
         return
     # With episodes the tree forks within the first model turn, and each leaf plays on as an
-    # episode (``train.methods.tree_episodes``). (Partial rollouts carry whole trees: ``sampling.tree_partial``. In-flight weights enter
-    # the slot engine's tree between its levels and decode chunks: check_async asks for the
-    # slot engine. Hints re-sample a failed group as a new tree grown from the hinted prompt;
-    # a temperature schedule reaches each segment at its completion positions.)
+    # episode (``train.methods.tree_episodes``). (Partial rollouts carry whole trees:
+    # ``sampling.tree_partial``. In-flight weights enter the slot engine's tree between its
+    # levels and decode chunks: check_async asks for the slot engine. Hints re-sample a failed
+    # group as a new tree grown from the hinted prompt; a temperature schedule reaches each
+    # segment at its completion positions.)
     if cfg.env.name:   # the tree forks within the first turn (train.methods.tree_episodes)
         _check_tree_episodes(cfg)
     if algo.name not in ("grpo", "distill", "ppo"):   # (distillation: the teacher scores the

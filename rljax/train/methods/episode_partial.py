@@ -59,8 +59,8 @@ import jax
 import numpy as np
 
 from rljax import distributed as dist, sampling
-from rljax.errors import UserError
 from rljax.config.rollout import knapsack_step
+from rljax.errors import UserError
 from rljax.sampling import multiturn
 from rljax.sampling import tree as tree_sampling
 from rljax.train.core import episodes as ep
@@ -345,7 +345,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         ``places``, for ``record.replay``). ``weights``: in-flight updates (each token records
         its version)."""
         from rljax.train.methods import tree_episodes
-        cfg, g = self.ctx.cfg, self.g
+        cfg = self.ctx.cfg
         decoded, swaps, first_turns = 0, 0, [[] for _ in range(len(places) * self.rows)]
         for n, j in enumerate(places):
             if any(self.turns[j]):
@@ -363,7 +363,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
                                   self._renderer.call_end)
                 self._record_turn(j, k, tokens[k, :m], logps[k, :m],
                                   versions=None if versions is None else versions[k])
-                first_turns[n * g + k] = self.turns[j][k][-1:]
+                first_turns[n * self.rows + k] = self.turns[j][k][-1:]
             decoded += int(np.sum(grow.out["decoded"]))
             swaps += int(grow.out.get("swaps", 0))
         return decoded, swaps, first_turns
