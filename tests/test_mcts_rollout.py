@@ -148,7 +148,7 @@ def test_config_refuses_bad_mcts_settings():
         tiny_cfg(**{"algo.mcts.max_nodes": 2})
     from rljax.envs.base import register_env
     register_env("test_two_turns", TwoTurnEnv)
-    for key, value in (("algo.mcts.value", "prm"), ("env.turn_discount", 0.9)):
+    for key, value in (("algo.mcts.value", "prm"),):
         with pytest.raises(config_lib.ConfigError, match=f"env.name cannot .*{key}"):
             tiny_cfg(**EPISODE_SEARCH, **{key: value, "algo.mcts.prm": "x"})
 
@@ -478,19 +478,25 @@ EPISODE_SEARCH = {"env.name": "test_two_turns", "env.tools": (), "env.max_turn_t
                   "sft.max_length": 32, "algo.mcts.correct_reward": 1.0}
 
 
-def test_the_search_over_an_environments_turns_trains_on_episode_traces(tmp_path):
-    """A node is a turn boundary: its children are model turns, its trajectory holds the
-    environment's observation, a terminal node's reward is the episode's; the traces train on
-    the model's turns only; two rounds of self-training run."""
+@pytest.fixture(scope="module")
+def ectx(tmp_path_factory):
+    """The context of a search over ``TwoTurnEnv``'s turns."""
     from rljax.envs.base import register_env
-    from rljax.train import run
-    from rljax.train.core.metrics import read_metrics
-    from rljax.train.methods import mcts_episodes
 
     register_env("test_two_turns", TwoTurnEnv)
     cfg = tiny_cfg(**EPISODE_SEARCH)
     setup.check_inputs(cfg, num_devices=1)
-    ectx = setup.build_context(cfg, str(tmp_path / "ctx"), devices=DEVICES)
+    return setup.build_context(cfg, str(tmp_path_factory.mktemp("episodes")), devices=DEVICES)
+
+
+def test_the_search_over_an_environments_turns_trains_on_episode_traces(ectx, tmp_path):
+    """A node is a turn boundary: its children are model turns, its trajectory holds the
+    environment's observation, a terminal node's reward is the episode's; the traces train on
+    the model's turns only; two rounds of self-training run (with env.turn_discount)."""
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import mcts_episodes
+
     search = mcts_episodes.searcher(ectx, 3)
     assert isinstance(search, mcts_episodes.EpisodeSearch)
     trees = search.search(ectx.params, EXAMPLES, jax.random.key(5))
@@ -514,8 +520,53 @@ def test_the_search_over_an_environments_turns_trains_on_episode_traces(tmp_path
         n = batch["loss_mask"][i].sum()
         assert 0 < n < len(traces[i])   # the observation's tokens do not train
 
-    assert run.train(tiny_cfg(**EPISODE_SEARCH), str(tmp_path / "run"), devices=DEVICES) == 0
+    # The run's values discounted per turn (env.turn_discount: the root's R_0 = gamma r).
+    cfg = tiny_cfg(**EPISODE_SEARCH, **{"env.turn_discount": 0.5})
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
     rounds = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/solved_frac" in r]
     assert len(rounds) == 2
     assert all(np.isfinite(r["sft/loss"]) and r["mcts/depth_mean"] > 1 and r["mcts/traces"] > 0
-               for r in rounds)
+               and 0 < r["mcts/value_root_mean"] <= 0.5 for r in rounds)
+
+
+def test_the_search_over_turns_backs_up_discounted_turn_returns(ectx):
+    """env.turn_discount: a node after d turns backs up the return of the turn that made it
+    (the root its episode's): with TwoTurnEnv's final reward r, r at depth 2 and gamma r above
+    (a step reward on turn 1 counts at every depth). gamma 1 grows the undiscounted trees
+    exactly; gamma 0.5 halves the values above the terminals (the run with it: the test
+    above)."""
+    import dataclasses
+
+    from rljax.algorithms import turn_credit
+    from rljax.train.methods import mcts_episodes
+
+    gamma = 0.5
+    returns = turn_credit.turn_returns(np.array([[0.2, 1.0]]), np.array([2]), gamma)
+    np.testing.assert_allclose(mcts_episodes.path_values(returns, 3), [0.7, 0.7, 1.0])
+
+    def trees(discount):
+        cfg = tiny_cfg(**EPISODE_SEARCH, **({} if discount is None else
+                                            {"env.turn_discount": discount}))
+        return mcts_episodes.searcher(dataclasses.replace(ectx, cfg=cfg), 3).search(
+            ectx.params, EXAMPLES, jax.random.key(5))
+    outcome = [flat(t) for t in trees(None)]
+    assert [flat(t) for t in trees(1.0)] == outcome
+    discounted = trees(gamma)
+    assert [flat(t) for t in discounted] != outcome
+    rewarded = 0
+    for t in discounted:
+        for n in mcts_search.walk(t.root):
+            kids = [c for c in n.children if c.visits]
+            if n.terminal:   # turn 2 made it: R_1 = r, undiscounted
+                assert n.value_sum == pytest.approx(n.visits * t.info[n.steps]["reward"])
+                assert t.terminal_value(n) == t.info[n.steps]["reward"]
+                continue
+            # Its own evaluations (the mean of 2 forks' gamma r each) and its children's sums,
+            # those at depth 2 discounted once more on the way up.
+            below = sum(c.value_sum * (gamma if c.terminal else 1.0) for c in kids)
+            own = (n.value_sum - below) / gamma * 2
+            evaluations = n.visits - sum(c.visits for c in kids)
+            assert own == pytest.approx(round(own)) and 0 <= round(own) <= 2 * evaluations
+            assert n.value <= gamma + 1e-6
+            rewarded += n.value > 0
+    assert rewarded

@@ -69,7 +69,8 @@ def check_mcts(cfg) -> None:
     online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
     (each node's steps drawn from its own key), a PRM workdir with value 'prm' (refitted in
     either phase with ``algo.mcts.refit_prm``, with LoRA too: adapters and head); with
-    ``env.name`` over the environment's turns, valued by episode rewards."""
+    ``env.name`` over the environment's turns, valued by episode rewards (with
+    ``env.turn_discount`` each node by its discounted return)."""
     traces = cfg.sft.traces == "mcts"
     if not traces and cfg.data.pairs != "mcts":
         if cfg.algo.mcts.refit_prm:
@@ -98,9 +99,6 @@ def check_mcts(cfg) -> None:
         for key, on, why in (
                 ("algo.mcts.value='prm'", m.value == "prm", "a PRM scores step prefixes, not "
                  "turn boundaries; the leaves are valued by their episodes' rewards"),
-                ("env.turn_discount", cfg.env.turn_discount is not None, "the search backs "
-                 "each leaf's episode reward up its path undiscounted, with no per-turn "
-                 "rewards along it"),
                 ("env.selfplay.mode", cfg.env.selfplay.mode != "off", "a node's turns are "
                  "one seat's; the other seats' moves would be part of the environment")):
             if on:

@@ -113,6 +113,14 @@ class Tree:
         ids = self.tokens(node)
         return ids, [True] * len(ids)
 
+    def terminal_value(self, node: mcts.Node) -> float:
+        """The value a terminal node backs up: its reward."""
+        return self.info[node.steps]["reward"]
+
+    def backup_terminal(self, path: list) -> None:
+        """Backs up the terminal leaf ``path[-1]``'s value along ``path`` (root first)."""
+        mcts.backup(path, self.terminal_value(path[-1]))
+
 
 def walk(root: mcts.Node):
     """Every node of a tree, depth first in expansion order (root first)."""
@@ -183,7 +191,7 @@ class MCTSSearch:
                                                   float(self.m.unvisited_value)))
                 leaf = path[-1]
                 if leaf.terminal:
-                    mcts.backup(path, t.info[leaf.steps]["reward"])
+                    t.backup_terminal(path)
                     t.simulations += 1
                 elif t.nodes >= int(self.m.max_nodes):
                     t.done = True
@@ -371,13 +379,13 @@ class MCTSTraces:
 
 def sibling_pairs(tree: Tree, min_gap: float, max_pairs: int) -> list[tuple]:
     """Step-DPO pairs from sibling nodes: at each expanded node (``walk`` order), among its
-    children with a value (visited: Q; terminal and unvisited: its reward), chosen = the
+    children with a value (visited: Q; terminal and unvisited: ``Tree.terminal_value``), chosen = the
     highest, rejected = the lowest (first of ties), when they differ by more than
     ``min_gap``. Returns up to ``max_pairs`` of ``(context ids = prompt ++ prefix, chosen
     step ids, rejected step ids, value gap, depth)``."""
     pairs = []
     for node in walk(tree.root):
-        valued = [(c.value if c.visits else tree.info[c.steps]["reward"], c)
+        valued = [(c.value if c.visits else tree.terminal_value(c), c)
                   for c in node.children if c.visits or c.terminal]
         if len(valued) < 2:
             continue
