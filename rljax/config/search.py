@@ -70,7 +70,7 @@ def check_mcts(cfg) -> None:
     (each node's steps drawn from its own key), a PRM workdir with value 'prm' (refitted in
     either phase with ``algo.mcts.refit_prm``, with LoRA too: adapters and head); with
     ``env.name`` over the environment's turns, valued by episode rewards (with
-    ``env.turn_discount`` each node by its discounted return)."""
+    ``env.turn_discount`` each node by its discounted return) or a frozen PRM at turn ends."""
     traces = cfg.sft.traces == "mcts"
     if not traces and cfg.data.pairs != "mcts":
         if cfg.algo.mcts.refit_prm:
@@ -97,8 +97,8 @@ def check_mcts(cfg) -> None:
                           "train in the columns after the prompt)")
     if cfg.env.name:
         for key, on, why in (
-                ("algo.mcts.value='prm'", m.value == "prm", "a PRM scores step prefixes, not "
-                 "turn boundaries; the leaves are valued by their episodes' rewards"),
+                ("algo.mcts.refit_prm", m.refit_prm, "the refit's rows are step prefixes "
+                 "of one completion, not an episode's turns"),
                 ("env.selfplay.mode", cfg.env.selfplay.mode != "off", "a node's turns are "
                  "one seat's; the other seats' moves would be part of the environment")):
             if on:

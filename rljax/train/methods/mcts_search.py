@@ -289,18 +289,22 @@ class MCTSSearch:
         """PRM scores of new non-terminal children (value 'prm'; else zeros)."""
         if self.m.value != "prm" or not nodes:
             return np.zeros(len(nodes), np.float32)
-        return np.asarray(self.prm_scorer([t.prompt_ids for t, _ in nodes],
-                                          [t.tokens(c) for t, c in nodes]), np.float32)
+        return np.asarray(self.prm_scorer(*self._prm_rows(nodes)), np.float32)
+
+    def _prm_rows(self, nodes: list[tuple[Tree, mcts.Node]]) -> tuple:
+        """The PRM scorer's arguments for ``nodes``: their prompts and step prefixes."""
+        return [t.prompt_ids for t, _ in nodes], [t.tokens(c) for t, c in nodes]
 
 
-def searcher(ctx, prompts: int, prm_scorer=None) -> MCTSSearch:
-    """The run's search over ``prompts`` prompts per round (value 'prm': ``prm_scorer``, by
-    default the frozen PRM of ``algo.mcts.prm``, scoring ``scorer_rows`` rows a batch: a
-    wave's new children at most)."""
+def searcher(ctx, prompts: int, prm_scorer=None, search=None) -> MCTSSearch:
+    """The run's search (class ``search``, default ``MCTSSearch``) over ``prompts`` prompts
+    per round (value 'prm': ``prm_scorer``, by default the frozen PRM of ``algo.mcts.prm``,
+    scoring ``scorer_rows`` rows a batch: a wave's new children at most)."""
     m = ctx.cfg.algo.mcts
     if m.value == "prm" and prm_scorer is None:
         prm_scorer = mcts_programs.load_prm_scorer(ctx, mcts_programs.scorer_rows(ctx, prompts))
-    return MCTSSearch(ctx, mcts_programs.search_rows(prompts, ctx.dp_size), prm_scorer)
+    return (search or MCTSSearch)(ctx, mcts_programs.search_rows(prompts, ctx.dp_size),
+                                  prm_scorer)
 
 
 def round_trees(search: MCTSSearch, state, examples: list[dict], step: int,
