@@ -148,9 +148,8 @@ def test_config_refuses_bad_mcts_settings():
         tiny_cfg(**{"algo.mcts.max_nodes": 2})
     from rljax.envs.base import register_env
     register_env("test_two_turns", TwoTurnEnv)
-    with pytest.raises(config_lib.ConfigError, match="env.name cannot .*algo.mcts.refit_prm"):
-        tiny_cfg(**EPISODE_SEARCH, **{"algo.mcts.value": "prm", "algo.mcts.prm": "x",
-                                      "algo.mcts.refit_prm": True})
+    with pytest.raises(config_lib.ConfigError, match="env.name cannot .*env.selfplay.mode"):
+        tiny_cfg(**{**EPISODE_SEARCH, "env.name": "tictactoe", "env.selfplay.mode": "self"})
 
 
 def _comparable(workdir):
@@ -509,7 +508,7 @@ def test_the_search_over_an_environments_turns_trains_on_episode_traces(ectx, tm
     """A node is a turn boundary: its children are model turns, its trajectory holds the
     environment's observation, a terminal node's reward is the episode's; the traces train on
     the model's turns only; two rounds of self-training run (with env.turn_discount and a
-    PRM's values)."""
+    PRM's values, the PRM refitted each round)."""
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
     from rljax.train.methods import mcts_episodes
@@ -538,15 +537,18 @@ def test_the_search_over_an_environments_turns_trains_on_episode_traces(ectx, tm
         assert 0 < n < len(traces[i])   # the observation's tokens do not train
 
     # The run's values discounted per turn (env.turn_discount: the root's R_0 <= gamma), its
-    # leaves valued by a PRM run's scores at their turn ends (algo.mcts.value='prm').
+    # leaves valued by a PRM run's scores at their turn ends (algo.mcts.value='prm'), that
+    # PRM refitted each round on the nodes' values at their turn ends (algo.mcts.refit_prm).
     prm = write_prm_run(str(tmp_path / "prm"), ectx)
     cfg = tiny_cfg(**EPISODE_SEARCH, **{"env.turn_discount": 0.5, "algo.mcts.value": "prm",
-                                        "algo.mcts.prm": prm})
+                                        "algo.mcts.prm": prm, "algo.mcts.refit_prm": True})
     assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
     rounds = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/solved_frac" in r]
     assert len(rounds) == 2
     assert all(np.isfinite(r["sft/loss"]) and r["mcts/depth_mean"] > 1 and r["mcts/traces"] > 0
-               and 0 < r["mcts/value_root_mean"] <= 0.5 for r in rounds)
+               and 0 < r["mcts/value_root_mean"] <= 0.5 and r["mcts/prm_rows"] > 0
+               and r["mcts/prm_labels"] > r["mcts/prm_rows"] and np.isfinite(r["mcts/prm_loss"])
+               for r in rounds)
 
 
 def test_the_search_over_turns_backs_up_discounted_turn_returns(ectx):
@@ -598,11 +600,11 @@ def test_a_prm_values_the_search_over_turns_at_its_turn_ends(ectx, tmp_path):
     there, the root its forks' mean, a terminal its reward; the score is the one at the end
     of the node's last model turn (the observation after it changes nothing). With
     env.turn_discount the score stands in for the return from the leaf on: gamma 1 grows the
-    same trees, gamma 0.5 discounts the score once per turn up the path (a run with a PRM
-    run's workdir: the test above)."""
+    same trees, gamma 0.5 discounts the score once per turn up the path. The refit's rows
+    label each turn's end with its node's Q (a run refitting a PRM run's: the test above)."""
     import dataclasses
 
-    from rljax.train.methods import mcts_episodes, mcts_programs
+    from rljax.train.methods import mcts_episodes, mcts_programs, prm_refit
 
     scored = []
 
@@ -628,6 +630,19 @@ def test_a_prm_values_the_search_over_turns_at_its_turn_ends(ectx, tmp_path):
                 assert len(set(info["turn_ids"]) - {-1}) == len(n.steps)
                 if n.expanded:
                     assert n.value_sum == pytest.approx(info["score"] + kids)
+    # The refit's rows (algo.mcts.refit_prm): each valued node's trajectory, turn k labelled
+    # with its path node's Q on its last model token, where the scorer reads turn k.
+    for t in undiscounted:
+        rows = prm_refit.label_rows(t)
+        valued = [n for n in mcts_search.walk(t.root) if n.steps and n.visits]
+        assert len(rows) == len(valued)
+        for (_, comp, ends, labels), n in zip(rows, valued):
+            turns = t.info[n.steps]["turn_ids"]
+            assert comp == list(t.info[n.steps]["trajectory"]) and len(ends) == len(n.steps)
+            assert [turns[e] for e in ends] == list(range(len(n.steps)))
+            assert all(e + 1 == len(turns) or turns[e + 1] != turns[e] for e in ends)
+            assert labels == pytest.approx([min(max(p.value, 0.0), 1.0)
+                                            for p in prm_refit.path_nodes(t, n)])
     assert [flat(t) for t in trees(**{"env.turn_discount": 1.0})] == [
         flat(t) for t in undiscounted]
     gamma, checked = 0.5, 0
@@ -654,3 +669,10 @@ def test_a_prm_values_the_search_over_turns_at_its_turn_ends(ectx, tmp_path):
     whole, cut = real([prompt] * 2, [list(info["trajectory"]), list(info["trajectory"][:last])],
                       [turns, turns[:last]])
     assert 0 < whole < 1 and whole == pytest.approx(cut, abs=1e-6)
+    # With algo.mcts.refit_prm the search over turns reads the PRM the refit trains.
+    from rljax.train.phases.sft import SFTPhase
+    refit = tiny_cfg(1, **EPISODE_SEARCH, **{"algo.mcts.value": "prm", "algo.mcts.prm": prm,
+                                             "algo.mcts.refit_prm": True})
+    phase = SFTPhase(dataclasses.replace(ectx, cfg=refit), 1, 1e-3)
+    assert isinstance(phase.traces.searcher, mcts_episodes.EpisodeSearch)
+    assert phase.traces.searcher.prm_scorer is phase.refit.scorer

@@ -95,14 +95,10 @@ def check_mcts(cfg) -> None:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
                           "train in the columns after the prompt)")
-    if cfg.env.name:
-        for key, on, why in (
-                ("algo.mcts.refit_prm", m.refit_prm, "the refit's rows are step prefixes "
-                 "of one completion, not an episode's turns"),
-                ("env.selfplay.mode", cfg.env.selfplay.mode != "off", "a node's turns are "
-                 "one seat's; the other seats' moves would be part of the environment")):
-            if on:
-                raise ConfigError(f"{what} with env.name cannot be combined with {key} ({why})")
+    if cfg.env.name and cfg.env.selfplay.mode != "off":
+        raise ConfigError(f"{what} with env.name cannot be combined with env.selfplay.mode "
+                          "(a node's turns are one seat's; the other seats' moves would be "
+                          "part of the environment)")
     if m.max_nodes < 1 + m.children:
         raise ConfigError(f"algo.mcts.max_nodes={m.max_nodes} holds no expansion of "
                           f"algo.mcts.children={m.children} (needs >= {1 + m.children})")

@@ -72,6 +72,12 @@ class EpisodeTree(Tree):
     observations) and, with ``env.turn_discount``, a terminal node's ``returns`` (its
     episode's per-turn returns, f32 [T] as a tuple)."""
 
+    def step_ends(self, node: mcts.Node) -> list[int]:
+        """The last token of each model turn in the node's trajectory (observations follow
+        some of them)."""
+        turn_ids = np.asarray(self.info[node.steps]["turn_ids"], np.int32)[None]
+        return np.flatnonzero(turn_credit.turn_ends(turn_ids)[0]).tolist()
+
     def terminal_value(self, node: mcts.Node) -> float:
         info = self.info[node.steps]
         if "returns" not in info:

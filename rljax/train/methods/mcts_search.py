@@ -113,6 +113,10 @@ class Tree:
         ids = self.tokens(node)
         return ids, [True] * len(ids)
 
+    def step_ends(self, node: mcts.Node) -> list[int]:
+        """The position of each step's last token in ``tokens(node)`` (one per step)."""
+        return (np.cumsum([len(step) for step in node.steps]) - 1).tolist()
+
     def terminal_value(self, node: mcts.Node) -> float:
         """The value a terminal node backs up: its reward."""
         return self.info[node.steps]["reward"]

@@ -65,8 +65,9 @@ class SFTPhase:
             self.traces = mcts_search.MCTSTraces(
                 ctx, self.iterator, self.completion_len,
                 refit_scorer=None if self.refit is None else self.refit.scorer,
-                search=(mcts_episodes.searcher(ctx, int(cfg.sft.batch_size))
-                        if cfg.env.name else None))   # over the environment's turns
+                search=(mcts_episodes.searcher(   # over the environment's turns
+                    ctx, int(cfg.sft.batch_size), None if self.refit is None else
+                    self.refit.scorer) if cfg.env.name else None))
 
     def init_state(self, state):
         state = _init_state(self.optimizer, state)
