@@ -387,8 +387,8 @@ class MCTSTraces:
 
 def sibling_pairs(tree: Tree, min_gap: float, max_pairs: int) -> list[tuple]:
     """Step-DPO pairs from sibling nodes: at each expanded node (``walk`` order), among its
-    children with a value (visited: Q; terminal and unvisited: ``Tree.terminal_value``), chosen = the
-    highest, rejected = the lowest (first of ties), when they differ by more than
+    children with a value (visited: Q; terminal and unvisited: ``Tree.terminal_value``),
+    chosen = the highest, rejected = the lowest (first of ties), when they differ by more than
     ``min_gap``. Returns up to ``max_pairs`` of ``(context ids = prompt ++ prefix, chosen
     step ids, rejected step ids, value gap, depth)``."""
     pairs = []

@@ -7,10 +7,11 @@ stepwise layout (``data.stepwise``): step k of the path is labelled on its last 
 mean value Q of the path's node at depth k, clipped to [0, 1] (a soft label; a terminal node's
 Q is the mean of its reward). Over an environment's turns (``mcts_episodes``) the row is
 prompt ++ the node's trajectory (``env.max_total_tokens`` columns) and turn k is labelled on
-its last model token, where the search's scorer reads it. The PRM then takes ``algo.mcts.refit_updates`` updates with the
-PRM phase's loss (``prm_loss``: binary cross-entropy at the labelled step ends) on
-those rows, padded to a fixed number (``refit_rows``; padded rows weigh nothing), and the next
-round's search values its leaves with the refitted PRM.
+its last model token, where the search's scorer reads it. The PRM then takes
+``algo.mcts.refit_updates`` updates with the PRM phase's loss (``prm_loss``: binary
+cross-entropy at the labelled step ends) on those rows, padded to a fixed number
+(``refit_rows``; padded rows weigh nothing), and the next round's search values its leaves
+with the refitted PRM.
 
 The PRM lives in the train state (``critic_params`` and ``critic_opt_state``, as the PRM
 phase keeps it), initialised from the latest checkpoint of the PRM run in ``algo.mcts.prm``:
