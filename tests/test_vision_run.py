@@ -232,6 +232,17 @@ class LookAgainEnv(EchoEnv):
 
 
 register_env("look_again", LookAgainEnv)
+
+
+class LookLongerEnv(LookAgainEnv):
+    """``LookAgainEnv`` whose observation's length (1 to 6 characters) is set by the turn's
+    text: episodes of different lengths, so some are carried between their turns."""
+
+    def answer(self, text: str) -> str:
+        return "l" * (1 + sum(map(ord, text)) % 6)
+
+
+register_env("look_longer", LookLongerEnv)
 EPISODES = {"env.name": "look_again", "env.max_turns": 3, "env.max_turn_tokens": 2,
             "env.max_obs_tokens": 8, "env.max_total_tokens": 24, "sft.steps": 0, "steps": 1}
 
@@ -270,8 +281,50 @@ def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides)
     assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every turn saw the images
 
 
+def test_partial_episodes_carry_their_images_and_resume_exactly(tmp_path, monkeypatch):
+    """rollout.partial with episodes and images: each place keeps its example's pixels, the
+    engine prefills them every iteration, so the turns a carried episode plays under the new
+    weights (after its trajectory is fed again) score as the trainer scores them with the
+    batch's pixels; on resume the places' pixels are decoded again from their examples."""
+    seen, call = [], Rollout.__call__
+
+    def record(self, state, step):   # each batch: its model tokens' versions, both logps
+        batch, metrics = call(self, state, step)
+        model = batch["model_mask"]
+        versions = np.full(model.shape, -1)
+        versions[model] = np.concatenate([d["versions"] for d in self.rounds._drawn])
+        seen.append(dict(versions=versions, pixels=batch["pixels"], model=model,
+                         old_logps=np.asarray(self.logps_fn(state.params, batch)),
+                         sampler=batch["sampler_logps"]))
+        return batch, metrics
+    monkeypatch.setattr(Rollout, "__call__", record)
+    # 3 slots for 4 groups of 4 episodes of different lengths: the round completes with later
+    # groups mid-episode;
+    # 2 layers: a fed-again trajectory's keys and values depend on the prompt's images
+    cfg = vlm_cfg(**{**EPISODES, "env.name": "look_longer", "steps": 2,
+                     "rollout.engine": "slots", "rollout.slots": 3,
+                     "rollout.partial": True, "rollout.chunk_steps": 2,
+                     "algo.entropy_coef": 0.01, "model.overrides.num_layers": 2})
+    straight_dir, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert run.train(cfg, straight_dir, devices=DEVICES) == 0
+    first, last = seen[:2]
+    assert first["pixels"].shape == (8, 1, 3, 32, 32) and np.abs(first["pixels"]).sum() > 0
+    now = last["versions"].max()   # this iteration's version
+    fresh = last["versions"] == now
+    carried = ((last["versions"] >= 0) & (last["versions"] < now)).any(1) & fresh.any(1)
+    assert carried.any()   # episodes begun under the last version, continued under this one
+    for b, tokens in ((first, first["model"]), (last, fresh)):
+        np.testing.assert_allclose(b["sampler"][tokens], b["old_logps"][tokens], atol=1e-4)
+    assert run.train(cfg, resumed, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert run.train(cfg, resumed, devices=DEVICES) == 0
+    rl = [r for r in read_metrics(straight_dir) if "reward/mean" in r]
+    assert len(rl) == 2 and rl[0]["rollout/carried_groups"] == 2
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight_dir))
+    jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
+                 final_params(straight_dir))
+
+
 @pytest.mark.parametrize("key,overrides", [
-    ("rollout.partial", {"rollout.partial": True, "rollout.engine": "slots"}),
     ("algo.adv_estimator", {"algo.adv_estimator": "vineppo"}),
     ("rollout.allocation", {"rollout.allocation": "knapsack"}),
     ("sft.env_traces", {"sft.env_traces": True})])

@@ -97,7 +97,7 @@ def has_vision_tower(cfg) -> bool:
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
-    engine), synchronous or not (docs/vision.md). Episodes carried across iterations, VinePPO's
+    engine, carried across iterations or not), synchronous or not (docs/vision.md). VinePPO's
     episode forks, self-play matches, knapsack group sizes and the SFT warm-up's scripted
     episodes do not carry them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
@@ -105,8 +105,6 @@ def check_images(cfg) -> None:
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
     r, mode = cfg.rollout, cfg.env.selfplay.mode
     for key, on, why in (
-            ("rollout.partial=true", r.partial, "yet (carried episodes do not keep their "
-             "images); set rollout.partial=false"),
             ("algo.adv_estimator='vineppo'", cfg.algo.adv_estimator == "vineppo",
              "yet (the episode forks do not carry images); use 'grpo' or PPO"),
             (f"env.selfplay.mode={mode!r}", mode != "off",
