@@ -324,9 +324,37 @@ def test_partial_episodes_carry_their_images_and_resume_exactly(tmp_path, monkey
                  final_params(straight_dir))
 
 
+KNAPSACK = {"rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 2,
+            "rollout.knapsack.max_samples": 4, "sft.steps": 0, "steps": 1}
+
+
+PARTIAL = {"rollout.engine": "slots", "rollout.slots": 3, "rollout.partial": True}
+
+
+@pytest.mark.parametrize("overrides", [{}, PARTIAL, EPISODES, {**EPISODES, **PARTIAL}],
+                         ids=["prompts", "partial", "episodes", "partial_episodes"])
+def test_knapsack_groups_carry_their_images(tmp_path, monkeypatch, overrides):
+    """Groups of the knapsack's sizes with images (single-turn and episodes, carried across
+    iterations or not): each prompt is prefilled with its images and every row of its group
+    carries its pixels, so the sampler's log-probs are the trainer's."""
+    seen, call = [], Rollout.__call__
+
+    def record(self, state, step):
+        batch, metrics = call(self, state, step)
+        seen.append(batch)
+        return batch, metrics
+    monkeypatch.setattr(Rollout, "__call__", record)
+    assert run.train(vlm_cfg(**{**overrides, **KNAPSACK}), str(tmp_path), devices=DEVICES) == 0
+    pixels = seen[0]["pixels"]
+    assert pixels.shape == (8, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
+    assert not np.array_equal(pixels[0], pixels[-1])   # two prompts' rows
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 1 and rl[0]["rollout/group_size_mean"] == 4
+    assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every row sampled with its images
+
+
 @pytest.mark.parametrize("key,overrides", [
     ("algo.adv_estimator", {"algo.adv_estimator": "vineppo"}),
-    ("rollout.allocation", {"rollout.allocation": "knapsack"}),
     ("sft.env_traces", {"sft.env_traces": True})])
 def test_episodes_that_would_drop_images_are_refused(key, overrides):
     with pytest.raises(ConfigError, match=rf"^{key}=.*env.name='look_again' with images"):

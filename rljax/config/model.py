@@ -97,9 +97,9 @@ def has_vision_tower(cfg) -> bool:
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
-    engine, carried across iterations or not), synchronous or not (docs/vision.md). VinePPO's
-    episode forks, self-play matches, knapsack group sizes and the SFT warm-up's scripted
-    episodes do not carry them yet."""
+    engine, carried across iterations or not, in groups of the knapsack's sizes or not),
+    synchronous or not (docs/vision.md). VinePPO's episode forks, self-play matches and the
+    SFT warm-up's scripted episodes do not carry them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
@@ -111,8 +111,6 @@ def check_images(cfg) -> None:
              "(a board game's matches have no images)"),
             ("sft.env_traces=true", cfg.sft.env_traces, "yet (the scripted episodes' rows do "
              "not carry images); set sft.env_traces=false"),
-            ("rollout.allocation='knapsack'", r.allocation == "knapsack", "yet (its groups of "
-             "episodes do not carry images); use 'uniform'"),
             ("rollout.tree.enabled=true", r.tree.enabled, "yet (the tree of first turns does "
              "not prefill the images)")):
         if on:

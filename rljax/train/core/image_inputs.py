@@ -56,11 +56,16 @@ def embed_fn(model_cfg):
         model_cfg, {"vision": tower}, pixels))
 
 
-def round_fields(pixels: np.ndarray, usable: np.ndarray) -> dict:
+def round_fields(pixels: np.ndarray, usable: np.ndarray, sizes=None) -> dict:
     """A sampling round's image fields for ``Rollout._assemble`` and its metrics: ``pixels``
     [B, I, 3, S, S] of its prompts, ``image_ok`` bool [B] (False: the prompt's images were
-    skipped, its rows do not train) and ``skipped_images``, the prompts skipped."""
-    return {"pixels": pixels, "image_ok": usable, "skipped_images": int((~usable).sum())}
+    skipped, its rows do not train) and ``skipped_images``, the prompts skipped. ``sizes``
+    int [B] (groups of their own sizes, knapsack allocation, whose rounds hold one entry per
+    row): both repeated for each prompt's rows, ``[sum(sizes), ...]``."""
+    fields = {"pixels": pixels, "image_ok": usable, "skipped_images": int((~usable).sum())}
+    if sizes is not None:
+        fields.update(pixels=np.repeat(pixels, sizes, 0), image_ok=np.repeat(usable, sizes))
+    return fields
 
 
 class PlacePixels:
@@ -94,10 +99,11 @@ class PlacePixels:
         return self.images.embeds(params, self.pixels if places is None
                                   else self.pixels[np.asarray(places, np.int64)])
 
-    def round_fields(self, places) -> dict:
-        """``round_fields`` of the groups in ``places`` (a round's groups, in its order)."""
+    def round_fields(self, places, sizes=None) -> dict:
+        """``round_fields`` of the groups in ``places`` (a round's groups, in its order;
+        ``sizes``: their rows, for a round of one entry per row)."""
         places = np.asarray(places, np.int64)
-        return round_fields(self.pixels[places], self.ok[places])
+        return round_fields(self.pixels[places], self.ok[places], sizes)
 
 
 def place_pixels(ctx, c: int) -> PlacePixels | None:

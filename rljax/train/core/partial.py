@@ -172,8 +172,9 @@ class PartialRounds:
                                       prompt_mask[owner], out, None, t0, g=1)
             rnd["group_sizes"] = np.asarray(taken.sizes, np.int64)
         rnd["indices"] = self.indices[taken.places].tolist()   # each group's own prompt
-        if self.images is not None:
-            rnd.update(self.images.round_fields(taken.places))
+        if self.images is not None:   # (groups of their own sizes: one entry per row)
+            rnd.update(self.images.round_fields(
+                taken.places, None if self.sizes_of is None else taken.sizes))
         return rnd
 
     def _staleness_bound(self) -> int:

@@ -187,7 +187,8 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         rows = np.concatenate([at[j] * self.rows + learners[j] for j in taken])
         eps = dict(_subset(eps, rows), slot_steps=slot_steps)
         if self.images is not None:   # the taken groups' pixels, for their training rows
-            eps.update(self.images.round_fields(taken))
+            eps.update(self.images.round_fields(taken, None if self.sizes_of is None else [
+                len(learners[j]) for j in taken]))
         versions = np.full(eps["tokens"].shape, -1, np.int64)
         for r, (j, k) in enumerate((j, k) for j in taken for k in learners[j]):
             for turn, t in enumerate(self.turns[j][k]):   # a token's own version (in flight)
