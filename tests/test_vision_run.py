@@ -353,8 +353,67 @@ def test_knapsack_groups_carry_their_images(tmp_path, monkeypatch, overrides):
     assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every row sampled with its images
 
 
+VINE = {"algo.adv_estimator": "vineppo", "algo.vine.forks": 2, "algo.vine.max_steps": 2,
+        "sft.steps": 0, "steps": 1}
+
+
+def assert_drawn_with_images(model_cfg, params, prompts, tokens, mask, logps, pixels):
+    """The tokens a sampler drew (``mask``, log-prob recorded: not fed) after ``prompts``
+    (token ids per row) score as the model scores them with each row's ``pixels``."""
+    import jax.numpy as jnp
+    from rljax import models, sampling
+    from rljax.models import vision
+    p_tok, p_mask = sampling.pad_to_bucket([list(p) for p in prompts], pad_id=0)
+    full, full_mask = np.concatenate([p_tok, tokens], 1), np.concatenate([p_mask, mask], 1)
+    embeds = vision.image_embeddings(model_cfg, params, jnp.asarray(pixels))
+    scored, _ = models.token_logps(model_cfg, params, jnp.asarray(full), jnp.asarray(full_mask),
+                                   first_scored=p_tok.shape[1], image_embeds=embeds)
+    # (a drawn image token is scored as one, docs/vision.md "Not yet": rows without one)
+    clean = ~((tokens == model_cfg.image_token_id) & mask).any(1, keepdims=True)
+    drawn = np.asarray(mask, bool) & (logps != 0) & clean
+    assert drawn.sum() > 4
+    np.testing.assert_allclose(np.asarray(scored)[:, p_tok.shape[1]:][drawn], logps[drawn],
+                               atol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("overrides", [{}, EPISODES], ids=["prompts", "episodes"])
+def test_vineppo_forks_see_the_images(tmp_path, monkeypatch, overrides):
+    """VinePPO with images (single-turn, episodes): each fork prefills its valued row's
+    prompt images (an episode's page, under which its turns are replayed, too), so the
+    tokens the forks draw score as the model scores them with those images."""
+    from rljax.train.methods import vine
+    forks, drawn, step_values, generate = [], [], vine.VineValues.step_values, vine.generate
+
+    def spy_generate(ctx, params, p_tok, p_mask, rng, **kw):   # single-turn forks
+        out = generate(ctx, params, p_tok, p_mask, rng, **kw)
+        drawn.append((p_tok, p_mask.astype(bool), out))
+        return out
+
+    def spy_values(self, params, rnd, rng):   # checked now: the update frees the params
+        drawn.clear()
+        out = step_values(self, params, rnd, rng)
+        rows = [i for i, *_ in out["fork_rows"] for _ in range(self.k)]   # K per fork
+        if "fork_episodes" in out:
+            eps = out["fork_episodes"]
+            fields = [eps["prompt_ids"], eps["tokens"], eps["mask"], eps["logps"]]
+        else:
+            (p_tok, p_mask, o), = drawn
+            prefixes = [t[m] for t, m in zip(p_tok, p_mask) for _ in range(self.k)]
+            fields = [prefixes[:len(rows)]] + [o[key][:len(rows)]
+                                               for key in ("tokens", "mask", "logps")]
+        forks.append(assert_drawn_with_images(self.ctx.model_cfg, params, *fields,
+                                              rnd["pixels"][rows]))
+        return out
+    monkeypatch.setattr(vine.VineValues, "step_values", spy_values)
+    monkeypatch.setattr(vine, "generate", spy_generate)
+    assert run.train(vlm_cfg(**{**overrides, **VINE}), str(tmp_path), devices=DEVICES) == 0
+    assert forks == [True]
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 1 and rl[0]["vine/fork_tokens"] > 0 and np.isfinite(rl[0]["loss"])
+
+
 @pytest.mark.parametrize("key,overrides", [
-    ("algo.adv_estimator", {"algo.adv_estimator": "vineppo"}),
     ("sft.env_traces", {"sft.env_traces": True})])
 def test_episodes_that_would_drop_images_are_refused(key, overrides):
     with pytest.raises(ConfigError, match=rf"^{key}=.*env.name='look_again' with images"):

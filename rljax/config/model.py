@@ -98,15 +98,13 @@ def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
     engine, carried across iterations or not, in groups of the knapsack's sizes or not),
-    synchronous or not (docs/vision.md). VinePPO's episode forks, self-play matches and the
-    SFT warm-up's scripted episodes do not carry them yet."""
+    valued by VinePPO's forks or not, synchronous or not (docs/vision.md). Self-play matches
+    and the SFT warm-up's scripted episodes do not carry them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
     r, mode = cfg.rollout, cfg.env.selfplay.mode
     for key, on, why in (
-            ("algo.adv_estimator='vineppo'", cfg.algo.adv_estimator == "vineppo",
-             "yet (the episode forks do not carry images); use 'grpo' or PPO"),
             (f"env.selfplay.mode={mode!r}", mode != "off",
              "(a board game's matches have no images)"),
             ("sft.env_traces=true", cfg.sft.env_traces, "yet (the scripted episodes' rows do "
