@@ -413,8 +413,43 @@ def test_vineppo_forks_see_the_images(tmp_path, monkeypatch, overrides):
     assert len(rl) == 1 and rl[0]["vine/fork_tokens"] > 0 and np.isfinite(rl[0]["loss"])
 
 
-@pytest.mark.parametrize("key,overrides", [
-    ("sft.env_traces", {"sft.env_traces": True})])
+def test_the_warm_ups_scripted_episodes_carry_the_images(tmp_path, monkeypatch):
+    """sft.env_traces with images: the tool environment's scripted episodes of JSONL rows
+    whose prompt holds an image (a picture and a sum for the calculator) train with each
+    row's pixels; then GRPO plays the environment's episodes with them."""
+    from PIL import Image
+    from rljax.train.phases.sft import SFTPhase
+    rng, rows = np.random.default_rng(0), []
+    for i in range(8):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append({"question": f"{i}+1=", "answer": str(i + 1), "images": f"{i}.png"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen, make_batch = [], SFTPhase.make_batch
+
+    def record(self, examples, step=0):
+        batch = make_batch(self, examples, step)
+        image_id, = self.ctx.tokenizer.encode("@")
+        seen.append((batch, self.images.pixels(examples), (batch["tokens"] == image_id).sum(1)))
+        return batch
+    monkeypatch.setattr(SFTPhase, "make_batch", record)
+    cfg = vlm_cfg(**{"data.source": "jsonl", "data.path": str(data), "data.eval_path": str(data),
+                     "data.template": "@@@@\n{question}", "env.name": "tool",
+                     "env.max_turns": 2, "env.max_turn_tokens": 4, "env.max_total_tokens": 24,
+                     "sft.env_traces": True, "sft.max_length": 80, "steps": 1})
+    cfg.data.kwargs = {}
+    cfg.env.kwargs = {"describe_tools": False}   # (a prompt of the image and the sum only)
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    (batch, pixels, image_tokens), = seen
+    assert (image_tokens == 4).all()   # every scripted episode's prompt holds its image
+    assert batch["pixels"].shape == (4, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
+    np.testing.assert_array_equal(batch["pixels"], pixels)   # each row its example's
+    records = read_metrics(str(tmp_path / "run"))
+    assert np.isfinite([r["loss"] for r in records if "loss" in r]).all()
+    assert any("reward/mean" in r for r in records)
+
+
+@pytest.mark.parametrize("key,overrides", [("rollout.tree.enabled", TREE)])
 def test_episodes_that_would_drop_images_are_refused(key, overrides):
     with pytest.raises(ConfigError, match=rf"^{key}=.*env.name='look_again' with images"):
-        vlm_cfg(**EPISODES, **overrides)
+        vlm_cfg(**{**EPISODES, **overrides})

@@ -98,8 +98,8 @@ def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
     engine, carried across iterations or not, in groups of the knapsack's sizes or not),
-    valued by VinePPO's forks or not, synchronous or not (docs/vision.md). Self-play matches
-    and the SFT warm-up's scripted episodes do not carry them yet."""
+    valued by VinePPO's forks or not, after a warm-up on scripted episodes or not),
+    synchronous or not (docs/vision.md). Trees of first turns do not prefill them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
@@ -107,8 +107,6 @@ def check_images(cfg) -> None:
     for key, on, why in (
             (f"env.selfplay.mode={mode!r}", mode != "off",
              "(a board game's matches have no images)"),
-            ("sft.env_traces=true", cfg.sft.env_traces, "yet (the scripted episodes' rows do "
-             "not carry images); set sft.env_traces=false"),
             ("rollout.tree.enabled=true", r.tree.enabled, "yet (the tree of first turns does "
              "not prefill the images)")):
         if on:
