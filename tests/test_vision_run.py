@@ -449,6 +449,28 @@ def test_the_warm_ups_scripted_episodes_carry_the_images(tmp_path, monkeypatch):
     assert any("reward/mean" in r for r in records)
 
 
+def test_relift_sft_rows_carry_the_images(tmp_path, monkeypatch):
+    """ReLIFT's SFT step on the prompts that keep failing: each row carries its example's
+    pixels (the padding rows the first example's), as the warm-up's rows do."""
+    from rljax.train.methods.relift import Relift
+    seen, batch_of = [], Relift.batch
+
+    def record(self, examples):
+        batch, cut = batch_of(self, examples)
+        rows = list(examples) + [examples[0]] * (len(batch["tokens"]) - len(examples))
+        seen.append((batch, self.images.pixels(rows)))
+        return batch, cut
+    monkeypatch.setattr(Relift, "batch", record)
+    cfg = vlm_cfg(**{"algo.relift.every": 1, "algo.relift.k_visits": 1,
+                     "algo.relift.batch_size": 4, "sft.steps": 0, "steps": 1})
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    (batch, pixels), = seen
+    assert batch["pixels"].shape == (4, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
+    np.testing.assert_array_equal(batch["pixels"], pixels)
+    (r,) = [r for r in read_metrics(str(tmp_path)) if "relift/sft_loss" in r]
+    assert r["relift/sft_rows"] > 0 and np.isfinite(r["relift/sft_loss"])
+
+
 @pytest.mark.parametrize("key,overrides", [("rollout.tree.enabled", TREE)])
 def test_episodes_that_would_drop_images_are_refused(key, overrides):
     with pytest.raises(ConfigError, match=rf"^{key}=.*env.name='look_again' with images"):
