@@ -759,3 +759,46 @@ def test_online_dpo_in_self_play_pairs_each_seats_best_and_worst(tmp_path):
     assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
     train = [r for r in read_metrics(str(tmp_path / "run")) if "rewards/margin" in r]
     assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)
+
+
+def test_selfplay_hints_replay_a_failed_seats_group_with_the_hint_after_its_first_observation(
+        tmp_path, monkeypatch):
+    """Hints in self-play: every group fails (threshold 2), so each (game, seat) group is
+    played again in fresh matches, its seat's rows in the group's place, the hint (the seat's
+    scripted first move, ``selfplay.seat_trace``) right after the seat's first observation:
+    context in the trajectory (not the model's tokens), and the game judges hint + the
+    sampled turn. An iteration trains on the hinted groups."""
+    from rljax.train.methods import agent, guidance
+    g = 2
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.hint.mode": "fixed",
+                     "algo.hint.fraction": 1.0, "algo.hint.threshold": 2.0,
+                     "sft.trace_noise": 0.0, "steps": 1})
+    seen = {}   # the guided rounds and their hinted re-samples (groups in the rounds' order)
+    for cls, name in ((guidance.Guide, "after_round"), (agent.EpisodeRounds, "sample_hinted")):
+        monkeypatch.setattr(cls, name, lambda *a, _f=getattr(cls, name), _n=name: seen.setdefault(
+            _n, []).append(_f(*a)) or seen[_n][-1])
+    workdir = str(tmp_path / "run")
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    (r,) = [r for r in read_metrics(workdir) if "reward/mean" in r]
+    assert r["hint/fraction_hinted"] == 1.0 and np.isfinite(r["loss"])
+    rnd, eps = seen["after_round"][0], seen["sample_hinted"][0]["episodes"]
+    groups = cfg.rollout.batch_size // g   # 2 games x 2 seats
+    assert rnd["hint"]["hinted"] == groups and rnd["hint"]["samples"] == groups * g
+    seats = np.tile(np.repeat([0, 1], g), 2)
+    np.testing.assert_array_equal(rnd["roles"], seats)   # each group keeps its seat
+    tok, played, judged = setup.make_tokenizer(cfg, None), 0, 0
+    for row in range(len(seats)):
+        hint = tok.encode(agent.reference_turn(cfg, rnd["examples"][row // g]))
+        assert rnd["hint_prefixes"][row] == hint
+        model = rnd["model_mask"][row]
+        if not model.any():   # the other seat forfeited before this one moved
+            continue
+        played += 1
+        first = int(np.argmax(model))
+        np.testing.assert_array_equal(rnd["tokens"][row][first - len(hint):first], hint)
+        assert not model[first - len(hint):first].any() and rnd["mask"][row][first - 1]
+        if rnd["turns"][row] == 1:   # the game judged the hint and the sampled turn
+            turn = rnd["tokens"][row][rnd["turn_ids"][row] == 0].tolist()
+            assert eps["final_turns"][row] == tok.decode(hint + turn)
+            judged += 1
+    assert played >= groups and judged, (played, judged)

@@ -431,8 +431,6 @@ def check_guidance(cfg) -> None:
     if on and cfg.algo.name not in ("grpo", "distill", "ppo"):
         raise ConfigError(f"{on[0]} is an option of GRPO, PPO and distillation; algo.name="
                           f"{cfg.algo.name!r}")
-    if on and cfg.env.name:
-        _check_guided_episodes(cfg, on)
     if cfg.algo.mixed_policy and hint.mode != "off":
         raise ConfigError("algo.mixed_policy=True and algo.hint.mode both act on failed "
                           "groups: use one")
@@ -442,16 +440,6 @@ def check_guidance(cfg) -> None:
     if hint.mode != "off" and hint.fraction == 0.0 and hint.mode == "fixed":
         raise ConfigError("algo.hint.fraction=0.0 gives no hint; set it in (0, 1] or "
                           "algo.hint.mode='off'")
-
-
-def _check_guided_episodes(cfg, on: list[str]) -> None:
-    """Guidance of multi-turn episodes: ReLIFT and demonstrations with self-play train on a
-    seat's scripted episode (``selfplay.seat_trace``); hints not yet. (ReLIFT and
-    demonstrations need the environment's scripted episodes: ``reward.check_env``.)"""
-    env = cfg.env
-    if env.selfplay.mode != "off" and cfg.algo.hint.mode != "off":
-        raise ConfigError(f"algo.hint.mode is not supported with self-play (env.selfplay.mode="
-                          f"{env.selfplay.mode!r}): a match's groups are its seats")
 
 
 def check_overlong(cfg) -> None:

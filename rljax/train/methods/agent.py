@@ -218,7 +218,8 @@ class EpisodeRounds(RoundSource):
                         locations=locations, tree=tree), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
-                             opponent=self.opponent, **match_options(cfg, self.ctx), **opts)
+                             opponent=self.opponent, prefixes=prefixes,
+                             **match_options(cfg, self.ctx), **opts)
 
     def sample_round(self, rollout: Rollout, params, rng) -> dict:
         """The round of the iterator's next prompts: their episodes, scored with
@@ -239,8 +240,9 @@ class EpisodeRounds(RoundSource):
 
     def sample_hinted(self, rollout: Rollout, params, rng, examples, prefixes) -> dict:
         """Hints (``guidance``): G new episodes of each of ``examples`` (failed groups), each
-        group's first turn continuing its hint ``prefixes`` (token ids after the prompt): the
-        same task, replayed from a fresh environment, scored as any round."""
+        group's first turn continuing its hint ``prefixes`` (token ids after the prompt; in
+        self-play after the seat's first observation, in fresh matches: ``selfplay.play``):
+        the same task, replayed from a fresh environment, scored as any round."""
         t0 = time.perf_counter()
         eps, groups = self.play_groups(params, examples, rng, rollout.g, rollout.weights,
                                        prefixes, images=rollout.images)

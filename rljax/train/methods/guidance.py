@@ -34,7 +34,9 @@ A group is a prompt's G rows, or with knapsack allocation the rows the knapsack 
 Multi-turn episodes (``env.name``): a hinted group is played again from fresh environments,
 the hint after its first prompt (``agent.EpisodeRounds.sample_hinted``), cut from the scripted
 episode's first model turn where the environment has scripted episodes
-(``agent.reference_turn``); ReLIFT's rows and demonstrations are the scripted episodes
+(``agent.reference_turn``); in self-play a failed group is its seat's, played again in fresh
+matches with the hint after that seat's first observation (``selfplay.play``), cut from the
+seat's scripted episode (``selfplay.seat_trace``); ReLIFT's rows and demonstrations are the scripted episodes
 (``agent.trace_sft_batch``, ``demos.insert_episode_demos``).
 
 All host state (per-prompt fractions, stored successes, visit counters, buffer) is a JSON-able
@@ -161,9 +163,10 @@ class Hints:
     (``algo.hint``; see the module docstring)."""
 
     def __init__(self, hint_cfg, solution_fn: Callable[[dict], str], tokenizer,
-                 max_prompt_length: int):
+                 max_prompt_length: int, room: int | None = None):
         self.cfg, self.solution_fn, self.tok = hint_cfg, solution_fn, tokenizer
         self.max_prompt_length = int(max_prompt_length)
+        self.room = room   # a hint's tokens when it is not in the prompt bucket (self-play)
         self.fractions = BoundedDict(hint_cfg.max_prompts)  # adaptive: prompt -> fraction
         self.successes = BoundedDict(hint_cfg.max_prompts)  # replay: prompt -> token ids
 
@@ -183,12 +186,13 @@ class Hints:
         return self.tok.encode(self.solution_fn(example))
 
     def prefix(self, example: dict, prompt_len: int) -> list[int] | None:
-        """The hint token ids for a failed prompt of ``prompt_len`` tokens, or None."""
+        """The hint token ids for a failed prompt of ``prompt_len`` tokens, or None; at most
+        what the prompt bucket still holds, or ``room`` tokens where it was given."""
         ids = self.solution_ids(example)
         if not ids:
             return None
-        k = prefix_length(len(ids), self.fraction(example["prompt"]),
-                          self.max_prompt_length - prompt_len)
+        room = self.max_prompt_length - prompt_len if self.room is None else self.room
+        k = prefix_length(len(ids), self.fraction(example["prompt"]), room)
         return ids[:k] if k else None
 
     def remember_success(self, key: str, ids: Sequence[int]) -> None:
@@ -323,8 +327,15 @@ class Guide(RolloutStage):
         self.solution = solution_fn(ctx)
         # What hints are cut from (and, with episodes, what shows the scripted episode exists).
         self.reference = hint_solution_fn(ctx, self.solution)
+        # Self-play: a hint follows the seat's first observation, in a chunk widened by a
+        # turn's tokens (``selfplay.play``), not in the prompt bucket.
+        room = None
+        if cfg.env.selfplay.mode != "off":
+            from rljax.train.methods.agent import turn_tokens
+            room = turn_tokens(cfg)
         self.hints = (Hints(cfg.algo.hint, self.reference, ctx.tokenizer,
-                            cfg.data.max_prompt_length) if cfg.algo.hint.mode != "off" else None)
+                            cfg.data.max_prompt_length, room)
+                      if cfg.algo.hint.mode != "off" else None)
         r = cfg.algo.relift
         self.buffer = (ReliftBuffer(r.k_visits, r.buffer_size, failed_only=r.prompts == "failed")
                        if r.every > 0 else None)

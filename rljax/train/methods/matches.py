@@ -23,6 +23,10 @@ reward is its seat's: the game's return for that seat on its last turn, a forfei
 the forfeiting seat's turn, ``forfeit_reward`` for the others. A seat that runs out of turns,
 tokens or chunk width abandons its match: every seat of it ends truncated, reward 0.
 
+Hints (``Side.prefixes``): a hinted row's hint ids follow its seat's first observation (for the
+first mover, its prompt) in the chunk of its first turn, so they are context of that turn in
+the trajectory, outside ``model_mask``; the game judges the first turn as hint + sampled text.
+
 A seat that does not move first has no turn before its first observation: its prompt ends
 with its user message, without the assistant header (``Renderer.prompt(model_turn=False)``),
 and its first chunk is the state as a second user message, then the header (in a chat
@@ -57,6 +61,9 @@ class Side:
     top_p: float = 1.0
     schedule: Any = None   # a temperature schedule over each row's model tokens, f32 [K]
     record_routes: bool = False   # every fed token's experts (routing replay)
+    # Hints: each row's token ids after its seat's first observation (prompt context of its
+    # first turn, not sampled: outside ``model_mask``), or None.
+    prefixes: Sequence[Sequence[int]] | None = None
 
 
 class _SideRun:
@@ -105,6 +112,8 @@ class _SideRun:
         self.turn_rewards = np.zeros((r, self.t_max), np.float32)
         self.final_turns = [""] * r
         self.counters: list[dict] = [{} for _ in range(r)]
+        self.prefixes = ([list(p) for p in side.prefixes] if side.prefixes is not None
+                         else [[]] * r)
         self.options = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
                             stop_sequences=multiturn.stop_sequences_of(
@@ -160,13 +169,16 @@ class _SideRun:
 
     def next_observation(self, i: int) -> list[int] | None:
         """Row i is to move: its observation's ids (after the other seats' moves; none for
-        a first mover's first turn), appended to its trajectory; None when the row runs out
-        of turns, chunk width or tokens (its match is abandoned)."""
+        a first mover's first turn), then before its first turn its hint (``Side.prefixes``),
+        appended to its trajectory; None when the row runs out of turns, chunk width or
+        tokens (its match is abandoned)."""
         env = self.envs[i]
         obs: list[int] = []
         if self.turns[i] > 0 or not self.seen[i]:
             obs = self.tok.encode(self.renderer.observation(
                 env.observe(), bool(self.carry_eos[i]), after_prompt=not self.turns[i]))
+        if not self.turns[i]:
+            obs = obs + self.prefixes[i]
         room = self.m_max - self.length[i] - len(obs)
         if self.turns[i] >= self.t_max or len(obs) + 1 > self.o or room < 1:
             self._truncate(i)
@@ -187,8 +199,10 @@ class _SideRun:
         self.length[i] += k
         self.carry[i] = ids[k - 1]
         self.carry_eos[i] = ids[k - 1] == self.tok.eos_id
+        # The game sees a hinted first turn whole: hint + continuation.
+        lead = self.prefixes[i] if not self.turns[i] else []
         self.turns[i] += 1
-        self.final_turns[i] = self.tok.decode(ids[:k])
+        self.final_turns[i] = self.tok.decode(lead + ids[:k])
         return k, self.final_turns[i]
 
     def decode(self, ply: int, rng) -> tuple[list[int], list[str]]:

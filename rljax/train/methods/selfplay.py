@@ -191,7 +191,7 @@ def seat_of(game, example) -> int:
 def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
          limits: EpisodeLimits, env_kwargs: dict, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0, template=None, opponent: Opponent | None = None,
-         weights=None) -> tuple[dict, list[dict]]:
+         weights=None, prefixes=None) -> tuple[dict, list[dict]]:
     """The policy's episodes of this round's matches and the example of each of its groups:
     ``(eps, group examples)``; ``eps`` has ``run_episodes``' fields and ``roles``.
 
@@ -201,24 +201,39 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     ``env_kwargs``: the run's (``agent.make_renderer``, ``agent.limits``, ``agent.env_kwargs``;
     the seat environments take ``SEAT_OPTIONS`` of the last). ``weights``: the policy's
     in-flight weight updates on the slot engine (``matches.run_matches``; the opponent's
-    weights stay frozen)."""
+    weights stay frozen).
+
+    ``prefixes`` (hints, ``guidance``: one id list per example, each a failed group's seat
+    example): one group per example, its seat's, in fresh matches, the hint after the
+    seat's first observation (``matches.Side.prefixes``); the other seats are the
+    opponent's, or in self-play the policy's on a side of their own (the round's parameters,
+    no hint), played and dropped. The chunk of a first turn widens by a turn's tokens
+    (``limits.turn_tokens``), the room a hint has (``guidance.Guide``)."""
     cfg, g = ctx.cfg, int(num_samples)
     game, seat_rows, envs = seat_envs(cfg, examples, template, env_kwargs, g)
-    mine, theirs, groups = [], [], []
+    mine, theirs, groups, hints = [], [], [], []
     for n, (ex, per_seat) in enumerate(zip(examples, seat_rows)):
-        own = None if opponent is None else seat_of(game, ex)
+        own = None if opponent is None and prefixes is None else seat_of(game, ex)
         for s, sx in enumerate(per_seat):
             rows = envs[(n * len(per_seat) + s) * g:(n * len(per_seat) + s + 1) * g]
             if own is None or s == own:
                 mine += rows
                 groups.append(sx)
+                hints += [[] if prefixes is None else list(prefixes[n])] * g
             else:
                 theirs += rows
+    schedule = sampler.rollout_temperatures(cfg)
     sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p,
-                  schedule=sampler.rollout_temperatures(cfg),
-                  record_routes=bool(cfg.algo.get("routing_replay")))]
+                  schedule=schedule, record_routes=bool(cfg.algo.get("routing_replay")),
+                  prefixes=None if prefixes is None else hints)]
     if opponent is not None:
         sides.append(opponent_side(opponent, theirs, g, top_k, top_p))
+    elif theirs:   # hinted self-play: the other seats, the policy's, unhinted
+        sides.append(Side(ctx.model_cfg, params, theirs, g, temperature, top_k, top_p,
+                          schedule=schedule))
+    if prefixes is not None:
+        limits = dataclasses.replace(limits, chunk_tokens=limits.chunk_tokens
+                                     + limits.turn_tokens)
     engine = sampler.episode_engine(cfg, len(mine) + len(theirs))
     eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
                       max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
