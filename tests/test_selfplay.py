@@ -802,3 +802,44 @@ def test_selfplay_hints_replay_a_failed_seats_group_with_the_hint_after_its_firs
             assert eps["final_turns"][row] == tok.decode(hint + turn)
             judged += 1
     assert played >= groups and judged, (played, judged)
+
+
+def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, monkeypatch):
+    """VinePPO in self-play: a fork at a seat's turn rebuilds the match from its recorded
+    turns, both seats', so its trajectory up to the fork is the row's (the boards the other
+    seat's moves made included), then plays the match on with the policy in both seats; a
+    step's value is the mean of its forks' rewards, the forked seat's, and a row's
+    advantages differ from step to step (GRPO gives a row one). Here a move is the lowest
+    free cell when the turn's text starts with an even character, else the highest: whole
+    games whose outcomes turn on the sampled text."""
+    from rljax import algorithms
+    from rljax.envs.selfplay import SeatEnv
+    from rljax.train.methods import vine
+    step = SeatEnv.step
+    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, self.game.legal_moves(
+        self.match.state)[0 if ord((text or "\0")[0]) % 2 == 0 else -1]))
+    k = 2
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.adv_estimator": "vineppo",
+                     "algo.vine.forks": k, "algo.vine.max_steps": 3, "steps": 1})
+    seen, picked = [], vine.VineValues.picked
+    monkeypatch.setattr(vine.VineValues, "picked", lambda self, *a: (
+        picked(self, *a), seen.append(self._last))[0])
+    workdir = str(tmp_path / "run")
+    assert run.train(cfg, workdir, devices=DEVICES) == 0
+    (r,) = [r for r in read_metrics(workdir) if "reward/mean" in r]
+    assert r["vine/prefixes"] > 0 and np.isfinite(r["loss"])
+    v, tok = seen[0], setup.make_tokenizer(cfg, None)
+    eps, later = v["fork_episodes"], 0
+    assert v["fork_rewards"].shape == (len(v["fork_rows"]), k)
+    for j, (i, t, start) in enumerate(v["fork_rows"]):
+        for f in range(j * k, (j + 1) * k):   # the row's seat, its trajectory up to the fork
+            assert eps["prompts"][f] == tok.decode(v["prompt_ids"][i])
+            np.testing.assert_array_equal(eps["tokens"][f][:start], v["tokens"][i][:start])
+        assert v["step_values"][i, t] == pytest.approx(v["fork_rewards"][j].mean())
+        np.testing.assert_array_equal(v["fork_rewards"][j], eps["env_rewards"][j * k:(j + 1) * k])
+        later += int(v["turn_ids"][i][start] > 0)
+    assert later, "no fork started after the other seat had moved"
+    adv = np.asarray(algorithms.get_advantage_estimator("vineppo")(
+        v["rewards"], 1, mask=v["step_ids"] >= 0, step_ids=v["step_ids"],
+        step_values=v["step_values"], num_steps=v["num_steps"]))
+    assert any(len(set(a[m].round(6).tolist())) > 1 for a, m in zip(adv, v["step_ids"] >= 0))

@@ -271,12 +271,15 @@ class EpisodeRounds(RoundSource):
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],
-                    roles=eps["roles"], row_keys=self.ROW_KEYS, examples=examples,
+                    roles=eps["roles"], examples=examples,
+                    # Self-play: each row's match's turns, every seat's (VinePPO's forks).
+                    row_keys=self.ROW_KEYS + (("match_turns",) if "match_turns" in eps else ()),
                     errors=sum(c[0] for c in counts.values()), reward_counts=counts,
                     episodes=eps, time_sample=time_play - eps["time_env"],
                     time_env=eps["time_env"], time_reward=time.perf_counter() - t1,
                     **{k: eps[k] for k in ("slot_steps", "versions", "swaps", "routes", "pixels",
-                                           "image_ok", "skipped_images") if k in eps})
+                                           "image_ok", "skipped_images", "match_turns")
+                       if k in eps})
 
     def metrics(self, rounds, step: int) -> dict:
         m = env_metrics([r["episodes"] for r in rounds])

@@ -18,7 +18,9 @@ cache across its turns and sees only what its seat may see.
 
 Returns one dict per side with ``run_episodes``' fields (``tokens``, ``mask``, ``model_mask``,
 ``logps``, ``turn_ids``, ``turn_rewards`` over the row's own turns, ``env_rewards``, ``turns``,
-``truncated``, ``counters``, ...) plus ``roles`` int32 [R] (``SeatEnv.role_key``). A row's
+``truncated``, ``counters``, ...) plus ``roles`` int32 [R] (``SeatEnv.role_key``) and
+``match_turns`` int32 [R, max_plies, N] (the ids of every turn of the row's match, every
+seat's, in ply order, -1 after each turn's: what a VinePPO fork replays). A row's
 reward is its seat's: the game's return for that seat on its last turn, a forfeit's penalty on
 the forfeiting seat's turn, ``forfeit_reward`` for the others. A seat that runs out of turns,
 tokens or chunk width abandons its match: every seat of it ends truncated, reward 0.
@@ -70,7 +72,7 @@ class _SideRun:
     """One side's rows during ``run_matches``: their cache, slots and trajectories."""
 
     def __init__(self, side: Side, tokenizer, renderer: Renderer, limits: EpisodeLimits,
-                 max_plies: int, mesh):
+                 max_plies: int, mesh, log: dict | None = None):
         envs, g = list(side.envs), int(side.num_samples)
         r = len(envs)
         if r % g:
@@ -114,16 +116,24 @@ class _SideRun:
         self.counters: list[dict] = [{} for _ in range(r)]
         self.prefixes = ([list(p) for p in side.prefixes] if side.prefixes is not None
                          else [[]] * r)
+        # Each row's match's turns in ply order, every seat's (the ids each kept), in ``log``
+        # shared by the sides of one match loop: what a VinePPO fork replays (``vine_matches``).
+        log = {} if log is None else log
+        self.moves = [log.setdefault(id(env.match), []) for env in envs]
+        # Ids of a row's next turn given ahead of what it samples (a VinePPO fork continues a
+        # turn from its middle): fed, not drawn (log-prob 0).
+        self.lead_in: list[list[int]] = [[] for _ in range(r)]
         self.options = dict(temperature=side.temperature, top_k=side.top_k, top_p=side.top_p,
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
                             stop_sequences=multiturn.stop_sequences_of(
                                 tokenizer, [renderer.call_end] if renderer.call_end else []))
 
-    def turn_temperatures(self, rows) -> np.ndarray | None:
+    def turn_temperatures(self, rows, ahead: int = 0) -> np.ndarray | None:
         """f32 [len(rows), N]: the schedule's temperatures of the rows' next turns (a row's
-        k-th model token at ``schedule[k]``), or None without one."""
+        k-th model token at ``schedule[k]``; ``ahead`` tokens of the turn fed first), or None
+        without one."""
         return scheduled_temperatures(self.side.schedule, self.model_mask[np.asarray(rows)],
-                                      self.n)
+                                      self.n, ahead)
 
     def record(self, i: int, result) -> None:
         """A step's or ``finish``'s result on row i (on its last turn)."""
@@ -189,8 +199,17 @@ class _SideRun:
 
     def turn_ended(self, i: int, ids: list[int], logps, versions=None) -> tuple[int, str]:
         """Records row i's turn (cut after the tool call's closing text; ``versions``: the
-        version that drew each token, or None); (kept, text)."""
+        version that drew each token, or None); (kept, text). A ``lead_in`` leads the turn."""
+        if self.lead_in[i]:
+            lead, self.lead_in[i] = self.lead_in[i], []
+            logps = np.concatenate([np.zeros(len(lead), np.float32),
+                                    np.asarray(logps, np.float32)[:len(ids)]])
+            if versions is not None:
+                versions = np.concatenate([np.full(len(lead), -1, np.int32),
+                                           np.asarray(versions)[:len(ids)]])
+            ids = lead + list(ids)
         k = _cut_after(self.tok, ids, self.renderer.call_end)
+        self.moves[i].append(list(ids[:k]))
         at = slice(self.length[i], self.length[i] + k)
         self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
         self.turn_ids[i, at], self.logps[i, at] = self.turns[i], logps[:k]
@@ -269,6 +288,10 @@ class _SideRun:
             _count(c, info)
         routes = self.routes() if routes is None else routes
         out = {} if routes is None else {"routes": routes}
+        turns = np.full((r, self.layout.max_turns, self.n), -1, np.int32)   # (a ply's ids)
+        for i, plies in enumerate(self.moves):
+            for ply, ids in enumerate(plies):
+                turns[i, ply, :len(ids)] = ids
         return dict(**out,
             tokens=self.tokens, mask=mask, model_mask=self.model_mask, logps=self.logps,
             lengths=self.length.astype(np.int32),
@@ -279,7 +302,7 @@ class _SideRun:
             final_turns=self.final_turns,
             transcripts=[self.tok.decode(self.tokens[i, :self.length[i]].tolist())
                          for i in range(r)],
-            counters=self.counters, info=info, time_env=time_env,
+            counters=self.counters, info=info, time_env=time_env, match_turns=turns,
             roles=np.array([env.role_key for env in self.envs], np.int32))
 
 
@@ -301,7 +324,8 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
         raise ValueError("in-flight weights need the episode engine (engine=EngineOptions)")
     if step_all is None:
         from rljax.envs import step_all
-    runs = [_SideRun(s, tokenizer, renderer, limits, max_plies, mesh) for s in sides]
+    log: dict = {}   # each match's turns, every side's (``_SideRun.moves``)
+    runs = [_SideRun(s, tokenizer, renderer, limits, max_plies, mesh, log) for s in sides]
     if engine is not None:
         return _engine_matches(runs, rng, max_plies, step_all, engine, weights)
     time_env = 0.0
@@ -333,7 +357,8 @@ class _EngineSide:
     a free slot), with the side's own prompt pages, KV cache and weights (``chunks``: the
     policy's may swap in flight, an opponent's are frozen). Its noise key is ``rng``."""
 
-    def __init__(self, run: _SideRun, rng, chunks: EngineWeights, chunk_steps: int):
+    def __init__(self, run: _SideRun, rng, chunks: EngineWeights, chunk_steps: int,
+                 width: int | None = None):
         from rljax.models import paged
         from rljax.sampling import episode_engine as ee
 
@@ -345,7 +370,10 @@ class _EngineSide:
         if side.record_routes:   # the paged prompt's experts; the cache records the rest
             *self.pages, self.prompt_routes = self.pages
             self.cache = ee.init_routes(side.model_cfg, self.cache)
-        self.state = ee.empty_state(r, run.o, run.n, run.tok.pad_id)
+        # ``width``: a feed's tokens, wider than a chunk where rows were replayed before the
+        # engine (their first feed is the trajectory so far).
+        self.state = ee.empty_state(r, width or run.o, run.n, run.tok.pad_id)
+        self.fed = np.zeros(r, bool)   # the slot's cache holds the row's trajectory
         self.state["row"][:] = np.arange(r)          # slot i holds row i for its whole match
         self.decoding = np.zeros(r, bool)
         if side.schedule is not None:   # each slot's turn at its own temperatures
@@ -356,16 +384,24 @@ class _EngineSide:
 
     def feed(self, max_plies: int) -> None:
         """The loop head: settles this side's matches, then feeds each of its seats now to
-        move its observation (cursor: the trajectory before it, the carried token first).
-        The noise key's turn is the match's ply, as the static plies key it."""
+        move its observation (cursor: the trajectory before it, the carried token first; a
+        row's first feed: its trajectory so far after the prompt's last token, which for a
+        fresh match is its observation), then its ``lead_in``. The noise key's turn is the
+        match's ply, as the static plies key it."""
         from rljax.sampling import episode_engine as ee
 
         run = self.run
         for i, before, obs in run.seats_to_move(self.decoding, max_plies):
-            ee.resume(self.state, i, row=i, lead=int(run.carry[i]), observation=obs,
-                      cursor=before, turn=run.envs[i].match.plies,
-                      budget=min(run.n, run.m_max - int(run.length[i])))
-            set_slot_temperatures(self.state, i, run.turn_temperatures([i]))
+            lead, cursor = int(run.carry[i]), before
+            if not self.fed[i]:
+                lead, cursor = int(np.asarray(run.p_tok)[i // run.g, -1]), 0
+                obs = run.tokens[i, :run.length[i]].tolist()
+            self.fed[i] = True
+            ahead = len(run.lead_in[i])
+            ee.resume(self.state, i, row=i, lead=lead, observation=list(obs) + run.lead_in[i],
+                      cursor=cursor, turn=run.envs[i].match.plies,
+                      budget=min(run.n, run.m_max - int(run.length[i])) - ahead)
+            set_slot_temperatures(self.state, i, run.turn_temperatures([i], ahead))
 
     def decode(self) -> tuple[np.ndarray, list[str]]:
         """One decode chunk: (rows whose turn ended int [E], their turns' kept texts)."""
@@ -396,16 +432,17 @@ class _EngineSide:
 
 
 def _engine_matches(runs: list[_SideRun], rng, max_plies: int, step_all, engine,
-                    weights) -> list[dict]:
+                    weights, width: int | None = None) -> list[dict]:
     """The matches on the episode engine, each side on an engine of its own
     (``_EngineSide``); one dict per side. The sides decode chunk after chunk in turn; after
     each chunk the seats whose turn ended step their match, and before the next every side
     settles and feeds the seats now to move, so a seat's turn starts as soon as the other
     seat moved. Side k's noise key is ``fold_in(rng, k)``, the static plies'. ``weights``:
-    the policy's (side 0) in-flight weight updates, or None; the other sides are frozen."""
+    the policy's (side 0) in-flight weight updates, or None; the other sides are frozen.
+    ``width``: the engines' feed width (``_EngineSide``; runs replayed before it)."""
     sides = [_EngineSide(run, jax.random.fold_in(rng, k),
                          EngineWeights(run.side.params, weights if k == 0 else None),
-                         engine.chunk_steps) for k, run in enumerate(runs)]
+                         engine.chunk_steps, width) for k, run in enumerate(runs)]
     time_env, moved = 0.0, True
     while moved:   # until a round of the sides in which none had a seat to decode
         moved = False

@@ -211,9 +211,30 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     (``limits.turn_tokens``), the room a hint has (``guidance.Guide``)."""
     cfg, g = ctx.cfg, int(num_samples)
     game, seat_rows, envs = seat_envs(cfg, examples, template, env_kwargs, g)
+    sides, groups = learner_sides(ctx, params, game, examples, seat_rows, envs, g,
+                                  temperature=temperature, top_k=top_k, top_p=top_p,
+                                  opponent=opponent, prefixes=prefixes,
+                                  own_only=opponent is not None or prefixes is not None)
+    if prefixes is not None:
+        limits = dataclasses.replace(limits, chunk_tokens=limits.chunk_tokens
+                                     + limits.turn_tokens)
+    engine = sampler.episode_engine(cfg, len(envs))
+    eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
+                      max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
+                      engine=engine, weights=weights)[0]
+    return eps, groups
+
+
+def learner_sides(ctx, params, game, examples, seat_rows, envs, g: int, *, temperature: float,
+                  top_k: int, top_p: float, opponent: Opponent | None = None, prefixes=None,
+                  own_only: bool = False) -> tuple[list[Side], list[dict]]:
+    """``(sides, group examples)`` of ``seat_envs``' matches: side 0 the policy's learner
+    rows (every seat's, or with ``own_only`` each example's own seat's, hinted with its
+    ``prefixes`` when given), side 1 the other seats' rows (when any): the ``opponent``'s, or
+    the policy's, unhinted."""
     mine, theirs, groups, hints = [], [], [], []
     for n, (ex, per_seat) in enumerate(zip(examples, seat_rows)):
-        own = None if opponent is None and prefixes is None else seat_of(game, ex)
+        own = seat_of(game, ex) if own_only else None
         for s, sx in enumerate(per_seat):
             rows = envs[(n * len(per_seat) + s) * g:(n * len(per_seat) + s + 1) * g]
             if own is None or s == own:
@@ -222,23 +243,16 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
                 hints += [[] if prefixes is None else list(prefixes[n])] * g
             else:
                 theirs += rows
-    schedule = sampler.rollout_temperatures(cfg)
+    cfg, schedule = ctx.cfg, sampler.rollout_temperatures(ctx.cfg)
     sides = [Side(ctx.model_cfg, params, mine, g, temperature, top_k, top_p,
                   schedule=schedule, record_routes=bool(cfg.algo.get("routing_replay")),
                   prefixes=None if prefixes is None else hints)]
     if opponent is not None:
         sides.append(opponent_side(opponent, theirs, g, top_k, top_p))
-    elif theirs:   # hinted self-play: the other seats, the policy's, unhinted
+    elif theirs:   # the other seats, the policy's, unhinted
         sides.append(Side(ctx.model_cfg, params, theirs, g, temperature, top_k, top_p,
                           schedule=schedule))
-    if prefixes is not None:
-        limits = dataclasses.replace(limits, chunk_tokens=limits.chunk_tokens
-                                     + limits.turn_tokens)
-    engine = sampler.episode_engine(cfg, len(mine) + len(theirs))
-    eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
-                      max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,
-                      engine=engine, weights=weights)[0]
-    return eps, groups
+    return sides, groups
 
 
 def seat_trace(cfg, example: dict, env_kwargs: dict,

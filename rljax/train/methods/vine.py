@@ -203,8 +203,8 @@ class VineValues(RolloutStage):
 
 def valued_rows(rounds, groups, g: int) -> dict:
     """The rows of ``groups`` ((round, group) pairs; G rows each, or a ragged round's
-    ``group_sizes``) as one round of rows: ``tokens``, ``mask`` (episodes: ``turn_ids``)
-    [T, N], ``lengths``,
+    ``group_sizes``) as one round of rows: ``tokens``, ``mask`` (episodes: ``turn_ids``;
+    self-play: ``match_turns``) [T, N], ``lengths``,
     ``rewards`` (and ``demo``) [T], ``prompt_ids`` and ``examples`` per row,
     ``hint_prefixes`` keyed by position; with a vision tower ``pixels`` [T, I, 3, S, S], each
     row's prompt's."""
@@ -217,7 +217,8 @@ def valued_rows(rounds, groups, g: int) -> dict:
     first = rounds[0]
     view = {key: np.asarray([rounds[r][key][s] for r, s, _ in picked], first[key].dtype)
             .reshape((len(picked),) + first[key].shape[1:])
-            for key in ("tokens", "mask", "lengths", "rewards", "demo", "turn_ids")
+            for key in ("tokens", "mask", "lengths", "rewards", "demo", "turn_ids",
+                        "match_turns")
             if key in first}
     view["prompt_ids"] = [rounds[r]["prompt_ids"][p] for r, _, p in picked]
     view["examples"] = [rounds[r]["examples"][p] for r, _, p in picked]

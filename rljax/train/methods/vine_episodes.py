@@ -29,6 +29,8 @@ included, plus ``reward.names`` on the final answer), as the valued row's own re
 V(s_t) is the mean of K such rewards. The cost is K x steps episodes per row; the metrics
 count every fork token in ``vine/fork_tokens``.
 
+Self-play rows (``env.selfplay``) fork their whole match: ``vine_matches``.
+
 Randomness: fork q of step t of the stage's valued row i is engine row ``(i * max_steps + t)
 * K + q``, and its noise is keyed by that id under the stage's key (the round's, folded with
 ``vine.FORK_STREAM``; ``episode_engine``: token j of turn k reads ``fold_in(fold_in(key, k),
@@ -95,7 +97,11 @@ def step_values(stage, params, rnd: dict, rng) -> dict:
         return {"step_ids": step_ids, "step_values": values, "num_steps": num_steps,
                 "fork_rows": [], "fork_rewards": np.zeros((0, k), np.float32),
                 "fork_texts": [], "fork_tokens": 0, "fork_padding_tokens": 0}
-    eps, decoded = play_forks(stage.ctx, params, rnd, forks, k, s, rng, stage.rollout.images)
+    if "match_turns" in rnd:   # self-play: a fork replays and plays on its whole match
+        from rljax.train.methods import vine_matches
+        eps, decoded = vine_matches.play_forks(stage, params, rnd, forks, k, rng)
+    else:
+        eps, decoded = play_forks(stage.ctx, params, rnd, forks, k, s, rng, stage.rollout.images)
     owners = [rnd["examples"][i] for i, *_ in forks for _ in range(k)]
     total, _, result = agent.score(stage.rollout.reward_fn, eps, owners, 1)
     if result is not None:
