@@ -804,10 +804,14 @@ def test_selfplay_hints_replay_a_failed_seats_group_with_the_hint_after_its_firs
     assert played >= groups and judged, (played, judged)
 
 
-def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["self", "hints", "checkpoint", "partial"])
+def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, monkeypatch,
+                                                                    request, mode):
     """VinePPO in self-play: a fork at a seat's turn rebuilds the match from its recorded
     turns, both seats', so its trajectory up to the fork is the row's (the boards the other
-    seat's moves made included), then plays the match on with the policy in both seats; a
+    seat's moves made included; a hinted row's hint after its first observation), then plays
+    the match on with the policy in both seats (or the checkpoint opponent in the other; with
+    partial rollouts the rows are the pool's, its matches' turns recorded as they end); a
     step's value is the mean of its forks' rewards, the forked seat's, and a row's
     advantages differ from step to step (GRPO gives a row one). Here a move is the lowest
     free cell when the turn's text starts with an even character, else the highest: whole
@@ -819,8 +823,15 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
     monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, self.game.legal_moves(
         self.match.state)[0 if ord((text or "\0")[0]) % 2 == 0 else -1]))
     k = 2
+    extra = {"partial": {"rollout.engine": "slots", "rollout.partial": True,
+                         "rollout.slots": 8},
+             "hints": {"algo.hint.mode": "fixed", "algo.hint.fraction": 1.0,
+                       "algo.hint.threshold": 2.0, "sft.trace_noise": 0.0},
+             "checkpoint": {"env.selfplay.mode": "checkpoint",
+                            "env.selfplay.workdir": request.getfixturevalue("rae_run")
+                            if mode == "checkpoint" else ""}}.get(mode, {})
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.adv_estimator": "vineppo",
-                     "algo.vine.forks": k, "algo.vine.max_steps": 3, "steps": 1})
+                     "algo.vine.forks": k, "algo.vine.max_steps": 2, "steps": 1, **extra})
     seen, picked = [], vine.VineValues.picked
     monkeypatch.setattr(vine.VineValues, "picked", lambda self, *a: (
         picked(self, *a), seen.append(self._last))[0])
@@ -830,6 +841,7 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
     assert r["vine/prefixes"] > 0 and np.isfinite(r["loss"])
     v, tok = seen[0], setup.make_tokenizer(cfg, None)
     eps, later = v["fork_episodes"], 0
+    assert len(v["hint_prefixes"]) == (len(v["tokens"]) if mode == "hints" else 0)
     assert v["fork_rewards"].shape == (len(v["fork_rows"]), k)
     for j, (i, t, start) in enumerate(v["fork_rows"]):
         for f in range(j * k, (j + 1) * k):   # the row's seat, its trajectory up to the fork
