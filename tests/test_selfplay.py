@@ -804,12 +804,13 @@ def test_selfplay_hints_replay_a_failed_seats_group_with_the_hint_after_its_firs
     assert played >= groups and judged, (played, judged)
 
 
-@pytest.mark.parametrize("mode", ["self", "hints", "checkpoint", "partial"])
+@pytest.mark.parametrize("mode", ["self", "hints", "demos", "checkpoint", "partial"])
 def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, monkeypatch,
                                                                     request, mode):
     """VinePPO in self-play: a fork at a seat's turn rebuilds the match from its recorded
     turns, both seats', so its trajectory up to the fork is the row's (the boards the other
-    seat's moves made included; a hinted row's hint after its first observation), then plays
+    seat's moves made included; a hinted row's hint after its first observation; a
+    demonstration's the scripted match's, every seat's, ``selfplay.seat_trace``), then plays
     the match on with the policy in both seats (or the checkpoint opponent in the other; with
     partial rollouts the rows are the pool's, its matches' turns recorded as they end); a
     step's value is the mean of its forks' rewards, the forked seat's, and a row's
@@ -825,6 +826,8 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
     k = 2
     extra = {"partial": {"rollout.engine": "slots", "rollout.partial": True,
                          "rollout.slots": 8},
+             "demos": {"algo.mixed_policy": True, "algo.hint.threshold": 2.0,
+                       "sft.trace_noise": 0.0},
              "hints": {"algo.hint.mode": "fixed", "algo.hint.fraction": 1.0,
                        "algo.hint.threshold": 2.0, "sft.trace_noise": 0.0},
              "checkpoint": {"env.selfplay.mode": "checkpoint",
@@ -840,8 +843,10 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
     (r,) = [r for r in read_metrics(workdir) if "reward/mean" in r]
     assert r["vine/prefixes"] > 0 and np.isfinite(r["loss"])
     v, tok = seen[0], setup.make_tokenizer(cfg, None)
-    eps, later = v["fork_episodes"], 0
+    eps, later, demo_later = v["fork_episodes"], 0, 0
     assert len(v["hint_prefixes"]) == (len(v["tokens"]) if mode == "hints" else 0)
+    # Demonstrations: each group's last row, its forks replaying the scripted match.
+    assert np.sum(v.get("demo", 0)) == (len(v["tokens"]) // 2 if mode == "demos" else 0)
     assert v["fork_rewards"].shape == (len(v["fork_rows"]), k)
     for j, (i, t, start) in enumerate(v["fork_rows"]):
         for f in range(j * k, (j + 1) * k):   # the row's seat, its trajectory up to the fork
@@ -850,7 +855,9 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
         assert v["step_values"][i, t] == pytest.approx(v["fork_rewards"][j].mean())
         np.testing.assert_array_equal(v["fork_rewards"][j], eps["env_rewards"][j * k:(j + 1) * k])
         later += int(v["turn_ids"][i][start] > 0)
+        demo_later += int(v["turn_ids"][i][start] > 0 and bool(v.get("demo", {i: 0})[i]))
     assert later, "no fork started after the other seat had moved"
+    assert demo_later or mode != "demos", "no demonstration forked after its first turn"
     adv = np.asarray(algorithms.get_advantage_estimator("vineppo")(
         v["rewards"], 1, mask=v["step_ids"] >= 0, step_ids=v["step_ids"],
         step_values=v["step_values"], num_steps=v["num_steps"]))

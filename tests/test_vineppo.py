@@ -286,8 +286,6 @@ def test_vineppo_on_episodes_replays_the_environment_and_resumes_exactly(tmp_pat
 @pytest.mark.parametrize("overrides, key", [
     (["algo.kl_in_reward=true", "algo.beta=0.01"], "algo.kl_in_reward"),
     (["algo.gamma=0.9"], "algo.gamma"),
-    (["env.name=tictactoe", "env.selfplay.mode=self", "algo.mixed_policy=true"],
-     "algo.mixed_policy"),
     (["algo.vine.splitter=regex", "algo.vine.regex=("], "algo.vine.regex"),
     (["algo.name=ppo"], "algo"),
 ])

@@ -38,7 +38,7 @@ def check_vine(cfg) -> None:
     1), completions or episodes (the rows that train are valued as they train: hinted,
     demonstrations, after group filters, groups of the knapsack's sizes, a tree's leaves,
     episodes whose forks replay the environment, self-play rows whose forks replay the
-    match; not self-play demonstrations), and a regex that compiles."""
+    match, a demonstration's the scripted one), and a regex that compiles."""
     algo = cfg.algo
     if algo.adv_estimator != "vineppo":
         return
@@ -50,10 +50,6 @@ def check_vine(cfg) -> None:
             raise ConfigError(f"algo.adv_estimator='vineppo' cannot be combined with {key} "
                               "(a step's value is the mean task reward of its forks, "
                               "undiscounted, with no KL term)")
-    if cfg.env.selfplay.mode != "off" and algo.mixed_policy:
-        raise ConfigError("algo.adv_estimator='vineppo' with env.selfplay.mode cannot be "
-                          "combined with algo.mixed_policy (a demonstration has no recorded "
-                          "moves of the other seats for a fork to replay)")
     if algo.vine.splitter == "regex":
         import re
         try:

@@ -67,21 +67,25 @@ def demo_old_logps(old_logps, demo: np.ndarray):
     return jnp.where(jnp.asarray(demo)[:, None], 0.0, old_logps)
 
 
-def episode_demo(cfg, tokenizer, example: dict, width: int, max_turns: int) -> dict:
+def episode_demo(cfg, tokenizer, example: dict, width: int, max_turns: int,
+                 match_shape: tuple | None = None) -> dict:
     """The example's scripted episode (``agent.trace_messages``) as a rollout row: its
     ``prompt`` ids, ``tokens`` int32 [M] (model turns and observations, right-padded to
     ``width``), ``model_mask`` bool [M], ``turn_ids`` int32 [M] (-1 off model tokens), ``length``,
     ``turns``, ``cut`` (longer than ``width``), the ``final`` turn's text, and the environment's
     ``turn_rewards`` f32 [max_turns]: a fresh environment replays the scripted turns, so the
     demonstration earns what it would have earned if sampled (self-play: the seat's rewards in
-    the scripted match, ``selfplay.seat_trace``)."""
+    the scripted match, ``selfplay.seat_trace``). ``match_shape`` (self-play rows that record
+    their matches, (plies, N)): adds ``match_turns`` int32 [plies, N], the scripted match's
+    turns, every seat's (the seat's own as its row has them; another's, its move's ids and
+    EOS), -1 after each: what a VinePPO fork of it replays (``vine_matches``)."""
     from rljax.train.core.episodes import trace_tokens
     from rljax.train.methods import agent
 
-    rng = np.random.default_rng(0)
+    rng, moves = np.random.default_rng(0), []
     if cfg.env.selfplay.mode != "off":
         from rljax.train.methods.selfplay import seat_trace
-        messages, earned = seat_trace(cfg, example, agent.env_kwargs(cfg), rng)
+        messages, earned = seat_trace(cfg, example, agent.env_kwargs(cfg), rng, moves)
     else:
         messages, earned = agent.trace_messages(cfg, example, rng), None
     prompt, ids, is_model = trace_tokens(tokenizer, agent.make_renderer(cfg, tokenizer),
@@ -101,7 +105,25 @@ def episode_demo(cfg, tokenizer, example: dict, width: int, max_turns: int) -> d
                final=said[-1], turn_rewards=rewards)
     row["tokens"][:row["length"]] = ids[:width]
     row["model_mask"][:len(model)], row["turn_ids"][:len(model)] = model, turn_ids
+    if match_shape is not None:
+        from rljax.envs.board_games import get_game
+        from rljax.train.methods.selfplay import seat_of
+        own = seat_of(get_game(cfg.env.name), example)
+        row["match_turns"] = _match_turns(tokenizer, moves, own, row, match_shape)
     return row
+
+
+def _match_turns(tokenizer, moves, own: int, row: dict, shape: tuple) -> np.ndarray:
+    """The scripted match's turns (``moves``: each ply's (seat, text)) as a self-play row's
+    ``match_turns`` int32 ``shape`` (plies, N): seat ``own``'s turn t is its row's t-th turn's
+    ids, another seat's its move's ids and EOS; -1 after each."""
+    out = np.full(shape, -1, np.int32)
+    mine = iter(row["tokens"][row["turn_ids"] == t].tolist() for t in range(row["turns"]))
+    for ply, (seat, text) in enumerate(moves[:shape[0]]):
+        ids = (next(mine, []) if seat == own else
+               tokenizer.encode(text) + [tokenizer.eos_id])[:shape[1]]
+        out[ply, :len(ids)] = ids
+    return out
 
 
 def _replayed_rewards(cfg, example: dict, said: Sequence[str]) -> list[float]:
@@ -126,7 +148,8 @@ def insert_episode_demos(rollout, rnd: dict, examples: Sequence[dict], rows: Seq
     width, max_turns = rnd["tokens"].shape[1], rnd["turn_rewards"].shape[1]
     done = []
     for row, ex, prompt in zip(rows, examples, prompt_ids):
-        d = episode_demo(cfg, tok, ex, width, max_turns)
+        d = episode_demo(cfg, tok, ex, width, max_turns, rnd["match_turns"].shape[1:]
+                         if "match_turns" in rnd else None)
         if list(d["prompt"]) != list(prompt):
             continue
         row = int(row)
@@ -136,6 +159,8 @@ def insert_episode_demos(rollout, rnd: dict, examples: Sequence[dict], rows: Seq
         rnd["mask"][row] = np.arange(width) < d["length"]
         rnd["lengths"][row], rnd["truncated"][row] = d["length"], d["cut"]
         rnd["turns"][row], rnd["logps"][row] = d["turns"], 0.0
+        if "match_turns" in d:   # self-play: the scripted match, for VinePPO's forks
+            rnd["match_turns"][row] = d["match_turns"]
         rnd["scores"]["env"][row] = rnd["rewards"][row] = d["turn_rewards"].sum()
         rnd["demo"][row] = True
         done.append((row, ex, d))

@@ -255,8 +255,8 @@ def learner_sides(ctx, params, game, examples, seat_rows, envs, g: int, *, tempe
     return sides, groups
 
 
-def seat_trace(cfg, example: dict, env_kwargs: dict,
-               rng=None) -> tuple[list[dict], list[float]]:
+def seat_trace(cfg, example: dict, env_kwargs: dict, rng=None,
+               moves: list | None = None) -> tuple[list[dict], list[float]]:
     """The scripted episode of ``example``'s seat in self-play (what ReLIFT and mixed-policy
     demonstrations train on): a match of its game (its ``deal``) with the game's scripted
     player (``board_games.make_player``, "optimal" unless the game names another) in every
@@ -265,7 +265,9 @@ def seat_trace(cfg, example: dict, env_kwargs: dict,
     seat's move (``finish``) is added to its last move's, as ``run_matches`` credits it.
     ``env_kwargs``: the run's (``agent.env_kwargs``: the seats take its ``SEAT_OPTIONS``, the
     scripted player its ``opponent_options``). ``sft.trace_noise`` makes each of the seat's
-    moves a random legal one with that probability (drawn from ``rng``, a numpy Generator)."""
+    moves a random legal one with that probability (drawn from ``rng``, a numpy Generator).
+    ``moves``: a list to which each ply's ``(seat, move text)`` is appended, every seat's (the
+    scripted match a VinePPO fork of the demonstration replays)."""
     import random
 
     import numpy as np
@@ -288,7 +290,10 @@ def seat_trace(cfg, example: dict, env_kwargs: dict,
     while not match.over():
         seat = match.to_move()
         if seat != own:
-            envs[seat].step(player(game, match.state, chances))
+            move = player(game, match.state, chances)
+            envs[seat].step(move)
+            if moves is not None:
+                moves.append((seat, move))
             continue
         if not first or match.plies:   # a seat that waited sees the state as an observation
             messages += me.observe()
@@ -296,6 +301,8 @@ def seat_trace(cfg, example: dict, env_kwargs: dict,
         move = (bg.random_player(game, match.state, chances) if noise and rng.random() < noise
                 else player(game, match.state, chances))
         messages.append({"role": "assistant", "content": move})
+        if moves is not None:
+            moves.append((own, move))
         rewards.append(float(me.step(move).reward))
     if not me.done and rewards:
         rewards[-1] += float(me.finish().reward)
