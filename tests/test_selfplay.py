@@ -761,18 +761,20 @@ def test_online_dpo_in_self_play_pairs_each_seats_best_and_worst(tmp_path):
     assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)
 
 
+@pytest.mark.parametrize("engine", ["static", "slots"])
 def test_selfplay_hints_replay_a_failed_seats_group_with_the_hint_after_its_first_observation(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, engine):
     """Hints in self-play: every group fails (threshold 2), so each (game, seat) group is
     played again in fresh matches, its seat's rows in the group's place, the hint (the seat's
     scripted first move, ``selfplay.seat_trace``) right after the seat's first observation:
     context in the trajectory (not the model's tokens), and the game judges hint + the
-    sampled turn. An iteration trains on the hinted groups."""
+    sampled turn. An iteration trains on the hinted groups, on the static plies or the
+    episode engine."""
     from rljax.train.methods import agent, guidance
     g = 2
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.hint.mode": "fixed",
                      "algo.hint.fraction": 1.0, "algo.hint.threshold": 2.0,
-                     "sft.trace_noise": 0.0, "steps": 1})
+                     "sft.trace_noise": 0.0, "steps": 1, "rollout.engine": engine})
     seen = {}   # the guided rounds and their hinted re-samples (groups in the rounds' order)
     for cls, name in ((guidance.Guide, "after_round"), (agent.EpisodeRounds, "sample_hinted")):
         monkeypatch.setattr(cls, name, lambda *a, _f=getattr(cls, name), _n=name: seen.setdefault(
