@@ -71,6 +71,7 @@ def play_forks(stage, params, rnd: dict, forks: list, k: int, rng):
     as ``run_episodes`` gives them, tokens sampled)``; in batches (module docstring)."""
     points = [f for f in forks for _ in range(k)]
     per = max(1, min(engine_slots(stage.cfg, len(points)), len(points)))
+    params = sampling_params(stage.ctx, params)   # (LoRA merged once, where it is)
     parts, decoded = [], 0
     for b, at in enumerate(range(0, len(points), per)):
         batch = points[at:at + per]
@@ -82,7 +83,8 @@ def play_forks(stage, params, rnd: dict, forks: list, k: int, rng):
 
 
 def _play_batch(stage, params, rnd: dict, points: list, rng):
-    """One batch of forks (``play_forks``): replayed, then played on the episode engine."""
+    """One batch of forks (``play_forks``): replayed, then played on the episode engine;
+    ``(the forked seats' rows, tokens the batch sampled, every seat's)``."""
     from rljax.envs import step_all
     ctx, cfg = stage.ctx, stage.cfg
     template, opponent = players(stage.rollout)
@@ -94,7 +96,7 @@ def _play_batch(stage, params, rnd: dict, points: list, rng):
     game, seat_rows, envs = selfplay.seat_envs(cfg, examples, template, agent.env_kwargs(cfg), 1)
     hints = rnd.get("hint_prefixes", {})
     sides, _ = selfplay.learner_sides(
-        ctx, sampling_params(ctx, params), game, examples, seat_rows, envs, 1,
+        ctx, params, game, examples, seat_rows, envs, 1,
         temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, opponent=opponent,
         prefixes=[hints.get(i, []) for i, *_ in points], own_only=True)
     max_plies = len(game.seats) * lim.max_turns
