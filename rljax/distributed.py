@@ -295,10 +295,12 @@ def gather(tree: Any, *, tiled: bool = True) -> Any:
 
 
 def to_host(x: Any) -> np.ndarray:
-    """A (possibly non-fully-addressable) global array as one numpy array on every process."""
+    """A (possibly non-fully-addressable) global array as one numpy array on every process.
+    A collective for an array split over processes (every process must call it); a replicated
+    one is read from this process's own copy."""
     import jax
 
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)

@@ -139,6 +139,36 @@ def test_async_split_across_two_processes_matches_one_and_resumes(tmp_path):
         == [{k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in first]
 
 
+# The slot engine on 4 devices, its parameters on data x fsdp (both spanning the processes).
+ENGINE = ["--config.rollout.engine=slots", "--config.rollout.slots=8",
+          "--config.mesh.data=2", "--config.mesh.fsdp=2"]
+
+
+@pytest.mark.slow
+def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_path):
+    """GRPO on the slot engine, then with partial rollouts (``tests/engine_worker.py``), as 2
+    processes of 2 devices and as 1 of 4: every process drives the engine's host loop from the
+    same global values (which slot refills, when a row stops), so the runs are the same; the
+    partial run resumed from step 1 redoes step 2 exactly (the pool's groups in flight come
+    back on both processes)."""
+    worker = [sys.executable, os.path.join(ROOT, "tests", "engine_worker.py")]
+    config = [os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES, *ENGINE]
+    one = subprocess.Popen([*worker, str(tmp_path / "one"), "straight", *config], env=_env(4),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    two = _launch(tmp_path, 2, *worker, str(tmp_path / "two"), "resume", *config)
+    out_two, _ = two.communicate(timeout=1000)
+    out_one, _ = one.communicate(timeout=1000)
+    assert one.returncode == 0, out_one[-3000:]
+    assert two.returncode == 0 and "resumed at step 1" in out_two, out_two[-3000:]
+    slots = _read(tmp_path / "two" / "slots")
+    assert 0 < slots[0]["rollout/slot_utilisation"] < 1 and slots[0]["reward/std"] > 0
+    _compare(_read(tmp_path / "one" / "slots"), slots)
+    first = [json.loads(line) for line in (tmp_path / "two" / "first.jsonl").open()]
+    assert first[0]["rollout/carried_groups"] > 0 and first[1]["rollout/staleness_max"] >= 1
+    _compare(_read(tmp_path / "one" / "partial"), first)
+    _compare(first, _read(tmp_path / "two" / "partial"))
+
+
 # ----------------------------------------------------------------------------- detection
 
 def test_detect_explicit_and_off():

@@ -23,6 +23,11 @@ sampler draws for it (``draw_noise(fold_in(rng, t), B*G, V)[r]``, all drawn befo
 so the slot a row lands in, the chunk size and the refill order change nothing, and where both
 programs round the logits alike the tokens equal the static sampler's. Greedy decoding gives
 the static sampler's tokens wherever its logits are not tied within float32 rounding.
+
+Several processes (SPMD): every process runs this loop on the same prompts, the programs on
+the parameters' global mesh. The host's decisions (which rows wait, when to relaunch) read
+only the programs' global outputs (``distributed.to_host``), so every process takes the same
+ones and the processes stay in step; every process gets every row.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import models
+from rljax import distributed as dist, models
 from rljax import sharding as shd
 from rljax.models import paged
 from rljax.sampling.core import SampleOutput, merge_stop_ids
@@ -182,7 +187,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
     cache = paged.init_slot_cache(cfg, s, n, dtype=cache_dtype)
     # The rows still to decode, in order; a slot takes the next one the step after its row
     # stops (on device: no host round trip per refill).
-    done_host = np.asarray(first_done)
+    done_host = dist.to_host(first_done)
     live = np.ones(rows, bool) if live is None else np.asarray(live, bool)
     waiting = (np.flatnonzero(~done_host & live).astype(np.int32) if n > 1 else
                np.zeros(0, np.int32))
@@ -207,7 +212,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                 chunk_steps=int(chunk_steps), **draw)
         chunks, steps, busy = chunks + 1, steps + int(ran), bool(busy)
         if versions is not None:
-            length = np.asarray(out["lengths"])
+            length = dist.to_host(out["lengths"])
             pos = np.arange(n)[None, :]
             versions[(pos >= written[:, None]) & (pos < length[:, None])] = version
             written = length
@@ -219,7 +224,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                                   out["routes"]], axis=1)
     result = SampleOutput(tokens=out["tokens"], logps=out["logps"], mask=mask, lengths=lengths,
                           truncated=~out["done"], routes=routes)
-    useful = int(np.asarray(lengths)[live].sum()) - int(live.sum())
+    useful = int(dist.to_host(lengths)[live].sum()) - int(live.sum())
     return result, EngineStats(rows=rows, slots=s, chunks=chunks, decode_steps=steps,
                                useful_steps=useful, versions=versions, swaps=swaps)
 

@@ -32,7 +32,8 @@ iteration it is drawn in; a restarted group reads the same noise under newer wei
 
 All state is host arrays (``state_dict``, JSON-able): the device caches are rebuilt from the
 tokens at every run, so a run restored from a checkpoint continues exactly as one that never
-stopped.
+stopped. Several processes (SPMD) each hold the same pool and take the same steps: every
+decision reads the programs' global outputs (``engine``'s docstring).
 
 Images in the prompt (a model with a vision tower): ``run(..., image_embeds=E)``, E [C, K, D]
 the embeddings of each place's images under ``params`` (the caller keeps the pixels per place,
@@ -50,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import models
+from rljax import distributed as dist, models
 from rljax.models import paged
 from rljax.models import transformer as tfm
 from rljax.sampling import engine
@@ -212,7 +213,7 @@ class Pool:
             jnp.asarray(fed_len), jnp.asarray(fed_page), self.temperatures, image_embeds,
             num_samples=g, max_new_tokens=n, greedy=self.greedy, cache_dtype=self.cache_dtype,
             **self.draw)
-        first, first_logp, first_stop = jax.device_get((first, first_logp, first_stop))
+        first, first_logp, first_stop = dist.to_host_tree((first, first_logp, first_stop))
         new = (self.lengths == 0) & ~self.done & np.repeat(self.serial >= 0, g)
         self.tokens[new, 0], self.logps[new, 0] = first[new], first_logp[new]
         self.versions[new, 0], self.lengths[new], self.done[new] = version, 1, first_stop[new]
@@ -247,13 +248,14 @@ class Pool:
                 first_dev, queue_dev, jnp.int32(queue.size), noise, self.temperatures,
                 max_new_tokens=n, num_samples=g, chunk_steps=self.chunk_steps, **self.draw)
             self.clock += 1
-            lengths, done, ran, busy = jax.device_get((out["lengths"], out["done"], ran, busy))
+            lengths, done, ran, busy = dist.to_host_tree((out["lengths"], out["done"], ran,
+                                                         busy))
             self.lengths[:], self.done[:] = lengths, done
             steps, busy = steps + int(ran), bool(busy)
             self.versions[(span >= was[:, None]) & (span < lengths[:, None])] = version
             self._mark_complete()
         if steps:
-            self.tokens[:], self.logps[:] = jax.device_get((out["tokens"], out["logps"]))
+            self.tokens[:], self.logps[:] = dist.to_host_tree((out["tokens"], out["logps"]))
         useful = int((self.lengths - before).sum())
         return dataclasses.replace(
             self._take(want, dropped, steps, useful, useful + int(new.sum())), swaps=swaps)

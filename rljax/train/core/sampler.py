@@ -73,7 +73,7 @@ def episode_engine(cfg, rows: int):
     batches."""
     if sampler_kind(cfg) != "slots":
         return None
-    _single_process()
+    single_process("rollout.engine='slots' with env.name (episodes)")
     from rljax.train.core.episodes import EngineOptions
     return EngineOptions(slots=engine_slots(cfg, rows), chunk_steps=int(cfg.rollout.chunk_steps))
 
@@ -156,9 +156,9 @@ def generate(ctx, params, prompt_tokens, prompt_mask, rng, *, num_samples: int,
         b, chunk, prompt_index = len(prompt_index), len(prompt_index), None
     outs, engine_stats = [], []
     for i, start in enumerate(range(0, b, chunk)):
-        # Multi-host: every process holds the same prompts and feeds its own rows.
-        p_tok, p_mask = dist.device_batch(
-            (prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]), ctx.mesh)
+        p_tok, p_mask = prompt_tokens[start:start + chunk], prompt_mask[start:start + chunk]
+        if kind in ("static", "tree"):   # multi-host: same prompts, each process its own rows
+            p_tok, p_mask = dist.device_batch((p_tok, p_mask), ctx.mesh)
         temps = (temperatures if temperatures is None or np.ndim(temperatures) == 1 else
                  temperatures[start * num_samples:(start + chunk) * num_samples])
         kw = dict(rng=jax.random.fold_in(rng, i), max_new_tokens=max_new_tokens,
@@ -217,10 +217,11 @@ def sampling_weights(ctx, weights):
     return current
 
 
-def _single_process():
-    """UserError on several hosts: the slot engine feeds one process's devices."""
+def single_process(feature: str) -> None:
+    """UserError on several hosts for a ``feature`` whose host loop reads one process's
+    arrays (the slot engine itself and its pool read only global values)."""
     if dist.is_multiprocess():
-        raise UserError("rollout.engine='slots' runs in a single process for now; use "
+        raise UserError(f"{feature} runs in a single process for now; use "
                         "rollout.engine='static' on several hosts")
 
 
@@ -229,7 +230,7 @@ def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats:
     """``sampling.tree_engine.generate`` for one chunk of prompts (appends each level's
     EngineStats), with in-flight ``weights`` polled between levels and decode chunks and
     the ``temperatures`` schedule [N] drawn at each segment's positions."""
-    _single_process()
+    single_process("rollout.engine='slots' with rollout.tree")
     rows = int(np.shape(prompt_tokens)[0]) * tree_sampling.num_leaves(
         tree["roots"], tree["branching"], tree["depth"])
     kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
@@ -245,7 +246,6 @@ def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats:
 def _slot_engine(ctx, params, prompt_tokens, prompt_mask, num_samples, temperatures, kw,
                  stats: list, weights=None):
     """``sampling.engine.generate`` for one chunk of prompts (appends its EngineStats)."""
-    _single_process()
     rows = int(np.shape(prompt_tokens)[0]) * num_samples
     kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
     out, st = sampling.engine.generate(

@@ -65,16 +65,15 @@ import time
 import jax
 import numpy as np
 
-from rljax import distributed as dist, sampling
+from rljax import sampling
 from rljax.config.rollout import knapsack_step
-from rljax.errors import UserError
 from rljax.sampling import multiturn
 from rljax.sampling import tree as tree_sampling
 from rljax.train.core import episodes as ep, image_inputs
 from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import (engine_slots, rollout_temperatures, sampling_params,
-                                      sampling_weights)
+                                      sampling_weights, single_process)
 from rljax.train.methods import agent
 from rljax.train.methods.partial_matches import play_matches
 
@@ -94,9 +93,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
 
     def __init__(self, ctx, num_prompts: int, sizes_of=None, rows: int = 0):
         super().__init__(ctx)
-        if dist.is_multiprocess():
-            raise UserError("rollout.partial=true runs in a single process for now; use "
-                            "rollout.partial=false on several hosts")
+        single_process("rollout.partial=true with env.name (episodes)")
         self.g = int(rows or ctx.cfg.algo.num_generations)   # a group's rows at most
         self.sizes_of = sizes_of
         self.seats, self.num_prompts = 1, int(num_prompts)   # examples a round takes

@@ -1,0 +1,34 @@
+"""Run by ``test_multihost.py``, as 1 process of 4 CPU devices and as each of 2 local processes
+of 2: GRPO on the slot engine (``BASE/slots``), then with partial rollouts checkpointed every
+step (``BASE/partial``). With ``resume`` the partial run then drops its last checkpoint, keeps
+its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step. All in one launch, so
+each process starts and compiles the update once.
+
+    python tests/engine_worker.py BASE resume|straight CONFIG OVERRIDES...
+"""
+import os
+import shutil
+import sys
+
+from rljax import cli, distributed
+
+PARTIAL = ["--config.rollout.partial=true", "--config.checkpoint_every=1"]
+
+
+def main(base: str, resume: bool, config: str, *overrides: str) -> int:
+    distributed.initialize()
+    train = ["train", "--config", config, *overrides]
+    for name, extra in (("slots", []), ("partial", PARTIAL)):
+        code = cli.main([*train, *extra, "--workdir", os.path.join(base, name)])
+        if code or not resume and name == "partial":
+            return code
+    workdir = os.path.join(base, "partial")
+    if distributed.is_main():
+        shutil.copy(os.path.join(workdir, "metrics.jsonl"), os.path.join(base, "first.jsonl"))
+        shutil.rmtree(os.path.join(workdir, "checkpoints", "2"))   # as if killed before it
+    distributed.barrier("dropped the last checkpoint")
+    return cli.main([*train, *PARTIAL, "--workdir", workdir])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2] == "resume", *sys.argv[3:]))
