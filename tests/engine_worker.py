@@ -1,6 +1,6 @@
 """Run by ``test_multihost.py``, as 1 process of 4 CPU devices and as each of 2 local processes
-of 2: GRPO on the slot engine (``BASE/slots``), then with partial rollouts checkpointed every
-step (``BASE/partial``). With ``resume`` the partial run then drops its last checkpoint, keeps
+of 2: GRPO on the slot engine (``BASE/slots``), on guess-the-number games (``BASE/episodes``,
+the episode engine), then with partial rollouts checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its last checkpoint, keeps
 its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step. All in one launch, so
 each process starts and compiles the update once.
 
@@ -13,12 +13,19 @@ import sys
 from rljax import cli, distributed
 
 PARTIAL = ["--config.rollout.partial=true", "--config.checkpoint_every=1"]
+# Games of up to 3 guesses of 4 tokens (an untrained model rarely solves one: the length
+# reward varies within a group).
+EPISODES = ["--config.data.source=guess_number", "--config.data.max_prompt_length=32",
+            "--config.data.kwargs={'low':1,'high':100,'eval_examples':8}",
+            "--config.env.name=guess_number", "--config.env.max_turns=3",
+            "--config.env.max_total_tokens=24", "--config.env.max_turn_tokens=4",
+            "--config.env.max_obs_tokens=8", "--config.reward.names=('length',)"]
 
 
 def main(base: str, resume: bool, config: str, *overrides: str) -> int:
     distributed.initialize()
     train = ["train", "--config", config, *overrides]
-    for name, extra in (("slots", []), ("partial", PARTIAL)):
+    for name, extra in (("slots", []), ("episodes", EPISODES), ("partial", PARTIAL)):
         code = cli.main([*train, *extra, "--workdir", os.path.join(base, name)])
         if code or not resume and name == "partial":
             return code

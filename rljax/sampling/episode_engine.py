@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import models
+from rljax import distributed as dist, models
 from rljax.models import paged
 from rljax.sampling.draw import row_draw, row_temperature, sample_logits
 
@@ -237,7 +237,7 @@ def run_chunk(cfg: models.ModelConfig, params: Any, pages: dict, page_mask, page
         chunk_steps=int(chunk_steps), temperature=float(temperature), top_k=int(top_k),
         top_p=float(top_p), stop_ids=tuple(int(i) for i in stop_ids),
         stop_seqs=tuple(tuple(int(i) for i in q) for q in stop_sequences if len(q)))
-    out, steps = jax.device_get((out, steps))
+    out, steps = dist.to_host_tree((out, steps))   # (several processes: the global values)
     return cache, {k: np.array(v) for k, v in out.items()}, int(steps)
 
 

@@ -73,7 +73,6 @@ def episode_engine(cfg, rows: int):
     batches."""
     if sampler_kind(cfg) != "slots":
         return None
-    single_process("rollout.engine='slots' with env.name (episodes)")
     from rljax.train.core.episodes import EngineOptions
     return EngineOptions(slots=engine_slots(cfg, rows), chunk_steps=int(cfg.rollout.chunk_steps))
 
