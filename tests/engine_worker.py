@@ -1,6 +1,7 @@
 """Run by ``test_multihost.py``, as 1 process of 4 CPU devices and as each of 2 local processes
 of 2: GRPO on the slot engine (``BASE/slots``), on guess-the-number games (``BASE/episodes``,
-the episode engine), then with partial rollouts checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its last checkpoint, keeps
+the episode engine), on games carried across iterations (``BASE/episodes_partial``), then
+with partial rollouts checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its last checkpoint, keeps
 its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step. All in one launch, so
 each process starts and compiles the update once.
 
@@ -25,7 +26,8 @@ EPISODES = ["--config.data.source=guess_number", "--config.data.max_prompt_lengt
 def main(base: str, resume: bool, config: str, *overrides: str) -> int:
     distributed.initialize()
     train = ["train", "--config", config, *overrides]
-    for name, extra in (("slots", []), ("episodes", EPISODES), ("partial", PARTIAL)):
+    for name, extra in (("slots", []), ("episodes", EPISODES),
+                        ("episodes_partial", EPISODES + PARTIAL), ("partial", PARTIAL)):
         code = cli.main([*train, *extra, "--workdir", os.path.join(base, name)])
         if code or not resume and name == "partial":
             return code

@@ -146,10 +146,11 @@ ENGINE = ["--config.rollout.engine=slots", "--config.rollout.slots=8",
 
 @pytest.mark.slow
 def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_path):
-    """GRPO on the slot engine, on its episodes, then with partial rollouts
-    (``tests/engine_worker.py``), as 2 processes of 2 devices and as 1 of 4: every process
-    drives the engine's host loop from the same global values (which slot refills, when a row
-    or a turn stops), so the runs are the same; the partial run resumed from step 1 redoes
+    """GRPO on the slot engine, on its episodes (straight and partial), then with partial
+    rollouts (``tests/engine_worker.py``), as 2 processes of 2 devices and as 1 of 4: every
+    process drives the engine's host loop from the same global values (which slot refills,
+    when a row or a turn stops), so the runs are the same (the partial episodes' evaluation
+    runs the static turn batches: checked too); the partial run resumed from step 1 redoes
     step 2 exactly (the pool's groups in flight come back on both processes)."""
     worker = [sys.executable, os.path.join(ROOT, "tests", "engine_worker.py")]
     config = [os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES, *ENGINE]
@@ -167,6 +168,9 @@ def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_p
     assert 0 < episodes[0]["rollout/slot_utilisation"] < 1 and episodes[0]["reward/std"] > 0
     assert 1 < episodes[1]["env/turns_mean"] < 3   # turns that end at different steps
     _compare(_read(tmp_path / "one" / "episodes"), episodes)
+    carried = _read(tmp_path / "two" / "episodes_partial")
+    assert carried[0]["rollout/carried_groups"] > 0 and carried[1]["rollout/staleness_max"] >= 1
+    _compare(_read(tmp_path / "one" / "episodes_partial"), carried)
     first = [json.loads(line) for line in (tmp_path / "two" / "first.jsonl").open()]
     assert first[0]["rollout/carried_groups"] > 0 and first[1]["rollout/staleness_max"] >= 1
     _compare(_read(tmp_path / "one" / "partial"), first)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from rljax import sampling
+from rljax import distributed as dist, sampling
 from rljax.sampling import multiturn
 
 _SENTINEL = "\x00RLJAX_TURN\x00"
@@ -412,8 +412,7 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
                                     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
                                     temperatures=record.turn_temperatures(np.arange(r)),
                                     **options)
-        out_tok, out_lp, out_len = (np.asarray(x) for x in jax.device_get(
-            (out.tokens, out.logps, out.lengths)))
+        out_tok, out_lp, out_len = dist.to_host_tree((out.tokens, out.logps, out.lengths))
         rows = np.flatnonzero(active)
         kept, observations = record.turn_ended(rows, [turn] * len(rows), out_tok[rows],
                                                out_lp[rows], out_len[rows])
@@ -436,7 +435,7 @@ def _static_turns(model_cfg, params, tokenizer, record: _Trajectories, p_tok, p_
             slot_mask[:, start:start + o] = chunk_mask
     if not record_routes:
         return None
-    return multiturn.trajectory_routes(jax.device_get(cache["routes"]), slot_mask,
+    return multiturn.trajectory_routes(dist.to_host(cache["routes"]), slot_mask,
                                        np.repeat(np.asarray(p_mask, bool), g, axis=0),
                                        lim.max_total_tokens)
 
@@ -462,7 +461,7 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
         p = p_tok.shape[1]
         cache = ee.init_routes(model_cfg, cache)
         routes = np.zeros((r, p + lim.max_total_tokens) + cache["routes"].shape[2:], np.int32)
-        routes[:, :p - 1] = np.repeat(np.asarray(jax.device_get(prompt_routes[0])), g, axis=0)
+        routes[:, :p - 1] = np.repeat(dist.to_host(prompt_routes[0]), g, axis=0)
     state = ee.empty_state(s, lim.max_total_tokens if record.turns.any() else lim.chunk_tokens,
                            lim.turn_tokens, tokenizer.pad_id)   # (width: a fed trajectory)
     if record.schedule is not None:   # each slot's turn at its own temperatures
@@ -493,7 +492,7 @@ def _engine_turns(model_cfg, chunks: EngineWeights, tokenizer, record: _Trajecto
             if ids is None:
                 if routes is not None:   # its fed tokens: cache indexes 0 .. length - 1
                     n = int(record.length[i])
-                    routes[i, p - 1:p - 1 + n] = np.asarray(cache["routes"][slot, :n])
+                    routes[i, p - 1:p - 1 + n] = dist.to_host(cache["routes"][slot, :n])
                 ee.free(state, slot)
                 continue
             cursor = int(record.length[i]) - len(ids)   # the kept turn's last token goes here
