@@ -146,8 +146,9 @@ ENGINE = ["--config.rollout.engine=slots", "--config.rollout.slots=8",
 
 @pytest.mark.slow
 def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_path):
-    """GRPO on the slot engine, on its episodes (straight and partial), then with partial
-    rollouts (``tests/engine_worker.py``), as 2 processes of 2 devices and as 1 of 4: every
+    """GRPO on the slot engine, on its episodes (straight, and partial with asynchronous GRPO),
+    then with partial rollouts (``tests/engine_worker.py``), as 2 processes of 2 devices and
+    as 1 of 4: every
     process drives the engine's host loop from the same global values (which slot refills,
     when a row or a turn stops), so the runs are the same (the partial episodes' evaluation
     runs the static turn batches: checked too); the partial run resumed from step 1 redoes
@@ -170,6 +171,7 @@ def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_p
     _compare(_read(tmp_path / "one" / "episodes"), episodes)
     carried = _read(tmp_path / "two" / "episodes_partial")
     assert carried[0]["rollout/carried_groups"] > 0 and carried[1]["rollout/staleness_max"] >= 1
+    assert carried[1]["time/weight_transfer"] > 0   # asynchronous: the sampler's own devices
     _compare(_read(tmp_path / "one" / "episodes_partial"), carried)
     first = [json.loads(line) for line in (tmp_path / "two" / "first.jsonl").open()]
     assert first[0]["rollout/carried_groups"] > 0 and first[1]["rollout/staleness_max"] >= 1
@@ -208,6 +210,19 @@ def test_detect_explicit_and_off():
 ])
 def test_detect_cluster_signals(env, expected):
     assert distributed.detect(env, query_metadata=False) == expected
+
+
+def test_single_process_refusal_names_the_feature_and_what_runs(monkeypatch):
+    """What still needs one process refuses several in one line (the helper the sampler and
+    asynchronous GRPO's in-flight updates call)."""
+    from rljax.errors import UserError
+    from rljax.train.core import sampler
+
+    sampler.single_process("rollout.engine='slots' with rollout.tree")   # one process: fine
+    monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+    with pytest.raises(UserError, match=r"^algo.inflight_updates=true runs in a single process "
+                       r"for now; use algo.inflight_updates=false on several hosts$"):
+        sampler.single_process("algo.inflight_updates=true", instead="algo.inflight_updates=false")
 
 
 def test_single_process_helpers():

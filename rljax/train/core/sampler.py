@@ -216,12 +216,13 @@ def sampling_weights(ctx, weights):
     return current
 
 
-def single_process(feature: str) -> None:
-    """UserError on several hosts for a ``feature`` whose host loop reads one process's
-    arrays (the slot engine itself and its pool read only global values)."""
+def single_process(feature: str, instead: str = "rollout.engine='static'") -> None:
+    """UserError on several hosts for a ``feature`` whose host decisions could differ between
+    processes (the slot engine itself, its pool and its episodes read only global values, so
+    every process decides alike); ``instead``: the setting that runs there."""
     if dist.is_multiprocess():
-        raise UserError(f"{feature} runs in a single process for now; use "
-                        "rollout.engine='static' on several hosts")
+        raise UserError(f"{feature} runs in a single process for now; use {instead} on "
+                        "several hosts")
 
 
 def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list,

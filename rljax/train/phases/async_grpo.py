@@ -106,6 +106,9 @@ class AsyncSchedule:
         # sampler keeps its own (the train state's follows as the batches train).
         self.sampler_baseline = None
         self.inflight_updates = bool(cfg.algo.inflight_updates)
+        if self.inflight_updates:   # each process would see its update finish at its own time
+            sampler_lib.single_process("algo.inflight_updates=true",
+                                       instead="algo.inflight_updates=false")
 
     # -- the two meshes ------------------------------------------------------------------------
 
