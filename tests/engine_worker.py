@@ -2,9 +2,9 @@
 of 2: GRPO on the slot engine (``BASE/slots``), on guess-the-number games (``BASE/episodes``,
 the episode engine), on games carried across iterations by asynchronous GRPO
 (``BASE/episodes_partial``: a device of each process samples), then with partial rollouts
-checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its last checkpoint, keeps
-its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step. All in one launch, so
-each process starts and compiles the update once.
+checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its
+last checkpoint, keeps its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step.
+All in one launch, so each process starts and compiles the update once.
 
     python tests/engine_worker.py BASE resume|straight CONFIG OVERRIDES...
 """

@@ -223,6 +223,9 @@ def test_single_process_refusal_names_the_feature_and_what_runs(monkeypatch):
     with pytest.raises(UserError, match=r"^algo.inflight_updates=true runs in a single process "
                        r"for now; use algo.inflight_updates=false on several hosts$"):
         sampler.single_process("algo.inflight_updates=true", instead="algo.inflight_updates=false")
+    with pytest.raises(UserError, match=r"^rollout.partial=true with env.selfplay.mode runs in a "
+                       r"single process for now$"):
+        sampler.single_process("rollout.partial=true with env.selfplay.mode", instead="")
 
 
 def test_single_process_helpers():

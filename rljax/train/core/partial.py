@@ -89,7 +89,8 @@ class PartialRounds:
 
     def __init__(self, ctx, num_prompts: int, sizes_of=None, rows: int = 0):
         if ctx.cfg.rollout.tree.enabled:
-            single_process("rollout.partial=true with rollout.tree")
+            single_process("rollout.partial=true with rollout.tree",
+                           instead="rollout.partial=false")
         self.ctx, self.num_prompts = ctx, int(num_prompts)
         # Groups of their own sizes (knapsack allocation): ``sizes_of(rollout, indices) ->
         # int [P]`` sizes each admitted batch, at most ``rows`` rows a group.

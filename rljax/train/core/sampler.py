@@ -219,10 +219,10 @@ def sampling_weights(ctx, weights):
 def single_process(feature: str, instead: str = "rollout.engine='static'") -> None:
     """UserError on several hosts for a ``feature`` whose host decisions could differ between
     processes (the slot engine itself, its pool and its episodes read only global values, so
-    every process decides alike); ``instead``: the setting that runs there."""
+    every process decides alike); ``instead``: the setting that runs there ("": none yet)."""
     if dist.is_multiprocess():
-        raise UserError(f"{feature} runs in a single process for now; use {instead} on "
-                        "several hosts")
+        raise UserError(f"{feature} runs in a single process for now"
+                        + (f"; use {instead} on several hosts" if instead else ""))
 
 
 def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list,
