@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljax.config.base import ConfigError, online_dpo_groups, registered
+from rljax.config.base import ConfigError, online_dpo_groups, registered, step_pairs
 
 
 def data() -> dict[str, Any]:
@@ -98,6 +98,9 @@ def check_step_mc(cfg) -> None:
         raise ConfigError(f"data.pairs='{pairs}' samples continuations at "
                           "rollout.temperature; set rollout.temperature_schedule.name="
                           "'constant'")
+    if pairs == "mcts" and algo.dynamic_sampling:
+        raise ConfigError("algo.dynamic_sampling does not compose yet with data.pairs='mcts' "
+                          "(the search draws its prompts itself)")
 
 
 def check_prm(cfg) -> None:
@@ -125,10 +128,16 @@ def check_selection(cfg) -> None:
     if sel.low > sel.high:
         raise ConfigError(f"data.selection.low={sel.low} must be <= data.selection.high="
                           f"{sel.high}")
-    if algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg):
-        raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "
-                          f"rollouts: algo.name='{algo.name}' (or DPO's step pairs) needs "
+    pairs = step_pairs(cfg)   # step_mc: the selector picks the prompts level 0 samples
+    if pairs == "mcts":
+        raise ConfigError(f"data.selection.name='{sel.name}' does not compose yet with "
+                          "data.pairs='mcts' (the search draws its prompts itself): use "
                           "'uniform'")
+    if algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg) and not pairs:
+        offline = " with algo.online=False" if algo.name == "dpo" else ""
+        raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "
+                          f"rollouts: algo.name='{algo.name}'{offline} samples none (use "
+                          "'uniform')")
     if sel.name == "online_filter" and algo.dynamic_sampling:
         raise ConfigError("data.selection.name='online_filter' and algo.dynamic_sampling both "
                           "filter groups: use one (dynamic sampling = the band (0, 1))")

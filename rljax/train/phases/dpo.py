@@ -32,7 +32,7 @@ from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.preference_data import (PreferenceData, best_worst_pairs,
                                               eval_pair_batches, pair_metrics)
-from rljax.train.core.setup import data_iterator, rl_iterator
+from rljax.train.core.setup import rl_iterator
 from rljax.train.phases.grpo import merge_updates, round_source
 from rljax.train.methods import mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
@@ -203,8 +203,9 @@ class DPOPhase:
     Online (``algo.online``): each step is a round: sample ``algo.num_generations`` completions
     for each of ``rollout.batch_size / num_generations`` prompts, rank them with the reward
     functions, pair the best with the worst (ties are skipped), then update on those pairs.
-    With ``data.pairs="step_mc"`` the pairs are step-level instead (``train.step_mc``: steps
-    valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most);
+    With ``data.pairs="step_mc"`` the pairs are step-level instead (``methods.step_mc``: steps
+    valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most;
+    prompt selection and dynamic sampling pick the prompts on their first samples);
     with ``data.pairs="mcts"`` they are sibling steps of an MCTS over steps
     (``methods.mcts_search.MCTSPairs``: the best- and worst-valued children of a node), and
     with ``algo.mcts.refit_prm`` the search's PRM (in the state) is refitted on the round's
@@ -229,8 +230,8 @@ class DPOPhase:
             raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
                             f"split over the data-parallel mesh size {ctx.dp_size}")
         self.refit = None
-        if self.step_mc:
-            self.iterator = data_iterator(ctx, cfg.rollout.batch_size // self.g)
+        if self.step_mc:   # prompt selection picks the prompts whose step pairs are built
+            self.iterator = rl_iterator(ctx, cfg.rollout.batch_size // self.g)
             if cfg.data.pairs == "mcts" and cfg.algo.mcts.refit_prm:   # refitted each round
                 self.refit = prm_refit.PRMRefit(ctx, cfg.rollout.batch_size // self.g,
                                                 self.steps)
