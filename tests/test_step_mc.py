@@ -203,8 +203,10 @@ def test_config_rejects_step_mc_outside_online_dpo():
                                         "with data.pairs='mcts'"),
     (["algo.dynamic_sampling=True"], "algo.dynamic_sampling does not compose yet with "
                                      "data.pairs='mcts'"),
+    (["algo.asynchronous=True"], "algo.asynchronous=true does not compose yet with "
+                                 "data.pairs='mcts'"),
 ])
-def test_config_refuses_prompt_selection_with_mcts_pairs_in_one_line(flags, message):
+def test_config_refuses_selection_and_async_with_mcts_pairs_in_one_line(flags, message):
     with pytest.raises(config_lib.ConfigError, match=re.escape(message)) as err:
         config_lib.load_config(None, ["algo.name=dpo", "algo.online=True", "data.pairs=mcts",
                                       *flags])
@@ -278,27 +280,42 @@ def test_step_mc_pairs_of_the_prompts_selection_picks_train(tmp_path, monkeypatc
     assert acted(rounds) and sum(r["dpo/pairs"] for r in rounds) > 0, rounds
 
 
-def test_step_mc_run_resumes_exactly(tmp_path):
+# Asynchronous DPO: the sampler builds the pair batches ahead on a device of its own.
+ASYNC = {"algo.asynchronous": True, "mesh.rollout_devices": 1, "mesh.data": 1, "mesh.fsdp": 1,
+         "mesh.rollout.data": 1, "mesh.rollout.fsdp": 1}
+
+
+@pytest.mark.parametrize("options, devices", [({}, 1), (ASYNC, 2)], ids=["sync", "async"])
+def test_step_mc_run_resumes_exactly(tmp_path, monkeypatch, options, devices):
     """Same seed: a run stopped after its first DPO round and resumed logs the same metrics
     and ends with the same parameters as a straight run (the sampling keys come from the train
-    state, the data position from the phase's state_dict)."""
+    state, the data position from the phase's state_dict; asynchronous: the pair batch in
+    flight, sampled by version 1 before the stop, is saved with the checkpoint)."""
     from rljax.train import run
     from rljax.train.core import checkpoint
     from rljax.train.core.metrics import read_metrics
 
+    from rljax.rewards import registry
     from test_train_loop import StopAfter
 
-    devices = jax.devices()[:1]
+    monkeypatch.setitem(registry._REGISTRY, "digit_share", lambda: digit_share)
+    options = {"reward.names": ("digit_share",), **options}   # pairs to train on
+    devices = jax.devices()[:devices]
+    steps = 3 if len(options) > 1 else 2
     straight, parts = str(tmp_path / "a"), str(tmp_path / "b")
-    assert run.train(tiny_step_mc_cfg(2), straight, devices=devices) == 0
-    assert run.train(tiny_step_mc_cfg(2), parts, devices=devices, stop=StopAfter(3)) == 0
-    assert run.train(tiny_step_mc_cfg(2), parts, devices=devices) == 0
+    assert run.train(tiny_step_mc_cfg(steps, **options), straight, devices=devices) == 0
+    assert run.train(tiny_step_mc_cfg(steps, **options), parts, devices=devices,
+                     stop=StopAfter(3)) == 0
+    assert run.train(tiny_step_mc_cfg(steps, **options), parts, devices=devices) == 0
 
     def comparable(workdir):
         return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
                 for r in read_metrics(workdir)]
     rounds = [r for r in comparable(straight) if "step_mc/pairs" in r]
-    assert len(rounds) == 2 and all("rollout/tokens" in r for r in rounds)
+    assert len(rounds) == steps and all("rollout/tokens" in r for r in rounds)
+    assert all(np.isfinite(r["loss"]) and r["dpo/pairs_frac"] > 0 for r in rounds)
+    if steps == 3:   # batch k trains on pairs sampled by version k - 1 (the first by version 0)
+        assert [r["rollout/sample_version"] for r in rounds] == [0, 0, 1]
     assert comparable(parts) == comparable(straight)
 
     def params(workdir):

@@ -235,7 +235,8 @@ class DPOPhase:
             if cfg.data.pairs == "mcts" and cfg.algo.mcts.refit_prm:   # refitted each round
                 self.refit = prm_refit.PRMRefit(ctx, cfg.rollout.batch_size // self.g,
                                                 self.steps)
-            self.source = (mcts_search.MCTSPairs(
+            # (asynchronous DPO samples the pair batches ahead with it: ``rollout``)
+            self.source = self.rollout = (mcts_search.MCTSPairs(
                 ctx, self.iterator, None if self.refit is None else self.refit.scorer)
                            if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
         elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
@@ -297,12 +298,16 @@ class DPOPhase:
                                                   (state, batch), programs_lib.shard_bytes(state))]
 
     def _online_pairs(self, state, step: int) -> tuple[dict, dict]:
-        if self.step_mc:
-            pairs, metrics = self.source(state, step)
-            metrics["dpo/pairs_frac"] = float(pairs["pair_mask"].mean())
-            return pairs, metrics
         batch, metrics = self.source(state, step)
-        return self._group_pairs(batch, metrics), metrics
+        return self._pairs(batch, metrics), metrics
+
+    def _pairs(self, batch: dict, metrics: dict) -> dict:
+        """The pairs of one sampled batch: step pairs as they are, else each group's best
+        and worst completion."""
+        if not self.step_mc:
+            return self._group_pairs(batch, metrics)
+        metrics["dpo/pairs_frac"] = float(np.mean(batch["pair_mask"]))
+        return batch
 
     def _group_pairs(self, batch: dict, metrics: dict) -> dict:
         """The best and worst completion of each group of a rollout batch, as pairs."""
@@ -318,9 +323,9 @@ class DPOPhase:
         return pairs
 
     def train_on(self, state, batch: dict, metrics: dict, step: int):
-        """The updates on a rollout batch's best-worst pairs, dispatched (their metrics not
+        """The updates on a sampled batch's pairs (``_pairs``), dispatched (their metrics not
         fetched): ``(state, updates)``. (Asynchronous DPO trains batches sampled earlier.)"""
-        return self._update(state, self._group_pairs(batch, metrics), metrics, step)
+        return self._update(state, self._pairs(batch, metrics), metrics, step)
 
     def _update(self, state, pairs: dict, metrics: dict, step: int):
         step_fn = self._compiled(state)
