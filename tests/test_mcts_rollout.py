@@ -317,6 +317,61 @@ def test_online_dpo_takes_sibling_pairs_from_the_search(ctx):
         assert batch["rejected_tokens"][row][batch["rejected_mask"][row]].tolist() == rejected
 
 
+def mcts_dpo_cfg(steps, **extra):
+    """Online DPO on the search's sibling pairs, rewarded by ``digit_share`` (a reward that
+    tells the untrained policy's samples apart; registered by the test)."""
+    return tiny_cfg(steps, **{
+        "algo.name": "dpo", "algo.online": True, "sft.traces": "", "data.pairs": "mcts",
+        "rollout.batch_size": 4, "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
+        "algo.mcts.simulations": 3, "reward.names": ("digit_share",), **extra})
+
+
+@pytest.fixture
+def digit_share_reward(monkeypatch):
+    from rljax.rewards import registry
+    from test_step_mc import digit_share
+
+    monkeypatch.setitem(registry._REGISTRY, "digit_share", lambda: digit_share)
+
+
+def test_mcts_pairs_search_the_prompts_the_online_filter_keeps(tmp_path, digit_share_reward):
+    """Prompt selection with MCTS pairs: each round's roots are expanded (the first
+    simulation), their forks' pass rates filter the prompts, more rounds fill the batch and
+    only the kept prompts are searched on; two DPO rounds train on their sibling pairs."""
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+
+    cfg = mcts_dpo_cfg(2, **{"data.selection.name": "online_filter",
+                             "data.selection.threshold": 0.2, "data.selection.low": 0.5,
+                             "data.selection.high": 0.5, "algo.max_sampling_rounds": 3})
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    rounds = [r for r in read_metrics(str(tmp_path)) if "mcts/pairs" in r]
+    assert len(rounds) == 2 and all(np.isfinite(r["loss"]) for r in rounds)
+    assert max(r["rollout/rounds"] for r in rounds) > 1
+    assert 0 < rounds[-1]["selection/in_band_frac"] < 1
+    assert sum(r["dpo/pairs"] for r in rounds) > 0
+
+
+def test_asynchronous_mcts_pairs_with_prompt_selection_resume_exactly(tmp_path,
+                                                                       digit_share_reward):
+    """Asynchronous DPO on MCTS pairs: the sampler searches the next round's trees on a device
+    of its own with the version a step behind, MoPPS picking the prompts; stopped after the
+    first update and resumed (the pair batch in flight and the posteriors saved), the run
+    equals the straight one."""
+    from rljax.train.core.metrics import read_metrics
+    from test_train_loop import resumes_exactly
+
+    cfg = lambda: mcts_dpo_cfg(3, **{  # noqa: E731
+        "algo.asynchronous": True, "mesh.rollout_devices": 1, "mesh.data": 1, "mesh.fsdp": 1,
+        "mesh.rollout.data": 1, "mesh.rollout.fsdp": 1, "data.selection.name": "predicted",
+        "data.selection.pool_factor": 2})
+    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=1, devices=jax.devices()[:2])
+    rounds = [r for r in read_metrics(straight) if "mcts/pairs" in r]
+    assert [r["rollout/sample_version"] for r in rounds] == [0, 0, 1]
+    assert all(np.isfinite(r["loss"]) for r in rounds) and rounds[-1]["selection/tracked"] > 0
+    assert sum(r["dpo/pairs"] for r in rounds) > 0
+
+
 def test_a_search_sharded_on_8_devices_equals_unsharded(ctx, tmp_path, monkeypatch):
     """Value 'prm' on a data=8 mesh (3 prompts padded to 8 prefix rows, their keys and the
     PRM's batches split over the devices) grows the trees one device grows: same nodes,

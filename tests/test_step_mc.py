@@ -198,18 +198,13 @@ def test_config_rejects_step_mc_outside_online_dpo():
         config_lib.load_config(None, ["--config.data.pairs=step_mc"])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["data.selection.name=predicted"], "data.selection.name='predicted' does not compose yet "
-                                        "with data.pairs='mcts'"),
-    (["algo.dynamic_sampling=True"], "algo.dynamic_sampling does not compose yet with "
-                                     "data.pairs='mcts'"),
-    (["algo.asynchronous=True"], "algo.asynchronous=true does not compose yet with "
-                                 "data.pairs='mcts'"),
-])
-def test_config_refuses_selection_and_async_with_mcts_pairs_in_one_line(flags, message):
-    with pytest.raises(config_lib.ConfigError, match=re.escape(message)) as err:
-        config_lib.load_config(None, ["algo.name=dpo", "algo.online=True", "data.pairs=mcts",
-                                      *flags])
+def test_config_refuses_a_refitted_prm_with_asynchronous_mcts_pairs_in_one_line():
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            "algo.mcts.refit_prm=true does not compose yet with algo.asynchronous=true")) as err:
+        config_lib.load_config(None, [
+            "algo.name=dpo", "algo.online=True", "data.pairs=mcts", "algo.asynchronous=True",
+            "mesh.rollout_devices=0", "algo.mcts.value=prm", "algo.mcts.prm=/none",
+            "algo.mcts.refit_prm=True"])
     assert "\n" not in str(err.value)
 
 

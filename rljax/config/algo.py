@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rljax.config.base import ConfigError, opt_float, registered, step_pairs
+from rljax.config.base import ConfigError, opt_float, registered
 
 # Per-loss defaults of the clip keys left unset (None), as in each loss's signature
 # (rljax.algorithms.policy_losses; tests/test_config.py checks they agree). A None here is the
@@ -515,9 +515,6 @@ def check_async(cfg) -> None:
         raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' (new weights "
                           f"enter between the engine's decode chunks; got rollout.engine="
                           f"{r.engine!r})")
-    if step_pairs(cfg) == "mcts":
-        raise ConfigError("algo.asynchronous=true does not compose yet with data.pairs='mcts' "
-                          "(the search's programs are the training context's)")
     if a.name not in ("grpo", "distill", "ppo") and not (a.name == "dpo" and a.online):
         offline = ", algo.online=False" if a.name == "dpo" else ""
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill', 'ppo' "

@@ -98,9 +98,10 @@ def check_step_mc(cfg) -> None:
         raise ConfigError(f"data.pairs='{pairs}' samples continuations at "
                           "rollout.temperature; set rollout.temperature_schedule.name="
                           "'constant'")
-    if pairs == "mcts" and algo.dynamic_sampling:
-        raise ConfigError("algo.dynamic_sampling does not compose yet with data.pairs='mcts' "
-                          "(the search draws its prompts itself)")
+    if pairs == "mcts" and algo.asynchronous and algo.mcts.refit_prm:
+        raise ConfigError("algo.mcts.refit_prm=true does not compose yet with "
+                          "algo.asynchronous=true (the PRM refitted each round is the "
+                          "update's state; the sampler searching ahead has no copy of it)")
 
 
 def check_prm(cfg) -> None:
@@ -128,11 +129,7 @@ def check_selection(cfg) -> None:
     if sel.low > sel.high:
         raise ConfigError(f"data.selection.low={sel.low} must be <= data.selection.high="
                           f"{sel.high}")
-    pairs = step_pairs(cfg)   # step_mc: the selector picks the prompts level 0 samples
-    if pairs == "mcts":
-        raise ConfigError(f"data.selection.name='{sel.name}' does not compose yet with "
-                          "data.pairs='mcts' (the search draws its prompts itself): use "
-                          "'uniform'")
+    pairs = step_pairs(cfg)   # the selector picks the prompts whose step pairs are built
     if algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg) and not pairs:
         offline = " with algo.online=False" if algo.name == "dpo" else ""
         raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "

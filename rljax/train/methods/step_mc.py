@@ -123,6 +123,47 @@ def best_worst_steps(values: dict[tuple, tuple[float, int]], min_gap: float = 0.
     return best[0], worst[0], gap
 
 
+def selected_rounds(draw: Callable[[int], tuple[list, np.ndarray]], group_size: int,
+                    num: int, keep: Callable | None, selector, extra_rounds: int):
+    """Prompt selection over rounds of first samples (step pairs' level 0, the search's root
+    expansions). ``draw(r)`` draws round r's prompts: ``(items [b], rewards f32
+    [b * group_size])``, an item per prompt; every round's rewards go to ``selector``
+    (``observe``, None: none); ``keep(rewards, None) -> bool [b]`` (None: keep all) filters
+    them, and up to ``extra_rounds`` more rounds are drawn until ``num`` are kept.
+
+    Returns ``(items [num]: the first ``num`` kept, then dropped ones that fill the batch,
+    trains bool [num]: False for those fillers, metrics)``: ``reward/mean``/``std`` (every
+    sample drawn), ``rollout/rounds``, ``rollout/filler_groups`` and the selector's."""
+    rounds, kept, dropped = [], [], []
+    for r in range(1 + (extra_rounds if keep is not None else 0)):
+        items, rewards_ = draw(r)
+        rounds.append((items, rewards_))
+        if selector is not None:   # learns from every round, kept or not
+            selector.observe(rewards_, group_size)
+        ok = (np.ones(len(items), bool) if keep is None
+              else np.asarray(keep(rewards_, None), bool))
+        for i, good in enumerate(ok):
+            (kept if good else dropped).append(items[i])
+        if len(kept) >= num:
+            break
+    filler = max(0, num - len(kept))
+    every = np.concatenate([rw for _, rw in rounds]).astype(np.float64)
+    metrics = {"reward/mean": float(every.mean()), "reward/std": float(every.std()),
+               "rollout/rounds": len(rounds), "rollout/filler_groups": filler}
+    if selector is not None:
+        metrics.update(selector.metrics())
+    picked = kept[:num] + dropped[:filler]
+    return picked, np.arange(len(picked)) < len(picked) - filler, metrics
+
+
+def prompt_filter(cfg, iterator, group_size: int):
+    """``(selector or None, group filter or None)`` of prompt selection over ``iterator``
+    (``data.selection``) and DAPO dynamic sampling, for groups of ``group_size``."""
+    selector = iterator if isinstance(iterator, selection.Selector) else None
+    return selector, group_filter(cfg, selector, group_size, lambda r, sizes: (
+        algorithms.nonzero_variance_groups(r, group_size)))
+
+
 # ----------------------------------------------------------------------------- the source
 
 # Sampling keys of one step: fold_in(step key, stream). Level 0's extra rounds (prompt
@@ -162,10 +203,7 @@ class StepMCPairs:
         self.decode = lambda ids: tok.decode(ids)
         self.stop_ids = tuple(i for i in (tok.eos_id,) if i is not None)
         # Prompt selection: the iterator is a selector to report level 0's rounds to.
-        self.selector = iterator if isinstance(iterator, selection.Selector) else None
-        k = self.k
-        self.keep = group_filter(cfg, self.selector, k,
-                                 lambda r, sizes: algorithms.nonzero_variance_groups(r, k))
+        self.selector, self.keep = prompt_filter(cfg, iterator, self.k)
 
     # -- sampling and scoring ----------------------------------------------------------------
 
@@ -201,53 +239,41 @@ class StepMCPairs:
 
     # -- one batch -------------------------------------------------------------------------------
 
-    def _level0_round(self, params, rng, r: int):
+    def _level0_round(self, params, rng, r: int) -> tuple[list, np.ndarray]:
         """Round ``r`` of level 0: the iterator's next prompts, K samples each, scored.
-        Returns ``(examples, prompt ids, the sampler's output, rewards f32 [B*K],
-        completions)``."""
+        Returns ``(items, rewards f32 [B*K])``, an item per prompt: ``(example, prompt ids,
+        rewards [K], completions (K id lists), lengths [K])``."""
         key = (jax.random.fold_in(rng, LEVEL0) if r == 0 else
                jax.random.fold_in(jax.random.fold_in(rng, EXTRA_ROUNDS), r))
-        examples = next(self.iterator)
+        examples, k = next(self.iterator), self.k
         b = len(examples)
         prompt_ids = [self.ctx.tokenizer.encode(ex["prompt"]) for ex in examples]
         out = self._sample(params, prompt_ids, key)
         rewards_, conts = self._score(examples, list(range(b)), [[] for _ in range(b)], out)
-        if self.selector is not None:   # learns from every round, kept or not
-            self.selector.observe(rewards_, self.k)
-        return examples, prompt_ids, out, rewards_, conts
+        return [(examples[i], prompt_ids[i], rewards_[i * k:(i + 1) * k],
+                 conts[i * k:(i + 1) * k], out["lengths"][i * k:(i + 1) * k])
+                for i in range(b)], rewards_
 
     def first_level(self, state, step: int) -> FirstLevel:
         """Level 0 of step ``step``: the next prompts' K samples each, scored; with a group
         filter (module docstring) up to ``algo.max_sampling_rounds`` more rounds, then the
-        first B kept prompts, filled up with dropped ones."""
+        first B kept prompts, filled up with dropped ones (``selected_rounds``)."""
         rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
-        k, rounds, kept, dropped = self.k, [], [], []
-        extra = int(self.cfg.algo.max_sampling_rounds) if self.keep is not None else 0
-        for r in range(1 + extra):
-            rounds.append(self._level0_round(state.params, rng, r))
-            rewards_ = rounds[-1][3]
-            keep = (np.ones(len(rewards_) // k, bool) if self.keep is None
-                    else np.asarray(self.keep(rewards_, None), bool))
-            for i, ok in enumerate(keep):
-                (kept if ok else dropped).append((r, i))
-            if len(kept) >= self.num_prompts:
-                break
-        filler = max(0, self.num_prompts - len(kept))
-        picked = kept[:self.num_prompts] + dropped[:filler]
-        every = np.concatenate([rnd[3] for rnd in rounds]).astype(np.float64)
-        metrics = {"reward/mean": float(every.mean()), "reward/std": float(every.std()),
-                   "rollout/rounds": len(rounds), "rollout/filler_groups": filler}
-        if self.selector is not None:
-            metrics.update(self.selector.metrics())
-        rows = lambda j: [rounds[r][j][i] for r, i in picked]   # noqa: E731  per prompt
+        tokens = []
+
+        def draw(r):
+            items, rewards_ = self._level0_round(state.params, rng, r)
+            tokens.append(int(sum(item[4].sum() for item in items)))
+            return items, rewards_
+        items, trains, metrics = selected_rounds(
+            draw, self.k, self.num_prompts, self.keep, self.selector,
+            int(self.cfg.algo.max_sampling_rounds))
         return FirstLevel(
-            rng=rng, examples=rows(0), prompt_ids=rows(1),
-            rewards=np.stack([rounds[r][3][i * k:(i + 1) * k] for r, i in picked]),
-            completions=[c for r, i in picked for c in rounds[r][4][i * k:(i + 1) * k]],
-            lengths=np.concatenate([rounds[r][2]["lengths"][i * k:(i + 1) * k]
-                                    for r, i in picked]),
-            trains=np.arange(len(picked)) < len(picked) - filler,
-            tokens=int(sum(rnd[2]["lengths"].sum() for rnd in rounds)), metrics=metrics)
+            rng=rng, examples=[it[0] for it in items], prompt_ids=[it[1] for it in items],
+            rewards=np.stack([it[2] for it in items]),
+            completions=[c for it in items for c in it[3]],
+            lengths=np.concatenate([it[4] for it in items]), trains=trains,
+            tokens=sum(tokens), metrics=metrics)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
