@@ -574,3 +574,35 @@ def test_the_search_over_an_environments_turns_trains_on_episode_traces(tmp_path
     assert len(rounds) == 2
     assert all(np.isfinite(r["sft/loss"]) and r["mcts/depth_mean"] > 1 and r["mcts/traces"] > 0
                for r in rounds)
+
+
+def test_mcts_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
+    """data.pairs='mcts' with env.name: the search's nodes are turn boundaries, so a pair's
+    context is the prompt and the episode so far (the environment's observation included)
+    and its chosen and rejected steps are sibling model turns; a DPO round trains."""
+    import types
+
+    from rljax.envs.base import register_env
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import mcts_episodes
+    from rljax.train.phases.dpo import DPOPhase
+
+    register_env("test_two_turns", TwoTurnEnv)
+    cfg = lambda: mcts_dpo_cfg(1, **EPISODE_SEARCH, **{"rollout.batch_size": 6})  # noqa: E731
+    ectx = setup.build_context(cfg(), str(tmp_path / "ctx"), devices=DEVICES)
+    phase = DPOPhase(ectx, 1)
+    assert isinstance(phase.source.searcher, mcts_episodes.EpisodeSearch)
+    batch, m = phase.source(types.SimpleNamespace(rng=jax.random.key(1), params=ectx.params), 0)
+    real = np.flatnonzero(batch["pair_mask"])
+    assert real.size and m["mcts/pairs"] == real.size
+    tok = ectx.tokenizer
+    contexts = [tok.decode(batch["prompt_tokens"][i][batch["prompt_mask"][i]]) for i in real]
+    assert any("<o>" in c for c in contexts)   # a pair after turn 1: the observation is context
+    for i in real:   # the steps are model turns (env.max_turn_tokens = 4), not observations
+        for side in ("chosen", "rejected"):
+            turn = batch[f"{side}_tokens"][i][batch[f"{side}_mask"][i]]
+            assert 0 < len(turn) <= 4 and "<o>" not in tok.decode(turn)
+    assert run.train(cfg(), str(tmp_path / "run"), devices=DEVICES) == 0
+    (train,) = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/pairs" in r]
+    assert np.isfinite(train["loss"]) and train["dpo/pairs"] > 0

@@ -198,6 +198,14 @@ def test_config_rejects_step_mc_outside_online_dpo():
         config_lib.load_config(None, ["--config.data.pairs=step_mc"])
 
 
+def test_config_refuses_step_mc_pairs_with_an_environment_in_one_line():
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            "data.pairs='step_mc' does not compose yet with env.name='guess_number'")) as err:
+        config_lib.load_config(None, ["algo.name=dpo", "algo.online=True", "data.pairs=step_mc",
+                                      "env.name=guess_number"])
+    assert "\n" not in str(err.value)
+
+
 def test_config_refuses_a_refitted_prm_with_asynchronous_mcts_pairs_in_one_line():
     with pytest.raises(config_lib.ConfigError, match=re.escape(
             "algo.mcts.refit_prm=true does not compose yet with algo.asynchronous=true")) as err:

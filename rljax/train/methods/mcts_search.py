@@ -173,8 +173,12 @@ class MCTSSearch:
         self.tokens = 0
 
     def search(self, params, examples: list[dict], round_key) -> list[Tree]:
+        self.start_round()
         trees = [self.new_tree(ex) for ex in examples]
         return self.simulate(params, trees, round_key, int(self.m.simulations))
+
+    def start_round(self) -> None:
+        """Called before a round's first simulation (its keys derive from the round key)."""
 
     def simulate(self, params, trees: list[Tree], round_key, simulations: int) -> list[Tree]:
         """``simulations`` more simulations of each of ``trees`` (in place; returned). The
@@ -424,7 +428,8 @@ class MCTSPairs:
     ``data.pairs='mcts'``: searches ``rollout.batch_size / algo.num_generations`` prompts and
     pairs sibling steps (``sibling_pairs``; ``algo.step_mc.max_steps`` pairs per prompt at
     most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``).
-    ``refit_scorer``: as ``MCTSTraces``'s.
+    ``refit_scorer``: as ``MCTSTraces``'s; ``make_search(ctx, prompts)``: the search to run
+    (default ``searcher``'s; over an environment's turns ``mcts_episodes.searcher``).
 
     Prompt selection and dynamic sampling act on the first simulation, which expands each
     root: its forks' rewards are the prompt's group (``step_mc.selected_rounds``); only the
@@ -432,11 +437,12 @@ class MCTSPairs:
     expansions fill the batch. The search runs on ``ctx`` as it is when called (asynchronous
     DPO moves the source to the sampler's)."""
 
-    def __init__(self, ctx, iterator, refit_scorer=None):
+    def __init__(self, ctx, iterator, refit_scorer=None, make_search=None):
         from rljax.train.methods.step_mc import StepMCPairs, prompt_filter
 
         cfg = ctx.cfg
         self.ctx, self.iterator, self.refit_scorer = ctx, iterator, refit_scorer
+        self.make_search = make_search
         self.num_prompts = cfg.rollout.batch_size // int(cfg.algo.num_generations)
         self.layout = StepMCPairs(ctx, iterator)   # its pair encoding (static shapes)
         self.selector, self.keep = prompt_filter(cfg, iterator, mcts_programs.forks(cfg))
@@ -445,10 +451,12 @@ class MCTSPairs:
 
     @property
     def searcher(self) -> MCTSSearch:
-        """The search on the current ``ctx``, built on first use (and again if the source
-        moved to another context since)."""
+        """The search on the current ``ctx`` (``make_search``'s), built on first use and
+        again if the source moved to another context since."""
         if self._searcher is None or self._searcher.ctx is not self.ctx:
-            self._searcher = searcher(self.ctx, self.num_prompts, self.refit_scorer)
+            self._searcher = (searcher(self.ctx, self.num_prompts, self.refit_scorer)
+                              if self.make_search is None
+                              else self.make_search(self.ctx, self.num_prompts))
         return self._searcher
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
@@ -457,6 +465,7 @@ class MCTSPairs:
         t0 = time.perf_counter()
         cfg, search = self.ctx.cfg, self.searcher
         calls, tokens = search.sampler_calls, search.tokens
+        search.start_round()
 
         def draw(_):   # a round: the next prompts' roots expanded (the first simulation)
             trees = [search.new_tree(ex) for ex in next(self.iterator)]

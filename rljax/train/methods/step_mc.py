@@ -197,7 +197,8 @@ class StepMCPairs:
         self.num_pairs = self.num_prompts * self.max_steps
         self.n = int(cfg.rollout.max_new_tokens)
         self.prefix_bucket = int(cfg.data.max_prompt_length) + self.n
-        self.reward_fn = ctx.reward_fn()
+        # (None without reward.names: the layout of MCTS pairs over an environment's turns)
+        self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         tok = ctx.tokenizer
         self.decode = lambda ids: tok.decode(ids)
