@@ -48,7 +48,7 @@ from rljax.train.core import optim, steps  # noqa: E402
 from rljax.train.phases import grpo  # noqa: E402
 from rljax.train.core.state import create_train_state  # noqa: E402
 
-DEFAULT_CHUNK = dict(models.transformer.LOGITS_CHUNK_ELEMENTS)
+DEFAULT_CHUNK = dict(models.head.LOGITS_CHUNK_ELEMENTS)
 DATASHEET = {"H100": {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12},
              "H200": {"bf16_flops": 989e12, "hbm_bytes_per_s": 4.8e12}}
 
@@ -85,11 +85,11 @@ def update_step(preset: str, batch: int, seq: int, num_micro: int, runs: int, re
     extra = dict(extra)
     chunk = extra.pop("logits_chunk_elements", None)
     if chunk:  # the LM head's chunk budget (module constant, not a ModelConfig field)
-        models.transformer.LOGITS_CHUNK_ELEMENTS = {None: int(chunk)}
+        models.head.LOGITS_CHUNK_ELEMENTS = {None: int(chunk)}
     try:
         return _update_step(preset, batch, seq, num_micro, runs, remat, extra)
     finally:
-        models.transformer.LOGITS_CHUNK_ELEMENTS = DEFAULT_CHUNK
+        models.head.LOGITS_CHUNK_ELEMENTS = DEFAULT_CHUNK
 
 
 def update_setup(cfg, batch: int, seq: int, num_micro: int = 1):
@@ -136,8 +136,8 @@ def _update_step(preset, batch, seq, num_micro, runs, remat, extra) -> dict:
     mem = jax.devices()[0].memory_stats() or {}
     return {"preset": preset, "params": n_params, "batch": batch, "seq": seq,
             "num_micro": num_micro, "remat": remat, "extra": extra,
-            "logits_chunk_elements": models.transformer.LOGITS_CHUNK_ELEMENTS.get(
-                jax.default_backend(), models.transformer.LOGITS_CHUNK_ELEMENTS[None]),
+            "logits_chunk_elements": models.head.LOGITS_CHUNK_ELEMENTS.get(
+                jax.default_backend(), models.head.LOGITS_CHUNK_ELEMENTS[None]),
             "seconds": med,
             "times": times, "model_flops": flops, "xla_flops": xla_flops,
             "model_flops_per_s": flops / med, "tokens_per_s": batch * seq / med,

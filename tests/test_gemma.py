@@ -12,7 +12,7 @@ import pytest
 
 from rljax import models, sampling
 from rljax.models import paged, shared_prompt
-from rljax.models import transformer as tfm
+from rljax.models import head, transformer as tfm
 from rljax.sampling import engine
 
 pytestmark = pytest.mark.usefixtures("one_real_model_file_at_a_time")
@@ -107,7 +107,7 @@ def test_logits_match_transformers(tiny):
     _, _, hf, cfg, params = tiny
     toks, mask = _batch()
     want = _hf_logits(hf, toks, mask)
-    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    got = np.asarray(head.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
     np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5)
 
 
@@ -116,7 +116,7 @@ def test_an_untied_head_loads_and_matches_transformers(tmp_path):
     cfg, params = models.load_hf(str(tmp_path))
     assert not cfg.tie_word_embeddings and "lm_head" in params
     toks, mask = _batch()
-    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    got = np.asarray(head.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
     np.testing.assert_allclose(got[mask], _hf_logits(hf, toks, mask)[mask], rtol=1e-5, atol=1e-5)
 
 
@@ -135,7 +135,7 @@ def test_gradients_match_transformers(tiny):
     hf.zero_grad()
 
     def objective(params):
-        lps, _ = tfm.token_logps(cfg, params, jnp.asarray(toks), jnp.asarray(mask))
+        lps, _ = head.token_logps(cfg, params, jnp.asarray(toks), jnp.asarray(mask))
         return jnp.sum(lps[:, 1:] * jnp.asarray(real))
 
     got = jax.grad(objective)(params)
@@ -166,7 +166,7 @@ def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
     g = 2
     full = np.concatenate([np.repeat(toks, g, 0), comp], 1)
     fmask = np.concatenate([np.repeat(mask, g, 0), np.ones_like(comp, bool)], 1)
-    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(full), jnp.asarray(fmask)))
+    want = np.asarray(head.forward(cfg, params, jnp.asarray(full), jnp.asarray(fmask)))
     p = toks.shape[1]
 
     # Static cache: prefill prompt + 2 completion tokens, then decode the third.
@@ -178,13 +178,13 @@ def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
     h, _ = tfm.trunk(cfg, tfm.unstack_layers(params), jnp.asarray(full[:, p + 2:]),
                      attention_mask=cmask, positions=pos[:, p + 2:],
                      cache=tfm.unstack_cache(cache), cache_index=p + 2)
-    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))[:, 0]
+    got = np.asarray(head.logits_from_hidden(cfg, params, h))[:, 0]
     np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
 
     # Shared-prompt forward: completion log-probs equal the plain forward's.
     lp, _ = shared_prompt.completion_logps(cfg, params, jnp.asarray(toks), jnp.asarray(mask),
                                            jnp.asarray(comp), jnp.ones(comp.shape, bool))
-    ref, _ = tfm.token_logps(cfg, params, jnp.asarray(full), jnp.asarray(fmask))
+    ref, _ = head.token_logps(cfg, params, jnp.asarray(full), jnp.asarray(fmask))
     np.testing.assert_allclose(np.asarray(lp), np.asarray(ref)[:, p:], rtol=1e-5, atol=1e-5)
 
     # Slot engine: pages from the prompts, completion tokens fed one by one per slot.
@@ -197,7 +197,7 @@ def test_cached_shared_prompt_and_slot_paths_match_the_forward(tiny):
         h, slots = paged.slot_decode(cfg, uparams, jnp.asarray(comp[:, t]), plen + t,
                                      jnp.full(4, t, jnp.int32), pages, jnp.asarray(mask),
                                      page_of, slots)
-    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))
+    got = np.asarray(head.logits_from_hidden(cfg, params, h))
     np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5)
 
 
@@ -212,7 +212,7 @@ def test_ring_buffers_of_local_layers_match_the_forward(tiny):
     comp = np.random.default_rng(6).integers(3, VOCAB, (3, total - 11)).astype(np.int32)
     seq = np.concatenate([toks, comp], 1)
     smask = np.concatenate([mask, np.ones_like(comp, bool)], 1)
-    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(seq), jnp.asarray(smask)))
+    want = np.asarray(head.forward(cfg, params, jnp.asarray(seq), jnp.asarray(smask)))
     cache = models.init_layer_cache(cfg, 3, total)
     sizes = [c.shape[2] for c in cache["k"]]
     assert sizes == [WINDOW if local else total for local in cfg.local_layers]
@@ -222,7 +222,7 @@ def test_ring_buffers_of_local_layers_match_the_forward(tiny):
         h, cache = tfm.trunk(cfg, uparams, jnp.asarray(seq[:, start:start + n]),
                              attention_mask=jnp.asarray(smask), positions=pos[:, start:start + n],
                              cache=cache, cache_index=start)
-        got = np.asarray(tfm.logits_from_hidden(cfg, params, h))
+        got = np.asarray(head.logits_from_hidden(cfg, params, h))
         for b in range(3):   # left-padding queries are undefined; compare real tokens
             real = smask[b, start:start + n]
             np.testing.assert_allclose(got[b][real], want[b, start:start + n][real],
@@ -253,8 +253,8 @@ def test_window_counts_positions_across_invalid_cache_slots(tiny):
     h, _ = tfm.trunk(cfg, tfm.unstack_layers(params), slots[:, -1:], attention_mask=valid,
                      positions=pos[:, -1:], cache=tfm.unstack_cache(cache),
                      cache_index=slots.shape[1] - 1)
-    got = np.asarray(tfm.logits_from_hidden(cfg, params, h))[:, 0]
-    want = np.asarray(tfm.forward(cfg, params, jnp.asarray(compact)))[:, -1]
+    got = np.asarray(head.logits_from_hidden(cfg, params, h))[:, 0]
+    want = np.asarray(head.forward(cfg, params, jnp.asarray(compact)))[:, -1]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -282,7 +282,7 @@ def test_every_layer_local_with_a_prompt_longer_than_the_window():
     want = []
     seq, smask = toks, mask
     for _ in range(3):
-        logits = np.asarray(tfm.forward(cfg, params, jnp.asarray(seq), jnp.asarray(smask)))
+        logits = np.asarray(head.forward(cfg, params, jnp.asarray(seq), jnp.asarray(smask)))
         nxt = logits[:, -1].argmax(-1).astype(np.int32)[:, None]
         want.append(nxt)
         seq, smask = np.concatenate([seq, nxt], 1), np.concatenate([smask, np.ones_like(nxt, bool)], 1)
@@ -315,8 +315,8 @@ def test_lora_adapters_match_peft_with_sliding_windows(tiny, tmp_path):
         str(path), dtype=torch.float32, attn_implementation="eager")
     hf = peft.PeftModel.from_pretrained(base, str(tmp_path)).eval()
     toks, mask = _batch(4)
-    ours = np.asarray(tfm.forward(cfg, adapted, jnp.asarray(toks), jnp.asarray(mask)))
-    plain = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    ours = np.asarray(head.forward(cfg, adapted, jnp.asarray(toks), jnp.asarray(mask)))
+    plain = np.asarray(head.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
     want = _hf_logits(hf, toks, mask)
     assert np.abs(ours - plain)[mask].max() > 1e-2, kind   # the adapters change the logits
     np.testing.assert_allclose(ours[mask], want[mask], atol=2e-5, rtol=1e-4)
@@ -355,7 +355,7 @@ def test_nested_gemma3_config_loads_the_text_tower(tmp_path):
     shutil.rmtree(src)
     cfg, params = models.load_hf(str(nested))
     toks, mask = _batch(5)
-    got = np.asarray(tfm.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
+    got = np.asarray(head.forward(cfg, params, jnp.asarray(toks), jnp.asarray(mask)))
     np.testing.assert_allclose(got[mask], _hf_logits(hf, toks, mask)[mask], rtol=1e-5,
                                atol=1e-5)
 
@@ -412,8 +412,8 @@ def test_gemma2_gguf_loads_as_its_hf_checkpoint(tmp_path):
     # The same model with the file's (dequantized, 1 + w - 1) weights, through the HF loader.
     want_params = models.hf.load_params(cfg, lambda name, shape: stored[name].reshape(shape))
     toks, mask = _batch(6)
-    got = tfm.forward(gcfg, gparams, jnp.asarray(toks), jnp.asarray(mask))
-    want = tfm.forward(cfg.replace(query_pre_attn_scalar=16.0), want_params, jnp.asarray(toks),
+    got = head.forward(gcfg, gparams, jnp.asarray(toks), jnp.asarray(mask))
+    want = head.forward(cfg.replace(query_pre_attn_scalar=16.0), want_params, jnp.asarray(toks),
                        jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=1e-6,
                                atol=1e-6)
@@ -664,7 +664,7 @@ def test_real_gemma3_logits_and_greedy_tokens_match_transformers(gemma_ours, gem
     # Position P - 1 + i (index KEEP - 1 + i) predicts greedy token i.
     np.testing.assert_array_equal(ref[:, KEEP - 1:KEEP - 1 + new].argmax(-1), greedy)
     hidden, _ = tfm.trunk(cfg, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
-    got = np.asarray(tfm.logits_from_hidden(cfg, params, hidden[:, -KEEP:]))
+    got = np.asarray(head.logits_from_hidden(cfg, params, hidden[:, -KEEP:]))
     want = ref[:, :KEEP]
     keep = mask[:, -KEEP:]
     for i in range(len(REAL_PROMPTS)):

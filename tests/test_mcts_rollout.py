@@ -148,9 +148,8 @@ def test_config_refuses_bad_mcts_settings():
         tiny_cfg(**{"algo.mcts.max_nodes": 2})
     from rljax.envs.base import register_env
     register_env("test_two_turns", TwoTurnEnv)
-    for key, value in (("algo.mcts.value", "prm"), ("env.turn_discount", 0.9)):
-        with pytest.raises(config_lib.ConfigError, match=f"env.name cannot .*{key}"):
-            tiny_cfg(**EPISODE_SEARCH, **{key: value, "algo.mcts.prm": "x"})
+    with pytest.raises(config_lib.ConfigError, match="env.name cannot .*env.selfplay.mode"):
+        tiny_cfg(**{**EPISODE_SEARCH, "env.name": "tictactoe", "env.selfplay.mode": "self"})
 
 
 def _comparable(workdir):
@@ -228,6 +227,22 @@ def test_prm_values_are_backed_up(ctx):
                 assert info["score"] == pytest.approx(0.1 * (len(t.tokens(n)) % 7))
             elif not n.steps:
                 assert n.visits == 4 and n.visits == 1 + sum(c.visits for c in n.children)
+
+
+def write_prm_run(where: str, ctx, **extra) -> str:
+    """A PRM run's workdir ``where``: its config (algo.name='prm', ``tiny_cfg(**extra)``'s
+    model and tokenizer) and one checkpoint with a value model on ``ctx``'s policy trunk."""
+    from rljax import models
+    from rljax.train.core import checkpoint
+    from rljax.train.core import workdir as wd
+
+    cfg = tiny_cfg(**extra)
+    cfg.algo.name, cfg.sft.traces = "prm", ""
+    wd.write_config(where, cfg)
+    critic = models.init_value_params(ctx.model_cfg, jax.random.key(11), from_params=ctx.params)
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(where), async_save=False) as ck:
+        ck.save(1, {"params": ctx.params, "critic_params": critic}, {}, wait=True)
+    return where
 
 
 def test_a_prm_workdir_that_is_not_a_prm_run_is_refused(tmp_path):
@@ -533,19 +548,26 @@ EPISODE_SEARCH = {"env.name": "test_two_turns", "env.tools": (), "env.max_turn_t
                   "sft.max_length": 32, "algo.mcts.correct_reward": 1.0}
 
 
-def test_the_search_over_an_environments_turns_trains_on_episode_traces(tmp_path):
-    """A node is a turn boundary: its children are model turns, its trajectory holds the
-    environment's observation, a terminal node's reward is the episode's; the traces train on
-    the model's turns only; two rounds of self-training run."""
+@pytest.fixture(scope="module")
+def ectx(tmp_path_factory):
+    """The context of a search over ``TwoTurnEnv``'s turns."""
     from rljax.envs.base import register_env
-    from rljax.train import run
-    from rljax.train.core.metrics import read_metrics
-    from rljax.train.methods import mcts_episodes
 
     register_env("test_two_turns", TwoTurnEnv)
     cfg = tiny_cfg(**EPISODE_SEARCH)
     setup.check_inputs(cfg, num_devices=1)
-    ectx = setup.build_context(cfg, str(tmp_path / "ctx"), devices=DEVICES)
+    return setup.build_context(cfg, str(tmp_path_factory.mktemp("episodes")), devices=DEVICES)
+
+
+def test_the_search_over_an_environments_turns_trains_on_episode_traces(ectx, tmp_path):
+    """A node is a turn boundary: its children are model turns, its trajectory holds the
+    environment's observation, a terminal node's reward is the episode's; the traces train on
+    the model's turns only; two rounds of self-training run (with env.turn_discount and a
+    PRM's values, the PRM refitted each round)."""
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import mcts_episodes
+
     search = mcts_episodes.searcher(ectx, 3)
     assert isinstance(search, mcts_episodes.EpisodeSearch)
     trees = search.search(ectx.params, EXAMPLES, jax.random.key(5))
@@ -569,10 +591,18 @@ def test_the_search_over_an_environments_turns_trains_on_episode_traces(tmp_path
         n = batch["loss_mask"][i].sum()
         assert 0 < n < len(traces[i])   # the observation's tokens do not train
 
-    assert run.train(tiny_cfg(**EPISODE_SEARCH), str(tmp_path / "run"), devices=DEVICES) == 0
+    # The run's values discounted per turn (env.turn_discount: the root's R_0 <= gamma), its
+    # leaves valued by a PRM run's scores at their turn ends (algo.mcts.value='prm'), that
+    # PRM refitted each round on the nodes' values at their turn ends (algo.mcts.refit_prm).
+    prm = write_prm_run(str(tmp_path / "prm"), ectx)
+    cfg = tiny_cfg(**EPISODE_SEARCH, **{"env.turn_discount": 0.5, "algo.mcts.value": "prm",
+                                        "algo.mcts.prm": prm, "algo.mcts.refit_prm": True})
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
     rounds = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/solved_frac" in r]
     assert len(rounds) == 2
     assert all(np.isfinite(r["sft/loss"]) and r["mcts/depth_mean"] > 1 and r["mcts/traces"] > 0
+               and 0 < r["mcts/value_root_mean"] <= 0.5 and r["mcts/prm_rows"] > 0
+               and r["mcts/prm_labels"] > r["mcts/prm_rows"] and np.isfinite(r["mcts/prm_loss"])
                for r in rounds)
 
 
@@ -606,3 +636,130 @@ def test_mcts_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
     assert run.train(cfg(), str(tmp_path / "run"), devices=DEVICES) == 0
     (train,) = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/pairs" in r]
     assert np.isfinite(train["loss"]) and train["dpo/pairs"] > 0
+
+
+def test_the_search_over_turns_backs_up_discounted_turn_returns(ectx):
+    """env.turn_discount: a node after d turns backs up the return of the turn that made it
+    (the root its episode's): with TwoTurnEnv's final reward r, r at depth 2 and gamma r above
+    (a step reward on turn 1 counts at every depth). gamma 1 grows the undiscounted trees
+    exactly; gamma 0.5 halves the values above the terminals (the run with it: the test
+    above)."""
+    import dataclasses
+
+    from rljax.algorithms import turn_credit
+    from rljax.train.methods import mcts_episodes
+
+    gamma = 0.5
+    returns = turn_credit.turn_returns(np.array([[0.2, 1.0]]), np.array([2]), gamma)
+    np.testing.assert_allclose(mcts_episodes.path_values(returns, 3), [0.7, 0.7, 1.0])
+
+    def trees(discount):
+        cfg = tiny_cfg(**EPISODE_SEARCH, **({} if discount is None else
+                                            {"env.turn_discount": discount}))
+        return mcts_episodes.searcher(dataclasses.replace(ectx, cfg=cfg), 3).search(
+            ectx.params, EXAMPLES, jax.random.key(5))
+    outcome = [flat(t) for t in trees(None)]
+    assert [flat(t) for t in trees(1.0)] == outcome
+    discounted = trees(gamma)
+    assert [flat(t) for t in discounted] != outcome
+    rewarded = 0
+    for t in discounted:
+        for n in mcts_search.walk(t.root):
+            kids = [c for c in n.children if c.visits]
+            if n.terminal:   # turn 2 made it: R_1 = r, undiscounted
+                assert n.value_sum == pytest.approx(n.visits * t.info[n.steps]["reward"])
+                assert t.terminal_value(n) == t.info[n.steps]["reward"]
+                continue
+            # Its own evaluations (the mean of 2 forks' gamma r each) and its children's sums,
+            # those at depth 2 discounted once more on the way up.
+            below = sum(c.value_sum * (gamma if c.terminal else 1.0) for c in kids)
+            own = (n.value_sum - below) / gamma * 2
+            evaluations = n.visits - sum(c.visits for c in kids)
+            assert own == pytest.approx(round(own)) and 0 <= round(own) <= 2 * evaluations
+            assert n.value <= gamma + 1e-6
+            rewarded += n.value > 0
+    assert rewarded
+
+
+def test_a_prm_values_the_search_over_turns_at_its_turn_ends(ectx, tmp_path):
+    """algo.mcts.value='prm' over turns: the PRM reads a node's trajectory (model turns and
+    observations, each token's model turn given) and a non-root leaf backs up its score
+    there, the root its forks' mean, a terminal its reward; the score is the one at the end
+    of the node's last model turn (the observation after it changes nothing). With
+    env.turn_discount the score stands in for the return from the leaf on: gamma 1 grows the
+    same trees, gamma 0.5 discounts the score once per turn up the path. The refit's rows
+    label each turn's end with its node's Q (a run refitting a PRM run's: the test above)."""
+    import dataclasses
+
+    from rljax.train.methods import mcts_episodes, mcts_programs, prm_refit
+
+    scored = []
+
+    def scorer(prompt_ids, trajectories, turns):
+        scored.extend(zip(trajectories, turns))
+        return [0.1 * (len(t) % 7) for t in trajectories]
+
+    def trees(**extra):
+        cfg = tiny_cfg(**EPISODE_SEARCH, **{"algo.mcts.value": "prm", "algo.mcts.prm": "x",
+                                            **extra})
+        return mcts_episodes.searcher(dataclasses.replace(ectx, cfg=cfg), 3, scorer).search(
+            ectx.params, EXAMPLES, jax.random.key(5))
+    undiscounted = trees()
+    assert scored
+    for t in undiscounted:
+        for n in mcts_search.walk(t.root):
+            info, kids = t.info[n.steps], sum(c.value_sum for c in n.children)
+            if n.terminal:
+                assert n.value_sum == pytest.approx(n.visits * info["reward"])
+            elif n.steps:
+                assert (list(info["trajectory"]), list(info["turn_ids"])) in scored
+                assert [k >= 0 for k in info["turn_ids"]] == list(info["model"])
+                assert len(set(info["turn_ids"]) - {-1}) == len(n.steps)
+                if n.expanded:
+                    assert n.value_sum == pytest.approx(info["score"] + kids)
+    # The refit's rows (algo.mcts.refit_prm): each valued node's trajectory, turn k labelled
+    # with its path node's Q on its last model token, where the scorer reads turn k.
+    for t in undiscounted:
+        rows = prm_refit.label_rows(t)
+        valued = [n for n in mcts_search.walk(t.root) if n.steps and n.visits]
+        assert len(rows) == len(valued)
+        for (_, comp, ends, labels), n in zip(rows, valued):
+            turns = t.info[n.steps]["turn_ids"]
+            assert comp == list(t.info[n.steps]["trajectory"]) and len(ends) == len(n.steps)
+            assert [turns[e] for e in ends] == list(range(len(n.steps)))
+            assert all(e + 1 == len(turns) or turns[e + 1] != turns[e] for e in ends)
+            assert labels == pytest.approx([min(max(p.value, 0.0), 1.0)
+                                            for p in prm_refit.path_nodes(t, n)])
+    assert [flat(t) for t in trees(**{"env.turn_discount": 1.0})] == [
+        flat(t) for t in undiscounted]
+    gamma, checked = 0.5, 0
+    for t in trees(**{"env.turn_discount": gamma}):
+        for n in mcts_search.walk(t.root):
+            if len(n.steps) == 1 and n.expanded and not n.terminal:
+                # its score once, then its terminal children's rewards, all from turn 0 on
+                kids = sum(c.value_sum for c in n.children)
+                assert n.value_sum == pytest.approx(gamma * (t.info[n.steps]["score"] + kids))
+                checked += kids > 0
+    assert checked
+
+    # A PRM run's workdir: its score of a trajectory is the one at its last model token.
+    prm = write_prm_run(str(tmp_path / "prm"), ectx)
+    cfg = tiny_cfg(1, **EPISODE_SEARCH, **{"algo.mcts.value": "prm", "algo.mcts.prm": prm})
+    real = mcts_programs.load_prm_scorer(dataclasses.replace(ectx, cfg=cfg), 6)
+    node = max((n for t in undiscounted for n in mcts_search.walk(t.root) if n.steps
+                and not n.terminal), key=lambda n: len(n.steps))
+    info = next(t.info[node.steps] for t in undiscounted if node.steps in t.info)
+    turns = list(info["turn_ids"])
+    last = max(k for k, turn in enumerate(turns) if turn >= 0) + 1
+    assert last < len(turns)   # an observation follows the node's turn
+    prompt = undiscounted[0].prompt_ids
+    whole, cut = real([prompt] * 2, [list(info["trajectory"]), list(info["trajectory"][:last])],
+                      [turns, turns[:last]])
+    assert 0 < whole < 1 and whole == pytest.approx(cut, abs=1e-6)
+    # With algo.mcts.refit_prm the search over turns reads the PRM the refit trains.
+    from rljax.train.phases.sft import SFTPhase
+    refit = tiny_cfg(1, **EPISODE_SEARCH, **{"algo.mcts.value": "prm", "algo.mcts.prm": prm,
+                                             "algo.mcts.refit_prm": True})
+    phase = SFTPhase(dataclasses.replace(ectx, cfg=refit), 1, 1e-3)
+    assert isinstance(phase.traces.searcher, mcts_episodes.EpisodeSearch)
+    assert phase.traces.searcher.prm_scorer is phase.refit.scorer

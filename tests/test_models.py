@@ -503,7 +503,7 @@ def test_decode_attention_equals_the_dot_path():
 def test_low_precision_head_backward_runs_in_the_compute_dtype(tied):
     # bf16 compute: the head's backward matmuls read the cotangent rounded to bf16 (no float32
     # GEMMs); gradients stay within bf16 rounding of the float32 model's.
-    from rljax.models import transformer as tfm
+    from rljax.models import head
     cfg = models.get_preset("tiny", tie_word_embeddings=tied)
     params = models.init_params(cfg, jax.random.PRNGKey(0))
     h = jax.random.normal(jax.random.PRNGKey(1), (3, 5, cfg.hidden_size))
@@ -512,7 +512,7 @@ def test_low_precision_head_backward_runs_in_the_compute_dtype(tied):
 
     def grads(c):
         def loss(p, x):
-            return (tfm.logits_from_hidden(c, p, x.astype(c.compute_dtype)) * target).sum()
+            return (head.logits_from_hidden(c, p, x.astype(c.compute_dtype)) * target).sum()
         return jax.grad(loss, argnums=(0, 1)), loss
 
     ref_fn, _ = grads(cfg)
@@ -526,7 +526,7 @@ def test_low_precision_head_backward_runs_in_the_compute_dtype(tied):
     dots = [e for e in jax.make_jaxpr(fn)(params, h).jaxpr.eqns
             if e.primitive.name == "custom_vjp_call"]
     assert dots, "the bf16 head goes through its custom VJP"
-    bwd = jax.make_jaxpr(lambda g: tfm._low_precision_head_bwd(
+    bwd = jax.make_jaxpr(lambda g: head._low_precision_head_bwd(
         tied, (h.reshape(15, -1).astype(jnp.bfloat16),
                params[name].astype(jnp.bfloat16)), g))(jnp.ones((15, cfg.vocab_size)))
     operand_dtypes = {v.aval.dtype for e in bwd.jaxpr.eqns if e.primitive.name == "dot_general"

@@ -125,7 +125,7 @@ def test_async_split_across_two_processes_matches_one_and_resumes(tmp_path):
     # Process 0 hashed every host's files after the commit barrier; they verify.
     files = json.loads((ckpt / "rljax_manifest.json").read_text())["files"]
     assert any(name.startswith("state/ocdbt.process_1/") for name in files)
-    from rljax.train.core.checkpoint import verify_step_dir
+    from rljax.train.core.manifest import verify_step_dir
     assert verify_step_dir(ckpt) is None
     meta = json.loads((ckpt / "meta" / "metadata").read_text())
     assert meta["host"]["process_count"] == 2 and meta["host"]["device_count"] == 8

@@ -12,25 +12,15 @@ import pytest
 from rljax import config as config_lib
 from rljax.train.methods import mcts_programs, mcts_search, prm_refit, prm_rerank
 
-from test_mcts_rollout import DEVICES, EXAMPLES, _comparable, ctx, tiny_cfg  # noqa: F401
+from test_mcts_rollout import (DEVICES, EXAMPLES, _comparable, ctx, tiny_cfg,  # noqa: F401
+                               write_prm_run)
 
 
 @pytest.fixture(scope="module")
 def prm_dir(tmp_path_factory, ctx):  # noqa: F811
     """A PRM run's workdir: its config (algo.name='prm', the policy's model and tokenizer)
     and one checkpoint with a value model on the policy's trunk."""
-    from rljax import models
-    from rljax.train.core import checkpoint
-    from rljax.train.core import workdir as wd
-
-    d = str(tmp_path_factory.mktemp("prm_run"))
-    cfg = tiny_cfg()
-    cfg.algo.name, cfg.sft.traces = "prm", ""
-    wd.write_config(d, cfg)
-    critic = models.init_value_params(ctx.model_cfg, jax.random.key(11), from_params=ctx.params)
-    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(d), async_save=False) as ck:
-        ck.save(1, {"params": ctx.params, "critic_params": critic}, {}, wait=True)
-    return d
+    return write_prm_run(str(tmp_path_factory.mktemp("prm_run")), ctx)
 
 
 @pytest.fixture(scope="module")

@@ -232,6 +232,17 @@ class LookAgainEnv(EchoEnv):
 
 
 register_env("look_again", LookAgainEnv)
+
+
+class LookLongerEnv(LookAgainEnv):
+    """``LookAgainEnv`` whose observation's length (1 to 6 characters) is set by the turn's
+    text: episodes of different lengths, so some are carried between their turns."""
+
+    def answer(self, text: str) -> str:
+        return "l" * (1 + sum(map(ord, text)) % 6)
+
+
+register_env("look_longer", LookLongerEnv)
 EPISODES = {"env.name": "look_again", "env.max_turns": 3, "env.max_turn_tokens": 2,
             "env.max_obs_tokens": 8, "env.max_total_tokens": 24, "sft.steps": 0, "steps": 1}
 
@@ -270,11 +281,197 @@ def test_episodes_see_the_images_in_every_turn(tmp_path, monkeypatch, overrides)
     assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every turn saw the images
 
 
-@pytest.mark.parametrize("key,overrides", [
-    ("rollout.partial", {"rollout.partial": True, "rollout.engine": "slots"}),
-    ("algo.adv_estimator", {"algo.adv_estimator": "vineppo"}),
-    ("rollout.allocation", {"rollout.allocation": "knapsack"}),
-    ("sft.env_traces", {"sft.env_traces": True})])
+def test_partial_episodes_carry_their_images_and_resume_exactly(tmp_path, monkeypatch):
+    """rollout.partial with episodes and images: each place keeps its example's pixels, the
+    engine prefills them every iteration, so the turns a carried episode plays under the new
+    weights (after its trajectory is fed again) score as the trainer scores them with the
+    batch's pixels; on resume the places' pixels are decoded again from their examples."""
+    seen, call = [], Rollout.__call__
+
+    def record(self, state, step):   # each batch: its model tokens' versions, both logps
+        batch, metrics = call(self, state, step)
+        model = batch["model_mask"]
+        versions = np.full(model.shape, -1)
+        versions[model] = np.concatenate([d["versions"] for d in self.rounds._drawn])
+        seen.append(dict(versions=versions, pixels=batch["pixels"], model=model,
+                         old_logps=np.asarray(self.logps_fn(state.params, batch)),
+                         sampler=batch["sampler_logps"]))
+        return batch, metrics
+    monkeypatch.setattr(Rollout, "__call__", record)
+    # 3 slots for 4 groups of 4 episodes of different lengths: the round completes with later
+    # groups mid-episode;
+    # 2 layers: a fed-again trajectory's keys and values depend on the prompt's images
+    cfg = vlm_cfg(**{**EPISODES, "env.name": "look_longer", "steps": 2,
+                     "rollout.engine": "slots", "rollout.slots": 3,
+                     "rollout.partial": True, "rollout.chunk_steps": 2,
+                     "algo.entropy_coef": 0.01, "model.overrides.num_layers": 2})
+    straight_dir, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert run.train(cfg, straight_dir, devices=DEVICES) == 0
+    first, last = seen[:2]
+    assert first["pixels"].shape == (8, 1, 3, 32, 32) and np.abs(first["pixels"]).sum() > 0
+    now = last["versions"].max()   # this iteration's version
+    fresh = last["versions"] == now
+    carried = ((last["versions"] >= 0) & (last["versions"] < now)).any(1) & fresh.any(1)
+    assert carried.any()   # episodes begun under the last version, continued under this one
+    for b, tokens in ((first, first["model"]), (last, fresh)):
+        np.testing.assert_allclose(b["sampler"][tokens], b["old_logps"][tokens], atol=1e-4)
+    assert run.train(cfg, resumed, devices=DEVICES, stop=StopAfter(1)) == 0
+    assert run.train(cfg, resumed, devices=DEVICES) == 0
+    rl = [r for r in read_metrics(straight_dir) if "reward/mean" in r]
+    assert len(rl) == 2 and rl[0]["rollout/carried_groups"] == 2
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight_dir))
+    jax.tree.map(np.testing.assert_array_equal, final_params(resumed),
+                 final_params(straight_dir))
+
+
+KNAPSACK = {"rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 2,
+            "rollout.knapsack.max_samples": 4, "sft.steps": 0, "steps": 1}
+
+
+PARTIAL = {"rollout.engine": "slots", "rollout.slots": 3, "rollout.partial": True}
+
+
+@pytest.mark.parametrize("overrides", [{}, PARTIAL, EPISODES, {**EPISODES, **PARTIAL}],
+                         ids=["prompts", "partial", "episodes", "partial_episodes"])
+def test_knapsack_groups_carry_their_images(tmp_path, monkeypatch, overrides):
+    """Groups of the knapsack's sizes with images (single-turn and episodes, carried across
+    iterations or not): each prompt is prefilled with its images and every row of its group
+    carries its pixels, so the sampler's log-probs are the trainer's."""
+    seen, call = [], Rollout.__call__
+
+    def record(self, state, step):
+        batch, metrics = call(self, state, step)
+        seen.append(batch)
+        return batch, metrics
+    monkeypatch.setattr(Rollout, "__call__", record)
+    assert run.train(vlm_cfg(**{**overrides, **KNAPSACK}), str(tmp_path), devices=DEVICES) == 0
+    pixels = seen[0]["pixels"]
+    assert pixels.shape == (8, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
+    assert not np.array_equal(pixels[0], pixels[-1])   # two prompts' rows
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 1 and rl[0]["rollout/group_size_mean"] == 4
+    assert rl[0]["rollout/logp_diff_max"] < 1e-4   # every row sampled with its images
+
+
+VINE = {"algo.adv_estimator": "vineppo", "algo.vine.forks": 2, "algo.vine.max_steps": 2,
+        "sft.steps": 0, "steps": 1}
+
+
+def assert_drawn_with_images(model_cfg, params, prompts, tokens, mask, logps, pixels):
+    """The tokens a sampler drew (``mask``, log-prob recorded: not fed) after ``prompts``
+    (token ids per row) score as the model scores them with each row's ``pixels``."""
+    import jax.numpy as jnp
+    from rljax import models, sampling
+    from rljax.models import vision
+    p_tok, p_mask = sampling.pad_to_bucket([list(p) for p in prompts], pad_id=0)
+    full, full_mask = np.concatenate([p_tok, tokens], 1), np.concatenate([p_mask, mask], 1)
+    embeds = vision.image_embeddings(model_cfg, params, jnp.asarray(pixels))
+    scored, _ = models.token_logps(model_cfg, params, jnp.asarray(full), jnp.asarray(full_mask),
+                                   first_scored=p_tok.shape[1], image_embeds=embeds)
+    # (a drawn image token is scored as one, docs/vision.md "Not yet": rows without one)
+    clean = ~((tokens == model_cfg.image_token_id) & mask).any(1, keepdims=True)
+    drawn = np.asarray(mask, bool) & (logps != 0) & clean
+    assert drawn.sum() > 4
+    np.testing.assert_allclose(np.asarray(scored)[:, p_tok.shape[1]:][drawn], logps[drawn],
+                               atol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("overrides", [{}, EPISODES], ids=["prompts", "episodes"])
+def test_vineppo_forks_see_the_images(tmp_path, monkeypatch, overrides):
+    """VinePPO with images (single-turn, episodes): each fork prefills its valued row's
+    prompt images (an episode's page, under which its turns are replayed, too), so the
+    tokens the forks draw score as the model scores them with those images."""
+    from rljax.train.methods import vine
+    forks, drawn, step_values, generate = [], [], vine.VineValues.step_values, vine.generate
+
+    def spy_generate(ctx, params, p_tok, p_mask, rng, **kw):   # single-turn forks
+        out = generate(ctx, params, p_tok, p_mask, rng, **kw)
+        drawn.append((p_tok, p_mask.astype(bool), out))
+        return out
+
+    def spy_values(self, params, rnd, rng):   # checked now: the update frees the params
+        drawn.clear()
+        out = step_values(self, params, rnd, rng)
+        rows = [i for i, *_ in out["fork_rows"] for _ in range(self.k)]   # K per fork
+        if "fork_episodes" in out:
+            eps = out["fork_episodes"]
+            fields = [eps["prompt_ids"], eps["tokens"], eps["mask"], eps["logps"]]
+        else:
+            (p_tok, p_mask, o), = drawn
+            prefixes = [t[m] for t, m in zip(p_tok, p_mask) for _ in range(self.k)]
+            fields = [prefixes[:len(rows)]] + [o[key][:len(rows)]
+                                               for key in ("tokens", "mask", "logps")]
+        forks.append(assert_drawn_with_images(self.ctx.model_cfg, params, *fields,
+                                              rnd["pixels"][rows]))
+        return out
+    monkeypatch.setattr(vine.VineValues, "step_values", spy_values)
+    monkeypatch.setattr(vine, "generate", spy_generate)
+    assert run.train(vlm_cfg(**{**overrides, **VINE}), str(tmp_path), devices=DEVICES) == 0
+    assert forks == [True]
+    rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
+    assert len(rl) == 1 and rl[0]["vine/fork_tokens"] > 0 and np.isfinite(rl[0]["loss"])
+
+
+def test_the_warm_ups_scripted_episodes_carry_the_images(tmp_path, monkeypatch):
+    """sft.env_traces with images: the tool environment's scripted episodes of JSONL rows
+    whose prompt holds an image (a picture and a sum for the calculator) train with each
+    row's pixels; then GRPO plays the environment's episodes with them."""
+    from PIL import Image
+    from rljax.train.phases.sft import SFTPhase
+    rng, rows = np.random.default_rng(0), []
+    for i in range(8):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append({"question": f"{i}+1=", "answer": str(i + 1), "images": f"{i}.png"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen, make_batch = [], SFTPhase.make_batch
+
+    def record(self, examples, step=0):
+        batch = make_batch(self, examples, step)
+        image_id, = self.ctx.tokenizer.encode("@")
+        seen.append((batch, self.images.pixels(examples), (batch["tokens"] == image_id).sum(1)))
+        return batch
+    monkeypatch.setattr(SFTPhase, "make_batch", record)
+    cfg = vlm_cfg(**{"data.source": "jsonl", "data.path": str(data), "data.eval_path": str(data),
+                     "data.template": "@@@@\n{question}", "env.name": "tool",
+                     "env.max_turns": 2, "env.max_turn_tokens": 4, "env.max_total_tokens": 24,
+                     "sft.env_traces": True, "sft.max_length": 80, "steps": 1})
+    cfg.data.kwargs = {}
+    cfg.env.kwargs = {"describe_tools": False}   # (a prompt of the image and the sum only)
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    (batch, pixels, image_tokens), = seen
+    assert (image_tokens == 4).all()   # every scripted episode's prompt holds its image
+    assert batch["pixels"].shape == (4, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
+    np.testing.assert_array_equal(batch["pixels"], pixels)   # each row its example's
+    records = read_metrics(str(tmp_path / "run"))
+    assert np.isfinite([r["loss"] for r in records if "loss" in r]).all()
+    assert any("reward/mean" in r for r in records)
+
+
+def test_relift_sft_rows_carry_the_images(tmp_path, monkeypatch):
+    """ReLIFT's SFT step on the prompts that keep failing: each row carries its example's
+    pixels (the padding rows the first example's), as the warm-up's rows do."""
+    from rljax.train.methods.relift import Relift
+    seen, batch_of = [], Relift.batch
+
+    def record(self, examples):
+        batch, cut = batch_of(self, examples)
+        rows = list(examples) + [examples[0]] * (len(batch["tokens"]) - len(examples))
+        seen.append((batch, self.images.pixels(rows)))
+        return batch, cut
+    monkeypatch.setattr(Relift, "batch", record)
+    cfg = vlm_cfg(**{"algo.relift.every": 1, "algo.relift.k_visits": 1,
+                     "algo.relift.batch_size": 4, "sft.steps": 0, "steps": 1})
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    (batch, pixels), = seen
+    assert batch["pixels"].shape == (4, 1, 3, 32, 32) and np.abs(pixels).sum() > 0
+    np.testing.assert_array_equal(batch["pixels"], pixels)
+    (r,) = [r for r in read_metrics(str(tmp_path)) if "relift/sft_loss" in r]
+    assert r["relift/sft_rows"] > 0 and np.isfinite(r["relift/sft_loss"])
+
+
+@pytest.mark.parametrize("key,overrides", [("rollout.tree.enabled", TREE)])
 def test_episodes_that_would_drop_images_are_refused(key, overrides):
     with pytest.raises(ConfigError, match=rf"^{key}=.*env.name='look_again' with images"):
-        vlm_cfg(**EPISODES, **overrides)
+        vlm_cfg(**{**EPISODES, **overrides})

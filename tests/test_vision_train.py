@@ -1,5 +1,5 @@
 """Image inputs in the training passes: the shared-prompt forward with images equals the
-per-row one, and the vision tower is frozen unless ``train_vision``."""
+per-row one (the sampler's shared and ragged prefills too), and the vision tower is frozen unless ``train_vision``."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +67,19 @@ def test_shared_image_prefill_equals_per_row():
                             max_new_tokens=4, temperature=0.0, image_embeds=jnp.repeat(emb, g, 0))
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(rep.tokens))
     np.testing.assert_allclose(np.asarray(out.logps), np.asarray(rep.logps), rtol=1e-5, atol=1e-5)
+    # Groups of any sizes (``prompt_index``, knapsack allocation; in one stream or two): each
+    # row continues its prompt's prefill, images included.
+    index = np.asarray([1, 0, 0, 1, 1, 1], np.int32)
+    for streams in (1, 2):
+        ragged = sampling.generate(cfg, params, toks, mask, rng=jax.random.PRNGKey(0),
+                                   max_new_tokens=4, temperature=0.0, num_samples=1,
+                                   image_embeds=emb, prompt_index=index, streams=streams)
+        rows = sampling.generate(cfg, params, toks[index], mask[index],
+                                 rng=jax.random.PRNGKey(0), max_new_tokens=4, temperature=0.0,
+                                 image_embeds=emb[index])
+        np.testing.assert_array_equal(np.asarray(ragged.tokens), np.asarray(rows.tokens))
+        np.testing.assert_allclose(np.asarray(ragged.logps), np.asarray(rows.logps),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def _grads(cfg, params):

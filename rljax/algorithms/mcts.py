@@ -58,7 +58,13 @@ def select_child(node: Node, c_puct: float, unvisited_value: float = 0.0) -> Nod
 
 def backup(path: Sequence[Node], value: float) -> None:
     """One visit and ``value`` for every node on ``path`` (root first)."""
-    for node in path:
+    backup_values(path, [value] * len(path))
+
+
+def backup_values(path: Sequence[Node], values: Sequence[float]) -> None:
+    """One visit for every node on ``path`` (root first), ``values[i]`` added to ``path[i]``'s
+    sum: a value of its own per node, e.g. returns discounted from each node's depth."""
+    for node, value in zip(path, values, strict=True):
         node.visits += 1
         node.value_sum += float(value)
 

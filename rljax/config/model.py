@@ -97,24 +97,16 @@ def has_vision_tower(cfg) -> bool:
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
-    engine), synchronous or not (docs/vision.md). Episodes carried across iterations, VinePPO's
-    episode forks, self-play matches, knapsack group sizes and the SFT warm-up's scripted
-    episodes do not carry them yet."""
+    engine, carried across iterations or not, in groups of the knapsack's sizes or not),
+    valued by VinePPO's forks or not, after a warm-up on scripted episodes or not),
+    synchronous or not (docs/vision.md). Trees of first turns do not prefill them yet."""
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
     r, mode = cfg.rollout, cfg.env.selfplay.mode
     for key, on, why in (
-            ("rollout.partial=true", r.partial, "yet (carried episodes do not keep their "
-             "images); set rollout.partial=false"),
-            ("algo.adv_estimator='vineppo'", cfg.algo.adv_estimator == "vineppo",
-             "yet (the episode forks do not carry images); use 'grpo' or PPO"),
             (f"env.selfplay.mode={mode!r}", mode != "off",
              "(a board game's matches have no images)"),
-            ("sft.env_traces=true", cfg.sft.env_traces, "yet (the scripted episodes' rows do "
-             "not carry images); set sft.env_traces=false"),
-            ("rollout.allocation='knapsack'", r.allocation == "knapsack", "yet (its groups of "
-             "episodes do not carry images); use 'uniform'"),
             ("rollout.tree.enabled=true", r.tree.enabled, "yet (the tree of first turns does "
              "not prefill the images)")):
         if on:

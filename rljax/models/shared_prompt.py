@@ -1,7 +1,7 @@
 """Teacher-forced forward over G completions of one prompt, with the prompt computed once.
 
 A GRPO batch holds G completions of each prompt: rows ``g*G .. g*G+G-1`` share their prompt
-columns. The plain forward (``transformer.token_logps`` over ``[prompt ++ completion]``) runs
+columns. The plain forward (``head.token_logps`` over ``[prompt ++ completion]``) runs
 every layer over the prompt G times, though the G copies compute the same numbers: the prompt
 never attends to the completion. Here the prompt rows run once ([Bp, P]) and each completion
 row ([Bp*G, N]) attends to its prompt's keys/values and to its own earlier tokens, in one
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models import image_tokens
-from rljax.models import transformer as tfm
+from rljax.models import head, transformer as tfm
 from rljax.models.attention import scale_scores
 from rljax.models.config import ModelConfig
 
@@ -217,10 +217,10 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     Shapes as ``trunk``; ``temperature`` a scalar or float32 [Bp*G, N] (each token at its own).
     Returns ``(logps float32 [Bp*G, N], entropy [Bp*G, N] or None)``, 0 where ``mask`` is
     False: column j is ``log p(tokens[:, j] | prompt, tokens[:, :j])``, as
-    ``transformer.token_logps(..., first_scored=P)`` gives for the concatenated rows. Token 0
+    ``head.token_logps(..., first_scored=P)`` gives for the concatenated rows. Token 0
     is predicted by the prompt's last position (left padding: the last column is real).
     ``extra_targets`` int [Bp*G, N, K]: a third output, those ids' log-probs per column
-    (``transformer.scored_logps``). ``image_embeds`` [Bp, K, D] and ``moe_stats``: as
+    (``head.scored_logps``). ``image_embeds`` [Bp, K, D] and ``moe_stats``: as
     ``trunk``'s; ``prompt_index`` int [R], ``routes`` and ``prompt_routes`` as ``trunk``'s.
     """
     prompt_hidden, hidden = trunk(cfg, params, prompt_tokens, prompt_mask, tokens, mask,
@@ -232,7 +232,7 @@ def completion_logps(cfg: ModelConfig, params: dict, prompt_tokens: jax.Array,
     else:
         last = prompt_hidden[prompt_index, -1:]                            # [R, 1, D]
     before = jnp.concatenate([last, hidden[:, :-1]], axis=1)              # predicts column j
-    scored = tfm.scored_logps(cfg, params, before, tokens, temperature, chunk_size,
+    scored = head.scored_logps(cfg, params, before, tokens, temperature, chunk_size,
                               with_entropy, extra_targets)
     logp, ent = scored[:2]
     logp = jnp.where(mask, logp, 0.0)

@@ -176,7 +176,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         (``SampleOutput.routes``), for routing replay in the update.
       prompt_index: optional int32 [R]: groups of any sizes (knapsack allocation): output row
         r continues prompt ``prompt_index[r]``, whose prefill it shares (``num_samples`` must
-        be 1; not with images or routes).
+        be 1; not with routes; ``image_embeds`` stay the B prompts').
       row_keys: optional PRNG keys, one per output row ([B * num_samples], or [R] with
         ``prompt_index``): row r draws token t from ``draw.row_draw(row_keys[r], t, vocab)``
         (``draw.row_noise_ahead``) instead of the batch's draw from ``rng``, so its tokens do
@@ -198,11 +198,11 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: jax.Array,
         raise ValueError("record_routes needs a mixture-of-experts model")
     if prompt_index is not None:
         prompt_index = np.asarray(prompt_index, np.int32)
-        if (num_samples != 1 or image_embeds is not None or record_routes
+        if (num_samples != 1 or record_routes
                 or prompt_index.ndim != 1 or prompt_index.min(initial=0) < 0
                 or prompt_index.max(initial=0) >= np.shape(prompt_tokens)[0]):
-            raise ValueError("prompt_index must be int [R] of prompt rows, with num_samples=1, "
-                             "no images and no routes")
+            raise ValueError("prompt_index must be int [R] of prompt rows, with num_samples=1 "
+                             "and no routes")
     # Out-of-range ids would be clipped silently inside the program: reject them here.
     models.transformer.check_token_ids(cfg, prompt_tokens, prompt_mask,
                                        what="generate: prompt_tokens")
@@ -301,7 +301,9 @@ def _generate_streams(cfg, params, prompt_tokens, prompt_mask, rng, k, greedy,
     else:
         tok, mask = (prompt_tokens,) * k, (prompt_mask,) * k
         index = [jnp.asarray(i) for i in np.split(prompt_index, k)]
-    images = (None,) * k if image_embeds is None else jnp.split(image_embeds, k)
+    # (image_embeds are the prompts': with prompt_index every chunk prefills every prompt)
+    images = ((image_embeds,) * k if image_embeds is None or prompt_index is not None
+              else jnp.split(image_embeds, k))
 
     def stream(i):
         return lambda: jax.block_until_ready(

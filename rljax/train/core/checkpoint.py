@@ -15,7 +15,7 @@ in ``latest_step()``. Leftover tmp directories are deleted by a background threa
 manager starts when it is created; its first save waits for that deletion (close does not).
 
 Integrity: just before that rename, process 0 (after orbax's commit barrier, so every host's
-shards are written) records the size and CRC-32 of every file of the step in
+shards are written) records the size and CRC-32 of every file of the step (``manifest``) in
 ``<step>/rljax_manifest.json``. :meth:`CheckpointManager.verify` re-checks them before a restore
 reads anything, so a truncated, deleted or garbled file is reported (step, file, problem)
 instead of failing deep inside TensorStore or, worse, loading silently. CRC-32 runs at
@@ -30,7 +30,6 @@ A damaged checkpoint is moved aside to ``<step>.damaged`` (never deleted) by
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import errno
 import json
 import logging
@@ -39,7 +38,6 @@ import platform
 import socket
 import sys
 import time
-import zlib
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -48,16 +46,11 @@ from etils import epath
 
 from rljax.errors import RljaxError
 from rljax.train.core import paths
+from rljax.train.core.manifest import (MANIFEST_FILE, first_manifested_step, manifests_since,
+                                      verify_step_dir, with_manifest)
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
-MANIFEST_FILE = "rljax_manifest.json"
-# In the checkpoint directory: the first step written with a manifest. A later step without
-# one had it deleted (an error); an earlier one is an older rljax's (a warning).
-MANIFESTS_SINCE_FILE = "rljax_manifests_since.json"
-# Written or rewritten by orbax after our manifest (commit time stamp, commit marker).
-_UNHASHED = {MANIFEST_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"}
-_CHUNK = 16 << 20
 
 
 class CheckpointDamaged(RljaxError):
@@ -116,125 +109,6 @@ def _quiet_orbax_errors() -> None:
     # Only replaces asyncio's default policy (a user's own, e.g. uvloop's, is left alone).
     if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
         asyncio.set_event_loop_policy(_LateCallbacksIgnored())
-
-
-def _file_crc(path: epath.Path) -> tuple[int, str]:
-    crc, size = 0, 0
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)  # releases the GIL: files hash in parallel
-            size += len(chunk)
-    return size, f"{crc:08x}"
-
-
-def _step_files(step_dir: epath.Path) -> list[str]:
-    """Relative paths of the files of a step directory that the manifest covers."""
-    out = []
-    for root, _, files in _walk(step_dir):
-        for name in files:
-            rel = str(epath.Path(root) / name)[len(str(step_dir)) + 1:]
-            if rel not in _UNHASHED:
-                out.append(rel)
-    return sorted(out)
-
-
-def _walk(directory: epath.Path):
-    dirs, files = [], []
-    for p in directory.iterdir():
-        (dirs if p.is_dir() else files).append(p.name)
-    yield str(directory), dirs, files
-    for d in dirs:
-        yield from _walk(directory / d)
-
-
-def file_manifest(step_dir: str | os.PathLike) -> dict:
-    """``{relative path: [size, crc32 hex]}`` of every data file under ``step_dir``."""
-    step_dir = epath.Path(os.fspath(step_dir))
-    names = _step_files(step_dir)
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        sums = list(pool.map(lambda n: _file_crc(step_dir / n), names))
-    return {n: [size, crc] for n, (size, crc) in zip(names, sums)}
-
-
-def write_manifest(step_dir: str | os.PathLike) -> None:
-    step_dir = epath.Path(os.fspath(step_dir))
-    record = {"version": 1, "hash": "crc32", "files": file_manifest(step_dir)}
-    (step_dir / MANIFEST_FILE).write_text(json.dumps(record, indent=0, sort_keys=True))
-
-
-def manifests_since(directory: str | os.PathLike) -> int | None:
-    """The first step of checkpoint ``directory`` written with a manifest (None: none was, or
-    an older rljax wrote them all)."""
-    marker = epath.Path(os.fspath(directory)) / MANIFESTS_SINCE_FILE
-    try:
-        return int(json.loads(marker.read_text())["since_step"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0  # unreadable: every step must have its manifest
-
-
-def _mark_manifests_since(step_dir: epath.Path) -> None:
-    """Records ``step_dir``'s step as the first with a manifest, unless one is recorded."""
-    marker = step_dir.parent / MANIFESTS_SINCE_FILE
-    if not marker.exists():
-        marker.write_text(json.dumps({"since_step": int(step_dir.name)}) + "\n")
-
-
-def _first_manifested_step(directory: str | os.PathLike) -> int | None:
-    """The earliest step of ``directory`` that holds a manifest (None: none does). Steps from
-    it on were written by an rljax that writes manifests, so one of them without its
-    manifest had it deleted, whether or not the marker file is still there."""
-    try:
-        steps = [int(p.name) for p in epath.Path(os.fspath(directory)).iterdir()
-                 if p.name.isdigit() and (p / MANIFEST_FILE).exists()]
-    except OSError:
-        return None
-    return min(steps) if steps else None
-
-
-def verify_step_dir(step_dir: str | os.PathLike, required: bool = False) -> str | None:
-    """None if every file recorded in the manifest is there with its size and CRC, else the
-    first problem found (one line, naming the file). No manifest: the problem if ``required``,
-    else None (unverified)."""
-    step_dir = epath.Path(os.fspath(step_dir))
-    manifest = step_dir / MANIFEST_FILE
-    if not manifest.exists():
-        return (f"{MANIFEST_FILE} is missing (deleted? this workdir's checkpoints are written "
-                "with one), so its files cannot be verified") if required else None
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST_FILE} is unreadable ({e})"
-    for name, (size, _) in sorted(files.items()):
-        path = step_dir / name
-        if not path.exists():
-            return f"{name} is missing"
-        actual = path.stat().length
-        if actual != size:
-            return f"{name} has {actual} bytes, {size} were written (truncated or overwritten)"
-    names = sorted(files)
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
-        sums = list(pool.map(lambda n: _file_crc(step_dir / n), names))
-    for name, (_, crc) in zip(names, sums):
-        if crc != files[name][1]:
-            return f"{name} does not match its checksum (crc32 {crc}, written {files[name][1]})"
-    return None
-
-
-def _with_manifest(base: type) -> type:
-    """``base`` (an orbax TemporaryPath class) that writes our manifest into a step's tmp
-    directory just before orbax commits it (rename / commit file)."""
-
-    class WithManifest(base):
-        async def finalize(self, *args, **kwargs):
-            if self.get_final().name.isdigit():  # the step directory, not an item inside it
-                await asyncio.to_thread(write_manifest, self.get())
-                await asyncio.to_thread(_mark_manifests_since, self.get_final())
-            return await super().finalize(*args, **kwargs)
-
-    WithManifest.__name__ = f"Manifest{base.__name__}"
-    return WithManifest
 
 
 def io_cause(exc: BaseException) -> OSError | None:
@@ -310,7 +184,7 @@ class CheckpointManager:
         _quiet_orbax_errors()
         self.directory = paths.absolute(directory)  # a URL (gs://...) stays as it is
         self.max_to_keep = max_to_keep
-        tmp_class = _with_manifest(atomicity_defaults.get_default_temporary_path_class(
+        tmp_class = with_manifest(atomicity_defaults.get_default_temporary_path_class(
             epath.Path(self.directory)))
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
@@ -405,7 +279,7 @@ class CheckpointManager:
         is restored unverified, with a warning."""
         since = manifests_since(self.directory)
         if since is None:   # the marker deleted too: an earlier step's manifest says the same
-            since = _first_manifested_step(self.directory)
+            since = first_manifested_step(self.directory)
         required = since is not None and int(step) >= since
         try:
             problem = verify_step_dir(self.step_dir(step), required=required)

@@ -56,11 +56,60 @@ def embed_fn(model_cfg):
         model_cfg, {"vision": tower}, pixels))
 
 
-def round_fields(pixels: np.ndarray, usable: np.ndarray) -> dict:
+def round_fields(pixels: np.ndarray, usable: np.ndarray, sizes=None) -> dict:
     """A sampling round's image fields for ``Rollout._assemble`` and its metrics: ``pixels``
     [B, I, 3, S, S] of its prompts, ``image_ok`` bool [B] (False: the prompt's images were
-    skipped, its rows do not train) and ``skipped_images``, the prompts skipped."""
-    return {"pixels": pixels, "image_ok": usable, "skipped_images": int((~usable).sum())}
+    skipped, its rows do not train) and ``skipped_images``, the prompts skipped. ``sizes``
+    int [B] (groups of their own sizes, knapsack allocation, whose rounds hold one entry per
+    row): both repeated for each prompt's rows, ``[sum(sizes), ...]``."""
+    fields = {"pixels": pixels, "image_ok": usable, "skipped_images": int((~usable).sum())}
+    if sizes is not None:
+        fields.update(pixels=np.repeat(pixels, sizes, 0), image_ok=np.repeat(usable, sizes))
+    return fields
+
+
+class PlacePixels:
+    """The prompt pixels of a pool's ``c`` places (partial rollouts: groups carried across
+    iterations): ``pixels`` float32 [c, I, 3, S, S] and ``ok`` bool [c] (False: the place's
+    images were skipped, its rows do not train). A place's pixels are decoded when its
+    example is admitted, and again from the examples a checkpoint keeps (``restore``): no
+    pixels in the checkpoint."""
+
+    def __init__(self, images: ImageInputs, c: int):
+        v = images.model_cfg.vision
+        self.images = images
+        self.pixels = np.zeros((c, images.max_images, v.num_channels, v.image_size,
+                                v.image_size), np.float32)
+        self.ok = np.ones(c, bool)
+
+    def admit(self, places, examples, locations=None) -> None:
+        """The pixels of ``examples``, admitted into ``places`` (int [n])."""
+        self.pixels[places] = self.images.pixels(examples, locations)
+        self.ok[places] = self.images.usable
+
+    def restore(self, places, examples) -> None:
+        """After loading a checkpoint: only ``places`` hold examples (``examples``)."""
+        self.pixels[:], self.ok[:] = 0.0, True
+        if len(places):
+            self.admit(places, examples)
+
+    def embeds(self, params, places=None) -> jax.Array:
+        """The sampler's ``image_embeds`` [n, I*M, D] of ``places`` (None: all c) under
+        ``params``."""
+        return self.images.embeds(params, self.pixels if places is None
+                                  else self.pixels[np.asarray(places, np.int64)])
+
+    def round_fields(self, places, sizes=None) -> dict:
+        """``round_fields`` of the groups in ``places`` (a round's groups, in its order;
+        ``sizes``: their rows, for a round of one entry per row)."""
+        places = np.asarray(places, np.int64)
+        return round_fields(self.pixels[places], self.ok[places], sizes)
+
+
+def place_pixels(ctx, c: int) -> PlacePixels | None:
+    """A pool's ``PlacePixels`` for ``c`` places, or None for a text model."""
+    images = image_inputs(ctx)
+    return None if images is None else PlacePixels(images, c)
 
 
 def image_inputs(ctx) -> ImageInputs | None:

@@ -99,14 +99,9 @@ class PartialRounds:
         # Each place's dataset index (-1: unknown): prompt selection learns a completed
         # group's rewards for the prompt it was drawn for, iterations ago (``indices``).
         self.indices = np.full(self.pool.c, -1, np.int64)
-        # A vision tower: each place's prompt pixels [C, I, 3, S, S] and whether they are
-        # usable (a skipped image costs its group's training rows, as in ``Rollout``).
-        self.images = image_inputs.image_inputs(ctx)
-        if self.images is not None:
-            v, c = ctx.model_cfg.vision, self.pool.c
-            self.pixels = np.zeros((c, self.images.max_images, v.num_channels, v.image_size,
-                                    v.image_size), np.float32)
-            self.image_ok = np.ones(c, bool)
+        # A vision tower: each place's prompt pixels and whether they are usable (a skipped
+        # image costs its group's training rows, as in ``Rollout``); None: a text model.
+        self.images = image_inputs.place_pixels(ctx, self.pool.c)
         self._step = self._version = 0
         self._key, self._taken = None, None
         self._drawn = []   # per sampling round of this call (metrics)
@@ -144,7 +139,7 @@ class PartialRounds:
             places = pool.admit([list(r[m]) for r, m in zip(tok, mask)], list(new), sizes)
             self.indices[places] = indices
             if self.images is not None:
-                self._set_pixels(places, new, rollout._locations(new))
+                self.images.admit(places, new, rollout._locations(new))
         t0 = time.perf_counter()
         weights, version = None, self._version
         if rollout.weights is not None:   # in-flight weight updates, polled between chunks
@@ -152,7 +147,7 @@ class PartialRounds:
             params, version = weights()
         else:
             params = sampling_params(self.ctx, params)
-        embeds = None if self.images is None else self.images.embeds(params, self.pixels)
+        embeds = None if self.images is None else self.images.embeds(params)
         taken = pool.run(params, self._key, version=version, want=self.num_prompts,
                          max_staleness=self._staleness_bound(), image_embeds=embeds,
                          weights=weights)
@@ -177,15 +172,10 @@ class PartialRounds:
                                       prompt_mask[owner], out, None, t0, g=1)
             rnd["group_sizes"] = np.asarray(taken.sizes, np.int64)
         rnd["indices"] = self.indices[taken.places].tolist()   # each group's own prompt
-        if self.images is not None:
-            rnd.update(image_inputs.round_fields(self.pixels[taken.places],
-                                                 self.image_ok[taken.places]))
+        if self.images is not None:   # (groups of their own sizes: one entry per row)
+            rnd.update(self.images.round_fields(
+                taken.places, None if self.sizes_of is None else taken.sizes))
         return rnd
-
-    def _set_pixels(self, places, examples, locations=None) -> None:
-        """The pixels of the groups admitted (or restored) in ``places``."""
-        self.pixels[places] = self.images.pixels(examples, locations)
-        self.image_ok[places] = self.images.usable
 
     def _staleness_bound(self) -> int:
         """``rollout.max_staleness`` counted at the update: a batch drawn by version v trains
@@ -202,12 +192,9 @@ class PartialRounds:
     def load_state_dict(self, state: dict) -> None:
         self.pool.load_state_dict({**state, "metas": from_json_field(state["metas"])})
         self.indices[:] = state.get("indices", -1)   # (a checkpoint from before they were kept)
-        if self.images is not None:
-            pool = self.pool
-            self.pixels[:], self.image_ok[:] = 0.0, True
-            places = [int(j) for j in np.flatnonzero(pool.serial >= 0)]
-            if places:
-                self._set_pixels(places, [pool.metas[j] for j in places])
+        if self.images is not None:   # decoded again from the examples in flight
+            places = [int(j) for j in np.flatnonzero(self.pool.serial >= 0)]
+            self.images.restore(places, [self.pool.metas[j] for j in places])
 
 
 def rounds_of(ctx, num_prompts: int) -> PartialRounds | None:

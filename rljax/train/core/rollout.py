@@ -286,9 +286,8 @@ class Rollout:
             loss_mask &= ~rows["truncated"][:, None]
         if "real" in rows:   # rows that only pad the batch to its fixed size weigh zero
             loss_mask &= rows["real"][:, None]
-        if "image_ok" in rounds[0]:   # a prompt whose image was skipped costs its example
-            loss_mask &= np.concatenate([np.repeat(rounds[r]["image_ok"][i:i + 1], g)
-                                         for r, i in groups])[:, None]
+        if "image_ok" in rows:   # a prompt whose image was skipped costs its example
+            loss_mask &= rows["image_ok"][:, None]
         batch["loss_mask"] = loss_mask
 
         t0 = time.perf_counter()
@@ -483,6 +482,8 @@ class Rollout:
         if "pixels" in rounds[0]:   # each row carries its prompt's images
             batch["pixels"] = np.concatenate([np.repeat(rounds[r]["pixels"][i:i + 1], g, 0)
                                               for r, i in groups])
+            rows["image_ok"] = np.concatenate([np.repeat(rounds[r]["image_ok"][i:i + 1], g)
+                                               for r, i in groups])
         if "routes" in rounds[0]:   # routing replay: the sampler's routes, on this prompt bucket
             batch["routes"] = np.concatenate(
                 [rebucket_routes(rounds[r]["routes"][i * g:(i + 1) * g], rounds[r]["prompt_len"],

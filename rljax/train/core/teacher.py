@@ -26,7 +26,7 @@ import ml_collections
 from rljax import compilation_cache, models, tokenizers
 from rljax import sharding as shd
 from rljax.errors import ConfigError, UserError
-from rljax.train.core import checkpoint as ckpt_lib
+from rljax.train.core import checkpoint as ckpt_lib, manifest
 from rljax.train.core import quantized, steps
 from rljax.train.core.paths import is_run_dir
 
@@ -323,7 +323,7 @@ def load(source: Source, mesh) -> tuple[models.ModelConfig, Any]:
         model_cfg, params = models.load_hf(source.path, dtype=jnp.dtype(source.dtype),
                                            shardings=sh, transform=transform)
         return model_cfg, params
-    problem = ckpt_lib.verify_step_dir(source.step_dir)
+    problem = manifest.verify_step_dir(source.step_dir)
     if problem is not None:
         raise UserError(f"teacher checkpoint {source.step_dir}: {problem}")
     import orbax.checkpoint as ocp

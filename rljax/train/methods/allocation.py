@@ -34,6 +34,11 @@ its group. The estimator is a group one (the tree estimators need one tree layou
 group). With partial rollouts a pool place holds a group's trees (room for ``max_samples``
 leaves of roots), and the place grows the roots its size asks for.
 
+Images in the prompt (a vision tower): each prompt's images are decoded once and prefilled
+with it (its rows fan out from that prefill; an episode, a group of one, prefills its own),
+and the round carries ``pixels`` / ``image_ok`` per row, as its other fields, so the update's
+rows carry their prompts' pixels.
+
 Metrics: ``rollout/group_size_min``/``_mean``/``_max``, ``rollout/pass_rate_est_mean``,
 and (every rollout) ``rollout/effective_samples``: samples that train with a non-zero
 advantage.
@@ -49,6 +54,7 @@ from rljax import sampling
 from rljax.config.rollout import knapsack_limits, knapsack_step
 from rljax.data import allocation as alloc
 from rljax.data import selection
+from rljax.train.core import image_inputs
 from rljax.train.core.partial import PartialRounds
 from rljax.train.core.rollout import RoundSource, encode_prompts, prompt_buckets
 from rljax.train.core.sampler import generate, rebucket_routes, sampler_kind
@@ -85,14 +91,15 @@ class KnapsackRounds(RoundSource):
         indices = list(rollout.iterator.last_indices)
         p = self.pass_rates(rollout, indices)
         sizes = alloc.knapsack_allocate(p, self.budget, self.lo, self.hi, self.step)
+        locations = rollout._locations(examples)
         if self.episodes is not None:
-            rnd = self._play(rollout, params, rng, examples, sizes)
+            rnd = self._play(rollout, params, rng, examples, sizes, locations=locations)
         else:
             prompt_tokens, prompt_mask = encode_prompts(
                 self.ctx.tokenizer, [ex["prompt"] for ex in examples],
                 self.cfg.data.max_prompt_length)
             rnd = self._sample(rollout, params, rng, examples, prompt_tokens, prompt_mask,
-                               sizes)
+                               sizes, locations=locations)
         rnd.update(group_sizes=sizes, indices=indices, pass_rates=p)
         if not isinstance(rollout.selector, selection.Predicted):
             wins = selection.group_successes(rnd["rewards"], sizes, self.threshold,
@@ -114,20 +121,25 @@ class KnapsackRounds(RoundSource):
                             prefixes)
 
     def _sample(self, rollout, params, rng, examples, prompt_tokens, prompt_mask, sizes,
-                prefixes=None) -> dict:
+                prefixes=None, locations=None) -> dict:
         """``sizes[i]`` rows of prompt i sampled (each prompt prefilled once) and scored
         (``_sample_rows``: ``budget`` rows or chunks of ``rollout.micro_batch_size``; rows
         past the groups repeat the last one and are dropped before scoring). Tree sampling: prompt i grows
         ``sizes[i] / step`` trees of ``step`` leaves, one root each (its prompt prefilled per
-        tree), and the padding rows are whole trees."""
+        tree), and the padding rows are whole trees. A vision tower: each prompt's images
+        (decoded once, ``locations`` naming the examples in warnings) are prefilled with it,
+        and every row of the round carries its prompt's (``image_inputs.round_fields``)."""
         cfg, n = self.cfg, int(np.sum(sizes))
         owner = np.repeat(np.arange(len(examples)), sizes).astype(np.int32)   # row -> prompt
         t0 = time.perf_counter()
+        images = rollout.images
+        pixels = None if images is None else images.pixels(examples, locations)
         opts = dict(max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-                    top_p=cfg.rollout.top_p, temperatures=rollout.temperatures)
+                    top_p=cfg.rollout.top_p, temperatures=rollout.temperatures, images=images)
         if rollout.tree is None:
-            out = self._sample_rows(params, prompt_tokens, prompt_mask, owner, rng, opts)
+            out = self._sample_rows(params, prompt_tokens, prompt_mask, owner, rng,
+                                    dict(opts, pixels=pixels))
         else:   # whole trees of ``step`` leaves, one root each: prompt i's for its group
             roots = owner[::self.step]
             roots = np.concatenate([roots, np.full(self.budget // self.step - len(roots),
@@ -135,13 +147,17 @@ class KnapsackRounds(RoundSource):
             micro = int(cfg.rollout.micro_batch_size) // self.step   # trees per chunk
             out = generate(self.ctx, params, prompt_tokens[roots], prompt_mask[roots], rng,
                            num_samples=self.step, tree=dict(rollout.tree, roots=1),
-                           micro_prompts=micro, **opts)
+                           micro_prompts=micro,
+                           pixels=None if pixels is None else pixels[roots], **opts)
             out["decoded"] = out["decoded"][:n // self.step]   # (padding trees aside)
         out = {k: v[:n] if isinstance(v, np.ndarray) and len(v) == self.budget else v
                for k, v in out.items()}
         rows = None if prefixes is None else [prefixes[i] for i in owner]
-        return rollout.score_round([examples[i] for i in owner], prompt_tokens[owner],
-                                   prompt_mask[owner], out, rows, t0, g=1)
+        rnd = rollout.score_round([examples[i] for i in owner], prompt_tokens[owner],
+                                  prompt_mask[owner], out, rows, t0, g=1)
+        if pixels is not None:
+            rnd.update(image_inputs.round_fields(pixels, images.usable, sizes))
+        return rnd
 
     def _sample_rows(self, params, prompt_tokens, prompt_mask, owner, rng, opts) -> dict:
         """Rows ``owner`` int [n] (row -> its prompt, of the P prompts [P, L]) sampled in
@@ -167,18 +183,25 @@ class KnapsackRounds(RoundSource):
             out["slot_steps"] = tuple(map(sum, zip(*(o["slot_steps"] for o in outs))))
         return out
 
-    def _play(self, rollout, params, rng, examples, sizes, prefixes=None) -> dict:
+    def _play(self, rollout, params, rng, examples, sizes, prefixes=None,
+              locations=None) -> dict:
         """``sizes[i]`` episodes of example i, group after group (``budget`` in all: one
         shape of the episode batches), scored as the episodes' rounds are: each episode is
         played as a group of one of its own example, so every row carries its prompt
-        (``prompt_ids``). ``prefixes``: each example's hint (``sample_hinted``), or None."""
+        (``prompt_ids``) and, with a vision tower, its prompt's images (prefilled with it).
+        ``prefixes``: each example's hint (``sample_hinted``), or None; ``locations``: the
+        examples' ``file:line``, for image warnings."""
         owner = np.repeat(np.arange(len(examples)), sizes)
         rows = [examples[i] for i in owner]
         t0 = time.perf_counter()
         eps, rows = self.episodes.play_groups(
             params, rows, rng, 1, rollout.weights,
-            None if prefixes is None else [prefixes[i] for i in owner])
-        return self.episodes.scored_round(rollout, eps, rows, time.perf_counter() - t0, g=1)
+            None if prefixes is None else [prefixes[i] for i in owner], images=rollout.images,
+            locations=None if locations is None else [locations[i] for i in owner])
+        rnd = self.episodes.scored_round(rollout, eps, rows, time.perf_counter() - t0, g=1)
+        if "image_ok" in rnd:   # skipped images counted per example, not per episode
+            rnd["skipped_images"] = int((~rnd["image_ok"][np.cumsum(sizes) - sizes]).sum())
+        return rnd
 
     def pick_groups(self, rounds, kept, dropped) -> tuple[list, int, bool]:
         """``Rollout._pick_groups`` for ragged groups: the kept (round, group) pairs, in order,
@@ -292,9 +315,10 @@ def knapsack_rounds(ctx, num_prompts: int) -> KnapsackRounds:
     return KnapsackRounds(ctx)
 
 
-# A ragged round's fields with one entry per row (``prompt_ids`` and ``examples`` too).
+# A ragged round's fields with one entry per row (``prompt_ids``, ``examples`` and a vision
+# tower's ``pixels`` / ``image_ok`` too).
 ROW_KEYS = ("tokens", "logps", "mask", "lengths", "truncated", "rewards", "demo", "versions",
-            "prompt_ids", "examples")
+            "prompt_ids", "examples", "pixels", "image_ok")
 
 
 def group_rows(rnd: dict, i: int) -> range:

@@ -42,6 +42,13 @@ draw of id ``s * rows + i`` (rows: G, or ``seats x G``) under ``fold_in(state.rn
 EPISODE_STREAM)`` (turn k; self-play: the match's ply, as on the engine), so a turn draws the
 same noise whatever slot, chunk or iteration it is played in.
 
+Images in the prompt (a model with a vision tower): each place keeps its example's pixels
+(``image_inputs.PlacePixels``, decoded at admission and again from the checkpoint's examples
+on resume); every iteration the tower embeds them under the current weights and the engine
+prefills them with the prompts, so every turn, a carried episode's replayed trajectory
+included, attends to them; the round carries the taken groups' ``pixels`` for their training
+rows.
+
 Staleness: a group holding a turn more than ``rollout.max_staleness`` versions old restarts
 from its prompt (counted in ``rollout/dropped_stale``). Metrics as ``core.partial``'s:
 ``rollout/staleness_mean`` / ``_max`` over the batch's model tokens, ``rollout/dropped_stale``
@@ -59,7 +66,7 @@ import numpy as np
 from rljax import distributed as dist, sampling
 from rljax.errors import UserError
 from rljax.sampling import multiturn
-from rljax.train.core import episodes as ep
+from rljax.train.core import episodes as ep, image_inputs
 from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import (engine_slots, rollout_temperatures, sampling_params,
@@ -106,6 +113,9 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         # Per place, per row: the finished turns, {"ids", "logps", "version"}; with self-play
         # also the order the match steps went in, [chunk, row, turn] per step (replayed in it).
         self.turns: list[list[list[dict]]] = [self._empty() for _ in range(c)]
+        # A vision tower: each place's prompt pixels (decoded at admission and on load, from
+        # the example the place keeps); None: a text model.
+        self.images = image_inputs.place_pixels(ctx, c)
         self.moves: list[list[list[int]]] = [[] for _ in range(c)]
         self.next_serial = self.clock = 0
         self._step = self._version = 0
@@ -152,10 +162,13 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             indices = drawn_indices(rollout.iterator, len(new))
             sizes = ([self.g] * len(new) if self.sizes_of is None
                      else self.sizes_of(rollout, indices))
-            for j, ex, index, size in zip(np.flatnonzero(self.serial < 0), new, indices, sizes):
+            admitted = np.flatnonzero(self.serial < 0)[:len(new)]
+            for j, ex, index, size in zip(admitted, new, indices, sizes):
                 self.serial[j], self.next_serial = self.next_serial, self.next_serial + 1
                 self.metas[j], self.indices[j], self.sizes[j] = ex, index, size
                 self._clear(j)
+            if self.images is not None:
+                self.images.admit(admitted, new, rollout._locations(new))
         t0 = time.perf_counter()
         dropped = self._drop_stale()
         places = sorted(np.flatnonzero(self.serial >= 0), key=lambda j: self.serial[j])
@@ -173,6 +186,9 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         learners = {j: self._learners(j) for j in taken}
         rows = np.concatenate([at[j] * self.rows + learners[j] for j in taken])
         eps = dict(_subset(eps, rows), slot_steps=slot_steps)
+        if self.images is not None:   # the taken groups' pixels, for their training rows
+            eps.update(self.images.round_fields(taken, None if self.sizes_of is None else [
+                len(learners[j]) for j in taken]))
         versions = np.full(eps["tokens"].shape, -1, np.int64)
         for r, (j, k) in enumerate((j, k) for j in taken for k in learners[j]):
             for turn, t in enumerate(self.turns[j][k]):   # a token's own version (in flight)
@@ -219,12 +235,16 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             turn["version"] = turn["versions"][0]
         self.turns[j][row].append(turn)
 
-    def _engine_setup(self, lim, p_tok, p_mask, params, slots: int, side=None, weights=None):
+    def _engine_setup(self, lim, p_tok, p_mask, params, slots: int, side=None, weights=None,
+                      image_places=None):
         """The engine's slot cache, state, chunk function and weights
         (``episodes.EngineWeights``: with in-flight ``weights``, polled between chunks) for
         this iteration; the feed holds a carried episode's whole trajectory so far (fed again
         under the current weights). ``side`` (``matches.Side``): the model, parameters and
-        sampling of the engine (None: the policy's ``params`` at the rollout's sampling)."""
+        sampling of the engine (None: the policy's ``params`` at the rollout's sampling).
+        ``image_places`` (a vision tower): the places of ``p_tok``'s prompts, whose images
+        are embedded under the prefill's weights and prefilled with them, so every turn
+        (carried ones' replayed trajectories included) attends to them."""
         from rljax.models import paged
         from rljax.sampling import episode_engine as ee
         from rljax.train.methods.matches import Side
@@ -233,7 +253,9 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             side = Side(self.ctx.model_cfg, params, (), self.g, r.temperature, r.top_k, r.top_p,
                         schedule=rollout_temperatures(self.ctx.cfg))
         model_cfg, chunks = side.model_cfg, ep.EngineWeights(side.params, weights)
-        pages = ee.prefill(model_cfg, chunks.params, p_tok, p_mask)
+        embeds = (None if image_places is None
+                  else self.images.embeds(chunks.params, image_places))
+        pages = ee.prefill(model_cfg, chunks.params, p_tok, p_mask, image_embeds=embeds)
         cache = paged.init_slot_cache(model_cfg, slots, lim.max_total_tokens + 1)
         state = ee.empty_state(slots, max(lim.chunk_tokens, lim.max_total_tokens),
                                lim.turn_tokens, tok.pad_id)
@@ -279,8 +301,9 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         s = max(1, min(engine_slots(cfg, self.num_prompts * g), r))
         first = np.repeat(np.asarray(p_tok)[:, -1], g)
         draw = self._draw_ids(places)
-        cache, state, run_chunk, chunks = self._engine_setup(lim, p_tok, p_mask, params, s,
-                                                             weights=weights)
+        cache, state, run_chunk, chunks = self._engine_setup(
+            lim, p_tok, p_mask, params, s, weights=weights,
+            image_places=None if self.images is None else places)
         in_flight = weights is not None
         busy = run = drawn = 0
         while done_places() < self.num_prompts:
@@ -365,6 +388,9 @@ class EpisodePartialRounds(agent.EpisodeRounds):
         self.sizes[:] = state.get("sizes", self.g)   # (saved before groups had sizes: all G)
         self.turns, self.moves = state["turns"], state["moves"]
         self.next_serial, self.clock = int(state["next_serial"]), int(state["clock"])
+        if self.images is not None:   # decoded again from the examples in flight
+            places = [int(j) for j in np.flatnonzero(self.serial >= 0)]
+            self.images.restore(places, [self.metas[j] for j in places])
 
 
 def _subset(eps: dict, rows: np.ndarray) -> dict:

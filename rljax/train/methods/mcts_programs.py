@@ -8,7 +8,8 @@ real one and are dropped. Each row is prefilled once at ``data.max_prompt_length
 rollout.max_new_tokens`` columns and forked ``max(algo.mcts.children, algo.mcts.rollouts)``
 ways. With ``algo.mcts.value='prm'`` the PRM of ``algo.mcts.prm`` scores the new children
 in batches of ``search_rows x children`` stepwise rows (``prm_scoring``: its trunk sharded
-as the policy's and its batch over the data-parallel axes).
+as the policy's and its batch over the data-parallel axes; over an environment's turns each
+row is a trajectory of ``env.max_total_tokens`` columns).
 """
 from __future__ import annotations
 
@@ -86,5 +87,6 @@ def programs(ctx, params, resident: int, prompts: int) -> list:
             programs_lib.batch_struct(mesh, (rows * s, 2), jnp.uint32))
     out = [programs_lib.Program("mcts/sample", jax.jit(sample_fn), args, resident)]
     if m.value == "prm":
-        out.append(prm_program(ctx, "mcts/prm", rows * int(m.children)))
+        out.append(prm_program(ctx, "mcts/prm", rows * int(m.children),
+                               completion_len=programs_lib.completion_len(cfg)))
     return out

@@ -115,6 +115,18 @@ class Tree:
         ids = self.tokens(node)
         return ids, [True] * len(ids)
 
+    def step_ends(self, node: mcts.Node) -> list[int]:
+        """The position of each step's last token in ``tokens(node)`` (one per step)."""
+        return (np.cumsum([len(step) for step in node.steps]) - 1).tolist()
+
+    def terminal_value(self, node: mcts.Node) -> float:
+        """The value a terminal node backs up: its reward."""
+        return self.info[node.steps]["reward"]
+
+    def backup_terminal(self, path: list) -> None:
+        """Backs up the terminal leaf ``path[-1]``'s value along ``path`` (root first)."""
+        mcts.backup(path, self.terminal_value(path[-1]))
+
 
 def walk(root: mcts.Node):
     """Every node of a tree, depth first in expansion order (root first)."""
@@ -194,7 +206,7 @@ class MCTSSearch:
                                                   float(self.m.unvisited_value)))
                 leaf = path[-1]
                 if leaf.terminal:
-                    mcts.backup(path, t.info[leaf.steps]["reward"])
+                    t.backup_terminal(path)
                     t.simulations += 1
                 elif t.nodes >= int(self.m.max_nodes):
                     t.done = True
@@ -294,18 +306,22 @@ class MCTSSearch:
         """PRM scores of new non-terminal children (value 'prm'; else zeros)."""
         if self.m.value != "prm" or not nodes:
             return np.zeros(len(nodes), np.float32)
-        return np.asarray(self.prm_scorer([t.prompt_ids for t, _ in nodes],
-                                          [t.tokens(c) for t, c in nodes]), np.float32)
+        return np.asarray(self.prm_scorer(*self._prm_rows(nodes)), np.float32)
+
+    def _prm_rows(self, nodes: list[tuple[Tree, mcts.Node]]) -> tuple:
+        """The PRM scorer's arguments for ``nodes``: their prompts and step prefixes."""
+        return [t.prompt_ids for t, _ in nodes], [t.tokens(c) for t, c in nodes]
 
 
-def searcher(ctx, prompts: int, prm_scorer=None) -> MCTSSearch:
-    """The run's search over ``prompts`` prompts per round (value 'prm': ``prm_scorer``, by
-    default the frozen PRM of ``algo.mcts.prm``, scoring ``scorer_rows`` rows a batch: a
-    wave's new children at most)."""
+def searcher(ctx, prompts: int, prm_scorer=None, search=None) -> MCTSSearch:
+    """The run's search (class ``search``, default ``MCTSSearch``) over ``prompts`` prompts
+    per round (value 'prm': ``prm_scorer``, by default the frozen PRM of ``algo.mcts.prm``,
+    scoring ``scorer_rows`` rows a batch: a wave's new children at most)."""
     m = ctx.cfg.algo.mcts
     if m.value == "prm" and prm_scorer is None:
         prm_scorer = mcts_programs.load_prm_scorer(ctx, mcts_programs.scorer_rows(ctx, prompts))
-    return MCTSSearch(ctx, mcts_programs.search_rows(prompts, ctx.dp_size), prm_scorer)
+    return (search or MCTSSearch)(ctx, mcts_programs.search_rows(prompts, ctx.dp_size),
+                                  prm_scorer)
 
 
 def round_key(state, step: int):
@@ -403,13 +419,13 @@ class MCTSTraces:
 
 def sibling_pairs(tree: Tree, min_gap: float, max_pairs: int) -> list[tuple]:
     """Step-DPO pairs from sibling nodes: at each expanded node (``walk`` order), among its
-    children with a value (visited: Q; terminal and unvisited: its reward), chosen = the
-    highest, rejected = the lowest (first of ties), when they differ by more than
+    children with a value (visited: Q; terminal and unvisited: ``Tree.terminal_value``),
+    chosen = the highest, rejected = the lowest (first of ties), when they differ by more than
     ``min_gap``. Returns up to ``max_pairs`` of ``(context ids = prompt ++ prefix, chosen
     step ids, rejected step ids, value gap, depth)``."""
     pairs = []
     for node in walk(tree.root):
-        valued = [(c.value if c.visits else tree.info[c.steps]["reward"], c)
+        valued = [(c.value if c.visits else tree.terminal_value(c), c)
                   for c in node.children if c.visits or c.terminal]
         if len(valued) < 2:
             continue
@@ -428,8 +444,9 @@ class MCTSPairs:
     ``data.pairs='mcts'``: searches ``rollout.batch_size / algo.num_generations`` prompts and
     pairs sibling steps (``sibling_pairs``; ``algo.step_mc.max_steps`` pairs per prompt at
     most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``).
-    ``refit_scorer``: as ``MCTSTraces``'s; ``make_search(ctx, prompts)``: the search to run
-    (default ``searcher``'s; over an environment's turns ``mcts_episodes.searcher``).
+    ``refit_scorer``: as ``MCTSTraces``'s; ``make_search(ctx, prompts, prm_scorer)``: the
+    search to run (default ``searcher``; over an environment's turns
+    ``mcts_episodes.searcher``).
 
     Prompt selection and dynamic sampling act on the first simulation, which expands each
     root: its forks' rewards are the prompt's group (``step_mc.selected_rounds``); only the
@@ -442,7 +459,7 @@ class MCTSPairs:
 
         cfg = ctx.cfg
         self.ctx, self.iterator, self.refit_scorer = ctx, iterator, refit_scorer
-        self.make_search = make_search
+        self.make_search = make_search or searcher
         self.num_prompts = cfg.rollout.batch_size // int(cfg.algo.num_generations)
         self.layout = StepMCPairs(ctx, iterator)   # its pair encoding (static shapes)
         self.selector, self.keep = prompt_filter(cfg, iterator, mcts_programs.forks(cfg))
@@ -454,9 +471,7 @@ class MCTSPairs:
         """The search on the current ``ctx`` (``make_search``'s), built on first use and
         again if the source moved to another context since."""
         if self._searcher is None or self._searcher.ctx is not self.ctx:
-            self._searcher = (searcher(self.ctx, self.num_prompts, self.refit_scorer)
-                              if self.make_search is None
-                              else self.make_search(self.ctx, self.num_prompts))
+            self._searcher = self.make_search(self.ctx, self.num_prompts, self.refit_scorer)
         return self._searcher
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:

@@ -5,10 +5,13 @@ After a round's search (``methods.mcts_search``), every non-root node the search
 (visits >= 1) gives one PRM training row: prompt ++ the node's steps, in the PRM phase's
 stepwise layout (``data.stepwise``): step k of the path is labelled on its last token with the
 mean value Q of the path's node at depth k, clipped to [0, 1] (a soft label; a terminal node's
-Q is the mean of its reward). The PRM then takes ``algo.mcts.refit_updates`` updates with the
-PRM phase's loss (``prm_loss``: binary cross-entropy at the labelled step ends) on
-those rows, padded to a fixed number (``refit_rows``; padded rows weigh nothing), and the next
-round's search values its leaves with the refitted PRM.
+Q is the mean of its reward). Over an environment's turns (``mcts_episodes``) the row is
+prompt ++ the node's trajectory (``env.max_total_tokens`` columns) and turn k is labelled on
+its last model token, where the search's scorer reads it. The PRM then takes
+``algo.mcts.refit_updates`` updates with the PRM phase's loss (``prm_loss``: binary
+cross-entropy at the labelled step ends) on those rows, padded to a fixed number
+(``refit_rows``; padded rows weigh nothing), and the next round's search values its leaves
+with the refitted PRM.
 
 The PRM lives in the train state (``critic_params`` and ``critic_opt_state``, as the PRM
 phase keeps it), initialised from the latest checkpoint of the PRM run in ``algo.mcts.prm``:
@@ -57,14 +60,14 @@ def path_nodes(tree: Tree, node) -> list:
 
 def label_rows(tree: Tree) -> list[tuple]:
     """One stepwise row per non-root node with visits >= 1 (``walk`` order): ``(prompt ids,
-    completion ids = the node's steps joined, step-end positions [depth], labels [depth])``,
-    step k's label (on its last token) being the Q of the path's node at depth k."""
+    completion ids = ``tree.tokens(node)``, step-end positions [depth] (``tree.step_ends``),
+    labels [depth])``, step k's label (on its last token) being the Q of the path's node at
+    depth k."""
     rows = []
     for node in walk(tree.root):
         if not node.steps or node.visits < 1:
             continue
-        ends = np.cumsum([len(step) for step in node.steps]) - 1
-        rows.append((list(tree.prompt_ids), tree.tokens(node), ends.tolist(),
+        rows.append((list(tree.prompt_ids), tree.tokens(node), tree.step_ends(node),
                      [q_label(n) for n in path_nodes(tree, node)]))
     return rows
 
@@ -127,7 +130,8 @@ def program(ctx, steps: int, state, prompts: int) -> programs_lib.Program:
     rows = refit_rows(ctx.cfg, prompts)
     return programs_lib.Program(
         "prm_refit", build_refit_step(ctx, refit_optimizer(ctx, steps), state, rows),
-        (state, batch_struct(ctx, rows)), programs_lib.shard_bytes(state))
+        (state, batch_struct(ctx, rows, completion_len=programs_lib.completion_len(ctx.cfg))),
+        programs_lib.shard_bytes(state))
 
 
 class PRMRefit:
@@ -156,7 +160,7 @@ class PRMRefit:
         t0 = time.perf_counter()
         cfg, tok = self.ctx.cfg, self.ctx.tokenizer
         batch, count = refit_batch(trees, self.rows, int(cfg.data.max_prompt_length),
-                                   int(cfg.rollout.max_new_tokens), tok.pad_id)
+                                   programs_lib.completion_len(cfg), tok.pad_id)
         metrics = {"mcts/prm_rows": count, "mcts/prm_labels": 0}
         if batch is None:   # nothing valued: no update (Adam would still move on zero grads)
             return state, metrics

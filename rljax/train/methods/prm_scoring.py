@@ -102,7 +102,10 @@ class PRMScorer:
     """The value tree ``value`` (settable between rounds: a refitted PRM) scoring stepwise
     batches of ``rows`` rows (static: one compilation whatever ``value`` holds) split over the
     mesh's data-parallel axes. Called with ``(prompt ids, prefix ids)`` lists: the score
-    (sigmoid) at each prefix's last step end, [R]."""
+    (sigmoid) at each prefix's last step end, [R]; with ``turns`` too (per prefix, each
+    token's model turn, -1 on observations) the prefixes are multi-turn trajectories
+    (``programs.completion_len`` columns: ``env.max_total_tokens``), whose last step end is
+    their last model turn's end."""
 
     def __init__(self, ctx, rows: int, value=None):
         self.ctx, self.rows, self.value = ctx, int(rows), value
@@ -133,11 +136,11 @@ class PRMScorer:
             self.logits, self.step_rows(prompt_ids, completions, turns), self.rows, prompt_len,
             n, self.ctx.tokenizer.pad_id)
 
-    def __call__(self, prompt_ids, prefixes) -> np.ndarray:
+    def __call__(self, prompt_ids, prefixes, turns=None) -> np.ndarray:
         cfg = self.ctx.cfg
         return prm_rerank.completion_scores(
-            self.logits, self.step_rows(prompt_ids, prefixes), self.rows,
-            int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens),
+            self.logits, self.step_rows(prompt_ids, prefixes, turns), self.rows,
+            int(cfg.data.max_prompt_length), programs_lib.completion_len(cfg),
             self.ctx.tokenizer.pad_id, "last")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from rljax import distributed as dist
+from rljax.train.core import image_inputs
 from rljax.train.core.steps import build_sft_step, to_host
 from rljax.train.methods.guidance import Guide, sft_batch
 
@@ -19,22 +20,30 @@ class Relift:
     def __init__(self, ctx, guide: Guide):
         self.ctx, self.guide, self.cfg = ctx, guide, ctx.cfg.algo.relift
         self.completion_len = int(ctx.cfg.rollout.max_new_tokens)
+        self.images = image_inputs.image_inputs(ctx)   # None: a text model
         self._step_fn = None
 
     def batch(self, examples: list[dict]) -> tuple[dict, int]:
         """``relift.batch_size`` rows of prompt ++ solution ++ EOS (padding rows masked); with
-        episodes, prompt ++ the environment's scripted episode, the loss on its model turns."""
-        cfg = self.ctx.cfg
+        episodes, prompt ++ the environment's scripted episode, the loss on its model turns.
+        A model with a vision tower: each row carries its example's images (``pixels``; the
+        padding rows repeat the first example, as their prompts do)."""
+        cfg, rows = self.ctx.cfg, int(self.cfg.batch_size)
         if cfg.env.name:
             from rljax.train.methods.agent import guide_trace, trace_sft_batch
-            return trace_sft_batch(cfg, self.ctx.tokenizer, examples,
-                                   int(cfg.env.max_total_tokens),
-                                   np.random.default_rng(int(cfg.seed)),
-                                   rows=int(self.cfg.batch_size), trace=guide_trace)
-        return sft_batch(self.ctx.tokenizer, [ex["prompt"] for ex in examples],
-                         [self.guide.solution(ex) for ex in examples],
-                         self.ctx.cfg.data.max_prompt_length, self.completion_len,
-                         rows=int(self.cfg.batch_size))
+            batch, cut = trace_sft_batch(cfg, self.ctx.tokenizer, examples,
+                                         int(cfg.env.max_total_tokens),
+                                         np.random.default_rng(int(cfg.seed)), rows=rows,
+                                         trace=guide_trace)
+        else:
+            batch, cut = sft_batch(self.ctx.tokenizer, [ex["prompt"] for ex in examples],
+                                   [self.guide.solution(ex) for ex in examples],
+                                   self.ctx.cfg.data.max_prompt_length, self.completion_len,
+                                   rows=rows)
+        if self.images is not None:
+            batch["pixels"] = self.images.pixels(
+                list(examples) + [examples[0]] * (rows - len(examples)))
+        return batch, cut
 
     def due_after(self, step: int) -> bool:
         """Whether an SFT step may follow RL step ``step`` (0-based): every ``relift.every``

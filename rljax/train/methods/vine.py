@@ -122,10 +122,13 @@ class VineValues(RolloutStage):
                 "vine/steps_mean": float(np.mean(v["num_steps"])),
                 "vine/value_mean": float(np.mean(v["fork_rewards"]))}
 
-    def sample_forks(self, params, rng, prefix_ids: list, starts: list, multiple: int) -> dict:
+    def sample_forks(self, params, rng, prefix_ids: list, starts: list, multiple: int,
+                     pixels=None) -> dict:
         """K continuations of each prefix (token ids; the completion token it is cut at,
         ``starts``): ``generate``'s rows, K per prefix. The prefixes are padded, repeating
-        the last, to a multiple of ``multiple`` rows (few programs compile)."""
+        the last, to a multiple of ``multiple`` rows (few programs compile). ``pixels``
+        [prefixes, I, 3, S, S] (a vision tower): each prefix's prompt images, prefilled with
+        it."""
         rows = -(-len(prefix_ids) // multiple) * multiple
         pad = rows - len(prefix_ids)
         schedule = self.rollout.temperatures   # None: rollout.temperature everywhere
@@ -134,10 +137,13 @@ class VineValues(RolloutStage):
         p_tok, p_mask = sampling.pad_to_bucket(prefix_ids + [prefix_ids[-1]] * pad,
                                                pad_id=self.ctx.tokenizer.pad_id,
                                                buckets=(self.prefix_bucket,))
+        if pixels is not None:
+            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, 0)])
         r = self.cfg.rollout
         return generate(self.ctx, params, p_tok, p_mask, rng, num_samples=self.k,
                         max_new_tokens=self.n, temperature=r.temperature, top_k=r.top_k,
-                        top_p=r.top_p, temperatures=temps)
+                        top_p=r.top_p, temperatures=temps, pixels=pixels,
+                        images=self.rollout.images)
 
     def step_values(self, params, rnd: dict, rng) -> dict:
         """The step layout and MC values of ``rnd``, a round of rows (``valued_rows``):
@@ -165,9 +171,11 @@ class VineValues(RolloutStage):
         real = len(fork_rows)
         if not real:   # no completion has a token: nothing to value
             prefix_ids = [list(rnd["prompt_ids"][0])]
+        pixels = (None if "pixels" not in rnd else
+                  rnd["pixels"][[f[0] for f in fork_rows] or [0]])   # each prefix's row's
         # A multiple of the update's rows whatever the filters kept: few fork programs compile.
         out = self.sample_forks(params, rng, prefix_ids, [f[2] for f in fork_rows] or [0],
-                                int(self.cfg.rollout.batch_size))
+                                int(self.cfg.rollout.batch_size), pixels)
         texts, prompts, lengths, owners = [], [], [], []
         hints = rnd.get("hint_prefixes", {})   # a hinted row's reward judges hint ++ completion
         for j, (i, _, start) in enumerate(fork_rows):
@@ -198,7 +206,8 @@ def valued_rows(rounds, groups, g: int) -> dict:
     ``group_sizes``) as one round of rows: ``tokens``, ``mask`` (episodes: ``turn_ids``)
     [T, N], ``lengths``,
     ``rewards`` (and ``demo``) [T], ``prompt_ids`` and ``examples`` per row,
-    ``hint_prefixes`` keyed by position."""
+    ``hint_prefixes`` keyed by position; with a vision tower ``pixels`` [T, I, 3, S, S], each
+    row's prompt's."""
     picked = []   # (round, row, its prompt's entry in the round)
     for r, i in groups:
         if "group_sizes" in rounds[r]:   # (prompt ids and examples are per row)
@@ -212,6 +221,8 @@ def valued_rows(rounds, groups, g: int) -> dict:
             if key in first}
     view["prompt_ids"] = [rounds[r]["prompt_ids"][p] for r, _, p in picked]
     view["examples"] = [rounds[r]["examples"][p] for r, _, p in picked]
+    if "pixels" in first:   # the forks prefill each row's prompt with its images
+        view["pixels"] = np.stack([rounds[r]["pixels"][p] for r, _, p in picked])
     view["hint_prefixes"] = {j: rounds[r]["hint_prefixes"][s]
                              for j, (r, s, _) in enumerate(picked)
                              if s in rounds[r].get("hint_prefixes", {})}

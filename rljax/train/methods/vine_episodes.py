@@ -20,6 +20,10 @@ episode of its own:
    a tool call's closing text as any turn is), and the episode goes on to its end like any
    other.
 
+Images in the prompt (a vision tower): each valued row's page is prefilled with its prompt's
+images (the row's ``pixels``), so the replayed turns and the fork's own attend to them as the
+row's turns did.
+
 Its reward is an episode's (``agent.score``: the environment's rewards, the replayed turns'
 included, plus ``reward.names`` on the final answer), as the valued row's own reward R is, and
 V(s_t) is the mean of K such rewards. The cost is K x steps episodes per row; the metrics
@@ -91,7 +95,7 @@ def step_values(stage, params, rnd: dict, rng) -> dict:
         return {"step_ids": step_ids, "step_values": values, "num_steps": num_steps,
                 "fork_rows": [], "fork_rewards": np.zeros((0, k), np.float32),
                 "fork_texts": [], "fork_tokens": 0, "fork_padding_tokens": 0}
-    eps, decoded = play_forks(stage.ctx, params, rnd, forks, k, s, rng)
+    eps, decoded = play_forks(stage.ctx, params, rnd, forks, k, s, rng, stage.rollout.images)
     owners = [rnd["examples"][i] for i, *_ in forks for _ in range(k)]
     total, _, result = agent.score(stage.rollout.reward_fn, eps, owners, 1)
     if result is not None:
@@ -105,9 +109,13 @@ def step_values(stage, params, rnd: dict, rng) -> dict:
             "fork_episodes": eps, "fork_tokens": decoded, "fork_padding_tokens": 0}
 
 
-def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng):
+def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng,
+               images=None):
     """The K fork episodes of each fork point of ``forks`` ((row, step, start, turn)),
-    fork-major: ``(record.result(...) of the K x len(forks) episodes, tokens sampled)``."""
+    fork-major: ``(record.result(...) of the K x len(forks) episodes, tokens sampled)``.
+    ``images`` (``image_inputs.ImageInputs``, a vision tower): each valued row's page is
+    prefilled with its prompt's images (``rnd["pixels"]``), so the replayed and forked turns
+    attend to them as the row's own turns did."""
     from rljax.envs import step_all
     from rljax.models import paged
     from rljax.sampling import episode_engine as ee
@@ -132,7 +140,12 @@ def play_forks(ctx, params, rnd: dict, forks: list, k: int, max_steps: int, rng)
     ids += ids[-1:] * (-len(ids) % int(cfg.rollout.batch_size))
     p_tok, p_mask = sampling.pad_to_bucket(ids, pad_id=tok.pad_id, buckets=lim.prompt_buckets)
     params = sampling_params(ctx, params)
-    pages = ee.prefill(ctx.model_cfg, params, p_tok, p_mask)
+    embeds = None
+    if images is not None:   # (the padding pages repeat the last row's images too)
+        pixels = rnd["pixels"]
+        embeds = images.embeds(params, np.concatenate(
+            [pixels, np.repeat(pixels[-1:], len(ids) - len(pixels), 0)]))
+    pages = ee.prefill(ctx.model_cfg, params, p_tok, p_mask, image_embeds=embeds)
     width = max_steps * k          # engine rows per page: row i's forks
     slots = max(1, min(engine_slots(cfg, len(ids) * width), len(points)))
     cache = paged.init_slot_cache(ctx.model_cfg, slots, lim.max_total_tokens + 1)

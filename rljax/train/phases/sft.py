@@ -65,8 +65,9 @@ class SFTPhase:
             self.traces = mcts_search.MCTSTraces(
                 ctx, self.iterator, self.completion_len,
                 refit_scorer=None if self.refit is None else self.refit.scorer,
-                search=(mcts_episodes.searcher(ctx, int(cfg.sft.batch_size))
-                        if cfg.env.name else None))   # over the environment's turns
+                search=(mcts_episodes.searcher(   # over the environment's turns
+                    ctx, int(cfg.sft.batch_size), None if self.refit is None else
+                    self.refit.scorer) if cfg.env.name else None))
 
     def init_state(self, state):
         state = _init_state(self.optimizer, state)
@@ -113,18 +114,18 @@ class SFTPhase:
         """Prompt ++ solution ++ EOS; solutions longer than the slot are cut (and counted).
         With ``sft.env_traces``: prompt ++ the environment's scripted episode, the loss on the
         model's turns only (noisy traces draw from an rng seeded by ``seed`` and ``step``, so a
-        resumed run sees the same games)."""
+        resumed run sees the same games). A model with a vision tower: each row carries its
+        example's images (``pixels``), the scripted episode's prompt too."""
         tok, n = self.ctx.tokenizer, self.completion_len
         if self.ctx.cfg.sft.env_traces:
             import numpy as np
             from rljax.train.methods.agent import trace_sft_batch
             rng = np.random.default_rng([int(self.ctx.cfg.seed), SFT_SEED_OFFSET, int(step)])
             batch, cut = trace_sft_batch(self.ctx.cfg, tok, examples, n, rng)
-            self.num_too_long += cut
-            return batch
-        batch, cut = guidance.sft_batch(
-            tok, [ex["prompt"] for ex in examples], [self.solution(ex) for ex in examples],
-            self.ctx.cfg.data.max_prompt_length, n)
+        else:
+            batch, cut = guidance.sft_batch(
+                tok, [ex["prompt"] for ex in examples], [self.solution(ex) for ex in examples],
+                self.ctx.cfg.data.max_prompt_length, n)
         self.num_too_long += cut
         if self.images is not None:   # a model with a vision tower: each row's images
             batch["pixels"] = self.images.pixels(examples)
