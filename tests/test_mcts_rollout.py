@@ -332,6 +332,61 @@ def test_online_dpo_takes_sibling_pairs_from_the_search(ctx):
         assert batch["rejected_tokens"][row][batch["rejected_mask"][row]].tolist() == rejected
 
 
+def mcts_dpo_cfg(steps, **extra):
+    """Online DPO on the search's sibling pairs, rewarded by ``digit_share`` (a reward that
+    tells the untrained policy's samples apart; registered by the test)."""
+    return tiny_cfg(steps, **{
+        "algo.name": "dpo", "algo.online": True, "sft.traces": "", "data.pairs": "mcts",
+        "rollout.batch_size": 4, "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
+        "algo.mcts.simulations": 3, "reward.names": ("digit_share",), **extra})
+
+
+@pytest.fixture
+def digit_share_reward(monkeypatch):
+    from rljax.rewards import registry
+    from test_step_mc import digit_share
+
+    monkeypatch.setitem(registry._REGISTRY, "digit_share", lambda: digit_share)
+
+
+def test_mcts_pairs_search_the_prompts_the_online_filter_keeps(tmp_path, digit_share_reward):
+    """Prompt selection with MCTS pairs: each round's roots are expanded (the first
+    simulation), their forks' pass rates filter the prompts, more rounds fill the batch and
+    only the kept prompts are searched on; two DPO rounds train on their sibling pairs."""
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+
+    cfg = mcts_dpo_cfg(2, **{"data.selection.name": "online_filter",
+                             "data.selection.threshold": 0.2, "data.selection.low": 0.5,
+                             "data.selection.high": 0.5, "algo.max_sampling_rounds": 3})
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    rounds = [r for r in read_metrics(str(tmp_path)) if "mcts/pairs" in r]
+    assert len(rounds) == 2 and all(np.isfinite(r["loss"]) for r in rounds)
+    assert max(r["rollout/rounds"] for r in rounds) > 1
+    assert 0 < rounds[-1]["selection/in_band_frac"] < 1
+    assert sum(r["dpo/pairs"] for r in rounds) > 0
+
+
+def test_asynchronous_mcts_pairs_with_prompt_selection_resume_exactly(tmp_path,
+                                                                       digit_share_reward):
+    """Asynchronous DPO on MCTS pairs: the sampler searches the next round's trees on a device
+    of its own with the version a step behind, MoPPS picking the prompts; stopped after the
+    first update and resumed (the pair batch in flight and the posteriors saved), the run
+    equals the straight one."""
+    from rljax.train.core.metrics import read_metrics
+    from test_train_loop import resumes_exactly
+
+    cfg = lambda: mcts_dpo_cfg(3, **{  # noqa: E731
+        "algo.asynchronous": True, "mesh.rollout_devices": 1, "mesh.data": 1, "mesh.fsdp": 1,
+        "mesh.rollout.data": 1, "mesh.rollout.fsdp": 1, "data.selection.name": "predicted",
+        "data.selection.pool_factor": 2})
+    straight, _ = resumes_exactly(cfg, tmp_path, stop_after=1, devices=jax.devices()[:2])
+    rounds = [r for r in read_metrics(straight) if "mcts/pairs" in r]
+    assert [r["rollout/sample_version"] for r in rounds] == [0, 0, 1]
+    assert all(np.isfinite(r["loss"]) for r in rounds) and rounds[-1]["selection/tracked"] > 0
+    assert sum(r["dpo/pairs"] for r in rounds) > 0
+
+
 def test_a_search_sharded_on_8_devices_equals_unsharded(ctx, tmp_path, monkeypatch):
     """Value 'prm' on a data=8 mesh (3 prompts padded to 8 prefix rows, their keys and the
     PRM's batches split over the devices) grows the trees one device grows: same nodes,
@@ -549,6 +604,38 @@ def test_the_search_over_an_environments_turns_trains_on_episode_traces(ectx, tm
                and 0 < r["mcts/value_root_mean"] <= 0.5 and r["mcts/prm_rows"] > 0
                and r["mcts/prm_labels"] > r["mcts/prm_rows"] and np.isfinite(r["mcts/prm_loss"])
                for r in rounds)
+
+
+def test_mcts_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
+    """data.pairs='mcts' with env.name: the search's nodes are turn boundaries, so a pair's
+    context is the prompt and the episode so far (the environment's observation included)
+    and its chosen and rejected steps are sibling model turns; a DPO round trains."""
+    import types
+
+    from rljax.envs.base import register_env
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import mcts_episodes
+    from rljax.train.phases.dpo import DPOPhase
+
+    register_env("test_two_turns", TwoTurnEnv)
+    cfg = lambda: mcts_dpo_cfg(1, **EPISODE_SEARCH, **{"rollout.batch_size": 6})  # noqa: E731
+    ectx = setup.build_context(cfg(), str(tmp_path / "ctx"), devices=DEVICES)
+    phase = DPOPhase(ectx, 1)
+    assert isinstance(phase.source.searcher, mcts_episodes.EpisodeSearch)
+    batch, m = phase.source(types.SimpleNamespace(rng=jax.random.key(1), params=ectx.params), 0)
+    real = np.flatnonzero(batch["pair_mask"])
+    assert real.size and m["mcts/pairs"] == real.size
+    tok = ectx.tokenizer
+    contexts = [tok.decode(batch["prompt_tokens"][i][batch["prompt_mask"][i]]) for i in real]
+    assert any("<o>" in c for c in contexts)   # a pair after turn 1: the observation is context
+    for i in real:   # the steps are model turns (env.max_turn_tokens = 4), not observations
+        for side in ("chosen", "rejected"):
+            turn = batch[f"{side}_tokens"][i][batch[f"{side}_mask"][i]]
+            assert 0 < len(turn) <= 4 and "<o>" not in tok.decode(turn)
+    assert run.train(cfg(), str(tmp_path / "run"), devices=DEVICES) == 0
+    (train,) = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/pairs" in r]
+    assert np.isfinite(train["loss"]) and train["dpo/pairs"] > 0
 
 
 def test_the_search_over_turns_backs_up_discounted_turn_returns(ectx):

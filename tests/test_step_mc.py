@@ -1,5 +1,6 @@
 """Step-level DPO pairs from Monte-Carlo step values (data.pairs="step_mc")."""
 import os
+import re
 import subprocess
 import sys
 import types
@@ -64,15 +65,17 @@ CONTINUATIONS = {   # prompt text fed to the sampler -> its K=2 continuations
     PROMPT: ["1+2=3\n3+3=6", "1+2=4\n4+3=7"],
     PROMPT + "1+2=3\n": ["3+3=6", "3+3=7"],
 }
-REWARD = {"1+2=3\n3+3=6": 1.0, "1+2=4\n4+3=7": 0.0, "1+2=3\n3+3=7": 0.5}
+TIED = "2+2+2="   # both samples right: equal rewards, a group dynamic sampling drops
+CONTINUATIONS[TIED] = ["2+2=4\n4+2=6", "2+2=4\n4+2=6"]
+REWARD = {"1+2=3\n3+3=6": 1.0, "1+2=4\n4+3=7": 0.0, "1+2=3\n3+3=7": 0.5, "2+2=4\n4+2=6": 1.0}
 
 
-def scripted_source(monkeypatch, max_steps=2):
+def scripted_source(monkeypatch, max_steps=2, prompts=(PROMPT,), **options):
     cfg = config_lib.default_config()
     cfg.update_from_flattened_dict({
         "algo.name": "dpo", "algo.online": True, "algo.num_generations": 2,
         "rollout.batch_size": 2, "rollout.max_new_tokens": 12, "data.max_prompt_length": 8,
-        "data.pairs": "step_mc", "algo.step_mc.max_steps": max_steps})
+        "data.pairs": "step_mc", "algo.step_mc.max_steps": max_steps, **options})
     config_lib.validate(cfg)
     calls = []
 
@@ -94,7 +97,7 @@ def scripted_source(monkeypatch, max_steps=2):
 
     monkeypatch.setattr(step_mc, "generate", fake_generate)
     ctx = types.SimpleNamespace(cfg=cfg, tokenizer=TOK, reward_fn=lambda: reward_fn, mesh=None)
-    source = step_mc.StepMCPairs(ctx, iter([[{"prompt": PROMPT, "answer": "6"}]]))
+    source = step_mc.StepMCPairs(ctx, iter([[{"prompt": p, "answer": "6"}] for p in prompts]))
     state = types.SimpleNamespace(rng=jax.random.PRNGKey(0), params=None)
     return source, state, calls
 
@@ -125,6 +128,27 @@ def test_step_pairs_share_the_prefix_and_differ_in_the_step(monkeypatch):
     assert metrics["reward/mean"] == pytest.approx(0.5)
     # Static shapes: context padded to max_prompt_length + max_new_tokens.
     assert batch["prompt_tokens"].shape == (2, 20) and batch["chosen_tokens"].shape == (2, 12)
+
+
+@pytest.mark.parametrize("extra_rounds", [1, 0])
+def test_dynamic_sampling_builds_pairs_for_the_prompts_whose_samples_differ(monkeypatch,
+                                                                            extra_rounds):
+    """A prompt whose K samples tie is dropped before its prefixes are sampled and the next
+    round's prompt takes its place; without a round left it only fills the batch: no pairs."""
+    source, state, calls = scripted_source(monkeypatch, prompts=(TIED, PROMPT), **{
+        "algo.dynamic_sampling": True, "algo.max_sampling_rounds": extra_rounds})
+    batch, metrics = source(state, 0)
+    assert metrics["rollout/rounds"] == 1 + extra_rounds
+    if extra_rounds:
+        assert [c[0] for c in calls] == [[TIED], [PROMPT], [PROMPT + "1+2=3\n"]]
+        assert batch["pair_mask"].tolist() == [True, True]
+        assert metrics["rollout/filler_groups"] == 0 and metrics["step_mc/pairs"] == 2
+    else:
+        assert [c[0] for c in calls] == [[TIED]]   # no prefix of a filler prompt is sampled
+        assert batch["pair_mask"].tolist() == [False, False]
+        assert metrics["rollout/filler_groups"] == 1 and metrics["step_mc/pairs"] == 0
+    # reward/mean: every sampled completion of the step, of dropped rounds too
+    assert metrics["reward/mean"] == pytest.approx(0.75 if extra_rounds else 1.0)
 
 
 def test_pairs_stop_at_max_steps_and_pad_statically(monkeypatch):
@@ -174,6 +198,24 @@ def test_config_rejects_step_mc_outside_online_dpo():
         config_lib.load_config(None, ["--config.data.pairs=step_mc"])
 
 
+def test_config_refuses_step_mc_pairs_with_an_environment_in_one_line():
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            "data.pairs='step_mc' does not compose yet with env.name='guess_number'")) as err:
+        config_lib.load_config(None, ["algo.name=dpo", "algo.online=True", "data.pairs=step_mc",
+                                      "env.name=guess_number"])
+    assert "\n" not in str(err.value)
+
+
+def test_config_refuses_a_refitted_prm_with_asynchronous_mcts_pairs_in_one_line():
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+            "algo.mcts.refit_prm=true does not compose yet with algo.asynchronous=true")) as err:
+        config_lib.load_config(None, [
+            "algo.name=dpo", "algo.online=True", "data.pairs=mcts", "algo.asynchronous=True",
+            "mesh.rollout_devices=0", "algo.mcts.value=prm", "algo.mcts.prm=/none",
+            "algo.mcts.refit_prm=True"])
+    assert "\n" not in str(err.value)
+
+
 def test_delimiter_that_never_occurs_is_one_line_exit_2(tmp_path):
     args = ["--config", os.path.join(ROOT, "configs", "dpo_arithmetic_step_mc.py"),
             "--workdir", str(tmp_path / "w"), "--config.data.step_delimiter=;"]
@@ -189,7 +231,7 @@ def test_delimiter_that_never_occurs_is_one_line_exit_2(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 
-def tiny_step_mc_cfg(steps):
+def tiny_step_mc_cfg(steps, **options):
     cfg = config_lib.default_config()
     cfg.update_from_flattened_dict({
         "steps": steps, "eval_every": 0, "checkpoint_every": 0, "tokenizer.kind": "char",
@@ -197,34 +239,86 @@ def tiny_step_mc_cfg(steps):
         "algo.online": True, "algo.num_generations": 2, "algo.step_mc.max_steps": 2,
         "rollout.batch_size": 4, "rollout.max_new_tokens": 8, "optimizer.learning_rate": 1e-3,
         "sft.steps": 2, "sft.batch_size": 4, "sft.max_length": 26, "eval.num_examples": 4,
-        "eval.batch_size": 4, "logging.tensorboard": False, "checkpoint.async_save": False})
+        "eval.batch_size": 4, "logging.tensorboard": False, "checkpoint.async_save": False,
+        **options})
     cfg.model.overrides = {"num_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                            "num_heads": 2, "num_kv_heads": 1}
     cfg.data.kwargs = {"digits": 1, "operands": 3, "steps": True, "eval_examples": 4}
     return config_lib.validate(cfg)
 
 
-def test_step_mc_run_resumes_exactly(tmp_path):
+def digit_share(prompts, completions, **_):
+    """A reward in [0, 1] that tells the untrained policy's samples apart (its arithmetic
+    is all wrong): the share of digits in the completion."""
+    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
+
+
+@pytest.mark.parametrize("options, acted", [
+    # MoPPS learns each prompt's posterior from its level-0 samples; the online filter keeps
+    # the prompts whose pass rate (digit share >= 0.2) is in its band, sampling more rounds.
+    ({"data.selection.name": "predicted", "data.selection.pool_factor": 2},
+     lambda rs: rs[-1]["selection/tracked"] > 0),
+    ({"data.selection.name": "online_filter", "data.selection.threshold": 0.2,
+      "data.selection.low": 0.5, "data.selection.high": 0.5, "algo.max_sampling_rounds": 3},
+     lambda rs: max(r["rollout/rounds"] for r in rs) > 1
+     and 0 < rs[-1]["selection/in_band_frac"] < 1),
+    # the curriculum starts its knob at min_level (the configured 3 operands is the top)
+    ({"data.selection.name": "curriculum", "data.selection.knob": "operands",
+      "data.selection.min_level": 2, "data.selection.window": 1},
+     lambda rs: all(r["selection/level"] == 2 for r in rs)),
+])
+def test_step_mc_pairs_of_the_prompts_selection_picks_train(tmp_path, monkeypatch, options,
+                                                             acted):
+    """Prompt selection draws the prompts whose step pairs are built and learns from their
+    first samples: two DPO rounds train on pairs with finite losses, and the selector acted."""
+    from rljax.rewards import registry
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+
+    monkeypatch.setitem(registry._REGISTRY, "digit_share", lambda: digit_share)
+    cfg = tiny_step_mc_cfg(2, **{"sft.steps": 0, "reward.names": ("digit_share",), **options})
+    assert run.train(cfg, str(tmp_path), devices=jax.devices()[:1]) == 0
+    rounds = [r for r in read_metrics(str(tmp_path)) if "step_mc/pairs" in r]
+    assert len(rounds) == 2 and all(np.isfinite(r["loss"]) for r in rounds)
+    assert acted(rounds) and sum(r["dpo/pairs"] for r in rounds) > 0, rounds
+
+
+# Asynchronous DPO: the sampler builds the pair batches ahead on a device of its own.
+ASYNC = {"algo.asynchronous": True, "mesh.rollout_devices": 1, "mesh.data": 1, "mesh.fsdp": 1,
+         "mesh.rollout.data": 1, "mesh.rollout.fsdp": 1}
+
+
+@pytest.mark.parametrize("options, devices", [({}, 1), (ASYNC, 2)], ids=["sync", "async"])
+def test_step_mc_run_resumes_exactly(tmp_path, monkeypatch, options, devices):
     """Same seed: a run stopped after its first DPO round and resumed logs the same metrics
     and ends with the same parameters as a straight run (the sampling keys come from the train
-    state, the data position from the phase's state_dict)."""
+    state, the data position from the phase's state_dict; asynchronous: the pair batch in
+    flight, sampled by version 1 before the stop, is saved with the checkpoint)."""
     from rljax.train import run
     from rljax.train.core import checkpoint
     from rljax.train.core.metrics import read_metrics
 
+    from rljax.rewards import registry
     from test_train_loop import StopAfter
 
-    devices = jax.devices()[:1]
+    monkeypatch.setitem(registry._REGISTRY, "digit_share", lambda: digit_share)
+    options = {"reward.names": ("digit_share",), **options}   # pairs to train on
+    devices = jax.devices()[:devices]
+    steps = 3 if len(options) > 1 else 2
     straight, parts = str(tmp_path / "a"), str(tmp_path / "b")
-    assert run.train(tiny_step_mc_cfg(2), straight, devices=devices) == 0
-    assert run.train(tiny_step_mc_cfg(2), parts, devices=devices, stop=StopAfter(3)) == 0
-    assert run.train(tiny_step_mc_cfg(2), parts, devices=devices) == 0
+    assert run.train(tiny_step_mc_cfg(steps, **options), straight, devices=devices) == 0
+    assert run.train(tiny_step_mc_cfg(steps, **options), parts, devices=devices,
+                     stop=StopAfter(3)) == 0
+    assert run.train(tiny_step_mc_cfg(steps, **options), parts, devices=devices) == 0
 
     def comparable(workdir):
         return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
                 for r in read_metrics(workdir)]
     rounds = [r for r in comparable(straight) if "step_mc/pairs" in r]
-    assert len(rounds) == 2 and all("rollout/tokens" in r for r in rounds)
+    assert len(rounds) == steps and all("rollout/tokens" in r for r in rounds)
+    assert all(np.isfinite(r["loss"]) and r["dpo/pairs_frac"] > 0 for r in rounds)
+    if steps == 3:   # batch k trains on pairs sampled by version k - 1 (the first by version 0)
+        assert [r["rollout/sample_version"] for r in rounds] == [0, 0, 1]
     assert comparable(parts) == comparable(straight)
 
     def params(workdir):

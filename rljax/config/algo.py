@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from rljax.config.base import ConfigError, online_dpo_groups, opt_float, registered
+from rljax.config.base import ConfigError, opt_float, registered
 
 # Per-loss defaults of the clip keys left unset (None), as in each loss's signature
 # (rljax.algorithms.policy_losses; tests/test_config.py checks they agree). A None here is the
@@ -503,9 +503,10 @@ def check_async(cfg) -> None:
         raise ConfigError("algo.inflight_updates=true needs rollout.engine='slots' (new weights "
                           f"enter between the engine's decode chunks; got rollout.engine="
                           f"{r.engine!r})")
-    if a.name not in ("grpo", "distill", "ppo") and not online_dpo_groups(cfg):
+    if a.name not in ("grpo", "distill", "ppo") and not (a.name == "dpo" and a.online):
+        offline = ", algo.online=False" if a.name == "dpo" else ""
         raise ConfigError(f"algo.asynchronous=true needs algo.name='grpo', 'distill', 'ppo' "
-                          f"or online 'dpo' with best-worst pairs (got '{a.name}')")
+                          f"or online 'dpo' (got '{a.name}'{offline})")
     if r.partial and r.max_staleness < a.async_lag:
         raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= "
                           f"algo.async_lag={a.async_lag} with rollout.partial=true (a batch "

@@ -147,6 +147,14 @@ def merged(*tables: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def step_pairs(cfg) -> str:
+    """Online DPO's step-level pairs, ``data.pairs`` ('step_mc' or 'mcts'), else '': their
+    source samples (or searches) the prompts it draws itself, level by level."""
+    if cfg.algo.name == "dpo" and cfg.algo.online and cfg.data.pairs in ("step_mc", "mcts"):
+        return cfg.data.pairs
+    return ""
+
+
 def online_dpo_groups(cfg) -> bool:
     """Online DPO that pairs the best and worst of sampled groups (not step pairs, which its
     search samples itself): it samples rounds as GRPO does, so prompt selection and partial

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljax.config.base import ConfigError, online_dpo_groups, registered
+from rljax.config.base import ConfigError, online_dpo_groups, registered, step_pairs
 
 
 def data() -> dict[str, Any]:
@@ -98,6 +98,10 @@ def check_step_mc(cfg) -> None:
         raise ConfigError(f"data.pairs='{pairs}' samples continuations at "
                           "rollout.temperature; set rollout.temperature_schedule.name="
                           "'constant'")
+    if pairs == "mcts" and algo.asynchronous and algo.mcts.refit_prm:
+        raise ConfigError("algo.mcts.refit_prm=true does not compose yet with "
+                          "algo.asynchronous=true (the PRM refitted each round is the "
+                          "update's state; the sampler searching ahead has no copy of it)")
 
 
 def check_prm(cfg) -> None:
@@ -125,10 +129,12 @@ def check_selection(cfg) -> None:
     if sel.low > sel.high:
         raise ConfigError(f"data.selection.low={sel.low} must be <= data.selection.high="
                           f"{sel.high}")
-    if algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg):
+    pairs = step_pairs(cfg)   # the selector picks the prompts whose step pairs are built
+    if algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg) and not pairs:
+        offline = " with algo.online=False" if algo.name == "dpo" else ""
         raise ConfigError(f"data.selection.name='{sel.name}' selects prompts for RL "
-                          f"rollouts: algo.name='{algo.name}' (or DPO's step pairs) needs "
-                          "'uniform'")
+                          f"rollouts: algo.name='{algo.name}'{offline} samples none (use "
+                          "'uniform')")
     if sel.name == "online_filter" and algo.dynamic_sampling:
         raise ConfigError("data.selection.name='online_filter' and algo.dynamic_sampling both "
                           "filter groups: use one (dynamic sampling = the band (0, 1))")

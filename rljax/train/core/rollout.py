@@ -84,6 +84,20 @@ def logps_fns(ctx) -> tuple[Callable, Callable]:
     return build(ctx.model_cfg, **opts), build(ctx.model_cfg, base_only=True, **opts)
 
 
+def group_filter(cfg, selector, group_size: int, informative: Callable):
+    """The function ``(rewards [R], sizes int [B] or None) -> bool [B]`` of groups that may
+    train (consecutive groups of ``sizes`` rows, or of ``group_size``), or None to keep all:
+    DAPO dynamic sampling (``informative``, the same signature: groups whose rewards differ)
+    or the selector's band (``data.selection.name='online_filter'``). Either samples extra
+    rounds."""
+    if cfg.algo.dynamic_sampling:
+        return informative
+    if selector is not None and selector.filters:
+        return lambda rewards, sizes: selector.keep_groups(
+            rewards, group_size if sizes is None else np.asarray(sizes))
+    return None
+
+
 class Rollout:
     """Collects one training batch per call; host state is the data iterator's."""
 
@@ -423,16 +437,8 @@ class Rollout:
                           np.float32)
 
     def _group_filter(self):
-        """The function ``(rewards [R], sizes int [B] or None) -> bool [B]`` of groups that
-        may train (consecutive groups of ``sizes`` rows, or of G), or None to keep all: DAPO
-        dynamic sampling (groups whose rewards differ) or the selector's band
-        (``data.selection.name='online_filter'``). Either samples extra rounds."""
-        if self.cfg.algo.dynamic_sampling:
-            return self.informative_groups
-        if self.selector is not None and self.selector.filters:
-            return lambda rewards, sizes: self.selector.keep_groups(
-                rewards, self.g if sizes is None else np.asarray(sizes))
-        return None
+        """``group_filter`` of this rollout (None: keep all)."""
+        return group_filter(self.cfg, self.selector, self.g, self.informative_groups)
 
     def tree_structure(self, num_groups: int) -> dict:
         """Tree estimators' inputs for ``num_groups`` groups: ``node_ids`` int32 [R, D+1] and

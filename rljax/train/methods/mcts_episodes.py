@@ -129,9 +129,8 @@ class EpisodeSearch(MCTSSearch):
         tree.info[()].update(trajectory=(), model=(), turn_ids=())
         return tree
 
-    def search(self, params, examples: list[dict], round_key) -> list[EpisodeTree]:
-        self.waves = 0   # wave w of a search draws under fold_in(round_key, w)
-        return super().search(params, examples, round_key)
+    def start_round(self) -> None:
+        self.waves = 0   # wave w of a round draws under fold_in(round_key, w)
 
     def _wave(self, params, leaves: list[tuple[Tree, list]], round_key) -> None:
         """Plays each leaf's forks (one engine run per ``rows`` leaves), then expands and
@@ -178,6 +177,8 @@ class EpisodeSearch(MCTSSearch):
                 proposals.append((step, prior, last))
                 children.setdefault(step, dict(info, reward=float(reward[i]),
                                                **kept(slice(i, i + 1))) if last else info)
+            if not leaf.steps:   # the root: its forks are episodes of the prompt
+                t.root_rewards = reward[li * s:(li + 1) * s]
             if proposals:
                 mcts.expand(leaf, proposals)
             else:   # every fork ended before the model spoke again: a dead end

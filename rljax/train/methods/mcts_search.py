@@ -42,6 +42,7 @@ prompt ++ trace, the loss on the trace; prompts without one get a row that count
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -103,6 +104,7 @@ class Tree:
     nodes: int = 1
     simulations: int = 0
     done: bool = False
+    root_rewards: np.ndarray | None = None   # f32 [forks]: the root's samples, once expanded
 
     def tokens(self, node: mcts.Node) -> list[int]:
         """The prefix's tokens (its steps joined)."""
@@ -183,8 +185,17 @@ class MCTSSearch:
         self.tokens = 0
 
     def search(self, params, examples: list[dict], round_key) -> list[Tree]:
+        self.start_round()
         trees = [self.new_tree(ex) for ex in examples]
-        for _ in range(int(self.m.simulations)):
+        return self.simulate(params, trees, round_key, int(self.m.simulations))
+
+    def start_round(self) -> None:
+        """Called before a round's first simulation (its keys derive from the round key)."""
+
+    def simulate(self, params, trees: list[Tree], round_key, simulations: int) -> list[Tree]:
+        """``simulations`` more simulations of each of ``trees`` (in place; returned). The
+        first expands each root (``Tree.root_rewards``)."""
+        for _ in range(int(simulations)):
             leaves = []
             for t in trees:
                 if t.done:
@@ -266,6 +277,8 @@ class MCTSSearch:
                 proposals.append((step, prior, last))
                 if last:
                     terminal_reward.setdefault(step, float(reward[i]))
+            if not leaf.steps:   # the root: its forks are samples of the prompt's outcome
+                t.root_rewards = reward[li * s:(li + 1) * s]
             if proposals:
                 mcts.expand(leaf, proposals)
             else:   # nothing sampled (cannot happen with N >= 1 tokens): a dead end
@@ -311,20 +324,39 @@ def searcher(ctx, prompts: int, prm_scorer=None, search=None) -> MCTSSearch:
                                   prm_scorer)
 
 
-def round_trees(search: MCTSSearch, state, examples: list[dict], step: int,
-                refit_scorer=None) -> list[Tree]:
-    """Round ``step``'s trees of ``examples`` under ``state``'s policy (round key
-    ``fold_in(fold_in(state.rng, MCTS_STREAM), step)``). With ``refit_scorer``
-    (``algo.mcts.refit_prm``) the leaves are valued by the PRM in ``state.critic_params``, as
-    refitted so far (with LoRA its adapters and head on the policy's frozen base)."""
-    round_key = jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
+def round_key(state, step: int):
+    """The key of round ``step``'s search: ``fold_in(fold_in(state.rng, MCTS_STREAM), step)``."""
+    return jax.random.fold_in(jax.random.fold_in(state.rng, MCTS_STREAM), step)
+
+
+@contextlib.contextmanager
+def refitted(refit_scorer, state):
+    """With ``refit_scorer`` (``algo.mcts.refit_prm``) the leaves are valued by the PRM in
+    ``state.critic_params``, as refitted so far (with LoRA its adapters and head on the
+    policy's frozen base), while the block runs; None: nothing to do."""
     if refit_scorer is None:
-        return search.search(state.params, examples, round_key)
+        yield
+        return
     refit_scorer.value = lora_lib.value_on_base(state.params, state.critic_params)
     try:
-        return search.search(state.params, examples, round_key)
+        yield
     finally:   # the next update donates the state's buffers
         refit_scorer.value = None
+
+
+def round_trees(search: MCTSSearch, state, examples: list[dict], step: int,
+                refit_scorer=None) -> list[Tree]:
+    """Round ``step``'s trees of ``examples`` under ``state``'s policy (``round_key``; the
+    PRM ``refitted``)."""
+    with refitted(refit_scorer, state):
+        return search.search(state.params, examples, round_key(state, step))
+
+
+def grow_trees(search: MCTSSearch, state, trees: list[Tree], step: int, simulations: int,
+               refit_scorer=None) -> list[Tree]:
+    """``simulations`` more simulations of round ``step``'s ``trees`` (as ``round_trees``)."""
+    with refitted(refit_scorer, state):
+        return search.simulate(state.params, trees, round_key(state, step), simulations)
 
 
 # ----------------------------------------------------------------------------- self-training
@@ -412,30 +444,62 @@ class MCTSPairs:
     ``data.pairs='mcts'``: searches ``rollout.batch_size / algo.num_generations`` prompts and
     pairs sibling steps (``sibling_pairs``; ``algo.step_mc.max_steps`` pairs per prompt at
     most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``).
-    ``refit_scorer``: as ``MCTSTraces``'s."""
+    ``refit_scorer``: as ``MCTSTraces``'s; ``make_search(ctx, prompts, prm_scorer)``: the
+    search to run (default ``searcher``; over an environment's turns
+    ``mcts_episodes.searcher``).
 
-    def __init__(self, ctx, iterator, refit_scorer=None):
-        from rljax.train.methods.step_mc import StepMCPairs
+    Prompt selection and dynamic sampling act on the first simulation, which expands each
+    root: its forks' rewards are the prompt's group (``step_mc.selected_rounds``); only the
+    prompts kept are searched on, and up to ``algo.max_sampling_rounds`` more rounds of root
+    expansions fill the batch. The search runs on ``ctx`` as it is when called (asynchronous
+    DPO moves the source to the sampler's)."""
+
+    def __init__(self, ctx, iterator, refit_scorer=None, make_search=None):
+        from rljax.train.methods.step_mc import StepMCPairs, prompt_filter
 
         cfg = ctx.cfg
         self.ctx, self.iterator, self.refit_scorer = ctx, iterator, refit_scorer
+        self.make_search = make_search or searcher
         self.num_prompts = cfg.rollout.batch_size // int(cfg.algo.num_generations)
         self.layout = StepMCPairs(ctx, iterator)   # its pair encoding (static shapes)
-        self.searcher = searcher(ctx, self.num_prompts, refit_scorer)
-        self.last = None
+        self.selector, self.keep = prompt_filter(cfg, iterator, mcts_programs.forks(cfg))
+        self._searcher = None
+        self.last = None   # the last round's searched trees
+
+    @property
+    def searcher(self) -> MCTSSearch:
+        """The search on the current ``ctx`` (``make_search``'s), built on first use and
+        again if the source moved to another context since."""
+        if self._searcher is None or self._searcher.ctx is not self.ctx:
+            self._searcher = self.make_search(self.ctx, self.num_prompts, self.refit_scorer)
+        return self._searcher
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
+        from rljax.train.methods.step_mc import selected_rounds
+
         t0 = time.perf_counter()
-        cfg = self.ctx.cfg
-        calls, tokens = self.searcher.sampler_calls, self.searcher.tokens
-        trees = round_trees(self.searcher, state, next(self.iterator), step, self.refit_scorer)
+        cfg, search = self.ctx.cfg, self.searcher
+        calls, tokens = search.sampler_calls, search.tokens
+        search.start_round()
+
+        def draw(_):   # a round: the next prompts' roots expanded (the first simulation)
+            trees = [search.new_tree(ex) for ex in next(self.iterator)]
+            grow_trees(search, state, trees, step, 1, self.refit_scorer)
+            return trees, np.concatenate([t.root_rewards for t in trees])
+        picked, trains, selected = selected_rounds(
+            draw, search.forks, self.num_prompts, self.keep, self.selector,
+            int(cfg.algo.max_sampling_rounds))
+        trees = [t for t, ok in zip(picked, trains) if ok]
+        grow_trees(search, state, trees, step, int(cfg.algo.mcts.simulations) - 1,
+                   self.refit_scorer)
         gap, most = float(cfg.algo.step_mc.min_value_gap), int(cfg.algo.step_mc.max_steps)
         pairs = [p for t in trees for p in sibling_pairs(t, gap, most)]
         self.last = trees
-        m = tree_stats(trees, float(cfg.algo.mcts.correct_reward))
-        m.update({"mcts/sampler_calls": self.searcher.sampler_calls - calls,
+        m = tree_stats(picked, float(cfg.algo.mcts.correct_reward))
+        m.update(selected)
+        m.update({"mcts/sampler_calls": search.sampler_calls - calls,
                   "mcts/pairs": len(pairs),
                   "mcts/value_gap_mean": float(np.mean([p[3] for p in pairs])) if pairs else 0.0,
-                  "rollout/tokens": self.searcher.tokens - tokens,
+                  "rollout/tokens": search.tokens - tokens,
                   "time/search": time.perf_counter() - t0})
         return self.layout.encode_pairs(pairs), m

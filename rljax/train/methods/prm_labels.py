@@ -60,7 +60,9 @@ class StepMCLabels(StepMCPairs):
     def __call__(self, state, step: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         k, tok, cfg = self.k, self.ctx.tokenizer, self.cfg
-        rng, examples, prompt_ids, out0, r0, conts0 = self.first_level(state, step)
+        first = self.first_level(state, step)
+        rng, examples, prompt_ids = first.rng, first.examples, first.prompt_ids
+        r0, conts0 = first.rewards, first.completions
         b = len(examples)
         rows = [(i, j) for i in range(b) for j in labelled_pair(r0[i])]   # (prompt, sample)
         trajs = [conts0[i * k + j] for i, j in rows]
@@ -71,7 +73,7 @@ class StepMCLabels(StepMCPairs):
         static_rows = len(rows) * (self.max_steps - 1)
         cont_rewards = np.zeros((0, k), np.float32)
         cont_texts: list[list[str]] = []
-        tokens_real = int(out0["lengths"].sum())
+        tokens_real = first.tokens
         if prefixes and static_rows:
             owners = [rows[r][0] for r, _ in prefixes]
             pre = [trajs[r][:e] for r, e in prefixes]

@@ -20,6 +20,13 @@ One call builds one batch of step pairs for the DPO phase:
    prefix (context only: its tokens are not scored) and the completions are the two steps, so
    the DPO loss covers the differing step only.
 
+Prompt selection (``data.selection``) and DAPO dynamic sampling (``algo.dynamic_sampling``)
+act on level 0, before any prefix is sampled: every level-0 round's rewards are the prompts'
+groups of K (``observe``: MoPPS's posteriors, the curriculum's accuracy), and a filter
+(``online_filter``'s pass-rate band, or rewards not all equal) keeps the prompts whose step
+pairs are built; up to ``algo.max_sampling_rounds`` more level-0 rounds fill the batch, and
+dropped prompts that still fill it (``rollout/filler_groups``) give no pairs.
+
 Shapes stay static: always ``B * max_steps`` pairs (``pair_mask`` marks the real ones), prefix
 prompts padded to ``data.max_prompt_length + rollout.max_new_tokens``, and a constant number of
 continuation rows (rows of missing prefixes repeat a real one and are not counted).
@@ -27,13 +34,14 @@ continuation rows (rows of missing prefixes repeat a real one and are not counte
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
-from rljax import rewards, sampling
-from rljax.train.core.rollout import RL_STREAM, expand_fields, prompt_buckets
+from rljax import algorithms, rewards, sampling
+from rljax.data import selection
+from rljax.train.core.rollout import RL_STREAM, expand_fields, group_filter, prompt_buckets
 from rljax.train.core.sampler import generate
 
 
@@ -115,7 +123,66 @@ def best_worst_steps(values: dict[tuple, tuple[float, int]], min_gap: float = 0.
     return best[0], worst[0], gap
 
 
+def selected_rounds(draw: Callable[[int], tuple[list, np.ndarray]], group_size: int,
+                    num: int, keep: Callable | None, selector, extra_rounds: int):
+    """Prompt selection over rounds of first samples (step pairs' level 0, the search's root
+    expansions). ``draw(r)`` draws round r's prompts: ``(items [b], rewards f32
+    [b * group_size])``, an item per prompt; every round's rewards go to ``selector``
+    (``observe``, None: none); ``keep(rewards, None) -> bool [b]`` (None: keep all) filters
+    them, and up to ``extra_rounds`` more rounds are drawn until ``num`` are kept.
+
+    Returns ``(items [num]: the first ``num`` kept, then dropped ones that fill the batch,
+    trains bool [num]: False for those fillers, metrics)``: ``reward/mean``/``std`` (every
+    sample drawn), ``rollout/rounds``, ``rollout/filler_groups`` and the selector's."""
+    rounds, kept, dropped = [], [], []
+    for r in range(1 + (extra_rounds if keep is not None else 0)):
+        items, rewards_ = draw(r)
+        rounds.append((items, rewards_))
+        if selector is not None:   # learns from every round, kept or not
+            selector.observe(rewards_, group_size)
+        ok = (np.ones(len(items), bool) if keep is None
+              else np.asarray(keep(rewards_, None), bool))
+        for i, good in enumerate(ok):
+            (kept if good else dropped).append(items[i])
+        if len(kept) >= num:
+            break
+    filler = max(0, num - len(kept))
+    every = np.concatenate([rw for _, rw in rounds]).astype(np.float64)
+    metrics = {"reward/mean": float(every.mean()), "reward/std": float(every.std()),
+               "rollout/rounds": len(rounds), "rollout/filler_groups": filler}
+    if selector is not None:
+        metrics.update(selector.metrics())
+    picked = kept[:num] + dropped[:filler]
+    return picked, np.arange(len(picked)) < len(picked) - filler, metrics
+
+
+def prompt_filter(cfg, iterator, group_size: int):
+    """``(selector or None, group filter or None)`` of prompt selection over ``iterator``
+    (``data.selection``) and DAPO dynamic sampling, for groups of ``group_size``."""
+    selector = iterator if isinstance(iterator, selection.Selector) else None
+    return selector, group_filter(cfg, selector, group_size, lambda r, sizes: (
+        algorithms.nonzero_variance_groups(r, group_size)))
+
+
 # ----------------------------------------------------------------------------- the source
+
+# Sampling keys of one step: fold_in(step key, stream). Level 0's extra rounds (prompt
+# selection's filter) fold the round into their own stream.
+LEVEL0, PREFIXES, EXTRA_ROUNDS = 0, 1, 2
+
+
+class FirstLevel(NamedTuple):
+    """Level 0 of one step, on the B prompts that fill the batch (kept ones first)."""
+    rng: jax.Array               # the step's key
+    examples: list[dict]         # [B]
+    prompt_ids: list[list[int]]  # [B] token ids
+    rewards: np.ndarray          # f32 [B, K]
+    completions: list[list[int]]  # [B * K] token ids, prompt-major
+    lengths: np.ndarray          # int [B * K] sampled completion lengths
+    trains: np.ndarray           # bool [B]: the prompt's pairs train (False: filler)
+    tokens: int                  # tokens sampled at level 0, in every round
+    metrics: dict                # reward/*, rollout/rounds, rollout/filler_groups, selection/*
+
 
 class StepMCPairs:
     """Callable ``(state, step) -> (preference batch, metrics)`` for the DPO phase; its only
@@ -130,11 +197,14 @@ class StepMCPairs:
         self.num_pairs = self.num_prompts * self.max_steps
         self.n = int(cfg.rollout.max_new_tokens)
         self.prefix_bucket = int(cfg.data.max_prompt_length) + self.n
-        self.reward_fn = ctx.reward_fn()
+        # (None without reward.names: the layout of MCTS pairs over an environment's turns)
+        self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
         tok = ctx.tokenizer
         self.decode = lambda ids: tok.decode(ids)
         self.stop_ids = tuple(i for i in (tok.eos_id,) if i is not None)
+        # Prompt selection: the iterator is a selector to report level 0's rounds to.
+        self.selector, self.keep = prompt_filter(cfg, iterator, self.k)
 
     # -- sampling and scoring ----------------------------------------------------------------
 
@@ -170,32 +240,60 @@ class StepMCPairs:
 
     # -- one batch -------------------------------------------------------------------------------
 
-    def first_level(self, state, step: int):
-        """Level 0 of step ``step``: the next prompts' K samples each, scored. Returns
-        ``(rng, examples, prompt ids, the sampler's output, rewards f32 [B, K], completions
-        (B*K id lists))``."""
-        rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
-        examples = next(self.iterator)
+    def _level0_round(self, params, rng, r: int) -> tuple[list, np.ndarray]:
+        """Round ``r`` of level 0: the iterator's next prompts, K samples each, scored.
+        Returns ``(items, rewards f32 [B*K])``, an item per prompt: ``(example, prompt ids,
+        rewards [K], completions (K id lists), lengths [K])``."""
+        key = (jax.random.fold_in(rng, LEVEL0) if r == 0 else
+               jax.random.fold_in(jax.random.fold_in(rng, EXTRA_ROUNDS), r))
+        examples, k = next(self.iterator), self.k
         b = len(examples)
         prompt_ids = [self.ctx.tokenizer.encode(ex["prompt"]) for ex in examples]
-        out0 = self._sample(state.params, prompt_ids, jax.random.fold_in(rng, 0))
-        r0, conts0 = self._score(examples, list(range(b)), [[] for _ in range(b)], out0)
-        return rng, examples, prompt_ids, out0, r0.reshape(b, self.k), conts0
+        out = self._sample(params, prompt_ids, key)
+        rewards_, conts = self._score(examples, list(range(b)), [[] for _ in range(b)], out)
+        return [(examples[i], prompt_ids[i], rewards_[i * k:(i + 1) * k],
+                 conts[i * k:(i + 1) * k], out["lengths"][i * k:(i + 1) * k])
+                for i in range(b)], rewards_
+
+    def first_level(self, state, step: int) -> FirstLevel:
+        """Level 0 of step ``step``: the next prompts' K samples each, scored; with a group
+        filter (module docstring) up to ``algo.max_sampling_rounds`` more rounds, then the
+        first B kept prompts, filled up with dropped ones (``selected_rounds``)."""
+        rng = jax.random.fold_in(jax.random.fold_in(state.rng, RL_STREAM), step)
+        tokens = []
+
+        def draw(r):
+            items, rewards_ = self._level0_round(state.params, rng, r)
+            tokens.append(int(sum(item[4].sum() for item in items)))
+            return items, rewards_
+        items, trains, metrics = selected_rounds(
+            draw, self.k, self.num_prompts, self.keep, self.selector,
+            int(self.cfg.algo.max_sampling_rounds))
+        return FirstLevel(
+            rng=rng, examples=[it[0] for it in items], prompt_ids=[it[1] for it in items],
+            rewards=np.stack([it[2] for it in items]),
+            completions=[c for it in items for c in it[3]],
+            lengths=np.concatenate([it[4] for it in items]), trains=trains,
+            tokens=sum(tokens), metrics=metrics)
 
     def __call__(self, state, step: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         k = self.k
-        rng, examples, prompt_ids, out0, r0, conts0 = self.first_level(state, step)
+        first = self.first_level(state, step)
+        rng, examples, prompt_ids = first.rng, first.examples, first.prompt_ids
+        r0, conts0 = first.rewards, first.completions
         b = len(examples)
         # Level 0's best sample per prompt is the trajectory.
         trajectories = [conts0[i * k + int(np.argmax(r0[i]))] for i in range(b)]
         ends = [step_ends(t, self.decode, self.cfg.data.step_delimiter, self.stop_ids)
                 for t in trajectories]
 
-        # Levels 1..: the proper step prefixes of each trajectory, K continuations each.
-        levels = [(i, e) for i in range(b) for e in ends[i][:-1][:self.max_steps - 1]]
-        static_rows = b * (self.max_steps - 1)
-        tokens_real = int(out0["lengths"].sum())
+        # Levels 1..: the proper step prefixes of each trajectory whose pairs train, K
+        # continuations each.
+        levels = [(i, e) for i in range(b) if first.trains[i]
+                  for e in ends[i][:-1][:self.max_steps - 1]]
+        static_rows = self.num_prompts * (self.max_steps - 1)
+        tokens_real = first.tokens
         tokens_padding = 0
         r1 = conts1 = None
         if levels and static_rows:
@@ -205,7 +303,7 @@ class StepMCPairs:
             out1 = self._sample(state.params,
                                 [prompt_ids[i] + p for i, p in zip(owners, prefixes)]
                                 + [prompt_ids[owners[-1]] + prefixes[-1]] * pad,
-                                jax.random.fold_in(rng, 1), bucket=self.prefix_bucket)
+                                jax.random.fold_in(rng, PREFIXES), bucket=self.prefix_bucket)
             real = len(levels) * k
             tokens_real += int(out1["lengths"][:real].sum())
             tokens_padding = int(out1["lengths"][real:].sum())
@@ -215,7 +313,7 @@ class StepMCPairs:
         # Values and pairs, prefix by prefix.
         row_of = {lv: r for r, lv in enumerate(levels)}
         pairs, prefix_values = [], []
-        for i in range(b):
+        for i in np.flatnonzero(first.trains):
             # (prefix end, its K continuations, their rewards): the root, then each prefix
             nodes = [(0, conts0[i * k:(i + 1) * k], r0[i])]
             for e in ends[i][:-1][:self.max_steps - 1]:
@@ -227,15 +325,16 @@ class StepMCPairs:
         batch = self.encode_pairs(pairs)
         single = float(np.mean([len(e) <= 1 for e in ends]))
         metrics = {
-            "reward/mean": float(r0.mean()), "reward/std": float(r0.std()),
+            **first.metrics,
             "step_mc/pairs": len(pairs), "step_mc/prefixes": len(levels),
             "step_mc/steps_mean": float(np.mean([len(e) for e in ends])),
             "step_mc/single_step_frac": single,
-            "step_mc/prefix_value_mean": float(np.mean(prefix_values)),
+            "step_mc/prefix_value_mean": (float(np.mean(prefix_values)) if prefix_values
+                                          else 0.0),
             "step_mc/value_gap_mean": float(np.mean([p[3] for p in pairs])) if pairs else 0.0,
             "step_mc/pair_depth_mean": float(np.mean([p[4] for p in pairs])) if pairs else 0.0,
             "rollout/tokens": tokens_real, "rollout/tokens_padding": tokens_padding,
-            "completion/length_mean": float(out0["lengths"].mean()),
+            "completion/length_mean": float(first.lengths.mean()),
             "time/sample_and_score": time.perf_counter() - t0,
         }
         return batch, metrics

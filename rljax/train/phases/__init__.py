@@ -6,7 +6,7 @@
     distill DistillPhase  on-policy distillation from a frozen teacher (GRPO's update)
     ppo   PPOPhase   PPO with a critic and GAE
     dpo   DPOPhase   offline and online (iterative) DPO and its variants; AsyncDPOPhase
-                     with algo.asynchronous (online groups sampled ahead)
+                     with algo.asynchronous (online groups or step pairs sampled ahead)
     rm    RMPhase    Bradley-Terry reward model
     prm   PRMPhase   process reward model (per-step labels at step-end tokens)
 
@@ -47,7 +47,9 @@ class AsyncDistillPhase(AsyncGRPOPhase, DistillPhase):
 
 class AsyncDPOPhase(AsyncSchedule, DPOPhase):
     """Online DPO on groups sampled ``algo.async_lag`` versions earlier: best-worst pairs
-    of each batch as it trains (DPO's loss reads no behaviour policy: stale pairs are pairs)."""
+    of each batch as it trains (DPO's loss reads no behaviour policy: stale pairs are pairs);
+    with step-level pairs (``data.pairs='step_mc'``) the sampler builds whole pair batches
+    ahead, its step values those of the version that sampled them."""
 
 
 def dpo_phase(ctx: Context, steps: int) -> Phase:

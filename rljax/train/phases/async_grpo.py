@@ -144,11 +144,14 @@ class AsyncSchedule:
 
     def sample(self, step: int) -> None:
         """Samples the batch update ``step`` trains on with the published policy."""
-        if hasattr(self.rollout.rounds, "params_version"):   # partial rollouts: versions
-            self.rollout.rounds.params_version = self.sampler_version
+        rounds = getattr(self.rollout, "rounds", None)   # (a pair source has none)
+        if hasattr(rounds, "params_version"):   # partial rollouts: versions
+            rounds.params_version = self.sampler_version
         view = SamplerState(self.sampler_params, self._sampler_rng, ref_params=self.sampler_ref,
                             role_baseline=self.sampler_baseline)
+        t0 = time.perf_counter()
         batch, metrics = self.rollout(view, step)
+        metrics.setdefault("time/sample", time.perf_counter() - t0)   # (a pair source's)
         if "role_baseline" in batch:   # the next batch's advantages start from this one's
             self.sampler_baseline = batch["role_baseline"]
         v = self.sampler_version

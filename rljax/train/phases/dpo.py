@@ -32,9 +32,9 @@ from rljax.train.core import programs as programs_lib, steps
 from rljax.train.core.rollout import RewardRollout
 from rljax.train.core.preference_data import (PreferenceData, best_worst_pairs,
                                               eval_pair_batches, pair_metrics)
-from rljax.train.core.setup import data_iterator, rl_iterator
+from rljax.train.core.setup import rl_iterator
 from rljax.train.phases.grpo import merge_updates, round_source
-from rljax.train.methods import mcts_programs, mcts_search, prm_refit
+from rljax.train.methods import mcts_episodes, mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
 from rljax.train.core.steps import to_host
@@ -203,8 +203,9 @@ class DPOPhase:
     Online (``algo.online``): each step is a round: sample ``algo.num_generations`` completions
     for each of ``rollout.batch_size / num_generations`` prompts, rank them with the reward
     functions, pair the best with the worst (ties are skipped), then update on those pairs.
-    With ``data.pairs="step_mc"`` the pairs are step-level instead (``train.step_mc``: steps
-    valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most);
+    With ``data.pairs="step_mc"`` the pairs are step-level instead (``methods.step_mc``: steps
+    valued by Monte-Carlo continuations; ``algo.step_mc.max_steps`` pairs per prompt at most;
+    prompt selection and dynamic sampling pick the prompts on their first samples);
     with ``data.pairs="mcts"`` they are sibling steps of an MCTS over steps
     (``methods.mcts_search.MCTSPairs``: the best- and worst-valued children of a node), and
     with ``algo.mcts.refit_prm`` the search's PRM (in the state) is refitted on the round's
@@ -229,13 +230,15 @@ class DPOPhase:
             raise UserError(f"DPO trains on {self.num_pairs} pairs per step, which does not "
                             f"split over the data-parallel mesh size {ctx.dp_size}")
         self.refit = None
-        if self.step_mc:
-            self.iterator = data_iterator(ctx, cfg.rollout.batch_size // self.g)
+        if self.step_mc:   # prompt selection picks the prompts whose step pairs are built
+            self.iterator = rl_iterator(ctx, cfg.rollout.batch_size // self.g)
             if cfg.data.pairs == "mcts" and cfg.algo.mcts.refit_prm:   # refitted each round
                 self.refit = prm_refit.PRMRefit(ctx, cfg.rollout.batch_size // self.g,
                                                 self.steps)
-            self.source = (mcts_search.MCTSPairs(
-                ctx, self.iterator, None if self.refit is None else self.refit.scorer)
+            # (asynchronous DPO samples the pair batches ahead with it: ``rollout``)
+            self.source = self.rollout = (mcts_search.MCTSPairs(
+                ctx, self.iterator, None if self.refit is None else self.refit.scorer,
+                make_search=mcts_episodes.searcher if cfg.env.name else None)   # over turns
                            if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
         elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
             examples = self.num_pairs
@@ -296,12 +299,16 @@ class DPOPhase:
                                                   (state, batch), programs_lib.shard_bytes(state))]
 
     def _online_pairs(self, state, step: int) -> tuple[dict, dict]:
-        if self.step_mc:
-            pairs, metrics = self.source(state, step)
-            metrics["dpo/pairs_frac"] = float(pairs["pair_mask"].mean())
-            return pairs, metrics
         batch, metrics = self.source(state, step)
-        return self._group_pairs(batch, metrics), metrics
+        return self._pairs(batch, metrics), metrics
+
+    def _pairs(self, batch: dict, metrics: dict) -> dict:
+        """The pairs of one sampled batch: step pairs as they are, else each group's best
+        and worst completion."""
+        if not self.step_mc:
+            return self._group_pairs(batch, metrics)
+        metrics["dpo/pairs_frac"] = float(np.mean(batch["pair_mask"]))
+        return batch
 
     def _group_pairs(self, batch: dict, metrics: dict) -> dict:
         """The best and worst completion of each group of a rollout batch, as pairs."""
@@ -317,9 +324,9 @@ class DPOPhase:
         return pairs
 
     def train_on(self, state, batch: dict, metrics: dict, step: int):
-        """The updates on a rollout batch's best-worst pairs, dispatched (their metrics not
+        """The updates on a sampled batch's pairs (``_pairs``), dispatched (their metrics not
         fetched): ``(state, updates)``. (Asynchronous DPO trains batches sampled earlier.)"""
-        return self._update(state, self._group_pairs(batch, metrics), metrics, step)
+        return self._update(state, self._pairs(batch, metrics), metrics, step)
 
     def _update(self, state, pairs: dict, metrics: dict, step: int):
         step_fn = self._compiled(state)
