@@ -10,6 +10,7 @@ from rljax import config as config_lib
 from rljax.algorithms import mcts
 from rljax.train.core import setup
 from rljax.train.methods import mcts_search
+from tests.test_selfplay import text_parity_cell, ttt_cfg  # noqa: F401 (a fixture)
 
 DEVICES = jax.devices()[:1]
 
@@ -148,8 +149,6 @@ def test_config_refuses_bad_mcts_settings():
         tiny_cfg(**{"algo.mcts.max_nodes": 2})
     from rljax.envs.base import register_env
     register_env("test_two_turns", TwoTurnEnv)
-    with pytest.raises(config_lib.ConfigError, match="env.name cannot .*env.selfplay.mode"):
-        tiny_cfg(**{**EPISODE_SEARCH, "env.name": "tictactoe", "env.selfplay.mode": "self"})
 
 
 def _comparable(workdir):
@@ -763,3 +762,72 @@ def test_a_prm_values_the_search_over_turns_at_its_turn_ends(ectx, tmp_path):
     phase = SFTPhase(dataclasses.replace(ectx, cfg=refit), 1, 1e-3)
     assert isinstance(phase.traces.searcher, mcts_episodes.EpisodeSearch)
     assert phase.traces.searcher.prm_scorer is phase.refit.scorer
+
+
+# ----------------------------------------------------------------------------- self-play
+
+SELFPLAY_SEARCH = {"env.selfplay.mode": "self", "algo.name": "sft", "sft.traces": "mcts",
+                   "sft.batch_size": 4, "data.step_delimiter": "\n",
+                   "algo.mcts.simulations": 4, "algo.mcts.children": 2,
+                   "algo.mcts.rollouts": 2, "algo.mcts.max_nodes": 9,
+                   "algo.mcts.correct_reward": 1.0}
+
+
+def replayed_match(example: dict, history, tok) -> tuple[list[int], float]:
+    """(each ply's seat, the example's seat's reward) of the tictactoe match whose turns,
+    every seat's in ply order, are ``history``, replayed through fresh seat environments."""
+    from rljax.envs import board_games
+    from rljax.envs.selfplay import Match, SeatEnv, seat_example
+    from rljax.train.methods.selfplay import seat_of
+
+    game = board_games.get_game("tictactoe")
+    match = Match(game, example.get("deal"))
+    envs = [SeatEnv(match, seat_example(example, s, game), s) for s in range(len(game.seats))]
+    for env in envs:
+        env.reset()
+    seats, rewards = [], np.zeros(len(envs))
+    for ids in history:
+        seats.append(match.to_move())
+        rewards[seats[-1]] += envs[seats[-1]].step(tok.decode(list(ids))).reward
+    for s, env in enumerate(envs):
+        if match.over() and not env.done:
+            rewards[s] += env.finish().reward
+    return seats, float(rewards[seat_of(game, example)])
+
+
+def test_the_search_over_a_matchs_turns_replays_every_seat_and_values_the_learners(
+        tmp_path, monkeypatch, text_parity_cell):
+    """env.selfplay with sft.traces='mcts': a tree is a match seen from its example's seat
+    (the learner's); a node's history, every seat's turns, replays to the node: the learner's
+    turns in it are the node's steps, and each child's match and trajectory start with its
+    parent's (its fork replayed the parent's history, the other seat's moves included); a
+    terminal node's reward is the learner seat's in its match. A round of self-training
+    trains on the learner's winning traces."""
+    from rljax.envs import board_games
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods.selfplay import seat_of
+
+    trees, call = [], mcts_search.MCTSTraces.__call__
+    monkeypatch.setattr(mcts_search.MCTSTraces, "__call__", lambda self, *a: (
+        call(self, *a), trees.extend(self.last))[0])
+    cfg = ttt_cfg(**SELFPLAY_SEARCH, steps=1)
+    assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
+    (r,) = [r for r in read_metrics(str(tmp_path)) if "mcts/solved_frac" in r]
+    assert np.isfinite(r["sft/loss"]) and r["mcts/traces"] > 0 and r["mcts/depth_mean"] > 1
+    tok, seconds, rewards = setup.make_tokenizer(cfg, None), 0, set()
+    for t in trees:
+        own = seat_of(board_games.get_game("tictactoe"), t.example)
+        seconds += int(own == 1 and len(t.info[()]["history"]) == 1)   # O opens on X's move
+        for n in mcts_search.walk(t.root):
+            info = t.info[n.steps]
+            seats, reward = replayed_match(t.example, info["history"], tok)
+            assert [ids for s, ids in zip(seats, info["history"]) if s == own] == list(n.steps)
+            for c in n.children:
+                child = t.info[c.steps]
+                assert child["history"][:len(info["history"])] == info["history"]
+                assert child["trajectory"][:len(info["trajectory"])] == info["trajectory"]
+            if n.terminal:
+                assert info["reward"] == reward
+                rewards.add(reward)
+    assert seconds and {-1.0, 1.0} <= rewards

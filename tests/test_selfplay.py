@@ -157,6 +157,16 @@ def lowest_cell(monkeypatch):
         self, self.game.legal_moves(self.match.state)[0]))
 
 
+@pytest.fixture
+def text_parity_cell(monkeypatch):
+    """A move is the lowest free cell when the turn's text starts with an even character,
+    else the highest: whole games whose outcomes turn on the sampled text."""
+    from rljax.envs.selfplay import SeatEnv
+    step = SeatEnv.step
+    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, self.game.legal_moves(
+        self.match.state)[0 if ord((text or "\0")[0]) % 2 == 0 else -1]))
+
+
 def test_selfplay_rows_are_seats_with_their_own_tokens_and_rewards(tmp_path, lowest_cell):
     """One policy in both seats: each row is one seat of one match, its model tokens are its
     own moves, its observations the board after the other seat's, its reward its seat's
@@ -808,7 +818,8 @@ def test_selfplay_hints_replay_a_failed_seats_group_with_the_hint_after_its_firs
 
 @pytest.mark.parametrize("mode", ["self", "hints", "demos", "checkpoint", "partial"])
 def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, monkeypatch,
-                                                                    request, mode):
+                                                                    request, mode,
+                                                                    text_parity_cell):
     """VinePPO in self-play: a fork at a seat's turn rebuilds the match from its recorded
     turns, both seats', so its trajectory up to the fork is the row's (the boards the other
     seat's moves made included; a hinted row's hint after its first observation; a
@@ -817,14 +828,10 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
     partial rollouts the rows are the pool's, its matches' turns recorded as they end); a
     step's value is the mean of its forks' rewards, the forked seat's, and a row's
     advantages differ from step to step (GRPO gives a row one). Here a move is the lowest
-    free cell when the turn's text starts with an even character, else the highest: whole
-    games whose outcomes turn on the sampled text."""
+    free cell when the turn's text starts with an even character, else the highest
+    (``text_parity_cell``)."""
     from rljax import algorithms
-    from rljax.envs.selfplay import SeatEnv
     from rljax.train.methods import vine
-    step = SeatEnv.step
-    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, self.game.legal_moves(
-        self.match.state)[0 if ord((text or "\0")[0]) % 2 == 0 else -1]))
     k = 2
     extra = {"partial": {"rollout.engine": "slots", "rollout.partial": True,
                          "rollout.slots": 8},

@@ -158,9 +158,10 @@ def check_env(cfg) -> None:
 
 
 def check_selfplay(cfg) -> None:
-    """``env.selfplay``: a board game, GRPO, PPO, distillation or online DPO, a workdir
-    exactly for the checkpoint opponent, no difficulty curriculum, and (self-play) a batch of
-    whole examples: G rows per seat."""
+    """``env.selfplay``: a board game, GRPO, PPO, distillation, online DPO or the MCTS search
+    over the learner seat's turns (``sft.traces='mcts'``, ``data.pairs='mcts'``: a tree per
+    example, its seat's), a workdir exactly for the checkpoint opponent, no difficulty
+    curriculum, and (self-play rollouts) a batch of whole examples: G rows per seat."""
     sp, env = cfg.env.selfplay, cfg.env
     if sp.mode == "off":
         if sp.workdir:
@@ -170,9 +171,12 @@ def check_selfplay(cfg) -> None:
     if env.name not in GAME_ENVS:
         raise ConfigError(f"{what} plays board games: env.name must be one of {GAME_ENVS}, "
                           f"got {env.name!r}")
-    if cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg):
-        raise ConfigError(f"{what} trains with algo.name='grpo', 'ppo', 'distill' or online "
-                          f"'dpo', got {cfg.algo.name!r}")
+    search = "mcts" in (cfg.sft.traces, cfg.data.pairs)
+    if (cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg)
+            and not search):
+        raise ConfigError(f"{what} trains with algo.name='grpo', 'ppo', 'distill', online "
+                          f"'dpo' or the search's sft.traces='mcts' or data.pairs='mcts', got "
+                          f"algo.name={cfg.algo.name!r}")
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
                           "env.selfplay.mode='checkpoint'")
@@ -181,7 +185,7 @@ def check_selfplay(cfg) -> None:
                           "(its knob sets a task's difficulty; a game has none)")
     seats = GAME_SEATS[env.name]
     rows = cfg.algo.num_generations * seats
-    if sp.mode == "self" and cfg.rollout.batch_size % rows:
+    if sp.mode == "self" and not search and cfg.rollout.batch_size % rows:
         raise ConfigError(f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by "
                           f"algo.num_generations * seats = {rows} ({what}: G rows per seat "
                           "of each game)")

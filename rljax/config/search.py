@@ -66,7 +66,8 @@ def check_mcts(cfg) -> None:
     (each node's steps drawn from its own key), a PRM workdir with value 'prm' (refitted in
     either phase with ``algo.mcts.refit_prm``, with LoRA too: adapters and head); with
     ``env.name`` over the environment's turns, valued by episode rewards (with
-    ``env.turn_discount`` each node by its discounted return) or a frozen PRM at turn ends."""
+    ``env.turn_discount`` each node by its discounted return) or a frozen PRM at turn ends;
+    with ``env.selfplay`` over the learner seat's turns in matches."""
     traces = cfg.sft.traces == "mcts"
     if not traces and cfg.data.pairs != "mcts":
         if cfg.algo.mcts.refit_prm:
@@ -91,10 +92,6 @@ def check_mcts(cfg) -> None:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length} must exceed "
                           f"data.max_prompt_length={cfg.data.max_prompt_length} (the traces "
                           "train in the columns after the prompt)")
-    if cfg.env.name and cfg.env.selfplay.mode != "off":
-        raise ConfigError(f"{what} with env.name cannot be combined with env.selfplay.mode "
-                          "(a node's turns are one seat's; the other seats' moves would be "
-                          "part of the environment)")
     if m.max_nodes < 1 + m.children:
         raise ConfigError(f"algo.mcts.max_nodes={m.max_nodes} holds no expansion of "
                           f"algo.mcts.children={m.children} (needs >= {1 + m.children})")

@@ -20,7 +20,8 @@ Returns one dict per side with ``run_episodes``' fields (``tokens``, ``mask``, `
 ``logps``, ``turn_ids``, ``turn_rewards`` over the row's own turns, ``env_rewards``, ``turns``,
 ``truncated``, ``counters``, ...) plus ``roles`` int32 [R] (``SeatEnv.role_key``) and
 ``match_turns`` int32 [R, max_plies, N] (the ids of every turn of the row's match, every
-seat's, in ply order, -1 after each turn's: what a VinePPO fork replays). A row's
+seat's, in ply order, -1 after each turn's: what a VinePPO fork replays) and ``turn_plies``
+int32 [R, T] (the match's ply of each of the row's turns, -1 after its last). A row's
 reward is its seat's: the game's return for that seat on its last turn, a forfeit's penalty on
 the forfeiting seat's turn, ``forfeit_reward`` for the others. A seat that runs out of turns,
 tokens or chunk width abandons its match: every seat of it ends truncated, reward 0.
@@ -120,6 +121,7 @@ class _SideRun:
         # shared by the sides of one match loop: what a VinePPO fork replays (``vine_matches``).
         log = {} if log is None else log
         self.moves = [log.setdefault(id(env.match), []) for env in envs]
+        self.turn_plies = np.full((r, self.t_max), -1, np.int32)   # each turn's ply in it
         # Ids of a row's next turn given ahead of what it samples (a VinePPO fork continues a
         # turn from its middle): fed, not drawn (log-prob 0).
         self.lead_in: list[list[int]] = [[] for _ in range(r)]
@@ -209,6 +211,7 @@ class _SideRun:
                                            np.asarray(versions)[:len(ids)]])
             ids = lead + list(ids)
         k = _cut_after(self.tok, ids, self.renderer.call_end)
+        self.turn_plies[i, self.turns[i]] = len(self.moves[i])
         self.moves[i].append(list(ids[:k]))
         at = slice(self.length[i], self.length[i] + k)
         self.tokens[i, at], self.model_mask[i, at] = ids[:k], True
@@ -303,6 +306,7 @@ class _SideRun:
             transcripts=[self.tok.decode(self.tokens[i, :self.length[i]].tolist())
                          for i in range(r)],
             counters=self.counters, info=info, time_env=time_env, match_turns=turns,
+            turn_plies=self.turn_plies,
             roles=np.array([env.role_key for env in self.envs], np.int32))
 
 

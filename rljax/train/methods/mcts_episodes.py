@@ -39,6 +39,9 @@ Randomness: wave w's forks draw under ``fold_in(round key, w)``, each fork keyed
 the wave (``play_forks``), so a search is reproducible and a resumed run searches the same
 trees; unlike the step search, a prompt's tree depends on which leaves share its waves.
 
+In self-play (``env.selfplay``) the environment is a match and a node a turn boundary of the
+learner seat: ``mcts_matches``.
+
 Self-training traces (``Tree.trace``) are the best verified node's trajectory with the loss
 on its model turns only; step-DPO pairs (``sibling_pairs``) take the node's trajectory as
 context and its children's turns as the chosen and rejected steps.
@@ -143,13 +146,23 @@ class EpisodeSearch(MCTSSearch):
                    **turns_layout(nodes, self.ctx.tokenizer.pad_id)}
             # fork point of leaf i: its next turn (len(steps)) from its start (no lead-in)
             points = [(i, 0, 0, len(node.steps)) for i, (_, node) in enumerate(nodes)]
-            key = jax.random.fold_in(round_key, self.waves)
-            self.waves += 1
-            eps, decoded = vine_episodes.play_forks(self.ctx, params, rnd, points, self.forks,
-                                                    1, key)
-            self.sampler_calls += 1
-            self.tokens += int(decoded)
+            eps = self._play_forks(params, nodes, rnd, points, self.next_wave_key(round_key))
             self._expand_part(part, eps)
+
+    def next_wave_key(self, round_key):
+        """The key of the round's next wave: ``fold_in(round_key, w)`` for its w-th."""
+        self.waves += 1
+        return jax.random.fold_in(round_key, self.waves - 1)
+
+    def _play_forks(self, params, nodes: list, rnd: dict, points: list, key) -> dict:
+        """The ``forks`` episodes of each fork point (of ``nodes``' (tree, leaf) i:
+        ``vine_episodes.play_forks``, the leaf's turns replayed, then played on), counted in
+        the search's calls and tokens."""
+        eps, decoded = vine_episodes.play_forks(self.ctx, params, rnd, points, self.forks, 1,
+                                                key)
+        self.sampler_calls += 1
+        self.tokens += int(decoded)
+        return eps
 
     def _expand_part(self, leaves, eps) -> None:
         s = self.forks
@@ -244,7 +257,8 @@ class EpisodeSearch(MCTSSearch):
         return step, prior, last, info
 
 
-def searcher(ctx, prompts: int, prm_scorer=None) -> EpisodeSearch:
-    """The run's search over the turns of ``prompts`` episodes per round (``search_rows``
-    leaves per engine run; value 'prm': ``mcts_search.searcher``'s PRM scorer)."""
-    return mcts_search.searcher(ctx, prompts, prm_scorer, search=EpisodeSearch)
+def searcher(ctx, prompts: int, prm_scorer=None, search=None) -> EpisodeSearch:
+    """The run's search (class ``search``, default ``EpisodeSearch``) over the turns of
+    ``prompts`` episodes per round (``search_rows`` leaves per engine run; value 'prm':
+    ``mcts_search.searcher``'s PRM scorer). In self-play: ``mcts_matches.turn_searcher``."""
+    return mcts_search.searcher(ctx, prompts, prm_scorer, search=search or EpisodeSearch)

@@ -391,7 +391,7 @@ class MCTSTraces:
     host state is the iterator's (keys derive from ``state.rng`` and ``step``). With
     ``refit_scorer`` (``algo.mcts.refit_prm``) the leaves are valued by the PRM in
     ``state.critic_params``, as refitted so far. ``search``: the search to run (default
-    ``searcher``'s; over an environment's turns ``mcts_episodes.searcher``'s)."""
+    ``searcher``'s; over an environment's turns ``mcts_matches.turn_searcher``'s)."""
 
     def __init__(self, ctx, iterator, completion_len: int, refit_scorer=None, search=None):
         self.ctx, self.iterator, self.completion_len = ctx, iterator, int(completion_len)
@@ -446,7 +446,7 @@ class MCTSPairs:
     most, ``algo.step_mc.min_value_gap``), in step-DPO's layout (``StepMCPairs.encode_pairs``).
     ``refit_scorer``: as ``MCTSTraces``'s; ``make_search(ctx, prompts, prm_scorer)``: the
     search to run (default ``searcher``; over an environment's turns
-    ``mcts_episodes.searcher``).
+    ``mcts_matches.turn_searcher``).
 
     Prompt selection and dynamic sampling act on the first simulation, which expands each
     root: its forks' rewards are the prompt's group (``step_mc.selected_rounds``); only the

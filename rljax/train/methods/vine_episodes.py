@@ -99,7 +99,8 @@ def step_values(stage, params, rnd: dict, rng) -> dict:
                 "fork_texts": [], "fork_tokens": 0, "fork_padding_tokens": 0}
     if "match_turns" in rnd:   # self-play: a fork replays and plays on its whole match
         from rljax.train.methods import vine_matches
-        eps, decoded = vine_matches.play_forks(stage, params, rnd, forks, k, rng)
+        eps, decoded = vine_matches.play_forks(stage.ctx, params, rnd, forks, k, rng,
+                                               *vine_matches.players(stage.rollout))
     else:
         eps, decoded = play_forks(stage.ctx, params, rnd, forks, k, s, rng, stage.rollout.images)
     owners = [rnd["examples"][i] for i, *_ in forks for _ in range(k)]

@@ -20,6 +20,10 @@ fork of step t, which starts at trajectory token ``start`` inside the seat's mod
 3. the fork's reward is the forked seat's, an episode's (``agent.score``), as the row's own
    reward R is.
 
+The search over a match's turns (``mcts_matches``) plays its nodes' forks with ``play_forks``
+too: a node's fork point starts at a turn's first token, and a fork with no turn (None) plays
+a fresh match from its start.
+
 Forks are played in batches of ``rollout.slots`` forks (else a quarter of them), the last
 padded by repeating its last fork (played, then dropped): a slot per seat of each, one
 program shape. A fork's noise is keyed by its place in its batch under the batch's key (the
@@ -45,18 +49,20 @@ def players(rollout):
     return source.template, source.opponent
 
 
-def replay_to_fork(runs, where, n: int, history: np.ndarray, turn: int) -> None:
+def replay_to_fork(runs, where, n: int, history: np.ndarray, turn: int) -> int:
     """Fork ``n``'s match replayed up to its forked seat's model turn ``turn``: each ply's
     seat (the game's turn order) takes its recorded ids ``history`` int [plies, N] (-1 after
     a turn's), its observation rendered first, and steps its environment. ``where``:
     (``id(match)``, seat) -> (side, row) of every seat environment; the forked seat is row
-    n of side 0."""
+    n of side 0. Returns the plies replayed."""
     match = runs[0].envs[n].match
-    for ply in range(len(history)):
+    for ply in range(len(history) + 1):
         side, i = where[(id(match), match.to_move())]
         run = runs[side]
         if side == 0 and run.turns[i] == turn:
-            return
+            return ply
+        if ply == len(history):
+            break
         if run.next_observation(i) is None:
             raise ValueError(f"a replayed match ran out of room at ply {ply}")
         ids = [int(x) for x in history[ply] if x >= 0]
@@ -65,29 +71,30 @@ def replay_to_fork(runs, where, n: int, history: np.ndarray, turn: int) -> None:
     raise ValueError(f"match {id(match)}: its history ends before the forked turn {turn}")
 
 
-def play_forks(stage, params, rnd: dict, forks: list, k: int, rng):
+def play_forks(ctx, params, rnd: dict, forks: list, k: int, rng, template, opponent):
     """The K forks of each fork point of ``forks`` ((row, step, start, turn) of ``rnd``, a
-    round of self-play rows with ``match_turns``), fork-major: ``(the forked seats' rows,
-    as ``run_episodes`` gives them, tokens sampled)``; in batches (module docstring)."""
+    round of self-play rows with ``match_turns``; turn None: a fresh match), fork-major:
+    ``(the forked seats' rows, as ``run_episodes`` gives them, tokens sampled)``; in batches
+    (module docstring). ``template``, ``opponent``: the rollout's (``players``)."""
     points = [f for f in forks for _ in range(k)]
-    per = max(1, min(engine_slots(stage.cfg, len(points)), len(points)))
-    params = sampling_params(stage.ctx, params)   # (LoRA merged once, where it is)
+    per = max(1, min(engine_slots(ctx.cfg, len(points)), len(points)))
+    params = sampling_params(ctx, params)   # (LoRA merged once, where it is)
     parts, decoded = [], 0
     for b, at in enumerate(range(0, len(points), per)):
         batch = points[at:at + per]
         batch = batch + batch[-1:] * (per - len(batch))
-        eps, spent = _play_batch(stage, params, rnd, batch, jax.random.fold_in(rng, b))
+        eps, spent = _play_batch(ctx, params, rnd, batch, jax.random.fold_in(rng, b),
+                                 template, opponent)
         parts.append(_rows(eps, min(per, len(points) - at)))
         decoded += spent
     return _concat(parts), decoded
 
 
-def _play_batch(stage, params, rnd: dict, points: list, rng):
+def _play_batch(ctx, params, rnd: dict, points: list, rng, template, opponent):
     """One batch of forks (``play_forks``): replayed, then played on the episode engine;
     ``(the forked seats' rows, tokens the batch sampled, every seat's)``."""
     from rljax.envs import step_all
-    ctx, cfg = stage.ctx, stage.cfg
-    template, opponent = players(stage.rollout)
+    cfg = ctx.cfg
     lim = agent.limits(cfg)
     # (room for a hinted row's hint after its first observation, as ``selfplay.play`` has)
     lim = dataclasses.replace(lim, chunk_tokens=lim.chunk_tokens + lim.turn_tokens)
@@ -107,6 +114,8 @@ def _play_batch(stage, params, rnd: dict, points: list, rng):
              for i, env in enumerate(run.envs)}
     tokens, turn_ids = rnd["tokens"], rnd["turn_ids"]
     for n, (i, _, start, turn) in enumerate(points):
+        if turn is None:   # a fresh match
+            continue
         replay_to_fork(runs, where, n, rnd["match_turns"][i], turn)
         first = int(np.argmax(turn_ids[i] == turn))   # turn k's tokens before the fork
         runs[0].lead_in[n] = tokens[i, first:start].tolist()

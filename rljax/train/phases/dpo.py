@@ -34,7 +34,7 @@ from rljax.train.core.preference_data import (PreferenceData, best_worst_pairs,
                                               eval_pair_batches, pair_metrics)
 from rljax.train.core.setup import rl_iterator
 from rljax.train.phases.grpo import merge_updates, round_source
-from rljax.train.methods import mcts_episodes, mcts_programs, mcts_search, prm_refit
+from rljax.train.methods import mcts_matches, mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.core.state import reference_params
 from rljax.train.core.steps import to_host
@@ -238,7 +238,7 @@ class DPOPhase:
             # (asynchronous DPO samples the pair batches ahead with it: ``rollout``)
             self.source = self.rollout = (mcts_search.MCTSPairs(
                 ctx, self.iterator, None if self.refit is None else self.refit.scorer,
-                make_search=mcts_episodes.searcher if cfg.env.name else None)   # over turns
+                make_search=mcts_matches.turn_searcher if cfg.env.name else None)   # turns
                            if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
         elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
             examples = self.num_pairs

@@ -19,7 +19,7 @@ from rljax.models import lora as lora_lib
 import jax.numpy as jnp
 
 from rljax.train.core import image_inputs, programs as programs_lib
-from rljax.train.methods import (guidance, mcts_episodes, mcts_programs, mcts_search,
+from rljax.train.methods import (guidance, mcts_matches, mcts_programs, mcts_search,
                                  prm_refit)
 from rljax.train.core.setup import Context, data_iterator
 from rljax.train.core.steps import build_sft_step, to_host
@@ -65,7 +65,7 @@ class SFTPhase:
             self.traces = mcts_search.MCTSTraces(
                 ctx, self.iterator, self.completion_len,
                 refit_scorer=None if self.refit is None else self.refit.scorer,
-                search=(mcts_episodes.searcher(   # over the environment's turns
+                search=(mcts_matches.turn_searcher(   # over the environment's turns
                     ctx, int(cfg.sft.batch_size), None if self.refit is None else
                     self.refit.scorer) if cfg.env.name else None))
 
