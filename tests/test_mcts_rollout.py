@@ -831,3 +831,60 @@ def test_the_search_over_a_matchs_turns_replays_every_seat_and_values_the_learne
                 assert info["reward"] == reward
                 rewards.add(reward)
     assert seconds and {-1.0, 1.0} <= rewards
+
+
+def write_opponent_run(where: str, cfg, params) -> str:
+    """A run's workdir ``where``: ``cfg`` and one checkpoint holding ``params`` (a frozen
+    opponent for ``env.selfplay.mode='checkpoint'``)."""
+    from rljax.train.core import checkpoint
+    from rljax.train.core import workdir as wd
+
+    wd.write_config(where, cfg)
+    with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(where), async_save=False) as ck:
+        ck.save(1, {"params": params}, {}, wait=True)
+    return where
+
+
+def test_mcts_pairs_in_selfplay_pair_the_learner_seats_turns_against_a_checkpoint(
+        tmp_path, monkeypatch, text_parity_cell):
+    """data.pairs='mcts' with env.selfplay.mode='checkpoint': the search's forks play the
+    other seat with the frozen checkpoint (greedy: every O tree opens on the same X move); a
+    pair's context is the learner seat's match so far, the opponent's moves as
+    observations, its chosen and rejected steps sibling learner turns; a DPO round trains."""
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods.mcts_matches import MatchSearch
+
+    def cfg(**extra):
+        return ttt_cfg(**{"algo.name": "dpo", "algo.online": True, "data.pairs": "mcts",
+                          "data.step_delimiter": "\n", "data.kwargs.seat": "O",
+                          "rollout.batch_size": 4, "algo.num_generations": 2,
+                          "algo.step_mc.max_steps": 2, "algo.mcts.simulations": 3,
+                          "algo.mcts.children": 2, "algo.mcts.rollouts": 2, "steps": 1,
+                          **extra})
+    ctx = setup.build_context(cfg(), str(tmp_path / "ctx"), devices=DEVICES)
+    opponent = write_opponent_run(str(tmp_path / "opponent"), cfg(), ctx.params)
+    seen, call = [], mcts_search.MCTSPairs.__call__
+
+    def watched(self, *args):   # the source's search, its trees and its pair batch
+        out = call(self, *args)
+        seen.append((self.searcher, self.last, out))
+        return out
+    monkeypatch.setattr(mcts_search.MCTSPairs, "__call__", watched)
+    workdir = str(tmp_path / "run")
+    assert run.train(cfg(**{"env.selfplay.mode": "checkpoint",
+                            "env.selfplay.workdir": opponent}), workdir, devices=DEVICES) == 0
+    ((search, trees, (batch, m)),) = seen
+    assert isinstance(search, MatchSearch) and search.opponent is not None
+    openings = {t.info[()]["history"] for t in trees}
+    assert len(trees) == 2 and len(openings) == 1 and len(next(iter(openings))) == 1
+    (train,) = [r for r in read_metrics(workdir) if "mcts/pairs" in r]
+    assert np.isfinite(train["loss"]) and train["dpo/pairs"] > 0
+    real = np.flatnonzero(batch["pair_mask"])
+    assert real.size and m["mcts/pairs"] == real.size
+    tok = ctx.tokenizer
+    for i in real:   # after X's move (the first observation); the steps are O's turns
+        context = tok.decode(batch["prompt_tokens"][i][batch["prompt_mask"][i]])
+        assert context.startswith("tictactoe O\n") and "X" in context[len("tictactoe O\n"):]
+        for side in ("chosen", "rejected"):
+            assert 0 < batch[f"{side}_mask"][i].sum() <= 2   # env.max_turn_tokens
