@@ -72,7 +72,7 @@ class MatchSearch(EpisodeSearch):
     def _wave(self, params, leaves: list, round_key) -> None:
         """Opens the roots without a history (``_open``), then expands as ``EpisodeSearch``;
         a root whose opening ended the match is backed up as terminal instead."""
-        closed = [t for t, path in leaves if t.info[path[-1].steps].get("history", ()) is None]
+        closed = [t for t, path in leaves if t.info[path[-1].steps]["history"] is None]
         if closed:
             self._open(params, closed, round_key)
         for t, path in leaves:

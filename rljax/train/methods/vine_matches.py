@@ -49,20 +49,18 @@ def players(rollout):
     return source.template, source.opponent
 
 
-def replay_to_fork(runs, where, n: int, history: np.ndarray, turn: int) -> int:
+def replay_to_fork(runs, where, n: int, history: np.ndarray, turn: int) -> None:
     """Fork ``n``'s match replayed up to its forked seat's model turn ``turn``: each ply's
     seat (the game's turn order) takes its recorded ids ``history`` int [plies, N] (-1 after
     a turn's), its observation rendered first, and steps its environment. ``where``:
     (``id(match)``, seat) -> (side, row) of every seat environment; the forked seat is row
-    n of side 0. Returns the plies replayed."""
+    n of side 0."""
     match = runs[0].envs[n].match
-    for ply in range(len(history) + 1):
+    for ply in range(len(history)):
         side, i = where[(id(match), match.to_move())]
         run = runs[side]
         if side == 0 and run.turns[i] == turn:
-            return ply
-        if ply == len(history):
-            break
+            return
         if run.next_observation(i) is None:
             raise ValueError(f"a replayed match ran out of room at ply {ply}")
         ids = [int(x) for x in history[ply] if x >= 0]
