@@ -198,14 +198,6 @@ def test_config_rejects_step_mc_outside_online_dpo():
         config_lib.load_config(None, ["--config.data.pairs=step_mc"])
 
 
-def test_config_refuses_step_mc_pairs_with_an_environment_in_one_line():
-    with pytest.raises(config_lib.ConfigError, match=re.escape(
-            "data.pairs='step_mc' does not compose yet with env.name='guess_number'")) as err:
-        config_lib.load_config(None, ["algo.name=dpo", "algo.online=True", "data.pairs=step_mc",
-                                      "env.name=guess_number"])
-    assert "\n" not in str(err.value)
-
-
 def test_config_refuses_a_refitted_prm_with_asynchronous_mcts_pairs_in_one_line():
     with pytest.raises(config_lib.ConfigError, match=re.escape(
             "algo.mcts.refit_prm=true does not compose yet with algo.asynchronous=true")) as err:
@@ -325,3 +317,37 @@ def test_step_mc_run_resumes_exactly(tmp_path, monkeypatch, options, devices):
         with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
             return jax.tree.map(np.asarray, ckpt.restore().state["params"])
     jax.tree.map(np.testing.assert_array_equal, params(parts), params(straight))
+
+
+def test_step_mc_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
+    """data.pairs='step_mc' with env.name: the steps are the episode's model turns; the
+    best episode's prefix after turn 0 (its observation included) is continued as episodes
+    that replay turn 0, and chosen and rejected are sibling turns at a prefix, laid out as
+    MCTS pairs over turns are; a DPO round trains on them."""
+    from rljax.envs.base import register_env
+    from rljax.train import run
+    from rljax.train.core import setup
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import step_mc_episodes
+    from test_mcts_rollout import EPISODE_SEARCH, TwoTurnEnv
+
+    register_env("test_two_turns", TwoTurnEnv)
+    env = {k: v for k, v in EPISODE_SEARCH.items() if k.startswith(("env.", "reward."))}
+    cfg = lambda: tiny_step_mc_cfg(1, **env, **{  # noqa: E731
+        "sft.steps": 0, "rollout.batch_size": 6, "rollout.max_new_tokens": 12})
+    ctx = setup.build_context(cfg(), str(tmp_path / "ctx"), devices=jax.devices()[:1])
+    phase = dpo.DPOPhase(ctx, 1)
+    assert isinstance(phase.source, step_mc_episodes.EpisodeStepMCPairs)
+    batch, m = phase.source(types.SimpleNamespace(rng=jax.random.key(0), params=ctx.params), 0)
+    real = np.flatnonzero(batch["pair_mask"])
+    assert real.size and m["step_mc/pairs"] == real.size and m["step_mc/prefixes"] > 0
+    assert m["step_mc/steps_mean"] == 2   # TwoTurnEnv's episodes have two model turns
+    contexts = [TOK.decode(batch["prompt_tokens"][i][batch["prompt_mask"][i]]) for i in real]
+    assert any("<o>" in c for c in contexts)   # a pair after turn 0: the observation is context
+    for i in real:   # the steps are model turns (env.max_turn_tokens = 4), not observations
+        sides = [batch[f"{s}_tokens"][i][batch[f"{s}_mask"][i]] for s in ("chosen", "rejected")]
+        assert all(0 < len(t) <= 4 and "<o>" not in TOK.decode(t) for t in sides)
+        assert sides[0].tolist() != sides[1].tolist()
+    assert run.train(cfg(), str(tmp_path / "run"), devices=jax.devices()[:1]) == 0
+    (train,) = [r for r in read_metrics(str(tmp_path / "run")) if "step_mc/pairs" in r]
+    assert np.isfinite(train["loss"]) and train["dpo/pairs"] > 0

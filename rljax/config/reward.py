@@ -126,11 +126,7 @@ def check_env(cfg) -> None:
                                    and 0.0 <= call_reward < 1.0):
         raise ConfigError(f"env.kwargs.call_reward: must be a number in [0, 1) (an episode is "
                           f"correct when its total reward is >= 1), got {call_reward!r}")
-    if step_pairs(cfg) == "step_mc":
-        raise ConfigError(f"data.pairs='step_mc' does not compose yet with env.name="
-                          f"{env.name!r} (its steps are cut from one completion; "
-                          "data.pairs='mcts' pairs an episode's turns)")
-    # MCTS over turns: self-training's traces, DPO's sibling turns
+    # MCTS over turns: self-training's traces, DPO's sibling turns (and step-MC's)
     searched = (cfg.algo.name == "sft" and cfg.sft.traces == "mcts") or step_pairs(cfg)
     if (cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg)
             and not searched):

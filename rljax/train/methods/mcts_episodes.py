@@ -101,10 +101,10 @@ class EpisodeTree(Tree):
         return list(info["trajectory"]), list(info["model"])
 
 
-def turns_layout(trees_and_nodes, pad_id: int) -> dict:
-    """The ``rnd`` fields ``play_forks`` replays from: ``tokens`` int [L, M] (each node's
-    model turns back to back) and ``turn_ids`` int [L, M] (their turn, -1 on padding)."""
-    turns = [[t for t in node.steps] for _, node in trees_and_nodes]
+def turns_layout(turns: list, pad_id: int) -> dict:
+    """The ``rnd`` fields ``play_forks`` replays from: ``tokens`` int [L, M] (each row's
+    model turns, ``turns[i]`` a list of token sequences, back to back) and ``turn_ids``
+    int [L, M] (their turn, -1 on padding)."""
     width = max([sum(len(t) for t in ts) for ts in turns] + [1])
     tokens = np.full((len(turns), width), pad_id, np.int32)
     turn_ids = np.full((len(turns), width), -1, np.int32)
@@ -114,6 +114,23 @@ def turns_layout(trees_and_nodes, pad_id: int) -> dict:
             tokens[i, col:col + len(turn)], turn_ids[i, col:col + len(turn)] = turn, k
             col += len(turn)
     return {"tokens": tokens, "turn_ids": turn_ids}
+
+
+def episode_prompt_ids(cfg, renderer, tokenizer, example: dict) -> list[int]:
+    """The token ids of an example's episode prompt: its environment's first observation,
+    rendered (what ``play_forks`` prefills)."""
+    env = agent.make_envs(cfg, [example], 1)[0]
+    return tokenizer.encode(renderer.prompt(env.reset()))
+
+
+def played_turns(eps: dict, row: int) -> list[tuple]:
+    """Episode ``row``'s model turns, each ``(turn ids, trajectory after it)``: the turn's
+    token tuple and the episode's tokens up to the next model turn (the observation after
+    it included), as ``EpisodeSearch._child`` reads them."""
+    out = []
+    while (child := EpisodeSearch._child(eps, row, len(out))) is not None:
+        out.append((child[0], child[3]["trajectory"]))
+    return out
 
 
 class EpisodeSearch(MCTSSearch):
@@ -127,8 +144,8 @@ class EpisodeSearch(MCTSSearch):
         self.gamma = ctx.cfg.env.turn_discount   # None: every node the episode's reward
 
     def new_tree(self, example: dict) -> EpisodeTree:
-        env = agent.make_envs(self.cfg, [example], 1)[0]
-        tree = EpisodeTree(example, self.ctx.tokenizer.encode(self.renderer.prompt(env.reset())))
+        tree = EpisodeTree(example, episode_prompt_ids(self.cfg, self.renderer,
+                                                       self.ctx.tokenizer, example))
         tree.info[()].update(trajectory=(), model=(), turn_ids=())
         return tree
 
@@ -143,7 +160,8 @@ class EpisodeSearch(MCTSSearch):
             nodes = [(t, path[-1]) for t, path in part]
             rnd = {"examples": [t.example for t, _ in nodes],
                    "prompt_ids": [t.prompt_ids for t, _ in nodes],
-                   **turns_layout(nodes, self.ctx.tokenizer.pad_id)}
+                   **turns_layout([node.steps for _, node in nodes],
+                                  self.ctx.tokenizer.pad_id)}
             # fork point of leaf i: its next turn (len(steps)) from its start (no lead-in)
             points = [(i, 0, 0, len(node.steps)) for i, (_, node) in enumerate(nodes)]
             eps = self._play_forks(params, nodes, rnd, points, self.next_wave_key(round_key))

@@ -171,6 +171,43 @@ def prompt_filter(cfg, iterator, group_size: int):
 LEVEL0, PREFIXES, EXTRA_ROUNDS = 0, 1, 2
 
 
+def level0_key(rng, r: int):
+    """The key of level 0's round ``r`` under the step's key ``rng``."""
+    return (jax.random.fold_in(rng, LEVEL0) if r == 0 else
+            jax.random.fold_in(jax.random.fold_in(rng, EXTRA_ROUNDS), r))
+
+
+def level_pairs(levels: Sequence[tuple], min_gap: float):
+    """Pairs of one trajectory's prefixes. ``levels[d] = (first steps, rewards, next step)``:
+    the first step (token tuple) of each continuation of prefix d, their rewards, and the
+    trajectory's own step after prefix d (valued with the next prefix's continuations too).
+    Yields ``(d, chosen step ids, rejected step ids, value gap)`` for the prefixes with a
+    pair (``candidate_values``, ``best_worst_steps``)."""
+    for d, (steps, rs, own) in enumerate(levels):
+        extra = (own, levels[d + 1][1]) if d + 1 < len(levels) else None
+        pick = best_worst_steps(candidate_values(steps, rs, extra), min_gap)
+        if pick is not None:
+            yield d, list(pick[0]), list(pick[1]), pick[2]
+
+
+def pair_metrics(first, pairs: list[tuple], prefixes: int, steps: list[int],
+                 prefix_values: list[float], tokens: int, tokens_padding: int) -> dict:
+    """A step's ``step_mc/*`` and rollout metrics: ``first`` its ``FirstLevel``, ``pairs``
+    ``(context, chosen, rejected, gap, depth)``, ``prefixes`` the prefixes sampled, ``steps``
+    each trajectory's number of steps, ``prefix_values`` every prefix's (the roots') value."""
+    return {
+        **first.metrics,
+        "step_mc/pairs": len(pairs), "step_mc/prefixes": prefixes,
+        "step_mc/steps_mean": float(np.mean(steps)),
+        "step_mc/single_step_frac": float(np.mean([n <= 1 for n in steps])),
+        "step_mc/prefix_value_mean": float(np.mean(prefix_values)) if prefix_values else 0.0,
+        "step_mc/value_gap_mean": float(np.mean([p[3] for p in pairs])) if pairs else 0.0,
+        "step_mc/pair_depth_mean": float(np.mean([p[4] for p in pairs])) if pairs else 0.0,
+        "rollout/tokens": tokens, "rollout/tokens_padding": tokens_padding,
+        "completion/length_mean": float(first.lengths.mean()),
+    }
+
+
 class FirstLevel(NamedTuple):
     """Level 0 of one step, on the B prompts that fill the batch (kept ones first)."""
     rng: jax.Array               # the step's key
@@ -244,9 +281,7 @@ class StepMCPairs:
         """Round ``r`` of level 0: the iterator's next prompts, K samples each, scored.
         Returns ``(items, rewards f32 [B*K])``, an item per prompt: ``(example, prompt ids,
         rewards [K], completions (K id lists), lengths [K])``."""
-        key = (jax.random.fold_in(rng, LEVEL0) if r == 0 else
-               jax.random.fold_in(jax.random.fold_in(rng, EXTRA_ROUNDS), r))
-        examples, k = next(self.iterator), self.k
+        key, examples, k = level0_key(rng, r), next(self.iterator), self.k
         b = len(examples)
         prompt_ids = [self.ctx.tokenizer.encode(ex["prompt"]) for ex in examples]
         out = self._sample(params, prompt_ids, key)
@@ -322,22 +357,10 @@ class StepMCPairs:
             prefix_values += [float(np.mean(rs)) for _, _, rs in nodes]  # V = mean of K
             pairs += [(prompt_ids[i] + trajectories[i][:e], *pick)
                       for e, pick in self._node_pairs(trajectories[i], nodes)]
-        batch = self.encode_pairs(pairs)
-        single = float(np.mean([len(e) <= 1 for e in ends]))
-        metrics = {
-            **first.metrics,
-            "step_mc/pairs": len(pairs), "step_mc/prefixes": len(levels),
-            "step_mc/steps_mean": float(np.mean([len(e) for e in ends])),
-            "step_mc/single_step_frac": single,
-            "step_mc/prefix_value_mean": (float(np.mean(prefix_values)) if prefix_values
-                                          else 0.0),
-            "step_mc/value_gap_mean": float(np.mean([p[3] for p in pairs])) if pairs else 0.0,
-            "step_mc/pair_depth_mean": float(np.mean([p[4] for p in pairs])) if pairs else 0.0,
-            "rollout/tokens": tokens_real, "rollout/tokens_padding": tokens_padding,
-            "completion/length_mean": float(first.lengths.mean()),
-            "time/sample_and_score": time.perf_counter() - t0,
-        }
-        return batch, metrics
+        metrics = pair_metrics(first, pairs, len(levels), [len(e) for e in ends], prefix_values,
+                               tokens_real, tokens_padding)
+        metrics["time/sample_and_score"] = time.perf_counter() - t0
+        return self.encode_pairs(pairs), metrics
 
     def _first_step(self, ids: list[int]) -> tuple:
         """The first step of a continuation (token tuple; () for an empty one)."""
@@ -349,16 +372,12 @@ class StepMCPairs:
     def _node_pairs(self, trajectory: list[int], nodes: list[tuple]):
         """Yields ``(prefix end, (chosen, rejected, value gap, depth))`` for the prefixes of one
         trajectory that have a pair; ``nodes[d] = (prefix end, continuations, rewards)``."""
+        ends = [e for e, _, _ in nodes[1:]] + [None]
+        levels = [([self._first_step(c) for c in conts], rs, tuple(trajectory[e:end]))
+                  for (e, conts, rs), end in zip(nodes, ends)]
         gap = float(self.cfg.algo.step_mc.min_value_gap)
-        for d, (e, conts, rs) in enumerate(nodes):
-            extra = None
-            if d + 1 < len(nodes):   # the trajectory's next step: the next prefix's rollouts
-                e_next, _, rs_next = nodes[d + 1]
-                extra = (tuple(trajectory[e:e_next]), rs_next)
-            values = candidate_values([self._first_step(c) for c in conts], rs, extra)
-            pick = best_worst_steps(values, gap)
-            if pick is not None:
-                yield e, (list(pick[0]), list(pick[1]), pick[2], d)
+        for d, chosen, rejected, value_gap in level_pairs(levels, gap):
+            yield nodes[d][0], (chosen, rejected, value_gap, d)
 
     def encode_pairs(self, pairs: list[tuple]) -> dict:
         """Step pairs ``(context ids, chosen step ids, rejected step ids, gap, depth)`` -> the

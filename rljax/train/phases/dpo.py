@@ -36,6 +36,7 @@ from rljax.train.core.setup import rl_iterator
 from rljax.train.phases.grpo import merge_updates, round_source
 from rljax.train.methods import mcts_matches, mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
+from rljax.train.methods.step_mc_episodes import EpisodeStepMCPairs
 from rljax.train.core.state import reference_params
 from rljax.train.core.steps import to_host
 
@@ -236,10 +237,7 @@ class DPOPhase:
                 self.refit = prm_refit.PRMRefit(ctx, cfg.rollout.batch_size // self.g,
                                                 self.steps)
             # (asynchronous DPO samples the pair batches ahead with it: ``rollout``)
-            self.source = self.rollout = (mcts_search.MCTSPairs(
-                ctx, self.iterator, None if self.refit is None else self.refit.scorer,
-                make_search=mcts_matches.turn_searcher if cfg.env.name else None)   # turns
-                           if cfg.data.pairs == "mcts" else StepMCPairs(ctx, self.iterator))
+            self.source = self.rollout = self._step_pairs(ctx)
         elif self.online:   # GRPO's rounds: prompt selection, partial rollouts' pool
             examples = self.num_pairs
             if cfg.env.name and cfg.env.selfplay.mode == "self":   # a group (pair) per seat
@@ -255,6 +253,15 @@ class DPOPhase:
         self.uses_ref = a.loss_type != "simpo"
         self._step_fn = self._eval_fn = None
         self._eval_batches = self._eval_examples = None
+
+    def _step_pairs(self, ctx):
+        """The source of step-level pairs: MCTS siblings (``data.pairs='mcts'``) or step-MC
+        values; with ``env.name`` both take an episode's model turns as its steps."""
+        if ctx.cfg.data.pairs == "mcts":
+            return mcts_search.MCTSPairs(
+                ctx, self.iterator, None if self.refit is None else self.refit.scorer,
+                make_search=mcts_matches.turn_searcher if ctx.cfg.env.name else None)
+        return (EpisodeStepMCPairs if ctx.cfg.env.name else StepMCPairs)(ctx, self.iterator)
 
     def init_state(self, state):
         """Fresh optimizer; the reference is a copy of the starting policy, or with LoRA the
