@@ -366,24 +366,52 @@ def test_mcts_pairs_search_the_prompts_the_online_filter_keeps(tmp_path, digit_s
     assert sum(r["dpo/pairs"] for r in rounds) > 0
 
 
-def test_asynchronous_mcts_pairs_with_prompt_selection_resume_exactly(tmp_path,
-                                                                       digit_share_reward):
+def test_asynchronous_mcts_pairs_with_prompt_selection_and_a_refitted_prm_resume_exactly(
+        ctx, tmp_path, digit_share_reward, monkeypatch):
     """Asynchronous DPO on MCTS pairs: the sampler searches the next round's trees on a device
-    of its own with the version a step behind, MoPPS picking the prompts; stopped after the
-    first update and resumed (the pair batch in flight and the posteriors saved), the run
-    equals the straight one."""
+    of its own with the version a step behind, MoPPS picking the prompts, the leaves valued by
+    a refitted PRM. The sampler's search reads the PRM published with the policy (batch
+    k + 1, sampled at iteration k by version k, reads the PRM as refitted at iteration k - 1,
+    on the trees of batch k - 1 that the batch carried); stopped after the first update and
+    resumed (the pair batch in flight with its refit rows, and the posteriors saved), the run
+    equals the straight one, PRM losses included."""
     from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import prm_refit
     from test_train_loop import resumes_exactly
 
+    searched, refitted = [], []   # the PRM heads the search read, the refits' results
+    search_prm, fit = mcts_search.refitted, prm_refit.PRMRefit.fit
+
+    def reading(scorer, state):
+        searched.append(jax.tree.map(np.asarray, state.critic_params["head"]))
+        return search_prm(scorer, state)
+
+    def fitting(self, state, *rows):
+        state, m = fit(self, state, *rows)
+        refitted.append(jax.tree.map(np.asarray, state.critic_params["head"]))
+        return state, m
+    monkeypatch.setattr(mcts_search, "refitted", reading)
+    monkeypatch.setattr(prm_refit.PRMRefit, "fit", fitting)
+    prm = write_prm_run(str(tmp_path / "prm"), ctx)
     cfg = lambda: mcts_dpo_cfg(3, **{  # noqa: E731
         "algo.asynchronous": True, "mesh.rollout_devices": 1, "mesh.data": 1, "mesh.fsdp": 1,
         "mesh.rollout.data": 1, "mesh.rollout.fsdp": 1, "data.selection.name": "predicted",
-        "data.selection.pool_factor": 2})
+        "data.selection.pool_factor": 2, "algo.mcts.value": "prm", "algo.mcts.prm": prm,
+        "algo.mcts.refit_prm": True, "algo.mcts.refit_learning_rate": 0.1})
     straight, _ = resumes_exactly(cfg, tmp_path, stop_after=1, devices=jax.devices()[:2])
     rounds = [r for r in read_metrics(straight) if "mcts/pairs" in r]
     assert [r["rollout/sample_version"] for r in rounds] == [0, 0, 1]
-    assert all(np.isfinite(r["loss"]) for r in rounds) and rounds[-1]["selection/tracked"] > 0
-    assert sum(r["dpo/pairs"] for r in rounds) > 0
+    assert all(np.isfinite(r["loss"]) and r["mcts/prm_rows"] > 0
+               and np.isfinite(r["mcts/prm_loss"]) for r in rounds)
+    assert rounds[-1]["selection/tracked"] > 0 and sum(r["dpo/pairs"] for r in rounds) > 0
+    # Each round's search reads the PRM at several waves. The straight run: PRM 0 (batches 0
+    # and 1), then the first refit's result (batch 2); the stopped run: PRM 0; the resumed
+    # run: the PRM its checkpoint holds, the first refit's (batch 2).
+    def same(a, b):
+        return all(jax.tree.leaves(jax.tree.map(np.array_equal, a, b)))
+    reads = [h for i, h in enumerate(searched) if i == 0 or not same(h, searched[i - 1])]
+    assert len(reads) == 4 and same(reads[0], reads[2]) and not same(reads[0], reads[1])
+    assert same(reads[1], refitted[0]) and same(reads[3], refitted[0])
 
 
 def test_a_search_sharded_on_8_devices_equals_unsharded(ctx, tmp_path, monkeypatch):

@@ -1,6 +1,5 @@
 """Step-level DPO pairs from Monte-Carlo step values (data.pairs="step_mc")."""
 import os
-import re
 import subprocess
 import sys
 import types
@@ -196,16 +195,6 @@ def test_prefix_tokens_are_context_not_scored_by_the_dpo_logps():
 def test_config_rejects_step_mc_outside_online_dpo():
     with pytest.raises(config_lib.ConfigError, match="data.pairs='step_mc'"):
         config_lib.load_config(None, ["--config.data.pairs=step_mc"])
-
-
-def test_config_refuses_a_refitted_prm_with_asynchronous_mcts_pairs_in_one_line():
-    with pytest.raises(config_lib.ConfigError, match=re.escape(
-            "algo.mcts.refit_prm=true does not compose yet with algo.asynchronous=true")) as err:
-        config_lib.load_config(None, [
-            "algo.name=dpo", "algo.online=True", "data.pairs=mcts", "algo.asynchronous=True",
-            "mesh.rollout_devices=0", "algo.mcts.value=prm", "algo.mcts.prm=/none",
-            "algo.mcts.refit_prm=True"])
-    assert "\n" not in str(err.value)
 
 
 def test_delimiter_that_never_occurs_is_one_line_exit_2(tmp_path):

@@ -98,10 +98,6 @@ def check_step_mc(cfg) -> None:
         raise ConfigError(f"data.pairs='{pairs}' samples continuations at "
                           "rollout.temperature; set rollout.temperature_schedule.name="
                           "'constant'")
-    if pairs == "mcts" and algo.asynchronous and algo.mcts.refit_prm:
-        raise ConfigError("algo.mcts.refit_prm=true does not compose yet with "
-                          "algo.asynchronous=true (the PRM refitted each round is the "
-                          "update's state; the sampler searching ahead has no copy of it)")
 
 
 def check_prm(cfg) -> None:

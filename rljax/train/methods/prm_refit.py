@@ -142,7 +142,7 @@ class PRMRefit:
     def __init__(self, ctx, prompts: int, steps: int):
         cfg = ctx.cfg
         self.ctx, self.updates = ctx, int(cfg.algo.mcts.refit_updates)
-        self.rows = refit_rows(cfg, prompts)
+        self.rows_per_round = refit_rows(cfg, prompts)
         self.optimizer = refit_optimizer(ctx, steps)
         self.initial = load_prm(ctx)["critic_params"]
         self.scorer = PRMScorer(ctx, scorer_rows(ctx, prompts))
@@ -152,21 +152,29 @@ class PRMRefit:
         """``state`` with the PRM run's value model and a fresh optimizer state for it."""
         return with_prm(self.optimizer, state, jax.tree.map(jnp.asarray, self.initial))
 
+    def rows(self, trees: list[Tree]) -> tuple[dict | None, int]:
+        """The round's refit batch and its real rows (``refit_batch``; host arrays)."""
+        cfg = self.ctx.cfg
+        return refit_batch(trees, self.rows_per_round, int(cfg.data.max_prompt_length),
+                           programs_lib.completion_len(cfg), self.ctx.tokenizer.pad_id)
+
     def __call__(self, state, trees: list[Tree]) -> tuple[object, dict]:
-        """The round's refit: ``(state with the refitted PRM, mcts/prm_* metrics)``:
-        prm_rows (rows trained), prm_labels (step ends labelled), prm_loss (the first update's
-        loss: the PRM before this round's refit against the round's values), prm_loss_last
-        (the last update's), prm_grad_norm, prm_skipped."""
+        """The round's refit on ``trees`` (``fit`` of their ``rows``)."""
+        return self.fit(state, *self.rows(trees))
+
+    def fit(self, state, batch: dict | None, count: int) -> tuple[object, dict]:
+        """The refit on a round's ``rows``: ``(state with the refitted PRM, mcts/prm_*
+        metrics)``: prm_rows (rows trained), prm_labels (step ends labelled), prm_loss (the
+        first update's loss: the PRM before this round's refit against the round's values),
+        prm_loss_last (the last update's), prm_grad_norm, prm_skipped."""
         t0 = time.perf_counter()
-        cfg, tok = self.ctx.cfg, self.ctx.tokenizer
-        batch, count = refit_batch(trees, self.rows, int(cfg.data.max_prompt_length),
-                                   programs_lib.completion_len(cfg), tok.pad_id)
-        metrics = {"mcts/prm_rows": count, "mcts/prm_labels": 0}
+        metrics = {"mcts/prm_rows": int(count), "mcts/prm_labels": 0}
         if batch is None:   # nothing valued: no update (Adam would still move on zero grads)
             return state, metrics
         metrics["mcts/prm_labels"] = int((batch["label_mask"] & batch["row_mask"][:, None]).sum())
         if self._step_fn is None:
-            self._step_fn = build_refit_step(self.ctx, self.optimizer, state, self.rows)
+            self._step_fn = build_refit_step(self.ctx, self.optimizer, state,
+                                             self.rows_per_round)
         device_batch = dist.device_batch(batch, self.ctx.mesh)
         losses, skipped, grad_norm = [], 0, 0.0
         for i in range(self.updates):
@@ -179,3 +187,21 @@ class PRMRefit:
                         "mcts/prm_grad_norm": grad_norm, "mcts/prm_skipped": skipped,
                         "time/prm_refit": time.perf_counter() - t0})
         return state, metrics
+
+
+REFIT_KEY = "prm_refit/"   # a pair batch's fields that carry its round's refit rows
+
+
+def with_refit_rows(batch: dict, rows: dict | None, count: int) -> dict:
+    """A sampled pair batch carrying its round's refit rows (``PRMRefit.rows``) as host
+    arrays, so they travel with it (asynchronous DPO: in flight, and in checkpoints)."""
+    out = {**batch, REFIT_KEY + "count": np.asarray([count], np.int32)}   # (1-d: encodable)
+    return out if rows is None else {**out, **{REFIT_KEY + k: v for k, v in rows.items()}}
+
+
+def split_refit_rows(batch: dict) -> tuple[dict, dict | None, int]:
+    """``with_refit_rows``' inverse: ``(pair batch, refit rows or None, count)``."""
+    pairs = {k: v for k, v in batch.items() if not k.startswith(REFIT_KEY)}
+    rows = {k[len(REFIT_KEY):]: np.asarray(v) for k, v in batch.items()
+            if k.startswith(REFIT_KEY) and k != REFIT_KEY + "count"}
+    return pairs, rows or None, int(np.asarray(batch[REFIT_KEY + "count"]).reshape(-1)[0])

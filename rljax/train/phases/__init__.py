@@ -20,7 +20,13 @@ with abstract inputs (``rljax.train.core.programs``), which ``rljax plan`` compi
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rljax import sharding as shd
 
 from rljax.errors import UserError
 from rljax.train.phases.async_grpo import AsyncGRPOPhase, AsyncSchedule
@@ -32,6 +38,7 @@ from rljax.train.phases.prm import PRMPhase
 from rljax.train.phases.rm import RMPhase
 from rljax.train.phases.sft import SFTPhase
 from rljax.train.core.setup import Context, Phase
+from rljax.train.methods import mcts_programs, prm_refit, prm_scoring
 
 
 class AsyncPPOPhase(AsyncSchedule, PPOPhase):
@@ -49,7 +56,38 @@ class AsyncDPOPhase(AsyncSchedule, DPOPhase):
     """Online DPO on groups sampled ``algo.async_lag`` versions earlier: best-worst pairs
     of each batch as it trains (DPO's loss reads no behaviour policy: stale pairs are pairs);
     with step-level pairs (``data.pairs='step_mc'``) the sampler builds whole pair batches
-    ahead, its step values those of the version that sampled them."""
+    ahead, its step values those of the version that sampled them.
+
+    With ``algo.mcts.refit_prm`` the sampler's search reads its own copy of the PRM, published
+    with the policy (version k: the PRM after the refits of updates 0 .. k-1), and each batch
+    carries its trees' refit rows (``prm_refit.with_refit_rows``: in flight and in
+    checkpoints), on which the PRM is refitted when the batch trains, before its updates."""
+
+    def __init__(self, ctx, steps: int):
+        super().__init__(ctx, steps)
+        if self.refit is not None:   # the search scores on the sampler's mesh
+            prompts = ctx.cfg.rollout.batch_size // self.g
+            self.rollout.refit_scorer = prm_scoring.PRMScorer(
+                self.sampler_ctx, mcts_programs.scorer_rows(self.sampler_ctx, prompts))
+
+    def publish(self, state, version: int) -> float:
+        seconds = super().publish(state, version)
+        if self.refit is None:
+            return seconds
+        t0, critic = time.perf_counter(), state.critic_params
+        if self.ctx.rollout_shardings is not None:
+            critic = shd.transfer(critic, prm_scoring.value_shardings(self.sampler_ctx, critic))
+        else:   # one mesh: a copy, since the update donates (deletes) the state's arrays
+            critic = jax.tree.map(jnp.copy, critic)
+        self.sampler_critic = jax.block_until_ready(critic)
+        return seconds + time.perf_counter() - t0
+
+    def sample(self, step: int) -> None:
+        super().sample(step)
+        if self.refit is not None:   # the refit rows of the trees that sampled the batch
+            batch, metrics, version = self.inflight[step]
+            self.inflight[step] = (prm_refit.with_refit_rows(
+                batch, *self.refit.rows(self.rollout.last)), metrics, version)
 
 
 def dpo_phase(ctx: Context, steps: int) -> Phase:

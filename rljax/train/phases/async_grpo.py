@@ -73,6 +73,7 @@ class SamplerState:
     rng: Any
     ref_params: Any = None
     role_baseline: Any = None   # RAE: the baseline after the batches sampled so far
+    critic_params: Any = None   # the search's refitted PRM (``algo.mcts.refit_prm``)
 
 
 class AsyncSchedule:
@@ -102,6 +103,7 @@ class AsyncSchedule:
         self.sampler_ref = None
         self.inflight: dict[int, tuple[dict, dict, int]] = {}   # step -> (batch, metrics, v)
         self.sampler_params, self.sampler_version, self._sampler_rng = None, None, None
+        self.sampler_critic = None   # a phase that refits a PRM its sampler reads places it
         # RAE's per-role baseline moves with the rewards of each batch as it is sampled, so the
         # sampler keeps its own (the train state's follows as the batches train).
         self.sampler_baseline = None
@@ -148,7 +150,8 @@ class AsyncSchedule:
         if hasattr(rounds, "params_version"):   # partial rollouts: versions
             rounds.params_version = self.sampler_version
         view = SamplerState(self.sampler_params, self._sampler_rng, ref_params=self.sampler_ref,
-                            role_baseline=self.sampler_baseline)
+                            role_baseline=self.sampler_baseline,
+                            critic_params=self.sampler_critic)
         t0 = time.perf_counter()
         batch, metrics = self.rollout(view, step)
         metrics.setdefault("time/sample", time.perf_counter() - t0)   # (a pair source's)

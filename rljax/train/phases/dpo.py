@@ -332,7 +332,12 @@ class DPOPhase:
 
     def train_on(self, state, batch: dict, metrics: dict, step: int):
         """The updates on a sampled batch's pairs (``_pairs``), dispatched (their metrics not
-        fetched): ``(state, updates)``. (Asynchronous DPO trains batches sampled earlier.)"""
+        fetched): ``(state, updates)``. (Asynchronous DPO trains batches sampled earlier;
+        with ``algo.mcts.refit_prm`` the PRM is refitted first on the rows the batch carries.)"""
+        if self.refit is not None:
+            batch, rows, count = prm_refit.split_refit_rows(batch)
+            state, refit_metrics = self.refit.fit(state, rows, count)
+            metrics.update(refit_metrics)
         return self._update(state, self._pairs(batch, metrics), metrics, step)
 
     def _update(self, state, pairs: dict, metrics: dict, step: int):
