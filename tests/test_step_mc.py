@@ -314,20 +314,20 @@ def test_step_mc_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
     that replay turn 0, and chosen and rejected are sibling turns at a prefix, laid out as
     MCTS pairs over turns are; a DPO round trains on them."""
     from rljax.envs.base import register_env
-    from rljax.train import run
     from rljax.train.core import setup
-    from rljax.train.core.metrics import read_metrics
+    from rljax.train.core.state import create_train_state
     from rljax.train.methods import step_mc_episodes
     from test_mcts_rollout import EPISODE_SEARCH, TwoTurnEnv
 
     register_env("test_two_turns", TwoTurnEnv)
     env = {k: v for k, v in EPISODE_SEARCH.items() if k.startswith(("env.", "reward."))}
-    cfg = lambda: tiny_step_mc_cfg(1, **env, **{  # noqa: E731
-        "sft.steps": 0, "rollout.batch_size": 6, "rollout.max_new_tokens": 12})
-    ctx = setup.build_context(cfg(), str(tmp_path / "ctx"), devices=jax.devices()[:1])
+    cfg = tiny_step_mc_cfg(1, **env, **{"sft.steps": 0, "rollout.batch_size": 6,
+                                         "rollout.max_new_tokens": 12})
+    ctx = setup.build_context(cfg, str(tmp_path), devices=jax.devices()[:1])
     phase = dpo.DPOPhase(ctx, 1)
     assert isinstance(phase.source, step_mc_episodes.EpisodeStepMCPairs)
-    batch, m = phase.source(types.SimpleNamespace(rng=jax.random.key(0), params=ctx.params), 0)
+    state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
+    batch, m = phase.source(state, 0)
     real = np.flatnonzero(batch["pair_mask"])
     assert real.size and m["step_mc/pairs"] == real.size and m["step_mc/prefixes"] > 0
     assert m["step_mc/steps_mean"] == 2   # TwoTurnEnv's episodes have two model turns
@@ -337,6 +337,5 @@ def test_step_mc_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
         sides = [batch[f"{s}_tokens"][i][batch[f"{s}_mask"][i]] for s in ("chosen", "rejected")]
         assert all(0 < len(t) <= 4 and "<o>" not in TOK.decode(t) for t in sides)
         assert sides[0].tolist() != sides[1].tolist()
-    assert run.train(cfg(), str(tmp_path / "run"), devices=jax.devices()[:1]) == 0
-    (train,) = [r for r in read_metrics(str(tmp_path / "run")) if "step_mc/pairs" in r]
-    assert np.isfinite(train["loss"]) and train["dpo/pairs"] > 0
+    _, train = phase.iteration(state, 0)   # a round (the iterator's next prompts), trained
+    assert train["dpo/pairs"] == train["step_mc/pairs"] > 0 and np.isfinite(train["loss"])
