@@ -197,6 +197,15 @@ def test_config_rejects_step_mc_outside_online_dpo():
         config_lib.load_config(None, ["--config.data.pairs=step_mc"])
 
 
+def test_config_refuses_step_mc_pairs_with_self_play_in_one_line():
+    with pytest.raises(config_lib.ConfigError, match=(
+            "data.pairs='step_mc' with env.name cannot be combined with "
+            "env.selfplay.mode='self'")) as err:
+        config_lib.load_config(None, ["algo.name=dpo", "algo.online=True", "data.pairs=step_mc",
+                                      "env.name=tictactoe", "env.selfplay.mode=self"])
+    assert "\n" not in str(err.value)
+
+
 def test_delimiter_that_never_occurs_is_one_line_exit_2(tmp_path):
     args = ["--config", os.path.join(ROOT, "configs", "dpo_arithmetic_step_mc.py"),
             "--workdir", str(tmp_path / "w"), "--config.data.step_delimiter=;"]

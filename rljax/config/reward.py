@@ -167,6 +167,11 @@ def check_selfplay(cfg) -> None:
     if env.name not in GAME_ENVS:
         raise ConfigError(f"{what} plays board games: env.name must be one of {GAME_ENVS}, "
                           f"got {env.name!r}")
+    if cfg.data.pairs == "step_mc":
+        raise ConfigError(f"data.pairs='step_mc' with env.name cannot be combined with {what} "
+                          "(a prefix's continuations replay one seat's turns; replaying the "
+                          "other seats' moves, as the search over a match's turns does, is not "
+                          "wired into them yet)")
     search = "mcts" in (cfg.sft.traces, cfg.data.pairs)
     if (cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg)
             and not search):
