@@ -1,6 +1,7 @@
 """GRPO with tree sampling (rollout.tree): the leaves are the group, the tree advantages get
 the tree, resume is exact; bad tree budgets fail before compiling, naming the key."""
 import os
+import re
 import string
 import subprocess
 import sys
@@ -189,12 +190,22 @@ def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, en
             assert (e["turns"] == 1).any() and (e["turns"] == 2).any()
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"env.name": "tictactoe", "env.selfplay.mode": "self"}, "env.selfplay.mode"),
+CHECKPOINT = {"env.name": "tictactoe", "env.selfplay.mode": "checkpoint",
+              "env.selfplay.workdir": "runs/x"}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"env.name": "tictactoe", "env.selfplay.mode": "self"},
+     "rollout.tree.enabled=true with env.name has no meaning with env.selfplay.mode='self'"),
+    ({**CHECKPOINT, "rollout.partial": True, "rollout.engine": "slots"},
+     "rollout.tree.enabled=true with env.selfplay.mode='checkpoint' cannot be combined with "
+     "rollout.partial=true"),
+    ({**CHECKPOINT, "algo.routing_replay": True},
+     "rollout.tree.enabled=true with env.selfplay.mode='checkpoint' cannot be combined with "
+     "algo.routing_replay=true"),
 ])
-def test_tree_of_episodes_refuses_what_it_cannot_do(overrides, key):
-    with pytest.raises(ConfigError, match="rollout.tree.enabled=true with env.name cannot be "
-                                          f"combined with {key}"):
+def test_tree_of_episodes_refuses_what_it_cannot_do(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         tiny_cfg(**{**EPISODES, **overrides})
 
 

@@ -265,7 +265,20 @@ def _check_tree_episodes(cfg) -> None:
     of first turns, as for single-turn trees: ``knapsack_step``; routing replay takes the
     tree's routes for the first turns, the engine's for the later ones; with in-flight
     updates each token records the version that drew it, in the tree or after; partial
-    rollouts carry a group's trees whole, at the first-turn boundary.)"""
-    if cfg.env.selfplay.mode != "off":
-        raise ConfigError("rollout.tree.enabled=true with env.name cannot be combined with "
-                          "env.selfplay.mode (a match's seats share rows)")
+    rollouts carry a group's trees whole, at the first-turn boundary.) Against a checkpoint
+    opponent the tree is of the learner seat's first turns, its matches sharing their
+    opening (``train.methods.tree_matches``)."""
+    mode = cfg.env.selfplay.mode
+    if mode == "self":
+        raise ConfigError("rollout.tree.enabled=true with env.name has no meaning with "
+                          "env.selfplay.mode='self': row j of every seat's group plays match j, "
+                          "so a later seat's first turn follows an earlier seat's different "
+                          "leaves and its group shares no prefix to fork (use mode='checkpoint')")
+    if mode == "off":
+        return
+    for key, on in (("rollout.partial", cfg.rollout.partial),
+                    ("algo.routing_replay", cfg.algo.get("routing_replay"))):
+        if on:   # (partial: carried matches rebuild no tree; routes: the tree's columns are
+            # its own prompt's, a first turn that ended its match never reaches the engine)
+            raise ConfigError(f"rollout.tree.enabled=true with env.selfplay.mode='{mode}' "
+                              f"cannot be combined with {key}=true")

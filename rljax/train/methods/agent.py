@@ -209,16 +209,16 @@ class EpisodeRounds(RoundSource):
         r = cfg.rollout
         opts = dict(num_samples=g, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     weights=weights)
+        if tree is None:
+            tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
         if not self.selfplay:
-            if tree is None:
-                tree = tree_sampling.options_from_config(cfg.rollout.tree, g)
             return play(self.ctx, params, examples, rng, prefixes=prefixes,
                         temperatures=sampler.rollout_temperatures(cfg), **opts,
                         record_routes=bool(cfg.algo.get("routing_replay")), images=images,
                         locations=locations, tree=tree), examples
         from rljax.train.methods import selfplay
         return selfplay.play(self.ctx, params, examples, rng, template=self.template,
-                             opponent=self.opponent, prefixes=prefixes,
+                             opponent=self.opponent, prefixes=prefixes, tree=tree,
                              **match_options(cfg, self.ctx), **opts)
 
     def sample_round(self, rollout: Rollout, params, rng) -> dict:

@@ -355,6 +355,32 @@ def run_matches(sides: Sequence[Side], tokenizer, *, renderer: Renderer, limits:
     return [run.result(time_env) for run in runs]
 
 
+def replay_match(runs, where, n: int, history, turn: int, until_over: bool = False) -> None:
+    """Row ``n``'s match replayed up to its seat's model turn ``turn`` (a VinePPO fork's,
+    ``vine_matches``; a tree's first turn, ``tree_matches``): each ply's seat (the game's
+    turn order) takes its recorded ids ``history`` int [plies, N] (-1 after a turn's), its
+    observation rendered first, and steps its environment. ``where``: (``id(match)``, seat)
+    -> (side, row) of every seat environment of ``runs`` (``_SideRun``s); the seat is row n
+    of side 0. ``until_over``: a history that ends the match replays whole (a tree's
+    opening), else that is an error."""
+    match = runs[0].envs[n].match
+    for ply in range(len(history) + 1):
+        if until_over and match.over():
+            return
+        side, i = where[(id(match), match.to_move())]
+        run = runs[side]
+        if side == 0 and run.turns[i] == turn:
+            return
+        if ply == len(history):
+            break
+        if run.next_observation(i) is None:
+            raise ValueError(f"a replayed match ran out of room at ply {ply}")
+        ids = [int(x) for x in history[ply] if x >= 0]
+        text = run.turn_ended(i, ids, np.zeros(len(ids), np.float32))[1]
+        run.record(i, run.envs[i].step(text))
+    raise ValueError(f"match {id(match)}: its history ends before the forked turn {turn}")
+
+
 class _EngineSide:
     """One side's rows on the episode engine (``sampling.episode_engine``): a slot per row for
     its whole match (all seats at once, so a seat waiting for another's move never waits for

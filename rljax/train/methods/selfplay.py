@@ -191,7 +191,7 @@ def seat_of(game, example) -> int:
 def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
          limits: EpisodeLimits, env_kwargs: dict, num_samples: int, temperature: float,
          top_k: int = 0, top_p: float = 1.0, template=None, opponent: Opponent | None = None,
-         weights=None, prefixes=None) -> tuple[dict, list[dict]]:
+         weights=None, prefixes=None, tree: dict | None = None) -> tuple[dict, list[dict]]:
     """The policy's episodes of this round's matches and the example of each of its groups:
     ``(eps, group examples)``; ``eps`` has ``run_episodes``' fields and ``roles``.
 
@@ -208,7 +208,11 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     seat's first observation (``matches.Side.prefixes``); the other seats are the
     opponent's, or in self-play the policy's on a side of their own (the round's parameters,
     no hint), played and dropped. The chunk of a first turn widens by a turn's tokens
-    (``limits.turn_tokens``), the room a hint has (``guidance.Guide``)."""
+    (``limits.turn_tokens``), the room a hint has (``guidance.Guide``).
+
+    ``tree`` (``sampling.tree.options_from_config``; with ``opponent``): each group's first
+    turns of its seat are one tree's leaves, its matches sharing their opening
+    (``tree_matches``)."""
     cfg, g = ctx.cfg, int(num_samples)
     game, seat_rows, envs = seat_envs(cfg, examples, template, env_kwargs, g)
     sides, groups = learner_sides(ctx, params, game, examples, seat_rows, envs, g,
@@ -218,6 +222,18 @@ def play(ctx, params, examples: list[dict], rng, *, renderer: Renderer,
     if prefixes is not None:
         limits = dataclasses.replace(limits, chunk_tokens=limits.chunk_tokens
                                      + limits.turn_tokens)
+    if tree is not None:   # the sides again over one match per example: its opening's
+        from rljax.train.methods import tree_matches
+        _, rows_1, envs_1 = seat_envs(cfg, examples, template, env_kwargs, 1)
+        opening, _ = learner_sides(ctx, params, game, examples, rows_1, envs_1, 1,
+                                   temperature=temperature, top_k=top_k, top_p=top_p,
+                                   opponent=opponent, own_only=True)
+        return tree_matches.play_tree(
+            ctx, params, rng, max_plies=len(game.seats) * limits.max_turns, sides=sides,
+            opening=opening, g=g, tree=tree, renderer=renderer, limits=limits,
+            weights=weights, options=dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                          temperatures=sampler.rollout_temperatures(cfg))), \
+            groups
     engine = sampler.episode_engine(cfg, len(envs))
     eps = run_matches(sides, ctx.tokenizer, renderer=renderer, limits=limits,
                       max_plies=len(game.seats) * limits.max_turns, rng=rng, mesh=ctx.mesh,

@@ -49,26 +49,6 @@ def players(rollout):
     return source.template, source.opponent
 
 
-def replay_to_fork(runs, where, n: int, history: np.ndarray, turn: int) -> None:
-    """Fork ``n``'s match replayed up to its forked seat's model turn ``turn``: each ply's
-    seat (the game's turn order) takes its recorded ids ``history`` int [plies, N] (-1 after
-    a turn's), its observation rendered first, and steps its environment. ``where``:
-    (``id(match)``, seat) -> (side, row) of every seat environment; the forked seat is row
-    n of side 0."""
-    match = runs[0].envs[n].match
-    for ply in range(len(history)):
-        side, i = where[(id(match), match.to_move())]
-        run = runs[side]
-        if side == 0 and run.turns[i] == turn:
-            return
-        if run.next_observation(i) is None:
-            raise ValueError(f"a replayed match ran out of room at ply {ply}")
-        ids = [int(x) for x in history[ply] if x >= 0]
-        text = run.turn_ended(i, ids, np.zeros(len(ids), np.float32))[1]
-        run.record(i, run.envs[i].step(text))
-    raise ValueError(f"match {id(match)}: its history ends before the forked turn {turn}")
-
-
 def play_forks(ctx, params, rnd: dict, forks: list, k: int, rng, template, opponent):
     """The K forks of each fork point of ``forks`` ((row, step, start, turn) of ``rnd``, a
     round of self-play rows with ``match_turns``; turn None: a fresh match), fork-major:
@@ -114,7 +94,7 @@ def _play_batch(ctx, params, rnd: dict, points: list, rng, template, opponent):
     for n, (i, _, start, turn) in enumerate(points):
         if turn is None:   # a fresh match
             continue
-        replay_to_fork(runs, where, n, rnd["match_turns"][i], turn)
+        matches.replay_match(runs, where, n, rnd["match_turns"][i], turn)
         first = int(np.argmax(turn_ids[i] == turn))   # turn k's tokens before the fork
         runs[0].lead_in[n] = tokens[i, first:start].tolist()
     before = sum(int(run.model_mask.sum()) for run in runs) + sum(map(len, runs[0].lead_in))
