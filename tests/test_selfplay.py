@@ -513,14 +513,15 @@ def test_checkpoint_opponent_with_knapsack_partial_rollouts_trains(rae_run, tmp_
     assert records[1]["rollout/staleness_max"] == 1   # carried mid-game
 
 
-@pytest.mark.parametrize("engine", ["static", "slots"])
+@pytest.mark.parametrize("engine", ["static", "slots", "knapsack"])
 def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tmp_path,
                                                                     monkeypatch, engine):
     """rollout.tree with a checkpoint opponent (the static tree sampler, or the slot engine
     serving its forks): a group's 4 matches share their opening (O's wait for the opponent's
     first move, played once), the learner seat's first turns are one tree's leaves (2 roots
     of one token, each forked in 2), every match is played on to its end, and treepo's
-    advantages read the leaves' seat rewards over that tree."""
+    advantages read the leaves' seat rewards over that tree. Knapsack allocation: a game's
+    group is trees of one root (2 leaves), each with an opening of its own, under GRPO."""
     from rljax import algorithms
     from rljax.envs.selfplay import SeatEnv
     from rljax.sampling import tree as tree_sampling
@@ -534,31 +535,37 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
         real_play(*a, **k)) or played[-1])
     monkeypatch.setattr(Rollout, "advantages", lambda self, rewards, **kw: seen.append(
         (np.asarray(rewards), real_adv(self, rewards, **kw))) or seen[-1][1])
+    knapsack = {"rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 2,
+                "algo.adv_estimator": "grpo"} if engine == "knapsack" else {}
     cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
-                     "env.selfplay.temperature": 1.0, "rollout.engine": engine,
-                     "rollout.slots": 3, "algo.adv_estimator": "treepo",
+                     "env.selfplay.temperature": 1.0, "rollout.slots": 3,
+                     "rollout.engine": "slots" if engine == "slots" else "static",
+                     "algo.adv_estimator": "treepo",
                      "algo.num_generations": 4, "rollout.tree.enabled": True,
                      "rollout.tree.roots": 2, "rollout.tree.branching": 2,
-                     "rollout.tree.segment_tokens": 1})
+                     "rollout.tree.segment_tokens": 1, **knapsack})
     assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
     assert all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)   # the tree's log-probs trained
     assert len(played) == 2 and len(seen) == 2
+    shared = 2 if knapsack else 4   # the rows of one played group: one opening
     openings = []
     for eps in played:
         assert len(eps["tokens"]) == 8 and not eps["truncated"].any()
         assert (eps["turns"] >= 2).all()   # games played on after the tree's first turns
         start = np.argmax(eps["turn_ids"] == 0, axis=1)   # the first turn's column
-        first = eps["tokens"][np.arange(8), start].reshape(2, 2, 2)   # (tree, root, leaf)
-        assert (first[:, :, 0] == first[:, :, 1]).all()   # a root's leaves share its segment
-        for group in range(2):   # a tree's matches share the opening before it
-            rows = slice(4 * group, 4 * group + 4)
-            assert len(set(start[rows])) == 1
-            prefix = eps["tokens"][rows, :start[4 * group]]
+        first = eps["tokens"][np.arange(8), start].reshape(4, 2)   # (root, leaf)
+        assert (first[:, 0] == first[:, 1]).all()   # a root's leaves share its segment
+        for group in range(0, 8, shared):   # a tree's matches share the opening before it
+            assert len(set(start[group:group + shared])) == 1
+            prefix = eps["tokens"][group:group + shared, :start[group]]
             assert (prefix == prefix[:1]).all()
-            openings.append(start[4 * group])
+            openings.append(start[group])
     assert max(openings) > 0 and min(openings) == 0   # both seats: O after X's opening
+    if knapsack:
+        assert all(r["rollout/group_size_mean"] % 2 == 0 for r in rl)
+        return
     node_ids = np.tile(tree_sampling.tree_layout(2, 2, 1)[0], (2, 1))
     for rewards, adv in seen:
         np.testing.assert_allclose(adv, algorithms.treepo_advantages(
