@@ -744,26 +744,12 @@ def test_selfplay_with_distillation_scores_every_seat(tmp_path, lowest_cell):
                                 and 0 <= r["distill/teacher_agreement"] <= 1 for r in rl)
 
 
-@pytest.mark.parametrize("engine", ["static", "slots"])
-def test_selfplay_routes_are_the_training_forwards(tmp_path, engine):
-    """Routing replay in self-play (a mixture of experts): the matches record the experts of
-    every token each learner seat fed (prompt, its moves, the boards it observed), on the
-    static plies or the engines, laid out as the training row's columns: the sets a full
-    forward over prompt ++ trajectory routes them to."""
+def assert_routes_are_the_forwards(ctx, eps):
+    """The rows' recorded routes ``eps["routes"]`` are the expert sets a full forward over
+    prompt ++ trajectory routes each fed token to (a row's last token is never fed)."""
     import jax.numpy as jnp
 
-    from rljax import data as data_lib, models, sampling
-    from rljax.train.core import evaluate
-    from rljax.train.methods import agent, selfplay
-    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "model.preset": "tiny-moe",
-                     "algo.routing_replay": True, "rollout.engine": engine,
-                     "rollout.chunk_steps": 3})
-    cfg.model.overrides = dict(cfg.model.overrides, moe_intermediate_size=16, init_std=0.1)
-    ctx = setup.build_context(config_lib.validate(cfg), str(tmp_path), devices=DEVICES)
-    template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
-    eps, _ = selfplay.play(ctx, ctx.params, evaluate.eval_examples(ctx)[:2], jax.random.key(3),
-                           num_samples=2, temperature=1.0, template=template,
-                           **agent.match_options(ctx.cfg, ctx))
+    from rljax import models, sampling
     p = eps["prompt_len"]
     pt, pm = sampling.pad_to_bucket(eps["prompt_ids"], pad_id=0, buckets=(p,))
     tokens = np.concatenate([pt, eps["tokens"]], 1)
@@ -775,7 +761,37 @@ def test_selfplay_routes_are_the_training_forwards(tmp_path, engine):
     fed = mask.copy()
     fed[np.arange(len(fed)), p + eps["lengths"] - 1] = False      # the last token: never fed
     np.testing.assert_array_equal(np.sort(eps["routes"][fed], -1), np.sort(own[fed], -1))
-    if engine == "static":   # and a run replays them: the trainer's log-probs are the sampler's
+
+
+@pytest.mark.parametrize("engine", ["static", "slots", "tree"])
+def test_selfplay_routes_are_the_training_forwards(tmp_path, request, engine):
+    """Routing replay in self-play (a mixture of experts): the matches record the experts of
+    every token each learner seat fed (prompt, its moves, the boards it observed), on the
+    static plies or the engines, laid out as the training row's columns: the sets a full
+    forward over prompt ++ trajectory routes them to. ``tree``: against a checkpoint
+    opponent with a tree of the learner seat's first turns (``tree_matches``), whose routes
+    (prompt, opening, first turn) are the tree sampler's in its own prompt bucket."""
+    from rljax import data as data_lib
+    from rljax.sampling import tree as tree_sampling
+    from rljax.train.core import evaluate
+    from rljax.train.methods import agent, selfplay
+    tree = {"env.selfplay.mode": "checkpoint", "rollout.tree.enabled": True,
+            "env.selfplay.workdir": request.getfixturevalue("rae_run"),
+            "env.selfplay.temperature": 1.0, "rollout.tree.segment_tokens": 1,
+            "rollout.tree.branching": 2} if engine == "tree" else {}
+    cfg = ttt_cfg(**{"env.selfplay.mode": "self", "model.preset": "tiny-moe",
+                     "algo.routing_replay": True, "rollout.chunk_steps": 3,
+                     "rollout.engine": "static" if tree else engine, **tree})
+    cfg.model.overrides = dict(cfg.model.overrides, moe_intermediate_size=16, init_std=0.1)
+    ctx = setup.build_context(config_lib.validate(cfg), str(tmp_path), devices=DEVICES)
+    template = data_lib.make_template(ctx.data_config(), ctx.tokenizer)
+    eps, _ = selfplay.play(ctx, ctx.params, evaluate.eval_examples(ctx)[:2], jax.random.key(3),
+                           num_samples=2, temperature=1.0, template=template,
+                           opponent=selfplay.load_opponent(ctx),
+                           tree=tree_sampling.options_from_config(cfg.rollout.tree, 2),
+                           **agent.match_options(ctx.cfg, ctx))
+    assert_routes_are_the_forwards(ctx, eps)
+    if engine != "slots":   # and a run replays them: the trainer's log-probs are the sampler's
         from rljax.train import run
         cfg.steps = 1
         assert run.train(config_lib.validate(cfg), str(tmp_path / "run"), devices=DEVICES) == 0

@@ -200,9 +200,6 @@ CHECKPOINT = {"env.name": "tictactoe", "env.selfplay.mode": "checkpoint",
     ({**CHECKPOINT, "rollout.partial": True, "rollout.engine": "slots"},
      "rollout.tree.enabled=true with env.selfplay.mode='checkpoint' cannot be combined with "
      "rollout.partial=true"),
-    ({**CHECKPOINT, "algo.routing_replay": True},
-     "rollout.tree.enabled=true with env.selfplay.mode='checkpoint' cannot be combined with "
-     "algo.routing_replay=true"),
 ])
 def test_tree_of_episodes_refuses_what_it_cannot_do(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -267,7 +267,8 @@ def _check_tree_episodes(cfg) -> None:
     updates each token records the version that drew it, in the tree or after; partial
     rollouts carry a group's trees whole, at the first-turn boundary.) Against a checkpoint
     opponent the tree is of the learner seat's first turns, its matches sharing their
-    opening (``train.methods.tree_matches``)."""
+    opening (``train.methods.tree_matches``; routing replay takes the tree's routes for
+    the prompt, opening and first turn)."""
     mode = cfg.env.selfplay.mode
     if mode == "self":
         raise ConfigError("rollout.tree.enabled=true with env.name has no meaning with "
@@ -276,9 +277,6 @@ def _check_tree_episodes(cfg) -> None:
                           "leaves and its group shares no prefix to fork (use mode='checkpoint')")
     if mode == "off":
         return
-    for key, on in (("rollout.partial", cfg.rollout.partial),
-                    ("algo.routing_replay", cfg.algo.get("routing_replay"))):
-        if on:   # (partial: carried matches rebuild no tree; routes: the tree's columns are
-            # its own prompt's, a first turn that ended its match never reaches the engine)
-            raise ConfigError(f"rollout.tree.enabled=true with env.selfplay.mode='{mode}' "
-                              f"cannot be combined with {key}=true")
+    if cfg.rollout.partial:   # (carried matches are rebuilt without their tree)
+        raise ConfigError(f"rollout.tree.enabled=true with env.selfplay.mode='{mode}' "
+                          "cannot be combined with rollout.partial=true")

@@ -73,9 +73,10 @@ def play_tree(ctx, params, rng, *, max_plies: int, sides: list, opening: list, g
     first = tree_episodes.FirstTurns(ctx, params, rng, tree, limits.turn_tokens,
                                      weights=weights, **options)
     tokens, logps, lengths = (np.asarray(x) for x in first(p_tok, p_mask))
-    drawn = first.out.get("versions")
+    drawn, spans = first.out.get("versions"), {}
     for i in moving:   # (a turn's budget: at most the trajectory's room)
         n = min(int(lengths[i]), limits.max_total_tokens - int(learner.length[i]))
+        spans[i] = (len(learner.prompt_ids[i]), int(learner.length[i]), n)
         text = learner.turn_ended(i, tokens[i, :n].tolist(), logps[i, :n],
                                   None if drawn is None else np.asarray(drawn)[i, :n])[1]
         learner.record(i, learner.envs[i].step(text))
@@ -85,6 +86,25 @@ def play_tree(ctx, params, rng, *, max_plies: int, sides: list, opening: list, g
                                   width=max(limits.chunk_tokens, limits.max_total_tokens))[0]
     if "swaps" in out:
         out["swaps"] += first.out["swaps"]
+    if "routes" in out:
+        out["routes"] = with_tree_routes(out["routes"], np.asarray(first.out["routes"]),
+                                         learner.p_tok.shape[1], p_tok.shape[1], spans)
+    return out
+
+
+def with_tree_routes(routes: np.ndarray, tree_routes: np.ndarray, p: int, p_tree: int,
+                     spans: dict) -> np.ndarray:
+    """Routing replay: the learner rows' routes int32 [R, p+M, L, k] (the engine's, every
+    token it fed, laid out as the training rows: prompt bucket p, then the trajectory) with
+    each tree row's prompt, opening and first turn, but the turn's last token, taken from
+    the tree's ``tree_routes`` [R, p_tree+N, L, k] (its own prompt bucket p_tree holding
+    prompt ++ opening, then the turn), the routes that drew the first turn's tokens.
+    ``spans``: row -> (its prompt's tokens a, trajectory tokens before the turn t, the
+    turn's tokens n). A row whose match ended on its first turn never reached the engine:
+    the tree's are its only routes after the prompt."""
+    out = np.array(routes, copy=True)
+    for i, (a, t, n) in spans.items():
+        out[i, p - a:p + t + n - 1] = tree_routes[i, p_tree - a - t:p_tree + n - 1]
     return out
 
 
