@@ -513,7 +513,7 @@ def test_checkpoint_opponent_with_knapsack_partial_rollouts_trains(rae_run, tmp_
     assert records[1]["rollout/staleness_max"] == 1   # carried mid-game
 
 
-@pytest.mark.parametrize("engine", ["static", "slots", "knapsack"])
+@pytest.mark.parametrize("engine", ["static", "slots", "knapsack", "inflight"])
 def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tmp_path,
                                                                     monkeypatch, engine):
     """rollout.tree with a checkpoint opponent (the static tree sampler, or the slot engine
@@ -521,7 +521,8 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
     first move, played once), the learner seat's first turns are one tree's leaves (2 roots
     of one token, each forked in 2), every match is played on to its end, and treepo's
     advantages read the leaves' seat rewards over that tree. Knapsack allocation: a game's
-    group is trees of one root (2 leaves), each with an opening of its own, under GRPO."""
+    group is trees of one root (2 leaves), each with an opening of its own, under GRPO.
+    In-flight weight updates: every learner token, the tree's too, records its version."""
     from rljax import algorithms
     from rljax.envs.selfplay import SeatEnv
     from rljax.sampling import tree as tree_sampling
@@ -537,17 +538,20 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
         (np.asarray(rewards), real_adv(self, rewards, **kw))) or seen[-1][1])
     knapsack = {"rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 2,
                 "algo.adv_estimator": "grpo"} if engine == "knapsack" else {}
+    inflight = {"algo.asynchronous": True, "algo.inflight_updates": True} if (
+        engine == "inflight") else {}
     cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
                      "env.selfplay.temperature": 1.0, "rollout.slots": 3,
-                     "rollout.engine": "slots" if engine == "slots" else "static",
+                     "rollout.engine": "static" if engine in ("static", "knapsack")
+                     else "slots",
                      "algo.adv_estimator": "treepo",
                      "algo.num_generations": 4, "rollout.tree.enabled": True,
                      "rollout.tree.roots": 2, "rollout.tree.branching": 2,
-                     "rollout.tree.segment_tokens": 1, **knapsack})
+                     "rollout.tree.segment_tokens": 1, **knapsack, **inflight})
     assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
-    assert all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)   # the tree's log-probs trained
+    assert inflight or all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)   # the tree's
     assert len(played) == 2 and len(seen) == 2
     shared = 2 if knapsack else 4   # the rows of one played group: one opening
     openings = []
@@ -563,6 +567,10 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
             assert (prefix == prefix[:1]).all()
             openings.append(start[group])
     assert max(openings) > 0 and min(openings) == 0   # both seats: O after X's opening
+    if inflight:   # (the second batch is sampled while the first trains)
+        eps = played[-1]
+        assert (eps["versions"][eps["model_mask"]] >= 0).all() and eps["swaps"] >= 0
+        return
     if knapsack:
         assert all(r["rollout/group_size_mean"] % 2 == 0 for r in rl)
         return
