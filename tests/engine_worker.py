@@ -1,7 +1,9 @@
 """Run by ``test_multihost.py``, as 1 process of 4 CPU devices and as each of 2 local processes
 of 2: GRPO on the slot engine (``BASE/slots``), on guess-the-number games (``BASE/episodes``,
 the episode engine), on games carried across iterations by asynchronous GRPO
-(``BASE/episodes_partial``: a device of each process samples), then with partial rollouts
+(``BASE/episodes_partial``: a device of each process samples), on trees of forks served as
+engine requests (``BASE/tree``) and carried across iterations (``BASE/tree_partial``), then
+with partial rollouts
 checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its
 last checkpoint, keeps its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step.
 All in one launch, so each process starts and compiles the update once.
@@ -22,6 +24,9 @@ EPISODES = ["--config.data.source=guess_number", "--config.data.max_prompt_lengt
             "--config.env.name=guess_number", "--config.env.max_turns=3",
             "--config.env.max_total_tokens=24", "--config.env.max_turn_tokens=4",
             "--config.env.max_obs_tokens=8", "--config.reward.names=('length',)"]
+# One step on trees of 4 leaves forked after the first token (two levels: the fewest programs).
+TREE = ["--config.steps=1", "--config.rollout.tree.enabled=true",
+        "--config.rollout.tree.segment_tokens=1", "--config.rollout.tree.branching=4"]
 ASYNC = ["--config.algo.asynchronous=true", "--config.mesh.rollout_devices=2",
          "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.rollout.data=1",
          "--config.mesh.rollout.fsdp=2"]
@@ -31,7 +36,8 @@ def main(base: str, resume: bool, config: str, *overrides: str) -> int:
     distributed.initialize()
     train = ["train", "--config", config, *overrides]
     for name, extra in (("slots", []), ("episodes", EPISODES),
-                        ("episodes_partial", EPISODES + PARTIAL + ASYNC), ("partial", PARTIAL)):
+                        ("episodes_partial", EPISODES + PARTIAL + ASYNC), ("tree", TREE),
+                        ("tree_partial", TREE + PARTIAL), ("partial", PARTIAL)):
         code = cli.main([*train, *extra, "--workdir", os.path.join(base, name)])
         if code or not resume and name == "partial":
             return code

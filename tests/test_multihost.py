@@ -147,11 +147,11 @@ ENGINE = ["--config.rollout.engine=slots", "--config.rollout.slots=8",
 @pytest.mark.slow
 def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_path):
     """GRPO on the slot engine, on its episodes (straight, and partial with asynchronous GRPO),
-    then with partial rollouts (``tests/engine_worker.py``), as 2 processes of 2 devices and
-    as 1 of 4: every
-    process drives the engine's host loop from the same global values (which slot refills,
-    when a row or a turn stops), so the runs are the same (the partial episodes' evaluation
-    runs the static turn batches: checked too); the partial run resumed from step 1 redoes
+    on its trees (straight, and carried), then with partial rollouts
+    (``tests/engine_worker.py``), as 2 processes of 2 devices and as 1 of 4: every process
+    drives the engine's host loop from the same global values (which slot refills, when a row,
+    a turn or a tree's level stops), so the runs are the same (the partial episodes'
+    evaluation runs the static turn batches: checked too); the partial run resumed from step 1 redoes
     step 2 exactly (the pool's groups in flight come back on both processes)."""
     worker = [sys.executable, os.path.join(ROOT, "tests", "engine_worker.py")]
     config = [os.path.join(ROOT, "configs", "grpo_arithmetic.py"), *OVERRIDES, *ENGINE]
@@ -173,6 +173,13 @@ def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_p
     assert carried[0]["rollout/carried_groups"] > 0 and carried[1]["rollout/staleness_max"] >= 1
     assert carried[1]["time/weight_transfer"] > 0   # asynchronous: the sampler's own devices
     _compare(_read(tmp_path / "one" / "episodes_partial"), carried)
+    trees = _read(tmp_path / "two" / "tree")   # shared segments decoded once
+    assert trees[0]["rollout/decoded_tokens"] < trees[0]["rollout/tokens"]
+    assert trees[0]["reward/std"] > 0
+    _compare(_read(tmp_path / "one" / "tree"), trees)
+    carried_trees = _read(tmp_path / "two" / "tree_partial")
+    assert carried_trees[0]["rollout/carried_groups"] > 0
+    _compare(_read(tmp_path / "one" / "tree_partial"), carried_trees)
     first = [json.loads(line) for line in (tmp_path / "two" / "first.jsonl").open()]
     assert first[0]["rollout/carried_groups"] > 0 and first[1]["rollout/staleness_max"] >= 1
     _compare(_read(tmp_path / "one" / "partial"), first)
@@ -218,7 +225,7 @@ def test_single_process_refusal_names_the_feature_and_what_runs(monkeypatch):
     from rljax.errors import UserError
     from rljax.train.core import sampler
 
-    sampler.single_process("rollout.engine='slots' with rollout.tree")   # one process: fine
+    sampler.single_process("algo.inflight_updates=true")   # one process: fine
     monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
     with pytest.raises(UserError, match=r"^algo.inflight_updates=true runs in a single process "
                        r"for now; use algo.inflight_updates=false on several hosts$"):

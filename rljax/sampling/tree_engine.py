@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import models
+from rljax import distributed as dist, models
 from rljax.sampling import engine
 from rljax.sampling.draw import NOISE_AHEAD_MAX_ELEMENTS, draw_noise, noise_ahead_size
 from rljax.sampling.tree import TreeSampleOutput, check_tree, tree_layout
@@ -90,7 +90,7 @@ def write_segment(paths: dict, out, live: np.ndarray, start: int,
     """``paths`` with the engine's segment output (``SampleOutput``, [rows, end - start]) written
     at positions [start, end) of the live rows; the others keep what their parent had.
     ``versions`` int32 [rows, end - start] (in-flight weights): each segment token's version."""
-    seg = jax.device_get(out)
+    seg = dist.to_host_tree(out)   # (several processes: the global values)
     end = start + seg.tokens.shape[1]
     paths = {name: x.copy() for name, x in paths.items()}
     paths["tokens"][live, start:end] = seg.tokens[live]
@@ -156,7 +156,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
                                   slots=slots, chunk_steps=chunk_steps, cache_dtype=cache_dtype,
                                   noise=noise, live=live, weights=polls, **draw,
                                   image_embeds=None if image_embeds is None else
-                                  np.repeat(image_embeds, rows // b, axis=0),
+                                  np.repeat(dist.to_host(image_embeds), rows // b, axis=0),
                                   temperatures=(None if temperatures is None else
                                                 temperatures[start:end]),
                                   record_routes=record_routes)
@@ -165,7 +165,7 @@ def generate(cfg: models.ModelConfig, params: Any, prompt_tokens: Any, prompt_ma
         before = paths["lengths"].copy()
         paths = write_segment(paths, out, live, start, st.versions)
         if record_routes:   # the prompt, the path so far and the segment, as this level fed them
-            routes = np.asarray(jax.device_get(out.routes))
+            routes = dist.to_host(out.routes)
             paths["routes"][live, :routes.shape[1]] = routes[live]
         decoded += (paths["lengths"] - before).reshape(b, -1).sum(axis=1).astype(np.int32)
         stats.append(st)

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax import models
+from rljax import distributed as dist, models
 from rljax.sampling import engine
 from rljax.sampling.core import merge_stop_ids
 from rljax.sampling.draw import NOISE_AHEAD_MAX_ELEMENTS, noise_ahead_size
@@ -209,7 +209,7 @@ class TreePool:
                                   chunk_steps=self.chunk_steps, cache_dtype=self.cache_dtype,
                                   noise=noise, live=live, **self.draw,
                                   image_embeds=None if image_embeds is None else
-                                  np.repeat(np.asarray(image_embeds), width, axis=0),
+                                  np.repeat(dist.to_host(image_embeds), width, axis=0),
                                   temperatures=None if self.temperatures is None else
                                   self.temperatures[start:end], weights=weights)
         before = paths["lengths"].copy()

@@ -55,8 +55,7 @@ from rljax.train.core import image_inputs
 from rljax.train.core.buckets import encode_prompts, prompt_buckets
 from rljax.train.core.rollout import Rollout, rollout_temperatures
 from rljax.train.core.rollout_metrics import carried_metrics
-from rljax.train.core.sampler import (engine_slots, sampling_params, sampling_weights,
-                                      single_process)
+from rljax.train.core.sampler import engine_slots, sampling_params, sampling_weights
 
 PARTIAL_STREAM = 8  # rng stream of the pool: fold_in(state.rng, PARTIAL_STREAM), every step
 
@@ -88,9 +87,6 @@ class PartialRounds:
     so GRPO, distillation and PPO's reward rollout get partial rollouts alike."""
 
     def __init__(self, ctx, num_prompts: int, sizes_of=None, rows: int = 0):
-        if ctx.cfg.rollout.tree.enabled:
-            single_process("rollout.partial=true with rollout.tree",
-                           instead="rollout.partial=false")
         self.ctx, self.num_prompts = ctx, int(num_prompts)
         # Groups of their own sizes (knapsack allocation): ``sizes_of(rollout, indices) ->
         # int [P]`` sizes each admitted batch, at most ``rows`` rows a group.

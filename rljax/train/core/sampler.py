@@ -230,7 +230,6 @@ def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats:
     """``sampling.tree_engine.generate`` for one chunk of prompts (appends each level's
     EngineStats), with in-flight ``weights`` polled between levels and decode chunks and
     the ``temperatures`` schedule [N] drawn at each segment's positions."""
-    single_process("rollout.engine='slots' with rollout.tree")
     rows = int(np.shape(prompt_tokens)[0]) * tree_sampling.num_leaves(
         tree["roots"], tree["branching"], tree["depth"])
     kw = {k: v for k, v in kw.items() if k != "mesh"}   # params keep their own sharding
