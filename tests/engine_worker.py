@@ -2,8 +2,9 @@
 of 2: GRPO on the slot engine (``BASE/slots``), on guess-the-number games (``BASE/episodes``,
 the episode engine), on games carried across iterations by asynchronous GRPO
 (``BASE/episodes_partial``: a device of each process samples), on trees of forks served as
-engine requests (``BASE/tree``) and carried across iterations (``BASE/tree_partial``), then
-with partial rollouts
+engine requests (``BASE/tree``) and carried across iterations (``BASE/tree_partial``), on
+TicTacToe self-play in static turn batches (``BASE/selfplay``) and carried across iterations
+on the engine (``BASE/selfplay_partial``), then with partial rollouts
 checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its
 last checkpoint, keeps its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step.
 All in one launch, so each process starts and compiles the update once.
@@ -24,6 +25,16 @@ EPISODES = ["--config.data.source=guess_number", "--config.data.max_prompt_lengt
             "--config.env.name=guess_number", "--config.env.max_turns=3",
             "--config.env.max_total_tokens=24", "--config.env.max_turn_tokens=4",
             "--config.env.max_obs_tokens=8", "--config.reward.names=('length',)"]
+# One step of TicTacToe self-play, one policy in both seats: 2 moves each (a cell, a stop).
+SELFPLAY = ["--config.data.source=tictactoe", "--config.data.template=plain",
+            "--config.data.max_prompt_length=32",
+            "--config.data.kwargs={'seat':'any','eval_examples':8}",
+            "--config.env.name=tictactoe", "--config.env.max_turns=2",
+            "--config.env.max_total_tokens=24", "--config.env.max_turn_tokens=2",
+            "--config.env.max_obs_tokens=12", "--config.env.selfplay.mode=self",
+            "--config.env.kwargs={'opponent':'random','illegal_penalty':-1.0}",
+            "--config.reward.names=()", "--config.reward.kwargs={}",
+            "--config.rollout.max_new_tokens=2", "--config.steps=1"]
 # One step on trees of 4 leaves forked after the first token (two levels: the fewest programs).
 TREE = ["--config.steps=1", "--config.rollout.tree.enabled=true",
         "--config.rollout.tree.segment_tokens=1", "--config.rollout.tree.branching=4"]
@@ -37,7 +48,9 @@ def main(base: str, resume: bool, config: str, *overrides: str) -> int:
     train = ["train", "--config", config, *overrides]
     for name, extra in (("slots", []), ("episodes", EPISODES),
                         ("episodes_partial", EPISODES + PARTIAL + ASYNC), ("tree", TREE),
-                        ("tree_partial", TREE + PARTIAL), ("partial", PARTIAL)):
+                        ("tree_partial", TREE + PARTIAL),
+                        ("selfplay", SELFPLAY + ["--config.rollout.engine=static"]),
+                        ("selfplay_partial", SELFPLAY + PARTIAL), ("partial", PARTIAL)):
         code = cli.main([*train, *extra, "--workdir", os.path.join(base, name)])
         if code or not resume and name == "partial":
             return code

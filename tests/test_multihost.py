@@ -147,7 +147,8 @@ ENGINE = ["--config.rollout.engine=slots", "--config.rollout.slots=8",
 @pytest.mark.slow
 def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_path):
     """GRPO on the slot engine, on its episodes (straight, and partial with asynchronous GRPO),
-    on its trees (straight, and carried), then with partial rollouts
+    on its trees (straight, and carried), on self-play (static turns, and carried on the
+    engine), then with partial rollouts
     (``tests/engine_worker.py``), as 2 processes of 2 devices and as 1 of 4: every process
     drives the engine's host loop from the same global values (which slot refills, when a row,
     a turn or a tree's level stops), so the runs are the same (the partial episodes'
@@ -180,6 +181,12 @@ def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_p
     carried_trees = _read(tmp_path / "two" / "tree_partial")
     assert carried_trees[0]["rollout/carried_groups"] > 0
     _compare(_read(tmp_path / "one" / "tree_partial"), carried_trees)
+    for name in ("selfplay", "selfplay_partial"):   # one policy in both seats of each match
+        games = _read(tmp_path / "two" / name)
+        assert games[0]["env/games_X_mean"] == games[0]["env/games_O_mean"] == 0.5
+        assert games[0]["reward/std"] > 0
+        _compare(_read(tmp_path / "one" / name), games)
+    assert _read(tmp_path / "two" / "selfplay_partial")[0]["rollout/carried_groups"] > 0
     first = [json.loads(line) for line in (tmp_path / "two" / "first.jsonl").open()]
     assert first[0]["rollout/carried_groups"] > 0 and first[1]["rollout/staleness_max"] >= 1
     _compare(_read(tmp_path / "one" / "partial"), first)
@@ -230,9 +237,8 @@ def test_single_process_refusal_names_the_feature_and_what_runs(monkeypatch):
     with pytest.raises(UserError, match=r"^algo.inflight_updates=true runs in a single process "
                        r"for now; use algo.inflight_updates=false on several hosts$"):
         sampler.single_process("algo.inflight_updates=true", instead="algo.inflight_updates=false")
-    with pytest.raises(UserError, match=r"^rollout.partial=true with env.selfplay.mode runs in a "
-                       r"single process for now$"):
-        sampler.single_process("rollout.partial=true with env.selfplay.mode", instead="")
+    with pytest.raises(UserError, match=r"^a feature runs in a single process for now$"):
+        sampler.single_process("a feature", instead="")
 
 
 def test_single_process_helpers():

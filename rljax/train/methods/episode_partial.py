@@ -73,7 +73,7 @@ from rljax.train.core import episodes as ep, image_inputs
 from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import (engine_slots, rollout_temperatures, sampling_params,
-                                      sampling_weights, single_process)
+                                      sampling_weights)
 from rljax.train.methods import agent
 from rljax.train.methods.partial_matches import play_matches
 
@@ -93,8 +93,6 @@ class EpisodePartialRounds(agent.EpisodeRounds):
 
     def __init__(self, ctx, num_prompts: int, sizes_of=None, rows: int = 0):
         super().__init__(ctx)
-        if self.selfplay:   # (its matches' static turns, e.g. at eval, read one process's rows)
-            single_process("rollout.partial=true with env.selfplay.mode", instead="")
         self.g = int(rows or ctx.cfg.algo.num_generations)   # a group's rows at most
         self.sizes_of = sizes_of
         self.seats, self.num_prompts = 1, int(num_prompts)   # examples a round takes

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from rljax import sampling
+from rljax import distributed as dist, sampling
 from rljax.sampling import multiturn
 from rljax.train.core.episodes import (EngineWeights, EpisodeLimits, Renderer, _count,
                                       _cut_after, scheduled_temperatures,
@@ -262,8 +262,7 @@ class _SideRun:
                                          layout=self.layout,
                                          temperatures=self.turn_temperatures(np.arange(r)),
                                          **self.options)
-        out_tok, out_lp, out_len = (np.asarray(x) for x in jax.device_get(
-            (out.tokens, out.logps, out.lengths)))
+        out_tok, out_lp, out_len = dist.to_host_tree((out.tokens, out.logps, out.lengths))
         kept = np.zeros(r, np.int64)
         texts = []
         for i in rows:
@@ -278,7 +277,7 @@ class _SideRun:
         if not self.side.record_routes or self.cache is None:
             return None
         return multiturn.trajectory_routes(
-            jax.device_get(self.cache["routes"]), self.slot_mask,
+            dist.to_host(self.cache["routes"]), self.slot_mask,
             np.repeat(np.asarray(self.p_mask, bool), self.g, axis=0), self.m_max)
 
     def result(self, time_env: float, routes=None) -> dict:
@@ -453,9 +452,9 @@ class _EngineSide:
         if not self.run.side.record_routes:
             return None
         run, p = self.run, self.run.p_tok.shape[1]
-        cache = np.asarray(jax.device_get(self.cache["routes"]))
+        cache = dist.to_host(self.cache["routes"])
         out = np.zeros((len(run.envs), p + run.m_max) + cache.shape[2:], np.int32)
-        out[:, :p - 1] = np.repeat(np.asarray(jax.device_get(self.prompt_routes)), run.g, 0)
+        out[:, :p - 1] = np.repeat(dist.to_host(self.prompt_routes), run.g, 0)
         for i, n in enumerate(run.length):
             out[i, p - 1:p - 1 + n] = cache[i, :n]
         return out
