@@ -321,6 +321,14 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def every_process(flag: bool) -> bool:
+    """True if ``flag`` is True on every process (e.g. an update every host has seen finish).
+    A collective: every process must call it."""
+    if not is_multiprocess():
+        return bool(flag)
+    return bool(np.all(gather(np.asarray([bool(flag)]))))
+
+
 def any_process(flag: bool) -> bool:
     """True if ``flag`` is True on any process (e.g. a stop signal seen by one host)."""
     if not is_multiprocess():

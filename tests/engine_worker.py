@@ -4,13 +4,15 @@ the episode engine), on games carried across iterations by asynchronous GRPO
 (``BASE/episodes_partial``: a device of each process samples), on trees of forks served as
 engine requests (``BASE/tree``) and carried across iterations (``BASE/tree_partial``), on
 TicTacToe self-play in static turn batches (``BASE/selfplay``) and carried across iterations
-on the engine (``BASE/selfplay_partial``), then with partial rollouts
+on the engine (``BASE/selfplay_partial``), with in-flight weight updates (``BASE/inflight``,
+``staggered_updates``), then with partial rollouts
 checkpointed every step (``BASE/partial``). With ``resume`` the partial run then drops its
 last checkpoint, keeps its metrics as ``BASE/first.jsonl`` and resumes, redoing the last step.
 All in one launch, so each process starts and compiles the update once.
 
     python tests/engine_worker.py BASE resume|straight CONFIG OVERRIDES...
 """
+import json
 import os
 import shutil
 import sys
@@ -41,6 +43,38 @@ TREE = ["--config.steps=1", "--config.rollout.tree.enabled=true",
 ASYNC = ["--config.algo.asynchronous=true", "--config.mesh.rollout_devices=2",
          "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.rollout.data=1",
          "--config.mesh.rollout.fsdp=2"]
+# In-flight weight updates under asynchronous GRPO, a decode chunk a token: update 0 reaches
+# the sampler while it draws batch 1.
+INFLIGHT = ASYNC + ["--config.algo.inflight_updates=true", "--config.rollout.chunk_steps=1"]
+
+
+def staggered_updates(workdir: str):
+    """Makes in-flight updates deterministic and records the swaps: process p sees an update
+    finish at the sampler's poll 3 - p (one process: 3), so the processes disagree, and only
+    agreeing on the later poll makes the run equal one process's. Every in-flight publish
+    appends (version, poll) to ``workdir/swaps_<process>.json``."""
+    from rljax.train.phases import async_grpo
+
+    seen, swaps = {"poll": 0}, []
+
+    def done(watch):
+        watch.polls = seen["poll"] = getattr(watch, "polls", 0) + 1
+        if watch.polls < 3 - distributed.process_index():
+            return False
+        watch._thread.join()   # (the update has finished)
+        return True
+
+    publish = async_grpo.AsyncSchedule.publish
+
+    def recorded(self, state, version):
+        if seen["poll"]:   # (a publish between iterations polls nothing)
+            swaps.append((int(version), seen["poll"]))
+            seen["poll"] = 0
+            with open(os.path.join(workdir, f"swaps_{distributed.process_index()}.json"), "w") as f:
+                json.dump(swaps, f)
+        return publish(self, state, version)
+
+    async_grpo._Watch.done, async_grpo.AsyncSchedule.publish = done, recorded
 
 
 def main(base: str, resume: bool, config: str, *overrides: str) -> int:
@@ -50,7 +84,11 @@ def main(base: str, resume: bool, config: str, *overrides: str) -> int:
                         ("episodes_partial", EPISODES + PARTIAL + ASYNC), ("tree", TREE),
                         ("tree_partial", TREE + PARTIAL),
                         ("selfplay", SELFPLAY + ["--config.rollout.engine=static"]),
-                        ("selfplay_partial", SELFPLAY + PARTIAL), ("partial", PARTIAL)):
+                        ("selfplay_partial", SELFPLAY + PARTIAL), ("inflight", INFLIGHT),
+                        ("partial", PARTIAL)):
+        if name == "inflight":
+            os.makedirs(os.path.join(base, name), exist_ok=True)
+            staggered_updates(os.path.join(base, name))
         code = cli.main([*train, *extra, "--workdir", os.path.join(base, name)])
         if code or not resume and name == "partial":
             return code

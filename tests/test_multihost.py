@@ -148,7 +148,7 @@ ENGINE = ["--config.rollout.engine=slots", "--config.rollout.slots=8",
 def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_path):
     """GRPO on the slot engine, on its episodes (straight, and partial with asynchronous GRPO),
     on its trees (straight, and carried), on self-play (static turns, and carried on the
-    engine), then with partial rollouts
+    engine), with in-flight weight updates, then with partial rollouts
     (``tests/engine_worker.py``), as 2 processes of 2 devices and as 1 of 4: every process
     drives the engine's host loop from the same global values (which slot refills, when a row,
     a turn or a tree's level stops), so the runs are the same (the partial episodes'
@@ -187,6 +187,15 @@ def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_p
         assert games[0]["reward/std"] > 0
         _compare(_read(tmp_path / "one" / name), games)
     assert _read(tmp_path / "two" / "selfplay_partial")[0]["rollout/carried_groups"] > 0
+    # In-flight updates: process 1 saw update 0 finish at poll 2, process 0 at poll 3; both
+    # swapped at poll 3, as one process did, and batch 1 mixes versions 0 and 1.
+    swaps = [json.loads((tmp_path / run / "inflight" / f"swaps_{p}.json").read_text())
+             for run, p in (("one", 0), ("two", 0), ("two", 1))]
+    assert swaps == [[[1, 3]]] * 3
+    inflight = _read(tmp_path / "two" / "inflight")
+    assert inflight[1]["rollout/weight_swaps"] == 1
+    assert 0 < inflight[1]["rollout/staleness_mean"] < 1
+    _compare(_read(tmp_path / "one" / "inflight"), inflight)
     first = [json.loads(line) for line in (tmp_path / "two" / "first.jsonl").open()]
     assert first[0]["rollout/carried_groups"] > 0 and first[1]["rollout/staleness_max"] >= 1
     _compare(_read(tmp_path / "one" / "partial"), first)
@@ -226,21 +235,6 @@ def test_detect_cluster_signals(env, expected):
     assert distributed.detect(env, query_metadata=False) == expected
 
 
-def test_single_process_refusal_names_the_feature_and_what_runs(monkeypatch):
-    """What still needs one process refuses several in one line (the helper the sampler and
-    asynchronous GRPO's in-flight updates call)."""
-    from rljax.errors import UserError
-    from rljax.train.core import sampler
-
-    sampler.single_process("algo.inflight_updates=true")   # one process: fine
-    monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
-    with pytest.raises(UserError, match=r"^algo.inflight_updates=true runs in a single process "
-                       r"for now; use algo.inflight_updates=false on several hosts$"):
-        sampler.single_process("algo.inflight_updates=true", instead="algo.inflight_updates=false")
-    with pytest.raises(UserError, match=r"^a feature runs in a single process for now$"):
-        sampler.single_process("a feature", instead="")
-
-
 def test_single_process_helpers():
     """Outside a multi-host run every helper is the identity / whole batch."""
     import numpy as np
@@ -255,5 +249,6 @@ def test_single_process_helpers():
     np.testing.assert_array_equal(distributed.gather(x), x)
     np.testing.assert_array_equal(distributed.to_host(distributed.global_batch(x, mesh)), x)
     assert distributed.any_process(True) and not distributed.any_process(False)
+    assert distributed.every_process(True) and not distributed.every_process(False)
     assert distributed.row_replication(mesh, 16) == 1
     assert distributed.initialize({}) is False

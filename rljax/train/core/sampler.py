@@ -21,7 +21,6 @@ import numpy as np
 
 from rljax import distributed as dist
 from rljax import sampling
-from rljax.errors import UserError
 from rljax.models import lora as lora_lib
 from rljax.sampling import tree as tree_sampling
 
@@ -214,15 +213,6 @@ def sampling_weights(ctx, weights):
             seen[version] = sampling_params(ctx, params)
         return seen[version], version
     return current
-
-
-def single_process(feature: str, instead: str = "rollout.engine='static'") -> None:
-    """UserError on several hosts for a ``feature`` whose host decisions could differ between
-    processes (the slot engine itself, its pool and its episodes read only global values, so
-    every process decides alike); ``instead``: the setting that runs there ("": none yet)."""
-    if dist.is_multiprocess():
-        raise UserError(f"{feature} runs in a single process for now"
-                        + (f"; use {instead} on several hosts" if instead else ""))
 
 
 def _tree_engine(ctx, params, prompt_tokens, prompt_mask, tree: dict, kw, stats: list,

@@ -108,9 +108,6 @@ class AsyncSchedule:
         # sampler keeps its own (the train state's follows as the batches train).
         self.sampler_baseline = None
         self.inflight_updates = bool(cfg.algo.inflight_updates)
-        if self.inflight_updates:   # each process would see its update finish at its own time
-            sampler_lib.single_process("algo.inflight_updates=true",
-                                       instead="algo.inflight_updates=false")
 
     # -- the two meshes ------------------------------------------------------------------------
 
@@ -165,9 +162,12 @@ class AsyncSchedule:
 
     def _new_weights(self, state, ready: "_Watch", version: int, transfer: list):
         """In-flight weight updates: the sampler's ``() -> (params, version)``, publishing
-        ``state`` (the result of the update being watched) as ``version`` once it is ready."""
+        ``state`` (the result of the update being watched) as ``version`` once it is ready.
+        Several processes each see the update finish at their own time; they swap at the
+        first poll where every one has seen it (``distributed.every_process``: they poll at
+        the same points, since they drive the same host loop), so all decode alike."""
         def current():
-            if self.sampler_version < version and ready.done():
+            if self.sampler_version < version and dist.every_process(ready.done()):
                 transfer.append(self.publish(state, version))
             return self.sampler_params, self.sampler_version
         return current
