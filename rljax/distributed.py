@@ -321,12 +321,24 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def every_process(flag: bool) -> bool:
+_agreements = [0]   # every_process calls so far: each process makes the same ones
+
+
+def every_process(flag: bool, timeout_s: float = 600.0) -> bool:
     """True if ``flag`` is True on every process (e.g. an update every host has seen finish).
-    A collective: every process must call it."""
+    Every process must call it, in the same order. Through the coordination service's
+    key-value store, not a device collective: it may run while programs with collectives of
+    their own are in flight (on CPU, gloo would interleave the two differently per process)."""
     if not is_multiprocess():
         return bool(flag)
-    return bool(np.all(gather(np.asarray([bool(flag)]))))
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    n, _agreements[0] = _agreements[0], _agreements[0] + 1
+    client.key_value_set(f"rljax/every/{n}/{process_index()}", "1" if flag else "0")
+    flags = [client.blocking_key_value_get(f"rljax/every/{n}/{p}", int(timeout_s * 1000))
+             for p in range(process_count())]
+    return all(f == "1" for f in flags)
 
 
 def any_process(flag: bool) -> bool:

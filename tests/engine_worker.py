@@ -44,8 +44,9 @@ ASYNC = ["--config.algo.asynchronous=true", "--config.mesh.rollout_devices=2",
          "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.rollout.data=1",
          "--config.mesh.rollout.fsdp=2"]
 # In-flight weight updates under asynchronous GRPO, a decode chunk a token: update 0 reaches
-# the sampler while it draws batch 1.
-INFLIGHT = ASYNC + ["--config.algo.inflight_updates=true", "--config.rollout.chunk_steps=1"]
+# the sampler while it draws batch 1 (games: the update as compiled for episodes_partial).
+INFLIGHT = EPISODES + ASYNC + ["--config.algo.inflight_updates=true",
+                               "--config.rollout.chunk_steps=1"]
 
 
 def staggered_updates(workdir: str):
