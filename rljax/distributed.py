@@ -338,6 +338,8 @@ def every_process(flag: bool, timeout_s: float = 600.0) -> bool:
     client.key_value_set(f"rljax/every/{n}/{process_index()}", "1" if flag else "0")
     flags = [client.blocking_key_value_get(f"rljax/every/{n}/{p}", int(timeout_s * 1000))
              for p in range(process_count())]
+    if n:   # every process has set round n, so all have read round n - 1: drop our key of it
+        client.key_value_delete(f"rljax/every/{n - 1}/{process_index()}")
     return all(f == "1" for f in flags)
 
 
