@@ -581,6 +581,65 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
     assert any(np.abs(adv).max() > 0 for _, adv in seen)
 
 
+def test_checkpoint_opponent_trees_with_partial_rollouts_are_carried_whole(rae_run, tmp_path,
+                                                                          monkeypatch):
+    """rollout.tree with partial rollouts against a checkpoint opponent (slot engine): a
+    fresh place plays its game's opening once, replays it into its 4 matches and grows the
+    learner seat's first turns as one tree (2 roots of one token, each forked in 2),
+    recorded as the opponent's and its rows' first steps; the matches are then played on
+    and carried mid-game, rebuilt by replaying every step, the tree's included. The groups
+    that train share their opening and hold the tree's leaves, and the pool saved after the
+    first iteration and resumed equals the straight run."""
+    from rljax.envs.selfplay import SeatEnv
+    from rljax.train.methods import tree_matches
+    from rljax.train.methods.episode_partial import EpisodePartialRounds
+    from tests.test_episode_partial import watch_carried
+    from tests.test_knapsack import phase_resumes_exactly
+    step = SeatEnv.step   # every turn plays the legal cell its text picks: leaves' games differ
+    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, (
+        cells := self.game.legal_moves(self.match.state))[sum(map(ord, text)) % len(cells)]))
+    trained, openings, scored = [], [], EpisodePartialRounds.scored_round
+    real_openings = tree_matches.play_openings
+    monkeypatch.setattr(tree_matches, "play_openings", lambda *a, **k: openings.append(
+        real_openings(*a, **k)) or openings[-1])
+
+    def spy(self, rollout, eps, examples, *args, **kw):
+        trained.append({k: eps[k] for k in ("tokens", "turn_ids", "turns")})
+        return scored(self, rollout, eps, examples, *args, **kw)
+    monkeypatch.setattr(EpisodePartialRounds, "scored_round", spy)
+    carried = watch_carried(monkeypatch)
+    cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
+                     "env.selfplay.temperature": 1.0, "rollout.engine": "slots",
+                     "rollout.partial": True, "rollout.chunk_steps": 2, "rollout.slots": 3,
+                     "rollout.max_staleness": 1, "algo.adv_estimator": "treepo",
+                     "algo.num_generations": 4, "rollout.tree.enabled": True,
+                     "rollout.tree.roots": 2, "rollout.tree.branching": 2,
+                     "rollout.tree.segment_tokens": 1})
+    records = phase_resumes_exactly(cfg, tmp_path, steps=3, saved_after=2)
+    assert all(np.isfinite(r["loss"]) and r["rollout/carried_groups"] > 0 for r in records)
+    assert records[0]["rollout/logp_diff_max"] < 1e-4   # the trees' log-probs as sampled
+    assert all(r["rollout/staleness_max"] == 1 for r in records[1:])   # carried trees trained
+    # Places carried at the tree's boundary: its 4 leaves recorded as the learner's first
+    # turns (and X's opening move before O's tree), rebuilt and played on the next iteration.
+    assert [1, 1, 1, 1, 1, 1, 1, 1] in carried[2] and [1, 1, 1, 1, 0, 0, 0, 0] in carried[2]
+    # One opening a fresh place (X's first move, or none: X learns): 4, 2, 2 and the resumed
+    # iteration's 2.
+    assert len(openings) == 10 and {len(plies) for (plies,) in openings} == {0, 1}
+    assert len(trained) == 4   # the straight iterations, the resumed one again
+    starts = []
+    for eps in trained:
+        assert (eps["turns"] >= 2).all()   # games played on after the tree's first turns
+        start = np.argmax(eps["turn_ids"] == 0, axis=1)   # the first turn's column
+        first = eps["tokens"][np.arange(8), start].reshape(4, 2)   # (root, leaf)
+        assert (first[:, 0] == first[:, 1]).all()   # a root's leaves share its segment
+        for group in (0, 4):   # a group's matches share the opening before its tree
+            assert len(set(start[group:group + 4])) == 1
+            prefix = eps["tokens"][group:group + 4, :start[group]]
+            assert (prefix == prefix[:1]).all()
+        starts += start.tolist()
+    assert max(starts) > 0 and min(starts) == 0   # both seats: O after X's opening
+
+
 def test_evaluation_against_fixed_opponents_reports_wilson_intervals(rae_run, tmp_path):
     """Scripted and checkpoint opponents: every game is a win, draw, loss or the opponent's
     forfeit; rates come with their Wilson intervals."""

@@ -268,15 +268,12 @@ def _check_tree_episodes(cfg) -> None:
     rollouts carry a group's trees whole, at the first-turn boundary.) Against a checkpoint
     opponent the tree is of the learner seat's first turns, its matches sharing their
     opening (``train.methods.tree_matches``; routing replay takes the tree's routes for
-    the prompt, opening and first turn)."""
+    the prompt, opening and first turn; partial rollouts record the opening and the tree
+    as a fresh place's first steps, so the tree is carried whole and a carried place is
+    rebuilt by replay: ``partial_matches``). Self-play has no tree of first turns."""
     mode = cfg.env.selfplay.mode
     if mode == "self":
         raise ConfigError("rollout.tree.enabled=true with env.name has no meaning with "
                           "env.selfplay.mode='self': row j of every seat's group plays match j, "
                           "so a later seat's first turn follows an earlier seat's different "
                           "leaves and its group shares no prefix to fork (use mode='checkpoint')")
-    if mode == "off":
-        return
-    if cfg.rollout.partial:   # (carried matches are rebuilt without their tree)
-        raise ConfigError(f"rollout.tree.enabled=true with env.selfplay.mode='{mode}' "
-                          "cannot be combined with rollout.partial=true")

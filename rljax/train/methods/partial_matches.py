@@ -73,12 +73,16 @@ def play_matches(pool, params, places, weights=None):
             decoding[i] = False
         step(rows, texts)
     new = top()
+    grown = swapped = 0
+    if pool.tree is not None and pool.opponent is not None:   # fresh places: their trees
+        grown, swapped, new = _grow_trees(pool, params, places, run, decoding, top, step,
+                                          new, weights)
     learners = [pool._learners(j) for j in places]
     groups = [[seats[k // g] for k in own[::g]] for own, seats in zip(learners, seat_rows)]
     done_places = lambda: sum(pool.completed_at[j] >= 0 for j in places)  # noqa: E731
     result = lambda: run.result(time_env[0])  # noqa: E731
     if done_places() >= pool.num_prompts or not decoding.any():
-        return result(), groups, (0, 0), 0, 0
+        return result(), groups, (0, 0), grown, swapped
     first = np.repeat(np.asarray(run.p_tok)[:, -1], g)
     draw = pool._draw_ids(places)
     mine = np.zeros(r, bool)   # the policy's rows (whole groups: an engine's page is a
@@ -150,7 +154,103 @@ def play_matches(pool, params, places, weights=None):
         if not moved:
             break
     live = sum(int(e.state["t"][on_slot[e.rows]].sum()) for e in engines)
-    return result(), groups, (busy, steps_run), drawn + live, engines[0].chunks.swaps
+    return (result(), groups, (busy, steps_run), drawn + live + grown,
+            engines[0].chunks.swaps + swapped)
+
+
+def _grow_trees(pool, params, places, run, decoding, top, step, new, weights=None):
+    """Tree rollouts against the checkpoint opponent (``tree_matches``) in the pool: every
+    place of ``places`` with no turn yet (admitted, or restarted as stale) plays its game's
+    opening once (``_opening``), which each of its matches takes ply by ply as the opponent's
+    recorded turns (frozen, log-prob 0), then grows the learner seat's first turns as trees
+    of ``pool.unit`` leaves, one root per ``unit`` rows of its size, from the seat's prompt
+    and first observation (``tree_episodes.FirstTurns``), recorded as its rows' first turns.
+    Each ply and the tree's turns are steps of a clock tick of their own, the order a
+    rebuild replays them in (``play_matches``), so a tree is carried whole and a carried
+    place is rebuilt by replay. The noise is keyed by the place's admission:
+    ``fold_in(pool._key, serial)``, the opening's folded with ``OPENING_STREAM``, the
+    tree's with ``TREE_STREAM``. ``run``, ``decoding``, ``top``, ``step``, ``new``:
+    ``play_matches``' rows, seats to move, loop head, step and the rows its last loop head
+    set to move. Returns (tokens decoded, weight swaps, the rows the last loop head set to
+    move: ``new`` unless a tree was grown; a row set to move before it is fed whole).
+    ``weights``: in-flight updates (each tree token records its version)."""
+    import jax
+    from rljax import sampling
+    from rljax.train.methods import tree_episodes, tree_matches
+    cfg = pool.ctx.cfg
+    per, lim, ro = pool.rows, agent.limits(cfg), cfg.rollout
+    buckets = tuple(lim.prompt_buckets) + (max(lim.prompt_buckets) + lim.max_total_tokens,)
+    decoded = swaps = 0
+    for n, j in enumerate(places):
+        if any(pool.turns[j]):
+            continue
+        key = jax.random.fold_in(pool._key, int(pool.serial[j]))
+        rows, own = np.arange(n * per, (n + 1) * per), n * per + pool._learners(j)
+        opening = _opening(pool, params, pool.metas[j],
+                           jax.random.fold_in(key, tree_matches.OPENING_STREAM), lim)
+        decoded += sum(map(len, opening))
+        for ids in opening:   # the opponent's plies before the learner's first turn
+            moving = rows[decoding[rows]]
+            if not len(moving) or decoding[own].any():
+                break
+            new = _record_step(pool, j, n, run, decoding, top, step, moving, [ids] * len(
+                moving), [np.zeros(len(ids), np.float32)] * len(moving), frozen=True)
+        moving = own[decoding[own]]
+        if not len(moving):   # the opening ended the matches (or left them no room)
+            continue
+        i = moving[0]   # (the group's rows share prompt and opening)
+        context = run.prompt_ids[i] + run.tokens[i, :run.length[i]].tolist()
+        p_tok, p_mask = sampling.pad_to_bucket([context], pad_id=pool.ctx.tokenizer.pad_id,
+                                               buckets=buckets)
+        first = tree_episodes.FirstTurns(
+            pool.ctx, params, key, dict(pool.tree, roots=int(pool.sizes[j]) // pool.unit),
+            lim.turn_tokens, weights=weights, temperature=ro.temperature, top_k=ro.top_k,
+            top_p=ro.top_p, temperatures=rollout_temperatures(cfg))
+        tokens, logps, lengths = (np.asarray(x) for x in first(p_tok, p_mask))
+        drawn = first.out.get("versions")
+        leaf = {int(i): k for k, i in enumerate(own)}   # leaf k: the group's k-th row
+        cut = [min(int(lengths[leaf[i]]), run.m_max - int(run.length[i])) for i in moving]
+        new = _record_step(pool, j, n, run, decoding, top, step, moving,
+                           [tokens[leaf[i], :m] for i, m in zip(moving, cut)],
+                           [logps[leaf[i], :m] for i, m in zip(moving, cut)],
+                           versions=None if drawn is None else [
+                               np.asarray(drawn)[leaf[i]] for i in moving])
+        decoded += int(np.sum(first.out["decoded"]))
+        swaps += int(first.out.get("swaps", 0))
+    return decoded, swaps, new
+
+
+def _record_step(pool, j, n, run, decoding, top, step, rows, ids, logps, frozen=False,
+                 versions=None) -> list:
+    """Rows ``rows`` (of place ``j``, the n-th of the call) end their turns with ``ids`` /
+    ``logps`` (``versions``: each token's, in flight), recorded in the pool at a clock tick
+    of their own, then step; returns ``top()``'s rows to move."""
+    pool.clock += 1
+    texts = []
+    for k, i in enumerate(rows):
+        kept, text = run.turn_ended(i, [int(x) for x in ids[k]], logps[k])
+        row = int(i) - n * pool.rows
+        pool._record_turn(j, row, ids[k][:kept], logps[k][:kept], frozen=frozen,
+                          versions=None if versions is None else versions[k])
+        pool.moves[j].append([pool.clock, row, len(pool.turns[j][row]) - 1])
+        decoding[i] = False
+        texts.append(text)
+    step(rows, texts)
+    return top()
+
+
+def _opening(pool, params, example: dict, rng, lim) -> list[list[int]]:
+    """``example``'s opening (``tree_matches.play_openings``): the ids of each ply before the
+    learner seat's first turn, the opponent's seats played once on the static plies."""
+    from rljax.train.methods import selfplay, tree_matches
+    cfg, ro = pool.ctx.cfg, pool.ctx.cfg.rollout
+    game, seat_rows, envs = selfplay.seat_envs(cfg, [example], pool.template,
+                                               agent.env_kwargs(cfg), 1)
+    sides, _ = selfplay.learner_sides(pool.ctx, params, game, [example], seat_rows, envs, 1,
+                                      temperature=ro.temperature, top_k=ro.top_k,
+                                      top_p=ro.top_p, opponent=pool.opponent, own_only=True)
+    return tree_matches.play_openings(pool.ctx, sides, rng, renderer=pool._renderer,
+                                      limits=lim, max_plies=len(game.seats) * lim.max_turns)[0]
 
 
 class _SeatEngine:
