@@ -197,13 +197,17 @@ CHECKPOINT = {"env.name": "tictactoe", "env.selfplay.mode": "checkpoint",
 @pytest.mark.parametrize("overrides, message", [
     ({"env.name": "tictactoe", "env.selfplay.mode": "self"},
      "rollout.tree.enabled=true with env.name has no meaning with env.selfplay.mode='self'"),
-    ({**CHECKPOINT, "rollout.partial": True, "rollout.engine": "slots"},
-     "rollout.tree.enabled=true with env.selfplay.mode='checkpoint' cannot be combined with "
-     "rollout.partial=true"),
 ])
 def test_tree_of_episodes_refuses_what_it_cannot_do(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         tiny_cfg(**{**EPISODES, **overrides})
+
+
+def test_tree_against_a_checkpoint_opponent_takes_partial_rollouts():
+    """Carried matches keep their tree (``partial_matches._grow_trees``): the config holds."""
+    cfg = tiny_cfg(**{**EPISODES, **CHECKPOINT, "rollout.partial": True,
+                      "rollout.engine": "slots"})
+    assert cfg.rollout.partial and cfg.rollout.tree.enabled
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -37,12 +37,17 @@ deterministic given their deal and moves. Against a checkpoint opponent
 (``env.selfplay.mode='checkpoint'``) a place holds every seat's rows too: the opponent's
 turns are recorded (with no version: never stale) and replayed like the policy's, its seats
 decode on an engine of their own (its parameters and sampling), the two engines taking a
-decode chunk each in turn, and only the example's seat's group trains.
+decode chunk each in turn, and only the example's seat's group trains. With tree rollouts
+(``rollout.tree``) a place with no turn yet plays its game's opening once and grows the
+learner seat's first turns as one tree per group (``tree_matches``), recorded as the
+opponent's and the learner's first steps (``partial_matches._grow_trees``), so a tree is
+carried whole and rebuilt by replay.
 
 Randomness: token t of turn k of row i of the place admitted s-th reads the engine's row
 draw of id ``s * rows + i`` (rows: G, or ``seats x G``) under ``fold_in(state.rng,
 EPISODE_STREAM)`` (turn k; self-play: the match's ply, as on the engine), so a turn draws the
-same noise whatever slot, chunk or iteration it is played in.
+same noise whatever slot, chunk or iteration it is played in. A place's trees (and against a
+checkpoint opponent its opening) read ``fold_in`` of that key with its admission serial.
 
 Images in the prompt (a model with a vision tower): each place keeps its example's pixels
 (``image_inputs.PlacePixels``, decoded at admission and again from the checkpoint's examples

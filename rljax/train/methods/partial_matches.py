@@ -20,8 +20,10 @@ def play_matches(pool, params, places, weights=None):
     recorded steps of every seat, the opponent's too, replayed in their order), then the
     seats' turns on the engines, one per model (``_SeatEngine``: a slot per row, as
     ``matches._engine_matches``), decoding a chunk each in turn, until enough places have
-    every match over. Returns as ``EpisodePartialRounds._play_episodes`` (the rows of every
-    seat; the groups are the learner seats')."""
+    every match over. Tree rollouts against the opponent: before the engines play, each
+    place with no turn yet records its opening and tree as its first steps (``_grow_trees``).
+    Returns as ``EpisodePartialRounds._play_episodes`` (the rows of every seat; the groups
+    are the learner seats')."""
     from rljax.envs import step_all
     from rljax.sampling import episode_engine as ee
     from rljax.train.methods import matches, selfplay

@@ -19,6 +19,11 @@ first; none when it does):
 An opening that ends its match (the opponent forfeits) leaves its group no first turn: its
 tree is grown and dropped, the learner's rows have no tokens, as the matches' rows have.
 
+With partial rollouts (``rollout.partial``) a fresh place of the pool does steps 1 and 2 for
+its example, its noise keyed by its admission, and records the opening's plies and the tree's
+leaves as its matches' first steps (``partial_matches._grow_trees``): the tree is carried
+whole, and a carried place is rebuilt by replaying them with the engine's later steps.
+
 Self-play (``mode='self'``) has no such tree: row j of every seat's group plays match j, so
 a later seat's first turn follows an earlier seat's leaves, which differ by match.
 """
