@@ -97,9 +97,9 @@ def has_vision_tower(cfg) -> bool:
 def check_images(cfg) -> None:
     """Images in the prompt go through single-turn rollouts (static sampler, slot engine,
     partial rollouts, trees) and multi-turn episodes (static turn batches or the episode
-    engine, carried across iterations or not, in groups of the knapsack's sizes or not,
-    their first turns a tree's leaves or not), valued by VinePPO's forks or not, after a
-    warm-up on scripted episodes or not), synchronous or not (docs/vision.md)."""
+    engine; carried across iterations, in groups of the knapsack's sizes, their first turns
+    a tree's leaves, valued by VinePPO's forks, after a warm-up on scripted episodes),
+    synchronous or not (docs/vision.md). Only self-play refuses them: a game has no images."""
     if not (has_vision_tower(cfg) and cfg.env.name):
         return
     what = f"env.name={cfg.env.name!r} with images in the prompt (a model with a vision tower)"
