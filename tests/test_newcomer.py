@@ -203,7 +203,8 @@ def test_slow_start_up_work_says_what_it_is_doing(capsys):
 def test_summary_says_which_evals_it_compares_and_keeps_them_over_a_resume(tmp_path):
     import io
 
-    from rljax.train.core.metrics import MetricsWriter, run_summary
+    from rljax.train.core.metrics import MetricsWriter
+    from rljax.train.core.summary import run_summary
 
     labels = {0: "before training", 400: "end of the SFT warm-up", 1200: "end of grpo"}
     with MetricsWriter(tmp_path, tensorboard=False, stream=io.StringIO()) as writer:

@@ -36,7 +36,8 @@ from rljax.train.core.checkpoint import CheckpointManager, checkpoint_dir
 from rljax.train.core.faults import StopSignal
 from rljax.train.inference import (initial_state, load_for_inference, phase_offsets,
                                    prm_best_of_n, restore_for_training, start_phase)
-from rljax.train.core.metrics import MetricsWriter, read_metrics, run_summary
+from rljax.train.core.metrics import MetricsWriter, read_metrics
+from rljax.train.core.summary import run_summary
 from rljax.train.core.optim import NonFiniteGuard
 from rljax.train.phases import make_phases
 from rljax.train.core.rollout_metrics import print_completions
