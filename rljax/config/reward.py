@@ -154,10 +154,11 @@ def check_env(cfg) -> None:
 
 
 def check_selfplay(cfg) -> None:
-    """``env.selfplay``: a board game, GRPO, PPO, distillation, online DPO or the MCTS search
-    over the learner seat's turns (``sft.traces='mcts'``, ``data.pairs='mcts'``: a tree per
-    example, its seat's), a workdir exactly for the checkpoint opponent, no difficulty
-    curriculum, and (self-play rollouts) a batch of whole examples: G rows per seat."""
+    """``env.selfplay``: a board game, GRPO, PPO, distillation, online DPO (its step pairs
+    over the learner seat's turns too: ``data.pairs='mcts'`` or ``'step_mc'``, a tree or a
+    trajectory per example, its seat's) or the MCTS search's ``sft.traces='mcts'``, a
+    workdir exactly for the checkpoint opponent, no difficulty curriculum, and (self-play
+    rollouts) a batch of whole examples: G rows per seat."""
     sp, env = cfg.env.selfplay, cfg.env
     if sp.mode == "off":
         if sp.workdir:
@@ -167,17 +168,13 @@ def check_selfplay(cfg) -> None:
     if env.name not in GAME_ENVS:
         raise ConfigError(f"{what} plays board games: env.name must be one of {GAME_ENVS}, "
                           f"got {env.name!r}")
-    if cfg.data.pairs == "step_mc":
-        raise ConfigError(f"data.pairs='step_mc' with env.name cannot be combined with {what} "
-                          "(a prefix's continuations replay one seat's turns; replaying the "
-                          "other seats' moves, as the search over a match's turns does, is not "
-                          "wired into them yet)")
-    search = "mcts" in (cfg.sft.traces, cfg.data.pairs)
+    # A tree or step-MC trajectory per example, its learner seat's: no groups of every seat.
+    search = "mcts" in (cfg.sft.traces, cfg.data.pairs) or cfg.data.pairs == "step_mc"
     if (cfg.algo.name not in ("grpo", "ppo", "distill") and not online_dpo_groups(cfg)
             and not search):
         raise ConfigError(f"{what} trains with algo.name='grpo', 'ppo', 'distill', online "
-                          f"'dpo' or the search's sft.traces='mcts' or data.pairs='mcts', got "
-                          f"algo.name={cfg.algo.name!r}")
+                          f"'dpo' (step pairs data.pairs='mcts' or 'step_mc' too) or the "
+                          f"search's sft.traces='mcts', got algo.name={cfg.algo.name!r}")
     if (sp.mode == "checkpoint") != bool(sp.workdir):
         raise ConfigError("env.selfplay.workdir (the opponent's run) goes with "
                           "env.selfplay.mode='checkpoint'")

@@ -44,6 +44,17 @@ def played_plies(match_turns) -> int:
     return int((np.asarray(match_turns) >= 0).any(-1).sum())
 
 
+def learner_prompt(cfg, renderer, tokenizer, template, example: dict) -> tuple[list, bool]:
+    """``(prompt ids, moves first)`` of the example's learner seat (``selfplay.seat_of``) in
+    a match of its game, as the rollout renders it (``template``: the rollout's): a seat that
+    does not move first opens on its first observation."""
+    game, _, envs = selfplay.seat_envs(cfg, [example], template, agent.env_kwargs(cfg), 1)
+    env = envs[selfplay.seat_of(game, example)]
+    first = env.reset()
+    moves = bool(env.to_move())
+    return tokenizer.encode(renderer.prompt(first, model_turn=moves)), moves
+
+
 class MatchSearch(EpisodeSearch):
     """``EpisodeSearch`` over the learner seat's turns in self-play matches (module
     docstring)."""
@@ -58,13 +69,9 @@ class MatchSearch(EpisodeSearch):
         self.turn_tokens = lim.turn_tokens
 
     def new_tree(self, example: dict) -> EpisodeTree:
-        game, _, envs = selfplay.seat_envs(self.cfg, [example], self.template,
-                                           agent.env_kwargs(self.cfg), 1)
-        env = envs[selfplay.seat_of(game, example)]
-        first = env.reset()
-        moves = bool(env.to_move())   # the learner seat moves first: nothing to replay
-        tree = EpisodeTree(example, self.ctx.tokenizer.encode(
-            self.renderer.prompt(first, model_turn=moves)))
+        prompt_ids, moves = learner_prompt(self.cfg, self.renderer, self.ctx.tokenizer,
+                                           self.template, example)
+        tree = EpisodeTree(example, prompt_ids)   # moves first: nothing to replay
         tree.info[()].update(trajectory=(), model=(), turn_ids=(),
                              history=() if moves else None)
         return tree

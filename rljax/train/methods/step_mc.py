@@ -177,14 +177,15 @@ def level0_key(rng, r: int):
             jax.random.fold_in(jax.random.fold_in(rng, EXTRA_ROUNDS), r))
 
 
-def level_pairs(levels: Sequence[tuple], min_gap: float):
+def level_pairs(levels: Sequence[tuple], min_gap: float, chain: bool = True):
     """Pairs of one trajectory's prefixes. ``levels[d] = (first steps, rewards, next step)``:
     the first step (token tuple) of each continuation of prefix d, their rewards, and the
-    trajectory's own step after prefix d (valued with the next prefix's continuations too).
+    trajectory's own step after prefix d (valued with the next prefix's continuations too,
+    unless ``chain`` is False: where what follows the step is not the step's alone).
     Yields ``(d, chosen step ids, rejected step ids, value gap)`` for the prefixes with a
     pair (``candidate_values``, ``best_worst_steps``)."""
     for d, (steps, rs, own) in enumerate(levels):
-        extra = (own, levels[d + 1][1]) if d + 1 < len(levels) else None
+        extra = (own, levels[d + 1][1]) if chain and d + 1 < len(levels) else None
         pick = best_worst_steps(candidate_values(steps, rs, extra), min_gap)
         if pick is not None:
             yield d, list(pick[0]), list(pick[1]), pick[2]

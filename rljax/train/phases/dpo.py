@@ -37,6 +37,7 @@ from rljax.train.phases.grpo import merge_updates, round_source
 from rljax.train.methods import mcts_matches, mcts_programs, mcts_search, prm_refit
 from rljax.train.methods.step_mc import StepMCPairs
 from rljax.train.methods.step_mc_episodes import EpisodeStepMCPairs
+from rljax.train.methods.step_mc_matches import MatchStepMCPairs
 from rljax.train.core.state import reference_params
 from rljax.train.core.steps import to_host
 
@@ -256,12 +257,16 @@ class DPOPhase:
 
     def _step_pairs(self, ctx):
         """The source of step-level pairs: MCTS siblings (``data.pairs='mcts'``) or step-MC
-        values; with ``env.name`` both take an episode's model turns as its steps."""
+        values; with ``env.name`` both take an episode's model turns as its steps (with
+        ``env.selfplay`` the learner seat's turns in matches)."""
         if ctx.cfg.data.pairs == "mcts":
             return mcts_search.MCTSPairs(
                 ctx, self.iterator, None if self.refit is None else self.refit.scorer,
                 make_search=mcts_matches.turn_searcher if ctx.cfg.env.name else None)
-        return (EpisodeStepMCPairs if ctx.cfg.env.name else StepMCPairs)(ctx, self.iterator)
+        if not ctx.cfg.env.name:
+            return StepMCPairs(ctx, self.iterator)
+        selfplay_on = ctx.cfg.env.selfplay.mode != "off"   # over the learner seat's turns
+        return (MatchStepMCPairs if selfplay_on else EpisodeStepMCPairs)(ctx, self.iterator)
 
     def init_state(self, state):
         """Fresh optimizer; the reference is a copy of the starting policy, or with LoRA the
