@@ -16,6 +16,7 @@ from rljax.rewards.combine import RewardResult
 from rljax.tokenizers import CharTokenizer
 from rljax.train.methods import step_mc
 from rljax.train.phases import dpo
+from tests.test_selfplay import text_parity_cell, ttt_cfg  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = CharTokenizer()
@@ -197,15 +198,6 @@ def test_config_rejects_step_mc_outside_online_dpo():
         config_lib.load_config(None, ["--config.data.pairs=step_mc"])
 
 
-def test_config_refuses_step_mc_pairs_with_self_play_in_one_line():
-    with pytest.raises(config_lib.ConfigError, match=(
-            "data.pairs='step_mc' with env.name cannot be combined with "
-            "env.selfplay.mode='self'")) as err:
-        config_lib.load_config(None, ["algo.name=dpo", "algo.online=True", "data.pairs=step_mc",
-                                      "env.name=tictactoe", "env.selfplay.mode=self"])
-    assert "\n" not in str(err.value)
-
-
 def test_delimiter_that_never_occurs_is_one_line_exit_2(tmp_path):
     args = ["--config", os.path.join(ROOT, "configs", "dpo_arithmetic_step_mc.py"),
             "--workdir", str(tmp_path / "w"), "--config.data.step_delimiter=;"]
@@ -348,3 +340,113 @@ def test_step_mc_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
         assert sides[0].tolist() != sides[1].tolist()
     _, train = phase.iteration(state, 0)   # a round (the iterator's next prompts), trained
     assert train["dpo/pairs"] == train["step_mc/pairs"] > 0 and np.isfinite(train["loss"])
+
+
+def test_step_mc_candidates_in_a_match_are_played_from_the_trajectorys_state():
+    """A learner turn d is a candidate at prefix d only where its match up to it is the
+    trajectory's: at the root of a seat that does not move first, the level-0 matches that
+    share the trajectory's opening; a match without turn d is none."""
+    from rljax.train.methods.step_mc_matches import MatchPlay, MatchStepMCPairs
+
+    def match(opening, *turns):   # the other seat opens, then the turns alternate with (9,)
+        history = (opening,) + tuple(x for t in turns for x in (t, (9,)))
+        return MatchPlay([(t, ()) for t in turns], history, tuple(range(1, 2 * len(turns), 2)),
+                         ())
+    traj = match((5,), (1,), (2,))
+    played = [traj, match((5,), (3,)), match((6,), (4,)), match((5,))]
+    at_root = MatchStepMCPairs.candidates(None, 0, played, [1.0, 0.0, -1.0, 0.5], traj)
+    assert at_root == [((1,), 1.0), ((3,), 0.0)]
+    forks = [match((5,), (1,), (7,)), match((5,), (3,), (8,))]   # the second did not replay
+    assert MatchStepMCPairs.candidates(None, 1, forks, [1.0, 0.0], traj) == [((7,), 1.0)]
+
+
+@pytest.mark.parametrize("mode", ["self", "checkpoint"])
+def test_step_mc_pairs_in_selfplay_replay_the_match_and_value_the_learner_seat(
+        tmp_path, monkeypatch, text_parity_cell, mode):
+    """data.pairs='step_mc' with env.selfplay: the trajectory is the best of an example's K
+    matches seen from its seat; a prefix's continuations replay its match, every seat's plies
+    up to the learner's turn d (the learner's view of them included), then play it out (the
+    other seat by the policy, or the greedy checkpoint), and a continuation's value is the
+    learner seat's reward in its match; pairs are the learner's sibling turns after its
+    match so far. Two DPO rounds train on them, and a run stopped after its first and resumed
+    equals the straight one. (A move is the cell ``text_parity_cell`` reads in the text.)"""
+    from rljax.envs import board_games
+    from rljax.train import run
+    from rljax.train.core import checkpoint, setup
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import step_mc_matches
+    from rljax.train.methods.selfplay import seat_of
+    from test_train_loop import StopAfter
+    from tests.test_mcts_rollout import replayed_match, write_opponent_run
+
+    def cfg(**extra):
+        return ttt_cfg(**{"algo.name": "dpo", "algo.online": True, "data.pairs": "step_mc",
+                          "data.step_delimiter": "\n", "rollout.batch_size": 4,
+                          "algo.num_generations": 2, "algo.step_mc.max_steps": 3,
+                          "data.max_prompt_length": 64, "optimizer.warmup_steps": 0,
+                          "optimizer.learning_rate": 1e-3, "env.selfplay.mode": "self",
+                          **extra})
+    extra = {}
+    if mode == "checkpoint":
+        ctx = setup.build_context(cfg(), str(tmp_path / "ctx"), devices=jax.devices()[:1])
+        extra = {"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": write_opponent_run(
+            str(tmp_path / "opponent"), cfg(), ctx.params)}
+    plays, play = [], step_mc_matches.MatchStepMCPairs._play
+    monkeypatch.setattr(step_mc_matches.MatchStepMCPairs, "_play", lambda self, *a: (
+        plays.append((a[1], a[3], a[4], out := play(self, *a))), out)[1])
+    batches, call = [], step_mc_matches.MatchStepMCPairs.__call__
+    monkeypatch.setattr(step_mc_matches.MatchStepMCPairs, "__call__", lambda self, *a: (
+        batches.append(out := call(self, *a)), out)[1])
+    straight, parts = str(tmp_path / "straight"), str(tmp_path / "parts")
+    devices = jax.devices()[:1]
+    assert run.train(cfg(**extra), straight, devices=devices) == 0
+    rounds = [r for r in read_metrics(straight) if "step_mc/pairs" in r]
+    assert len(rounds) == 2 and all(np.isfinite(r["loss"]) for r in rounds)
+    assert sum(r["dpo/pairs"] for r in rounds) > 0
+
+    tok, game, k = setup.make_tokenizer(cfg(), None), board_games.get_game("tictactoe"), 2
+    replies, first = 0, None
+    for examples, trajectories, depths, (rewards, played, _, _) in plays:
+        if trajectories[0] is None:   # level 0: fresh matches; the prefixes' trajectories
+            first = {id(p): (ex, p, max(rewards[i // k * k:(i // k + 1) * k]))   # are best
+                     for i, (ex, p) in enumerate(zip(np.repeat(examples, k), played))}
+            continue
+        for r, (ex, traj, d) in enumerate(zip(examples, trajectories, depths)):
+            owner, best, value = first[id(traj)]
+            assert owner is ex and best is traj
+            assert value == max(x for e, p, x in first.values() if e is ex)
+            ply = traj.plies[d]   # the match before the learner's turn d, every seat's plies
+            replies += ply - d
+            for j in range(r * k, (r + 1) * k):
+                cont = played[j]
+                assert cont.history[:ply] == traj.history[:ply]
+                assert cont.turns[:d] == traj.turns[:d] and len(cont.turns) > d
+                seats, reward = replayed_match(ex, cont.history, tok)
+                own = seat_of(game, ex)
+                assert [ids for s, ids in zip(seats, cont.history) if s == own] == [
+                    t for t, _ in cont.turns]
+                assert rewards[j] == reward   # the learner seat's
+    assert first is not None and replies > 0   # the other seat's moves were replayed
+    for batch, m in batches:   # the learner's sibling turns after its match so far
+        real = np.flatnonzero(batch["pair_mask"])
+        assert m["step_mc/pairs"] == real.size
+        for i in real:
+            context = tok.decode(batch["prompt_tokens"][i][batch["prompt_mask"][i]])
+            assert context.startswith(("tictactoe X\n", "tictactoe O\n"))
+            sides = [batch[f"{s}_tokens"][i][batch[f"{s}_mask"][i]].tolist()
+                     for s in ("chosen", "rejected")]
+            assert all(0 < len(t) <= 2 for t in sides) and sides[0] != sides[1]
+
+    assert run.train(cfg(**extra), parts, devices=devices, stop=StopAfter(1)) == 0
+    assert max(r["step"] for r in read_metrics(parts)) == 1
+    assert run.train(cfg(**extra), parts, devices=devices) == 0
+
+    def comparable(workdir):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+                for r in read_metrics(workdir)]
+    assert comparable(parts) == comparable(straight)
+
+    def params(workdir):
+        with checkpoint.CheckpointManager(checkpoint.checkpoint_dir(workdir)) as ckpt:
+            return jax.tree.map(np.asarray, ckpt.restore().state["params"])
+    jax.tree.map(np.testing.assert_array_equal, params(parts), params(straight))

@@ -144,8 +144,8 @@ def check_step_delimiter(cfg) -> None:
           or cfg.sft.traces == "mcts")
     if not on or cfg.data.source not in data_lib.TASKS:
         return
-    if cfg.env.name and "mcts" in (cfg.data.pairs, cfg.sft.traces):
-        return   # the search over turns branches at model turns, whatever the solutions
+    if cfg.env.name and (cfg.data.pairs in ("step_mc", "mcts") or cfg.sft.traces == "mcts"):
+        return   # over an environment's turns a step is a model turn, whatever the solutions
     task = data_lib.get_task(dict(cfg.data.kwargs, source=cfg.data.source))
     solutions = [task.solution(task.example(i)) for i in range(8)]
     if not any(cfg.data.step_delimiter in s for s in solutions):
