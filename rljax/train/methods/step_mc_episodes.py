@@ -57,6 +57,7 @@ class EpisodeStepMCPairs(StepMCPairs):
     def __init__(self, ctx, iterator):
         super().__init__(ctx, iterator)
         self.renderer = agent.make_renderer(ctx.cfg, ctx.tokenizer)
+        self._spent = 0   # tokens the level-0 rounds of a step sampled (``first_level``)
 
     def _prompt_ids(self, example: dict) -> list[int]:
         """The example's episode prompt (``mcts_episodes.episode_prompt_ids``)."""
