@@ -10,7 +10,7 @@ import pytest
 from rljax import models, sampling, tokenizers
 from rljax.sampling import multiturn
 from rljax.envs.base import StepResult
-from rljax.train.core import episodes
+from rljax.train.core import episodes, render
 
 
 def _full_logps(cfg, params, prompt_tok, prompt_mask, traj, traj_mask):
@@ -107,7 +107,7 @@ def _run(char_model, seed=1, chat=False, engine=None, record_routes=False, first
     limits = episodes.EpisodeLimits(**dict(dict(turn_tokens=8, chunk_tokens=12, max_turns=3,
                                                  max_total_tokens=32, prompt_buckets=(8,)), **kw))
     return episodes.run_episodes(cfg, params, tok, envs, limits=limits,
-                                 renderer=episodes.Renderer(tok, chat=chat, call_end="</c>"),
+                                 renderer=render.Renderer(tok, chat=chat, call_end="</c>"),
                                  rng=jax.random.key(seed), num_samples=4, engine=engine,
                                  record_routes=record_routes, first_turn=first_turn)
 
@@ -198,11 +198,11 @@ def test_episode_budgets_truncate(char_model):
 
 def test_chat_renderer_observation_chunk():
     tok = tokenizers.CharTokenizer()
-    r = episodes.Renderer(tok, chat=True)
+    r = render.Renderer(tok, chat=True)
     assert r.prompt([{"role": "user", "content": "hi"}]) == "User: hi\nAssistant: "
     assert r.observation([{"role": "tool", "content": "42"}], False) == \
         "\ntool: 42\nAssistant: "
-    plain = episodes.Renderer(tok, chat=False)
+    plain = render.Renderer(tok, chat=False)
     assert plain.observation([{"role": "tool", "content": "<r>4</r>"}], False) == "<r>4</r>"
 
 
@@ -219,7 +219,7 @@ def test_sharded_episodes_equal_unsharded(char_model):
     limits = episodes.EpisodeLimits(turn_tokens=8, chunk_tokens=12, max_turns=3,
                                     max_total_tokens=32, prompt_buckets=(8,))
     out = episodes.run_episodes(cfg, sparams, tok, envs, limits=limits,
-                                renderer=episodes.Renderer(tok, chat=False, call_end="</c>"),
+                                renderer=render.Renderer(tok, chat=False, call_end="</c>"),
                                 rng=jax.random.key(5), num_samples=4, mesh=mesh)
     for k in ("tokens", "mask", "model_mask", "turns"):
         np.testing.assert_array_equal(out[k], ref[k])

@@ -422,14 +422,14 @@ def test_calculator_sft_traces_are_what_a_rollout_lays_out(tok, question, answer
     config's prompt, turn, observation and trajectory limits."""
     from rljax import config as config_lib, rewards
     from rljax.sampling import multiturn
-    from rljax.train.core import episodes
+    from rljax.train.core import render
     from rljax.train.methods import agent
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = config_lib.load_config(os.path.join(root, "configs", "agent_smollm2_calculator.py"))
     renderer = agent.make_renderer(cfg, tok)
     example = {"question": question, "answer": answer, "prompt": "What is " + question}
-    prompt, ids, model = episodes.trace_tokens(tok, renderer, agent.trace_messages(cfg, example))
+    prompt, ids, model = render.trace_tokens(tok, renderer, agent.trace_messages(cfg, example))
     env = agent.make_envs(cfg, [example], 1)[0]
     assert prompt == tok.encode(renderer.prompt(env.reset()))
     assert len(prompt) <= cfg.data.max_prompt_length
@@ -465,7 +465,7 @@ def test_smollm2_selfplay_games_fit_the_configs_limits(tok, config_name, slack):
     from rljax import config as config_lib
     from rljax.envs import board_games as bg
     from rljax.envs.selfplay import Match, SeatEnv
-    from rljax.train.core import episodes
+    from rljax.train.core import render
     from rljax.train.methods import agent
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -505,6 +505,6 @@ def test_smollm2_selfplay_games_fit_the_configs_limits(tok, config_name, slack):
         example = {"prompt": cfg.data.template.format(seat_name=game.seats[seat]),
                    "seat": seat, "seed": 3}
         trace = agent.trace_messages(cfg, example, np.random.default_rng(0))
-        prompt, ids, _ = episodes.trace_tokens(tok, renderer, trace)
+        prompt, ids, _ = render.trace_tokens(tok, renderer, trace)
         assert len(prompt) <= cfg.data.max_prompt_length
         assert len(prompt) + len(ids) <= cfg.sft.max_length

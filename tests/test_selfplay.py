@@ -291,7 +291,7 @@ def test_a_scripted_trace_of_the_second_seat_is_laid_out_as_its_rollout():
     """``trace_tokens`` on ``[user, user: board, assistant, ...]``: the prompt ends with the
     first user message (no header), the board is the first observation, as in a rollout."""
     from rljax.tokenizers import CharTokenizer
-    from rljax.train.core.episodes import Renderer, trace_tokens
+    from rljax.train.core.render import Renderer, trace_tokens
     tok = CharTokenizer()
     renderer = Renderer(tok, chat=True)
     messages = [{"role": "user", "content": "tictactoe O\n"},
@@ -872,7 +872,7 @@ def test_selfplay_with_relift_and_demonstrations_trains_on_each_seats_scripted_e
     that seat's scripted episode (``selfplay.seat_trace``: the scripted player in every seat,
     laid out as the seat's match row, so its prompt is the group's) as its last row, and
     ReLIFT's SFT step trains on the same episodes of the seats it buffered."""
-    from rljax.train.core.episodes import trace_tokens
+    from rljax.train.core.render import trace_tokens
     from rljax.train.methods import agent, selfplay
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.mixed_policy": True,
                      "algo.relift.every": 1, "algo.relift.k_visits": 1,

@@ -30,6 +30,7 @@ from rljax.sampling import tree as tree_sampling
 from rljax.train.core import episodes as ep
 from rljax.train.core import evaluate, image_inputs, sampler
 from rljax.train.core.partial import drawn_indices
+from rljax.train.core.render import Renderer, trace_tokens
 from rljax.train.core.verifier import verify
 from rljax.train.core.rollout import (Rollout, RolloutStage, RoundSource, expand_fields,
                                       prompt_buckets)
@@ -40,14 +41,14 @@ def turn_tokens(cfg) -> int:
     return int(cfg.env.max_turn_tokens or cfg.rollout.max_new_tokens)
 
 
-def make_renderer(cfg, tokenizer) -> ep.Renderer:
+def make_renderer(cfg, tokenizer) -> Renderer:
     """Chat template when ``tokenizer.chat_template``; a tool call ends at its format's
     closing text when the environment has tools."""
     call_end = ""
     if cfg.env.tools:
         from rljax.envs import get_tool_format
         call_end = get_tool_format(cfg.env.tool_format).call_end
-    return ep.Renderer(tokenizer, chat=bool(cfg.tokenizer.chat_template), call_end=call_end)
+    return Renderer(tokenizer, chat=bool(cfg.tokenizer.chat_template), call_end=call_end)
 
 
 def env_kwargs(cfg) -> dict:
@@ -442,7 +443,7 @@ def trace_batch(cfg, tokenizer, examples: list[dict], completion_len: int,
     model = np.zeros(tok.shape, bool)
     prompts, cut = [], 0
     for i, ex in enumerate(examples):
-        prompt, ids, is_model = ep.trace_tokens(tokenizer, renderer, trace(cfg, ex, rng))
+        prompt, ids, is_model = trace_tokens(tokenizer, renderer, trace(cfg, ex, rng))
         if len(ids) > completion_len:
             cut += 1
             ids, is_model = ids[:completion_len], is_model[:completion_len]

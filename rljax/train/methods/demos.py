@@ -79,7 +79,7 @@ def episode_demo(cfg, tokenizer, example: dict, width: int, max_turns: int,
     their matches, (plies, N)): adds ``match_turns`` int32 [plies, N], the scripted match's
     turns, every seat's (the seat's own as its row has them; another's, its move's ids and
     EOS), -1 after each: what a VinePPO fork of it replays (``vine_matches``)."""
-    from rljax.train.core.episodes import trace_tokens
+    from rljax.train.core.render import trace_tokens
     from rljax.train.methods import agent
 
     rng, moves = np.random.default_rng(0), []

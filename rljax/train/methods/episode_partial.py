@@ -75,6 +75,7 @@ from rljax.config.rollout import knapsack_step
 from rljax.sampling import multiturn
 from rljax.sampling import tree as tree_sampling
 from rljax.train.core import episodes as ep, image_inputs
+from rljax.train.core.render import cut_after
 from rljax.train.core.partial import drawn_indices, from_json_field, json_field
 from rljax.train.core.rollout_metrics import carried_metrics
 from rljax.train.core.sampler import (engine_slots, rollout_temperatures, sampling_params,
@@ -386,7 +387,7 @@ class EpisodePartialRounds(agent.EpisodeRounds):
             tokens, logps, lengths = grow(p_tok[n:n + 1], p_mask[n:n + 1])
             versions = grow.out.get("versions")
             for k, m in enumerate(lengths):   # (kept as the engine's turns are: cut)
-                m = ep._cut_after(self.ctx.tokenizer, tokens[k, :m].tolist(),
+                m = cut_after(self.ctx.tokenizer, tokens[k, :m].tolist(),
                                   self._renderer.call_end)
                 self._record_turn(j, k, tokens[k, :m], logps[k, :m],
                                   versions=None if versions is None else versions[k])

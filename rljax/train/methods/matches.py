@@ -46,9 +46,9 @@ import numpy as np
 
 from rljax import distributed as dist, sampling
 from rljax.sampling import multiturn
-from rljax.train.core.episodes import (EngineWeights, EpisodeLimits, Renderer, _count,
-                                      _cut_after, scheduled_temperatures,
-                                      set_slot_temperatures)
+from rljax.train.core.episodes import (EngineWeights, EpisodeLimits, _count,
+                                      scheduled_temperatures, set_slot_temperatures)
+from rljax.train.core.render import Renderer, cut_after
 
 
 @dataclasses.dataclass
@@ -210,7 +210,7 @@ class _SideRun:
                 versions = np.concatenate([np.full(len(lead), -1, np.int32),
                                            np.asarray(versions)[:len(ids)]])
             ids = lead + list(ids)
-        k = _cut_after(self.tok, ids, self.renderer.call_end)
+        k = cut_after(self.tok, ids, self.renderer.call_end)
         self.turn_plies[i, self.turns[i]] = len(self.moves[i])
         self.moves[i].append(list(ids[:k]))
         at = slice(self.length[i], self.length[i] + k)

@@ -24,7 +24,8 @@ from typing import Any
 
 from rljax.errors import UserError
 from rljax.train.core import sampler
-from rljax.train.core.episodes import EpisodeLimits, Renderer
+from rljax.train.core.episodes import EpisodeLimits
+from rljax.train.core.render import Renderer
 from rljax.train.methods.matches import Side, run_matches
 
 # SeatEnv options that may come from env.kwargs (the scripted env's opponent options do not).
