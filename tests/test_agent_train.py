@@ -15,7 +15,8 @@ from rljax.envs import StepResult, register_env
 from rljax import config as config_lib
 from rljax.train import run
 from rljax.train.core import checkpoint, setup
-from rljax.train.methods.agent import EpisodeRounds, credit_stages
+from rljax.train.methods.agent import EpisodeRounds
+from rljax.train.methods.episode_credit import credit_stages
 from rljax.train.core.rollout import Rollout, RolloutStage
 from rljax.train.core.state import create_train_state
 from rljax.train.core.metrics import read_metrics

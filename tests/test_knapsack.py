@@ -500,7 +500,7 @@ def test_knapsack_with_episodes_resumes_exactly(reward_file, tmp_path, monkeypat
     no reward reaches): hints play it again after a hint, or its last episode is the
     example's scripted one (a demonstration)."""
     from rljax.algorithms import turn_credit
-    from rljax.train.methods.agent import TurnCredit
+    from rljax.train.methods.episode_credit import TurnCredit
 
     seen = []   # per call: rows' turn returns, turns, group ids; the advantages per turn
     spread = turn_credit.spread_over_turns

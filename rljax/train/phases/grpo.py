@@ -288,7 +288,7 @@ def _init_state(ctx: Context, optimizer, state):
 
 def carry_role_baseline(ctx, state, batch: dict):
     """(state, batch): RAE's baselines after this batch (``batch["role_baseline"]``, made by
-    ``methods.agent.RoleBaseline``) moved into the train state, which carries them to the next
+    ``methods.episode_credit.RoleBaseline``) moved into the train state, which carries them to the next
     batch and into checkpoints; unchanged without them."""
     if "role_baseline" not in batch:
         return state, batch
@@ -369,7 +369,7 @@ class GRPOPhase:
         phase built on this one adds its own (distillation: the teacher's scores). The
         estimators ``grpo_process`` and ``vineppo`` get their per-token inputs from a stage: a
         process reward model's step scores, forked step-prefix values. Episodes' per-turn and
-        per-role credit is a stage too (``agent.credit_stages``)."""
+        per-role credit is a stage too (``episode_credit.credit_stages``)."""
         # Guidance first: the stages after it see the rows that train (VinePPO values them).
         stages = [self.guide] if self.guide is not None else []
         cfg = self.ctx.cfg
@@ -379,7 +379,7 @@ class GRPOPhase:
         elif estimator == "vineppo":   # forked step-prefix values (VinePPO)
             stages.append(vine.VineValues(self.ctx))
         if cfg.env.name:
-            from rljax.train.methods.agent import credit_stages
+            from rljax.train.methods.episode_credit import credit_stages
             stages += credit_stages(cfg)
         return stages
 

@@ -356,8 +356,8 @@ class PPOPhase:
         self.guide = guidance.Guide(ctx, a.num_generations) if guidance.enabled(cfg) else None
         stages = [self.guide] if self.guide is not None else []
         if cfg.env.name:   # multi-turn episodes: the critic and GAE over model tokens
-            from rljax.train.methods import agent
-            stages += agent.credit_stages(cfg, rewards_only=True)
+            from rljax.train.methods.episode_credit import credit_stages
+            stages += credit_stages(cfg, rewards_only=True)
         # GRPO's round sources: knapsack group sizes, episodes, partial rollouts' pool.
         self.rollout = RewardRollout(ctx, self.iterator, rounds=round_source(
             ctx, self.batch_size // a.num_generations), stages=stages)
