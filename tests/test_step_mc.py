@@ -334,6 +334,11 @@ def test_step_mc_pairs_over_an_environments_turns_pair_sibling_turns(tmp_path):
     assert m["step_mc/steps_mean"] == 2   # TwoTurnEnv's episodes have two model turns
     contexts = [TOK.decode(batch["prompt_tokens"][i][batch["prompt_mask"][i]]) for i in real]
     assert any("<o>" in c for c in contexts)   # a pair after turn 0: the observation is context
+    # The context holds up to the whole episode before the turn, and the plan knows its width.
+    from rljax.train.core import programs
+    width = cfg.data.max_prompt_length + cfg.env.max_total_tokens
+    assert batch["prompt_tokens"].shape[1] == width > cfg.data.max_prompt_length + 12
+    assert programs.pair_batch(ctx, phase.num_pairs)["prompt_tokens"].shape[1] == width
     for i in real:   # the steps are model turns (env.max_turn_tokens = 4), not observations
         sides = [batch[f"{s}_tokens"][i][batch[f"{s}_mask"][i]] for s in ("chosen", "rejected")]
         assert all(0 < len(t) <= 4 and "<o>" not in TOK.decode(t) for t in sides)

@@ -22,6 +22,17 @@ def prompt_buckets(max_prompt_length: int) -> tuple[int, ...]:
     return tuple(b for b in fine if b < max_prompt_length) + (int(max_prompt_length),)
 
 
+def pair_prompt_len(cfg) -> int:
+    """Prompt columns of a preference batch (DPO, reward models): the longest prompt bucket.
+    DPO's step-level pairs (``data.pairs='step_mc'|'mcts'``) put what came before the two
+    steps there too: the steps so far, at most ``rollout.max_new_tokens``, or over an
+    environment's turns the episode before the turn, at most ``env.max_total_tokens``."""
+    p = int(cfg.data.max_prompt_length)
+    if cfg.algo.name != "dpo" or cfg.data.pairs not in ("step_mc", "mcts"):
+        return max(prompt_buckets(p))
+    return p + int(cfg.env.max_total_tokens if cfg.env.name else cfg.rollout.max_new_tokens)
+
+
 def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int):
     """Left-padded, bucketed prompts: (int32 [B, P], bool [B, P]) numpy arrays."""
     ids = [tokenizer.encode(p) for p in prompts]

@@ -22,7 +22,7 @@ from rljax import models, sampling
 from rljax.sampling import tree as tree_sampling
 from rljax import sharding as shd
 from rljax.train.core import length_groups, sampler as sampler_lib, state as state_lib, steps
-from rljax.train.core.buckets import prompt_buckets
+from rljax.train.core.buckets import pair_prompt_len, prompt_buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +119,10 @@ def sequence_batch(ctx, rows: int) -> dict:
 
 def pair_batch(ctx, pairs: int) -> dict:
     """Abstract preference batch of ``pairs`` pairs (``data.encode_preference`` +
-    ``pair_mask``; DPO, reward models): prompts [pairs, P] of the longest bucket, chosen /
-    rejected completions [pairs, C] of ``rollout.max_new_tokens``."""
-    p, c, mesh = prompt_len(ctx.cfg), int(ctx.cfg.rollout.max_new_tokens), ctx.mesh
+    ``pair_mask``; DPO, reward models): prompts [pairs, P] (``buckets.pair_prompt_len``: the
+    longest bucket, or a step pair's context), chosen / rejected completions [pairs, C] of
+    ``rollout.max_new_tokens``."""
+    p, c, mesh = pair_prompt_len(ctx.cfg), int(ctx.cfg.rollout.max_new_tokens), ctx.mesh
     out = {"pair_mask": batch_struct(mesh, (pairs,), bool)}
     for key, width in (("prompt", p), ("chosen", c), ("rejected", c)):
         for field, dtype in (("tokens", jnp.int32), ("mask", bool)):

@@ -41,6 +41,7 @@ import numpy as np
 
 from rljax import algorithms, rewards, sampling
 from rljax.data import selection
+from rljax.train.core.buckets import pair_prompt_len
 from rljax.train.core.rollout import RL_STREAM, expand_fields, group_filter, prompt_buckets
 from rljax.train.core.sampler import generate
 
@@ -235,6 +236,7 @@ class StepMCPairs:
         self.num_pairs = self.num_prompts * self.max_steps
         self.n = int(cfg.rollout.max_new_tokens)
         self.prefix_bucket = int(cfg.data.max_prompt_length) + self.n
+        self.pair_bucket = pair_prompt_len(cfg)   # (over an environment's turns: wider)
         # (None without reward.names: the layout of MCTS pairs over an environment's turns)
         self.reward_fn = ctx.reward_fn() if cfg.reward.names else None
         self.monitor = rewards.RewardMonitor(cfg.reward.max_consecutive_error_steps)
@@ -383,13 +385,13 @@ class StepMCPairs:
     def encode_pairs(self, pairs: list[tuple]) -> dict:
         """Step pairs ``(context ids, chosen step ids, rejected step ids, gap, depth)`` -> the
         ``encode_preference`` layout with ``pair_mask``, always ``num_pairs`` rows: context
-        left-padded to ``prefix_bucket``, steps right-padded to ``rollout.max_new_tokens``."""
+        left-padded to ``pair_bucket``, steps right-padded to ``rollout.max_new_tokens``."""
         tok, n = self.ctx.tokenizer, self.n
         pairs = pairs[:self.num_pairs]
         rows = pairs + [pairs[-1] if pairs else ([tok.pad_id], [tok.pad_id], [tok.pad_id], 0, 0)
                         ] * (self.num_pairs - len(pairs))
         p_tok, p_mask = sampling.pad_to_bucket([r[0] for r in rows], pad_id=tok.pad_id,
-                                               buckets=(self.prefix_bucket,))
+                                               buckets=(self.pair_bucket,))
 
         def right_pad(seqs):
             t = np.full((len(seqs), n), tok.pad_id, np.int32)
