@@ -74,6 +74,16 @@ def prompt_len(cfg) -> int:
     return max(prompt_buckets(cfg.data.max_prompt_length))
 
 
+def tree_prompt_len(cfg) -> int:
+    """Prompt columns of a tree of first turns: P, or against a game's checkpoint opponent
+    (``tree_matches``) P + ``env.max_total_tokens``, the bucket a seat that does not move
+    first grows its tree in (its prompt ++ the opening's plies and first observation)."""
+    p = prompt_len(cfg)
+    if cfg.env.name and cfg.env.selfplay.mode == "checkpoint":
+        return p + int(cfg.env.max_total_tokens)
+    return p
+
+
 def completion_len(cfg) -> int:
     """Completion columns N of a training row: ``rollout.max_new_tokens``, or with an
     environment the whole trajectory after the prompt (``env.max_total_tokens``)."""
@@ -159,7 +169,7 @@ def held_parts(programs: list[Program]) -> dict:
 
 def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> list[Program]:
     """``sample`` (``rollout.micro_batch_size / G`` prompts of the longest bucket, G samples
-    each, or G tree leaves) and ``eval`` (the held-out generation at ``eval.batch_size`` /
+    each, or G tree leaves; a tree's prompts ``tree_prompt_len``) and ``eval`` (the held-out generation at ``eval.batch_size`` /
     ``eval.max_new_tokens``). LoRA on a float32 base samples from a merged copy
     (``sampler.sampling_params``): the merge runs inside these programs so the copy counts."""
     cfg, mcfg, mesh, tok = ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.tokenizer
@@ -186,9 +196,9 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         return sampling.generate(mcfg, for_sampling(params), prompt_tokens, prompt_mask,
                                  num_samples=g, **kw)
 
-    def prompts(b):
-        """The sampler's inputs for b prompts: tokens, mask (and, with a vision tower, the
-        ``image_embeds`` the tower's own program makes of their pixels)."""
+    def prompts(b, p=p):
+        """The sampler's inputs for b prompts of p columns: tokens, mask (and, with a vision
+        tower, the ``image_embeds`` the tower's own program makes of their pixels)."""
         out = (batch_struct(mesh, (b, p), jnp.int32), batch_struct(mesh, (b, p), bool))
         return out if mcfg.vision is None else out + (image_embeds_struct(ctx, b),)
     sampled = jax.eval_shape(for_sampling, params) if merge else params
@@ -229,7 +239,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                                     embeds[0] if embeds else None)]
     elif kind == "tree_slots":   # the slot engine's two, at the tree's widest level (partial
         # rollouts: over the pool's 2 x chunk trees, sampling.tree_partial)
-        p_tok, p_mask = prompts(2 * chunk if r.partial else chunk)[:2]
+        p_tok, p_mask = prompts(2 * chunk if r.partial else chunk, tree_prompt_len(cfg))[:2]
         kw = dict(chunk_steps=r.chunk_steps, slots=sampler_lib.engine_slots(cfg, chunk * g),
                   temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                   eos_id=ctx.stop_ids, pad_id=tok.pad_id)
@@ -246,7 +256,7 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                sampling.engine.programs(mcfg, sampled, p_tok, p_mask, rng, **kw,
                                         image_embeds=embeds[0] if embeds else None)]
     elif kind in ("static", "tree"):
-        p_tok, p_mask, *embeds = prompts(chunk)
+        p_tok, p_mask, *embeds = prompts(chunk, tree_prompt_len(cfg) if tree else p)
         out += [Program("sample", jax.jit(sample_fn), (params, p_tok, p_mask, rng, *embeds),
                         resident)]
     if mcfg.vision is not None:

@@ -106,8 +106,12 @@ def opponent_programs(ctx, *, renderer: Renderer, limits: EpisodeLimits) -> list
     ``programs.sample_prompts`` prompts, G rows each): on the slot engine its own
     episode engine's ``sample/opponent_prefill`` and ``sample/opponent_decode`` (a slot per
     row, ``matches._EngineSide``), else the turn batches' ``sample/opponent_start`` and
-    ``sample/opponent_turn`` (``matches._SideRun``). ``renderer``, ``limits``: the run's
-    (``agent.make_renderer``, ``agent.limits``). Its parameters are held resident
+    ``sample/opponent_turn`` (``matches._SideRun``). With a tree of the learner seat's first
+    turns (``rollout.tree``, ``tree_matches``) the matches after the tree are on the episode
+    engine whatever the sampler (its feed a whole trajectory), and the openings are played
+    first on the static plies, one match per example (partial rollouts: one example a call):
+    ``sample/opening_start`` and ``sample/opening_turn``. ``renderer``, ``limits``: the
+    run's (``agent.make_renderer``, ``agent.limits``). Its parameters are held resident
     (``Program.held``, ``opponent``): loaded with the phase, kept to its end."""
     import jax
     from rljax import sampling
@@ -125,22 +129,35 @@ def opponent_programs(ctx, *, renderer: Renderer, limits: EpisodeLimits) -> list
     kw = dict(num_samples=g, temperature=t, top_k=int(cfg.rollout.top_k) if t else 0,
               top_p=float(cfg.rollout.top_p) if t else 1.0,
               stop_sequences=multiturn.stop_sequences_of(tok, [end] if end else []))
-    if sampler.sampler_kind(cfg) == "slots":
+    tree = bool(cfg.rollout.tree.enabled) and not cfg.rollout.partial
+    layout = multiturn.SlotLayout(prompt_len=p, turn_len=lim.turn_tokens,
+                                  chunk_len=lim.chunk_tokens,
+                                  max_turns=num_seats(cfg) * lim.max_turns)
+
+    def plies(rows: int, samples: int) -> list:   # the static plies over ``rows`` prompts
+        return multiturn.programs(
+            opponent.model_cfg, opponent.params, programs_lib.batch_struct(
+                ctx.mesh, (rows, p), "int32"), programs_lib.batch_struct(
+                ctx.mesh, (rows, p), bool), rng, layout=layout, eos_id=tok.eos_id,
+            pad_id=tok.pad_id, mesh=ctx.mesh, **dict(kw, num_samples=samples))
+    if sampler.sampler_kind(cfg) == "slots" or tree:
         made = episode_engine.programs(
             opponent.model_cfg, opponent.params, p_tok, p_mask, rng, slots=b * g,
-            chunk_len=lim.chunk_tokens, turn_len=lim.turn_tokens,
+            chunk_len=max(lim.chunk_tokens, lim.max_total_tokens) if tree
+            else lim.chunk_tokens, turn_len=lim.turn_tokens,
             length=lim.max_total_tokens + 1, chunk_steps=int(cfg.rollout.chunk_steps),
             stop_ids=sampling.merge_stop_ids(tok.eos_id, ()), **kw)
     else:
-        layout = multiturn.SlotLayout(prompt_len=p, turn_len=lim.turn_tokens,
-                                      chunk_len=lim.chunk_tokens,
-                                      max_turns=num_seats(cfg) * lim.max_turns)
-        made = multiturn.programs(opponent.model_cfg, opponent.params, p_tok, p_mask, rng,
-                                  layout=layout, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                  mesh=ctx.mesh, **kw)
+        made = plies(b, g)
     size = programs_lib.shard_bytes(opponent.params)
-    return [programs_lib.Program(f"sample/opponent_{name}", fn, args, size,
-                                 held=(("opponent", size),)) for name, fn, args in made]
+    out = [programs_lib.Program(f"sample/opponent_{name}", fn, args, size,
+                                held=(("opponent", size),)) for name, fn, args in made]
+    if cfg.rollout.tree.enabled:   # the openings: one match per example
+        examples = 1 if cfg.rollout.partial else programs_lib.sample_prompts(cfg)
+        out += [programs_lib.Program(f"sample/opening_{name}", fn, args, size,
+                                     held=(("opponent", size),))
+                for name, fn, args in plies((num_seats(cfg) - 1) * examples, 1)]
+    return out
 
 
 def opponent_side(opponent: Opponent, envs, g: int, top_k: int, top_p: float) -> Side:
