@@ -207,3 +207,91 @@ def test_a_checkpoint_opponent_is_planned_as_its_own_sampler(engine, tmp_path, m
         assert progs["sample/episode_decode"].args[5]["live"].shape == (mine,)
     else:   # the turn's slot mask [R, S]
         assert progs["sample/opponent_turn"].args[2].shape[0] == theirs
+
+
+def kuhn_cfg(**overrides):
+    """test_selfplay's tiny config on Kuhn Poker: P2's first observation (the card and P1's
+    move) is longer than P1's board, so P2's prompt ++ opening outgrows the 32-token prompt
+    bucket that holds P1's prompt."""
+    from test_selfplay import ttt_cfg
+    from rljax import config as config_lib
+    cfg = ttt_cfg(**{"data.source": "kuhn_poker", "env.name": "kuhn_poker", "env.max_turns": 2,
+                     "env.max_turn_tokens": 6, "env.max_obs_tokens": 28,
+                     "rollout.max_new_tokens": 6, "data.max_prompt_length": 32,
+                     "env.kwargs": {"opponent": "random", "illegal_penalty": -2.0}})
+    cfg.update_from_flattened_dict(overrides)
+    return config_lib.validate(cfg)
+
+
+def shapes(tree):
+    return jax.tree.map(np.shape, tree)
+
+
+@pytest.mark.parametrize("engine", ["static", "slots"])
+def test_trees_against_a_checkpoint_opponent_are_planned_at_the_shapes_they_run(
+        engine, tmp_path, monkeypatch):
+    """rollout.tree with env.selfplay.mode='checkpoint': a P2 learner's tree grows from its
+    prompt ++ P1's opening, in the P + env.max_total_tokens bucket, which the plan's tree
+    programs take (static: ``sample``; slot engine: its widest level's); the openings are the
+    opponent's static plies over one match per example (``sample/opening_*``), and the
+    matches after the tree run on the episode engine, whatever the sampler, a slot per row
+    with a whole trajectory's feed (``sample/episode_decode``, ``sample/opponent_decode``):
+    one iteration's live shapes equal the plan's."""
+    from test_distill import write_teacher_workdir
+    from test_selfplay import ttt_cfg
+    from rljax.envs.selfplay import SeatEnv
+    from rljax.sampling import multiturn, tree_engine
+    from rljax.train.methods import matches, tree_episodes
+    from rljax.train.phases import phase_programs
+    workdir = str(tmp_path / "opponent")
+    write_teacher_workdir(workdir, cfg=ttt_cfg())
+    cfg = kuhn_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": workdir,
+                      "env.selfplay.temperature": 1.0, "rollout.engine": engine,
+                      "algo.adv_estimator": "treepo", "algo.num_generations": 4,
+                      "rollout.tree.enabled": True, "rollout.tree.roots": 2,
+                      "rollout.tree.branching": 2, "rollout.tree.segment_tokens": 1})
+    devices = jax.devices()[:1]
+    planned = {p.name: p for p in phase_programs(
+        plan_lib.abstract_context(cfg, devices)[0])[-1][2]}
+
+    step = SeatEnv.step   # every turn plays the legal move its text picks: the matches go on
+    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, (
+        moves := self.game.legal_moves(self.match.state))[sum(map(ord, text)) % len(moves)]))
+    trees, levels, engines, plies = [], [], [], []
+    first_turns = tree_episodes.FirstTurns.__call__
+    monkeypatch.setattr(tree_episodes.FirstTurns, "__call__", lambda self, t, m: trees.append(
+        np.shape(t)) or first_turns(self, t, m))
+    level = tree_engine.engine.generate
+    monkeypatch.setattr(tree_engine.engine, "generate", lambda cfg_, params, t, *a, **k: (
+        levels.append(np.shape(t)) or level(cfg_, params, t, *a, **k)))
+    side_init = matches._EngineSide.__init__
+
+    def init(self, run, *a, **k):   # the learner's side, then the opponent's
+        side_init(self, run, *a, **k)
+        engines.append((len(run.p_tok), shapes(self.cache), shapes(self.state)))
+    monkeypatch.setattr(matches._EngineSide, "__init__", init)
+    turn = multiturn.turn
+    monkeypatch.setattr(multiturn, "turn", lambda model_cfg, params, cache, slot_mask, chunk,
+                        *a, **k: plies.append((shapes(cache), np.shape(slot_mask),
+                                               np.shape(chunk)))
+                        or turn(model_cfg, params, cache, slot_mask, chunk, *a, **k))
+
+    ctx = setup.build_context(cfg, str(tmp_path / "run"), devices)
+    phase = make_phases(ctx)[-1]
+    state = inference.start_phase(ctx, phase, inference.initial_state(ctx))
+    phase.iteration(state, 0)
+
+    p = 32 + 64   # the tree's prompt bucket: a P2's prompt ++ opening is longer than 32
+    assert trees == [(2, p)]
+    if engine == "static":
+        assert planned["sample"].args[1].shape == (2, p)
+    else:   # the widest level: 2 prompts x 4 leaves, their pages past the tree's fork points
+        assert levels and planned["sample/prefill"].args[1].shape == max(levels)
+    assert len(engines) == 2 and plies
+    for name, (pages, cache, live_state) in zip(("episode", "opponent"), engines):
+        _, _, _, page_len, cache_, state_, _ = planned[f"sample/{name}_decode"].args
+        assert (page_len.shape[0], shapes(cache_), shapes(state_)) == (pages, cache,
+                                                                       live_state), name
+    _, cache_, slot_mask, chunk, *_ = planned["sample/opening_turn"].args
+    assert all(ply == (shapes(cache_), slot_mask.shape, chunk.shape) for ply in plies)
+    assert planned["sample/opening_start"].args[1].shape[0] == slot_mask.shape[0] == 2
