@@ -295,3 +295,53 @@ def test_trees_against_a_checkpoint_opponent_are_planned_at_the_shapes_they_run(
     _, cache_, slot_mask, chunk, *_ = planned["sample/opening_turn"].args
     assert all(ply == (shapes(cache_), slot_mask.shape, chunk.shape) for ply in plies)
     assert planned["sample/opening_start"].args[1].shape[0] == slot_mask.shape[0] == 2
+
+
+@pytest.mark.parametrize("mode", ["self", "checkpoint"])
+def test_the_search_over_matches_is_planned_at_the_shapes_its_forks_run(mode, tmp_path,
+                                                                        monkeypatch):
+    """sft.traces='mcts' in self-play: a wave's forks are matches on the episode engine,
+    ``rollout.slots`` = 3 of its 2 trees x 2 forks a batch, the learner seat's rows on the
+    policy's engine (``mcts/episode_*``) and the other seat's on the policy's too (self-play:
+    the same program) or the checkpoint opponent's (``mcts/opponent_*``), no ``mcts/sample``;
+    one iteration's engines have the plan's shapes."""
+    from test_distill import write_teacher_workdir
+    from test_selfplay import ttt_cfg
+    from rljax.envs.selfplay import SeatEnv
+    from rljax.train.methods import matches
+    from rljax.train.phases import phase_programs
+    opponent = {}
+    if mode == "checkpoint":
+        opponent = {"env.selfplay.workdir": str(tmp_path / "opponent")}
+        write_teacher_workdir(opponent["env.selfplay.workdir"], cfg=ttt_cfg())
+    cfg = ttt_cfg(**{"env.selfplay.mode": mode, **opponent, "algo.name": "sft",
+                     "sft.traces": "mcts", "sft.batch_size": 2, "algo.mcts.simulations": 2,
+                     "algo.mcts.children": 2, "algo.mcts.rollouts": 2, "rollout.slots": 3,
+                     "steps": 1})
+    devices = jax.devices()[:1]
+    planned = {p.name: p for p in phase_programs(
+        plan_lib.abstract_context(cfg, devices)[0])[-1][2]}
+    others = "opponent" if mode == "checkpoint" else "episode"
+    assert set(planned) == {"update", "mcts/episode_prefill", "mcts/episode_decode"} | {
+        f"mcts/{others}_prefill", f"mcts/{others}_decode"}
+
+    step = SeatEnv.step   # every turn plays the legal move its text picks: the trees grow
+    monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, (
+        moves := self.game.legal_moves(self.match.state))[sum(map(ord, text)) % len(moves)]))
+    engines = []
+    side_init = matches._EngineSide.__init__
+
+    def init(self, run, *a, **k):   # the learner seat's side, then the other seat's
+        side_init(self, run, *a, **k)
+        engines.append((len(run.p_tok), shapes(self.cache), shapes(self.state)))
+    monkeypatch.setattr(matches._EngineSide, "__init__", init)
+    ctx = setup.build_context(cfg, str(tmp_path / "run"), devices)
+    phase = make_phases(ctx)[-1]
+    phase.iteration(inference.start_phase(ctx, phase, inference.initial_state(ctx)), 0)
+    assert engines and len(engines) % 2 == 0
+    for side, name in enumerate(("episode", others)):   # the largest batch: a fork wave's
+        _, _, _, page_len, cache_, state_, _ = planned[f"mcts/{name}_decode"].args
+        assert max(engines[side::2], key=lambda e: e[0]) == (
+            page_len.shape[0], shapes(cache_), shapes(state_)), name
+    # (a wave that opens roots plays one match per tree: 2 rows)
+    assert sorted({pages for pages, _, _ in engines}) == [2, 3]

@@ -66,10 +66,16 @@ def programs(ctx, params, resident: int, prompts: int) -> list:
     ``prefix_len`` columns forked ``forks`` ways, ``rollout.max_new_tokens`` new tokens, a
     key per output row; the rows' noise is drawn inside it); with ``algo.mcts.value='prm'``,
     ``mcts/prm``, the PRM's pass over ``search_rows x children`` stepwise rows (its parameters
-    are that program's non-resident arguments: not train state)."""
+    are that program's non-resident arguments: not train state). Over a game's matches
+    (``env.selfplay``) the forks are matches instead of ``mcts/sample``: ``match_programs``."""
     cfg, mcfg, mesh, tok = ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.tokenizer
     r, m = cfg.rollout, cfg.algo.mcts
     rows, s, p = search_rows(prompts, ctx.dp_size), forks(cfg), prefix_len(cfg)
+    prm = ([prm_program(ctx, "mcts/prm", rows * int(m.children),
+                        completion_len=programs_lib.completion_len(cfg))]
+           if m.value == "prm" else [])
+    if cfg.env.name and cfg.env.selfplay.mode != "off":   # forks of matches (mcts_matches)
+        return match_programs(ctx, params, resident, prompts) + prm
     merge = sampler_lib.merges_for_sampling(cfg, mcfg, params)
 
     def sample_fn(params, prompt_tokens, prompt_mask, key, row_keys):
@@ -85,8 +91,59 @@ def programs(ctx, params, resident: int, prompts: int) -> list:
             programs_lib.batch_struct(mesh, (rows, p), bool),
             jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated),
             programs_lib.batch_struct(mesh, (rows * s, 2), jnp.uint32))
-    out = [programs_lib.Program("mcts/sample", jax.jit(sample_fn), args, resident)]
-    if m.value == "prm":
-        out.append(prm_program(ctx, "mcts/prm", rows * int(m.children),
-                               completion_len=programs_lib.completion_len(cfg)))
+    return [programs_lib.Program("mcts/sample", jax.jit(sample_fn), args, resident)] + prm
+
+
+def fork_batch(cfg, prompts: int) -> int:
+    """Forks of a wave's batch over matches (``vine_matches.play_forks``): a wave's
+    ``prompts x forks`` fork points (a leaf per tree), ``rollout.slots`` of them a batch
+    (else a quarter)."""
+    n = int(prompts) * forks(cfg)
+    return max(1, min(sampler_lib.engine_slots(cfg, n), n))
+
+
+def match_programs(ctx, params, resident: int, prompts: int) -> list:
+    """The search's programs over a game's matches (``mcts_matches``): each batch of forks
+    (``fork_batch`` matches) is played on the episode engine, a side per model with a slot
+    per row, its feed a replayed trajectory (``matches._engine_matches``): the learner seat's
+    rows on the policy's engine, ``mcts/episode_prefill`` and ``mcts/episode_decode``; the
+    other seats' on the checkpoint opponent's (``mcts/opponent_*``, its parameters held), or
+    in self-play on the policy's (one program with the learner's for two seats, else
+    ``mcts/seats_*``)."""
+    from rljax import sampling
+    from rljax.sampling import episode_engine, multiturn
+    from rljax.train.methods import agent, selfplay
+    cfg, mcfg, tok, r = ctx.cfg, ctx.model_cfg, ctx.tokenizer, ctx.cfg.rollout
+    lim, end = agent.limits(cfg), agent.make_renderer(cfg, tok).call_end
+    per, p = fork_batch(cfg, prompts), programs_lib.prompt_len(cfg)
+    others = (selfplay.num_seats(cfg) - 1) * per
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated)
+    if sampler_lib.merges_for_sampling(cfg, mcfg, params):   # (merged once, play_forks)
+        params = jax.eval_shape(lambda q: lora_lib.merge(mcfg, q), params)
+
+    def engine(name, model_cfg, weights, rows, size, t, top_k, top_p, scheduled, held=()):
+        p_tok = programs_lib.batch_struct(ctx.mesh, (rows, p), jnp.int32)
+        p_mask = programs_lib.batch_struct(ctx.mesh, (rows, p), bool)
+        made = episode_engine.programs(
+            model_cfg, weights, p_tok, p_mask, rng, num_samples=1, slots=rows,
+            # (a first turn's chunk has room for a hint, as ``selfplay.play`` gives it)
+            chunk_len=max(lim.chunk_tokens + lim.turn_tokens, lim.max_total_tokens),
+            turn_len=lim.turn_tokens, length=lim.max_total_tokens + 1,
+            chunk_steps=int(r.chunk_steps), temperature=t, top_k=top_k, top_p=top_p,
+            stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
+            stop_sequences=multiturn.stop_sequences_of(tok, [end] if end else []),
+            scheduled=scheduled)
+        return [programs_lib.Program(f"mcts/{name}_{kind}", fn, args, size, held=held)
+                for kind, fn, args in made]
+    scheduled = r.temperature_schedule.name != "constant"
+    policy = (r.temperature, int(r.top_k), float(r.top_p), scheduled)
+    out = engine("episode", mcfg, params, per, resident, *policy)
+    opponent = selfplay.abstract_opponent(ctx)
+    if opponent is not None:
+        t, size = opponent.temperature, programs_lib.shard_bytes(opponent.params)
+        out += engine("opponent", opponent.model_cfg, opponent.params, others, size, t,
+                      int(r.top_k) if t else 0, float(r.top_p) if t else 1.0, False,
+                      held=(("opponent", size),))
+    elif others != per:
+        out += engine("seats", mcfg, params, others, resident, *policy)
     return out
