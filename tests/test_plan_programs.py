@@ -227,29 +227,57 @@ def shapes(tree):
     return jax.tree.map(np.shape, tree)
 
 
-@pytest.mark.parametrize("engine", ["static", "slots"])
+def watch_engines(monkeypatch) -> dict:
+    """Each match engine a rollout starts, by side ("episode": the learner seat's, "opponent":
+    the other seats', the checkpoint opponent's or in self-play the policy's):
+    ``(prompt pages, cache shapes, state shapes)`` (``matches._EngineSide``: a call's
+    sides, the learner's first; partial rollouts: ``partial_matches._SeatEngine``)."""
+    from rljax.train.methods import matches, partial_matches
+    engines: dict = {"episode": [], "opponent": []}
+    side_init, seat_init = matches._EngineSide.__init__, partial_matches._SeatEngine.__init__
+
+    def side(self, run, *a, **k):
+        side_init(self, run, *a, **k)
+        name = "opponent" if len(engines["episode"]) > len(engines["opponent"]) else "episode"
+        engines[name].append((len(run.p_tok), shapes(self.cache), shapes(self.state)))
+
+    def seat(self, pool, run, lim, rows, side, frozen, *a, **k):
+        seat_init(self, pool, run, lim, rows, side, frozen, *a, **k)
+        engines["opponent" if frozen else "episode"].append(
+            (len(rows[::pool.g]), shapes(self.cache), shapes(self.state)))
+    monkeypatch.setattr(matches._EngineSide, "__init__", side)
+    monkeypatch.setattr(partial_matches._SeatEngine, "__init__", seat)
+    return engines
+
+
+@pytest.mark.parametrize("engine", ["static", "slots", "partial"])
 def test_trees_against_a_checkpoint_opponent_are_planned_at_the_shapes_they_run(
         engine, tmp_path, monkeypatch):
     """rollout.tree with env.selfplay.mode='checkpoint': a P2 learner's tree grows from its
     prompt ++ P1's opening, in the P + env.max_total_tokens bucket, which the plan's tree
-    programs take (static: ``sample``; slot engine: its widest level's); the openings are the
-    opponent's static plies over one match per example (``sample/opening_*``), and the
-    matches after the tree run on the episode engine, whatever the sampler, a slot per row
-    with a whole trajectory's feed (``sample/episode_decode``, ``sample/opponent_decode``):
-    one iteration's live shapes equal the plan's."""
+    programs take (static: ``sample``; slot engine: its widest level's; partial rollouts: a
+    place's tree, one prompt); the openings are the opponent's static plies over one match
+    per example (partial: per place; ``sample/opening_*``), and the matches after the tree
+    run on the episode engine, whatever the sampler, a slot per row with a whole
+    trajectory's feed (``sample/episode_decode``, ``sample/opponent_decode``; partial: over
+    the pool's 4 places): one iteration's live shapes equal the plan's."""
     from test_distill import write_teacher_workdir
     from test_selfplay import ttt_cfg
     from rljax.envs.selfplay import SeatEnv
     from rljax.sampling import multiturn, tree_engine
-    from rljax.train.methods import matches, tree_episodes
+    from rljax.train.methods import tree_episodes
     from rljax.train.phases import phase_programs
     workdir = str(tmp_path / "opponent")
     write_teacher_workdir(workdir, cfg=ttt_cfg())
+    partial = {"rollout.partial": True, "rollout.chunk_steps": 2, "rollout.slots": 3,
+               "rollout.max_staleness": 1} if engine == "partial" else {}
     cfg = kuhn_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": workdir,
-                      "env.selfplay.temperature": 1.0, "rollout.engine": engine,
+                      "env.selfplay.temperature": 1.0,
+                      "rollout.engine": "static" if engine == "static" else "slots",
                       "algo.adv_estimator": "treepo", "algo.num_generations": 4,
                       "rollout.tree.enabled": True, "rollout.tree.roots": 2,
-                      "rollout.tree.branching": 2, "rollout.tree.segment_tokens": 1})
+                      "rollout.tree.branching": 2, "rollout.tree.segment_tokens": 1,
+                      **partial})
     devices = jax.devices()[:1]
     planned = {p.name: p for p in phase_programs(
         plan_lib.abstract_context(cfg, devices)[0])[-1][2]}
@@ -257,19 +285,14 @@ def test_trees_against_a_checkpoint_opponent_are_planned_at_the_shapes_they_run(
     step = SeatEnv.step   # every turn plays the legal move its text picks: the matches go on
     monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, (
         moves := self.game.legal_moves(self.match.state))[sum(map(ord, text)) % len(moves)]))
-    trees, levels, engines, plies = [], [], [], []
+    trees, levels, plies = [], [], []
     first_turns = tree_episodes.FirstTurns.__call__
     monkeypatch.setattr(tree_episodes.FirstTurns, "__call__", lambda self, t, m: trees.append(
         np.shape(t)) or first_turns(self, t, m))
     level = tree_engine.engine.generate
     monkeypatch.setattr(tree_engine.engine, "generate", lambda cfg_, params, t, *a, **k: (
         levels.append(np.shape(t)) or level(cfg_, params, t, *a, **k)))
-    side_init = matches._EngineSide.__init__
-
-    def init(self, run, *a, **k):   # the learner's side, then the opponent's
-        side_init(self, run, *a, **k)
-        engines.append((len(run.p_tok), shapes(self.cache), shapes(self.state)))
-    monkeypatch.setattr(matches._EngineSide, "__init__", init)
+    engines = watch_engines(monkeypatch)
     turn = multiturn.turn
     monkeypatch.setattr(multiturn, "turn", lambda model_cfg, params, cache, slot_mask, chunk,
                         *a, **k: plies.append((shapes(cache), np.shape(slot_mask),
@@ -282,19 +305,20 @@ def test_trees_against_a_checkpoint_opponent_are_planned_at_the_shapes_they_run(
     phase.iteration(state, 0)
 
     p = 32 + 64   # the tree's prompt bucket: a P2's prompt ++ opening is longer than 32
-    assert trees == [(2, p)]
+    prompts = 1 if partial else 2   # partial: a place's tree, a P1's in a bucket of 32
+    assert max(trees) == (prompts, p) and len(trees) == (4 if partial else 1)
     if engine == "static":
-        assert planned["sample"].args[1].shape == (2, p)
-    else:   # the widest level: 2 prompts x 4 leaves, their pages past the tree's fork points
+        assert planned["sample"].args[1].shape == (prompts, p)
+    else:   # the widest level: 4 leaves a prompt, their pages past the tree's fork points
         assert levels and planned["sample/prefill"].args[1].shape == max(levels)
-    assert len(engines) == 2 and plies
-    for name, (pages, cache, live_state) in zip(("episode", "opponent"), engines):
+    assert plies and all(len(engines[name]) == 1 for name in engines)
+    for name, [(pages, cache, live_state)] in engines.items():
         _, _, _, page_len, cache_, state_, _ = planned[f"sample/{name}_decode"].args
         assert (page_len.shape[0], shapes(cache_), shapes(state_)) == (pages, cache,
                                                                        live_state), name
     _, cache_, slot_mask, chunk, *_ = planned["sample/opening_turn"].args
     assert all(ply == (shapes(cache_), slot_mask.shape, chunk.shape) for ply in plies)
-    assert planned["sample/opening_start"].args[1].shape[0] == slot_mask.shape[0] == 2
+    assert planned["sample/opening_start"].args[1].shape[0] == slot_mask.shape[0] == prompts
 
 
 @pytest.mark.parametrize("mode", ["self", "checkpoint"])
@@ -308,7 +332,6 @@ def test_the_search_over_matches_is_planned_at_the_shapes_its_forks_run(mode, tm
     from test_distill import write_teacher_workdir
     from test_selfplay import ttt_cfg
     from rljax.envs.selfplay import SeatEnv
-    from rljax.train.methods import matches
     from rljax.train.phases import phase_programs
     opponent = {}
     if mode == "checkpoint":
@@ -328,20 +351,14 @@ def test_the_search_over_matches_is_planned_at_the_shapes_its_forks_run(mode, tm
     step = SeatEnv.step   # every turn plays the legal move its text picks: the trees grow
     monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, (
         moves := self.game.legal_moves(self.match.state))[sum(map(ord, text)) % len(moves)]))
-    engines = []
-    side_init = matches._EngineSide.__init__
-
-    def init(self, run, *a, **k):   # the learner seat's side, then the other seat's
-        side_init(self, run, *a, **k)
-        engines.append((len(run.p_tok), shapes(self.cache), shapes(self.state)))
-    monkeypatch.setattr(matches._EngineSide, "__init__", init)
+    engines = watch_engines(monkeypatch)
     ctx = setup.build_context(cfg, str(tmp_path / "run"), devices)
     phase = make_phases(ctx)[-1]
     phase.iteration(inference.start_phase(ctx, phase, inference.initial_state(ctx)), 0)
-    assert engines and len(engines) % 2 == 0
-    for side, name in enumerate(("episode", others)):   # the largest batch: a fork wave's
-        _, _, _, page_len, cache_, state_, _ = planned[f"mcts/{name}_decode"].args
-        assert max(engines[side::2], key=lambda e: e[0]) == (
+    assert engines["episode"] and len(engines["opponent"]) == len(engines["episode"])
+    for side, name in (("episode", "episode"), ("opponent", others)):   # the largest batch:
+        _, _, _, page_len, cache_, state_, _ = planned[f"mcts/{name}_decode"].args   # forks'
+        assert max(engines[side], key=lambda e: e[0]) == (
             page_len.shape[0], shapes(cache_), shapes(state_)), name
     # (a wave that opens roots plays one match per tree: 2 rows)
-    assert sorted({pages for pages, _, _ in engines}) == [2, 3]
+    assert sorted({pages for pages, _, _ in engines["episode"]}) == [2, 3]

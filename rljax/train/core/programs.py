@@ -218,8 +218,9 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
         elif tree is not None:   # each leaf's trajectory fed whole
             feed = max(feed, int(e.max_total_tokens))
         p_tok, p_mask, *_ = prompts(places)
-        # A game's matches hold a slot per row for the whole match (``matches._EngineSide``).
-        slots = (chunk * g if e.selfplay.mode != "off"
+        # A game's matches hold a slot per row for the whole match (``matches._EngineSide``;
+        # partial rollouts: every place's, ``partial_matches._SeatEngine``).
+        slots = (places * g if e.selfplay.mode != "off"
                  else sampler_lib.engine_slots(cfg, chunk * g))
         out = [Program(f"sample/episode_{name}", fn, args, resident) for name, fn, args in
                episode_engine.programs(
@@ -239,7 +240,10 @@ def sampler_programs(ctx, params, resident: int, *, with_eval: bool = True) -> l
                                     embeds[0] if embeds else None)]
     elif kind == "tree_slots":   # the slot engine's two, at the tree's widest level (partial
         # rollouts: over the pool's 2 x chunk trees, sampling.tree_partial)
-        p_tok, p_mask = prompts(2 * chunk if r.partial else chunk, tree_prompt_len(cfg))[:2]
+        # (a checkpoint opponent's places grow a tree each, one prompt: partial_matches)
+        trees = (1 if cfg.env.selfplay.mode == "checkpoint" else 2 * chunk) if r.partial \
+            else chunk
+        p_tok, p_mask = prompts(trees, tree_prompt_len(cfg))[:2]
         kw = dict(chunk_steps=r.chunk_steps, slots=sampler_lib.engine_slots(cfg, chunk * g),
                   temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                   eos_id=ctx.stop_ids, pad_id=tok.pad_id)

@@ -106,7 +106,9 @@ def opponent_programs(ctx, *, renderer: Renderer, limits: EpisodeLimits) -> list
     ``programs.sample_prompts`` prompts, G rows each): on the slot engine its own
     episode engine's ``sample/opponent_prefill`` and ``sample/opponent_decode`` (a slot per
     row, ``matches._EngineSide``), else the turn batches' ``sample/opponent_start`` and
-    ``sample/opponent_turn`` (``matches._SideRun``). With a tree of the learner seat's first
+    ``sample/opponent_turn`` (``matches._SideRun``). With partial rollouts its engine holds
+    the pool's places (2 x a call's examples, a slot per row; its feed a carried row's whole
+    trajectory). With a tree of the learner seat's first
     turns (``rollout.tree``, ``tree_matches``) the matches after the tree are on the episode
     engine whatever the sampler (its feed a whole trajectory), and the openings are played
     first on the static plies, one match per example (partial rollouts: one example a call):
@@ -129,7 +131,11 @@ def opponent_programs(ctx, *, renderer: Renderer, limits: EpisodeLimits) -> list
     kw = dict(num_samples=g, temperature=t, top_k=int(cfg.rollout.top_k) if t else 0,
               top_p=float(cfg.rollout.top_p) if t else 1.0,
               stop_sequences=multiturn.stop_sequences_of(tok, [end] if end else []))
-    tree = bool(cfg.rollout.tree.enabled) and not cfg.rollout.partial
+    tree, partial = bool(cfg.rollout.tree.enabled), bool(cfg.rollout.partial)
+    if partial:   # the pool's places: 2 x a call's examples, each matches' rows on an engine
+        b *= 2    # (``partial_matches._SeatEngine``)
+        p_tok = programs_lib.batch_struct(ctx.mesh, (b, p), "int32")
+        p_mask = programs_lib.batch_struct(ctx.mesh, (b, p), bool)
     layout = multiturn.SlotLayout(prompt_len=p, turn_len=lim.turn_tokens,
                                   chunk_len=lim.chunk_tokens,
                                   max_turns=num_seats(cfg) * lim.max_turns)
@@ -140,10 +146,10 @@ def opponent_programs(ctx, *, renderer: Renderer, limits: EpisodeLimits) -> list
                 ctx.mesh, (rows, p), "int32"), programs_lib.batch_struct(
                 ctx.mesh, (rows, p), bool), rng, layout=layout, eos_id=tok.eos_id,
             pad_id=tok.pad_id, mesh=ctx.mesh, **dict(kw, num_samples=samples))
-    if sampler.sampler_kind(cfg) == "slots" or tree:
+    if sampler.sampler_kind(cfg) == "slots" or tree or partial:
         made = episode_engine.programs(
             opponent.model_cfg, opponent.params, p_tok, p_mask, rng, slots=b * g,
-            chunk_len=max(lim.chunk_tokens, lim.max_total_tokens) if tree
+            chunk_len=max(lim.chunk_tokens, lim.max_total_tokens) if tree or partial
             else lim.chunk_tokens, turn_len=lim.turn_tokens,
             length=lim.max_total_tokens + 1, chunk_steps=int(cfg.rollout.chunk_steps),
             stop_ids=sampling.merge_stop_ids(tok.eos_id, ()), **kw)
