@@ -321,14 +321,16 @@ def test_trees_against_a_checkpoint_opponent_are_planned_at_the_shapes_they_run(
     assert planned["sample/opening_start"].args[1].shape[0] == slot_mask.shape[0] == prompts
 
 
-@pytest.mark.parametrize("mode", ["self", "checkpoint"])
-def test_the_search_over_matches_is_planned_at_the_shapes_its_forks_run(mode, tmp_path,
-                                                                        monkeypatch):
-    """sft.traces='mcts' in self-play: a wave's forks are matches on the episode engine,
-    ``rollout.slots`` = 3 of its 2 trees x 2 forks a batch, the learner seat's rows on the
-    policy's engine (``mcts/episode_*``) and the other seat's on the policy's too (self-play:
-    the same program) or the checkpoint opponent's (``mcts/opponent_*``), no ``mcts/sample``;
-    one iteration's engines have the plan's shapes."""
+@pytest.mark.parametrize("mode", ["off", "self", "checkpoint"])
+def test_the_search_over_turns_is_planned_at_the_shapes_its_forks_run(mode, tmp_path,
+                                                                      monkeypatch):
+    """sft.traces='mcts' over a game's turns: a wave's forks are played on the episode engine,
+    not by ``mcts/sample``. Against the scripted opponent (one seat) they are episodes
+    (``mcts/episode_*``: a page per tree, padded to the batch's 8, their 2 x 2 forks on
+    ``rollout.slots`` = 3 slots). In self-play they are matches, 3 of the 2 trees x 2 forks a
+    batch, the learner seat's rows on the policy's engine (``mcts/episode_*``) and the other
+    seat's on the policy's too (self-play: the same program) or the checkpoint opponent's
+    (``mcts/opponent_*``). One iteration's engines have the plan's shapes."""
     from test_distill import write_teacher_workdir
     from test_selfplay import ttt_cfg
     from rljax.envs.selfplay import SeatEnv
@@ -347,6 +349,8 @@ def test_the_search_over_matches_is_planned_at_the_shapes_its_forks_run(mode, tm
     others = "opponent" if mode == "checkpoint" else "episode"
     assert set(planned) == {"update", "mcts/episode_prefill", "mcts/episode_decode"} | {
         f"mcts/{others}_prefill", f"mcts/{others}_decode"}
+    if mode == "off":
+        return search_over_episodes(cfg, planned["mcts/episode_decode"], tmp_path, monkeypatch)
 
     step = SeatEnv.step   # every turn plays the legal move its text picks: the trees grow
     monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, (
@@ -362,3 +366,28 @@ def test_the_search_over_matches_is_planned_at_the_shapes_its_forks_run(mode, tm
             page_len.shape[0], shapes(cache_), shapes(state_)), name
     # (a wave that opens roots plays one match per tree: 2 rows)
     assert sorted({pages for pages, _, _ in engines["episode"]}) == [2, 3]
+
+
+def search_over_episodes(cfg, planned, tmp_path, monkeypatch):
+    """One iteration of an episode search: its forks' engines (``vine_episodes.play_forks``:
+    pages, slot cache, state) have the shapes of ``planned``, the plan's decode program."""
+    from rljax.models import paged
+    from rljax.sampling import episode_engine
+    engines = []
+    prefill, cache, empty = episode_engine.prefill, paged.init_slot_cache, \
+        episode_engine.empty_state
+    monkeypatch.setattr(episode_engine, "prefill", lambda m, p, t, *a, **k: engines.append(
+        [len(t)]) or prefill(m, p, t, *a, **k))
+    monkeypatch.setattr(paged, "init_slot_cache", lambda *a, **k: engines[-1].append(
+        c := cache(*a, **k)) or c)
+    monkeypatch.setattr(episode_engine, "empty_state", lambda *a, **k: engines[-1].append(
+        s := empty(*a, **k)) or s)   # (a schedule's ``temp`` joins it in place)
+    devices = jax.devices()[:1]
+    ctx = setup.build_context(cfg, str(tmp_path / "run"), devices)
+    phase = make_phases(ctx)[-1]
+    phase.iteration(inference.start_phase(ctx, phase, inference.initial_state(ctx)), 0)
+    _, _, _, page_len, cache_, state_, _ = planned.args
+    live = [(pages, shapes(c), shapes(s)) for pages, c, s in engines]
+    assert max(live, key=lambda e: e[2]["row"]) == (page_len.shape[0], shapes(cache_),
+                                                   shapes(state_))
+    assert {e[0] for e in live} == {8} and len(live) > 1

@@ -66,8 +66,9 @@ def programs(ctx, params, resident: int, prompts: int) -> list:
     ``prefix_len`` columns forked ``forks`` ways, ``rollout.max_new_tokens`` new tokens, a
     key per output row; the rows' noise is drawn inside it); with ``algo.mcts.value='prm'``,
     ``mcts/prm``, the PRM's pass over ``search_rows x children`` stepwise rows (its parameters
-    are that program's non-resident arguments: not train state). Over a game's matches
-    (``env.selfplay``) the forks are matches instead of ``mcts/sample``: ``match_programs``."""
+    are that program's non-resident arguments: not train state). Over an environment's turns
+    the forks are episodes on the episode engine instead of ``mcts/sample``
+    (``episode_programs``), over a game's matches matches (``match_programs``)."""
     cfg, mcfg, mesh, tok = ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.tokenizer
     r, m = cfg.rollout, cfg.algo.mcts
     rows, s, p = search_rows(prompts, ctx.dp_size), forks(cfg), prefix_len(cfg)
@@ -76,6 +77,8 @@ def programs(ctx, params, resident: int, prompts: int) -> list:
            if m.value == "prm" else [])
     if cfg.env.name and cfg.env.selfplay.mode != "off":   # forks of matches (mcts_matches)
         return match_programs(ctx, params, resident, prompts) + prm
+    if cfg.env.name:   # forks of episodes (mcts_episodes)
+        return episode_programs(ctx, params, resident, prompts) + prm
     merge = sampler_lib.merges_for_sampling(cfg, mcfg, params)
 
     def sample_fn(params, prompt_tokens, prompt_mask, key, row_keys):
@@ -102,6 +105,59 @@ def fork_batch(cfg, prompts: int) -> int:
     return max(1, min(sampler_lib.engine_slots(cfg, n), n))
 
 
+def _engine(ctx, name: str, model_cfg, params, pages: int, slots: int, resident: int,
+            t: float, top_k: int, top_p: float, scheduled: bool, *, num_samples: int = 1,
+            chunk_len: int, held: tuple = ()) -> list:
+    """``mcts/{name}_prefill`` and ``mcts/{name}_decode``: the episode engine's programs over
+    ``pages`` prompt pages of the longest bucket and ``slots`` slots of an episode's tokens,
+    its feed ``chunk_len`` tokens, sampling at ``t`` / ``top_k`` / ``top_p``."""
+    from rljax import sampling
+    from rljax.sampling import episode_engine, multiturn
+    from rljax.train.methods import agent
+    cfg, tok = ctx.cfg, ctx.tokenizer
+    lim, end = agent.limits(cfg), agent.make_renderer(cfg, tok).call_end
+    p = programs_lib.prompt_len(cfg)
+    made = episode_engine.programs(
+        model_cfg, params, programs_lib.batch_struct(ctx.mesh, (pages, p), jnp.int32),
+        programs_lib.batch_struct(ctx.mesh, (pages, p), bool),
+        jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated),
+        num_samples=num_samples, slots=slots, chunk_len=chunk_len, turn_len=lim.turn_tokens,
+        length=lim.max_total_tokens + 1, chunk_steps=int(cfg.rollout.chunk_steps),
+        temperature=t, top_k=top_k, top_p=top_p,
+        stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
+        stop_sequences=multiturn.stop_sequences_of(tok, [end] if end else []),
+        scheduled=scheduled)
+    return [programs_lib.Program(f"mcts/{name}_{kind}", fn, args, resident, held=held)
+            for kind, fn, args in made]
+
+
+def _policy(ctx, params) -> tuple:
+    """(the sampled parameters: LoRA merged where sampling merges it, as the forks do once;
+    temperature, top_k, top_p, whether a schedule sets the turns' temperatures)."""
+    cfg, mcfg, r = ctx.cfg, ctx.model_cfg, ctx.cfg.rollout
+    if sampler_lib.merges_for_sampling(cfg, mcfg, params):
+        params = jax.eval_shape(lambda q: lora_lib.merge(mcfg, q), params)
+    return params, (r.temperature, int(r.top_k), float(r.top_p),
+                    r.temperature_schedule.name != "constant")
+
+
+def episode_programs(ctx, params, resident: int, prompts: int) -> list:
+    """The search's programs over an environment's turns (``mcts_episodes``): a wave's forks
+    are played on the episode engine (``vine_episodes.play_forks``), a page per leaf's prompt
+    (a leaf per tree, padded to a multiple of ``rollout.batch_size``), each page's ``forks``
+    episodes on ``rollout.slots`` slots (else a quarter of them, at most a wave's
+    ``prompts x forks``), the feed a replayed trajectory: ``mcts/episode_prefill`` and
+    ``mcts/episode_decode``."""
+    from rljax.train.methods import agent
+    cfg, k = ctx.cfg, forks(ctx.cfg)
+    lim, batch = agent.limits(cfg), int(cfg.rollout.batch_size)
+    pages = -(-int(prompts) // batch) * batch
+    slots = max(1, min(sampler_lib.engine_slots(cfg, pages * k), int(prompts) * k))
+    params, policy = _policy(ctx, params)
+    return _engine(ctx, "episode", ctx.model_cfg, params, pages, slots, resident, *policy,
+                   num_samples=k, chunk_len=max(lim.chunk_tokens, lim.max_total_tokens))
+
+
 def match_programs(ctx, params, resident: int, prompts: int) -> list:
     """The search's programs over a game's matches (``mcts_matches``): each batch of forks
     (``fork_batch`` matches) is played on the episode engine, a side per model with a slot
@@ -110,40 +166,23 @@ def match_programs(ctx, params, resident: int, prompts: int) -> list:
     other seats' on the checkpoint opponent's (``mcts/opponent_*``, its parameters held), or
     in self-play on the policy's (one program with the learner's for two seats, else
     ``mcts/seats_*``)."""
-    from rljax import sampling
-    from rljax.sampling import episode_engine, multiturn
     from rljax.train.methods import agent, selfplay
-    cfg, mcfg, tok, r = ctx.cfg, ctx.model_cfg, ctx.tokenizer, ctx.cfg.rollout
-    lim, end = agent.limits(cfg), agent.make_renderer(cfg, tok).call_end
-    per, p = fork_batch(cfg, prompts), programs_lib.prompt_len(cfg)
+    cfg, lim = ctx.cfg, agent.limits(ctx.cfg)
+    per = fork_batch(cfg, prompts)
     others = (selfplay.num_seats(cfg) - 1) * per
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=ctx.replicated)
-    if sampler_lib.merges_for_sampling(cfg, mcfg, params):   # (merged once, play_forks)
-        params = jax.eval_shape(lambda q: lora_lib.merge(mcfg, q), params)
-
-    def engine(name, model_cfg, weights, rows, size, t, top_k, top_p, scheduled, held=()):
-        p_tok = programs_lib.batch_struct(ctx.mesh, (rows, p), jnp.int32)
-        p_mask = programs_lib.batch_struct(ctx.mesh, (rows, p), bool)
-        made = episode_engine.programs(
-            model_cfg, weights, p_tok, p_mask, rng, num_samples=1, slots=rows,
-            # (a first turn's chunk has room for a hint, as ``selfplay.play`` gives it)
-            chunk_len=max(lim.chunk_tokens + lim.turn_tokens, lim.max_total_tokens),
-            turn_len=lim.turn_tokens, length=lim.max_total_tokens + 1,
-            chunk_steps=int(r.chunk_steps), temperature=t, top_k=top_k, top_p=top_p,
-            stop_ids=sampling.merge_stop_ids(tok.eos_id, ()),
-            stop_sequences=multiturn.stop_sequences_of(tok, [end] if end else []),
-            scheduled=scheduled)
-        return [programs_lib.Program(f"mcts/{name}_{kind}", fn, args, size, held=held)
-                for kind, fn, args in made]
-    scheduled = r.temperature_schedule.name != "constant"
-    policy = (r.temperature, int(r.top_k), float(r.top_p), scheduled)
-    out = engine("episode", mcfg, params, per, resident, *policy)
+    # (a first turn's chunk has room for a hint, as ``selfplay.play`` gives it)
+    width = max(lim.chunk_tokens + lim.turn_tokens, lim.max_total_tokens)
+    params, policy = _policy(ctx, params)
+    out = _engine(ctx, "episode", ctx.model_cfg, params, per, per, resident, *policy,
+                  chunk_len=width)
     opponent = selfplay.abstract_opponent(ctx)
     if opponent is not None:
         t, size = opponent.temperature, programs_lib.shard_bytes(opponent.params)
-        out += engine("opponent", opponent.model_cfg, opponent.params, others, size, t,
-                      int(r.top_k) if t else 0, float(r.top_p) if t else 1.0, False,
-                      held=(("opponent", size),))
+        r = cfg.rollout
+        out += _engine(ctx, "opponent", opponent.model_cfg, opponent.params, others, others,
+                       size, t, int(r.top_k) if t else 0, float(r.top_p) if t else 1.0, False,
+                       chunk_len=width, held=(("opponent", size),))
     elif others != per:
-        out += engine("seats", mcfg, params, others, resident, *policy)
+        out += _engine(ctx, "seats", ctx.model_cfg, params, others, others, resident, *policy,
+                       chunk_len=width)
     return out
