@@ -718,6 +718,27 @@ def test_selfplay_config_errors_are_one_line(overrides, needle):
     assert "\n" not in str(e.value)
 
 
+def test_a_prompt_the_environment_renders_too_long_is_one_line_before_training(tmp_path):
+    """Kuhn Poker against the scripted opponent: a second mover's prompt holds the first
+    mover's bet, 35 tokens against a 32-token prompt limit. The run stops before anything is
+    compiled or written, naming the limit, instead of at the first eval that draws it."""
+    cfg = ttt_cfg(**{"data.source": "kuhn_poker", "env.name": "kuhn_poker", "env.max_turns": 2,
+                     "env.max_turn_tokens": 6, "env.max_obs_tokens": 28,
+                     "rollout.max_new_tokens": 6, "data.max_prompt_length": 32,
+                     "eval.num_examples": 8, "eval.batch_size": 8,
+                     "env.kwargs": {"opponent": "random", "illegal_penalty": -2.0}})
+    with pytest.raises(setup.UserError, match=r"has 3\d tokens as the environment renders it, "
+                       r"over data.max_prompt_length=32") as e:
+        run.train(cfg, str(tmp_path / "w"), devices=DEVICES)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "w" / "checkpoints").exists()
+    cfg.data.max_prompt_length = 48   # fits: the check passes (and a run could start)
+    from rljax.train.methods import agent
+    from rljax.train.core import evaluate
+    ctx = setup.build_context(config_lib.validate(cfg), str(tmp_path / "x"), devices=DEVICES)
+    agent.check_episode_prompts(ctx, evaluate.eval_examples(ctx))
+
+
 def test_kuhn_strategy_scores_each_information_set_as_its_rollout_row_lays_it_out(tmp_path):
     """``bench/kuhn_strategy.py``: the 12 information sets, each as the chat template renders
     that seat's messages (the second seat's prompt without a header), and each legal move's

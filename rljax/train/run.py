@@ -97,6 +97,8 @@ def _train(cfg, workdir: str, devices, stop: StopSignal, checkpoint: int | None)
     # Held-out prompts, read before the checkpoint manager starts (a bad eval file is one line).
     examples = (eval_lib.eval_examples(ctx)
                 if any(not hasattr(p, "evaluate") for p in phases) else None)
+    if cfg.env.name:   # an episode's prompt that outgrows its bucket: one line, not a crash
+        agent.check_episode_prompts(ctx, examples or eval_lib.eval_examples(ctx))
     offsets = phase_offsets(phases)
     total = offsets[-1] + phases[-1].steps
     ctx.stop = stop  # a reward call still running when a stop is requested is abandoned

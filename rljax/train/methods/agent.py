@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rljax.errors import UserError
 from rljax.sampling import tree as tree_sampling
 from rljax.train.core import episodes as ep
 from rljax.train.core import evaluate, image_inputs, sampler
@@ -61,6 +62,21 @@ def make_envs(cfg, examples: list[dict], g: int) -> list:
     from rljax.envs import make_env
     kw = env_kwargs(cfg)
     return [make_env(cfg.env.name, ex, **kw) for ex in examples for _ in range(g)]
+
+
+def check_episode_prompts(ctx, examples: list[dict]) -> None:
+    """UserError (one line, before anything compiles) when an episode's prompt as its
+    environment renders it (the first messages: a scripted opponent's opening move, a tool
+    list) is longer than ``data.max_prompt_length`` for one of ``examples``; otherwise the
+    run would stop the first time such an example is drawn, maybe at its last evaluation."""
+    cfg, tok = ctx.cfg, ctx.tokenizer
+    renderer, limit = make_renderer(cfg, tok), int(cfg.data.max_prompt_length)
+    for i, env in enumerate(make_envs(cfg, examples, 1)):
+        n = len(tok.encode(renderer.prompt(env.reset())))
+        if n > limit:
+            raise UserError(f"env.name={cfg.env.name!r}: the prompt of held-out example {i} "
+                            f"has {n} tokens as the environment renders it, over "
+                            f"data.max_prompt_length={limit}; raise data.max_prompt_length")
 
 
 def limits(cfg) -> ep.EpisodeLimits:
