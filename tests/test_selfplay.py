@@ -513,7 +513,7 @@ def test_checkpoint_opponent_with_knapsack_partial_rollouts_trains(rae_run, tmp_
     assert records[1]["rollout/staleness_max"] == 1   # carried mid-game
 
 
-@pytest.mark.parametrize("engine", ["static", "slots", "knapsack", "inflight"])
+@pytest.mark.parametrize("engine", ["static", "slots", "knapsack", "inflight", "hints"])
 def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tmp_path,
                                                                     monkeypatch, engine):
     """rollout.tree with a checkpoint opponent (the static tree sampler, or the slot engine
@@ -522,40 +522,57 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
     of one token, each forked in 2), every match is played on to its end, and treepo's
     advantages read the leaves' seat rewards over that tree. Knapsack allocation: a game's
     group is trees of one root (2 leaves), each with an opening of its own, under GRPO.
-    In-flight weight updates: every learner token, the tree's too, records its version."""
+    In-flight weight updates: every learner token, the tree's too, records its version.
+    Hints (every group fails, threshold 2): each group is played again as a new tree, its
+    opening replayed, the hint after the learner seat's first observation (the tree grows
+    from it), and the hinted trees' leaves are what trains."""
     from rljax import algorithms
     from rljax.envs.selfplay import SeatEnv
     from rljax.sampling import tree as tree_sampling
     from rljax.train.core.rollout import Rollout
-    from rljax.train.methods import tree_matches
+    from rljax.train.methods import guidance, tree_matches
     step = SeatEnv.step   # every turn plays the legal cell its text picks: leaves' games differ
     monkeypatch.setattr(SeatEnv, "step", lambda self, text: step(self, (
         cells := self.game.legal_moves(self.match.state))[sum(map(ord, text)) % len(cells)]))
     played, seen, real_play, real_adv = [], [], tree_matches.play_tree, Rollout.advantages
-    monkeypatch.setattr(tree_matches, "play_tree", lambda *a, **k: played.append(
-        real_play(*a, **k)) or played[-1])
+    hints, guided = [], []   # each call's learner hints (None: not hinted); guided rounds
+    after_round = guidance.Guide.after_round
+    monkeypatch.setattr(guidance.Guide, "after_round", lambda *a: guided.append(
+        after_round(*a)) or guided[-1])
+    def play_tree(*a, **k):
+        hints.append(k["sides"][0].prefixes)
+        out = real_play(*a, **k)
+        played.append(copied(out))
+        return out
+    monkeypatch.setattr(tree_matches, "play_tree", play_tree)
     monkeypatch.setattr(Rollout, "advantages", lambda self, rewards, **kw: seen.append(
         (np.asarray(rewards), real_adv(self, rewards, **kw))) or seen[-1][1])
     knapsack = {"rollout.allocation": "knapsack", "rollout.knapsack.min_samples": 2,
                 "algo.adv_estimator": "grpo"} if engine == "knapsack" else {}
     inflight = {"algo.asynchronous": True, "algo.inflight_updates": True} if (
         engine == "inflight") else {}
+    hinted = {"algo.hint.mode": "fixed", "algo.hint.fraction": 1.0,
+              "algo.hint.threshold": 2.0, "sft.trace_noise": 0.0} if engine == "hints" else {}
     cfg = ttt_cfg(**{"env.selfplay.mode": "checkpoint", "env.selfplay.workdir": rae_run,
                      "env.selfplay.temperature": 1.0, "rollout.slots": 3,
-                     "rollout.engine": "static" if engine in ("static", "knapsack")
+                     "rollout.engine": "static" if engine in ("static", "knapsack", "hints")
                      else "slots",
                      "algo.adv_estimator": "treepo",
                      "algo.num_generations": 4, "rollout.tree.enabled": True,
                      "rollout.tree.roots": 2, "rollout.tree.branching": 2,
-                     "rollout.tree.segment_tokens": 1, **knapsack, **inflight})
+                     "rollout.tree.segment_tokens": 1, **knapsack, **inflight, **hinted})
     assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
     assert inflight or all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)   # the tree's
-    assert len(played) == 2 and len(seen) == 2
+    assert len(played) == (4 if hinted else 2) and len(seen) == 2
+    if hinted:   # a round's trees, then its hinted trees: those train
+        assert all(r["hint/fraction_hinted"] == 1.0 for r in rl)
+        assert [h is not None for h in hints] == [False, True] * 2
+        check_hinted_trees(guided, played[1::2], hints[1::2], cfg)
     shared = 2 if knapsack else 4   # the rows of one played group: one opening
     openings = []
-    for eps in played:
+    for n, eps in enumerate(played):
         assert len(eps["tokens"]) == 8 and not eps["truncated"].any()
         assert (eps["turns"] >= 2).all()   # games played on after the tree's first turns
         start = np.argmax(eps["turn_ids"] == 0, axis=1)   # the first turn's column
@@ -565,7 +582,8 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
             assert len(set(start[group:group + shared])) == 1
             prefix = eps["tokens"][group:group + shared, :start[group]]
             assert (prefix == prefix[:1]).all()
-            openings.append(start[group])
+            if hints[n] is None:   # (a hinted tree's first turn follows its hint)
+                openings.append(start[group])
     assert max(openings) > 0 and min(openings) == 0   # both seats: O after X's opening
     if inflight:   # (the second batch is sampled while the first trains)
         eps = played[-1]
@@ -579,6 +597,28 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
         np.testing.assert_allclose(adv, algorithms.treepo_advantages(
             rewards, 4, node_ids=node_ids), atol=1e-6)
     assert any(np.abs(adv).max() > 0 for _, adv in seen)
+
+
+def copied(eps: dict) -> dict:
+    """``eps`` with its arrays copied (a hinted group overwrites its round's rows in place)."""
+    return {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in eps.items()}
+
+
+def check_hinted_trees(rounds: list, played: list, hints: list, cfg) -> None:
+    """The guided ``rounds`` train the hinted trees ``played`` (learner rows, their
+    ``hints``): each row's hint is its group's seat's scripted first move, right before the
+    learner's first turn (after the opening), context (not the model's)."""
+    from rljax.train.methods import agent
+    tok, g = setup.make_tokenizer(cfg, None), int(cfg.algo.num_generations)
+    for rnd, eps, prefixes in zip(rounds, played, hints):
+        assert rnd["hint"]["hinted"] == rnd["hint"]["groups"] == len(eps["tokens"]) // g
+        np.testing.assert_array_equal(rnd["tokens"], eps["tokens"])   # the hinted trees train
+        for row, hint in enumerate(prefixes):
+            assert hint == rnd["hint_prefixes"][row] == tok.encode(
+                agent.reference_turn(cfg, rnd["examples"][row // g]))
+            first = int(np.argmax(eps["model_mask"][row]))
+            np.testing.assert_array_equal(eps["tokens"][row][first - len(hint):first], hint)
+            assert not eps["model_mask"][row][first - len(hint):first].any()
 
 
 def test_checkpoint_opponent_trees_with_partial_rollouts_are_carried_whole(rae_run, tmp_path,
@@ -980,7 +1020,7 @@ def test_selfplay_hints_replay_a_failed_seats_group_with_the_hint_after_its_firs
     assert played >= groups and judged, (played, judged)
 
 
-@pytest.mark.parametrize("mode", ["self", "hints", "demos", "checkpoint", "partial"])
+@pytest.mark.parametrize("mode", ["self", "hints", "demos", "checkpoint", "partial", "tree"])
 def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, monkeypatch,
                                                                     request, mode,
                                                                     text_parity_cell):
@@ -989,13 +1029,15 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
     seat's moves made included; a hinted row's hint after its first observation; a
     demonstration's the scripted match's, every seat's, ``selfplay.seat_trace``), then plays
     the match on with the policy in both seats (or the checkpoint opponent in the other; with
-    partial rollouts the rows are the pool's, its matches' turns recorded as they end); a
+    partial rollouts the rows are the pool's, its matches' turns recorded as they end; with
+    tree rollouts against it a row is a tree's leaf, its match the replayed opening, the
+    leaf's first turn and the match played on after it); a
     step's value is the mean of its forks' rewards, the forked seat's, and a row's
     advantages differ from step to step (GRPO gives a row one). Here a move is the lowest
     free cell when the turn's text starts with an even character, else the highest
     (``text_parity_cell``)."""
     from rljax import algorithms
-    from rljax.train.methods import vine
+    from rljax.train.methods import tree_matches, vine
     k = 2
     extra = {"partial": {"rollout.engine": "slots", "rollout.partial": True,
                          "rollout.slots": 8},
@@ -1005,18 +1047,29 @@ def test_vineppo_in_selfplay_forks_replay_the_match_and_play_it_on(tmp_path, mon
                        "algo.hint.threshold": 2.0, "sft.trace_noise": 0.0},
              "checkpoint": {"env.selfplay.mode": "checkpoint",
                             "env.selfplay.workdir": request.getfixturevalue("rae_run")
-                            if mode == "checkpoint" else ""}}.get(mode, {})
+                            if mode in ("checkpoint", "tree") else ""}}.get(mode, {})
+    if mode == "tree":   # a group's 2 leaves share a root of one token
+        extra = {**extra, "env.selfplay.mode": "checkpoint",
+                 "env.selfplay.workdir": request.getfixturevalue("rae_run"),
+                 "rollout.tree.enabled": True, "rollout.tree.roots": 1,
+                 "rollout.tree.branching": 2, "rollout.tree.segment_tokens": 1}
     cfg = ttt_cfg(**{"env.selfplay.mode": "self", "algo.adv_estimator": "vineppo",
                      "algo.vine.forks": k, "algo.vine.max_steps": 2, "steps": 1, **extra})
-    seen, picked = [], vine.VineValues.picked
+    seen, picked, trees, play_tree = [], vine.VineValues.picked, [], tree_matches.play_tree
     monkeypatch.setattr(vine.VineValues, "picked", lambda self, *a: (
         picked(self, *a), seen.append(self._last))[0])
+    monkeypatch.setattr(tree_matches, "play_tree", lambda *a, **k: trees.append(
+        play_tree(*a, **k)) or trees[-1])
     workdir = str(tmp_path / "run")
     assert run.train(cfg, workdir, devices=DEVICES) == 0
     (r,) = [r for r in read_metrics(workdir) if "reward/mean" in r]
     assert r["vine/prefixes"] > 0 and np.isfinite(r["loss"])
     v, tok = seen[0], setup.make_tokenizer(cfg, None)
     eps, later, demo_later = v["fork_episodes"], 0, 0
+    if mode == "tree":   # the rows are leaves: a group's first turns share the root's token
+        start = np.argmax(v["turn_ids"] == 0, axis=1)
+        first = v["tokens"][np.arange(len(start)), start].reshape(-1, 2)
+        assert (first[:, 0] == first[:, 1]).all() and trees
     assert len(v["hint_prefixes"]) == (len(v["tokens"]) if mode == "hints" else 0)
     # Demonstrations: each group's last row, its forks replaying the scripted match.
     assert np.sum(v.get("demo", 0)) == (len(v["tokens"]) // 2 if mode == "demos" else 0)
