@@ -228,14 +228,15 @@ def test_prm_values_are_backed_up(ctx):
                 assert n.visits == 4 and n.visits == 1 + sum(c.visits for c in n.children)
 
 
-def write_prm_run(where: str, ctx, **extra) -> str:
-    """A PRM run's workdir ``where``: its config (algo.name='prm', ``tiny_cfg(**extra)``'s
-    model and tokenizer) and one checkpoint with a value model on ``ctx``'s policy trunk."""
+def write_prm_run(where: str, ctx, cfg=None, **extra) -> str:
+    """A PRM run's workdir ``where``: its config (algo.name='prm', ``cfg``'s or
+    ``tiny_cfg(**extra)``'s model and tokenizer) and one checkpoint with a value model on
+    ``ctx``'s policy trunk."""
     from rljax import models
     from rljax.train.core import checkpoint
     from rljax.train.core import workdir as wd
 
-    cfg = tiny_cfg(**extra)
+    cfg = tiny_cfg(**extra) if cfg is None else cfg
     cfg.algo.name, cfg.sft.traces = "prm", ""
     wd.write_config(where, cfg)
     critic = models.init_value_params(ctx.model_cfg, jax.random.key(11), from_params=ctx.params)
@@ -859,6 +860,57 @@ def test_the_search_over_a_matchs_turns_replays_every_seat_and_values_the_learne
                 assert info["reward"] == reward
                 rewards.add(reward)
     assert seconds and {-1.0, 1.0} <= rewards
+
+
+def test_a_prm_values_the_search_over_a_matchs_turns_with_discounted_returns(
+        tmp_path, monkeypatch, text_parity_cell):
+    """env.selfplay with sft.traces='mcts', algo.mcts.value='prm' (a PRM run's workdir) and
+    env.turn_discount: the PRM reads each node's learner trajectory (the other seat's moves
+    as observations), and a non-root leaf backs up its score as the return from it on, so
+    with no reward before a match's end a node's value sum is gamma (its score + its
+    children's sums), a terminal's its reward per visit; a round of self-training runs."""
+    import dataclasses
+
+    from rljax.train import run
+    from rljax.train.core.metrics import read_metrics
+    from rljax.train.methods import mcts_programs
+    from rljax.train.methods.mcts_matches import MatchSearch
+
+    gamma, ctx = 0.5, setup.build_context(ttt_cfg(), str(tmp_path / "ctx"), devices=DEVICES)
+    prm = write_prm_run(str(tmp_path / "prm"), ctx, cfg=ttt_cfg())
+    trees, scored, searches = [], [], []
+    call, load = mcts_search.MCTSTraces.__call__, mcts_programs.load_prm_scorer
+    monkeypatch.setattr(mcts_search.MCTSTraces, "__call__", lambda self, *a: (
+        call(self, *a), trees.extend(self.last), searches.append(self.searcher))[0])
+
+    def loaded(*a):
+        real = load(*a)
+
+        def scorer(prompt_ids, trajectories, turns):
+            scored.extend(zip(map(tuple, trajectories), map(tuple, turns)))
+            return real(prompt_ids, trajectories, turns)
+        return scorer
+    monkeypatch.setattr(mcts_programs, "load_prm_scorer", loaded)
+    cfg = ttt_cfg(**SELFPLAY_SEARCH, steps=1, **{"algo.mcts.value": "prm", "algo.mcts.prm": prm,
+                                                 "env.turn_discount": gamma})
+    assert run.train(cfg, str(tmp_path / "run"), devices=DEVICES) == 0
+    (r,) = [r for r in read_metrics(str(tmp_path / "run")) if "mcts/solved_frac" in r]
+    assert np.isfinite(r["sft/loss"]) and r["mcts/depth_mean"] > 1
+    assert isinstance(searches[0], MatchSearch) and searches[0].gamma == gamma
+    checked, observed = 0, 0
+    for t in trees:
+        for n in mcts_search.walk(t.root):
+            info, kids = t.info[n.steps], sum(c.value_sum for c in n.children)
+            if n.terminal:
+                assert n.value_sum == pytest.approx(n.visits * info["reward"])
+            elif n.steps:
+                assert (info["trajectory"], info["turn_ids"]) in scored
+                assert 0 < info["score"] < 1
+                observed += -1 in info["turn_ids"][info["turn_ids"].index(0):]
+                if n.expanded:
+                    assert n.value_sum == pytest.approx(gamma * (info["score"] + kids))
+                    checked += 1
+    assert checked and observed
 
 
 def write_opponent_run(where: str, cfg, params) -> str:
