@@ -824,14 +824,17 @@ def replayed_match(example: dict, history, tok) -> tuple[list[int], float]:
     return seats, float(rewards[seat_of(game, example)])
 
 
+@pytest.mark.parametrize("discount", [None, 0.5])
 def test_the_search_over_a_matchs_turns_replays_every_seat_and_values_the_learners(
-        tmp_path, monkeypatch, text_parity_cell):
+        tmp_path, monkeypatch, text_parity_cell, discount):
     """env.selfplay with sft.traces='mcts': a tree is a match seen from its example's seat
     (the learner's); a node's history, every seat's turns, replays to the node: the learner's
     turns in it are the node's steps, and each child's match and trajectory start with its
     parent's (its fork replayed the parent's history, the other seat's moves included); a
-    terminal node's reward is the learner seat's in its match. A round of self-training
-    trains on the learner's winning traces."""
+    terminal node's reward is the learner seat's in its match, what it backs up. A round of
+    self-training trains on the learner's winning traces. With env.turn_discount a
+    non-terminal node after d turns backs up its forks' return of turn d-1, gamma times a
+    later turn's (the game pays at its end only): at most gamma in size."""
     from rljax.envs import board_games
     from rljax.train import run
     from rljax.train.core.metrics import read_metrics
@@ -840,11 +843,12 @@ def test_the_search_over_a_matchs_turns_replays_every_seat_and_values_the_learne
     trees, call = [], mcts_search.MCTSTraces.__call__
     monkeypatch.setattr(mcts_search.MCTSTraces, "__call__", lambda self, *a: (
         call(self, *a), trees.extend(self.last))[0])
-    cfg = ttt_cfg(**SELFPLAY_SEARCH, steps=1)
+    cfg = ttt_cfg(**SELFPLAY_SEARCH, steps=1,
+                  **({} if discount is None else {"env.turn_discount": discount}))
     assert run.train(cfg, str(tmp_path), devices=DEVICES) == 0
     (r,) = [r for r in read_metrics(str(tmp_path)) if "mcts/solved_frac" in r]
     assert np.isfinite(r["sft/loss"]) and r["mcts/traces"] > 0 and r["mcts/depth_mean"] > 1
-    tok, seconds, rewards = setup.make_tokenizer(cfg, None), 0, set()
+    tok, seconds, rewards, valued = setup.make_tokenizer(cfg, None), 0, set(), 0
     for t in trees:
         own = seat_of(board_games.get_game("tictactoe"), t.example)
         seconds += int(own == 1 and len(t.info[()]["history"]) == 1)   # O opens on X's move
@@ -858,8 +862,13 @@ def test_the_search_over_a_matchs_turns_replays_every_seat_and_values_the_learne
                 assert child["trajectory"][:len(info["trajectory"])] == info["trajectory"]
             if n.terminal:
                 assert info["reward"] == reward
+                assert n.value_sum == pytest.approx(n.visits * reward)
                 rewards.add(reward)
+            elif n.steps and n.visits and discount is not None:
+                assert abs(n.value) <= discount + 1e-6
+                valued += n.value != 0
     assert seconds and {-1.0, 1.0} <= rewards
+    assert valued or discount is None
 
 
 def test_a_prm_values_the_search_over_a_matchs_turns_with_discounted_returns(
