@@ -539,6 +539,7 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
     after_round = guidance.Guide.after_round
     monkeypatch.setattr(guidance.Guide, "after_round", lambda *a: guided.append(
         after_round(*a)) or guided[-1])
+
     def play_tree(*a, **k):
         hints.append(k["sides"][0].prefixes)
         out = real_play(*a, **k)
