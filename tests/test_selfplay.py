@@ -520,7 +520,8 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
     serving its forks): a group's 4 matches share their opening (O's wait for the opponent's
     first move, played once), the learner seat's first turns are one tree's leaves (2 roots
     of one token, each forked in 2), every match is played on to its end, and treepo's
-    advantages read the leaves' seat rewards over that tree. Knapsack allocation: a game's
+    advantages read the leaves' seat rewards over that tree; the decoded tokens count a
+    root's token once. Knapsack allocation: a game's
     group is trees of one root (2 leaves), each with an opening of its own, under GRPO.
     In-flight weight updates: every learner token, the tree's too, records its version.
     Hints (every group fails, threshold 2): each group is played again as a new tree, its
@@ -567,6 +568,8 @@ def test_checkpoint_opponent_tree_forks_the_learner_seats_first_turn(rae_run, tm
     assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
     assert inflight or all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)   # the tree's
     assert len(played) == (4 if hinted else 2) and len(seen) == 2
+    if engine in ("static", "slots"):   # a tree's 2 one-token roots sampled once, not per leaf
+        assert all(r["rollout/decoded_tokens"] == r["rollout/train_tokens"] - 2 * 2 for r in rl)
     if hinted:   # a round's trees, then its hinted trees: those train
         assert all(r["hint/fraction_hinted"] == 1.0 for r in rl)
         assert [h is not None for h in hints] == [False, True] * 2

@@ -155,7 +155,8 @@ def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, en
     """rollout.tree with env.name: each group's first turns are one tree's leaves (they share
     the tree's first segment, pairs its second; grown by the static tree sampler or on the
     slot engine), later turns are played on per episode on the episode engine, and treepo
-    trains on the leaves' episode rewards, scoring every turn as the sampler did. ``routes``:
+    trains on the leaves' episode rewards, scoring every turn as the sampler did; the
+    decoded tokens count a shared segment once. ``routes``:
     routing replay on a mixture of experts (the tree on the slot engine): a row's routes are the
     tree's for its first turn (an episode that ended there never reached the engine) and the
     engine's after it, and the update replays them."""
@@ -177,6 +178,8 @@ def test_tree_of_episodes_trains_on_the_leaves_rewards(tmp_path, monkeypatch, en
     rl = [r for r in read_metrics(str(tmp_path)) if "reward/mean" in r]
     assert len(rl) == cfg.steps and all(np.isfinite(r["loss"]) for r in rl)
     assert all(r["rollout/logp_diff_max"] < 1e-4 for r in rl)   # every turn as sampled
+    # (the tree's shared segments are decoded once, not once per leaf)
+    assert all(r["rollout/decoded_tokens"] < r["rollout/train_tokens"] for r in rl)
     eps = [e for e in played if len(e["tokens"]) == 16]
     assert len(eps) == cfg.steps
     for e in eps:

@@ -281,7 +281,9 @@ class EpisodeRounds(RoundSource):
         rollout._maybe_print_completions(eps["prompts"], eps["transcripts"], total)
         return dict(tokens=eps["tokens"], logps=eps["logps"], mask=eps["mask"],
                     model_mask=eps["model_mask"], lengths=eps["lengths"],
-                    decoded=eps["model_mask"].sum(axis=1).reshape(-1, g).sum(axis=1),
+                    # (a tree's rows: its shared segments once, ``tree_episodes``)
+                    decoded=eps["decoded"] if "decoded" in eps else
+                    eps["model_mask"].sum(axis=1).reshape(-1, g).sum(axis=1),
                     truncated=eps["truncated"], prompt_ids=eps["prompt_ids"][::g],
                     prompt_len=eps["prompt_len"], rewards=total, scores=scores,
                     turn_rewards=per_turn, turn_ids=eps["turn_ids"], turns=eps["turns"],

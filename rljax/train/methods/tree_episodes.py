@@ -33,8 +33,8 @@ class FirstTurns:
     ``options``: temperature, top_k, top_p, ``temperatures`` (a schedule over an episode's
     model tokens, or None: a first turn's tokens are its first model tokens) and ``weights``
     (in-flight weight updates, polled between the tree's levels and decode chunks, or None).
-    After the call, ``out``: the tree sampler's outputs, whose ``routes`` (routing replay)
-    and ``versions`` (in-flight updates) ``fill`` puts into the episodes'."""
+    After the call, ``out``: the tree sampler's outputs, whose ``routes`` (routing replay),
+    ``versions`` (in-flight updates) and ``decoded`` ``fill`` puts into the episodes'."""
 
     def __init__(self, ctx, params, rng, tree: dict, turn_tokens: int, pixels=None,
                  images=None, **options):
@@ -60,14 +60,27 @@ class FirstTurns:
         """The played episodes ``eps`` (``run_episodes``' fields) given what the tree drew
         their first turns with: routing replay's ``routes`` (``with_tree_routes``); with
         in-flight updates each first-turn token's version (the episode engine's record none
-        for the turns it was fed) and the tree's weight swaps added to the engine's."""
+        for the turns it was fed) and the tree's weight swaps added to the engine's;
+        ``decoded`` per group (``group_decoded``)."""
         turn_ids = eps["turn_ids"]
+        eps["decoded"] = group_decoded(self.out["decoded"], eps["model_mask"], turn_ids)
         if "routes" in eps:
             eps["routes"] = with_tree_routes(eps["routes"], self.out["routes"], turn_ids)
         if "versions" in eps:
             eps["versions"] = with_first_turns(eps["versions"], self.out["versions"],
                                                turn_ids)
             eps["swaps"] += self.out["swaps"]
+
+
+def group_decoded(tree_decoded, model_mask: np.ndarray, turn_ids: np.ndarray) -> np.ndarray:
+    """int64 [B]: the tokens sampled for each of B groups (trees) of rows: its tree's first
+    turns, shared segments once (``tree_decoded`` int [B], the tree sampler's ``decoded``),
+    plus its rows' model tokens after their first turn (``model_mask`` bool [B*G, M],
+    ``turn_ids`` int [B*G, M]). A leaf's first turn would count its shared segments once per
+    leaf."""
+    tree_decoded = np.asarray(tree_decoded, np.int64)
+    later = (np.asarray(model_mask, bool) & (np.asarray(turn_ids) > 0)).sum(axis=1)
+    return tree_decoded + later.reshape(len(tree_decoded), -1).sum(axis=1)
 
 
 def with_tree_routes(routes: np.ndarray, tree_routes: np.ndarray,

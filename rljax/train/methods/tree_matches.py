@@ -89,6 +89,9 @@ def play_tree(ctx, params, rng, *, max_plies: int, sides: list, opening: list, g
                            chunk_steps=int(ctx.cfg.rollout.chunk_steps))
     out = matches._engine_matches(runs, rng, max_plies, step_all, engine, weights,
                                   width=max(limits.chunk_tokens, limits.max_total_tokens))[0]
+    # Sampled per group: the tree's first turns (shared segments once), then the matches'.
+    out["decoded"] = tree_episodes.group_decoded(first.out["decoded"][:len(contexts)],
+                                                 out["model_mask"], out["turn_ids"])
     if "swaps" in out:
         out["swaps"] += first.out["swaps"]
     if "routes" in out:
