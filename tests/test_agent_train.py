@@ -108,6 +108,22 @@ def test_loop_logs_env_metrics_and_agentic_eval(straight):
     assert all(r["relift/sft_rows"] > 0 and np.isfinite(r["relift/sft_loss"]) for r in rl)
 
 
+def test_env_metrics_count_the_hinted_episodes_that_train(tmp_path):
+    """Hints replace a failed group's episodes with hinted ones; ``env/*`` describes the
+    episodes that train, as ``reward/mean`` does: their model tokens and turns, not those of
+    the failed episodes they replaced."""
+    from rljax.train.phases import grpo
+    ctx = setup.build_context(agent_cfg(**GUIDED), str(tmp_path), devices=DEVICES)
+    phase = grpo.GRPOPhase(ctx, RL_STEPS)
+    seen = watch_rows(phase.rollout)
+    state = phase.init_state(create_train_state(ctx.params, phase.optimizer, jax.random.key(0)))
+    _, m = phase.rollout(state, 0)
+    assert m["hint/fraction_hinted"] > 0   # the untrained policy fails: groups are hinted
+    rows = seen.rows
+    assert m["env/model_tokens_mean"] == pytest.approx(rows["model_mask"].sum(1).mean())
+    assert m["env/turns_mean"] == pytest.approx(rows["turns"].mean())
+
+
 def test_stop_and_resume_equals_straight_run(straight, tmp_path):
     workdir = str(tmp_path)
     assert run.train(agent_cfg(**GUIDED), workdir, devices=DEVICES,

@@ -62,6 +62,8 @@ SOLUTION_FIELDS = ("completion", "solution", "answer")  # looked up in this orde
 HINT_STREAM = 1 << 16  # rng: fold_in(round rng, HINT_STREAM) samples the hinted groups
 # A round's per-row fields a hinted group replaces (a round source may name more: row_keys).
 ROW_FIELDS = ("tokens", "logps", "mask", "lengths", "truncated", "rewards", "versions")
+# What ``env/*`` metrics read of a round's episodes (``agent.env_metrics``), one per row.
+EPISODE_FIELDS = ("turns", "truncated", "model_tokens", "counters")
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -123,6 +125,17 @@ def completion_ids(tokens: np.ndarray, mask: np.ndarray, eos_id: int) -> list[in
     ids = [int(t) for t in np.asarray(tokens)[np.asarray(mask, bool)]]
     return ids[:-1] if ids and ids[-1] == eos_id else ids
 
+
+
+def _replace_episodes(rnd: dict, rows: slice, hinted: dict, src: slice) -> None:
+    """The hinted episodes (``hinted``'s rows ``src``) in place of a failed group's (``rnd``'s
+    ``rows``) in the round's episode record: ``env/*`` describes the episodes that train."""
+    eps, h_eps = rnd.get("episodes"), hinted.get("episodes")
+    if eps is None or h_eps is None:
+        return
+    for key in EPISODE_FIELDS:
+        if len(eps[key]) == len(rnd["rewards"]) and len(h_eps[key]) == len(hinted["rewards"]):
+            eps[key][rows] = h_eps[key][src]
 
 class BoundedDict:
     """An insertion-ordered dict of at most ``size`` entries (the oldest are evicted), with a
@@ -412,6 +425,7 @@ class Guide(RolloutStage):
                     rnd[key][rows] = hinted[key][src]
             for name in rnd["scores"]:
                 rnd["scores"][name][rows] = hinted["scores"][name][src]
+            _replace_episodes(rnd, rows, hinted, src)
             rnd["prompt_ids"][ids_of(i, starts, sizes)] = \
                 hinted["prompt_ids"][ids_of(j, h_starts, h_sizes)]
             # Each hinted row's prefix, for what scores its text again (VinePPO's forks).
