@@ -126,15 +126,11 @@ def gguf_parsed_once():
 # pytest-xdist hands out whole files (--dist loadfile) in collection order when told
 # --no-loadscope-reorder (by default it orders files by their number of tests, which handed out
 # the 63 s multi-process test near the end); a long file handed out last leaves the other worker
-# idle while it runs. The multi-process file comes first: its tests run alone
-# (``whole_machine``), while the other worker waits in its first file's first test; that file
-# is test_config.py, whose module loads nothing heavy (Gemma's, second before, loaded its
-# models beside the multi-process tests: 259 s for the engine test instead of 80 s alone,
-# and 323 s of waiting). The two real-model files never run side by side (see
-# ``one_real_model_file_at_a_time``). A file missing here just runs later, in name order.
+# idle while it runs. The two real-model files never run side by side (see
+# ``one_real_model_file_at_a_time``): the other worker's first files take about as long as
+# Gemma's. A file missing here just runs later, in name order.
 SLOW_FILES_FIRST = (
-    "test_multihost.py", "test_config.py", "test_gemma.py", "test_moe_dispatch.py",
-    "test_distill.py",
+    "test_gemma.py", "test_moe_dispatch.py", "test_distill.py", "test_multihost.py",
     "test_real_model.py", "test_plan_programs.py", "test_notebooks.py", "test_async.py",
     "test_lora_dropout.py", "test_vision_run.py", "test_lora.py", "test_qlora.py",
     "test_knapsack.py", "test_shared_prompt.py", "test_selfplay.py", "test_sampling.py",
@@ -160,34 +156,6 @@ def one_real_model_file_at_a_time():
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@pytest.fixture(autouse=True)
-def _whole_machine_tests_run_alone(request):
-    """Tests marked ``whole_machine`` run with nothing beside them in the other pytest-xdist
-    workers; every other test shares the machine. A multi-process test starts three JAX
-    processes that wait on each other at every collective: beside the real-model files on the
-    other worker, its engine test took 377 s in a CI run instead of 80 s alone, and slowed the
-    real-model files by half again. Every test holds a shared lock while it runs, a
-    ``whole_machine`` test an exclusive one; a turnstile taken before either keeps the shared
-    holders from starving a waiting exclusive one (flock has no writer preference)."""
-    if not _run_id:          # one process: nothing runs beside it
-        yield
-        return
-    import fcntl
-    alone = request.node.get_closest_marker("whole_machine") is not None
-    base = os.path.join(tempfile.gettempdir(), f"rljax-tests-machine-{_run_id}")
-    with open(base + ".turnstile", "a") as gate, open(base + ".lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        if not alone:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            if alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(items):

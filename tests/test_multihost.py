@@ -91,7 +91,6 @@ def _compare(a: list[dict], b: list[dict]) -> None:
                 assert x == y, (ra["step"], k, x, y)
 
 
-@pytest.mark.whole_machine
 def test_transfer_between_meshes_across_processes(tmp_path):
     """The sampler's copy of the policy on 2 processes: bit for bit, on the rollout devices."""
     p = _launch(tmp_path, 4, sys.executable, os.path.join(ROOT, "tests", "transfer_worker.py"))
@@ -107,7 +106,6 @@ ASYNC = ["--config.steps=3", "--config.checkpoint_every=1", "--config.algo.async
 
 
 @pytest.mark.slow
-@pytest.mark.whole_machine
 def test_async_split_across_two_processes_matches_one_and_resumes(tmp_path):
     """Each process gives two of its four devices to the sampler; the run equals the one on
     8 devices of one process (the sampler's and the trainer's meshes both span the two
@@ -147,7 +145,6 @@ ENGINE = ["--config.rollout.engine=slots", "--config.rollout.slots=8",
 
 
 @pytest.mark.slow
-@pytest.mark.whole_machine
 def test_slot_engine_and_partial_across_two_processes_match_one_and_resume(tmp_path):
     """GRPO on the slot engine, on its episodes (straight, and partial with asynchronous GRPO),
     on its trees (straight, and carried), on self-play (static turns, and carried on the
